@@ -1,0 +1,60 @@
+"""fzero: ZeRO stages 0-3 as pure functions on PyTorch, equal to DDP bit for bit.
+
+Public names are re-exported here from the private `fzero._src` modules.
+"""
+
+from fzero._src.collectives import all_gather as all_gather
+from fzero._src.collectives import all_reduce as all_reduce
+from fzero._src.collectives import broadcast as broadcast
+from fzero._src.collectives import reduce_scatter as reduce_scatter
+from fzero._src.errors import CollectiveMismatch as CollectiveMismatch
+from fzero._src.errors import FzeroError as FzeroError
+from fzero._src.errors import LayoutError as LayoutError
+from fzero._src.errors import MeshError as MeshError
+from fzero._src.errors import NonFiniteError as NonFiniteError
+from fzero._src.errors import RankFailed as RankFailed
+from fzero._src.layout import BucketSpec as BucketSpec
+from fzero._src.layout import Layout as Layout
+from fzero._src.layout import LeafSpec as LeafSpec
+from fzero._src.layout import ParamGroup as ParamGroup
+from fzero._src.layout import Segment as Segment
+from fzero._src.layout import local_shards as local_shards
+from fzero._src.layout import pack as pack
+from fzero._src.layout import plan as plan
+from fzero._src.layout import shard as shard
+from fzero._src.layout import unpack as unpack
+from fzero._src.layout import unshard as unshard
+from fzero._src.mesh import CollectiveRecord as CollectiveRecord
+from fzero._src.mesh import DistMesh as DistMesh
+from fzero._src.mesh import Mesh as Mesh
+from fzero._src.mesh import SimMesh as SimMesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BucketSpec",
+    "CollectiveMismatch",
+    "CollectiveRecord",
+    "DistMesh",
+    "FzeroError",
+    "Layout",
+    "LayoutError",
+    "LeafSpec",
+    "Mesh",
+    "MeshError",
+    "NonFiniteError",
+    "ParamGroup",
+    "RankFailed",
+    "Segment",
+    "SimMesh",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "local_shards",
+    "pack",
+    "plan",
+    "reduce_scatter",
+    "shard",
+    "unpack",
+    "unshard",
+]

@@ -1,0 +1,1 @@
+"""fzero's implementation. Private: import public names from `fzero`."""

@@ -1,0 +1,27 @@
+"""fzero's exceptions. Each message names the pytree path, shapes, world size and the way out."""
+
+from __future__ import annotations
+
+
+class FzeroError(Exception):
+    """Base class of every error fzero raises on purpose."""
+
+
+class LayoutError(FzeroError, ValueError):
+    """A params pytree, a plan or a buffer does not fit the layout."""
+
+
+class MeshError(FzeroError, RuntimeError):
+    """A collective could not run: ranks disagree, a rank failed or returned early."""
+
+
+class CollectiveMismatch(MeshError):
+    """Ranks called different collectives (op, dtype, shape or tag) at the same point."""
+
+
+class RankFailed(MeshError):
+    """Another rank raised; this rank stops instead of waiting for it forever."""
+
+
+class NonFiniteError(FzeroError, FloatingPointError):
+    """A loss or gradient was NaN or inf on some rank (see `on_nonfinite`)."""

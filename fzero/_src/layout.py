@@ -1,0 +1,312 @@
+"""The static plan: a params pytree -> buckets -> flat buffers -> N contiguous shards.
+
+Leaves are grouped into buckets by (unit, dtype, parameter group), in order of first
+appearance. A bucket is one flat buffer `flat[N * S]`: its leaves back to back in flatten
+order, then zero padding up to a multiple of `N * align` (at least one element per rank). The
+buffer is cut into N equal contiguous shards `shard[S]`; rank r holds elements
+`[r * S, (r + 1) * S)`. A leaf may straddle shard boundaries.
+
+Every function here is pure: a `Layout` is plain frozen data, derived from shapes and dtypes
+only, and `pack` / `unpack` / `shard` / `unshard` make new tensors (or views) without touching
+their inputs.
+
+The layout shards over one mesh axis, "shard". A replicate axis (HSDP, ZeRO++ hpZ) would use the
+same layout unchanged on every replica, so `Layout.world_size` is the size of the shard axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import einops
+import optree
+import torch
+
+from .errors import LayoutError
+from .tree import flatten_with_paths, unflatten
+
+DEFAULT_UNIT = "default"
+
+UnitSpec = Union[None, Callable[[str], str], Mapping[str, Callable[[str], bool]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGroup:
+    """Per-leaf optimizer settings, chosen by a predicate on the leaf's dotted path.
+
+    Attributes:
+      name: shown in bucket tags and errors.
+      match: `path -> bool`; `None` matches every leaf. The first group that matches wins.
+      weight_decay: False masks weight decay off (torch: a param group with weight_decay=0).
+      lr_scale: the group's learning rate is `fl(lr * lr_scale)`.
+      frozen: no optimizer state, no gradient reduction (torch: `requires_grad=False`).
+    """
+
+    name: str = "default"
+    match: Callable[[str], bool] | None = None
+    weight_decay: bool = True
+    lr_scale: float = 1.0
+    frozen: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.lr_scale) or self.lr_scale < 0:
+            raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be finite and >= 0, got {self.lr_scale}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Where one leaf lives: bucket `bucket`, elements `[offset, offset + numel)` of its flat buffer."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    unit: str
+    group: ParamGroup
+    bucket: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """One flat buffer `flat[world_size * shard_numel]` holding `leaves` back to back, then padding."""
+
+    index: int
+    unit: str
+    dtype: torch.dtype
+    group: ParamGroup
+    leaves: tuple[int, ...]
+    numel: int
+    shard_numel: int
+    world_size: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.world_size * self.shard_numel
+
+    @property
+    def tag(self) -> str:
+        return f"{self.unit}/{str(self.dtype).removeprefix('torch.')}/{self.group.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A piece of one leaf held in one shard: leaf elements `[leaf_start, leaf_start + stop - start)`
+    sit at shard elements `[start, stop)`."""
+
+    leaf: int
+    leaf_start: int
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The plan for one params pytree and one shard-axis size. Plain data; see `plan`."""
+
+    treespec: optree.PyTreeSpec
+    leaves: tuple[LeafSpec, ...]
+    buckets: tuple[BucketSpec, ...]
+    world_size: int
+    align: int
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.unit for b in self.buckets))
+
+    def unit_buckets(self, unit: str) -> tuple[int, ...]:
+        return tuple(b.index for b in self.buckets if b.unit == unit)
+
+    def segments(self, bucket: int, rank: int) -> tuple[Segment, ...]:
+        """The pieces of leaves that shard `rank` of bucket `bucket` holds, in shard order."""
+        b = self.buckets[bucket]
+        lo, hi = rank * b.shard_numel, (rank + 1) * b.shard_numel
+        out = []
+        for i in b.leaves:
+            leaf = self.leaves[i]
+            start, stop = max(leaf.offset, lo), min(leaf.offset + leaf.numel, hi)
+            if start < stop:
+                out.append(Segment(i, start - leaf.offset, start - lo, stop - lo))
+        return tuple(out)
+
+    def owners(self, leaf: int) -> tuple[tuple[int, Segment], ...]:
+        """`(rank, segment)` for every rank that holds elements of leaf `leaf`, in rank order."""
+        b = self.buckets[self.leaves[leaf].bucket]
+        return tuple(
+            (r, s) for r in range(self.world_size) for s in self.segments(b.index, r) if s.leaf == leaf
+        )
+
+    def check_world_size(self, world_size: int, what: str = "mesh") -> None:
+        if world_size != self.world_size:
+            raise LayoutError(
+                f"this layout was planned for world size {self.world_size} but the {what} has world size "
+                f"{world_size}; plan again with fzero.plan(params, world_size={world_size}, ...)"
+            )
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise LayoutError(f"world size must be an int >= 1, got {world_size!r}")
+    return world_size
+
+
+def _unit_of(units: UnitSpec) -> Callable[[str], str]:
+    if units is None:
+        return lambda path: DEFAULT_UNIT
+    if callable(units):
+        return lambda path: str(units(path))
+    if isinstance(units, Mapping):
+        table = list(units.items())
+        return lambda path: next((name for name, pred in table if pred(path)), DEFAULT_UNIT)
+    raise LayoutError(f"units must be None, a callable path -> name, or a mapping name -> predicate; got {units!r}")
+
+
+def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str], ParamGroup]:
+    default = ParamGroup()
+    return lambda path: next((g for g in groups if g.match is None or g.match(path)), default)
+
+
+def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
+    if not isinstance(leaf, torch.Tensor):
+        raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor")
+    if not leaf.dtype.is_floating_point:
+        raise LayoutError(
+            f"params leaf {path!r} has dtype {leaf.dtype} and shape {tuple(leaf.shape)}; fzero shards "
+            f"floating-point leaves only: cast it, or keep it outside the params pytree (e.g. as a buffer)"
+        )
+    return leaf
+
+
+def plan(
+    params: Any,
+    world_size: int,
+    *,
+    units: UnitSpec = None,
+    groups: Sequence[ParamGroup] = (),
+    align: int = 1,
+) -> Layout:
+    """The layout of `params` over `world_size` ranks.
+
+    Args:
+      params: a pytree (dicts, lists, tuples, NamedTuples, nested) of floating tensors of any
+        shape, 0-d and zero-size included. Only shapes and dtypes are read.
+      world_size: N, the size of the shard axis.
+      units: how leaves are grouped into units (the granularity of stage-3 gathers and stage-2
+        reductions): `None` (one unit), a callable `path -> unit name`, or a mapping
+        `unit name -> path predicate` (first match wins; unmatched leaves go to "default").
+      groups: parameter groups; the first whose `match` accepts a leaf's path wins.
+      align: each shard's length is a multiple of `align` elements.
+
+    Returns:
+      A `Layout` whose buckets hold `flat[N * S]` with `S = align * max(1, ceil(numel / (N * align)))`.
+    """
+    world_size = check_world_size(world_size)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise LayoutError(f"align must be an int >= 1, got {align!r}")
+    paths, leaves, spec = flatten_with_paths(params)
+    unit_of, group_of = _unit_of(units), _group_of(groups)
+    keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        leaf = _check_leaf(path, leaf)
+        keys.setdefault((unit_of(path), leaf.dtype, group_of(path)), []).append(i)
+    specs: list[LeafSpec | None] = [None] * len(leaves)
+    buckets = []
+    for b, ((unit, dtype, group), members) in enumerate(keys.items()):
+        offset = 0
+        for i in members:
+            specs[i] = LeafSpec(i, paths[i], tuple(leaves[i].shape), dtype, unit, group, b, offset)
+            offset += specs[i].numel
+        shard = align * max(1, -(-offset // (world_size * align)))
+        buckets.append(BucketSpec(b, unit, dtype, group, tuple(members), offset, shard, world_size))
+    return Layout(spec, tuple(specs), tuple(buckets), world_size, align)  # type: ignore[arg-type]
+
+
+def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
+    paths, leaves, spec = flatten_with_paths(params)
+    if spec != layout.treespec:
+        raise LayoutError(
+            f"params structure differs from the layout's:\n  params: {spec}\n  layout: {layout.treespec}"
+        )
+    for leaf, ls in zip(leaves, layout.leaves):
+        _check_leaf(ls.path, leaf)
+        if tuple(leaf.shape) != ls.shape or leaf.dtype != ls.dtype:
+            raise LayoutError(
+                f"params leaf {ls.path!r} is {leaf.dtype}{list(leaf.shape)} but the layout planned "
+                f"{ls.dtype}{list(ls.shape)}"
+            )
+    return leaves
+
+
+def pack(layout: Layout, params: Any) -> tuple[torch.Tensor, ...]:
+    """`params -> (flat[N * S] per bucket)`: leaves back to back, zero padding at the end."""
+    leaves = _leaves_of(layout, params)
+    flats = []
+    for b in layout.buckets:
+        parts = [leaves[i].reshape(-1) for i in b.leaves]
+        like = leaves[b.leaves[0]]
+        parts.append(like.new_zeros(b.padded_numel - b.numel))
+        flats.append(torch.cat(parts))
+    return tuple(flats)
+
+
+def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat buffers") -> None:
+    if len(flats) != len(layout.buckets):
+        raise LayoutError(f"expected {len(layout.buckets)} {what}, one per bucket; got {len(flats)}")
+    for b, f in zip(layout.buckets, flats):
+        if tuple(f.shape) != (b.padded_numel,) or f.dtype != b.dtype:
+            raise LayoutError(
+                f"{what} of bucket {b.tag!r} is {f.dtype}{list(f.shape)}; the layout expects "
+                f"{b.dtype}[{b.padded_numel}] (world size {layout.world_size} x shard {b.shard_numel})"
+            )
+
+
+def bucket_leaves(layout: Layout, bucket: int, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """`flat[N * S] -> [(leaf index, view of the leaf)]` for the leaves of one bucket."""
+    out = []
+    for i in layout.buckets[bucket].leaves:
+        ls = layout.leaves[i]
+        out.append((i, flat[ls.offset : ls.offset + ls.numel].view(ls.shape)))
+    return out
+
+
+def unpack(layout: Layout, flats: Sequence[torch.Tensor]) -> Any:
+    """`(flat[N * S] per bucket) -> params`: each leaf a view of its bucket's buffer."""
+    check_flats(layout, flats)
+    leaves: list[Any] = [None] * len(layout.leaves)
+    for b, flat in zip(layout.buckets, flats):
+        for i, view in bucket_leaves(layout, b.index, flat):
+            leaves[i] = view
+    return unflatten(layout.treespec, leaves)
+
+
+def shard(layout: Layout, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`(flat[N * S] per bucket) -> (shards[N, S] per bucket)`; row r is rank r's shard (a view)."""
+    check_flats(layout, flats)
+    return tuple(einops.rearrange(f, "(n s) -> n s", n=layout.world_size) for f in flats)
+
+
+def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s `shard[S]` of every bucket."""
+    if not 0 <= rank < layout.world_size:
+        raise LayoutError(f"rank {rank} is outside world size {layout.world_size}")
+    return tuple(s[rank] for s in shard(layout, flats))
+
+
+def unshard(layout: Layout, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`(shards[N, S] per bucket) -> (flat[N * S] per bucket)`; the inverse of `shard`."""
+    if len(shards) != len(layout.buckets):
+        raise LayoutError(f"expected {len(layout.buckets)} shard stacks, one per bucket; got {len(shards)}")
+    for b, s in zip(layout.buckets, shards):
+        if tuple(s.shape) != (layout.world_size, b.shard_numel):
+            raise LayoutError(
+                f"shards of bucket {b.tag!r} have shape {list(s.shape)}; expected "
+                f"[{layout.world_size}, {b.shard_numel}] (world size x shard)"
+            )
+    return tuple(einops.rearrange(s, "n s -> (n s)") for s in shards)
