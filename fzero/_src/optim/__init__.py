@@ -1,0 +1,23 @@
+"""Pure optimizers over flat shards; see `base` for the interface."""
+
+from .adam import AdamState as AdamState, AmsgradState as AmsgradState, adam as adam, adamw as adamw
+from .base import (
+    EmptyState as EmptyState,
+    Optimizer as Optimizer,
+    OptimizerError as OptimizerError,
+    UpdateContext as UpdateContext,
+    as_schedule as as_schedule,
+    check_hyper as check_hyper,
+    check_shards as check_shards,
+    group_lr as group_lr,
+    runs as runs,
+)
+from .lamb import LambState as LambState, lamb as lamb
+from .schedule import (
+    constant as constant,
+    cosine as cosine,
+    linear_warmup as linear_warmup,
+    sequence as sequence,
+    step_decay as step_decay,
+)
+from .sgd import SgdMomentumState as SgdMomentumState, sgd as sgd

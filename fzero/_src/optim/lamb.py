@@ -1,0 +1,128 @@
+"""LAMB: Adam moments with a per-leaf trust ratio (You et al. 2019, "Large Batch Optimization for
+Deep Learning: Training BERT in 76 minutes", Algorithm 2)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import exact
+from .base import (
+    LearningRate,
+    Optimizer,
+    OptimizerError,
+    UpdateContext,
+    as_schedule,
+    bumped,
+    check_hyper,
+    check_shards,
+    group_lr,
+    runs,
+)
+
+
+class LambState(NamedTuple):
+    """`step[L]` ("leaf", float32), `exp_avg[S]`, `exp_avg_sq[S]` ("shard")."""
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+def lamb(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    r"""LAMB with exact, shard-independent per-leaf norms.
+
+    Per used leaf $\ell$ with its own step count $t$, $\eta$ = `lr(step) * group.lr_scale`,
+    $\lambda$ = `weight_decay` (0 where the group masks it off), element-wise as torch's Adam:
+
+    $$m \leftarrow \mathrm{lerp}(m, g, 1-\beta_1),\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
+      r = \frac{m / (1-\beta_1^t)}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon} + \lambda p$$
+
+    then per leaf, $\phi_p = \sqrt{\sum_\ell p^2}$, $\phi_r = \sqrt{\sum_\ell r^2}$ and
+
+    $$\rho_\ell = \begin{cases}\phi_p/\phi_r & \phi_p > 0,\ \phi_r > 0\\ 1 & \text{otherwise}\end{cases},
+      \qquad p \leftarrow p - (\eta\rho_\ell)\, r .$$
+
+    The sums of squares are exact (see `fzero._src.optim.exact`): each rank computes exact
+    integer bins of its pieces of every leaf, `ctx.leaf_sum` adds a float64 `[2 * 28, L]` tensor
+    over ranks (exactly, in any order), and $\phi$, $\rho$ are Python floats from the correctly
+    rounded sums. So the update is bitwise the same for every N and shard cut. Params must be
+    float32 (or narrower), leaves at most 2**33 elements. `ctx.leaf_sum` is called exactly once
+    per (non-frozen) update, on every rank.
+    """
+    schedule = as_schedule(lr)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise OptimizerError(f"lamb: betas must be a pair of floats, got {betas!r}")
+    beta1 = check_hyper("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+    beta2 = check_hyper("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+    eps = check_hyper("eps", eps)
+    weight_decay = check_hyper("weight_decay", weight_decay)
+
+    def init(param: torch.Tensor, num_leaves: int) -> LambState:
+        if param.dtype == torch.float64:
+            raise OptimizerError("lamb: exact norms need float32 (or narrower) params, got a float64 shard")
+        return LambState(torch.zeros(num_leaves, dtype=torch.float32), torch.zeros_like(param), torch.zeros_like(param))
+
+    def spec(state):
+        return LambState("leaf", "shard", "shard")
+
+    def update(grad, state, param, ctx: UpdateContext):
+        check_shards("lamb", grad, param, state, spec(state), ctx)
+        if ctx.group.frozen:
+            return param, state
+        eta = group_lr(schedule, ctx)
+        wd = weight_decay if ctx.group.weight_decay else 0.0
+        steps = bumped(state.step.tolist(), ctx.used)
+        m, v = state.exp_avg.clone(), state.exp_avg_sq.clone()
+        r = torch.zeros_like(param)
+        for start, stop, (used, step) in runs(ctx, list(zip(ctx.used, steps))):
+            if used:
+                s = slice(start, stop)
+                r[s] = _lamb_direction(grad[s], param[s], m[s], v[s], step, beta1, beta2, eps, wd)
+        num = len(ctx.leaves)
+        positions = {leaf: k for k, leaf in enumerate(ctx.leaves)}
+        ids = exact.leaf_ids(ctx.segments, positions, param.numel(), ctx.used)
+        partial = torch.cat([exact.square_bins(param, ids, num), exact.square_bins(r, ids, num)])
+        total = ctx.leaf_sum(partial)
+        if total.dtype != torch.float64 or tuple(total.shape) != tuple(partial.shape):
+            raise OptimizerError(
+                f"lamb: ctx.leaf_sum returned {total.dtype}{list(total.shape)} for float64{list(partial.shape)}; "
+                f"it must sum element-wise over ranks and keep shape and dtype"
+            )
+        sums_p, sums_r = exact.bins_to_sums(total[: exact.BINS]), exact.bins_to_sums(total[exact.BINS :])
+        ratios = [trust_ratio(math.sqrt(a), math.sqrt(b)) for a, b in zip(sums_p, sums_r)]
+        p = param.clone()
+        for seg in ctx.segments:
+            k = positions[seg.leaf]
+            if ctx.used[k]:
+                s = slice(seg.start, seg.stop)
+                p[s].add_(r[s], alpha=-(eta * ratios[k]))
+        step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
+        return p, LambState(step_t, m, v)
+
+    return Optimizer(init, update, spec)
+
+
+def trust_ratio(param_norm: float, update_norm: float) -> float:
+    """$\\phi_p / \\phi_r$, or 1 when either norm is 0."""
+    return param_norm / update_norm if param_norm > 0 and update_norm > 0 else 1.0
+
+
+def _lamb_direction(grad, param, exp_avg, exp_avg_sq, step, beta1, beta2, eps, weight_decay) -> torch.Tensor:
+    """Moments in place (torch Adam's ops) and the direction `r` (new tensor) for one run."""
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    r = (exp_avg / bias_correction1).div_(denom)
+    if weight_decay != 0:
+        r.add_(param, alpha=weight_decay)
+    return r

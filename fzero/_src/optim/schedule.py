@@ -1,0 +1,69 @@
+"""Learning-rate schedules: pure functions `step -> float` (step 0 is the first update).
+
+Each is a closed form in Python float math, the formula of the matching
+`torch.optim.lr_scheduler` class's `_get_closed_form_lr`. torch's schedulers update
+`group["lr"]` recursively (a chain of multiplications), which rounds differently from the
+closed form; to reproduce a torch scheduler bit for bit, record its values and pass the
+sequence (`sequence`, or a plain list as `lr`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .base import OptimizerError, Schedule, as_schedule, check_hyper
+
+
+def _check_steps(name: str, value: int, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise OptimizerError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def constant(value: float) -> Schedule:
+    r"""$\eta_t = \eta$."""
+    value = check_hyper("value", value)
+    return lambda step: value
+
+
+def linear_warmup(peak: float, warmup_steps: int, start_factor: float = 0.0) -> Schedule:
+    r"""$\eta_t = \eta\,(f_0 + (1 - f_0)\min(t, T)/T)$: from `start_factor * peak` to `peak` over
+    `warmup_steps` steps, then constant (torch `LinearLR(start_factor, 1.0, T)` closed form)."""
+    peak = check_hyper("peak", peak)
+    total = _check_steps("warmup_steps", warmup_steps, 1)
+    f0 = check_hyper("start_factor", start_factor, 0.0, 1.0)
+    return lambda step: peak * (f0 + (1.0 - f0) * min(total, step) / total)
+
+
+def cosine(peak: float, decay_steps: int, final: float = 0.0, warmup_steps: int = 0) -> Schedule:
+    r"""Linear warmup from 0 over $W$ steps (if any), then cosine decay over $T$ steps:
+    $\eta_t = \eta_{min} + (\eta - \eta_{min})(1 + \cos(\pi \min(t', T)/T))/2$, $t' = t - W$
+    (torch `CosineAnnealingLR(T_max=T, eta_min)` closed form for $W = 0$, held at
+    $\eta_{min}$ after $T$)."""
+    peak = check_hyper("peak", peak)
+    final = check_hyper("final", final)
+    total = _check_steps("decay_steps", decay_steps, 1)
+    warm = _check_steps("warmup_steps", warmup_steps, 0)
+
+    def fn(step: int) -> float:
+        if step < warm:
+            return peak * step / warm
+        t = min(step - warm, total)
+        return final + (peak - final) * (1 + math.cos(math.pi * t / total)) / 2
+
+    return fn
+
+
+def step_decay(init: float, step_size: int, gamma: float = 0.1) -> Schedule:
+    r"""$\eta_t = \eta\,\gamma^{\lfloor t / s \rfloor}$ (torch `StepLR` closed form)."""
+    init = check_hyper("init", init)
+    size = _check_steps("step_size", step_size, 1)
+    gamma = check_hyper("gamma", gamma)
+    return lambda step: init * gamma ** (step // size)
+
+
+def sequence(values: Sequence[float]) -> Schedule:
+    """`step -> values[step]`: replay recorded values (e.g. a torch scheduler's `get_last_lr()`
+    before each `optimizer.step()`); asking past the end raises."""
+    return as_schedule(list(values))

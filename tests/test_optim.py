@@ -1,0 +1,502 @@
+"""fzero.optim against torch.optim (bitwise) and against a per-leaf LAMB reference (derived bound).
+
+Every optimizer runs on every rank's flat shards of random pytrees (0-d, zero-size, sizes not
+divisible by N), with parameter groups (weight-decay mask, lr scale, frozen), N in 1..8, 1-4
+steps and random unused leaves, and is compared after every step, params and state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import fzero.optim as fo
+from fzero._src import layout as L
+from fzero._src.layout import ParamGroup
+from fzero._src.optim import exact
+
+try:  # the shared example-count helper, once it exists
+    from fzero.testing import examples as _examples  # type: ignore[attr-defined]
+except ImportError:  # rely on the hypothesis profile (tests/conftest.py)
+    _examples = None
+
+
+def examples(n: int):
+    return _examples(n) if _examples is not None else (lambda f: f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems: a pytree, its groups, per-step grads and used masks, N.
+
+SHAPE = st.one_of(
+    st.sampled_from([(), (0,), (7,), (3, 5), (2, 0), (1,), (13,)]),
+    st.lists(st.integers(0, 5), max_size=3).map(tuple),
+)
+
+
+@st.composite
+def problems(draw, scales=(0.0, 0.1, 0.5, 1.0, 3.0)):
+    n = draw(st.integers(1, 6))
+    kinds = [draw(st.sampled_from(["a", "a", "b", "frozen"])) for _ in range(n)]
+    shapes = [draw(SHAPE) for _ in range(n)]
+    steps = draw(st.integers(1, 4))
+    used = [[draw(st.sampled_from([True, True, True, False])) for _ in range(n)] for _ in range(steps)]
+    return dict(
+        kinds=kinds,
+        shapes=shapes,
+        used=used,
+        world=draw(st.integers(1, 8)),
+        align=draw(st.sampled_from([1, 1, 4])),
+        scale=draw(st.sampled_from(scales)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _names(prob):
+    return [f"p{i}_{k}" for i, k in enumerate(prob["kinds"])]
+
+
+def _tree(prob, leaves):
+    """Half the leaves in a list of dicts, half in a dict; flatten order is leaf order, and the
+    paths ("x.0.p0_a", "y.p3_b", ...) carry the kind."""
+    names = _names(prob)
+    h = len(leaves) // 2
+    return {"x": [{nm: t} for nm, t in zip(names[:h], leaves[:h])], "y": dict(zip(names[h:], leaves[h:]))}
+
+
+def _groups(prob):
+    return (
+        ParamGroup("b", match=lambda path: path.endswith("_b"), weight_decay=False, lr_scale=prob["scale"]),
+        ParamGroup("frozen", match=lambda path: path.endswith("_frozen"), frozen=True),
+    )
+
+
+def _data(prob):
+    gen = torch.Generator().manual_seed(prob["seed"])
+    params = [torch.randn(s, generator=gen) for s in prob["shapes"]]
+    grads = [[torch.randn(s, generator=gen) for s in prob["shapes"]] for _ in prob["used"]]
+    return params, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Serial simulation of N ranks.
+
+
+class _Pending(Exception):
+    pass
+
+
+def serial_update(opt, layout, b, grads, params, states, step, used):
+    """One update of bucket `b` on every rank, ranks run one after another.
+
+    `ctx.leaf_sum` is a collective; here it is replayed: pass k runs every rank up to its k-th
+    call, records its partial and aborts; the sum (rank 0 + rank 1 + ..., in rank order) is then
+    known to pass k + 1. The update is pure, so re-running it is harmless.
+    """
+    bucket = layout.buckets[b]
+    known: list[torch.Tensor] = []
+    while True:
+        partials, results = [], []
+        for r in range(layout.world_size):
+            calls = [0]
+
+            def leaf_sum(x, calls=calls):
+                k = calls[0]
+                calls[0] += 1
+                if k < len(known):
+                    return known[k].clone()
+                partials.append(x.clone())
+                raise _Pending
+
+            ctx = fo.UpdateContext(step, bucket.group, layout.segments(b, r), bucket.leaves, used, leaf_sum)
+            try:
+                results.append(opt.update(grads[r], states[r], params[r], ctx))
+            except _Pending:
+                pass
+        if not partials:
+            return results
+        assert len(partials) == layout.world_size, "ranks made different numbers of leaf_sum calls"
+        total = partials[0]
+        for p in partials[1:]:
+            total = total + p
+        known.append(total)
+
+
+class FzeroRun:
+    """fzero's optimizer on all N ranks' shards of every bucket."""
+
+    def __init__(self, opt, prob, params):
+        self.opt, self.prob = opt, prob
+        tree = _tree(prob, params)
+        self.layout = L.plan(tree, prob["world"], groups=_groups(prob), align=prob["align"])
+        self.shards = [list(s.clone()) for s in L.shard(self.layout, L.pack(self.layout, tree))]
+        self.states = [
+            None if bk.group.frozen else [opt.init(s, len(bk.leaves)) for s in self.shards[bk.index]]
+            for bk in self.layout.buckets
+        ]
+
+    def step(self, step, grads, used):
+        gshards = L.shard(self.layout, L.pack(self.layout, _tree(self.prob, grads)))
+        for bk in self.layout.buckets:
+            if bk.group.frozen:
+                continue
+            b = bk.index
+            before = [(s.clone(), st_) for s, st_ in zip(self.shards[b], self.states[b])]
+            out = serial_update(self.opt, self.layout, b, list(gshards[b]), self.shards[b], self.states[b], step,
+                                tuple(used[i] for i in bk.leaves))
+            for (s, st_), (s0, st0) in zip(zip(self.shards[b], self.states[b]), before):  # pure: inputs untouched
+                assert torch.equal(s, s0) and st_ is st0
+            self.shards[b] = [p for p, _ in out]
+            self.states[b] = [s for _, s in out]
+
+    def flat(self, b, field=None):
+        rows = self.shards[b] if field is None else [getattr(s, field) for s in self.states[b]]
+        return L.unshard(self.layout, [torch.stack(rows) if i == b else torch.zeros(bk.world_size, bk.shard_numel, dtype=bk.dtype) for i, bk in enumerate(self.layout.buckets)])[b]
+
+    def leaf(self, i, field=None):
+        """Leaf i of the params (or of a "shard" state field)."""
+        ls = self.layout.leaves[i]
+        return dict(L.bucket_leaves(self.layout, ls.bucket, self.flat(ls.bucket, field)))[i]
+
+    def leaf_state(self, i, field):
+        """Entry of leaf i in a "leaf" state field, checked replicated across ranks."""
+        ls = self.layout.leaves[i]
+        rows = [getattr(s, field) for s in self.states[ls.bucket]]
+        assert all(torch.equal(rows[0], r) for r in rows), f"{field} differs across ranks"
+        return rows[0][self.layout.buckets[ls.bucket].leaves.index(i)]
+
+    def check_padding(self):
+        for bk in self.layout.buckets:
+            if bk.group.frozen:
+                continue
+            flat = self.flat(bk.index)
+            assert not flat[bk.numel :].any(), "padding of params changed"
+            for field, kind in zip(self.states[bk.index][0]._fields, self.opt.spec(self.states[bk.index][0])):
+                if kind == "shard":
+                    assert not self.flat(bk.index, field)[bk.numel :].any(), f"padding of {field} changed"
+
+
+def torch_optimizer(kind, hp, prob, params):
+    """The matching torch.optim instance over trainable leaves, param groups mirrored."""
+    trainable = [k != "frozen" for k in prob["kinds"]]
+    leaves = [torch.nn.Parameter(p.clone(), requires_grad=t) for p, t in zip(params, trainable)]
+    groups = []
+    for k, scale, wd in (("a", 1.0, True), ("b", prob["scale"], False)):
+        ps = [p for p, kk in zip(leaves, prob["kinds"]) if kk == k]
+        if ps:
+            groups.append({"params": ps, "lr": hp["lr"] * scale, "weight_decay": hp["weight_decay"] if wd else 0.0})
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    extra = {k: v for k, v in hp.items() if k not in ("lr", "weight_decay")}
+    opt = cls(groups, lr=hp["lr"], foreach=False, **extra) if groups else None
+    return leaves, opt
+
+
+SGD_HP = st.fixed_dictionaries(
+    dict(
+        lr=st.sampled_from([0.1, 0.01, 0.37, 1e-3]),
+        momentum=st.sampled_from([0.0, 0.9, 0.5]),
+        dampening=st.sampled_from([0.0, 0.0, 0.1]),
+        nesterov=st.booleans(),
+        weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+        maximize=st.booleans(),
+    )
+).map(lambda h: {**h, "nesterov": h["nesterov"] and h["momentum"] > 0 and h["dampening"] == 0})
+ADAM_HP = st.fixed_dictionaries(
+    dict(
+        lr=st.sampled_from([1e-3, 0.1, 0.37]),
+        betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9), (0.0, 0.99), (0.8, 0.0)]),
+        eps=st.sampled_from([1e-8, 1e-3, 0.5]),
+        weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+        amsgrad=st.booleans(),
+        maximize=st.booleans(),
+    )
+)
+FACTORIES = {"sgd": fo.sgd, "adam": fo.adam, "adamw": fo.adamw}
+
+
+def check_against_torch(kind, fz, leaves, topt):
+    for i, p in enumerate(leaves):
+        assert torch.equal(fz.leaf(i), p.detach()), f"leaf {i} ({fz.layout.leaves[i].path}) params differ"
+        if not p.requires_grad:
+            continue
+        tstate = topt.state.get(p, {}) if topt is not None else {}
+        state0 = fz.states[fz.layout.leaves[i].bucket][0]
+        for field, spec_kind in zip(state0._fields, fz.opt.spec(state0)):
+            if field == "count":  # SGD: momentum buffer exists iff count > 0
+                has = tstate.get("momentum_buffer") is not None
+                assert has == bool(fz.leaf_state(i, "count") > 0)
+                want = tstate["momentum_buffer"] if has else torch.zeros_like(p)
+                assert torch.equal(fz.leaf(i, "momentum_buffer"), want)
+            elif field == "momentum_buffer":
+                continue
+            elif spec_kind == "leaf":
+                want = tstate.get(field, torch.tensor(0.0))
+                assert torch.equal(fz.leaf_state(i, field), want), f"leaf {i} {field}"
+            else:
+                want = tstate.get(field, torch.zeros_like(p))
+                assert torch.equal(fz.leaf(i, field), want), f"leaf {i} {field} differs"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@examples(100)
+@given(prob=problems(), data=st.data())
+def test_bitwise_equal_to_torch_optim(kind, prob, data):
+    hp = data.draw(SGD_HP if kind == "sgd" else ADAM_HP)
+    params, grads = _data(prob)
+    fz = FzeroRun(FACTORIES[kind](**hp), prob, params)
+    leaves, topt = torch_optimizer(kind, hp, prob, params)
+    for step, (g, used) in enumerate(zip(grads, prob["used"])):
+        for p, gi, u in zip(leaves, g, used):
+            p.grad = gi.clone() if (u and p.requires_grad) else None
+        if topt is not None:
+            topt.step()
+        fz.step(step, g, used)
+        check_against_torch(kind, fz, leaves, topt)
+        fz.check_padding()
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate schedules.
+
+SCHEDULERS = {
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=3),
+    "step": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.1),
+    "linear": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.25, total_iters=3),
+    "exponential": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.7),
+    "warmup_cosine": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2), torch.optim.lr_scheduler.CosineAnnealingLR(o, 3)],
+        milestones=[2],
+    ),
+}
+
+
+@pytest.mark.parametrize("sched", sorted(SCHEDULERS))
+@examples(25)
+@given(prob=problems(scales=(0.5, 1.0, 2.0)), hp=ADAM_HP)
+def test_lr_sequence_from_torch_scheduler(sched, prob, hp):
+    """fzero fed the values a torch scheduler produced equals torch + that scheduler, bit for bit.
+
+    lr scales are powers of two (0.5, 1, 2): then each torch group's own scheduled lr is exactly
+    scale * (the recorded lr) (power-of-two scaling commutes with rounding), which is fzero's
+    fl(lr(step) * lr_scale)."""
+    hp = {**hp, "amsgrad": False}
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=hp["lr"])
+    scheduler = SCHEDULERS[sched](dummy)
+    values = []
+    for _ in prob["used"]:
+        values.append(dummy.param_groups[0]["lr"])
+        dummy.step()
+        scheduler.step()
+    params, grads = _data(prob)
+    fz = FzeroRun(fo.adamw(**{**hp, "lr": fo.sequence(values)}), prob, params)
+    leaves, topt = torch_optimizer("adamw", hp, prob, params)
+    tsched = SCHEDULERS[sched](topt) if topt is not None else None
+    for step, (g, used) in enumerate(zip(grads, prob["used"])):
+        for p, gi, u in zip(leaves, g, used):
+            p.grad = gi.clone() if (u and p.requires_grad) else None
+        if topt is not None:
+            topt.step()
+            tsched.step()
+        fz.step(step, g, used)
+        check_against_torch("adamw", fz, leaves, topt)
+
+
+@given(
+    peak=st.floats(1e-6, 10.0),
+    final=st.floats(0.0, 1e-6),
+    total=st.integers(1, 50),
+    warm=st.integers(0, 10),
+    f0=st.floats(0.0, 1.0),
+    gamma=st.floats(0.01, 1.0),
+    size=st.integers(1, 10),
+    t=st.integers(0, 80),
+)
+def test_schedule_formulas(peak, final, total, warm, f0, gamma, size, t):
+    """Closed forms equal torch's `_get_closed_form_lr` bit for bit, and have the right shape."""
+    u = 2.0**-53
+
+    def closed(make):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        s = make(opt)
+        s.last_epoch = t
+        return s._get_closed_form_lr()[0]
+
+    assert fo.constant(peak)(t) == peak
+    assert fo.step_decay(peak, size, gamma)(t) == closed(lambda o: torch.optim.lr_scheduler.StepLR(o, size, gamma))
+    lin = fo.linear_warmup(peak, total, f0)
+    if f0 > 0:  # torch's LinearLR refuses start_factor 0
+        assert lin(t) == closed(lambda o: torch.optim.lr_scheduler.LinearLR(o, f0, 1.0, total))
+    else:
+        assert lin(t) == peak * (min(total, t) / total)
+    assert lin(t) <= lin(t + 1) * (1 + 4 * u)  # non-decreasing up to rounding (3 roundings)
+    cos0 = fo.cosine(peak, total, final)
+    if t <= total:  # torch's closed form is periodic past T_max; fzero holds at `final`
+        assert cos0(t) == closed(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, total, final))
+    else:
+        assert cos0(t) == cos0(total)
+    # ends: |cos(0) - peak| and |cos(T) - final|: a subtraction, a multiply, a divide by 2 (exact)
+    # and an add, each relative error <= u, on values <= peak.
+    assert abs(cos0(0) - peak) <= 4 * u * peak and abs(cos0(total + t) - final) <= 4 * u * peak
+    cw = fo.cosine(peak, total, final, warmup_steps=warm)
+    assert cw(t) == (peak * t / warm if t < warm else cos0(t - warm))
+
+
+# ---------------------------------------------------------------------------------------------
+# LAMB: exact per-leaf norms; a per-leaf reference with float32 norms; a derived bound.
+
+U32, U64 = 2.0**-24, 2.0**-53
+
+
+def gamma(n, u):
+    return n * u / (1 - n * u)
+
+
+def lamb_reference(p, g, m, v, step, lr, beta1, beta2, eps, wd):
+    """One LAMB step of one whole leaf, the textbook way: float32 norms `sqrt(sum(x * x))`.
+    Returns (p, m, v, bound): `bound[...]` the derived per-element bound on |p_fzero - p|."""
+    m, v = m.clone(), v.clone()
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    r = (m / (1 - beta1**step)).div_(denom)
+    if wd != 0:
+        r.add_(p, alpha=wd)
+    pn, rn = float(torch.sqrt(torch.sum(p * p))), float(torch.sqrt(torch.sum(r * r)))
+    ratio = pn / rn if pn > 0 and rn > 0 else 1.0
+    new = p.add(r, alpha=-(lr * ratio))
+    # Bound. A float32 norm sqrt(fl(sum fl(x_i^2))): squaring and summing n terms in any order
+    # gives sum x^2 (1 + t), |t| <= gamma_n(u32) (no underflow: test data are N(0, 1)); the sqrt
+    # adds one rounding, so phi_ref = phi (1 + e), |e| <= e32 := sqrt(1 + gamma_n)(1 + u32) - 1.
+    # fzero's norm: the correctly rounded float64 sum, then a float64 sqrt: |e| <= e64 :=
+    # sqrt(1 + u64)(1 + u64) - 1. A ratio of two norms in float64: relative error
+    # E = (1 + e)/(1 - e)(1 + u64) - 1 against the exact rho, so |rho_fz - rho_ref| <=
+    # rho (E32 + E64) <= rho_fz (E32 + E64)/(1 - E64). Then p + a r in float32 with a = -lr rho
+    # (alpha rounded to float32: a (1 + u32)), the product and sum rounded (fused or not):
+    # |p_fz - p_ref| <= lr |rho_fz - rho_ref| (1 + u32)^2 |r| + u32 (|p_fz| + |p_ref|)
+    # (the last term: each result is within u32 |.| of its exact value).
+    n = p.numel()
+    e32 = math.sqrt(1 + gamma(n, U32)) * (1 + U32) - 1
+    e64 = math.sqrt(1 + U64) * (1 + U64) - 1
+    big = (1 + e32) / (1 - e32) * (1 + U64) - 1
+    small = (1 + e64) / (1 - e64) * (1 + U64) - 1
+    return new, m, v, r, big, small
+
+
+@examples(60)
+@given(prob=problems(), hp=st.fixed_dictionaries(dict(
+    lr=st.sampled_from([1e-3, 0.1, 0.37]),
+    betas=st.sampled_from([(0.9, 0.999), (0.5, 0.9)]),
+    eps=st.sampled_from([1e-6, 1e-3]),
+    weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+)))
+def test_lamb_within_derived_bound_of_reference(prob, hp):
+    """Each step starts the reference from fzero's state; moments and steps must be bitwise
+    equal (same element-wise ops), params within the bound derived in `lamb_reference`."""
+    params, grads = _data(prob)
+    fz = FzeroRun(fo.lamb(**hp), prob, params)
+    beta1, beta2 = hp["betas"]
+    active = 0
+    for step, (g, used) in enumerate(zip(grads, prob["used"])):
+        before = [(fz.leaf(i).clone(), None if ls.group.frozen else (fz.leaf(i, "exp_avg").clone(), fz.leaf(i, "exp_avg_sq").clone(), float(fz.leaf_state(i, "step"))))
+                  for i, ls in enumerate(fz.layout.leaves)]
+        fz.step(step, g, used)
+        for i, ls in enumerate(fz.layout.leaves):
+            p0, st0 = before[i]
+            if ls.group.frozen or not used[i]:
+                assert torch.equal(fz.leaf(i), p0)
+                continue
+            m0, v0, t0 = st0
+            lr = hp["lr"] * ls.group.lr_scale
+            wd = hp["weight_decay"] if ls.group.weight_decay else 0.0
+            p_ref, m_ref, v_ref, r, big, small = lamb_reference(p0, g[i], m0, v0, t0 + 1, lr, beta1, beta2, hp["eps"], wd)
+            assert torch.equal(fz.leaf(i, "exp_avg"), m_ref) and torch.equal(fz.leaf(i, "exp_avg_sq"), v_ref)
+            assert float(fz.leaf_state(i, "step")) == t0 + 1
+            if p0.numel() == 0:
+                continue
+            p_fz = fz.leaf(i)
+            rho_fz = exact_ratio(p0, r)
+            drho = rho_fz * (big + small) / (1 - small)
+            bound = lr * drho * (1 + U32) ** 2 * r.abs() + U32 * (p_fz.abs() + p_ref.abs())
+            assert ((p_fz - p_ref).abs().double() <= bound.double()).all(), f"leaf {i}"
+            active += int(not torch.equal(p_fz, p0))
+        fz.check_padding()
+
+
+def exact_ratio(p, r):
+    pn = math.sqrt(math.fsum(x * x for x in p.double().flatten().tolist()))
+    rn = math.sqrt(math.fsum(x * x for x in r.double().flatten().tolist()))
+    return pn / rn if pn > 0 and rn > 0 else 1.0
+
+
+@examples(40)
+@given(prob=problems(), other=st.integers(1, 8), align=st.sampled_from([1, 3, 8]))
+def test_lamb_same_bits_for_every_world_size(prob, other, align):
+    """LAMB's norms are exact sums, so N and the shard cuts do not change a single bit."""
+    params, grads = _data(prob)
+    runs = [FzeroRun(fo.lamb(0.1, weight_decay=0.01), prob, params),
+            FzeroRun(fo.lamb(0.1, weight_decay=0.01), {**prob, "world": other, "align": align}, params)]
+    for step, (g, used) in enumerate(zip(grads, prob["used"])):
+        for run in runs:
+            run.step(step, g, used)
+        for i in range(len(params)):
+            assert torch.equal(runs[0].leaf(i), runs[1].leaf(i))
+            if not runs[0].layout.leaves[i].group.frozen:
+                assert torch.equal(runs[0].leaf(i, "exp_avg_sq"), runs[1].leaf(i, "exp_avg_sq"))
+
+
+@examples(60)
+@given(
+    values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=0, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=4),
+)
+def test_exact_square_sums(values, cuts):
+    """Bins summed over any cut of a leaf give the correctly rounded float64 of the exact sum of
+    squares (math.fsum of exact float64 squares), whatever the magnitudes (subnormal to max)."""
+    x = torch.tensor(values, dtype=torch.float32)
+    bounds = sorted({0, len(values), *[min(c, len(values)) for c in cuts]})
+    total = torch.zeros(exact.BINS, 1, dtype=torch.float64)
+    for a, b in reversed(list(zip(bounds, bounds[1:]))):  # any order: the bins are exact
+        total = total + exact.square_bins(x[a:b], torch.zeros(b - a, dtype=torch.long), 1)
+    want = math.fsum(float(v) ** 2 for v in x.tolist())
+    assert exact.bins_to_sums(total) == [want]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors.
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(fo.OptimizerError, match="lr"):
+        fo.sgd(-0.1)
+    with pytest.raises(fo.OptimizerError, match=r"betas\[1\]"):
+        fo.adam(1e-3, betas=(0.9, 1.0))
+    with pytest.raises(fo.OptimizerError, match="Nesterov"):
+        fo.sgd(0.1, nesterov=True)
+    with pytest.raises(fo.OptimizerError, match="step 1"):
+        fo.as_schedule(lambda t: 0.1 - t)(1)
+    with pytest.raises(fo.OptimizerError, match="2 values but step 2"):
+        fo.sequence([0.1, 0.2])(2)
+    opt = fo.adamw(1e-3)
+    state = opt.init(torch.zeros(4), 1)
+    ctx = fo.UpdateContext(0, ParamGroup(), (L.Segment(0, 0, 0, 4),), (0,), (True,))
+    with pytest.raises(fo.OptimizerError, match=r"\[3\].*\[4\]"):
+        opt.update(torch.zeros(3), state, torch.zeros(4), ctx)
+    with pytest.raises(fo.OptimizerError, match="exp_avg"):
+        opt.update(torch.zeros(5), state, torch.zeros(5), ctx)
+    with pytest.raises(fo.OptimizerError, match="float64"):
+        fo.lamb().init(torch.zeros(3, dtype=torch.float64), 1)
+
+
+def test_frozen_group_and_spec():
+    opt = fo.adam(1e-3, amsgrad=True)
+    p = torch.ones(3)
+    state = opt.init(p, 2)
+    assert opt.spec(state) == fo.AmsgradState("leaf", "shard", "shard", "shard")
+    ctx = fo.UpdateContext(0, ParamGroup(frozen=True), (L.Segment(0, 0, 0, 3),), (0, 1), (True, True))
+    out, s = opt.update(torch.ones(3), state, p, ctx)
+    assert out is p and s is state
+    assert fo.sgd(0.1).spec(fo.sgd(0.1).init(p, 1)) == fo.EmptyState()
