@@ -1,0 +1,218 @@
+"""The `fzero` command line (also `python -m fzero`).
+
+    fzero estimate --params 7.5e9 --world-size 64            # the ZeRO paper's Table 1 row
+    fzero estimate --module mypkg.models:make_gpt --world-size 8 --dtype bf16
+    fzero estimate --config gpt2.json --world-size 16 --plot mem.png
+
+Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and sets
+`func`; `main` dispatches on it, so a new subcommand is one more function in `_SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from . import estimate as est
+
+
+class CliError(Exception):
+    """A user-facing error: printed as `fzero <cmd>: error: ...`, exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------- estimate
+
+
+def _exact(n: Fraction) -> str:
+    return str(n.numerator) if n.denominator == 1 else f"{n.numerator}/{n.denominator}"
+
+
+def _cell(n: Fraction) -> str:
+    return f"{est.human_bytes(n)} ({_exact(n)} B)"
+
+
+def format_table(estimates: Sequence[est.MemoryEstimate]) -> str:
+    """One row per stage: params / grads / optimizer state / master / total per rank."""
+    header = ["stage", "params", "grads", "optimizer state", "master", "total"]
+    rows = [header] + [
+        [str(e.stage), *(_cell(getattr(e, c)) for c in est.CATEGORIES), _cell(e.total)] for e in estimates
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _load_module(spec: str) -> torch.nn.Module:
+    """`PKG.MOD:FACTORY` -> `FACTORY()` built on the meta device (no memory for the weights)."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise CliError(f"--module expects PKG.MOD:FACTORY (a callable returning an nn.Module), got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise CliError(f"--module {spec}: cannot load {attr!r} from {mod_name!r}: {e}") from e
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise CliError(f"--module {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _load_gpt2(path: str) -> torch.nn.Module:
+    """A JSON `GPT2Config` -> `GPT2LMHeadModel` on the meta device (needs `transformers`)."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise CliError(
+            "--config builds a GPT-2 with the `transformers` package, which is not installed (it is not an "
+            "fzero dependency): pip install transformers, or pass --params N or --module PKG.MOD:FACTORY"
+        ) from e
+    try:
+        with open(path) as f:
+            config = transformers.GPT2Config(**json.load(f))
+    except (OSError, json.JSONDecodeError, TypeError) as e:
+        raise CliError(f"--config {path}: cannot read a GPT2Config from it: {e}") from e
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _model_of(args: argparse.Namespace) -> tuple[Any, str]:
+    """The `model` argument of `estimate`, and how to name it."""
+    if args.params is not None:
+        if args.align != 1:
+            raise CliError("--align applies to a padded layout (--module or --config); a bare --params count has none")
+        return args.params, f"{int(args.params)} parameters (bare count, no padding)"
+    model = _load_module(args.module) if args.module is not None else _load_gpt2(args.config)
+    source = args.module or args.config
+    return model, f"{source}: {est.num_params(model)} parameters (padded layout, align {args.align})"
+
+
+def _parse_count(text: str) -> float | int:
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value != int(value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a parameter count must be a whole number >= 0, got {text!r}")
+    return value
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs: Any) -> None:
+    """Total bytes per rank vs world size, one line per stage, log-log, saved to `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise CliError("--plot needs matplotlib, which is not installed: pip install 'fzero[plot]'") from e
+    per_size = [est.estimate_stages(model, n, **kwargs) for n in world_sizes]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in est.STAGES:
+        ax.plot(world_sizes, [float(stages[s].total) / 1e9 for stages in per_size], marker="o", label=f"stage {s}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel("model-state memory per rank (GB = 1e9 B)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    model, what = _model_of(args)
+    kwargs = dict(param_dtype=args.dtype, grad_dtype=args.dtype, optimizer=args.optimizer, align=args.align)
+    try:
+        bpp = est.bytes_per_param(args.optimizer, args.dtype, args.dtype)
+        estimates = est.estimate_stages(model, args.world_size, **kwargs)
+    except ValueError as e:
+        raise CliError(str(e)) from e
+    if args.stage is not None:
+        estimates = (estimates[args.stage],)
+    print(f"model: {what}")
+    print(
+        f"world size {args.world_size}, optimizer {args.optimizer}: bytes per parameter: params {bpp.params}, "
+        f"grads {bpp.grads}, optimizer state {bpp.optimizer_state}, master {bpp.master} (K = {bpp.K})"
+    )
+    print("per rank, model states only (GB = 1e9 B; exact bytes in parentheses):")
+    print(format_table(estimates))
+    if args.plot:
+        plot(model, args.plot_world_sizes, args.plot, f"{what}, {args.optimizer}", **kwargs)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _add_estimate(sub: Any) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="per-rank memory of params, grads, optimizer state and master weights for ZeRO stages 0-3",
+        description="Per-rank bytes of model state for ZeRO stages 0-3 (see proofs/memory.md).",
+    )
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=_parse_count, help="a parameter count, e.g. 7.5e9 (no padding)")
+    model.add_argument("--module", metavar="PKG.MOD:FACTORY", help="a callable returning an nn.Module (built on meta)")
+    model.add_argument("--config", metavar="FILE.json", help="a GPT2Config as JSON (needs transformers)")
+    p.add_argument("--world-size", "-n", type=int, required=True, help="N, the data-parallel (shard) size")
+    p.add_argument("--stage", type=int, choices=est.STAGES, help="print this stage only")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of params and grads")
+    p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed")
+    p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
+    p.add_argument("--plot", metavar="OUT.png", help="plot bytes per rank vs world size (needs matplotlib)")
+    p.add_argument(
+        "--plot-world-sizes",
+        type=_parse_sizes,
+        default=[2**k for k in range(11)],
+        metavar="N1,N2,...",
+        help="x values of --plot (default 1,2,4,...,1024)",
+    )
+    p.set_defaults(func=_run_estimate)
+
+
+_SUBCOMMANDS = (_add_estimate,)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fzero", description="fzero: ZeRO stages 0-3 as pure functions.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `fzero ARGV...`; returns the exit status (argparse errors exit with status 2)."""
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"fzero {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The memory model (fzero/_src/estimate.py) and `fzero estimate`; proofs/memory.md cites these."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fzero._src.cli import main
+from fzero._src.estimate import (
+    STAGES,
+    BytesPerParam,
+    bytes_per_param,
+    estimate,
+    estimate_stages,
+    human_bytes,
+    num_params,
+    round_significant,
+)
+from fzero._src.errors import LayoutError
+from fzero._src.layout import ParamGroup
+from fzero._src.tree import flatten_with_paths
+
+GB = 10**9
+
+# ---------------------------------------------------------------- the ZeRO paper, Table 1 (7.5B)
+
+# Rajbhandari et al. 2020, Table 1, the 7.5B-parameter columns (GB): DP degree -> baseline, P_os,
+# P_os+g, P_os+g+p, as printed.
+TABLE1_7_5B = {
+    1: ("120", "120", "120", "120"),
+    4: ("120", "52.5", "41.3", "30"),
+    16: ("120", "35.6", "21.6", "7.5"),
+    64: ("120", "31.4", "16.6", "1.88"),
+    256: ("120", "30.4", "15.4", "0.47"),
+    1024: ("120", "30.1", "15.1", "0.12"),
+}
+
+
+@pytest.mark.parametrize("n", sorted(TABLE1_7_5B))
+def test_table1_7_5b_every_cell(n):
+    psi, k = Fraction(7_500_000_000), 12
+    closed_forms = ((4 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (4 + k) * psi / n)
+    for stage, printed, closed in zip(STAGES, TABLE1_7_5B[n], closed_forms):
+        e = estimate(7.5e9, n, stage=stage)
+        assert e.total == closed, (n, stage)
+        gb = e.total / GB
+        # At the cell's own printed precision, rounded half up, the value is the printed one ...
+        places = Decimal(printed).as_tuple().exponent
+        exact = Decimal(gb.numerator) / Decimal(gb.denominator)
+        assert exact.quantize(Decimal(1).scaleb(places), rounding=ROUND_HALF_UP) == Decimal(printed), (n, stage)
+        # ... and one rule prints every cell: 3 significant digits, at most 2 decimals, half up.
+        assert round_significant(gb, 3, max_decimals=2) == printed, (n, stage)
+
+
+def test_table1_needs_half_up():
+    """41.25 GB is printed 41.3: round-half-even (Python's `round`) would print 41.2."""
+    e = estimate(7.5e9, 4, stage=2)
+    assert e.total == Fraction(4125, 100) * GB
+    assert Decimal("41.25").quantize(Decimal("0.1"), rounding=ROUND_HALF_EVEN) == Decimal("41.2")
+    assert round_significant(e.total / GB) == "41.3"
+    assert human_bytes(e.total) == "41.3 GB"
+
+
+def test_article_claim_14b_on_2_gpus():
+    """A 14B model on 2 GPUs (optimizer state sharded, stage 1): 56 GB of Adam moments per GPU,
+    84 GB with fp32 master weights; not the 14 GB a widely read article prints."""
+    moments = estimate(14e9, 2, stage=1, optimizer="adam")
+    assert moments.optimizer_state == 56 * GB and moments.master == 0
+    mixed = estimate(14e9, 2, stage=1, optimizer="adam-mixed")
+    assert mixed.optimizer_state + mixed.master == 84 * GB
+    assert bytes_per_param("adam-mixed").K == 12
+
+
+def test_deepspeed_no_offload_gap():
+    """DeepSpeed's estimators without offload (restated from their formulas, see proofs/memory.md):
+    stage 2 per GPU = 2Ψ + ⌊18Ψ/N⌋, stage 3 = 4L + ⌊18Ψ/N⌋ (L = largest layer). Against the
+    paper's K = 12 model the gap is the fp32 gradient partition 4Ψ/N (stage 2) and 2Ψ/N + 4L
+    (stage 3)."""
+    psi, largest = 7_500_000_000, 50_000_000
+    for n in (1, 4, 64, 1024):
+        ds2 = 2 * psi + Fraction(18 * psi, n)  # DeepSpeed truncates to int: < 1 byte less
+        ds3 = 4 * largest + Fraction(18 * psi, n)
+        assert ds2 - estimate(psi, n, stage=2).total == Fraction(4 * psi, n)
+        assert ds3 - estimate(psi, n, stage=3).total == Fraction(2 * psi, n) + 4 * largest
+
+
+# ---------------------------------------------------------------------- bytes per parameter
+
+
+def test_bytes_per_param():
+    assert bytes_per_param("adam-mixed") == BytesPerParam(2, 2, 8, 4)
+    assert bytes_per_param("adam-mixed", "fp16") == BytesPerParam(2, 2, 8, 4)
+    assert bytes_per_param("adam") == BytesPerParam(4, 4, 8, 0)
+    assert bytes_per_param("adam", torch.bfloat16) == BytesPerParam(2, 2, 8, 4)
+    assert bytes_per_param("sgd-momentum") == BytesPerParam(4, 4, 4, 0)
+    assert bytes_per_param("sgd-momentum", "bf16") == BytesPerParam(2, 2, 4, 4)
+    assert bytes_per_param("sgd") == BytesPerParam(4, 4, 0, 0)
+    assert bytes_per_param("adam", "bf16", "fp32") == BytesPerParam(2, 4, 8, 4)
+    with pytest.raises(ValueError, match="use optimizer='adam'"):
+        bytes_per_param("adam-mixed", "fp32")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        bytes_per_param("lion")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        bytes_per_param("adam", "int8")
+
+
+def test_bad_arguments():
+    with pytest.raises(LayoutError, match="world size"):
+        estimate(100, 0)
+    with pytest.raises(ValueError, match="stage"):
+        estimate(100, 2, stage=4)
+    with pytest.raises(ValueError, match="whole number"):
+        estimate(1.5, 2)
+    with pytest.raises(ValueError, match="finite"):
+        estimate(float("inf"), 2)
+
+
+# ------------------------------------------------------------- padded layouts, from first principles
+
+CATEGORIES = ("params", "grads", "optimizer_state", "master")
+SHARDED_FROM = {"optimizer_state": 1, "master": 1, "grads": 2, "params": 3}  # DESIGN.md's table
+DTYPES = (torch.float32, torch.bfloat16)
+shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
+leaves = st.tuples(shapes, st.sampled_from(DTYPES)).map(lambda sd: torch.empty(sd[0], dtype=sd[1], device="meta"))
+trees = st.dictionaries(st.sampled_from("abcdefgh"), st.lists(leaves, min_size=1, max_size=3), min_size=1, max_size=4)
+
+
+def _expected(tree, n, align, unit_of, bpp, stage):
+    """Per-rank bytes from first principles: buckets keyed by (unit, dtype), in any order;
+    S = align·⌈numel/(N·align)⌉, at least align."""
+    paths, ls, _ = flatten_with_paths(tree)
+    numel = {}
+    for path, leaf in zip(paths, ls):
+        key = (unit_of(path), leaf.dtype)
+        numel[key] = numel.get(key, 0) + leaf.numel()
+    shard = {key: align * max(1, math.ceil(m / (n * align))) for key, m in numel.items()}
+    out = {}
+    for cat, per_param in zip(CATEGORIES, bpp):
+        elems = sum(s if stage >= SHARDED_FROM[cat] else n * s for s in shard.values())
+        out[cat] = per_param * elems
+    return out, numel, shard
+
+
+@given(
+    tree=trees,
+    n=st.integers(1, 9),
+    align=st.integers(1, 4),
+    split_units=st.booleans(),
+    optimizer=st.sampled_from(["adam-mixed", "adam", "sgd-momentum", "sgd"]),
+)
+def test_padded_estimate_is_the_sum_over_buckets(tree, n, align, split_units, optimizer):
+    unit_of = (lambda path: path.split(".")[0]) if split_units else (lambda path: "default")
+    units = unit_of if split_units else None
+    bpp = bytes_per_param(optimizer)
+    psi = num_params(tree)
+    for e in estimate(tree, n, optimizer=optimizer, align=align, units=units):
+        expected, numel, shard = _expected(tree, n, align, unit_of, bpp, e.stage)
+        assert sum(numel.values()) == psi
+        assert {c: getattr(e, c) for c in expected} == expected
+        unpadded = estimate(psi, n, stage=e.stage, optimizer=optimizer)
+        assert e.total >= unpadded.total
+        # Padding per bucket: < align elements per rank in a sharded category, < N·align in a
+        # replicated one (<= when the bucket is empty: then S = align holds no element at all).
+        bound = 0
+        for c, per_param in zip(CATEGORIES, bpp):
+            assert getattr(e, c) >= getattr(unpadded, c)
+            bound += per_param * len(shard) * (align if e.stage >= SHARDED_FROM[c] else n * align)
+        assert e.total <= unpadded.total + bound
+        if all(m > 0 for m in numel.values()) and bound > 0:
+            assert e.total < unpadded.total + bound
+
+
+def test_padding_example():
+    """10 elements over N = 4: S = 3, the padded buffer is 12; replicated 12, sharded 3 per rank."""
+    tree = {"w": torch.empty(10, device="meta")}
+    e0, e1, e2, e3 = estimate(tree, 4, optimizer="adam")
+    assert (e0.params, e0.optimizer_state) == (4 * 12, 8 * 12)
+    assert (e1.params, e1.optimizer_state) == (4 * 12, 8 * 3)
+    assert (e2.grads, e3.params) == (4 * 3, 4 * 3)
+    assert estimate(10, 4, stage=3, optimizer="adam").params == Fraction(40, 4)
+
+
+def test_frozen_group_has_no_grads_or_state():
+    tree = {"emb": torch.empty(8, device="meta"), "head": torch.empty(4, device="meta")}
+    frozen = (ParamGroup("frozen", match=lambda p: p == "emb", frozen=True),)
+    e = estimate(tree, 1, stage=0, groups=frozen)
+    assert (e.params, e.grads, e.optimizer_state, e.master) == (2 * 12, 2 * 4, 8 * 4, 4 * 4)
+
+
+def test_meta_module_costs_no_memory():
+    """A 10^10-parameter module on meta: estimated exactly, nothing allocated."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(100_000, 100_000, bias=False)
+    assert num_params(model) == 10**10
+    e = estimate(model, 64, stage=3)
+    assert e.total == estimate(10**10, 64, stage=3).total  # 10^10 is a multiple of 64: no padding
+
+
+def test_tied_parameters_counted_once():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    assert num_params(model) == 40
+    assert estimate_stages(model, 1)[0].total == 16 * 40
+
+
+# --------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["estimate", "--params", "7.5e9", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[0:1] + [line] for line in out.splitlines() if line[:1] in "0123"]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    for (_, line), total in zip(rows, ("120 GB (120000000000 B)", "31.4 GB (31406250000 B)",
+                                       "16.6 GB (16640625000 B)", "1.88 GB (1875000000 B)")):  # fmt: skip
+        assert line.endswith(total)
+    assert "K = 12" in out and "234 MB (234375000 B)" in out
+
+
+def test_cli_options(capsys):
+    assert main(["estimate", "--params", "14e9", "-n", "2", "--optimizer", "adam", "--stage", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "56 GB (56000000000 B)" in out and "K = 8" in out
+    assert main(["estimate", "--params", "10", "-n", "3", "--dtype", "fp32", "--optimizer", "sgd", "--stage", "3"]) == 0
+    assert "40/3 B" in capsys.readouterr().out  # 4 bytes · 10 / 3, exact
+    assert main(["estimate", "--params", "10", "-n", "3", "--dtype", "fp32"]) == 2
+    assert "use optimizer='adam'" in capsys.readouterr().err
+
+
+def test_cli_module(tmp_path, monkeypatch, capsys):
+    (tmp_path / "fzero_cli_model.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            def make():
+                assert torch.empty(()).device.type == "meta"
+                return torch.nn.Linear(1000, 999)  # 999999 params
+            def not_a_module():
+                return 3
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "--module", "fzero_cli_model:make", "-n", "4", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    # buckets by dtype: one fp32 bucket of 999999 -> S = 250000; 16 bytes · 250000 per rank
+    assert "999999 parameters" in out and "4 MB (4000000 B)" in out
+    assert main(["estimate", "--module", "fzero_cli_model:not_a_module", "-n", "4"]) == 2
+    assert "not an nn.Module" in capsys.readouterr().err
+    assert main(["estimate", "--module", "fzero_cli_model", "-n", "4"]) == 2
+    assert "PKG.MOD:FACTORY" in capsys.readouterr().err
+
+
+def test_cli_optional_dependencies_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text("{}")
+    assert main(["estimate", "--config", str(cfg), "-n", "8"]) == 2
+    assert "pip install transformers" in capsys.readouterr().err
+    assert main(["estimate", "--params", "1e6", "-n", "8", "--plot", str(tmp_path / "m.png")]) == 2
+    assert "pip install 'fzero[plot]'" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "mem.png"
+    assert main(["estimate", "--params", "7.5e9", "-n", "64", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
+def test_cli_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--world-size", "4"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "1.5", "-n", "4"])
+    assert "whole number" in capsys.readouterr().err
+
+
+def test_python_dash_m():
+    r = subprocess.run(
+        [sys.executable, "-m", "fzero", "estimate", "--params", "7.5e9", "-n", "1024", "--stage", "3"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "117 MB (117187500 B)" in r.stdout  # the paper's 0.12 GB
