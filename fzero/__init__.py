@@ -28,6 +28,14 @@ from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
+from fzero._src.stages import STAGES as STAGES
+from fzero._src.stages import Stage as Stage
+from fzero._src.state import ZeroState as ZeroState
+from fzero._src.state import gather as gather
+from fzero._src.state import init as init
+from fzero._src.step import Metrics as Metrics
+from fzero._src.step import train_step as train_step
+from fzero import optim as optim
 
 __version__ = "0.1.0"
 
@@ -40,21 +48,29 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LeafSpec",
+    "Metrics",
     "Mesh",
     "MeshError",
     "NonFiniteError",
     "ParamGroup",
     "RankFailed",
     "Segment",
+    "STAGES",
     "SimMesh",
+    "Stage",
+    "ZeroState",
     "all_gather",
     "all_reduce",
     "broadcast",
+    "gather",
+    "init",
     "local_shards",
+    "optim",
     "pack",
     "plan",
     "reduce_scatter",
     "shard",
+    "train_step",
     "unpack",
     "unshard",
 ]

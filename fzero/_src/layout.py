@@ -136,6 +136,11 @@ class Layout:
                 out.append(Segment(i, start - leaf.offset, start - lo, stop - lo))
         return tuple(out)
 
+    def flat_segments(self, bucket: int) -> tuple[Segment, ...]:
+        """The pieces of leaves in the whole `flat[N * S]` of bucket `bucket` (one per non-empty leaf)."""
+        leaves = (self.leaves[i] for i in self.buckets[bucket].leaves)
+        return tuple(Segment(ls.index, 0, ls.offset, ls.offset + ls.numel) for ls in leaves if ls.numel)
+
     def owners(self, leaf: int) -> tuple[tuple[int, Segment], ...]:
         """`(rank, segment)` for every rank that holds elements of leaf `leaf`, in rank order."""
         b = self.buckets[self.leaves[leaf].bucket]
@@ -231,8 +236,14 @@ def plan(
 def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
     paths, leaves, spec = flatten_with_paths(params)
     if spec != layout.treespec:
+        planned = [ls.path for ls in layout.leaves]
+        where = next((f"; first difference at leaf {i}: params has {p!r}, the layout {q!r}"
+                      for i, (p, q) in enumerate(zip(paths, planned)) if p != q), "")
+        if not where and len(paths) != len(planned):
+            extra = (paths if len(paths) > len(planned) else planned)[min(len(paths), len(planned))]
+            where = f"; params has {len(paths)} leaves, the layout {len(planned)} (first extra: {extra!r})"
         raise LayoutError(
-            f"params structure differs from the layout's:\n  params: {spec}\n  layout: {layout.treespec}"
+            f"params structure differs from the layout's{where}:\n  params: {spec}\n  layout: {layout.treespec}"
         )
     for leaf, ls in zip(leaves, layout.leaves):
         _check_leaf(ls.path, leaf)

@@ -84,6 +84,7 @@ class Mesh(abc.ABC):
     """The shard axis of a device mesh. `world_size` ranks; `rank` is the one running now."""
 
     axis_name = "shard"
+    device = torch.device("cpu")  # where the mesh's own small tensors (fingerprints, flags) live
 
     def __init__(self, world_size: int) -> None:
         self.world_size = check_world_size(world_size)
@@ -121,6 +122,12 @@ class Mesh(abc.ABC):
             yield log
         finally:
             self._recorders.remove(log)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Wrap one rank's part of a multi-rank computation: if it raises, the other ranks are told
+        (DistMesh) so they stop with `RankFailed` instead of waiting. SimMesh.run does this itself."""
+        yield
 
     def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
         """The one entry point of every collective: validate, record, agree, move.
@@ -480,17 +487,23 @@ class DistMesh(Mesh):
             _reduce_scatter_into(out, x, self.group)
         return out
 
-    def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
-        args = _per_rank_args(per_rank_args, self._rank, self.world_size)
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
         try:
-            out = fn(*args)
+            yield
         except MeshError:
             raise
-        except BaseException:
-            if self.verify:
+        except BaseException as e:
+            if self.verify and not getattr(e, "_fzero_announced", False):
+                e._fzero_announced = True  # type: ignore[attr-defined]
                 with contextlib.suppress(MeshError):
                     self._agree(_KIND_FAIL, None)
             raise
+
+    def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
+        args = _per_rank_args(per_rank_args, self._rank, self.world_size)
+        with self.guard():
+            out = fn(*args)
         if self.verify:
             self._agree(_KIND_DONE, None)
         return [out]

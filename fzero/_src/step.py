@@ -1,0 +1,228 @@
+"""`train_step`: a loss, an optimizer and a stage -> a pure `step(state, batch) -> (state, metrics)`.
+
+One step on one rank:
+
+1. forward: each unit's leaves come out of the per-unit Function (gathered in stage 3), the
+   params pytree is rebuilt, and `loss_fn(params, batch)` gives this rank's mean loss;
+2. backward (`torch.autograd.grad`, or `torch.func.grad_and_value` with `engine="func"`): each
+   unit's Function records which leaves got a gradient and reduces per unit in stages 2-3;
+3. stages 0-1 reduce each bucket after backward; the reduced gradient is `Σ_r fl(1/N) g_r`;
+4. one all-gather of a small float64 vector agrees on what every rank saw: its loss, which
+   leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
+5. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
+   it was; otherwise the optimizer updates what the rank owns, and stages 1-2 all-gather the
+   new params.
+
+The input state is never modified: every new tensor is fresh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from .collectives import all_gather, all_reduce
+from .errors import FzeroError, MeshError, NonFiniteError
+from .layout import Layout
+from .mesh import Mesh
+from .optim.base import Optimizer, UpdateContext
+from .stages import Stage, get_stage
+from .state import ZeroState, shard_of
+from .tree import unflatten
+from .unit import Bucket, StepLog, run_unit, unit_programs
+
+ENGINES = ("autograd", "func")
+NONFINITE = ("raise", "skip")
+
+
+class Metrics(NamedTuple):
+    """What a step reports, the same on every rank.
+
+    Attributes:
+      loss: float64 0-d, the mean over ranks of each rank's loss (summed in rank order, / N).
+      grad_norm: float64 0-d, `‖Σ_r fl(1/N) g_r‖₂` over all trainable leaves (squares summed per
+        shard in float64, then over ranks in rank order; the same bits in every stage).
+      step: the index of this update (0 for the first).
+      skipped: True if the step was non-finite and `on_nonfinite="skip"` left the state as it was.
+    """
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    step: int
+    skipped: bool
+
+
+def train_step(
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: Optimizer,
+    *,
+    stage: int,
+    mesh: Mesh,
+    engine: str = "autograd",
+    on_nonfinite: str = "raise",
+) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
+    """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
+
+    Args:
+      loss_fn: `(params, batch) -> 0-d loss`, this rank's mean loss on its micro-batch.
+      optimizer: a `fzero.optim` optimizer.
+      stage: ZeRO stage 0-3; must be the stage the state was made with.
+      mesh: the mesh the state lives on.
+      engine: "autograd" (`torch.autograd.grad` over the unit Functions; lower peak memory, see
+        DESIGN.md) or "func" (`torch.func.grad_and_value`; composes with other transforms).
+      on_nonfinite: "raise" (NonFiniteError on every rank, naming ranks and leaves) or "skip".
+    """
+    st = get_stage(stage)
+    if engine not in ENGINES:
+        raise FzeroError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if on_nonfinite not in NONFINITE:
+        raise FzeroError(f"on_nonfinite must be one of {NONFINITE}, got {on_nonfinite!r}")
+
+    def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+        _check_state(state, st, mesh)
+        with mesh.guard():
+            return _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch)
+
+    return step
+
+
+def _check_state(state: ZeroState, st: Stage, mesh: Mesh) -> None:
+    if not isinstance(state, ZeroState):
+        raise FzeroError(f"step expects the ZeroState made by fzero.init, got {type(state).__name__}")
+    if state.stage.level != st.level:
+        raise FzeroError(f"the state was made for stage {state.stage.level} but this step runs stage {st.level}; "
+                         f"pass the same stage to fzero.init and fzero.train_step")
+    state.layout.check_world_size(mesh.world_size)
+    if state.mesh is not mesh:
+        raise FzeroError(f"the state lives on {state.mesh!r} but this step runs on {mesh!r}")
+
+
+def _inputs(state: ZeroState, st: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Per bucket: the differentiated tensor, and the full buffer beside it where the stage keeps one."""
+    if st.grads_in_backward and not st.params_sharded:  # stage 2: grads of the shard, reads the full flat
+        xs = [shard_of(state.layout, b, f, state.rank) for b, f in enumerate(state.params)]
+        return xs, list(state.params)
+    return list(state.params), [None] * len(state.params)
+
+
+def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: StepLog,
+                extras: list[torch.Tensor | None], batch: Any) -> Callable:
+    programs = unit_programs(layout, mesh, st.enter, st.leave, log)
+
+    def loss_of(xs: list[torch.Tensor]) -> torch.Tensor:
+        leaves: list[Any] = [None] * len(layout.leaves)
+        for program in programs:
+            ids = [b.index for b in program.buckets]
+            outs = run_unit(program, [xs[b] for b in ids], [extras[b] for b in ids])
+            for i, t in zip((i for b in program.buckets for i in b.leaves), outs):
+                leaves[i] = t
+        loss = loss_fn(unflatten(layout.treespec, leaves), batch)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+            raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
+                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
+        return loss
+
+    return loss_of
+
+
+def _grads(loss_of: Callable, xs: list[torch.Tensor], trainable: list[int], engine: str):
+    """`(grads per trainable bucket (None: no gradient reached it), loss)`."""
+    if engine == "func":
+        def f(tr: tuple, rest: list) -> torch.Tensor:
+            merged = list(rest)
+            for k, b in enumerate(trainable):
+                merged[b] = tr[k]
+            return loss_of(merged)
+
+        grads, loss = torch.func.grad_and_value(f)(tuple(xs[b] for b in trainable), xs)
+        return list(grads), loss.detach()
+    merged = list(xs)
+    for b in trainable:
+        merged[b] = xs[b].detach().requires_grad_()
+    with torch.enable_grad():
+        loss = loss_of(merged)
+    if not loss.requires_grad or not trainable:
+        return [None] * len(trainable), loss.detach()
+    grads = torch.autograd.grad(loss, [merged[b] for b in trainable], allow_unused=True)
+    return list(grads), loss.detach()
+
+
+def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch):
+    layout, n, rank = state.layout, mesh.world_size, state.rank
+    buckets = layout.buckets
+    trainable = [b.index for b in buckets if not b.group.frozen]
+    log = StepLog(len(layout.leaves))
+    xs, extras = _inputs(state, st)
+    loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch)
+    grads, loss = _grads(loss_of, xs, trainable, engine)
+
+    reduced = {}
+    for b, g in zip(trainable, grads):  # g is None where no leaf of the bucket reached the loss here
+        reduced[b] = st.reduce(mesh, Bucket.of(layout, b), torch.zeros_like(xs[b]) if g is None else g)
+
+    used, bad_ranks, bad_leaves, mean_loss, norm_sq = _agree(state, st, mesh, log, loss, reduced)
+    metrics_loss = torch.tensor(mean_loss, dtype=torch.float64)
+    grad_norm = torch.tensor(math.sqrt(norm_sq) if math.isfinite(norm_sq) else norm_sq, dtype=torch.float64)
+    if bad_ranks or bad_leaves or not math.isfinite(norm_sq) or not math.isfinite(mean_loss):
+        if on_nonfinite == "raise":
+            raise NonFiniteError(_nonfinite_message(layout, state.step, bad_ranks, bad_leaves, norm_sq))
+        return state, Metrics(metrics_loss, grad_norm, state.step, True)
+
+    new_params, new_opt = list(state.params), list(state.opt_state)
+    for b in trainable:
+        spec = buckets[b]
+        if st.optimizer_sharded:
+            p = state.params[b] if st.params_sharded else shard_of(layout, b, state.params[b], rank)
+            segments = layout.segments(b, rank)
+            leaf_sum = (lambda x, tag=spec.tag: all_reduce(x, mesh, "sum", tag=tag + "/leaf_sum"))
+        else:
+            p, segments, leaf_sum = state.params[b], layout.flat_segments(b), (lambda x: x)
+        ctx = UpdateContext(state.step, spec.group, segments, spec.leaves, tuple(used[i] for i in spec.leaves),
+                            leaf_sum)
+        p_new, new_opt[b] = optimizer.update(reduced[b], state.opt_state[b], p, ctx)
+        new_params[b] = st.finish(mesh, Bucket.of(layout, b), p_new)
+    new_state = state._replace(params=tuple(new_params), opt_state=tuple(new_opt), step=state.step + 1)
+    return new_state, Metrics(metrics_loss, grad_norm, state.step, False)
+
+
+def _agree(state: ZeroState, st: Stage, mesh: Mesh, log: StepLog, loss: torch.Tensor, reduced: dict):
+    """The one agreement collective: `[loss, used[L], bad[L], ‖g_shard‖²]` from every rank."""
+    layout, n, rank = state.layout, mesh.world_size, state.rank
+    num = len(layout.leaves)
+    bad = torch.zeros(num, dtype=torch.float64, device=mesh.device)
+    for ids, flags in log.nonfinite:
+        bad[list(ids)] = flags.to(device=mesh.device, dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for b, g in reduced.items():
+        mine = g if st.optimizer_sharded else shard_of(layout, b, g, rank)
+        sq = sq + mine.to(torch.float64).square().sum().to(mesh.device)
+    row = torch.cat([loss.to(device=mesh.device, dtype=torch.float64).reshape(1),
+                     torch.tensor(log.used, dtype=torch.float64, device=mesh.device), bad, sq.reshape(1)])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, 2 * num + 2).cpu()
+    losses, used_rows, bad_rows, sqs = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + 2 * num], rows[:, -1]
+    used = (used_rows > 0).any(dim=0).tolist()
+    bad_ranks = [r for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())]
+    bad_leaves = {r: [layout.leaves[i].path for i in (bad_rows[r] > 0).nonzero().flatten().tolist()]
+                  for r in bad_ranks}
+    total_loss, total_sq = 0.0, 0.0
+    for r in range(n):  # rank order
+        total_loss += losses[r].item()
+        total_sq += sqs[r].item()
+    return used, bad_ranks, bad_leaves, total_loss / n, total_sq
+
+
+def _nonfinite_message(layout: Layout, step: int, bad_ranks: list, bad_leaves: dict, norm_sq: float) -> str:
+    if not bad_ranks:
+        return (f"step {step}: every rank's loss and local gradient are finite but the reduced gradient is not "
+                f"(sum of squares {norm_sq}): the sum over ranks overflowed. The state is unchanged; lower the "
+                f"learning rate or loss scale, or use on_nonfinite='skip'")
+    parts = []
+    for r in bad_ranks:
+        leaves = bad_leaves[r]
+        named = ", ".join(repr(p) for p in leaves[:5]) + (" ..." if len(leaves) > 5 else "")
+        parts.append(f"rank {r}: non-finite " + (f"gradient of {named}" if leaves else "loss"))
+    return (f"step {step}: non-finite values on rank(s) {bad_ranks} ({'; '.join(parts)}). The state is "
+            f"unchanged; use on_nonfinite='skip' to skip such steps")
