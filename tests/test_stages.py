@@ -1,0 +1,323 @@
+"""Stages 1-3 equal stage 0 bit for bit, and stage 0 equals a serial reference, on SimMesh.
+
+One property per world size N (1..8); each draw picks a pytree (nested dicts/lists, shapes not
+divisible by N, smaller than N, 0-d, zero-size), units, parameter groups (weight-decay mask,
+lr scale, frozen), an optimizer and its hyper-parameters, several steps with a different batch
+per rank, tied leaves (used twice by the loss) and unused leaves (used by no rank), and one
+stage s in {1, 2, 3} and one engine. It runs stage 0 and stage s and compares after every step,
+with `torch.equal`:
+
+- stage s's params, optimizer state (shards concatenated over ranks) and loss == stage 0's;
+- stage 0's params == the serial reference: per-rank gradients from `torch.func.grad` on the
+  plain pytree, reduced as `((g_0 * fl(1/N)) + g_1 * fl(1/N)) + ...` in rank order (the
+  order SimMesh sums in), then `torch.optim` with `foreach=False`, param groups mirrored, and
+  `p.grad = None` for unused and frozen leaves.
+
+Why equality (not a tolerance) is right: proofs/stages.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero._src.tree import flatten_with_paths, unflatten
+
+from fzero.testing.strategies import example_count
+
+
+# -- draws ----------------------------------------------------------------------------------------
+
+shapes = st.one_of(
+    st.just(()),
+    st.lists(st.integers(0, 7), min_size=1, max_size=3).map(tuple),
+)
+
+
+@st.composite
+def problems(draw, n: int):
+    num = draw(st.integers(1, 7))
+    leaf_shapes = [draw(shapes) for _ in range(num)]
+    # nest: leaves 0..num-1 go into a dict of lists
+    tree: dict = {}
+    for i, s in enumerate(leaf_shapes):
+        key = f"m{i % 3}"
+        tree.setdefault(key, []).append(s)
+    role = [draw(st.sampled_from(["use", "use", "use", "tied", "unused"])) for _ in range(num)]
+    unit_mode = draw(st.sampled_from(["one", "per-module", "per-leaf"]))
+    group_mode = draw(st.sampled_from(["none", "nowd", "frozen", "both"]))
+    opt_name = draw(st.sampled_from(["sgd", "sgd-momentum", "adam", "adamw", "amsgrad"]))
+    lr = draw(st.sampled_from([1e-3, 3e-2, 0.1]))
+    wd = draw(st.sampled_from([0.0, 0.01, 0.1]))
+    steps = draw(st.integers(1, 3))
+    stage = draw(st.sampled_from([1, 2, 3]))
+    engine = draw(st.sampled_from(["autograd", "func"]))
+    seed = draw(st.integers(0, 2**16))
+    return dict(tree=tree, role=role, unit_mode=unit_mode, group_mode=group_mode, opt=opt_name, lr=lr,
+                wd=wd, steps=steps, stage=stage, engine=engine, seed=seed, n=n)
+
+
+def build(pb):
+    g = torch.Generator().manual_seed(pb["seed"])
+    params = {k: [torch.randn(s, generator=g) for s in v] for k, v in pb["tree"].items()}
+    paths, leaves, _ = flatten_with_paths(params)
+    n = pb["n"]
+    batches = [[torch.randn(3, generator=g) for _ in range(n)] for _ in range(pb["steps"])]
+    units = {"one": None, "per-module": lambda p: p.split(".")[0], "per-leaf": lambda p: p}[pb["unit_mode"]]
+    groups = []
+    if pb["group_mode"] in ("nowd", "both"):
+        groups.append(fzero.ParamGroup("nowd", match=lambda p: p.endswith(".0"), weight_decay=False, lr_scale=0.5))
+    if pb["group_mode"] in ("frozen", "both"):
+        groups.append(fzero.ParamGroup("frozen", match=lambda p: p.startswith("m2"), frozen=True))
+    roles = dict(zip(paths, pb["role"]))
+    return params, batches, units, tuple(groups), roles
+
+
+def make_loss(roles):
+    def loss_fn(params, c):
+        paths, leaves, _ = flatten_with_paths(params)
+        total = c[2] * 0.0
+        for path, leaf in zip(paths, leaves):
+            if roles[path] == "unused" or leaf.numel() == 0:
+                continue
+            x = leaf.reshape(-1)
+            total = total + torch.tanh(x * c[0] + c[1]).square().mean()
+            if roles[path] == "tied":
+                total = total + (x * c[2]).sum() * 0.5
+        return total
+    return loss_fn
+
+
+def fzero_opt(pb):
+    lr, wd = pb["lr"], pb["wd"]
+    return {
+        "sgd": lambda: optim.sgd(lr, weight_decay=wd),
+        "sgd-momentum": lambda: optim.sgd(lr, momentum=0.9, nesterov=True, weight_decay=wd),
+        "adam": lambda: optim.adam(lr, weight_decay=wd),
+        "adamw": lambda: optim.adamw(lr, weight_decay=wd),
+        "amsgrad": lambda: optim.adamw(lr, weight_decay=wd, amsgrad=True),
+    }[pb["opt"]]()
+
+
+def torch_opt(pb, param_groups):
+    lr, wd = pb["lr"], pb["wd"]
+    cls, kw = {
+        "sgd": (torch.optim.SGD, {}),
+        "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+        "adam": (torch.optim.Adam, {}),
+        "adamw": (torch.optim.AdamW, {}),
+        "amsgrad": (torch.optim.AdamW, {"amsgrad": True}),
+    }[pb["opt"]]
+    groups = [{"params": ps, "lr": lr * scale, "weight_decay": wd if decay else 0.0} for ps, scale, decay in param_groups]
+    return cls(groups, lr=lr, weight_decay=wd, foreach=False, **kw)
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+def run_stage(pb, stage):
+    params, batches, units, groups, roles = build(pb)
+    mesh = fzero.SimMesh(pb["n"])
+    opt = fzero_opt(pb)
+    loss_fn = make_loss(roles)
+
+    def rank_fn(*my_batches):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units, groups=groups)
+        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=pb["engine"])
+        trace = []
+        for c in my_batches:
+            state, m = step(state, c)
+            trace.append((fzero.gather(state), state.opt_state, m))
+        return trace, state
+
+    per_rank = [tuple(batches[t][r] for t in range(pb["steps"])) for r in range(pb["n"])]
+    return mesh.run(rank_fn, per_rank)
+
+
+def serial_reference(pb):
+    """Per-rank grads, summed in rank order after * fl(1/N), then torch.optim (foreach=False)."""
+    params, batches, units, groups, roles = build(pb)
+    n = pb["n"]
+    paths, leaves, spec = flatten_with_paths(params)
+    group_of = [next((g for g in groups if g.match(p)), fzero.ParamGroup()) for p in paths]
+    tensors = [leaf.clone().requires_grad_(not grp.frozen) for leaf, grp in zip(leaves, group_of)]
+    buckets: dict = {}
+    for t, grp in zip(tensors, group_of):
+        if not grp.frozen:
+            buckets.setdefault(grp.name, ([], grp.lr_scale, grp.weight_decay))[0].append(t)
+    opt = torch_opt(pb, list(buckets.values())) if buckets else None
+    loss_fn = make_loss(roles)
+    out = []
+    for t in range(pb["steps"]):
+        reduced = [None] * len(tensors)
+        losses = []
+        for r in range(n):
+            tree = unflatten(spec, [x.detach() for x in tensors])
+            g, loss = torch.func.grad_and_value(loss_fn)(tree, batches[t][r])
+            losses.append(loss.item())
+            g_leaves = flatten_with_paths(g)[1]
+            for i, gi in enumerate(g_leaves):
+                part = gi * (1.0 / n)
+                reduced[i] = part.clone() if r == 0 else reduced[i] + part
+        for i, (x, path) in enumerate(zip(tensors, paths)):
+            used = roles[path] != "unused" and x.numel() > 0
+            if x.requires_grad:
+                x.grad = reduced[i] if used else None
+        if opt is not None:
+            opt.step()
+        out.append(([x.detach().clone() for x in tensors], sum(losses) / n))
+    return out
+
+
+def assert_equal_leaves(a, b, what):
+    la, lb = flatten_with_paths(a)[1], flatten_with_paths(b)[1]
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: leaf {i} {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+        assert torch.equal(x, y), f"{what}: leaf {i} differs: max |diff| {(x - y).abs().max().item()}"
+
+
+def full_opt_state(states_per_rank, stage0_state):
+    """Stage s's optimizer state per bucket, shards concatenated in rank order, "leaf" fields as is."""
+    out = []
+    for b, s0 in enumerate(stage0_state):
+        if s0 is None:
+            out.append(None)
+            continue
+        fields = []
+        for k, field in enumerate(s0):
+            parts = [st[b][k] for st in states_per_rank]
+            fields.append(torch.cat(parts) if field.numel() > 0 and parts[0].shape != field.shape else parts[0])
+        out.append(fields)
+    return out
+
+
+def check(pb):
+    ref = serial_reference(pb)
+    zero = run_stage(pb, 0)
+    other = run_stage(pb, pb["stage"])
+    n = pb["n"]
+    for t in range(pb["steps"]):
+        z_params, z_opt, z_m = zero[0][0][t]
+        ref_leaves, ref_loss = ref[t]
+        assert_equal_leaves(z_params, unflatten(flatten_with_paths(z_params)[2], ref_leaves),
+                            f"stage 0 vs serial reference, step {t}")
+        assert z_m.loss.item() == ref_loss or (math.isnan(ref_loss) and math.isnan(z_m.loss.item()))
+        for r in range(n):
+            o_params, o_opt, o_m = other[r][0][t]
+            assert_equal_leaves(o_params, z_params, f"stage {pb['stage']} vs stage 0, rank {r}, step {t}")
+            assert torch.equal(o_m.loss, z_m.loss) and torch.equal(o_m.grad_norm, z_m.grad_norm)
+            z_params_r = zero[r][0][t][0]
+            assert_equal_leaves(z_params_r, z_params, f"stage 0 rank {r} vs rank 0, step {t}")
+        merged = full_opt_state([other[r][0][t][1] for r in range(n)], z_opt)
+        for b, (mo, zo) in enumerate(zip(merged, z_opt)):
+            if zo is None:
+                assert mo is None
+                continue
+            for k, (x, y) in enumerate(zip(mo, zo)):
+                assert torch.equal(x, y), f"optimizer state bucket {b} field {k} differs at step {t}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_stages_equal_stage0_and_serial_reference(n):
+    @settings(max_examples=example_count(100 if n <= 4 else 40))
+    @given(problems(n))
+    def prop(pb):
+        check(pb)
+
+    prop()
+
+
+# -- bad steps ------------------------------------------------------------------------------------
+
+
+def _nan_setup(stage, on_nonfinite):
+    params = {"a": torch.ones(5), "b": torch.ones(3)}
+    mesh = fzero.SimMesh(3)
+    opt = optim.adamw(0.1)
+
+    def loss_fn(p, c):
+        return (p["a"] * c).sum() + p["b"].sum()
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, on_nonfinite=on_nonfinite)
+        new, m = step(state, c)
+        return state, new, m
+
+    batches = [torch.ones(5), torch.tensor([1.0, float("nan"), 1, 1, 1]), torch.ones(5)]
+    return mesh, rank_fn, batches
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage):
+    mesh, rank_fn, batches = _nan_setup(stage, "raise")
+    with pytest.raises(fzero.NonFiniteError, match=r"rank\(s\) \[1\].*rank 1: non-finite gradient of 'a'"):
+        mesh.run(rank_fn, [(c,) for c in batches])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_step_skipped_leaves_state_unchanged(stage):
+    mesh, rank_fn, batches = _nan_setup(stage, "skip")
+    for before, after, m in mesh.run(rank_fn, [(c,) for c in batches]):
+        assert m.skipped and after.step == before.step == 0
+        assert all(torch.equal(x, y) for x, y in zip(before.params, after.params))
+        assert after is before
+
+
+def test_nonfinite_loss_on_one_rank_raises_everywhere():
+    params = {"a": torch.ones(4)}
+    mesh = fzero.SimMesh(2)
+    opt = optim.sgd(0.1)
+
+    def rank_fn(scale):
+        state = fzero.init(params, opt, stage=3, mesh=mesh)
+        step = fzero.train_step(lambda p, c: p["a"].sum() * 0 + c, opt, stage=3, mesh=mesh)
+        return step(state, scale)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"rank 0: non-finite loss"):
+        mesh.run(rank_fn, [(torch.tensor(float("inf")),), (torch.tensor(1.0),)])
+
+
+def test_loss_error_on_one_rank_stops_every_rank():
+    params = {"a": torch.ones(4)}
+    mesh = fzero.SimMesh(3)
+    opt = optim.sgd(0.1)
+
+    def loss_fn(p, c):
+        if c.shape != (4,):
+            raise ValueError(f"batch of shape {list(c.shape)} rejected")
+        return (p["a"] * c).sum()
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=3, mesh=mesh)
+        return fzero.train_step(loss_fn, opt, stage=3, mesh=mesh)(state, c)
+
+    with pytest.raises(ValueError, match="rejected") as info:
+        mesh.run(rank_fn, [(torch.ones(4),), (torch.ones(5),), (torch.ones(4),)])
+    assert any("rank 1" in note for note in info.value.__notes__)
+
+
+def test_state_and_stage_mismatch_errors():
+    params = {"a": torch.ones(4)}
+    mesh, other = fzero.SimMesh(2), fzero.SimMesh(2)
+    opt = optim.sgd(0.1)
+
+    def rank_fn():
+        state = fzero.init(params, opt, stage=1, mesh=mesh)
+        with pytest.raises(fzero.FzeroError, match="made for stage 1 but this step runs stage 2"):
+            fzero.train_step(lambda p, c: p["a"].sum(), opt, stage=2, mesh=mesh)(state, None)
+        with pytest.raises(fzero.FzeroError, match="lives on"):
+            fzero.train_step(lambda p, c: p["a"].sum(), opt, stage=1, mesh=other)(state, None)
+        with pytest.raises(fzero.FzeroError, match="0-d floating tensor"):
+            fzero.train_step(lambda p, c: p["a"], opt, stage=1, mesh=mesh)(state, None)
+        return True
+
+    assert mesh.run(rank_fn) == [True, True]
+    with pytest.raises(fzero.FzeroError, match="stage must be 0, 1, 2 or 3"):
+        fzero.train_step(lambda p, c: p, opt, stage=4, mesh=mesh)
