@@ -25,3 +25,46 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools of torchrun gloo workers, started on first use and kept for the whole session
+# (fzero.testing.pool; tests/dist_cases.py holds the functions they run).
+
+import pytest  # noqa: E402
+
+from fzero.testing.pool import Pool  # noqa: E402
+
+
+class LazyPool:
+    """A `Pool` of n workers, started on the first `run` and again after one was closed (a call
+    that times out closes its pool, since a hung collective cannot be cancelled)."""
+
+    def __init__(self, n: int) -> None:
+        self.nproc = n
+        self._pool: Pool | None = None
+
+    def run(self, *args, **kwargs):
+        if self._pool is None or not self._pool.alive:
+            self._pool = Pool(self.nproc)
+        return self._pool.run(*args, **kwargs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist2():
+    """2 torchrun gloo workers, started on first use, shared by the whole session."""
+    pool = LazyPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def dist4():
+    """4 torchrun gloo workers, started on first use, shared by the whole session."""
+    pool = LazyPool(4)
+    yield pool
+    pool.close()

@@ -1,0 +1,275 @@
+"""A persistent group of `torchrun` worker processes for testing code on a real process group.
+
+Starting a torchrun job costs seconds (about 6 s for 2 gloo ranks, 12 s for 4), far too much
+for one job per hypothesis draw. A `Pool` starts one job and keeps it: the test process opens a
+`multiprocessing.connection.Listener` on 127.0.0.1 (random port, random authkey) and runs
+
+    torchrun --standalone --nproc-per-node N -m fzero.testing._worker
+
+with the address and authkey in the environment. Each worker turns warnings into errors, builds
+`fzero.DistMesh()` (gloo on CPU), connects back and serves calls: `pool.run(fn, per_rank_args)`
+ships a reference to `fn` ("module:qualname", so `fn` must be importable) and rank r's
+arguments to rank r, which runs `fn(mesh, *args_r)` on a fresh `DistMesh` and sends back the
+result or the exception. Draw data in the test process and ship it; the workers only compute.
+
+Example (a test module; `cases.py` is importable from the test process's `sys.path`):
+  >>> # cases.py
+  >>> def gather(mesh, x):
+  ...     return fzero.all_gather(x, mesh)
+  >>> # test_x.py
+  >>> with Pool(2) as pool:
+  ...     pool.run(cases.gather, [(torch.ones(1),), (torch.zeros(1),)])
+  [tensor([1., 0.]), tensor([1., 0.])]
+
+Messages are pickled with the standard pickler (`send_bytes`), never torch's shared-memory
+reducers, so tensors travel by value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+ENV_ADDRESS = "FZERO_POOL_ADDRESS"
+ENV_AUTHKEY = "FZERO_POOL_AUTHKEY"
+ENV_SYS_PATH = "FZERO_POOL_SYS_PATH"
+
+
+class PoolError(RuntimeError):
+    """The pool could not start, a call timed out, or a worker died; the pool is closed."""
+
+
+@dataclasses.dataclass
+class RemoteError:
+    """An exception raised by `fn` on one worker, as text (and as the exception, if it pickles)."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    exception: BaseException | None
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} raised {self.type_name}: {self.message}\n{self.traceback}"
+
+
+class WorkerError(RuntimeError):
+    """`fn` raised on one or more ranks; `errors` lists them in rank order."""
+
+    def __init__(self, errors: list[RemoteError]) -> None:
+        self.errors = errors
+        ranks = [e.rank for e in errors]
+        body = "\n".join(f"--- rank {e.rank} ---\n{e}" for e in errors)
+        super().__init__(f"fn raised on rank(s) {ranks}:\n{body}")
+
+
+def reference(fn: Callable[..., Any] | str) -> str:
+    """`fn -> "module:qualname"`, checking that a worker can import it."""
+    if isinstance(fn, str):
+        return fn
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"pool.run needs a module-level function that workers can import; got {fn!r} "
+            f"(module {module!r}, qualname {qualname!r}): move it to an importable module")
+    return f"{module}:{qualname}"
+
+
+def _torchrun() -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+class Pool:
+    """N torchrun workers on one gloo process group, serving `run` calls until `close`.
+
+    Args:
+      nproc: the world size N.
+      timeout: default seconds a `run` call may take before the pool is declared hung and closed.
+      start_timeout: seconds to wait for all workers to connect.
+    """
+
+    def __init__(self, nproc: int, *, timeout: float = 120.0, start_timeout: float = 180.0) -> None:
+        self.nproc = nproc
+        self.timeout = timeout
+        self._closed = False
+        self._conns: list[Connection] = []
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = self._listener.address
+        env = dict(os.environ)
+        env.update({
+            ENV_ADDRESS: f"{host}:{port}",
+            ENV_AUTHKEY: authkey.hex(),
+            ENV_SYS_PATH: json.dumps([p for p in sys.path if p and os.path.isdir(p)]),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        })
+        self._log = tempfile.NamedTemporaryFile("w+b", prefix="fzero-pool-", suffix=".log", delete=False)
+        cmd = [*_torchrun(), "--standalone", "--nproc-per-node", str(nproc), "-m", "fzero.testing._worker"]
+        self._proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._accept(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self, start_timeout: float) -> None:
+        hello: dict[int, Connection] = {}
+        failure: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                while len(hello) < self.nproc:
+                    conn = self._listener.accept()
+                    kind, rank, world = pickle.loads(conn.recv_bytes())
+                    if kind != "hello" or world != self.nproc:
+                        raise PoolError(f"worker said {kind!r} for rank {rank} of world {world}")
+                    hello[rank] = conn
+            except BaseException as e:  # noqa: BLE001 - reported by the waiting thread
+                failure.append(e)
+
+        thread = threading.Thread(target=accept, daemon=True, name="fzero-pool-accept")
+        thread.start()
+        deadline = time.monotonic() + start_timeout
+        while thread.is_alive():
+            thread.join(0.1)
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                break
+        if failure or len(hello) < self.nproc:
+            why = (f"torchrun exited with {self._proc.returncode}" if self._proc.poll() is not None
+                   else f"only {len(hello)} of {self.nproc} workers connected within {start_timeout:.0f} s")
+            raise PoolError(f"could not start the pool: {why}; {failure or ''}\n{self.log_tail()}")
+        self._conns = [hello[r] for r in range(self.nproc)]
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pid {self._proc.pid}"
+        return f"Pool(nproc={self.nproc}, {state})"
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._proc.poll() is None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """The end of torchrun's combined output (its workers' stdout and stderr)."""
+        try:
+            text = Path(self._log.name).read_bytes()[-chars:].decode(errors="replace")
+        except OSError:
+            return ""
+        return f"--- torchrun output (tail) ---\n{text}"
+
+    def run(
+        self,
+        fn: Callable[..., Any] | str,
+        per_rank_args: Sequence[Any] | Callable[[int], Any] = (),
+        *,
+        timeout: float | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Run `fn(mesh, *args_r)` on every rank r; return the N results in rank order.
+
+        Args:
+          fn: a module-level function (or "module:qualname") the workers can import.
+          per_rank_args: N argument tuples (indexed by rank), a callable `rank -> tuple`, or `()`.
+          timeout: seconds for the whole call (default: the pool's); on expiry the pool is
+            closed (a hung collective cannot be cancelled) and `PoolError` is raised.
+          return_exceptions: put a `RemoteError` in place of a failed rank's result instead of
+            raising `WorkerError`.
+        """
+        if not self.alive:
+            raise PoolError(f"{self!r} is not running")
+        ref = reference(fn)
+        args = [self._args(per_rank_args, r) for r in range(self.nproc)]
+        for r, conn in enumerate(self._conns):
+            conn.send_bytes(pickle.dumps(("call", ref, args[r])))
+        replies: dict[int, Any] = {}
+        pending = {conn: r for r, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = sorted(pending.values())
+                self.close()
+                raise PoolError(f"{ref}: rank(s) {ranks} did not answer within the timeout; the pool "
+                                f"is closed\n{self.log_tail()}")
+            for conn in ready:
+                r = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    replies[r] = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError) as e:
+                    self.close()
+                    raise PoolError(f"{ref}: worker {r} died ({e!r}); the pool is closed\n{self.log_tail()}") from e
+        results, errors = [], []
+        for r in range(self.nproc):
+            kind, *payload = replies[r]
+            if kind == "ok":
+                results.append(payload[0])
+            else:
+                err = RemoteError(r, *payload)
+                errors.append(err)
+                results.append(err)
+        if errors and not return_exceptions:
+            raise WorkerError(errors)
+        return results
+
+    def _args(self, per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int) -> tuple:
+        if callable(per_rank_args):
+            args = per_rank_args(rank)
+        elif len(per_rank_args) == 0:
+            args = ()
+        elif len(per_rank_args) != self.nproc:
+            raise ValueError(f"per_rank_args has {len(per_rank_args)} entries; expected {self.nproc}")
+        else:
+            args = per_rank_args[rank]
+        return args if isinstance(args, tuple) else (args,)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the workers to leave (they call destroy_process_group), then wait; escalate to
+        SIGTERM and SIGKILL of torchrun's process group if they don't."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(self._proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self._proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        for conn in self._conns:
+            conn.close()
+        self._listener.close()
+        self._log.close()
+        with_error = self._proc.returncode not in (0, None)
+        if not with_error:
+            os.unlink(self._log.name)

@@ -1,0 +1,273 @@
+"""Hypothesis strategies and assertions for testing code built on fzero.
+
+Tensor contents are generated from a drawn seed with a `torch.Generator` (fast, and shrinks as
+one integer), shapes and structure are drawn by hypothesis (they shrink well). Every strategy
+covers the corners that break sharding code: 0-d leaves, zero-size leaves, sizes not divisible
+by the world size and sizes smaller than it, mixed float dtypes, dict keys in non-sorted order.
+
+Example:
+  >>> from hypothesis import given
+  >>> from fzero.testing import assert_trees_equal, examples, pytrees, world_sizes
+  >>> @examples(100)
+  ... @given(pytrees(), world_sizes())
+  ... def test_round_trip(params, n):
+  ...     layout = fzero.plan(params, n)
+  ...     flats = fzero.unshard(layout, fzero.shard(layout, fzero.pack(layout, params)))
+  ...     assert_trees_equal(fzero.unpack(layout, flats), params)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from fzero._src.layout import ParamGroup
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+_PROFILE_FACTOR = {"ci": 1, "local": 10}
+
+
+def example_count(n: int) -> int:
+    """`n` under the "ci" hypothesis profile (the default), `10 * n` under "local".
+
+    The profile is read from the environment variable HYPOTHESIS_PROFILE.
+    """
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    return n * _PROFILE_FACTOR.get(profile, 1)
+
+
+def examples(n: int) -> settings:
+    """A `hypothesis.settings` decorator running `example_count(n)` examples:
+    `n` in the "ci" profile, `10 * n` in the "local" profile.
+
+    Use it on top of `@given`: `@examples(100)`. Other settings come from the loaded profile.
+    """
+    return settings(max_examples=example_count(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and tensors
+
+
+def shapes(*, max_dims: int = 3, max_side: int = 9) -> st.SearchStrategy[tuple[int, ...]]:
+    """Tensor shapes: 0-d, zero-size, and small sides (often not divisible by a world size)."""
+    return st.one_of(
+        st.sampled_from([(), (0,), (1,), (2, 0), (7,), (3, 5), (13,)]),
+        st.lists(st.integers(0, max_side), max_size=max_dims).map(tuple),
+    )
+
+
+def _random_floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Finite floats of many magnitudes, cast to `dtype`: normal samples times a per-tensor scale
+    2^k, k in [-20, 20] (float16: [-8, 8], so that sums of a few stay finite)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    k = 8 if dtype == torch.float16 else 20
+    scale = 2.0 ** int(torch.randint(-k, k + 1, (), generator=gen))
+    return (x * scale).to(dtype)
+
+
+def _integer_floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int, max_abs: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-max_abs, max_abs + 1, shape, generator=gen).to(dtype)
+
+
+def float_tensors(
+    *,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    shape: st.SearchStrategy[tuple[int, ...]] | None = None,
+) -> st.SearchStrategy[torch.Tensor]:
+    """Finite floating tensors of random magnitude (no NaN/inf, so `torch.equal` is meaningful)."""
+    return st.builds(
+        _random_floats,
+        shape if shape is not None else shapes(),
+        st.sampled_from(tuple(dtypes)),
+        st.integers(0, 2**31 - 1),
+    )
+
+
+def integer_valued(
+    *,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    shape: st.SearchStrategy[tuple[int, ...]] | None = None,
+    max_abs: int = 16,
+) -> st.SearchStrategy[torch.Tensor]:
+    """Floating tensors holding integers in `[-max_abs, max_abs]`.
+
+    With the default `max_abs = 16`, sums of up to 16 such values are exact in every float
+    dtype (bfloat16 represents every integer up to 2^8 = 256 exactly), so a reduction's result
+    does not depend on the order of summation.
+    """
+    return st.builds(
+        _integer_floats,
+        shape if shape is not None else shapes(),
+        st.sampled_from(tuple(dtypes)),
+        st.integers(0, 2**31 - 1),
+        st.just(max_abs),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Pytrees
+
+
+class Pair(NamedTuple):
+    """A NamedTuple node for generated pytrees."""
+
+    first: Any
+    second: Any
+
+
+class Single(NamedTuple):
+    """A one-field NamedTuple node for generated pytrees."""
+
+    value: Any
+
+
+_KEYS = st.text("abcdefgwxyz_", min_size=1, max_size=4)
+
+
+def pytrees(
+    leaves: st.SearchStrategy[Any] | None = None,
+    *,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    max_leaves: int = 8,
+) -> st.SearchStrategy[Any]:
+    """Pytrees of dicts (keys in random, usually unsorted, insertion order), lists, tuples and
+    NamedTuples, nested, with `leaves` (default: `float_tensors(dtypes=dtypes)`) at the tips.
+
+    The root is always a container; a tree may hold between 0 and about `max_leaves` leaves.
+    """
+    leaf = leaves if leaves is not None else float_tensors(dtypes=dtypes)
+
+    def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.one_of(
+            st.dictionaries(_KEYS, children, max_size=3),
+            st.lists(children, max_size=3),
+            st.lists(children, max_size=3).map(tuple),
+            st.builds(Pair, children, children),
+            st.builds(Single, children),
+        )
+
+    return extend(st.recursive(leaf, extend, max_leaves=max_leaves))
+
+
+def world_sizes(max_n: int = 8) -> st.SearchStrategy[int]:
+    """World sizes `1 ... max_n`."""
+    return st.integers(1, max_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Units and parameter groups: predicates on dotted leaf paths
+
+
+def _crc(salt: int, path: str) -> int:
+    return zlib.crc32(f"{salt}:{path}".encode())
+
+
+@st.composite
+def units(draw: Any) -> Any:
+    """A `units=` argument for `fzero.plan`: None, a callable `path -> unit name`, or a mapping
+    `unit name -> path predicate`. Assignments are deterministic functions of the path (a
+    salted CRC, or the path's first component), so they work on any tree."""
+    kind = draw(st.sampled_from(["none", "hash", "prefix", "mapping"]))
+    if kind == "none":
+        return None
+    salt, k = draw(st.integers(0, 2**16)), draw(st.integers(1, 4))
+    if kind == "hash":
+        return lambda path: f"u{_crc(salt, path) % k}"
+    if kind == "prefix":
+        return lambda path: path.split(".")[0]
+    return {f"m{i}": (lambda path, i=i: _crc(salt, path) % (k + 1) == i) for i in range(k)}
+
+
+@st.composite
+def groups(draw: Any, *, frozen: bool = True) -> tuple[ParamGroup, ...]:
+    """A `groups=` argument for `fzero.plan`: 0-3 `ParamGroup`s with salted-CRC predicates,
+    random weight-decay masks, lr scales and (if `frozen`) frozen groups."""
+    salt, k = draw(st.integers(0, 2**16)), draw(st.integers(0, 3))
+    return tuple(
+        ParamGroup(
+            f"g{i}",
+            match=lambda path, i=i: _crc(salt, path) % (k + 1) == i,
+            weight_decay=draw(st.booleans()),
+            lr_scale=draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])),
+            frozen=frozen and draw(st.booleans()),
+        )
+        for i in range(k)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Assertions
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str:
+    flat = int(differ.reshape(-1).nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+    count = int(differ.sum())
+    return (f"{count} of {a.numel()} elements differ; first at index {list(index)}: "
+            f"{a.reshape(-1)[flat].item()!r} != {b.reshape(-1)[flat].item()!r}")
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+    return x.contiguous().view(ints[x.element_size()]) if x.dtype.is_floating_point else x
+
+
+def _compare_tensors(path: str, a: torch.Tensor, b: torch.Tensor, bitwise: bool) -> None:
+    where = path or "<root>"
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        raise AssertionError(f"leaf {where!r}: {a.dtype}{list(a.shape)} on {a.device} != "
+                             f"{b.dtype}{list(b.shape)} on {b.device}")
+    equal = torch.equal(_bits(a), _bits(b)) if bitwise else torch.equal(a, b)
+    if not equal:
+        differ = _bits(a) != _bits(b) if bitwise else a != b  # NaN != NaN, as in torch.equal
+        raise AssertionError(f"leaf {where!r} ({a.dtype}{list(a.shape)}): {_first_difference(a, b, differ)}")
+
+
+def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = "") -> None:
+    """Assert that two pytrees are equal: same node types, same dict keys in the same insertion
+    order, and every tensor leaf `torch.equal` (same dtype, shape and device too). With
+    `bitwise=True` floats are compared by their bits (so NaN equals the same NaN and 0.0 differs
+    from -0.0). Other leaves are compared with `==`.
+
+    Raises:
+      AssertionError naming the dotted path, and for tensors the number of differing elements
+      and the first differing index with both values.
+    """
+    where = _path or "<root>"
+    join = (lambda k: f"{_path}.{k}" if _path else str(k))
+    if type(a) is not type(b):
+        raise AssertionError(f"at {where!r}: node types differ: {type(a).__name__} != {type(b).__name__}")
+    if isinstance(a, torch.Tensor):
+        _compare_tensors(_path, a, b, bitwise)
+    elif isinstance(a, dict):
+        if list(a) != list(b):
+            raise AssertionError(f"at {where!r}: dict keys differ (in order): {list(a)} != {list(b)}")
+        for k in a:
+            assert_trees_equal(a[k], b[k], bitwise=bitwise, _path=join(k))
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            raise AssertionError(f"at {where!r}: lengths differ: {len(a)} != {len(b)}")
+        names = a._fields if _is_namedtuple(a) else range(len(a))
+        for k, x, y in zip(names, a, b):
+            assert_trees_equal(x, y, bitwise=bitwise, _path=join(k))
+    elif a is None:
+        pass
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b) and bitwise:
+        pass
+    elif a != b:
+        raise AssertionError(f"at {where!r}: {a!r} != {b!r}")
