@@ -1,0 +1,338 @@
+"""Accounting: the bytes a rank really holds and the bytes its collectives really move.
+
+Two halves, each with a formula and a measurement that tests hold against each other:
+
+- memory: `held_bytes(state)` reads the tensors a `ZeroState` holds (what `fzero.estimate`
+  predicts); `storage_bytes(tree)` is an independent census of live distinct storages, and
+  `LiveStorages` a dispatch mode that tracks the peak of storages allocated during a step.
+- communication: `comm_volume(records, N)` sums the collectives that `Mesh.record()` logged;
+  `expected_comm(layout or Ψ, N, stage, ...)` is the per-step formula (proofs/communication.md).
+
+Ring model of wire bytes per rank (what one rank sends; it receives as much):
+
+    all_gather, reduce_scatter of B logical bytes (the whole N * S buffer):  (N - 1)/N · B
+    all_reduce of B bytes (reduce-scatter, then all-gather):                2(N - 1)/N · B
+    broadcast of B bytes (pipelined ring: every rank but the last forwards):   B   (0 if N == 1)
+
+Collectives whose tag starts with "fzero." (the step's agreement all-gather, `init`'s structure
+check) or ends with "/leaf_sum" (a layer-wise optimizer's per-leaf sums) are *control*: small,
+independent of Ψ, reported apart and never part of the data volume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
+from typing import Any, NamedTuple, Union
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .layout import Layout, check_world_size
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+CONTROL_PREFIX = "fzero."
+CONTROL_SUFFIX = "/leaf_sum"
+
+
+# ------------------------------------------------------------------------------------- memory
+
+
+class HeldBytes(NamedTuple):
+    """Bytes of model state one rank holds, per category (as `fzero.estimate` names them).
+
+    `optimizer_state` counts every optimizer-state tensor, "shard" and "leaf" fields alike;
+    `optimizer_leaf` is the part in "leaf" fields (per-leaf step counts: `[L_b]` float32 per
+    trainable bucket, replicated), or None when `held_bytes` was not given the optimizer.
+    `master` is 0: fzero keeps no separate master copy (the params are the fp32 copy).
+    """
+
+    params: int
+    grads: int
+    optimizer_state: int
+    master: int
+    optimizer_leaf: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_state + self.master
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(tree))
+
+
+def grad_bytes(layout: Layout, stage: int) -> int:
+    """Bytes of the gradient buffer a rank holds at the optimizer step (gradients are transient,
+    so this is read from the layout): the reduced `flat[N * S]` per trainable bucket in stages
+    0-1, its `shard[S]` in stages 2-3 (reduce-scattered during backward)."""
+    sharded = stage >= 2
+    return sum((b.shard_numel if sharded else b.padded_numel) * b.dtype.itemsize
+               for b in layout.buckets if not b.group.frozen)
+
+
+def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
+    """`ZeroState -> HeldBytes` of this rank, from the tensors the state holds.
+
+    params: Σ nbytes of `state.params` (`flat[N * S]` in stages 0-2, `shard[S]` in stage 3);
+    optimizer_state: Σ nbytes of every tensor in `state.opt_state`; grads: `grad_bytes`.
+    With `optimizer` (the `fzero.optim` triple the state was made with), its `spec` splits off
+    the "leaf" fields into `optimizer_leaf`.
+    """
+    leaf = None
+    if optimizer is not None:
+        leaf = 0
+        for s in state.opt_state:
+            if s is None:
+                continue
+            for field, kind in zip(s, optimizer.spec(s)):
+                if kind == "leaf":
+                    leaf += _nbytes(field)
+    return HeldBytes(
+        params=_nbytes(state.params),
+        grads=grad_bytes(state.layout, state.stage.level),
+        optimizer_state=_nbytes(state.opt_state),
+        master=0,
+        optimizer_leaf=leaf,
+    )
+
+
+def storage_bytes(tree: Any) -> int:
+    """Bytes of the distinct live storages the tensors of `tree` reach (deduplicated by
+    `untyped_storage().data_ptr()`): an oracle that does not read fzero's layout. Views into
+    one buffer count it once; a small view of a big buffer counts the whole buffer."""
+    seen: dict[int, int] = {}
+    for t in _tensors(tree):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+class LiveStorages(TorchDispatchMode):
+    """Tracks storages allocated by aten ops while entered; `peak` is the most live bytes seen.
+
+    Every op's output whose storage is not one of the op's inputs' storages is a new allocation
+    (views and in-place results share an input's storage and are skipped); it is held through a
+    weak reference to the C++ storage (`StorageWeakRef`) and counted until that expires.
+    Storages created before the mode was entered (the state, the batch) are never counted, so
+    `peak` is the most bytes above what existed at entry. Internal scratch buffers of a single
+    kernel are invisible to it.
+
+    Thread-locality: torch keeps the dispatch-mode stack per thread, and SimMesh computes a
+    collective's results for all ranks on whichever rank thread completes the round. So enter
+    one *shared* `LiveStorages` inside every rank's function: it then counts the live bytes of
+    all ranks together (exact, whichever thread allocates), and `peak` is the peak of the sum.
+    One rank runs at a time, so no lock is needed beyond SimMesh's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref = StorageWeakRef
+        self._live: dict[int, tuple[Any, int]] = {}  # storage cdata -> (weak ref, nbytes)
+        self.peak = 0
+        self.current = 0
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self.current -= self._live.pop(k)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ins = {x.untyped_storage()._cdata for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        out = func(*args, **kwargs)
+        self._sweep()
+        for t in optree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            if st._cdata in ins or st._cdata in self._live:
+                continue
+            self._live[st._cdata] = (self._ref(st), st.nbytes())
+            self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+class OpTotal(NamedTuple):
+    """One op's totals over some collectives of one rank: how many, their logical elements and
+    bytes (`CollectiveRecord` conventions: N * S for all_gather / reduce_scatter), and the
+    bytes the rank sends on the wire under the ring model (exact, a `Fraction`)."""
+
+    count: int
+    elements: int
+    bytes: int
+    wire_bytes: Fraction
+
+
+@dataclasses.dataclass(frozen=True)
+class CommVolume:
+    """Collectives of one rank, per op: `data` (what moves params and grads) and `control`
+    (tags "fzero.*" and "*/leaf_sum", reported apart). Totals cover `data` only."""
+
+    world_size: int
+    data: Mapping[str, OpTotal]
+    control: Mapping[str, OpTotal] = dataclasses.field(default_factory=dict)
+
+    @property
+    def elements(self) -> int:
+        return sum(t.elements for t in self.data.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.data.values())
+
+    @property
+    def wire_bytes(self) -> Fraction:
+        return sum((t.wire_bytes for t in self.data.values()), Fraction(0))
+
+    @property
+    def count(self) -> int:
+        return sum(t.count for t in self.data.values())
+
+
+def wire_factor(op: str, world_size: int) -> Fraction:
+    """Bytes one rank sends per logical byte, ring model (module docstring)."""
+    n = check_world_size(world_size)
+    if op in ("all_gather", "reduce_scatter"):
+        return Fraction(n - 1, n)
+    if op == "all_reduce":
+        return Fraction(2 * (n - 1), n)
+    if op == "broadcast":
+        return Fraction(int(n > 1))
+    raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+
+
+def is_control(tag: str | None) -> bool:
+    """True for fzero's small bookkeeping collectives: tag "fzero.*" or "*/leaf_sum"."""
+    return tag is not None and (tag.startswith(CONTROL_PREFIX) or tag.endswith(CONTROL_SUFFIX))
+
+
+def _totals(items: Iterable[tuple[str, int, int]], world_size: int) -> dict[str, OpTotal]:
+    out: dict[str, OpTotal] = {}
+    for op, elements, nbytes in items:
+        c, e, b, w = out.get(op, OpTotal(0, 0, 0, Fraction(0)))
+        out[op] = OpTotal(c + 1, e + elements, b + nbytes, w + nbytes * wire_factor(op, world_size))
+    return {op: out[op] for op in OPS if op in out}
+
+
+def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = None, steps: int = 1) -> CommVolume:
+    """`Mesh.record()` records -> one rank's `CommVolume`, per step.
+
+    `rank` picks whose records to sum (default: the lowest rank present). Every rank present
+    must have called the same sequence of (op, dtype, elements, tag), else ValueError: on a
+    correct mesh they always do. `steps` divides the totals (they must divide evenly).
+    """
+    by_rank: dict[int, list[Any]] = {}
+    for r in records:
+        by_rank.setdefault(r.rank, []).append(r)
+    if not by_rank:
+        return CommVolume(world_size, {}, {})
+    key = lambda r: (r.op, r.reduce, r.dtype, r.elements, r.tag)  # noqa: E731
+    first = min(by_rank)
+    for r, recs in by_rank.items():
+        if [key(x) for x in recs] != [key(x) for x in by_rank[first]]:
+            raise ValueError(f"ranks {first} and {r} recorded different collectives; records must come from "
+                             f"one mesh's complete steps")
+    mine = by_rank[first if rank is None else rank]
+    data = _totals(((x.op, x.elements, x.bytes) for x in mine if not is_control(x.tag)), world_size)
+    control = _totals(((x.op, x.elements, x.bytes) for x in mine if is_control(x.tag)), world_size)
+    if steps != 1:
+        data, control = _per_step(data, steps), _per_step(control, steps)
+    return CommVolume(world_size, data, control)
+
+
+def _per_step(totals: dict[str, OpTotal], steps: int) -> dict[str, OpTotal]:
+    out = {}
+    for op, t in totals.items():
+        if t.count % steps or t.elements % steps or t.bytes % steps:
+            raise ValueError(f"{op}: totals {t} are not a whole multiple of {steps} steps")
+        out[op] = OpTotal(t.count // steps, t.elements // steps, t.bytes // steps, t.wire_bytes / steps)
+    return out
+
+
+class _Buf(NamedTuple):
+    unit: str
+    elements: int  # N * S (padded), or Ψ for a bare count
+    itemsize: int
+    trainable: bool
+
+
+Model = Union[Layout, int]
+
+
+def _bufs(model: Model, world_size: int) -> list[_Buf]:
+    if isinstance(model, Layout):
+        model.check_world_size(world_size, "world size argument")
+        return [_Buf(b.unit, b.padded_numel, b.dtype.itemsize, not b.group.frozen) for b in model.buckets]
+    if isinstance(model, bool) or not isinstance(model, int) or model < 0:
+        raise ValueError(f"expected a Layout or a parameter count Ψ >= 0, got {model!r}")
+    return [_Buf("default", model, 4, True)]
+
+
+def expected_comm(
+    model: Model,
+    world_size: int,
+    stage: int,
+    *,
+    grad_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
+    regather: bool = False,
+    accumulation: int = 1,
+    persistent: Iterable[str] = frozenset(),
+) -> CommVolume:
+    """Data collectives of one rank in one optimizer step (control collectives excluded).
+
+    `model` is a `fzero.plan` layout (one buffer of `N * S_b` elements per bucket b, padding
+    included) or a bare count Ψ (one trainable fp32 buffer of Ψ elements). Each buffer's dtype
+    is its bucket's unless `param_dtype` (gathers of params) / `grad_dtype` (reductions) say
+    otherwise. Per trainable buffer of E elements, with k = `accumulation` micro-batches, each
+    reduced as it is produced (the mode every stage can run):
+
+        stage 0:  k·(RS(E) + AG(E))        reduce, then gather the reduced gradient back (DDP)
+        stage 1:  k·RS(E) + AG(E)          reduce; gather the updated params once
+        stage 2:  k·RS(E) + AG(E)          same collectives, reduced per unit during backward
+        stage 3:  k·(AG(E) + [AG(E)] + RS(E))  forward gather, backward re-gather if `regather`
+
+    and in stage 3 every frozen buffer is gathered in forward too (k·AG(E), plus a re-gather
+    only if it must be differentiated through; not modelled: frozen buffers are never
+    re-gathered here). A unit in `persistent` (stage 3) keeps full params: no gathers in forward
+    or backward, and is reduced and re-gathered after the update as in stage 2. fzero today:
+    `regather=False` (the gathered flat stays alive from forward to backward), `accumulation=1`,
+    no persistent units. In elements, stage 0 moves 2kΨ, stages 1-2 (k + 1)Ψ, stage 3 2kΨ
+    without and 3kΨ with the re-gather.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
+    persistent = frozenset(persistent)
+    k = accumulation
+    items: list[tuple[str, int, int]] = []
+    for b in _bufs(model, world_size):
+        p = param_dtype.itemsize if param_dtype is not None else b.itemsize
+        g = grad_dtype.itemsize if grad_dtype is not None else b.itemsize
+        ag, rs = ("all_gather", b.elements, b.elements * p), ("reduce_scatter", b.elements, b.elements * g)
+        ag_grad = ("all_gather", b.elements, b.elements * g)
+        level = 2 if stage == 3 and b.unit in persistent else stage
+        if level == 3:
+            items += [ag] * k + ([ag] * k if regather and b.trainable else []) + ([rs] * k if b.trainable else [])
+        elif b.trainable:
+            items += [rs, ag_grad] * k if level == 0 else [rs] * k + [ag]
+    return CommVolume(world_size, _totals(items, world_size), {})
+
+
+def agreement_elements(layout: Layout) -> int:
+    """Elements (float64) of the step's one agreement all-gather: N · (2L + 2), L = leaves."""
+    return layout.world_size * (2 * len(layout.leaves) + 2)

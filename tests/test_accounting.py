@@ -1,0 +1,257 @@
+"""Accounting checked against real steps: held bytes against `fzero.estimate` and a storage
+census, peak live bytes by a dispatch mode, and recorded collectives against `expected_comm`
+(proofs/communication.md, proofs/memory.md)."""
+
+from fractions import Fraction
+
+import optree
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero._src.accounting import (
+    CommVolume,
+    LiveStorages,
+    OpTotal,
+    agreement_elements,
+    comm_volume,
+    expected_comm,
+    grad_bytes,
+    held_bytes,
+    storage_bytes,
+    wire_factor,
+)
+from fzero._src.cli import main
+from fzero._src.estimate import estimate
+from fzero.testing import examples, groups, pytrees, units
+
+OPTIMIZERS = {
+    "adam": (lambda: optim.adam(lr=1e-3), "adam"),
+    "sgd-momentum": (lambda: optim.sgd(lr=1e-2, momentum=0.9), "sgd-momentum"),
+}
+
+
+def _loss_fn(params, batch):
+    """Uses every leaf (so every unit runs its backward on every rank); bounded, never non-finite."""
+    total = batch.sum() * 0
+    for x in optree.tree_leaves(params):
+        total = total + torch.tanh(x.float() * batch).sum()
+    return total
+
+
+def _run(params, opt, stage, n, unit_spec=None, group_spec=(), steps=2):
+    """`steps` train steps on SimMesh(n); returns per rank (state, held bytes, census) and the records
+    of the steps only (not init)."""
+    mesh = fzero.SimMesh(n)
+    logs = []
+
+    def rank_fn(batch):
+        s = fzero.init(params, opt, stage=stage, mesh=mesh, units=unit_spec, groups=group_spec)
+        step = fzero.train_step(_loss_fn, opt, stage=stage, mesh=mesh)
+        before = (held_bytes(s, opt), storage_bytes((s.params, s.opt_state)))
+        with mesh.record() as log:
+            for _ in range(steps):
+                s, _ = step(s, batch)
+        if mesh.rank == 0:
+            logs.append(log)
+        return s, before, (held_bytes(s, opt), storage_bytes((s.params, s.opt_state)))
+
+    out = mesh.run(rank_fn, [(torch.tensor(0.5 + r),) for r in range(n)])
+    return out, [rec for rec in logs[0]] if logs else []
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+@examples(40)
+@given(
+    params=pytrees(dtypes=(torch.float32,), max_leaves=6),
+    n=st.integers(1, 8),
+    stage=st.integers(0, 3),
+    opt_name=st.sampled_from(sorted(OPTIMIZERS)),
+    unit_spec=units(),
+    group_spec=groups(),
+)
+def test_held_bytes_equal_estimate_and_storage_census(params, n, stage, opt_name, unit_spec, group_spec):
+    make, est_name = OPTIMIZERS[opt_name]
+    opt = make()
+    out, _ = _run(params, opt, stage, n, unit_spec, group_spec, steps=1)
+    e = estimate(params, n, stage=stage, optimizer=est_name, units=unit_spec, groups=group_spec)
+    layout = out[0][0].layout
+    leaf_state = 4 * sum(len(b.leaves) for b in layout.buckets if not b.group.frozen)  # float32 step[L_b]
+    for state, *phases in out:
+        for held, census in phases:  # after init and after one step
+            assert held.params == e.params
+            assert held.grads == e.grads == grad_bytes(layout, stage)
+            assert held.master == e.master == 0
+            assert held.optimizer_leaf == leaf_state
+            assert held.optimizer_state == e.optimizer_state + leaf_state
+            # the oracle: distinct live storages reachable from the state
+            assert census == held.params + held.optimizer_state
+
+
+def _blocks(k, d=32):
+    gen = torch.Generator().manual_seed(k)
+    return {f"b{i}": {"w": torch.randn(d, d, generator=gen) / d**0.5} for i in range(k)}
+
+
+def _mlp_loss(params, x):
+    for i in range(len(params)):
+        x = torch.tanh(x @ params[f"b{i}"]["w"])  # (B, d)
+    return x.square().mean()
+
+
+def _peak(stage, k, n=2, d=32):
+    """Peak live bytes above the state, summed over ranks, during the second step of a K-block MLP."""
+    params, opt, mesh = _blocks(k, d), optim.adam(lr=1e-3), fzero.SimMesh(n)
+    mode = LiveStorages()  # one shared mode, entered in every rank thread (see LiveStorages)
+    unit_spec = lambda path: path.split(".")[0]  # noqa: E731
+
+    def rank_fn(x):
+        s = fzero.init(params, opt, stage=stage, mesh=mesh, units=unit_spec)
+        step = fzero.train_step(_mlp_loss, opt, stage=stage, mesh=mesh)
+        s, _ = step(s, x)
+        with mode:
+            s, _ = step(s, x)
+        return s
+
+    mesh.run(rank_fn, [(torch.randn(4, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
+    return mode.peak
+
+
+def test_live_storages_sees_thread_allocations():
+    """The mode is per thread; a shared one entered in each rank counts allocations of every rank,
+    including collective results that SimMesh builds on another rank's thread."""
+    mesh, mode = fzero.SimMesh(3), LiveStorages()
+
+    def rank_fn(x):
+        with mode:
+            y = fzero.all_gather(x, mesh)  # every rank keeps 3 * 1000 float32 elements alive
+            peak_here = mode.current
+        return y, peak_here
+
+    out = mesh.run(rank_fn, [(torch.zeros(1000),) for _ in range(3)])
+    assert all(y.shape == (3000,) for y, _ in out)
+    assert mode.peak >= 3 * 3000 * 4  # the three gathered buffers, all alive at once
+    del out
+    assert mode._sweep() is None and mode.current == 0  # all freed: nothing left counted
+
+
+def test_stage2_peak_holds_one_unit_of_full_gradient():
+    """Stage 1 holds the full gradient of all K units at once; stage 2 reduce-scatters each unit's
+    gradient during backward, so its peak is lower by at least (K - 1) unit gradients per rank."""
+    k, n, d = 4, 2, 32
+    unit = d * d * 4  # bytes of one unit's full fp32 gradient
+    p1, p2 = _peak(1, k, n, d), _peak(2, k, n, d)
+    assert p1 >= n * k * unit  # non-vacuous: stage 1's peak includes every rank's full gradient
+    # both peaks fall at the update, where old and new state coexist; stage 1's `grads` (K full
+    # unit gradients per rank) are still alive there and stage 2 has only shards: the gap is K units
+    # (measured exactly n * K * unit), and at least the (K - 1) the brief asks for
+    assert n * (k - 1) * unit <= p1 - p2 <= n * (k + 1) * unit
+    # and stage 2's peak grows by less than a unit's gradient per added unit; stage 1's by more
+    p1b, p2b = _peak(1, 2 * k, n, d), _peak(2, 2 * k, n, d)
+    assert (p1b - p1) - (p2b - p2) >= n * k * unit * Fraction(1, 2)
+
+
+# ------------------------------------------------------------------------------ communication
+
+
+@examples(50)
+@given(
+    params=pytrees(dtypes=(torch.float32, torch.bfloat16), max_leaves=6),
+    n=st.integers(1, 8),
+    stage=st.integers(0, 3),
+    unit_spec=units(),
+    group_spec=groups(),
+)
+def test_recorded_collectives_equal_expected_comm(params, n, stage, unit_spec, group_spec):
+    opt = optim.sgd(lr=1e-2, momentum=0.9)
+    steps = 2
+    out, records = _run(params, opt, stage, n, unit_spec, group_spec, steps=steps)
+    layout = out[0][0].layout
+    got = comm_volume(records, n, steps=steps)
+    want = expected_comm(layout, n, stage)
+    assert got.data == want.data
+    # the one control collective per step: the float64 agreement all-gather
+    agree = agreement_elements(layout)
+    assert got.control == {"all_gather": OpTotal(1, agree, 8 * agree, 8 * agree * wire_factor("all_gather", n))}
+    # counts per bucket, as designed
+    buckets = layout.buckets
+    trainable = [b for b in buckets if not b.group.frozen]
+    counts = {op: t.count for op, t in got.data.items()}
+    if stage == 3:
+        assert counts == {op: c for op, c in (("all_gather", len(buckets)), ("reduce_scatter", len(trainable))) if c}
+    else:
+        assert counts == ({"all_gather": len(trainable), "reduce_scatter": len(trainable)} if trainable else {})
+    # every rank recorded the same sequence (comm_volume checks it) and per-rank views agree
+    for r in range(n):
+        assert comm_volume(records, n, rank=r, steps=steps) == got
+
+
+@examples(15)
+@given(psi=st.integers(0, 10**12), n=st.integers(1, 1024), k=st.integers(1, 4))
+def test_expected_comm_closed_forms(psi, n, k):
+    """Bare count Ψ (fp32): elements 2kΨ (stage 0), (k + 1)Ψ (1, 2), 2kΨ / 3kΨ (stage 3 without /
+    with the backward re-gather); wire bytes per rank = 4 · elements · (N - 1)/N."""
+    ring = Fraction(n - 1, n)
+    want = {0: 2 * k, 1: k + 1, 2: k + 1, 3: 2 * k}
+    for stage, mult in want.items():
+        v = expected_comm(psi, n, stage, accumulation=k)
+        assert v.elements == mult * psi and v.bytes == 4 * mult * psi
+        assert v.wire_bytes == 4 * mult * psi * ring
+    v3 = expected_comm(psi, n, 3, regather=True, accumulation=k)
+    assert v3.elements == 3 * k * psi
+    # ZeRO paper (k = 1): stage 3 with re-gather is 1.5x DDP's all-reduce volume 2Ψ
+    if k == 1:
+        assert 2 * v3.elements == 3 * expected_comm(psi, n, 0).elements
+    # bf16 gathers + fp32 reductions: stage 3 (re-gather) moves as many bytes as fp32 DDP
+    mixed = expected_comm(psi, n, 3, regather=True, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
+    assert mixed.bytes == (2 + 2 + 4) * psi == expected_comm(psi, n, 0).bytes
+    assert mixed.wire_bytes == expected_comm(psi, n, 0).wire_bytes
+
+
+def test_expected_comm_persistent_units():
+    layout = fzero.plan({"a": torch.zeros(10), "b": torch.zeros(6)}, 2, units=lambda p: p)
+    full = expected_comm(layout, 2, 3, regather=True)
+    kept = expected_comm(layout, 2, 3, regather=True, persistent={"b"})
+    assert full.data["all_gather"].count == 4 and full.data["reduce_scatter"].count == 2
+    # unit "b" (6 elements): no forward/backward gather; reduced and gathered after the update
+    assert kept.data["all_gather"].count == 3 and kept.data["all_gather"].elements == 10 + 10 + 6
+    assert kept.elements == full.elements - 6
+
+
+def test_comm_volume_rejects_disagreeing_ranks():
+    r = fzero.CollectiveRecord
+    records = [r(0, "all_gather", None, torch.float32, 4, 16, "x"), r(1, "all_gather", None, torch.float32, 6, 24, "x")]
+    with pytest.raises(ValueError, match="different collectives"):
+        comm_volume(records, 2)
+    assert comm_volume([], 2) == CommVolume(2, {}, {})
+
+
+def test_wire_factors():
+    assert wire_factor("all_gather", 4) == wire_factor("reduce_scatter", 4) == Fraction(3, 4)
+    assert wire_factor("all_reduce", 4) == Fraction(3, 2)
+    assert wire_factor("all_reduce", 1) == 0 and wire_factor("broadcast", 1) == 0
+
+
+def test_lamb_leaf_sums_are_control():
+    params = {"a": torch.ones(5), "b": torch.ones(3)}
+    out, records = _run(params, optim.lamb(lr=1e-3), 2, 2, steps=1)
+    got = comm_volume(records, 2)
+    assert set(got.control) == {"all_gather", "all_reduce"}
+    assert got.control["all_reduce"].count == len(out[0][0].layout.buckets)
+    assert got.data == expected_comm(out[0][0].layout, 2, 2).data
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cli_trace(capsys, stage):
+    assert main(["trace", "--world-size", "3", "--stage", str(stage), "--steps", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "reduce_scatter" in text and "all_gather" in text
+    assert "matches the formula" in text and "MISMATCH" not in text
