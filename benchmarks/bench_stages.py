@@ -1,0 +1,95 @@
+"""fzero stages 0-3 on the peers' GPT-style model, one stage per torchrun job.
+
+Run (2 GPUs):  torchrun --nproc-per-node 2 benchmarks/bench_stages.py --stage 3
+The model, data, batch, bf16 autocast, AdamW and timing rule are those of
+benchmarks/peers/bench_peers.py (the team's peer script, copied from shared/peers), so the JSON
+lines compare one to one with its `ddp` / `fsdp2` modes run in the same job
+(benchmarks/run_gpu.sh). fzero keeps fp32 parameters and optimizer state, computes under bf16
+autocast, and reduces fp32 gradients, as DDP does here.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "peers"))
+from bench_peers import GPT  # noqa: E402
+
+import fzero  # noqa: E402
+from fzero import optim  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--peak", type=float, default=989e12)
+    a = ap.parse_args()
+
+    mesh = fzero.DistMesh(verify=False)
+    dev, rank, world = mesh.device, mesh.rank, mesh.world_size
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        skeleton = GPT(a.vocab, a.dim, a.layers, a.heads, a.seq)
+    torch.manual_seed(0)
+    params = {k: v.detach().to(dev) for k, v in GPT(a.vocab, a.dim, a.layers, a.heads, a.seq).named_parameters()}
+    nparams = sum(p.numel() for p in params.values())
+
+    def loss_fn(p, batch):
+        idx, tgt = batch
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            return torch.func.functional_call(skeleton, p, (idx, tgt))
+
+    units = lambda path: ".".join(path.split(".")[:2]) if path.startswith("blocks.") else "embed_head"
+    opt = optim.adamw(lr=1e-4)
+    state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=units)
+    del params
+    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh)
+    g = torch.Generator(device="cpu").manual_seed(1 + rank)
+    idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
+    tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
+
+    for _ in range(a.warmup):
+        state, m = step(state, (idx, tgt))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        state, m = step(state, (idx, tgt))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    tok = a.micro * a.seq
+    flops_per_tok = 6 * nparams + 12 * a.layers * a.dim * a.seq  # the peer script's estimate
+    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
+    peaks = fzero.all_gather(torch.tensor([peak], device=dev), mesh).tolist()
+    if rank == 0:
+        print(json.dumps({
+            "mode": f"fzero-stage{a.stage}", "world": world, "params_M": round(nparams / 1e6, 1),
+            "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
+            "mfu": round(tok / med * flops_per_tok / a.peak, 4),
+            "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),
+            "torch": torch.__version__,
+        }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
