@@ -9,7 +9,7 @@ out=${OUT:-.}/bench.jsonl
 ngpu=${NGPU:-$(python3 -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 run() {  # name, script, args...
   local name=$1; shift
-  timeout 300 torchrun --nproc-per-node "$ngpu" "$@" ${ARGS:-} > "${OUT:-.}/$name.log" 2>&1
+  timeout ${MODE_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" "$@" ${ARGS:-} > "${OUT:-.}/$name.log" 2>&1
   grep '^{' "${OUT:-.}/$name.log" | tee -a "$out" || { echo "{\"mode\": \"$name\", \"error\": true}" | tee -a "$out"; tail -5 "${OUT:-.}/$name.log"; }
 }
 for m in ${PEERS:-ddp fsdp2}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
