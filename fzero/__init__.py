@@ -35,34 +35,62 @@ from fzero._src.state import gather as gather
 from fzero._src.state import init as init
 from fzero._src.step import Metrics as Metrics
 from fzero._src.step import train_step as train_step
+from fzero._src.module import ModuleInfo as ModuleInfo
+from fzero._src.module import broadcast_buffers as broadcast_buffers
+from fzero._src.module import from_module as from_module
+from fzero._src.module import units_by_prefix as units_by_prefix
+from fzero._src.estimate import BytesPerParam as BytesPerParam
+from fzero._src.estimate import MemoryEstimate as MemoryEstimate
+from fzero._src.estimate import bytes_per_param as bytes_per_param
+from fzero._src.estimate import estimate as estimate
+from fzero._src.estimate import estimate_stages as estimate_stages
+from fzero._src.accounting import CommVolume as CommVolume
+from fzero._src.accounting import HeldBytes as HeldBytes
+from fzero._src.accounting import comm_volume as comm_volume
+from fzero._src.accounting import expected_comm as expected_comm
+from fzero._src.accounting import held_bytes as held_bytes
+from fzero._src.accounting import storage_bytes as storage_bytes
 from fzero import optim as optim
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BucketSpec",
+    "BytesPerParam",
     "CollectiveMismatch",
     "CollectiveRecord",
+    "CommVolume",
     "DistMesh",
     "FzeroError",
+    "HeldBytes",
     "Layout",
     "LayoutError",
     "LeafSpec",
-    "Metrics",
+    "MemoryEstimate",
     "Mesh",
     "MeshError",
+    "Metrics",
+    "ModuleInfo",
     "NonFiniteError",
     "ParamGroup",
     "RankFailed",
-    "Segment",
     "STAGES",
+    "Segment",
     "SimMesh",
     "Stage",
     "ZeroState",
     "all_gather",
     "all_reduce",
     "broadcast",
+    "broadcast_buffers",
+    "bytes_per_param",
+    "comm_volume",
+    "estimate",
+    "estimate_stages",
+    "expected_comm",
+    "from_module",
     "gather",
+    "held_bytes",
     "init",
     "local_shards",
     "optim",
@@ -70,7 +98,9 @@ __all__ = [
     "plan",
     "reduce_scatter",
     "shard",
+    "storage_bytes",
     "train_step",
+    "units_by_prefix",
     "unpack",
     "unshard",
 ]

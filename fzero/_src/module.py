@@ -1,0 +1,183 @@
+"""nn.Module interop: a module -> `(params, apply, info)` for `fzero.init` / `fzero.train_step`.
+
+`from_module(model)` returns
+
+- `params`: `{name: tensor}`, one leaf per *distinct* parameter (the first name
+  `named_parameters()` gives it), detached (sharing storage with `model`; fzero.init copies);
+- `apply(params, *args, **kwargs)`: `model(*args, **kwargs)` computed with `params`, through
+  `torch.func.functional_call` over a parameter-free skeleton (a copy of `model` whose
+  parameters are `meta` placeholders). Every alias of a tied parameter is bound to the same
+  tensor (`named_parameters(remove_duplicate=False)`), so tied weights stay tied and their
+  gradient is the sum over all uses, added locally before any reduction (as DDP does);
+- `info`: a `ModuleInfo` with the alias table, the live buffers, the suggested `units` and
+  `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters).
+
+Buffers (BatchNorm running stats, ...) are per-rank state kept in the skeleton: `apply` passes
+them to `functional_call` by identity, so a training-mode forward updates them in place, exactly
+as `model(x)` would. A rank's buffers are updated from its own batches only. torch DDP
+(`broadcast_buffers=True`) instead copies rank 0's buffers to every rank before each forward;
+call `broadcast_buffers(info, mesh)` before each step to get exactly that (tested bitwise
+against DDP in tests/test_ddp.py). Without it, rank 0's buffers still equal DDP's rank 0
+buffers bit for bit (rank 0's chain of updates is the same), so evaluate or save from rank 0.
+Buffer updates happen in plain Python inside the forward: use `engine="autograd"` for models
+that update buffers (functorch rejects in-place writes to captured tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .collectives import broadcast
+from .errors import FzeroError, LayoutError
+from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
+from .mesh import Mesh
+
+
+class ModuleInfo(NamedTuple):
+    """What `from_module` learned about a module.
+
+    Attributes:
+      aliases: `{params name: (every name the module uses for it, that name first)}`.
+      buffers: `{buffer name: the skeleton's live buffer tensor}` (updated in place by `apply`).
+      units: the `units` to pass to `fzero.init` (the `from_module` argument, or None).
+      groups: the `groups` to pass to `fzero.init`: `ParamGroup("frozen", frozen=True)` over the
+        `requires_grad=False` parameters, if any.
+      frozen: names of the `requires_grad=False` parameters.
+    """
+
+    aliases: dict[str, tuple[str, ...]]
+    buffers: dict[str, torch.Tensor]
+    units: UnitSpec
+    groups: tuple[ParamGroup, ...]
+    frozen: tuple[str, ...]
+
+
+class _FrozenNames:
+    """A picklable, comparable `path -> bool` for the frozen ParamGroup."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = frozenset(names)
+
+    def __call__(self, path: str) -> bool:
+        return path in self.names
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _FrozenNames) and other.names == self.names
+
+    def __hash__(self) -> int:
+        return hash(self.names)
+
+    def __repr__(self) -> str:
+        return f"frozen_names({sorted(self.names)})"
+
+
+def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str, torch.Tensor], Callable, ModuleInfo]:
+    """`module -> (params, apply, info)`; see the module docstring.
+
+    Args:
+      module: any `nn.Module` (its parameters are read, never modified).
+      units: as for `fzero.init` (`None`, `path -> unit name`, or `{unit: predicate}`); e.g.
+        `fzero.units_by_prefix(model, "transformer.h")` for one unit per block. Checked here:
+        the parameters of one unit must share one device and one dtype.
+
+    Returns:
+      `params` `{name: Tensor}` (distinct parameters, module order), `apply(params, *args,
+      **kwargs) -> module(*args, **kwargs)`, and a `ModuleInfo`.
+
+    Example:
+      >>> params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "h"))
+      >>> state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
+      >>> loss_fn = lambda p, batch: F.cross_entropy(apply(p, batch[0]), batch[1])
+    """
+    if not isinstance(module, nn.Module):
+        raise FzeroError(f"from_module expects an nn.Module, got {type(module).__name__}")
+    canonical: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    params: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first = canonical.setdefault(id(p), name)
+        aliases.setdefault(first, []).append(name)
+        if first == name:
+            params[name] = p.detach()
+    frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
+    _check_units(params, units)
+    placeholders = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                    for p in module.parameters()}
+    skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
+    buffers = dict(skeleton.named_buffers(remove_duplicate=False))
+    alias_table = {k: tuple(v) for k, v in aliases.items()}
+    expected = set(params)
+
+    def apply(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """`module(*args, **kwargs)` with `params` (one tensor per distinct parameter) bound."""
+        if not isinstance(params, dict) or set(params) != expected:
+            got = set(params) if isinstance(params, dict) else set()
+            missing, extra = sorted(expected - got), sorted(got - expected)
+            raise FzeroError(f"apply needs exactly the params from_module returned; missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        bound: dict[str, torch.Tensor] = dict(buffers)
+        for name, names in alias_table.items():
+            t = params[name]
+            if t.is_meta:
+                raise FzeroError(f"param {name!r} is a meta tensor; apply needs real values")
+            for alias in names:
+                bound[alias] = t
+        # strict: every parameter and buffer name of the skeleton is bound, so no meta tensor is left
+        return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
+
+    groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
+    return params, apply, ModuleInfo(alias_table, buffers, units, groups, frozen)
+
+
+def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
+    unit_of = _unit_of(units)
+    seen: dict[str, tuple[str, torch.device, torch.dtype]] = {}
+    for name, p in params.items():
+        unit = unit_of(name)
+        first = seen.setdefault(unit, (name, p.device, p.dtype))
+        if (p.device, p.dtype) != first[1:]:
+            raise LayoutError(
+                f"unit {unit!r} mixes parameters on different devices or dtypes: {first[0]!r} is "
+                f"{first[2]} on {first[1]}, {name!r} is {p.dtype} on {p.device}; move/cast the module "
+                f"(e.g. model.to(device, dtype)) or put them in different units")
+
+
+def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) -> Callable[[str], str]:
+    """One unit per child of the container `prefix` (e.g. "transformer.h"): `path -> unit name`.
+
+    `"transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"`; every other parameter goes to
+    unit `rest` (embeddings, final norm, head).
+    """
+    try:
+        container = module.get_submodule(prefix)
+    except AttributeError as e:
+        names = [n for n, _ in module.named_modules() if n][:10]
+        raise FzeroError(f"units_by_prefix: the module has no submodule {prefix!r}; some it has: {names}") from e
+    children = {f"{prefix}.{name}" if prefix else name for name, _ in container.named_children()}
+    if not children:
+        raise FzeroError(f"units_by_prefix: {prefix!r} ({type(container).__name__}) has no children")
+
+    def unit(path: str) -> str:
+        head = path.split(".")
+        for k in range(len(head) - 1, 0, -1):  # the longest proper prefix that names a child
+            cand = ".".join(head[:k])
+            if cand in children:
+                return cand
+        return rest
+
+    return unit
+
+
+def broadcast_buffers(info: ModuleInfo, mesh: Mesh) -> None:
+    """Copy rank 0's buffers into every rank's, in place (DDP's `broadcast_buffers=True`).
+
+    Call on every rank, before the step whose forward should start from rank 0's buffers.
+    """
+    with torch.no_grad():
+        for name, buf in info.buffers.items():
+            buf.copy_(broadcast(buf, mesh, 0, tag=f"fzero.buffers/{name}"))

@@ -1,0 +1,281 @@
+"""Worker functions for tests/test_ddp.py: fzero against torch DDP on the same gloo group.
+
+Each runs on every rank of a `fzero.testing.Pool` as `fn(mesh, *args)`; the test process draws
+the batches and ships rank r its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fzero
+from fzero import broadcast_buffers, from_module, units_by_prefix
+
+STAGES = (0, 1, 2, 3)
+
+
+# --- models (tiny, deterministic from a seed) ------------------------------------------------
+
+class MLP(nn.Module):
+    """x[B, 8] -> logits[B, 4]; a BatchNorm gives it buffers, a frozen bias a frozen group, and
+    `unused` gets no gradient on any rank (DDP leaves its grad None; AdamW must not decay it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 4)
+        self.head.bias.requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class Encoder(nn.Module):
+    """tokens[B, T] -> logits[B, T, 16] through a 2-layer nn.TransformerEncoder, head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.emb(tokens)))
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def build(name: str) -> tuple[nn.Module, str | None]:
+    """`(model, prefix of its blocks for units_by_prefix)`, the same on every rank."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP(), "body"
+    if name == "encoder":
+        return Encoder(), "layers.layers"
+    if name == "gpt2":
+        return gpt2(), "transformer.h"
+    raise ValueError(name)
+
+
+def loss_of(name: str, out, batch) -> torch.Tensor:
+    if name == "gpt2":
+        return out.loss
+    x, y = batch
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def forward(name: str, model_or_apply, batch, params=None):
+    x, y = batch
+    call = model_or_apply if params is None else (lambda *a, **k: model_or_apply(params, *a, **k))
+    return call(x, labels=y) if name == "gpt2" else call(x)
+
+
+def make_batches(name: str, n: int, steps: int, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`batches[rank][step] = (x, y)`, drawn in the test process."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        rank = []
+        for _ in range(steps):
+            if name == "mlp":
+                rank.append((torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)))
+            else:
+                vocab = 64 if name == "gpt2" else 16
+                x = torch.randint(0, vocab, (2, 8), generator=g)
+                rank.append((x, x if name == "gpt2" else torch.randint(0, vocab, (2, 8), generator=g)))
+        out.append(rank)
+    return out
+
+
+def optimizers(kind: str):
+    """`(fzero optimizer, torch.optim factory)` with the same hyper-parameters."""
+    if kind == "sgd":
+        return (fzero.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+                lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False))
+    if kind == "adamw":
+        return (fzero.optim.adamw(1e-2, weight_decay=0.1),
+                lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False))
+    raise ValueError(kind)
+
+
+# --- N = 2: every stage bitwise equal to DDP ---------------------------------------------------
+
+def ddp_trajectory(name: str, kind: str, batches: list) -> list[dict[str, torch.Tensor]]:
+    """DDP + torch.optim(foreach=False): params (and buffers) after every step on this rank."""
+    model, _ = build(name)
+    ddp = DDP(model, find_unused_parameters=name == "mlp")  # default: rank 0's buffers broadcast before every forward
+    _, make = optimizers(kind)
+    opt = make([p for p in model.parameters() if p.requires_grad])
+    out = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss_of(name, forward(name, ddp, batch), batch).backward()
+        opt.step()
+        snap = {k: v.detach().clone() for k, v in model.named_parameters()}
+        snap.update({"buffer:" + k: v.clone() for k, v in model.named_buffers()})
+        out.append(snap)
+    return out
+
+
+def fzero_trajectory(mesh, name: str, kind: str, stage: int, batches: list) -> list[dict[str, torch.Tensor]]:
+    """fzero at `stage`: the gathered params (and buffers) after every step on this rank."""
+    model, prefix = build(name)
+    params, apply, info = from_module(model, units=units_by_prefix(model, prefix))
+    del model
+    opt, _ = optimizers(kind)
+    state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+    step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b), opt, stage=stage, mesh=mesh)
+    out = []
+    for batch in batches:
+        broadcast_buffers(info, mesh)  # DDP's broadcast_buffers=True
+        state, _ = step(state, batch)
+        snap = dict(fzero.gather(state))
+        snap.update({"buffer:" + k: v.clone() for k, v in info.buffers.items()})
+        out.append(snap)
+    return out
+
+
+def compare_with_ddp(mesh, name: str, kinds: list[str], batches: list) -> dict[str, list[str]]:
+    """`{"<kind> stage <s>": [first differences]}`; empty lists mean bitwise equal at every step."""
+    report = {}
+    for kind in kinds:
+        ref = ddp_trajectory(name, kind, batches)
+        for stage in STAGES:
+            got = fzero_trajectory(mesh, name, kind, stage, batches)
+            diffs = []
+            for t, (a, b) in enumerate(zip(ref, got)):
+                if set(a) != set(b):
+                    diffs.append(f"step {t}: names differ: {sorted(set(a) ^ set(b))[:4]}")
+                diffs += [f"step {t}: {k} max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+                          for k in a if k in b and not torch.equal(a[k], b[k])]
+            report[f"{kind} stage {stage}"] = diffs[:6]
+    return report
+
+
+# --- N > 2: the reduced gradient within the summation bound; the optimizer bitwise -------------
+
+class Recorder:
+    """Wraps an fzero optimizer; keeps the reduced gradient `update` is given (per bucket)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.grads = inner, []
+
+    def optimizer(self):
+        def update(grad, state, param, ctx):
+            self.grads.append(grad.clone())
+            return self.inner.update(grad, state, param, ctx)
+
+        return fzero.optim.Optimizer(self.inner.init, update, self.inner.spec)
+
+
+def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
+    """One step at stage 0 with a recording optimizer, against DDP's `p.grad` and a float64 sum.
+
+    Returns, per parameter, the max of |g − exact| / bound for fzero and for DDP (must be <= 1),
+    whether the two reduced gradients are bitwise equal, and whether torch.optim stepped with
+    fzero's reduced gradient gives fzero's params bitwise, for every stage.
+    """
+    n = mesh.world_size
+    model, prefix = build(name)
+    local = copy.deepcopy(model)
+    ddp_model = copy.deepcopy(model)
+    # this rank's own gradient g_r, all-gathered: the exact reference Σ_r g_r·fl(1/N) in float64
+    loss_of(name, forward(name, local, batch), batch).backward()
+    names = [k for k, p in local.named_parameters() if p.requires_grad and p.grad is not None]
+    g_all = {k: fzero.all_gather(p.grad.reshape(1, -1), mesh).double() for k, p in local.named_parameters()
+             if k in names}  # [N, numel]
+    inv = 1.0 / n  # fl(1/N), as DDP multiplies
+    exact = {k: (g * inv).sum(0) for k, g in g_all.items()}
+    mag = {k: (g * inv).abs().sum(0) for k, g in g_all.items()}
+    u = 2.0 ** -24
+    gamma = (n - 1) * u / (1 - (n - 1) * u)
+    # fp32 summation of N terms in any order: |fl(Σ x_r) − Σ x_r| <= γ_{N−1} Σ|x_r| (Higham 4.3);
+    # x_r = fl(g_r·fl(1/N)) adds at most u·Σ|x_r| (0 when N is a power of two); the float64
+    # reference itself is within (N−1)·2^-53·Σ|x_r| of the exact sum.
+    # (+ N·2^-150: each x_r may also lose half a subnormal ulp to underflow)
+    bound = {k: (gamma + u * (n & (n - 1) != 0) + (n - 1) * 2.0 ** -53) * m + n * 2.0 ** -150 for k, m in mag.items()}
+
+    ddp = DDP(ddp_model, find_unused_parameters=name == "mlp")
+    loss_of(name, forward(name, ddp, batch), batch).backward()
+    ddp_grad = {k: p.grad.detach().clone() for k, p in ddp_model.named_parameters() if k in names}
+
+    fz_opt, make = optimizers(kind)
+    results = {"ratio_fzero": {}, "ratio_ddp": {}, "equal_to_ddp": True, "optimizer_bitwise": {}}
+    final = {}
+    for stage in STAGES:
+        m, _ = build(name)
+        params, apply, info = from_module(m, units=units_by_prefix(m, prefix))
+        rec = Recorder(fz_opt)
+        opt = rec.optimizer()
+        state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b), opt, stage=stage,
+                                mesh=mesh)
+        state, _ = step(state, batch)
+        final[stage] = fzero.gather(state)
+        if stage == 0:
+            trainable = [b for b in state.layout.buckets if not b.group.frozen]
+            assert len(rec.grads) == len(trainable)
+            flats = [torch.zeros(b.padded_numel, dtype=b.dtype) for b in state.layout.buckets]
+            for b, g in zip(trainable, rec.grads):
+                flats[b.index] = g
+            fz_grad = fzero.unpack(state.layout, flats)
+            for k in names:
+                ref = exact[k].reshape(fz_grad[k].shape)
+                results["ratio_fzero"][k] = ((fz_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
+                results["ratio_ddp"][k] = ((ddp_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
+                results["equal_to_ddp"] &= torch.equal(fz_grad[k], ddp_grad[k])
+            # torch.optim on fzero's reduced gradient must give fzero's params bit for bit
+            tm, _ = build(name)
+            topt = make([p for p in tm.parameters() if p.requires_grad])
+            for k, p in tm.named_parameters():
+                p.grad = fz_grad[k].clone() if k in names else None
+            topt.step()
+            tparams = dict(tm.named_parameters())
+            results["optimizer_bitwise"]["torch.optim"] = all(torch.equal(tparams[k].detach(), v)
+                                                             for k, v in final[0].items())
+        else:
+            results["optimizer_bitwise"][f"stage {stage} = stage 0"] = all(
+                torch.equal(final[0][k], v) for k, v in final[stage].items())
+    return results
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def init_with_size(mesh, size: int):
+    """Each rank passes a leaf "w" of its own size: fzero.init must raise LayoutError everywhere."""
+    return fzero.init({"v": torch.zeros(3), "w": torch.zeros(size)}, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+
+
+def reject_on_one_rank(mesh, bad_rank: int):
+    """The loss raises on `bad_rank` only: every rank must stop with an error (none hangs)."""
+    model, prefix = build("mlp")
+    params, apply, info = from_module(model)
+    opt = fzero.optim.sgd(0.1)
+    state = fzero.init(params, opt, stage=2, mesh=mesh, groups=info.groups)
+
+    def loss_fn(p, batch):
+        if mesh.rank == bad_rank:
+            raise ValueError(f"rank {mesh.rank}: this batch has the wrong shape")
+        x, y = batch
+        return F.cross_entropy(apply(p, x), y)
+
+    step = fzero.train_step(loss_fn, opt, stage=2, mesh=mesh)
+    return step(state, (torch.randn(4, 8), torch.randint(0, 4, (4,))))
+
+
+def rank_of(mesh):
+    return mesh.rank

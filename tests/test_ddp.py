@@ -1,0 +1,173 @@
+"""fzero against torch DDP, and nn.Module interop (`from_module`).
+
+On the persistent torchrun gloo pool (fixtures `dist2` / `dist4`, tests/conftest.py); the worker
+functions are in tests/ddp_cases.py. What is claimed and why: proofs/stages.md.
+
+- N = 2: every stage 0-3 gives DDP's params (and BatchNorm buffers) bit for bit after every
+  step, with SGD (momentum, weight decay) and AdamW, for a toy MLP (BatchNorm, a frozen
+  parameter, a parameter no rank uses), a tied-embedding nn.TransformerEncoder model and transformers' GPT-2 (tied head).
+- N = 4: one step's reduced gradient is within the summation bound of DESIGN.md ("Numerics") of
+  the exact sum, for fzero and for DDP; torch.optim stepped with fzero's reduced gradient gives
+  fzero's params bit for bit; stages 1-3 equal stage 0 bit for bit.
+- Bad input: ranks with different shapes, and a loss that raises on one rank only.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero import from_module, units_by_prefix
+from fzero.testing import WorkerError
+
+from . import ddp_cases as cases
+
+pytestmark = pytest.mark.dist
+
+
+# --- N = 2: bitwise equal to DDP --------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mlp", "encoder", "gpt2"])
+def test_every_stage_equals_ddp_bitwise_at_n2(dist2, name):
+    batches = cases.make_batches(name, 2, steps=3)
+    reports = dist2.run(cases.compare_with_ddp, [(name, ["sgd", "adamw"], batches[r]) for r in range(2)])
+    for rank, report in enumerate(reports):
+        assert len(report) == 8
+        bad = {k: v for k, v in report.items() if v}
+        assert not bad, f"rank {rank}: differs from DDP: {bad}"
+
+
+# --- N = 4: the summation bound, then the optimizer bitwise on equal gradients -----------------
+
+@pytest.mark.parametrize("name,kind", [("mlp", "adamw"), ("gpt2", "sgd")])
+def test_reduced_gradient_within_summation_bound_at_n4(dist4, name, kind):
+    batches = cases.make_batches(name, 4, steps=1, seed=2)
+    results = dist4.run(cases.one_step_bound, [(name, kind, batches[r][0]) for r in range(4)])
+    for rank, res in enumerate(results):
+        assert res["ratio_fzero"], "no gradient was compared"
+        worst = {k: v for k, v in res["ratio_fzero"].items() if v > 1}
+        assert not worst, f"rank {rank}: fzero's reduced gradient exceeds the bound: {worst}"
+        worst = {k: v for k, v in res["ratio_ddp"].items() if v > 1}
+        assert not worst, f"rank {rank}: DDP's reduced gradient exceeds the bound (bound is wrong): {worst}"
+        assert all(res["optimizer_bitwise"].values()), f"rank {rank}: {res['optimizer_bitwise']}"
+        assert len(res["optimizer_bitwise"]) == 4
+
+
+# --- bad input on the pool ----------------------------------------------------------------------
+
+def test_different_shapes_across_ranks_raise_on_every_rank(dist2):
+    with pytest.raises(WorkerError) as info:
+        dist2.run(cases.init_with_size, [(4,), (5,)])
+    errors = info.value.errors
+    assert [e.rank for e in errors] == [0, 1]
+    for e in errors:
+        assert e.type_name.endswith("LayoutError"), e
+        assert "'w'" in e.message and "4 elements" in e.message and "5 elements" in e.message, e.message
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_loss_rejecting_batch_on_one_rank_stops_every_rank(dist2, bad_rank):
+    with pytest.raises(WorkerError) as info:
+        dist2.run(cases.reject_on_one_rank, [(bad_rank,), (bad_rank,)], timeout=60)
+    errors = {e.rank: e for e in info.value.errors}
+    assert sorted(errors) == [0, 1]
+    assert errors[bad_rank].type_name.endswith("ValueError")
+    assert "wrong shape" in errors[bad_rank].message
+    other = errors[1 - bad_rank]
+    assert other.type_name.endswith("RankFailed") and f"[{bad_rank}]" in other.message, other
+    assert dist2.run(cases.rank_of, [(), ()]) == [0, 1]  # the pool survives
+
+
+# --- from_module, in process ---------------------------------------------------------------------
+
+def test_from_module_keeps_tied_weights_tied_and_matches_the_module():
+    model = cases.gpt2()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "transformer.h"))
+    assert info.aliases["transformer.wte.weight"] == ("transformer.wte.weight", "lm_head.weight")
+    assert "lm_head.weight" not in params
+    assert len(params) == len(list(model.parameters()))
+    x = torch.randint(0, 64, (2, 8))
+    want = model(x, labels=x)
+    got = apply({k: v.clone().requires_grad_() for k, v in params.items()}, x, labels=x)
+    assert torch.equal(want.logits, got.logits) and torch.equal(want.loss, got.loss)
+    # a changed embedding changes the head too (tied), not only the input embedding
+    moved = dict(params, **{"transformer.wte.weight": params["transformer.wte.weight"] + 1})
+    m2 = copy.deepcopy(model)
+    with torch.no_grad():
+        m2.transformer.wte.weight.add_(1)
+    assert torch.equal(m2(x).logits, apply(moved, x).logits)
+    assert {info.units(k) for k in params} == {"transformer.h.0", "transformer.h.1", "default"}
+
+
+def test_skeleton_holds_no_parameter_storage():
+    model = cases.gpt2()
+    params, apply, info = from_module(model)
+    # the closure's skeleton holds meta placeholders only; the real tensors are the caller's
+    skeleton = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, nn.Module))
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert all(p.is_meta for _, p in skeleton.named_parameters(remove_duplicate=False))
+    with pytest.raises(fzero.FzeroError, match="missing"):
+        apply({k: v for k, v in params.items() if k != "lm_head.weight" and not k.endswith("ln_f.bias")},
+              torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_frozen_parameters_become_a_frozen_group_and_stay_put():
+    model = cases.MLP()
+    params, apply, info = from_module(model)
+    assert info.frozen == ("head.bias",)
+    assert [g.frozen for g in info.groups] == [True] and info.groups[0].match("head.bias")
+    mesh = fzero.SimMesh(2)
+    opt = fzero.optim.adamw(1e-2)
+    batches = cases.make_batches("mlp", 2, steps=1)
+
+    def rank_fn(batch):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, groups=info.groups)
+        step = fzero.train_step(lambda p, b: cases.loss_of("mlp", apply(p, b[0]), b), opt, stage=3, mesh=mesh)
+        state, _ = step(state, batch)
+        return fzero.gather(state)
+
+    out = mesh.run(rank_fn, [(b[0],) for b in batches])
+    assert torch.equal(out[0]["head.bias"], params["head.bias"])
+    assert not torch.equal(out[0]["head.weight"], params["head.weight"])
+    assert torch.equal(out[0]["unused.weight"], params["unused.weight"])  # no gradient: no weight decay
+
+
+def test_buffers_are_per_rank_and_updated_in_place():
+    model = cases.MLP()
+    params, apply, info = from_module(model)
+    before = info.buffers["body.1.running_mean"].clone()
+    apply(params, torch.randn(4, 8))
+    assert not torch.equal(info.buffers["body.1.running_mean"], before)
+    assert torch.equal(model.body[1].running_mean, before)  # the original module is untouched
+    assert info.buffers["body.1.num_batches_tracked"].item() == 1
+
+
+def test_mixed_dtypes_within_a_unit_name_the_parameters():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to(torch.float64)
+    with pytest.raises(fzero.LayoutError, match=r"'0.weight' is torch.float32.*'1.weight' is torch.float64"):
+        from_module(model)
+    from_module(model, units=units_by_prefix(model, ""))  # one unit per child: fine
+
+
+def test_mixed_devices_within_a_unit_name_the_parameters():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(fzero.LayoutError, match=r"'0.weight' is torch.float32 on cpu, '1.weight' is .* on meta"):
+        from_module(model)
+
+
+def test_units_by_prefix_names_a_missing_container():
+    with pytest.raises(fzero.FzeroError, match="no submodule 'blocks'"):
+        units_by_prefix(nn.Sequential(nn.Linear(2, 2)), "blocks")
+
+
+def test_transformers_imports_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cases.gpt2()
