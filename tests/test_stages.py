@@ -321,3 +321,91 @@ def test_state_and_stage_mismatch_errors():
     assert mesh.run(rank_fn) == [True, True]
     with pytest.raises(fzero.FzeroError, match="stage must be 0, 1, 2 or 3"):
         fzero.train_step(lambda p, c: p, opt, stage=4, mesh=mesh)
+
+
+# -- memory: stage 2 keeps at most one unit's full gradient alive ------------------------------------
+
+
+class _FullGradCensus(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts, per thread (= SimMesh rank), the live storages of exactly `nbytes` bytes created by
+    aten ops while `active`: the census of full-size unit gradient buffers. Independent of fzero's
+    bookkeeping: it sees only allocations and their lifetimes (weak references)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.nbytes, self._ref, self.active = nbytes, StorageWeakRef, True
+        self.live: dict[int, list] = {}
+        self.peak: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import threading
+
+        out = func(*args, **(kwargs or {}))
+        if not self.active:
+            return out
+        me = threading.get_ident()
+        refs = [r for r in self.live.get(me, []) if not r.expired()]
+        ins = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == self.nbytes
+                    and t.untyped_storage()._cdata not in ins):  # a new storage, not a view
+                ref = self._ref(t.untyped_storage())
+                if all(ref.cdata != r.cdata for r in refs):
+                    refs.append(ref)
+        self.live[me] = refs
+        self.peak[me] = max(self.peak.get(me, 0), len(refs))
+        return out
+
+
+class _StopAtAgreement(fzero.SimMesh):
+    """A SimMesh that switches the census off when the step's agreement collective starts, so the
+    census covers forward, backward and the post-backward reduction, not the optimizer update."""
+
+    census = None
+
+    def collective(self, op, x, *, arg=None, tag=None):
+        if tag == "fzero.step/agree" and self.census is not None:
+            self.census.active = False
+        return super().collective(op, x, arg=arg, tag=tag)
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
+    """K units of one (d, d) weight and one (d + 1,) bias each. New storages of exactly one unit's
+    padded flat size, (N * S) * 4 bytes, are full-unit gradient buffers: params exist before the
+    census starts (their views are skipped), activations are (1, d), shards are S elements, and
+    float64 copies of a shard are 8 * S bytes (N = 3, so 8 * S != 4 * N * S).
+
+    Stage 1 keeps all K alive until after backward. Stage 2 reduce-scatters each unit during its
+    backward, so at most one unit's buffers are alive at once, on a rank: the assembled gradient,
+    its fl(1/N) copy, and SimMesh's reduction accumulator for that unit (the transport buffer a
+    real backend keeps inside gloo or NCCL) -- 3, against K = 6 for stage 1."""
+    k, n, d = 6, 3, 16
+    params = {f"b{i}": {"w": torch.randn(d, d) / d, "c": torch.zeros(d + 1)} for i in range(k)}
+    padded = -(-(d * d + d + 1) // n) * n * 4  # bytes of one unit's flat[N * S], fp32
+
+    def loss_fn(p, x):  # (B, d)
+        for i in range(k):
+            x = torch.tanh(x @ p[f"b{i}"]["w"] + p[f"b{i}"]["c"][:d])
+        return x.square().mean()
+
+    peaks = {}
+    for stage in (1, 2):
+        mesh = _StopAtAgreement(n)
+        census = _FullGradCensus(padded)
+        opt = optim.sgd(0.1)
+
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p.split(".")[0])
+            with census:
+                state, _ = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=engine)(state, x)
+            return state
+
+        mesh.census = census
+        mesh.run(rank_fn, [(torch.randn(1, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
+        assert len(census.peak) == n, "the census must see every rank's thread"
+        peaks[stage] = max(census.peak.values())
+    assert peaks[1] >= k, f"stage 1 should hold all {k} full unit gradients, census saw {peaks[1]}"
+    assert peaks[2] <= 3, f"stage 2 held {peaks[2]} full-size gradient buffers at once (one unit: 3)"

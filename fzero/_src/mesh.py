@@ -186,9 +186,12 @@ def _combine(call: _Call, xs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         return [out.clone() for _ in range(n)]
     if call.op == "broadcast":
         return [xs[call.arg].clone() for _ in range(n)]
-    acc = xs[0].clone()
+    acc = xs[0].clone()  # one accumulator, updated in place: the same bits as acc = acc + x
     for x in xs[1:]:
-        acc = acc + x if call.arg in (None, "sum") else torch.maximum(acc, x)
+        if call.arg in (None, "sum"):
+            acc.add_(x)
+        else:
+            torch.maximum(acc, x, out=acc)
     if call.op == "reduce_scatter":
         return [c.clone() for c in acc.chunk(n)]
     return [acc.clone() for _ in range(n)]
