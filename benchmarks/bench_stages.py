@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak", type=float, default=989e12)
+    ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
+    ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
@@ -56,7 +58,7 @@ def main() -> None:
     opt = optim.adamw(lr=1e-4)
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=units)
     del params
-    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh)
+    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh, engine=a.engine)
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
     tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
@@ -74,6 +76,15 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            state, m = step(state, (idx, tgt))
+            torch.cuda.synchronize()
+        if rank == 0:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
     times.sort()
     med = times[len(times) // 2]
     tok = a.micro * a.seq
@@ -82,7 +93,7 @@ def main() -> None:
     peaks = fzero.all_gather(torch.tensor([peak], device=dev), mesh).tolist()
     if rank == 0:
         print(json.dumps({
-            "mode": f"fzero-stage{a.stage}", "world": world, "params_M": round(nparams / 1e6, 1),
+            "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}"), "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),

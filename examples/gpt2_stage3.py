@@ -51,7 +51,7 @@ def main() -> None:
     config = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config).to(mesh.device)  # CUDA under torchrun + NCCL
     params, apply, info = from_module(model, units=units_by_prefix(model, "transformer.h"))
     del model
     opt = fzero.optim.adamw(fzero.optim.cosine(args.lr, args.steps, warmup_steps=max(1, args.steps // 10)),
@@ -71,7 +71,7 @@ def main() -> None:
         started, losses = time.perf_counter(), []
         for i in range(args.steps):
             tokens = torch.multinomial(probs, args.batch * args.seq, replacement=True, generator=g)
-            state, metrics = step(state, tokens.view(args.batch, args.seq))  # (B, T)
+            state, metrics = step(state, tokens.view(args.batch, args.seq).to(mesh.device))  # (B, T)
             losses.append(float(metrics.loss))
             if talk:
                 end = "\n" if i + 1 == args.steps or not sys.stdout.isatty() else ""

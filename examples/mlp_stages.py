@@ -88,7 +88,7 @@ def main() -> None:
     mesh = fzero.DistMesh() if "RANK" in os.environ else fzero.SimMesh(args.world_size)
     n = mesh.world_size
     torch.manual_seed(0)
-    model = ResidualMLP(args.dim, args.hidden, args.blocks)
+    model = ResidualMLP(args.dim, args.hidden, args.blocks).to(mesh.device)  # CUDA under torchrun + NCCL
     params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
     del model  # apply holds a parameter-free skeleton; params is the only copy
     psi = sum(p.numel() for p in params.values())
@@ -100,7 +100,8 @@ def main() -> None:
 
     def batches(rank: int) -> tuple:
         g = torch.Generator().manual_seed(1000 + rank)
-        return ([(torch.randn(args.batch, args.dim, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+        return ([(torch.randn(args.batch, args.dim, generator=g).to(mesh.device),
+                  torch.randint(0, 10, (args.batch,), generator=g).to(mesh.device))
                  for _ in range(args.steps)],)
 
     def train(stage: int, data: list) -> tuple:

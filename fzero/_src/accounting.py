@@ -334,5 +334,6 @@ def expected_comm(
 
 
 def agreement_elements(layout: Layout) -> int:
-    """Elements (float64) of the step's one agreement all-gather: N · (2L + 2), L = leaves."""
-    return layout.world_size * (2 * len(layout.leaves) + 2)
+    """Elements (float64) of the step's one agreement all-gather: N · (L + B + 2), L leaves, B buckets
+    (loss, a used flag per leaf, a non-finite flag per bucket, the rank's part of ‖g‖²)."""
+    return layout.world_size * (len(layout.leaves) + len(layout.buckets) + 2)

@@ -163,12 +163,13 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch):
     for b, g in zip(trainable, grads):  # g is None where no leaf of the bucket reached the loss here
         reduced[b] = st.reduce(mesh, Bucket.of(layout, b), torch.zeros_like(xs[b]) if g is None else g)
 
-    used, bad_ranks, bad_leaves, mean_loss, norm_sq = _agree(state, st, mesh, log, loss, reduced)
+    used, bad_ranks, mean_loss, norm_sq = _agree(state, st, mesh, log, loss, reduced)
     metrics_loss = torch.tensor(mean_loss, dtype=torch.float64)
     grad_norm = torch.tensor(math.sqrt(norm_sq) if math.isfinite(norm_sq) else norm_sq, dtype=torch.float64)
-    if bad_ranks or bad_leaves or not math.isfinite(norm_sq) or not math.isfinite(mean_loss):
+    if bad_ranks or not math.isfinite(norm_sq):
         if on_nonfinite == "raise":
-            raise NonFiniteError(_nonfinite_message(layout, state.step, bad_ranks, bad_leaves, norm_sq))
+            leaves = _nonfinite_leaves(state, st, mesh, reduced)
+            raise NonFiniteError(_nonfinite_message(state.step, bad_ranks, leaves, norm_sq))
         return state, Metrics(metrics_loss, grad_norm, state.step, True)
 
     new_params, new_opt = list(state.params), list(state.opt_state)
@@ -189,40 +190,57 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch):
 
 
 def _agree(state: ZeroState, st: Stage, mesh: Mesh, log: StepLog, loss: torch.Tensor, reduced: dict):
-    """The one agreement collective: `[loss, used[L], bad[L], ‖g_shard‖²]` from every rank."""
-    layout, n, rank = state.layout, mesh.world_size, state.rank
-    num = len(layout.leaves)
-    bad = torch.zeros(num, dtype=torch.float64, device=mesh.device)
-    for ids, flags in log.nonfinite:
-        bad[list(ids)] = flags.to(device=mesh.device, dtype=torch.float64)
-    sq = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖²]` from every rank.
+
+    `bad[b]` says whether bucket b's *local* gradient held a NaN or inf on that rank; `‖g_shard‖²`
+    sums the squares of the rank's slice of the *reduced* gradient in float64 (stage 0 takes its
+    rank's slice of the full buffer, so every stage sums the same numbers in the same order).
+    """
+    layout, n, rank, dev = state.layout, mesh.world_size, state.rank, mesh.device
+    num, nb = len(layout.leaves), len(layout.buckets)
+    bad = torch.zeros(nb, dtype=torch.float64, device=dev)
+    for b, flag in log.nonfinite.items():
+        bad[b] = flag.to(device=dev, dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=dev)
     for b, g in reduced.items():
         mine = g if st.optimizer_sharded else shard_of(layout, b, g, rank)
-        sq = sq + mine.to(torch.float64).square().sum().to(mesh.device)
-    row = torch.cat([loss.to(device=mesh.device, dtype=torch.float64).reshape(1),
-                     torch.tensor(log.used, dtype=torch.float64, device=mesh.device), bad, sq.reshape(1)])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, 2 * num + 2).cpu()
-    losses, used_rows, bad_rows, sqs = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + 2 * num], rows[:, -1]
+        sq = sq + mine.to(torch.float64).square().sum().to(dev)
+    row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1),
+                     torch.tensor(log.used, dtype=torch.float64, device=dev), bad, sq.reshape(1)])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 2).cpu()
+    losses, used_rows, bad_rows, sqs = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb], rows[:, -1]
     used = (used_rows > 0).any(dim=0).tolist()
-    bad_ranks = [r for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())]
-    bad_leaves = {r: [layout.leaves[i].path for i in (bad_rows[r] > 0).nonzero().flatten().tolist()]
-                  for r in bad_ranks}
+    bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
+                 for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
     total_loss, total_sq = 0.0, 0.0
     for r in range(n):  # rank order
         total_loss += losses[r].item()
         total_sq += sqs[r].item()
-    return used, bad_ranks, bad_leaves, total_loss / n, total_sq
+    return used, bad_ranks, total_loss / n, total_sq
 
 
-def _nonfinite_message(layout: Layout, step: int, bad_ranks: list, bad_leaves: dict, norm_sq: float) -> str:
+def _nonfinite_leaves(state: ZeroState, st: Stage, mesh: Mesh, reduced: dict) -> list[str]:
+    """The rare path, taken by every rank together: the leaves whose *reduced* gradient holds a
+    NaN or inf (a NaN or inf in any rank's local gradient survives the sum), by one all-reduce."""
+    layout, rank = state.layout, state.rank
+    flags = torch.zeros(len(layout.leaves), dtype=torch.float64, device=mesh.device)
+    for b, g in reduced.items():
+        mine = g if st.optimizer_sharded else shard_of(layout, b, g, rank)
+        for seg in layout.segments(b, rank):
+            if not bool(torch.isfinite(mine[seg.start : seg.stop]).all()):
+                flags[seg.leaf] = 1.0
+    flags = all_reduce(flags, mesh, "max", tag="fzero.step/nonfinite")
+    return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]
+
+
+def _nonfinite_message(step: int, bad_ranks: dict, leaves: list[str], norm_sq: float) -> str:
+    named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
+    where = f"; the reduced gradient is non-finite in {named}" if leaves else ""
     if not bad_ranks:
         return (f"step {step}: every rank's loss and local gradient are finite but the reduced gradient is not "
-                f"(sum of squares {norm_sq}): the sum over ranks overflowed. The state is unchanged; lower the "
-                f"learning rate or loss scale, or use on_nonfinite='skip'")
-    parts = []
-    for r in bad_ranks:
-        leaves = bad_leaves[r]
-        named = ", ".join(repr(p) for p in leaves[:5]) + (" ..." if len(leaves) > 5 else "")
-        parts.append(f"rank {r}: non-finite " + (f"gradient of {named}" if leaves else "loss"))
-    return (f"step {step}: non-finite values on rank(s) {bad_ranks} ({'; '.join(parts)}). The state is "
-            f"unchanged; use on_nonfinite='skip' to skip such steps")
+                f"(sum of squares {norm_sq}{where}): the sum over ranks overflowed. The state is unchanged; lower "
+                f"the learning rate or loss scale, or use on_nonfinite='skip'")
+    parts = [f"rank {r}: non-finite " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
+             for r, tags in bad_ranks.items()]
+    return (f"step {step}: non-finite values on rank(s) {list(bad_ranks)} ({'; '.join(parts)}){where}. The state "
+            f"is unchanged; use on_nonfinite='skip' to skip such steps")

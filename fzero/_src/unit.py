@@ -67,12 +67,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 class StepLog:
     """Side channel from the units' backward to the step: which leaves got a gradient, and
-    whether the local gradient of each leaf was finite. Deliberately not a pytree node, so
-    `torch.func` passes it through untouched."""
+    whether each bucket's local gradient held a NaN or inf (a 0-d bool tensor per bucket, left on
+    the device: no host sync during backward). Deliberately not a pytree node, so `torch.func`
+    passes it through untouched."""
 
     def __init__(self, num_leaves: int) -> None:
         self.used = [False] * num_leaves
-        self.nonfinite: list[tuple[tuple[int, ...], torch.Tensor]] = []  # (leaf ids, bad[L_b] flags)
+        self.nonfinite: dict[int, torch.Tensor] = {}  # bucket index -> 0-d bool
 
 
 # -- the pieces a stage composes ----------------------------------------------------------------
@@ -153,7 +154,7 @@ class _Unit(torch.autograd.Function):
             flat = _assemble(bucket, gs, program.mesh, dtype, device)
             for leaf, g in zip(bucket.leaves, gs):
                 log.used[leaf] = log.used[leaf] or g is not None
-            log.nonfinite.append((bucket.leaves, _leaf_nonfinite(bucket, flat)))
+            log.nonfinite[bucket.index] = ~torch.isfinite(flat).all()
             result.append(program.leave(program.mesh, bucket, flat))
         return (None, None, *result, *([None] * ctx.k))
 
@@ -168,14 +169,6 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], mesh: Mesh,
         end = o + n
     parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
     return torch.cat(parts)
-
-
-def _leaf_nonfinite(bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-    """`bad[L_b]`: 1.0 where a leaf's local gradient holds a NaN or inf (one segment reduction)."""
-    numels = [_numel(s) for s in bucket.shapes]
-    bad = (~torch.isfinite(flat[: sum(numels)])).to(torch.float32)
-    lengths = torch.tensor(numels, device=flat.device)
-    return torch.segment_reduce(bad, "max", lengths=lengths, unsafe=True, initial=0.0)
 
 
 def unit_programs(layout: Layout, mesh: Mesh, enter: Enter, leave: Leave, log: StepLog) -> list[UnitProgram]:
