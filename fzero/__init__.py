@@ -24,6 +24,7 @@ from fzero._src.layout import plan as plan
 from fzero._src.layout import shard as shard
 from fzero._src.layout import unpack as unpack
 from fzero._src.layout import unshard as unshard
+from fzero._src.lazy import LazyParams as LazyParams
 from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
@@ -65,6 +66,7 @@ __all__ = [
     "HeldBytes",
     "Layout",
     "LayoutError",
+    "LazyParams",
     "LeafSpec",
     "MemoryEstimate",
     "Mesh",

@@ -411,3 +411,83 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
         peaks[stage] = max(census.peak.values())
     assert peaks[1] >= k, f"stage 1 should hold all {k} full unit gradients, census saw {peaks[1]}"
     assert peaks[2] <= 3, f"stage 2 held {peaks[2]} full-size gradient buffers at once (one unit: 3)"
+
+
+# -- stage 3 gathers a unit when the loss uses it -----------------------------------------------------
+
+
+class _Reversed(torch.nn.Module):
+    """Blocks declared 0..K-1 but run K-1..0: eager gathers in declaration order, on_use in use order."""
+
+    def __init__(self, k: int = 4, d: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # (B, d) -> (B, 3)
+        for blk in reversed(self.blocks):
+            x = torch.tanh(blk(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_gather_on_use_gathers_each_unit_when_its_block_runs(engine):
+    torch.manual_seed(0)
+    model = _Reversed()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    mesh = fzero.SimMesh(3)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(apply(p, x), y)
+
+    def run(gather):
+        def rank_fn(batch):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
+            step = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, engine=engine, gather=gather)
+            with mesh.record() as log:
+                for _ in range(3):
+                    state, m = step(state, batch)
+            order = [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+            return fzero.gather(state), order[:5], m.loss
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+        return mesh.run(rank_fn, [(b,) for b in batches])
+
+    eager, on_use = run("eager"), run("on_use")
+    assert eager[0][1] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "default"]
+    assert on_use[0][1] == ["blocks.3", "blocks.2", "blocks.1", "blocks.0", "default"]  # use order (head last)
+    for (pe, _, le), (po, _, lo) in zip(eager, on_use):
+        assert torch.equal(le, lo)
+        assert all(torch.equal(pe[k], po[k]) for k in pe)
+
+
+def test_gather_on_use_never_gathers_a_unit_the_loss_does_not_read():
+    params = {"a": torch.ones(5), "b": torch.ones(7), "c": torch.ones(3)}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: p)
+        step = fzero.train_step(lambda p, x: (p["c"] * x).sum() + p["a"].sum(), opt, stage=3, mesh=mesh,
+                                gather="on_use")
+        with mesh.record() as log:
+            state, _ = step(state, c)
+        return fzero.gather(state), [r.tag for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+
+    for full, tags in mesh.run(rank_fn, [(torch.full((3,), 2.0),), (torch.full((3,), 4.0),)]):
+        assert tags == ["c/float32/default", "a/float32/default", "fzero.step/agree"]
+        assert torch.equal(full["b"], params["b"])  # unused by every rank: skipped, as torch.optim skips None
+        assert torch.equal(full["c"], torch.full((3,), 1 - 0.1 * 3.0))
+
+
+def test_gather_on_use_needs_flat_dict_params():
+    mesh, opt = fzero.SimMesh(1), optim.sgd(0.1)
+
+    def rank_fn():
+        state = fzero.init({"m": [torch.ones(2)]}, opt, stage=3, mesh=mesh)
+        fzero.train_step(lambda p, x: p["m"][0].sum(), opt, stage=3, mesh=mesh, gather="on_use")(state, None)
+
+    with pytest.raises(fzero.FzeroError, match="gather='on_use' needs params as a flat dict"):
+        mesh.run(rank_fn)

@@ -26,15 +26,18 @@ that update buffers (functorch rejects in-place writes to captured tensors).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what functional_call swaps with
 
 from .collectives import broadcast
 from .errors import FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
+from .lazy import LazyParams
 from .mesh import Mesh
 
 
@@ -112,9 +115,21 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
+    per_thread = threading.local()
 
-    def apply(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        """`module(*args, **kwargs)` with `params` (one tensor per distinct parameter) bound."""
+    def apply(params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
+        """`module(*args, **kwargs)` with `params` (one tensor per distinct parameter) bound.
+
+        With `LazyParams` (`train_step(..., gather="on_use")`), each unit is read, and so
+        gathered, in a forward pre-hook of its home submodule (the deepest one holding all its
+        parameters) and unbound after that submodule's forward; units at the root are read first.
+        """
+        if isinstance(params, LazyParams) and set(params) == expected:
+            # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
+            # (thread) binds into its own copy of the skeleton; buffers stay shared, as in eager mode
+            if not hasattr(per_thread, "skeleton"):
+                per_thread.skeleton = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
+            return _apply_on_use(per_thread.skeleton, buffers, alias_table, params, args, kwargs)
         if not isinstance(params, dict) or set(params) != expected:
             got = set(params) if isinstance(params, dict) else set()
             missing, extra = sorted(expected - got), sorted(got - expected)
@@ -132,6 +147,54 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
     return params, apply, ModuleInfo(alias_table, buffers, units, groups, frozen)
+
+
+def _home(names: list[str]) -> str:
+    """The deepest submodule path that holds every parameter name in `names` ("" = the root)."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for level in zip(*parts):
+        if any(p != level[0] for p in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: LazyParams, args: tuple,
+                  kwargs: dict) -> Any:
+    """`skeleton(*args, **kwargs)` binding each unit's parameters when its home submodule runs."""
+    by_unit: dict[str, list[str]] = {}
+    for name in aliases:
+        by_unit.setdefault(params.unit_of(name), []).append(name)
+    bound: dict[str, torch.Tensor] = dict(buffers)
+    hooks, swapped = [], []
+    for unit, names in by_unit.items():
+        home = _home([alias for name in names for alias in aliases[name]])
+        if not home:  # spread over the root: read now
+            leaves = params.unit(unit)
+            bound.update({alias: leaves[name] for name in names for alias in aliases[name]})
+            continue
+        module = skeleton.get_submodule(home)
+
+        def pre(mod: nn.Module, _args: Any, unit: str = unit, names: list[str] = names, home: str = home) -> None:
+            leaves = params.unit(unit)  # gathers the unit on its first read this step
+            rel = {alias[len(home) + 1 :]: leaves[name] for name in names for alias in aliases[name]}
+            orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
+            swapped.append((mod, orig))
+
+        def post(mod: nn.Module, _args: Any, _out: Any) -> None:
+            done, orig = swapped.pop()
+            NamedMemberAccessor(done).swap_tensors_dict(orig, allow_missing=False)
+
+        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        while swapped:  # a forward that raised inside a unit: put the placeholders back
+            mod, orig = swapped.pop()
+            NamedMemberAccessor(mod).swap_tensors_dict(orig, allow_missing=False)
 
 
 def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:

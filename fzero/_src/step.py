@@ -22,20 +22,23 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from .collectives import all_gather, all_reduce
 from .errors import FzeroError, MeshError, NonFiniteError
 from .layout import Layout
+from .lazy import LazyParams
 from .mesh import Mesh
 from .optim.base import Optimizer, UpdateContext
 from .stages import Stage, get_stage
 from .state import ZeroState, shard_of
-from .tree import unflatten
+from .tree import NAMESPACE, unflatten
 from .unit import Bucket, StepLog, run_unit, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
+GATHERS = ("eager", "on_use")
 
 
 class Metrics(NamedTuple):
@@ -63,6 +66,7 @@ def train_step(
     mesh: Mesh,
     engine: str = "autograd",
     on_nonfinite: str = "raise",
+    gather: str = "eager",
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -74,17 +78,26 @@ def train_step(
       engine: "autograd" (`torch.autograd.grad` over the unit Functions; lower peak memory, see
         DESIGN.md) or "func" (`torch.func.grad_and_value`; composes with other transforms).
       on_nonfinite: "raise" (NonFiniteError on every rank, naming ranks and leaves) or "skip".
+      gather: "eager" runs every unit's Function (stage 3: gathers every unit) before calling
+        `loss_fn` with the params pytree. "on_use" calls `loss_fn` with a `LazyParams` mapping
+        `{path: leaf}` instead (params must be a flat dict, as `from_module` makes) and gathers
+        each unit when the loss first reads one of its leaves; `from_module`'s `apply` reads a
+        unit when its submodule runs. The numbers are the same bits either way.
     """
     st = get_stage(stage)
     if engine not in ENGINES:
         raise FzeroError(f"engine must be one of {ENGINES}, got {engine!r}")
     if on_nonfinite not in NONFINITE:
         raise FzeroError(f"on_nonfinite must be one of {NONFINITE}, got {on_nonfinite!r}")
+    if gather not in GATHERS:
+        raise FzeroError(f"gather must be one of {GATHERS}, got {gather!r}")
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         _check_state(state, st, mesh)
+        if gather == "on_use":
+            _check_flat_dict(state.layout)
         with mesh.guard():
-            return _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch)
+            return _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, batch)
 
     return step
 
@@ -100,6 +113,13 @@ def _check_state(state: ZeroState, st: Stage, mesh: Mesh) -> None:
         raise FzeroError(f"the state lives on {state.mesh!r} but this step runs on {mesh!r}")
 
 
+def _check_flat_dict(layout: Layout) -> None:
+    flat = optree.tree_structure(dict.fromkeys((ls.path for ls in layout.leaves), 0), namespace=NAMESPACE)
+    if layout.treespec != flat:
+        raise FzeroError(f"gather='on_use' needs params as a flat dict {{path: tensor}} (as fzero.from_module "
+                         f"returns); these params are {layout.treespec}. Use gather='eager', or flatten them")
+
+
 def _inputs(state: ZeroState, st: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Per bucket: the differentiated tensor, and the full buffer beside it where the stage keeps one."""
     if st.grads_in_backward and not st.params_sharded:  # stage 2: grads of the shard, reads the full flat
@@ -109,17 +129,22 @@ def _inputs(state: ZeroState, st: Stage) -> tuple[list[torch.Tensor], list[torch
 
 
 def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: StepLog,
-                extras: list[torch.Tensor | None], batch: Any) -> Callable:
-    programs = unit_programs(layout, mesh, st.enter, st.leave, log)
+                extras: list[torch.Tensor | None], batch: Any, gather: str) -> Callable:
+    programs = {p.name: p for p in unit_programs(layout, mesh, st.enter, st.leave, log)}
 
     def loss_of(xs: list[torch.Tensor]) -> torch.Tensor:
-        leaves: list[Any] = [None] * len(layout.leaves)
-        for program in programs:
+        def materialize(unit: str) -> dict[str, torch.Tensor]:
+            program = programs[unit]
             ids = [b.index for b in program.buckets]
             outs = run_unit(program, [xs[b] for b in ids], [extras[b] for b in ids])
-            for i, t in zip((i for b in program.buckets for i in b.leaves), outs):
-                leaves[i] = t
-        loss = loss_fn(unflatten(layout.treespec, leaves), batch)
+            return {layout.leaves[i].path: t for i, t in zip((i for b in program.buckets for i in b.leaves), outs)}
+
+        if gather == "on_use":
+            params: Any = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize)
+        else:
+            by_path = {path: t for unit in programs for path, t in materialize(unit).items()}
+            params = unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves])
+        loss = loss_fn(params, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
             raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
                              f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
@@ -150,13 +175,13 @@ def _grads(loss_of: Callable, xs: list[torch.Tensor], trainable: list[int], engi
     return list(grads), loss.detach()
 
 
-def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, state, batch):
+def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, batch):
     layout, n, rank = state.layout, mesh.world_size, state.rank
     buckets = layout.buckets
     trainable = [b.index for b in buckets if not b.group.frozen]
     log = StepLog(len(layout.leaves))
     xs, extras = _inputs(state, st)
-    loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch)
+    loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch, gather)
     grads, loss = _grads(loss_of, xs, trainable, engine)
 
     reduced = {}

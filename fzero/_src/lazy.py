@@ -1,0 +1,56 @@
+"""Params that gather a unit when the loss first uses it (`train_step(..., gather="on_use")`).
+
+`LazyParams` is the read-only mapping `{dotted path: leaf}` a loss receives instead of the params
+pytree when gathering on use. Reading any leaf of a unit runs that unit's Function once per step
+(in stage 3: all-gathers the unit's buckets) and caches all its leaves; a unit the loss never
+reads is never gathered. Two ways to read it:
+
+- index it: `params["h.0.w"]` (a loss written for a flat dict of params);
+- pass it to the `apply` of `fzero.from_module`, which binds each unit's parameters in a forward
+  pre-hook of the unit's submodule, so a block is gathered when the block runs.
+
+Every rank must read the units in the same order (the same program on every rank does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+
+class LazyParams(Mapping):
+    """`{path: leaf}`; a unit's leaves are produced by `materialize(unit)` on first read."""
+
+    def __init__(self, unit_of: dict[str, str], materialize: Callable[[str], dict[str, torch.Tensor]]) -> None:
+        self._unit_of = unit_of
+        self._materialize = materialize
+        self._done: dict[str, dict[str, torch.Tensor]] = {}
+
+    def unit_of(self, path: str) -> str:
+        return self._unit_of[path]
+
+    def unit(self, unit: str) -> dict[str, torch.Tensor]:
+        """All leaves of `unit`, gathering it now if it was not yet."""
+        if unit not in self._done:
+            self._done[unit] = self._materialize(unit)
+        return self._done[unit]
+
+    @property
+    def gathered(self) -> tuple[str, ...]:
+        """The units read so far, in the order they were first read."""
+        return tuple(self._done)
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        if path not in self._unit_of:
+            raise KeyError(f"{path!r} is not a params path; some are {list(self._unit_of)[:5]}")
+        return self.unit(self._unit_of[path])[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._unit_of)
+
+    def __len__(self) -> int:
+        return len(self._unit_of)
+
+    def __repr__(self) -> str:
+        return f"LazyParams({len(self)} leaves, gathered units {list(self._done)})"
