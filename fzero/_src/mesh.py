@@ -370,14 +370,16 @@ def _crc(s: Any) -> int:
 
 
 def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
-    """`[kind, seq, op, dtype, ndim, d0, d1, d2, d3 (product of the rest), arg crc, tag crc]`."""
+    """`[kind, seq, op, dtype, ndim, d0, d1, d2, d3 (product of the rest), arg, tag crc]`; arg is the
+    reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or -1."""
     if call is None:
         return [kind, seq] + [0] * (_FP_LEN - 2)
     dtype = _DTYPES.index(call.dtype) if call.dtype in _DTYPES else 99
     dims = list(call.shape[:3]) + [-1] * (3 - min(3, len(call.shape)))
     rest = call.shape[3:]
     dims.append(-1 if not rest else int(torch.tensor(rest).prod()))
-    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, _crc(call.arg), _crc(call.tag)]
+    arg = REDUCTIONS.index(call.arg) if call.op == "all_reduce" else (call.arg if call.op == "broadcast" else -1)
+    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, _crc(call.tag)]
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -466,7 +468,9 @@ class DistMesh(Mesh):
             raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at "
                              f"{call or 'the end of mesh.run'} (collective #{self._seq - 1})")
         if not failed and any(row != rows[0] for row in rows):
-            theirs = "\n".join(f"  rank {s}: {_decode(row)}" for s, row in enumerate(rows))
+            mine_tag = _crc(call.tag) if call is not None else None
+            theirs = "\n".join(f"  rank {s}: {call if s == self._rank and call else _decode(row, mine_tag)}"
+                               for s, row in enumerate(rows))
             raise CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{self._seq - 1}:\n{theirs}\n"
                 f"every rank must call the same op with the same dtype, shape and tag")
@@ -512,7 +516,8 @@ class DistMesh(Mesh):
         return [out]
 
 
-def _decode(row: list[int]) -> str:
+def _decode(row: list[int], my_tag_crc: int | None) -> str:
+    """Another rank's fingerprint in words (its tag is known only as equal to this rank's or not)."""
     kind, seq, op, dtype, ndim = row[:5]
     if kind == _KIND_DONE:
         return f"returned from mesh.run (collective #{seq})"
@@ -520,4 +525,7 @@ def _decode(row: list[int]) -> str:
         return f"raised (collective #{seq})"
     dt = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "?"
     shape = [d for d in row[5:9] if d >= 0][:ndim]
-    return f"{OPS[op]}({dt}{shape}, arg crc {row[9]:#x}, tag crc {row[10]:#x}) collective #{seq}"
+    name = OPS[op]
+    arg = "" if row[9] < 0 else f", {REDUCTIONS[row[9]] if name == 'all_reduce' else row[9]}"
+    tag = "" if row[10] == my_tag_crc else ", another tag"
+    return f"{name}({dt}{shape}{arg}{tag}) collective #{seq}"
