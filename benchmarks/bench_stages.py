@@ -38,27 +38,26 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=989e12)
     ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
+    ap.add_argument("--gather", default="eager", choices=["eager", "on_use"])
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
     dev, rank, world = mesh.device, mesh.rank, mesh.world_size
     torch.manual_seed(0)
-    with torch.device("meta"):
-        skeleton = GPT(a.vocab, a.dim, a.layers, a.heads, a.seq)
-    torch.manual_seed(0)
-    params = {k: v.detach().to(dev) for k, v in GPT(a.vocab, a.dim, a.layers, a.heads, a.seq).named_parameters()}
+    model = GPT(a.vocab, a.dim, a.layers, a.heads, a.seq).to(dev)
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    del model  # apply keeps a parameter-free skeleton
     nparams = sum(p.numel() for p in params.values())
 
     def loss_fn(p, batch):
         idx, tgt = batch
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            return torch.func.functional_call(skeleton, p, (idx, tgt))
+            return apply(p, idx, tgt)
 
-    units = lambda path: ".".join(path.split(".")[:2]) if path.startswith("blocks.") else "embed_head"
     opt = optim.adamw(lr=1e-4)
-    state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=units)
+    state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units)
     del params
-    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh, engine=a.engine)
+    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh, engine=a.engine, gather=a.gather)
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
     tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
@@ -93,7 +92,8 @@ def main() -> None:
     peaks = fzero.all_gather(torch.tensor([peak], device=dev), mesh).tolist()
     if rank == 0:
         print(json.dumps({
-            "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}"), "world": world, "params_M": round(nparams / 1e6, 1),
+            "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
+            + ("" if a.gather == "eager" else f"-{a.gather}"), "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),

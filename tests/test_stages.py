@@ -491,3 +491,83 @@ def test_gather_on_use_needs_flat_dict_params():
 
     with pytest.raises(fzero.FzeroError, match="gather='on_use' needs params as a flat dict"):
         mesh.run(rank_fn)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak of the bytes held by storages created while entered, re-read at every op (so a storage
+    shrunk by `resize_(0)` counts 0 from then on). Shared by all SimMesh rank threads: the peak of
+    the sum over ranks. Independent of fzero: it sees only allocations and storage sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self._ref, self.live, self.peak, self.active = StorageWeakRef, {}, 0, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.active:
+            return out
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                self.live.setdefault(st._cdata, self._ref(st))  # weak: never keeps a storage alive
+        self.live = {k: r for k, r in self.live.items() if not r.expired()}
+        sizes = (torch.UntypedStorage._new_with_weak_ptr(r.cdata) for r in self.live.values())
+        self.peak = max(self.peak, sum(st.nbytes() for st in sizes if st is not None))
+        return out
+
+
+def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
+    """Stage 3, engine="autograd", gather="on_use": a block's gathered parameters are freed after
+    its forward and gathered again when backward reaches it. The census covers the forward (it
+    stops at the first reduce-scatter, the start of backward): eager gathering holds all K units'
+    parameters there, on-use gathering about one. The numbers stay the same bits, and the step
+    moves one more all-gather per released unit (3Ψ instead of 2Ψ)."""
+    k, n, d = 6, 2, 64
+
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+
+        def forward(self, x):  # (1, d)
+            for blk in self.blocks:
+                x = torch.tanh(blk(x))
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Blocks()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    opt = optim.sgd(0.1)
+    unit_bytes = (d * d + d) * 4  # one block's gathered flat[N * S] (N divides d*d + d)
+    census = None
+
+    class StopAtBackward(fzero.SimMesh):
+        def collective(self, op, x, *, arg=None, tag=None):
+            if op == "reduce_scatter":
+                census.active = False
+            return super().collective(op, x, arg=arg, tag=tag)
+
+    def run(gather):
+        nonlocal census
+        mesh, census = StopAtBackward(n), _LiveBytes()
+
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+            step = fzero.train_step(lambda p, x: apply(p, x), opt, stage=3, mesh=mesh, gather=gather)
+            with census, mesh.record() as log:
+                state, m = step(state, x)
+            gathers = sum(1 for r in log if r.op == "all_gather" and r.rank == mesh.rank and r.tag.startswith("blocks"))
+            return fzero.gather(state), m.loss, gathers
+
+        out = mesh.run(rank_fn, [(torch.randn(1, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
+        return out, census.peak
+
+    (eager, peak_eager), (lazy, peak_lazy) = run("eager"), run("on_use")
+    for (pe, le, ge), (pl, ll, gl) in zip(eager, lazy):
+        assert torch.equal(le, ll) and all(torch.equal(pe[name], pl[name]) for name in pe)
+        assert ge == k and gl == 2 * k  # forward + backward re-gather per block
+    print(f"forward peak: eager {peak_eager} B, on_use {peak_lazy} B, one unit {unit_bytes} B")
+    assert peak_eager >= n * k * unit_bytes  # non-vacuous: eager holds every rank's K gathered units
+    assert peak_eager - peak_lazy >= n * (k - 2) * unit_bytes, (peak_eager, peak_lazy, unit_bytes)

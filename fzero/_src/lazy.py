@@ -10,6 +10,13 @@ reads is never gathered. Two ways to read it:
   pre-hook of the unit's submodule, so a block is gathered when the block runs.
 
 Every rank must read the units in the same order (the same program on every rank does).
+
+Release and re-gather (stage 3 with `engine="autograd"`): when the step can `release` a unit,
+`from_module`'s `apply` frees the unit's gathered storage after its submodule's forward
+(`untyped_storage().resize_(0)`, as FSDP2 does), gathers it again when backward reaches the
+submodule's output (`refill`), and the unit's Function frees it once more after its backward.
+The tensors the forward saved for backward are views of that storage, so they read the
+re-gathered values; the values are the same bits (all-gather copies them).
 """
 
 from __future__ import annotations
@@ -22,10 +29,30 @@ import torch
 class LazyParams(Mapping):
     """`{path: leaf}`; a unit's leaves are produced by `materialize(unit)` on first read."""
 
-    def __init__(self, unit_of: dict[str, str], materialize: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    def __init__(self, unit_of: dict[str, str], materialize: Callable[[str], dict[str, torch.Tensor]],
+                 release: Callable[[str], None] | None = None, refill: Callable[[str], None] | None = None) -> None:
         self._unit_of = unit_of
         self._materialize = materialize
+        self._release, self._refill = release, refill
         self._done: dict[str, dict[str, torch.Tensor]] = {}
+        self._released: set[str] = set()
+
+    @property
+    def releasable(self) -> bool:
+        """Whether `release` frees memory (stage 3, autograd engine); else it does nothing."""
+        return self._release is not None
+
+    def release(self, unit: str) -> None:
+        """Free the unit's gathered storage until `refill` (or the next read) gathers it again."""
+        if self._release is not None and unit in self._done and unit not in self._released:
+            self._release(unit)
+            self._released.add(unit)
+
+    def refill(self, unit: str) -> None:
+        """Gather a released unit again, into the same storage."""
+        if unit in self._released:
+            self._refill(unit)  # type: ignore[misc]
+            self._released.discard(unit)
 
     def unit_of(self, path: str) -> str:
         return self._unit_of[path]
@@ -34,6 +61,7 @@ class LazyParams(Mapping):
         """All leaves of `unit`, gathering it now if it was not yet."""
         if unit not in self._done:
             self._done[unit] = self._materialize(unit)
+        self.refill(unit)
         return self._done[unit]
 
     @property

@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what functional_call swaps with
@@ -177,14 +178,19 @@ def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: Laz
         module = skeleton.get_submodule(home)
 
         def pre(mod: nn.Module, _args: Any, unit: str = unit, names: list[str] = names, home: str = home) -> None:
-            leaves = params.unit(unit)  # gathers the unit on its first read this step
+            leaves = params.unit(unit)  # gathers the unit on its first read this step (again if released)
             rel = {alias[len(home) + 1 :]: leaves[name] for name in names for alias in aliases[name]}
             orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
             swapped.append((mod, orig))
 
-        def post(mod: nn.Module, _args: Any, _out: Any) -> None:
+        def post(mod: nn.Module, _args: Any, out: Any, unit: str = unit) -> None:
             done, orig = swapped.pop()
             NamedMemberAccessor(done).swap_tensors_dict(orig, allow_missing=False)
+            if params.releasable:  # free the gathered copy now; gather it again when backward gets here
+                params.release(unit)
+                for t in optree.tree_leaves(out, namespace="fzero"):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda g, unit=unit: params.refill(unit))
 
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:

@@ -129,18 +129,39 @@ def _inputs(state: ZeroState, st: Stage) -> tuple[list[torch.Tensor], list[torch
 
 
 def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: StepLog,
-                extras: list[torch.Tensor | None], batch: Any, gather: str) -> Callable:
+                extras: list[torch.Tensor | None], batch: Any, gather: str, engine: str) -> Callable:
     programs = {p.name: p for p in unit_programs(layout, mesh, st.enter, st.leave, log)}
 
     def loss_of(xs: list[torch.Tensor]) -> torch.Tensor:
+        storages: dict[str, list[tuple[int, Any, int]]] = {}  # unit -> (bucket, gathered storage, bytes)
+        can_release = gather == "on_use" and st.params_sharded and engine == "autograd"
+
         def materialize(unit: str) -> dict[str, torch.Tensor]:
             program = programs[unit]
             ids = [b.index for b in program.buckets]
             outs = run_unit(program, [xs[b] for b in ids], [extras[b] for b in ids])
-            return {layout.leaves[i].path: t for i, t in zip((i for b in program.buckets for i in b.leaves), outs)}
+            leaves = dict(zip((i for b in program.buckets for i in b.leaves), outs))
+            if can_release:
+                storages[unit] = [(b.index, leaves[i].untyped_storage(), leaves[i].untyped_storage().nbytes())
+                                  for b in program.buckets for i in b.leaves[:1] if leaves[i].numel()]
+            return {layout.leaves[i].path: t for i, t in leaves.items()}
+
+        def release(unit: str) -> None:
+            for _, storage, _ in storages[unit]:
+                storage.resize_(0)
+
+        def refill(unit: str) -> None:
+            with torch.no_grad():
+                for b, storage, nbytes in storages[unit]:
+                    full = mesh.collective("all_gather", xs[b].detach(), tag=layout.buckets[b].tag)
+                    storage.resize_(nbytes)
+                    full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
 
         if gather == "on_use":
-            params: Any = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize)
+            params: Any = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize,
+                                     release if can_release else None, refill if can_release else None)
+            if can_release:
+                log.after_backward = {unit: (lambda u=unit: params.release(u)) for unit in programs}
         else:
             by_path = {path: t for unit in programs for path, t in materialize(unit).items()}
             params = unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves])
@@ -181,7 +202,7 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, bat
     trainable = [b.index for b in buckets if not b.group.frozen]
     log = StepLog(len(layout.leaves))
     xs, extras = _inputs(state, st)
-    loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch, gather)
+    loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch, gather, engine)
     grads, loss = _grads(loss_of, xs, trainable, engine)
 
     reduced = {}

@@ -74,6 +74,7 @@ class StepLog:
     def __init__(self, num_leaves: int) -> None:
         self.used = [False] * num_leaves
         self.nonfinite: dict[int, torch.Tensor] = {}  # bucket index -> 0-d bool
+        self.after_backward: dict[str, Callable[[], None]] = {}  # unit -> run when its backward is done
 
 
 # -- the pieces a stage composes ----------------------------------------------------------------
@@ -156,6 +157,9 @@ class _Unit(torch.autograd.Function):
                 log.used[leaf] = log.used[leaf] or g is not None
             log.nonfinite[bucket.index] = ~torch.isfinite(flat).all()
             result.append(program.leave(program.mesh, bucket, flat))
+        done = log.after_backward.get(program.name)
+        if done is not None:
+            done()
         return (None, None, *result, *([None] * ctx.k))
 
 
