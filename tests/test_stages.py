@@ -571,3 +571,29 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     print(f"forward peak: eager {peak_eager} B, on_use {peak_lazy} B, one unit {unit_bytes} B")
     assert peak_eager >= n * k * unit_bytes  # non-vacuous: eager holds every rank's K gathered units
     assert peak_eager - peak_lazy >= n * (k - 2) * unit_bytes, (peak_eager, peak_lazy, unit_bytes)
+
+
+def test_gather_on_use_frees_everything_after_the_step():
+    """The release callbacks, the LazyParams and the autograd graph reference each other partly
+    through C++ (invisible to Python's GC): the step must break that cycle, or every step would
+    leak its gathered storages."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh, opt, seen = fzero.SimMesh(2), optim.sgd(0.1), []
+
+    def loss_fn(p, x):
+        seen.append(weakref.ref(p))
+        return apply(p, x).sum()
+
+    def rank_fn(x):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+        state, _ = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, gather="on_use")(state, x)
+        return state
+
+    gc.collect()
+    mesh.run(rank_fn, [(torch.randn(2, 8),)] * 2)
+    gc.collect()
+    assert len(seen) == 2 and all(r() is None for r in seen)

@@ -203,7 +203,12 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, bat
     log = StepLog(len(layout.leaves))
     xs, extras = _inputs(state, st)
     loss_of = _local_loss(loss_fn, st, mesh, layout, log, extras, batch, gather, engine)
-    grads, loss = _grads(loss_of, xs, trainable, engine)
+    try:
+        grads, loss = _grads(loss_of, xs, trainable, engine)
+    finally:
+        # the release callbacks hold the LazyParams, whose leaves hold the autograd graph, whose
+        # unit Functions hold this log: a cycle through C++ that Python's GC cannot see
+        log.after_backward.clear()
 
     reduced = {}
     for b, g in zip(trainable, grads):  # g is None where no leaf of the bucket reached the loss here
