@@ -255,3 +255,39 @@ def test_cli_trace(capsys, stage):
     text = capsys.readouterr().out
     assert "reduce_scatter" in text and "all_gather" in text
     assert "matches the formula" in text and "MISMATCH" not in text
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gather_on_use_moves_the_regather_formula(n):
+    """Stage 3 with gather="on_use" on a from_module model: every block unit is gathered in
+    forward and again in backward, the unit spread over the root (the head) once; the recorded
+    data collectives equal `expected_comm(..., regather=<block units>)` exactly."""
+    class Net(torch.nn.Module):  # one unit per block; the head's unit is spread over the root
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(5, 5) for _ in range(3))
+            self.head, self.bias = torch.nn.Linear(5, 2), torch.nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):  # (B, 5) -> (B, 2)
+            for blk in self.blocks:
+                x = torch.tanh(blk(x))
+            return self.head(x) + self.bias
+
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    mesh, opt = fzero.SimMesh(n), optim.sgd(0.1)
+
+    def rank_fn(x):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, x: apply(p, x).square().mean(), opt, stage=3, mesh=mesh, gather="on_use")
+        with mesh.record() as log:
+            state, _ = step(state, x)
+        return state.layout, [r for r in log if r.rank == mesh.rank]
+
+    layout, records = mesh.run(rank_fn, [(torch.randn(2, 5),)] * n)[0]
+    blocks = {u for u in layout.units if u.startswith("blocks.")}
+    assert len(blocks) == 3
+    got = comm_volume(records, n)
+    assert got.data == expected_comm(layout, n, 3, regather=blocks).data
+    assert got.data != expected_comm(layout, n, 3).data

@@ -288,7 +288,7 @@ def expected_comm(
     *,
     grad_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
-    regather: bool = False,
+    regather: bool | Iterable[str] = False,
     accumulation: int = 1,
     persistent: Iterable[str] = frozenset(),
 ) -> CommVolume:
@@ -309,8 +309,10 @@ def expected_comm(
     only if it must be differentiated through; not modelled: frozen buffers are never
     re-gathered here). A unit in `persistent` (stage 3) keeps full params: no gathers in forward
     or backward, and is reduced and re-gathered after the update as in stage 2. fzero today:
-    `regather=False` (the gathered flat stays alive from forward to backward), `accumulation=1`,
-    no persistent units. In elements, stage 0 moves 2kΨ, stages 1-2 (k + 1)Ψ, stage 3 2kΨ
+    `regather=False` with `gather="eager"` (the gathered flat stays alive from forward to
+    backward); with `gather="on_use"`, the autograd engine and `from_module`, `regather` is the
+    set of units with a home submodule (every unit but one spread over the root), which are freed
+    after their forward and gathered again in backward; `accumulation=1`, no persistent units. In elements, stage 0 moves 2kΨ, stages 1-2 (k + 1)Ψ, stage 3 2kΨ
     without and 3kΨ with the re-gather.
     """
     if stage not in (0, 1, 2, 3):
@@ -318,6 +320,7 @@ def expected_comm(
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
     persistent = frozenset(persistent)
+    again = (lambda u: regather) if isinstance(regather, bool) else frozenset(regather).__contains__
     k = accumulation
     items: list[tuple[str, int, int]] = []
     for b in _bufs(model, world_size):
@@ -327,7 +330,7 @@ def expected_comm(
         ag_grad = ("all_gather", b.elements, b.elements * g)
         level = 2 if stage == 3 and b.unit in persistent else stage
         if level == 3:
-            items += [ag] * k + ([ag] * k if regather and b.trainable else []) + ([rs] * k if b.trainable else [])
+            items += [ag] * k + ([ag] * k if again(b.unit) and b.trainable else []) + ([rs] * k if b.trainable else [])
         elif b.trainable:
             items += [rs, ag_grad] * k if level == 0 else [rs] * k + [ag]
     return CommVolume(world_size, _totals(items, world_size), {})
