@@ -294,3 +294,16 @@ def test_python_dash_m():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "117 MB (117187500 B)" in r.stdout  # the paper's 0.12 GB
+
+
+def test_cli_gpt2_config(tmp_path, capsys):
+    """`--config` builds transformers' GPT-2 on the meta device: GPT-2 small has 124,439,808
+    distinct parameters (the LM head is tied to the token embedding and counted once)."""
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text('{"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}')
+    assert main(["estimate", "--config", str(cfg), "-n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "124439808 parameters" in out
+    # stage 3, mixed-precision Adam: 16 bytes per padded parameter / 8 ranks
+    assert "249 MB (248879616 B)" in out.splitlines()[-1]
