@@ -145,7 +145,9 @@ def serial_reference(pb):
     params, batches, units, groups, roles = build(pb)
     n = pb["n"]
     paths, leaves, spec = flatten_with_paths(params)
-    group_of = [next((g for g in groups if g.match(p)), fzero.ParamGroup()) for p in paths]
+    # first match wins, except that any matching frozen group wins (fzero.ParamGroup's rule)
+    group_of = [next((g for g in groups if g.frozen and g.match(p)), None)
+                or next((g for g in groups if g.match(p)), fzero.ParamGroup()) for p in paths]
     tensors = [leaf.clone().requires_grad_(not grp.frozen) for leaf, grp in zip(leaves, group_of)]
     buckets: dict = {}
     for t, grp in zip(tensors, group_of):
@@ -328,89 +330,107 @@ def test_state_and_stage_mismatch_errors():
 # -- memory: stage 2 keeps at most one unit's full gradient alive ------------------------------------
 
 
-class _FullGradCensus(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts, per thread (= SimMesh rank), the live storages of exactly `nbytes` bytes created by
-    aten ops while `active`: the census of full-size unit gradient buffers. Independent of fzero's
-    bookkeeping: it sees only allocations and their lifetimes (weak references)."""
+class _GradCensus(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak, per thread (= SimMesh rank), of the bytes of live storages whose size is one of
+    `sizes` (gradient-shaped: a unit's per-leaf gradients and its assembled flat[N * S]), created
+    by aten ops on a thread while it is in `on`. Independent of fzero's bookkeeping: it sees only
+    allocations, their sizes and their lifetimes (weak references)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, sizes: set) -> None:
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        self.nbytes, self._ref, self.active = nbytes, StorageWeakRef, True
-        self.live: dict[int, list] = {}
+        self.sizes, self._ref, self.on = sizes, StorageWeakRef, set()
+        self.live: dict[int, dict] = {}
         self.peak: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import threading
 
         out = func(*args, **(kwargs or {}))
-        if not self.active:
-            return out
         me = threading.get_ident()
-        refs = [r for r in self.live.get(me, []) if not r.expired()]
-        ins = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+        if me not in self.on:
+            return out
+        live = {k: (r, n) for k, (r, n) in self.live.get(me, {}).items() if not r.expired()}
+        ins = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor) and a.device.type != "meta"}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if (isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() == self.nbytes
-                    and t.untyped_storage()._cdata not in ins):  # a new storage, not a view
-                ref = self._ref(t.untyped_storage())
-                if all(ref.cdata != r.cdata for r in refs):
-                    refs.append(ref)
-        self.live[me] = refs
-        self.peak[me] = max(self.peak.get(me, 0), len(refs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().nbytes() in self.sizes:
+                st = t.untyped_storage()
+                if st._cdata not in ins:  # a new storage, not a view
+                    live.setdefault(st._cdata, (self._ref(st), st.nbytes()))
+        self.live[me] = live
+        self.peak[me] = max(self.peak.get(me, 0), sum(n for _, n in live.values()))
         return out
 
 
-class _StopAtAgreement(fzero.SimMesh):
-    """A SimMesh that switches the census off when the step's agreement collective starts, so the
-    census covers forward, backward and the post-backward reduction, not the optimizer update."""
+class _Blocks(torch.nn.Module):
+    def __init__(self, k: int, d: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
 
-    census = None
-
-    def collective(self, op, x, *, arg=None, tag=None):
-        if tag == "fzero.step/agree" and self.census is not None:
-            self.census.active = False
-        return super().collective(op, x, arg=arg, tag=tag)
+    def forward(self, x):  # (1, d) -> ()
+        for blk in self.blocks:
+            x = torch.tanh(blk(x))
+        return x.square().mean()
 
 
 @pytest.mark.parametrize("engine", ["autograd", "func"])
 def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
-    """K units of one (d, d) weight and one (d + 1,) bias each. New storages of exactly one unit's
-    padded flat size, (N * S) * 4 bytes, are full-unit gradient buffers: params exist before the
-    census starts (their views are skipped), activations are (1, d), shards are S elements, and
-    float64 copies of a shard are 8 * S bytes (N = 3, so 8 * S != 4 * N * S).
+    """K blocks of Linear(d, d), one unit each, gather="on_use". Gradient-shaped storages are the
+    (d, d) weight gradients (d*d*4 B), the (d,) bias gradients (d*4 B; activations are (2, d))
+    and a unit's assembled flat[N * S].
+    A rank's census runs from the end of its forward to the step's agreement collective.
 
-    Stage 1 keeps all K alive until after backward. Stage 2 reduce-scatters each unit during its
-    backward, so at most one unit's buffers are alive at once, on a rank: the assembled gradient,
-    its fl(1/N) copy, and SimMesh's reduction accumulator for that unit (the transport buffer a
-    real backend keeps inside gloo or NCCL) -- 3, against K = 6 for stage 1."""
-    k, n, d = 6, 3, 16
-    params = {f"b{i}": {"w": torch.randn(d, d) / d, "c": torch.zeros(d + 1)} for i in range(k)}
-    padded = -(-(d * d + d + 1) // n) * n * 4  # bytes of one unit's flat[N * S], fp32
+    Stage 1 keeps every unit's full gradient until after backward: >= K units, growing with K.
+    Stage 2 reduce-scatters each unit when its backward is done -- the unit's Function runs
+    right after the block's backward because it was created, on use, just before the block's
+    forward -- so its peak does not grow with K: the per-leaf gradients, the assembled buffer,
+    its fl(1/N) copy and SimMesh's reduction accumulator, all of one unit (< 5 units).
 
-    def loss_fn(p, x):  # (B, d)
-        for i in range(k):
-            x = torch.tanh(x @ p[f"b{i}"]["w"] + p[f"b{i}"]["c"][:d])
-        return x.square().mean()
+    With gather="eager" every unit's Function is created before the loss, the autograd engine
+    runs them after every later node, and stage 2 then reduces only after the whole backward
+    (README, "Limits today")."""
+    import threading
 
-    peaks = {}
-    for stage in (1, 2):
-        mesh = _StopAtAgreement(n)
-        census = _FullGradCensus(padded)
-        opt = optim.sgd(0.1)
+    n, d = 3, 16
+    unit = (d * d + d) * 4
+    padded = -(-(d * d + d) // n) * n * 4  # bytes of one unit's flat[N * S], fp32
+
+    def peak(stage, k):
+        torch.manual_seed(0)
+        model = _Blocks(k, d)
+        params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+        census = _GradCensus({d * d * 4, d * 4, padded})
+
+        class Probe(fzero.SimMesh):  # a rank's census runs from the end of its forward to the agreement
+            def collective(self, op, x, *, arg=None, tag=None):
+                if tag == "fzero.step/agree":
+                    census.on.discard(threading.get_ident())
+                return super().collective(op, x, arg=arg, tag=tag)
+
+        mesh, opt = Probe(n), optim.sgd(0.1)
+
+        def loss_fn(p, x):
+            loss = apply(p, x)
+            census.on.add(threading.get_ident())  # forward done: what this rank creates now is backward's
+            return loss
 
         def rank_fn(x):
-            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p.split(".")[0])
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=engine, gather="on_use")
             with census:
-                state, _ = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=engine)(state, x)
+                state, _ = step(state, x)
             return state
 
-        mesh.census = census
-        mesh.run(rank_fn, [(torch.randn(1, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
+        mesh.run(rank_fn, [(torch.randn(2, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
         assert len(census.peak) == n, "the census must see every rank's thread"
-        peaks[stage] = max(census.peak.values())
-    assert peaks[1] >= k, f"stage 1 should hold all {k} full unit gradients, census saw {peaks[1]}"
-    assert peaks[2] <= 3, f"stage 2 held {peaks[2]} full-size gradient buffers at once (one unit: 3)"
+        return max(census.peak.values())
+
+    for k in (6, 12):
+        assert peak(1, k) >= k * unit, f"stage 1 should hold all {k} full unit gradients"
+    p6, p12 = peak(2, 6), peak(2, 12)
+    assert p6 == p12, f"stage 2's peak grew with K: {p6} B at K = 6, {p12} B at K = 12"
+    assert p12 < 5 * unit, f"stage 2 held {p12} B of full gradients at once; one unit is {unit} B"
 
 
 # -- stage 3 gathers a unit when the loss uses it -----------------------------------------------------
@@ -523,7 +543,7 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     its forward and gathered again when backward reaches it. The census covers the forward (it
     stops at the first reduce-scatter, the start of backward): eager gathering holds all K units'
     parameters there, on-use gathering about one. The numbers stay the same bits, and the step
-    moves one more all-gather per released unit (3Ψ instead of 2Ψ)."""
+    moves one more all-gather per released unit that backward reads (up to 3Ψ instead of 2Ψ)."""
     k, n, d = 6, 2, 64
 
     class Blocks(torch.nn.Module):
@@ -567,7 +587,10 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     (eager, peak_eager), (lazy, peak_lazy) = run("eager"), run("on_use")
     for (pe, le, ge), (pl, ll, gl) in zip(eager, lazy):
         assert torch.equal(le, ll) and all(torch.equal(pe[name], pl[name]) for name in pe)
-        assert ge == k and gl == 2 * k  # forward + backward re-gather per block
+        # forward gathers every block; backward re-gathers a block only when it reads a tensor saved
+        # from the block's storage: every block but the first, whose input needs no gradient, so
+        # its weight is not saved
+        assert ge == k and gl == 2 * k - 1
     print(f"forward peak: eager {peak_eager} B, on_use {peak_lazy} B, one unit {unit_bytes} B")
     assert peak_eager >= n * k * unit_bytes  # non-vacuous: eager holds every rank's K gathered units
     assert peak_eager - peak_lazy >= n * (k - 2) * unit_bytes, (peak_eager, peak_lazy, unit_bytes)
@@ -597,3 +620,97 @@ def test_gather_on_use_frees_everything_after_the_step():
     mesh.run(rank_fn, [(torch.randn(2, 8),)] * 2)
     gc.collect()
     assert len(seen) == 2 and all(r() is None for r in seen)
+
+
+# -- review fixes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gather", ["eager", "on_use"])
+def test_leaf_used_by_some_ranks_only_is_reduced_on_every_rank(gather):
+    """DDP with find_unused_parameters: a leaf used on rank 0 only still gets rank 1's zero
+    contribution and is updated. In stages 2-3 the unit's reduce-scatter runs in its backward,
+    which every rank now runs (the unit's anchor), so all stages agree. With gather="on_use" a
+    unit only rank 0 reads is gathered (stage 3) and reduced only there: every rank must read the
+    same units in the same order, and otherwise every rank stops with CollectiveMismatch."""
+    if gather == "on_use":
+        mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+        def fails(r):
+            state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, opt, stage=3, mesh=mesh, units=lambda p: p)
+            loss = lambda p, r: p["a"].sum() + (p["b"].sum() if r == 0 else 0)  # noqa: E731
+            fzero.train_step(loss, opt, stage=3, mesh=mesh, gather="on_use")(state, r)
+
+        with pytest.raises(fzero.CollectiveMismatch, match="tag='b/float32/default'"):
+            mesh.run(fails, [(0,), (1,)])
+        return
+    params = {"a": torch.ones(4), "b": torch.ones(4)}
+    finals = {}
+    for stage in range(4):
+        mesh, opt = fzero.SimMesh(3), optim.adamw(0.1)
+
+        def rank_fn(r):
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p)
+            loss = lambda p, r: p["a"].sum() + (p["b"].square().sum() if r == 0 else 0)  # noqa: E731
+            state, _ = fzero.train_step(loss, opt, stage=stage, mesh=mesh, gather=gather)(state, r)
+            return fzero.gather(state)
+
+        finals[stage] = mesh.run(rank_fn, [(r,) for r in range(3)])
+    assert not torch.equal(finals[0][0]["b"], params["b"])  # updated: rank 0 used it
+    for stage in (1, 2, 3):
+        for r in range(3):
+            assert all(torch.equal(finals[stage][r][k], finals[0][0][k]) for k in params)
+
+
+def test_gather_on_use_weight_tied_across_blocks():
+    """A weight shared by two blocks has its home in the ModuleList, whose forward never runs:
+    it is bound at the root instead, and the results equal eager gathering."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.h[1].weight = self.h[0].weight
+
+        def forward(self, x):
+            for blk in self.h:
+                x = torch.tanh(blk(x))
+            return x.sum()
+
+    torch.manual_seed(0)
+    model = Tied()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "h"))
+    out = {}
+    for gather in ("eager", "on_use"):
+        mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+            state, _ = fzero.train_step(lambda p, x: apply(p, x), opt, stage=3, mesh=mesh, gather=gather)(state, x)
+            return fzero.gather(state)
+
+        out[gather] = mesh.run(rank_fn, [(torch.randn(2, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
+    assert all(torch.equal(out["eager"][0][k], out["on_use"][0][k]) for k in params)
+
+
+def test_frozen_group_wins_wherever_it_stands():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    params, apply, info = fzero.from_module(model)
+    nowd = fzero.ParamGroup("nowd", match=lambda p: p.endswith("bias"), weight_decay=False)
+    mesh, opt = fzero.SimMesh(1), optim.sgd(0.1)
+
+    def rank_fn():
+        state = fzero.init(params, opt, stage=1, mesh=mesh, groups=[nowd, *info.groups])
+        state, _ = fzero.train_step(lambda p, x: apply(p, x).sum(), opt, stage=1, mesh=mesh)(state, torch.ones(1, 3))
+        return fzero.gather(state)
+
+    (final,) = mesh.run(rank_fn)
+    assert torch.equal(final["bias"], params["bias"]) and not torch.equal(final["weight"], params["weight"])
+
+
+def test_init_rejects_other_shape_same_numel_and_one_tensor_twice():
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+    with pytest.raises(fzero.LayoutError, match=r"at leaf 'w'.*same count, other shape or dtype"):
+        mesh.run(lambda shape: fzero.init({"w": torch.ones(shape)}, opt, stage=3, mesh=mesh), [((2, 3),), ((3, 2),)])
+    w = torch.ones(3)
+    with pytest.raises(fzero.LayoutError, match="'a' and 'b' are the same tensor"):
+        mesh.run(lambda: fzero.init({"a": w, "b": w}, opt, stage=0, mesh=mesh))

@@ -39,7 +39,8 @@ class ParamGroup:
 
     Attributes:
       name: shown in bucket tags and errors.
-      match: `path -> bool`; `None` matches every leaf. The first group that matches wins.
+      match: `path -> bool`; `None` matches every leaf. The first group that matches wins, except
+        that a frozen group wins wherever it stands.
       weight_decay: False masks weight decay off (torch: a param group with weight_decay=0).
       lr_scale: the group's learning rate is `fl(lr * lr_scale)`.
       frozen: no optimizer state, no gradient reduction (torch: `requires_grad=False`).
@@ -174,8 +175,13 @@ def _unit_of(units: UnitSpec) -> Callable[[str], str]:
 
 
 def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str], ParamGroup]:
+    """First match wins, except that a leaf any frozen group matches is frozen, wherever that group
+    stands: a no-decay group listed first must not train a `requires_grad=False` parameter."""
     default = ParamGroup()
-    return lambda path: next((g for g in groups if g.match is None or g.match(path)), default)
+    matches = lambda g, path: g.match is None or g.match(path)  # noqa: E731
+    frozen = [g for g in groups if g.frozen]
+    return lambda path: next((g for g in frozen if matches(g, path)), None) or next(
+        (g for g in groups if matches(g, path)), default)
 
 
 def _check_leaf(path: str, leaf: Any) -> torch.Tensor:

@@ -13,10 +13,11 @@ Every rank must read the units in the same order (the same program on every rank
 
 Release and re-gather (stage 3 with `engine="autograd"`): when the step can `release` a unit,
 `from_module`'s `apply` frees the unit's gathered storage after its submodule's forward
-(`untyped_storage().resize_(0)`, as FSDP2 does), gathers it again when backward reaches the
-submodule's output (`refill`), and the unit's Function frees it once more after its backward.
-The tensors the forward saved for backward are views of that storage, so they read the
-re-gathered values; the values are the same bits (all-gather copies them).
+(`untyped_storage().resize_(0)`, as FSDP2 does). The step runs the loss under a
+`saved_tensors_hooks` whose unpack gathers a released unit again (`refill`) the first time
+backward reads a tensor saved from its storage, and the unit's Function frees it once more after
+its backward. The saved tensors are views of that storage, so they read the re-gathered values,
+the same bits (all-gather copies them).
 """
 
 from __future__ import annotations

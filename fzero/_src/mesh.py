@@ -436,6 +436,7 @@ class DistMesh(Mesh):
         self.verify = verify
         self.timeout = timeout
         self._seq = 0
+        self._announced = -1  # the sequence number after the last failure this rank announced
         backend = dist.get_backend(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -500,11 +501,11 @@ class DistMesh(Mesh):
             yield
         except MeshError:
             raise
-        except BaseException as e:
-            if self.verify and not getattr(e, "_fzero_announced", False):
-                e._fzero_announced = True  # type: ignore[attr-defined]
+        except BaseException:
+            if self.verify and self._announced != self._seq:  # once per failure, however often re-raised
                 with contextlib.suppress(MeshError):
                     self._agree(_KIND_FAIL, None)
+                self._announced = self._seq
             raise
 
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:

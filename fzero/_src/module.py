@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch import nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what functional_call swaps with
@@ -161,6 +160,11 @@ def _home(names: list[str]) -> str:
     return ".".join(common)
 
 
+def _runs_forward(module: nn.Module) -> bool:
+    """False for containers (ModuleList, ModuleDict) whose forward is never called."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: LazyParams, args: tuple,
                   kwargs: dict) -> Any:
     """`skeleton(*args, **kwargs)` binding each unit's parameters when its home submodule runs."""
@@ -171,6 +175,8 @@ def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: Laz
     hooks, swapped = [], []
     for unit, names in by_unit.items():
         home = _home([alias for name in names for alias in aliases[name]])
+        if home and _runs_forward(skeleton.get_submodule(home)) is False:
+            home = ""  # e.g. a weight tied across blocks: its home is the ModuleList, which never runs
         if not home:  # spread over the root: read now
             leaves = params.unit(unit)
             bound.update({alias: leaves[name] for name in names for alias in aliases[name]})
@@ -183,14 +189,10 @@ def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: Laz
             orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
             swapped.append((mod, orig))
 
-        def post(mod: nn.Module, _args: Any, out: Any, unit: str = unit) -> None:
+        def post(mod: nn.Module, _args: Any, _out: Any, unit: str = unit) -> None:
             done, orig = swapped.pop()
             NamedMemberAccessor(done).swap_tensors_dict(orig, allow_missing=False)
-            if params.releasable:  # free the gathered copy now; gather it again when backward gets here
-                params.release(unit)
-                for t in optree.tree_leaves(out, namespace="fzero"):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(lambda g, unit=unit: params.refill(unit))
+            params.release(unit)  # frees the gathered copy where the step allows; backward re-gathers
 
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:

@@ -14,7 +14,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer
 from .stages import Stage, get_stage
-from .tree import unflatten
+from .tree import flatten_with_paths, unflatten
 from .unit import StepLog, gather_leaves, unit_programs
 
 
@@ -61,20 +61,33 @@ def init(
     all-gather; a mismatch raises on every rank, naming the leaf, the ranks and the sizes). With
     `sync`, rank 0's values are broadcast, as DDP does at construction.
     """
-    st = get_stage(stage)
-    layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
-    check_same_layout(layout, mesh)
-    flats = tuple(f.detach().clone() for f in pack(layout, params))
-    if sync and mesh.world_size > 1:
-        flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
-    rank = mesh.rank
-    held = tuple(shard_of(layout, b, f, rank).clone() if st.params_sharded else f for b, f in enumerate(flats))
-    opt_state = tuple(
-        None if spec.group.frozen else optimizer.init(
-            shard_of(layout, b, flats[b], rank) if st.optimizer_sharded else flats[b], len(spec.leaves))
-        for b, spec in enumerate(layout.buckets)
-    )
+    with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
+        st = get_stage(stage)
+        layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
+        _check_distinct(params)
+        check_same_layout(layout, mesh)
+        flats = tuple(f.detach().clone() for f in pack(layout, params))
+        if sync and mesh.world_size > 1:
+            flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
+        rank = mesh.rank
+        held = tuple(shard_of(layout, b, f, rank).clone() if st.params_sharded else f for b, f in enumerate(flats))
+        opt_state = tuple(
+            None if spec.group.frozen else optimizer.init(
+                shard_of(layout, b, flats[b], rank) if st.optimizer_sharded else flats[b], len(spec.leaves))
+            for b, spec in enumerate(layout.buckets)
+        )
     return ZeroState(held, opt_state, 0, layout, st, mesh, rank)
+
+
+def _check_distinct(params: Any) -> None:
+    """One tensor at two paths would be two leaves updated apart (silently untied)."""
+    paths, leaves, _ = flatten_with_paths(params)
+    first: dict[int, str] = {}
+    for path, leaf in zip(paths, leaves):
+        other = first.setdefault(id(leaf), path)
+        if other != path:
+            raise LayoutError(f"params leaves {other!r} and {path!r} are the same tensor; keep one leaf and use it "
+                              f"twice in the loss (fzero.from_module does this for tied module weights)")
 
 
 def gather(state: ZeroState) -> Any:
@@ -108,7 +121,7 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
         counts = ", ".join(f"rank {r}: {row[0]} leaves" for r, row in enumerate(rows))
         raise LayoutError(f"params differ across ranks (world size {n}): {counts}; every rank must pass the "
                           f"same pytree structure")
-    sig = torch.tensor([[_crc((ls.path, ls.dtype)), ls.numel] for ls in layout.leaves] or [[0, 0]],
+    sig = torch.tensor([[_crc((ls.path, ls.dtype, ls.shape)), ls.numel] for ls in layout.leaves] or [[0, 0]],
                        dtype=torch.int64, device=mesh.device).view(-1)
     table = all_gather(sig, mesh, tag="fzero.init/leaves").view(n, -1, 2)
     differ = (table != table[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
@@ -116,6 +129,7 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
         i = differ[0] if differ else 0
         ls = layout.leaves[i] if layout.leaves else None
         sizes = ", ".join(f"rank {r}: {table[r, i, 1].item()} elements" for r in range(n))
+        sizes += " (same count, other shape or dtype)" if len({table[r, i, 1].item() for r in range(n)}) == 1 else ""
         where = f"leaf {ls.path!r} ({ls.dtype}{list(ls.shape)} on rank {mesh.rank})" if ls else "the structure"
         raise LayoutError(f"params differ across ranks (world size {n}) at {where}: {sizes}; every rank must "
                           f"pass the same paths, shapes and dtypes")

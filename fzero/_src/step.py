@@ -13,7 +13,9 @@ One step on one rank:
    it was; otherwise the optimizer updates what the rank owns, and stages 1-2 all-gather the
    new params.
 
-The input state is never modified: every new tensor is fresh.
+The input state is never modified. The new state's updated tensors are fresh; what a step does
+not touch (frozen buckets' params) is shared with the input state, as in JAX: treat states as
+immutable.
 """
 
 from __future__ import annotations
@@ -135,15 +137,19 @@ def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: S
     def loss_of(xs: list[torch.Tensor]) -> torch.Tensor:
         storages: dict[str, list[tuple[int, Any, int]]] = {}  # unit -> (bucket, gathered storage, bytes)
         can_release = gather == "on_use" and st.params_sharded and engine == "autograd"
+        anchors: list[torch.Tensor] = []
+        owner: dict[int, str] = {}  # gathered storage -> its unit, for re-gathering on unpack
 
         def materialize(unit: str) -> dict[str, torch.Tensor]:
             program = programs[unit]
             ids = [b.index for b in program.buckets]
-            outs = run_unit(program, [xs[b] for b in ids], [extras[b] for b in ids])
+            outs, anchor = run_unit(program, [xs[b] for b in ids], [extras[b] for b in ids])
+            anchors.append(anchor)
             leaves = dict(zip((i for b in program.buckets for i in b.leaves), outs))
             if can_release:
                 storages[unit] = [(b.index, leaves[i].untyped_storage(), leaves[i].untyped_storage().nbytes())
                                   for b in program.buckets for i in b.leaves[:1] if leaves[i].numel()]
+                owner.update({st._cdata: unit for _, st, _ in storages[unit]})
             return {layout.leaves[i].path: t for i, t in leaves.items()}
 
         def release(unit: str) -> None:
@@ -165,11 +171,21 @@ def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: S
         else:
             by_path = {path: t for unit in programs for path, t in materialize(unit).items()}
             params = unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves])
-        loss = loss_fn(params, batch)
+        if can_release:
+            def unpack(t: torch.Tensor) -> torch.Tensor:  # backward needs a saved tensor: re-gather
+                unit = owner.get(t.untyped_storage()._cdata)  # its unit first if it was released
+                if unit is not None:
+                    params.refill(unit)
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                loss = loss_fn(params, batch)
+        else:
+            loss = loss_fn(params, batch)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
             raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
-                             f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
-        return loss
+                             f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}")
+        return loss + (torch.stack(anchors).sum() * 0).to(loss.dtype) if anchors else loss  # same bits
 
     return loss_of
 

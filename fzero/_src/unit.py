@@ -115,14 +115,19 @@ class UnitProgram:
     log: StepLog
 
 
-def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], extras: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The unit's leaves, `[leaf tensors]` in bucket order, from what the state holds.
+def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor],
+             extras: Sequence[torch.Tensor | None]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`([leaf tensors] in bucket order, anchor)` for one unit, from what the state holds.
 
     `xs[k]` is bucket k's differentiated input (flat or shard, per the stage); `extras[k]` is
     the full flat buffer when the stage keeps one beside a differentiated shard (stage 2), else
-    None.
+    None. The anchor is a 0-d zero the step adds to the loss times 0: it makes the unit's
+    backward run on every rank, also where no leaf of the unit reached this rank's loss, so
+    every rank calls the unit's reduce-scatter, in the same order (the engine runs the unit
+    nodes, all made in the same order on every rank, after every node made later).
     """
-    return list(_Unit.apply(program, len(xs), *xs, *extras))
+    *leaves, anchor = _Unit.apply(program, len(xs), *xs, *extras)
+    return leaves, anchor
 
 
 class _Unit(torch.autograd.Function):
@@ -133,7 +138,7 @@ class _Unit(torch.autograd.Function):
         for bucket, x, extra in zip(program.buckets, xs, extras):
             flat = program.enter(program.mesh, bucket, x if extra is None else extra)
             out.extend(bucket.views(flat))
-        return tuple(out)
+        return (*out, xs[0].new_zeros(()))  # the anchor: see `run_unit`
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -144,6 +149,7 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         program, log = ctx.program, ctx.program.log
+        grads = grads[:-1]  # the anchor's gradient (a zero) only made this backward run
         result: list[torch.Tensor | None] = []
         at = 0
         for bucket, (shape, dtype, device) in zip(program.buckets, ctx.like):
@@ -155,7 +161,7 @@ class _Unit(torch.autograd.Function):
             flat = _assemble(bucket, gs, program.mesh, dtype, device)
             for leaf, g in zip(bucket.leaves, gs):
                 log.used[leaf] = log.used[leaf] or g is not None
-            log.nonfinite[bucket.index] = ~torch.isfinite(flat).all()
+            log.nonfinite[bucket.index] = _nonfinite(flat)
             result.append(program.leave(program.mesh, bucket, flat))
         done = log.after_backward.get(program.name)
         if done is not None:
@@ -173,6 +179,14 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], mesh: Mesh,
         end = o + n
     parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
     return torch.cat(parts)
+
+
+def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
+    """0-d bool: does `flat` hold a NaN or inf? For 16/32-bit floats, one float64 sum with no
+    temporary: a sum of finite float32 values cannot overflow float64, and NaN or inf survive it."""
+    if flat.dtype == torch.float64:
+        return ~torch.isfinite(flat).all()
+    return ~torch.isfinite(flat.sum(dtype=torch.float64))
 
 
 def unit_programs(layout: Layout, mesh: Mesh, enter: Enter, leave: Leave, log: StepLog) -> list[UnitProgram]:
