@@ -714,3 +714,23 @@ def test_init_rejects_other_shape_same_numel_and_one_tensor_twice():
     w = torch.ones(3)
     with pytest.raises(fzero.LayoutError, match="'a' and 'b' are the same tensor"):
         mesh.run(lambda: fzero.init({"a": w, "b": w}, opt, stage=0, mesh=mesh))
+
+
+def test_units_of_different_dtypes_all_stages_agree():
+    """bf16, fp32 and fp64 units in one model (each unit's anchor is fp32, whatever its dtype)."""
+    params = {"a": torch.ones(4, dtype=torch.bfloat16), "b": torch.ones(3), "c": torch.ones(2, dtype=torch.float64)}
+    finals = []
+    for stage in range(4):
+        mesh, opt = fzero.SimMesh(2), optim.adamw(0.1)
+
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p)
+            loss = lambda p, x: (p["a"].float() * x).sum() + p["b"].sum() + p["c"].sum().float()  # noqa: E731
+            state, _ = fzero.train_step(loss, opt, stage=stage, mesh=mesh)(state, x)
+            return fzero.gather(state)
+
+        finals.append(mesh.run(rank_fn, [(torch.full((4,), 1.0 + r),) for r in range(2)])[0])
+    for final in finals:
+        assert {k: v.dtype for k, v in final.items()} == {k: v.dtype for k, v in params.items()}
+        assert all(torch.equal(final[k], finals[0][k]) for k in params)
+    assert not torch.equal(finals[0]["a"], params["a"])

@@ -138,7 +138,7 @@ class _Unit(torch.autograd.Function):
         for bucket, x, extra in zip(program.buckets, xs, extras):
             flat = program.enter(program.mesh, bucket, x if extra is None else extra)
             out.extend(bucket.views(flat))
-        return (*out, xs[0].new_zeros(()))  # the anchor: see `run_unit`
+        return (*out, xs[0].new_zeros((), dtype=torch.float32))  # the anchor: see `run_unit`
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
