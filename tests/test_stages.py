@@ -58,9 +58,10 @@ def problems(draw, n: int):
     steps = draw(st.integers(1, 3))
     stage = draw(st.sampled_from([1, 2, 3]))
     engine = draw(st.sampled_from(["autograd", "func"]))
+    gather = draw(st.sampled_from(["eager", "on_use"]))
     seed = draw(st.integers(0, 2**16))
     return dict(tree=tree, role=role, unit_mode=unit_mode, group_mode=group_mode, opt=opt_name, lr=lr,
-                wd=wd, steps=steps, stage=stage, engine=engine, seed=seed, n=n)
+                wd=wd, steps=steps, stage=stage, engine=engine, gather=gather, seed=seed, n=n)
 
 
 def build(pb):
@@ -129,7 +130,8 @@ def run_stage(pb, stage):
 
     def rank_fn(*my_batches):
         state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units, groups=groups)
-        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=pb["engine"])
+        gather = "eager" if stage == 0 else pb["gather"]  # stage 0, the reference, gathers eagerly
+        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=pb["engine"], gather=gather)
         trace = []
         for c in my_batches:
             state, m = step(state, c)
@@ -374,8 +376,9 @@ class _Blocks(torch.nn.Module):
         return x.square().mean()
 
 
+@pytest.mark.parametrize("model_kind", ["module", "pytree"])
 @pytest.mark.parametrize("engine", ["autograd", "func"])
-def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
+def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
     """K blocks of Linear(d, d), one unit each, gather="on_use". Gradient-shaped storages are the
     (d, d) weight gradients (d*d*4 B), the (d,) bias gradients (d*4 B; activations are (2, d))
     and a unit's assembled flat[N * S].
@@ -399,7 +402,17 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
     def peak(stage, k):
         torch.manual_seed(0)
         model = _Blocks(k, d)
-        params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+        if model_kind == "module":  # from_module: flat-dict params, apply binds each block in a hook
+            params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+            units = info.units
+        else:  # a nested pytree and a plain loss: placeholders swapped at first use
+            params = {"blocks": [{"w": blk.weight.detach(), "b": blk.bias.detach()} for blk in model.blocks]}
+            units = lambda path: ".".join(path.split(".")[:2])  # noqa: E731
+
+            def apply(p, x):  # (2, d) -> ()
+                for blk in p["blocks"]:
+                    x = torch.tanh(x @ blk["w"].t() + blk["b"])
+                return x.square().mean()
         census = _GradCensus({d * d * 4, d * 4, padded})
 
         class Probe(fzero.SimMesh):  # a rank's census runs from the end of its forward to the agreement
@@ -416,7 +429,7 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine):
             return loss
 
         def rank_fn(x):
-            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units)
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units)
             step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=engine, gather="on_use")
             with census:
                 state, _ = step(state, x)
@@ -502,15 +515,31 @@ def test_gather_on_use_never_gathers_a_unit_the_loss_does_not_read():
         assert torch.equal(full["c"], torch.full((3,), 1 - 0.1 * 3.0))
 
 
-def test_gather_on_use_needs_flat_dict_params():
-    mesh, opt = fzero.SimMesh(1), optim.sgd(0.1)
+def test_gather_on_use_on_nested_params_gathers_at_first_use():
+    """Params that are not a flat dict get shape-correct placeholders; the first torch function
+    that touches one gathers its unit. The blocks run in reverse, so the gathers do too."""
+    params = {"blocks": [{"w": torch.full((3, 3), 0.1 * i), "b": torch.zeros(3)} for i in range(4)]}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
 
-    def rank_fn():
-        state = fzero.init({"m": [torch.ones(2)]}, opt, stage=3, mesh=mesh)
-        fzero.train_step(lambda p, x: p["m"][0].sum(), opt, stage=3, mesh=mesh, gather="on_use")(state, None)
+    def loss_fn(p, x):  # (B, 3)
+        for blk in reversed(p["blocks"]):
+            x = torch.tanh(x @ blk["w"] + blk["b"])
+        return x.square().mean()
 
-    with pytest.raises(fzero.FzeroError, match="gather='on_use' needs params as a flat dict"):
-        mesh.run(rank_fn)
+    def run(gather):
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: ".".join(p.split(".")[:2]))
+            step = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, gather=gather)
+            with mesh.record() as log:
+                state, _ = step(state, x)
+            return fzero.gather(state), [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+
+        return mesh.run(rank_fn, [(torch.randn(2, 3, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
+
+    eager, on_use = run("eager"), run("on_use")
+    assert eager[0][1][:4] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert on_use[0][1][:4] == ["blocks.3", "blocks.2", "blocks.1", "blocks.0"]
+    fzero.testing.assert_trees_equal(eager[0][0], on_use[0][0])
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):

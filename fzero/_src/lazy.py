@@ -9,6 +9,9 @@ reads is never gathered. Two ways to read it:
 - pass it to the `apply` of `fzero.from_module`, which binds each unit's parameters in a forward
   pre-hook of the unit's submodule, so a block is gathered when the block runs.
 
+Params that are not a flat dict get shape-correct placeholders instead (`FirstUse`): the first
+torch function that receives one gets the real leaf, gathering its unit then.
+
 Every rank must read the units in the same order (the same program on every rank does).
 
 Release and re-gather (stage 3 with `engine="autograd"`): when the step can `release` a unit,
@@ -25,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class LazyParams(Mapping):
@@ -83,3 +88,24 @@ class LazyParams(Mapping):
 
     def __repr__(self) -> str:
         return f"LazyParams({len(self)} leaves, gathered units {list(self._done)})"
+
+
+class FirstUse(TorchFunctionMode):
+    """For params that are not a flat dict: the loss gets shape-correct placeholder leaves (a 0-d
+    zero expanded to the leaf's shape: no memory), and the first torch function or tensor method
+    that receives a placeholder gets the real leaf instead, read from a `LazyParams` -- so the
+    unit is gathered, and its Function created, at its first use. Reading a placeholder's
+    attributes through torch (`.shape` included) counts as a use; data read any other way (e.g.
+    `.data_ptr()`) would see the placeholder's zeros."""
+
+    def __init__(self, placeholders: dict[int, str], read: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._paths, self._read = placeholders, read
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        flat, spec = tree_flatten((args, kwargs or {}))
+        if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
+            flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
+                    for a in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **(kwargs or {}))

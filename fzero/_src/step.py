@@ -30,7 +30,7 @@ import torch
 from .collectives import all_gather, all_reduce
 from .errors import FzeroError, MeshError, NonFiniteError
 from .layout import Layout
-from .lazy import LazyParams
+from .lazy import FirstUse, LazyParams
 from .mesh import Mesh
 from .optim.base import Optimizer, UpdateContext
 from .stages import Stage, get_stage
@@ -81,10 +81,14 @@ def train_step(
         DESIGN.md) or "func" (`torch.func.grad_and_value`; composes with other transforms).
       on_nonfinite: "raise" (NonFiniteError on every rank, naming ranks and leaves) or "skip".
       gather: "eager" runs every unit's Function (stage 3: gathers every unit) before calling
-        `loss_fn` with the params pytree. "on_use" calls `loss_fn` with a `LazyParams` mapping
-        `{path: leaf}` instead (params must be a flat dict, as `from_module` makes) and gathers
-        each unit when the loss first reads one of its leaves; `from_module`'s `apply` reads a
-        unit when its submodule runs. The numbers are the same bits either way.
+        `loss_fn` with the params pytree; the autograd engine then runs every unit's backward
+        (and so stage 2's reductions) after the rest of the backward. "on_use" creates each
+        unit's Function when the loss first uses the unit, so its backward runs right after the
+        unit's: flat-dict params (as `from_module` makes) come as a `LazyParams` mapping read by
+        path (`from_module`'s `apply` reads a unit when its submodule runs, and stage 3 with the
+        autograd engine frees it after and re-gathers it in backward); other pytrees come with
+        placeholder leaves that the first torch function using them swaps for the real ones.
+        The numbers are the same bits either way.
     """
     st = get_stage(stage)
     if engine not in ENGINES:
@@ -96,8 +100,6 @@ def train_step(
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         _check_state(state, st, mesh)
-        if gather == "on_use":
-            _check_flat_dict(state.layout)
         with mesh.guard():
             return _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, batch)
 
@@ -115,11 +117,9 @@ def _check_state(state: ZeroState, st: Stage, mesh: Mesh) -> None:
         raise FzeroError(f"the state lives on {state.mesh!r} but this step runs on {mesh!r}")
 
 
-def _check_flat_dict(layout: Layout) -> None:
+def _is_flat_dict(layout: Layout) -> bool:
     flat = optree.tree_structure(dict.fromkeys((ls.path for ls in layout.leaves), 0), namespace=NAMESPACE)
-    if layout.treespec != flat:
-        raise FzeroError(f"gather='on_use' needs params as a flat dict {{path: tensor}} (as fzero.from_module "
-                         f"returns); these params are {layout.treespec}. Use gather='eager', or flatten them")
+    return layout.treespec == flat
 
 
 def _inputs(state: ZeroState, st: Stage) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -136,7 +136,8 @@ def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: S
 
     def loss_of(xs: list[torch.Tensor]) -> torch.Tensor:
         storages: dict[str, list[tuple[int, Any, int]]] = {}  # unit -> (bucket, gathered storage, bytes)
-        can_release = gather == "on_use" and st.params_sharded and engine == "autograd"
+        lazy_dict = gather == "on_use" and _is_flat_dict(layout)  # else placeholders, swapped at first use
+        can_release = lazy_dict and st.params_sharded and engine == "autograd"
         anchors: list[torch.Tensor] = []
         owner: dict[int, str] = {}  # gathered storage -> its unit, for re-gathering on unpack
 
@@ -163,9 +164,16 @@ def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: S
                     storage.resize_(nbytes)
                     full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
 
-        if gather == "on_use":
-            params: Any = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize,
-                                     release if can_release else None, refill if can_release else None)
+        first_use = None
+        if gather == "on_use" and not lazy_dict:
+            lazy = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize)
+            holders = [torch.zeros((), dtype=ls.dtype, device=xs[ls.bucket].device).expand(ls.shape)
+                       for ls in layout.leaves]
+            first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
+            params: Any = unflatten(layout.treespec, holders)
+        elif lazy_dict:
+            params = LazyParams({ls.path: ls.unit for ls in layout.leaves}, materialize,
+                                release if can_release else None, refill if can_release else None)
             if can_release:
                 log.after_backward = {unit: (lambda u=unit: params.release(u)) for unit in programs}
         else:
@@ -179,6 +187,9 @@ def _local_loss(loss_fn: Callable, st: Stage, mesh: Mesh, layout: Layout, log: S
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                loss = loss_fn(params, batch)
+        elif first_use is not None:
+            with first_use:
                 loss = loss_fn(params, batch)
         else:
             loss = loss_fn(params, batch)
