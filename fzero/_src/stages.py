@@ -37,11 +37,6 @@ def reduce_none(mesh: Mesh, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def reduce_shard(mesh: Mesh, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
-    """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` (stage 1)."""
-    return leave_reduce_scatter(mesh, bucket, grad)
-
-
 def reduce_full(mesh: Mesh, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
     return all_gather(leave_reduce_scatter(mesh, bucket, grad), mesh, tag=bucket.tag)
@@ -82,7 +77,7 @@ class Stage:
 
 STAGES = (
     Stage(0, False, False, False, enter_full, leave_local, reduce_full, finish_keep),
-    Stage(1, False, True, False, enter_full, leave_local, reduce_shard, finish_gather),
+    Stage(1, False, True, False, enter_full, leave_local, leave_reduce_scatter, finish_gather),
     Stage(2, False, True, True, enter_full, leave_reduce_scatter, reduce_none, finish_gather),
     Stage(3, True, True, True, enter_gather, leave_reduce_scatter, reduce_none, finish_keep),
 )

@@ -28,7 +28,7 @@ import optree
 import torch
 
 from .collectives import all_gather, all_reduce
-from .errors import FzeroError, MeshError, NonFiniteError
+from .errors import FzeroError, NonFiniteError
 from .layout import Layout
 from .lazy import FirstUse, LazyParams
 from .mesh import Mesh
@@ -224,7 +224,7 @@ def _grads(loss_of: Callable, xs: list[torch.Tensor], trainable: list[int], engi
 
 
 def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, batch):
-    layout, n, rank = state.layout, mesh.world_size, state.rank
+    layout, rank = state.layout, state.rank
     buckets = layout.buckets
     trainable = [b.index for b in buckets if not b.group.frozen]
     log = StepLog(len(layout.leaves))
@@ -237,9 +237,10 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, bat
         # unit Functions hold this log: a cycle through C++ that Python's GC cannot see
         log.after_backward.clear()
 
+    units = {b: Bucket.of(layout, b) for b in trainable}
     reduced = {}
     for b, g in zip(trainable, grads):  # g is None where no leaf of the bucket reached the loss here
-        reduced[b] = st.reduce(mesh, Bucket.of(layout, b), torch.zeros_like(xs[b]) if g is None else g)
+        reduced[b] = st.reduce(mesh, units[b], torch.zeros_like(xs[b]) if g is None else g)
 
     used, bad_ranks, mean_loss, norm_sq = _agree(state, st, mesh, log, loss, reduced)
     metrics_loss = torch.tensor(mean_loss, dtype=torch.float64)
@@ -262,7 +263,7 @@ def _step(loss_fn, optimizer, st, mesh, engine, on_nonfinite, gather, state, bat
         ctx = UpdateContext(state.step, spec.group, segments, spec.leaves, tuple(used[i] for i in spec.leaves),
                             leaf_sum)
         p_new, new_opt[b] = optimizer.update(reduced[b], state.opt_state[b], p, ctx)
-        new_params[b] = st.finish(mesh, Bucket.of(layout, b), p_new)
+        new_params[b] = st.finish(mesh, units[b], p_new)
     new_state = state._replace(params=tuple(new_params), opt_state=tuple(new_opt), step=state.step + 1)
     return new_state, Metrics(metrics_loss, grad_norm, state.step, False)
 
@@ -274,15 +275,14 @@ def _agree(state: ZeroState, st: Stage, mesh: Mesh, log: StepLog, loss: torch.Te
     sums the squares of the rank's slice of the *reduced* gradient in float64 (stage 0 takes its
     rank's slice of the full buffer, so every stage sums the same numbers in the same order).
     """
-    layout, n, rank, dev = state.layout, mesh.world_size, state.rank, mesh.device
+    layout, n, dev = state.layout, mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
     bad = torch.zeros(nb, dtype=torch.float64, device=dev)
     for b, flag in log.nonfinite.items():
         bad[b] = flag.to(device=dev, dtype=torch.float64)
     sq = torch.zeros((), dtype=torch.float64, device=dev)
     for b, g in reduced.items():
-        mine = g if st.optimizer_sharded else shard_of(layout, b, g, rank)
-        sq = sq + mine.to(torch.float64).square().sum().to(dev)
+        sq = sq + _my_shard(state, st, b, g).to(torch.float64).square().sum().to(dev)
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1),
                      torch.tensor(log.used, dtype=torch.float64, device=dev), bad, sq.reshape(1)])
     rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 2).cpu()
@@ -297,13 +297,18 @@ def _agree(state: ZeroState, st: Stage, mesh: Mesh, log: StepLog, loss: torch.Te
     return used, bad_ranks, total_loss / n, total_sq
 
 
+def _my_shard(state: ZeroState, st: Stage, b: int, reduced: torch.Tensor) -> torch.Tensor:
+    """This rank's `shard[S]` of bucket b's reduced gradient (stage 0 holds the full buffer)."""
+    return reduced if st.optimizer_sharded else shard_of(state.layout, b, reduced, state.rank)
+
+
 def _nonfinite_leaves(state: ZeroState, st: Stage, mesh: Mesh, reduced: dict) -> list[str]:
     """The rare path, taken by every rank together: the leaves whose *reduced* gradient holds a
     NaN or inf (a NaN or inf in any rank's local gradient survives the sum), by one all-reduce."""
     layout, rank = state.layout, state.rank
     flags = torch.zeros(len(layout.leaves), dtype=torch.float64, device=mesh.device)
     for b, g in reduced.items():
-        mine = g if st.optimizer_sharded else shard_of(layout, b, g, rank)
+        mine = _my_shard(state, st, b, g)
         for seg in layout.segments(b, rank):
             if not bool(torch.isfinite(mine[seg.start : seg.stop]).all()):
                 flags[seg.leaf] = 1.0

@@ -134,11 +134,8 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(program: UnitProgram, k: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         xs, extras = tensors[:k], tensors[k:]
-        out: list[torch.Tensor] = []
-        for bucket, x, extra in zip(program.buckets, xs, extras):
-            flat = program.enter(program.mesh, bucket, x if extra is None else extra)
-            out.extend(bucket.views(flat))
-        return (*out, xs[0].new_zeros((), dtype=torch.float32))  # the anchor: see `run_unit`
+        held = [x if extra is None else extra for x, extra in zip(xs, extras)]
+        return (*gather_leaves(program, held), xs[0].new_zeros((), dtype=torch.float32))  # + the anchor
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -197,7 +194,8 @@ def unit_programs(layout: Layout, mesh: Mesh, enter: Enter, leave: Leave, log: S
 
 
 def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Outside autograd (e.g. `fzero.gather`): the unit's leaves from what the state holds."""
+    """The unit's leaves from the tensors each bucket enters from (the Function's forward, and
+    `fzero.gather` outside autograd)."""
     out: list[torch.Tensor] = []
     for bucket, x in zip(program.buckets, xs):
         out.extend(bucket.views(program.enter(program.mesh, bucket, x)))
