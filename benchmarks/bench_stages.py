@@ -57,7 +57,7 @@ def main() -> None:
     opt = optim.adamw(lr=1e-4)
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units)
     del params
-    step = fzero.train_step(loss_fn, opt, stage=a.stage, mesh=mesh, engine=a.engine, gather=a.gather)
+    step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather)
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
     tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)

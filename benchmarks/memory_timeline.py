@@ -50,7 +50,7 @@ def main() -> None:
         say(f"forward done       {gib()}")
         return loss
 
-    step = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, gather=a.gather)
+    step = fzero.train_step(loss_fn, gather=a.gather)
     idx = torch.randint(0, 32000, (4, a.seq), device=dev)
     torch.cuda.reset_peak_memory_stats()
     say(f"start              {gib()}")

@@ -63,7 +63,7 @@ def main() -> None:
 
     def rank_fn(rank_seed: int):
         state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
-        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn)
         g = torch.Generator().manual_seed(rank_seed)
         # a skewed unigram distribution: something a model can learn in a few steps
         probs = torch.arange(args.vocab, 0, -1, dtype=torch.float64) ** 2

@@ -7,9 +7,10 @@ holds, asserts that they equal ZeRO's formulas (fp32 AdamW: 4 + 4 + 8 bytes per 
 term divided by N where the stage shards it, plus the layout's padding), and finally asserts that
 all four stages end with bit-identical parameters.
 
-Run (one process, N simulated ranks; defaults are the 12 x (1024 -> 4096 -> 1024) model):
+Run (one process, N simulated ranks; the defaults, 4 x (256 -> 1024 -> 256), need about 0.2 GB):
     python examples/mlp_stages.py --world-size 2
     python examples/mlp_stages.py --dim 64 --hidden 256 --blocks 2        # tiny, as CI runs it
+    python examples/mlp_stages.py --dim 1024 --hidden 4096 --blocks 12    # 100.7M params, ~20 GB RAM
 Run on real processes (gloo on CPU, NCCL on GPUs):
     torchrun --nproc-per-node 2 examples/mlp_stages.py --dim 64 --hidden 256 --blocks 2
 """
@@ -47,14 +48,9 @@ class ResidualMLP(nn.Module):
 
 
 def held_bytes(state: fzero.ZeroState) -> dict[str, int]:
-    """Bytes this rank holds, read from the state's tensors (the gradient buffer from the stage)."""
-    params = sum(t.numel() * t.element_size() for t in state.params)
-    opt = sum(t.numel() * t.element_size() for s in state.opt_state if s is not None for t in s)
-    # the reduced gradient the stage keeps: flat[N * S] in stages 0-1, shard[S] in stages 2-3
-    sharded_grads = state.stage.grads_in_backward
-    grads = sum((b.shard_numel if sharded_grads else b.padded_numel) * b.dtype.itemsize
-                for b in state.layout.buckets if not b.group.frozen)
-    return {"params": params, "grads": grads, "optimizer": opt}
+    """Bytes this rank holds, read from the state's tensors (`fzero.accounting.held_bytes`)."""
+    held = fzero.accounting.held_bytes(state)
+    return {"params": held.params, "grads": held.grads, "optimizer": held.optimizer_state}
 
 
 def formula_bytes(stage: int, psi: int, padded: int, leaves: int, n: int) -> dict[str, int]:
@@ -77,9 +73,9 @@ FORMULAS = ("4Ψ' + 4Ψ' + (8Ψ' + 4L)", "4Ψ' + 4Ψ' + (8Ψ'/N + 4L)", "4Ψ' + 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="examples per rank per step")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--world-size", type=int, default=2, help="SimMesh ranks (ignored under torchrun)")
@@ -106,7 +102,7 @@ def main() -> None:
 
     def train(stage: int, data: list) -> tuple:
         state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
-        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn)
         losses = []
         for batch in data:
             state, metrics = step(state, batch)

@@ -8,6 +8,7 @@ from fzero._src.collectives import all_reduce as all_reduce
 from fzero._src.collectives import broadcast as broadcast
 from fzero._src.collectives import reduce_scatter as reduce_scatter
 from fzero._src.errors import CollectiveMismatch as CollectiveMismatch
+from fzero._src.errors import ConfigError as ConfigError
 from fzero._src.errors import FzeroError as FzeroError
 from fzero._src.errors import LayoutError as LayoutError
 from fzero._src.errors import MeshError as MeshError
@@ -24,17 +25,19 @@ from fzero._src.layout import plan as plan
 from fzero._src.layout import shard as shard
 from fzero._src.layout import unpack as unpack
 from fzero._src.layout import unshard as unshard
-from fzero._src.lazy import LazyParams as LazyParams
+from fzero._src.gathering import LazyParams as LazyParams
 from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
 from fzero._src.stages import STAGES as STAGES
 from fzero._src.stages import Stage as Stage
+from fzero._src.state import StateInfo as StateInfo
 from fzero._src.state import ZeroState as ZeroState
 from fzero._src.state import gather as gather
 from fzero._src.state import init as init
 from fzero._src.step import Metrics as Metrics
+from fzero._src.step import StepConfig as StepConfig
 from fzero._src.step import train_step as train_step
 from fzero._src.module import ModuleInfo as ModuleInfo
 from fzero._src.module import broadcast_buffers as broadcast_buffers
@@ -51,6 +54,9 @@ from fzero._src.accounting import comm_volume as comm_volume
 from fzero._src.accounting import expected_comm as expected_comm
 from fzero._src.accounting import held_bytes as held_bytes
 from fzero._src.accounting import storage_bytes as storage_bytes
+from fzero import accounting as accounting
+from fzero import collectives as collectives
+from fzero import layout as layout
 from fzero import optim as optim
 
 __version__ = "0.1.0"
@@ -61,6 +67,7 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveRecord",
     "CommVolume",
+    "ConfigError",
     "DistMesh",
     "FzeroError",
     "HeldBytes",
@@ -72,6 +79,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Metrics",
+    "StepConfig",
     "ModuleInfo",
     "NonFiniteError",
     "ParamGroup",
@@ -80,6 +88,7 @@ __all__ = [
     "Segment",
     "SimMesh",
     "Stage",
+    "StateInfo",
     "ZeroState",
     "all_gather",
     "all_reduce",
@@ -95,6 +104,9 @@ __all__ = [
     "held_bytes",
     "init",
     "local_shards",
+    "accounting",
+    "collectives",
+    "layout",
     "optim",
     "pack",
     "plan",

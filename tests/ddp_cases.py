@@ -138,7 +138,7 @@ def fzero_trajectory(mesh, name: str, kind: str, stage: int, batches: list) -> l
     del model
     opt, _ = optimizers(kind)
     state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
-    step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b), opt, stage=stage, mesh=mesh)
+    step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b))
     out = []
     for batch in batches:
         broadcast_buffers(info, mesh)  # DDP's broadcast_buffers=True
@@ -222,8 +222,7 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
         rec = Recorder(fz_opt)
         opt = rec.optimizer()
         state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
-        step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b), opt, stage=stage,
-                                mesh=mesh)
+        step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b))
         state, _ = step(state, batch)
         final[stage] = fzero.gather(state)
         if stage == 0:
@@ -273,7 +272,7 @@ def reject_on_one_rank(mesh, bad_rank: int):
         x, y = batch
         return F.cross_entropy(apply(p, x), y)
 
-    step = fzero.train_step(loss_fn, opt, stage=2, mesh=mesh)
+    step = fzero.train_step(loss_fn)
     return step(state, (torch.randn(4, 8), torch.randint(0, 4, (4,))))
 
 

@@ -50,7 +50,7 @@ def _run(params, opt, stage, n, unit_spec=None, group_spec=(), steps=2):
 
     def rank_fn(batch):
         s = fzero.init(params, opt, stage=stage, mesh=mesh, units=unit_spec, groups=group_spec)
-        step = fzero.train_step(_loss_fn, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(_loss_fn)
         before = (held_bytes(s, opt), storage_bytes((s.params, s.opt_state)))
         with mesh.record() as log:
             for _ in range(steps):
@@ -112,7 +112,7 @@ def _peak(stage, k, n=2, d=32):
 
     def rank_fn(x):
         s = fzero.init(params, opt, stage=stage, mesh=mesh, units=unit_spec)
-        step = fzero.train_step(_mlp_loss, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(_mlp_loss)
         s, _ = step(s, x)
         with mode:
             s, _ = step(s, x)
@@ -192,35 +192,40 @@ def test_recorded_collectives_equal_expected_comm(params, n, stage, unit_spec, g
 
 
 @examples(15)
-@given(psi=st.integers(0, 10**12), n=st.integers(1, 1024), k=st.integers(1, 4))
-def test_expected_comm_closed_forms(psi, n, k):
-    """Bare count Ψ (fp32): elements 2kΨ (stage 0), (k + 1)Ψ (1, 2), 2kΨ / 3kΨ (stage 3 without /
-    with the backward re-gather); wire bytes per rank = 4 · elements · (N - 1)/N."""
+@given(psi=st.integers(0, 10**12), n=st.integers(1, 1024))
+def test_expected_comm_closed_forms(psi, n):
+    """Bare count Ψ (fp32): elements 2Ψ (stages 0-2), 2Ψ / 3Ψ (stage 3 without / with the
+    backward re-gather); wire bytes per rank = 4 · elements · (N - 1)/N."""
     ring = Fraction(n - 1, n)
-    want = {0: 2 * k, 1: k + 1, 2: k + 1, 3: 2 * k}
-    for stage, mult in want.items():
-        v = expected_comm(psi, n, stage, accumulation=k)
-        assert v.elements == mult * psi and v.bytes == 4 * mult * psi
-        assert v.wire_bytes == 4 * mult * psi * ring
-    v3 = expected_comm(psi, n, 3, regather=True, accumulation=k)
-    assert v3.elements == 3 * k * psi
-    # ZeRO paper (k = 1): stage 3 with re-gather is 1.5x DDP's all-reduce volume 2Ψ
-    if k == 1:
-        assert 2 * v3.elements == 3 * expected_comm(psi, n, 0).elements
+    for stage in range(4):
+        v = expected_comm(psi, n, stage)
+        assert v.elements == 2 * psi and v.bytes == 4 * 2 * psi
+        assert v.wire_bytes == 4 * 2 * psi * ring
+    v3 = expected_comm(psi, n, 3, regather=True)
+    assert v3.elements == 3 * psi
+    # ZeRO paper: stage 3 with re-gather is 1.5x DDP's all-reduce volume 2Ψ
+    assert 2 * v3.elements == 3 * expected_comm(psi, n, 0).elements
     # bf16 gathers + fp32 reductions: stage 3 (re-gather) moves as many bytes as fp32 DDP
     mixed = expected_comm(psi, n, 3, regather=True, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
     assert mixed.bytes == (2 + 2 + 4) * psi == expected_comm(psi, n, 0).bytes
     assert mixed.wire_bytes == expected_comm(psi, n, 0).wire_bytes
 
 
-def test_expected_comm_persistent_units():
-    layout = fzero.plan({"a": torch.zeros(10), "b": torch.zeros(6)}, 2, units=lambda p: p)
-    full = expected_comm(layout, 2, 3, regather=True)
-    kept = expected_comm(layout, 2, 3, regather=True, persistent={"b"})
-    assert full.data["all_gather"].count == 4 and full.data["reduce_scatter"].count == 2
-    # unit "b" (6 elements): no forward/backward gather; reduced and gathered after the update
-    assert kept.data["all_gather"].count == 3 and kept.data["all_gather"].elements == 10 + 10 + 6
-    assert kept.elements == full.elements - 6
+def test_expected_comm_asks_the_stage():
+    """Per bucket, the formula's collectives are the stage's `moves`, in order: stage 0 reduces
+    and gathers the gradient back, stages 1-2 gather params after the update, stage 3 gathers in
+    forward (and again in backward with the re-gather), and its frozen buckets in forward only."""
+    layout = fzero.plan({"a": torch.zeros(10), "f": torch.zeros(6)}, 2, units=lambda p: p,
+                        groups=[fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True)])
+    ops = {s.level: [(m.op, m.what) for m in s.moves(True, True)] for s in fzero.STAGES}
+    assert ops == {0: [("reduce_scatter", "grads"), ("all_gather", "grads")],
+                   1: [("reduce_scatter", "grads"), ("all_gather", "params")],
+                   2: [("reduce_scatter", "grads"), ("all_gather", "params")],
+                   3: [("all_gather", "params"), ("all_gather", "params"), ("reduce_scatter", "grads")]}
+    v = expected_comm(layout, 2, 3, regather=True)
+    assert v.data["all_gather"].count == 2 + 1 and v.data["reduce_scatter"].count == 1  # "f": forward only
+    assert v.data["all_gather"].elements == 10 + 10 + 6
+    assert expected_comm(layout, 2, 1).data["all_gather"].elements == 10  # frozen: never gathered
 
 
 def test_comm_volume_rejects_disagreeing_ranks():
@@ -282,7 +287,7 @@ def test_gather_on_use_moves_the_regather_formula(n):
 
     def rank_fn(x):
         state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
-        step = fzero.train_step(lambda p, x: apply(p, x).square().mean(), opt, stage=3, mesh=mesh, gather="on_use")
+        step = fzero.train_step(lambda p, x: apply(p, x).square().mean(), gather="on_use")
         with mesh.record() as log:
             state, _ = step(state, x)
         return state.layout, [r for r in log if r.rank == mesh.rank]

@@ -6,7 +6,7 @@ functions are in tests/ddp_cases.py. What is claimed and why: proofs/stages.md.
 - N = 2: every stage 0-3 gives DDP's params (and BatchNorm buffers) bit for bit after every
   step, with SGD (momentum, weight decay) and AdamW, for a toy MLP (BatchNorm, a frozen
   parameter, a parameter no rank uses), a tied-embedding nn.TransformerEncoder model and transformers' GPT-2 (tied head).
-- N = 4: one step's reduced gradient is within the summation bound of DESIGN.md ("Numerics") of
+- N = 4: one step's reduced gradient is within the summation bound of proofs/stages.md (§3) of
   the exact sum, for fzero and for DDP; torch.optim stepped with fzero's reduced gradient gives
   fzero's params bit for bit; stages 1-3 equal stage 0 bit for bit.
 - Bad input: ranks with different shapes, and a loss that raises on one rank only.
@@ -127,7 +127,7 @@ def test_frozen_parameters_become_a_frozen_group_and_stay_put():
 
     def rank_fn(batch):
         state = fzero.init(params, opt, stage=3, mesh=mesh, groups=info.groups)
-        step = fzero.train_step(lambda p, b: cases.loss_of("mlp", apply(p, b[0]), b), opt, stage=3, mesh=mesh)
+        step = fzero.train_step(lambda p, b: cases.loss_of("mlp", apply(p, b[0]), b))
         state, _ = step(state, batch)
         return fzero.gather(state)
 

@@ -127,7 +127,7 @@ def test_bad_arguments():
 # ------------------------------------------------------------- padded layouts, from first principles
 
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
-SHARDED_FROM = {"optimizer_state": 1, "master": 1, "grads": 2, "params": 3}  # DESIGN.md's table
+SHARDED_FROM = {"optimizer_state": 1, "master": 1, "grads": 2, "params": 3}  # the ZeRO paper's Section 5
 DTYPES = (torch.float32, torch.bfloat16)
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 leaves = st.tuples(shapes, st.sampled_from(DTYPES)).map(lambda sd: torch.empty(sd[0], dtype=sd[1], device="meta"))

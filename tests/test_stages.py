@@ -131,7 +131,7 @@ def run_stage(pb, stage):
     def rank_fn(*my_batches):
         state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units, groups=groups)
         gather = "eager" if stage == 0 else pb["gather"]  # stage 0, the reference, gathers eagerly
-        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=pb["engine"], gather=gather)
+        step = fzero.train_step(loss_fn, engine=pb["engine"], gather=gather)
         trace = []
         for c in my_batches:
             state, m = step(state, c)
@@ -250,7 +250,7 @@ def _nan_setup(stage, on_nonfinite):
 
     def rank_fn(c):
         state = fzero.init(params, opt, stage=stage, mesh=mesh)
-        step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, on_nonfinite=on_nonfinite)
+        step = fzero.train_step(loss_fn, on_nonfinite=on_nonfinite)
         new, m = step(state, c)
         return state, new, m
 
@@ -283,7 +283,7 @@ def test_nonfinite_loss_on_one_rank_raises_everywhere():
 
     def rank_fn(scale):
         state = fzero.init(params, opt, stage=3, mesh=mesh)
-        step = fzero.train_step(lambda p, c: p["a"].sum() * 0 + c, opt, stage=3, mesh=mesh)
+        step = fzero.train_step(lambda p, c: p["a"].sum() * 0 + c)
         return step(state, scale)
 
     with pytest.raises(fzero.NonFiniteError, match=r"rank 0: non-finite loss"):
@@ -302,31 +302,36 @@ def test_loss_error_on_one_rank_stops_every_rank():
 
     def rank_fn(c):
         state = fzero.init(params, opt, stage=3, mesh=mesh)
-        return fzero.train_step(loss_fn, opt, stage=3, mesh=mesh)(state, c)
+        return fzero.train_step(loss_fn)(state, c)
 
     with pytest.raises(ValueError, match="rejected") as info:
         mesh.run(rank_fn, [(torch.ones(4),), (torch.ones(5),), (torch.ones(4),)])
     assert any("rank 1" in note for note in info.value.__notes__)
 
 
-def test_state_and_stage_mismatch_errors():
-    params = {"a": torch.ones(4)}
-    mesh, other = fzero.SimMesh(2), fzero.SimMesh(2)
-    opt = optim.sgd(0.1)
+def test_state_misuse_errors():
+    """The step reads stage, mesh and optimizer from the state, so they cannot disagree; what is
+    left to get wrong: a state handed to another rank (it would update another rank's elements),
+    a loss that is not a 0-d float, a stage that does not exist."""
+    params = {"a": torch.arange(4.0)}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
 
     def rank_fn():
-        state = fzero.init(params, opt, stage=1, mesh=mesh)
-        with pytest.raises(fzero.FzeroError, match="made for stage 1 but this step runs stage 2"):
-            fzero.train_step(lambda p, c: p["a"].sum(), opt, stage=2, mesh=mesh)(state, None)
-        with pytest.raises(fzero.FzeroError, match="lives on"):
-            fzero.train_step(lambda p, c: p["a"].sum(), opt, stage=1, mesh=other)(state, None)
+        state = fzero.init(params, opt, stage=3, mesh=mesh)
         with pytest.raises(fzero.FzeroError, match="0-d floating tensor"):
-            fzero.train_step(lambda p, c: p["a"], opt, stage=1, mesh=mesh)(state, None)
-        return True
+            fzero.train_step(lambda p, c: p["a"])(state, None)
+        return state
 
-    assert mesh.run(rank_fn) == [True, True]
-    with pytest.raises(fzero.FzeroError, match="stage must be 0, 1, 2 or 3"):
-        fzero.train_step(lambda p, c: p, opt, stage=4, mesh=mesh)
+    states = mesh.run(rank_fn)
+    swapped = [(states[1],), (states[0],)]
+    with pytest.raises(fzero.FzeroError, match=r"belongs to rank 1 of SimMesh.* runs on rank 0"):
+        mesh.run(lambda s: fzero.gather(s), swapped)
+    with pytest.raises(fzero.FzeroError, match=r"belongs to rank 1 of SimMesh.* runs on rank 0"):
+        mesh.run(lambda s: fzero.train_step(lambda p, c: p["a"].sum())(s, None), swapped)
+    with pytest.raises(fzero.ConfigError, match="stage must be 0, 1, 2 or 3"):
+        mesh.run(lambda: fzero.init(params, opt, stage=4, mesh=mesh))
+    with pytest.raises(fzero.ConfigError, match="gather must be one of"):
+        fzero.train_step(lambda p, c: p, gather="lazy")
 
 
 # -- memory: stage 2 keeps at most one unit's full gradient alive ------------------------------------
@@ -430,7 +435,7 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
 
         def rank_fn(x):
             state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units)
-            step = fzero.train_step(loss_fn, opt, stage=stage, mesh=mesh, engine=engine, gather="on_use")
+            step = fzero.train_step(loss_fn, engine=engine, gather="on_use")
             with census:
                 state, _ = step(state, x)
             return state
@@ -478,7 +483,7 @@ def test_gather_on_use_gathers_each_unit_when_its_block_runs(engine):
     def run(gather):
         def rank_fn(batch):
             state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
-            step = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, engine=engine, gather=gather)
+            step = fzero.train_step(loss_fn, engine=engine, gather=gather)
             with mesh.record() as log:
                 for _ in range(3):
                     state, m = step(state, batch)
@@ -503,8 +508,7 @@ def test_gather_on_use_never_gathers_a_unit_the_loss_does_not_read():
 
     def rank_fn(c):
         state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: p)
-        step = fzero.train_step(lambda p, x: (p["c"] * x).sum() + p["a"].sum(), opt, stage=3, mesh=mesh,
-                                gather="on_use")
+        step = fzero.train_step(lambda p, x: (p["c"] * x).sum() + p["a"].sum(), gather="on_use")
         with mesh.record() as log:
             state, _ = step(state, c)
         return fzero.gather(state), [r.tag for r in log if r.op == "all_gather" and r.rank == mesh.rank]
@@ -529,7 +533,7 @@ def test_gather_on_use_on_nested_params_gathers_at_first_use():
     def run(gather):
         def rank_fn(x):
             state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: ".".join(p.split(".")[:2]))
-            step = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, gather=gather)
+            step = fzero.train_step(loss_fn, gather=gather)
             with mesh.record() as log:
                 state, _ = step(state, x)
             return fzero.gather(state), [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == mesh.rank]
@@ -604,7 +608,7 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
 
         def rank_fn(x):
             state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
-            step = fzero.train_step(lambda p, x: apply(p, x), opt, stage=3, mesh=mesh, gather=gather)
+            step = fzero.train_step(lambda p, x: apply(p, x), gather=gather)
             with census, mesh.record() as log:
                 state, m = step(state, x)
             gathers = sum(1 for r in log if r.op == "all_gather" and r.rank == mesh.rank and r.tag.startswith("blocks"))
@@ -642,7 +646,7 @@ def test_gather_on_use_frees_everything_after_the_step():
 
     def rank_fn(x):
         state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
-        state, _ = fzero.train_step(loss_fn, opt, stage=3, mesh=mesh, gather="on_use")(state, x)
+        state, _ = fzero.train_step(loss_fn, gather="on_use")(state, x)
         return state
 
     gc.collect()
@@ -667,7 +671,7 @@ def test_leaf_used_by_some_ranks_only_is_reduced_on_every_rank(gather):
         def fails(r):
             state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, opt, stage=3, mesh=mesh, units=lambda p: p)
             loss = lambda p, r: p["a"].sum() + (p["b"].sum() if r == 0 else 0)  # noqa: E731
-            fzero.train_step(loss, opt, stage=3, mesh=mesh, gather="on_use")(state, r)
+            fzero.train_step(loss, gather="on_use")(state, r)
 
         with pytest.raises(fzero.CollectiveMismatch, match="tag='b/float32/default'"):
             mesh.run(fails, [(0,), (1,)])
@@ -680,7 +684,7 @@ def test_leaf_used_by_some_ranks_only_is_reduced_on_every_rank(gather):
         def rank_fn(r):
             state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p)
             loss = lambda p, r: p["a"].sum() + (p["b"].square().sum() if r == 0 else 0)  # noqa: E731
-            state, _ = fzero.train_step(loss, opt, stage=stage, mesh=mesh, gather=gather)(state, r)
+            state, _ = fzero.train_step(loss, gather=gather)(state, r)
             return fzero.gather(state)
 
         finals[stage] = mesh.run(rank_fn, [(r,) for r in range(3)])
@@ -713,7 +717,7 @@ def test_gather_on_use_weight_tied_across_blocks():
 
         def rank_fn(x):
             state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
-            state, _ = fzero.train_step(lambda p, x: apply(p, x), opt, stage=3, mesh=mesh, gather=gather)(state, x)
+            state, _ = fzero.train_step(lambda p, x: apply(p, x), gather=gather)(state, x)
             return fzero.gather(state)
 
         out[gather] = mesh.run(rank_fn, [(torch.randn(2, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
@@ -729,7 +733,7 @@ def test_frozen_group_wins_wherever_it_stands():
 
     def rank_fn():
         state = fzero.init(params, opt, stage=1, mesh=mesh, groups=[nowd, *info.groups])
-        state, _ = fzero.train_step(lambda p, x: apply(p, x).sum(), opt, stage=1, mesh=mesh)(state, torch.ones(1, 3))
+        state, _ = fzero.train_step(lambda p, x: apply(p, x).sum())(state, torch.ones(1, 3))
         return fzero.gather(state)
 
     (final,) = mesh.run(rank_fn)
@@ -755,7 +759,7 @@ def test_units_of_different_dtypes_all_stages_agree():
         def rank_fn(x):
             state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda p: p)
             loss = lambda p, x: (p["a"].float() * x).sum() + p["b"].sum() + p["c"].sum().float()  # noqa: E731
-            state, _ = fzero.train_step(loss, opt, stage=stage, mesh=mesh)(state, x)
+            state, _ = fzero.train_step(loss)(state, x)
             return fzero.gather(state)
 
         finals.append(mesh.run(rank_fn, [(torch.full((4,), 1.0 + r),) for r in range(2)])[0])

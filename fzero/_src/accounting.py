@@ -6,7 +6,8 @@ Two halves, each with a formula and a measurement that tests hold against each o
   predicts); `storage_bytes(tree)` is an independent census of live distinct storages, and
   `LiveStorages` a dispatch mode that tracks the peak of storages allocated during a step.
 - communication: `comm_volume(records, N)` sums the collectives that `Mesh.record()` logged;
-  `expected_comm(layout or Ψ, N, stage, ...)` is the per-step formula (proofs/communication.md).
+  `expected_comm(layout or Ψ, N, stage, ...)` is the per-step formula, read from the `Stage`
+  (proofs/communication.md).
 
 Ring model of wire bytes per rank (what one rank sends; it receives as much):
 
@@ -30,7 +31,9 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import ConfigError
 from .layout import Layout, check_world_size
+from .stages import Stage, get_stage
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 CONTROL_PREFIX = "fzero."
@@ -68,11 +71,11 @@ def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(tree))
 
 
-def grad_bytes(layout: Layout, stage: int) -> int:
+def grad_bytes(layout: Layout, stage: int | Stage) -> int:
     """Bytes of the gradient buffer a rank holds at the optimizer step (gradients are transient,
-    so this is read from the layout): the reduced `flat[N * S]` per trainable bucket in stages
-    0-1, its `shard[S]` in stages 2-3 (reduce-scattered during backward)."""
-    sharded = stage >= 2
+    so this is read from the layout): per trainable bucket, the reduced `shard[S]` where the
+    stage shards gradients (reduce-scattered during backward), else the reduced `flat[N * S]`."""
+    sharded = get_stage(stage).sharded("grads")
     return sum((b.shard_numel if sharded else b.padded_numel) * b.dtype.itemsize
                for b in layout.buckets if not b.group.frozen)
 
@@ -96,7 +99,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
                     leaf += _nbytes(field)
     return HeldBytes(
         params=_nbytes(state.params),
-        grads=grad_bytes(state.layout, state.stage.level),
+        grads=grad_bytes(state.layout, state.stage),
         optimizer_state=_nbytes(state.opt_state),
         master=0,
         optimizer_leaf=leaf,
@@ -211,7 +214,7 @@ def wire_factor(op: str, world_size: int) -> Fraction:
         return Fraction(2 * (n - 1), n)
     if op == "broadcast":
         return Fraction(int(n > 1))
-    raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+    raise ConfigError(f"unknown collective {op!r}; expected one of {OPS}")
 
 
 def is_control(tag: str | None) -> bool:
@@ -243,7 +246,7 @@ def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = N
     first = min(by_rank)
     for r, recs in by_rank.items():
         if [key(x) for x in recs] != [key(x) for x in by_rank[first]]:
-            raise ValueError(f"ranks {first} and {r} recorded different collectives; records must come from "
+            raise ConfigError(f"ranks {first} and {r} recorded different collectives; records must come from "
                              f"one mesh's complete steps")
     mine = by_rank[first if rank is None else rank]
     data = _totals(((x.op, x.elements, x.bytes) for x in mine if not is_control(x.tag)), world_size)
@@ -257,7 +260,7 @@ def _per_step(totals: dict[str, OpTotal], steps: int) -> dict[str, OpTotal]:
     out = {}
     for op, t in totals.items():
         if t.count % steps or t.elements % steps or t.bytes % steps:
-            raise ValueError(f"{op}: totals {t} are not a whole multiple of {steps} steps")
+            raise ConfigError(f"{op}: totals {t} are not a whole multiple of {steps} steps")
         out[op] = OpTotal(t.count // steps, t.elements // steps, t.bytes // steps, t.wire_bytes / steps)
     return out
 
@@ -277,62 +280,47 @@ def _bufs(model: Model, world_size: int) -> list[_Buf]:
         model.check_world_size(world_size, "world size argument")
         return [_Buf(b.unit, b.padded_numel, b.dtype.itemsize, not b.group.frozen) for b in model.buckets]
     if isinstance(model, bool) or not isinstance(model, int) or model < 0:
-        raise ValueError(f"expected a Layout or a parameter count Ψ >= 0, got {model!r}")
+        raise ConfigError(f"expected a Layout or a parameter count Ψ >= 0, got {model!r}")
     return [_Buf("default", model, 4, True)]
 
 
 def expected_comm(
     model: Model,
     world_size: int,
-    stage: int,
+    stage: int | Stage,
     *,
     grad_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
     regather: bool | Iterable[str] = False,
-    accumulation: int = 1,
-    persistent: Iterable[str] = frozenset(),
 ) -> CommVolume:
     """Data collectives of one rank in one optimizer step (control collectives excluded).
 
     `model` is a `fzero.plan` layout (one buffer of `N * S_b` elements per bucket b, padding
     included) or a bare count Ψ (one trainable fp32 buffer of Ψ elements). Each buffer's dtype
     is its bucket's unless `param_dtype` (gathers of params) / `grad_dtype` (reductions) say
-    otherwise. Per trainable buffer of E elements, with k = `accumulation` micro-batches, each
-    reduced as it is produced (the mode every stage can run):
+    otherwise. The collectives per buffer are the stage's (`Stage.moves`); per trainable buffer
+    of E elements:
 
-        stage 0:  k·(RS(E) + AG(E))        reduce, then gather the reduced gradient back (DDP)
-        stage 1:  k·RS(E) + AG(E)          reduce; gather the updated params once
-        stage 2:  k·RS(E) + AG(E)          same collectives, reduced per unit during backward
-        stage 3:  k·(AG(E) + [AG(E)] + RS(E))  forward gather, backward re-gather if `regather`
+        stage 0:  RS(E) + AG(E)          reduce, then gather the reduced gradient back (DDP)
+        stage 1:  RS(E) + AG(E)          reduce; gather the updated params
+        stage 2:  RS(E) + AG(E)          same collectives, reduced per unit during backward
+        stage 3:  AG(E) + [AG(E)] + RS(E)  forward gather, backward re-gather if `regather`
 
-    and in stage 3 every frozen buffer is gathered in forward too (k·AG(E), plus a re-gather
-    only if it must be differentiated through; not modelled: frozen buffers are never
-    re-gathered here). A unit in `persistent` (stage 3) keeps full params: no gathers in forward
-    or backward, and is reduced and re-gathered after the update as in stage 2. fzero today:
-    `regather=False` with `gather="eager"` (the gathered flat stays alive from forward to
-    backward); with `gather="on_use"`, the autograd engine and `from_module`, `regather` is the
-    set of units with a home submodule (every unit but one spread over the root), which are freed
-    after their forward and gathered again in backward; `accumulation=1`, no persistent units. In elements, stage 0 moves 2kΨ, stages 1-2 (k + 1)Ψ, stage 3 2kΨ
-    without and 3kΨ with the re-gather.
+    and in stage 3 every frozen buffer is gathered in forward (AG(E); never re-gathered: it is
+    not differentiated). `regather` is a bool or the set of units that are gathered again in
+    backward: with `gather="on_use"`, the autograd engine and `from_module`, the units with a
+    home submodule (every unit but one spread over the root) are freed after their forward and
+    gathered again in backward; with `gather="eager"` none is. In elements, stages 0-2 move 2Ψ,
+    stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-        raise ValueError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
-    persistent = frozenset(persistent)
+    st = get_stage(stage)
     again = (lambda u: regather) if isinstance(regather, bool) else frozenset(regather).__contains__
-    k = accumulation
     items: list[tuple[str, int, int]] = []
     for b in _bufs(model, world_size):
-        p = param_dtype.itemsize if param_dtype is not None else b.itemsize
-        g = grad_dtype.itemsize if grad_dtype is not None else b.itemsize
-        ag, rs = ("all_gather", b.elements, b.elements * p), ("reduce_scatter", b.elements, b.elements * g)
-        ag_grad = ("all_gather", b.elements, b.elements * g)
-        level = 2 if stage == 3 and b.unit in persistent else stage
-        if level == 3:
-            items += [ag] * k + ([ag] * k if again(b.unit) and b.trainable else []) + ([rs] * k if b.trainable else [])
-        elif b.trainable:
-            items += [rs, ag_grad] * k if level == 0 else [rs] * k + [ag]
+        sizes = {"params": param_dtype.itemsize if param_dtype is not None else b.itemsize,
+                 "grads": grad_dtype.itemsize if grad_dtype is not None else b.itemsize}
+        for move in st.moves(b.trainable, again(b.unit)):
+            items.append((move.op, b.elements, b.elements * sizes[move.what]))
     return CommVolume(world_size, _totals(items, world_size), {})
 
 

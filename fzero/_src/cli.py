@@ -22,6 +22,9 @@ from typing import Any
 import torch
 
 from . import estimate as est
+from .stages import STAGES
+
+LEVELS = tuple(s.level for s in STAGES)
 
 
 class CliError(Exception):
@@ -130,7 +133,7 @@ def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs
         raise CliError("--plot needs matplotlib, which is not installed: pip install 'fzero[plot]'") from e
     per_size = [est.estimate_stages(model, n, **kwargs) for n in world_sizes]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in est.STAGES:
+    for s in LEVELS:
         ax.plot(world_sizes, [float(stages[s].total) / 1e9 for stages in per_size], marker="o", label=f"stage {s}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -178,7 +181,7 @@ def _add_estimate(sub: Any) -> None:
     model.add_argument("--module", metavar="PKG.MOD:FACTORY", help="a callable returning an nn.Module (built on meta)")
     model.add_argument("--config", metavar="FILE.json", help="a GPT2Config as JSON (needs transformers)")
     p.add_argument("--world-size", "-n", type=int, required=True, help="N, the data-parallel (shard) size")
-    p.add_argument("--stage", type=int, choices=est.STAGES, help="print this stage only")
+    p.add_argument("--stage", type=int, choices=LEVELS, help="print this stage only")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of params and grads")
     p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
@@ -233,7 +236,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 
     def rank_fn(x: torch.Tensor) -> Any:
         s = fzero.init(params, opt, stage=args.stage, mesh=mesh, units=lambda path: path.split(".")[0])
-        step = fzero.train_step(loss_fn, opt, stage=args.stage, mesh=mesh)
+        step = fzero.train_step(loss_fn)
         with mesh.record() as log:
             for _ in range(args.steps):
                 s, _ = step(s, x)
@@ -264,7 +267,7 @@ def _add_trace(sub: Any) -> None:
         "them with fzero's communication formula (see proofs/communication.md).",
     )
     p.add_argument("--world-size", "-n", type=int, default=4, help="N, simulated ranks (default 4)")
-    p.add_argument("--stage", type=int, choices=est.STAGES, default=3)
+    p.add_argument("--stage", type=int, choices=LEVELS, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--blocks", type=int, default=4, help="MLP blocks, one unit each (default 4)")
     p.add_argument("--width", type=int, default=16, help="hidden width d (default 16)")

@@ -7,6 +7,10 @@ class FzeroError(Exception):
     """Base class of every error fzero raises on purpose."""
 
 
+class ConfigError(FzeroError, ValueError):
+    """A setting (a stage, a count, a dtype, an option) is not one fzero accepts."""
+
+
 class LayoutError(FzeroError, ValueError):
     """A params pytree, a plan or a buffer does not fit the layout."""
 

@@ -5,7 +5,7 @@
     p = bytes of a parameter      g = bytes of a gradient
     s = bytes of optimizer state  m = bytes of the fp32 master copy     K = s + m
 
-Stage k shards the categories below its row (the ZeRO paper, Section 5; DESIGN.md's table):
+Stage k shards the categories its `Stage` names (`Stage.sharded`; the ZeRO paper, Section 5):
 
     stage 0:  params p·Ψ     grads g·Ψ     state s·Ψ     master m·Ψ     = (p + g + K)·Ψ
     stage 1:  params p·Ψ     grads g·Ψ     state s·Ψ/N   master m·Ψ/N   = (p + g)·Ψ + K·Ψ/N
@@ -36,19 +36,13 @@ from typing import Any, NamedTuple, Union, overload
 
 import torch
 
+from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
+from .stages import STAGES, get_stage
 
-STAGES = (0, 1, 2, 3)
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd")
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
 
-# The categories each stage shards; every stage shards what the one before it does.
-SHARDED = {
-    0: frozenset(),
-    1: frozenset({"optimizer_state", "master"}),
-    2: frozenset({"optimizer_state", "master", "grads"}),
-    3: frozenset({"optimizer_state", "master", "grads", "params"}),
-}
 
 # fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none.
 _STATE_BYTES = {"adam-mixed": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
@@ -91,12 +85,11 @@ class MemoryEstimate:
     master: Fraction
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        get_stage(self.stage)
         for name in CATEGORIES:
             value = getattr(self, name)
             if not isinstance(value, Fraction) or value < 0:
-                raise ValueError(f"MemoryEstimate.{name} must be a Fraction >= 0, got {value!r}")
+                raise ConfigError(f"MemoryEstimate.{name} must be a Fraction >= 0, got {value!r}")
 
     @property
     def total(self) -> Fraction:
@@ -107,10 +100,10 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """`"bf16" | "fp16" | "fp32" | torch.dtype -> torch.dtype` (floating point only)."""
     if isinstance(dtype, str):
         if dtype.lower().removeprefix("torch.") not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or a torch.dtype")
+            raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or a torch.dtype")
         dtype = _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
+        raise ConfigError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
     return dtype
 
 
@@ -127,11 +120,11 @@ def bytes_per_param(
     gives the paper's K = 12 and "adam" (fp32 params) K = 8.
     """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {OPTIMIZERS}")
+        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {OPTIMIZERS}")
     p = as_dtype(param_dtype) if param_dtype is not None else _DEFAULT_DTYPE[optimizer]
     g = as_dtype(grad_dtype) if grad_dtype is not None else p
     if optimizer == "adam-mixed" and p.itemsize >= 4:
-        raise ValueError(
+        raise ConfigError(
             f"optimizer 'adam-mixed' keeps an fp32 master copy of low-precision params, but param_dtype "
             f"is {p}; use optimizer='adam' for {p} params, or param_dtype='bf16' / 'fp16'"
         )
@@ -149,13 +142,13 @@ class _Buffer(NamedTuple):
 
 def _count(n: Real) -> Fraction:
     if isinstance(n, bool) or not isinstance(n, Real):
-        raise TypeError(f"expected a parameter count, got {n!r}")
+        raise ConfigError(f"expected a parameter count, got {n!r}")
     try:
         count = Fraction(n)
     except (OverflowError, ValueError):
-        raise ValueError(f"parameter count must be finite, got {n!r}") from None
+        raise ConfigError(f"parameter count must be finite, got {n!r}") from None
     if count < 0 or count.denominator != 1:
-        raise ValueError(f"parameter count must be a whole number >= 0, got {n!r}")
+        raise ConfigError(f"parameter count must be a whole number >= 0, got {n!r}")
     return count
 
 
@@ -176,10 +169,10 @@ def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[Pa
 
 
 def _stage_estimate(buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam) -> MemoryEstimate:
-    sharded = SHARDED[stage]
+    st = get_stage(stage)
 
     def category(name: str, per_param: int, trainable_only: bool) -> Fraction:
-        pick = (lambda b: b.shard) if name in sharded else (lambda b: b.full)
+        pick = (lambda b: b.shard) if st.sharded(name) else (lambda b: b.full)
         return sum((per_param * pick(b) for b in buffers if b.trainable or not trainable_only), Fraction(0))
 
     return MemoryEstimate(
@@ -225,13 +218,13 @@ def estimate(
       A `MemoryEstimate` for `stage`, or a tuple of them for stages 0, 1, 2, 3.
     """
     world_size = check_world_size(world_size)
-    if stage is not None and (isinstance(stage, bool) or stage not in STAGES):
-        raise ValueError(f"stage must be one of {STAGES} or None, got {stage!r}")
+    if stage is not None:
+        get_stage(stage)
     bpp = bytes_per_param(optimizer, param_dtype, grad_dtype)
     buffers = _buffers(model, world_size, units, groups, align)
     if stage is not None:
         return _stage_estimate(buffers, world_size, stage, bpp)
-    return tuple(_stage_estimate(buffers, world_size, s, bpp) for s in STAGES)
+    return tuple(_stage_estimate(buffers, world_size, s.level, bpp) for s in STAGES)
 
 
 def estimate_stages(model: Model, world_size: int, **kwargs: Any) -> tuple[MemoryEstimate, ...]:

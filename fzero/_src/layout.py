@@ -149,6 +149,14 @@ class Layout:
             (r, s) for r in range(self.world_size) for s in self.segments(b.index, r) if s.leaf == leaf
         )
 
+    def rank_shard(self, bucket: int, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s `shard[S]` of bucket `bucket`'s `flat[N * S]`: a view, elements `[r * S, (r + 1) * S)`.
+
+        The one definition of "this rank's shard" in fzero.
+        """
+        s = self.buckets[bucket].shard_numel
+        return flat[rank * s : (rank + 1) * s]
+
     def check_world_size(self, world_size: int, what: str = "mesh") -> None:
         if world_size != self.world_size:
             raise LayoutError(
@@ -313,7 +321,8 @@ def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tu
     """Rank `rank`'s `shard[S]` of every bucket."""
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside world size {layout.world_size}")
-    return tuple(s[rank] for s in shard(layout, flats))
+    check_flats(layout, flats)
+    return tuple(layout.rank_shard(b, f, rank) for b, f in enumerate(flats))
 
 
 def unshard(layout: Layout, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -37,7 +37,7 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what fu
 from .collectives import broadcast
 from .errors import FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
-from .lazy import LazyParams
+from .gathering import LazyParams
 from .mesh import Mesh
 
 

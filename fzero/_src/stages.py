@@ -1,93 +1,214 @@
-"""ZeRO stages 0-3 as compositions of small pieces, not branches.
+"""ZeRO stages 0-3: the one place that says what a stage means.
 
-A stage says, per bucket, what the state holds and where each collective goes:
+A stage is the set of model-state categories it shards, and each category that is sharded
+swaps one piece of the step for another. Every stage is the composition of four pieces:
 
-| stage | params held     | optimizer state | grads reduced                     | after the update |
-|-------|-----------------|-----------------|-----------------------------------|------------------|
-| 0     | flat[N * S]     | over flat       | after backward: RS then AG (full) | nothing          |
-| 1     | flat[N * S]     | over shard[S]   | after backward: RS                | AG params        |
-| 2     | flat[N * S]     | over shard[S]   | in backward, per unit: RS         | AG params        |
-| 3     | shard[S]        | over shard[S]   | in backward, per unit: RS         | nothing          |
+| piece          | replicated (not in `shards`)         | sharded (in `shards`)                        |
+|----------------|--------------------------------------|----------------------------------------------|
+| params         | hold `flat[N * S]`; enter as is      | hold `shard[S]`; enter by all-gather         |
+| grads          | leave the unit whole; reduce after   | reduce-scatter as each unit's backward ends  |
+|                | backward                             |                                              |
+| optimizer      | update `flat[N * S]` (grad gathered  | update this rank's `shard[S]`                |
+| state + master | back: RS then AG of the gradient)    | (then all-gather params unless sharded)      |
+
+    stage 0  shards {}                                   (DDP)
+    stage 1  shards {optimizer_state, master}
+    stage 2  shards {optimizer_state, master, grads}
+    stage 3  shards {optimizer_state, master, grads, params}
 
 Every stage reduces with the same primitive (reduce-scatter of fl(1/N) * g, summed in the
 mesh's rank order) over the same buffers, so the reduced gradient has the same bits in every
 stage; stage 0 all-gathers it back, which copies bits. The optimizer is element-wise or uses
 exact per-leaf sums, so updating a shard equals updating the full buffer. Hence stages 1-3
 equal stage 0 bit for bit (proofs/stages.md).
+
+Nothing outside this module compares a stage's level: the state, the step, the memory
+estimate and the communication formulas ask the `Stage`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from .collectives import all_gather
-from .errors import FzeroError
+from .collectives import all_gather, all_reduce, reduce_scatter
+from .errors import ConfigError
+from .layout import Layout
 from .mesh import Mesh
-from .unit import Bucket, Enter, Leave, enter_full, enter_gather, leave_local, leave_reduce_scatter
 
-Reduce = Callable[[Mesh, Bucket, torch.Tensor], torch.Tensor]
-Finish = Callable[[Mesh, Bucket, torch.Tensor], torch.Tensor]
+CATEGORIES = ("params", "grads", "optimizer_state", "master")
 
 
-def reduce_none(mesh: Mesh, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
-    """The unit already reduce-scattered the gradient during backward."""
-    return grad
+class Move(NamedTuple):
+    """One collective a bucket sees per step: `op` over the bucket's `flat[N * S]` of params or
+    grads (`what`), in forward (`when="forward"`), backward or after it (`"backward"`), after the
+    update (`"update"`), or again in backward where the stage re-gathers (`"regather"`)."""
+
+    op: str
+    what: str
+    when: str
 
 
-def reduce_full(mesh: Mesh, bucket: Bucket, grad: torch.Tensor) -> torch.Tensor:
+BucketFn = Callable[[Mesh, str, torch.Tensor], torch.Tensor]  # (mesh, bucket tag, tensor) -> tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A step function of one category and the collectives it issues (per trainable bucket, and
+    `frozen_moves` per frozen bucket)."""
+
+    run: BucketFn
+    moves: tuple[Move, ...] = ()
+    frozen_moves: tuple[Move, ...] = ()
+
+
+def _identity(mesh: Mesh, tag: str, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _no_sum(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _gather(mesh: Mesh, tag: str, shard: torch.Tensor) -> torch.Tensor:
+    """`shard[S] -> flat[N * S]` (not differentiable: used on detached data and inside the unit)."""
+    return mesh.collective("all_gather", shard, tag=tag)
+
+
+def reduce_grad(mesh: Mesh, tag: str, grad: torch.Tensor) -> torch.Tensor:
+    """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` (DDP multiplies by fl(1/N), then sums)."""
+    return reduce_scatter(grad * (1.0 / mesh.world_size), mesh, tag=tag)
+
+
+def _reduce_and_gather(mesh: Mesh, tag: str, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
-    return all_gather(leave_reduce_scatter(mesh, bucket, grad), mesh, tag=bucket.tag)
+    return all_gather(reduce_grad(mesh, tag, grad), mesh, tag=tag)
 
 
-def finish_keep(mesh: Mesh, bucket: Bucket, params: torch.Tensor) -> torch.Tensor:
-    return params
+def _gather_params(mesh: Mesh, tag: str, shard: torch.Tensor) -> torch.Tensor:
+    return all_gather(shard, mesh, tag=tag)
 
 
-def finish_gather(mesh: Mesh, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
-    """`shard[S] -> flat[N * S]`: every rank's updated slice, back on every rank (stages 1-2)."""
-    return all_gather(shard, mesh, tag=bucket.tag)
+_AG_PARAM_FWD = Move("all_gather", "params", "forward")
+_AG_PARAM_AGAIN = Move("all_gather", "params", "regather")
+_RS_GRAD = Move("reduce_scatter", "grads", "backward")
+
+ENTER_FULL = Piece(_identity)
+ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
+LEAVE_LOCAL = Piece(_identity)
+LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,))
+AFTER_NONE = Piece(_identity)
+AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,))
+AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))
+FINISH_KEEP = Piece(_identity)
+FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),))
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One ZeRO stage as data: the pieces the unit Function and the step compose.
+    """One ZeRO stage: what it shards, and the pieces of the step that follow from that.
 
     Attributes:
-      level: 0-3.
-      params_sharded: the state holds `shard[S]` (else `flat[N * S]`).
-      optimizer_sharded: the optimizer state covers `shard[S]` (else `flat[N * S]`).
-      grads_in_backward: gradients are reduce-scattered per unit during backward.
-      enter / leave: the unit Function's pieces (see `unit.py`).
-      reduce: what happens to a bucket's gradient after the whole backward.
-      finish: what happens to a bucket's updated params.
+      level: 0-3 (the name; never branched on outside this module).
+      shards: the model-state categories held as `shard[S]` (of `CATEGORIES`).
+      enter: the unit Function's forward per bucket: held params -> `flat[N * S]` the loss reads.
+      leave: the unit Function's backward per bucket: the unit's full local gradient
+        `flat[N * S]` -> the gradient of what the step differentiates.
+      after_backward: per bucket, after the whole backward: that gradient -> the reduced
+        gradient the optimizer reads (`flat[N * S]` in stage 0, else `shard[S]`).
+      finish: per bucket, after the update: the optimizer's new params -> what the state holds.
     """
 
     level: int
-    params_sharded: bool
-    optimizer_sharded: bool
-    grads_in_backward: bool
-    enter: Enter
-    leave: Leave
-    reduce: Reduce
-    finish: Finish
+    shards: frozenset[str]
+    enter: Piece
+    leave: Piece
+    after_backward: Piece
+    finish: Piece
+
+    # -- what the state holds --------------------------------------------------------------
+
+    def sharded(self, category: str) -> bool:
+        """Whether `category` (one of `CATEGORIES`) is held as `shard[S]` by each rank."""
+        if category not in CATEGORIES:
+            raise ConfigError(f"unknown model-state category {category!r}; one of {CATEGORIES}")
+        return category in self.shards
+
+    def hold(self, layout: Layout, b: int, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """What a rank keeps of bucket `b`'s params, from the full `flat[N * S]` (a fresh tensor)."""
+        return layout.rank_shard(b, flat, rank).clone() if self.sharded("params") else flat
+
+    def optimizer_params(self, layout: Layout, b: int, held: torch.Tensor, rank: int) -> torch.Tensor:
+        """The params the optimizer of this rank updates, from what the state holds: its
+        `shard[S]` where the optimizer state is sharded (a view of `flat[N * S]`, or the held
+        shard itself), else the whole `flat[N * S]`."""
+        if self.sharded("optimizer_state") and not self.sharded("params"):
+            return layout.rank_shard(b, held, rank)
+        return held
+
+    def segments(self, layout: Layout, b: int, rank: int):
+        """The leaf pieces of the params `optimizer_params` returns, in its coordinates."""
+        return layout.segments(b, rank) if self.sharded("optimizer_state") else layout.flat_segments(b)
+
+    def grad_shard(self, layout: Layout, b: int, reduced: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's `shard[S]` of bucket `b`'s reduced gradient (`after_backward`'s output:
+        the whole `flat[N * S]` where the optimizer state is replicated)."""
+        return reduced if self.sharded("optimizer_state") else layout.rank_shard(b, reduced, rank)
+
+    def leaf_sum(self, mesh: Mesh, tag: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """How a layer-wise optimizer completes its per-leaf partial sums: over all ranks (in rank
+        order) where each rank updates a shard, else nothing to add."""
+        if not self.sharded("optimizer_state"):
+            return _no_sum
+        return lambda x: all_reduce(x, mesh, "sum", tag=tag + "/leaf_sum")
+
+    def differentiated(self, layout: Layout, b: int, held: torch.Tensor, rank: int
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(x, full)`: the tensor the step differentiates for bucket `b`, and the full buffer the
+        unit reads beside it (or None: it reads `enter(x)`). Where gradients are sharded but params
+        are not (stage 2), the gradient is taken with respect to this rank's shard of the full
+        buffer, so that `leave` (a reduce-scatter) returns exactly its shape."""
+        if self.sharded("grads") and not self.sharded("params"):
+            return layout.rank_shard(b, held, rank), held
+        return held, None
+
+    # -- what the step communicates ---------------------------------------------------------
+
+    def moves(self, trainable: bool, regather: bool) -> tuple[Move, ...]:
+        """The collectives one bucket sees in one step, in order (`regather`: whether a stage that
+        gathers params in forward gathers them again in backward)."""
+        pieces = (self.enter, self.leave, self.after_backward, self.finish)
+        out = [m for p in pieces for m in (p.moves if trainable else p.frozen_moves)]
+        return tuple(m for m in out if regather or m.when != "regather")
 
 
-STAGES = (
-    Stage(0, False, False, False, enter_full, leave_local, reduce_full, finish_keep),
-    Stage(1, False, True, False, enter_full, leave_local, leave_reduce_scatter, finish_gather),
-    Stage(2, False, True, True, enter_full, leave_reduce_scatter, reduce_none, finish_gather),
-    Stage(3, True, True, True, enter_gather, leave_reduce_scatter, reduce_none, finish_keep),
+def _compose(level: int, shards: frozenset[str]) -> Stage:
+    """The stage that shards `shards`: each sharded category picks its piece."""
+    params, grads, opt = (c in shards for c in ("params", "grads", "optimizer_state"))
+    after = AFTER_NONE if grads else AFTER_REDUCE if opt else AFTER_REDUCE_GATHER
+    finish = FINISH_GATHER if opt and not params else FINISH_KEEP
+    return Stage(level, shards, ENTER_GATHER if params else ENTER_FULL,
+                 LEAVE_REDUCED if grads else LEAVE_LOCAL, after, finish)
+
+
+STAGES = tuple(
+    _compose(level, frozenset(cats))
+    for level, cats in enumerate([
+        (),
+        ("optimizer_state", "master"),
+        ("optimizer_state", "master", "grads"),
+        ("optimizer_state", "master", "grads", "params"),
+    ])
 )
 
 
 def get_stage(stage: int | Stage) -> Stage:
+    """`0 | 1 | 2 | 3 | Stage -> Stage`; anything else is an error naming the choices."""
     if isinstance(stage, Stage):
         return stage
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
-        raise FzeroError(f"stage must be 0, 1, 2 or 3 (ZeRO stage), got {stage!r}")
+        raise ConfigError(f"stage must be 0, 1, 2 or 3 (the ZeRO stage), got {stage!r}")
     return STAGES[stage]
-
-

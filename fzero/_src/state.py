@@ -1,47 +1,97 @@
-"""A rank's ZeRO state as plain data: `init` builds it, `gather` reads the full params back."""
+"""A rank's ZeRO state as data: `init` builds it, `gather` reads the full params back.
+
+A `ZeroState` is a pytree whose leaves are tensors only (parameters, optimizer state, the step
+counter); what describes them -- the layout, the stage, the mesh, the rank, the optimizer -- is
+static metadata (`StateInfo`) carried in the tree's structure, as equinox's static fields. So
+`optree.tree_map(f, state)` (or `torch.utils._pytree.tree_map`) hands `f` tensors only and
+rebuilds a state with the same metadata.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
+import optree
 import torch
+import torch.utils._pytree as torch_pytree
+from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
 from .collectives import all_gather, broadcast
-from .errors import LayoutError
+from .errors import FzeroError, LayoutError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer
 from .stages import Stage, get_stage
-from .tree import flatten_with_paths, unflatten
-from .unit import StepLog, gather_leaves, unit_programs
+from .tree import NAMESPACE, flatten_with_paths, unflatten
+from .unit import gather_leaves, unit_programs
 
 
-class ZeroState(NamedTuple):
-    """One rank's state. Tensors per bucket, in `layout.buckets` order.
+@dataclasses.dataclass(frozen=True)
+class StateInfo:
+    """What a state's tensors mean; static (never a pytree leaf, never differentiated).
 
     Attributes:
-      params: `flat[N * S]` per bucket (stages 0-2) or this rank's `shard[S]` (stage 3).
-      opt_state: the optimizer's state per bucket, over `flat[N * S]` (stage 0) or `shard[S]`
-        (stages 1-3); None for frozen buckets.
-      step: the number of updates applied so far.
-      layout, stage, mesh, rank: static metadata, never differentiated.
+      layout: the plan of buckets and shards.
+      stage: the ZeRO stage (`fzero.STAGES[k]`).
+      mesh: the mesh the state lives on; `rank` is this rank on it.
+      optimizer: the `fzero.optim` optimizer `init` made the optimizer state with.
     """
 
-    params: tuple[torch.Tensor, ...]
-    opt_state: tuple[Any, ...]
-    step: int
     layout: Layout
     stage: Stage
     mesh: Mesh
     rank: int
+    optimizer: Optimizer
 
 
-def shard_of(layout: Layout, b: int, flat: torch.Tensor, rank: int) -> torch.Tensor:
-    """Rank `rank`'s `shard[S]` of bucket `b`'s `flat[N * S]` (a view)."""
-    s = layout.buckets[b].shard_numel
-    return flat[rank * s : (rank + 1) * s]
+@dataclasses.dataclass(frozen=True)
+class ZeroState:
+    """One rank's state. Tensors per bucket, in `layout.buckets` order.
+
+    Attributes:
+      params: per bucket, `flat[N * S]`, or this rank's `shard[S]` where the stage shards params.
+      opt_state: per bucket, the optimizer's state over `flat[N * S]`, or over `shard[S]` where
+        the stage shards optimizer state; None for frozen buckets.
+      step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
+      info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    opt_state: tuple[Any, ...]
+    step: torch.Tensor
+    info: StateInfo
+
+    layout = property(lambda self: self.info.layout)
+    stage = property(lambda self: self.info.stage)
+    mesh = property(lambda self: self.info.mesh)
+    rank = property(lambda self: self.info.rank)
+    optimizer = property(lambda self: self.info.optimizer)
+
+    def replace(self, **changes: Any) -> "ZeroState":
+        """A new state with some fields changed (the others shared)."""
+        return dataclasses.replace(self, **changes)
+
+
+_FIELDS = ("params", "opt_state", "step")
+
+
+def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
+    return (state.params, state.opt_state, state.step), state.info, _FIELDS
+
+
+def _unflatten(info: StateInfo, children: Any) -> ZeroState:
+    params, opt_state, step = children
+    return ZeroState(params, opt_state, step, info)
+
+
+for _namespace in (_GLOBAL, NAMESPACE):
+    optree.register_pytree_node(ZeroState, _flatten, _unflatten, namespace=_namespace)
+torch_pytree.register_pytree_node(
+    ZeroState, lambda s: (list(_flatten(s)[0]), s.info), lambda ch, info: _unflatten(info, ch),
+    serialized_type_name="fzero.ZeroState")
 
 
 def init(
@@ -60,6 +110,14 @@ def init(
     Ranks first agree that their params have the same structure, shapes and dtypes (one small
     all-gather; a mismatch raises on every rank, naming the leaf, the ranks and the sizes). With
     `sync`, rank 0's values are broadcast, as DDP does at construction.
+
+    Args:
+      params: a pytree of floating tensors (see `fzero.plan`); read, never modified.
+      optimizer: a `fzero.optim` optimizer; the state remembers it, and `train_step` uses it.
+      stage: the ZeRO stage, 0-3.
+      mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
+      units, groups, align: as for `fzero.plan`.
+      sync: broadcast rank 0's values to every rank.
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
@@ -70,13 +128,14 @@ def init(
         if sync and mesh.world_size > 1:
             flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
         rank = mesh.rank
-        held = tuple(shard_of(layout, b, f, rank).clone() if st.params_sharded else f for b, f in enumerate(flats))
+        held = tuple(st.hold(layout, b, f, rank) for b, f in enumerate(flats))
         opt_state = tuple(
-            None if spec.group.frozen else optimizer.init(
-                shard_of(layout, b, flats[b], rank) if st.optimizer_sharded else flats[b], len(spec.leaves))
+            None if spec.group.frozen else optimizer.init(st.optimizer_params(layout, b, held[b], rank),
+                                                          len(spec.leaves))
             for b, spec in enumerate(layout.buckets)
         )
-    return ZeroState(held, opt_state, 0, layout, st, mesh, rank)
+    return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64),
+                     StateInfo(layout, st, mesh, rank, optimizer))
 
 
 def _check_distinct(params: Any) -> None:
@@ -93,17 +152,28 @@ def _check_distinct(params: Any) -> None:
 def gather(state: ZeroState) -> Any:
     """The full params pytree (original structure and dtypes), on every rank; fresh tensors.
 
-    Stage 3 all-gathers each bucket, so every rank must call it.
+    Where the stage shards params, each bucket is all-gathered, so every rank must call it.
     """
-    layout, mesh = state.layout, state.mesh
+    check_state(state)
+    layout = state.layout
     leaves: list[Any] = [None] * len(layout.leaves)
     with torch.no_grad():
-        for program in unit_programs(layout, mesh, state.stage.enter, state.stage.leave, StepLog(0)):
+        for program in unit_programs(layout, state.mesh, state.stage):
             xs = [state.params[b.index] for b in program.buckets]
-            ids = [i for b in program.buckets for i in b.leaves]
-            for i, t in zip(ids, gather_leaves(program, xs)):
+            for i, t in zip(program.leaves, gather_leaves(program, xs)):
                 leaves[i] = t.clone()
     return unflatten(layout.treespec, leaves)
+
+
+def check_state(state: Any) -> None:
+    """A `ZeroState` used on the rank and world size it was made for, or a clear error."""
+    if not isinstance(state, ZeroState):
+        raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
+    mesh = state.mesh
+    state.layout.check_world_size(mesh.world_size)
+    if state.rank != mesh.rank:
+        raise FzeroError(f"this state belongs to rank {state.rank} of {mesh!r} but runs on rank {mesh.rank}; "
+                         f"hand each rank the state fzero.init made on it")
 
 
 def _crc(x: Any) -> int:

@@ -1,0 +1,258 @@
+"""One step's units on one rank: gathered when the loss uses them, released, gathered again.
+
+`Gathering` owns the life of every unit's parameters during one step's forward and backward:
+
+- `read(unit)` runs the unit's Function once per step (in stage 3: all-gathers the unit's
+  buckets) and returns its leaves by path;
+- `release(unit)` frees a stage-3 unit's gathered storage after its forward
+  (`untyped_storage().resize_(0)`, as FSDP2 does), where the step allows it (`releasable`);
+- `refill(unit)` gathers a released unit again into the same storage, when backward first reads
+  a tensor saved from it (a `saved_tensors_hooks` unpack), and the unit's Function releases it
+  once more when its backward is done (`after_backward`);
+- `loss(loss_fn, batch)` calls the loss with the params in the step's gathering mode and adds
+  every unit's anchor, so every unit's backward runs on every rank.
+
+Gathering modes (`train_step(..., gather=...)`):
+
+- "on_use" (default): a unit's Function is created when the loss first uses it, so the autograd
+  engine runs its backward (stage 2-3: its reduce-scatter) right after the unit's own gradients
+  are complete, and stage 3 frees it after use. Flat-dict params (as `from_module` makes) come as
+  a `LazyParams` mapping read by path (`from_module`'s `apply` reads a unit when its submodule
+  runs); other pytrees come with placeholder leaves that the first torch function using them
+  swaps for the real ones (`FirstUse`).
+- "eager": every unit's Function runs before the loss, which gets the plain params pytree.
+  Simplest and the same bits, but the engine then runs every unit's backward after the rest of
+  the backward: stage 2 holds every unit's full gradient at peak and stage 3 every gathered unit
+  from forward to backward.
+
+Every rank must read the units in the same order (the same program on every rank does). With
+"on_use", a unit the loss never reads is never gathered nor reduced; a unit some ranks read and
+others do not stops every rank with a `CollectiveMismatch` naming its tag ("eager" reduces it on
+every rank, as DDP with `find_unused_parameters`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import FzeroError
+from .layout import Layout
+from .tree import NAMESPACE, unflatten
+from .unit import Probe, UnitProgram, run_unit
+
+GATHERS = ("on_use", "eager")
+
+
+class Gathering:
+    """The units of one step on one rank (see the module docstring).
+
+    Args:
+      layout, programs: the state's layout and one `UnitProgram` per unit.
+      xs, fulls: per bucket, the differentiated tensor and the full buffer beside it (or None).
+      probes: per unit, the `Probe` whose gradients report what its backward saw.
+      mode: "on_use" or "eager".
+      releasable: whether gathered storage may be freed after use and gathered again in backward
+        (stage 3 with the autograd engine and a flat-dict loss).
+    """
+
+    def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
+                 fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
+                 releasable: bool) -> None:
+        self.layout, self.mode, self.releasable = layout, mode, releasable
+        self._programs = {p.name: p for p in programs}
+        self._xs, self._fulls, self._probes = xs, fulls, probes
+        self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
+        self._anchors: list[torch.Tensor] = []
+        self._storages: dict[str, list[tuple[int, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
+        self._released: set[str] = set()
+        self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
+
+    # -- one unit -------------------------------------------------------------------------
+
+    def read(self, unit: str) -> dict[str, torch.Tensor]:
+        """All leaves of `unit` by path, running its Function on the first read this step (and
+        gathering it again if it was released)."""
+        if unit not in self._leaves:
+            self._leaves[unit] = self._run(unit)
+        self.refill(unit)
+        return self._leaves[unit]
+
+    def _run(self, unit: str) -> dict[str, torch.Tensor]:
+        program = self._programs[unit]
+        ids = [b.index for b in program.buckets]
+        after = self.after_backward if self.releasable else None
+        outs, anchor = run_unit(program, [self._xs[b] for b in ids], [self._fulls[b] for b in ids],
+                                self._probes[unit], after)
+        self._anchors.append(anchor)
+        leaves = dict(zip(program.leaves, outs))
+        if self.releasable:
+            firsts = [(b.index, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()]
+            self._storages[unit] = [(b, t.untyped_storage(), t.untyped_storage().nbytes()) for b, t in firsts]
+            self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
+        return {self.layout.leaves[i].path: t for i, t in leaves.items()}
+
+    def release(self, unit: str) -> None:
+        """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
+        nothing where the step does not release."""
+        if self.releasable and unit in self._leaves and unit not in self._released:
+            for _, storage, _ in self._storages[unit]:
+                storage.resize_(0)
+            self._released.add(unit)
+
+    def refill(self, unit: str) -> None:
+        """Gather a released unit again, into the same storage (the same bits: all-gather copies)."""
+        if unit not in self._released:
+            return
+        program = self._programs[unit]
+        with torch.no_grad():
+            for b, storage, nbytes in self._storages[unit]:
+                full = program.stage.enter.run(program.mesh, self.layout.buckets[b].tag, self._xs[b].detach())
+                storage.resize_(nbytes)
+                full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
+        self._released.discard(unit)
+
+    def after_backward(self, unit: str) -> None:
+        """Called by the unit's Function when its backward is done."""
+        self.release(unit)
+
+    @property
+    def gathered(self) -> tuple[str, ...]:
+        """The units read so far, in the order they were first read."""
+        return tuple(self._leaves)
+
+    # -- the loss -----------------------------------------------------------------------------
+
+    def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> torch.Tensor:
+        """`loss_fn(params, batch)` in this step's mode, plus `0 * Σ anchors` (the same bits)."""
+        params, context = self._params()
+        with context:
+            loss = loss_fn(params, batch)
+        _check_loss(loss)
+        if not self._anchors:  # the loss read no unit (or there is none)
+            return loss
+        return loss + (torch.stack(self._anchors).sum() * 0).to(loss.dtype)
+
+    def _params(self) -> tuple[Any, Any]:
+        layout = self.layout
+        paths = {ls.path: ls.unit for ls in layout.leaves}
+        if self.mode == "eager":
+            by_path = {path: t for unit in self._programs for path, t in self.read(unit).items()}
+            return unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves]), contextlib.nullcontext()
+        lazy = LazyParams(paths, self)
+        if is_flat_dict(layout):
+            return lazy, _Unpacking(self) if self.releasable else contextlib.nullcontext()
+        dev = {b.index: x.device for b, x in zip(layout.buckets, self._xs)}
+        holders = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]).expand(ls.shape) for ls in layout.leaves]
+        first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
+        return unflatten(layout.treespec, holders), first_use
+
+
+def is_flat_dict(layout: Layout) -> bool:
+    """Whether the params pytree is a flat `{path: tensor}` dict (what `from_module` makes)."""
+    flat = optree.tree_structure(dict.fromkeys((ls.path for ls in layout.leaves), 0), namespace=NAMESPACE)
+    return layout.treespec == flat
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
+        raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
+                         f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}")
+
+
+class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
+    """Backward needs a tensor saved from a released unit's storage: gather that unit again first."""
+
+    def __init__(self, gathering: Gathering) -> None:
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            unit = gathering._owner.get(t.untyped_storage()._cdata)
+            if unit is not None:
+                gathering.refill(unit)
+            return t
+
+        super().__init__(lambda t: t, unpack)
+
+
+class LazyParams(Mapping):
+    """The read-only mapping `{dotted path: leaf}` a loss gets when gathering on use: reading
+    any leaf of a unit gathers the whole unit (once per step); a unit never read is gathered only
+    after the loss, to reduce its (zero) gradient. `from_module`'s `apply` reads a unit in a
+    forward pre-hook of its submodule and calls `release` after that submodule's forward."""
+
+    def __init__(self, unit_of: dict[str, str], gathering: Gathering) -> None:
+        self._unit_of = unit_of
+        self._gathering = gathering
+
+    def unit_of(self, path: str) -> str:
+        return self._unit_of[path]
+
+    def unit(self, unit: str) -> dict[str, torch.Tensor]:
+        """All leaves of `unit`, gathering it now if it was not yet."""
+        return self._gathering.read(unit)
+
+    def release(self, unit: str) -> None:
+        """Free the unit's gathered storage where the step allows (stage 3, autograd engine)."""
+        self._gathering.release(unit)
+
+    @property
+    def gathered(self) -> tuple[str, ...]:
+        """The units read so far, in the order they were first read."""
+        return self._gathering.gathered
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        if path not in self._unit_of:
+            raise KeyError(f"{path!r} is not a params path; some are {list(self._unit_of)[:5]}")
+        return self.unit(self._unit_of[path])[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._unit_of)
+
+    def __len__(self) -> int:
+        return len(self._unit_of)
+
+    def __repr__(self) -> str:
+        return f"LazyParams({len(self)} leaves, gathered units {list(self.gathered)})"
+
+
+def _flatten_lazy(params: LazyParams) -> tuple[list[torch.Tensor], tuple[str, ...], tuple[str, ...]]:
+    """Flattening reads (so gathers) every leaf, in sorted-key order like a dict; it unflattens
+    to a plain dict. So a loss that maps or flattens its params works on use too."""
+    keys = tuple(sorted(params))
+    return [params[k] for k in keys], keys, keys
+
+
+for _namespace in (_GLOBAL, NAMESPACE):
+    optree.register_pytree_node(LazyParams, _flatten_lazy, lambda keys, leaves: dict(zip(keys, leaves)),
+                                path_entry_type=optree.MappingEntry, namespace=_namespace)
+torch_pytree.register_pytree_node(
+    LazyParams, lambda p: (_flatten_lazy(p)[0], list(_flatten_lazy(p)[1])),
+    lambda leaves, keys: dict(zip(keys, leaves)), serialized_type_name="fzero.LazyParams")
+
+
+class FirstUse(TorchFunctionMode):
+    """For params that are not a flat dict: the loss gets shape-correct placeholder leaves (a 0-d
+    zero expanded to the leaf's shape: no memory), and the first torch function or tensor method
+    that receives a placeholder gets the real leaf instead -- so the unit is gathered, and its
+    Function created, at its first use. Reading a placeholder's attributes through torch
+    (`.shape` included) counts as a use; data read any other way (e.g. `.data_ptr()`) would see
+    the placeholder's zeros."""
+
+    def __init__(self, placeholders: dict[int, str], read: Callable[[str], torch.Tensor]) -> None:
+        super().__init__()
+        self._paths, self._read = placeholders, read
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        flat, spec = tree_flatten((args, kwargs or {}))
+        if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
+            flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
+                    for a in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **(kwargs or {}))
