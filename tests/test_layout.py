@@ -75,7 +75,7 @@ def test_every_element_lives_where_the_plan_says(params, n, unit_spec, group_spe
     unit_of, group_of = L._unit_of(unit_spec), L._group_of(group_spec)
 
     # buckets: one per (unit, dtype, group), in order of first appearance; sizes as documented
-    keys = [(unit_of(p), x.dtype, group_of(p)) for p, x in zip(paths, leaves)]
+    keys = [(unit_of(p), x.dtype, group_of(p, x)) for p, x in zip(paths, leaves)]
     assert [(b.unit, b.dtype, b.group) for b in layout.buckets] == list(dict.fromkeys(keys))
     for b in layout.buckets:
         assert all(keys[i] == (b.unit, b.dtype, b.group) for i in b.leaves)

@@ -182,14 +182,28 @@ def _unit_of(units: UnitSpec) -> Callable[[str], str]:
     raise LayoutError(f"units must be None, a callable path -> name, or a mapping name -> predicate; got {units!r}")
 
 
-def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str], ParamGroup]:
+NO_GRAD = ParamGroup("requires_grad=False", frozen=True)
+
+
+def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], ParamGroup]:
     """First match wins, except that a leaf any frozen group matches is frozen, wherever that group
-    stands: a no-decay group listed first must not train a `requires_grad=False` parameter."""
+    stands: a no-decay group listed first must not train a `requires_grad=False` parameter. An
+    `nn.Parameter` with `requires_grad=False` is frozen too (torch's convention) when no frozen
+    group claims it; a plain tensor's `requires_grad` is not read (tensors made by `torch.randn`
+    do not require grad, and are the usual leaves of a params pytree)."""
     default = ParamGroup()
     matches = lambda g, path: g.match is None or g.match(path)  # noqa: E731
     frozen = [g for g in groups if g.frozen]
-    return lambda path: next((g for g in frozen if matches(g, path)), None) or next(
-        (g for g in groups if matches(g, path)), default)
+
+    def group_of(path: str, leaf: torch.Tensor) -> ParamGroup:
+        claimed = next((g for g in frozen if matches(g, path)), None)
+        if claimed is not None:
+            return claimed
+        if isinstance(leaf, torch.nn.Parameter) and not leaf.requires_grad:
+            return NO_GRAD
+        return next((g for g in groups if matches(g, path)), default)
+
+    return group_of
 
 
 def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
@@ -220,7 +234,8 @@ def plan(
       units: how leaves are grouped into units (the granularity of stage-3 gathers and stage-2
         reductions): `None` (one unit), a callable `path -> unit name`, or a mapping
         `unit name -> path predicate` (first match wins; unmatched leaves go to "default").
-      groups: parameter groups; the first whose `match` accepts a leaf's path wins.
+      groups: parameter groups; the first whose `match` accepts a leaf's path wins, a frozen
+        group wherever it stands; an `nn.Parameter` leaf with `requires_grad=False` is frozen.
       align: each shard's length is a multiple of `align` elements.
 
     Returns:
@@ -234,7 +249,7 @@ def plan(
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         leaf = _check_leaf(path, leaf)
-        keys.setdefault((unit_of(path), leaf.dtype, group_of(path)), []).append(i)
+        keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
     specs: list[LeafSpec | None] = [None] * len(leaves)
     buckets = []
     for b, ((unit, dtype, group), members) in enumerate(keys.items()):

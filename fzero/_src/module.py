@@ -105,8 +105,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
     for name, p in module.named_parameters(remove_duplicate=False):
         first = canonical.setdefault(id(p), name)
         aliases.setdefault(first, []).append(name)
-        if first == name:
-            params[name] = p.detach()
+        if first == name:  # a frozen parameter stays an nn.Parameter(requires_grad=False): init freezes it
+            params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     _check_units(params, units)
     placeholders = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
