@@ -13,6 +13,7 @@ from fzero._src.errors import FzeroError as FzeroError
 from fzero._src.errors import LayoutError as LayoutError
 from fzero._src.errors import MeshError as MeshError
 from fzero._src.errors import NonFiniteError as NonFiniteError
+from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import BucketSpec as BucketSpec
 from fzero._src.layout import Layout as Layout
@@ -30,6 +31,9 @@ from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
+from fzero._src.scale import DynamicLossScale as DynamicLossScale
+from fzero._src.scale import LossScaleState as LossScaleState
+from fzero._src.scale import StaticLossScale as StaticLossScale
 from fzero._src.stages import STAGES as STAGES
 from fzero._src.stages import Stage as Stage
 from fzero._src.state import StateInfo as StateInfo
@@ -69,12 +73,15 @@ __all__ = [
     "CommVolume",
     "ConfigError",
     "DistMesh",
+    "DynamicLossScale",
     "FzeroError",
     "HeldBytes",
     "Layout",
     "LayoutError",
     "LazyParams",
     "LeafSpec",
+    "LossScaleError",
+    "LossScaleState",
     "MemoryEstimate",
     "Mesh",
     "MeshError",
@@ -89,6 +96,7 @@ __all__ = [
     "SimMesh",
     "Stage",
     "StateInfo",
+    "StaticLossScale",
     "ZeroState",
     "all_gather",
     "all_reduce",

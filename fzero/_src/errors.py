@@ -29,3 +29,7 @@ class RankFailed(MeshError):
 
 class NonFiniteError(FzeroError, FloatingPointError):
     """A loss or gradient was NaN or inf on some rank (see `on_nonfinite`)."""
+
+
+class LossScaleError(FzeroError, FloatingPointError):
+    """The gradients overflowed with the loss scale already at `min_scale` (`raise_at_min`)."""

@@ -35,18 +35,13 @@ from typing import NamedTuple, Union
 
 import torch
 
-from .errors import FzeroError
+from .errors import ConfigError, LossScaleError
 
 FACTOR = 2.0
 """The growth and back-off factor: DeepSpeed's `scale_factor`, fixed at 2."""
 
 
-class LossScaleError(FzeroError, FloatingPointError):
-    """The gradients overflowed with the loss scale already at `min_scale` (`raise_at_min`)."""
-
-
-class LossScaleConfigError(FzeroError, ValueError):
-    """A loss scaler's setting, or the `overflow` given to its `update`, is not valid."""
+LossScaleConfigError = ConfigError  # a loss scaler's setting, or the `overflow` given to `update`
 
 
 class LossScaleState(NamedTuple):
