@@ -20,7 +20,7 @@ import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
 from .collectives import all_gather, broadcast
-from .errors import FzeroError, LayoutError
+from .errors import ConfigError, FzeroError, LayoutError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer
@@ -121,9 +121,14 @@ def init(
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
+        _check_optimizer(optimizer)
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
         _check_distinct(params)
+        _check_real(params)
         check_same_layout(layout, mesh)
+        check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
+                            buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
+                                      b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
         if sync and mesh.world_size > 1:
             flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
@@ -147,6 +152,67 @@ def _check_distinct(params: Any) -> None:
         if other != path:
             raise LayoutError(f"params leaves {other!r} and {path!r} are the same tensor; keep one leaf and use it "
                               f"twice in the loss (fzero.from_module does this for tied module weights)")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        what = f"the class {optimizer.__module__}.{optimizer.__qualname__}" if isinstance(optimizer, type) else (
+            f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        raise ConfigError(f"optimizer must be a fzero.optim optimizer (e.g. fzero.optim.adamw(1e-3)), got {what}; "
+                          f"fzero's optimizers update flat shards and are bitwise equal to torch.optim's")
+
+
+def _check_real(params: Any) -> None:
+    """Meta tensors have shapes but no values: fine for `fzero.plan` and the memory estimate, not
+    for a state that trains."""
+    paths, leaves, _ = flatten_with_paths(params)
+    meta = [p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.is_meta]
+    if meta:
+        raise LayoutError(f"params leaves {meta[:5]}{' ...' if len(meta) > 5 else ''} are meta tensors (shapes, no "
+                          f"values); fzero.init needs real values: materialize the model first (e.g. "
+                          f"model.to_empty(device=...) and initialise it), or use fzero.accounting.estimate for a "
+                          f"model on the meta device")
+
+
+def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
+    """A process-independent description of an optimizer (or any function): qualified names and
+    the plain values (numbers, strings, bools) its closures hold, for comparing settings across
+    ranks. Two optimizers that print alike behave alike; the converse is not claimed."""
+    if isinstance(fn_or_tuple, tuple):
+        return tuple(describe(f, depth) for f in fn_or_tuple)
+    if not callable(fn_or_tuple):
+        return repr(fn_or_tuple) if isinstance(fn_or_tuple, (int, float, str, bool, type(None))) else type(
+            fn_or_tuple).__qualname__
+    cells = getattr(fn_or_tuple, "__closure__", None) or ()
+    values = []
+    for cell in cells:
+        v = cell.cell_contents
+        if isinstance(v, (int, float, str, bool, type(None))):
+            values.append(repr(v))
+        elif isinstance(v, tuple) and all(isinstance(x, (int, float, str, bool)) for x in v):
+            values.append(repr(v))
+        elif callable(v) and not isinstance(v, type) and depth < 3:
+            values.append(describe(v, depth + 1))
+    return (getattr(fn_or_tuple, "__qualname__", type(fn_or_tuple).__qualname__), tuple(values))
+
+
+def check_same_settings(mesh: Mesh, **settings: Any) -> None:
+    """Raise on every rank unless every rank passed the same settings (stage, optimizer, buckets:
+    units and groups, align, sync), naming the first that differs and each rank's value."""
+    n = mesh.world_size
+    if n == 1:
+        return
+    names = sorted(settings)
+    mine = torch.tensor([_crc(settings[k]) for k in names], dtype=torch.int64, device=mesh.device)
+    table = all_gather(mine, mesh, tag="fzero.init/settings").view(n, len(names))
+    differ = (table != table[:1]).any(dim=0).nonzero().flatten().tolist()
+    if differ:
+        name = names[differ[0]]
+        ranks = [r for r in range(n) if table[r, differ[0]] != table[0, differ[0]]]
+        shown = repr(settings[name])
+        raise ConfigError(f"fzero.init settings differ across ranks (world size {n}): {name!r} on rank {mesh.rank} is "
+                          f"{shown[:200]}, and rank(s) {ranks} differ from rank 0; every rank must pass the same "
+                          f"stage, optimizer, units, groups, align and sync")
 
 
 def gather(state: ZeroState) -> Any:

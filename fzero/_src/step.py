@@ -138,11 +138,19 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     metrics = Metrics(torch.tensor(verdict.loss, dtype=torch.float64),
                       torch.tensor(math.sqrt(verdict.norm_sq) if math.isfinite(verdict.norm_sq) else verdict.norm_sq,
                                    dtype=torch.float64), step, not verdict.finite)
-    if verdict.finite:
-        return update(state, reduced, verdict.used), metrics
+    if not verdict.finite:
+        if config.on_nonfinite == "raise":
+            raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
+        return state, metrics
+    new, broken = update(state, reduced, verdict.used)
+    if not broken:
+        return new, metrics
     if config.on_nonfinite == "raise":
-        raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
-    return state, metrics
+        named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
+        raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
+                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves). The state is unchanged; "
+                             f"lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
+    return state, metrics._replace(skipped=True)
 
 
 # -- 1. forward and backward -----------------------------------------------------------------
@@ -252,33 +260,52 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
 # -- 4. update ---------------------------------------------------------------------------------
 
 
-def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool]) -> ZeroState:
-    """The optimizer over what this rank owns, then the stage's `finish`; a new state."""
+def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool]
+           ) -> tuple[ZeroState, list[str]]:
+    """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or
+    `(state, leaves)` -- the input state and the leaves the update would have made NaN or inf,
+    agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     step = int(state.step)
     new_params, new_opt = list(state.params), list(state.opt_state)
+    updated: dict[int, torch.Tensor] = {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag))
         p = stage.optimizer_params(layout, b, state.params[b], rank)
-        p_new, new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
-        new_params[b] = stage.finish.run(mesh, spec.tag, p_new)
-    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), step=state.step + 1)
+        updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
+    if _any_nonfinite(state, updated):
+        return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
+    for b, p_new in updated.items():
+        new_params[b] = stage.finish.run(mesh, layout.buckets[b].tag, p_new)
+    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), step=state.step + 1), []
+
+
+def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
+    mesh = state.mesh
+    flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for p in updated.values():
+        flag = torch.maximum(flag, (~torch.isfinite(p.sum(dtype=torch.float64))).to(flag))
+    return bool(all_reduce(flag.reshape(1), mesh, "max", tag="fzero.step/update").item() > 0)
 
 
 # -- the rare path: a non-finite step ----------------------------------------------------------
 
 
-def nonfinite_leaves(state: ZeroState, reduced: dict[int, torch.Tensor]) -> list[str]:
-    """Taken by every rank together: the leaves whose *reduced* gradient holds a NaN or inf (a
-    NaN or inf in any rank's local gradient survives the sum), by one all-reduce."""
+def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Callable | None = None,
+                     where: Callable | None = None) -> list[str]:
+    """Taken by every rank together: the leaves whose values in `tensors` (per bucket; by default
+    the *reduced* gradients, of which each rank reads its shard) hold a NaN or inf, by one
+    all-reduce. `mine(b, t)` picks what this rank checks, `where(layout, b, rank)` its segments."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    mine = mine or (lambda b, g: stage.grad_shard(layout, b, g, rank))
+    where = where or (lambda layout, b, rank: layout.segments(b, rank))
     flags = torch.zeros(len(layout.leaves), dtype=torch.float64, device=mesh.device)
-    for b, g in reduced.items():
-        mine = stage.grad_shard(layout, b, g, rank)
-        for seg in layout.segments(b, rank):
-            if not bool(torch.isfinite(mine[seg.start : seg.stop]).all()):
+    for b, g in tensors.items():
+        local = mine(b, g)
+        for seg in where(layout, b, rank):
+            if not bool(torch.isfinite(local[seg.start : seg.stop]).all()):
                 flags[seg.leaf] = 1.0
     flags = all_reduce(flags, mesh, "max", tag="fzero.step/nonfinite")
     return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]

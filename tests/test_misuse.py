@@ -1,0 +1,176 @@
+"""Bad input and misuse: a clear error every time, never a silent wrong result, never a corrupted
+state. Each test here failed (or passed silently with a wrong result) before its fix; the
+mutation-testing gaps it closes are named in its docstring. The table of checked classes is
+docs/bad-input.md."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+from fzero import optim
+
+
+def _sum_loss(p, x):
+    return (p["w"].float() * x).sum()
+
+
+# -- init ------------------------------------------------------------------------------------------
+
+
+def test_init_broadcasts_rank0_params_by_default():
+    """Mutation gap: `sync=False` as the default went unnoticed (no test gave ranks different
+    initial params). DDP broadcasts rank 0's values at construction; so does `init`."""
+    mesh = fzero.SimMesh(3)
+    for stage in (0, 3):
+        def rank_fn(r, sync):
+            state = fzero.init({"w": torch.full((5,), float(r))}, optim.sgd(0.1), stage=stage, mesh=mesh, sync=sync)
+            return fzero.gather(state)["w"]
+
+        synced = mesh.run(lambda r: rank_fn(r, True), [(r,) for r in range(3)])
+        assert all(torch.equal(w, torch.zeros(5)) for w in synced)
+        if stage == 0:  # without sync each rank keeps its own replica
+            apart = mesh.run(lambda r: rank_fn(r, False), [(r,) for r in range(3)])
+            assert [w[0].item() for w in apart] == [0.0, 1.0, 2.0]
+
+
+def test_init_rejects_meta_tensors_naming_the_leaf():
+    mesh = fzero.SimMesh(2)
+    with pytest.raises(fzero.LayoutError, match=r"\['w'\] are meta tensors.*fzero.accounting.estimate"):
+        mesh.run(lambda: fzero.init({"w": torch.empty(4, device="meta"), "b": torch.ones(2)}, optim.sgd(0.1),
+                                    stage=3, mesh=mesh))
+    model = nn.Linear(3, 2, device="meta")
+    params, _, info = fzero.from_module(model)
+    with pytest.raises(fzero.LayoutError, match="meta tensors"):
+        mesh.run(lambda: fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh, groups=info.groups))
+    assert fzero.accounting.estimate(model, 2, stage=3).total > 0  # the estimate reads meta shapes
+
+
+def test_init_rejects_a_torch_optimizer_naming_it():
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.ConfigError, match=r"the class torch\.optim\.adamw\.AdamW"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, torch.optim.AdamW, stage=1, mesh=mesh))
+    with pytest.raises(fzero.ConfigError, match="fzero.optim optimizer"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, "adamw", stage=1, mesh=mesh))
+
+
+@pytest.mark.parametrize("setting, per_rank", [
+    ("stage", lambda r: dict(stage=r + 1)),
+    ("optimizer", lambda r: dict(opt=optim.adamw(1e-3 * (r + 1)))),
+    ("buckets", lambda r: dict(units=None if r == 0 else (lambda p: p))),
+    ("buckets", lambda r: dict(groups=[fzero.ParamGroup("nowd", match=lambda p: p == "b", weight_decay=r == 0)])),
+    ("align", lambda r: dict(align=1 + 3 * r)),
+])
+def test_init_rejects_settings_that_differ_across_ranks(setting, per_rank):
+    """Before: a stage, units or optimizer mismatch surfaced later as a CollectiveMismatch of some
+    op and tag (or, with DistMesh(verify=False), a hang). Now init names the setting on every rank."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(r):
+        kw = dict(stage=2, opt=optim.adamw(1e-3), units=None, groups=(), align=1) | per_rank(r)
+        opt = kw.pop("opt")
+        return fzero.init({"w": torch.ones(6), "b": torch.ones(3)}, opt, mesh=mesh, **kw)
+
+    with pytest.raises(fzero.ConfigError, match=f"settings differ across ranks.*'{setting}'"):
+        mesh.run(rank_fn, [(0,), (1,)])
+
+
+def test_requires_grad_false_parameters_are_frozen():
+    """torch's convention: a parameter that does not require grad is not trained -- as a raw
+    pytree leaf (an nn.Parameter) and through from_module without passing its groups."""
+    mesh = fzero.SimMesh(2)
+    frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(4), "f": frozen}, optim.sgd(0.5), stage=2, mesh=mesh)
+        state, _ = fzero.train_step(lambda p, x: (p["w"] * x).sum() + (p["f"] * x[:3]).sum())(state, torch.ones(4))
+        return fzero.gather(state)
+
+    for full in mesh.run(rank_fn):
+        assert torch.equal(full["f"], torch.ones(3)) and torch.equal(full["w"], torch.full((4,), 0.5))
+
+    model = nn.Linear(4, 2)
+    model.bias.requires_grad_(False)
+    params, apply, info = fzero.from_module(model)
+    bias = params["bias"].clone()
+
+    def module_fn():
+        state = fzero.init(params, optim.sgd(0.5), stage=1, mesh=mesh)  # no groups=info.groups
+        state, _ = fzero.train_step(lambda p, x: apply(p, x).sum())(state, torch.ones(1, 4))
+        return fzero.gather(state)
+
+    for full in mesh.run(module_fn):
+        assert torch.equal(full["bias"], bias) and not torch.equal(full["weight"], params["weight"])
+
+
+# -- the step: non-finite values never reach the state ------------------------------------------------
+
+
+def test_update_that_makes_params_nonfinite_raises_or_skips():
+    """fp16 params with the default adamw(1e-3): eps = 1e-8 underflows in fp16, so the first
+    update divides by zero. Before: inf written into the params with skipped=False."""
+    mesh = fzero.SimMesh(2)
+    params = {"w": torch.linspace(-1, 1, 64).half()}
+
+    def run(on_nonfinite):
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-3), stage=3, mesh=mesh)
+            new, m = fzero.train_step(_sum_loss, on_nonfinite=on_nonfinite)(state, torch.full((64,), 1e-3))
+            return state, new, m
+        return mesh.run(rank_fn)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"update made the params NaN or inf in 'w'"):
+        run("raise")
+    for old, new, m in run("skip"):
+        assert new is old and m.skipped and int(new.step) == 0
+
+
+def test_reduced_gradient_overflow_is_caught():
+    """Mutation gap: fp16 local gradients that are finite on every rank but overflow when summed
+    (3 x fl(65504 * fl(1/3)) = 65520 rounds to inf) wrote inf params with skipped=False."""
+    mesh = fzero.SimMesh(3)
+    params = {"w": torch.zeros(4, dtype=torch.float16)}
+
+    def run(on_nonfinite):
+        def rank_fn():
+            state = fzero.init(params, optim.sgd(1e-9), stage=2, mesh=mesh)
+            new, m = fzero.train_step(_sum_loss, on_nonfinite=on_nonfinite)(state, torch.full((4,), 65504.0))
+            return state, new, m
+        return mesh.run(rank_fn)
+
+    with pytest.raises(fzero.NonFiniteError, match="the sum over ranks overflowed"):
+        run("raise")
+    for old, new, m in run("skip"):
+        assert new is old and m.skipped
+
+
+def test_large_finite_fp16_gradients_are_not_called_nonfinite():
+    """Mutation gap: the local non-finite check summing in the gradient's dtype overflows for
+    large finite fp16 gradients (4 x 60000 > 65504) and raised a spurious NonFiniteError."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.zeros(4, dtype=torch.float16)}, optim.sgd(1e-6), stage=1, mesh=mesh)
+        state, m = fzero.train_step(_sum_loss)(state, torch.full((4,), 60000.0))
+        return fzero.gather(state)["w"], m
+
+    want = torch.zeros(4, dtype=torch.float16).add_(torch.full((4,), 60000.0, dtype=torch.float16), alpha=-1e-6)
+    for w, m in mesh.run(rank_fn):  # the reduced gradient is 0.5 * 60000 + 0.5 * 60000, exact
+        assert not m.skipped and torch.equal(w, want)
+
+
+def test_grad_norm_equals_an_independent_value():
+    """Mutation gap: grad_norm was compared only between stages. Integer-valued gradients make
+    every sum exact, so the float64 norm of the serially reduced gradient is the same number."""
+    mesh = fzero.SimMesh(2)
+    xs = [torch.tensor([2.0, -4.0, 6.0, 0.0, 8.0]), torch.tensor([4.0, 2.0, -2.0, 10.0, 0.0])]
+    reduced = xs[0] * 0.5 + xs[1] * 0.5
+    want = reduced.double().square().sum().sqrt()
+    for stage in range(4):
+        def rank_fn(x):
+            state = fzero.init({"w": torch.zeros(5)}, optim.sgd(0.1), stage=stage, mesh=mesh)
+            return fzero.train_step(_sum_loss)(state, x)[1].grad_norm
+
+        assert all(torch.equal(g, want) for g in mesh.run(rank_fn, [(x,) for x in xs]))
