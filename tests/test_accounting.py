@@ -175,9 +175,13 @@ def test_recorded_collectives_equal_expected_comm(params, n, stage, unit_spec, g
     got = comm_volume(records, n, steps=steps)
     want = expected_comm(layout, n, stage)
     assert got.data == want.data
-    # the one control collective per step: the float64 agreement all-gather
+    # the control collectives per step: the float64 agreement all-gather, and where anything is
+    # trainable the one-element float64 all-reduce that agrees the update left the params finite
     agree = agreement_elements(layout)
-    assert got.control == {"all_gather": OpTotal(1, agree, 8 * agree, 8 * agree * wire_factor("all_gather", n))}
+    control = {"all_gather": OpTotal(1, agree, 8 * agree, 8 * agree * wire_factor("all_gather", n))}
+    if any(not b.group.frozen for b in layout.buckets):
+        control["all_reduce"] = OpTotal(1, 1, 8, 8 * wire_factor("all_reduce", n))
+    assert got.control == control
     # counts per bucket, as designed
     buckets = layout.buckets
     trainable = [b for b in buckets if not b.group.frozen]
@@ -247,7 +251,8 @@ def test_lamb_leaf_sums_are_control():
     out, records = _run(params, optim.lamb(lr=1e-3), 2, 2, steps=1)
     got = comm_volume(records, 2)
     assert set(got.control) == {"all_gather", "all_reduce"}
-    assert got.control["all_reduce"].count == len(out[0][0].layout.buckets)
+    # one leaf-sum all-reduce per trainable bucket, plus the step's update-finite flag
+    assert got.control["all_reduce"].count == len(out[0][0].layout.buckets) + 1
     assert got.data == expected_comm(out[0][0].layout, 2, 2).data
 
 

@@ -283,6 +283,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool]
 
 
 def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
+    """Whether any rank's updated params hold a NaN or inf: one float64 flag, all-reduced (max),
+    tag "fzero.step/update" (a control collective); none where nothing is trainable."""
+    if not updated:
+        return False
     mesh = state.mesh
     flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
     for p in updated.values():
