@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 
 import fzero.optim as fo
 from fzero._src import layout as L
+from fzero._src.accounting import LiveStorages
 from fzero._src.layout import ParamGroup
 from fzero._src.optim import exact
 
@@ -543,12 +544,87 @@ def test_errors_name_the_problem():
         fo.lamb().init(torch.zeros(3, dtype=torch.float64), 1)
 
 
-def test_frozen_group_and_spec():
+def test_frozen_group_is_an_error_and_spec():
     opt = fo.adam(1e-3, amsgrad=True)
     p = torch.ones(3)
     state = opt.init(p, 2)
     assert opt.spec(state) == fo.AmsgradState("leaf", "shard", "shard", "shard")
-    ctx = fo.UpdateContext(0, ParamGroup(frozen=True), (L.Segment(0, 0, 0, 3),), (0, 1), (True, True))
-    out, s = opt.update(torch.ones(3), state, p, ctx)
-    assert out is p and s is state
+    ctx = fo.UpdateContext(0, ParamGroup("fz", frozen=True), (L.Segment(0, 0, 0, 3),), (0, 1), (True, True))
+    for update in (opt.update, opt.update_):
+        with pytest.raises(fo.OptimizerError, match="'fz' is frozen"):
+            update(torch.ones(3), state, p, ctx)
     assert fo.sgd(0.1).spec(fo.sgd(0.1).init(p, 1)) == fo.EmptyState()
+
+
+def test_impl_choice_and_its_errors():
+    """The default rule (`resolve_impl`), unknown names, and where "fused" is refused."""
+    with pytest.raises(fo.OptimizerError, match="impl must be one of 'fused', 'foreach', 'single'.*got 'fast'"):
+        fo.adamw(impl="fast")
+    with pytest.raises(fo.OptimizerError, match="sgd: impl must be one of"):
+        fo.sgd(0.1, impl="Fused")
+    seg = (L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 5))
+    ctx = fo.UpdateContext(0, ParamGroup(), seg, (0, 1), (True, True), leaf_numels=(3, 2))
+    assert fo.resolve_impl("x", None, torch.zeros(5), ctx) == "foreach"  # CPU: fused kernels round by position
+    assert fo.resolve_impl("x", None, torch.zeros(5, dtype=torch.int32), ctx) == "foreach"
+    if torch.cuda.is_available():
+        assert fo.resolve_impl("x", None, torch.zeros(5, device="cuda"), ctx) == "fused"
+    assert fo.resolve_impl("x", "fused", torch.zeros(5), ctx) == "fused"
+    with pytest.raises(fo.OptimizerError, match="floating-point shard"):
+        fo.resolve_impl("x", "fused", torch.zeros(5, dtype=torch.int32), ctx)
+    with pytest.raises(fo.OptimizerError, match="needs ctx.leaf_numels"):
+        fo.resolve_impl("x", "fused", torch.zeros(5), ctx._replace(leaf_numels=()))
+    cut = ctx._replace(segments=(L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 4)), leaf_numels=(3, 4))
+    with pytest.raises(fo.OptimizerError, match=r"leaf 1 \(4 elements\) is cut.*\[0, 1\)"):
+        fo.resolve_impl("x", "fused", torch.zeros(5), cut)
+    assert fo.resolve_impl("x", "fused", torch.zeros(5), cut._replace(used=(True, False))) == "fused"  # unused: untouched
+
+
+def test_fused_cpu_refuses_cut_leaves():
+    """N = 2 cuts a leaf of 7: "fused" on CPU raises, naming the leaf; "foreach" runs."""
+    prob = dict(kinds=["a", "a"], shapes=[(7,), (3,)], used=[[True, True]], world=2, align=1, scale=1.0, seed=0)
+    params, grads = _data(prob)
+    with pytest.raises(fo.OptimizerError, match="is cut by the shard"):
+        FzeroRun(fo.adamw(impl="fused"), prob, params).step(0, grads[0], prob["used"][0])
+    FzeroRun(fo.adamw(impl="foreach"), prob, params).step(0, grads[0], prob["used"][0])
+
+
+WORST_HP = {  # every temporary torch's code makes: maximize, (L2) weight decay, Nesterov / amsgrad
+    "sgd": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True),
+    "adam": dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+    "adamw": dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+}
+
+
+@pytest.mark.parametrize("impl", fo.IMPLS)
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_in_place_census(kind, impl):
+    """`update_` writes param and the "shard" fields in place and allocates at most one
+    shard-sized buffer ("fused": none); `update` adds one clone of param and of each "shard"
+    field. Counted with `LiveStorages` (new storages made by aten ops, live at once), over two
+    steps whose step counts differ between leaves (several pieces, first and later momentum)."""
+    sizes, used = (37, 0, 64, 5, 19), [(True, True, False, True, True), (True,) * 5]
+    segs, at = [], 0
+    for leaf, n in enumerate(sizes):
+        segs.append(L.Segment(leaf, 0, at, at + n))
+        at += n
+    S = at + 3  # padding
+    gen = torch.Generator().manual_seed(0)
+    opt = FACTORIES[kind](**WORST_HP[kind], impl=impl)
+    p = torch.randn(S, generator=gen)
+    state = opt.init(p, len(sizes))
+    nshard = sum(k == "shard" for k in opt.spec(state))
+    # small: the new "leaf" field [L] and one 0-d float32 step count per piece ("fused")
+    small = 4 * len(sizes) + 4 * len(segs)
+    work = 0 if impl == "fused" else 4 * S
+    for step, u in enumerate(used):
+        g = torch.randn(S, generator=gen)
+        ctx = fo.UpdateContext(step, ParamGroup(), tuple(segs), tuple(range(len(sizes))), u, leaf_numels=sizes)
+        with LiveStorages() as pure_census:
+            opt.update(g, state, p, ctx)
+        assert pure_census.peak <= 4 * S * (1 + nshard) + work + small, pure_census.peak
+        ptr, shard_fields = p.data_ptr(), [t for t, k in zip(state, opt.spec(state)) if k == "shard"]
+        with LiveStorages() as census:
+            state = opt.update_(g, state, p, ctx)
+        assert census.peak <= work + small, (census.peak, work, small)
+        assert p.data_ptr() == ptr
+        assert all(a is b for a, b in zip([t for t, k in zip(state, opt.spec(state)) if k == "shard"], shard_fields))
