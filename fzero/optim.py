@@ -1,10 +1,13 @@
-"""fzero's optimizers: pure `(init, update, spec)` triples over flat shards, bitwise equal to
-torch.optim's single-tensor path, and learning-rate schedules as functions of the step."""
+"""fzero's optimizers over flat shards: `(init, update, spec, update_)`, a pure update and the
+same update in place, bitwise equal to torch.optim's single-tensor, foreach or fused path
+(`impl`), and learning-rate schedules as functions of the step."""
 
 from fzero._src.optim import (
+    IMPLS as IMPLS,
     AdamState as AdamState,
     AmsgradState as AmsgradState,
     EmptyState as EmptyState,
+    Impl as Impl,
     LambState as LambState,
     Optimizer as Optimizer,
     OptimizerError as OptimizerError,
@@ -14,9 +17,14 @@ from fzero._src.optim import (
     adamw as adamw,
     as_schedule as as_schedule,
     check_hyper as check_hyper,
+    check_impl as check_impl,
     check_shards as check_shards,
     group_lr as group_lr,
+    in_place as in_place,
+    pure as pure,
+    resolve_impl as resolve_impl,
     runs as runs,
+    used_pieces as used_pieces,
     constant as constant,
     cosine as cosine,
     lamb as lamb,
@@ -27,9 +35,11 @@ from fzero._src.optim import (
 )
 
 __all__ = [
+    "IMPLS",
     "AdamState",
     "AmsgradState",
     "EmptyState",
+    "Impl",
     "LambState",
     "Optimizer",
     "OptimizerError",
@@ -39,9 +49,14 @@ __all__ = [
     "adamw",
     "as_schedule",
     "check_hyper",
+    "check_impl",
     "check_shards",
     "group_lr",
+    "in_place",
+    "pure",
+    "resolve_impl",
     "runs",
+    "used_pieces",
     "constant",
     "cosine",
     "lamb",

@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 
 import fzero.optim as fo
 from fzero._src import layout as L
+from fzero._src.accounting import LiveStorages
 from fzero._src.layout import ParamGroup
 from fzero._src.optim import exact
 
@@ -84,19 +85,23 @@ def _data(prob):
 # ---------------------------------------------------------------------------------------------
 # Serial simulation of N ranks.
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 class _Pending(Exception):
     pass
 
 
-def serial_update(opt, layout, b, grads, params, states, step, used):
-    """One update of bucket `b` on every rank, ranks run one after another.
+def serial_update(update, layout, b, grads, params, states, step, used):
+    """One `update(grad, state, param, ctx) -> (param, state)` of bucket `b` on every rank, ranks
+    run one after another.
 
     `ctx.leaf_sum` is a collective; here it is replayed: pass k runs every rank up to its k-th
     call, records its partial and aborts; the sum (rank 0 + rank 1 + ..., in rank order) is then
-    known to pass k + 1. The update is pure, so re-running it is harmless.
+    known to pass k + 1. `update` must leave its inputs untouched, so re-running it is harmless.
     """
     bucket = layout.buckets[b]
+    numels = tuple(layout.leaves[i].numel for i in bucket.leaves)
     known: list[torch.Tensor] = []
     while True:
         partials, results = [], []
@@ -111,9 +116,9 @@ def serial_update(opt, layout, b, grads, params, states, step, used):
                 partials.append(x.clone())
                 raise _Pending
 
-            ctx = fo.UpdateContext(step, bucket.group, layout.segments(b, r), bucket.leaves, used, leaf_sum)
+            ctx = fo.UpdateContext(step, bucket.group, layout.segments(b, r), bucket.leaves, used, leaf_sum, numels)
             try:
-                results.append(opt.update(grads[r], states[r], params[r], ctx))
+                results.append(update(grads[r], states[r], params[r], ctx))
             except _Pending:
                 pass
         if not partials:
@@ -125,14 +130,40 @@ def serial_update(opt, layout, b, grads, params, states, step, used):
         known.append(total)
 
 
-class FzeroRun:
-    """fzero's optimizer on all N ranks' shards of every bucket."""
+def in_place_on_clones(opt):
+    """`update_` on fresh clones of param and the "shard" fields, as `(param, state)`; checks
+    that it wrote into them (same tensors, same storage) rather than returning new ones."""
 
-    def __init__(self, opt, prob, params):
-        self.opt, self.prob = opt, prob
+    def update(grad, state, param, ctx):
+        kinds = opt.spec(state)
+        fresh = type(state)(*[t.clone() if k == "shard" else t for t, k in zip(state, kinds)])
+        p = param.clone()
+        ptr = p.data_ptr()
+        new = opt.update_(grad, fresh, p, ctx)
+        assert p.data_ptr() == ptr
+        for field, k, t_in, t_out in zip(state._fields, kinds, fresh, new):
+            if k == "shard":
+                assert t_out is t_in, f"update_ returned a new tensor for shard field {field!r}"
+        return p, new
+
+    return update
+
+
+def _snapshot(tensors):
+    return [t.clone() for t in tensors]
+
+
+class FzeroRun:
+    """fzero's optimizer on all N ranks' shards of every bucket, on `device`.
+
+    Each step runs the pure `update`, checks it left grad, param and state untouched, runs
+    `update_` on clones of the same inputs and checks the two results are the same bits."""
+
+    def __init__(self, opt, prob, params, device="cpu"):
+        self.opt, self.prob, self.device = opt, prob, device
         tree = _tree(prob, params)
         self.layout = L.plan(tree, prob["world"], groups=_groups(prob), align=prob["align"])
-        self.shards = [list(s.clone()) for s in L.shard(self.layout, L.pack(self.layout, tree))]
+        self.shards = [[r.to(device) for r in s.clone()] for s in L.shard(self.layout, L.pack(self.layout, tree))]
         self.states = [
             None if bk.group.frozen else [opt.init(s, len(bk.leaves)) for s in self.shards[bk.index]]
             for bk in self.layout.buckets
@@ -144,16 +175,23 @@ class FzeroRun:
             if bk.group.frozen:
                 continue
             b = bk.index
-            before = [(s.clone(), st_) for s, st_ in zip(self.shards[b], self.states[b])]
-            out = serial_update(self.opt, self.layout, b, list(gshards[b]), self.shards[b], self.states[b], step,
-                                tuple(used[i] for i in bk.leaves))
-            for (s, st_), (s0, st0) in zip(zip(self.shards[b], self.states[b]), before):  # pure: inputs untouched
-                assert torch.equal(s, s0) and st_ is st0
+            args = ([g.to(self.device) for g in gshards[b]], self.shards[b], self.states[b])
+            before = [_snapshot([g, p, *s]) for g, p, s in zip(*args)]
+            bused = tuple(used[i] for i in bk.leaves)
+            out = serial_update(self.opt.update, self.layout, b, *args, step, bused)
+            for g, p, s, was in zip(*args, before):  # pure: inputs untouched
+                assert all(torch.equal(x, y) for x, y in zip([g, p, *s], was)), "update wrote into its inputs"
+            if self.opt.update_ is not None:
+                out_ = serial_update(in_place_on_clones(self.opt), self.layout, b, *args, step, bused)
+                for (p, st_), (p_, st2) in zip(out, out_):
+                    assert torch.equal(p, p_) and all(torch.equal(x, y) for x, y in zip(st_, st2)), \
+                        "update != clone + update_"
             self.shards[b] = [p for p, _ in out]
             self.states[b] = [s for _, s in out]
 
     def flat(self, b, field=None):
         rows = self.shards[b] if field is None else [getattr(s, field) for s in self.states[b]]
+        rows = [r.cpu() for r in rows]
         return L.unshard(self.layout, [torch.stack(rows) if i == b else torch.zeros(bk.world_size, bk.shard_numel, dtype=bk.dtype) for i, bk in enumerate(self.layout.buckets)])[b]
 
     def leaf(self, i, field=None):
@@ -164,7 +202,7 @@ class FzeroRun:
     def leaf_state(self, i, field):
         """Entry of leaf i in a "leaf" state field, checked replicated across ranks."""
         ls = self.layout.leaves[i]
-        rows = [getattr(s, field) for s in self.states[ls.bucket]]
+        rows = [getattr(s, field).cpu() for s in self.states[ls.bucket]]
         assert all(torch.equal(rows[0], r) for r in rows), f"{field} differs across ranks"
         return rows[0][self.layout.buckets[ls.bucket].leaves.index(i)]
 
@@ -179,18 +217,26 @@ class FzeroRun:
                     assert not self.flat(bk.index, field)[bk.numel :].any(), f"padding of {field} changed"
 
 
-def torch_optimizer(kind, hp, prob, params):
-    """The matching torch.optim instance over trainable leaves, param groups mirrored."""
+def torch_optimizer(kind, hp, prob, params, impl="single", device="cpu"):
+    """The matching torch.optim instance over trainable leaves, param groups mirrored, with
+    `foreach` / `fused` as `impl` says.
+
+    Fused SGD with momentum gets one param group per leaf: torch decides `is_first_step` per
+    group and raises on a group that mixes leaves with and without a momentum buffer; fzero
+    decides it per leaf, which is what a group of one leaf gives (and, where torch does not
+    raise, what torch's shared group gives)."""
     trainable = [k != "frozen" for k in prob["kinds"]]
-    leaves = [torch.nn.Parameter(p.clone(), requires_grad=t) for p, t in zip(params, trainable)]
+    leaves = [torch.nn.Parameter(p.clone().to(device), requires_grad=t) for p, t in zip(params, trainable)]
+    per_leaf = kind == "sgd" and impl == "fused" and hp["momentum"] != 0
     groups = []
     for k, scale, wd in (("a", 1.0, True), ("b", prob["scale"], False)):
         ps = [p for p, kk in zip(leaves, prob["kinds"]) if kk == k]
-        if ps:
-            groups.append({"params": ps, "lr": hp["lr"] * scale, "weight_decay": hp["weight_decay"] if wd else 0.0})
+        for chunk in ([[p] for p in ps] if per_leaf else [ps] if ps else []):
+            groups.append({"params": chunk, "lr": hp["lr"] * scale, "weight_decay": hp["weight_decay"] if wd else 0.0})
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
     extra = {k: v for k, v in hp.items() if k not in ("lr", "weight_decay")}
-    opt = cls(groups, lr=hp["lr"], foreach=False, **extra) if groups else None
+    flags = dict(foreach=impl == "foreach", fused=impl == "fused")
+    opt = cls(groups, lr=hp["lr"], **flags, **extra) if groups else None
     return leaves, opt
 
 
@@ -219,16 +265,16 @@ FACTORIES = {"sgd": fo.sgd, "adam": fo.adam, "adamw": fo.adamw}
 
 def check_against_torch(kind, fz, leaves, topt):
     for i, p in enumerate(leaves):
-        assert torch.equal(fz.leaf(i), p.detach()), f"leaf {i} ({fz.layout.leaves[i].path}) params differ"
+        assert torch.equal(fz.leaf(i), p.detach().cpu()), f"leaf {i} ({fz.layout.leaves[i].path}) params differ"
         if not p.requires_grad:
             continue
-        tstate = topt.state.get(p, {}) if topt is not None else {}
+        tstate = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in (topt.state.get(p, {}) if topt is not None else {}).items()}
         state0 = fz.states[fz.layout.leaves[i].bucket][0]
         for field, spec_kind in zip(state0._fields, fz.opt.spec(state0)):
             if field == "count":  # SGD: momentum buffer exists iff count > 0
                 has = tstate.get("momentum_buffer") is not None
                 assert has == bool(fz.leaf_state(i, "count") > 0)
-                want = tstate["momentum_buffer"] if has else torch.zeros_like(p)
+                want = tstate["momentum_buffer"] if has else torch.zeros_like(p.cpu())
                 assert torch.equal(fz.leaf(i, "momentum_buffer"), want)
             elif field == "momentum_buffer":
                 continue
@@ -236,21 +282,28 @@ def check_against_torch(kind, fz, leaves, topt):
                 want = tstate.get(field, torch.tensor(0.0))
                 assert torch.equal(fz.leaf_state(i, field), want), f"leaf {i} {field}"
             else:
-                want = tstate.get(field, torch.zeros_like(p))
+                want = tstate.get(field, torch.zeros_like(p.cpu()))
                 assert torch.equal(fz.leaf(i, field), want), f"leaf {i} {field} differs"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @examples(100)
-@given(prob=problems(), data=st.data())
-def test_bitwise_equal_to_torch_optim(kind, prob, data):
+@given(prob=problems(), impl=st.sampled_from(fo.IMPLS), data=st.data())
+def test_bitwise_equal_to_torch_optim(kind, device, prob, impl, data):
+    """Each `impl` against torch.optim with the matching `foreach` / `fused`, after every step,
+    params and state; pure and in-place forms (`FzeroRun.step`). On CPU, "fused" runs with N = 1
+    (the CPU kernels round by position, so fzero refuses cut leaves there, see
+    `test_fused_cpu_refuses_cut_leaves`)."""
+    if impl == "fused" and device == "cpu":
+        prob = {**prob, "world": 1}
     hp = data.draw(SGD_HP if kind == "sgd" else ADAM_HP)
     params, grads = _data(prob)
-    fz = FzeroRun(FACTORIES[kind](**hp), prob, params)
-    leaves, topt = torch_optimizer(kind, hp, prob, params)
+    fz = FzeroRun(FACTORIES[kind](**hp, impl=impl), prob, params, device)
+    leaves, topt = torch_optimizer(kind, hp, prob, params, impl, device)
     for step, (g, used) in enumerate(zip(grads, prob["used"])):
         for p, gi, u in zip(leaves, g, used):
-            p.grad = gi.clone() if (u and p.requires_grad) else None
+            p.grad = gi.clone().to(device) if (u and p.requires_grad) else None
         if topt is not None:
             topt.step()
         fz.step(step, g, used)
@@ -491,12 +544,87 @@ def test_errors_name_the_problem():
         fo.lamb().init(torch.zeros(3, dtype=torch.float64), 1)
 
 
-def test_frozen_group_and_spec():
+def test_frozen_group_is_an_error_and_spec():
     opt = fo.adam(1e-3, amsgrad=True)
     p = torch.ones(3)
     state = opt.init(p, 2)
     assert opt.spec(state) == fo.AmsgradState("leaf", "shard", "shard", "shard")
-    ctx = fo.UpdateContext(0, ParamGroup(frozen=True), (L.Segment(0, 0, 0, 3),), (0, 1), (True, True))
-    out, s = opt.update(torch.ones(3), state, p, ctx)
-    assert out is p and s is state
+    ctx = fo.UpdateContext(0, ParamGroup("fz", frozen=True), (L.Segment(0, 0, 0, 3),), (0, 1), (True, True))
+    for update in (opt.update, opt.update_):
+        with pytest.raises(fo.OptimizerError, match="'fz' is frozen"):
+            update(torch.ones(3), state, p, ctx)
     assert fo.sgd(0.1).spec(fo.sgd(0.1).init(p, 1)) == fo.EmptyState()
+
+
+def test_impl_choice_and_its_errors():
+    """The default rule (`resolve_impl`), unknown names, and where "fused" is refused."""
+    with pytest.raises(fo.OptimizerError, match="impl must be one of 'fused', 'foreach', 'single'.*got 'fast'"):
+        fo.adamw(impl="fast")
+    with pytest.raises(fo.OptimizerError, match="sgd: impl must be one of"):
+        fo.sgd(0.1, impl="Fused")
+    seg = (L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 5))
+    ctx = fo.UpdateContext(0, ParamGroup(), seg, (0, 1), (True, True), leaf_numels=(3, 2))
+    assert fo.resolve_impl("x", None, torch.zeros(5), ctx) == "foreach"  # CPU: fused kernels round by position
+    assert fo.resolve_impl("x", None, torch.zeros(5, dtype=torch.int32), ctx) == "foreach"
+    if torch.cuda.is_available():
+        assert fo.resolve_impl("x", None, torch.zeros(5, device="cuda"), ctx) == "fused"
+    assert fo.resolve_impl("x", "fused", torch.zeros(5), ctx) == "fused"
+    with pytest.raises(fo.OptimizerError, match="floating-point shard"):
+        fo.resolve_impl("x", "fused", torch.zeros(5, dtype=torch.int32), ctx)
+    with pytest.raises(fo.OptimizerError, match="needs ctx.leaf_numels"):
+        fo.resolve_impl("x", "fused", torch.zeros(5), ctx._replace(leaf_numels=()))
+    cut = ctx._replace(segments=(L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 4)), leaf_numels=(3, 4))
+    with pytest.raises(fo.OptimizerError, match=r"leaf 1 \(4 elements\) is cut.*\[0, 1\)"):
+        fo.resolve_impl("x", "fused", torch.zeros(5), cut)
+    assert fo.resolve_impl("x", "fused", torch.zeros(5), cut._replace(used=(True, False))) == "fused"  # unused: untouched
+
+
+def test_fused_cpu_refuses_cut_leaves():
+    """N = 2 cuts a leaf of 7: "fused" on CPU raises, naming the leaf; "foreach" runs."""
+    prob = dict(kinds=["a", "a"], shapes=[(7,), (3,)], used=[[True, True]], world=2, align=1, scale=1.0, seed=0)
+    params, grads = _data(prob)
+    with pytest.raises(fo.OptimizerError, match="is cut by the shard"):
+        FzeroRun(fo.adamw(impl="fused"), prob, params).step(0, grads[0], prob["used"][0])
+    FzeroRun(fo.adamw(impl="foreach"), prob, params).step(0, grads[0], prob["used"][0])
+
+
+WORST_HP = {  # every temporary torch's code makes: maximize, (L2) weight decay, Nesterov / amsgrad
+    "sgd": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, maximize=True),
+    "adam": dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+    "adamw": dict(lr=0.1, weight_decay=0.1, amsgrad=True, maximize=True),
+}
+
+
+@pytest.mark.parametrize("impl", fo.IMPLS)
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_in_place_census(kind, impl):
+    """`update_` writes param and the "shard" fields in place and allocates at most one
+    shard-sized buffer ("fused": none); `update` adds one clone of param and of each "shard"
+    field. Counted with `LiveStorages` (new storages made by aten ops, live at once), over two
+    steps whose step counts differ between leaves (several pieces, first and later momentum)."""
+    sizes, used = (37, 0, 64, 5, 19), [(True, True, False, True, True), (True,) * 5]
+    segs, at = [], 0
+    for leaf, n in enumerate(sizes):
+        segs.append(L.Segment(leaf, 0, at, at + n))
+        at += n
+    S = at + 3  # padding
+    gen = torch.Generator().manual_seed(0)
+    opt = FACTORIES[kind](**WORST_HP[kind], impl=impl)
+    p = torch.randn(S, generator=gen)
+    state = opt.init(p, len(sizes))
+    nshard = sum(k == "shard" for k in opt.spec(state))
+    # small: the new "leaf" field [L] and one 0-d float32 step count per piece ("fused")
+    small = 4 * len(sizes) + 4 * len(segs)
+    work = 0 if impl == "fused" else 4 * S
+    for step, u in enumerate(used):
+        g = torch.randn(S, generator=gen)
+        ctx = fo.UpdateContext(step, ParamGroup(), tuple(segs), tuple(range(len(sizes))), u, leaf_numels=sizes)
+        with LiveStorages() as pure_census:
+            opt.update(g, state, p, ctx)
+        assert pure_census.peak <= 4 * S * (1 + nshard) + work + small, pure_census.peak
+        ptr, shard_fields = p.data_ptr(), [t for t, k in zip(state, opt.spec(state)) if k == "shard"]
+        with LiveStorages() as census:
+            state = opt.update_(g, state, p, ctx)
+        assert census.peak <= work + small, (census.peak, work, small)
+        assert p.data_ptr() == ptr
+        assert all(a is b for a, b in zip([t for t, k in zip(state, opt.spec(state)) if k == "shard"], shard_fields))

@@ -2,15 +2,22 @@
 
 from .adam import AdamState as AdamState, AmsgradState as AmsgradState, adam as adam, adamw as adamw
 from .base import (
+    IMPLS as IMPLS,
     EmptyState as EmptyState,
+    Impl as Impl,
     Optimizer as Optimizer,
     OptimizerError as OptimizerError,
     UpdateContext as UpdateContext,
     as_schedule as as_schedule,
     check_hyper as check_hyper,
+    check_impl as check_impl,
     check_shards as check_shards,
     group_lr as group_lr,
+    in_place as in_place,
+    pure as pure,
+    resolve_impl as resolve_impl,
     runs as runs,
+    used_pieces as used_pieces,
 )
 from .lamb import LambState as LambState, lamb as lamb
 from .schedule import (

@@ -1,4 +1,5 @@
-"""Adam and AdamW (with amsgrad), as torch.optim.Adam / AdamW(foreach=False)."""
+"""Adam and AdamW (with amsgrad), bit for bit torch.optim.Adam / AdamW with `foreach=False`,
+`foreach=True` or `fused=True` (`impl`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import NamedTuple
 import torch
 
 from .base import (
+    FUSED_ELEMENTWISE,
+    Impl,
     LearningRate,
     Optimizer,
     OptimizerError,
@@ -14,9 +17,12 @@ from .base import (
     as_schedule,
     bumped,
     check_hyper,
+    check_impl,
     check_shards,
     group_lr,
-    runs,
+    in_place,
+    resolve_impl,
+    used_pieces,
 )
 
 
@@ -37,7 +43,7 @@ class AmsgradState(NamedTuple):
     max_exp_avg_sq: torch.Tensor
 
 
-def _adam(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled) -> Optimizer:
+def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl) -> Optimizer:
     schedule = as_schedule(lr)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise OptimizerError(f"{name}: betas must be a pair of floats, got {betas!r}")
@@ -45,6 +51,7 @@ def _adam(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled)
     beta2 = check_hyper("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
     eps = check_hyper("eps", eps)
     weight_decay = check_hyper("weight_decay", weight_decay)
+    impl = check_impl(name, impl)
     State = AmsgradState if amsgrad else AdamState
 
     def init(param: torch.Tensor, num_leaves: int):
@@ -54,48 +61,110 @@ def _adam(name: str, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled)
     def spec(state):
         return State("leaf", *["shard"] * (len(State._fields) - 1))
 
-    def update(grad, state, param, ctx: UpdateContext):
+    def update_(grad, state, param, ctx: UpdateContext):
         check_shards(name, grad, param, state, spec(state), ctx)
-        if ctx.group.frozen:
-            return param, state
-        eta = group_lr(schedule, ctx)
-        wd = weight_decay if ctx.group.weight_decay else 0.0
+        how = resolve_impl(name, impl, param, ctx)
         steps = bumped(state.step.tolist(), ctx.used)
-        p = param.clone()
-        moments = [t.clone() for t in state[1:]]
-        for start, stop, (used, step) in runs(ctx, list(zip(ctx.used, steps))):
-            if used:
-                views = [t[start:stop] for t in moments]
-                _adam_slice(grad[start:stop], p[start:stop], *views[:2], views[2] if amsgrad else None, step,
-                            beta1, beta2, eta, wd, eps, maximize, decoupled)
+        pieces = used_pieces(ctx, steps, per_segment=how == "fused" and param.device.type not in FUSED_ELEMENTWISE)
+        cut = [slice(a, b) for a, b, _ in pieces]
+        lists = [[t[s] for s in cut] for t in (param, grad, *state[1:])]
+        if not amsgrad:
+            lists.append([])
+        KERNELS[how](*lists, [k for _, _, k in pieces], beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx),
+                     weight_decay=weight_decay if ctx.group.weight_decay else 0.0, eps=eps, maximize=maximize,
+                     decoupled=decoupled)
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
-        return p, State(step_t, *moments)
+        return State(step_t, *state[1:])
 
-    return Optimizer(init, update, spec)
+    return in_place(init, update_, spec)
 
 
-def _adam_slice(grad, param, exp_avg, exp_avg_sq, max_exp_avg_sq, step, beta1, beta2, lr, weight_decay, eps,
-                maximize, decoupled) -> None:
-    """torch/optim/adam.py `_single_tensor_adam` (not capturable, not differentiable), one tensor,
-    on views (in place); `step` is the Python float torch reads with `_get_value(step_t)`."""
-    grad = grad if not maximize else -grad
+# The three kernels take per-piece lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+# ([] without amsgrad)) of views of the shard, the pieces' step counts (Python floats, after the
+# increment) and torch's scalars, and update the views in place. Each is the body of the torch
+# 2.13 function it names (not capturable, not differentiable, real tensors, grad_scale and
+# found_inf None), applied to the pieces as torch applies it to its parameters.
+
+
+def _single(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
+            maximize, decoupled) -> None:
+    """torch/optim/adam.py `_single_tensor_adam`, with its temporaries (`-grad`, `grad + wd p`,
+    `denom`) written into one shard-sized buffer: the same kernels, `out=` another tensor."""
+    work = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device) if params else None
+    at = 0
+    for i, param in enumerate(params):
+        w = work[at : at + param.numel()]
+        at += param.numel()
+        grad = grads[i] if not maximize else torch.neg(grads[i], out=w)
+        if weight_decay != 0:
+            if decoupled:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                grad = torch.add(grad, param, alpha=weight_decay, out=w)
+        exp_avgs[i].lerp_(grad, 1 - beta1)
+        exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = steps[i]
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        if max_exp_avg_sqs:
+            torch.maximum(max_exp_avg_sqs[i], exp_avg_sqs[i], out=max_exp_avg_sqs[i])
+            denom = torch.sqrt(max_exp_avg_sqs[i], out=w)  # grad is dead: w is free
+        else:
+            denom = torch.sqrt(exp_avg_sqs[i], out=w)
+        denom.div_(bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avgs[i], denom, value=-step_size)
+
+
+def _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
+             maximize, decoupled) -> None:
+    """torch/optim/adam.py `_multi_tensor_adam`: each op once over all pieces, per-piece scalars.
+    Its temporaries (`-grads` or `grads + wd p`, then `sqrt(v)`) are never alive together."""
+    if not params:
+        return
+    if maximize:
+        grads = torch._foreach_neg(grads)
     if weight_decay != 0:
         if decoupled:
-            param.mul_(1 - lr * weight_decay)
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        elif maximize:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
         else:
-            grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    if max_exp_avg_sq is not None:
-        max_exp_avg_sq.copy_(torch.maximum(max_exp_avg_sq, exp_avg_sq))
-        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    del grads
+    bias_correction1 = [1 - beta1**step for step in steps]
+    bias_correction2 = [1 - beta2**step for step in steps]
+    step_size = [(lr / bc) * -1 for bc in bias_correction1]
+    bias_correction2_sqrt = [bc**0.5 for bc in bias_correction2]
+    if max_exp_avg_sqs:
+        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        denom = torch._foreach_sqrt(max_exp_avg_sqs)
     else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
+           maximize, decoupled) -> None:
+    """torch/optim/adam.py `_fused_adam`: one `torch._fused_adam_` / `_fused_adamw_` call; each
+    piece's step count is a float32 0-d tensor on the shard's device (torch's `state["step"]`
+    under `fused=True`, incremented before the call), lr a Python float."""
+    if not params:
+        return
+    counts = {s: torch.full((), s, dtype=torch.float32, device=params[0].device) for s in set(steps)}
+    fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [counts[s] for s in steps],
+       amsgrad=bool(max_exp_avg_sqs), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+       maximize=maximize, grad_scale=None, found_inf=None)
+
+
+KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
 
 
 def adam(
@@ -106,8 +175,9 @@ def adam(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    impl: Impl | None = None,
 ) -> Optimizer:
-    r"""Adam with L2 weight decay, bit for bit `torch.optim.Adam(foreach=False)`.
+    r"""Adam with L2 weight decay, bit for bit `torch.optim.Adam`.
 
     Per element of a used leaf, with $t$ the leaf's own step count (after increment),
     $\eta$ = `lr(step) * group.lr_scale`, $\lambda$ = `weight_decay` (0 where masked):
@@ -119,8 +189,15 @@ def adam(
 
     with the bias corrections in Python float math, as torch. State: `AdamState`, or
     `AmsgradState` if `amsgrad`.
+
+    `impl` picks torch's implementation, and so the bits: "single" = `Adam(foreach=False)`,
+    "foreach" = `Adam(foreach=True)`, "fused" = `Adam(fused=True)` (each bit for bit, per
+    element, for any N and shard cut; on CPU "fused" needs every updated leaf whole in the
+    shard). None: "fused" on CUDA, else "foreach" (`base.resolve_impl`). `update_` writes
+    `param`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`) in place and returns a new `step`;
+    it allocates one shard-sized buffer ("single", "foreach") or none ("fused").
     """
-    return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=False)
+    return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, False, impl)
 
 
 def adamw(
@@ -131,10 +208,11 @@ def adamw(
     amsgrad: bool = False,
     *,
     maximize: bool = False,
+    impl: Impl | None = None,
 ) -> Optimizer:
-    r"""AdamW (decoupled weight decay), bit for bit `torch.optim.AdamW(foreach=False)`.
+    r"""AdamW (decoupled weight decay), bit for bit `torch.optim.AdamW` (`impl` as in `adam`).
 
     As `adam` with $\lambda = 0$ in the gradient, and first $p \leftarrow p\,(1 - \eta\lambda)$
     (the factor a Python float).
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, decoupled=True)
+    return _adam("adamw", lr, betas, eps, weight_decay, amsgrad, maximize, True, impl)

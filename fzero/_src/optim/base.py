@@ -1,10 +1,15 @@
-"""The optimizer interface: pure `(init, update, spec)` triples over one bucket's `shard[S]`.
+"""The optimizer interface: `(init, update, spec, update_)` over one bucket's `shard[S]`.
 
 A bucket is the flat buffer of the leaves of one (unit, dtype, ParamGroup), back to back,
 padded and cut into N shards (see `fzero._src.layout`). An optimizer sees one rank's shard of
 the parameters and of the (already reduced) gradient, and the `Segment`s that say which leaf
-elements sit where. Element-wise optimizers apply torch's single-tensor ops to runs of
-segments; a layer-wise optimizer reduces per-leaf partial sums through `ctx.leaf_sum`.
+elements sit where. Element-wise optimizers apply torch's ops (single-tensor, foreach or fused,
+see `Impl`) to runs of segments; a layer-wise optimizer reduces per-leaf partial sums through
+`ctx.leaf_sum`.
+
+`update` is pure; `update_` is the same update written into its inputs (for a caller that
+donates the state, as JAX's `donate_argnums`): `update(g, s, p, ctx)` is, bit for bit,
+`update_(g, clone(s), clone(p), ctx)` with `p` the result's param (see `pure`).
 
 State is a NamedTuple of tensors. `spec(state)` is the same NamedTuple of strings:
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import torch
 
@@ -45,6 +50,8 @@ class UpdateContext(NamedTuple):
       leaf_sum: sums a float64 tensor `[..., len(leaves)]` of per-leaf partial values over all
         ranks, element-wise, in a fixed rank order, without changing its dtype; identity when
         N == 1. Only layer-wise optimizers call it (once per update).
+      leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only
+        `impl="fused"` on a CPU shard reads it (to check every updated leaf lies whole in it).
     """
 
     step: int
@@ -53,22 +60,48 @@ class UpdateContext(NamedTuple):
     leaves: tuple[int, ...]
     used: tuple[bool, ...]
     leaf_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    leaf_numels: tuple[int, ...] = ()
 
 
 class Optimizer(NamedTuple):
-    """A pure optimizer over flat shards (optax's `GradientTransformation`, praxis's spec).
+    """An optimizer over flat shards (optax's `GradientTransformation`, praxis's spec).
 
     Attributes:
       init: `(param shard[S], number of bucket leaves L) -> state`.
       update: `(grad shard[S], state, param shard[S], ctx) -> (new param shard[S], new state)`;
-        never mutates its inputs. On a frozen group it returns its inputs unchanged (callers
-        normally neither init nor update frozen buckets: they have no state).
+        pure: never mutates its inputs (grad, state, param).
       spec: `state -> same NamedTuple of "shard" / "leaf"`.
+      update_: `(grad shard[S], state, param shard[S], ctx) -> new state`, the same update in
+        place: `param` and every "shard" field of `state` are overwritten with their new values
+        (the new state holds those very tensors); "leaf" fields are replaced by new tensors (the
+        input's are not written); `grad` is never written. Afterwards the input `state` must not
+        be used (its "leaf" fields are stale). `None` for an optimizer with no in-place form.
+
+    Frozen buckets have no state and are never updated: `update` / `update_` on a group with
+    `frozen=True` raise `OptimizerError` (`check_shards`).
     """
 
     init: Callable[[torch.Tensor, int], Any]
     update: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], tuple[torch.Tensor, Any]]
     spec: Callable[[Any], Any]
+    update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
+
+
+def pure(update_: Callable, spec: Callable) -> Callable:
+    """The pure `update` of an in-place `update_`: clone `param` and the "shard" fields, then
+    write into the clones. "leaf" fields are passed as they are (`update_` replaces them)."""
+
+    def update(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext):
+        fresh = type(state)(*[t.clone() if kind == "shard" else t for t, kind in zip(state, spec(state))])
+        p = param.clone()
+        return p, update_(grad, fresh, p, ctx)
+
+    return update
+
+
+def in_place(init: Callable, update_: Callable, spec: Callable) -> Optimizer:
+    """`Optimizer(init, pure(update_, spec), spec, update_)`: both forms from the in-place one."""
+    return Optimizer(init, pure(update_, spec), spec, update_)
 
 
 class EmptyState(NamedTuple):
@@ -138,8 +171,15 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
             f"{name}: grad shard {list(grad.shape)} and param shard {list(param.shape)} must be the same "
             f"1-d shard[S] of one bucket (pass layout.local_shards(...) entries, not leaves)"
         )
-    if grad.dtype != param.dtype:
-        raise OptimizerError(f"{name}: grad shard is {grad.dtype} but param shard is {param.dtype}")
+    if grad.dtype != param.dtype or grad.device != param.device:
+        raise OptimizerError(
+            f"{name}: grad shard is {grad.dtype} on {grad.device} but param shard is {param.dtype} on {param.device}"
+        )
+    if ctx.group.frozen:
+        raise OptimizerError(
+            f"{name}: parameter group {ctx.group.name!r} is frozen; frozen buckets have no optimizer state "
+            f"and are never updated (skip them, as the stage code does)"
+        )
     if len(ctx.used) != len(ctx.leaves):
         raise OptimizerError(f"{name}: ctx.used has {len(ctx.used)} entries for {len(ctx.leaves)} bucket leaves")
     if ctx.segments and ctx.segments[-1].stop > param.numel():
@@ -155,6 +195,82 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
                 f"shard of {param.numel()} elements and {len(ctx.leaves)} bucket leaves; was it made by init "
                 f"for this bucket?"
             )
+
+
+Impl = Literal["fused", "foreach", "single"]
+IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
+# Device types whose torch fused optimizer kernels compute every element the same way, whatever
+# its position in the tensor (one per-element functor for aligned and unaligned loads). The CPU
+# kernels do not: their vectorised body rounds the scalars to the element type, their scalar
+# tail computes in float64, and the split between the two moves with the tensor's size and
+# torch's thread count (proofs/optimizers.md, section 3).
+FUSED_ELEMENTWISE = ("cuda",)
+
+
+def check_impl(name: str, impl: Impl | None) -> Impl | None:
+    """`impl` if it is one of `IMPLS` or None (the default), else an `OptimizerError`."""
+    if impl is not None and impl not in IMPLS:
+        raise OptimizerError(
+            f"{name}: impl must be one of {', '.join(map(repr, IMPLS))}, or None for the default "
+            f"('fused' on CUDA, else 'foreach'), got {impl!r}"
+        )
+    return impl
+
+
+def resolve_impl(name: str, impl: Impl | None, param: torch.Tensor, ctx: UpdateContext) -> Impl:
+    """The implementation one update runs.
+
+    Default (`impl=None`): "fused" where torch's fused kernel is element-wise
+    (`FUSED_ELEMENTWISE`: CUDA) and the shard is floating point, else "foreach". So the default
+    never depends on where shards cut a leaf. An explicit "fused" needs a device and dtype torch
+    has a fused kernel for (`torch.optim`'s rule: a fused-supported device type and a floating
+    dtype); on a device outside `FUSED_ELEMENTWISE` it also needs every used leaf whole in the
+    shard (`ctx.leaf_numels`), where the call is exactly torch's per-parameter call.
+    """
+    if impl is None:
+        return "fused" if param.device.type in FUSED_ELEMENTWISE and param.is_floating_point() else "foreach"
+    if impl == "fused":
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        devices = _get_fused_kernels_supported_devices()
+        if param.device.type not in devices or not param.is_floating_point():
+            raise OptimizerError(
+                f"{name}: impl='fused' needs a floating-point shard on one of {devices} (torch's fused "
+                f"kernels), got {param.dtype} on {param.device}; use impl='foreach' or 'single'"
+            )
+        if param.device.type not in FUSED_ELEMENTWISE:
+            check_whole_leaves(name, ctx, param.device)
+    return impl
+
+
+def check_whole_leaves(name: str, ctx: UpdateContext, device: torch.device) -> None:
+    """Every used leaf lies whole in one segment of this shard, else an `OptimizerError`."""
+    if len(ctx.leaf_numels) != len(ctx.leaves):
+        raise OptimizerError(
+            f"{name}: impl='fused' on {device.type} needs ctx.leaf_numels (one per bucket leaf, got "
+            f"{len(ctx.leaf_numels)} for {len(ctx.leaves)}) to check that no leaf is cut; pass them, or use "
+            f"impl='foreach'"
+        )
+    pos = {leaf: k for k, leaf in enumerate(ctx.leaves)}
+    for seg in ctx.segments:
+        k = pos[seg.leaf]
+        if ctx.used[k] and (seg.leaf_start != 0 or seg.stop - seg.start != ctx.leaf_numels[k]):
+            raise OptimizerError(
+                f"{name}: impl='fused' on {device.type}: bucket leaf {seg.leaf} ({ctx.leaf_numels[k]} elements) is "
+                f"cut by the shard (this rank holds elements [{seg.leaf_start}, "
+                f"{seg.leaf_start + seg.stop - seg.start})); torch's {device.type} fused kernels round by position, "
+                f"so a cut leaf would not get torch's bits. Use impl='foreach' (the default there), or a layout "
+                f"that keeps leaves whole (N = 1, stage 0)"
+            )
+
+
+def used_pieces(ctx: UpdateContext, key: Sequence[Any], per_segment: bool = False) -> list[tuple[int, int, Any]]:
+    """`(start, stop, key)` of the used leaves' elements: maximal runs of consecutive used
+    segments with equal `key[leaf position]` (`runs`), or one entry per used segment."""
+    if per_segment:
+        pos = {leaf: k for k, leaf in enumerate(ctx.leaves)}
+        return [(seg.start, seg.stop, key[pos[seg.leaf]]) for seg in ctx.segments if ctx.used[pos[seg.leaf]]]
+    return [(a, b, k) for a, b, (u, k) in runs(ctx, list(zip(ctx.used, key))) if u]
 
 
 def runs(ctx: UpdateContext, key: Sequence[Any]) -> list[tuple[int, int, Any]]:

@@ -19,7 +19,8 @@ from .base import (
     check_hyper,
     check_shards,
     group_lr,
-    runs,
+    in_place,
+    used_pieces,
 )
 
 
@@ -55,7 +56,11 @@ def lamb(
     over ranks (exactly, in any order), and $\phi$, $\rho$ are Python floats from the correctly
     rounded sums. So the update is bitwise the same for every N and shard cut. Params must be
     float32 (or narrower), leaves at most 2**33 elements. `ctx.leaf_sum` is called exactly once
-    per (non-frozen) update, on every rank.
+    per update, on every rank.
+
+    `update_` writes `param`, `exp_avg`, `exp_avg_sq` in place and returns a new `step`. Its
+    transients are larger than the element-wise optimizers': the direction `r[S]`, a run-sized
+    `denom`, and the float64 working copies of the exact sums (`exact.square_bins`).
     """
     schedule = as_schedule(lr)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -73,19 +78,16 @@ def lamb(
     def spec(state):
         return LambState("leaf", "shard", "shard")
 
-    def update(grad, state, param, ctx: UpdateContext):
+    def update_(grad, state, param, ctx: UpdateContext):
         check_shards("lamb", grad, param, state, spec(state), ctx)
-        if ctx.group.frozen:
-            return param, state
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
         steps = bumped(state.step.tolist(), ctx.used)
-        m, v = state.exp_avg.clone(), state.exp_avg_sq.clone()
+        m, v = state.exp_avg, state.exp_avg_sq
         r = torch.zeros_like(param)
-        for start, stop, (used, step) in runs(ctx, list(zip(ctx.used, steps))):
-            if used:
-                s = slice(start, stop)
-                r[s] = _lamb_direction(grad[s], param[s], m[s], v[s], step, beta1, beta2, eps, wd)
+        for start, stop, step in used_pieces(ctx, steps):
+            s = slice(start, stop)
+            _lamb_direction(grad[s], param[s], m[s], v[s], r[s], step, beta1, beta2, eps, wd)
         num = len(ctx.leaves)
         positions = {leaf: k for k, leaf in enumerate(ctx.leaves)}
         ids = exact.leaf_ids(ctx.segments, positions, param.numel(), ctx.used)
@@ -98,16 +100,15 @@ def lamb(
             )
         sums_p, sums_r = exact.bins_to_sums(total[: exact.BINS]), exact.bins_to_sums(total[exact.BINS :])
         ratios = [trust_ratio(math.sqrt(a), math.sqrt(b)) for a, b in zip(sums_p, sums_r)]
-        p = param.clone()
         for seg in ctx.segments:
             k = positions[seg.leaf]
             if ctx.used[k]:
                 s = slice(seg.start, seg.stop)
-                p[s].add_(r[s], alpha=-(eta * ratios[k]))
+                param[s].add_(r[s], alpha=-(eta * ratios[k]))
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
-        return p, LambState(step_t, m, v)
+        return LambState(step_t, m, v)
 
-    return Optimizer(init, update, spec)
+    return in_place(init, update_, spec)
 
 
 def trust_ratio(param_norm: float, update_norm: float) -> float:
@@ -115,14 +116,14 @@ def trust_ratio(param_norm: float, update_norm: float) -> float:
     return param_norm / update_norm if param_norm > 0 and update_norm > 0 else 1.0
 
 
-def _lamb_direction(grad, param, exp_avg, exp_avg_sq, step, beta1, beta2, eps, weight_decay) -> torch.Tensor:
-    """Moments in place (torch Adam's ops) and the direction `r` (new tensor) for one run."""
+def _lamb_direction(grad, param, exp_avg, exp_avg_sq, r, step, beta1, beta2, eps, weight_decay) -> None:
+    """Moments in place (torch Adam's ops) and the direction into `r`, for one run:
+    `r = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) + wd p` (one run-sized temporary, `denom`)."""
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    r = (exp_avg / bias_correction1).div_(denom)
+    denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
+    torch.div(exp_avg, bias_correction1, out=r).div_(denom)
     if weight_decay != 0:
         r.add_(param, alpha=weight_decay)
-    return r

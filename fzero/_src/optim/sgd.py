@@ -1,4 +1,5 @@
-"""SGD with momentum, dampening, Nesterov and L2 weight decay, as torch.optim.SGD(foreach=False)."""
+"""SGD with momentum, dampening, Nesterov and L2 weight decay, bit for bit torch.optim.SGD with
+`foreach=False`, `foreach=True` or `fused=True` (`impl`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import NamedTuple
 import torch
 
 from .base import (
+    FUSED_ELEMENTWISE,
     EmptyState,
+    Impl,
     LearningRate,
     Optimizer,
     OptimizerError,
@@ -15,9 +18,12 @@ from .base import (
     as_schedule,
     bumped,
     check_hyper,
+    check_impl,
     check_shards,
     group_lr,
-    runs,
+    in_place,
+    resolve_impl,
+    used_pieces,
 )
 
 
@@ -37,8 +43,9 @@ def sgd(
     weight_decay: float = 0.0,
     *,
     maximize: bool = False,
+    impl: Impl | None = None,
 ) -> Optimizer:
-    r"""Stochastic gradient descent, bit for bit `torch.optim.SGD(foreach=False)`.
+    r"""Stochastic gradient descent, bit for bit `torch.optim.SGD`.
 
     Per element of a used leaf, with $\eta$ = `lr(step) * group.lr_scale` and $\lambda$ =
     `weight_decay` (0 where the group masks weight decay off):
@@ -54,9 +61,14 @@ def sgd(
     Args:
       lr: a float, a callable `step -> float`, or a sequence of per-step floats.
       momentum, dampening, nesterov, weight_decay, maximize: as torch.optim.SGD.
+      impl: "single" = `SGD(foreach=False)`, "foreach" = `SGD(foreach=True)`, "fused" =
+        `SGD(fused=True)` (on CPU: every updated leaf whole in the shard); None: "fused" on
+        CUDA, else "foreach" (`base.resolve_impl`).
 
     Returns:
       An `Optimizer`; its state is `EmptyState()` without momentum, else `SgdMomentumState`.
+      `update_` writes `param` and `momentum_buffer` in place and returns a new `count`; it
+      allocates at most one shard-sized buffer ("fused": none).
 
     Example:
       >>> import torch, fzero.optim as fo
@@ -72,6 +84,7 @@ def sgd(
     momentum = check_hyper("momentum", momentum)
     dampening = check_hyper("dampening", dampening)
     weight_decay = check_hyper("weight_decay", weight_decay)
+    impl = check_impl("sgd", impl)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise OptimizerError(
             f"Nesterov momentum requires a momentum > 0 and zero dampening, got momentum={momentum}, "
@@ -86,41 +99,104 @@ def sgd(
     def spec(state):
         return EmptyState() if momentum == 0 else SgdMomentumState("leaf", "shard")
 
-    def update(grad, state, param, ctx: UpdateContext):
+    def update_(grad, state, param, ctx: UpdateContext):
         check_shards("sgd", grad, param, state, spec(state), ctx)
-        if ctx.group.frozen:
-            return param, state
-        eta = group_lr(schedule, ctx)
-        wd = weight_decay if ctx.group.weight_decay else 0.0
-        p = param.clone()
+        how = resolve_impl("sgd", impl, param, ctx)
+        counts = state.count.tolist() if momentum != 0 else [0.0] * len(ctx.leaves)
+        pieces = used_pieces(ctx, [c == 0 for c in counts],
+                             per_segment=how == "fused" and param.device.type not in FUSED_ELEMENTWISE)
+        cut = [slice(a, b) for a, b, _ in pieces]
+        bufs = [state.momentum_buffer[s] for s in cut] if momentum != 0 else []
+        KERNELS[how]([param[s] for s in cut], [grad[s] for s in cut], bufs, [k for _, _, k in pieces],
+                     lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
+                     momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
         if momentum == 0:
-            for start, stop, used in runs(ctx, ctx.used):
-                if used:
-                    _sgd_slice(grad[start:stop], p[start:stop], None, False, eta, wd, momentum, dampening, nesterov, maximize)
-            return p, state
-        counts = state.count.tolist()
-        buf = state.momentum_buffer.clone()
-        for start, stop, (used, first) in runs(ctx, [(u, c == 0) for u, c in zip(ctx.used, counts)]):
-            if used:
-                _sgd_slice(grad[start:stop], p[start:stop], buf[start:stop], first, eta, wd, momentum, dampening, nesterov, maximize)
+            return state
         count = torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device)
-        return p, SgdMomentumState(count, buf)
+        return SgdMomentumState(count, state.momentum_buffer)
 
-    return Optimizer(init, update, spec)
+    return in_place(init, update_, spec)
 
 
-def _sgd_slice(grad, param, buf, first, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
-    """torch/optim/sgd.py `_single_tensor_sgd`, one tensor, on views `param`, `buf` (in place)."""
-    grad = grad if not maximize else -grad
+# The three kernels take per-piece lists (params, grads, momentum buffers ([] without momentum))
+# of views of the shard, and per piece whether it is the leaf's first momentum update (torch:
+# `momentum_buffer is None`), and update the views in place. Each is the body of the torch 2.13
+# function it names (grad_scale and found_inf None, dense grads, lr a Python float).
+
+
+def _single(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
+    """torch/optim/sgd.py `_single_tensor_sgd`, its temporaries (`-grad`, `grad + wd p`,
+    `grad + mu b`) written into one shard-sized buffer (the same kernels, `out=` it)."""
+    need = params and (maximize or weight_decay != 0 or nesterov)
+    work = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device) if need else None
+    at = 0
+    for i, param in enumerate(params):
+        w = work[at : at + param.numel()] if need else None
+        at += param.numel()
+        grad = grads[i] if not maximize else torch.neg(grads[i], out=w)
+        if weight_decay != 0:
+            grad = torch.add(grad, param, alpha=weight_decay, out=w)
+        if momentum != 0:
+            buf = bufs[i]
+            if first[i]:
+                buf.copy_(grad)  # torch: buf = grad.detach().clone()
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            grad = torch.add(grad, buf, alpha=momentum, out=w) if nesterov else buf
+        param.add_(grad, alpha=-lr)
+
+
+def _foreach(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
+    """torch/optim/sgd.py `_multi_tensor_sgd`; torch's branch on "every buffer exists" is taken
+    on this bucket's used pieces. Where torch adds into `p.grad` itself (Nesterov, no maximize,
+    no weight decay) fzero adds out of place: the grad shard is never written."""
+    if not params:
+        return
+    given = grads
+    if maximize:
+        grads = torch._foreach_neg(grads)
     if weight_decay != 0:
-        grad = grad.add(param, alpha=weight_decay)
+        if maximize:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
     if momentum != 0:
-        if first:
-            buf.copy_(grad)  # torch: buf = grad.detach().clone()
+        if not any(first):
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
         else:
-            buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-        if nesterov:
-            grad = grad.add(buf, alpha=momentum)
+            for buf, g, f in zip(bufs, grads, first):
+                if f:
+                    buf.copy_(g)  # torch: device_grads[i].detach().clone()
+                else:
+                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        if not nesterov:
+            grads = bufs
+        elif grads is given:
+            grads = torch._foreach_add(grads, bufs, alpha=momentum)
         else:
-            grad = buf
-    param.add_(grad, alpha=-lr)
+            torch._foreach_add_(grads, bufs, alpha=momentum)
+    torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
+    """torch/optim/sgd.py `_fused_sgd`: `torch._fused_sgd_` with `is_first_step` (torch: every
+    buffer of the group is None; the kernel then sets `b = g`). torch raises on a group that
+    mixes leaves with and without a buffer; fzero then makes one call per kind, which gives
+    each leaf what torch gives it in a group of its own."""
+    if momentum == 0:
+        if params:
+            torch._fused_sgd_(params, grads, [], weight_decay=weight_decay, momentum=momentum, lr=lr,
+                              dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=False,
+                              grad_scale=None, found_inf=None)
+        return
+    for kind in (True, False):
+        sel = [i for i, f in enumerate(first) if f == kind]
+        if sel:
+            torch._fused_sgd_([params[i] for i in sel], [grads[i] for i in sel], [bufs[i] for i in sel],
+                              weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+                              nesterov=nesterov, maximize=maximize, is_first_step=kind, grad_scale=None,
+                              found_inf=None)
+
+
+KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
