@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--peak", type=float, default=989e12)
     ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
-    ap.add_argument("--gather", default="eager", choices=["eager", "on_use"])
+    ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
@@ -93,7 +93,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
-            + ("" if a.gather == "eager" else f"-{a.gather}"), "world": world, "params_M": round(nparams / 1e6, 1),
+            + ("" if a.gather == "on_use" else f"-{a.gather}"), "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),

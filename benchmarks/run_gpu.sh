@@ -14,4 +14,4 @@ run() {  # name, script, args...
 }
 for m in ${PEERS:-ddp fsdp2}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
 for s in ${STAGES:-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
-for s in ${ON_USE_STAGES:-3}; do run "fzero$s-on_use" "$here/bench_stages.py" --stage "$s" --gather on_use; done
+for s in ${EAGER_STAGES:-3}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
