@@ -292,6 +292,8 @@ def expected_comm(
     grad_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
     regather: bool | Iterable[str] = False,
+    accumulation: int = 1,
+    accumulate: str = "each",
 ) -> CommVolume:
     """Data collectives of one rank in one optimizer step (control collectives excluded).
 
@@ -312,19 +314,31 @@ def expected_comm(
     home submodule (every unit but one spread over the root) are freed after their forward and
     gathered again in backward; with `gather="eager"` none is. In elements, stages 0-2 move 2Ψ,
     stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md).
+
+    With k = `accumulation` micro-batches per step, what happens in forward and backward happens
+    k times; with `accumulate="each"` the reductions too (stage 0: k·(RS + AG), stages 1-2:
+    k·RS + AG, stage 3: k·(AG + [AG] + RS)); with "once" (stages 0-1) the reduction runs once
+    after the last micro-batch (stage 0: RS + AG, stage 1: RS + AG).
     """
     st = get_stage(stage)
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ConfigError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
+    if accumulate not in ("each", "once"):
+        raise ConfigError(f"accumulate must be 'each' or 'once', got {accumulate!r}")
+    per_micro = ("forward", "regather", "backward") if accumulate == "each" else ("forward", "regather")
     again = (lambda u: regather) if isinstance(regather, bool) else frozenset(regather).__contains__
     items: list[tuple[str, int, int]] = []
     for b in _bufs(model, world_size):
         sizes = {"params": param_dtype.itemsize if param_dtype is not None else b.itemsize,
                  "grads": grad_dtype.itemsize if grad_dtype is not None else b.itemsize}
         for move in st.moves(b.trainable, again(b.unit)):
-            items.append((move.op, b.elements, b.elements * sizes[move.what]))
+            items += [(move.op, b.elements, b.elements * sizes[move.what])] * (
+                accumulation if move.when in per_micro else 1)
     return CommVolume(world_size, _totals(items, world_size), {})
 
 
 def agreement_elements(layout: Layout) -> int:
-    """Elements (float64) of the step's one agreement all-gather: N · (L + B + 2), L leaves, B buckets
-    (loss, a used flag per leaf, a non-finite flag per bucket, the rank's part of ‖g‖²)."""
-    return layout.world_size * (len(layout.leaves) + len(layout.buckets) + 2)
+    """Elements (float64) of the step's one agreement all-gather: N · (L + B + 3), L leaves, B buckets
+    (loss, a used flag per leaf, a non-finite flag per bucket, the rank's part of ‖g‖², its token
+    count)."""
+    return layout.world_size * (len(layout.leaves) + len(layout.buckets) + 3)

@@ -37,6 +37,9 @@ from .unit import Probe, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
+ACCUMULATE = ("each", "once")
+NORMALIZE = ("mean", "tokens")
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
 
 class Metrics(NamedTuple):
@@ -60,18 +63,32 @@ class Metrics(NamedTuple):
 class StepConfig:
     """The settings of one `train_step` (see its docstring); validated on construction."""
 
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[[Any, Any], Any]
     engine: str = "autograd"
     on_nonfinite: str = "raise"
     gather: str = "on_use"
+    micro_batches: int = 1
+    accumulate: str = "each"
+    accum_dtype: torch.dtype = torch.float32
+    normalize: str = "mean"
+    clip_norm: float | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise ConfigError(f"loss_fn must be a callable (params, batch) -> 0-d loss, got {self.loss_fn!r}")
         for name, value, choices in (("engine", self.engine, ENGINES), ("on_nonfinite", self.on_nonfinite, NONFINITE),
-                                     ("gather", self.gather, GATHERS)):
+                                     ("gather", self.gather, GATHERS), ("accumulate", self.accumulate, ACCUMULATE),
+                                     ("normalize", self.normalize, NORMALIZE)):
             if value not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+        k = self.micro_batches
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"micro_batches must be an int >= 1 (micro-batches per optimizer step), got {k!r}")
+        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
+            raise ConfigError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
+        c = self.clip_norm
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
+            raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
 
 
 class Report(NamedTuple):
@@ -84,12 +101,14 @@ class Report(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """What every rank agreed on: used leaves, ranks with non-finite values, mean loss, ‖g‖²."""
+    """What every rank agreed on: used leaves, ranks with non-finite values, the loss (summed over
+    ranks in rank order), ‖g‖² and the total token count (`normalize="tokens"`)."""
 
     used: list[bool]
     bad_ranks: dict[int, list[str]]
     loss: float
     norm_sq: float
+    count: float
 
     @property
     def finite(self) -> bool:
@@ -97,18 +116,24 @@ class Verdict(NamedTuple):
 
 
 def train_step(
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], Any],
     *,
     engine: str = "autograd",
     on_nonfinite: str = "raise",
     gather: str = "on_use",
+    micro_batches: int = 1,
+    accumulate: str = "each",
+    accum_dtype: torch.dtype = torch.float32,
+    normalize: str = "mean",
+    clip_norm: float | None = None,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
     The stage, the mesh and the optimizer are the state's (`fzero.init`'s).
 
     Args:
-      loss_fn: `(params, batch) -> 0-d loss`, this rank's mean loss on its micro-batch.
+      loss_fn: `(params, batch) -> 0-d loss`, this rank's mean loss on its micro-batch; with
+        `normalize="tokens"`, `(params, batch) -> (loss_sum, count)`.
       engine: "autograd" (`torch.autograd.grad` over the unit Functions; lower peak memory:
         `torch.func.grad` held 11-15 GiB more at peak on a 1.34B GPT, proofs/memory.md) or "func"
         (`torch.func.grad_and_value`; composes with other transforms).
@@ -119,8 +144,25 @@ def train_step(
         (every unit before the loss; same bits, but stage 2 then holds every unit's full
         gradient at peak and stage 3 every gathered unit until backward). See
         `fzero._src.gathering`.
+      micro_batches: k; with k > 1, `step(state, batches)` takes a sequence of k micro-batches
+        and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
+        (as DDP users write `(loss / k).backward()`).
+      accumulate: "each" (every stage: each micro-batch's gradient is reduced as it is made and
+        the reduced parts are added, so stages 2-3 keep only an accumulation shard) or "once"
+        (stages 0-1: local gradients are added in micro-batch order and reduced once after the
+        last, as DDP's `no_sync`). The two round differently; within a mode all stages agree
+        bit for bit (proofs/accumulation.md).
+      accum_dtype: the dtype gradients are added in (fp32 by default, whatever the params' dtype);
+        the sum is cast to the params' dtype for the reduction ("once") or the optimizer.
+      normalize: "mean" (loss_fn returns this rank's mean loss) or "tokens" (loss_fn returns
+        `(loss_sum, count)`; the step divides the gradient and the loss by the total count over
+        all micro-batches and ranks, agreed in the step's one agreement collective).
+      clip_norm: None, or clip by the global 2-norm with `torch.nn.utils.clip_grad_norm_`'s
+        coefficient `min(1, clip_norm / (norm + 1e-6))`; the norm is `Metrics.grad_norm`
+        (before clipping), computed from shards in float64 the same way in every stage.
     """
-    config = StepConfig(loss_fn, engine, on_nonfinite, gather)
+    config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
+                        clip_norm)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
@@ -131,17 +173,19 @@ def train_step(
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    grads, loss, report = backward(config, state, batch)
-    reduced = reduce(state, grads)
-    verdict = agree(state, loss, report, reduced)
+    reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
+    verdict = agree(state, loss, report, reduced, count)
     step = int(state.step)
-    metrics = Metrics(torch.tensor(verdict.loss, dtype=torch.float64),
-                      torch.tensor(math.sqrt(verdict.norm_sq) if math.isfinite(verdict.norm_sq) else verdict.norm_sq,
-                                   dtype=torch.float64), step, not verdict.finite)
+    scale = _normalizer(config, state, verdict)
+    norm = math.sqrt(verdict.norm_sq) * scale if math.isfinite(verdict.norm_sq) else verdict.norm_sq
+    mean_loss = verdict.loss / (verdict.count if config.normalize == "tokens" else state.mesh.world_size)
+    metrics = Metrics(torch.tensor(mean_loss, dtype=torch.float64), torch.tensor(norm, dtype=torch.float64), step,
+                      not verdict.finite)
     if not verdict.finite:
         if config.on_nonfinite == "raise":
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, metrics
+    reduced = _rescale(reduced, scale * _clip_coefficient(config, norm))
     new, broken = update(state, reduced, verdict.used)
     if not broken:
         return new, metrics
@@ -153,6 +197,83 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     return state, metrics._replace(skipped=True)
 
 
+def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[Any]:
+    """The step's micro-batches: `[batch]`, or the k entries of a sequence when k > 1."""
+    k = config.micro_batches
+    if config.accumulate == "once" and state.stage.sharded("grads"):
+        raise ConfigError(f"accumulate='once' adds full local gradients and reduces them once, but stage "
+                          f"{state.stage.level} shards gradients (it keeps only a shard); use accumulate='each', "
+                          f"or stage 0 or 1")
+    if k == 1:
+        return [batch]
+    if not isinstance(batch, (list, tuple)) or len(batch) != k:
+        got = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else (
+            f"a {type(batch).__name__}")
+        raise ConfigError(f"micro_batches={k}: step(state, batches) needs a list or tuple of {k} micro-batches, "
+                          f"got {got}")
+    return list(batch)
+
+
+def accumulate(config: StepConfig, state: ZeroState, micro: list[Any]
+               ) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
+    """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
+    summed over micro-batches, Report (OR over micro-batches), token count summed)`.
+
+    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`); "once": `reduce(Σ_i g_i)`. The sums run
+    in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
+    """
+    once = config.accumulate == "once"
+    acc: dict[int, torch.Tensor | None] = {b: None for b in _trainable(state)}
+    loss = count = None
+    used = bad = None
+    for mb in micro:
+        grads, l_i, report, c_i = backward(config, state, mb)
+        parts = grads if once else reduce(state, grads)
+        for b in acc:
+            acc[b] = _add(acc[b], parts[b], config.accum_dtype)
+        loss = l_i if loss is None else loss + l_i
+        count = c_i if count is None else count + c_i
+        used = report.used if used is None else torch.maximum(used, report.used)
+        bad = report.bad if bad is None else torch.maximum(bad, report.bad)
+    dtypes = {b: state.layout.buckets[b].dtype for b in acc}
+    summed = {b: None if g is None else g.to(dtypes[b]) for b, g in acc.items()}
+    reduced = reduce(state, summed) if once else {b: g for b, g in summed.items()}
+    return reduced, loss, Report(used, bad), count
+
+
+def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if part is None:
+        return acc
+    part = part.to(dtype)
+    return part if acc is None else acc + part
+
+
+def _normalizer(config: StepConfig, state: ZeroState, verdict: Verdict) -> float:
+    """The factor the reduced gradient `Σ_r fl(1/N) g_r` is multiplied by: 1, or N / T with T the
+    agreed token count (`normalize="tokens"`), so that the gradient is that of `Σ loss_sum / T`."""
+    if config.normalize == "mean":
+        return 1.0
+    if not verdict.count > 0:
+        raise ConfigError(f"normalize='tokens': the total token count over all ranks and micro-batches is "
+                          f"{verdict.count}; every step needs at least one token (the state is unchanged)")
+    return state.mesh.world_size / verdict.count
+
+
+def _clip_coefficient(config: StepConfig, norm: float) -> float:
+    """`min(1, clip_norm / (norm + 1e-6))`, as `torch.nn.utils.clip_grad_norm_` (1 without clipping)."""
+    if config.clip_norm is None:
+        return 1.0
+    return min(1.0, config.clip_norm / (norm + CLIP_EPS))
+
+
+def _rescale(reduced: dict[int, torch.Tensor], factor: float) -> dict[int, torch.Tensor]:
+    """Each reduced gradient times `factor` (element-wise, rounded to the gradient's dtype: the same
+    bits for a shard and for the full buffer), or unchanged where the factor is 1."""
+    if factor == 1.0:
+        return reduced
+    return {b: g * factor for b, g in reduced.items()}
+
+
 # -- 1. forward and backward -----------------------------------------------------------------
 
 
@@ -161,8 +282,9 @@ def _trainable(state: ZeroState) -> list[int]:
 
 
 def backward(config: StepConfig, state: ZeroState, batch: Any
-             ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report]:
-    """`({bucket: gradient of its differentiated tensor, or None}, detached loss, Report)`."""
+             ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor]:
+    """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
+    as differentiated, Report, token count (float64; 0 in "mean" mode))`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     programs = unit_programs(layout, mesh, stage)
     pairs = [stage.differentiated(layout, b, p, rank) for b, p in enumerate(state.params)]
@@ -172,32 +294,60 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and is_flat_dict(layout))
 
-    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> torch.Tensor:
+    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
         for b, x in zip(trainable, train):
             merged[b] = x
-        return Gathering(layout, programs, merged, fulls, probes, config.gather, releasable).loss(config.loss_fn, batch)
+        counts: list[torch.Tensor] = []
+
+        def objective(params: Any, mb: Any) -> torch.Tensor:
+            loss, count = _objective(config, config.loss_fn(params, mb))
+            counts.append(count)
+            return loss
+
+        loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable).loss(objective, batch)
+        return loss, counts[0]
 
     train = tuple(xs[b] for b in trainable)
     if config.engine == "func":
-        (g_train, g_probes), loss = torch.func.grad_and_value(loss_of, argnums=(0, 1))(train, probes)
+        (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
+            train, probes)
     else:
-        g_train, g_probes, loss = _autograd(loss_of, train, probes)
-    return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes)
+        g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
+    return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count
+
+
+def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
+    """What is differentiated, and the micro-batch's token count: `loss / k` and 0 ("mean"), or
+    `loss_sum` and `count` ("tokens")."""
+    if config.normalize == "mean":
+        k = config.micro_batches
+        if isinstance(out, tuple):
+            raise ConfigError(f"loss_fn returned a tuple of {len(out)}; with normalize='mean' it must return one 0-d "
+                              f"loss (return (loss_sum, count) with normalize='tokens')")
+        return (out / k if k > 1 and isinstance(out, torch.Tensor) else out), torch.zeros((), dtype=torch.float64)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise ConfigError(f"normalize='tokens' needs loss_fn to return (loss_sum, count), got "
+                          f"{type(out).__name__} {getattr(out, 'shape', '')}")
+    loss_sum, count = out
+    count = torch.as_tensor(count).detach()
+    if count.numel() != 1 or count.is_floating_point() and not bool(torch.isfinite(count)) or bool(count < 0):
+        raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0, got {count}")
+    return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
 
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
     train = tuple(x.detach().requires_grad_() for x in train)
     probes = {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()}
     with torch.enable_grad():
-        loss = loss_of(train, probes)
+        loss, count = loss_of(train, probes)
     inputs = [*train, *(t for p in probes.values() for t in p)]
     if not loss.requires_grad:
         grads = [None] * len(inputs)
     else:
         grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
     g_probes = {u: Probe(*grads[len(train) + 2 * k : len(train) + 2 * k + 2]) for k, u in enumerate(probes)}
-    return grads[: len(train)], g_probes, loss
+    return grads[: len(train)], g_probes, loss, count
 
 
 def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Report:
@@ -231,8 +381,9 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
 # -- 3. agree ---------------------------------------------------------------------------------
 
 
-def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor]) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖²]` from every rank.
+def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
+          count: torch.Tensor) -> Verdict:
+    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count]` from every rank.
 
     `‖g_shard‖²` sums the squares of the rank's shard of the *reduced* gradient in float64
     (stage 0 takes its rank's shard of the full buffer, so every stage sums the same numbers in
@@ -245,16 +396,18 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     for b, g in reduced.items():
         sq = sq + stage.grad_shard(layout, b, g, rank).to(torch.float64).square().sum().to(dev)
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), report.used.to(dev, torch.float64),
-                     report.bad.to(torch.float64), sq.reshape(1)])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 2).cpu()
-    losses, used_rows, bad_rows, sqs = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb], rows[:, -1]
+                     report.bad.to(dev, torch.float64), sq.reshape(1), count.to(dev, torch.float64).reshape(1)])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 3).cpu()
+    losses, used_rows, bad_rows = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb]
+    sqs, counts = rows[:, -2], rows[:, -1]
     bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
                  for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
-    total_loss, total_sq = 0.0, 0.0
+    total_loss, total_sq, total_count = 0.0, 0.0, 0.0
     for r in range(n):  # rank order
         total_loss += losses[r].item()
         total_sq += sqs[r].item()
-    return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss / n, total_sq)
+        total_count += counts[r].item()
+    return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss, total_sq, total_count)
 
 
 # -- 4. update ---------------------------------------------------------------------------------
