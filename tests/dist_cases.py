@@ -6,6 +6,9 @@ Each takes the mesh first, so a test runs the same function on a `SimMesh` too:
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 import warnings
 
 import torch
@@ -62,3 +65,62 @@ def raise_on(mesh, bad):
         return fzero.all_gather(torch.ones(1), mesh)
 
     return mesh.run(fn)
+
+
+def tagged(mesh):
+    """all_reduce of one shape and dtype on every rank, with a tag that differs by rank."""
+    return fzero.all_reduce(torch.ones(2), mesh, tag=f"t{mesh.rank}")
+
+
+def mesh_or_error(mesh, kwargs):
+    """`repr(DistMesh(**kwargs))` over the workers' existing gloo group, or the MeshError's text."""
+    try:
+        return repr(fzero.DistMesh(**kwargs))
+    except fzero.MeshError as e:
+        return f"MeshError: {e}"
+
+
+def meta_tensor(mesh):
+    """A collective on a tensor that is not on the mesh's device."""
+    return fzero.all_reduce(torch.ones(2, device="meta"), mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions for `fzero.testing.pool.run_job`: fresh processes, no process group yet; fn(*args).
+
+
+def lose_a_rank(victim, verify):
+    """Rank `victim` SIGKILLs itself after one all_reduce; the others then call all_gather.
+    Returns, on the others, (error type, message, seconds from the call to the raise)."""
+    mesh = fzero.DistMesh(backend="gloo", verify=verify, timeout=20.0)
+    fzero.all_reduce(torch.ones(1), mesh)
+    if mesh.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        fzero.all_gather(torch.ones(1), mesh)
+    except fzero.MeshError as e:
+        again = ""
+        try:
+            fzero.all_reduce(torch.ones(1), mesh)
+        except fzero.MeshError as later:
+            again = f"{type(later).__name__}: {later}"
+        return type(e).__name__, str(e), time.monotonic() - start, again
+    return "returned", "", time.monotonic() - start, ""
+
+
+def backend_choice(fake_cuda_devices):
+    """DistMesh() and DistMesh(backend="nccl") on a node whose CUDA seems to have
+    `fake_cuda_devices` devices (torch.cuda is patched; the CPU build has none), then
+    DistMesh(backend="gloo") and one all_reduce. Returns (error texts, the all_reduce)."""
+    torch.cuda.is_available = lambda: fake_cuda_devices > 0
+    torch.cuda.device_count = lambda: fake_cuda_devices
+    errors = []
+    for kwargs in ({}, {"backend": "nccl"}):
+        try:
+            fzero.DistMesh(**kwargs)
+            errors.append("no error")
+        except fzero.MeshError as e:
+            errors.append(f"MeshError: {e}")
+    mesh = fzero.DistMesh(backend="gloo")
+    return errors, fzero.all_reduce(torch.ones(1), mesh)

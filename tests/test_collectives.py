@@ -277,6 +277,8 @@ def test_mismatched_collectives_raise_on_every_rank(kind, n):
     assert sorted(seen) == list(range(n)) and all(isinstance(e, fzero.CollectiveMismatch) for e in seen.values())
     for r in range(n):
         assert f"rank {r}: " in str(info.value)
+    if kind == "tag":  # both tags named
+        assert "tag='tFalse'" in str(info.value) and "tag='tTrue'" in str(info.value)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -299,7 +301,7 @@ def test_a_rank_that_raises_stops_every_rank(n, bad):
 
     with pytest.raises(ValueError, match="boom") as info:
         run_with_timeout(mesh, fn, [(r,) for r in range(n)])
-    assert f"raised on rank {bad} of SimMesh({n})" in "\n".join(getattr(info.value, "__notes__", []))
+    assert f"raised on rank {bad} of {mesh!r}" in "\n".join(getattr(info.value, "__notes__", []))
     assert sorted(seen) == [r for r in range(n) if r != bad]
     assert all(isinstance(e, fzero.RankFailed) for e in seen.values())
     # the mesh is usable afterwards
@@ -338,6 +340,31 @@ def test_sim_mesh_rejects_bad_input():
         fzero.all_reduce(torch.ones(1), mesh)
     with pytest.raises(fzero.LayoutError, match="world size must be an int >= 1"):
         fzero.SimMesh(0)
+
+
+def test_meshes_of_one_size_read_differently():
+    a, b = fzero.SimMesh(2), fzero.SimMesh(2)
+    assert repr(a) != repr(b)
+    assert repr(a) == f"SimMesh(2, id={a.id})" and b.id > a.id
+
+
+def test_a_rank_of_one_sim_mesh_calling_another_names_both():
+    """A collective on mesh B from inside A.run (a thread that is a rank of A) says so, naming
+    both meshes, instead of "no rank is running" (B idle) or acting as A's running rank (B.run
+    nested inside A.run)."""
+    a, b = fzero.SimMesh(2), fzero.SimMesh(2)
+    want = "this thread is rank {r} of {owner!r}, not a rank of {other!r}"
+    with pytest.raises(fzero.MeshError) as info:
+        run_with_timeout(a, lambda: fzero.all_reduce(torch.ones(1), b))
+    assert want.format(r=0, owner=a, other=b) in str(info.value)
+
+    def nested():  # rank r of A runs B.run, whose ranks call a collective of A
+        return b.run(lambda: fzero.all_reduce(torch.ones(1), a))
+
+    with pytest.raises(fzero.MeshError) as info:
+        run_with_timeout(a, nested)
+    assert want.format(r=0, owner=b, other=a) in str(info.value)
+    assert_bits_equal(a.run(lambda: fzero.all_reduce(torch.ones(1), a)), [torch.full((1,), 2.0)] * 2)
 
 
 def test_record_logs_every_collective_including_backward():

@@ -1,5 +1,6 @@
 """DistMesh on real gloo process groups (persistent pools of 2 and 4 torchrun workers) against
-SimMesh: values, derivatives, the compatibility shim's warnings, and failures that must not hang.
+SimMesh: values, derivatives, the compatibility shim's warnings, and failures that must not hang;
+the choice of backend and device; a rank that dies (fresh jobs, `run_job`).
 
 Draws are generated here and shipped to the workers (tests/dist_cases.py); no process is
 started per draw. Workers run with warnings as errors.
@@ -8,6 +9,8 @@ started per draw. Workers run with warnings as errors.
 from __future__ import annotations
 
 import functools
+import signal
+import time
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
+from fzero._src.mesh import _choose_backend
 from fzero.testing import FLOAT_DTYPES, examples, float_tensors, integer_valued
+from fzero.testing.pool import Died, run_job
 
 from . import dist_cases
 
@@ -150,3 +155,116 @@ def test_a_rank_that_raises_stops_every_rank(dist2, dist4, n):
 def test_pool_rejects_functions_workers_cannot_import(dist2):
     with pytest.raises(ValueError, match="module-level function"):
         dist2.run(lambda mesh: None)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_tag_that_differs_between_ranks_is_a_mismatch_naming_every_tag(dist2, dist4, n):
+    """Same op, dtype and shape on every rank, different tags: CollectiveMismatch on every rank,
+    naming each rank's tag (the fingerprint carries a crc of the tag; the calls in words follow)."""
+    pool = {2: dist2, 4: dist4}[n]
+    out = pool.run(dist_cases.tagged, return_exceptions=True)
+    for r, e in enumerate(out):
+        assert isinstance(e, fzero.testing.RemoteError) and isinstance(e.exception, fzero.CollectiveMismatch), (r, e)
+        for s in range(n):
+            assert f"rank {s}: all_reduce(float32[2], sum, tag='t{s}') collective #0" in e.message, e.message
+    assert all(torch.equal(t, torch.ones(n)) for t in pool.run(dist_cases.gather_shape, [((1,),)] * n))
+
+
+def test_a_tensor_off_the_mesh_device_is_rejected(dist2):
+    out = dist2.run(dist_cases.meta_tensor, return_exceptions=True)
+    for e in out:
+        assert isinstance(e.exception, fzero.MeshError), e
+        assert "moves cpu tensors but got one on meta; move it with .to(mesh.device)" in e.message
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    ({"backend": "gloo", "device": "cpu", "timeout": 5.0}, "DistMesh(world_size=2, rank={r}, backend='gloo', id="),
+    ({"backend": "nccl"}, "MeshError: DistMesh: the process group runs 'gloo' but backend='nccl' was asked for"),
+    ({"device": "cuda"}, "backend 'gloo' (the process group's backend) runs fzero's collectives on CPU tensors, "
+                         "but device='cuda' was asked for; use backend='nccl'"),
+    ({"device": "meta"}, "device='meta' is not supported"),
+    ({"timeout": 0}, "timeout must be positive"),
+])
+def test_dist_mesh_over_an_existing_group_checks_backend_and_device(dist2, kwargs, want):
+    for r, text in enumerate(dist2.run(dist_cases.mesh_or_error, [(kwargs,)] * 2)):
+        assert want.format(r=r) in text, text
+
+
+CHOICES = [
+    # backend, device, env, CUDA devices -> (backend, device) or the error's words
+    (None, None, {}, 0, ("gloo", "cpu")),
+    (None, None, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, ("nccl", "cuda:1")),
+    (None, None, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1,
+     "'nccl' (the default, as torch.cuda.device_count() is 1) needs one CUDA device per process, but this node "
+     "runs LOCAL_WORLD_SIZE=2 processes and torch.cuda.device_count() is 1 (this is LOCAL_RANK 1); use "
+     "DistMesh(backend='gloo') (or FZERO_BACKEND=gloo) to run on CPU, or start at most 1 process(es) per node"),
+    (None, None, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 1, "LOCAL_WORLD_SIZE=2"),  # rank 0 raises too
+    ("nccl", None, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 2, "'nccl' (asked for by backend='nccl') needs one"),
+    ("nccl", None, {}, 0, "needs CUDA, but torch.cuda.device_count() is 0"),
+    ("gloo", None, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, ("gloo", "cpu")),
+    (None, None, {"FZERO_BACKEND": "gloo", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, ("gloo", "cpu")),
+    (None, None, {"FZERO_BACKEND": "nccl", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1,
+     "'nccl' (set by FZERO_BACKEND=nccl) needs one"),
+    ("nccl", None, {"FZERO_BACKEND": "gloo", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, ("nccl", "cuda:1")),
+    (None, None, {"FZERO_BACKEND": "mpi"}, 0, "unknown backend 'mpi' (set by FZERO_BACKEND=mpi)"),
+    ("nccl", "cpu", {}, 1, "'nccl' (asked for by backend='nccl') moves CUDA tensors only, but device='cpu'"),
+    ("gloo", "cuda", {}, 1, "'gloo' (asked for by backend='gloo') runs fzero's collectives on CPU tensors"),
+    (None, "cpu", {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, ("gloo", "cpu")),
+    (None, "cuda", {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, ("nccl", "cuda:1")),
+    (None, torch.device("cuda", 0), {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1, ("nccl", "cuda:0")),
+    (None, "cuda:2", {}, 2, "device='cuda:2' but torch.cuda.device_count() is 2"),
+    (None, "meta", {}, 0, "device='meta' is not supported"),
+    (None, "nowhere", {}, 0, "device='nowhere' is not a device"),
+]
+
+
+@pytest.mark.parametrize("backend, device, env, cuda, want", CHOICES)
+def test_choice_of_backend_and_device(backend, device, env, cuda, want):
+    if isinstance(want, tuple):
+        assert _choose_backend(backend, device, env, cuda) == (want[0], torch.device(want[1]))
+    else:
+        with pytest.raises(fzero.MeshError) as info:
+            _choose_backend(backend, device, env, cuda)
+        assert want in str(info.value), str(info.value)
+
+
+def test_more_ranks_than_gpus_raises_on_every_rank_and_gloo_still_works():
+    """A fresh 2-rank job on a node whose CUDA seems to have 1 device (torch.cuda patched in the
+    workers): DistMesh() and DistMesh(backend="nccl") raise MeshError on both ranks, before any
+    CUDA call or rendezvous; DistMesh(backend="gloo") then works."""
+    out = run_job(2, dist_cases.backend_choice, [(1,)] * 2, timeout=120)
+    for r, result in enumerate(out):
+        assert not isinstance(result, (Died, fzero.testing.RemoteError)), str(result)
+        errors, total = result
+        sources = ["the default, as torch.cuda.device_count() is 1", "asked for by backend='nccl'"]
+        for text, source in zip(errors, sources):
+            assert text.startswith(f"MeshError: DistMesh: backend 'nccl' ({source}) needs one CUDA device"), text
+            assert f"LOCAL_WORLD_SIZE=2 processes and torch.cuda.device_count() is 1 (this is LOCAL_RANK {r})" in text
+            assert "DistMesh(backend='gloo')" in text and "torchrun --nproc-per-node 1" in text
+        assert torch.equal(total, torch.full((1,), 2.0))
+
+
+@pytest.mark.parametrize("victim, verify", [(2, True), (0, False)])
+def test_a_rank_killed_mid_step_stops_every_other_rank_naming_it(victim, verify):
+    """3 fresh processes with torchrun's environment (no agent to stop the others): rank `victim`
+    SIGKILLs itself after one all_reduce, the others call all_gather (DistMesh timeout 20 s).
+    Each survivor raises RankFailed naming the victim well within the timeout (gloo sees the
+    closed connection at once, about 0.1 s here; the bound leaves room for the 2 s wait for the
+    dead process to show and a slow machine), and the mesh refuses later collectives. verify=True
+    fails in the fingerprint exchange, verify=False in gloo's all_gather itself; the victim 0
+    also hosts the rendezvous store."""
+    n, timeout = 3, 20.0
+    start = time.monotonic()
+    out = run_job(n, dist_cases.lose_a_rank, [(victim, verify)] * n, timeout=3 * timeout)
+    assert time.monotonic() - start < 3 * timeout
+    assert isinstance(out[victim], Died) and out[victim].returncode == -signal.SIGKILL, str(out[victim])
+    for r in range(n):
+        if r == victim:
+            continue
+        assert not isinstance(out[r], (Died, fzero.testing.RemoteError)), str(out[r])
+        kind, message, seconds, again = out[r]
+        assert kind == "RankFailed", (r, kind, message)
+        assert f"rank(s) [{victim}] lost" in message and f"rank {r} waited in all_gather(float32[1])" in message
+        assert "world size 3" in message
+        assert seconds < timeout / 4, (r, seconds)
+        assert again.startswith("RankFailed: ") and "unusable since an earlier collective failed" in again

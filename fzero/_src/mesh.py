@@ -8,13 +8,16 @@ One interface, two backends:
   rank has its own torch RNG state, swapped in whenever the rank resumes. Deterministic: the
   same program gives the same bits on every run. CPU tensors only (on CUDA, autograd's device
   thread would run every rank's backward).
-- `DistMesh()`: one rank per process of a `torch.distributed` process group (gloo on CPU, NCCL
-  on GPU) started by `torchrun`.
+- `DistMesh()`: one rank per process of a `torch.distributed` process group started by
+  `torchrun`: gloo on CPU or NCCL on GPU, asked for (`backend=`, `device=`, `$FZERO_BACKEND`) or
+  the default (NCCL when CUDA has one device per local process; never a silent switch to gloo).
+  A rank whose peer's process dies raises `RankFailed` naming it instead of waiting.
 
 Both expose the shard-axis size `world_size`, the running `rank`, `run(fn, per_rank_args)`, and
 the backend primitive `collective(op, x, ...)` that `fzero._src.collectives` dispatches to. Every
 collective passes through `Mesh.collective`, which checks that ranks agree, records it for the
-accounting hooks (`Mesh.record`) and only then moves data.
+accounting hooks (`Mesh.record`) and only then moves data. Every mesh has a process-wide `id`
+(a creation counter) in its repr, so that two meshes of one size read differently in messages.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import abc
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import os
+import socket
 import threading
+import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -80,14 +86,20 @@ def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
     return x.numel() * world_size if op == "all_gather" else x.numel()
 
 
-class Mesh(abc.ABC):
-    """The shard axis of a device mesh. `world_size` ranks; `rank` is the one running now."""
+_MESH_IDS = itertools.count(1)
 
-    axis_name = "shard"
+
+class Mesh(abc.ABC):
+    """The shard axis of a device mesh. `world_size` ranks; `rank` is the one running now.
+
+    `id` numbers the meshes of this process in creation order (1, 2, ...); it shows in the repr.
+    """
+
     device = torch.device("cpu")  # where the mesh's own small tensors (fingerprints, flags) live
 
     def __init__(self, world_size: int) -> None:
         self.world_size = check_world_size(world_size)
+        self.id = next(_MESH_IDS)
         self._recorders: list[list[CollectiveRecord]] = []
 
     @property
@@ -95,14 +107,10 @@ class Mesh(abc.ABC):
     def rank(self) -> int:
         """The rank whose code is running now."""
 
-    @property
-    @abc.abstractmethod
-    def local_ranks(self) -> tuple[int, ...]:
-        """The ranks this process runs: all N on SimMesh, one on DistMesh."""
-
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
-        """Run `fn(*args_r)` on every rank r of `local_ranks`; return their results in that order.
+        """Run `fn(*args_r)` on every rank r this process runs (all N on SimMesh, its own on
+        DistMesh); return their results in rank order.
 
         `per_rank_args` is a sequence of N argument tuples (indexed by rank), or a callable
         `rank -> tuple`, or `()` for no arguments. If any rank raises, every rank stops (none
@@ -197,6 +205,9 @@ def _combine(call: _Call, xs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     return [acc.clone() for _ in range(n)]
 
 
+_SIM_THREAD = threading.local()  # .mesh, .rank: the SimMesh rank a thread started by SimMesh.run runs
+
+
 class SimMesh(Mesh):
     """N virtual ranks in one process; see the module docstring.
 
@@ -216,17 +227,19 @@ class SimMesh(Mesh):
         self._current: int | None = None
 
     def __repr__(self) -> str:
-        return f"SimMesh({self.world_size})"
+        return f"SimMesh({self.world_size}, id={self.id})"
 
     @property
     def rank(self) -> int:
+        owner = getattr(_SIM_THREAD, "mesh", None)
+        if owner is not None and owner is not self:
+            raise MeshError(
+                f"{self!r}: this thread is rank {_SIM_THREAD.rank} of {owner!r}, not a rank of {self!r}; "
+                f"code inside {owner!r}.run must use {owner!r} (or run its work on {self!r} with "
+                f"{self!r}.run(fn, ...) outside the other mesh's run)")
         if self._current is None:
             raise MeshError(f"{self!r}: no rank is running; call collectives inside mesh.run(fn, ...)")
         return self._current
-
-    @property
-    def local_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.world_size))
 
     # -- scheduling: exactly one rank holds the turn -------------------------------------------
 
@@ -311,6 +324,7 @@ class SimMesh(Mesh):
         failures: list[tuple[int, BaseException]] = []
 
         def main(r: int) -> None:
+            _SIM_THREAD.mesh, _SIM_THREAD.rank = self, r
             with self._cond:
                 self._take_turn(r)
             try:
@@ -395,90 +409,307 @@ def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> Any:
     return fn(out, x, group=group)
 
 
+# -- choosing a backend and device -------------------------------------------------------------
+
+BACKENDS = ("gloo", "nccl")
+ENV_BACKEND = "FZERO_BACKEND"  # overrides the default backend of a process group DistMesh starts
+
+
+def _as_device(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise MeshError(f"DistMesh: device={device!r} is not a device: {e}; use 'cpu', 'cuda' or 'cuda:K'") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise MeshError(f"DistMesh: device={str(dev)!r} is not supported; use 'cpu' (gloo) or 'cuda' (nccl)")
+    return dev
+
+
+def _check_pair(backend: str, dev: torch.device | None, source: str) -> None:
+    """gloo moves CPU tensors here, NCCL CUDA tensors; any other pair is an error."""
+    if backend == "nccl" and dev is not None and dev.type != "cuda":
+        raise MeshError(f"DistMesh: backend 'nccl' ({source}) moves CUDA tensors only, but device={str(dev)!r} "
+                        f"was asked for; use backend='gloo' for CPU tensors, or a CUDA device")
+    if backend == "gloo" and dev is not None and dev.type != "cpu":
+        raise MeshError(f"DistMesh: backend 'gloo' ({source}) runs fzero's collectives on CPU tensors, but "
+                        f"device={str(dev)!r} was asked for; use backend='nccl' for CUDA tensors, or device='cpu'")
+
+
+def _choose_backend(backend: str | None, device: str | torch.device | None, env: Mapping[str, str],
+                    cuda_devices: int) -> tuple[str, torch.device]:
+    """The `(backend, device)` a process group started by DistMesh uses, or MeshError.
+
+    backend: the argument, else `env["FZERO_BACKEND"]`, else the default: "nccl" when `device` is
+    CUDA, or when no device is given and `cuda_devices > 0`; "gloo" otherwise. The device: gloo ->
+    cpu; nccl -> the CUDA device given with its index, else `cuda:LOCAL_RANK`, which needs one CUDA
+    device per process of the node, `LOCAL_WORLD_SIZE <= cuda_devices`. Too few devices is an
+    error whether NCCL was asked for or chosen by default, never a silent switch to gloo; the check
+    reads LOCAL_WORLD_SIZE, the same on every rank of a node, so every rank raises (none starts
+    NCCL and waits for a rank that raised).
+    """
+    source = f"asked for by backend={backend!r}"
+    if backend is None and env.get(ENV_BACKEND):
+        backend, source = env[ENV_BACKEND], f"set by {ENV_BACKEND}={env[ENV_BACKEND]}"
+    if backend is not None and backend not in BACKENDS:
+        raise MeshError(f"DistMesh: unknown backend {backend!r} ({source}); expected one of {BACKENDS}")
+    dev = _as_device(device)
+    if backend is None:
+        cuda = dev.type == "cuda" if dev is not None else cuda_devices > 0
+        backend = "nccl" if cuda else "gloo"
+        source = (f"the default for device={str(dev)!r}" if dev is not None else
+                  f"the default, as torch.cuda.device_count() is {cuda_devices}")
+    _check_pair(backend, dev, source)
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    if cuda_devices == 0:
+        raise MeshError(f"DistMesh: backend 'nccl' ({source}) needs CUDA, but torch.cuda.device_count() is 0; "
+                        f"use DistMesh(backend='gloo') (or {ENV_BACKEND}=gloo) to run on CPU")
+    if dev is not None and dev.index is not None:
+        if dev.index >= cuda_devices:
+            raise MeshError(f"DistMesh: device={str(dev)!r} but torch.cuda.device_count() is {cuda_devices}; "
+                            f"use an index below {cuda_devices}")
+        return backend, dev
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if local_world > cuda_devices:
+        raise MeshError(
+            f"DistMesh: backend 'nccl' ({source}) needs one CUDA device per process, but this node runs "
+            f"LOCAL_WORLD_SIZE={local_world} processes and torch.cuda.device_count() is {cuda_devices} "
+            f"(this is LOCAL_RANK {local_rank}); use DistMesh(backend='gloo') (or {ENV_BACKEND}=gloo) to run "
+            f"on CPU, or start at most {cuda_devices} process(es) per node "
+            f"(torchrun --nproc-per-node {cuda_devices})")
+    return backend, torch.device("cuda", local_rank)
+
+
+def _group_device(actual: str, backend: str | None, device: str | torch.device | None) -> torch.device:
+    """The device of a mesh over an existing process group whose backend is `actual`."""
+    if backend is not None and backend != actual:
+        raise MeshError(f"DistMesh: the process group runs {actual!r} but backend={backend!r} was asked for; "
+                        f"leave backend out, or start the group with {backend!r}")
+    dev = _as_device(device)
+    if actual in BACKENDS:
+        _check_pair(actual, dev, "the process group's backend")
+    if actual == "nccl" and (dev is None or dev.index is None):
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev if dev is not None else torch.device("cpu")
+
+
+def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    t = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    if t.total_seconds() <= 0:
+        raise MeshError(f"DistMesh: timeout must be positive, got {timeout!r}")
+    return t
+
+
+# -- naming a lost rank ---------------------------------------------------------------------------
+
+_GRACE_S = 2.0  # how long a rank whose collective broke waits for a dying peer's process to vanish
+
+
+def _identity() -> tuple[int, int]:
+    """`(host key, pid)` of this process. The host key is the crc32 of the host name and the PID
+    namespace: two processes with one key can see each other's process ids."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return zlib.crc32(f"{socket.gethostname()} {ns}".encode()), os.getpid()
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` (on this host) has exited: no such process, or a zombie not yet reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 class DistMesh(Mesh):
     """One rank per process of a torch.distributed process group, started by `torchrun`.
 
-    If no process group exists, one is started from torchrun's environment: NCCL when CUDA is
-    available (device `cuda:LOCAL_RANK`), gloo otherwise.
+    Every rank of the group constructs it (construction exchanges each rank's host and process id,
+    so that a rank whose peer dies can name it).
 
     Args:
       group: a process group, or None for the default group.
+      backend: "gloo", "nccl" or None. Used when no process group exists yet and DistMesh starts
+        one from torchrun's environment: None means `$FZERO_BACKEND` if set, else NCCL when CUDA
+        has devices, gloo otherwise. NCCL runs rank `LOCAL_RANK` on `cuda:LOCAL_RANK` and needs
+        `LOCAL_WORLD_SIZE <= torch.cuda.device_count()`; with fewer devices DistMesh raises
+        `MeshError` (asked for or by default: it never switches to gloo silently), saying to pass
+        backend="gloo" or to start fewer processes per node. With an existing group, a backend
+        other than the group's is an error.
+      device: "cpu", "cuda", "cuda:K", a torch.device, or None (the backend's: gloo -> cpu, nccl
+        -> cuda:LOCAL_RANK). gloo takes CPU tensors, NCCL CUDA tensors; another pair is an error.
       verify: before each collective, all ranks exchange a fingerprint (op, dtype, shape, tag,
         sequence number) and raise on every rank if they differ or if a rank failed, instead of
         hanging or silently mixing buffers. Costs one small all-gather per collective; turn it off
         for speed once a program is known to be right.
-      timeout: how long a fingerprint exchange waits for the other ranks.
+      timeout: a `timedelta` or seconds: how long a fingerprint exchange waits for the other
+        ranks, and the timeout of a process group DistMesh starts.
+
+    A rank whose collective fails because a peer's process died raises `RankFailed` naming that
+    rank (found among the ranks on this host; for ranks on other hosts the message says which may
+    be lost); the mesh is unusable afterwards.
 
     Example (run under `torchrun --nproc-per-node 2 script.py`):
-      >>> mesh = fzero.DistMesh()
-      >>> fzero.all_reduce(torch.ones(3), mesh)
+      >>> mesh = fzero.DistMesh()  # or DistMesh(backend="gloo") to run on CPU whatever the GPUs
+      >>> fzero.all_reduce(torch.ones(3, device=mesh.device), mesh)
       tensor([2., 2., 2.])
     """
 
-    def __init__(self, group: Any = None, *, verify: bool = True,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=120)) -> None:
+    def __init__(self, group: Any = None, *, backend: str | None = None, device: str | torch.device | None = None,
+                 verify: bool = True, timeout: datetime.timedelta | float = datetime.timedelta(seconds=120)) -> None:
         dist = torch.distributed
         if not dist.is_available():
             raise MeshError("DistMesh needs torch.distributed, which this torch build lacks")
-        if not dist.is_initialized():
+        self.timeout = _as_timedelta(timeout)
+        if dist.is_initialized():
+            dev = _group_device(dist.get_backend(group), backend, device)
+        else:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise MeshError(
                     "DistMesh found no process group and no torchrun environment (RANK, WORLD_SIZE); "
                     "start the script with `torchrun --nproc-per-node N script.py`, or use fzero.SimMesh(N)")
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-                dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+            backend, dev = _choose_backend(backend, device, os.environ, torch.cuda.device_count())
+            if backend == "nccl":
+                torch.cuda.set_device(dev)
+                dist.init_process_group("nccl", device_id=dev, timeout=self.timeout)
             else:
-                dist.init_process_group("gloo")
+                dist.init_process_group("gloo", timeout=self.timeout)
         self.group = group
         super().__init__(dist.get_world_size(group))
         self._rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
+        self.device = dev
         self.verify = verify
-        self.timeout = timeout
         self._seq = 0
         self._announced = -1  # the sequence number after the last failure this rank announced
-        backend = dist.get_backend(group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._broken: MeshError | None = None  # set once a collective failed: the group is unusable
+        self._peers: list[tuple[int, int]] = []
+        rows = self._gather(torch.tensor(_identity(), dtype=torch.int64, device=self.device),
+                            "DistMesh construction (each rank's host and process id)")
+        self._peers = [(host, pid) for host, pid in rows.view(self.world_size, 2).tolist()]
 
     def __repr__(self) -> str:
-        return f"DistMesh(world_size={self.world_size}, rank={self._rank})"
+        return f"DistMesh(world_size={self.world_size}, rank={self._rank}, backend={self.backend!r}, id={self.id})"
 
     @property
     def rank(self) -> int:
         return self._rank
 
-    @property
-    def local_ranks(self) -> tuple[int, ...]:
-        return (self._rank,)
+    def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
+        super()._validate(op, x, arg, tag)
+        if self.backend in BACKENDS and x.device.type != self.device.type:
+            where = f" (tag {tag!r})" if tag else ""
+            raise MeshError(f"{op}{where}: {self!r} moves {self.device.type} tensors but got one on {x.device}; "
+                            f"move it with .to(mesh.device)")
+
+    # -- failures: a lost peer, a timeout ---------------------------------------------------------
+
+    def _gone_peers(self) -> list[tuple[int, int]]:
+        """`(rank, pid)` of the peers on this host whose process exited, polled for up to _GRACE_S."""
+        host = _identity()[0]
+        local = [(s, pid) for s, (h, pid) in enumerate(self._peers) if h == host and s != self._rank]
+        deadline = time.monotonic() + _GRACE_S
+        while local:
+            gone = [(s, pid) for s, pid in local if _process_gone(pid)]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.05)
+        return []
+
+    def _lost(self, e: BaseException, what: str, started: float) -> MeshError:
+        """The error for a collective that raised `e` (or timed out) after `started`; the mesh is
+        unusable afterwards."""
+        gone, n = self._gone_peers(), self.world_size
+        if gone:
+            err: MeshError = RankFailed(
+                f"{self!r}: rank(s) {[s for s, _ in gone]} lost: process(es) {[p for _, p in gone]} on this "
+                f"host exited while rank {self._rank} waited in {what}. The group (world size {n}) cannot go "
+                f"on without them: restart the job (torchrun --max-restarts restarts every rank). "
+                f"{self.backend} said: {e}")
+        elif time.monotonic() - started >= self.timeout.total_seconds():
+            err = MeshError(
+                f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():.0f} s "
+                f"(world size {n}); a rank is stuck or took another path (see its log): {e}")
+        else:
+            host = _identity()[0]
+            remote = [s for s, (h, _) in enumerate(self._peers) if h != host]
+            maybe = (f"; no rank on this host exited, so one of rank(s) {remote} on other hosts was probably "
+                     f"lost (see their logs)" if remote else "")
+            err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}: {e}")
+        self._broken = err
+        return err
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise type(self._broken)(f"{self!r} is unusable since an earlier collective failed: {self._broken}")
+
+    def _gather(self, mine: torch.Tensor, what: str) -> torch.Tensor:
+        """`mine[K] -> rows[N * K]`, every rank's `mine` in rank order, waiting at most `timeout`."""
+        self._check_usable()
+        rows = mine.new_empty(self.world_size * mine.numel())
+        started = time.monotonic()
+        try:
+            _all_gather_into(rows, mine, self.group, async_op=True).wait(self.timeout)
+        except RuntimeError as e:
+            raise self._lost(e, what, started) from e
+        return rows
+
+    # -- agreement ------------------------------------------------------------------------------
 
     def _agree(self, kind: int, call: _Call | None) -> None:
         """All ranks exchange fingerprints; raise on every rank if any differs or failed."""
-        mine = torch.tensor(_fingerprint(kind, self._seq, call), dtype=torch.int64, device=self.device)
-        rows = mine.new_empty(self.world_size * _FP_LEN)
-        work = _all_gather_into(rows, mine, self.group, async_op=True)
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise MeshError(
-                f"{self!r}: ranks did not all reach {call or 'the end of mesh.run'} within "
-                f"{self.timeout.total_seconds():.0f} s (collective #{self._seq}): {e}") from e
-        rows = rows.view(self.world_size, _FP_LEN).tolist()
+        seq = self._seq
+        what = f"{call or 'the end of mesh.run'} (collective #{seq})"
+        mine = torch.tensor(_fingerprint(kind, seq, call), dtype=torch.int64, device=self.device)
+        rows = self._gather(mine, what).view(self.world_size, _FP_LEN).tolist()
         self._seq += 1
         failed = [s for s, row in enumerate(rows) if row[0] == _KIND_FAIL]
         if failed and kind != _KIND_FAIL:
-            raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at "
-                             f"{call or 'the end of mesh.run'} (collective #{self._seq - 1})")
+            raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at {what}")
         if not failed and any(row != rows[0] for row in rows):
-            mine_tag = _crc(call.tag) if call is not None else None
-            theirs = "\n".join(f"  rank {s}: {call if s == self._rank and call else _decode(row, mine_tag)}"
-                               for s, row in enumerate(rows))
+            # every rank sees the same rows, so every rank is here: exchange the calls in words
+            mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
+                         f"returned from mesh.run (collective #{seq})")
+            lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(self._gather_text(mine_text, what)))
             raise CollectiveMismatch(
-                f"{self!r}: ranks called different collectives at collective #{self._seq - 1}:\n{theirs}\n"
+                f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
                 f"every rank must call the same op with the same dtype, shape and tag")
 
+    def _gather_text(self, text: str, what: str) -> list[str]:
+        """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""
+        data = list(text.encode())
+        lengths = self._gather(torch.tensor([len(data)], dtype=torch.int64, device=self.device), what).tolist()
+        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        buf[: len(data)] = torch.tensor(data, dtype=torch.uint8)
+        rows = self._gather(buf, what).view(self.world_size, max(lengths)).tolist()
+        return [bytes(row[:k]).decode(errors="replace") for row, k in zip(rows, lengths)]
+
+    # -- moving data ----------------------------------------------------------------------------
+
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
+        self._check_usable()
         if self.verify:
             self._agree(_KIND_CALL, call)
+        what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
+        started = time.monotonic()
+        try:
+            return self._move(call, x)
+        except RuntimeError as e:
+            raise self._lost(e, what, started) from e
+
+    def _move(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         dist, n = torch.distributed, self.world_size
         if call.op == "all_reduce":
             out = x.clone()
@@ -515,18 +746,3 @@ class DistMesh(Mesh):
         if self.verify:
             self._agree(_KIND_DONE, None)
         return [out]
-
-
-def _decode(row: list[int], my_tag_crc: int | None) -> str:
-    """Another rank's fingerprint in words (its tag is known only as equal to this rank's or not)."""
-    kind, seq, op, dtype, ndim = row[:5]
-    if kind == _KIND_DONE:
-        return f"returned from mesh.run (collective #{seq})"
-    if kind == _KIND_FAIL:
-        return f"raised (collective #{seq})"
-    dt = str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else "?"
-    shape = [d for d in row[5:9] if d >= 0][:ndim]
-    name = OPS[op]
-    arg = "" if row[9] < 0 else f", {REDUCTIONS[row[9]] if name == 'all_reduce' else row[9]}"
-    tag = "" if row[10] == my_tag_crc else ", another tag"
-    return f"{name}({dt}{shape}{arg}{tag}) collective #{seq}"

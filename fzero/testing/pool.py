@@ -7,10 +7,11 @@ for one job per hypothesis draw. A `Pool` starts one job and keeps it: the test 
     torchrun --standalone --nproc-per-node N -m fzero.testing._worker
 
 with the address and authkey in the environment. Each worker turns warnings into errors, builds
-`fzero.DistMesh()` (gloo on CPU), connects back and serves calls: `pool.run(fn, per_rank_args)`
-ships a reference to `fn` ("module:qualname", so `fn` must be importable) and rank r's
-arguments to rank r, which runs `fn(mesh, *args_r)` on a fresh `DistMesh` and sends back the
-result or the exception. Draw data in the test process and ship it; the workers only compute.
+`fzero.DistMesh(backend="gloo")` (gloo on CPU, also on a machine with GPUs), connects back and
+serves calls: `pool.run(fn, per_rank_args)` ships a reference to `fn` ("module:qualname", so `fn`
+must be importable) and rank r's arguments to rank r, which runs `fn(mesh, *args_r)` on a fresh
+`DistMesh` and sends back the result or the exception. Draw data in the test process and ship
+it; the workers only compute.
 
 Example (a test module; `cases.py` is importable from the test process's `sys.path`):
   >>> # cases.py
@@ -27,12 +28,14 @@ reducers, so tensors travel by value.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +89,31 @@ def reference(fn: Callable[..., Any] | str) -> str:
             f"pool.run needs a module-level function that workers can import; got {fn!r} "
             f"(module {module!r}, qualname {qualname!r}): move it to an importable module")
     return f"{module}:{qualname}"
+
+
+@dataclasses.dataclass
+class Died:
+    """A rank of `run_job` whose process ended without a result: killed by a signal (negative
+    `returncode`, as `subprocess` reports it) or exited before answering."""
+
+    rank: int
+    returncode: int
+    log: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} died with return code {self.returncode}\n{self.log}"
+
+
+def _rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int, nproc: int) -> tuple:
+    if callable(per_rank_args):
+        args = per_rank_args(rank)
+    elif len(per_rank_args) == 0:
+        args = ()
+    elif len(per_rank_args) != nproc:
+        raise ValueError(f"per_rank_args has {len(per_rank_args)} entries; expected {nproc}")
+    else:
+        args = per_rank_args[rank]
+    return args if isinstance(args, tuple) else (args,)
 
 
 def _torchrun() -> list[str]:
@@ -198,7 +226,7 @@ class Pool:
         if not self.alive:
             raise PoolError(f"{self!r} is not running")
         ref = reference(fn)
-        args = [self._args(per_rank_args, r) for r in range(self.nproc)]
+        args = [_rank_args(per_rank_args, r, self.nproc) for r in range(self.nproc)]
         for r, conn in enumerate(self._conns):
             conn.send_bytes(pickle.dumps(("call", ref, args[r])))
         replies: dict[int, Any] = {}
@@ -231,16 +259,6 @@ class Pool:
             raise WorkerError(errors)
         return results
 
-    def _args(self, per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int) -> tuple:
-        if callable(per_rank_args):
-            args = per_rank_args(rank)
-        elif len(per_rank_args) == 0:
-            args = ()
-        elif len(per_rank_args) != self.nproc:
-            raise ValueError(f"per_rank_args has {len(per_rank_args)} entries; expected {self.nproc}")
-        else:
-            args = per_rank_args[rank]
-        return args if isinstance(args, tuple) else (args,)
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the workers to leave (they call destroy_process_group), then wait; escalate to
@@ -273,3 +291,78 @@ class Pool:
         with_error = self._proc.returncode not in (0, None)
         if not with_error:
             os.unlink(self._log.name)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_job(
+    nproc: int,
+    fn: Callable[..., Any] | str,
+    per_rank_args: Sequence[Any] | Callable[[int], Any] = (),
+    *,
+    timeout: float = 60.0,
+) -> list[Any]:
+    """Run `fn(*args_r)` once on each rank r of a fresh job of `nproc` processes; return, in rank
+    order, what each gave: its result, a `RemoteError` if `fn` raised, or a `Died` if its process
+    ended without a result (killed, say).
+
+    Each process gets the environment torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) but there is no torchrun agent, so no process stops
+    another: a test sees what each rank does by itself when a peer dies. (torchrun's agent would
+    SIGTERM the other workers within its --monitor-interval, 0.1 s by default, once one died; a
+    rank whose peer runs on another node gets no such help.) `fn` builds its own DistMesh. Processes
+    still running after `timeout` seconds are killed and `PoolError` is raised: a job never hangs
+    its caller. Costs a process start per rank (about 3 s for 3 ranks on 2 cores).
+    """
+    ref = reference(fn)
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="fzero-job-") as tmp:
+        procs, logs = [], []
+        try:
+            for r in range(nproc):
+                Path(tmp, f"in-{r}.pkl").write_bytes(pickle.dumps((ref, _rank_args(per_rank_args, r, nproc))))
+                env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+                env.update({
+                    "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    ENV_SYS_PATH: json.dumps([p for p in sys.path if p and os.path.isdir(p)]),
+                    "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                })
+                log = open(Path(tmp, f"log-{r}.txt"), "w+b")  # noqa: SIM115 - closed below
+                logs.append(log)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "fzero.testing._worker", "job", tmp, str(r)], env=env,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            if hung:
+                raise PoolError(f"run_job({ref}): rank(s) {hung} still ran after {timeout:.0f} s; killed\n"
+                                + "\n".join(_tail(Path(tmp, f"log-{r}.txt"), r) for r in hung))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            for log in logs:
+                log.close()
+        out = []
+        for r, p in enumerate(procs):
+            path = Path(tmp, f"out-{r}.pkl")
+            if not path.exists():
+                out.append(Died(r, p.returncode, _tail(Path(tmp, f"log-{r}.txt"), r)))
+                continue
+            kind, *payload = pickle.loads(path.read_bytes())
+            out.append(payload[0] if kind == "ok" else RemoteError(r, *payload))
+        return out
+
+
+def _tail(path: Path, rank: int, chars: int = 3000) -> str:
+    text = path.read_bytes()[-chars:].decode(errors="replace") if path.exists() else ""
+    return f"--- rank {rank} output (tail) ---\n{text}"
