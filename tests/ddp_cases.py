@@ -278,3 +278,44 @@ def reject_on_one_rank(mesh, bad_rank: int):
 
 def rank_of(mesh):
     return mesh.rank
+
+
+# --- accumulation: accumulate="once" against DDP's no_sync ------------------------------------
+
+def _accum_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def compare_accumulation_with_ddp(mesh, kind: str, k: int, batches: list) -> dict[str, list[str]]:
+    """DDP: per step, `no_sync()` for the first k - 1 micro-batches and `(loss / k).backward()` on
+    each, then torch.optim; fzero: `train_step(micro_batches=k, accumulate="once")` at stages 0-1.
+    `{"<kind> stage <s>": [first differences]}` (empty: bitwise equal after every step)."""
+    import contextlib
+
+    model = _accum_model()
+    ddp = DDP(model)
+    _, make = optimizers(kind)
+    opt = make(list(model.parameters()))
+    ref = []
+    for step_batches in batches:
+        opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(step_batches):
+            with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
+                (F.cross_entropy(ddp(x), y) / k).backward()
+        opt.step()
+        ref.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    report = {}
+    for stage in (0, 1):
+        params, apply, info = from_module(_accum_model())
+        fopt, _ = optimizers(kind)
+        state = fzero.init(params, fopt, stage=stage, mesh=mesh)
+        step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]), micro_batches=k, accumulate="once")
+        diffs = []
+        for t, step_batches in enumerate(batches):
+            state, _ = step(state, step_batches)
+            got = fzero.gather(state)
+            diffs += [f"step {t}: {n} max |diff| {(ref[t][n] - got[n]).abs().max().item():.3g}"
+                      for n in ref[t] if not torch.equal(ref[t][n], got[n])]
+        report[f"{kind} stage {stage}"] = diffs[:6]
+    return report

@@ -42,6 +42,21 @@ def test_every_stage_equals_ddp_bitwise_at_n2(dist2, name):
         assert not bad, f"rank {rank}: differs from DDP: {bad}"
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_accumulate_once_equals_ddp_no_sync_at_n2(dist2, kind):
+    """k = 3 micro-batches per step, 2 steps: DDP with `no_sync()` and `(loss / k).backward()` adds
+    each rank's local gradients in micro-batch order and reduces the sum once, as
+    `accumulate="once"` does (proofs/accumulation.md): bitwise equal at stages 0 and 1."""
+    k, g = 3, torch.Generator().manual_seed(5)
+    batches = [[[(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(k)]
+                for _ in range(2)] for _ in range(2)]
+    reports = dist2.run(cases.compare_accumulation_with_ddp, [(kind, k, batches[r]) for r in range(2)])
+    for rank, report in enumerate(reports):
+        assert len(report) == 2
+        bad = {key: v for key, v in report.items() if v}
+        assert not bad, f"rank {rank}: differs from DDP: {bad}"
+
+
 # --- N = 4: the summation bound, then the optimizer bitwise on equal gradients -----------------
 
 @pytest.mark.parametrize("name,kind", [("mlp", "adamw"), ("gpt2", "sgd")])

@@ -24,7 +24,7 @@ def run_example(name: str, *args: str) -> str:
 @pytest.mark.parametrize("world_size", ["2", "3"])
 def test_mlp_stages_memory_formulas_and_equal_params(world_size):
     out = run_example("mlp_stages.py", "--dim", "64", "--hidden", "256", "--blocks", "2", "--world-size", world_size)
-    assert f"SimMesh({world_size})" in out
+    assert f"SimMesh({world_size}, id=" in out
     for stage in range(4):
         assert f"stage {stage}: loss" in out and "= formula" in out
     assert "all stages ended with bit-identical parameters" in out
@@ -34,6 +34,6 @@ def test_gpt2_stage3_falls_back_to_simmesh_and_learns():
     out = run_example("gpt2_stage3.py", "--layers", "2", "--embd", "32", "--heads", "2", "--vocab", "64",
                       "--seq", "16", "--steps", "5")
     assert "[##############################] 5/5 loss" in out
-    assert "SimMesh(2) stage 3:" in out
+    assert "SimMesh(2, id=1) stage 3:" in out
     first, last = (float(x) for x in out.strip().splitlines()[-1].removeprefix("loss ").split(" -> "))
     assert last < first, out

@@ -1,0 +1,248 @@
+"""Gradient accumulation, token-count normalisation and clipping (`train_step(micro_batches=k,
+accumulate=..., normalize=..., clip_norm=...)`); why each holds: proofs/accumulation.md.
+
+- Within each accumulation mode, stages 1-3 equal stage 0 bit for bit after every step (params,
+  optimizer state, loss, gradient norm), on SimMesh with k, N, clipping and normalisation drawn.
+- `accumulate="once"` equals a serial reference that adds local gradients in micro-batch order
+  and reduces once; "each" one that reduces every micro-batch and adds the reduced parts.
+- Token normalisation equals the full-batch token mean with uneven counts per rank and
+  micro-batch (exact: integer-valued gradients and a power-of-two total count).
+- Clipping: the coefficient is `clip_grad_norm_`'s, applied when the norm exceeds the limit, and
+  `Metrics.grad_norm` is the norm before clipping.
+- The recorded collectives per step equal `expected_comm` for each mode and k.
+- Bad input: clear errors naming the setting, on every rank, the state untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero.accounting import comm_volume, expected_comm
+from fzero.testing.strategies import examples
+
+W = 7  # leaf sizes below are not multiples of N, so shards cut leaves
+
+
+def _params():
+    return {"a": torch.linspace(-1.0, 1.0, W), "b": {"w": torch.linspace(0.5, -0.5, 2 * W).reshape(2, W)}}
+
+
+def _loss(p, batch):  # this rank's mean loss on one micro-batch; batch: (x[B, W], y[B])
+    x, y = batch
+    h = torch.tanh(x * p["a"]) @ p["b"]["w"].T  # (B, 2)
+    return (h.sum(dim=1) - y).square().mean()
+
+
+def _token_loss(p, batch):  # (loss_sum, count): the batch's rows are its tokens
+    x, y = batch
+    h = torch.tanh(x * p["a"]) @ p["b"]["w"].T
+    return (h.sum(dim=1) - y).square().sum(), x.shape[0]
+
+
+def _draw_batches(seed, n, steps, k, uneven):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [[[1 + (r + i + t) % 3 if uneven else 2 for i in range(k)] for t in range(steps)] for r in range(n)]
+    return [[[(torch.randn(b, W, generator=g), torch.randn(b, generator=g)) for b in step] for step in rank]
+            for rank in sizes]
+
+
+def _run(stage, n, k, mode, normalize, clip, batches, opt_name="adamw"):
+    mesh = fzero.SimMesh(n)
+    opt = optim.adamw(3e-2, weight_decay=0.1) if opt_name == "adamw" else optim.sgd(0.1, momentum=0.9)
+    loss_fn = _token_loss if normalize == "tokens" else _loss
+
+    def rank_fn(my):
+        state = fzero.init(_params(), opt, stage=stage, mesh=mesh, units=lambda p: p.split(".")[0])
+        step = fzero.train_step(loss_fn, micro_batches=k, accumulate=mode, normalize=normalize, clip_norm=clip)
+        out = []
+        for mbs in my:
+            state, m = step(state, mbs if k > 1 else mbs[0])
+            out.append((fzero.gather(state), state.opt_state, m))
+        return out
+
+    return mesh.run(rank_fn, [(b,) for b in batches])
+
+
+@examples(40)
+@given(n=st.integers(1, 4), k=st.integers(1, 3), mode=st.sampled_from(["each", "once"]),
+       normalize=st.sampled_from(["mean", "tokens"]), clip=st.sampled_from([None, 1e-3, 0.05, 10.0]),
+       stage=st.integers(1, 3), opt_name=st.sampled_from(["adamw", "sgd"]), seed=st.integers(0, 2**16))
+def test_stages_equal_stage0_within_each_mode(n, k, mode, normalize, clip, stage, opt_name, seed):
+    if mode == "once" and stage >= 2:
+        stage = 1  # "once" needs the full gradient: stages 0-1 only (test_bad_input)
+    batches = _draw_batches(seed, n, 2, k, uneven=normalize == "tokens")
+    ref = _run(0, n, k, mode, normalize, clip, batches, opt_name)
+    got = _run(stage, n, k, mode, normalize, clip, batches, opt_name)
+    for r in range(n):
+        for (p0, s0, m0), (p1, s1, m1) in zip(ref[r], got[r]):
+            assert torch.equal(m0.loss, m1.loss) and torch.equal(m0.grad_norm, m1.grad_norm)
+            for key in ("a",):
+                assert torch.equal(p0[key], p1[key])
+            assert torch.equal(p0["b"]["w"], p1["b"]["w"])
+            assert m0.step == m1.step and not m1.skipped
+
+
+def _serial(n, k, mode, batches):
+    """One step of plain SGD (lr 1), serially: per rank and micro-batch `torch.func.grad` of
+    `loss / k`; "once": add in micro-batch order, then `Σ_r fl(1/N) g_r` in rank order; "each":
+    reduce each micro-batch that way, then add the reduced parts in micro-batch order."""
+    p = _params()
+    grads = [[torch.func.grad(lambda q, b: _loss(q, b) / k if k > 1 else _loss(q, b))(p, mb) for mb in batches[r][0]]
+             for r in range(n)]
+
+    def reduce(per_rank):
+        out = None
+        for g in per_rank:
+            part = torch.utils._pytree.tree_map(lambda t: t * (1.0 / n), g)
+            out = part if out is None else torch.utils._pytree.tree_map(torch.add, out, part)
+        return out
+
+    def add(parts):
+        out = parts[0]
+        for q in parts[1:]:
+            out = torch.utils._pytree.tree_map(torch.add, out, q)
+        return out
+
+    g = reduce([add(gr) for gr in grads]) if mode == "once" else add([reduce([grads[r][i] for r in range(n)])
+                                                                      for i in range(k)])
+    return torch.utils._pytree.tree_map(torch.sub, p, g)
+
+
+@pytest.mark.parametrize("mode", ["each", "once"])
+@pytest.mark.parametrize("n, k", [(1, 3), (2, 2), (3, 4)])
+def test_each_mode_equals_its_serial_reference(mode, n, k):
+    batches = _draw_batches(7, n, 1, k, uneven=False)
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn(my):
+        state = fzero.init(_params(), optim.sgd(1.0), stage=1, mesh=mesh, units=lambda p: p.split(".")[0])
+        state, _ = fzero.train_step(_loss, micro_batches=k, accumulate=mode)(state, my[0])
+        return fzero.gather(state)
+
+    want = _serial(n, k, mode, batches)
+    for got in mesh.run(rank_fn, [(b,) for b in batches]):
+        assert torch.equal(got["a"], want["a"]) and torch.equal(got["b"]["w"], want["b"]["w"])
+
+
+def test_modes_round_differently_but_agree_within_the_bound():
+    """"each" reduces every micro-batch; "once" the sum. Per element, with x_ri = fl(c·g_ri) the
+    terms, both compute Σ_ri x_ri with N·k − 1 rounded additions in different orders, so each is
+    within γ_{Nk−1}·Σ|x_ri| of the exact sum (Higham 4.3), plus one rounding of c·(Σ_i g_ri) vs
+    Σ_i c·g_ri per rank (u·Σ|x|): they differ by at most 2·(γ_{Nk−1} + u)·Σ|x_ri|."""
+    n, k = 3, 4
+    batches = _draw_batches(11, n, 1, k, uneven=False)
+    each, once = _serial(n, k, "each", batches), _serial(n, k, "once", batches)
+    p = _params()
+    grads = [[torch.func.grad(lambda q, b: _loss(q, b) / k)(p, mb) for mb in batches[r][0]] for r in range(n)]
+    u = 2.0**-24
+    gamma = (n * k - 1) * u / (1 - (n * k - 1) * u)
+    for key in ("a", "w"):
+        pick = (lambda t: t[key]) if key == "a" else (lambda t: t["b"]["w"])
+        abs_sum = sum((pick(g).double() * (1.0 / n)).abs() for gr in grads for g in gr)
+        diff = (pick(each).double() - pick(once).double()).abs()
+        assert bool((diff <= 2 * (gamma + u) * abs_sum).all())
+    assert not torch.equal(each["b"]["w"], once["b"]["w"]) or not torch.equal(each["a"], once["a"])
+
+
+def test_token_normalisation_is_the_full_batch_token_mean():
+    """Uneven token counts per rank (3, 5) and micro-batch; T = 8, so N / T = 1/4 is exact, and
+    the loss is linear in w with integer inputs: every sum is exact, and the gradient equals the
+    full-batch token mean Σ_t x_t / T bit for bit."""
+    mesh = fzero.SimMesh(2)
+    xs = [[torch.tensor([[1.0, 2.0], [3.0, -1.0]]), torch.tensor([[4.0, 0.0]])],
+          [torch.tensor([[2.0, 2.0], [0.0, 5.0], [-3.0, 1.0]]), torch.tensor([[1.0, 1.0], [6.0, -2.0]])]]
+
+    def loss_fn(p, x):
+        return (x @ p["w"]).sum(), x.shape[0]
+
+    def rank_fn(my):
+        state = fzero.init({"w": torch.zeros(2)}, optim.sgd(1.0), stage=2, mesh=mesh)
+        state, m = fzero.train_step(loss_fn, micro_batches=2, normalize="tokens")(state, my)
+        return fzero.gather(state)["w"], m
+
+    everything = torch.cat([x for rank in xs for x in rank])
+    want = -everything.sum(dim=0) / everything.shape[0]
+    for w, m in mesh.run(rank_fn, [(x,) for x in xs]):
+        assert torch.equal(w, want)
+        assert torch.equal(m.loss, torch.tensor(0.0, dtype=torch.float64))  # w = 0: every token's loss is 0
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_clipping_scales_by_clip_grad_norms_coefficient(stage):
+    """SGD(lr 1) from w = 0 moves by exactly the clipped gradient: g·fl(min(1, c / (‖g‖ + 1e-6)));
+    the reported norm is ‖g‖ before clipping."""
+    mesh = fzero.SimMesh(2)
+    xs = [torch.tensor([3.0, 0.0, 4.0]), torch.tensor([3.0, 0.0, 4.0])]  # reduced g = x, ‖g‖ = 5
+
+    def rank_fn(x, clip):
+        state = fzero.init({"w": torch.zeros(3)}, optim.sgd(1.0), stage=stage, mesh=mesh)
+        state, m = fzero.train_step(lambda p, x: (p["w"] * x).sum(), clip_norm=clip)(state, x)
+        return fzero.gather(state)["w"], m
+
+    for clip in (1.0, 100.0):
+        coef = min(1.0, clip / (5.0 + 1e-6))
+        want = -(xs[0] * coef)
+        for w, m in mesh.run(lambda x: rank_fn(x, clip), [(x,) for x in xs]):
+            assert torch.equal(m.grad_norm, torch.tensor(5.0, dtype=torch.float64))
+            assert torch.equal(w, want)
+            assert (coef < 1) == (clip == 1.0)  # the drawn limit is active once, inactive once
+
+
+@pytest.mark.parametrize("stage, mode", [(0, "each"), (0, "once"), (1, "each"), (1, "once"), (2, "each"),
+                                         (3, "each")])
+def test_recorded_collectives_equal_expected_comm(stage, mode):
+    n, k = 2, 3
+    mesh = fzero.SimMesh(n)
+    batches = _draw_batches(3, n, 1, k, uneven=False)
+
+    def rank_fn(my):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0])
+        step = fzero.train_step(_loss, micro_batches=k, accumulate=mode)
+        with mesh.record() as log:
+            state, _ = step(state, my[0])
+        return log, state.layout
+
+    out = mesh.run(rank_fn, [(b,) for b in batches])
+    log, layout = out[0]
+    got = comm_volume(log, n)
+    assert got.data == expected_comm(layout, n, stage, accumulation=k, accumulate=mode).data
+    if stage == 0:  # "each" reduces (RS + AG) every micro-batch, "once" after the last
+        assert got.data["reduce_scatter"].count == len(layout.buckets) * (k if mode == "each" else 1)
+
+
+def test_bad_input():
+    mesh = fzero.SimMesh(2)
+    batch = (torch.randn(2, W), torch.randn(2))
+    with pytest.raises(fzero.ConfigError, match="micro_batches must be an int >= 1"):
+        fzero.train_step(_loss, micro_batches=0)
+    with pytest.raises(fzero.ConfigError, match="accumulate must be one of"):
+        fzero.train_step(_loss, accumulate="never")
+    with pytest.raises(fzero.ConfigError, match="clip_norm must be None or a finite float > 0"):
+        fzero.train_step(_loss, clip_norm=-1.0)
+
+    def rank_fn(stage, step_kw, arg):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh)
+        try:
+            fzero.train_step(_loss if step_kw.get("normalize") != "tokens" else step_kw.pop("fn"), **step_kw)(
+                state, arg)
+        except fzero.ConfigError as e:
+            return state, str(e)
+        return state, ""
+
+    cases = [
+        (0, dict(micro_batches=3), [batch, batch], "micro_batches=3: step\\(state, batches\\) needs a list or tuple of 3"),
+        (2, dict(micro_batches=2, accumulate="once"), [batch, batch], "accumulate='once' .* stage 2 shards gradients"),
+        (3, dict(accumulate="once"), batch, "accumulate='once' .* stage 3 shards gradients"),
+        (1, dict(normalize="tokens", fn=_loss), batch, "normalize='tokens' needs loss_fn to return \\(loss_sum, count\\)"),
+        (1, dict(normalize="tokens", fn=lambda p, b: (_loss(p, b), 0)), batch, "total token count .* is 0.0"),
+    ]
+    import re
+    for stage, kw, arg, pattern in cases:
+        for state, msg in mesh.run(lambda: rank_fn(stage, dict(kw), arg)):  # every rank raises
+            assert re.search(pattern, msg), (pattern, msg)
+            assert int(state.step) == 0
