@@ -319,3 +319,39 @@ def compare_accumulation_with_ddp(mesh, kind: str, k: int, batches: list) -> dic
                       for n in ref[t] if not torch.equal(ref[t][n], got[n])]
         report[f"{kind} stage {stage}"] = diffs[:6]
     return report
+
+
+# --- clipping: fzero's clip_norm against DDP + clip_grad_norm_ -----------------------------------
+
+def clipping_against_ddp(mesh, stage: int, max_norm: float, lr: float, batch) -> dict:
+    """One SGD step (lr, no momentum) with global-norm clipping, DDP + `clip_grad_norm_` against
+    fzero's `clip_norm`, from the same params. Returns, per parameter, the largest |difference|
+    over the bound of tests/test_ddp.py::test_clipping_within_bound_of_ddp_clip_grad_norm, the
+    two norms and whether clipping was active."""
+    x, y = batch
+    model = _accum_model()
+    ddp = DDP(model)
+    F.cross_entropy(ddp(x), y).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    torch.optim.SGD(model.parameters(), lr=lr, foreach=False).step()
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    params, apply, _ = from_module(_accum_model())
+    state = fzero.init(params, fzero.optim.sgd(lr, impl="single"), stage=stage, mesh=mesh)
+    step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]), clip_norm=max_norm)
+    state, m = step(state, batch)
+    got = fzero.gather(state)
+    u = 2.0**-24
+    gamma = lambda k: k * u / (1 - k * u)  # noqa: E731
+    n_max, leaves = max(g.numel() for g in grads.values()), len(grads)
+    eps_torch = gamma(n_max) + gamma(leaves) + 2 * u  # fp32 per-tensor norms, then the norm of the norms
+    coef = min(1.0, max_norm / (float(m.grad_norm) + 1e-6))
+    ratios = {}
+    for n, g in grads.items():
+        ulp = torch.finfo(torch.float32).eps * ref[n].double().abs()  # one rounding of p - lr·g'
+        bound = lr * g.double().abs() * coef * (eps_torch + 5 * u) + ulp
+        diff = (ref[n].double() - got[n].double()).abs()
+        ratios[n] = float((diff / bound.clamp_min(1e-300)).max())
+    return {"ratios": ratios, "norm_fzero": float(m.grad_norm), "norm_torch": float(total), "active": coef < 1,
+            "eps_torch": eps_torch}
