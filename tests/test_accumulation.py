@@ -246,3 +246,29 @@ def test_bad_input():
         for state, msg in mesh.run(lambda: rank_fn(stage, dict(kw), arg)):  # every rank raises
             assert re.search(pattern, msg), (pattern, msg)
             assert int(state.step) == 0
+
+
+@pytest.mark.parametrize("mode", ["each", "once"])
+def test_micro_batches_equal_one_step_on_the_concatenated_batch(mode):
+    """Where no sum rounds, k micro-batches of B/k rows equal one step on the B rows: a mean loss
+    linear in w, integer inputs, k = 2 and B = 4 (powers of two), so (Σ_i Σ_{t∈i} x_t/(B/k))/k =
+    Σ_t x_t/B exactly. Otherwise the two differ by the rounding of the sums: the bound of
+    test_modes_round_differently_but_agree_within_the_bound applies to each."""
+    mesh = fzero.SimMesh(2)
+    xs = [torch.tensor([[1.0, 2.0], [3.0, -1.0], [4.0, 0.0], [2.0, 2.0]]),
+          torch.tensor([[0.0, 5.0], [-3.0, 1.0], [1.0, 1.0], [6.0, -2.0]])]
+
+    def loss_fn(p, x):
+        return (x @ p["w"]).mean()
+
+    def rank_fn(x, k):
+        state = fzero.init({"w": torch.zeros(2)}, optim.sgd(1.0), stage=1, mesh=mesh)
+        batch = list(x.chunk(k)) if k > 1 else x
+        state, _ = fzero.train_step(loss_fn, micro_batches=k, accumulate=mode)(state, batch)
+        return fzero.gather(state)["w"]
+
+    whole = mesh.run(lambda x: rank_fn(x, 1), [(x,) for x in xs])
+    split = mesh.run(lambda x: rank_fn(x, 2), [(x,) for x in xs])
+    want = -torch.cat(xs).sum(dim=0) / 8
+    for a, b in zip(whole, split):
+        assert torch.equal(a, b) and torch.equal(a, want)
