@@ -89,9 +89,22 @@ def _unflatten(info: StateInfo, children: Any) -> ZeroState:
 
 for _namespace in (_GLOBAL, NAMESPACE):
     optree.register_pytree_node(ZeroState, _flatten, _unflatten, namespace=_namespace)
-torch_pytree.register_pytree_node(
-    ZeroState, lambda s: (list(_flatten(s)[0]), s.info), lambda ch, info: _unflatten(info, ch),
-    serialized_type_name="fzero.ZeroState")
+def _torch_flatten(state: ZeroState) -> tuple[list, tuple[StateInfo, tuple[int, ...]]]:
+    """torch's pytree takes None for a leaf: a frozen bucket's None optimizer state is kept in the
+    context (its position), so `torch.utils._pytree.tree_map` sees tensors only too."""
+    frozen = tuple(b for b, s in enumerate(state.opt_state) if s is None)
+    opt = tuple(s for s in state.opt_state if s is not None)
+    return [state.params, opt, state.step], (state.info, frozen)
+
+
+def _torch_unflatten(children: list, context: tuple[StateInfo, tuple[int, ...]]) -> ZeroState:
+    (params, opt, step), (info, frozen) = children, context
+    it = iter(opt)
+    total = len(opt) + len(frozen)
+    return ZeroState(params, tuple(None if b in frozen else next(it) for b in range(total)), step, info)
+
+
+torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
 
 
 def init(
