@@ -2,7 +2,10 @@
 
 Every optimizer runs on every rank's flat shards of random pytrees (0-d, zero-size, sizes not
 divisible by N), with parameter groups (weight-decay mask, lr scale, frozen), N in 1..8, 1-4
-steps and random unused leaves, and is compared after every step, params and state.
+steps and random unused leaves, and is compared after every step, params and state; SGD /
+Adam / AdamW with each `impl` against torch's matching path, on CPU and (where there is one) on
+CUDA. Every step also checks that `update` leaves its inputs alone and equals `update_` on
+clones; a census bounds `update_`'s temporaries.
 """
 
 from __future__ import annotations

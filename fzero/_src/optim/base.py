@@ -50,9 +50,10 @@ class UpdateContext(NamedTuple):
       leaf_sum: sums a float64 tensor `[..., len(leaves)]` of per-leaf partial values over all
         ranks, element-wise, in a fixed rank order, without changing its dtype; identity when
         N == 1. Only layer-wise optimizers call it (once per update).
-      leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only a
-        placement-dependent `impl="fused"` (CPU; see `fused`) reads it, to check that every
-        updated leaf lies whole in the shard.
+      leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only
+        `impl="fused"` with a placement-dependent kernel (CPU always, CUDA for some
+        configurations; see `fzero._src.optim.fused`) reads it, to check that every updated
+        leaf lies whole in the shard.
     """
 
     step: int
@@ -76,7 +77,10 @@ class Optimizer(NamedTuple):
         place: `param` and every "shard" field of `state` are overwritten with their new values
         (the new state holds those very tensors); "leaf" fields are replaced by new tensors (the
         input's are not written); `grad` is never written. Afterwards the input `state` must not
-        be used (its "leaf" fields are stale). `None` for an optimizer with no in-place form.
+        be used (its "leaf" fields are stale). Errors of the checks (`check_shards`,
+        `check_placement`) come before any write; an error raised later (a failing
+        `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
+        optimizer with no in-place form.
 
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).

@@ -21,8 +21,9 @@ What torch's kernels do (read in torch 2.13's sources, measured on an H200 with 
   per-element function, inlined into a vectorised path (every operand's address a multiple of
   `kILP * itemsize` bytes and the length a multiple of `kILP = 4`) and a scalar path, each
   unrolled over `kILP` lanes. Whether those inlined copies round alike is the compiler's
-  choice. Measured: AdamW (all flags) alike everywhere; Adam with L2 weight decay differs by
-  path and by lane; SGD with momentum and `maximize` differs by path.
+  choice. Measured: `_fused_adamw_` alike everywhere (every flag); `_fused_adam_` with L2
+  weight decay differs by path and by lane; `_fused_sgd_` with momentum and `maximize`
+  differs by path (proofs/optimizers.md, section 3).
 
 So on CUDA fzero *checks* each kernel configuration once (`elementwise`): the same random data
 placed at several offsets, alignments and lengths must give the same bits. This is evidence,
