@@ -19,7 +19,8 @@ CPU the peak live bytes of new storages made by aten ops during one more step
 
 First, a check on the run's device: after each of `--check-steps` steps from the same values,
 fzero's params and state equal torch's matching path (single = foreach=False, foreach =
-foreach=True, fused = fused=True) bit for bit; printed as {"check": ..., "equal": ...} lines.
+foreach=True, fused = fused=True) bit for bit; printed as {"check": ..., "equal": ...} lines,
+then whether the fused kernel was found element-wise (`fzero._src.optim.fused`, CUDA only).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import fzero.optim as fo
 from fzero._src.accounting import LiveStorages
 from fzero._src.layout import ParamGroup, Segment
+from fzero._src.optim import fused
 
 GIB = 2**30
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -173,6 +175,8 @@ def main() -> None:
     check_sizes = sizes if a.check_elements is None else sizes_of(int(a.check_elements), a.tensors)
     for impl in fo.IMPLS:
         print(json.dumps(check_bitwise(impl, check_sizes, device, a.check_steps)), flush=True)
+    for key, ok in fused._checked.items():  # the placement probes the checks ran (CUDA only)
+        print(json.dumps({"fused_kernel": str(key[2]), "elementwise": ok}), flush=True)
     for impl in fo.IMPLS:
         for form in ("pure", "in_place"):
             print(json.dumps({**head, **fzero_row(impl, form, sizes, device, a)}), flush=True)

@@ -2,7 +2,10 @@
 
 Every optimizer runs on every rank's flat shards of random pytrees (0-d, zero-size, sizes not
 divisible by N), with parameter groups (weight-decay mask, lr scale, frozen), N in 1..8, 1-4
-steps and random unused leaves, and is compared after every step, params and state.
+steps and random unused leaves, and is compared after every step, params and state; SGD /
+Adam / AdamW with each `impl` against torch's matching path, on CPU and (where there is one) on
+CUDA. Every step also checks that `update` leaves its inputs alone and equals `update_` on
+clones; a census bounds `update_`'s temporaries.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import fzero.optim as fo
 from fzero._src import layout as L
 from fzero._src.accounting import LiveStorages
 from fzero._src.layout import ParamGroup
-from fzero._src.optim import exact
+from fzero._src.optim import exact, fused
 
 try:  # the shared example-count helper, once it exists
     from fzero.testing import examples as _examples  # type: ignore[attr-defined]
@@ -286,15 +289,32 @@ def check_against_torch(kind, fz, leaves, topt):
                 assert torch.equal(fz.leaf(i, field), want), f"leaf {i} {field} differs"
 
 
+def misplaced(layout, used, device):
+    """Whether some used leaf is cut by a shard or, on CUDA, a leaf of numel % 4 == 0 starts at a
+    shard element that is not a multiple of 4 (shards are their own aligned allocations here):
+    where a placement-dependent fused kernel cannot give torch's bits."""
+    for bk in layout.buckets:
+        if bk.group.frozen:
+            continue
+        for r in range(layout.world_size):
+            for seg in layout.segments(bk.index, r):
+                numel = layout.leaves[seg.leaf].numel
+                if used[seg.leaf] and (seg.stop - seg.start != numel or (device == "cuda" and numel % 4 == 0 and seg.start % 4)):
+                    return True
+    return False
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 @examples(100)
 @given(prob=problems(), impl=st.sampled_from(fo.IMPLS), data=st.data())
 def test_bitwise_equal_to_torch_optim(kind, device, prob, impl, data):
     """Each `impl` against torch.optim with the matching `foreach` / `fused`, after every step,
-    params and state; pure and in-place forms (`FzeroRun.step`). On CPU, "fused" runs with N = 1
-    (the CPU kernels round by position, so fzero refuses cut leaves there, see
-    `test_fused_cpu_refuses_cut_leaves`)."""
+    params and state; pure and in-place forms (`FzeroRun.step`).
+
+    "fused" where torch's kernel rounds by placement (CPU always; on CUDA some configurations,
+    see `fused.elementwise`) runs per leaf and must refuse exactly the layouts that cut or
+    misalign a used leaf (`misplaced`); on CPU it runs with N = 1, so that it compares."""
     if impl == "fused" and device == "cpu":
         prob = {**prob, "world": 1}
     hp = data.draw(SGD_HP if kind == "sgd" else ADAM_HP)
@@ -306,7 +326,12 @@ def test_bitwise_equal_to_torch_optim(kind, device, prob, impl, data):
             p.grad = gi.clone().to(device) if (u and p.requires_grad) else None
         if topt is not None:
             topt.step()
-        fz.step(step, g, used)
+        try:
+            fz.step(step, g, used)
+        except fo.OptimizerError as e:
+            assert impl == "fused" and "rounds by placement" in str(e), e
+            assert misplaced(fz.layout, used, device), f"fused refused a layout that places every leaf as torch: {e}"
+            return
         check_against_torch(kind, fz, leaves, topt)
         fz.check_padding()
 
@@ -562,21 +587,33 @@ def test_impl_choice_and_its_errors():
         fo.adamw(impl="fast")
     with pytest.raises(fo.OptimizerError, match="sgd: impl must be one of"):
         fo.sgd(0.1, impl="Fused")
+    yes, no = (lambda: True), (lambda: False)
+    cpu = torch.zeros(5)
+    assert fo.resolve_impl("x", None, cpu, yes) == ("foreach", False)  # the default is fused on CUDA only
+    assert fo.resolve_impl("x", "fused", cpu, no) == ("fused", True)  # placement-dependent: per leaf
+    assert fo.resolve_impl("x", "single", cpu, no) == ("single", False)
+    if torch.cuda.is_available():
+        gpu = torch.zeros(5, device="cuda")
+        assert fo.resolve_impl("x", None, gpu, yes) == ("fused", False)
+        assert fo.resolve_impl("x", None, gpu, no) == ("foreach", False)
+        assert fo.resolve_impl("x", "fused", gpu, yes) == ("fused", False)
+    assert fused.elementwise(("any",), None, 4, (3,), torch.float32, cpu.device) is False  # CPU: never probed
+    with pytest.raises(fo.OptimizerError, match="floating-point shard"):
+        fo.resolve_impl("x", "fused", torch.zeros(5, dtype=torch.int32), no)
     seg = (L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 5))
     ctx = fo.UpdateContext(0, ParamGroup(), seg, (0, 1), (True, True), leaf_numels=(3, 2))
-    assert fo.resolve_impl("x", None, torch.zeros(5), ctx) == "foreach"  # CPU: fused kernels round by position
-    assert fo.resolve_impl("x", None, torch.zeros(5, dtype=torch.int32), ctx) == "foreach"
-    if torch.cuda.is_available():
-        assert fo.resolve_impl("x", None, torch.zeros(5, device="cuda"), ctx) == "fused"
-    assert fo.resolve_impl("x", "fused", torch.zeros(5), ctx) == "fused"
-    with pytest.raises(fo.OptimizerError, match="floating-point shard"):
-        fo.resolve_impl("x", "fused", torch.zeros(5, dtype=torch.int32), ctx)
+    fo.check_placement("x", ctx, [cpu])
     with pytest.raises(fo.OptimizerError, match="needs ctx.leaf_numels"):
-        fo.resolve_impl("x", "fused", torch.zeros(5), ctx._replace(leaf_numels=()))
+        fo.check_placement("x", ctx._replace(leaf_numels=()), [cpu])
     cut = ctx._replace(segments=(L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 4)), leaf_numels=(3, 4))
     with pytest.raises(fo.OptimizerError, match=r"leaf 1 \(4 elements\) is cut.*\[0, 1\)"):
-        fo.resolve_impl("x", "fused", torch.zeros(5), cut)
-    assert fo.resolve_impl("x", "fused", torch.zeros(5), cut._replace(used=(True, False))) == "fused"  # unused: untouched
+        fo.check_placement("x", cut, [cpu])
+    fo.check_placement("x", cut._replace(used=(True, False)), [cpu])  # an unused leaf is not touched
+    if torch.cuda.is_available():  # a whole leaf of 4 at element 3: torch's own tensor would be aligned
+        whole = fo.UpdateContext(0, ParamGroup(), (L.Segment(0, 0, 0, 3), L.Segment(1, 0, 3, 7)), (0, 1), (True, True),
+                                 leaf_numels=(3, 4))
+        with pytest.raises(fo.OptimizerError, match="not at a 16-byte aligned address"):
+            fo.check_placement("x", whole, [torch.zeros(8, device="cuda")])
 
 
 def test_fused_cpu_refuses_cut_leaves():

@@ -244,10 +244,18 @@ def gather(state: ZeroState) -> Any:
     return unflatten(layout.treespec, leaves)
 
 
+def consume(state: ZeroState) -> None:
+    """Mark a state whose buffers a donating step wrote: using it again is an error."""
+    object.__setattr__(state, "_consumed", True)
+
+
 def check_state(state: Any) -> None:
-    """A `ZeroState` used on the rank and world size it was made for, or a clear error."""
+    """A `ZeroState` used on the rank and world size it was made for, not consumed, or a clear error."""
     if not isinstance(state, ZeroState):
         raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
+    if getattr(state, "_consumed", False):
+        raise FzeroError(f"this state (step {int(state.step)}) was donated to a train_step(donate=True) and its "
+                         f"buffers now hold the next state's values; use the state that step returned")
     mesh = state.mesh
     state.layout.check_world_size(mesh.world_size)
     if state.rank != mesh.rank:

@@ -32,7 +32,7 @@ from .collectives import all_gather, all_reduce
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, is_flat_dict
 from .optim.base import UpdateContext
-from .state import ZeroState, check_state
+from .state import ZeroState, check_state, consume
 from .unit import Probe, unit_programs
 
 ENGINES = ("autograd", "func")
@@ -72,6 +72,7 @@ class StepConfig:
     accum_dtype: torch.dtype = torch.float32
     normalize: str = "mean"
     clip_norm: float | None = None
+    donate: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -89,6 +90,8 @@ class StepConfig:
         c = self.clip_norm
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
+        if not isinstance(self.donate, bool):
+            raise ConfigError(f"donate must be a bool, got {self.donate!r}")
 
 
 class Report(NamedTuple):
@@ -126,6 +129,7 @@ def train_step(
     accum_dtype: torch.dtype = torch.float32,
     normalize: str = "mean",
     clip_norm: float | None = None,
+    donate: bool = False,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -160,9 +164,15 @@ def train_step(
       clip_norm: None, or clip by the global 2-norm with `torch.nn.utils.clip_grad_norm_`'s
         coefficient `min(1, clip_norm / (norm + 1e-6))`; the norm is `Metrics.grad_norm`
         (before clipping), computed from shards in float64 the same way in every stage.
+      donate: the step may consume its input state (JAX's `donate_argnums`): the optimizer
+        updates the state's params and optimizer state in place (`Optimizer.update_`), so a step
+        does not hold a second copy of them; the same bits as the pure step. The input state is
+        then marked consumed and raises if used again. A step skipped for a non-finite gradient
+        leaves it intact; an update that itself makes params non-finite cannot be undone in
+        place: it raises `NonFiniteError` (whatever `on_nonfinite` says) with the state consumed.
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
-                        clip_norm)
+                        clip_norm, donate)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
@@ -186,10 +196,12 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, metrics
     reduced = _rescale(reduced, scale * _clip_coefficient(config, norm))
-    new, broken = update(state, reduced, verdict.used)
+    new, broken = update(state, reduced, verdict.used, config.donate)
+    if config.donate:
+        consume(state)
     if not broken:
         return new, metrics
-    if config.on_nonfinite == "raise":
+    if config.on_nonfinite == "raise" or config.donate:
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
                              f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves). The state is unchanged; "
@@ -413,21 +425,29 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
 # -- 4. update ---------------------------------------------------------------------------------
 
 
-def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool]
+def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False
            ) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or
     `(state, leaves)` -- the input state and the leaves the update would have made NaN or inf,
-    agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently."""
+    agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently.
+    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`)."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
+    if donate and optimizer.update_ is None:
+        raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
+                          "none: use donate=False")
     step = int(state.step)
     new_params, new_opt = list(state.params), list(state.opt_state)
     updated: dict[int, torch.Tensor] = {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
-                            tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag))
+                            tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
+                            tuple(layout.leaves[i].numel for i in spec.leaves))
         p = stage.optimizer_params(layout, b, state.params[b], rank)
-        updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
+        if donate:
+            updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
+        else:
+            updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
     if _any_nonfinite(state, updated):
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     for b, p_new in updated.items():

@@ -11,6 +11,7 @@ from .base import (
     as_schedule as as_schedule,
     check_hyper as check_hyper,
     check_impl as check_impl,
+    check_placement as check_placement,
     check_shards as check_shards,
     group_lr as group_lr,
     in_place as in_place,

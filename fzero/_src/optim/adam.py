@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import fused
 from .base import (
-    FUSED_ELEMENTWISE,
     Impl,
     LearningRate,
     Optimizer,
@@ -18,6 +18,7 @@ from .base import (
     bumped,
     check_hyper,
     check_impl,
+    check_placement,
     check_shards,
     group_lr,
     in_place,
@@ -63,16 +64,16 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
 
     def update_(grad, state, param, ctx: UpdateContext):
         check_shards(name, grad, param, state, spec(state), ctx)
-        how = resolve_impl(name, impl, param, ctx)
+        hyper = dict(beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx), eps=eps, maximize=maximize,
+                     weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
+        operands = (param, grad, *state[1:])
+        how, per_leaf = resolve_impl(name, impl, param, lambda: _fused_elementwise(hyper, amsgrad, param))
+        if per_leaf:
+            check_placement(name, ctx, operands)
         steps = bumped(state.step.tolist(), ctx.used)
-        pieces = used_pieces(ctx, steps, per_segment=how == "fused" and param.device.type not in FUSED_ELEMENTWISE)
-        cut = [slice(a, b) for a, b, _ in pieces]
-        lists = [[t[s] for s in cut] for t in (param, grad, *state[1:])]
-        if not amsgrad:
-            lists.append([])
-        KERNELS[how](*lists, [k for _, _, k in pieces], beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx),
-                     weight_decay=weight_decay if ctx.group.weight_decay else 0.0, eps=eps, maximize=maximize,
-                     decoupled=decoupled)
+        pieces = used_pieces(ctx, steps, per_segment=per_leaf)
+        lists = [[t[a:b] for a, b, _ in pieces] for t in operands] + ([] if amsgrad else [[]])
+        KERNELS[how](*lists, [k for _, _, k in pieces], **hyper)
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
         return State(step_t, *state[1:])
 
@@ -167,6 +168,16 @@ def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
 
 
+def _fused_elementwise(hyper: dict, amsgrad: bool, param: torch.Tensor) -> bool:
+    """`fused.elementwise` for this configuration (the lr of the first call probes it)."""
+
+    def launch(ts):
+        _fused([ts[0]], [ts[1]], [ts[2]], [ts[3]], [ts[4]] if amsgrad else [], [3.0], **hyper)
+
+    key = ("adam", amsgrad, *sorted((k, v) for k, v in hyper.items() if k != "lr"))
+    return fused.elementwise(key, launch, 5 if amsgrad else 4, (3, 4) if amsgrad else (3,), param.dtype, param.device)
+
+
 def adam(
     lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -191,9 +202,11 @@ def adam(
     `AmsgradState` if `amsgrad`.
 
     `impl` picks torch's implementation, and so the bits: "single" = `Adam(foreach=False)`,
-    "foreach" = `Adam(foreach=True)`, "fused" = `Adam(fused=True)` (each bit for bit, per
-    element, for any N and shard cut; on CPU "fused" needs every updated leaf whole in the
-    shard). None: "fused" on CUDA, else "foreach" (`base.resolve_impl`). `update_` writes
+    "foreach" = `Adam(foreach=True)`, "fused" = `Adam(fused=True)`, each bit for bit, per
+    element, for any N and shard cut, except "fused" where torch's kernel rounds by placement
+    (CPU always; on CUDA as `fused.elementwise` finds): there every updated leaf must lie whole
+    and aligned in the shard. None: "fused" on CUDA where element-wise, else "foreach"
+    (`base.resolve_impl`). `update_` writes
     `param`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`) in place and returns a new `step`;
     it allocates one shard-sized buffer ("single", "foreach") or none ("fused").
     """

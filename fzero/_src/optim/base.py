@@ -51,7 +51,9 @@ class UpdateContext(NamedTuple):
         ranks, element-wise, in a fixed rank order, without changing its dtype; identity when
         N == 1. Only layer-wise optimizers call it (once per update).
       leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only
-        `impl="fused"` on a CPU shard reads it (to check every updated leaf lies whole in it).
+        `impl="fused"` with a placement-dependent kernel (CPU always, CUDA for some
+        configurations; see `fzero._src.optim.fused`) reads it, to check that every updated
+        leaf lies whole in the shard.
     """
 
     step: int
@@ -75,7 +77,10 @@ class Optimizer(NamedTuple):
         place: `param` and every "shard" field of `state` are overwritten with their new values
         (the new state holds those very tensors); "leaf" fields are replaced by new tensors (the
         input's are not written); `grad` is never written. Afterwards the input `state` must not
-        be used (its "leaf" fields are stale). `None` for an optimizer with no in-place form.
+        be used (its "leaf" fields are stale). Errors of the checks (`check_shards`,
+        `check_placement`) come before any write; an error raised later (a failing
+        `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
+        optimizer with no in-place form.
 
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).
@@ -199,12 +204,6 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
 
 Impl = Literal["fused", "foreach", "single"]
 IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
-# Device types whose torch fused optimizer kernels compute every element the same way, whatever
-# its position in the tensor (one per-element functor for aligned and unaligned loads). The CPU
-# kernels do not: their vectorised body rounds the scalars to the element type, their scalar
-# tail computes in float64, and the split between the two moves with the tensor's size and
-# torch's thread count (proofs/optimizers.md, section 3).
-FUSED_ELEMENTWISE = ("cuda",)
 
 
 def check_impl(name: str, impl: Impl | None) -> Impl | None:
@@ -212,55 +211,68 @@ def check_impl(name: str, impl: Impl | None) -> Impl | None:
     if impl is not None and impl not in IMPLS:
         raise OptimizerError(
             f"{name}: impl must be one of {', '.join(map(repr, IMPLS))}, or None for the default "
-            f"('fused' on CUDA, else 'foreach'), got {impl!r}"
+            f"('fused' on CUDA where its kernel is element-wise, else 'foreach'), got {impl!r}"
         )
     return impl
 
 
-def resolve_impl(name: str, impl: Impl | None, param: torch.Tensor, ctx: UpdateContext) -> Impl:
-    """The implementation one update runs.
+def resolve_impl(name: str, impl: Impl | None, param: torch.Tensor, elementwise: Callable[[], bool]) -> tuple[Impl, bool]:
+    """`(implementation, per_leaf)` of one update; `elementwise()` says whether the fused kernel
+    configuration computes every element alike wherever it sits (`fused.elementwise`).
 
-    Default (`impl=None`): "fused" where torch's fused kernel is element-wise
-    (`FUSED_ELEMENTWISE`: CUDA) and the shard is floating point, else "foreach". So the default
-    never depends on where shards cut a leaf. An explicit "fused" needs a device and dtype torch
-    has a fused kernel for (`torch.optim`'s rule: a fused-supported device type and a floating
-    dtype); on a device outside `FUSED_ELEMENTWISE` it also needs every used leaf whole in the
-    shard (`ctx.leaf_numels`), where the call is exactly torch's per-parameter call.
+    Default (`impl=None`): "fused" on a CUDA floating-point shard whose fused kernel is
+    element-wise, else "foreach": a function of the device, dtype and hyper-parameters, never
+    of where shards cut leaves. An explicit "fused" needs a device and dtype torch has a fused
+    kernel for (torch.optim's rule: a fused-supported device type, a floating dtype); where
+    the kernel is not element-wise it runs per leaf (`per_leaf`), each leaf placed as torch's
+    own tensor (`check_placement`).
     """
     if impl is None:
-        return "fused" if param.device.type in FUSED_ELEMENTWISE and param.is_floating_point() else "foreach"
-    if impl == "fused":
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        cuda = param.device.type == "cuda" and param.is_floating_point()
+        return ("fused", False) if cuda and elementwise() else ("foreach", False)
+    if impl != "fused":
+        return impl, False
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-        devices = _get_fused_kernels_supported_devices()
-        if param.device.type not in devices or not param.is_floating_point():
-            raise OptimizerError(
-                f"{name}: impl='fused' needs a floating-point shard on one of {devices} (torch's fused "
-                f"kernels), got {param.dtype} on {param.device}; use impl='foreach' or 'single'"
-            )
-        if param.device.type not in FUSED_ELEMENTWISE:
-            check_whole_leaves(name, ctx, param.device)
-    return impl
+    devices = _get_fused_kernels_supported_devices()
+    if param.device.type not in devices or not param.is_floating_point():
+        raise OptimizerError(
+            f"{name}: impl='fused' needs a floating-point shard on one of {devices} (torch's fused "
+            f"kernels), got {param.dtype} on {param.device}; use impl='foreach' or 'single'"
+        )
+    return "fused", not elementwise()
 
 
-def check_whole_leaves(name: str, ctx: UpdateContext, device: torch.device) -> None:
-    """Every used leaf lies whole in one segment of this shard, else an `OptimizerError`."""
+def check_placement(name: str, ctx: UpdateContext, operands: Sequence[torch.Tensor]) -> None:
+    """Every used leaf lies whole in this shard, its pieces of `operands` (param, grad, state
+    shards) placed as torch's own tensors would be (`fused.placed_as_torch`), else an
+    `OptimizerError` naming the leaf and the way out."""
+    from .fused import placed_as_torch
+
+    device = operands[0].device
     if len(ctx.leaf_numels) != len(ctx.leaves):
         raise OptimizerError(
-            f"{name}: impl='fused' on {device.type} needs ctx.leaf_numels (one per bucket leaf, got "
-            f"{len(ctx.leaf_numels)} for {len(ctx.leaves)}) to check that no leaf is cut; pass them, or use "
-            f"impl='foreach'"
+            f"{name}: impl='fused' here ({device.type}, a placement-dependent kernel) needs ctx.leaf_numels (one "
+            f"per bucket leaf, got {len(ctx.leaf_numels)} for {len(ctx.leaves)}) to check that no leaf is cut; "
+            f"pass them, or use impl='foreach'"
         )
     pos = {leaf: k for k, leaf in enumerate(ctx.leaves)}
     for seg in ctx.segments:
         k = pos[seg.leaf]
-        if ctx.used[k] and (seg.leaf_start != 0 or seg.stop - seg.start != ctx.leaf_numels[k]):
+        if not ctx.used[k]:
+            continue
+        numel, held = ctx.leaf_numels[k], (seg.leaf_start, seg.leaf_start + seg.stop - seg.start)
+        why = None
+        if held != (0, numel):
+            why = f"is cut by the shard (this rank holds elements [{held[0]}, {held[1]}))"
+        elif not placed_as_torch([t[seg.start : seg.stop] for t in operands], numel):
+            why = f"sits at shard element {seg.start}, not at a {4 * operands[0].element_size()}-byte aligned address"
+        if why:
             raise OptimizerError(
-                f"{name}: impl='fused' on {device.type}: bucket leaf {seg.leaf} ({ctx.leaf_numels[k]} elements) is "
-                f"cut by the shard (this rank holds elements [{seg.leaf_start}, "
-                f"{seg.leaf_start + seg.stop - seg.start})); torch's {device.type} fused kernels round by position, "
-                f"so a cut leaf would not get torch's bits. Use impl='foreach' (the default there), or a layout "
-                f"that keeps leaves whole (N = 1, stage 0)"
+                f"{name}: impl='fused' on {device.type}: bucket leaf {seg.leaf} ({numel} elements) {why}; this "
+                f"kernel configuration rounds by placement (see fzero._src.optim.fused), so the leaf would not get "
+                f"torch's bits. Use impl='foreach' (the default here), or a layout that keeps leaves whole and "
+                f"aligned (N = 1, stage 0, leaf sizes multiples of 4)"
             )
 
 

@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import fused
 from .base import (
-    FUSED_ELEMENTWISE,
     EmptyState,
     Impl,
     LearningRate,
@@ -19,6 +19,7 @@ from .base import (
     bumped,
     check_hyper,
     check_impl,
+    check_placement,
     check_shards,
     group_lr,
     in_place,
@@ -62,8 +63,9 @@ def sgd(
       lr: a float, a callable `step -> float`, or a sequence of per-step floats.
       momentum, dampening, nesterov, weight_decay, maximize: as torch.optim.SGD.
       impl: "single" = `SGD(foreach=False)`, "foreach" = `SGD(foreach=True)`, "fused" =
-        `SGD(fused=True)` (on CPU: every updated leaf whole in the shard); None: "fused" on
-        CUDA, else "foreach" (`base.resolve_impl`).
+        `SGD(fused=True)` (where torch's kernel rounds by placement, CPU always, on CUDA as
+        `fused.elementwise` finds: every updated leaf whole and aligned in the shard); None:
+        "fused" on CUDA where element-wise, else "foreach" (`base.resolve_impl`).
 
     Returns:
       An `Optimizer`; its state is `EmptyState()` without momentum, else `SgdMomentumState`.
@@ -101,15 +103,16 @@ def sgd(
 
     def update_(grad, state, param, ctx: UpdateContext):
         check_shards("sgd", grad, param, state, spec(state), ctx)
-        how = resolve_impl("sgd", impl, param, ctx)
-        counts = state.count.tolist() if momentum != 0 else [0.0] * len(ctx.leaves)
-        pieces = used_pieces(ctx, [c == 0 for c in counts],
-                             per_segment=how == "fused" and param.device.type not in FUSED_ELEMENTWISE)
-        cut = [slice(a, b) for a, b, _ in pieces]
-        bufs = [state.momentum_buffer[s] for s in cut] if momentum != 0 else []
-        KERNELS[how]([param[s] for s in cut], [grad[s] for s in cut], bufs, [k for _, _, k in pieces],
-                     lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
+        hyper = dict(lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
                      momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
+        operands = (param, grad) if momentum == 0 else (param, grad, state.momentum_buffer)
+        how, per_leaf = resolve_impl("sgd", impl, param, lambda: _fused_elementwise(hyper, param))
+        if per_leaf:
+            check_placement("sgd", ctx, operands)
+        counts = state.count.tolist() if momentum != 0 else [0.0] * len(ctx.leaves)
+        pieces = used_pieces(ctx, [c == 0 for c in counts], per_segment=per_leaf)
+        lists = [[t[a:b] for a, b, _ in pieces] for t in operands] + ([[]] if momentum == 0 else [])
+        KERNELS[how](*lists, [k for _, _, k in pieces], **hyper)
         if momentum == 0:
             return state
         count = torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device)
@@ -200,3 +203,16 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
 
 
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
+
+
+def _fused_elementwise(hyper: dict, param: torch.Tensor) -> bool:
+    """`fused.elementwise` for this configuration, first and later momentum steps alike (the lr
+    of the first call probes it)."""
+    with_buffer = hyper["momentum"] != 0
+
+    def launch(first):
+        return lambda ts: _fused([ts[0]], [ts[1]], [ts[2]] if with_buffer else [], [first], **hyper)
+
+    key = ("sgd", *sorted((k, v) for k, v in hyper.items() if k != "lr"))
+    return all(fused.elementwise((*key, first), launch(first), 3 if with_buffer else 2, (), param.dtype, param.device)
+               for first in ((True, False) if with_buffer else (False,)))
