@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
     ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
+    ap.add_argument("--donate", type=int, default=1, help="train_step(donate=...): update the state in place")
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
@@ -57,7 +58,7 @@ def main() -> None:
     opt = optim.adamw(lr=1e-4)
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units)
     del params
-    step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather)
+    step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather, donate=bool(a.donate))
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
     tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
@@ -89,11 +90,11 @@ def main() -> None:
     tok = a.micro * a.seq
     flops_per_tok = 6 * nparams + 12 * a.layers * a.dim * a.seq  # the peer script's estimate
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
-    peaks = fzero.all_gather(torch.tensor([peak], device=dev), mesh).tolist()
+    peaks = fzero.collectives.all_gather(torch.tensor([peak], device=dev), mesh).tolist()
     if rank == 0:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
-            + ("" if a.gather == "on_use" else f"-{a.gather}"), "world": world, "params_M": round(nparams / 1e6, 1),
+            + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure"), "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),
