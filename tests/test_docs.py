@@ -22,3 +22,31 @@ def test_readme_python_blocks_run():
     full = namespace["full"]
     assert len(full) == 4 and all(set(f) == {"w", "head"} for f in full)
     assert namespace["log"], "mesh.record() recorded no collective"
+
+
+def _modules():
+    import importlib
+    import pkgutil
+
+    import fzero
+
+    names = ["fzero"] + [m.name for m in pkgutil.walk_packages(fzero.__path__, "fzero.")]
+    return [importlib.import_module(n) for n in names if not n.endswith(("_worker", "__main__"))]
+
+
+def test_every_docstring_example_runs():
+    """Every `>>>` example in fzero's docstrings runs and prints what it shows (examples that need
+    torchrun are written as plain code blocks, without prompts)."""
+    import doctest
+
+    import torch
+
+    import fzero
+
+    attempted = 0
+    for mod in _modules():
+        result = doctest.testmod(mod, extraglobs={"fzero": fzero, "torch": torch}, report=True,
+                                 optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, f"{mod.__name__}: {result.failed} docstring example(s) failed (printed above)"
+        attempted += result.attempted
+    assert attempted >= 20, attempted

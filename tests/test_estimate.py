@@ -50,7 +50,7 @@ def test_table1_7_5b_every_cell(n):
     psi, k = Fraction(7_500_000_000), 12
     closed_forms = ((4 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (4 + k) * psi / n)
     for stage, printed, closed in zip(STAGES, TABLE1_7_5B[n], closed_forms):
-        e = estimate(7.5e9, n, stage=stage)
+        e = estimate(7.5e9, n, stage=stage, optimizer="adam-mixed")
         assert e.total == closed, (n, stage)
         gb = e.total / GB
         # At the cell's own printed precision, rounded half up, the value is the printed one ...
@@ -63,7 +63,7 @@ def test_table1_7_5b_every_cell(n):
 
 def test_table1_needs_half_up():
     """41.25 GB is printed 41.3: round-half-even (Python's `round`) would print 41.2."""
-    e = estimate(7.5e9, 4, stage=2)
+    e = estimate(7.5e9, 4, stage=2, optimizer="adam-mixed")
     assert e.total == Fraction(4125, 100) * GB
     assert Decimal("41.25").quantize(Decimal("0.1"), rounding=ROUND_HALF_EVEN) == Decimal("41.2")
     assert round_significant(e.total / GB) == "41.3"
@@ -89,8 +89,8 @@ def test_deepspeed_no_offload_gap():
     for n in (1, 4, 64, 1024):
         ds2 = 2 * psi + Fraction(18 * psi, n)  # DeepSpeed truncates to int: < 1 byte less
         ds3 = 4 * largest + Fraction(18 * psi, n)
-        assert ds2 - estimate(psi, n, stage=2).total == Fraction(4 * psi, n)
-        assert ds3 - estimate(psi, n, stage=3).total == Fraction(2 * psi, n) + 4 * largest
+        assert ds2 - estimate(psi, n, stage=2, optimizer="adam-mixed").total == Fraction(4 * psi, n)
+        assert ds3 - estimate(psi, n, stage=3, optimizer="adam-mixed").total == Fraction(2 * psi, n) + 4 * largest
 
 
 # ---------------------------------------------------------------------- bytes per parameter
@@ -192,7 +192,7 @@ def test_padding_example():
 def test_frozen_group_has_no_grads_or_state():
     tree = {"emb": torch.empty(8, device="meta"), "head": torch.empty(4, device="meta")}
     frozen = (ParamGroup("frozen", match=lambda p: p == "emb", frozen=True),)
-    e = estimate(tree, 1, stage=0, groups=frozen)
+    e = estimate(tree, 1, stage=0, groups=frozen, optimizer="adam-mixed")
     assert (e.params, e.grads, e.optimizer_state, e.master) == (2 * 12, 2 * 4, 8 * 4, 4 * 4)
 
 
@@ -201,8 +201,8 @@ def test_meta_module_costs_no_memory():
     with torch.device("meta"):
         model = torch.nn.Linear(100_000, 100_000, bias=False)
     assert num_params(model) == 10**10
-    e = estimate(model, 64, stage=3)
-    assert e.total == estimate(10**10, 64, stage=3).total  # 10^10 is a multiple of 64: no padding
+    e = estimate(model, 64, stage=3, optimizer="adam-mixed")
+    assert e.total == estimate(10**10, 64, stage=3, optimizer="adam-mixed").total  # 10^10 is a multiple of 64: no padding
 
 
 def test_tied_parameters_counted_once():

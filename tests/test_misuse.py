@@ -174,3 +174,19 @@ def test_grad_norm_equals_an_independent_value():
             return fzero.train_step(_sum_loss)(state, x)[1].grad_norm
 
         assert all(torch.equal(g, want) for g in mesh.run(rank_fn, [(x,) for x in xs]))
+
+
+def test_lamb_moves_zero_initialised_leaves():
+    """Mutation gap: a trust ratio of 0 where ‖p‖ = 0 (it must be 1, as in LAMB's reference) would
+    never train a zero-initialised bias; the tests drew only non-zero params. With ‖p‖ = 0 the
+    update is the Adam direction times lr: after one step from zeros every element moved by
+    -lr·sign(g) (Adam's first step is ±lr per element where g ≠ 0, up to eps)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init({"b": torch.zeros(6), "w": torch.ones(6)}, optim.lamb(0.1), stage=2, mesh=mesh)
+        state, _ = fzero.train_step(lambda p, x: (p["b"] * x).sum() + (p["w"] * x).sum())(state, torch.ones(6))
+        return fzero.gather(state)["b"]
+
+    for b in mesh.run(rank_fn):
+        assert torch.allclose(b, torch.full((6,), -0.1), rtol=0, atol=1e-6)  # eps = 1e-6 in the denominator

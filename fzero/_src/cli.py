@@ -183,7 +183,9 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--world-size", "-n", type=int, required=True, help="N, the data-parallel (shard) size")
     p.add_argument("--stage", type=int, choices=LEVELS, help="print this stage only")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of params and grads")
-    p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed")
+    p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed",
+                   help="default: the ZeRO paper's mixed-precision Adam (K = 12); fzero's train_step runs 'adam' "
+                        "(fp32, K = 8) until it has a precision policy")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
     p.add_argument("--plot", metavar="OUT.png", help="plot bytes per rank vs world size (needs matplotlib)")
     p.add_argument(

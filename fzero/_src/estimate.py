@@ -18,9 +18,16 @@ pytree or an `nn.Module` the count is taken from `fzero.plan`: bucket b is a fla
 `N * S_b` (padding included). Only model states are counted: no activations, no transient
 all-gather buffers, no communication buckets. proofs/memory.md proves each row.
 
+The default optimizer is "adam": fp32 params, gradients and Adam moments (K = 8), what fzero's
+`train_step` runs today. The paper's rows use mixed-precision Adam (bf16/fp16 params and
+gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, which fzero will train once
+it has a precision policy.
+
 Example:
-  >>> e = estimate(7.5e9, 64, stage=3)           # the ZeRO paper's Table 1, N = 64
+  >>> e = estimate(7.5e9, 64, stage=3, optimizer="adam-mixed")   # the ZeRO paper's Table 1, N = 64
   >>> float(e.total) / 1e9
+  1.875
+  >>> float(estimate(7.5e9, 64, stage=3).total) / 1e9             # fp32 Adam: 16 bytes / param / N
   1.875
 """
 
@@ -108,7 +115,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def bytes_per_param(
-    optimizer: str = "adam-mixed",
+    optimizer: str = "adam",
     param_dtype: torch.dtype | str | None = None,
     grad_dtype: torch.dtype | str | None = None,
 ) -> BytesPerParam:
@@ -196,7 +203,7 @@ def estimate(
     stage: int | None = None,
     param_dtype: torch.dtype | str | None = None,
     grad_dtype: torch.dtype | str | None = None,
-    optimizer: str = "adam-mixed",
+    optimizer: str = "adam",
     align: int = 1,
     units: UnitSpec = None,
     groups: Sequence[ParamGroup] = (),

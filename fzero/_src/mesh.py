@@ -213,7 +213,7 @@ class SimMesh(Mesh):
 
     Example:
       >>> mesh = fzero.SimMesh(4)
-      >>> mesh.run(lambda x: fzero.all_reduce(x, mesh), [(torch.tensor([float(r)]),) for r in range(4)])
+      >>> mesh.run(lambda x: fzero.collectives.all_reduce(x, mesh), [(torch.tensor([float(r)]),) for r in range(4)])
       [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
 
     Every rank starts `run` from the caller's RNG state (as N processes seeded alike); the
@@ -561,10 +561,11 @@ class DistMesh(Mesh):
     rank (found among the ranks on this host; for ranks on other hosts the message says which may
     be lost); the mesh is unusable afterwards.
 
-    Example (run under `torchrun --nproc-per-node 2 script.py`):
-      >>> mesh = fzero.DistMesh()  # or DistMesh(backend="gloo") to run on CPU whatever the GPUs
-      >>> fzero.all_reduce(torch.ones(3, device=mesh.device), mesh)
-      tensor([2., 2., 2.])
+    Example (a script run as `torchrun --nproc-per-node 2 script.py`; tests/test_dist.py runs
+    the same on a pool of gloo workers):
+
+        mesh = fzero.DistMesh()  # or DistMesh(backend="gloo") to run on CPU whatever the GPUs
+        fzero.collectives.all_reduce(torch.ones(3, device=mesh.device), mesh)  # tensor([2., 2., 2.])
     """
 
     def __init__(self, group: Any = None, *, backend: str | None = None, device: str | torch.device | None = None,

@@ -93,9 +93,18 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
       **kwargs) -> module(*args, **kwargs)`, and a `ModuleInfo`.
 
     Example:
-      >>> params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "h"))
-      >>> state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
+      >>> import torch.nn.functional as F
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+      >>> params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+      >>> sorted(params), info.units("2.weight")
+      (['0.bias', '0.weight', '2.bias', '2.weight'], '2')
+      >>> mesh, opt = fzero.SimMesh(2), fzero.optim.adamw(1e-3)
       >>> loss_fn = lambda p, batch: F.cross_entropy(apply(p, batch[0]), batch[1])
+      >>> def rank(batch):
+      ...     state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
+      ...     return fzero.train_step(loss_fn)(state, batch)[1].step
+      >>> mesh.run(rank, [((torch.ones(3, 4), torch.zeros(3, dtype=torch.long)),)] * 2)
+      [0, 0]
     """
     if not isinstance(module, nn.Module):
         raise FzeroError(f"from_module expects an nn.Module, got {type(module).__name__}")

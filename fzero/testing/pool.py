@@ -13,14 +13,16 @@ must be importable) and rank r's arguments to rank r, which runs `fn(mesh, *args
 `DistMesh` and sends back the result or the exception. Draw data in the test process and ship
 it; the workers only compute.
 
-Example (a test module; `cases.py` is importable from the test process's `sys.path`):
-  >>> # cases.py
-  >>> def gather(mesh, x):
-  ...     return fzero.all_gather(x, mesh)
-  >>> # test_x.py
-  >>> with Pool(2) as pool:
-  ...     pool.run(cases.gather, [(torch.ones(1),), (torch.zeros(1),)])
-  [tensor([1., 0.]), tensor([1., 0.])]
+Example (two files; `cases.py` is importable from the test process's `sys.path`; tests/test_dist.py
+and tests/dist_cases.py are this pattern at full size):
+
+    # cases.py
+    def gather(mesh, x):
+        return fzero.collectives.all_gather(x, mesh)
+
+    # test_x.py
+    with Pool(2) as pool:
+        pool.run(cases.gather, [(torch.ones(1),), (torch.zeros(1),)])  # [tensor([1., 0.]), tensor([1., 0.])]
 
 Messages are pickled with the standard pickler (`send_bytes`), never torch's shared-memory
 reducers, so tensors travel by value.
