@@ -115,7 +115,6 @@ def test_gather_on_use_on_nested_params_gathers_at_first_use():
     fzero.testing.assert_trees_equal(eager[0][0], on_use[0][0])
 
 
-
 def test_gather_on_use_frees_everything_after_the_step():
     """The release callbacks, the LazyParams and the autograd graph reference each other partly
     through C++ (invisible to Python's GC): the step must break that cycle, or every step would
@@ -140,7 +139,6 @@ def test_gather_on_use_frees_everything_after_the_step():
     mesh.run(rank_fn, [(torch.randn(2, 8),)] * 2)
     gc.collect()
     assert len(seen) == 2 and all(r() is None for r in seen)
-
 
 
 def test_gather_on_use_weight_tied_across_blocks():

@@ -1,10 +1,12 @@
-"""`train_step`'s non-finite path, on SimMesh.
+"""`train_step`'s non-finite path and its step counter, on SimMesh.
 
 - A NaN or inf in one rank's local gradient or loss stops every rank with `NonFiniteError`,
   naming the rank(s), the bucket(s) and the leaves whose reduced gradient is non-finite
   (`on_nonfinite="raise"`, the default); with `on_nonfinite="skip"` the step returns the input
   state itself, unchanged, and `Metrics.skipped`.
 - A loss that raises on one rank stops every rank (the others are told which rank failed).
+- `state.step` is an int64 0-d tensor counting the updates applied: each non-skipped step adds
+  one, a skipped step none; `Metrics.step` is the input state's count (0 for the first step).
 """
 
 from __future__ import annotations
@@ -84,3 +86,35 @@ def test_loss_error_on_one_rank_stops_every_rank():
         mesh.run(rank_fn, [(torch.ones(4),), (torch.ones(5),), (torch.ones(4),)])
     assert any("rank 1" in note for note in info.value.__notes__)
 
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_counts_updates_and_metrics_report_the_input_count(stage):
+    """Three steps, the middle one non-finite on rank 1 and skipped: `state.step` goes 0, 1, 1, 2
+    and `Metrics.step` reads 0, 1, 1 (the input state's count, not the count after the update);
+    each step leaves its input state's counter as it was."""
+    params = {"a": torch.ones(5), "b": torch.ones(3)}
+    mesh, opt = fzero.SimMesh(2), optim.adamw(0.1)
+
+    def loss_fn(p, c):
+        return (p["a"] * c).sum() + p["b"].sum()
+
+    def rank_fn(*batches):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn, on_nonfinite="skip")
+        counts, reported, skipped = [state.step], [], []
+        for c in batches:
+            before = state
+            state, m = step(state, c)
+            assert before.step.item() == counts[-1].item()  # the input state's counter is not modified
+            counts.append(state.step)
+            reported.append(m.step)
+            skipped.append(m.skipped)
+        return counts, reported, skipped
+
+    nan = torch.tensor([1.0, float("nan"), 1, 1, 1])
+    batches = [(torch.ones(5), torch.ones(5), torch.ones(5)), (torch.ones(5), nan, torch.ones(5))]
+    for counts, reported, skipped in mesh.run(rank_fn, batches):
+        assert all(c.dtype == torch.int64 and c.shape == () for c in counts)
+        assert [c.item() for c in counts] == [0, 1, 1, 2]
+        assert reported == [0, 1, 1] and all(type(s) is int for s in reported)
+        assert skipped == [False, True, False]
