@@ -1,4 +1,4 @@
-"""fzero against torch DDP, and nn.Module interop (`from_module`).
+"""fzero against torch DDP (nn.Module interop on its own: tests/test_module.py).
 
 On the persistent torchrun gloo pool (fixtures `dist2` / `dist4`, tests/conftest.py); the worker
 functions are in tests/ddp_cases.py. What is claimed and why: proofs/stages.md.
@@ -14,15 +14,9 @@ functions are in tests/ddp_cases.py. What is claimed and why: proofs/stages.md.
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
 import torch
-from torch import nn
 
-import fzero
-from fzero import from_module, units_by_prefix
 from fzero.testing import WorkerError
 
 from . import ddp_cases as cases
@@ -115,93 +109,3 @@ def test_loss_rejecting_batch_on_one_rank_stops_every_rank(dist2, bad_rank):
     other = errors[1 - bad_rank]
     assert other.type_name.endswith("RankFailed") and f"[{bad_rank}]" in other.message, other
     assert dist2.run(cases.rank_of, [(), ()]) == [0, 1]  # the pool survives
-
-
-# --- from_module, in process ---------------------------------------------------------------------
-
-def test_from_module_keeps_tied_weights_tied_and_matches_the_module():
-    model = cases.gpt2()
-    params, apply, info = from_module(model, units=units_by_prefix(model, "transformer.h"))
-    assert info.aliases["transformer.wte.weight"] == ("transformer.wte.weight", "lm_head.weight")
-    assert "lm_head.weight" not in params
-    assert len(params) == len(list(model.parameters()))
-    x = torch.randint(0, 64, (2, 8))
-    want = model(x, labels=x)
-    got = apply({k: v.clone().requires_grad_() for k, v in params.items()}, x, labels=x)
-    assert torch.equal(want.logits, got.logits) and torch.equal(want.loss, got.loss)
-    # a changed embedding changes the head too (tied), not only the input embedding
-    moved = dict(params, **{"transformer.wte.weight": params["transformer.wte.weight"] + 1})
-    m2 = copy.deepcopy(model)
-    with torch.no_grad():
-        m2.transformer.wte.weight.add_(1)
-    assert torch.equal(m2(x).logits, apply(moved, x).logits)
-    assert {info.units(k) for k in params} == {"transformer.h.0", "transformer.h.1", "default"}
-
-
-def test_skeleton_holds_no_parameter_storage():
-    model = cases.gpt2()
-    params, apply, info = from_module(model)
-    # the closure's skeleton holds meta placeholders only; the real tensors are the caller's
-    skeleton = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, nn.Module))
-    assert all(p.is_meta for p in skeleton.parameters())
-    assert all(p.is_meta for _, p in skeleton.named_parameters(remove_duplicate=False))
-    with pytest.raises(fzero.FzeroError, match="missing"):
-        apply({k: v for k, v in params.items() if k != "lm_head.weight" and not k.endswith("ln_f.bias")},
-              torch.zeros(1, 2, dtype=torch.long))
-
-
-def test_frozen_parameters_become_a_frozen_group_and_stay_put():
-    model = cases.MLP()
-    params, apply, info = from_module(model)
-    assert info.frozen == ("head.bias",)
-    assert [g.frozen for g in info.groups] == [True] and info.groups[0].match("head.bias")
-    mesh = fzero.SimMesh(2)
-    opt = fzero.optim.adamw(1e-2)
-    batches = cases.make_batches("mlp", 2, steps=1)
-
-    def rank_fn(batch):
-        state = fzero.init(params, opt, stage=3, mesh=mesh, groups=info.groups)
-        step = fzero.train_step(lambda p, b: cases.loss_of("mlp", apply(p, b[0]), b))
-        state, _ = step(state, batch)
-        return fzero.gather(state)
-
-    out = mesh.run(rank_fn, [(b[0],) for b in batches])
-    assert torch.equal(out[0]["head.bias"], params["head.bias"])
-    assert not torch.equal(out[0]["head.weight"], params["head.weight"])
-    assert torch.equal(out[0]["unused.weight"], params["unused.weight"])  # no gradient: no weight decay
-
-
-def test_buffers_are_per_rank_and_updated_in_place():
-    model = cases.MLP()
-    params, apply, info = from_module(model)
-    before = info.buffers["body.1.running_mean"].clone()
-    apply(params, torch.randn(4, 8))
-    assert not torch.equal(info.buffers["body.1.running_mean"], before)
-    assert torch.equal(model.body[1].running_mean, before)  # the original module is untouched
-    assert info.buffers["body.1.num_batches_tracked"].item() == 1
-
-
-def test_mixed_dtypes_within_a_unit_name_the_parameters():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    model[1].to(torch.float64)
-    with pytest.raises(fzero.LayoutError, match=r"'0.weight' is torch.float32.*'1.weight' is torch.float64"):
-        from_module(model)
-    from_module(model, units=units_by_prefix(model, ""))  # one unit per child: fine
-
-
-def test_mixed_devices_within_a_unit_name_the_parameters():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    model[1].to("meta")
-    with pytest.raises(fzero.LayoutError, match=r"'0.weight' is torch.float32 on cpu, '1.weight' is .* on meta"):
-        from_module(model)
-
-
-def test_units_by_prefix_names_a_missing_container():
-    with pytest.raises(fzero.FzeroError, match="no submodule 'blocks'"):
-        units_by_prefix(nn.Sequential(nn.Linear(2, 2)), "blocks")
-
-
-def test_transformers_imports_without_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cases.gpt2()

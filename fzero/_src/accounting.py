@@ -4,7 +4,8 @@ Two halves, each with a formula and a measurement that tests hold against each o
 
 - memory: `held_bytes(state)` reads the tensors a `ZeroState` holds (what `fzero.estimate`
   predicts); `storage_bytes(tree)` is an independent census of live distinct storages, and
-  `LiveStorages` a dispatch mode that tracks the peak of storages allocated during a step.
+  `LiveStorages` a dispatch mode that tracks the live and peak bytes of the storages allocated
+  during a step (all of them, or those a predicate picks, in total or per group).
 - communication: `comm_volume(records, N)` sums the collectives that `Mesh.record()` logged;
   `expected_comm(layout or Ψ, N, stage, ...)` is the per-step formula, read from the `Stage`
   (proofs/communication.md).
@@ -23,7 +24,7 @@ independent of Ψ, reported apart and never part of the data volume.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple, Union
 
@@ -118,51 +119,86 @@ def storage_bytes(tree: Any) -> int:
 
 
 class LiveStorages(TorchDispatchMode):
-    """Tracks storages allocated by aten ops while entered; `peak` is the most live bytes seen.
+    """A census of the storages aten ops allocate while entered: the bytes live now and at peak.
 
     Every op's output whose storage is not one of the op's inputs' storages is a new allocation
-    (views and in-place results share an input's storage and are skipped); it is held through a
-    weak reference to the C++ storage (`StorageWeakRef`) and counted until that expires.
-    Storages created before the mode was entered (the state, the batch) are never counted, so
-    `peak` is the most bytes above what existed at entry. Internal scratch buffers of a single
-    kernel are invisible to it.
+    (views and in-place results share an input's storage and are skipped); it is tracked, through
+    a weak reference to the C++ storage (`StorageWeakRef`: the census never keeps a storage
+    alive), until that expires. Storages created before the mode was entered (the state, the
+    batch) are never counted, so `peak` is the most bytes above what existed at entry. A tracked
+    storage counts its size *now* (re-read at every op): one shrunk by `resize_(0)` counts 0
+    until it is resized again. Internal scratch buffers of a single kernel are invisible to it.
+
+    Args:
+      count: `count(tensor) -> bool`, asked about each new storage (with the op output holding
+        it, on the thread running the op): only storages it accepts are tracked. Default: all.
+        E.g. `lambda t: t.untyped_storage().nbytes() in sizes` for gradient-shaped storages.
+      group: `group(tensor) -> key`, asked with `count`: the group a tracked storage is counted
+        in, for `peaks`. Default: one group, `None`. E.g. `lambda t: threading.get_ident()` for
+        a peak per SimMesh rank thread.
+
+    Attributes (updated after every op):
+      current: bytes of the tracked storages live now, over all groups.
+      peak: the most `current` has been.
+      peaks: `{key: the most bytes group key has held at once}`, for every group seen.
 
     Thread-locality: torch keeps the dispatch-mode stack per thread, and SimMesh computes a
     collective's results for all ranks on whichever rank thread completes the round. So enter
     one *shared* `LiveStorages` inside every rank's function: it then counts the live bytes of
     all ranks together (exact, whichever thread allocates), and `peak` is the peak of the sum.
-    One rank runs at a time, so no lock is needed beyond SimMesh's own.
+    With `group` by thread, a collective's results count for the thread that built them. One
+    rank runs at a time, so no lock is needed beyond SimMesh's own.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, count: Callable[[torch.Tensor], bool] | None = None,
+                 group: Callable[[torch.Tensor], Hashable] | None = None) -> None:
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._ref = StorageWeakRef
-        self._live: dict[int, tuple[Any, int]] = {}  # storage cdata -> (weak ref, nbytes)
+        self._count = count if count is not None else _always
+        self._group = group if group is not None else _one_group
+        self._live: dict[int, tuple[Any, Hashable]] = {}  # storage cdata -> (weak ref, group)
         self.peak = 0
         self.current = 0
+        self.peaks: dict[Hashable, int] = {}
+        self._by_group: dict[Hashable, int] = {}  # group -> bytes live now
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
-        for k in dead:
-            self.current -= self._live.pop(k)[1]
+        """Drop expired storages and re-read the others' sizes into `current` and `_by_group`."""
+        self._by_group = {}
+        for k, (ref, key) in list(self._live.items()):
+            st = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if st is None:
+                del self._live[k]
+                continue
+            self._by_group[key] = self._by_group.get(key, 0) + st.nbytes()
+        self.current = sum(self._by_group.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = {x.untyped_storage()._cdata for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
         out = func(*args, **kwargs)
-        self._sweep()
         for t in optree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
-            if st._cdata in ins or st._cdata in self._live:
+            if st._cdata in ins or st._cdata in self._live or not self._count(t):
                 continue
-            self._live[st._cdata] = (self._ref(st), st.nbytes())
-            self.current += st.nbytes()
+            self._live[st._cdata] = (self._ref(st), self._group(t))
+        self._sweep()
+        for key, nbytes in self._by_group.items():
+            self.peaks[key] = max(self.peaks.get(key, 0), nbytes)
         self.peak = max(self.peak, self.current)
         return out
+
+
+def _always(t: torch.Tensor) -> bool:
+    return True
+
+
+def _one_group(t: torch.Tensor) -> None:
+    return None
 
 
 # ------------------------------------------------------------------------------ communication

@@ -1,0 +1,172 @@
+"""Gathering on use (`fzero._src.gathering`): when a step gathers its units, and what it frees.
+
+On SimMesh, stage 3, from the collectives `mesh.record()` logs:
+
+- with `gather="on_use"` each unit is gathered when the loss first uses it -- for `from_module`
+  params when its block runs, for other pytrees at the first torch function that touches one
+  of its placeholder leaves -- so the gathers follow use order, where `gather="eager"` follows
+  declaration order; the results are the same bits (proofs/stages.md §1, step 1);
+- a unit the loss never reads is never gathered (nor updated, as torch.optim skips `grad None`);
+- a weight tied across two blocks (bound at the root) gives eager's results;
+- nothing of a step outlives it (no reference cycle keeps its params mapping alive).
+
+What on-use gathering does to memory (the release after forward, stage 2's per-unit reduction)
+is tests/test_memory.py; a unit some ranks read and others do not, tests/test_stages.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+
+
+class _Reversed(torch.nn.Module):
+    """Blocks declared 0..K-1 but run K-1..0: eager gathers in declaration order, on_use in use order."""
+
+    def __init__(self, k: int = 4, d: int = 6) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # (B, d) -> (B, 3)
+        for blk in reversed(self.blocks):
+            x = torch.tanh(blk(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_gather_on_use_gathers_each_unit_when_its_block_runs(engine):
+    torch.manual_seed(0)
+    model = _Reversed()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    mesh = fzero.SimMesh(3)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(apply(p, x), y)
+
+    def run(gather):
+        def rank_fn(batch):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units, groups=info.groups)
+            step = fzero.train_step(loss_fn, engine=engine, gather=gather)
+            with mesh.record() as log:
+                for _ in range(3):
+                    state, m = step(state, batch)
+            order = [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+            return fzero.gather(state), order[:5], m.loss
+
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+        return mesh.run(rank_fn, [(b,) for b in batches])
+
+    eager, on_use = run("eager"), run("on_use")
+    assert eager[0][1] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "default"]
+    assert on_use[0][1] == ["blocks.3", "blocks.2", "blocks.1", "blocks.0", "default"]  # use order (head last)
+    for (pe, _, le), (po, _, lo) in zip(eager, on_use):
+        assert torch.equal(le, lo)
+        assert all(torch.equal(pe[k], po[k]) for k in pe)
+
+
+def test_gather_on_use_never_gathers_a_unit_the_loss_does_not_read():
+    params = {"a": torch.ones(5), "b": torch.ones(7), "c": torch.ones(3)}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: p)
+        step = fzero.train_step(lambda p, x: (p["c"] * x).sum() + p["a"].sum(), gather="on_use")
+        with mesh.record() as log:
+            state, _ = step(state, c)
+        return fzero.gather(state), [r.tag for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+
+    for full, tags in mesh.run(rank_fn, [(torch.full((3,), 2.0),), (torch.full((3,), 4.0),)]):
+        assert tags == ["c/float32/default", "a/float32/default", "fzero.step/agree"]
+        assert torch.equal(full["b"], params["b"])  # unused by every rank: skipped, as torch.optim skips None
+        assert torch.equal(full["c"], torch.full((3,), 1 - 0.1 * 3.0))
+
+
+def test_gather_on_use_on_nested_params_gathers_at_first_use():
+    """Params that are not a flat dict get shape-correct placeholders; the first torch function
+    that touches one gathers its unit. The blocks run in reverse, so the gathers do too."""
+    params = {"blocks": [{"w": torch.full((3, 3), 0.1 * i), "b": torch.zeros(3)} for i in range(4)]}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+    def loss_fn(p, x):  # (B, 3)
+        for blk in reversed(p["blocks"]):
+            x = torch.tanh(x @ blk["w"] + blk["b"])
+        return x.square().mean()
+
+    def run(gather):
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=lambda p: ".".join(p.split(".")[:2]))
+            step = fzero.train_step(loss_fn, gather=gather)
+            with mesh.record() as log:
+                state, _ = step(state, x)
+            return fzero.gather(state), [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == mesh.rank]
+
+        return mesh.run(rank_fn, [(torch.randn(2, 3, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
+
+    eager, on_use = run("eager"), run("on_use")
+    assert eager[0][1][:4] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert on_use[0][1][:4] == ["blocks.3", "blocks.2", "blocks.1", "blocks.0"]
+    fzero.testing.assert_trees_equal(eager[0][0], on_use[0][0])
+
+
+def test_gather_on_use_frees_everything_after_the_step():
+    """The release callbacks, the LazyParams and the autograd graph reference each other partly
+    through C++ (invisible to Python's GC): the step must break that cycle, or every step would
+    leak its gathered storages."""
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh, opt, seen = fzero.SimMesh(2), optim.sgd(0.1), []
+
+    def loss_fn(p, x):
+        seen.append(weakref.ref(p))
+        return apply(p, x).sum()
+
+    def rank_fn(x):
+        state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+        state, _ = fzero.train_step(loss_fn, gather="on_use")(state, x)
+        return state
+
+    gc.collect()
+    mesh.run(rank_fn, [(torch.randn(2, 8),)] * 2)
+    gc.collect()
+    assert len(seen) == 2 and all(r() is None for r in seen)
+
+
+def test_gather_on_use_weight_tied_across_blocks():
+    """A weight shared by two blocks has its home in the ModuleList, whose forward never runs:
+    it is bound at the root instead, and the results equal eager gathering."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.h[1].weight = self.h[0].weight
+
+        def forward(self, x):
+            for blk in self.h:
+                x = torch.tanh(blk(x))
+            return x.sum()
+
+    torch.manual_seed(0)
+    model = Tied()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "h"))
+    out = {}
+    for gather in ("eager", "on_use"):
+        mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
+            state, _ = fzero.train_step(lambda p, x: apply(p, x), gather=gather)(state, x)
+            return fzero.gather(state)
+
+        out[gather] = mesh.run(rank_fn, [(torch.randn(2, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
+    assert all(torch.equal(out["eager"][0][k], out["on_use"][0][k]) for k in params)
+

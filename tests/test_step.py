@@ -1,0 +1,120 @@
+"""`train_step`'s non-finite path and its step counter, on SimMesh.
+
+- A NaN or inf in one rank's local gradient or loss stops every rank with `NonFiniteError`,
+  naming the rank(s), the bucket(s) and the leaves whose reduced gradient is non-finite
+  (`on_nonfinite="raise"`, the default); with `on_nonfinite="skip"` the step returns the input
+  state itself, unchanged, and `Metrics.skipped`.
+- A loss that raises on one rank stops every rank (the others are told which rank failed).
+- `state.step` is an int64 0-d tensor counting the updates applied: each non-skipped step adds
+  one, a skipped step none; `Metrics.step` is the input state's count (0 for the first step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+
+
+def _nan_setup(stage, on_nonfinite):
+    params = {"a": torch.ones(5), "b": torch.ones(3)}
+    mesh = fzero.SimMesh(3)
+    opt = optim.adamw(0.1)
+
+    def loss_fn(p, c):
+        return (p["a"] * c).sum() + p["b"].sum()
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn, on_nonfinite=on_nonfinite)
+        new, m = step(state, c)
+        return state, new, m
+
+    batches = [torch.ones(5), torch.tensor([1.0, float("nan"), 1, 1, 1]), torch.ones(5)]
+    return mesh, rank_fn, batches
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage):
+    mesh, rank_fn, batches = _nan_setup(stage, "raise")
+    match = r"rank\(s\) \[1\] \(rank 1: non-finite local gradient in bucket\(s\) \['default/float32/default'\]\); " \
+            r"the reduced gradient is non-finite in 'a'\."
+    with pytest.raises(fzero.NonFiniteError, match=match):
+        mesh.run(rank_fn, [(c,) for c in batches])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_step_skipped_leaves_state_unchanged(stage):
+    mesh, rank_fn, batches = _nan_setup(stage, "skip")
+    for before, after, m in mesh.run(rank_fn, [(c,) for c in batches]):
+        assert m.skipped and after.step == before.step == 0
+        assert all(torch.equal(x, y) for x, y in zip(before.params, after.params))
+        assert after is before
+
+
+def test_nonfinite_loss_on_one_rank_raises_everywhere():
+    params = {"a": torch.ones(4)}
+    mesh = fzero.SimMesh(2)
+    opt = optim.sgd(0.1)
+
+    def rank_fn(scale):
+        state = fzero.init(params, opt, stage=3, mesh=mesh)
+        step = fzero.train_step(lambda p, c: p["a"].sum() * 0 + c)
+        return step(state, scale)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"rank 0: non-finite loss"):
+        mesh.run(rank_fn, [(torch.tensor(float("inf")),), (torch.tensor(1.0),)])
+
+
+def test_loss_error_on_one_rank_stops_every_rank():
+    params = {"a": torch.ones(4)}
+    mesh = fzero.SimMesh(3)
+    opt = optim.sgd(0.1)
+
+    def loss_fn(p, c):
+        if c.shape != (4,):
+            raise ValueError(f"batch of shape {list(c.shape)} rejected")
+        return (p["a"] * c).sum()
+
+    def rank_fn(c):
+        state = fzero.init(params, opt, stage=3, mesh=mesh)
+        return fzero.train_step(loss_fn)(state, c)
+
+    with pytest.raises(ValueError, match="rejected") as info:
+        mesh.run(rank_fn, [(torch.ones(4),), (torch.ones(5),), (torch.ones(4),)])
+    assert any("rank 1" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_counts_updates_and_metrics_report_the_input_count(stage):
+    """Three steps, the middle one non-finite on rank 1 and skipped: `state.step` goes 0, 1, 1, 2
+    and `Metrics.step` reads 0, 1, 1 (the input state's count, not the count after the update);
+    each step leaves its input state's counter as it was."""
+    params = {"a": torch.ones(5), "b": torch.ones(3)}
+    mesh, opt = fzero.SimMesh(2), optim.adamw(0.1)
+
+    def loss_fn(p, c):
+        return (p["a"] * c).sum() + p["b"].sum()
+
+    def rank_fn(*batches):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh)
+        step = fzero.train_step(loss_fn, on_nonfinite="skip")
+        counts, reported, skipped = [state.step], [], []
+        for c in batches:
+            before = state
+            state, m = step(state, c)
+            assert before.step.item() == counts[-1].item()  # the input state's counter is not modified
+            counts.append(state.step)
+            reported.append(m.step)
+            skipped.append(m.skipped)
+        return counts, reported, skipped
+
+    nan = torch.tensor([1.0, float("nan"), 1, 1, 1])
+    batches = [(torch.ones(5), torch.ones(5), torch.ones(5)), (torch.ones(5), nan, torch.ones(5))]
+    for counts, reported, skipped in mesh.run(rank_fn, batches):
+        assert all(c.dtype == torch.int64 and c.shape == () for c in counts)
+        assert [c.item() for c in counts] == [0, 1, 1, 2]
+        assert reported == [0, 1, 1] and all(type(s) is int for s in reported)
+        assert skipped == [False, True, False]
