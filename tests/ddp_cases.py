@@ -1,4 +1,5 @@
-"""Worker functions for tests/test_ddp.py: fzero against torch DDP on the same gloo group.
+"""Worker functions for tests/test_ddp.py (and the models tests/test_module.py uses): fzero against
+torch DDP on the same gloo group.
 
 Each runs on every rank of a `fzero.testing.Pool` as `fn(mesh, *args)`; the test process draws
 the batches and ships rank r its own.
@@ -196,7 +197,7 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
     # this rank's own gradient g_r, all-gathered: the exact reference Σ_r g_r·fl(1/N) in float64
     loss_of(name, forward(name, local, batch), batch).backward()
     names = [k for k, p in local.named_parameters() if p.requires_grad and p.grad is not None]
-    g_all = {k: fzero.all_gather(p.grad.reshape(1, -1), mesh).double() for k, p in local.named_parameters()
+    g_all = {k: fzero.collectives.all_gather(p.grad.reshape(1, -1), mesh).double() for k, p in local.named_parameters()
              if k in names}  # [N, numel]
     inv = 1.0 / n  # fl(1/N), as DDP multiplies
     exact = {k: (g * inv).sum(0) for k, g in g_all.items()}
@@ -231,7 +232,7 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
             flats = [torch.zeros(b.padded_numel, dtype=b.dtype) for b in state.layout.buckets]
             for b, g in zip(trainable, rec.grads):
                 flats[b.index] = g
-            fz_grad = fzero.unpack(state.layout, flats)
+            fz_grad = fzero.layout.unpack(state.layout, flats)
             for k in names:
                 ref = exact[k].reshape(fz_grad[k].shape)
                 results["ratio_fzero"][k] = ((fz_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()

@@ -20,18 +20,18 @@ def collectives(mesh, x, y, src):
     """Every collective once: x[S, ...] for all_gather / all_reduce / broadcast, y[N * S, ...]
     for reduce_scatter."""
     return {
-        "all_gather": fzero.all_gather(x, mesh),
-        "reduce_scatter": fzero.reduce_scatter(y, mesh),
-        "sum": fzero.all_reduce(x, mesh, "sum"),
-        "max": fzero.all_reduce(x, mesh, "max"),
-        "broadcast": fzero.broadcast(x, mesh, src),
+        "all_gather": fzero.collectives.all_gather(x, mesh),
+        "reduce_scatter": fzero.collectives.reduce_scatter(y, mesh),
+        "sum": fzero.collectives.all_reduce(x, mesh, "sum"),
+        "max": fzero.collectives.all_reduce(x, mesh, "max"),
+        "broadcast": fzero.collectives.broadcast(x, mesh, src),
     }
 
 
 def _loss(mesh, x, y, w):
     """L = <AG(x), w> + <RS(y), x> + <bcast(x), x>: every differentiable collective, forward and back."""
-    return (fzero.all_gather(x, mesh) * w).sum() + (fzero.reduce_scatter(y, mesh) * x).sum() + (
-        fzero.broadcast(x, mesh, mesh.world_size - 1) * fzero.all_reduce(x, mesh)).sum()
+    return (fzero.collectives.all_gather(x, mesh) * w).sum() + (fzero.collectives.reduce_scatter(y, mesh) * x).sum() + (
+        fzero.collectives.broadcast(x, mesh, mesh.world_size - 1) * fzero.collectives.all_reduce(x, mesh)).sum()
 
 
 def grads(mesh, x, y, w):
@@ -52,24 +52,24 @@ def warnings_seen(mesh):
 
 
 def gather_shape(mesh, shape):
-    return fzero.all_gather(torch.ones(shape), mesh)
+    return fzero.collectives.all_gather(torch.ones(shape), mesh)
 
 
 def raise_on(mesh, bad):
     """`mesh.run` of a function that raises on rank `bad` only and gathers on the others."""
 
     def fn():
-        fzero.all_reduce(torch.ones(1), mesh)
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
         if mesh.rank == bad:
             raise ValueError(f"boom on rank {bad}")
-        return fzero.all_gather(torch.ones(1), mesh)
+        return fzero.collectives.all_gather(torch.ones(1), mesh)
 
     return mesh.run(fn)
 
 
 def tagged(mesh):
     """all_reduce of one shape and dtype on every rank, with a tag that differs by rank."""
-    return fzero.all_reduce(torch.ones(2), mesh, tag=f"t{mesh.rank}")
+    return fzero.collectives.all_reduce(torch.ones(2), mesh, tag=f"t{mesh.rank}")
 
 
 def mesh_or_error(mesh, kwargs):
@@ -82,7 +82,7 @@ def mesh_or_error(mesh, kwargs):
 
 def meta_tensor(mesh):
     """A collective on a tensor that is not on the mesh's device."""
-    return fzero.all_reduce(torch.ones(2, device="meta"), mesh)
+    return fzero.collectives.all_reduce(torch.ones(2, device="meta"), mesh)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,16 +93,16 @@ def lose_a_rank(victim, verify):
     """Rank `victim` SIGKILLs itself after one all_reduce; the others then call all_gather.
     Returns, on the others, (error type, message, seconds from the call to the raise)."""
     mesh = fzero.DistMesh(backend="gloo", verify=verify, timeout=20.0)
-    fzero.all_reduce(torch.ones(1), mesh)
+    fzero.collectives.all_reduce(torch.ones(1), mesh)
     if mesh.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        fzero.all_gather(torch.ones(1), mesh)
+        fzero.collectives.all_gather(torch.ones(1), mesh)
     except fzero.MeshError as e:
         again = ""
         try:
-            fzero.all_reduce(torch.ones(1), mesh)
+            fzero.collectives.all_reduce(torch.ones(1), mesh)
         except fzero.MeshError as later:
             again = f"{type(later).__name__}: {later}"
         return type(e).__name__, str(e), time.monotonic() - start, again
@@ -123,4 +123,4 @@ def backend_choice(fake_cuda_devices):
         except fzero.MeshError as e:
             errors.append(f"MeshError: {e}")
     mesh = fzero.DistMesh(backend="gloo")
-    return errors, fzero.all_reduce(torch.ones(1), mesh)
+    return errors, fzero.collectives.all_reduce(torch.ones(1), mesh)

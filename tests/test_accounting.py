@@ -1,4 +1,4 @@
-"""Accounting checked against real steps: held bytes against `fzero.estimate` and a storage
+"""Accounting checked against real steps: held bytes against `fzero.accounting.estimate` and a storage
 census, peak live bytes by a dispatch mode, and recorded collectives against `expected_comm`
 (proofs/communication.md, proofs/memory.md)."""
 
@@ -133,7 +133,7 @@ def test_live_storages_sees_thread_allocations():
 
     def rank_fn(x):
         with mode:
-            y = fzero.all_gather(x, mesh)  # every rank keeps 3 * 1000 float32 elements alive
+            y = fzero.collectives.all_gather(x, mesh)  # every rank keeps 3 * 1000 float32 elements alive
             peak_here = mode.current
         return y, peak_here
 
@@ -227,7 +227,7 @@ def test_expected_comm_asks_the_stage():
     """Per bucket, the formula's collectives are the stage's `moves`, in order: stage 0 reduces
     and gathers the gradient back, stages 1-2 gather params after the update, stage 3 gathers in
     forward (and again in backward with the re-gather), and its frozen buckets in forward only."""
-    layout = fzero.plan({"a": torch.zeros(10), "f": torch.zeros(6)}, 2, units=lambda p: p,
+    layout = fzero.layout.plan({"a": torch.zeros(10), "f": torch.zeros(6)}, 2, units=lambda p: p,
                         groups=[fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True)])
     ops = {s.level: [(m.op, m.what) for m in s.moves(True, True)] for s in fzero.STAGES}
     assert ops == {0: [("reduce_scatter", "grads"), ("all_gather", "grads")],

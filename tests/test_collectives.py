@@ -68,12 +68,12 @@ def serial(op, xs, arg=None):
 def sim(op, xs, arg=None):
     mesh = fzero.SimMesh(len(xs))
     if op == "all_gather":
-        return mesh.run(lambda x: fzero.all_gather(x, mesh), [(x,) for x in xs])
+        return mesh.run(lambda x: fzero.collectives.all_gather(x, mesh), [(x,) for x in xs])
     if op == "reduce_scatter":
-        return mesh.run(lambda x: fzero.reduce_scatter(x, mesh), [(x,) for x in xs])
+        return mesh.run(lambda x: fzero.collectives.reduce_scatter(x, mesh), [(x,) for x in xs])
     if op == "broadcast":
-        return mesh.run(lambda x: fzero.broadcast(x, mesh, arg), [(x,) for x in xs])
-    return mesh.run(lambda x: fzero.all_reduce(x, mesh, op), [(x,) for x in xs])
+        return mesh.run(lambda x: fzero.collectives.broadcast(x, mesh, arg), [(x,) for x in xs])
+    return mesh.run(lambda x: fzero.collectives.all_reduce(x, mesh, op), [(x,) for x in xs])
 
 
 def assert_bits_equal(got, want):
@@ -150,10 +150,10 @@ def test_backward_of_each_collective_is_its_adjoint(n, s, trail, dtype, engine, 
     src = data.draw(st.integers(0, n - 1))
     mesh = fzero.SimMesh(n)
     cases = [
-        (lambda x: fzero.all_gather(x, mesh), xs, ys, sim("reduce_scatter", ys)),
-        (lambda y: fzero.reduce_scatter(y, mesh), ys, xs, sim("all_gather", xs)),
-        (lambda x: fzero.all_reduce(x, mesh), xs, xs, sim("sum", xs)),
-        (lambda x: fzero.broadcast(x, mesh, src), xs, xs,
+        (lambda x: fzero.collectives.all_gather(x, mesh), xs, ys, sim("reduce_scatter", ys)),
+        (lambda y: fzero.collectives.reduce_scatter(y, mesh), ys, xs, sim("all_gather", xs)),
+        (lambda x: fzero.collectives.all_reduce(x, mesh), xs, xs, sim("sum", xs)),
+        (lambda x: fzero.collectives.broadcast(x, mesh, src), xs, xs,
          [t if r == src else torch.zeros_like(t) for r, t in enumerate(sim("sum", xs))]),
     ]
     for fn, inputs, cts, want in cases:
@@ -166,7 +166,7 @@ def test_all_reduce_max_is_not_differentiable():
 
     def fn(x):
         x = x.requires_grad_(True)
-        fzero.all_reduce(x, mesh, "max").sum().backward()
+        fzero.collectives.all_reduce(x, mesh, "max").sum().backward()
 
     with pytest.raises(RuntimeError, match="not differentiable"):
         mesh.run(fn, [(torch.ones(2),), (torch.zeros(2),)])
@@ -182,10 +182,10 @@ def test_vmap_equals_a_loop_over_the_batch(n, s, b, trail, dtype, in_dim, data):
     mesh = fzero.SimMesh(n)
     for op, inputs in (("all_gather", xs), ("reduce_scatter", ys), ("sum", xs), ("broadcast", xs)):
         coll = {
-            "all_gather": lambda x: fzero.all_gather(x, mesh),
-            "reduce_scatter": lambda x: fzero.reduce_scatter(x, mesh),
-            "sum": lambda x: fzero.all_reduce(x, mesh),
-            "broadcast": lambda x: fzero.broadcast(x, mesh, n - 1),
+            "all_gather": lambda x: fzero.collectives.all_gather(x, mesh),
+            "reduce_scatter": lambda x: fzero.collectives.reduce_scatter(x, mesh),
+            "sum": lambda x: fzero.collectives.all_reduce(x, mesh),
+            "broadcast": lambda x: fzero.collectives.broadcast(x, mesh, n - 1),
         }[op]
         moved = [x.movedim(0, in_dim).contiguous() for x in inputs]
         got = mesh.run(lambda x: torch.func.vmap(coll, in_dims=in_dim)(x), [(x,) for x in moved])
@@ -201,7 +201,7 @@ def test_per_example_gradients_through_all_gather():
     ws = [torch.randn(b, 2 * n, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
 
     def per_example(x, w):
-        return torch.func.vmap(torch.func.grad(lambda x, wi: (fzero.all_gather(x, mesh) * wi).sum()),
+        return torch.func.vmap(torch.func.grad(lambda x, wi: (fzero.collectives.all_gather(x, mesh) * wi).sum()),
                                in_dims=(None, 0))(x, w)
 
     got = mesh.run(per_example, list(zip(xs, ws)))
@@ -223,9 +223,9 @@ def test_each_rank_starts_from_the_callers_rng_and_draws_independently():
 
     def fn(k):
         a = torch.rand(k)  # a different number of draws on each rank
-        fzero.all_reduce(torch.ones(1), mesh)
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
         b = torch.rand(5)
-        fzero.all_gather(torch.ones(1), mesh)
+        fzero.collectives.all_gather(torch.ones(1), mesh)
         return torch.cat([a, b, torch.rand(2)])
 
     for counts in ([1, 2, 3, 4], [7, 0, 5, 1]):
@@ -238,8 +238,8 @@ def test_each_rank_starts_from_the_callers_rng_and_draws_independently():
 def test_sim_mesh_is_deterministic():
     def program(mesh):
         def fn(x):
-            y = fzero.all_reduce(x * torch.rand(x.shape), mesh)
-            return fzero.reduce_scatter(fzero.all_gather(y, mesh) + torch.randn(y.shape[0] * mesh.world_size), mesh)
+            y = fzero.collectives.all_reduce(x * torch.rand(x.shape), mesh)
+            return fzero.collectives.reduce_scatter(fzero.collectives.all_gather(y, mesh) + torch.randn(y.shape[0] * mesh.world_size), mesh)
         torch.manual_seed(0)
         return mesh.run(fn, lambda r: (torch.randn(3) * (r + 1),))
 
@@ -249,12 +249,12 @@ def test_sim_mesh_is_deterministic():
 
 
 MISMATCHES = {
-    "shape": lambda r, mesh: fzero.all_reduce(torch.ones(2 + (r == 1)), mesh),
-    "dtype": lambda r, mesh: fzero.all_reduce(torch.ones(2, dtype=torch.float64 if r == 1 else torch.float32), mesh),
-    "op": lambda r, mesh: (fzero.all_reduce if r == 1 else fzero.broadcast)(torch.ones(2), mesh),
-    "reduction": lambda r, mesh: fzero.all_reduce(torch.ones(2), mesh, "max" if r == 1 else "sum"),
-    "tag": lambda r, mesh: fzero.all_gather(torch.ones(2), mesh, tag=f"t{r == 1}"),
-    "src": lambda r, mesh: fzero.broadcast(torch.ones(2), mesh, int(r == 1)),
+    "shape": lambda r, mesh: fzero.collectives.all_reduce(torch.ones(2 + (r == 1)), mesh),
+    "dtype": lambda r, mesh: fzero.collectives.all_reduce(torch.ones(2, dtype=torch.float64 if r == 1 else torch.float32), mesh),
+    "op": lambda r, mesh: (fzero.collectives.all_reduce if r == 1 else fzero.collectives.broadcast)(torch.ones(2), mesh),
+    "reduction": lambda r, mesh: fzero.collectives.all_reduce(torch.ones(2), mesh, "max" if r == 1 else "sum"),
+    "tag": lambda r, mesh: fzero.collectives.all_gather(torch.ones(2), mesh, tag=f"t{r == 1}"),
+    "src": lambda r, mesh: fzero.collectives.broadcast(torch.ones(2), mesh, int(r == 1)),
 }
 
 
@@ -266,7 +266,7 @@ def test_mismatched_collectives_raise_on_every_rank(kind, n):
 
     def fn(r):
         try:
-            fzero.all_gather(torch.ones(1), mesh)  # one matching collective first
+            fzero.collectives.all_gather(torch.ones(1), mesh)  # one matching collective first
             MISMATCHES[kind](r, mesh)
         except fzero.MeshError as e:
             seen[r] = e
@@ -290,11 +290,11 @@ def test_a_rank_that_raises_stops_every_rank(n, bad):
 
     def fn(r):
         try:
-            fzero.all_reduce(torch.ones(1), mesh)
+            fzero.collectives.all_reduce(torch.ones(1), mesh)
             if r == bad:
                 raise ValueError("boom")
-            fzero.all_reduce(torch.ones(1), mesh)
-            fzero.all_gather(torch.ones(1), mesh)
+            fzero.collectives.all_reduce(torch.ones(1), mesh)
+            fzero.collectives.all_gather(torch.ones(1), mesh)
         except fzero.MeshError as e:
             seen[r] = e
             raise
@@ -305,7 +305,7 @@ def test_a_rank_that_raises_stops_every_rank(n, bad):
     assert sorted(seen) == [r for r in range(n) if r != bad]
     assert all(isinstance(e, fzero.RankFailed) for e in seen.values())
     # the mesh is usable afterwards
-    assert_bits_equal(mesh.run(lambda x: fzero.all_reduce(x, mesh), [(torch.ones(1),)] * n), [torch.full((1,), n * 1.0)] * n)
+    assert_bits_equal(mesh.run(lambda x: fzero.collectives.all_reduce(x, mesh), [(torch.ones(1),)] * n), [torch.full((1,), n * 1.0)] * n)
 
 
 @pytest.mark.parametrize("early", ["first", "last"])
@@ -315,9 +315,9 @@ def test_a_rank_returning_early_raises_mismatch(early):
     mesh = fzero.SimMesh(n)
 
     def fn(r):
-        fzero.all_reduce(torch.ones(1), mesh)
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
         if r != quitter:
-            fzero.all_gather(torch.ones(1), mesh)
+            fzero.collectives.all_gather(torch.ones(1), mesh)
         return r
 
     with pytest.raises(fzero.CollectiveMismatch, match="returned from mesh.run|already returned"):
@@ -327,17 +327,17 @@ def test_a_rank_returning_early_raises_mismatch(early):
 def test_sim_mesh_rejects_bad_input():
     mesh = fzero.SimMesh(3)
     with pytest.raises(fzero.MeshError, match="not divisible by world size 3"):
-        mesh.run(lambda: fzero.reduce_scatter(torch.ones(4), mesh))
+        mesh.run(lambda: fzero.collectives.reduce_scatter(torch.ones(4), mesh))
     with pytest.raises(fzero.MeshError, match="0-d"):
-        mesh.run(lambda: fzero.all_gather(torch.tensor(1.0), mesh))
+        mesh.run(lambda: fzero.collectives.all_gather(torch.tensor(1.0), mesh))
     with pytest.raises(fzero.MeshError, match="source rank 3 is outside world size 3"):
-        mesh.run(lambda: fzero.broadcast(torch.ones(1), mesh, 3))
+        mesh.run(lambda: fzero.collectives.broadcast(torch.ones(1), mesh, 3))
     with pytest.raises(fzero.MeshError, match="per_rank_args has 2 entries"):
         mesh.run(lambda x: x, [(1,), (2,)])
     with pytest.raises(fzero.MeshError, match="not reentrant"):
         mesh.run(lambda: mesh.run(lambda: None))
     with pytest.raises(fzero.MeshError, match="no rank is running"):
-        fzero.all_reduce(torch.ones(1), mesh)
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
     with pytest.raises(fzero.LayoutError, match="world size must be an int >= 1"):
         fzero.SimMesh(0)
 
@@ -355,16 +355,16 @@ def test_a_rank_of_one_sim_mesh_calling_another_names_both():
     a, b = fzero.SimMesh(2), fzero.SimMesh(2)
     want = "this thread is rank {r} of {owner!r}, not a rank of {other!r}"
     with pytest.raises(fzero.MeshError) as info:
-        run_with_timeout(a, lambda: fzero.all_reduce(torch.ones(1), b))
+        run_with_timeout(a, lambda: fzero.collectives.all_reduce(torch.ones(1), b))
     assert want.format(r=0, owner=a, other=b) in str(info.value)
 
     def nested():  # rank r of A runs B.run, whose ranks call a collective of A
-        return b.run(lambda: fzero.all_reduce(torch.ones(1), a))
+        return b.run(lambda: fzero.collectives.all_reduce(torch.ones(1), a))
 
     with pytest.raises(fzero.MeshError) as info:
         run_with_timeout(a, nested)
     assert want.format(r=0, owner=b, other=a) in str(info.value)
-    assert_bits_equal(a.run(lambda: fzero.all_reduce(torch.ones(1), a)), [torch.full((1,), 2.0)] * 2)
+    assert_bits_equal(a.run(lambda: fzero.collectives.all_reduce(torch.ones(1), a)), [torch.full((1,), 2.0)] * 2)
 
 
 def test_record_logs_every_collective_including_backward():
@@ -373,10 +373,10 @@ def test_record_logs_every_collective_including_backward():
 
     def fn(x):
         x = x.requires_grad_(True)
-        y = fzero.all_gather(x, mesh, tag="w")  # forward: all_gather; backward: reduce_scatter
-        z = fzero.all_reduce(y.sum().reshape(1), mesh, "sum", tag="loss")  # backward: all_reduce
-        fzero.all_reduce(z.detach().to(torch.float64), mesh, "max")
-        fzero.broadcast(z.detach(), mesh, 1)
+        y = fzero.collectives.all_gather(x, mesh, tag="w")  # forward: all_gather; backward: reduce_scatter
+        z = fzero.collectives.all_reduce(y.sum().reshape(1), mesh, "sum", tag="loss")  # backward: all_reduce
+        fzero.collectives.all_reduce(z.detach().to(torch.float64), mesh, "max")
+        fzero.collectives.broadcast(z.detach(), mesh, 1)
         z.sum().backward()
         return x.grad
 
@@ -395,5 +395,5 @@ def test_record_logs_every_collective_including_backward():
         ], r
     assert len(log) == 6 * n
     del f32
-    mesh.run(lambda: fzero.all_reduce(torch.ones(1), mesh))
+    mesh.run(lambda: fzero.collectives.all_reduce(torch.ones(1), mesh))
     assert len(log) == 6 * n  # closed

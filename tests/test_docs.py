@@ -50,3 +50,20 @@ def test_every_docstring_example_runs():
         assert result.failed == 0, f"{mod.__name__}: {result.failed} docstring example(s) failed (printed above)"
         attempted += result.attempted
     assert attempted >= 20, attempted
+
+
+def test_every_test_the_docs_name_exists():
+    """docs/, proofs/, README.md and BENCHMARKS.md name tests as `tests/file.py::test_name`
+    (a following `::other` in the same cell means the same file): each must exist."""
+    root = README.parent
+    missing = []
+    for doc in [README, root / "BENCHMARKS.md", *sorted((root / "docs").glob("*.md")),
+                *sorted((root / "proofs").glob("*.md"))]:
+        for line in doc.read_text().splitlines():
+            last = None
+            for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)", line):
+                path = m.group(1) or last
+                last = path
+                if path and f"def {m.group(2)}(" not in (root / path).read_text():
+                    missing.append(f"{doc.name}: {path}::{m.group(2)}")
+    assert not missing, missing

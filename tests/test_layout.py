@@ -37,18 +37,18 @@ ALIGN = st.sampled_from([1, 1, 1, 2, 4])
 @given(pytrees(), world_sizes(), units(), groups(), ALIGN)
 def test_round_trip_is_bitwise(params, n, unit_spec, group_spec, align):
     """unpack(unshard(shard(pack(x)))) == x: structure, dict key order, dtypes, bits."""
-    layout = fzero.plan(params, n, units=unit_spec, groups=group_spec, align=align)
-    flats = fzero.pack(layout, params)
-    shards = fzero.shard(layout, flats)
+    layout = fzero.layout.plan(params, n, units=unit_spec, groups=group_spec, align=align)
+    flats = fzero.layout.pack(layout, params)
+    shards = fzero.layout.shard(layout, flats)
     for r in range(n):
-        for s, row in zip(shards, fzero.local_shards(layout, flats, r)):
+        for s, row in zip(shards, fzero.layout.local_shards(layout, flats, r)):
             assert torch.equal(s[r], row)
-    back = fzero.unpack(layout, fzero.unshard(layout, shards))
+    back = fzero.layout.unpack(layout, fzero.layout.unshard(layout, shards))
     assert_trees_equal(back, params, bitwise=True)
     # pack copies: the input is not aliased by the buffers
     for f in flats:
         f.fill_(1.0)
-    assert_trees_equal(back, fzero.unpack(layout, flats))
+    assert_trees_equal(back, fzero.layout.unpack(layout, flats))
 
 
 def _id_tree(params):
@@ -69,8 +69,8 @@ def _id_tree(params):
 def test_every_element_lives_where_the_plan_says(params, n, unit_spec, group_spec, align):
     ids, largest = _id_tree(params)
     assume(largest <= 256)  # ids exact in bfloat16
-    layout = fzero.plan(ids, n, units=unit_spec, groups=group_spec, align=align)
-    shards = fzero.shard(layout, fzero.pack(layout, ids))
+    layout = fzero.layout.plan(ids, n, units=unit_spec, groups=group_spec, align=align)
+    shards = fzero.layout.shard(layout, fzero.layout.pack(layout, ids))
     paths, leaves, _ = flatten_with_paths(ids)
     unit_of, group_of = L._unit_of(unit_spec), L._group_of(group_spec)
 
@@ -122,7 +122,7 @@ def test_units_and_groups_follow_the_predicates():
     params = {"emb": torch.zeros(5), "h": [Block(torch.zeros(3, 2), torch.zeros(2)) for _ in range(2)],
               "head": torch.zeros(4, dtype=torch.float64)}
     nodecay = fzero.ParamGroup("nodecay", match=lambda p: p.endswith(".b"), weight_decay=False)
-    layout = fzero.plan(params, 3, units=lambda p: p.split(".")[1] if p.startswith("h.") else "top",
+    layout = fzero.layout.plan(params, 3, units=lambda p: p.split(".")[1] if p.startswith("h.") else "top",
                         groups=[nodecay])
     tags = [b.tag for b in layout.buckets]
     assert tags == ["top/float32/default", "0/float32/default", "0/float32/nodecay", "1/float32/default",
@@ -140,57 +140,57 @@ def test_units_and_groups_follow_the_predicates():
 def test_non_floating_leaf_names_path_dtype_and_shape(dtype):
     params = {"a": torch.zeros(2), "blocks": [{"w": torch.zeros(3, 4, dtype=dtype)}]}
     with pytest.raises(fzero.LayoutError, match=rf"'blocks\.0\.w'.*{dtype}.*\(3, 4\)"):
-        fzero.plan(params, 2)
+        fzero.layout.plan(params, 2)
 
 
 def test_non_tensor_leaf():
     with pytest.raises(fzero.LayoutError, match=r"'x\.1' is a float, not a tensor"):
-        fzero.plan({"x": [torch.zeros(1), 1.0]}, 2)
+        fzero.layout.plan({"x": [torch.zeros(1), 1.0]}, 2)
 
 
 @pytest.mark.parametrize("n", [0, -1, 2.0, True, "2", None])
 def test_bad_world_size(n):
     with pytest.raises(fzero.LayoutError, match="world size must be an int >= 1"):
-        fzero.plan({"a": torch.zeros(3)}, n)
+        fzero.layout.plan({"a": torch.zeros(3)}, n)
 
 
 @pytest.mark.parametrize("align", [0, -2, 1.5, True])
 def test_bad_align(align):
     with pytest.raises(fzero.LayoutError, match="align"):
-        fzero.plan({"a": torch.zeros(3)}, 2, align=align)
+        fzero.layout.plan({"a": torch.zeros(3)}, 2, align=align)
 
 
 def test_plan_used_with_another_world_size():
     params = {"a": torch.arange(5.0), "b": torch.ones(3, dtype=torch.float16)}
-    layout = fzero.plan(params, 2)
+    layout = fzero.layout.plan(params, 2)
     with pytest.raises(fzero.LayoutError, match=r"world size 2 but the mesh has world size 3.*world_size=3"):
         layout.check_world_size(fzero.SimMesh(3).world_size)
     layout.check_world_size(2)
-    other = fzero.pack(fzero.plan(params, 3), params)
+    other = fzero.layout.pack(fzero.layout.plan(params, 3), params)
     with pytest.raises(fzero.LayoutError, match=r"is torch.float32\[6\]; the layout expects torch.float32\[8\] "
                                                 r"\(world size 4 x shard 2\)"):
-        L.check_flats(fzero.plan(params, 4), other)
+        L.check_flats(fzero.layout.plan(params, 4), other)
     with pytest.raises(fzero.LayoutError, match="expected 2 flat buffers"):
-        fzero.unpack(layout, other[:1])
+        fzero.layout.unpack(layout, other[:1])
     with pytest.raises(fzero.LayoutError, match=r"shape \[1, 6\]; expected \[2, 3\]"):
-        fzero.unshard(layout, [t.view(1, -1) for t in fzero.pack(layout, params)])
+        fzero.layout.unshard(layout, [t.view(1, -1) for t in fzero.layout.pack(layout, params)])
     with pytest.raises(fzero.LayoutError, match="rank 2 is outside world size 2"):
-        fzero.local_shards(layout, fzero.pack(layout, params), 2)
+        fzero.layout.local_shards(layout, fzero.layout.pack(layout, params), 2)
 
 
 def test_pack_with_another_structure_or_shape_names_the_path():
     params = {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1)]}
-    layout = fzero.plan(params, 2)
+    layout = fzero.layout.plan(params, 2)
     with pytest.raises(fzero.LayoutError, match=r"'h\.1'.*float32\[2\].*float32\[1\]"):
-        fzero.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(2)]})
+        fzero.layout.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(2)]})
     with pytest.raises(fzero.LayoutError, match=r"'h\.1'.*float64\[1\].*float32\[1\]"):
-        fzero.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, dtype=torch.float64)]})
+        fzero.layout.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, dtype=torch.float64)]})
     with pytest.raises(fzero.LayoutError, match=r"structure differs.*params has 'h\.x', the layout 'h\.0'"):
-        fzero.pack(layout, {"a": torch.zeros(5), "h": {"x": torch.zeros(2, 3), "y": torch.zeros(1)}})
+        fzero.layout.pack(layout, {"a": torch.zeros(5), "h": {"x": torch.zeros(2, 3), "y": torch.zeros(1)}})
     with pytest.raises(fzero.LayoutError, match=r"structure differs.*first extra: 'h\.2'"):
-        fzero.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1), torch.zeros(1)]})
+        fzero.layout.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1), torch.zeros(1)]})
     with pytest.raises(fzero.LayoutError, match=r"'h\.1'.*int64"):
-        fzero.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, dtype=torch.int64)]})
+        fzero.layout.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, dtype=torch.int64)]})
 
 
 def test_paramgroup_validates_lr_scale():

@@ -12,7 +12,7 @@ fzero's bookkeeping), on SimMesh.
 - The census itself: it counts the new storages its `count` accepts, per `group`, each at its
   size at the latest op (a storage released by `resize_(0)` counts 0).
 
-Model-state bytes (what `fzero.estimate` predicts) are tests/test_accounting.py's.
+Model-state bytes (what `fzero.accounting.estimate` predicts) are tests/test_accounting.py's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two halves, each with a formula and a measurement that tests hold against each other:
 
-- memory: `held_bytes(state)` reads the tensors a `ZeroState` holds (what `fzero.estimate`
+- memory: `held_bytes(state)` reads the tensors a `ZeroState` holds (what `fzero.accounting.estimate`
   predicts); `storage_bytes(tree)` is an independent census of live distinct storages, and
   `LiveStorages` a dispatch mode that tracks the live and peak bytes of the storages allocated
   during a step (all of them, or those a predicate picks, in total or per group).
@@ -45,7 +45,7 @@ CONTROL_SUFFIX = "/leaf_sum"
 
 
 class HeldBytes(NamedTuple):
-    """Bytes of model state one rank holds, per category (as `fzero.estimate` names them).
+    """Bytes of model state one rank holds, per category (as `fzero.accounting.estimate` names them).
 
     `optimizer_state` counts every optimizer-state tensor, "shard" and "leaf" fields alike;
     `optimizer_leaf` is the part in "leaf" fields (per-leaf step counts: `[L_b]` float32 per
@@ -333,7 +333,7 @@ def expected_comm(
 ) -> CommVolume:
     """Data collectives of one rank in one optimizer step (control collectives excluded).
 
-    `model` is a `fzero.plan` layout (one buffer of `N * S_b` elements per bucket b, padding
+    `model` is a `fzero.layout.plan` layout (one buffer of `N * S_b` elements per bucket b, padding
     included) or a bare count Ψ (one trainable fp32 buffer of Ψ elements). Each buffer's dtype
     is its bucket's unless `param_dtype` (gathers of params) / `grad_dtype` (reductions) say
     otherwise. The collectives per buffer are the stage's (`Stage.moves`); per trainable buffer

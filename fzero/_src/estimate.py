@@ -13,7 +13,7 @@ Stage k shards the categories its `Stage` names (`Stage.sharded`; the ZeRO paper
     stage 3:  params p·Ψ/N   grads g·Ψ/N   state s·Ψ/N   master m·Ψ/N   = (p + g + K)·Ψ/N
 
 With a bare count Ψ the division is exact (a `Fraction`), as in the paper. With a params
-pytree or an `nn.Module` the count is taken from `fzero.plan`: bucket b is a flat buffer
+pytree or an `nn.Module` the count is taken from `fzero.layout.plan`: bucket b is a flat buffer
 `flat[N * S_b]`; a sharded category costs `S_b` elements per rank, a replicated one the whole
 `N * S_b` (padding included). Only model states are counted: no activations, no transient
 all-gather buffers, no communication buckets. proofs/memory.md proves each row.
@@ -213,7 +213,7 @@ def estimate(
     Args:
       model: a parameter count Ψ (int, or a whole float such as `7.5e9`; no padding, Ψ/N exact),
         a params pytree of floating tensors, or an `nn.Module` (its `named_parameters()`). Only
-        shapes and dtypes are read, so meta tensors work. For a pytree, `fzero.plan(model,
+        shapes and dtypes are read, so meta tensors work. For a pytree, `fzero.layout.plan(model,
         world_size, units=units, groups=groups, align=align)` gives the buckets and their
         padding; leaf dtypes only decide the bucketing, `param_dtype` the bytes. Frozen groups
         have no grads, optimizer state or master copy.

@@ -161,7 +161,7 @@ class Layout:
         if world_size != self.world_size:
             raise LayoutError(
                 f"this layout was planned for world size {self.world_size} but the {what} has world size "
-                f"{world_size}; plan again with fzero.plan(params, world_size={world_size}, ...)"
+                f"{world_size}; plan again with fzero.layout.plan(params, world_size={world_size}, ...)"
             )
 
 

@@ -167,7 +167,7 @@ class Mesh(abc.ABC):
         if op == "reduce_scatter" and x.shape[0] % self.world_size:
             raise MeshError(
                 f"reduce_scatter{where}: dim 0 of {list(x.shape)} is not divisible by world size "
-                f"{self.world_size}; pad it to a multiple of {self.world_size} (fzero.plan does)"
+                f"{self.world_size}; pad it to a multiple of {self.world_size} (fzero.layout.plan does)"
             )
 
 

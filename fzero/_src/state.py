@@ -125,11 +125,11 @@ def init(
     `sync`, rank 0's values are broadcast, as DDP does at construction.
 
     Args:
-      params: a pytree of floating tensors (see `fzero.plan`); read, never modified.
+      params: a pytree of floating tensors (see `fzero.layout.plan`); read, never modified.
       optimizer: a `fzero.optim` optimizer; the state remembers it, and `train_step` uses it.
       stage: the ZeRO stage, 0-3.
       mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
-      units, groups, align: as for `fzero.plan`.
+      units, groups, align: as for `fzero.layout.plan`.
       sync: broadcast rank 0's values to every rank.
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
@@ -176,7 +176,7 @@ def _check_optimizer(optimizer: Any) -> None:
 
 
 def _check_real(params: Any) -> None:
-    """Meta tensors have shapes but no values: fine for `fzero.plan` and the memory estimate, not
+    """Meta tensors have shapes but no values: fine for `fzero.layout.plan` and the memory estimate, not
     for a state that trains."""
     paths, leaves, _ = flatten_with_paths(params)
     meta = [p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.is_meta]

@@ -11,9 +11,9 @@ Example:
   >>> @examples(100)
   ... @given(pytrees(), world_sizes())
   ... def test_round_trip(params, n):
-  ...     layout = fzero.plan(params, n)
-  ...     flats = fzero.unshard(layout, fzero.shard(layout, fzero.pack(layout, params)))
-  ...     assert_trees_equal(fzero.unpack(layout, flats), params)
+  ...     layout = fzero.layout.plan(params, n)
+  ...     flats = fzero.layout.unshard(layout, fzero.layout.shard(layout, fzero.layout.pack(layout, params)))
+  ...     assert_trees_equal(fzero.layout.unpack(layout, flats), params)
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _crc(salt: int, path: str) -> int:
 
 @st.composite
 def units(draw: Any) -> Any:
-    """A `units=` argument for `fzero.plan`: None, a callable `path -> unit name`, or a mapping
+    """A `units=` argument for `fzero.layout.plan`: None, a callable `path -> unit name`, or a mapping
     `unit name -> path predicate`. Assignments are deterministic functions of the path (a
     salted CRC, or the path's first component), so they work on any tree."""
     kind = draw(st.sampled_from(["none", "hash", "prefix", "mapping"]))
@@ -191,7 +191,7 @@ def units(draw: Any) -> Any:
 
 @st.composite
 def groups(draw: Any, *, frozen: bool = True) -> tuple[ParamGroup, ...]:
-    """A `groups=` argument for `fzero.plan`: 0-3 `ParamGroup`s with salted-CRC predicates,
+    """A `groups=` argument for `fzero.layout.plan`: 0-3 `ParamGroup`s with salted-CRC predicates,
     random weight-decay masks, lr scales and (if `frozen`) frozen groups."""
     salt, k = draw(st.integers(0, 2**16)), draw(st.integers(0, 3))
     return tuple(
