@@ -20,6 +20,7 @@ from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
+from fzero._src.precision import Precision as Precision
 from fzero._src.scale import DynamicLossScale as DynamicLossScale
 from fzero._src.scale import LossScaleState as LossScaleState
 from fzero._src.scale import StaticLossScale as StaticLossScale
@@ -61,6 +62,7 @@ __all__ = [
     "ModuleInfo",
     "NonFiniteError",
     "ParamGroup",
+    "Precision",
     "RankFailed",
     "STAGES",
     "SimMesh",

@@ -50,7 +50,8 @@ class HeldBytes(NamedTuple):
     `optimizer_state` counts every optimizer-state tensor, "shard" and "leaf" fields alike;
     `optimizer_leaf` is the part in "leaf" fields (per-leaf step counts: `[L_b]` float32 per
     trainable bucket, replicated), or None when `held_bytes` was not given the optimizer.
-    `master` is 0: fzero keeps no separate master copy (the params are the fp32 copy).
+    `master` counts the master shards a state keeps apart from its params (stages 1-2 under a
+    precision policy); 0 where the params are the master copy.
     """
 
     params: int
@@ -102,7 +103,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
         params=_nbytes(state.params),
         grads=grad_bytes(state.layout, state.stage),
         optimizer_state=_nbytes(state.opt_state),
-        master=0,
+        master=_nbytes(state.master),
         optimizer_leaf=leaf,
     )
 

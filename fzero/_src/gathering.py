@@ -115,7 +115,8 @@ class Gathering:
         program = self._programs[unit]
         with torch.no_grad():
             for b, storage, nbytes in self._storages[unit]:
-                full = program.stage.enter.run(program.mesh, self.layout.buckets[b].tag, self._xs[b].detach())
+                wire = next(bk.wire for bk in program.buckets if bk.index == b)
+                full = program.stage.enter.run(program.mesh, wire, self._xs[b].detach().to(wire.compute))
                 storage.resize_(nbytes)
                 full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
         self._released.discard(unit)

@@ -52,7 +52,17 @@ class Move(NamedTuple):
     when: str
 
 
-BucketFn = Callable[[Mesh, str, torch.Tensor], torch.Tensor]  # (mesh, bucket tag, tensor) -> tensor
+class Wire(NamedTuple):
+    """How one bucket travels: its tag, the dtype the loss computes in (`compute`: params are
+    cast to it once per unit and step, before any gather) and the dtype gradients are reduced in
+    (`reduce`). Without a precision policy both are the bucket's own dtype."""
+
+    tag: str
+    compute: torch.dtype
+    reduce: torch.dtype
+
+
+BucketFn = Callable[[Mesh, Wire, torch.Tensor], torch.Tensor]  # (mesh, how the bucket travels, tensor) -> tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +75,7 @@ class Piece:
     frozen_moves: tuple[Move, ...] = ()
 
 
-def _identity(mesh: Mesh, tag: str, x: torch.Tensor) -> torch.Tensor:
+def _identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
@@ -73,23 +83,25 @@ def _no_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _gather(mesh: Mesh, tag: str, shard: torch.Tensor) -> torch.Tensor:
+def _gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
     """`shard[S] -> flat[N * S]` (not differentiable: used on detached data and inside the unit)."""
-    return mesh.collective("all_gather", shard, tag=tag)
+    return mesh.collective("all_gather", shard, tag=wire.tag)
 
 
-def reduce_grad(mesh: Mesh, tag: str, grad: torch.Tensor) -> torch.Tensor:
-    """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` (DDP multiplies by fl(1/N), then sums)."""
-    return reduce_scatter(grad * (1.0 / mesh.world_size), mesh, tag=tag)
+def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` in the reduce dtype (DDP multiplies by
+    fl(1/N), then sums)."""
+    return reduce_scatter(grad.to(wire.reduce) * (1.0 / mesh.world_size), mesh, tag=wire.tag)
 
 
-def _reduce_and_gather(mesh: Mesh, tag: str, grad: torch.Tensor) -> torch.Tensor:
+def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
-    return all_gather(reduce_grad(mesh, tag, grad), mesh, tag=tag)
+    return all_gather(reduce_grad(mesh, wire, grad), mesh, tag=wire.tag)
 
 
-def _gather_params(mesh: Mesh, tag: str, shard: torch.Tensor) -> torch.Tensor:
-    return all_gather(shard, mesh, tag=tag)
+def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
+    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`."""
+    return all_gather(shard.to(wire.compute), mesh, tag=wire.tag)
 
 
 _AG_PARAM_FWD = Move("all_gather", "params", "forward")
@@ -137,14 +149,27 @@ class Stage:
             raise ConfigError(f"unknown model-state category {category!r}; one of {CATEGORIES}")
         return category in self.shards
 
-    def hold(self, layout: Layout, b: int, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """What a rank keeps of bucket `b`'s params, from the full `flat[N * S]` (a fresh tensor)."""
-        return layout.rank_shard(b, flat, rank).clone() if self.sharded("params") else flat
+    def hold(self, layout: Layout, b: int, flat: torch.Tensor, rank: int, compute: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(params, master)`: what a rank keeps of bucket `b`, from the full `flat[N * S]` (fresh
+        tensors). `params` is what the unit enters from: this rank's `shard[S]` where the stage
+        shards params, else the whole buffer -- in the compute dtype where the stage shards the
+        master copy but not the params (stages 1-2 under a precision policy; trainable buckets),
+        beside the fp32 `master` shard; `master` is None where `params` is the master copy itself
+        (a frozen bucket keeps its own values and is cast when entered, as in stage 0)."""
+        if self.sharded("params"):
+            return layout.rank_shard(b, flat, rank).clone(), None
+        if self.sharded("master") and compute != flat.dtype and not layout.buckets[b].group.frozen:
+            return flat.to(compute), layout.rank_shard(b, flat, rank).clone()
+        return flat, None
 
-    def optimizer_params(self, layout: Layout, b: int, held: torch.Tensor, rank: int) -> torch.Tensor:
-        """The params the optimizer of this rank updates, from what the state holds: its
-        `shard[S]` where the optimizer state is sharded (a view of `flat[N * S]`, or the held
-        shard itself), else the whole `flat[N * S]`."""
+    def optimizer_params(self, layout: Layout, b: int, held: torch.Tensor, rank: int,
+                         master: torch.Tensor | None = None) -> torch.Tensor:
+        """The params the optimizer of this rank updates: the master shard where one is kept; else
+        its `shard[S]` of what the state holds where the optimizer state is sharded (a view of
+        `flat[N * S]`, or the held shard itself), else the whole `flat[N * S]`."""
+        if master is not None:
+            return master
         if self.sharded("optimizer_state") and not self.sharded("params"):
             return layout.rank_shard(b, held, rank)
         return held
@@ -165,14 +190,14 @@ class Stage:
             return _no_sum
         return lambda x: all_reduce(x, mesh, "sum", tag=tag + "/leaf_sum")
 
-    def differentiated(self, layout: Layout, b: int, held: torch.Tensor, rank: int
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def differentiated(self, layout: Layout, b: int, held: torch.Tensor, rank: int,
+                       master: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(x, full)`: the tensor the step differentiates for bucket `b`, and the full buffer the
         unit reads beside it (or None: it reads `enter(x)`). Where gradients are sharded but params
-        are not (stage 2), the gradient is taken with respect to this rank's shard of the full
-        buffer, so that `leave` (a reduce-scatter) returns exactly its shape."""
+        are not (stage 2), the gradient is taken with respect to this rank's shard -- the master
+        shard where one is kept -- so that `leave` (a reduce-scatter) returns exactly its shape."""
         if self.sharded("grads") and not self.sharded("params"):
-            return layout.rank_shard(b, held, rank), held
+            return (master if master is not None else layout.rank_shard(b, held, rank)), held
         return held, None
 
     # -- what the step communicates ---------------------------------------------------------

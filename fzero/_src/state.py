@@ -24,6 +24,7 @@ from .errors import ConfigError, FzeroError, LayoutError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer
+from .precision import FULL, Precision
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
 from .unit import gather_leaves, unit_programs
@@ -38,6 +39,7 @@ class StateInfo:
       stage: the ZeRO stage (`fzero.STAGES[k]`).
       mesh: the mesh the state lives on; `rank` is this rank on it.
       optimizer: the `fzero.optim` optimizer `init` made the optimizer state with.
+      precision: the `fzero.Precision` policy (compute and reduce dtypes).
     """
 
     layout: Layout
@@ -45,6 +47,7 @@ class StateInfo:
     mesh: Mesh
     rank: int
     optimizer: Optimizer
+    precision: Precision = FULL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class ZeroState:
       params: per bucket, `flat[N * S]`, or this rank's `shard[S]` where the stage shards params.
       opt_state: per bucket, the optimizer's state over `flat[N * S]`, or over `shard[S]` where
         the stage shards optimizer state; None for frozen buckets.
+      master: per bucket, this rank's master `shard[S]` where the stage keeps one apart from
+        `params` (stages 1-2 under a precision policy: `params` is then the full buffer in the
+        compute dtype); else None (`params` holds the master values).
       step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
       info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
     """
@@ -62,6 +68,7 @@ class ZeroState:
     params: tuple[torch.Tensor, ...]
     opt_state: tuple[Any, ...]
     step: torch.Tensor
+    master: tuple[torch.Tensor | None, ...]
     info: StateInfo
 
     layout = property(lambda self: self.info.layout)
@@ -69,39 +76,47 @@ class ZeroState:
     mesh = property(lambda self: self.info.mesh)
     rank = property(lambda self: self.info.rank)
     optimizer = property(lambda self: self.info.optimizer)
+    precision = property(lambda self: self.info.precision)
 
     def replace(self, **changes: Any) -> "ZeroState":
         """A new state with some fields changed (the others shared)."""
         return dataclasses.replace(self, **changes)
 
 
-_FIELDS = ("params", "opt_state", "step")
+_FIELDS = ("params", "opt_state", "step", "master")
 
 
 def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
-    return (state.params, state.opt_state, state.step), state.info, _FIELDS
+    return (state.params, state.opt_state, state.step, state.master), state.info, _FIELDS
 
 
 def _unflatten(info: StateInfo, children: Any) -> ZeroState:
-    params, opt_state, step = children
-    return ZeroState(params, opt_state, step, info)
+    params, opt_state, step, master = children
+    return ZeroState(params, opt_state, step, master, info)
 
 
 for _namespace in (_GLOBAL, NAMESPACE):
     optree.register_pytree_node(ZeroState, _flatten, _unflatten, namespace=_namespace)
-def _torch_flatten(state: ZeroState) -> tuple[list, tuple[StateInfo, tuple[int, ...]]]:
-    """torch's pytree takes None for a leaf: a frozen bucket's None optimizer state is kept in the
-    context (its position), so `torch.utils._pytree.tree_map` sees tensors only too."""
-    frozen = tuple(b for b, s in enumerate(state.opt_state) if s is None)
-    opt = tuple(s for s in state.opt_state if s is not None)
-    return [state.params, opt, state.step], (state.info, frozen)
+def _torch_flatten(state: ZeroState) -> tuple[list, tuple]:
+    """torch's pytree takes None for a leaf: the positions of None optimizer states (frozen
+    buckets) and None masters are kept in the context, so `torch.utils._pytree.tree_map` sees
+    tensors only too."""
+    def split(xs: tuple) -> tuple[tuple, tuple[int, ...]]:
+        return tuple(x for x in xs if x is not None), tuple(b for b, x in enumerate(xs) if x is None)
+
+    opt, no_opt = split(state.opt_state)
+    master, no_master = split(state.master)
+    return [state.params, opt, state.step, master], (state.info, no_opt, no_master, len(state.params))
 
 
-def _torch_unflatten(children: list, context: tuple[StateInfo, tuple[int, ...]]) -> ZeroState:
-    (params, opt, step), (info, frozen) = children, context
-    it = iter(opt)
-    total = len(opt) + len(frozen)
-    return ZeroState(params, tuple(None if b in frozen else next(it) for b in range(total)), step, info)
+def _torch_unflatten(children: list, context: tuple) -> ZeroState:
+    (params, opt, step, master), (info, no_opt, no_master, nb) = children, context
+
+    def join(xs: tuple, nones: tuple[int, ...]) -> tuple:
+        it = iter(xs)
+        return tuple(None if b in nones else next(it) for b in range(nb))
+
+    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), info)
 
 
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
@@ -117,6 +132,7 @@ def init(
     groups: Sequence[ParamGroup] = (),
     align: int = 1,
     sync: bool = True,
+    precision: Precision = FULL,
 ) -> ZeroState:
     """This rank's `ZeroState` for `params` (call on every rank; on SimMesh inside `mesh.run`).
 
@@ -131,29 +147,35 @@ def init(
       mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
       units, groups, align: as for `fzero.layout.plan`.
       sync: broadcast rank 0's values to every rank.
+      precision: a `fzero.Precision` (compute and reduce dtypes); the master values stay in the
+        params' own dtype (`fzero._src.precision`).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
         _check_optimizer(optimizer)
+        if not isinstance(precision, Precision):
+            raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
         _check_distinct(params)
         _check_real(params)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
+                            precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
         if sync and mesh.world_size > 1:
             flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
         rank = mesh.rank
-        held = tuple(st.hold(layout, b, f, rank) for b, f in enumerate(flats))
+        kept = [st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute) for b, f in enumerate(flats)]
+        held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
         opt_state = tuple(
-            None if spec.group.frozen else optimizer.init(st.optimizer_params(layout, b, held[b], rank),
+            None if spec.group.frozen else optimizer.init(st.optimizer_params(layout, b, held[b], rank, master[b]),
                                                           len(spec.leaves))
             for b, spec in enumerate(layout.buckets)
         )
-    return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64),
-                     StateInfo(layout, st, mesh, rank, optimizer))
+    return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
+                     StateInfo(layout, st, mesh, rank, optimizer, precision))
 
 
 def _check_distinct(params: Any) -> None:
@@ -231,15 +253,17 @@ def check_same_settings(mesh: Mesh, **settings: Any) -> None:
 def gather(state: ZeroState) -> Any:
     """The full params pytree (original structure and dtypes), on every rank; fresh tensors.
 
-    Where the stage shards params, each bucket is all-gathered, so every rank must call it.
+    Where the stage shards params (or keeps a master shard), each bucket is all-gathered, so every
+    rank must call it. The values are the master values, in the params' own dtype.
     """
     check_state(state)
-    layout = state.layout
+    layout, mesh = state.layout, state.mesh
     leaves: list[Any] = [None] * len(layout.leaves)
     with torch.no_grad():
-        for program in unit_programs(layout, state.mesh, state.stage):
-            xs = [state.params[b.index] for b in program.buckets]
-            for i, t in zip(program.leaves, gather_leaves(program, xs)):
+        for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
+            xs = [state.params[b.index] if state.master[b.index] is None
+                  else all_gather(state.master[b.index], mesh, tag=b.tag) for b in program.buckets]
+            for i, t in zip(program.leaves, gather_leaves(program, xs, cast=False)):
                 leaves[i] = t.clone()
     return unflatten(layout.treespec, leaves)
 

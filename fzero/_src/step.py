@@ -298,8 +298,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode))`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    programs = unit_programs(layout, mesh, stage)
-    pairs = [stage.differentiated(layout, b, p, rank) for b, p in enumerate(state.params)]
+    programs = unit_programs(layout, mesh, stage, state.precision)
+    pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
@@ -385,8 +385,8 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
     out = {}
     for b, g in grads.items():
         if g is None:
-            g = torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank)[0])
-        out[b] = stage.after_backward.run(mesh, layout.buckets[b].tag, g)
+            g = torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
+        out[b] = stage.after_backward.run(mesh, state.precision.wire(layout.buckets[b]), g)
     return out
 
 
@@ -436,14 +436,15 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
                           "none: use donate=False")
     step = int(state.step)
-    new_params, new_opt = list(state.params), list(state.opt_state)
+    new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
                             tuple(layout.leaves[i].numel for i in spec.leaves))
-        p = stage.optimizer_params(layout, b, state.params[b], rank)
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
+        g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:
             updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
         else:
@@ -451,8 +452,11 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     if _any_nonfinite(state, updated):
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     for b, p_new in updated.items():
-        new_params[b] = stage.finish.run(mesh, layout.buckets[b].tag, p_new)
-    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), step=state.step + 1), []
+        new_params[b] = stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p_new)
+        if state.master[b] is not None:
+            new_master[b] = p_new
+    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
+                         step=state.step + 1), []
 
 
 def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:

@@ -32,7 +32,8 @@ import torch
 
 from .layout import Layout
 from .mesh import Mesh
-from .stages import Stage
+from .precision import FULL, Precision
+from .stages import Stage, Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Bucket:
     """What the unit Function needs of one bucket: its index, tag, leaf offsets and shapes."""
 
     index: int
-    tag: str
+    wire: Wire
     frozen: bool
     leaves: tuple[int, ...]
     offsets: tuple[int, ...]
@@ -48,11 +49,15 @@ class Bucket:
     size: int  # N * S, the padded flat buffer
 
     @staticmethod
-    def of(layout: Layout, b: int) -> "Bucket":
+    def of(layout: Layout, b: int, precision: Precision = FULL) -> "Bucket":
         spec = layout.buckets[b]
         leaves = [layout.leaves[i] for i in spec.leaves]
-        return Bucket(b, spec.tag, spec.group.frozen, spec.leaves, tuple(ls.offset for ls in leaves),
+        return Bucket(b, precision.wire(spec), spec.group.frozen, spec.leaves, tuple(ls.offset for ls in leaves),
                       tuple(ls.shape for ls in leaves), spec.padded_numel)
+
+    @property
+    def tag(self) -> str:
+        return self.wire.tag
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat[N * S] -> [leaf views]`."""
@@ -74,8 +79,8 @@ class UnitProgram:
         return tuple(i for b in self.buckets for i in b.leaves)
 
 
-def unit_programs(layout: Layout, mesh: Mesh, stage: Stage) -> list[UnitProgram]:
-    return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b) for b in layout.unit_buckets(unit)))
+def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL) -> list[UnitProgram]:
+    return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)))
             for unit in layout.units]
 
 
@@ -91,11 +96,13 @@ class Probe(NamedTuple):
         return Probe(torch.zeros(len(program.leaves)), torch.zeros(len(program.buckets), device=device))
 
 
-def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The unit's leaves from the full buffer (or the held tensor) of each bucket: the Function's
-    forward, and `fzero.gather` outside autograd."""
+def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
+    """The unit's leaves from the full buffer (or the held tensor) of each bucket, cast to the
+    compute dtype first (once per unit, before any gather): the Function's forward, and
+    `fzero.gather` outside autograd (`cast=False`: the master dtype)."""
     mesh, enter = program.mesh, program.stage.enter.run
-    return [v for bucket, x in zip(program.buckets, xs) for v in bucket.views(enter(mesh, bucket.tag, x))]
+    return [v for bucket, x in zip(program.buckets, xs)
+            for v in bucket.views(enter(mesh, bucket.wire, x.to(bucket.wire.compute) if cast else x))]
 
 
 def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None],
@@ -143,9 +150,9 @@ class _Unit(torch.autograd.Function):
                 result.append(None)
                 bad.append(torch.zeros((), device=device))
                 continue
-            flat = _assemble(bucket, gs, dtype, device)
+            flat = _assemble(bucket, gs, bucket.wire.compute, device)
             bad.append(_nonfinite(flat).float())
-            result.append(program.stage.leave.run(program.mesh, bucket.tag, flat))
+            result.append(program.stage.leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
         after = ctx.after() if ctx.after is not None else None
         if after is not None:

@@ -1,0 +1,53 @@
+"""Mixed precision: the dtypes units compute and reduce in, beside fp32 master weights.
+
+`Precision(param_dtype, reduce_dtype)` (FSDP2's `MixedPrecisionPolicy` is the model) is given to
+`fzero.init(..., precision=...)`. The state keeps each bucket's master values in the dtype the
+params were given in (fp32, typically) and the optimizer state beside them, sharded as the stage
+says; units are cast to `param_dtype` once per unit and step, inside the unit Function (before
+the all-gather where the stage shards params, so the gather moves `param_dtype` bytes), and the
+loss computes in it; each unit's gradient is reduced in `reduce_dtype` and the optimizer updates
+the master values. Stages 1-2 keep a `param_dtype` copy of the full params beside their fp32
+master shard (ZeRO's 2Ψ + 2Ψ + KΨ/N); stage 0 keeps the full master and casts it each step;
+stage 3 keeps only the master shard (proofs/precision.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .errors import ConfigError
+from .layout import BucketSpec
+from .stages import Wire
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtypes of computation and reduction (None: the bucket's own dtype, no cast).
+
+    Attributes:
+      param_dtype: what units are gathered and computed in (fp32, bf16, fp16, fp64).
+      reduce_dtype: what gradients are reduced in; not narrower than 16 bits.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+                                      or dtype.is_complex):
+                raise ConfigError(f"Precision.{name} must be a floating torch.dtype (torch.float32, torch.bfloat16, "
+                                  f"torch.float16) or None, got {dtype!r}")
+        if self.reduce_dtype is not None and self.reduce_dtype.itemsize < 2:
+            raise ConfigError(f"Precision.reduce_dtype {self.reduce_dtype} is narrower than 16 bits: sums of "
+                              f"gradients over ranks need at least fp16 / bf16; use torch.float32 or torch.bfloat16")
+
+    def wire(self, bucket: BucketSpec) -> Wire:
+        """How bucket `bucket` travels under this policy."""
+        return Wire(bucket.tag, self.param_dtype or bucket.dtype, self.reduce_dtype or self.param_dtype or bucket.dtype)
+
+
+FULL = Precision()  # no policy: every bucket computes and reduces in its own dtype

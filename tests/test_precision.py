@@ -1,0 +1,175 @@
+"""Mixed precision (`fzero.init(..., precision=fzero.Precision(param_dtype, reduce_dtype))`):
+proofs/precision.md.
+
+- For every policy, stages 1-3 equal stage 0 bit for bit after every step (master params, loss,
+  gradient norm), on SimMesh with N drawn.
+- Stage 0 under a policy equals a serial reference: leaves = fl_param(master); per-rank
+  gradients in param_dtype; `Σ_r fl(1/N)·fl_reduce(g_r)` in rank order; torch.optim on the fp32
+  master with that gradient.
+- What a rank holds follows the policy (stages 1-2: a param_dtype copy of the full params beside
+  the fp32 master shard; stage 3: only the master shard), and stage 3 gathers param_dtype bytes.
+- Bad settings are errors naming the setting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero.accounting import comm_volume, expected_comm, held_bytes
+from fzero.testing.strategies import examples
+
+POLICIES = {
+    "bf16/fp32": fzero.Precision(torch.bfloat16, torch.float32),
+    "bf16/bf16": fzero.Precision(torch.bfloat16, torch.bfloat16),
+    "bf16": fzero.Precision(torch.bfloat16),  # reduce in the param dtype
+    "fp16/fp32": fzero.Precision(torch.float16, torch.float32),
+    "fp32": fzero.Precision(torch.float32),
+}
+GROUPS = [fzero.ParamGroup("frozen", match=lambda p: p.startswith("f"), frozen=True)]
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(11, generator=g), "b": {"w": torch.randn(3, 7, generator=g)}, "f": torch.randn(5, generator=g)}
+
+
+def _loss(p, x):  # computes in the params' dtype (bf16 / fp16 under a policy); returns fp32
+    h = torch.tanh(p["b"]["w"] @ x.to(p["b"]["w"].dtype)) + p["a"][:3] + p["f"][:3]
+    return h.float().square().mean()
+
+
+def _run(stage, n, policy, seed, steps=3, opt=lambda: optim.adamw(1e-2, weight_decay=0.1)):
+    mesh = fzero.SimMesh(n)
+    xs = [torch.randn(7, generator=torch.Generator().manual_seed(seed + 100 + r)) for r in range(n)]
+
+    def rank_fn(x):
+        state = fzero.init(_params(seed), opt(), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           groups=GROUPS, precision=POLICIES[policy])
+        step = fzero.train_step(_loss)
+        out = []
+        for t in range(steps):
+            state, m = step(state, x * (t + 1))
+            out.append((fzero.gather(state), m))
+        return out, state
+
+    return mesh.run(rank_fn, [(x,) for x in xs])
+
+
+@examples(30)
+@given(n=st.integers(1, 4), policy=st.sampled_from(sorted(POLICIES)), stage=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_stages_equal_stage0_under_every_policy(n, policy, stage, seed):
+    ref, got = _run(0, n, policy, seed), _run(stage, n, policy, seed)
+    for r in range(n):
+        for (p0, m0), (p1, m1) in zip(ref[r][0], got[r][0]):
+            assert torch.equal(m0.loss, m1.loss) and torch.equal(m0.grad_norm, m1.grad_norm) and not m1.skipped
+            for key in ("a", "f"):
+                assert p1[key].dtype == torch.float32 and torch.equal(p0[key], p1[key])
+            assert torch.equal(p0["b"]["w"], p1["b"]["w"])
+
+
+@pytest.mark.parametrize("policy", ["bf16/fp32", "bf16/bf16", "fp16/fp32"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_stage0_under_a_policy_equals_a_serial_reference(n, policy):
+    prec, seed = POLICIES[policy], 3
+    params = _params(seed)
+    xs = [torch.randn(7, generator=torch.Generator().manual_seed(seed + 100 + r)) for r in range(n)]
+    master = {k: v for k, v in params.items() if k != "f"}
+    masters = [master["a"].clone().requires_grad_(), master["b"]["w"].clone().requires_grad_()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=False)
+    for t in range(3):
+        total = None
+        for r in range(n):
+            leaves = {"a": masters[0].detach().to(prec.param_dtype), "b": {"w": masters[1].detach().to(prec.param_dtype)},
+                      "f": params["f"].to(prec.param_dtype)}
+            g = torch.func.grad(lambda a, w: _loss({"a": a, "b": {"w": w}, "f": leaves["f"]}, xs[r] * (t + 1)),
+                                argnums=(0, 1))(leaves["a"], leaves["b"]["w"])
+            part = [gi.to(prec.reduce_dtype or prec.param_dtype) * (1.0 / n) for gi in g]
+            total = part if total is None else [x + y for x, y in zip(total, part)]
+        for m, gi in zip(masters, total):
+            m.grad = gi.to(torch.float32)
+        ref_opt.step()
+    out, _ = _run(0, n, policy, seed, opt=lambda: optim.adamw(1e-2, weight_decay=0.1, impl="single"))[0]
+    got = out[-1][0]
+    assert torch.equal(got["a"], masters[0].detach()) and torch.equal(got["b"]["w"], masters[1].detach())
+    assert torch.equal(got["f"], params["f"])  # frozen: the master values, never cast back
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_held_bytes_follow_the_policy(stage):
+    """ZeRO's mixed-precision rows: stage 0 keeps the fp32 master (4Ψ), stages 1-2 a bf16 copy of
+    the full params (2Ψ) and the fp32 master shard (4Ψ/N), stage 3 the master shard only; Adam's
+    moments (8 bytes per element) are sharded from stage 1 on (the layout's padding included)."""
+    n = 2
+    out = _run(stage, n, "bf16/fp32", 0, steps=1)
+    state = out[0][1]
+    layout = state.layout
+    train = [b for b in layout.buckets if not b.group.frozen]
+    full, shard = sum(b.padded_numel for b in train), sum(b.shard_numel for b in train)
+    frozen = sum((b.shard_numel if stage == 3 else b.padded_numel) for b in layout.buckets if b.group.frozen)
+    held = held_bytes(state)
+    params_bytes = {0: 4 * full, 1: 2 * full, 2: 2 * full, 3: 4 * shard}[stage] + 4 * frozen
+    assert held.params == params_bytes
+    assert held.master == (4 * shard if stage in (1, 2) else 0)
+    leaf_steps = 4 * sum(len(b.leaves) for b in train)
+    assert held.optimizer_state == 8 * (full if stage == 0 else shard) + leaf_steps
+
+
+def test_stage3_gathers_param_dtype_bytes_and_reduces_in_reduce_dtype():
+    n = 2
+    mesh = fzero.SimMesh(n)
+    prec = POLICIES["bf16/fp32"]
+
+    def rank_fn(x):
+        state = fzero.init(_params(1), optim.sgd(0.1), stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                           groups=GROUPS, precision=prec)
+        with mesh.record() as log:
+            state, _ = fzero.train_step(_loss, gather="eager")(state, x)
+        return log, state.layout
+
+    log, layout = mesh.run(rank_fn, [(torch.ones(7),), (torch.ones(7),)])[0]
+    data = [r for r in log if not r.tag.startswith("fzero.")]
+    assert {r.dtype for r in data if r.op == "all_gather"} == {torch.bfloat16}
+    assert {r.dtype for r in data if r.op == "reduce_scatter"} == {torch.float32}
+    got = comm_volume(log, n)
+    assert got.data == expected_comm(layout, n, 3, param_dtype=torch.bfloat16, grad_dtype=torch.float32).data
+
+
+def test_bad_settings():
+    with pytest.raises(fzero.ConfigError, match="Precision.param_dtype must be a floating"):
+        fzero.Precision(torch.int32)
+    with pytest.raises(fzero.ConfigError, match="Precision.reduce_dtype .* narrower than 16 bits"):
+        fzero.Precision(torch.bfloat16, torch.float8_e4m3fn)
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.ConfigError, match="precision must be a fzero.Precision"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision="bf16"))
+    two = fzero.SimMesh(2)
+    with pytest.raises(fzero.ConfigError, match="settings differ across ranks.*'precision'"):
+        two.run(lambda r: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=two,
+                                     precision=POLICIES["bf16" if r else "fp32"]), [(0,), (1,)])
+
+
+def test_the_policy_is_applied():
+    """Non-vacuous: the bf16 policy changes the trajectory (the loss computes in bf16), and
+    fp32 as a policy is no policy at all (the same bits as none)."""
+    bf16 = _run(0, 2, "bf16/fp32", 5)[0][0][-1][0]
+    fp32 = _run(0, 2, "fp32", 5)[0][0][-1][0]
+    mesh = fzero.SimMesh(2)
+    xs = [torch.randn(7, generator=torch.Generator().manual_seed(5 + 100 + r)) for r in range(2)]
+
+    def none(x):
+        state = fzero.init(_params(5), optim.adamw(1e-2, weight_decay=0.1), stage=0, mesh=mesh,
+                           units=lambda p: p.split(".")[0], groups=GROUPS)
+        step = fzero.train_step(_loss)
+        for t in range(3):
+            state, _ = step(state, x * (t + 1))
+        return fzero.gather(state)
+
+    plain = mesh.run(none, [(x,) for x in xs])[0]
+    assert not torch.equal(bf16["b"]["w"], fp32["b"]["w"])
+    assert torch.equal(fp32["b"]["w"], plain["b"]["w"]) and torch.equal(fp32["a"], plain["a"])
