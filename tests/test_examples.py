@@ -37,3 +37,12 @@ def test_gpt2_stage3_falls_back_to_simmesh_and_learns():
     assert "SimMesh(2, id=1) stage 3:" in out
     first, last = (float(x) for x in out.strip().splitlines()[-1].removeprefix("loss ").split(" -> "))
     assert last < first, out
+
+
+def test_fp16_loss_scale_stage3_equals_stage0_and_plots(tmp_path):
+    png = tmp_path / "curves.png"
+    out = run_example("fp16_loss_scale.py", "--steps", "120", "--plot", str(png))
+    assert "stage 3 equals stage 0 at every step" in out
+    skipped = int(out.split(" skipped for overflow")[0].rsplit(" ", 1)[1])
+    assert 0 < skipped < 120, out  # the scale overflowed now and then, and training went on
+    assert png.stat().st_size > 10_000

@@ -173,3 +173,79 @@ def test_the_policy_is_applied():
     plain = mesh.run(none, [(x,) for x in xs])[0]
     assert not torch.equal(bf16["b"]["w"], fp32["b"]["w"])
     assert torch.equal(fp32["b"]["w"], plain["b"]["w"]) and torch.equal(fp32["a"], plain["a"])
+
+
+# -- fp16 loss scaling ------------------------------------------------------------------------------
+
+FP16 = fzero.Precision(torch.float16, torch.float32)
+
+
+def _scaled_run(stage, n, scaler, batches, lr=0.05):
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn(my):
+        state = fzero.init(_params(2), optim.adamw(lr), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           groups=GROUPS, precision=FP16, loss_scale=scaler)
+        step = fzero.train_step(_loss)
+        out = []
+        for x in my:
+            before = state
+            state, m = step(state, x)
+            out.append((fzero.gather(state), [None if s is None else [f.clone() for f in s] for s in state.opt_state],
+                        int(state.step), m, before))
+        return out
+
+    return mesh.run(rank_fn, [(b,) for b in batches])
+
+
+def _batches(n, steps, bad_steps, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(7, generator=g) * (float("inf") if (t in bad_steps and r == t % n) else 1.0)
+             for t in range(steps)] for r in range(n)]
+
+
+@examples(15)
+@given(n=st.integers(1, 3), stage=st.integers(1, 3), window=st.integers(1, 3), hysteresis=st.integers(1, 2),
+       bad=st.sets(st.integers(0, 7), max_size=4))
+def test_loss_scaled_stages_equal_stage0(n, stage, window, hysteresis, bad):
+    scaler = fzero.DynamicLossScale(init_scale=2.0**10, window=window, hysteresis=hysteresis)
+    batches = _batches(n, 8, bad)
+    ref, got = _scaled_run(0, n, scaler, batches), _scaled_run(stage, n, scaler, batches)
+    for r in range(n):
+        for (p0, _, t0, m0, _), (p1, _, t1, m1, _) in zip(ref[r], got[r]):
+            assert (t0, m0.skipped, m0.loss_scale) == (t1, m1.skipped, m1.loss_scale)
+            assert torch.equal(m0.grad_norm, m1.grad_norm) or (m0.skipped and m1.skipped)
+            assert torch.equal(p0["a"], p1["a"]) and torch.equal(p0["b"]["w"], p1["b"]["w"])
+
+
+def test_an_overflowed_step_changes_only_the_scaler():
+    """An overflow (an inf input on one rank) skips the update: master weights, optimizer state
+    and the step count the optimizer sees are unchanged; metrics report the skip with the scale
+    used; the scale follows DynamicLossScale.update (hysteresis 1: halved at once)."""
+    n, scaler = 2, fzero.DynamicLossScale(init_scale=2.0**8, window=2, hysteresis=1)
+    bad = {1, 2}
+    out = _scaled_run(2, n, scaler, _batches(n, 6, bad))
+    pure = scaler.init()
+    for t, (params, opt, count, m, before) in enumerate(out[0]):
+        assert m.loss_scale == float(pure.scale)
+        pure = scaler.update(pure, t in bad)
+        assert m.skipped == (t in bad)
+        if t in bad:
+            prev = out[0][t - 1] if t else None
+            assert count == (prev[2] if prev else 0)
+            assert prev is None or (torch.equal(params["a"], prev[0]["a"]) and all(
+                a is None or all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(opt, prev[1])))
+    # overflows at updates 1 and 2 halve the scale twice; the next doubling needs W = 2 clean
+    # updates after the last overflow (stable = 5 - 2 - 1 = 2 at update 5), so it shows at step 6
+    assert [m.loss_scale for *_, m, _ in out[0]] == [256.0, 256.0, 128.0, 64.0, 64.0, 64.0]
+
+
+def test_loss_scaling_needs_fp16():
+    mesh = fzero.SimMesh(1)
+    for prec in (fzero.Precision(), fzero.Precision(torch.bfloat16)):
+        with pytest.raises(fzero.ConfigError, match="guards fp16 gradients"):
+            mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=prec,
+                                        loss_scale=fzero.StaticLossScale(128.0)))
+    with pytest.raises(fzero.ConfigError, match="loss_scale must be None"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
+                                    loss_scale=1024.0))

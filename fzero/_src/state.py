@@ -25,6 +25,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer
 from .precision import FULL, Precision
+from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
 from .unit import gather_leaves, unit_programs
@@ -40,6 +41,7 @@ class StateInfo:
       mesh: the mesh the state lives on; `rank` is this rank on it.
       optimizer: the `fzero.optim` optimizer `init` made the optimizer state with.
       precision: the `fzero.Precision` policy (compute and reduce dtypes).
+      scaler: the fp16 loss scaler (`fzero.StaticLossScale` / `fzero.DynamicLossScale`), or None.
     """
 
     layout: Layout
@@ -48,6 +50,7 @@ class StateInfo:
     rank: int
     optimizer: Optimizer
     precision: Precision = FULL
+    scaler: LossScale | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class ZeroState:
       master: per bucket, this rank's master `shard[S]` where the stage keeps one apart from
         `params` (stages 1-2 under a precision policy: `params` is then the full buffer in the
         compute dtype); else None (`params` holds the master values).
+      loss_scale: the loss scaler's `LossScaleState` (0-d tensors), or None without a scaler.
       step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
       info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
     """
@@ -69,6 +73,7 @@ class ZeroState:
     opt_state: tuple[Any, ...]
     step: torch.Tensor
     master: tuple[torch.Tensor | None, ...]
+    loss_scale: LossScaleState | None
     info: StateInfo
 
     layout = property(lambda self: self.info.layout)
@@ -83,16 +88,16 @@ class ZeroState:
         return dataclasses.replace(self, **changes)
 
 
-_FIELDS = ("params", "opt_state", "step", "master")
+_FIELDS = ("params", "opt_state", "step", "master", "loss_scale")
 
 
 def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
-    return (state.params, state.opt_state, state.step, state.master), state.info, _FIELDS
+    return (state.params, state.opt_state, state.step, state.master, state.loss_scale), state.info, _FIELDS
 
 
 def _unflatten(info: StateInfo, children: Any) -> ZeroState:
-    params, opt_state, step, master = children
-    return ZeroState(params, opt_state, step, master, info)
+    params, opt_state, step, master, loss_scale = children
+    return ZeroState(params, opt_state, step, master, loss_scale, info)
 
 
 for _namespace in (_GLOBAL, NAMESPACE):
@@ -106,17 +111,18 @@ def _torch_flatten(state: ZeroState) -> tuple[list, tuple]:
 
     opt, no_opt = split(state.opt_state)
     master, no_master = split(state.master)
-    return [state.params, opt, state.step, master], (state.info, no_opt, no_master, len(state.params))
+    scale = () if state.loss_scale is None else (state.loss_scale,)
+    return [state.params, opt, state.step, master, scale], (state.info, no_opt, no_master, len(state.params))
 
 
 def _torch_unflatten(children: list, context: tuple) -> ZeroState:
-    (params, opt, step, master), (info, no_opt, no_master, nb) = children, context
+    (params, opt, step, master, scale), (info, no_opt, no_master, nb) = children, context
 
     def join(xs: tuple, nones: tuple[int, ...]) -> tuple:
         it = iter(xs)
         return tuple(None if b in nones else next(it) for b in range(nb))
 
-    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), info)
+    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None, info)
 
 
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
@@ -133,6 +139,7 @@ def init(
     align: int = 1,
     sync: bool = True,
     precision: Precision = FULL,
+    loss_scale: LossScale | None = None,
 ) -> ZeroState:
     """This rank's `ZeroState` for `params` (call on every rank; on SimMesh inside `mesh.run`).
 
@@ -149,18 +156,26 @@ def init(
       sync: broadcast rank 0's values to every rank.
       precision: a `fzero.Precision` (compute and reduce dtypes); the master values stay in the
         params' own dtype (`fzero._src.precision`).
+      loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
+        scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
+        `train_step`). Only where some bucket computes in fp16.
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
         _check_optimizer(optimizer)
         if not isinstance(precision, Precision):
             raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
+        if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+            raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
+                              f"got {type(loss_scale).__name__} {loss_scale!r}")
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
+        _check_loss_scale(layout, precision, loss_scale)
         _check_distinct(params)
         _check_real(params)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
+                            loss_scale=repr(loss_scale),
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
@@ -175,7 +190,20 @@ def init(
             for b, spec in enumerate(layout.buckets)
         )
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
-                     StateInfo(layout, st, mesh, rank, optimizer, precision))
+                     None if loss_scale is None else loss_scale.init(),
+                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale))
+
+
+def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> None:
+    """Loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 have fp32's
+    exponent range and need none."""
+    if loss_scale is None:
+        return
+    computes = {precision.wire(b).compute for b in layout.buckets if not b.group.frozen}
+    if torch.float16 not in computes:
+        names = sorted(str(d).removeprefix("torch.") for d in computes) or ["nothing trainable"]
+        raise ConfigError(f"loss_scale={loss_scale!r} guards fp16 gradients, but this state computes in {names}; "
+                          f"drop loss_scale, or compute in fp16 with precision=fzero.Precision(torch.float16, ...)")
 
 
 def _check_distinct(params: Any) -> None:

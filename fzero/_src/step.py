@@ -50,13 +50,17 @@ class Metrics(NamedTuple):
       grad_norm: float64 0-d, `‖Σ_r fl(1/N) g_r‖₂` over all trainable leaves (squares summed per
         shard in float64, then over ranks in rank order; the same bits in every stage).
       step: the index of this update (0 for the first): the input state's step count.
-      skipped: True if the step was non-finite and `on_nonfinite="skip"` left the state as it was.
+      skipped: True if the step was non-finite and left the state as it was (`on_nonfinite="skip"`,
+        or an overflow under a loss scaler, which then only updates the scaler's state).
+      loss_scale: the loss scale this step used, or None without a loss scaler. `loss` and
+        `grad_norm` are unscaled (divided by it).
     """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     step: int
     skipped: bool
+    loss_scale: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,22 +189,26 @@ def train_step(
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     verdict = agree(state, loss, report, reduced, count)
-    step = int(state.step)
+    step, s = int(state.step), loss_scale_of(state)
     scale = _normalizer(config, state, verdict)
-    norm = math.sqrt(verdict.norm_sq) * scale if math.isfinite(verdict.norm_sq) else verdict.norm_sq
-    mean_loss = verdict.loss / (verdict.count if config.normalize == "tokens" else state.mesh.world_size)
+    norm = math.sqrt(verdict.norm_sq) * scale / s if math.isfinite(verdict.norm_sq) else verdict.norm_sq
+    mean_loss = verdict.loss / (verdict.count if config.normalize == "tokens" else state.mesh.world_size) / s
     metrics = Metrics(torch.tensor(mean_loss, dtype=torch.float64), torch.tensor(norm, dtype=torch.float64), step,
-                      not verdict.finite)
+                      not verdict.finite, s if state.info.scaler is not None else None)
+    scaler = state.info.scaler
+    next_scale = None if scaler is None else scaler.update(state.loss_scale, not verdict.finite)
     if not verdict.finite:
+        if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
+            return state.replace(loss_scale=next_scale), metrics
         if config.on_nonfinite == "raise":
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, metrics
-    reduced = _rescale(reduced, scale * _clip_coefficient(config, norm))
+    reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
     new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
     if not broken:
-        return new, metrics
+        return (new if scaler is None else new.replace(loss_scale=next_scale)), metrics
     if config.on_nonfinite == "raise" or config.donate:
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
@@ -260,6 +268,12 @@ def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype
     return part if acc is None else acc + part
 
 
+def loss_scale_of(state: ZeroState) -> float:
+    """The loss is multiplied by this before backward and the gradient divided by it after the
+    reduction: the scaler's current scale (a Python float), or 1."""
+    return 1.0 if state.loss_scale is None else float(state.loss_scale.scale)
+
+
 def _normalizer(config: StepConfig, state: ZeroState, verdict: Verdict) -> float:
     """The factor the reduced gradient `Σ_r fl(1/N) g_r` is multiplied by: 1, or N / T with T the
     agreed token count (`normalize="tokens"`), so that the gradient is that of `Σ loss_sum / T`."""
@@ -302,6 +316,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
+    s = loss_scale_of(state)
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and is_flat_dict(layout))
@@ -315,7 +330,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
         def objective(params: Any, mb: Any) -> torch.Tensor:
             loss, count = _objective(config, config.loss_fn(params, mb))
             counts.append(count)
-            return loss
+            return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable).loss(objective, batch)
         return loss, counts[0]
