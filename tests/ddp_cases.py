@@ -356,3 +356,27 @@ def clipping_against_ddp(mesh, stage: int, max_norm: float, lr: float, batch) ->
         ratios[n] = float((diff / bound.clamp_min(1e-300)).max())
     return {"ratios": ratios, "norm_fzero": float(m.grad_norm), "norm_torch": float(total), "active": coef < 1,
             "eps_torch": eps_torch}
+
+
+# --- bf16: fzero's Precision(bf16, bf16) against DDP on a bf16 copy of the model ------------------
+
+def bf16_reduction_against_ddp(mesh, batch) -> dict[str, bool]:
+    """One step: DDP on a bf16 copy of the model (bf16 params, grads reduced in bf16) against fzero
+    with fp32 master weights of the same (bf16-representable) values and
+    `Precision(bfloat16, bfloat16)`. The same casts happen in both (the forward and the local
+    gradient in bf16, `fl(grad · 1/N)` and the sum in bf16), so the reduced gradients are the same
+    bits (N = 2); the updates then differ on purpose (fzero updates the fp32 master)."""
+    x, y = batch
+    m16 = _accum_model().to(torch.bfloat16)
+    ddp = DDP(m16)
+    F.cross_entropy(ddp(x.to(torch.bfloat16)).float(), y).backward()
+    ddp_grad = {n: p.grad.float() for n, p in m16.named_parameters()}
+
+    params, apply, _ = from_module(_accum_model().to(torch.bfloat16).float())
+    rec = Recorder(fzero.optim.sgd(1.0))
+    state = fzero.init(params, rec.optimizer(), stage=0, mesh=mesh,
+                       precision=fzero.Precision(torch.bfloat16, torch.bfloat16))
+    fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0].to(torch.bfloat16)).float(), b[1]))(state, batch)
+    (flat,) = rec.grads  # one bucket, stage 0: the whole reduced gradient, as the fp32 optimizer sees it
+    got = fzero.layout.unpack(state.layout, [flat])
+    return {n: bool(torch.equal(got[n], ddp_grad[n])) for n in ddp_grad}

@@ -70,6 +70,15 @@ def test_clipping_within_bound_of_ddp_clip_grad_norm(dist2, stage):
         assert not worst, f"rank {rank}: beyond the derived bound: {worst}"
 
 
+def test_bf16_policy_reduces_as_ddp_on_a_bf16_model_at_n2(dist2):
+    """Where the same casts happen the bits agree: fzero's Precision(bf16, bf16) and DDP on a bf16
+    copy of the model give the same reduced gradient (proofs/precision.md)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(2)]
+    for rank, equal in enumerate(dist2.run(cases.bf16_reduction_against_ddp, [(batches[r],) for r in range(2)])):
+        assert equal and all(equal.values()), f"rank {rank}: {equal}"
+
+
 # --- N = 4: the summation bound, then the optimizer bitwise on equal gradients -----------------
 
 @pytest.mark.parametrize("name,kind", [("mlp", "adamw"), ("gpt2", "sgd")])

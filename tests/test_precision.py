@@ -204,11 +204,12 @@ def _batches(n, steps, bad_steps, seed=4):
              for t in range(steps)] for r in range(n)]
 
 
-@examples(15)
+@examples(20)
 @given(n=st.integers(1, 3), stage=st.integers(1, 3), window=st.integers(1, 3), hysteresis=st.integers(1, 2),
-       bad=st.sets(st.integers(0, 7), max_size=4))
-def test_loss_scaled_stages_equal_stage0(n, stage, window, hysteresis, bad):
-    scaler = fzero.DynamicLossScale(init_scale=2.0**10, window=window, hysteresis=hysteresis)
+       bad=st.sets(st.integers(0, 7), max_size=4), static=st.booleans())
+def test_loss_scaled_stages_equal_stage0(n, stage, window, hysteresis, bad, static):
+    scaler = fzero.StaticLossScale(1000.0) if static else fzero.DynamicLossScale(init_scale=2.0**10, window=window,
+                                                                                  hysteresis=hysteresis)
     batches = _batches(n, 8, bad)
     ref, got = _scaled_run(0, n, scaler, batches), _scaled_run(stage, n, scaler, batches)
     for r in range(n):
