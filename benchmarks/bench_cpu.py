@@ -1,0 +1,100 @@
+"""fzero stages 0-3 against torch DDP over gloo on the CPU, as ratios from one job.
+
+The model: `--blocks` residual blocks `x + W2 GELU(W1 x)` (dim -> hidden -> dim; defaults 8 x
+512 -> 2048 -> 512, 16.8M parameters), batch `--batch` per rank, AdamW (torch: foreach, the
+default on CPU; fzero: `impl=None`, foreach on CPU, the same bits). Every mode runs in the same
+processes, one after the other: median step time of `--steps` steps after `--warmup`; one JSON
+line per mode on rank 0, with the ratio to DDP's median. On a CPU only ratios mean anything.
+
+Run:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fzero
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, dim) -> (B, dim)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def model_of(a) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(a.dim, a.hidden) for _ in range(a.blocks)))
+
+
+def timed(step, a) -> float:
+    for _ in range(a.warmup):
+        step()
+    times = []
+    for _ in range(a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--stages", default="0,1,2,3")
+    a = ap.parse_args()
+    mesh = fzero.DistMesh(backend="gloo", verify=False)
+    rank = mesh.rank
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(a.batch, a.dim, generator=g), torch.randn(a.batch, a.dim, generator=g)
+
+    model = model_of(a)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def ddp_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+    rows = [("ddp", timed(ddp_step, a))]
+    del ddp, opt
+    for stage in (int(s) for s in a.stages.split(",")):
+        params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
+        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
+        box = [state]
+
+        def fzero_step() -> None:
+            box[0], _ = step(box[0], (x, y))
+
+        rows.append((f"fzero-stage{stage}", timed(fzero_step, a)))
+    if rank == 0:
+        base = rows[0][1]
+        for mode, t in rows:
+            print(json.dumps({"mode": mode, "world": mesh.world_size, "step_s_median": round(t, 4),
+                              "vs_ddp": round(t / base, 3), "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
