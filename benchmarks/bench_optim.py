@@ -14,7 +14,7 @@ Rows (one JSON line each):
 CPU), `ms_min` the fastest. `transient_gib` is the peak memory above what was resident before
 the timed steps (params, grads, optimizer state): `torch.cuda.max_memory_allocated` on CUDA; on
 CPU the peak live bytes of new storages made by aten ops during one more step
-(`fzero._src.accounting.LiveStorages`). The floor of an AdamW step is 7 x 4 bytes per element
+(`fzero.accounting.LiveStorages`). The floor of an AdamW step is 7 x 4 bytes per element
 (read p, g, m, v; write p, m, v) at the memory bandwidth.
 
 First, a check on the run's device: after each of `--check-steps` steps from the same values,
@@ -33,8 +33,9 @@ import time
 import torch
 
 import fzero.optim as fo
-from fzero._src.accounting import LiveStorages
-from fzero._src.layout import ParamGroup, Segment
+from fzero.accounting import LiveStorages
+from fzero import ParamGroup
+from fzero.layout import Segment
 from fzero._src.optim import fused
 
 GIB = 2**30

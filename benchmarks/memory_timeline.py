@@ -14,7 +14,7 @@ from bench_peers import GPT  # noqa: E402
 
 import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
-from fzero._src import lazy  # noqa: E402
+from fzero._src import gathering  # noqa: E402
 
 
 def main() -> None:
@@ -29,13 +29,13 @@ def main() -> None:
     gib = lambda: f"{torch.cuda.memory_allocated() / 2**30:7.2f} GiB (peak {torch.cuda.max_memory_allocated() / 2**30:7.2f})"  # noqa: E731
     say = (lambda *m: print(*m, flush=True)) if mesh.rank == 0 else (lambda *m: None)
     for name in ("release", "refill"):
-        orig = getattr(lazy.LazyParams, name)
+        orig = getattr(gathering.Gathering, name)
 
         def wrapped(self, unit, orig=orig, name=name):
             orig(self, unit)
             say(f"{name:8s} {unit:12s} {gib()}")
 
-        setattr(lazy.LazyParams, name, wrapped)
+        setattr(gathering.Gathering, name, wrapped)
     torch.manual_seed(0)
     model = GPT(32000, a.dim, a.layers, 16, a.seq).to(dev)
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 import fzero.optim as fo
-from fzero._src import layout as L
+from fzero import layout as L
 
 
 class SignumState(NamedTuple):

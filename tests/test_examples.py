@@ -46,3 +46,8 @@ def test_fp16_loss_scale_stage3_equals_stage0_and_plots(tmp_path):
     skipped = int(out.split(" skipped for overflow")[0].rsplit(" ", 1)[1])
     assert 0 < skipped < 120, out  # the scale overflowed now and then, and training went on
     assert png.stat().st_size > 10_000
+
+
+def test_custom_optimizer_example_runs():
+    out = run_example("custom_optimizer.py")
+    assert "signum on 3 shards == signum leaf by leaf" in out
