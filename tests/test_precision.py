@@ -180,12 +180,12 @@ def test_the_policy_is_applied():
 FP16 = fzero.Precision(torch.float16, torch.float32)
 
 
-def _scaled_run(stage, n, scaler, batches, lr=0.05):
+def _scaled_run(stage, n, scaler, batches, lr=0.05, precision=FP16):
     mesh = fzero.SimMesh(n)
 
     def rank_fn(my):
         state = fzero.init(_params(2), optim.adamw(lr), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
-                           groups=GROUPS, precision=FP16, loss_scale=scaler)
+                           groups=GROUPS, precision=precision, loss_scale=scaler)
         step = fzero.train_step(_loss)
         out = []
         for x in my:
@@ -206,12 +206,14 @@ def _batches(n, steps, bad_steps, seed=4):
 
 @examples(20)
 @given(n=st.integers(1, 3), stage=st.integers(1, 3), window=st.integers(1, 3), hysteresis=st.integers(1, 2),
-       bad=st.sets(st.integers(0, 7), max_size=4), static=st.booleans())
-def test_loss_scaled_stages_equal_stage0(n, stage, window, hysteresis, bad, static):
+       bad=st.sets(st.integers(0, 7), max_size=4), static=st.booleans(), reduce16=st.booleans())
+def test_loss_scaled_stages_equal_stage0(n, stage, window, hysteresis, bad, static, reduce16):
+    precision = fzero.Precision(torch.float16, torch.float16 if reduce16 else torch.float32)
     scaler = fzero.StaticLossScale(1000.0) if static else fzero.DynamicLossScale(init_scale=2.0**10, window=window,
                                                                                   hysteresis=hysteresis)
     batches = _batches(n, 8, bad)
-    ref, got = _scaled_run(0, n, scaler, batches), _scaled_run(stage, n, scaler, batches)
+    ref = _scaled_run(0, n, scaler, batches, precision=precision)
+    got = _scaled_run(stage, n, scaler, batches, precision=precision)
     for r in range(n):
         for (p0, _, t0, m0, _), (p1, _, t1, m1, _) in zip(ref[r], got[r]):
             assert (t0, m0.skipped, m0.loss_scale) == (t1, m1.skipped, m1.loss_scale)
