@@ -211,9 +211,12 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
         return (new if scaler is None else new.replace(loss_scale=next_scale)), metrics
     if config.on_nonfinite == "raise" or config.donate:
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
+        fate = ("the donated state was written in place and is lost: restore it from a checkpoint" if config.donate
+                else "the state is unchanged")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
-                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves). The state is unchanged; "
-                             f"lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
+                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); {fate}. Lower the "
+                             f"learning rate, keep params in a wider dtype, or use on_nonfinite='skip' (without "
+                             f"donate)")
     return state, metrics._replace(skipped=True)
 
 
@@ -257,8 +260,7 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any]
         bad = report.bad if bad is None else torch.maximum(bad, report.bad)
     dtypes = {b: state.layout.buckets[b].dtype for b in acc}
     summed = {b: None if g is None else g.to(dtypes[b]) for b, g in acc.items()}
-    reduced = reduce(state, summed) if once else {b: g for b, g in summed.items()}
-    return reduced, loss, Report(used, bad), count
+    return (reduce(state, summed) if once else summed), loss, Report(used, bad), count
 
 
 def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
