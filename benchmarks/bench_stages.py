@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
     ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
     ap.add_argument("--donate", type=int, default=1, help="train_step(donate=...): update the state in place")
+    ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
+                    help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
+                         "no autocast (as FSDP2's MixedPrecisionPolicy)")
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
@@ -52,11 +55,12 @@ def main() -> None:
 
     def loss_fn(p, batch):
         idx, tgt = batch
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and a.precision == "autocast"):
             return apply(p, idx, tgt)
 
     opt = optim.adamw(lr=1e-4)
-    state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units)
+    policy = fzero.Precision(torch.bfloat16, torch.float32) if a.precision == "bf16" else fzero.Precision()
+    state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units, precision=policy)
     del params
     step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather, donate=bool(a.donate))
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
@@ -94,7 +98,8 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
-            + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure"), "world": world, "params_M": round(nparams / 1e6, 1),
+            + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
+            + ("" if a.precision == "autocast" else f"-{a.precision}"), "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),

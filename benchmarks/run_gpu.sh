@@ -15,3 +15,4 @@ run() {  # name, script, args...
 for m in ${PEERS:-ddp fsdp2}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
 for s in ${STAGES:-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
 for s in ${EAGER_STAGES:-3}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
+for s in ${BF16_STAGES:-}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done

@@ -380,16 +380,20 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
 
 
 def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Report:
+    """The probes' gradients as one `Report`. `bad` is assembled on the device from 0-d views
+    (`torch.stack`): indexing a device tensor with a Python list copies the index host-to-device,
+    and a blocking copy synchronises the stream, once per unit."""
     layout, dev = state.layout, state.mesh.device
     used = torch.zeros(len(layout.leaves))
-    bad = torch.zeros(len(layout.buckets), device=dev)
+    bad: list[torch.Tensor | None] = [None] * len(layout.buckets)
     for program in programs:
         g = g_probes[program.name]
         if g.used is not None:
             used[list(program.leaves)] = g.used
-        if g.bad is not None:
-            bad[[b.index for b in program.buckets]] = g.bad.to(dev)
-    return Report(used, bad)
+        for k, b in enumerate(program.buckets):
+            bad[b.index] = g.bad[k].to(dev) if g.bad is not None else None
+    zero = torch.zeros((), device=dev)
+    return Report(used, torch.stack([zero if x is None else x for x in bad]) if bad else zero.new_zeros(0))
 
 
 # -- 2. reduce ---------------------------------------------------------------------------------
@@ -424,8 +428,10 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     sq = torch.zeros((), dtype=torch.float64, device=dev)
     for b, g in reduced.items():
         sq = sq + stage.grad_shard(layout, b, g, rank).to(torch.float64).square().sum().to(dev)
-    row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), report.used.to(dev, torch.float64),
-                     report.bad.to(dev, torch.float64), sq.reshape(1), count.to(dev, torch.float64).reshape(1)])
+    host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
+    host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+    row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
+                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:]])
     rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 3).cpu()
     losses, used_rows, bad_rows = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb]
     sqs, counts = rows[:, -2], rows[:, -1]
