@@ -373,3 +373,44 @@ def test_save_on_gloo_loads_on_simmesh(dist2, tmp_path):
     assert_same(flat_leaves(got[0][1]), flat_leaves(ref[0].mesh.run(lambda: fzero.gather(ref[ref[0].mesh.rank]))[0]),
                 "params")
     assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
+
+
+def killed_mid_save(root):
+    """A fresh 2-process gloo job: save step 1; one more step; rank 1 SIGKILLs itself half way
+    through writing its step-2 file. Rank 0 returns the error its barrier raised."""
+    import signal
+
+    from fzero._src import checkpoint as impl
+
+    mesh = fzero.DistMesh(backend="gloo", timeout=20.0)
+    step = fzero.train_step(loss_fn)
+    state = fzero.init(make_params(), OPTIMIZERS["sgd-momentum"](), stage=2, mesh=mesh)
+    state, _ = step(state, batch(0, mesh.rank))
+    ck.save(state, root)
+    state, _ = step(state, batch(1, mesh.rank))
+    if mesh.rank == 1:
+        def write_half_and_die(path, data, fail_mid=False):
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        impl._write = write_half_and_die
+    try:
+        ck.save(state, root)
+    except fzero.MeshError as e:
+        return type(e).__name__
+    return "saved"
+
+
+@pytest.mark.dist
+def test_sigkill_mid_save_keeps_the_previous(tmp_path):
+    from fzero.testing.pool import Died, run_job
+
+    root = str(tmp_path)
+    out = run_job(2, killed_mid_save, [(root,)] * 2, timeout=90)
+    assert out[0] == "RankFailed" and isinstance(out[1], Died), out
+    assert ck.latest(root) == os.path.join(root, "step-1")
+    assert any(name.startswith(".tmp-step-2-") for name in os.listdir(root))
+    got = load_on(ck.latest(root), 2, 2, "sgd-momentum")
+    ref = train(fzero.SimMesh(2), 2, "sgd-momentum", 1)
+    assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
