@@ -24,9 +24,9 @@ BF16 = fzero.Precision(torch.bfloat16, torch.float32)
 
 
 def make_params(seed: int = 0) -> dict:
-    """Leaves of assorted sizes (0-d, one that straddles shards at every N in 1..4), two units."""
+    """Leaves of assorted sizes (0-d, zero-size, one that straddles shards at every N in 1..4)."""
     g = torch.Generator().manual_seed(seed)
-    return {"emb": torch.randn(7, 3, generator=g), "bias": torch.randn(5, generator=g),
+    return {"emb": torch.randn(7, 3, generator=g), "bias": torch.randn(5, generator=g), "empty": torch.randn(0, 2),
             "scale": torch.randn((), generator=g), "head": {"w": torch.randn(3, 4, generator=g)}}
 
 
