@@ -333,27 +333,41 @@ def _read(path: str, manifest: dict[str, Any]) -> tuple[dict[tuple[str, str], li
     return table, scalars, rng
 
 
-def _assemble(path: str, layout: Layout, b: int, parts: Iterable, like: torch.Tensor, what: str) -> torch.Tensor:
-    """Bucket `b`'s `flat[N * S]` (zero padding) of `what` from canonical pieces, in `like`'s dtype
-    and device; every element of every leaf must be covered exactly once."""
+def _assemble(path: str, layout: Layout, b: int, parts: Iterable, like: torch.Tensor, what: str,
+              window: tuple[int, int] | None = None) -> torch.Tensor:
+    """Elements `[lo, hi)` (`window`; default all of them) of bucket `b`'s `flat[N * S]` of `what`,
+    from canonical pieces, zero padding, in `like`'s dtype and device: `buffer[hi - lo]`. Every
+    leaf element inside the window must be covered exactly once."""
     spec = layout.buckets[b]
-    flat = torch.zeros(spec.padded_numel, dtype=like.dtype, device=like.device)
+    lo, hi = window if window is not None else (0, spec.padded_numel)
+    out = torch.zeros(hi - lo, dtype=like.dtype, device=like.device)
     mine = set(spec.leaves)
     filled = {i: 0 for i in spec.leaves}
     for leaf, start, values in parts:
-        if leaf in mine:
-            ls = layout.leaves[leaf]
-            if values.dtype != like.dtype:
-                raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} is {values.dtype}, the target holds "
-                                      f"{like.dtype}")
-            flat[ls.offset + start : ls.offset + start + values.numel()] = values
-            filled[leaf] += values.numel()
+        if leaf not in mine:
+            continue
+        ls = layout.leaves[leaf]
+        if values.dtype != like.dtype:
+            raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} is {values.dtype}, the target holds "
+                                  f"{like.dtype}")
+        a, z = ls.offset + start, ls.offset + start + values.numel()  # the piece in flat coordinates
+        a2, z2 = max(a, lo), min(z, hi)
+        if a2 < z2:
+            out[a2 - lo : z2 - lo] = values[a2 - a : z2 - a]
+            filled[leaf] += z2 - a2
     for i, count in filled.items():
         ls = layout.leaves[i]
-        if count != ls.numel:
-            raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} has {count} of its {ls.numel} elements "
-                                  f"in the checkpoint; it is incomplete")
-    return flat
+        want = max(0, min(ls.offset + ls.numel, hi) - max(ls.offset, lo))
+        if count != want:
+            raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} has {count} of the {want} elements this "
+                                  f"rank needs in the checkpoint; it is incomplete")
+    return out
+
+
+def _window(layout: Layout, b: int, rank: int, sharded: bool) -> tuple[int, int] | None:
+    """The flat elements a rank holds of bucket `b`: its shard where `sharded`, else all (None)."""
+    s = layout.buckets[b].shard_numel
+    return (rank * s, (rank + 1) * s) if sharded else None
 
 
 def _leaf_field(path: str, layout: Layout, b: int, parts: list, like: torch.Tensor, what: str) -> torch.Tensor:
@@ -376,8 +390,8 @@ def _opt_state(path: str, target: ZeroState, b: int, table: dict) -> Any:
         if kind == "leaf":
             fields.append(_leaf_field(path, layout, b, parts, like, f"optimizer field {field!r}"))
             continue
-        flat = _assemble(path, layout, b, parts, like, f"optimizer field {field!r}")
-        fields.append(layout.rank_shard(b, flat, rank).clone() if stage.sharded("optimizer_state") else flat)
+        window = _window(layout, b, rank, stage.sharded("optimizer_state"))
+        fields.append(_assemble(path, layout, b, parts, like, f"optimizer field {field!r}", window))
     return type(opt)(*fields)
 
 
@@ -390,7 +404,9 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     (`CheckpointError` naming the file and the mismatch). Each bucket's master values are
     assembled into `flat[M * S']` and held as `fzero.init` holds them (`Stage.hold`: the shard,
     the master shard beside the compute copy `flat.to(compute)`, or the whole buffer); each
-    optimizer field per its spec; the step counter and loss scale as saved. With `restore_rng`
+    optimizer field per its spec; the step counter and loss scale as saved. Where the stage
+    keeps a shard (stage 3's params, sharded optimizer fields) only that shard's elements are
+    assembled. With `restore_rng`
     and M == N, this rank's torch RNG state is set to the one saved by the same rank.
     """
     check_state(target)
@@ -404,8 +420,12 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         for b, spec in enumerate(layout.buckets):
             like = target.master[b] if target.master[b] is not None else target.params[b]
             like = torch.empty(0, dtype=spec.dtype, device=like.device)
-            flat = _assemble(path, layout, b, table.get(("params", ""), []), like, "params")
-            held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
+            parts = table.get(("params", ""), [])
+            if stage.sharded("params"):  # hold keeps this rank's shard: assemble only that
+                held, m = _assemble(path, layout, b, parts, like, "params", _window(layout, b, rank, True)), None
+            else:
+                flat = _assemble(path, layout, b, parts, like, "params")
+                held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
             params.append(held)
             master.append(m)
             opt_state.append(_opt_state(path, target, b, table))
