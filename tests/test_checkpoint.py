@@ -138,7 +138,8 @@ def test_resume_equals_uninterrupted(stage):
     """N = 2, fp16 compute with a dynamic loss scale that starts too high (overflows, backs off),
     a loss drawing dropout masks from each rank's RNG: 3 steps (2 overflow), save, load in a new
     run, 2 more steps = 5 steps in one run, bitwise (params, optimizer state, scale, losses)."""
-    precision, scaler = fzero.Precision(torch.float16, torch.float32), fzero.DynamicLossScale(2.0**14, window=2, hysteresis=1)
+    precision = fzero.Precision(torch.float16, torch.float32)
+    scaler = fzero.DynamicLossScale(2.0**14, window=2, hysteresis=1)
     step = fzero.train_step(dropout_loss)
     mesh = fzero.SimMesh(2)
 
