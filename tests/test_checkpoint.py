@@ -1,0 +1,417 @@
+"""fzero.checkpoint: save at (N, stage s), load at (M, stage t), bit for bit; resume equals an
+uninterrupted run; crashes inside save leave the previous checkpoint the latest; bad checkpoints
+raise CheckpointError and leave the target as it was."""
+
+import os
+import tempfile
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+import fzero.checkpoint as ck
+from fzero._src.checkpoint import CRASH_POINTS, _Crash
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: fzero.optim.sgd(0.1, momentum=0.9),
+    "adamw": lambda: fzero.optim.adamw(1e-2, weight_decay=0.1),
+    "lamb": lambda: fzero.optim.lamb(1e-2, weight_decay=0.01),
+}
+BF16 = fzero.Precision(torch.bfloat16, torch.float32)
+
+
+def make_params(seed: int = 0) -> dict:
+    """Leaves of assorted sizes (0-d, zero-size, one that straddles shards at every N in 1..4)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(7, 3, generator=g), "bias": torch.randn(5, generator=g), "empty": torch.randn(0, 2),
+            "scale": torch.randn((), generator=g), "head": {"w": torch.randn(3, 4, generator=g)}}
+
+
+def UNITS(path: str) -> str:
+    """Two units: the head apart (so a save and a load may bucket leaves differently)."""
+    return "head" if path.startswith("head") else "body"
+
+
+def loss_fn(p, x):
+    x = x.to(p["emb"].dtype)  # the compute dtype of a precision policy
+    h = torch.tanh(x @ p["emb"]) * p["scale"]  # (B, 3)
+    return ((h @ p["head"]["w"]).sum(-1) + p["bias"].sum()).pow(2).mean()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, 7, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def train(mesh, stage, opt, steps, precision=fzero.Precision()):
+    """`steps` steps on every rank of `mesh`; returns each rank's state."""
+    step = fzero.train_step(loss_fn)
+
+    def rank_fn():
+        state = fzero.init(make_params(), OPTIMIZERS[opt](), stage=stage, mesh=mesh, units=UNITS,
+                           precision=precision)
+        for k in range(steps):
+            state, _ = step(state, batch(k, mesh.rank))
+        return state
+
+    return mesh.run(rank_fn)
+
+
+def merged_opt(states) -> dict:
+    """Each optimizer field per leaf, `{(field, path): tensor}`, merged over ranks from the
+    states' own buffers (concatenated shards where the stage shards optimizer state)."""
+    s0 = states[0]
+    out = {}
+    for b, spec in enumerate(s0.layout.buckets):
+        if s0.opt_state[b] is None:
+            continue
+        for f, kind in zip(s0.opt_state[b]._fields, s0.optimizer.spec(s0.opt_state[b])):
+            parts = [getattr(s.opt_state[b], f) for s in states]
+            if kind == "leaf":
+                for k, i in enumerate(spec.leaves):
+                    out[f, s0.layout.leaves[i].path] = parts[0][k]
+                continue
+            flat = torch.cat(parts) if s0.stage.sharded("optimizer_state") else parts[0]
+            for i in spec.leaves:
+                ls = s0.layout.leaves[i]
+                out[f, ls.path] = flat[ls.offset : ls.offset + ls.numel]
+    return out
+
+
+def assert_same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what} {k}"
+
+
+def flat_leaves(tree) -> dict:
+    return dict(zip(*fzero._src.tree.flatten_with_paths(tree)[:2]))
+
+
+def load_on(path, m, stage, opt, precision=fzero.Precision()):
+    mesh = fzero.SimMesh(m)
+
+    def rank_fn():
+        target = fzero.init(make_params(seed=9), OPTIMIZERS[opt](), stage=stage, mesh=mesh, precision=precision)
+        state = ck.load(path, target)
+        shapes = lambda s: [(t.shape, t.dtype) for t in fzero._src.tree.flatten_with_paths(s)[1]]  # noqa: E731
+        assert optree.tree_structure(state) == optree.tree_structure(target) and shapes(state) == shapes(target)
+        return state, fzero.gather(state)
+
+    return mesh.run(rank_fn)
+
+
+@settings(max_examples=40)
+@given(n=st.integers(1, 4), m=st.integers(1, 4), s=st.integers(0, 3), t=st.integers(0, 3),
+       opt=st.sampled_from(sorted(OPTIMIZERS)), policy=st.booleans())
+def test_reshard_is_exact(n, m, s, t, opt, policy):
+    """Saved at (N, s), loaded at (M, t): the gathered params, every optimizer field per leaf and
+    the step are the saved ones, bit for bit; a stage 1-2 compute copy is the cast master."""
+    precision = BF16 if policy else fzero.Precision()
+    saved = train(fzero.SimMesh(n), s, opt, 2, precision)
+    with tempfile.TemporaryDirectory() as root:
+        path = saved[0].mesh.run(lambda: ck.save(saved[saved[0].mesh.rank], root))[0]
+        want = saved[0].mesh.run(lambda: fzero.gather(saved[saved[0].mesh.rank]))[0]
+        got = load_on(path, m, t, opt, precision)
+    states = [x for x, _ in got]
+    for _, params in got:
+        assert_same(flat_leaves(params), flat_leaves(want), "params")
+    assert_same(merged_opt(states), merged_opt(saved), "optimizer state")
+    assert all(int(x.step) == 2 and x.step.dtype == torch.int64 for x in states)
+    for b in range(len(states[0].layout.buckets)):
+        if states[0].master[b] is not None:
+            full = torch.cat([x.master[b] for x in states])
+            assert all(torch.equal(x.params[b], full.to(x.params[b].dtype)) for x in states)
+
+
+def dropout_loss(p, x):
+    x = x.to(p["emb"].dtype)
+    keep = (torch.rand(x.shape[0], 3) > 0.3).to(x.dtype)  # dropout: reads the rank's RNG
+    h = torch.tanh(x @ p["emb"]) * keep * p["scale"]
+    return ((h @ p["head"]["w"]).sum(-1) + p["bias"].sum()).pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_resume_equals_uninterrupted(stage):
+    """N = 2, fp16 compute with a dynamic loss scale that starts too high (overflows, backs off),
+    a loss drawing dropout masks from each rank's RNG: 3 steps (2 overflow), save, load in a new
+    run, 2 more steps = 5 steps in one run, bitwise (params, optimizer state, scale, losses)."""
+    precision = fzero.Precision(torch.float16, torch.float32)
+    scaler = fzero.DynamicLossScale(2.0**14, window=2, hysteresis=1)
+    step = fzero.train_step(dropout_loss)
+    mesh = fzero.SimMesh(2)
+
+    def fresh():
+        torch.manual_seed(7 + mesh.rank)
+        return fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=stage, mesh=mesh, precision=precision,
+                          loss_scale=scaler)
+
+    def steps(state, ks):
+        losses = []
+        for k in ks:
+            state, metrics = step(state, batch(k, mesh.rank))
+            losses.append((metrics.loss, metrics.loss_scale, metrics.skipped))
+        return state, losses
+
+    def whole():
+        state, losses = steps(fresh(), range(5))
+        return state, losses, fzero.gather(state)
+
+    with tempfile.TemporaryDirectory() as root:
+        def first():
+            state, losses = steps(fresh(), range(3))
+            ck.save(state, root)
+            return losses
+
+        def second():
+            target = fzero.init(make_params(seed=3), OPTIMIZERS["adamw"](), stage=stage, mesh=mesh,
+                                precision=precision, loss_scale=scaler)
+            state, losses = steps(ck.load(ck.latest(root), target), range(3, 5))
+            return state, losses, fzero.gather(state)
+
+        head = mesh.run(first)
+        torch.manual_seed(12345)  # the resumed run's RNG comes from the checkpoint, not from here
+        tail = mesh.run(second)
+    ref = mesh.run(whole)
+    assert [skipped for _, _, skipped in ref[0][1]] == [True, True, False, False, False], "overflows as drawn"
+    assert all(torch.isfinite(loss) for loss, _, _ in ref[0][1][2:]), "finite losses see the dropout masks"
+    for r in range(2):
+        assert head[r] + tail[r][1] == ref[r][1]
+        assert_same(flat_leaves(tail[r][2]), flat_leaves(ref[r][2]), "params")
+        assert all(torch.equal(a, b) for a, b in zip(tail[r][0].loss_scale, ref[r][0].loss_scale))
+        assert torch.equal(tail[r][0].step, ref[r][0].step)
+    assert_same(merged_opt([x for x, _, _ in tail]), merged_opt([x for x, _, _ in ref]), "optimizer state")
+
+
+def test_losses_compare_by_value():
+    """The resume test compares Metrics tuples with ==: a 0-d tensor's == is its value (guard)."""
+    assert (torch.tensor(1.0), 2.0, False) == (torch.tensor(1.0), 2.0, False)
+    assert not (torch.tensor(1.0), 2.0, False) == (torch.tensor(1.5), 2.0, False)
+
+
+# -- crash safety -------------------------------------------------------------------------------
+
+
+def saves(mesh, root, states, **kw):
+    return mesh.run(lambda: ck.save(states[mesh.rank], root, **kw))[0]
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_crash_inside_save_keeps_the_previous(point):
+    mesh = fzero.SimMesh(2)
+    one, two = train(mesh, 2, "adamw", 1), train(mesh, 2, "adamw", 2)
+    with tempfile.TemporaryDirectory() as root:
+        first = saves(mesh, root, one)
+        with pytest.raises(_Crash):
+            saves(mesh, root, two, _fail_at=point)
+        assert ck.latest(root) == first
+        assert any(name.startswith(".tmp-step-2-") for name in os.listdir(root))
+        got = load_on(ck.latest(root), 2, 2, "adamw")
+        assert all(int(x.step) == 1 for x, _ in got)
+        assert_same(merged_opt([x for x, _ in got]), merged_opt(one), "optimizer state")
+        assert saves(mesh, root, two) == ck.latest(root) == os.path.join(root, "step-2")  # a retry works
+
+
+def test_keep_and_latest():
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss_fn)
+    with tempfile.TemporaryDirectory() as root:
+        assert ck.latest(root) is None and ck.latest(os.path.join(root, "none")) is None
+
+        def rank_fn():
+            state = fzero.init(make_params(), OPTIMIZERS["sgd-momentum"](), stage=1, mesh=mesh)
+            for k in range(4):
+                state, _ = step(state, batch(k, mesh.rank))
+                ck.save(state, root, keep=2)
+            return sorted(os.listdir(root))
+
+        assert mesh.run(rank_fn)[0] == ["step-3", "step-4"]
+        assert ck.complete(root) == [os.path.join(root, "step-3"), os.path.join(root, "step-4")]
+        os.remove(os.path.join(root, "step-4", "manifest.json"))
+        assert ck.latest(root) == os.path.join(root, "step-3")
+        with pytest.raises(ck.CheckpointError, match="manifest.json.*does not exist"):
+            load_on(os.path.join(root, "step-4"), 1, 0, "sgd-momentum")
+
+
+def test_save_refuses_an_existing_step():
+    mesh = fzero.SimMesh(1)
+    states = train(mesh, 0, "lamb", 1)
+    with tempfile.TemporaryDirectory() as root:
+        saves(mesh, root, states)
+        with pytest.raises(ck.CheckpointError, match="step-1' exists already"):
+            saves(mesh, root, states)
+
+
+# -- bad checkpoints: clear errors, target unchanged ----------------------------------------------
+
+
+def load_into(path, params, opt, stage=3, m=2):
+    """Try to load into a target; return (error, target tensors before, after)."""
+    mesh = fzero.SimMesh(m)
+
+    def rank_fn():
+        target = fzero.init(params, OPTIMIZERS[opt](), stage=stage, mesh=mesh)
+        before = [t.clone() for t in fzero._src.tree.flatten_with_paths(target)[1]]
+        try:
+            ck.load(path, target)
+        except ck.CheckpointError as e:
+            after = fzero._src.tree.flatten_with_paths(target)[1]
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), "target changed"
+            return e
+        return None
+
+    return mesh.run(rank_fn)[0]
+
+
+@pytest.fixture(scope="module")
+def saved_root():
+    mesh = fzero.SimMesh(2)
+    states = train(mesh, 2, "adamw", 1)
+    with tempfile.TemporaryDirectory() as root:
+        yield saves(mesh, root, states)
+
+
+def test_corrupted_and_truncated_files(saved_root, tmp_path):
+    import shutil
+
+    for how in ("flip", "truncate"):
+        path = str(tmp_path / how / "step-1")
+        shutil.copytree(saved_root, path)
+        name = tmp_path / how / "step-1" / "rank-00001.pt"
+        data = bytearray(name.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            del data[len(data) // 2 :]
+        name.write_bytes(bytes(data))
+        err = load_into(path, make_params(), "adamw")
+        assert isinstance(err, ck.CheckpointError) and "rank-00001.pt" in str(err) and "corrupted" in str(err)
+        # latest checks sizes, not checksums (those are load's): a flipped byte passes it
+        assert ck.latest(str(tmp_path / how)) == (path if how == "flip" else None)
+
+
+def test_other_layout(saved_root):
+    params = make_params()
+    params["bias"] = torch.randn(6)
+    err = load_into(saved_root, params, "adamw")
+    assert isinstance(err, ck.CheckpointError) and "'bias'" in str(err) and "shape" in str(err)
+    params = make_params()
+    params["extra"] = torch.randn(2)
+    assert isinstance(load_into(saved_root, params, "adamw"), ck.CheckpointError)
+
+
+def test_other_optimizer(saved_root):
+    err = load_into(saved_root, make_params(), "lamb")
+    assert isinstance(err, ck.CheckpointError) and "another optimizer" in str(err)
+    assert issubclass(ck.CheckpointError, fzero.FzeroError)
+
+
+def test_scaler_must_match(saved_root):
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        target = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=0, mesh=mesh,
+                            precision=fzero.Precision(torch.float16), loss_scale=fzero.StaticLossScale(8.0))
+        ck.load(saved_root, target)
+
+    with pytest.raises(ck.CheckpointError, match="loss scaler None, the target StaticLossScale"):
+        mesh.run(rank_fn)
+
+
+FROZEN = (fzero.ParamGroup("frozen", match=lambda p: p == "bias", frozen=True),
+          fzero.ParamGroup("no_decay", match=lambda p: p == "scale", weight_decay=False))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_frozen_and_groups_reshard(stage):
+    """A frozen leaf (no optimizer state) and a second group, bf16 policy: saved at N = 3 stage 1,
+    loaded at N = 2: params and optimizer state bitwise; loading without the frozen group fails."""
+    sim3, sim2 = fzero.SimMesh(3), fzero.SimMesh(2)
+    step = fzero.train_step(loss_fn)
+
+    def first():
+        state = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=sim3, groups=FROZEN, precision=BF16)
+        for k in range(2):
+            state, _ = step(state, batch(k, sim3.rank))
+        return state, ck.save(state, root), fzero.gather(state)
+
+    def second(groups):
+        target = fzero.init(make_params(seed=4), OPTIMIZERS["adamw"](), stage=stage, mesh=sim2, groups=groups,
+                            precision=BF16)
+        state = ck.load(path, target)
+        return state, fzero.gather(state)
+
+    with tempfile.TemporaryDirectory() as root:
+        saved = sim3.run(first)
+        path = saved[0][1]
+        got = sim2.run(lambda: second(FROZEN))
+        with pytest.raises(ck.CheckpointError, match="leaf 0 \\('bias'\\) differs in frozen"):
+            sim2.run(lambda: second(FROZEN[1:]))
+    assert_same(flat_leaves(got[0][1]), flat_leaves(saved[0][2]), "params")
+    assert_same(merged_opt([s for s, _ in got]), merged_opt([s for s, _, _ in saved]), "optimizer state")
+
+
+def dist_save(mesh, root):
+    """On a torchrun gloo DistMesh: 2 steps of stage 3 AdamW, then save; the path."""
+    step = fzero.train_step(loss_fn)
+    state = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=3, mesh=mesh, units=UNITS)
+    for k in range(2):
+        state, _ = step(state, batch(k, mesh.rank))
+    return ck.save(state, root)
+
+
+def test_save_on_gloo_loads_on_simmesh(dist2, tmp_path):
+    """A checkpoint written by 2 gloo processes (barrier and token through the process group)
+    loads on SimMesh(3) at stage 1 with the values SimMesh(2) computes for the same run (N = 2:
+    gloo's and SimMesh's two-term sums are the same rounding)."""
+    root = str(tmp_path)
+    paths = dist2.run(dist_save, [(root,), (root,)])
+    assert paths == [os.path.join(root, "step-2")] * 2
+    ref = train(fzero.SimMesh(2), 3, "adamw", 2)
+    got = load_on(paths[0], 3, 1, "adamw")
+    assert_same(flat_leaves(got[0][1]), flat_leaves(ref[0].mesh.run(lambda: fzero.gather(ref[ref[0].mesh.rank]))[0]),
+                "params")
+    assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
+
+
+def killed_mid_save(root):
+    """A fresh 2-process gloo job: save step 1; one more step; rank 1 SIGKILLs itself half way
+    through writing its step-2 file. Rank 0 returns the error its barrier raised."""
+    import signal
+
+    from fzero._src import checkpoint as impl
+
+    mesh = fzero.DistMesh(backend="gloo", timeout=20.0)
+    step = fzero.train_step(loss_fn)
+    state = fzero.init(make_params(), OPTIMIZERS["sgd-momentum"](), stage=2, mesh=mesh)
+    state, _ = step(state, batch(0, mesh.rank))
+    ck.save(state, root)
+    state, _ = step(state, batch(1, mesh.rank))
+    if mesh.rank == 1:
+        def write_half_and_die(path, data, fail_mid=False):
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        impl._write = write_half_and_die
+    try:
+        ck.save(state, root)
+    except fzero.MeshError as e:
+        return type(e).__name__
+    return "saved"
+
+
+@pytest.mark.dist
+def test_sigkill_mid_save_keeps_the_previous(tmp_path):
+    from fzero.testing.pool import Died, run_job
+
+    root = str(tmp_path)
+    out = run_job(2, killed_mid_save, [(root,)] * 2, timeout=90)
+    assert out[0] == "RankFailed" and isinstance(out[1], Died), out
+    assert ck.latest(root) == os.path.join(root, "step-1")
+    assert any(name.startswith(".tmp-step-2-") for name in os.listdir(root))
+    got = load_on(ck.latest(root), 2, 2, "sgd-momentum")
+    ref = train(fzero.SimMesh(2), 2, "sgd-momentum", 1)
+    assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
