@@ -38,6 +38,7 @@ from fzero._src.module import broadcast_buffers as broadcast_buffers
 from fzero._src.module import from_module as from_module
 from fzero._src.module import units_by_prefix as units_by_prefix
 from fzero import accounting as accounting
+from fzero import checkpoint as checkpoint
 from fzero import collectives as collectives
 from fzero import layout as layout
 from fzero import optim as optim
@@ -75,6 +76,7 @@ __all__ = [
     "gather",
     "init",
     "accounting",
+    "checkpoint",
     "collectives",
     "layout",
     "optim",
