@@ -34,6 +34,7 @@ every rank, as DDP with `find_unused_parameters`).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,12 +45,62 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import FzeroError
+from .errors import CollectiveMismatch, FzeroError
 from .layout import Layout
 from .tree import NAMESPACE, unflatten
 from .unit import Probe, UnitProgram, run_unit
 
 GATHERS = ("on_use", "eager")
+
+
+class DivergentPaths(CollectiveMismatch):
+    """Ranks took different paths through the model: at the same point of the step (or of
+    `fzero.evaluate`) they gathered or reduced different units, or one had stopped reading."""
+
+
+_RANK_CALL = re.compile(r"rank (\d+): (.+)")
+_TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
+
+
+@contextlib.contextmanager
+def same_paths(layout: Layout) -> Iterator[None]:
+    """Turn a `CollectiveMismatch` whose calls name units into `DivergentPaths`, saying which
+    unit each rank gathered (or reduced) at that point; other mismatches pass unchanged.
+
+    Both meshes word a mismatch as one line per rank, `rank r: op(dtype[shape], tag='unit/...')`,
+    and every rank raises it, so every rank raises the clearer error too."""
+    try:
+        yield
+    except DivergentPaths:
+        raise
+    except CollectiveMismatch as e:
+        unit_of = {b.tag: b.unit for b in layout.buckets}
+        calls = dict(_RANK_CALL.findall(str(e)))
+        said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
+        if not any(unit for _, unit in said.values()):
+            raise
+        parts = ", ".join(f"rank {r} {what}" for r, (what, _) in sorted(said.items()))
+        raise DivergentPaths(
+            f"ranks took different paths through the model: {parts}. With "
+            f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
+            f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
+            f"rank in declaration order. The mesh said: {e}") from e
+
+
+def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
+    """`(what a rank did, in words; the unit it names or None)` from one mismatch line."""
+    m = _TAG.match(call)
+    unit = unit_of.get(m.group(2)) if m else None
+    if unit is None:
+        done = {"fzero.evaluate/paths": "had finished its forward (it reads no further unit)",
+                "fzero.step/agree": "had finished its backward (it reads no further unit)"}
+        if m and m.group(2) in done:
+            return done[m.group(2)], None
+        if call.startswith("returned"):
+            return "had returned (it read no further unit)", None
+        return f"called {call.split(' collective #')[0]} (no unit)", None
+    verb = {"all_gather": "gathered", "reduce_scatter": "reduced"}.get(m.group(1), f"called {m.group(1)} of")
+    return f"{verb} unit {unit!r}", unit
 
 
 class Gathering:
@@ -134,13 +185,18 @@ class Gathering:
 
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """`loss_fn(params, batch)` in this step's mode, plus `0 * Σ anchors` (the same bits)."""
-        params, context = self._params()
-        with context:
-            loss = loss_fn(params, batch)
+        loss = self.call(loss_fn, batch)
         _check_loss(loss)
         if not self._anchors:  # the loss read no unit (or there is none)
             return loss
         return loss + (torch.stack(self._anchors).sum() * 0).to(loss.dtype)
+
+    def call(self, fn: Callable[[Any, Any], Any], batch: Any) -> Any:
+        """`fn(params, batch)` with the params in this step's mode, as it returns (no anchors:
+        `fzero.evaluate` runs no backward)."""
+        params, context = self._params()
+        with context:
+            return fn(params, batch)
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout

@@ -30,7 +30,7 @@ import torch
 
 from .collectives import all_gather, all_reduce
 from .errors import ConfigError, NonFiniteError
-from .gathering import GATHERS, Gathering, is_flat_dict
+from .gathering import GATHERS, Gathering, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Probe, unit_programs
@@ -180,7 +180,7 @@ def train_step(
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
-        with state.mesh.guard():
+        with state.mesh.guard(), same_paths(state.layout):
             return run_step(config, state, batch)
 
     return step
