@@ -193,3 +193,120 @@ def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
     for e in errors.values():
         assert isinstance(e, DivergentPaths)
         assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in str(e)
+
+
+# -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
+
+
+def _gathers(log, rank):
+    """`{unit: all-gathers of its params}` on `rank` (the update's agreement is not a unit's)."""
+    out = {}
+    for r in log:
+        if r.op == "all_gather" and r.rank == rank and not r.tag.startswith("fzero."):
+            unit = r.tag.split("/")[0]
+            out[unit] = out.get(unit, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_persist_bytes_keeps_small_units_gathered_and_changes_no_bit(engine):
+    """Stage 3, `from_module`, N = 2, two steps. A block gathers (d² + d) · 4 = 288 B, the head
+    (unit "default") (3d + 3 + 1 padding) · 4 = 112 B. Freed after use, backward gathers again every unit
+    whose saved tensors it reads: blocks 1-3 and the head (block 0's input needs no gradient, so
+    its weight is not saved). `persist_bytes` >= a unit's bytes keeps it gathered: its one
+    forward gather per step is all (the autograd engine; `engine="func"` never frees, so gathers
+    once per step at any threshold). The recorded data collectives equal `expected_comm` with
+    the re-gather set minus the persistent units; the params and losses equal stage 0's."""
+    k, d, n, steps = 4, 8, 2, 2
+    params, apply, info = _module(k, d)
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
+    block, head = (d * d + d) * 4, (3 * d + 3 + 1) * 4  # flat[N * S]: the head's 27 elements padded to 28
+    regathered = {f"blocks.{i}" for i in range(1, k)} | {"default"}
+
+    def run(stage, persist):
+        mesh = fzero.SimMesh(n)
+
+        def rank_fn(r):
+            state = fzero.init(params, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss, engine=engine, persist_bytes=persist)
+            losses = []
+            with mesh.record() as log:
+                for i in range(steps):
+                    state, m = step(state, _batch(r + n * i, d))
+                    losses.append(m.loss)
+            return fzero.gather(state), losses, log, state.layout
+
+        return mesh.run(rank_fn, [(r,) for r in range(n)])
+
+    ref = run(0, 0)
+    for persist, kept in ((0, set()), (head, {"default"}), (block - 1, {"default"}), (block, regathered)):
+        out = run(3, persist)
+        for (p0, l0, _, _), (p3, l3, log, layout) in zip(ref, out):
+            assert all(torch.equal(a, b) for a, b in zip(l0, l3))
+            assert all(torch.equal(p0[name], p3[name]) for name in p0)
+        log, layout = out[0][2], out[0][3]
+        again = regathered - kept if engine == "autograd" else set()
+        want = {u: steps * (1 + (u in again)) for u in layout.units}
+        assert _gathers(log, 0) == want, (persist, _gathers(log, 0), want)
+        got = fzero.accounting.comm_volume(log, n, steps=steps)
+        assert got.data == fzero.accounting.expected_comm(layout, n, 3, regather=again).data
+
+
+def test_max_live_bytes_frees_persistent_units_early_and_refuses_what_cannot_fit():
+    """Everything persists (`persist_bytes` large), so without a cap a rank ends forward holding
+    all K blocks. With `max_live_bytes` = two blocks, kept blocks are freed, oldest first, before
+    each gather. A census of block-sized storages over both ranks, read when backward starts
+    (the first reduce-scatter; backward's gradient buffers have a block's size too), sees all
+    N · K blocks uncapped, and capped at most N · 2 blocks plus SimMesh's concatenation buffer
+    while an all-gather completes. Blocks freed early are gathered again in backward; the bits
+    equal the uncapped step's. A cap below one block raises `ConfigError` naming the unit."""
+    k, d, n = 6, 8, 2
+    params, apply, info = _module(k, d)
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
+    block = (d * d + d) * 4
+    census, forward = None, []
+
+    class StopAtBackward(fzero.SimMesh):
+        def collective(self, op, x, *, arg=None, tag=None):
+            if op == "reduce_scatter" and not forward:
+                forward.append(census.peak)
+            return super().collective(op, x, arg=arg, tag=tag)
+
+    def run(cap):
+        nonlocal census
+        mesh, census = StopAtBackward(n), LiveStorages(count=lambda t: t.untyped_storage().nbytes() == block)
+        forward.clear()
+
+        def rank_fn(r):
+            state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss, persist_bytes=10**9, max_live_bytes=cap)
+            with census, mesh.record() as log:
+                state, m = step(state, _batch(r, d))
+            return fzero.gather(state), m.loss, sum(_gathers(log, mesh.rank).values())
+
+        return mesh.run(rank_fn, [(r,) for r in range(n)]), forward[0]
+
+    (free, peak_free), (capped, peak_capped) = run(None), run(2 * block + 200)
+    for (pf, lf, gf), (pc, lc, gc) in zip(free, capped):
+        assert torch.equal(lf, lc) and all(torch.equal(pf[name], pc[name]) for name in pf)
+        assert gf == k + 1 and gc > k + 1  # uncapped: one gather per unit; capped: re-gathers
+    assert peak_free >= n * k * block  # non-vacuous: uncapped, every block stays gathered
+    assert peak_capped <= (2 * n + 1) * block, (peak_capped, block)
+    with pytest.raises(fzero.ConfigError, match=r"max_live_bytes=100: unit 'blocks.0' alone gathers 288 bytes"):
+        run(100)
+
+
+def test_persist_and_cap_reject_bad_settings():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(fzero.ConfigError, match="persist_bytes must be an int >= 0"):
+            fzero.train_step(lambda p, b: 0, persist_bytes=bad)
+    with pytest.raises(fzero.ConfigError, match="max_live_bytes must be None or an int >= 1"):
+        fzero.train_step(lambda p, b: 0, max_live_bytes=0)
+    mesh = fzero.SimMesh(1)
+
+    def eager():
+        state = fzero.init({"a": torch.ones(2)}, optim.sgd(0.1), stage=3, mesh=mesh)
+        fzero.train_step(lambda p, b: p["a"].sum(), gather="eager", max_live_bytes=8)(state, None)
+
+    with pytest.raises(fzero.ConfigError, match="only stage 3 with gather='on_use', engine='autograd'"):
+        mesh.run(eager)

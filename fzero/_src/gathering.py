@@ -45,7 +45,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import CollectiveMismatch, FzeroError
+from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .tree import NAMESPACE, unflatten
 from .unit import Probe, UnitProgram, run_unit
@@ -113,12 +113,25 @@ class Gathering:
       mode: "on_use" or "eager".
       releasable: whether gathered storage may be freed after use and gathered again in backward
         (stage 3 with the autograd engine and a flat-dict loss).
+      persist_bytes: a unit whose `gathered_bytes` are at most this stays gathered from its first
+        read to the end of the step: `release` keeps it (DeepSpeed's
+        `stage3_param_persistence_threshold`), so backward never gathers it again.
+      max_live_bytes: None, or a cap on the bytes of gathered units live at once (releasable
+        steps only): before a unit is gathered, kept units whose use is done are freed, oldest
+        first, to make room; a unit larger than the cap, or units still in use that leave no
+        room, raise `ConfigError` naming them.
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
-                 releasable: bool) -> None:
+                 releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None) -> None:
+        if max_live_bytes is not None and not releasable:
+            raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
+                              f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
+                              f"flat-dict params (fzero.from_module) do; drop max_live_bytes, or use those settings")
         self.layout, self.mode, self.releasable = layout, mode, releasable
+        self.persist_bytes, self.max_live_bytes = persist_bytes, max_live_bytes
+        self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes = xs, fulls, probes
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
@@ -133,6 +146,7 @@ class Gathering:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
         if unit not in self._leaves:
+            self._make_room(unit)
             self._leaves[unit] = self._run(unit)
         self.refill(unit)
         return self._leaves[unit]
@@ -151,18 +165,50 @@ class Gathering:
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
 
-    def release(self, unit: str) -> None:
+    def release(self, unit: str, force: bool = False) -> None:
         """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
-        nothing where the step does not release."""
-        if self.releasable and unit in self._leaves and unit not in self._released:
-            for _, storage, _ in self._storages[unit]:
-                storage.resize_(0)
-            self._released.add(unit)
+        nothing where the step does not release. A unit of at most `persist_bytes` is kept
+        instead (unless `force`: the cap needs its room)."""
+        if not (self.releasable and unit in self._leaves and unit not in self._released):
+            return
+        if not force and self._programs[unit].gathered_bytes <= self.persist_bytes:
+            if unit not in self._kept:
+                self._kept.append(unit)
+            return
+        if unit in self._kept:
+            self._kept.remove(unit)
+        for _, storage, _ in self._storages[unit]:
+            storage.resize_(0)
+        self._released.add(unit)
+
+    @property
+    def live(self) -> dict[str, int]:
+        """`{unit: gathered bytes}` of the units gathered now (read, not released), in read order."""
+        return {u: self._programs[u].gathered_bytes for u in self._leaves if u not in self._released}
+
+    def _make_room(self, unit: str) -> None:
+        """Before gathering `unit` under `max_live_bytes`: free kept units (their use is done) until
+        it fits, oldest first; raise if it cannot fit."""
+        cap = self.max_live_bytes
+        if cap is None:
+            return
+        need = self._programs[unit].gathered_bytes
+        if need > cap:
+            raise ConfigError(f"max_live_bytes={cap}: unit {unit!r} alone gathers {need} bytes; raise the cap to at "
+                              f"least {need}, or split the unit (finer units=...)")
+        while sum(self.live.values()) + need > cap and self._kept:
+            self.release(self._kept[0], force=True)
+        live = self.live
+        if sum(live.values()) + need > cap:
+            raise ConfigError(f"max_live_bytes={cap}: gathering unit {unit!r} ({need} B) while units {live} "
+                              f"({sum(live.values())} B) are still in use would exceed the cap; raise it to at "
+                              f"least {sum(live.values()) + need}, or use finer units")
 
     def refill(self, unit: str) -> None:
         """Gather a released unit again, into the same storage (the same bits: all-gather copies)."""
         if unit not in self._released:
             return
+        self._make_room(unit)
         program = self._programs[unit]
         with torch.no_grad():
             for b, storage, nbytes in self._storages[unit]:
