@@ -86,6 +86,28 @@ def test_evaluate_returns_fn_of_the_gathered_params_bit_for_bit(stage, n):
         assert all(g is None for g in grads)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_evaluate_under_a_precision_policy_reads_the_params_in_the_compute_dtype(stage):
+    """bf16 compute: `fn` reads each leaf as `fzero.gather(state)`'s fp32 master value rounded to
+    bf16 once (stages 1-2 hold that copy, stage 3 casts its shard before the gather: the same
+    rounding of the same values), so the output equals `fn` on the cast gathered params."""
+    params, apply, info = _module()
+    mesh, n = fzero.SimMesh(2), 2
+    policy = fzero.Precision(torch.bfloat16, torch.float32)
+
+    def rank_fn(r):
+        batch = _batch(r)
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, precision=policy)
+        state, _ = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0].bfloat16()).float(),
+                                                                                   b[1]))(state, batch)
+        out = evaluate(lambda p, x: apply(p, x))(state, batch[0].bfloat16())
+        cast = {k: v.bfloat16() for k, v in fzero.gather(state).items()}
+        return out, apply(cast, batch[0].bfloat16())
+
+    for out, ref in mesh.run(rank_fn, [(r,) for r in range(n)]):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
 def test_evaluate_holds_one_gathered_block_at_a_time_in_stage_3():
     """Stage 3, `from_module`, on use: each block is freed after its forward, so the census of
     block-sized storages (a block's gathered `flat[N * S]`: (d² + d) · 4 bytes; the root unit,
@@ -124,13 +146,13 @@ def test_evaluate_rejects_bad_settings():
 # -- 2. ranks that take different paths ------------------------------------------------------------
 
 
-def _diverge(n: int, run, orders):
+def _diverge(n: int, run, orders, stage: int = 3):
     """Run `run(state, batch, order)` on every rank with its order; return each rank's error."""
     params, apply, info = _module()
     mesh, errors = fzero.SimMesh(n), {}
 
     def rank_fn(r):
-        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
         try:
             run(apply, state, _batch(r), orders[r])
         except fzero.MeshError as e:
@@ -171,6 +193,39 @@ def test_a_rank_that_takes_another_path_stops_every_rank_naming_the_units(n, run
             assert f"rank {n - 1} gathered unit 'blocks.2'" in msg
         else:
             assert "rank 0 gathered unit 'blocks.3'" in msg
+
+
+def test_stage_2_ranks_whose_backward_reduces_units_in_another_order_are_named():
+    """Stage 2 gathers nothing, but reduces each unit in its backward, in the reverse of the
+    forward's data flow: blocks run 0,1,2,3 on rank 0 and 0,2,1,3 on rank 1 reduce 3 then 2 on
+    rank 0 and 3 then 1 on rank 1; both raise, naming those units."""
+    errors = _diverge(2, _train, [[0, 1, 2, 3], [0, 2, 1, 3]], stage=2)
+    assert sorted(errors) == [0, 1]
+    for e in errors.values():
+        assert isinstance(e, DivergentPaths)
+        assert "rank 0 reduced unit 'blocks.2', rank 1 reduced unit 'blocks.1'" in str(e), str(e)
+
+
+def test_stages_0_and_1_reduce_a_unit_one_rank_skipped_as_zeros():
+    """Stages 0-1 reduce every bucket after the backward, on every rank: a rank that skips block
+    1 contributes zeros for it (DDP's find_unused_parameters), so on use gives eager's bits."""
+    params, apply, info = _module()
+    orders = [[0, 1, 2, 3], [0, 2, 3]]
+    for stage in (0, 1):
+        finals = {}
+        for gather in ("on_use", "eager"):
+            mesh = fzero.SimMesh(2)
+
+            def rank_fn(r):
+                state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+                loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0], orders[r]), b[1])  # noqa: E731
+                state, _ = fzero.train_step(loss, gather=gather)(state, _batch(r))
+                return fzero.gather(state)
+
+            finals[gather] = mesh.run(rank_fn, [(0,), (1,)])
+        assert not torch.equal(finals["on_use"][0]["blocks.1.weight"], params["blocks.1.weight"])
+        for a, b in zip(finals["on_use"], finals["eager"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():

@@ -26,9 +26,15 @@ Gathering modes (`train_step(..., gather=...)`):
   from forward to backward.
 
 Every rank must read the units in the same order (the same program on every rank does). With
-"on_use", a unit the loss never reads is never gathered nor reduced; a unit some ranks read and
-others do not stops every rank with a `CollectiveMismatch` naming its tag ("eager" reduces it on
-every rank, as DDP with `find_unused_parameters`).
+"on_use", a unit the loss never reads is never gathered nor reduced; a rank that skips or
+reorders units stops every rank with `DivergentPaths` (a `CollectiveMismatch`) naming the unit
+each rank gathered or reduced at that point (`same_paths`; "eager" reduces every unit on every
+rank, as DDP with `find_unused_parameters`).
+
+Where units are freed after use, two settings move frees (never values, proofs/stage3.md):
+`persist_bytes` keeps units of at most that many gathered bytes for the whole step (no
+backward re-gather), and `max_live_bytes` caps the gathered bytes live at once (kept units are
+freed early to make room; what cannot fit raises).
 """
 
 from __future__ import annotations
