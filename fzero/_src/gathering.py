@@ -26,14 +26,21 @@ Gathering modes (`train_step(..., gather=...)`):
   from forward to backward.
 
 Every rank must read the units in the same order (the same program on every rank does). With
-"on_use", a unit the loss never reads is never gathered nor reduced; a unit some ranks read and
-others do not stops every rank with a `CollectiveMismatch` naming its tag ("eager" reduces it on
-every rank, as DDP with `find_unused_parameters`).
+"on_use", a unit the loss never reads is never gathered nor reduced; a rank that skips or
+reorders units stops every rank with `DivergentPaths` (a `CollectiveMismatch`) naming the unit
+each rank gathered or reduced at that point (`same_paths`; "eager" reduces every unit on every
+rank, as DDP with `find_unused_parameters`).
+
+Where units are freed after use, two settings move frees (never values, proofs/stage3.md):
+`persist_bytes` keeps units of at most that many gathered bytes for the whole step (no
+backward re-gather), and `max_live_bytes` caps the gathered bytes live at once (kept units are
+freed early to make room; what cannot fit raises).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,12 +51,62 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import FzeroError
+from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .tree import NAMESPACE, unflatten
 from .unit import Probe, UnitProgram, run_unit
 
 GATHERS = ("on_use", "eager")
+
+
+class DivergentPaths(CollectiveMismatch):
+    """Ranks took different paths through the model: at the same point of the step (or of
+    `fzero.evaluate`) they gathered or reduced different units, or one had stopped reading."""
+
+
+_RANK_CALL = re.compile(r"rank (\d+): (.+)")
+_TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
+
+
+@contextlib.contextmanager
+def same_paths(layout: Layout) -> Iterator[None]:
+    """Turn a `CollectiveMismatch` whose calls name units into `DivergentPaths`, saying which
+    unit each rank gathered (or reduced) at that point; other mismatches pass unchanged.
+
+    Both meshes word a mismatch as one line per rank, `rank r: op(dtype[shape], tag='unit/...')`,
+    and every rank raises it, so every rank raises the clearer error too."""
+    try:
+        yield
+    except DivergentPaths:
+        raise
+    except CollectiveMismatch as e:
+        unit_of = {b.tag: b.unit for b in layout.buckets}
+        calls = dict(_RANK_CALL.findall(str(e)))
+        said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
+        if not any(unit for _, unit in said.values()):
+            raise
+        parts = ", ".join(f"rank {r} {what}" for r, (what, _) in sorted(said.items()))
+        raise DivergentPaths(
+            f"ranks took different paths through the model: {parts}. With "
+            f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
+            f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
+            f"rank in declaration order. The mesh said: {e}") from e
+
+
+def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
+    """`(what a rank did, in words; the unit it names or None)` from one mismatch line."""
+    m = _TAG.match(call)
+    unit = unit_of.get(m.group(2)) if m else None
+    if unit is None:
+        done = {"fzero.evaluate/paths": "had finished its forward (it reads no further unit)",
+                "fzero.step/agree": "had finished its backward (it reads no further unit)"}
+        if m and m.group(2) in done:
+            return done[m.group(2)], None
+        if call.startswith("returned"):
+            return "had returned (it read no further unit)", None
+        return f"called {call.split(' collective #')[0]} (no unit)", None
+    verb = {"all_gather": "gathered", "reduce_scatter": "reduced"}.get(m.group(1), f"called {m.group(1)} of")
+    return f"{verb} unit {unit!r}", unit
 
 
 class Gathering:
@@ -62,12 +119,25 @@ class Gathering:
       mode: "on_use" or "eager".
       releasable: whether gathered storage may be freed after use and gathered again in backward
         (stage 3 with the autograd engine and a flat-dict loss).
+      persist_bytes: a unit whose `gathered_bytes` are at most this stays gathered from its first
+        read to the end of the step: `release` keeps it (DeepSpeed's
+        `stage3_param_persistence_threshold`), so backward never gathers it again.
+      max_live_bytes: None, or a cap on the bytes of gathered units live at once (releasable
+        steps only): before a unit is gathered, kept units whose use is done are freed, oldest
+        first, to make room; a unit larger than the cap, or units still in use that leave no
+        room, raise `ConfigError` naming them.
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
-                 releasable: bool) -> None:
+                 releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None) -> None:
+        if max_live_bytes is not None and not releasable:
+            raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
+                              f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
+                              f"flat-dict params (fzero.from_module) do; drop max_live_bytes, or use those settings")
         self.layout, self.mode, self.releasable = layout, mode, releasable
+        self.persist_bytes, self.max_live_bytes = persist_bytes, max_live_bytes
+        self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes = xs, fulls, probes
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
@@ -82,6 +152,7 @@ class Gathering:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
         if unit not in self._leaves:
+            self._make_room(unit)
             self._leaves[unit] = self._run(unit)
         self.refill(unit)
         return self._leaves[unit]
@@ -100,18 +171,50 @@ class Gathering:
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
 
-    def release(self, unit: str) -> None:
+    def release(self, unit: str, force: bool = False) -> None:
         """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
-        nothing where the step does not release."""
-        if self.releasable and unit in self._leaves and unit not in self._released:
-            for _, storage, _ in self._storages[unit]:
-                storage.resize_(0)
-            self._released.add(unit)
+        nothing where the step does not release. A unit of at most `persist_bytes` is kept
+        instead (unless `force`: the cap needs its room)."""
+        if not (self.releasable and unit in self._leaves and unit not in self._released):
+            return
+        if not force and self._programs[unit].gathered_bytes <= self.persist_bytes:
+            if unit not in self._kept:
+                self._kept.append(unit)
+            return
+        if unit in self._kept:
+            self._kept.remove(unit)
+        for _, storage, _ in self._storages[unit]:
+            storage.resize_(0)
+        self._released.add(unit)
+
+    @property
+    def live(self) -> dict[str, int]:
+        """`{unit: gathered bytes}` of the units gathered now (read, not released), in read order."""
+        return {u: self._programs[u].gathered_bytes for u in self._leaves if u not in self._released}
+
+    def _make_room(self, unit: str) -> None:
+        """Before gathering `unit` under `max_live_bytes`: free kept units (their use is done) until
+        it fits, oldest first; raise if it cannot fit."""
+        cap = self.max_live_bytes
+        if cap is None:
+            return
+        need = self._programs[unit].gathered_bytes
+        if need > cap:
+            raise ConfigError(f"max_live_bytes={cap}: unit {unit!r} alone gathers {need} bytes; raise the cap to at "
+                              f"least {need}, or split the unit (finer units=...)")
+        while sum(self.live.values()) + need > cap and self._kept:
+            self.release(self._kept[0], force=True)
+        live = self.live
+        if sum(live.values()) + need > cap:
+            raise ConfigError(f"max_live_bytes={cap}: gathering unit {unit!r} ({need} B) while units {live} "
+                              f"({sum(live.values())} B) are still in use would exceed the cap; raise it to at "
+                              f"least {sum(live.values()) + need}, or use finer units")
 
     def refill(self, unit: str) -> None:
         """Gather a released unit again, into the same storage (the same bits: all-gather copies)."""
         if unit not in self._released:
             return
+        self._make_room(unit)
         program = self._programs[unit]
         with torch.no_grad():
             for b, storage, nbytes in self._storages[unit]:
@@ -134,13 +237,18 @@ class Gathering:
 
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> torch.Tensor:
         """`loss_fn(params, batch)` in this step's mode, plus `0 * Σ anchors` (the same bits)."""
-        params, context = self._params()
-        with context:
-            loss = loss_fn(params, batch)
+        loss = self.call(loss_fn, batch)
         _check_loss(loss)
         if not self._anchors:  # the loss read no unit (or there is none)
             return loss
         return loss + (torch.stack(self._anchors).sum() * 0).to(loss.dtype)
+
+    def call(self, fn: Callable[[Any, Any], Any], batch: Any) -> Any:
+        """`fn(params, batch)` with the params in this step's mode, as it returns (no anchors:
+        `fzero.evaluate` runs no backward)."""
+        params, context = self._params()
+        with context:
+            return fn(params, batch)
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout

@@ -30,7 +30,7 @@ import torch
 
 from .collectives import all_gather, all_reduce
 from .errors import ConfigError, NonFiniteError
-from .gathering import GATHERS, Gathering, is_flat_dict
+from .gathering import GATHERS, Gathering, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Probe, unit_programs
@@ -77,6 +77,8 @@ class StepConfig:
     normalize: str = "mean"
     clip_norm: float | None = None
     donate: bool = False
+    persist_bytes: int = 0
+    max_live_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -96,6 +98,12 @@ class StepConfig:
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
         if not isinstance(self.donate, bool):
             raise ConfigError(f"donate must be a bool, got {self.donate!r}")
+        p, cap = self.persist_bytes, self.max_live_bytes
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ConfigError(f"persist_bytes must be an int >= 0 (units of at most this many gathered bytes stay "
+                              f"gathered for the step), got {p!r}")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ConfigError(f"max_live_bytes must be None or an int >= 1 (a cap on gathered bytes), got {cap!r}")
 
 
 class Report(NamedTuple):
@@ -134,6 +142,8 @@ def train_step(
     normalize: str = "mean",
     clip_norm: float | None = None,
     donate: bool = False,
+    persist_bytes: int = 0,
+    max_live_bytes: int | None = None,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -174,13 +184,20 @@ def train_step(
         then marked consumed and raises if used again. A step skipped for a non-finite gradient
         leaves it intact; an update that itself makes params non-finite cannot be undone in
         place: it raises `NonFiniteError` (whatever `on_nonfinite` says) with the state consumed.
+      persist_bytes: where stage 3 frees units after use (see `gather`), a unit whose gathered
+        bytes (`Σ N * S * itemsize` over its buckets) are at most this stays gathered for the
+        micro-batch's forward and backward: no backward re-gather (DeepSpeed's
+        `stage3_param_persistence_threshold`). 0 (default): every unit is freed. Same bits.
+      max_live_bytes: None, or a cap on the gathered bytes live at once where stage 3 frees units
+        after use: persisting units are freed early to make room; a unit larger than the cap, or
+        units in use that leave no room, raise `ConfigError`. Same bits (proofs/stage3.md).
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
-                        clip_norm, donate)
+                        clip_norm, donate, persist_bytes, max_live_bytes)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
-        with state.mesh.guard():
+        with state.mesh.guard(), same_paths(state.layout):
             return run_step(config, state, batch)
 
     return step
@@ -334,7 +351,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             counts.append(count)
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
-        loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable).loss(objective, batch)
+        loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
+                         config.max_live_bytes).loss(objective, batch)
         return loss, counts[0]
 
     train = tuple(xs[b] for b in trainable)

@@ -78,6 +78,12 @@ class UnitProgram:
         """The unit's leaf indices, in bucket order (the order of its outputs and of `used`)."""
         return tuple(i for b in self.buckets for i in b.leaves)
 
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the unit's entered buffers: `Σ_b N * S_b * itemsize(compute_b)` (padding
+        included) -- what a stage-3 gather of the unit allocates."""
+        return sum(b.size * b.wire.compute.itemsize for b in self.buckets)
+
 
 def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL) -> list[UnitProgram]:
     return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)))

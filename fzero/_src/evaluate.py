@@ -1,0 +1,105 @@
+"""`evaluate`: a function of the params -> `evaluate(state, batch) -> output`, forward only.
+
+The forward half of a step, in every stage: each unit's parameters are gathered as the step
+gathers them (`gather`, see `fzero._src.gathering`), `fn(params, batch)` runs under
+`torch.no_grad()`, and what it returns comes back as it is (a loss, logits, a tuple of them).
+No autograd graph is built, no gradient is made or reduced, no optimizer runs, the state is
+not changed. In stage 3 with `gather="on_use"` and flat-dict params (`from_module`), each
+unit's gathered storage is freed after its submodule's forward (as the step does before its
+backward), so a rank holds about one gathered unit at a time, plus any unit spread over the
+root module; a unit `fn` never reads is never gathered.
+
+The bits: a unit's Function enters each bucket exactly as the step does (stage 3: an
+all-gather, which copies bits; stages 0-2: the held buffer itself), so `fn` reads the same
+values as `fn(fzero.gather(state), batch)` and runs the same ops on them: the outputs are equal
+bit for bit (tests/test_stage3.py). Under a `fzero.Precision` policy `fn` reads the params in
+the compute dtype, as the step's forward does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .collectives import all_gather
+from .errors import ConfigError
+from .gathering import GATHERS, DivergentPaths, Gathering, is_flat_dict, same_paths
+from .state import ZeroState, check_state
+from .unit import Probe, unit_programs
+
+
+def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use") -> Callable[[ZeroState, Any], Any]:
+    """Build `evaluate(state, batch) -> fn(params, batch)` for one rank (call it on every rank).
+
+    Args:
+      fn: `(params, batch) -> anything`, e.g. a loss function or a model's apply; its params
+        are the state's params pytree (a `LazyParams` mapping for flat-dict params with
+        `gather="on_use"`), in the compute dtype.
+      gather: "on_use" (default: a unit is gathered when `fn` first reads it and, in stage 3
+        with flat-dict params, freed after its submodule's forward) or "eager" (every unit
+        before `fn`). The same bits either way.
+
+    Every rank must read the same units in the same order with "on_use" (as in the step): a rank
+    that takes another path through the model stops every rank with `DivergentPaths`.
+
+    Example:
+      >>> mesh = fzero.SimMesh(2)
+      >>> def rank_fn():
+      ...     state = fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.1), stage=3, mesh=mesh)
+      ...     return evaluate(lambda p, x: (p["w"] * x).sum())(state, torch.tensor(2.0))  # fzero.evaluate
+      >>> mesh.run(rank_fn)
+      [tensor(6.), tensor(6.)]
+    """
+    if not callable(fn):
+        raise ConfigError(f"evaluate's fn must be a callable (params, batch) -> output, got {fn!r}")
+    if gather not in GATHERS:
+        raise ConfigError(f"gather must be one of {GATHERS}, got {gather!r}")
+
+    def run(state: ZeroState, batch: Any) -> Any:
+        check_state(state)
+        with state.mesh.guard(), same_paths(state.layout), torch.no_grad():
+            return forward(state, fn, gather, batch)
+
+    return run
+
+
+def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any) -> Any:
+    """`fn(params, batch)` through the state's unit Functions, under `torch.no_grad()`."""
+    layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    programs = unit_programs(layout, mesh, stage, state.precision)
+    pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
+    xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
+    probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
+    on_use = gather == "on_use" and stage.sharded("params")
+    gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout))
+    out = gathering.call(fn, batch)
+    if on_use:
+        check_paths(state, gathering.gathered)
+    return out
+
+
+def check_paths(state: ZeroState, gathered: tuple[str, ...]) -> None:
+    """Raise `DivergentPaths` on every rank unless every rank gathered the same units in the same
+    order: one all-gather of `[count, unit index per read, -1 padding][U + 1]` (int64, tag
+    "fzero.evaluate/paths"). A rank that read fewer units than another reaches this collective
+    while the other waits in a gather, so that mismatch names both; this catches the rest."""
+    layout, mesh = state.layout, state.mesh
+    n, units = mesh.world_size, list(layout.units)
+    if n == 1:
+        return
+    row = torch.full((len(units) + 1,), -1, dtype=torch.int64, device=mesh.device)
+    row[0] = len(gathered)
+    row[1 : 1 + len(gathered)] = torch.tensor([units.index(u) for u in gathered], dtype=torch.int64)
+    rows = all_gather(row, mesh, tag="fzero.evaluate/paths").view(n, len(units) + 1).tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    orders = [[units[i] for i in r[1 : 1 + r[0]]] for r in rows]
+    at = next(k for k in range(len(units)) if len({tuple(o[k : k + 1]) for o in orders}) > 1)
+    parts = ", ".join(f"rank {r} gathered {f'unit {o[at]!r}' if at < len(o) else 'no unit'}"
+                      for r, o in enumerate(orders))
+    raise DivergentPaths(
+        f"ranks took different paths through the model: at the unit read #{at}, {parts} (world size {n}; "
+        f"each rank's order: {orders}). With gather='on_use' every rank must read the same units in the same "
+        f"order; or use gather='eager'")

@@ -1,0 +1,367 @@
+"""Stage 3 at its promise: forward-only evaluation, rank divergence named, persistent units.
+
+- `evaluate(fn)(state, batch)` returns `fn(fzero.gather(state), batch)` bit for bit in every
+  stage and world size, builds no autograd graph, and in stage 3 with `from_module` holds one
+  gathered block at a time (a `LiveStorages` census);
+- a rank whose forward skips or reorders a unit stops every rank with `DivergentPaths` naming
+  the units each rank gathered, in the step and in `evaluate`;
+- `train_step(persist_bytes=...)` keeps small units gathered for the step: the same bits as
+  stage 0, no backward re-gather of those units (proofs/stage3.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+from fzero._src.evaluate import evaluate  # re-exported as fzero.evaluate by the run API
+from fzero._src.gathering import DivergentPaths
+from fzero.accounting import LiveStorages
+
+
+class _Blocks(torch.nn.Module):
+    """K tanh(Linear(d, d)) blocks, then a head Linear(d, 3); `order` picks which blocks run."""
+
+    def __init__(self, k: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x, order=None):  # (B, d) -> (B, 3)
+        for i in order if order is not None else range(len(self.blocks)):
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x)
+
+
+def _module(k: int = 4, d: int = 8):
+    torch.manual_seed(0)
+    model = _Blocks(k, d)
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    return params, apply, info
+
+
+def _batch(r: int, d: int = 8):
+    g = torch.Generator().manual_seed(10 + r)
+    return torch.randn(2, d, generator=g), torch.randint(0, 3, (2,), generator=g)
+
+
+# -- 1. evaluate ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_evaluate_returns_fn_of_the_gathered_params_bit_for_bit(stage, n):
+    """After one training step (so the state is not its init), `evaluate` returns what `fn`
+    returns on `fzero.gather(state)`, in both gathering modes, for `from_module` params (a
+    `LazyParams`, released per block in stage 3) and for a nested pytree (placeholders): the
+    same values enter the same ops, so `torch.equal`. Nothing is differentiable afterwards."""
+    params, apply, info = _module()
+    nested = {"w": torch.randn(5, 3, generator=torch.Generator().manual_seed(3)), "b": {"c": torch.ones(3)}}
+    mesh, opt = fzero.SimMesh(n), optim.adamw(1e-2, weight_decay=0.1)
+
+    def logits(p, batch):
+        return apply(p, batch[0])
+
+    def nested_fn(p, x):
+        return torch.tanh(x @ p["w"] + p["b"]["c"]), (x @ p["w"]).sum()
+
+    def rank_fn(r):
+        batch = _batch(r)
+        state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        state, _ = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))(state, batch)
+        tree = fzero.init(nested, opt, stage=stage, mesh=mesh, units=lambda path: path.split(".")[0])
+        x = batch[0][:, :5]
+        outs = [evaluate(logits, gather=g)(state, batch) for g in ("on_use", "eager")]
+        outs += [o for g in ("on_use", "eager") for o in evaluate(nested_fn, gather=g)(tree, x)]
+        refs = [logits(fzero.gather(state), batch)] * 2 + [*nested_fn(fzero.gather(tree), x)] * 2
+        grads = [t.grad for s in (state, tree) for t in s.params]
+        return outs, refs, grads
+
+    for outs, refs, grads in mesh.run(rank_fn, [(r,) for r in range(n)]):
+        for out, ref in zip(outs, refs):
+            assert torch.equal(out, ref)
+            assert not out.requires_grad and out.grad_fn is None
+        assert all(g is None for g in grads)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_evaluate_under_a_precision_policy_reads_the_params_in_the_compute_dtype(stage):
+    """bf16 compute: `fn` reads each leaf as `fzero.gather(state)`'s fp32 master value rounded to
+    bf16 once (stages 1-2 hold that copy, stage 3 casts its shard before the gather: the same
+    rounding of the same values), so the output equals `fn` on the cast gathered params."""
+    params, apply, info = _module()
+    mesh, n = fzero.SimMesh(2), 2
+    policy = fzero.Precision(torch.bfloat16, torch.float32)
+
+    def rank_fn(r):
+        batch = _batch(r)
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, precision=policy)
+        state, _ = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0].bfloat16()).float(),
+                                                                                   b[1]))(state, batch)
+        out = evaluate(lambda p, x: apply(p, x))(state, batch[0].bfloat16())
+        cast = {k: v.bfloat16() for k, v in fzero.gather(state).items()}
+        return out, apply(cast, batch[0].bfloat16())
+
+    for out, ref in mesh.run(rank_fn, [(r,) for r in range(n)]):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
+def test_evaluate_holds_one_gathered_block_at_a_time_in_stage_3():
+    """Stage 3, `from_module`, on use: each block is freed after its forward, so the census of
+    block-sized storages (a block's gathered `flat[N * S]`: (d² + d) · 4 bytes; the root unit,
+    the head, has another size) peaks at N + 1 over both ranks: each rank's current block, plus
+    SimMesh's concatenation of the ranks' shards while it completes an all-gather (the previous
+    block is released before the next is gathered). Eager gathering holds all N · K blocks."""
+    k, d, n = 6, 8, 2
+    params, apply, info = _module(k, d)
+    block = (d * d + d) * 4
+
+    def peak(gather):
+        mesh = fzero.SimMesh(n)
+        census = LiveStorages(count=lambda t: t.untyped_storage().nbytes() == block)
+
+        def rank_fn(r):
+            state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+            with census:
+                return evaluate(lambda p, x: apply(p, x), gather=gather)(state, _batch(r)[0])
+
+        outs = mesh.run(rank_fn, [(r,) for r in range(n)])
+        return census.peak, outs
+
+    (eager, out_e), (on_use, out_u) = peak("eager"), peak("on_use")
+    assert all(torch.equal(a, b) for a, b in zip(out_e, out_u))
+    assert eager >= n * k * block  # non-vacuous: the census sees every gathered block
+    assert on_use <= (n + 1) * block, (on_use, block)
+
+
+def test_evaluate_rejects_bad_settings():
+    with pytest.raises(fzero.ConfigError, match="gather must be one of"):
+        evaluate(lambda p, b: 0, gather="lazy")
+    with pytest.raises(fzero.ConfigError, match="callable"):
+        evaluate(3)
+
+
+# -- 2. ranks that take different paths ------------------------------------------------------------
+
+
+def _diverge(n: int, run, orders, stage: int = 3):
+    """Run `run(state, batch, order)` on every rank with its order; return each rank's error."""
+    params, apply, info = _module()
+    mesh, errors = fzero.SimMesh(n), {}
+
+    def rank_fn(r):
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+        try:
+            run(apply, state, _batch(r), orders[r])
+        except fzero.MeshError as e:
+            errors[r] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn, [(r,) for r in range(n)])
+    return errors
+
+
+def _train(apply, state, batch, order):
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0], order), b[1])  # noqa: E731
+    fzero.train_step(loss)(state, batch)
+
+
+def _evaluate(apply, state, batch, order):
+    evaluate(lambda p, x: apply(p, x, order))(state, batch[0])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("run", [_train, _evaluate], ids=["train_step", "evaluate"])
+@pytest.mark.parametrize("case", ["skip", "reorder", "skip_last"])
+def test_a_rank_that_takes_another_path_stops_every_rank_naming_the_units(n, run, case):
+    """The last rank skips block 1, or runs blocks 2 and 1 swapped, or skips the last block
+    (in `evaluate` it then reaches the paths agreement while the others gather): every rank
+    raises `DivergentPaths` saying which unit each rank gathered there."""
+    normal = [0, 1, 2, 3]
+    odd = {"skip": [0, 2, 3], "reorder": [0, 2, 1, 3], "skip_last": [0, 1, 2]}[case]
+    errors = _diverge(n, run, [normal] * (n - 1) + [odd])
+    assert sorted(errors) == list(range(n))
+    for r, e in errors.items():
+        assert isinstance(e, DivergentPaths), (r, type(e), e)
+        msg = str(e)
+        assert "ranks took different paths through the model" in msg
+        if case in ("skip", "reorder"):
+            assert "rank 0 gathered unit 'blocks.1'" in msg
+            assert f"rank {n - 1} gathered unit 'blocks.2'" in msg
+        else:
+            assert "rank 0 gathered unit 'blocks.3'" in msg
+
+
+def test_stage_2_ranks_whose_backward_reduces_units_in_another_order_are_named():
+    """Stage 2 gathers nothing, but reduces each unit in its backward, in the reverse of the
+    forward's data flow: blocks run 0,1,2,3 on rank 0 and 0,2,1,3 on rank 1 reduce 3 then 2 on
+    rank 0 and 3 then 1 on rank 1; both raise, naming those units."""
+    errors = _diverge(2, _train, [[0, 1, 2, 3], [0, 2, 1, 3]], stage=2)
+    assert sorted(errors) == [0, 1]
+    for e in errors.values():
+        assert isinstance(e, DivergentPaths)
+        assert "rank 0 reduced unit 'blocks.2', rank 1 reduced unit 'blocks.1'" in str(e), str(e)
+
+
+def test_stages_0_and_1_reduce_a_unit_one_rank_skipped_as_zeros():
+    """Stages 0-1 reduce every bucket after the backward, on every rank: a rank that skips block
+    1 contributes zeros for it (DDP's find_unused_parameters), so on use gives eager's bits."""
+    params, apply, info = _module()
+    orders = [[0, 1, 2, 3], [0, 2, 3]]
+    for stage in (0, 1):
+        finals = {}
+        for gather in ("on_use", "eager"):
+            mesh = fzero.SimMesh(2)
+
+            def rank_fn(r):
+                state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+                loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0], orders[r]), b[1])  # noqa: E731
+                state, _ = fzero.train_step(loss, gather=gather)(state, _batch(r))
+                return fzero.gather(state)
+
+            finals[gather] = mesh.run(rank_fn, [(0,), (1,)])
+        assert not torch.equal(finals["on_use"][0]["blocks.1.weight"], params["blocks.1.weight"])
+        for a, b in zip(finals["on_use"], finals["eager"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
+    """Rank 1 never reads unit "b" (a nested pytree: placeholders, no release): it reaches the
+    paths agreement at the end of `evaluate` while rank 0 gathers "b"; both raise, naming it."""
+    mesh, errors = fzero.SimMesh(2), {}
+
+    def rank_fn(r):
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh,
+                           units=lambda path: path)
+        try:
+            evaluate(lambda p, r: p["a"].sum() + (p["b"].sum() if r == 0 else 0))(state, r)
+        except fzero.MeshError as e:
+            errors[r] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn, [(0,), (1,)])
+    assert sorted(errors) == [0, 1]
+    for e in errors.values():
+        assert isinstance(e, DivergentPaths)
+        assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in str(e)
+
+
+# -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
+
+
+def _gathers(log, rank):
+    """`{unit: all-gathers of its params}` on `rank` (the update's agreement is not a unit's)."""
+    out = {}
+    for r in log:
+        if r.op == "all_gather" and r.rank == rank and not r.tag.startswith("fzero."):
+            unit = r.tag.split("/")[0]
+            out[unit] = out.get(unit, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_persist_bytes_keeps_small_units_gathered_and_changes_no_bit(engine):
+    """Stage 3, `from_module`, N = 2, two steps. A block gathers (d² + d) · 4 = 288 B, the head
+    (unit "default") (3d + 3 + 1 padding) · 4 = 112 B. Freed after use, backward gathers again every unit
+    whose saved tensors it reads: blocks 1-3 and the head (block 0's input needs no gradient, so
+    its weight is not saved). `persist_bytes` >= a unit's bytes keeps it gathered: its one
+    forward gather per step is all (the autograd engine; `engine="func"` never frees, so gathers
+    once per step at any threshold). The recorded data collectives equal `expected_comm` with
+    the re-gather set minus the persistent units; the params and losses equal stage 0's."""
+    k, d, n, steps = 4, 8, 2, 2
+    params, apply, info = _module(k, d)
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
+    block, head = (d * d + d) * 4, (3 * d + 3 + 1) * 4  # flat[N * S]: the head's 27 elements padded to 28
+    regathered = {f"blocks.{i}" for i in range(1, k)} | {"default"}
+
+    def run(stage, persist):
+        mesh = fzero.SimMesh(n)
+
+        def rank_fn(r):
+            state = fzero.init(params, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss, engine=engine, persist_bytes=persist)
+            losses = []
+            with mesh.record() as log:
+                for i in range(steps):
+                    state, m = step(state, _batch(r + n * i, d))
+                    losses.append(m.loss)
+            return fzero.gather(state), losses, log, state.layout
+
+        return mesh.run(rank_fn, [(r,) for r in range(n)])
+
+    ref = run(0, 0)
+    for persist, kept in ((0, set()), (head, {"default"}), (block - 1, {"default"}), (block, regathered)):
+        out = run(3, persist)
+        for (p0, l0, _, _), (p3, l3, log, layout) in zip(ref, out):
+            assert all(torch.equal(a, b) for a, b in zip(l0, l3))
+            assert all(torch.equal(p0[name], p3[name]) for name in p0)
+        log, layout = out[0][2], out[0][3]
+        again = regathered - kept if engine == "autograd" else set()
+        want = {u: steps * (1 + (u in again)) for u in layout.units}
+        assert _gathers(log, 0) == want, (persist, _gathers(log, 0), want)
+        got = fzero.accounting.comm_volume(log, n, steps=steps)
+        assert got.data == fzero.accounting.expected_comm(layout, n, 3, regather=again).data
+
+
+def test_max_live_bytes_frees_persistent_units_early_and_refuses_what_cannot_fit():
+    """Everything persists (`persist_bytes` large), so without a cap a rank ends forward holding
+    all K blocks. With `max_live_bytes` = two blocks, kept blocks are freed, oldest first, before
+    each gather. A census of block-sized storages over both ranks, read when backward starts
+    (the first reduce-scatter; backward's gradient buffers have a block's size too), sees all
+    N · K blocks uncapped, and capped at most N · 2 blocks plus SimMesh's concatenation buffer
+    while an all-gather completes. Blocks freed early are gathered again in backward; the bits
+    equal the uncapped step's. A cap below one block raises `ConfigError` naming the unit."""
+    k, d, n = 6, 8, 2
+    params, apply, info = _module(k, d)
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
+    block = (d * d + d) * 4
+    census, forward = None, []
+
+    class StopAtBackward(fzero.SimMesh):
+        def collective(self, op, x, *, arg=None, tag=None):
+            if op == "reduce_scatter" and not forward:
+                forward.append(census.peak)
+            return super().collective(op, x, arg=arg, tag=tag)
+
+    def run(cap):
+        nonlocal census
+        mesh, census = StopAtBackward(n), LiveStorages(count=lambda t: t.untyped_storage().nbytes() == block)
+        forward.clear()
+
+        def rank_fn(r):
+            state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss, persist_bytes=10**9, max_live_bytes=cap)
+            with census, mesh.record() as log:
+                state, m = step(state, _batch(r, d))
+            return fzero.gather(state), m.loss, sum(_gathers(log, mesh.rank).values())
+
+        return mesh.run(rank_fn, [(r,) for r in range(n)]), forward[0]
+
+    (free, peak_free), (capped, peak_capped) = run(None), run(2 * block + 200)
+    for (pf, lf, gf), (pc, lc, gc) in zip(free, capped):
+        assert torch.equal(lf, lc) and all(torch.equal(pf[name], pc[name]) for name in pf)
+        assert gf == k + 1 and gc > k + 1  # uncapped: one gather per unit; capped: re-gathers
+    assert peak_free >= n * k * block  # non-vacuous: uncapped, every block stays gathered
+    assert peak_capped <= (2 * n + 1) * block, (peak_capped, block)
+    with pytest.raises(fzero.ConfigError, match=r"max_live_bytes=100: unit 'blocks.0' alone gathers 288 bytes"):
+        run(100)
+
+
+def test_persist_and_cap_reject_bad_settings():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(fzero.ConfigError, match="persist_bytes must be an int >= 0"):
+            fzero.train_step(lambda p, b: 0, persist_bytes=bad)
+    with pytest.raises(fzero.ConfigError, match="max_live_bytes must be None or an int >= 1"):
+        fzero.train_step(lambda p, b: 0, max_live_bytes=0)
+    mesh = fzero.SimMesh(1)
+
+    def eager():
+        state = fzero.init({"a": torch.ones(2)}, optim.sgd(0.1), stage=3, mesh=mesh)
+        fzero.train_step(lambda p, b: p["a"].sum(), gather="eager", max_live_bytes=8)(state, None)
+
+    with pytest.raises(fzero.ConfigError, match="only stage 3 with gather='on_use', engine='autograd'"):
+        mesh.run(eager)
