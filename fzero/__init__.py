@@ -15,6 +15,8 @@ from fzero._src.errors import NonFiniteError as NonFiniteError
 from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import ParamGroup as ParamGroup
+from fzero._src.evaluate import evaluate as evaluate
+from fzero._src.gathering import DivergentPaths as DivergentPaths
 from fzero._src.gathering import LazyParams as LazyParams
 from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
@@ -50,6 +52,7 @@ __all__ = [
     "CollectiveRecord",
     "ConfigError",
     "DistMesh",
+    "DivergentPaths",
     "DynamicLossScale",
     "FzeroError",
     "LayoutError",
@@ -72,6 +75,7 @@ __all__ = [
     "StaticLossScale",
     "ZeroState",
     "broadcast_buffers",
+    "evaluate",
     "from_module",
     "gather",
     "init",

@@ -16,8 +16,8 @@ import torch
 
 import fzero
 from fzero import optim
-from fzero._src.evaluate import evaluate  # re-exported as fzero.evaluate by the run API
-from fzero._src.gathering import DivergentPaths
+from fzero import evaluate
+from fzero import DivergentPaths
 from fzero.accounting import LiveStorages
 
 

@@ -48,7 +48,7 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use") -> Callab
       >>> mesh = fzero.SimMesh(2)
       >>> def rank_fn():
       ...     state = fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.1), stage=3, mesh=mesh)
-      ...     return evaluate(lambda p, x: (p["w"] * x).sum())(state, torch.tensor(2.0))  # fzero.evaluate
+      ...     return fzero.evaluate(lambda p, x: (p["w"] * x).sum())(state, torch.tensor(2.0))
       >>> mesh.run(rank_fn)
       [tensor(6.), tensor(6.)]
     """
