@@ -415,3 +415,48 @@ def test_sigkill_mid_save_keeps_the_previous(tmp_path):
     got = load_on(ck.latest(root), 2, 2, "sgd-momentum")
     ref = train(fzero.SimMesh(2), 2, "sgd-momentum", 1)
     assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
+
+
+def test_export_round_trip_on_gpt2_and_the_cli(tmp_path, capsys):
+    """transformers' GPT-2 (tied head) from a small config: train one step at stage 3 on 2 ranks,
+    save, then offline: `export(..., aliases=info.aliases)` is a state_dict the module loads, its
+    weights equal fzero's gathered params bit for bit, the module's logits equal `apply`'s; the
+    safetensors file written by `fzero export` is read back by the safetensors package itself,
+    with the tied weight once; `fzero inspect` prints the step and the leaves."""
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fzero.checkpoint as ckpt
+    from fzero._src.cli import main
+
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "transformer.h"))
+    mesh = fzero.SimMesh(2)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def rank_fn():
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        state, _ = fzero.train_step(lambda p, b: apply(p, b, labels=b).loss)(state, x)
+        path = ckpt.save(state, tmp_path / "ckpt")
+        return path, fzero.gather(state)
+
+    path, full = mesh.run(rank_fn)[0]
+    sd = ckpt.export(path, aliases=info.aliases)
+    assert all(torch.equal(sd[k], full[k]) for k in full)
+    fresh = GPT2LMHeadModel(config)
+    missing, unexpected = fresh.load_state_dict(sd, strict=False)
+    assert not unexpected and all(".attn.bias" in k or ".attn.masked_bias" in k for k in missing), missing
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()  # still tied
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, apply(full, x).logits)
+
+    out = tmp_path / "model.safetensors"
+    assert main(["export", path, str(out)]) == 0
+    back = load_file(str(out))
+    assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)  # tied head once
+    assert main(["inspect", path]) == 0
+    text = capsys.readouterr().out
+    assert "step 1, saved by 2 rank(s) at stage 3" in text and "transformer.wte.weight" in text

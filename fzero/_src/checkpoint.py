@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -305,6 +306,11 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     if (manifest.get("scaler") is None) != (target.info.scaler is None):
         raise CheckpointError(f"{path!r} has loss scaler {manifest.get('scaler')!r}, the target "
                               f"{target.info.scaler!r}; make the target with loss_scale set as when it was saved")
+    check_files(path, manifest)
+
+
+def check_files(path: str, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is there, of its size and sha256; else `CheckpointError`."""
     for f, meta in manifest["files"].items():
         name = os.path.join(path, f)
         if not os.path.isfile(name):
@@ -434,3 +440,89 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             torch.set_rng_state(rng[rank])
     return ZeroState(tuple(params), tuple(opt_state), scalars["step"].clone(), tuple(master),
                      None if scale is None else LossScaleState(*(t.clone() for t in scale)), target.info)
+
+
+# -- export, offline ----------------------------------------------------------------------------
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+           aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """The full params saved at `path`, `{leaf path: tensor}` (master values, in their dtype or
+    `dtype`), read from the files alone: no process group, no mesh, any world size it was saved
+    at. With `aliases` (`ModuleInfo.aliases` of `fzero.from_module`), every name of a tied weight
+    gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
+    takes (buffers are not part of a checkpoint: `strict=False`, or add them). Files are checked
+    against their sha256 first."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    check_files(path, manifest)
+    table, _, _ = _read(path, manifest)
+    leaves = manifest["leaves"]
+    out: dict[str, torch.Tensor] = {}
+    covered = [0] * len(leaves)
+    flats = [torch.zeros(math.prod(ls["shape"]), dtype=_DTYPES[ls["dtype"]]) for ls in leaves]
+    for leaf, start, values in table.get(("params", ""), []):
+        flats[leaf][start : start + values.numel()] = values
+        covered[leaf] += values.numel()
+    for i, ls in enumerate(leaves):
+        if covered[i] != flats[i].numel():
+            raise CheckpointError(f"{path!r}: leaf {ls['path']!r} has {covered[i]} of {flats[i].numel()} elements in "
+                                  f"the checkpoint's files; it is incomplete")
+        t = flats[i].view(ls["shape"])
+        out[ls["path"]] = t if dtype is None else t.to(dtype)
+    if aliases:
+        for name, names in aliases.items():
+            for alias in names:
+                out[alias] = out[name]
+    return out
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str] | None = None
+                     ) -> None:
+    """Write `tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header
+    of dtype, shape and byte offsets per name, padded to 8 bytes, then the raw little-endian data).
+    A tensor reached under two names is written once (safetensors has no aliasing)."""
+    seen: dict[int, str] = {}
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        if id(t) in seen:
+            header["__metadata__"][f"alias:{name}"] = seen[id(t)]
+            continue
+        seen[id(t)] = name
+        data = t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": _SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    tmp = os.fspath(out) + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+def summary(path: str | os.PathLike) -> str:
+    """What `fzero inspect` prints: step, world size, stage, optimizer, precision, scaler, and each
+    leaf's path, shape, dtype and bytes."""
+    m = read_manifest(path)
+    opt = m["optimizer"][1][0] if isinstance(m["optimizer"], list) and len(m["optimizer"]) > 1 else m["optimizer"]
+    lines = [f"{os.fspath(path)}: step {m['step']}, saved by {m['world_size']} rank(s) at stage {m['stage']}",
+             f"optimizer: {str(opt)[:120]}", f"precision: {m.get('precision')}, loss scaler: {m.get('scaler')}"]
+    total = 0
+    for ls in m["leaves"]:
+        nbytes = math.prod(ls["shape"]) * _DTYPES[ls["dtype"]].itemsize
+        total += nbytes
+        lines.append(f"  {ls['path']:40s} {ls['dtype']:9s} {str(ls['shape']):20s} {nbytes:>12,} B"
+                     + (" (frozen)" if ls["frozen"] else ""))
+    files = sum(meta["bytes"] for meta in m["files"].values())
+    lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(m['files'])} files, {files:,} B on disk")
+    return "\n".join(lines)

@@ -4,6 +4,8 @@
     fzero estimate --module mypkg.models:make_gpt --world-size 8 --dtype bf16
     fzero estimate --config gpt2.json --world-size 16 --plot mem.png
     fzero trace --world-size 4 --stage 3 --steps 2                # collectives per step vs the formula
+    fzero inspect ckpt/step-100                                    # what a checkpoint holds
+    fzero export ckpt/step-100 model.safetensors --dtype bf16     # full params, offline
 
 Each subcommand is one `_add_<name>(subparsers)` function that registers its parser and sets
 `func`; `main` dispatches on it, so a new subcommand is one more function in `_SUBCOMMANDS`.
@@ -277,7 +279,51 @@ def _add_trace(sub: Any) -> None:
     p.set_defaults(func=_run_trace)
 
 
-_SUBCOMMANDS = (_add_estimate, _add_trace)
+# -------------------------------------------------------------------------------- checkpoints
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from . import checkpoint as ckpt
+
+    try:
+        print(ckpt.summary(args.checkpoint))
+    except ckpt.CheckpointError as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def _add_inspect(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="print a checkpoint's step, world size, stage, optimizer, leaves and bytes",
+                       description="Read a checkpoint's manifest (fzero.checkpoint.save) and print what it holds.")
+    p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
+    p.set_defaults(func=_run_inspect)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from . import checkpoint as ckpt
+
+    dtype = est.as_dtype(args.dtype) if args.dtype else None
+    try:
+        tensors = ckpt.export(args.checkpoint, dtype=dtype)
+    except ckpt.CheckpointError as e:
+        raise CliError(str(e)) from None
+    manifest = ckpt.read_manifest(args.checkpoint)
+    ckpt.save_safetensors(tensors, args.out, {"format": "pt", "fzero_step": str(manifest["step"])})
+    print(f"wrote {args.out}: {len(tensors)} tensors, step {manifest['step']}")
+    return 0
+
+
+def _add_export(sub: Any) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's full params as a safetensors file, offline",
+                       description="Assemble every leaf's master values from a checkpoint's files (no process "
+                       "group needed, any world size) and write them as OUT.safetensors, each tensor once.")
+    p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
+    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("--dtype", help="cast to this dtype (bf16, fp16, fp32); default: as saved")
+    p.set_defaults(func=_run_export)
+
+
+_SUBCOMMANDS = (_add_estimate, _add_trace, _add_inspect, _add_export)
 
 
 def parser() -> argparse.ArgumentParser:
