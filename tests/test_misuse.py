@@ -190,3 +190,17 @@ def test_lamb_moves_zero_initialised_leaves():
 
     for b in mesh.run(rank_fn):
         assert torch.allclose(b, torch.full((6,), -0.1), rtol=0, atol=1e-6)  # eps = 1e-6 in the denominator
+
+
+def test_a_misspelled_state_spec_is_an_error():
+    """A custom optimizer whose spec says "shards" (not "shard") was read as "shard"; memory
+    accounting, checkpoints and resharding read the spec, so init checks it is one of the two words."""
+    base = optim.sgd(0.1, momentum=0.9)
+    bad = optim.Optimizer(base.init, base.update, lambda s: type(s)(*["shards"] * len(s)), base.update_)
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        fzero.init({"w": torch.ones(3)}, bad, stage=1, mesh=mesh)  # refused at init, before any step
+
+    with pytest.raises(optim.OptimizerError, match=r"spec of state field 'count' is 'shards'"):
+        mesh.run(rank_fn)

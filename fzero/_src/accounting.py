@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ConfigError
 from .layout import Layout, check_world_size
+from .optim.base import spec_of
 from .stages import Stage, get_stage
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -96,7 +97,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
         for s in state.opt_state:
             if s is None:
                 continue
-            for field, kind in zip(s, optimizer.spec(s)):
+            for field, kind in zip(s, spec_of(optimizer, s)):
                 if kind == "leaf":
                     leaf += _nbytes(field)
     return HeldBytes(

@@ -50,6 +50,7 @@ import torch
 from .collectives import all_reduce, broadcast
 from .errors import FzeroError
 from .layout import Layout
+from .optim.base import spec_of
 from .scale import LossScaleState
 from .state import ZeroState, check_state, describe
 
@@ -94,7 +95,7 @@ def pieces(state: ZeroState) -> list[Piece]:
         opt = state.opt_state[b]
         if opt is None:
             continue
-        for field, kind, t in zip(opt._fields, state.optimizer.spec(opt), opt):
+        for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt):
             if kind == "shard":
                 out += [("opt", field, leaf, start, v)
                         for leaf, start, v in _owned(layout, b, t, rank, stage.sharded("optimizer_state"))]
@@ -391,7 +392,7 @@ def _opt_state(path: str, target: ZeroState, b: int, table: dict) -> Any:
         return None
     layout, stage, rank = target.layout, target.stage, target.rank
     fields = []
-    for field, kind, like in zip(opt._fields, target.optimizer.spec(opt), opt):
+    for field, kind, like in zip(opt._fields, spec_of(target.optimizer, opt), opt):
         parts = table.get(("opt", field), [])
         if kind == "leaf":
             fields.append(_leaf_field(path, layout, b, parts, like, f"optimizer field {field!r}"))

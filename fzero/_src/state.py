@@ -23,7 +23,7 @@ from .collectives import all_gather, broadcast
 from .errors import ConfigError, FzeroError, LayoutError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
-from .optim.base import Optimizer
+from .optim.base import Optimizer, spec_of
 from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -189,6 +189,9 @@ def init(
                                                           len(spec.leaves))
             for b, spec in enumerate(layout.buckets)
         )
+        for s in opt_state:
+            if s is not None:
+                spec_of(optimizer, s)
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
                      StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale))

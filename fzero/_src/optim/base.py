@@ -202,6 +202,23 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
             )
 
 
+SPECS = ("shard", "leaf")  # what `Optimizer.spec` may say of a state field
+
+
+def spec_of(optimizer: "Optimizer", state: Any) -> Any:
+    """`optimizer.spec(state)`, checked: one entry per field of the state, each "shard" or "leaf"
+    (memory accounting, checkpoints and resharding read it, never the optimizer's class)."""
+    spec = optimizer.spec(state)
+    fields = getattr(state, "_fields", None)
+    if fields is None or len(tuple(spec)) != len(fields):
+        raise OptimizerError(f"the optimizer's spec {spec!r} must be the state's NamedTuple of strings, one per field "
+                             f"of {type(state).__name__}{tuple(fields or ())}")
+    for field, kind in zip(fields, spec):
+        if kind not in SPECS:
+            raise OptimizerError(f"spec of state field {field!r} is {kind!r}; each field's spec is one of {SPECS} "
+                                 f"(checkpoints and resharding read it)")
+    return spec
+
 Impl = Literal["fused", "foreach", "single"]
 IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
 
