@@ -222,3 +222,18 @@ def check(pb):
                 continue
             for k, (x, y) in enumerate(zip(mo, zo)):
                 assert torch.equal(x, y), f"optimizer state bucket {b} field {k} differs at step {t}"
+
+
+class PeakAtBackward(fzero.SimMesh):
+    """A SimMesh that notes `census.peak` (a shared `fzero.accounting.LiveStorages`) when the first
+    reduce-scatter starts: in a stage-3 step that is backward's first reduction, so
+    `forward_peak` is the peak of the forward."""
+
+    def __init__(self, world_size: int, census) -> None:
+        super().__init__(world_size)
+        self.census, self.forward_peak = census, None
+
+    def collective(self, op, x, *, arg=None, tag=None):
+        if op == "reduce_scatter" and self.forward_peak is None:
+            self.forward_peak = self.census.peak
+        return super().collective(op, x, arg=arg, tag=tag)

@@ -26,6 +26,8 @@ import fzero
 from fzero import optim
 from fzero.accounting import LiveStorages
 
+from .stage_harness import PeakAtBackward
+
 
 class _Blocks(torch.nn.Module):
     def __init__(self, k: int, d: int) -> None:
@@ -133,18 +135,10 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
     opt = optim.sgd(0.1)
     unit_bytes = (d * d + d) * 4  # one block's gathered flat[N * S] (N divides d*d + d)
-    census, forward = None, []  # forward: the census's peak when backward starts
-
-    class StopAtBackward(fzero.SimMesh):
-        def collective(self, op, x, *, arg=None, tag=None):
-            if op == "reduce_scatter" and not forward:
-                forward.append(census.peak)
-            return super().collective(op, x, arg=arg, tag=tag)
 
     def run(gather):
-        nonlocal census
-        mesh, census = StopAtBackward(n), LiveStorages()  # one shared census: the sum over ranks
-        forward.clear()
+        census = LiveStorages()  # one shared census: the sum over ranks
+        mesh = PeakAtBackward(n, census)  # notes the census's peak when backward starts
 
         def rank_fn(x):
             state = fzero.init(params, opt, stage=3, mesh=mesh, units=info.units)
@@ -155,7 +149,7 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
             return fzero.gather(state), m.loss, gathers
 
         out = mesh.run(rank_fn, [(torch.randn(1, d, generator=torch.Generator().manual_seed(r)),) for r in range(n)])
-        return out, forward[0]
+        return out, mesh.forward_peak
 
     (eager, peak_eager), (lazy, peak_lazy) = run("eager"), run("on_use")
     for (pe, le, ge), (pl, ll, gl) in zip(eager, lazy):

@@ -20,6 +20,8 @@ from fzero import evaluate
 from fzero import DivergentPaths
 from fzero.accounting import LiveStorages
 
+from .stage_harness import PeakAtBackward
+
 
 class _Blocks(torch.nn.Module):
     """K tanh(Linear(d, d)) blocks, then a head Linear(d, 3); `order` picks which blocks run."""
@@ -319,18 +321,10 @@ def test_max_live_bytes_frees_persistent_units_early_and_refuses_what_cannot_fit
     params, apply, info = _module(k, d)
     loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
     block = (d * d + d) * 4
-    census, forward = None, []
-
-    class StopAtBackward(fzero.SimMesh):
-        def collective(self, op, x, *, arg=None, tag=None):
-            if op == "reduce_scatter" and not forward:
-                forward.append(census.peak)
-            return super().collective(op, x, arg=arg, tag=tag)
 
     def run(cap):
-        nonlocal census
-        mesh, census = StopAtBackward(n), LiveStorages(count=lambda t: t.untyped_storage().nbytes() == block)
-        forward.clear()
+        census = LiveStorages(count=lambda t: t.untyped_storage().nbytes() == block)
+        mesh = PeakAtBackward(n, census)
 
         def rank_fn(r):
             state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
@@ -339,7 +333,7 @@ def test_max_live_bytes_frees_persistent_units_early_and_refuses_what_cannot_fit
                 state, m = step(state, _batch(r, d))
             return fzero.gather(state), m.loss, sum(_gathers(log, mesh.rank).values())
 
-        return mesh.run(rank_fn, [(r,) for r in range(n)]), forward[0]
+        return mesh.run(rank_fn, [(r,) for r in range(n)]), mesh.forward_peak
 
     (free, peak_free), (capped, peak_capped) = run(None), run(2 * block + 200)
     for (pf, lf, gf), (pc, lc, gc) in zip(free, capped):

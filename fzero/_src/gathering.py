@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .tree import NAMESPACE, unflatten
-from .unit import Probe, UnitProgram, run_unit
+from .unit import Bucket, Probe, UnitProgram, run_unit
 
 GATHERS = ("on_use", "eager")
 
@@ -142,7 +142,7 @@ class Gathering:
         self._xs, self._fulls, self._probes = xs, fulls, probes
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
         self._anchors: list[torch.Tensor] = []
-        self._storages: dict[str, list[tuple[int, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
+        self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
 
@@ -166,7 +166,7 @@ class Gathering:
         self._anchors.append(anchor)
         leaves = dict(zip(program.leaves, outs))
         if self.releasable:
-            firsts = [(b.index, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()]
+            firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()]
             self._storages[unit] = [(b, t.untyped_storage(), t.untyped_storage().nbytes()) for b, t in firsts]
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
@@ -217,9 +217,9 @@ class Gathering:
         self._make_room(unit)
         program = self._programs[unit]
         with torch.no_grad():
-            for b, storage, nbytes in self._storages[unit]:
-                wire = next(bk.wire for bk in program.buckets if bk.index == b)
-                full = program.stage.enter.run(program.mesh, wire, self._xs[b].detach().to(wire.compute))
+            for bucket, storage, nbytes in self._storages[unit]:
+                wire = bucket.wire
+                full = program.stage.enter.run(program.mesh, wire, self._xs[bucket.index].detach().to(wire.compute))
                 storage.resize_(nbytes)
                 full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
         self._released.discard(unit)

@@ -48,6 +48,8 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from fzero._src.mesh import _per_rank_args  # the one rule for per-rank arguments (SimMesh.run, DistMesh.run)
+
 ENV_ADDRESS = "FZERO_POOL_ADDRESS"
 ENV_AUTHKEY = "FZERO_POOL_AUTHKEY"
 ENV_SYS_PATH = "FZERO_POOL_SYS_PATH"
@@ -104,18 +106,6 @@ class Died:
 
     def __str__(self) -> str:
         return f"rank {self.rank} died with return code {self.returncode}\n{self.log}"
-
-
-def _rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int, nproc: int) -> tuple:
-    if callable(per_rank_args):
-        args = per_rank_args(rank)
-    elif len(per_rank_args) == 0:
-        args = ()
-    elif len(per_rank_args) != nproc:
-        raise ValueError(f"per_rank_args has {len(per_rank_args)} entries; expected {nproc}")
-    else:
-        args = per_rank_args[rank]
-    return args if isinstance(args, tuple) else (args,)
 
 
 def _torchrun() -> list[str]:
@@ -228,7 +218,7 @@ class Pool:
         if not self.alive:
             raise PoolError(f"{self!r} is not running")
         ref = reference(fn)
-        args = [_rank_args(per_rank_args, r, self.nproc) for r in range(self.nproc)]
+        args = [_per_rank_args(per_rank_args, r, self.nproc) for r in range(self.nproc)]
         for r, conn in enumerate(self._conns):
             conn.send_bytes(pickle.dumps(("call", ref, args[r])))
         replies: dict[int, Any] = {}
@@ -326,7 +316,7 @@ def run_job(
         procs, logs = [], []
         try:
             for r in range(nproc):
-                Path(tmp, f"in-{r}.pkl").write_bytes(pickle.dumps((ref, _rank_args(per_rank_args, r, nproc))))
+                Path(tmp, f"in-{r}.pkl").write_bytes(pickle.dumps((ref, _per_rank_args(per_rank_args, r, nproc))))
                 env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
                 env.update({
                     "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r),
