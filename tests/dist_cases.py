@@ -28,6 +28,18 @@ def collectives(mesh, x, y, src):
     }
 
 
+def started(mesh, x, y, src):
+    """Every collective through `mesh.start`, all in flight at once, then waited for in reverse."""
+    pending = {
+        "all_gather": mesh.start("all_gather", x),
+        "reduce_scatter": mesh.start("reduce_scatter", y),
+        "sum": mesh.start("all_reduce", x, arg="sum"),
+        "max": mesh.start("all_reduce", x, arg="max"),
+        "broadcast": mesh.start("broadcast", x, arg=src),
+    }
+    return {op: pending[op].wait() for op in reversed(pending)}
+
+
 def _loss(mesh, x, y, w):
     """L = <AG(x), w> + <RS(y), x> + <bcast(x), x>: every differentiable collective, forward and back."""
     return (fzero.collectives.all_gather(x, mesh) * w).sum() + (fzero.collectives.reduce_scatter(y, mesh) * x).sum() + (

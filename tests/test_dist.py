@@ -64,6 +64,16 @@ def test_n2_every_collective_equals_sim_bitwise(dist2, args):
     assert_same(dist2.run(dist_cases.collectives, args), sim_run(2, dist_cases.collectives, args), OPS)
 
 
+@examples(10)
+@given(collective_args(2, integer=False))
+def test_started_collectives_in_flight_together_equal_blocking_ones_bitwise(dist2, args):
+    """`mesh.start` (gloo: every op in flight at once, waited for in reverse) gives the bits of
+    the blocking collectives, on DistMesh and on SimMesh."""
+    want = sim_run(2, dist_cases.collectives, args)
+    assert_same(dist2.run(dist_cases.started, args), want, OPS)
+    assert_same(sim_run(2, dist_cases.started, args), want, OPS)
+
+
 @examples(25)
 @given(collective_args(4, integer=True))
 def test_n4_integer_valued_collectives_equal_sim_bitwise(dist4, args):

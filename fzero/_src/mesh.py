@@ -143,6 +143,18 @@ class Mesh(abc.ABC):
         Shapes: all_reduce / broadcast `x[...] -> [...]`; all_gather `x[S, ...] -> [N * S, ...]`;
         reduce_scatter `x[N * S, ...] -> [S, ...]` (rank r gets rows `[r * S, (r + 1) * S)`).
         """
+        return self._exchange(*self._enter(op, x, arg, tag))
+
+    def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
+        """`collective` without waiting, where the backend allows: `start(...).wait()` is
+        `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
+        runs it on its own stream, gloo on its own threads); SimMesh completes it before
+        returning. Every rank must start the same collectives in the same order and wait for each
+        before reading its result; between start and wait, `x` must not be written."""
+        return self._start(*self._enter(op, x, arg, tag))
+
+    def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> tuple[_Call, torch.Tensor]:
+        """Validate and record one collective: `(its description, the contiguous data to move)`."""
         self._validate(op, x, arg, tag)
         call = _describe(op, x, arg, tag)
         rank = self.rank
@@ -150,7 +162,11 @@ class Mesh(abc.ABC):
         for log in self._recorders:
             log.append(CollectiveRecord(rank, op, arg if op == "all_reduce" else None, x.dtype,
                                         elements, elements * x.element_size(), tag))
-        return self._exchange(call, x.detach().contiguous())
+        return call, x.detach().contiguous()
+
+    def _start(self, call: _Call, x: torch.Tensor) -> "Pending":
+        """Backend primitive of `start`: by default the blocking `_exchange`, already complete."""
+        return Pending(self._exchange(call, x))
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
         where = f" (tag {tag!r})" if tag else ""
@@ -169,6 +185,30 @@ class Mesh(abc.ABC):
                 f"reduce_scatter{where}: dim 0 of {list(x.shape)} is not divisible by world size "
                 f"{self.world_size}; pad it to a multiple of {self.world_size} (fzero.layout.plan does)"
             )
+
+
+class Pending:
+    """A collective in flight (`Mesh.start`): `wait()` returns its result, the same tensor on
+    every call. `work` is the backend's handle (None: already complete); `lost(error)` turns a
+    failure seen while waiting into the mesh's error."""
+
+    def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None,
+                 lost: Callable[[BaseException], BaseException] | None = None) -> None:
+        self._out, self._work, self._keep, self._lost = out, work, keep, lost
+
+    @property
+    def done(self) -> bool:
+        """Whether `wait()` has returned (or the collective completed when started)."""
+        return self._work is None
+
+    def wait(self) -> torch.Tensor:
+        work, self._work, self._keep = self._work, None, None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise (self._lost(e) if self._lost is not None else e) from e
+        return self._out
 
 
 def _per_rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int, n: int) -> tuple:
@@ -403,10 +443,10 @@ def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: b
     return fn(out, x, group=group, async_op=async_op)
 
 
-def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any) -> Any:
+def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """`reduce_scatter_single` where torch has it, `reduce_scatter_tensor` elsewhere."""
     fn = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
-    return fn(out, x, group=group)
+    return fn(out, x, group=group, async_op=async_op)
 
 
 # -- choosing a backend and device -------------------------------------------------------------
@@ -700,32 +740,38 @@ class DistMesh(Mesh):
     # -- moving data ----------------------------------------------------------------------------
 
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
+        return self._start(call, x).wait()
+
+    def _start(self, call: _Call, x: torch.Tensor) -> Pending:
         self._check_usable()
         if self.verify:
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
         try:
-            return self._move(call, x)
+            out, work = self._move(call, x)
         except RuntimeError as e:
             raise self._lost(e, what, started) from e
+        return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
-    def _move(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
+    def _move(self, call: _Call, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Issue `call` asynchronously: `(its result, once waited for; the work handle)`."""
         dist, n = torch.distributed, self.world_size
         if call.op == "all_reduce":
             out = x.clone()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM if call.arg == "sum" else dist.ReduceOp.MAX, group=self.group)
+            work = dist.all_reduce(out, op=dist.ReduceOp.SUM if call.arg == "sum" else dist.ReduceOp.MAX,
+                                   group=self.group, async_op=True)
         elif call.op == "broadcast":
             out = x.clone()
-            dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
-                           group=self.group)
+            work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
+                                  group=self.group, async_op=True)
         elif call.op == "all_gather":
             out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            _all_gather_into(out, x, self.group)
+            work = _all_gather_into(out, x, self.group, async_op=True)
         else:
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-            _reduce_scatter_into(out, x, self.group)
-        return out
+            work = _reduce_scatter_into(out, x, self.group, async_op=True)
+        return out, work
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
