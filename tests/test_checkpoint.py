@@ -273,13 +273,16 @@ def saved_root():
         yield saves(mesh, root, states)
 
 
-def test_corrupted_and_truncated_files(saved_root, tmp_path):
+@pytest.mark.parametrize("file", ["__0_0.distcp", ".metadata"])
+def test_corrupted_and_truncated_files(saved_root, tmp_path, file):
+    """A flipped byte or a truncated file, in DCP's data or its metadata: `load` raises naming the
+    file (sha256 or size against the manifest) and the target is unchanged."""
     import shutil
 
     for how in ("flip", "truncate"):
         path = str(tmp_path / how / "step-1")
         shutil.copytree(saved_root, path)
-        name = tmp_path / how / "step-1" / "rank-00001.pt"
+        name = tmp_path / how / "step-1" / file
         data = bytearray(name.read_bytes())
         if how == "flip":
             data[len(data) // 2] ^= 0xFF
@@ -287,7 +290,7 @@ def test_corrupted_and_truncated_files(saved_root, tmp_path):
             del data[len(data) // 2 :]
         name.write_bytes(bytes(data))
         err = load_into(path, make_params(), "adamw")
-        assert isinstance(err, ck.CheckpointError) and "rank-00001.pt" in str(err) and "corrupted" in str(err)
+        assert isinstance(err, ck.CheckpointError) and file in str(err) and "corrupted" in str(err), err
         # latest checks sizes, not checksums (those are load's): a flipped byte passes it
         assert ck.latest(str(tmp_path / how)) == (path if how == "flip" else None)
 
@@ -378,7 +381,8 @@ def test_save_on_gloo_loads_on_simmesh(dist2, tmp_path):
 
 def killed_mid_save(root):
     """A fresh 2-process gloo job: save step 1; one more step; rank 1 SIGKILLs itself half way
-    through writing its step-2 file. Rank 0 returns the error its barrier raised."""
+    through the chunks DCP writes for it (the save's "mid_data" point). Rank 0 returns the error
+    its save raised."""
     import signal
 
     from fzero._src import checkpoint as impl
@@ -390,14 +394,9 @@ def killed_mid_save(root):
     ck.save(state, root)
     state, _ = step(state, batch(1, mesh.rank))
     if mesh.rank == 1:
-        def write_half_and_die(path, data, fail_mid=False):
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        impl._write = write_half_and_die
+        impl._crash_mid_data = lambda: os.kill(os.getpid(), signal.SIGKILL)
     try:
-        ck.save(state, root)
+        ck.save(state, root, _fail_at="mid_data" if mesh.rank == 1 else None)
     except fzero.MeshError as e:
         return type(e).__name__
     return "saved"
