@@ -459,3 +459,138 @@ def test_export_round_trip_on_gpt2_and_the_cli(tmp_path, capsys):
     assert main(["inspect", path]) == 0
     text = capsys.readouterr().out
     assert "step 1, saved by 2 rank(s) at stage 3" in text and "transformer.wte.weight" in text
+
+
+# -- DCP: what a rank reads, the format on disk, RNG states -----------------------------------------
+
+
+class CountingReader(torch.distributed.checkpoint.FileSystemReader):
+    """DCP's file reader, recording every read item (this rank, file, name, saved chunk offset, length)."""
+
+    log: list = []
+
+    def read_data(self, plan, planner):
+        from fzero._src.mesh import _SIM_THREAD
+
+        rank = getattr(_SIM_THREAD, "rank", int(os.environ.get("RANK", 0)))
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            CountingReader.log.append((rank, info.relative_path, item.storage_index.fqn,
+                                       int(item.storage_index.offset[0]) if item.storage_index.offset else 0,
+                                       int(torch.Size(item.lengths).numel())))
+        return super().read_data(plan, planner)
+
+
+def saved_chunks(layout) -> dict[str, list[tuple[int, int]]]:
+    """The params chunks `{name: [(leaf_start, numel)]}` a save over `layout` writes, from the
+    layout's segments alone (every rank's shard of every bucket)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for b, spec in enumerate(layout.buckets):
+        for r in range(spec.shard_numel and layout.world_size or 0):
+            for seg in layout.segments(b, r):
+                out.setdefault(f"params/{layout.leaves[seg.leaf].path}", []).append(
+                    (seg.leaf_start, seg.stop - seg.start))
+    return out
+
+
+@pytest.mark.parametrize("m,stage", [(4, 3), (3, 3), (2, 1), (1, 0)])
+def test_a_rank_reads_only_overlapping_chunks(m, stage, monkeypatch):
+    """Saved at N = 4 stage 3 (one bucket, so every leaf is cut at shard boundaries), loaded at
+    (M, t): each rank's DCP read items are exactly the saved params chunks that overlap the
+    range of each leaf the rank holds (its shard's window at stage 3, every leaf otherwise), and
+    the elements it reads are those it holds, no more: at M = N, a stage-3 rank reads just the
+    chunks it wrote."""
+    from fzero._src import checkpoint as impl
+
+    monkeypatch.setattr(impl, "_reader", CountingReader)
+    CountingReader.log = []
+    big = {"a": torch.randn(37), "b": torch.randn(5, 6), "c": torch.randn(23)}
+    sim4 = fzero.SimMesh(4)
+    with tempfile.TemporaryDirectory() as root:
+        def first():
+            state = fzero.init(big, OPTIMIZERS["adamw"](), stage=3, mesh=sim4)
+            return ck.save(state, root), state.layout
+
+        path, saved_layout = sim4.run(first)[0]
+        mesh = fzero.SimMesh(m)
+        layouts = mesh.run(lambda: ck.load(path, fzero.init(big, OPTIMIZERS["adamw"](), stage=stage, mesh=mesh)
+                                           ).layout)
+    chunks = saved_chunks(saved_layout)
+    for r in range(m):
+        layout = layouts[r]
+        want, held = set(), 0
+        for b, spec in enumerate(layout.buckets):
+            lo, hi = (r * spec.shard_numel, (r + 1) * spec.shard_numel) if stage == 3 else (0, spec.padded_numel)
+            for i in spec.leaves:
+                ls = layout.leaves[i]
+                a, z = max(ls.offset, lo) - ls.offset, min(ls.offset + ls.numel, hi) - ls.offset
+                if a < z:
+                    held += z - a
+                    name = f"params/{ls.path}"
+                    want |= {(name, s) for s, k in chunks[name] if s < z and a < s + k}
+        got = [(name, start, k) for rank, _, name, start, k in CountingReader.log if rank == r
+               and name.startswith("params/")]
+        assert {(name, start) for name, start, _ in got} == want and len(got) == len(want)
+        assert sum(k for _, _, k in got) == held  # only the overlaps are copied
+        if m == 4:  # the same layout: rank r reads back the chunks of its own shard
+            assert want == {(f"params/{saved_layout.leaves[s.leaf].path}", s.leaf_start)
+                            for s in saved_layout.segments(0, r)}
+
+
+def test_cuda_rng_state_where_cuda_is_initialised(monkeypatch):
+    """The CUDA generator of the mesh's device is saved and restored only where CUDA is
+    initialised there (checked on CPU with torch.cuda's two calls stood in for)."""
+    import types
+
+    from fzero._src import checkpoint as impl
+
+    cpu, gpu = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(device=torch.device("cuda", 1))
+    fake = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: fake if device == gpu.device else None)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert set(impl._rng_states(cpu)) == set(impl._rng_states(gpu)) == {"cpu"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert set(impl._rng_states(cpu)) == {"cpu"}
+    states = impl._rng_states(gpu)
+    assert set(states) == {"cpu", "cuda"} and states["cuda"] is fake
+    impl._set_rng_states(gpu, states)
+    assert restored == [(fake, gpu.device)]
+
+
+def dist_save_and_load(mesh, root):
+    """On 2 gloo ranks: the stage-3 save of `dist_save`, then `load` over the process group at
+    stage 3 (DCP exchanges the plan), recording what this rank read; (gathered params, reads,
+    the checkpoint's files and which file each params chunk is in)."""
+    from fzero._src import checkpoint as impl
+
+    path = dist_save(mesh, root)
+    impl._reader = CountingReader
+    CountingReader.log = []
+    target = fzero.init(make_params(seed=5), OPTIMIZERS["adamw"](), stage=3, mesh=mesh, units=UNITS)
+    state = ck.load(path, target)
+    md = torch.distributed.checkpoint.FileSystemReader(path).read_metadata()
+    where = {(i.fqn, int(i.offset[0])): info.relative_path for i, info in md.storage_data.items()
+             if i.fqn.startswith("params/")}
+    return fzero.gather(state), CountingReader.log, sorted(os.listdir(path)), where, [
+        (s.leaf, s.leaf_start) for b in range(len(state.layout.buckets)) for s in state.layout.segments(b, mesh.rank)]
+
+
+def test_dcp_on_gloo_one_file_per_rank_and_own_reads(dist2, tmp_path):
+    """On a gloo DistMesh, DCP writes one data file per rank, its metadata puts each rank's params
+    chunks in that rank's file, and a same-layout load over the process group reads each rank's
+    params from its own file only; the loaded params are the saved ones (SimMesh's run, N = 2)."""
+    out = dist2.run(dist_save_and_load, [(str(tmp_path),)] * 2)
+    ref = train(fzero.SimMesh(2), 3, "adamw", 2)
+    want = ref[0].mesh.run(lambda: fzero.gather(ref[ref[0].mesh.rank]))[0]
+    layout = ref[0].layout
+    for r, (params, log, files, where, segments) in enumerate(out):
+        assert_same(flat_leaves(params), flat_leaves(want), "params")
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+        for leaf, start in segments:  # this rank's chunks live in its own file
+            assert where[f"params/{layout.leaves[leaf].path}", start] == f"__{r}_0.distcp"
+        sharded = [name for name in {name for _, _, name, _, _ in log} if name.startswith(("params/", "opt/exp_avg"))]
+        assert {n.rsplit("/", 1)[0] for n in sharded if n.startswith("opt/")} == {"opt/exp_avg", "opt/exp_avg_sq"}
+        reads = {file for _, file, name, _, _ in log if name in sharded}  # "leaf" fields (AdamW's step): rank 0's
+        assert reads == {f"__{r}_0.distcp"}, log
