@@ -108,15 +108,16 @@ def _window(layout: Layout, b: int, rank: int, sharded: bool) -> tuple[int, int]
 
 def _shard_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
     """The leaf elements in rank `rank`'s shard of bucket `b`, read from `x`: this rank's
-    `shard[S]` (`sharded`) or the whole `flat[N * S]`. Fresh tensors (DCP writes a chunk's storage)."""
+    `shard[S]` (`sharded`) or the whole `flat[N * S]`. Views (`ChunkSavePlanner.resolve_data`
+    copies one chunk at a time as it is written)."""
     shard = x if sharded else layout.rank_shard(b, x, rank)
-    return [(seg.leaf, seg.leaf_start, shard[seg.start : seg.stop].detach().clone())
+    return [(seg.leaf, seg.leaf_start, shard[seg.start : seg.stop].detach())
             for seg in layout.segments(b, rank)]
 
 
 def _leaf_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
     """A replicated "leaf" field `x[L]`: rank 0 writes entry k as leaf `bucket.leaves[k]`'s `[1]`."""
-    return [(leaf, 0, x[k : k + 1].clone()) for k, leaf in enumerate(layout.buckets[b].leaves)] if rank == 0 else []
+    return [(leaf, 0, x[k : k + 1].detach()) for k, leaf in enumerate(layout.buckets[b].leaves)] if rank == 0 else []
 
 
 def _shard_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
@@ -299,7 +300,9 @@ class ChunkSavePlanner(SavePlanner):
         if self._crash is not None and self._resolved == self._half:
             self._crash()
         self._resolved += 1
-        return self._sd[write_item.index.fqn].chunks[tuple(write_item.index.offset)]
+        t = self._sd[write_item.index.fqn].chunks[tuple(write_item.index.offset)]
+        # a view would be serialised with its whole storage: a compact copy of this chunk only
+        return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 class ChunkLoadPlanner(LoadPlanner):
