@@ -648,10 +648,19 @@ def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = Non
                               f"the manifest does not list; the checkpoint was altered after it was saved")
 
 
+def _read_metadata(path: str) -> Metadata:
+    """DCP's metadata (`path/.metadata`), or a `CheckpointError` naming the file."""
+    try:
+        return _reader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP raises what the unpickling or the file system raised
+        raise CheckpointError(f"{os.path.join(path, '.metadata')!r} is not readable DCP metadata: "
+                              f"{type(e).__name__}: {e}") from None
+
+
 def _metadata(path: str, manifest: dict[str, Any]) -> Metadata:
     """DCP's metadata of the checkpoint, its file checked against the manifest first."""
     check_files(path, manifest, only={".metadata"})
-    return _reader(path).read_metadata()
+    return _read_metadata(path)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -787,7 +796,7 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     path = os.fspath(path)
     manifest = read_manifest(path)
     check_files(path, manifest)
-    metadata = _reader(path).read_metadata()
+    metadata = _read_metadata(path)
     leaves = manifest["leaves"]
     flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_DTYPES[ls["dtype"]]) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
@@ -847,7 +856,7 @@ def summary(path: str | os.PathLike) -> str:
         lines.append(f"  {ls['path']:40s} {ls['dtype']:9s} {str(ls['shape']):20s} {nbytes:>12,} B"
                      + (" (frozen)" if ls["frozen"] else ""))
     files = sum(meta["bytes"] for meta in m["files"].values())
-    md = _reader(os.fspath(path)).read_metadata().state_dict_metadata
+    md = _read_metadata(os.fspath(path)).state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
     lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(md)} DCP tensors in {chunks} chunks; "
                  f"{len(m['files'])} files, {files:,} B on disk")
