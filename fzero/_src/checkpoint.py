@@ -301,8 +301,9 @@ class ChunkSavePlanner(SavePlanner):
             self._crash()
         self._resolved += 1
         t = self._sd[write_item.index.fqn].chunks[tuple(write_item.index.offset)]
-        # a view would be serialised with its whole storage: a compact copy of this chunk only
-        return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+        # a CPU view would be serialised with its whole storage: a compact copy of this chunk only
+        # (DCP moves a GPU chunk to the host, which copies just its elements)
+        return t if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
 class ChunkLoadPlanner(LoadPlanner):
