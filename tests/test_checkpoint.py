@@ -378,6 +378,29 @@ def test_save_on_gloo_loads_on_simmesh(dist2, tmp_path):
                 "params")
     assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
 
+    # the ranks agree on the checks: a flipped byte in rank 1's file, loaded at the same layout,
+    # is seen by rank 1 only (rank 0 reads its own file), yet both raise before reading anything
+    import shutil
+
+    bad = str(tmp_path / "bad" / "step-2")
+    shutil.copytree(paths[0], bad)
+    name = tmp_path / "bad" / "step-2" / "__1_0.distcp"
+    data = bytearray(name.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    name.write_bytes(bytes(data))
+    sim2 = fzero.SimMesh(2)
+
+    def rank_fn():
+        target = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=3, mesh=sim2, units=UNITS)
+        try:
+            ck.load(bad, target)
+        except ck.CheckpointError as e:
+            return str(e)
+
+    errors = sim2.run(rank_fn)
+    assert "__1_0.distcp" in errors[1] and "corrupted" in errors[1], errors
+    assert "1 other rank(s)" in errors[0] and "nothing was loaded" in errors[0], errors
+
 
 def killed_mid_save(root):
     """A fresh 2-process gloo job: save step 1; one more step; rank 1 SIGKILLs itself half way
