@@ -482,6 +482,7 @@ def test_export_round_trip_on_gpt2_and_the_cli(tmp_path, capsys):
     assert main(["inspect", path]) == 0
     text = capsys.readouterr().out
     assert "step 1, saved by 2 rank(s) at stage 3" in text and "transformer.wte.weight" in text
+    assert "DCP tensors in" in text
 
 
 # -- DCP: what a rank reads, the format on disk, RNG states -----------------------------------------
