@@ -626,3 +626,24 @@ def test_dcp_on_gloo_one_file_per_rank_and_own_reads(dist2, tmp_path):
         assert {n.rsplit("/", 1)[0] for n in sharded if n.startswith("opt/")} == {"opt/exp_avg", "opt/exp_avg_sq"}
         reads = {file for _, file, name, _, _ in log if name in sharded}  # "leaf" fields (AdamW's step): rank 0's
         assert reads == {f"__{r}_0.distcp"}, log
+
+
+def test_cli_names_a_missing_dcp_metadata(saved_root, tmp_path, capsys):
+    """Offline, without a process group: `fzero inspect` / `fzero export` of a checkpoint whose
+    DCP `.metadata` is gone exit with status 2 and name the file; `export` refuses a format-1
+    (pre-DCP) manifest with the format named."""
+    import json
+    import shutil
+
+    from fzero._src.cli import main
+
+    path = str(tmp_path / "step-1")
+    shutil.copytree(saved_root, path)
+    os.remove(os.path.join(path, ".metadata"))
+    assert main(["inspect", path]) == 2 and ".metadata" in capsys.readouterr().err
+    assert main(["export", path, str(tmp_path / "x.safetensors")]) == 2
+    assert ".metadata" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+    manifest = json.loads((tmp_path / "step-1" / "manifest.json").read_text())
+    (tmp_path / "step-1" / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(ck.CheckpointError, match="format 1"):
+        ck.export(path)

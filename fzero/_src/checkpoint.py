@@ -570,6 +570,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{name!r} is not a readable manifest: {e}") from None
     keys = ("format", "step", "stage", "world_size", "leaves", "optimizer", "files")
+    if isinstance(manifest, dict) and manifest.get("format") == 1:
+        raise CheckpointError(f"{name!r} is of format 1 (per-rank torch.save files, before fzero checkpoints went "
+                              f"through torch.distributed.checkpoint); this fzero reads format {FORMAT}: load it "
+                              f"with the fzero that wrote it and save it again")
     if not isinstance(manifest, dict) or any(k not in manifest for k in keys) or manifest["format"] != FORMAT:
         raise CheckpointError(f"{name!r} is not a format-{FORMAT} fzero manifest (needs the keys {keys})")
     return manifest
