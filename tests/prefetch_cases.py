@@ -54,11 +54,12 @@ class Tiny(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def model(d: int, hidden: tuple[int, ...], vocab: int = 11, dropout: float = 0.0, seed: int = 0):
-    """`(params, apply, info)` of a `Tiny` with one unit per block (the rest: unit "default")."""
+def model(d: int, hidden: tuple[int, ...], vocab: int = 11, dropout: float = 0.0, seed: int = 0, remat=False):
+    """`(params, apply, info)` of a `Tiny` with one unit per block (the rest: unit "default"),
+    checkpointing the units `remat` names (`from_module(..., remat=)`)."""
     torch.manual_seed(seed)
     m = Tiny(vocab, d, tuple(hidden), dropout=dropout)
-    return fzero.from_module(m, units=fzero.units_by_prefix(m, "blocks"))
+    return fzero.from_module(m, units=fzero.units_by_prefix(m, "blocks"), remat=remat)
 
 
 def batch(r: int, vocab: int = 11, b: int = 2, t: int = 5):
@@ -67,13 +68,21 @@ def batch(r: int, vocab: int = 11, b: int = 2, t: int = 5):
     return idx[:, :-1], idx[:, 1:]
 
 
-def train(mesh, stage: int, d: int, hidden: tuple[int, ...], steps: int = 2, order=None, **settings):
-    """Train a `Tiny` `steps` AdamW steps on this rank's batches: `(gathered params, [loss])`."""
-    params, apply, info = model(d, hidden)
+def train(mesh, stage: int, d: int, hidden: tuple[int, ...], steps: int = 2, order=None, *, dropout: float = 0.0,
+          remat=False, note=None, **settings):
+    """Train a `Tiny` `steps` AdamW steps on this rank's batches: `(gathered params, [loss])`.
+    `note(when)` (if given) is called with "start" when the loss starts and with "end" once it
+    is computed, before backward."""
+    params, apply, info = model(d, hidden, dropout=dropout, remat=remat)
 
     def loss(p, b):
+        if note is not None:
+            note("start")
         logits = apply(p, b[0], order)
-        return F.cross_entropy(logits.flatten(0, 1), b[1].flatten())
+        out = F.cross_entropy(logits.flatten(0, 1), b[1].flatten())
+        if note is not None:
+            note("end")
+        return out
 
     state = fzero.init(params, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=info.units)
     step = fzero.train_step(loss, **settings)
