@@ -141,3 +141,32 @@ def test_remat_rejects_what_it_cannot_checkpoint():
 
     with pytest.raises(fzero.ConfigError, match=r"unit 'outer' \(submodule 'blocks.0'\) holds the home of unit"):
         fzero.from_module(m, units=units, remat={"outer"})
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_remat_recomputes_under_the_forwards_autocast(engine):
+    """The loss runs under CPU bf16 autocast; backward runs outside it, so the recompute must
+    re-enter it (as `torch.utils.checkpoint` does) to compute the same bf16 matmuls: stage 3
+    with every block checkpointed equals stage 0 without, bit for bit. Non-vacuous: autocast
+    changes the loss (the bf16 run differs from the fp32 one)."""
+    n, d, hidden = 2, 8, (8, 12)
+
+    def run(stage, remat, autocast=True):
+        mesh = fzero.SimMesh(n)
+        params, apply, info = cases.model(d, hidden, remat=remat)
+
+        def loss(p, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = apply(p, b[0])
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
+
+        def rank_fn():
+            state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            state, m = fzero.train_step(loss, engine=engine)(state, cases.batch(mesh.rank))
+            return fzero.gather(state), [m.loss]
+
+        return mesh.run(rank_fn)
+
+    want = run(0, False)
+    _equal(want, run(3, True))
+    assert not torch.equal(want[0][1][0], run(0, False, autocast=False)[0][1][0])

@@ -10,8 +10,9 @@ unit's submodule, with its parameters bound) through one autograd Function, `_Re
 - in backward unpacks them (in stage 3: one re-gather of the unit, which then serves both the
   recompute and the unit's own backward), puts back the random-number state the forward
   started from (CPU generator, and the CUDA generator of every CUDA device among the inputs),
-  recomputes `forward` and takes its vector-Jacobian product with `torch.func.vjp`, and
-  restores the generators it found.
+  recomputes `forward` under the autocast settings of the forward (as `torch.utils.checkpoint`
+  does: backward runs outside the loss's `torch.autocast` block) and takes its vector-Jacobian
+  product with `torch.func.vjp`, and restores the generators it found.
 
 The recompute runs the same ops on the same values with the same random numbers, so its
 outputs, and the vjp's gradients, are the bits of the run without checkpointing
@@ -24,6 +25,7 @@ output a pytree of tensors (what `forward` returns), each output of `_Remat` one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -51,6 +53,28 @@ class RngState(NamedTuple):
 
 
 @dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+    """The autocast settings a forward runs under: per device type (CPU, and CUDA where an input
+    is on CUDA) whether autocast is on and its dtype, and whether its cast cache is on."""
+
+    devices: tuple[tuple[str, bool, torch.dtype], ...]
+    cache: bool
+
+    @staticmethod
+    def now(tensors: list[torch.Tensor]) -> "Autocast":
+        types = ["cpu"] + (["cuda"] if any(t.device.type == "cuda" for t in tensors) else [])
+        return Autocast(tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in types),
+                        torch.is_autocast_cache_enabled())
+
+    def context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for device, enabled, dtype in self.devices:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=self.cache))
+        return stack
+
+
+@dataclasses.dataclass(eq=False)
 class _Plan:
     """The static half of one checkpointed call: how to rebuild `(params, args, kwargs)` from
     the Function's tensor inputs, and the output's structure (set by the forward). Not a pytree
@@ -61,6 +85,7 @@ class _Plan:
     spec: Any  # the treespec of (args, kwargs) with tensors taken out
     consts: tuple[Any, ...]  # its non-tensor leaves, by position (None where a tensor goes)
     rng: RngState
+    autocast: Autocast
     out: list  # [output treespec], filled by the forward
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -89,7 +114,7 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
     names = tuple(params)
     inputs = [*(params[n] for n in names), *tensors]
-    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), [])
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [])
     outs = _Remat.apply(plan, *inputs)
     return tree_unflatten(list(outs), plan.out[0])
 
@@ -113,7 +138,7 @@ class _Remat(torch.autograd.Function):
         plan.rng.put()
         try:
             detached = tuple(t.detach() for t in tensors)
-            with torch.enable_grad():
+            with torch.enable_grad(), plan.autocast.context():
                 _, vjp = torch.func.vjp(lambda *ts: plan.call(ts), *detached)
                 got = vjp(tuple(grads))
         finally:
