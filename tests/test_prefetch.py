@@ -194,3 +194,18 @@ def test_evaluate_with_prefetch_returns_the_same_bits_within_the_same_bound(k):
     (want, _), (got, peak) = run(0), run(k)
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert n * (root + min(1 + k, len(hidden)) * block) <= peak <= n * (root + (1 + k) * block) + block, peak
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("orders", [((0, 1, 2), (0, 2, 1)), ((0, 1, 2), (0, 2))], ids=["reorder", "skip"])
+def test_ranks_that_take_different_paths_still_stop_with_divergent_paths(orders, k):
+    """Prefetch follows the layout's order on every rank, so the gathers of ranks whose forwards
+    read blocks in different orders may still match; their backward reduces the units in
+    another order, and every rank stops with `DivergentPaths`, never a hang or a silent step."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        return cases.train(mesh, 3, 8, (8, 8, 8), steps=1, order=orders[mesh.rank], prefetch=k)
+
+    with pytest.raises(fzero.DivergentPaths, match="ranks took different paths"):
+        mesh.run(rank_fn)

@@ -332,11 +332,10 @@ class Gathering:
         """`fn(params, batch)` with the params in this step's mode, as it returns (no anchors:
         `fzero.evaluate` runs no backward)."""
         params, context = self._params()
-        try:
-            with context:
-                return fn(params, batch)
-        finally:
-            self.drain()
+        with context:
+            out = fn(params, batch)
+        self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
+        return out
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
