@@ -34,7 +34,7 @@ def _stage_0(n, d, hidden, dropout):
     return _run(n, 0, d, hidden, dropout=dropout)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("dropout", [0.3])
 @pytest.mark.parametrize("engine", ["autograd", "func"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_remat_in_every_stage_equals_stage_0_without_it(stage, engine, dropout):
