@@ -90,17 +90,35 @@ def _gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
 
 def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` in the reduce dtype (DDP multiplies by
-    fl(1/N), then sums)."""
+    fl(1/N), then sums).
+
+    At N = 1 this is `g.to(reduce)` with no collective and no multiply: fl(1/1) = 1 and
+    `x * 1.0 == x` for every float x (signed zeros included), and a sum over one rank is its one
+    term (`Mesh.solo`: recorded, not moved). The result may then be `grad` itself: every caller passes a fresh gradient buffer that
+    nothing else holds (the unit's assembled `flat[N * S]`, or the step's sum of micro-batches).
+    """
+    if mesh.world_size == 1:
+        return mesh.solo("reduce_scatter", grad.to(wire.reduce), tag=wire.tag)
     return reduce_scatter(grad.to(wire.reduce) * (1.0 / mesh.world_size), mesh, tag=wire.tag)
 
 
 def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
-    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0;
+    at N = 1 `reduce_grad` alone, the all-gather of one shard being that shard)."""
+    if mesh.world_size == 1:
+        return mesh.solo("all_gather", reduce_grad(mesh, wire, grad), tag=wire.tag)
     return all_gather(reduce_grad(mesh, wire, grad), mesh, tag=wire.tag)
 
 
 def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
-    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`."""
+    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`.
+
+    At N = 1 the shard is the whole buffer and nothing is moved (`Mesh.solo`): the result is `shard` itself
+    where no cast is needed. That aliasing is safe: stages 1-2 hold that buffer as their params,
+    and where they keep a separate master the cast makes a fresh tensor (compute != master dtype).
+    """
+    if mesh.world_size == 1:
+        return mesh.solo("all_gather", shard.to(wire.compute), tag=wire.tag)
     return all_gather(shard.to(wire.compute), mesh, tag=wire.tag)
 
 
@@ -109,6 +127,8 @@ _AG_PARAM_AGAIN = Move("all_gather", "params", "regather")
 _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 
 ENTER_FULL = Piece(_identity)
+# stage 3's gather copies at N = 1 too (`_gather` has no `solo` form): the step releases gathered
+# storage (resize to 0) after use, which must never reach the held shard.
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
 LEAVE_LOCAL = Piece(_identity)
 LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,))
