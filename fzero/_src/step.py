@@ -437,15 +437,15 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count]` from every rank.
 
     `‖g_shard‖²` sums the squares of the rank's shard of the *reduced* gradient in float64
-    (stage 0 takes its rank's shard of the full buffer, so every stage sums the same numbers in
-    the same order); ranks' parts and losses are then summed in rank order.
+    (`sum_of_squares`; stage 0 takes its rank's shard of the full buffer, so every stage sums the
+    same numbers in the same order); ranks' parts and losses are then summed in rank order. At
+    N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite `‖g‖²` then
+    names the buckets from the reduced gradient, which is the local one.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
-    sq = torch.zeros((), dtype=torch.float64, device=dev)
-    for b, g in reduced.items():
-        sq = sq + stage.grad_shard(layout, b, g, rank).to(torch.float64).square().sum().to(dev)
+    sq = sum_of_squares([stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()], dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
@@ -455,12 +455,53 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     sqs, counts = rows[:, -2], rows[:, -1]
     bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
                  for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
+    if n == 1 and not math.isfinite(sqs[0].item()):  # the rare path of the skipped local check (unit.py)
+        bad_ranks[0] = _nonfinite_buckets(state, reduced)
     total_loss, total_sq, total_count = 0.0, 0.0, 0.0
     for r in range(n):  # rank order
         total_loss += losses[r].item()
         total_sq += sqs[r].item()
         total_count += counts[r].item()
     return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss, total_sq, total_count)
+
+
+SQ_CHUNK = 1 << 22  # elements per float64 chunk of `sum_of_squares`: a 32 MiB scratch buffer
+
+
+def sum_of_squares(shards: list[torch.Tensor], device: torch.device, chunk: int = SQ_CHUNK) -> torch.Tensor:
+    """`Σ_k s_k` in float64 (0-d, on `device`), `s_k = Σ_i x_i²` over chunk k of at most `chunk`
+    elements: each shard `[S]` is cut into chunks from its start, in shard order.
+
+    Each chunk is copied into one reused float64 scratch buffer, squared there and summed into
+    `parts[k]`; then `parts` is summed. So no float64 copy of a whole shard exists (the transient
+    is `8 * min(chunk, max S)` bytes, not `16 * S`), and the order of additions depends only on
+    the shards' lengths and values: every stage sums the same shard the same way (stage 0 reads its
+    rank's slice of the full buffer; the copy into the scratch makes where the slice sits in
+    memory irrelevant). A float32, bfloat16 or float16 value squares exactly in float64, so the
+    only roundings are the float64 additions; NaN and inf survive them (squares are >= 0: no
+    inf - inf), so `‖g‖²` is non-finite iff some element is.
+    """
+    counts = [-(-x.numel() // chunk) for x in shards]
+    parts = torch.zeros(sum(counts), dtype=torch.float64, device=device)
+    widest = max((min(x.numel(), chunk) for x in shards), default=0)
+    scratch = torch.empty(widest, dtype=torch.float64, device=device)
+    k = 0
+    for x in shards:
+        flat = x.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start : start + chunk]
+            buf = scratch[: piece.numel()]
+            buf.copy_(piece)
+            buf.square_()
+            torch.sum(buf, dim=0, out=parts[k])
+            k += 1
+    return parts.sum()
+
+
+def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> list[str]:
+    """At N = 1: the tags of the buckets whose reduced gradient -- there the local gradient, summed
+    over micro-batches -- holds a NaN or inf (one check per bucket, only on a non-finite step)."""
+    return [state.layout.buckets[b].tag for b, g in reduced.items() if not bool(torch.isfinite(g).all())]
 
 
 # -- 4. update ---------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class _Unit(torch.autograd.Function):
                 bad.append(torch.zeros((), device=device))
                 continue
             flat = _assemble(bucket, gs, bucket.wire.compute, device)
-            bad.append(_nonfinite(flat).float())
+            bad.append(_nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             result.append(program.stage.leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
         after = ctx.after() if ctx.after is not None else None
@@ -168,18 +168,30 @@ class _Unit(torch.autograd.Function):
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`."""
-    parts, end = [], 0
+    """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
+
+    One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
+    buffer (cast to `dtype` on the way), and only what no gradient covers -- unused leaves and
+    the padding -- is zero-filled, in one fill per gap."""
+    flat = torch.empty(bucket.size, dtype=dtype, device=device)
+    end = 0  # the end of the last slice written
     for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
+        if g is None:
+            continue
         n = math.prod(s)
-        parts.append(g.reshape(-1) if g is not None else torch.zeros(n, dtype=dtype, device=device))
+        if o > end:
+            flat[end:o].zero_()
+        flat[o : o + n].view(s).copy_(g)
         end = o + n
-    parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
-    return torch.cat(parts)
+    if bucket.size > end:
+        flat[end:].zero_()
+    return flat
 
 
 def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
-    """0-d bool: does `flat` hold a NaN or inf? For 16/32-bit floats, one float64 sum with no
+    """0-d bool: does `flat` hold a NaN or inf? Only at N > 1, where it names the rank whose local
+    gradient was bad: at N = 1 the reduced gradient is the local one, and the step's float64
+    `‖g‖²` finds it (`step.agree` names the buckets on that rare path). For 16/32-bit floats, one float64 sum with no
     temporary: a sum of finite float32 values cannot overflow float64, and NaN or inf survive it."""
     if flat.dtype == torch.float64:
         return ~torch.isfinite(flat).all()
