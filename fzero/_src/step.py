@@ -419,14 +419,18 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
 
 def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor]:
     """Per trainable bucket, the reduced gradient the optimizer reads (`Stage.after_backward`);
-    a bucket no gradient reached on this rank contributes zeros, as every rank must reduce."""
+    a bucket no gradient reached on this rank contributes zeros, as every rank must reduce.
+    Every bucket's collectives are started before the first is waited for (`Stage` pieces'
+    `start`): on DistMesh they run concurrently; the calls and their order per bucket are those of
+    the blocking form, so the bits are too."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    out = {}
-    for b, g in grads.items():
+    flights = {}
+    for b, g in grads.items():  # every bucket's reduction in flight before any is waited for
         if g is None:
             g = torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
-        out[b] = stage.after_backward.run(mesh, state.precision.wire(layout.buckets[b]), g)
-    return out
+        flights[b] = stage.after_backward.start(mesh, state.precision.wire(layout.buckets[b]), g)
+    flights = {b: f.advance() for b, f in flights.items()}  # stage 0: each all-gather as its reduce-scatter ends
+    return {b: f.wait() for b, f in flights.items()}
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -512,7 +516,11 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or
     `(state, leaves)` -- the input state and the leaves the update would have made NaN or inf,
     agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently.
-    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`)."""
+    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`).
+
+    Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
+    update is done, so it runs while the next bucket is updated; all are waited for after the
+    finite check (and discarded if it fails). Nothing writes an updated shard before its wait."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -520,6 +528,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
+    flights = {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
@@ -531,10 +540,13 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
         else:
             updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
-    if _any_nonfinite(state, updated):
+        flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
+    broken = _any_nonfinite(state, updated)
+    gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     for b, p_new in updated.items():
-        new_params[b] = stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p_new)
+        new_params[b] = gathered[b]
         if state.master[b] is not None:
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
