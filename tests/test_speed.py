@@ -147,3 +147,50 @@ def test_one_rank_nonfinite_gradient_names_the_bucket(stage):
     match = r"rank\(s\) \[0\] \(rank 0: non-finite local gradient in bucket\(s\) \['a/float32/default'\]\)"
     with pytest.raises(fzero.NonFiniteError, match=match):
         mesh.run(rank_fn)
+
+
+# -- bucket_bytes: a unit's leaves cut into consecutive buckets ------------------------------------
+
+
+@examples(30)
+@given(shapes=st.lists(st.sampled_from([(), (0,), (3,), (2, 5), (17,)]), min_size=1, max_size=8),
+       cap=st.integers(1, 100), n=st.integers(1, 3))
+def test_bucket_bytes_cuts_each_unit_into_consecutive_buckets_of_at_most_cap(shapes, cap, n):
+    params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+    whole, cut = plan(params, n), plan(params, n, bucket_bytes=cap)
+    assert [ls.path for ls in cut.leaves] == [ls.path for ls in whole.leaves]
+    assert [i for b in cut.buckets for i in b.leaves] == [i for b in whole.buckets for i in b.leaves]
+    for b in cut.buckets:
+        assert b.numel * 4 <= cap or len(b.leaves) == 1  # whole leaves; a larger leaf alone
+        assert [cut.leaves[i].offset for i in b.leaves] == [sum(cut.leaves[j].numel for j in b.leaves[:k])
+                                                            for k in range(len(b.leaves))]
+    for a, b in zip(cut.buckets, cut.buckets[1:]):  # greedy: the next leaf did not fit
+        assert a.numel * 4 + cut.leaves[b.leaves[0]].numel * 4 > cap
+    assert len({b.tag for b in cut.buckets}) == len(cut.buckets)
+
+
+def test_bucket_bytes_rejects_a_bad_cap():
+    with pytest.raises(fzero.LayoutError, match="bucket_bytes must be None or an int >= 1"):
+        plan({"a": torch.zeros(3)}, 1, bucket_bytes=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bucket_bytes_changes_no_bit_of_the_params(stage):
+    """Reductions and the optimizer are element-wise, so where the buffers are cut cannot change
+    an element: two steps at N = 2 with buckets of at most 24 bytes equal those of one bucket per
+    unit, bit for bit (the norm's float64 additions follow the shards, so it is not compared)."""
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.linspace(-1, 1, 7), "w": torch.linspace(0, 2, 6).reshape(2, 3), "c": torch.ones(5)}
+
+    def run(cap):
+        def rank_fn(x):
+            state = fzero.init(params, optim.adamw(0.1), stage=stage, mesh=mesh, bucket_bytes=cap)
+            step = fzero.train_step(lambda p, x: (p["a"].sum() * x + (p["w"] * x).square().sum() + p["c"].prod()) ** 2)
+            for _ in range(2):
+                state, _ = step(state, x)
+            return fzero.gather(state)
+        return mesh.run(rank_fn, [(torch.tensor(0.5),), (torch.tensor(-1.5),)])
+
+    whole, cut = run(None), run(24)
+    for p0, p1 in zip(whole, cut):  # Adam's moments enter the second step's params
+        assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p0), optree.tree_leaves(p1)))
