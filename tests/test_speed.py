@@ -194,3 +194,28 @@ def test_bucket_bytes_changes_no_bit_of_the_params(stage):
     whole, cut = run(None), run(24)
     for p0, p1 in zip(whole, cut):  # Adam's moments enter the second step's params
         assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p0), optree.tree_leaves(p1)))
+
+
+def test_inflight_keeps_at_most_depth_reductions_open():
+    """Each open flight holds a unit's scaled gradient: adding one past `depth` waits the oldest
+    first (stage 2's peak stays a few units' gradients), and `wait` closes the rest in order."""
+    from fzero._src.mesh import Pending
+    from fzero._src.stages import Flight
+    from fzero._src.unit import Inflight
+
+    waited = []
+
+    class Seen(Pending):
+        def __init__(self, k):
+            super().__init__(torch.full((2,), float(k)))
+            self.k = k
+
+        def wait(self):
+            waited.append(self.k)
+            return super().wait()
+
+    inflight = Inflight(depth=2)
+    outs = [inflight.add(Flight(Seen(k))) for k in range(4)]
+    assert waited == [0, 1] and [float(o[0]) for o in outs] == [0, 1, 2, 3]
+    inflight.wait()
+    assert waited == [0, 1, 2, 3]

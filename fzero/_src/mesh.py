@@ -206,6 +206,11 @@ class Pending:
         self._out, self._work, self._keep, self._lost = out, work, keep, lost
 
     @property
+    def result(self) -> torch.Tensor:
+        """The tensor `wait()` returns, without waiting: pass it on, but read it only after `wait()`."""
+        return self._out
+
+    @property
     def done(self) -> bool:
         """Whether `wait()` has returned (or the collective completed when started)."""
         return self._work is None

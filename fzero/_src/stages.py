@@ -182,7 +182,7 @@ ENTER_FULL = Piece(_identity)
 # storage (resize to 0) after use, which must never reach the held shard.
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
 LEAVE_LOCAL = Piece(_identity)
-LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,))
+LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,), start=lambda mesh, wire, g: _start_reduce(mesh, wire, g))
 AFTER_NONE = _started(_start_identity)
 AFTER_REDUCE = _started(_start_reduce, (_RS_GRAD,))
 AFTER_REDUCE_GATHER = _started(_start_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))

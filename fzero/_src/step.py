@@ -5,14 +5,19 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
 1. `backward`: each unit's leaves come out of the per-unit Function (gathered where the stage
    shards params), `loss_fn(params, batch)` gives this rank's mean loss, and its gradient is
    taken (`torch.autograd.grad`, or `torch.func.grad_and_value` with `engine="func"`); stages
-   that shard gradients reduce-scatter each unit inside its backward. The units' probes report
+   that shard gradients reduce-scatter each unit inside its backward (with the autograd engine
+   started there and waited for when the backward is done, `unit.Inflight`). The units' probes report
    which leaves got a gradient and which local gradients were non-finite;
-2. `reduce`: the stage's `after_backward` per bucket; the reduced gradient is `Σ_r fl(1/N) g_r`;
+2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
+   any is waited for; the reduced gradient is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
-   `finish` (stages 1-2: all-gather the new params).
+   `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
+
+At N = 1 nothing is moved: reductions and gathers of gradients and updated params are recorded
+and return their input (`Mesh.solo`), except stage 3's gathers, which copy.
 
 The input state is never modified. The new state's updated tensors are fresh; what a step does
 not touch (frozen buckets' params) is shared with the input state, as in JAX: treat states as
@@ -33,7 +38,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
-from .unit import Probe, unit_programs
+from .unit import Inflight, Probe, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -331,7 +336,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode))`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    programs = unit_programs(layout, mesh, stage, state.precision)
+    inflight = Inflight() if config.engine == "autograd" else None  # func: every reduction waited in place
+    programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
@@ -361,6 +367,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             train, probes)
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
+        inflight.wait()  # the reductions the units' backward started: done before any gradient is read
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count
 
 
