@@ -219,3 +219,16 @@ def test_inflight_keeps_at_most_depth_reductions_open():
     assert waited == [0, 1] and [float(o[0]) for o in outs] == [0, 1, 2, 3]
     inflight.wait()
     assert waited == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_float64_sum_is_finite_iff_every_element_is(bad):
+    """The finite checks (a unit's local gradient at N > 1, the updated params) sum in float64 per
+    chunk: finite float32 values near the largest float32 do not overflow it, a NaN or inf does."""
+    from fzero._src.unit import float64_sum
+
+    x = torch.full((10,), torch.finfo(torch.float32).max)
+    if bad is not None:
+        x[6] = bad
+    assert bool(torch.isfinite(float64_sum(x, chunk=3))) == (bad is None)
+    assert bool(torch.isfinite(float64_sum(x, chunk=3))) == bool(torch.isfinite(float64_sum(x)))

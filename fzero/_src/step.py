@@ -38,7 +38,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
-from .unit import Inflight, Probe, unit_programs
+from .unit import Inflight, Probe, float64_sum, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -568,7 +568,7 @@ def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
     mesh = state.mesh
     flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
     for p in updated.values():
-        flag = torch.maximum(flag, (~torch.isfinite(p.sum(dtype=torch.float64))).to(flag))
+        flag = torch.maximum(flag, (~torch.isfinite(float64_sum(p))).to(flag))
     return bool(all_reduce(flag.reshape(1), mesh, "max", tag="fzero.step/update").item() > 0)
 
 

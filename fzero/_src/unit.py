@@ -231,8 +231,22 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
 def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
     """0-d bool: does `flat` hold a NaN or inf? Only at N > 1, where it names the rank whose local
     gradient was bad: at N = 1 the reduced gradient is the local one, and the step's float64
-    `‖g‖²` finds it (`step.agree` names the buckets on that rare path). For 16/32-bit floats, one float64 sum with no
-    temporary: a sum of finite float32 values cannot overflow float64, and NaN or inf survive it."""
+    `‖g‖²` finds it (`step.agree` names the buckets on that rare path)."""
     if flat.dtype == torch.float64:
         return ~torch.isfinite(flat).all()
-    return ~torch.isfinite(flat.sum(dtype=torch.float64))
+    return ~torch.isfinite(float64_sum(flat))
+
+
+SUM_CHUNK = 1 << 22  # elements per chunk of `float64_sum`
+
+
+def float64_sum(x: torch.Tensor, chunk: int = SUM_CHUNK) -> torch.Tensor:
+    """0-d float64 `Σ_i x_i` of a 16/32-bit float tensor, summed per chunk of `chunk` elements,
+    then over chunks: a NaN or inf survives it, and a sum of finite float32 values cannot
+    overflow float64 (at most 2^128 · numel), so it is finite iff every element is. Chunked
+    because on the CPU `sum(dtype=float64)` first makes a float64 copy of its whole input: the
+    transient is one chunk's (32 MiB), not `8 * numel` bytes."""
+    flat = x.reshape(-1)
+    if flat.numel() <= chunk:
+        return flat.sum(dtype=torch.float64)
+    return torch.stack([flat[i : i + chunk].sum(dtype=torch.float64) for i in range(0, flat.numel(), chunk)]).sum()
