@@ -107,7 +107,8 @@ def main() -> None:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
-            + ("" if a.precision == "autocast" else f"-{a.precision}"), "world": world, "params_M": round(nparams / 1e6, 1),
+            + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else ""),
+            "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),
