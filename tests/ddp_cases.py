@@ -347,15 +347,17 @@ def clipping_against_ddp(mesh, stage: int, max_norm: float, lr: float, batch) ->
     gamma = lambda k: k * u / (1 - k * u)  # noqa: E731
     n_max, leaves = max(g.numel() for g in grads.values()), len(grads)
     eps_torch = gamma(n_max) + gamma(leaves) + 2 * u  # fp32 per-tensor norms, then the norm of the norms
+    s_max = max(b.padded_numel for b in state.layout.buckets) // mesh.world_size
+    eps_fzero = gamma(s_max + 1) + 2 * u  # fp32 norm per shard (proofs/stages.md §3), float64 over shards
     coef = min(1.0, max_norm / (float(m.grad_norm) + 1e-6))
     ratios = {}
     for n, g in grads.items():
         ulp = torch.finfo(torch.float32).eps * ref[n].double().abs()  # one rounding of p - lr·g'
-        bound = lr * g.double().abs() * coef * (eps_torch + 5 * u) + ulp
+        bound = lr * g.double().abs() * coef * (eps_torch + eps_fzero + 5 * u) + ulp
         diff = (ref[n].double() - got[n].double()).abs()
         ratios[n] = float((diff / bound.clamp_min(1e-300)).max())
     return {"ratios": ratios, "norm_fzero": float(m.grad_norm), "norm_torch": float(total), "active": coef < 1,
-            "eps_torch": eps_torch}
+            "eps_torch": eps_torch, "eps_fzero": eps_fzero}
 
 
 # --- bf16: fzero's Precision(bf16, bf16) against DDP on a bf16 copy of the model ------------------

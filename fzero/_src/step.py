@@ -38,7 +38,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
-from .unit import Inflight, Probe, float64_sum, unit_programs
+from .unit import Inflight, Probe, nonfinite, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -52,8 +52,9 @@ class Metrics(NamedTuple):
 
     Attributes:
       loss: float64 0-d, the mean over ranks of each rank's loss (summed in rank order, / N).
-      grad_norm: float64 0-d, `‖Σ_r fl(1/N) g_r‖₂` over all trainable leaves (squares summed per
-        shard in float64, then over ranks in rank order; the same bits in every stage).
+      grad_norm: float64 0-d, `‖Σ_r fl(1/N) g_r‖₂` over all trainable leaves: a float32 norm per
+        bucket shard, their squares summed in float64, over ranks in rank order (the same bits
+        in every stage; relative error at most γ_{S+1} + 2u, proofs/stages.md §3).
       step: the index of this update (0 for the first): the input state's step count.
       skipped: True if the step was non-finite and left the state as it was (`on_nonfinite="skip"`,
         or an overflow under a loss scaler, which then only updates the scaler's state).
@@ -185,7 +186,7 @@ def train_step(
         all micro-batches and ranks, agreed in the step's one agreement collective).
       clip_norm: None, or clip by the global 2-norm with `torch.nn.utils.clip_grad_norm_`'s
         coefficient `min(1, clip_norm / (norm + 1e-6))`; the norm is `Metrics.grad_norm`
-        (before clipping), computed from shards in float64 the same way in every stage.
+        (before clipping), computed from shards the same way in every stage.
       donate: the step may consume its input state (JAX's `donate_argnums`): the optimizer
         updates the state's params and optimizer state in place (`Optimizer.update_`), so a step
         does not hold a second copy of them; the same bits as the pure step. The input state is
@@ -454,16 +455,20 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
           count: torch.Tensor) -> Verdict:
     """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count]` from every rank.
 
-    `‖g_shard‖²` sums the squares of the rank's shard of the *reduced* gradient in float64
-    (`sum_of_squares`; stage 0 takes its rank's shard of the full buffer, so every stage sums the
-    same numbers in the same order); ranks' parts and losses are then summed in rank order. At
-    N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite `‖g‖²` then
-    names the buckets from the reduced gradient, which is the local one.
+    `‖g_shard‖²` is `sum_of_squares` of the rank's shard of the *reduced* gradient (stage 0
+    takes its rank's shard of the full buffer, so every stage computes it from the same tensor
+    values); ranks' parts and losses are then summed in rank order. Where some rank's part is not
+    finite -- a NaN or inf, or a float32 norm that overflowed -- every rank (all see the same rows)
+    recomputes its part exactly in float64 (`exact_sum_of_squares`) and the parts are gathered
+    again: the rare path decides finiteness exactly. At N = 1 the units skip their local
+    non-finite check (`bad` is 0): a non-finite `‖g‖²` then names the buckets from the reduced
+    gradient, which is the local one.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
-    sq = sum_of_squares([stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()], dev)
+    shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
+    sq = sum_of_squares(shards, dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
@@ -471,6 +476,9 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 3).cpu()
     losses, used_rows, bad_rows = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb]
     sqs, counts = rows[:, -2], rows[:, -1]
+    if not bool(torch.isfinite(sqs).all()):  # the rare path: decide exactly
+        exact = exact_sum_of_squares(shards, dev).reshape(1)
+        sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").cpu()
     bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
                  for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
     if n == 1 and not math.isfinite(sqs[0].item()):  # the rare path of the skipped local check (unit.py)
@@ -483,12 +491,33 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss, total_sq, total_count)
 
 
-SQ_CHUNK = 1 << 22  # elements per float64 chunk of `sum_of_squares`: a 32 MiB scratch buffer
+def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`Σ_k ν_k²` in float64 (0-d, on `device`), `ν_k = ‖x_k‖₂` of shard k by one
+    `torch.linalg.vector_norm` (a single read, no transient; accumulated in float32, or float64 for
+    float64 shards; 16-bit shards are widened to float32 first), added in shard order. `ν_k²` is
+    exact in float64. The value depends only on the shard's values and length: the kernel's
+    order of additions does not depend on where the shard sits in memory (a slice of stage 0's
+    full buffer or a tensor of its own: `tests/test_speed.py`), so every stage gets the same bits.
+    Relative error against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the shard's
+    length: S squares and additions in any order, one square root and its rounding to float32),
+    the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and inf
+    propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves exactly.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x in shards:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        nu = torch.linalg.vector_norm(x.reshape(-1), 2, dtype=None if x.dtype == acc else acc)
+        total = total + nu.to(device=device, dtype=torch.float64).square()
+    return total
 
 
-def sum_of_squares(shards: list[torch.Tensor], device: torch.device, chunk: int = SQ_CHUNK) -> torch.Tensor:
-    """`Σ_k s_k` in float64 (0-d, on `device`), `s_k = Σ_i x_i²` over chunk k of at most `chunk`
-    elements: each shard `[S]` is cut into chunks from its start, in shard order.
+SQ_CHUNK = 1 << 22  # elements per float64 chunk of `exact_sum_of_squares`: a 32 MiB scratch buffer
+
+
+def exact_sum_of_squares(shards: list[torch.Tensor], device: torch.device, chunk: int = SQ_CHUNK) -> torch.Tensor:
+    """The rare path's `‖g‖²`: `Σ_k s_k` in float64 (0-d, on `device`), `s_k = Σ_i x_i²` over
+    chunk k of at most `chunk` elements: each shard `[S]` is cut into chunks from its start, in
+    shard order.
 
     Each chunk is copied into one reused float64 scratch buffer, squared there and summed into
     `parts[k]`; then `parts` is summed. So no float64 copy of a whole shard exists (the transient
@@ -575,7 +604,7 @@ def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
     mesh = state.mesh
     flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
     for p in updated.values():
-        flag = torch.maximum(flag, (~torch.isfinite(float64_sum(p))).to(flag))
+        flag = torch.maximum(flag, nonfinite(p).to(flag))
     return bool(all_reduce(flag.reshape(1), mesh, "max", tag="fzero.step/update").item() > 0)
 
 

@@ -194,7 +194,7 @@ class _Unit(torch.autograd.Function):
                 bad.append(torch.zeros((), device=device))
                 continue
             flat = _assemble(bucket, gs, bucket.wire.compute, device)
-            bad.append(_nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
+            bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
             else:
@@ -228,25 +228,13 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     return flat
 
 
-def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
-    """0-d bool: does `flat` hold a NaN or inf? Only at N > 1, where it names the rank whose local
-    gradient was bad: at N = 1 the reduced gradient is the local one, and the step's float64
-    `‖g‖²` finds it (`step.agree` names the buckets on that rare path)."""
-    if flat.dtype == torch.float64:
-        return ~torch.isfinite(flat).all()
-    return ~torch.isfinite(float64_sum(flat))
-
-
-SUM_CHUNK = 1 << 22  # elements per chunk of `float64_sum`
-
-
-def float64_sum(x: torch.Tensor, chunk: int = SUM_CHUNK) -> torch.Tensor:
-    """0-d float64 `Σ_i x_i` of a 16/32-bit float tensor, summed per chunk of `chunk` elements,
-    then over chunks: a NaN or inf survives it, and a sum of finite float32 values cannot
-    overflow float64 (at most 2^128 · numel), so it is finite iff every element is. Chunked
-    because on the CPU `sum(dtype=float64)` first makes a float64 copy of its whole input: the
-    transient is one chunk's (32 MiB), not `8 * numel` bytes."""
-    flat = x.reshape(-1)
-    if flat.numel() <= chunk:
-        return flat.sum(dtype=torch.float64)
-    return torch.stack([flat[i : i + chunk].sum(dtype=torch.float64) for i in range(0, flat.numel(), chunk)]).sum()
+def nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """0-d bool: does `x` hold a NaN or inf? One read of `x`, no transient, no rounding: its
+    minimum and maximum (`torch.aminmax`), which are NaN if any element is and ±inf if one is,
+    and which, unlike a sum, cannot overflow. At N = 1 the units skip it (the reduced gradient is
+    the local one, and the step's `‖g‖²` finds a NaN or inf; `step.agree` names the buckets on
+    that rare path)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
