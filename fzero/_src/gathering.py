@@ -402,6 +402,16 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(lambda t: t, unpack)
 
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if isinstance(exc[1], RuntimeError) and "saved tensor hooks" in str(exc[1]):
+            raise ConfigError(
+                "a torch.func transform (grad, vjp, jacrev, hessian, vmap(grad)) ran inside the loss of a stage-3 step "
+                "with engine='autograd', gather='on_use' and flat-dict params: that step frees each unit after its "
+                "forward and gathers it again in backward through saved-tensor hooks, which torch.func refuses. Use "
+                "engine='func' (units then stay gathered from their forward to their backward), or gather='eager' "
+                "(docs/func.md)") from exc[1]
+
 
 class LazyParams(Mapping):
     """The read-only mapping `{dotted path: leaf}` a loss gets when gathering on use: reading

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import all_gather, all_reduce, reduce_scatter
+from .collectives import all_gather, all_reduce, mean_of_ranks, reduce_scatter
 from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
@@ -94,6 +94,12 @@ def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     return reduce_scatter(grad.to(wire.reduce) * (1.0 / mesh.world_size), mesh, tag=wire.tag)
 
 
+def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """`reduce_grad` inside the unit's backward (the same bits); its fl(1/N) passes cotangents
+    unchanged, so derivatives of the gradient carry it once (`collectives.mean_of_ranks`)."""
+    return reduce_scatter(mean_of_ranks(grad.to(wire.reduce), mesh), mesh, tag=wire.tag)
+
+
 def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
     return all_gather(reduce_grad(mesh, wire, grad), mesh, tag=wire.tag)
@@ -111,7 +117,7 @@ _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 ENTER_FULL = Piece(_identity)
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
 LEAVE_LOCAL = Piece(_identity)
-LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,))
+LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,))
 AFTER_NONE = Piece(_identity)
 AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,))
 AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))

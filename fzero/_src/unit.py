@@ -18,6 +18,11 @@ What backward learns comes back as data, through autograd itself: the Function t
 gradient held a NaN or inf (`bad[B_u]`, float32 on the gradient's device: no host sync in
 backward). The step differentiates with respect to the probes too. Works under
 `torch.func.grad` / `grad_and_value` and plain `torch.autograd.grad`.
+
+Under other transforms (docs/func.md): `jvp` is the Function's forward on the tangents (the
+enter is linear: a cast, a gather, views), with a zero anchor; `vmap` runs the Function
+unbatched where no input is batched (a unit read inside a vmapped loss), and once per batch
+entry otherwise (a vmap over states), stacking the outputs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .collectives import check_forward_mode
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
@@ -133,6 +139,8 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         xs, fulls = tensors[:k], tensors[k : 2 * k]
+        if program.stage.enter.moves:
+            check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
         return (*gather_leaves(program, held), xs[0].new_zeros((), dtype=torch.float32))  # + the anchor
 
@@ -140,7 +148,38 @@ class _Unit(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.program, ctx.after, ctx.k = inputs[0], inputs[1], inputs[2]
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[3 : 3 + ctx.k]]
+        ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Tangents of the leaves: the forward on the tangents of what it read (the full buffer's
+        where one is read beside x; else x's, entered as x is), and a zero anchor."""
+        program, k = ctx.program, ctx.k
+        xs_t, fulls_t = tangents[3 : 3 + k], tangents[3 + k : 3 + 2 * k]
+        leaves: list[torch.Tensor] = []
+        for bucket, x_t, full_t, beside, (shape, dtype, device) in zip(program.buckets, xs_t, fulls_t, ctx.beside,
+                                                                      ctx.like):
+            if beside:  # stage 2: the unit reads the full buffer; x is its shard (or the master's)
+                t = full_t if full_t is not None else _gather_tangent(program, bucket, x_t, shape, dtype, device)
+                flat = t.to(bucket.wire.compute)
+            else:
+                t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
+                flat = program.stage.enter.run(program.mesh, bucket.wire, t.to(bucket.wire.compute))
+            leaves.extend(v.clone() for v in bucket.views(flat))
+        return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None
+             ) -> tuple:
+        dims = in_dims[3:]
+        if all(d is None for d in dims):
+            outs = _Unit.apply(program, after, k, *tensors)
+            return outs, (None,) * len(outs)
+        per = [_Unit.apply(program, after, k, *(t if d is None else t.select(d, i) for t, d in zip(tensors, dims)))
+               for i in range(info.batch_size)]
+        outs = tuple(torch.stack(parts) for parts in zip(*per))
+        return outs, (0,) * len(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
@@ -164,6 +203,13 @@ class _Unit(torch.autograd.Function):
         if after is not None:
             after(program.name)
         return (None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
+
+
+def _gather_tangent(program: UnitProgram, bucket: Bucket, x_t: torch.Tensor | None, shape: torch.Size,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Stage 2's tangent of the full buffer from its shard's: `AG(x_t)` (zeros without one)."""
+    t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
+    return program.mesh.collective("all_gather", t, tag=bucket.tag)
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
