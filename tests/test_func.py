@@ -205,3 +205,16 @@ def test_a_transform_under_the_autograd_engines_stage_3_release_is_a_clear_error
 
     with pytest.raises(fzero.ConfigError, match="saved-tensor hooks.*engine='func'"):
         mesh.run(rank_fn)
+
+
+def test_vmap_over_a_step_is_a_clear_error():
+    params, batches, _ = cases.data(2)
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(b):
+        state = cases.init(mesh, 3, params)
+        f = cases.step_of(state)
+        return torch.func.vmap(lambda x, y: f(state.params, (x, y))[0])(torch.stack([b[0]] * 2), torch.stack([b[1]] * 2))
+
+    with pytest.raises(fzero.ConfigError, match="vmap over a step.*vmap inside the loss"):
+        mesh.run(rank_fn, [(b,) for b in batches])

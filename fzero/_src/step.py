@@ -21,9 +21,10 @@ immutable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -204,10 +205,24 @@ def train_step(
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
-        with state.mesh.guard(), same_paths(state.layout):
+        with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
             return run_step(config, state, batch)
 
     return step
+
+
+@contextlib.contextmanager
+def _no_vmap_over_steps() -> Iterator[None]:
+    """torch's `.item()`-under-vmap error, as what it means for a step (docs/func.md)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "vmap" not in str(e) or ".item()" not in str(e):
+            raise
+        raise ConfigError("vmap over a step: the step decides on Python numbers that every rank agrees on (the "
+                          "loss, the gradient norm, whether to skip a non-finite step), which vmap cannot batch. "
+                          "vmap inside the loss instead (per-example gradients: examples/dp_sgd.py), or loop over "
+                          "states (docs/func.md)") from e
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
