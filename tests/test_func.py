@@ -218,3 +218,18 @@ def test_vmap_over_a_step_is_a_clear_error():
 
     with pytest.raises(fzero.ConfigError, match="vmap over a step.*vmap inside the loss"):
         mesh.run(rank_fn, [(b,) for b in batches])
+
+
+def test_a_transform_through_an_autograd_engine_step_is_refused():
+    """docs/func.md's last row: torch refuses the autograd engine's `requires_grad_` under a
+    transform (a loud error, never a silent wrong derivative); `engine="func"` is the way."""
+    params, batches, c = cases.data(1)
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = cases.init(mesh, 3, params)
+        f = cases.step_of(state, engine="autograd")
+        return torch.func.grad(lambda p: (f(p, batches[0])[0] * c).sum())(state.params)
+
+    with pytest.raises(RuntimeError, match="requires_grad_"):
+        mesh.run(rank_fn)
