@@ -233,3 +233,26 @@ def test_a_transform_through_an_autograd_engine_step_is_refused():
 
     with pytest.raises(RuntimeError, match="requires_grad_"):
         mesh.run(rank_fn)
+
+
+def test_a_grad_of_the_lazy_params_mapping_inside_the_loss_is_a_clear_error():
+    """`torch.func.grad(f)(params)` with the on-use mapping: grad flattens its argument inside its
+    own level, where a first gather would make that level's tensors the step's cached leaves
+    (torch then fails with an internal assert). fzero says so and names dict(params); vmap,
+    which flattens before its level, works (the per-example test above)."""
+    model = _exact_model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(2)
+
+    def loss_fn(p, x):
+        g = torch.func.grad(lambda w: apply(w, x).sum())(p)
+        return sum(v.sum() for v in g.values()) + apply(p, x).sum()
+
+    def rank_fn(p_first):
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        step = fzero.train_step((lambda p, x: loss_fn(dict(p), x)) if p_first else loss_fn, engine="func")
+        return step(state, torch.ones(2, 3, dtype=torch.float64))[1].loss
+
+    with pytest.raises(fzero.FzeroError, match=r"not gathered yet.*dict\(params\)"):
+        mesh.run(lambda: rank_fn(False))
+    assert all(torch.isfinite(l) for l in mesh.run(lambda: rank_fn(True)))
