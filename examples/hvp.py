@@ -64,7 +64,9 @@ def run_rank(mesh: fzero.Mesh, stage: int, args, forward: bool) -> dict:
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
     plain, loss = penalized(apply, args.lam)
     batch = batch_for(mesh.rank, args.dim)
-    init = lambda opt: fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)  # noqa: E731
+    def init(opt):
+        return fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+
     state = init(optim.sgd(0.1))
     trained = fzero.train_step(loss, engine="func")
     for _ in range(args.steps):  # 1. training through a double backward

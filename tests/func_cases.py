@@ -74,7 +74,8 @@ def collective_jvps(mesh, x, t, y, u):
     """`(jvp of each collective, the collective of the tangent)` for AG, RS, all_reduce, broadcast."""
     c = fzero.collectives
     ops = [lambda v: c.all_gather(v, mesh), lambda v: c.all_reduce(v, mesh), lambda v: c.broadcast(v, mesh, 1)]
-    got = [torch.func.jvp(op, (x,), (t,)) for op in ops] + [torch.func.jvp(lambda v: c.reduce_scatter(v, mesh), (y,), (u,))]
+    rs = lambda v: c.reduce_scatter(v, mesh)  # noqa: E731
+    got = [torch.func.jvp(op, (x,), (t,)) for op in ops] + [torch.func.jvp(rs, (y,), (u,))]
     want = [(op(x), op(t)) for op in ops] + [(c.reduce_scatter(y, mesh), c.reduce_scatter(u, mesh))]
     return got, want
 

@@ -173,7 +173,8 @@ def test_a_unit_first_read_inside_vmap_gathers_unbatched():
     params = {"enc": {"w": torch.randint(-2, 3, (3, 3), generator=g).double()},
               "dec": {"w": torch.randint(-2, 3, (3, 2), generator=g).double()}}
     xs = [torch.randint(-2, 3, (4, 3), generator=g).double() for _ in range(2)]
-    loss = lambda p, x: torch.func.vmap(lambda xi: ((xi @ p["enc"]["w"] @ p["dec"]["w"]) ** 2).sum())(x).mean()  # noqa: E731
+    def loss(p, x):  # the first torch op on a placeholder runs inside vmap
+        return torch.func.vmap(lambda xi: ((xi @ p["enc"]["w"] @ p["dec"]["w"]) ** 2).sum())(x).mean()
     mesh = fzero.SimMesh(2)
 
     def run(gather, engine):
@@ -214,10 +215,19 @@ def test_vmap_over_a_step_is_a_clear_error():
     def rank_fn(b):
         state = cases.init(mesh, 3, params)
         f = cases.step_of(state)
-        return torch.func.vmap(lambda x, y: f(state.params, (x, y))[0])(torch.stack([b[0]] * 2), torch.stack([b[1]] * 2))
+        xs, ys = torch.stack([b[0]] * 2), torch.stack([b[1]] * 2)
+        return torch.func.vmap(lambda x, y: f(state.params, (x, y))[0])(xs, ys)
 
     with pytest.raises(fzero.ConfigError, match="vmap over a step.*vmap inside the loss"):
         mesh.run(rank_fn, [(b,) for b in batches])
+
+    def over_states(b):  # batched params: the unit Function's vmap rule refuses at the gather
+        state = cases.init(mesh, 3, params)
+        f = cases.step_of(state)
+        return torch.func.vmap(lambda p: f((p,), b)[0])(torch.stack([state.params[0]] * 2))
+
+    with pytest.raises(fzero.ConfigError, match="params are batched.*vmap inside the loss"):
+        mesh.run(over_states, [(b,) for b in batches])
 
 
 def test_a_transform_through_an_autograd_engine_step_is_refused():

@@ -21,8 +21,8 @@ backward). The step differentiates with respect to the probes too. Works under
 
 Under other transforms (docs/func.md): `jvp` is the Function's forward on the tangents (the
 enter is linear: a cast, a gather, views), with a zero anchor; `vmap` runs the Function
-unbatched where no input is batched (a unit read inside a vmapped loss), and once per batch
-entry otherwise (a vmap over states), stacking the outputs.
+unbatched (a unit first read inside a vmapped loss: its inputs are the step's, never batched);
+batched params (a vmap over states) raise `ConfigError`, as a vmap over a step must.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .collectives import check_forward_mode
+from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
@@ -172,14 +173,13 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None
              ) -> tuple:
-        dims = in_dims[3:]
-        if all(d is None for d in dims):
-            outs = _Unit.apply(program, after, k, *tensors)
-            return outs, (None,) * len(outs)
-        per = [_Unit.apply(program, after, k, *(t if d is None else t.select(d, i) for t, d in zip(tensors, dims)))
-               for i in range(info.batch_size)]
-        outs = tuple(torch.stack(parts) for parts in zip(*per))
-        return outs, (0,) * len(outs)
+        if any(d is not None for d in in_dims[3:]):
+            raise ConfigError(
+                f"vmap over a step: unit {program.name!r}'s params are batched (a vmap over states). A step "
+                f"decides on Python numbers every rank agrees on (the loss, the gradient norm, whether to skip), "
+                f"which vmap cannot batch; vmap inside the loss instead, or loop over states (docs/func.md)")
+        outs = _Unit.apply(program, after, k, *tensors)  # a unit first read inside a vmapped loss
+        return outs, (None,) * len(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
