@@ -35,12 +35,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import check_forward_mode
+from .collectives import all_gather, check_forward_mode
 from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
-from .stages import Stage, Wire
+from .stages import ENTER_GATHER, Stage, Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +166,7 @@ class _Unit(torch.autograd.Function):
                 flat = t.to(bucket.wire.compute)
             else:
                 t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
-                flat = program.stage.enter.run(program.mesh, bucket.wire, t.to(bucket.wire.compute))
+                flat = _enter_tangent(program, bucket, t.to(bucket.wire.compute))
             leaves.extend(v.clone() for v in bucket.views(flat))
         return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
 
@@ -209,7 +209,16 @@ def _gather_tangent(program: UnitProgram, bucket: Bucket, x_t: torch.Tensor | No
                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Stage 2's tangent of the full buffer from its shard's: `AG(x_t)` (zeros without one)."""
     t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
-    return program.mesh.collective("all_gather", t, tag=bucket.tag)
+    return all_gather(t, program.mesh, tag=bucket.tag)
+
+
+def _enter_tangent(program: UnitProgram, bucket: Bucket, t: torch.Tensor) -> torch.Tensor:
+    """The stage's enter on a tangent: the same all-gather (the same bits) through the collective
+    Function where the stage gathers, since `jacfwd` batches tangents and only the Function has a
+    batching rule; otherwise the enter itself (the identity)."""
+    if program.stage.enter is ENTER_GATHER:
+        return all_gather(t, program.mesh, tag=bucket.tag)
+    return program.stage.enter.run(program.mesh, bucket.wire, t)
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
