@@ -9,6 +9,7 @@ layers below it are namespaces of their own: `fzero.layout`, `fzero.collectives`
 from fzero._src.errors import CollectiveMismatch as CollectiveMismatch
 from fzero._src.errors import ConfigError as ConfigError
 from fzero._src.errors import FzeroError as FzeroError
+from fzero._src.collectives import ForwardModeOnSimMesh as ForwardModeOnSimMesh
 from fzero._src.errors import LayoutError as LayoutError
 from fzero._src.errors import MeshError as MeshError
 from fzero._src.errors import NonFiniteError as NonFiniteError
@@ -54,6 +55,7 @@ __all__ = [
     "DistMesh",
     "DivergentPaths",
     "DynamicLossScale",
+    "ForwardModeOnSimMesh",
     "FzeroError",
     "LayoutError",
     "LazyParams",

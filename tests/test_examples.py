@@ -51,3 +51,19 @@ def test_fp16_loss_scale_stage3_equals_stage0_and_plots(tmp_path):
 def test_custom_optimizer_example_runs():
     out = run_example("custom_optimizer.py")
     assert "signum on 3 shards == signum leaf by leaf" in out
+
+
+def test_dp_sgd_example_equal_across_stages():
+    out = run_example("dp_sgd.py", "--steps", "3")
+    for stage in range(4):
+        assert f"stage {stage}: objective" in out
+    assert "dp-sgd: all stages ended with bit-identical parameters" in out
+
+
+def test_hvp_example_stage_3_equals_stage_0():
+    """The printed HVP differences are information (float64 rounding of two different orders);
+    the HVP's equality with the unsharded one on exact data is tests/test_func.py."""
+    out = run_example("hvp.py")
+    assert "gradient penalty (double backward): stage 3 equals stage 0 bit for bit" in out
+    for stage in (0, 3):
+        assert f"stage {stage} H̄v (reverse over reverse): max |fzero - unsharded|" in out

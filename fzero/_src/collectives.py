@@ -13,7 +13,15 @@ With `L = Σ_r L_r` the sum of every rank's loss, the adjoint identity
 (proofs/collectives.md). `all_reduce(max)` has no backward.
 
 Each Function also has a `vmap` staticmethod: collectives have no batching rule, so the batch
-dim is folded into dim 0 of the buffer, moved once over the wire, and unfolded.
+dim is folded into dim 0 of the buffer, moved once over the wire, and unfolded. And a `jvp`
+staticmethod (forward mode: `torch.func.jvp`, `jacfwd`, `hessian`): each collective is linear,
+so the tangent of its output is the same collective of the input's tangent (all_reduce(max)
+has none). Forward mode across ranks needs one process per rank (`DistMesh`): torch keeps one
+forward-AD level stack per process, which `SimMesh`'s ranks (threads) would share; there a
+collective under forward mode raises `ForwardModeOnSimMesh` instead (docs/func.md).
+
+`mean_of_ranks` is the fl(1/N) of the mean loss over ranks that stages 2-3 apply inside a
+unit's backward, before its reduce-scatter (proofs/collectives.md, "Derivatives of a gradient").
 """
 
 from __future__ import annotations
@@ -23,7 +31,29 @@ from typing import Any
 import einops
 import torch
 
-from .mesh import Mesh
+from .errors import FzeroError
+from .mesh import Mesh, SimMesh
+
+
+class ForwardModeOnSimMesh(FzeroError):
+    """Forward-mode AD (a dual level) reached a collective on a SimMesh of N > 1 ranks."""
+
+
+def check_forward_mode(mesh: Mesh) -> None:
+    """Raise `ForwardModeOnSimMesh` where a collective on a multi-rank SimMesh runs inside a
+    forward-AD level (`torch.func.jvp`, `jacfwd`, `hessian`, `forward_ad.dual_level`).
+
+    torch numbers forward-AD levels per process and exits them last-in first-out; SimMesh's ranks
+    are threads that switch at each collective, so rank 1 would enter a level while rank 0's is
+    open and rank 0 would then close rank 1's. The check runs before the first collective, while
+    one rank alone holds a level, so every rank stops with this error instead of torch's."""
+    if isinstance(mesh, SimMesh) and mesh.world_size > 1 and torch.autograd.forward_ad._current_level >= 0:
+        raise ForwardModeOnSimMesh(
+            f"{mesh!r}: a collective ran under forward-mode AD (torch.func.jvp / jacfwd / hessian / "
+            f"forward_ad.dual_level) on rank {mesh.rank} of {mesh.world_size}. SimMesh's ranks are threads of one "
+            f"process, and torch keeps one forward-AD level stack per process, which they would share. Use a "
+            f"DistMesh (one process per rank: torchrun, or fzero.testing.pool), a SimMesh(1), or reverse mode "
+            f"(an HVP as torch.func.grad of <grad, v>, jacrev instead of jacfwd), which works on SimMesh")
 
 
 def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
@@ -57,6 +87,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, tag: str | None) -> torch.Tensor:
+        check_forward_mode(mesh)
         return mesh.collective("all_gather", x, tag=tag)
 
     @staticmethod
@@ -66,6 +97,10 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return reduce_scatter(grad, ctx.mesh, tag=ctx.tag), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return all_gather(x_t, ctx.mesh, tag=ctx.tag)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
@@ -81,6 +116,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(y: torch.Tensor, mesh: Mesh, tag: str | None) -> torch.Tensor:
+        check_forward_mode(mesh)
         return mesh.collective("reduce_scatter", y, tag=tag)
 
     @staticmethod
@@ -90,6 +126,10 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return all_gather(grad, ctx.mesh, tag=ctx.tag), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, y_t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return reduce_scatter(y_t, ctx.mesh, tag=ctx.tag)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, y: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
@@ -106,6 +146,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, op: str, tag: str | None) -> torch.Tensor:
+        check_forward_mode(mesh)
         return mesh.collective("all_reduce", x, arg=op, tag=tag)
 
     @staticmethod
@@ -119,6 +160,12 @@ class _AllReduce(torch.autograd.Function):
         return all_reduce(grad, ctx.mesh, "sum", tag=ctx.tag), None, None, None
 
     @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
+        if ctx.op != "sum":
+            raise RuntimeError(f"all_reduce(op={ctx.op!r}) is not differentiable; only op='sum' is")
+        return all_reduce(x_t, ctx.mesh, "sum", tag=ctx.tag)
+
+    @staticmethod
     def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, op: str, tag: str | None) -> tuple:
         return all_reduce(x, mesh, op, tag=tag), in_dims[0]
 
@@ -128,6 +175,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, src: int, tag: str | None) -> torch.Tensor:
+        check_forward_mode(mesh)
         return mesh.collective("broadcast", x, arg=src, tag=tag)
 
     @staticmethod
@@ -141,5 +189,43 @@ class _Broadcast(torch.autograd.Function):
         return (total if keep else torch.zeros_like(total)), None, None, None
 
     @staticmethod
+    def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return broadcast(x_t, ctx.mesh, ctx.src, tag=ctx.tag)
+
+    @staticmethod
     def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, src: int, tag: str | None) -> tuple:
         return broadcast(x, mesh, src, tag=tag), in_dims[0]
+
+
+def mean_of_ranks(g: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """`g * fl(1/N)` (the same bits), whose backward is the identity and whose jvp is `t * fl(1/N)`.
+
+    Stages 2-3 multiply a unit's local gradient by fl(1/N) inside the unit's backward, before
+    the reduce-scatter, as DDP does: that factor is the mean over ranks of the loss. A
+    derivative of that gradient (a meta-gradient through a step, an HVP by double backward)
+    sends its cotangent from the gradient back to the params through the same unit backward,
+    which applies fl(1/N) once more: so that each derivative order carries the factor exactly
+    once, as in the unsharded `(1/N) Σ_r L_r`, this multiply passes cotangents unchanged.
+    Forward mode (the jvp of the unit is the gather, with no factor) scales tangents here.
+    """
+    return _MeanOfRanks.apply(g, mesh)
+
+
+class _MeanOfRanks(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(g: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return g * (1.0 / mesh.world_size)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.n = inputs[1].world_size
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+    @staticmethod
+    def jvp(ctx: Any, g_t: torch.Tensor, _: Any) -> torch.Tensor:
+        return g_t * (1.0 / ctx.n)

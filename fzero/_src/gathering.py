@@ -402,6 +402,16 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(lambda t: t, unpack)
 
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if isinstance(exc[1], RuntimeError) and "saved tensor hooks" in str(exc[1]):
+            raise ConfigError(
+                "a torch.func transform (grad, vjp, jacrev, hessian, vmap(grad)) ran inside the loss of a stage-3 step "
+                "with engine='autograd', gather='on_use' and flat-dict params: that step frees each unit after its "
+                "forward and gathers it again in backward through saved-tensor hooks, which torch.func refuses. Use "
+                "engine='func' (units then stay gathered from their forward to their backward), or gather='eager' "
+                "(docs/func.md)") from exc[1]
+
 
 class LazyParams(Mapping):
     """The read-only mapping `{dotted path: leaf}` a loss gets when gathering on use: reading
@@ -412,6 +422,7 @@ class LazyParams(Mapping):
     def __init__(self, unit_of: dict[str, str], gathering: Gathering) -> None:
         self._unit_of = unit_of
         self._gathering = gathering
+        self._level = torch._C._functorch.maybe_current_level()  # the torch.func level the loss runs at
 
     def unit_of(self, path: str) -> str:
         return self._unit_of[path]
@@ -451,11 +462,27 @@ def _flatten_lazy(params: LazyParams) -> tuple[list[torch.Tensor], tuple[str, ..
     return [params[k] for k in keys], keys, keys
 
 
+def _flatten_lazy_for_torch(params: LazyParams) -> tuple[list[torch.Tensor], list[str]]:
+    """torch's pytree flatten (what `torch.func.grad`, `vjp`, `jacrev` and `jvp` do to their
+    arguments, inside their own level): a unit first gathered there would be that transform's
+    tensor, dead once it returns, yet cached for the rest of the step. So where units are still
+    ungathered and the level is not the loss's, say so (`vmap` flattens before its level: fine)."""
+    missing = [u for u in dict.fromkeys(params._unit_of.values()) if u not in params.gathered]
+    if missing and torch._C._functorch.maybe_current_level() != params._level:
+        raise FzeroError(
+            f"a torch.func transform inside the loss received the params mapping (LazyParams) with units "
+            f"{missing[:4]} not gathered yet: it would gather them inside its own level, and the step would keep "
+            f"them after it returns. Pass dict(params) instead (reading it gathers every unit first), or read the "
+            f"units before the transform (docs/func.md)")
+    leaves, keys, _ = _flatten_lazy(params)
+    return leaves, list(keys)
+
+
 for _namespace in (_GLOBAL, NAMESPACE):
     optree.register_pytree_node(LazyParams, _flatten_lazy, lambda keys, leaves: dict(zip(keys, leaves)),
                                 path_entry_type=optree.MappingEntry, namespace=_namespace)
 torch_pytree.register_pytree_node(
-    LazyParams, lambda p: (_flatten_lazy(p)[0], list(_flatten_lazy(p)[1])),
+    LazyParams, _flatten_lazy_for_torch,
     lambda leaves, keys: dict(zip(keys, leaves)), serialized_type_name="fzero.LazyParams")
 
 

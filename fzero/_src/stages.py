@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import all_reduce, reduce_scatter
+from .collectives import all_gather, all_reduce, mean_of_ranks, reduce_scatter
 from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh, Pending
@@ -93,19 +93,16 @@ StartFn = Callable[[Mesh, Wire, torch.Tensor], Flight]
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A step function of one category and the collectives it issues (per trainable bucket, and
-    `frozen_moves` per frozen bucket). Pieces that run outside autograd (after backward, after
-    the update) also have `start`, the same collectives without waiting: `run` is then
-    `start(...).wait()`."""
+    `frozen_moves` per frozen bucket). `run` is differentiable (a step may be differentiated
+    through: meta-gradients, forward mode). Pieces that run after backward or after the update,
+    and the reduction inside a unit's backward, also have `start`: the same collectives and the
+    same bits without waiting, on detached data, which the step uses only where nothing
+    differentiates through it (`step.overlaps`)."""
 
     run: BucketFn
     moves: tuple[Move, ...] = ()
     frozen_moves: tuple[Move, ...] = ()
     start: StartFn | None = None
-
-
-def _started(start: StartFn, moves: tuple[Move, ...] = ()) -> Piece:
-    """The piece whose blocking form is `start(...).wait()`."""
-    return Piece(lambda mesh, wire, x: start(mesh, wire, x).wait(), moves, start=start)
 
 
 def _identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +142,33 @@ def _start_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
     return Flight(mesh.start("reduce_scatter", x * (1.0 / mesh.world_size), tag=wire.tag))
 
 
+def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """`reduce_grad` inside the unit's backward (the same bits); its fl(1/N) passes cotangents
+    unchanged, so derivatives of the gradient carry it once (`collectives.mean_of_ranks`). At
+    N = 1 it is `reduce_grad`'s solo path: the identity, in every derivative order too."""
+    if mesh.world_size == 1:
+        return reduce_grad(mesh, wire, grad)
+    return reduce_scatter(mean_of_ranks(grad.to(wire.reduce), mesh), mesh, tag=wire.tag)
+
+
+def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0;
+    at N = 1 neither moves anything)."""
+    reduced = reduce_grad(mesh, wire, grad)
+    if mesh.world_size == 1:
+        return mesh.solo("all_gather", reduced, tag=wire.tag)
+    return all_gather(reduced, mesh, tag=wire.tag)
+
+
+def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
+    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]` (at N = 1
+    the cast shard itself: see `_start_gather_params`)."""
+    x = shard.to(wire.compute)
+    if mesh.world_size == 1:
+        return mesh.solo("all_gather", x, tag=wire.tag)
+    return all_gather(x, mesh, tag=wire.tag)
+
+
 def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
     """`shard[S] -> flat[N * S]` in flight; at N = 1 the shard itself (`Mesh.solo`)."""
     if mesh.world_size == 1:
@@ -182,12 +206,13 @@ ENTER_FULL = Piece(_identity)
 # storage (resize to 0) after use, which must never reach the held shard.
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
 LEAVE_LOCAL = Piece(_identity)
-LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,), start=lambda mesh, wire, g: _start_reduce(mesh, wire, g))
-AFTER_NONE = _started(_start_identity)
-AFTER_REDUCE = _started(_start_reduce, (_RS_GRAD,))
-AFTER_REDUCE_GATHER = _started(_start_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))
-FINISH_KEEP = _started(_start_identity)
-FINISH_GATHER = _started(_start_gather_params, (Move("all_gather", "params", "update"),))
+LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce)
+AFTER_NONE = Piece(_identity, start=_start_identity)
+AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,), start=_start_reduce)
+AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")),
+                            start=_start_reduce_and_gather)
+FINISH_KEEP = Piece(_identity, start=_start_identity)
+FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),), start=_start_gather_params)
 
 
 @dataclasses.dataclass(frozen=True)

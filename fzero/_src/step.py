@@ -26,9 +26,10 @@ immutable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -210,10 +211,25 @@ def train_step(
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         check_state(state)
-        with state.mesh.guard(), same_paths(state.layout):
+        with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
             return run_step(config, state, batch)
 
     return step
+
+
+@contextlib.contextmanager
+def _no_vmap_over_steps() -> Iterator[None]:
+    """torch's `.item()` / data-dependent-control-flow error under vmap, as what it means for a step
+    (docs/func.md)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "vmap" not in str(e) or (".item()" not in str(e) and "data-dependent control flow" not in str(e)):
+            raise
+        raise ConfigError("vmap over a step: the step decides on Python numbers that every rank agrees on (the "
+                          "loss, the gradient norm, whether to skip a non-finite step), which vmap cannot batch. "
+                          "vmap inside the loss instead (per-example gradients: examples/dp_sgd.py), or loop over "
+                          "states (docs/func.md)") from e
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
@@ -439,13 +455,22 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
     `start`): on DistMesh they run concurrently; the calls and their order per bucket are those of
     the blocking form, so the bits are too."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    flights = {}
-    for b, g in grads.items():  # every bucket's reduction in flight before any is waited for
-        if g is None:
-            g = torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
-        flights[b] = stage.after_backward.start(mesh, state.precision.wire(layout.buckets[b]), g)
+    grads = {b: g if g is not None else
+             torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
+             for b, g in grads.items()}
+    wires = {b: state.precision.wire(layout.buckets[b]) for b in grads}
+    if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
+        return {b: stage.after_backward.run(mesh, wires[b], g) for b, g in grads.items()}
+    flights = {b: stage.after_backward.start(mesh, wires[b], g) for b, g in grads.items()}
     flights = {b: f.advance() for b, f in flights.items()}  # stage 0: each all-gather as its reduce-scatter ends
     return {b: f.wait() for b, f in flights.items()}
+
+
+def overlaps(tensors: Any) -> bool:
+    """Whether the step may issue collectives without waiting (`Piece.start`: detached, outside
+    autograd): only where nothing differentiates through the step -- no torch.func transform is
+    active and no tensor requires grad. Otherwise the blocking, differentiable `Piece.run`."""
+    return torch._C._functorch.maybe_current_level() is None and not any(t.requires_grad for t in tensors)
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -572,6 +597,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     flights = {}
+    overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
@@ -583,9 +609,12 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
         else:
             updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
-        flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
+        if overlap:
+            flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
     broken = _any_nonfinite(state, updated)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    if not overlap and not broken:
+        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in updated.items()}
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     for b, p_new in updated.items():

@@ -18,6 +18,11 @@ What backward learns comes back as data, through autograd itself: the Function t
 gradient held a NaN or inf (`bad[B_u]`, float32 on the gradient's device: no host sync in
 backward). The step differentiates with respect to the probes too. Works under
 `torch.func.grad` / `grad_and_value` and plain `torch.autograd.grad`.
+
+Under other transforms (docs/func.md): `jvp` is the Function's forward on the tangents (the
+enter is linear: a cast, a gather, views), with a zero anchor; `vmap` runs the Function
+unbatched (a unit first read inside a vmapped loss: its inputs are the step's, never batched);
+batched params (a vmap over states) raise `ConfigError`, as a vmap over a step must.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .collectives import all_gather, check_forward_mode
+from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
-from .stages import Stage, Wire
+from .stages import ENTER_GATHER, Stage, Wire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +175,8 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         xs, fulls = tensors[:k], tensors[k : 2 * k]
+        if program.stage.enter.moves:
+            check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
         return (*gather_leaves(program, held), xs[0].new_zeros((), dtype=torch.float32))  # + the anchor
 
@@ -175,7 +184,37 @@ class _Unit(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.program, ctx.after, ctx.k = inputs[0], inputs[1], inputs[2]
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[3 : 3 + ctx.k]]
+        ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Tangents of the leaves: the forward on the tangents of what it read (the full buffer's
+        where one is read beside x; else x's, entered as x is), and a zero anchor."""
+        program, k = ctx.program, ctx.k
+        xs_t, fulls_t = tangents[3 : 3 + k], tangents[3 + k : 3 + 2 * k]
+        leaves: list[torch.Tensor] = []
+        for bucket, x_t, full_t, beside, (shape, dtype, device) in zip(program.buckets, xs_t, fulls_t, ctx.beside,
+                                                                      ctx.like):
+            if beside:  # stage 2: the unit reads the full buffer; x is its shard (or the master's)
+                t = full_t if full_t is not None else _gather_tangent(program, bucket, x_t, shape, dtype, device)
+                flat = t.to(bucket.wire.compute)
+            else:
+                t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
+                flat = _enter_tangent(program, bucket, t.to(bucket.wire.compute))
+            leaves.extend(v.clone() for v in bucket.views(flat))
+        return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None
+             ) -> tuple:
+        if any(d is not None for d in in_dims[3:]):
+            raise ConfigError(
+                f"vmap over a step: unit {program.name!r}'s params are batched (a vmap over states). A step "
+                f"decides on Python numbers every rank agrees on (the loss, the gradient norm, whether to skip), "
+                f"which vmap cannot batch; vmap inside the loss instead, or loop over states (docs/func.md)")
+        outs = _Unit.apply(program, after, k, *tensors)  # a unit first read inside a vmapped loss
+        return outs, (None,) * len(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
@@ -206,13 +245,33 @@ class _Unit(torch.autograd.Function):
         return (None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
 
 
+def _gather_tangent(program: UnitProgram, bucket: Bucket, x_t: torch.Tensor | None, shape: torch.Size,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Stage 2's tangent of the full buffer from its shard's: `AG(x_t)` (zeros without one)."""
+    t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
+    return all_gather(t, program.mesh, tag=bucket.tag)
+
+
+def _enter_tangent(program: UnitProgram, bucket: Bucket, t: torch.Tensor) -> torch.Tensor:
+    """The stage's enter on a tangent: the same all-gather (the same bits) through the collective
+    Function where the stage gathers, since `jacfwd` batches tangents and only the Function has a
+    batching rule; otherwise the enter itself (the identity)."""
+    if program.stage.enter is ENTER_GATHER:
+        return all_gather(t, program.mesh, tag=bucket.tag)
+    return program.stage.enter.run(program.mesh, bucket.wire, t)
+
+
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
     """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
 
     One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
     buffer (cast to `dtype` on the way), and only what no gradient covers -- unused leaves and
-    the padding -- is zero-filled, in one fill per gap."""
+    the padding -- is zero-filled, in one fill per gap. Under a torch.func transform the buffer
+    is concatenated out of place instead (the same values): a vmapped gradient cannot be written
+    into an unbatched buffer, and a transform must see every op on its tensors."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
     end = 0  # the end of the last slice written
     for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
@@ -226,6 +285,18 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     if bucket.size > end:
         flat[end:].zero_()
     return flat
+
+
+def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """`_assemble` out of place: the per-leaf gradients (zeros where None) and the padding, joined."""
+    parts, end = [], 0
+    for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
+        n = math.prod(s)
+        parts.append(g.reshape(-1).to(dtype) if g is not None else torch.zeros(n, dtype=dtype, device=device))
+        end = o + n
+    parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
+    return torch.cat(parts)
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
