@@ -3,7 +3,10 @@ same update in place, bitwise equal to torch.optim's single-tensor, foreach or f
 (`impl`), and learning-rate schedules as functions of the step."""
 
 from fzero._src.optim import (
+    FACTORED as FACTORED,
     IMPLS as IMPLS,
+    SPECS as SPECS,
+    AdafactorState as AdafactorState,
     AdamState as AdamState,
     AmsgradState as AmsgradState,
     EmptyState as EmptyState,
@@ -13,6 +16,7 @@ from fzero._src.optim import (
     OptimizerError as OptimizerError,
     SgdMomentumState as SgdMomentumState,
     UpdateContext as UpdateContext,
+    adafactor as adafactor,
     adam as adam,
     adamw as adamw,
     as_schedule as as_schedule,
@@ -20,8 +24,11 @@ from fzero._src.optim import (
     check_impl as check_impl,
     check_placement as check_placement,
     check_shards as check_shards,
+    field_numel as field_numel,
+    field_shapes as field_shapes,
     group_lr as group_lr,
     in_place as in_place,
+    init_state as init_state,
     pure as pure,
     resolve_impl as resolve_impl,
     runs as runs,
@@ -36,7 +43,10 @@ from fzero._src.optim import (
 )
 
 __all__ = [
+    "FACTORED",
     "IMPLS",
+    "SPECS",
+    "AdafactorState",
     "AdamState",
     "AmsgradState",
     "EmptyState",
@@ -46,6 +56,7 @@ __all__ = [
     "OptimizerError",
     "SgdMomentumState",
     "UpdateContext",
+    "adafactor",
     "adam",
     "adamw",
     "as_schedule",
@@ -53,8 +64,11 @@ __all__ = [
     "check_impl",
     "check_placement",
     "check_shards",
+    "field_numel",
+    "field_shapes",
     "group_lr",
     "in_place",
+    "init_state",
     "pure",
     "resolve_impl",
     "runs",

@@ -176,12 +176,14 @@ def adafactor(
                 est = state.v[s].clone()
             torch.mul(est.clamp_(min=e1 * e1).rsqrt_(), grad[s], out=u[s])
         u_sq = exact.bins_to_sums(_summed(ctx, exact.square_bins(u, slots.leaf, num)))
-        alphas = []
+        alphas = [0.0] * num  # an unused leaf is not updated (and its step count may be 0)
         for k, shape in enumerate(shapes):
+            if not ctx.used[k]:
+                continue
             n = max(1, math.prod(shape))
             rho = min(eta, 1 / math.sqrt(steps[k])) if relative_step else eta
             alpha = rho * max(eps2, math.sqrt(p_sq[k] / n)) if scale_parameter else rho
-            alphas.append(alpha / max(1.0, math.sqrt(u_sq[k] / n) / d))
+            alphas[k] = alpha / max(1.0, math.sqrt(u_sq[k] / n) / d)
         for seg in ctx.segments:
             k = pos[seg.leaf]
             if ctx.used[k]:
