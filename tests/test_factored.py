@@ -153,9 +153,11 @@ def per_leaf_state(state, opt_state):
                 else:
                     block = tensor[at : at + math.prod(shape)].view(shape)
                     at += math.prod(shape)
+                    assert torch.equal(block, optim.leaf_blocks(kind, tensor, shapes)[k])
                 out.setdefault(ls.path, {})[field] = block
             if kind in optim.FACTORED:
                 assert at == tensor.numel()
+                assert torch.equal(optim.join_blocks(kind, optim.leaf_blocks(kind, tensor, shapes), shapes), tensor)
     return out
 
 
@@ -201,6 +203,13 @@ def test_field_shapes_canonical_form():
     assert optim.field_numel("rows", shapes) == 9 and optim.field_numel("cols", shapes) == 12
     with pytest.raises(optim.OptimizerError, match="'row'"):
         optim.field_shapes("row", shapes)
+    rows = torch.arange(9.0)
+    blocks = optim.leaf_blocks("rows", rows, shapes)
+    assert [tuple(b.shape) for b in blocks] == [(3,), (0,), (2, 3), (0,)]
+    assert torch.equal(blocks[2], torch.arange(3.0, 9.0).view(2, 3))
+    assert torch.equal(optim.join_blocks("rows", blocks, shapes), rows)
+    with pytest.raises(optim.OptimizerError, match="has 9 elements"):
+        optim.leaf_blocks("rows", torch.zeros(8), shapes)
 
 
 def test_spec_of_accepts_factored_kinds_and_names_a_bad_one():

@@ -20,6 +20,8 @@ from .base import (
     field_shapes as field_shapes,
     group_lr as group_lr,
     in_place as in_place,
+    join_blocks as join_blocks,
+    leaf_blocks as leaf_blocks,
     init_state as init_state,
     pure as pure,
     resolve_impl as resolve_impl,

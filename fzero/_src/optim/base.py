@@ -265,6 +265,37 @@ def field_shapes(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> tuple[tup
     return tuple(out)
 
 
+def leaf_blocks(kind: str, field: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """A replicated field ("leaf", "rows", "cols") of one bucket -> one view per bucket leaf, of
+    the leaf's canonical shape (`field_shapes`): what a checkpoint saves per leaf. The inverse is
+    `join_blocks`. "shard" fields are cut by the layout (the leaf's offset in the flat buffer)."""
+    shapes = field_shapes(kind, leaf_shapes)
+    if kind == "shard":
+        raise OptimizerError("a 'shard' field is cut by the layout (layout.leaves[i].offset), not by leaf_blocks")
+    if tuple(field.shape) != (field_numel(kind, leaf_shapes),):
+        raise OptimizerError(f"a {kind!r} field of {len(shapes)} leaves {list(leaf_shapes)} has "
+                             f"{field_numel(kind, leaf_shapes)} elements, got shape {list(field.shape)}")
+    out, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(field[at : at + n].view(shape))
+        at += n
+    return out
+
+
+def join_blocks(kind: str, blocks: Sequence[torch.Tensor], leaf_shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """Per-leaf blocks of a replicated field, each of its canonical shape -> the field (`[L]` or
+    the blocks flattened and concatenated in bucket-leaf order): the inverse of `leaf_blocks`."""
+    shapes = field_shapes(kind, leaf_shapes)
+    for k, (b, shape) in enumerate(zip(blocks, shapes)):
+        if tuple(b.shape) != shape:
+            raise OptimizerError(f"block {k} of a {kind!r} field has shape {list(b.shape)}, expected {list(shape)} "
+                                 f"for a leaf of shape {list(leaf_shapes[k])}")
+    if len(blocks) != len(shapes):
+        raise OptimizerError(f"{len(blocks)} blocks for {len(shapes)} bucket leaves")
+    return torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
+
+
 def field_numel(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> int:
     """Elements of a replicated field ("leaf", "rows", "cols") for a bucket of these leaves."""
     if kind == "shard":
