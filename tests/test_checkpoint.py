@@ -273,13 +273,16 @@ def saved_root():
         yield saves(mesh, root, states)
 
 
-def test_corrupted_and_truncated_files(saved_root, tmp_path):
+@pytest.mark.parametrize("file", ["__0_0.distcp", ".metadata"])
+def test_corrupted_and_truncated_files(saved_root, tmp_path, file):
+    """A flipped byte or a truncated file, in DCP's data or its metadata: `load` raises naming the
+    file (sha256 or size against the manifest) and the target is unchanged."""
     import shutil
 
     for how in ("flip", "truncate"):
         path = str(tmp_path / how / "step-1")
         shutil.copytree(saved_root, path)
-        name = tmp_path / how / "step-1" / "rank-00001.pt"
+        name = tmp_path / how / "step-1" / file
         data = bytearray(name.read_bytes())
         if how == "flip":
             data[len(data) // 2] ^= 0xFF
@@ -287,7 +290,7 @@ def test_corrupted_and_truncated_files(saved_root, tmp_path):
             del data[len(data) // 2 :]
         name.write_bytes(bytes(data))
         err = load_into(path, make_params(), "adamw")
-        assert isinstance(err, ck.CheckpointError) and "rank-00001.pt" in str(err) and "corrupted" in str(err)
+        assert isinstance(err, ck.CheckpointError) and file in str(err) and "corrupted" in str(err), err
         # latest checks sizes, not checksums (those are load's): a flipped byte passes it
         assert ck.latest(str(tmp_path / how)) == (path if how == "flip" else None)
 
@@ -375,10 +378,34 @@ def test_save_on_gloo_loads_on_simmesh(dist2, tmp_path):
                 "params")
     assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
 
+    # the ranks agree on the checks: a flipped byte in rank 1's file, loaded at the same layout,
+    # is seen by rank 1 only (rank 0 reads its own file), yet both raise before reading anything
+    import shutil
+
+    bad = str(tmp_path / "bad" / "step-2")
+    shutil.copytree(paths[0], bad)
+    name = tmp_path / "bad" / "step-2" / "__1_0.distcp"
+    data = bytearray(name.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    name.write_bytes(bytes(data))
+    sim2 = fzero.SimMesh(2)
+
+    def rank_fn():
+        target = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=3, mesh=sim2, units=UNITS)
+        try:
+            ck.load(bad, target)
+        except ck.CheckpointError as e:
+            return str(e)
+
+    errors = sim2.run(rank_fn)
+    assert "__1_0.distcp" in errors[1] and "corrupted" in errors[1], errors
+    assert "1 other rank(s)" in errors[0] and "nothing was loaded" in errors[0], errors
+
 
 def killed_mid_save(root):
     """A fresh 2-process gloo job: save step 1; one more step; rank 1 SIGKILLs itself half way
-    through writing its step-2 file. Rank 0 returns the error its barrier raised."""
+    through the chunks DCP writes for it (the save's "mid_data" point). Rank 0 returns the error
+    its save raised."""
     import signal
 
     from fzero._src import checkpoint as impl
@@ -390,14 +417,9 @@ def killed_mid_save(root):
     ck.save(state, root)
     state, _ = step(state, batch(1, mesh.rank))
     if mesh.rank == 1:
-        def write_half_and_die(path, data, fail_mid=False):
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2])
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        impl._write = write_half_and_die
+        impl._crash_mid_data = lambda: os.kill(os.getpid(), signal.SIGKILL)
     try:
-        ck.save(state, root)
+        ck.save(state, root, _fail_at="mid_data" if mesh.rank == 1 else None)
     except fzero.MeshError as e:
         return type(e).__name__
     return "saved"
@@ -460,3 +482,168 @@ def test_export_round_trip_on_gpt2_and_the_cli(tmp_path, capsys):
     assert main(["inspect", path]) == 0
     text = capsys.readouterr().out
     assert "step 1, saved by 2 rank(s) at stage 3" in text and "transformer.wte.weight" in text
+    assert "DCP tensors in" in text
+
+
+# -- DCP: what a rank reads, the format on disk, RNG states -----------------------------------------
+
+
+class CountingReader(torch.distributed.checkpoint.FileSystemReader):
+    """DCP's file reader, recording every read item (this rank, file, name, saved chunk offset, length)."""
+
+    log: list = []
+
+    def read_data(self, plan, planner):
+        from fzero._src.mesh import _SIM_THREAD
+
+        rank = getattr(_SIM_THREAD, "rank", int(os.environ.get("RANK", 0)))
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            CountingReader.log.append((rank, info.relative_path, item.storage_index.fqn,
+                                       int(item.storage_index.offset[0]) if item.storage_index.offset else 0,
+                                       int(torch.Size(item.lengths).numel())))
+        return super().read_data(plan, planner)
+
+
+def saved_chunks(layout) -> dict[str, list[tuple[int, int]]]:
+    """The params chunks `{name: [(leaf_start, numel)]}` a save over `layout` writes, from the
+    layout's segments alone (every rank's shard of every bucket)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for b, spec in enumerate(layout.buckets):
+        for r in range(spec.shard_numel and layout.world_size or 0):
+            for seg in layout.segments(b, r):
+                out.setdefault(f"params/{layout.leaves[seg.leaf].path}", []).append(
+                    (seg.leaf_start, seg.stop - seg.start))
+    return out
+
+
+@pytest.mark.parametrize("m,stage", [(4, 3), (3, 3), (2, 1), (1, 0)])
+def test_a_rank_reads_only_overlapping_chunks(m, stage, monkeypatch):
+    """Saved at N = 4 stage 3 (one bucket, so every leaf is cut at shard boundaries), loaded at
+    (M, t): each rank's DCP read items are exactly the saved params chunks that overlap the
+    range of each leaf the rank holds (its shard's window at stage 3, every leaf otherwise), and
+    the elements it reads are those it holds, no more: at M = N, a stage-3 rank reads just the
+    chunks it wrote."""
+    from fzero._src import checkpoint as impl
+
+    monkeypatch.setattr(impl, "_reader", CountingReader)
+    CountingReader.log = []
+    big = {"a": torch.randn(3700), "b": torch.randn(50, 60), "c": torch.randn(2300)}
+    sim4 = fzero.SimMesh(4)
+    with tempfile.TemporaryDirectory() as root:
+        def first():
+            state = fzero.init(big, OPTIMIZERS["adamw"](), stage=3, mesh=sim4)
+            return ck.save(state, root), state.layout
+
+        path, saved_layout = sim4.run(first)[0]
+        md = torch.distributed.checkpoint.FileSystemReader(path).read_metadata()
+        mesh = fzero.SimMesh(m)
+        layouts = mesh.run(lambda: ck.load(path, fzero.init(big, OPTIMIZERS["adamw"](), stage=stage, mesh=mesh)
+                                           ).layout)
+    chunks = saved_chunks(saved_layout)
+    for index, info in md.storage_data.items():
+        # a chunk is stored as one torch.save archive: its elements plus a fixed ~1 KB of zip
+        # records and pickle, whatever its size; a view saved with its storage would add the
+        # rest of the gathered bucket, >= 9000 float32 = 36 KB here (torch 2.13's DCP compacts views
+        # itself; ChunkSavePlanner.resolve_data does too, for versions that do not)
+        c = next(c for c in md.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+        assert info.length <= c.sizes.numel() * 4 + 4096, (index, info)
+    for r in range(m):
+        layout = layouts[r]
+        want, held = set(), 0
+        for b, spec in enumerate(layout.buckets):
+            lo, hi = (r * spec.shard_numel, (r + 1) * spec.shard_numel) if stage == 3 else (0, spec.padded_numel)
+            for i in spec.leaves:
+                ls = layout.leaves[i]
+                a, z = max(ls.offset, lo) - ls.offset, min(ls.offset + ls.numel, hi) - ls.offset
+                if a < z:
+                    held += z - a
+                    name = f"params/{ls.path}"
+                    want |= {(name, s) for s, k in chunks[name] if s < z and a < s + k}
+        got = [(name, start, k) for rank, _, name, start, k in CountingReader.log if rank == r
+               and name.startswith("params/")]
+        assert {(name, start) for name, start, _ in got} == want and len(got) == len(want)
+        assert sum(k for _, _, k in got) == held  # only the overlaps are copied
+        if m == 4:  # the same layout: rank r reads back the chunks of its own shard
+            assert want == {(f"params/{saved_layout.leaves[s.leaf].path}", s.leaf_start)
+                            for s in saved_layout.segments(0, r)}
+
+
+def test_cuda_rng_state_where_cuda_is_initialised(monkeypatch):
+    """The CUDA generator of the mesh's device is saved and restored only where CUDA is
+    initialised there (checked on CPU with torch.cuda's two calls stood in for)."""
+    import types
+
+    from fzero._src import checkpoint as impl
+
+    cpu, gpu = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(device=torch.device("cuda", 1))
+    fake = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: fake if device == gpu.device else None)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert set(impl._rng_states(cpu)) == set(impl._rng_states(gpu)) == {"cpu"}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert set(impl._rng_states(cpu)) == {"cpu"}
+    states = impl._rng_states(gpu)
+    assert set(states) == {"cpu", "cuda"} and states["cuda"] is fake
+    impl._set_rng_states(gpu, states)
+    assert restored == [(fake, gpu.device)]
+
+
+def dist_save_and_load(mesh, root):
+    """On 2 gloo ranks: the stage-3 save of `dist_save`, then `load` over the process group at
+    stage 3 (DCP exchanges the plan), recording what this rank read; (gathered params, reads,
+    the checkpoint's files and which file each params chunk is in)."""
+    from fzero._src import checkpoint as impl
+
+    path = dist_save(mesh, root)
+    impl._reader = CountingReader
+    CountingReader.log = []
+    target = fzero.init(make_params(seed=5), OPTIMIZERS["adamw"](), stage=3, mesh=mesh, units=UNITS)
+    state = ck.load(path, target)
+    md = torch.distributed.checkpoint.FileSystemReader(path).read_metadata()
+    where = {(i.fqn, int(i.offset[0])): info.relative_path for i, info in md.storage_data.items()
+             if i.fqn.startswith("params/")}
+    return fzero.gather(state), CountingReader.log, sorted(os.listdir(path)), where, [
+        (s.leaf, s.leaf_start) for b in range(len(state.layout.buckets)) for s in state.layout.segments(b, mesh.rank)]
+
+
+def test_dcp_on_gloo_one_file_per_rank_and_own_reads(dist2, tmp_path):
+    """On a gloo DistMesh, DCP writes one data file per rank, its metadata puts each rank's params
+    chunks in that rank's file, and a same-layout load over the process group reads each rank's
+    params from its own file only; the loaded params are the saved ones (SimMesh's run, N = 2)."""
+    out = dist2.run(dist_save_and_load, [(str(tmp_path),)] * 2)
+    ref = train(fzero.SimMesh(2), 3, "adamw", 2)
+    want = ref[0].mesh.run(lambda: fzero.gather(ref[ref[0].mesh.rank]))[0]
+    layout = ref[0].layout
+    for r, (params, log, files, where, segments) in enumerate(out):
+        assert_same(flat_leaves(params), flat_leaves(want), "params")
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+        for leaf, start in segments:  # this rank's chunks live in its own file
+            assert where[f"params/{layout.leaves[leaf].path}", start] == f"__{r}_0.distcp"
+        sharded = [name for name in {name for _, _, name, _, _ in log} if name.startswith(("params/", "opt/exp_avg"))]
+        assert {n.rsplit("/", 1)[0] for n in sharded if n.startswith("opt/")} == {"opt/exp_avg", "opt/exp_avg_sq"}
+        reads = {file for _, file, name, _, _ in log if name in sharded}  # "leaf" fields (AdamW's step): rank 0's
+        assert reads == {f"__{r}_0.distcp"}, log
+
+
+def test_cli_names_a_missing_dcp_metadata(saved_root, tmp_path, capsys):
+    """Offline, without a process group: `fzero inspect` / `fzero export` of a checkpoint whose
+    DCP `.metadata` is gone exit with status 2 and name the file; `export` refuses a format-1
+    (pre-DCP) manifest with the format named."""
+    import json
+    import shutil
+
+    from fzero._src.cli import main
+
+    path = str(tmp_path / "step-1")
+    shutil.copytree(saved_root, path)
+    os.remove(os.path.join(path, ".metadata"))
+    assert main(["inspect", path]) == 2 and ".metadata" in capsys.readouterr().err
+    assert main(["export", path, str(tmp_path / "x.safetensors")]) == 2
+    assert ".metadata" in capsys.readouterr().err and not (tmp_path / "x.safetensors").exists()
+    manifest = json.loads((tmp_path / "step-1" / "manifest.json").read_text())
+    (tmp_path / "step-1" / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(ck.CheckpointError, match="format 1"):
+        ck.export(path)

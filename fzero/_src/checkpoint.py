@@ -1,60 +1,85 @@
-"""Checkpoints in a canonical per-leaf form: `save` on N ranks at stage s, `load` on M at stage t.
+"""Checkpoints on torch.distributed.checkpoint (DCP), in a canonical per-leaf form: `save` on N
+ranks at stage s, `load` on M at stage t.
 
 What is written does not depend on the world size or the stage. For every leaf of the layout
-(`layout.leaves`, flatten order) a checkpoint holds
+(`layout.leaves`, flatten order) a checkpoint holds 1-D canonical tensors, under DCP names:
 
-  params     the leaf's master values, unpadded, in the leaf's dtype: `leaf[numel]`
-  opt/<f>    for each optimizer state field `f` whose spec is "shard": the leaf's elements of it
-             (`leaf[numel]`); for a "leaf" field: the leaf's one entry (`[1]`)
+  params/<path>         the leaf's master values, unpadded, in the leaf's dtype: `[numel]`
+  opt/<f>/<path>        optimizer state field `f`, per its spec kind (`KINDS`): a "shard" field
+                        the leaf's elements `[numel]`, a "leaf" field the leaf's one entry `[1]`
+  step, loss_scale/<f>  the step counter and the loss scaler's state (0-d, as the state holds them)
+  rng/<r>/cpu           rank r's `torch.get_rng_state()`; `rng/<r>/cuda` too where CUDA is
+                        initialised on the rank's device (`torch.cuda.get_rng_state(device)`)
 
-cut into pieces `(kind, field, leaf index, leaf_start, values[k])`. Rank r of N writes the pieces
-of its shard `[r * S, (r + 1) * S)` of each bucket (`layout.segments(b, r)`), whatever the stage
-holds there: the stage-3 shard, the stage 1-2 master shard, or its slice of a replicated
-`flat[N * S]`; "leaf" fields, replicated, are written by rank 0 only. So every element of every
-leaf is written exactly once, and reading is a copy of bits into the new layout's buffers:
-resharding is exact (proofs/checkpoint.md).
+Rank r of N writes, of each canonical tensor, the elements of its shard `[r * S, (r + 1) * S)` of
+each bucket (`layout.segments(b, r)`), whatever the stage holds there (the stage-3 shard, the
+stage 1-2 master shard, or its slice of a replicated `flat[N * S]`), as one DCP chunk whose
+offset is the leaf element it starts at; "leaf" fields and the scalars, replicated, are written by
+rank 0. So every element is written exactly once, and DCP's metadata (`.metadata`) lists, per
+canonical tensor, the chunks `(offset, size)` and the file each is in. Loading at (M, t), a rank
+asks DCP for the one range of each canonical tensor it holds (its shard's window, or the whole
+leaf where the stage replicates), DCP's `create_read_items_for_chunk_list` resolves which saved
+chunks overlap it, and only those are read. Resharding is a copy of bits (proofs/checkpoint.md).
 
-On disk, `root/step-<n>/`:
+Coordination. On DistMesh, `dcp.save` / `dcp.load` run over the mesh's process group (DCP
+exchanges the plans, one `__<r>_0.distcp` file per rank). SimMesh has no process group: the ranks'
+shards are all-gathered (an exact copy), and rank 0 writes every rank's chunks in one
+`dcp.save(no_dist=True)`; each rank loads by itself with `dcp.load(no_dist=True)`.
 
-  rank-<r>.pt     per rank: `{"pieces": [...], "rng": torch.get_rng_state()}` (rank 0 also holds
-                  `"scalars"`: the step counter and the loss scaler's state, as tensors)
-  manifest.json   written last: layout, stage, world size, optimizer, precision, scaler, step,
-                  and the sha256 and size of every rank file
-
-Crash safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (an all-reduce of a
-flag, the barrier), then rank 0 writes the manifest and renames the folder to `step-<n>` with
-one atomic `os.rename`. A folder named `step-<n>` with a valid manifest is therefore complete;
-`latest` only ever returns such a folder.
-
-Why not torch.distributed.checkpoint: fzero's meshes include `SimMesh` (ranks as threads, no
-process group), and DCP's resharding needs DTensor/ShardedTensor metadata that flat shards do
-not carry; DCP's single-process mode warns on every call. The canonical pieces carry their own
-coordinates, so plain `torch.save` files per rank (read back with `weights_only=True`, `mmap`)
-reshard by themselves, and the same code runs on SimMesh and DistMesh (a shared file system).
+On disk, `root/step-<n>/`: DCP's files (`.metadata`, `*.distcp`), then `manifest.json`, written
+last: layout, stage, world size, optimizer, precision, scaler, step, and the sha256 and size of
+every DCP file. Crash safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (a
+barrier), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
+`os.rename`. A folder named `step-<n>` with a valid manifest is therefore complete; `latest`
+only ever returns such a folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import math
 import os
 import re
 import shutil
-from collections.abc import Iterable
-from typing import Any
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .collectives import all_reduce, broadcast
+from .collectives import broadcast
 from .errors import FzeroError
-from .layout import Layout
+from .layout import Layout, LeafSpec
+from .mesh import DistMesh, Mesh
 from .optim.base import spec_of
 from .scale import LossScaleState
 from .state import ZeroState, check_state, describe
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 CRASH_POINTS = ("before_data", "mid_data", "before_manifest", "before_rename")
@@ -68,49 +93,335 @@ class _Crash(RuntimeError):
     """Raised by `save(_fail_at=...)` to simulate a crash at a named point (tests only)."""
 
 
-Piece = tuple[str, str, int, int, torch.Tensor]  # (kind, field, leaf index, leaf_start, values[k])
+# -- the canonical form: one table from spec kind to per-leaf tensors ------------------------------
+
+Chunk = tuple[int, int, torch.Tensor]  # (leaf index, leaf_start, values[k]): what a rank writes
+Request = tuple[int, int, torch.Tensor]  # (leaf index, leaf_start, destination view[k]): what it reads
 
 
-# -- what a rank writes ----------------------------------------------------------------------------
+def _window(layout: Layout, b: int, rank: int, sharded: bool) -> tuple[int, int]:
+    """The flat elements `[lo, hi)` a rank holds of bucket `b`: its shard where `sharded`, else all."""
+    spec = layout.buckets[b]
+    s = spec.shard_numel
+    return (rank * s, (rank + 1) * s) if sharded else (0, spec.padded_numel)
 
 
-def _owned(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[tuple[int, int, torch.Tensor]]:
-    """`(leaf, leaf_start, values)` of the leaf elements in rank `rank`'s shard of bucket `b`, read
-    from `x`: this rank's `shard[S]` (`sharded`) or the whole `flat[N * S]`. Fresh tensors (a
-    view would make `torch.save` write the whole storage)."""
+def _shard_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
+    """The leaf elements in rank `rank`'s shard of bucket `b`, read from `x`: this rank's
+    `shard[S]` (`sharded`) or the whole `flat[N * S]`. Views (`ChunkSavePlanner.resolve_data`
+    copies one chunk at a time as it is written)."""
     shard = x if sharded else layout.rank_shard(b, x, rank)
-    return [(seg.leaf, seg.leaf_start, shard[seg.start : seg.stop].detach().clone())
+    return [(seg.leaf, seg.leaf_start, shard[seg.start : seg.stop].detach())
             for seg in layout.segments(b, rank)]
 
 
-def pieces(state: ZeroState) -> list[Piece]:
-    """The canonical pieces rank `state.rank` writes: its part of every leaf's master values and
-    of every "shard" optimizer field; rank 0 also every "leaf" optimizer field."""
-    layout, stage, rank = state.layout, state.stage, state.rank
-    out: list[Piece] = []
-    for b, spec in enumerate(layout.buckets):
+def _leaf_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
+    """A replicated "leaf" field `x[L]`: rank 0 writes entry k as leaf `bucket.leaves[k]`'s `[1]`."""
+    return [(leaf, 0, x[k : k + 1].detach()) for k, leaf in enumerate(layout.buckets[b].leaves)] if rank == 0 else []
+
+
+def _shard_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
+                    ) -> tuple[torch.Tensor, list[Request]]:
+    """`(buffer[hi - lo], requests)`: a zero buffer for the window `[lo, hi)` of bucket `b`'s
+    `flat[M * S]` this rank holds, and per leaf meeting the window the view of the buffer its
+    elements `[a - o, z - o)` go to (o the leaf's offset, `[a, z)` its part of the window)."""
+    lo, hi = _window(layout, b, rank, sharded)
+    out = torch.zeros(hi - lo, dtype=like.dtype, device=like.device)
+    requests = []
+    for i in layout.buckets[b].leaves:
+        ls = layout.leaves[i]
+        a, z = max(ls.offset, lo), min(ls.offset + ls.numel, hi)
+        if a < z:
+            requests.append((i, a - ls.offset, out[a - lo : z - lo]))
+    return out, requests
+
+
+def _leaf_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
+                   ) -> tuple[torch.Tensor, list[Request]]:
+    """`(field[L], requests)`: entry k of a "leaf" field comes from leaf `bucket.leaves[k]`'s `[1]`."""
+    leaves = layout.buckets[b].leaves
+    out = torch.zeros(len(leaves), dtype=like.dtype, device=like.device)
+    return out, [(leaf, 0, out[k : k + 1]) for k, leaf in enumerate(leaves)]
+
+
+class Kind(NamedTuple):
+    """How tensors of one spec kind map to canonical per-leaf tensors (one entry of `KINDS`).
+
+    numel(leaf)                          the length of a leaf's canonical tensor
+    chunks(layout, b, x, rank, sharded)  what rank `rank` writes of bucket `b`'s tensor `x`
+    requests(layout, b, like, rank, sharded)  the buffer a rank holds and where each read goes
+    """
+
+    numel: Callable[[LeafSpec], int]
+    chunks: Callable[[Layout, int, torch.Tensor, int, bool], list[Chunk]]
+    requests: Callable[[Layout, int, torch.Tensor, int, bool], tuple[torch.Tensor, list[Request]]]
+
+
+KINDS: dict[str, Kind] = {
+    "shard": Kind(lambda ls: ls.numel, _shard_chunks, _shard_requests),
+    "leaf": Kind(lambda ls: 1, _leaf_chunks, _leaf_requests),
+}
+
+
+class Source(NamedTuple):
+    """One tensor of a bucket that a checkpoint holds: params are of kind "shard"."""
+
+    prefix: str  # "params" or "opt/<field>"
+    kind: str  # a key of KINDS
+    bucket: int
+    tensor: torch.Tensor
+    sharded: bool  # `tensor` is this rank's `shard[S]`, not the whole `flat[N * S]`
+
+
+def sources(state: ZeroState) -> list[Source]:
+    """The tensors `state` checkpoints: per bucket its master values (the stage 1-2 master shard
+    if kept, else the params as the stage holds them) and each optimizer field, by its spec."""
+    out = []
+    for b in range(len(state.layout.buckets)):
         master = state.master[b]
-        x, sharded = (master, True) if master is not None else (state.params[b], stage.sharded("params"))
-        out += [("params", "", leaf, start, v) for leaf, start, v in _owned(layout, b, x, rank, sharded)]
+        x, sharded = (master, True) if master is not None else (state.params[b], state.stage.sharded("params"))
+        out.append(Source("params", "shard", b, x, sharded))
         opt = state.opt_state[b]
-        if opt is None:
-            continue
-        for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt):
-            if kind == "shard":
-                out += [("opt", field, leaf, start, v)
-                        for leaf, start, v in _owned(layout, b, t, rank, stage.sharded("optimizer_state"))]
-            elif rank == 0:
-                out += [("opt", field, leaf, 0, t[k : k + 1].clone()) for k, leaf in enumerate(spec.leaves)]
+        if opt is not None:
+            out += [Source(f"opt/{field}", kind, b, t, state.stage.sharded("optimizer_state"))
+                    for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt)]
     return out
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
+class Canonical(NamedTuple):
+    """A canonical tensor's chunks as DCP is given them: `{offsets: values}` of a tensor of `size`."""
+
+    size: tuple[int, ...]
+    chunks: dict[tuple[int, ...], torch.Tensor]
 
 
-def _scalars(state: ZeroState) -> dict[str, Any]:
-    scale = None if state.loss_scale is None else tuple(t.clone() for t in state.loss_scale)
-    return {"step": state.step.clone(), "loss_scale": scale}
+def _whole(t: torch.Tensor) -> Canonical:
+    return Canonical(tuple(t.shape), {(0,) * t.dim(): t.detach().clone()})
+
+
+def canonical(layout: Layout, srcs: list[Source], rank: int) -> dict[str, Canonical]:
+    """`{name: Canonical}`: the chunks rank `rank` writes of every source (see the module docstring)."""
+    out: dict[str, Canonical] = {}
+    for src in srcs:
+        kind = KINDS[src.kind]
+        for leaf, start, values in kind.chunks(layout, src.bucket, src.tensor, rank, src.sharded):
+            ls = layout.leaves[leaf]
+            out.setdefault(f"{src.prefix}/{ls.path}", Canonical((kind.numel(ls),), {})).chunks[(start,)] = values
+    return out
+
+
+def _rng_states(mesh: Mesh) -> dict[str, torch.Tensor]:
+    """This rank's RNG states: torch's CPU generator, and CUDA's of the mesh's device where CUDA
+    is initialised there (`torch.cuda.get_rng_state`; an uninitialised CUDA has no state to keep)."""
+    out = {"cpu": torch.get_rng_state()}
+    if mesh.device.type == "cuda" and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state(mesh.device)
+    return out
+
+
+def _set_rng_states(mesh: Mesh, states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and mesh.device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(states["cuda"], mesh.device)
+
+
+def _scalars(state: ZeroState) -> dict[str, Canonical]:
+    out = {"step": _whole(state.step)}
+    if state.loss_scale is not None:
+        out.update({f"loss_scale/{f}": _whole(t) for f, t in zip(state.loss_scale._fields, state.loss_scale)})
+    return out
+
+
+def _merge(into: dict[str, Canonical], more: dict[str, Canonical]) -> dict[str, Canonical]:
+    for name, c in more.items():
+        into.setdefault(name, Canonical(c.size, {})).chunks.update(c.chunks)
+    return into
+
+
+def state_dict(state: ZeroState) -> dict[str, Canonical]:
+    """What this rank hands `dcp.save`: on DistMesh its own chunks (and rank 0 the scalars); on
+    SimMesh rank 0 every rank's, from all-gathered shards and RNG states (a collective: every
+    rank calls it), the others nothing."""
+    layout, mesh, rank = state.layout, state.mesh, state.rank
+    srcs = sources(state)
+    rng = _rng_states(mesh)
+    if isinstance(mesh, DistMesh) or mesh.world_size == 1:
+        out = canonical(layout, srcs, rank)
+        out.update({f"rng/{rank}/{k}": _whole(t) for k, t in rng.items()})
+        return _merge(out, _scalars(state)) if rank == 0 else out
+    full = [s._replace(tensor=mesh.collective("all_gather", s.tensor, tag="fzero.checkpoint/gather"), sharded=False)
+            if s.sharded else s for s in srcs]
+    rngs = {k: mesh.collective("all_gather", t.to(mesh.device), tag="fzero.checkpoint/rng").cpu().view(
+        mesh.world_size, -1) for k, t in rng.items()}
+    if rank != 0:
+        return {}
+    out = _scalars(state)
+    for r in range(mesh.world_size):
+        _merge(out, canonical(layout, full, r))
+        out.update({f"rng/{r}/{k}": _whole(t[r]) for k, t in rngs.items()})
+    return out
+
+
+# -- DCP planners ------------------------------------------------------------------------------------
+
+
+def _crash_mid_data() -> None:
+    raise _Crash("simulated crash half way through writing the data")
+
+
+class ChunkSavePlanner(SavePlanner):
+    """Writes a `{name: Canonical}` state dict: one DCP `SHARD` write item per chunk, at its
+    offset in the canonical tensor; the global plan and metadata are DCP's default ones (the
+    chunks of every rank's plan, per name). `crash` (tests): called half way through the data."""
+
+    def __init__(self, crash: Callable[[], None] | None = None) -> None:
+        self._crash = crash
+
+    def set_up_planner(self, state_dict: dict[str, Canonical], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self._sd, self._resolved = state_dict, 0
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(name, torch.Size(off)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(off), v.shape),
+                                                       properties=TensorProperties.create_from_tensor(v),
+                                                       size=torch.Size(c.size)))
+                 for name, c in self._sd.items() for off, v in c.chunks.items()]
+        self._half = len(items) // 2
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return create_default_global_save_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        if self._crash is not None and self._resolved == self._half:
+            self._crash()
+        self._resolved += 1
+        t = self._sd[write_item.index.fqn].chunks[tuple(write_item.index.offset)]
+        # a CPU view would be serialised with its whole storage: a compact copy of this chunk only
+        # (DCP moves a GPU chunk to the host, which copies just its elements)
+        return t if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+class ChunkLoadPlanner(LoadPlanner):
+    """Reads the given read items (made by `read_plan`, overlaps resolved by DCP) into the
+    destination views `{name: tensor}`: no other chunk is read."""
+
+    def __init__(self, items: list[ReadItem], dests: dict[str, torch.Tensor]) -> None:
+        self._items, self._dests = items, dests
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(self._items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise CheckpointError(f"{read_item.storage_index.fqn!r} is stored as bytes; fzero checkpoints hold tensors only")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dest = self._dests[read_item.dest_index.fqn]
+        for d, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(d, o, n)
+        return dest
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_plan(path: str, metadata: Metadata, wanted: dict[str, tuple[tuple[int, ...], torch.Tensor]]
+              ) -> list[ReadItem]:
+    """DCP read items filling each `wanted[name] = (offsets, dest)` (the range `[offsets,
+    offsets + dest.shape)` of canonical tensor `name`) from the saved chunks that overlap it
+    (`create_read_items_for_chunk_list`). Checked first: the name is saved, of dest's dtype, and
+    the overlapping chunks cover every element of the range; else a `CheckpointError`."""
+    items: list[ReadItem] = []
+    for name, (off, dest) in wanted.items():
+        md = metadata.state_dict_metadata.get(name)
+        if md is None:
+            raise CheckpointError(f"{path!r}: {name!r} is not in the checkpoint's DCP metadata; it is incomplete "
+                                  f"or of another model")
+        if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != dest.dtype:
+            got = md.properties.dtype if isinstance(md, TensorStorageMetadata) else type(md).__name__
+            raise CheckpointError(f"{path!r}: {name!r} is saved as {got}, the target holds {dest.dtype}")
+        chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=dest.shape)
+        mine = create_read_items_for_chunk_list(name, md, [chunk])
+        covered = sum(math.prod(item.lengths) for item in mine)
+        if covered != dest.numel():
+            where = ", ".join(f"[{o}, {o + n})" for o, n in zip(off, dest.shape))
+            raise CheckpointError(f"{path!r}: {name!r} has {covered} of the {dest.numel()} elements {where} this "
+                                  f"rank needs in the checkpoint's chunks; it is incomplete")
+        items += mine
+    return items
+
+
+def files_read(metadata: Metadata, items: list[ReadItem]) -> set[str]:
+    """The DCP files the read items touch (`metadata.storage_data`: chunk -> file, offset, length)."""
+    return {metadata.storage_data[item.storage_index].relative_path for item in items}
+
+
+@contextlib.contextmanager
+def _unwrapped(rank: int) -> Iterator[None]:
+    """DCP wraps the exceptions its steps raise, per rank, in a `CheckpointException` (a
+    `BaseException`): raise this rank's own one (else the lowest rank's, with a note naming it),
+    so a disk-full `OSError` or a `CheckpointError` keeps its type; DCP's report is its cause."""
+    try:
+        yield
+    except CheckpointException as e:
+        if not e.failures:
+            raise
+        r = rank if rank in e.failures else min(e.failures)
+        inner = e.failures[r][0]
+        if r != rank:
+            inner.add_note(f"raised on rank {r} inside torch.distributed.checkpoint")
+        raise inner from e
+
+
+_SINGLE = threading.Lock()
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent
+    is to save (load) in a single process" on every call without a process group, even when
+    `no_dist=True` asks for exactly that: fzero's single-process calls (SimMesh, export) mean it,
+    so that one warning is ignored here. `warnings.catch_warnings` swaps the process-wide filter
+    list, so these calls are serialised (SimMesh ranks are threads; they run one at a time anyway)."""
+    with _SINGLE, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
+
+
+def _reader(path: str) -> dcp.FileSystemReader:
+    """The DCP storage reader of a checkpoint (one place, so a test can count what it reads)."""
+    return dcp.FileSystemReader(path)
+
+
+def _dcp_load(path: str, metadata: Metadata, wanted: dict[str, tuple[tuple[int, ...], torch.Tensor]],
+              items: list[ReadItem], mesh: Mesh | None) -> None:
+    """`dcp.load` of the read items into the wanted destinations: over the process group on
+    DistMesh, in this process (`no_dist`) on SimMesh and offline (`mesh` None)."""
+    dests = {name: dest for name, (_, dest) in wanted.items()}
+    planner = ChunkLoadPlanner(items, dests)
+    if isinstance(mesh, DistMesh):
+        with _unwrapped(mesh.rank):
+            dcp.load(dests, storage_reader=_reader(path), planner=planner, process_group=mesh.group)
+        return
+    with _single_process(), _unwrapped(0):
+        dcp.load(dests, storage_reader=_reader(path), planner=planner, no_dist=True)
+
+
+# -- saving --------------------------------------------------------------------------------------
 
 
 def _jsonable(x: Any) -> Any:
@@ -147,14 +458,12 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _write(path: str, data: bytes, fail_mid: bool = False) -> None:
-    """Write `data` to `path` and fsync it (`fail_mid`: write half of it, then crash)."""
+def _write(path: str, data: bytes) -> None:
+    """Write `data` to `path` and fsync it."""
     with open(path, "wb") as f:
-        f.write(data[: len(data) // 2] if fail_mid else data)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    if fail_mid:
-        raise _Crash(f"simulated crash while writing {path}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -165,10 +474,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _barrier(state: ZeroState, tag: str) -> None:
+def _barrier(mesh: Mesh, tag: str) -> None:
     """Every rank reached this point (a collective: SimMesh has no process group)."""
-    mesh = state.mesh
-    all_reduce(torch.ones((), dtype=torch.int64, device=mesh.device), mesh, "sum", tag=tag)
+    mesh.collective("all_reduce", torch.ones((), dtype=torch.int64, device=mesh.device), arg="sum", tag=tag)
 
 
 def _token(state: ZeroState) -> int:
@@ -179,13 +487,30 @@ def _token(state: ZeroState) -> int:
     return int(broadcast(mine, mesh, 0, tag="fzero.checkpoint/token")) if mesh.world_size > 1 else int(mine)
 
 
+def _dcp_save(sd: dict[str, Canonical], tmp: str, mesh: Mesh, crash: Callable[[], None] | None) -> None:
+    """`dcp.save` of this rank's chunks into `tmp`: over the process group on DistMesh (a failure
+    there is followed by a barrier, so a peer whose process died surfaces as the mesh's
+    `RankFailed`); on SimMesh rank 0 alone, for every rank, with `no_dist`."""
+    planner = ChunkSavePlanner(crash)
+    if isinstance(mesh, DistMesh):
+        try:
+            with _unwrapped(mesh.rank):
+                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, process_group=mesh.group)
+        except BaseException:
+            _barrier(mesh, "fzero.checkpoint/dcp-failed")
+            raise
+    elif mesh.rank == 0:
+        with _single_process(), _unwrapped(0):
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, no_dist=True)
+
+
 def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
-    Each rank writes its canonical pieces and its RNG state (`torch.get_rng_state()`, this
-    rank's own on SimMesh), all ranks agree, and rank 0 writes the manifest with every file's
-    sha256 and renames the folder into place (see the module docstring). With `keep=K`, rank 0
-    then deletes the oldest complete checkpoints beyond the newest K.
+    Each rank's canonical chunks and RNG states go through `dcp.save` (module docstring), all
+    ranks agree, and rank 0 writes the manifest with every file's sha256 and renames the folder
+    into place. With `keep=K`, rank 0 then deletes the oldest complete checkpoints beyond the
+    newest K.
 
     Raises `CheckpointError` if `root/step-<n>` exists already (on every rank, before writing).
     """
@@ -204,20 +529,16 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
         tmp = os.path.join(root, f".tmp-step-{n}-{_token(state):012x}")
         if rank == 0:
             os.makedirs(tmp)
-        _barrier(state, "fzero.checkpoint/mkdir")
+        _barrier(mesh, "fzero.checkpoint/mkdir")
         if _fail_at == "before_data":
             raise _Crash("simulated crash before any data was written")
-        data: dict[str, Any] = {"pieces": pieces(state), "rng": torch.get_rng_state()}
-        if rank == 0:
-            data["scalars"] = _scalars(state)
-        buf = io.BytesIO()
-        torch.save(data, buf)
-        _write(os.path.join(tmp, _rank_file(rank)), buf.getvalue(), fail_mid=_fail_at == "mid_data")
-        _barrier(state, "fzero.checkpoint/data")
+        sd = state_dict(state)
+        _dcp_save(sd, tmp, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
+        _barrier(mesh, "fzero.checkpoint/data")
         if rank == 0:
             if _fail_at == "before_manifest":
                 raise _Crash("simulated crash before the manifest was written")
-            names = [_rank_file(r) for r in range(mesh.world_size)]
+            names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
             files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
                      for f in names}
             _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files), indent=1).encode())
@@ -229,7 +550,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
             if keep is not None:
                 for old in complete(root)[:-keep]:
                     shutil.rmtree(old)
-        _barrier(state, "fzero.checkpoint/published")
+        _barrier(mesh, "fzero.checkpoint/published")
     return final
 
 
@@ -249,6 +570,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{name!r} is not a readable manifest: {e}") from None
     keys = ("format", "step", "stage", "world_size", "leaves", "optimizer", "files")
+    if isinstance(manifest, dict) and manifest.get("format") == 1:
+        raise CheckpointError(f"{name!r} is of format 1 (per-rank torch.save files, before fzero checkpoints went "
+                              f"through torch.distributed.checkpoint); this fzero reads format {FORMAT}: load it "
+                              f"with the fzero that wrote it and save it again")
     if not isinstance(manifest, dict) or any(k not in manifest for k in keys) or manifest["format"] != FORMAT:
         raise CheckpointError(f"{name!r} is not a format-{FORMAT} fzero manifest (needs the keys {keys})")
     return manifest
@@ -286,8 +611,8 @@ def latest(root: str | os.PathLike) -> str | None:
 
 
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
-    """The checkpoint's leaves (path, shape, dtype, frozen) and optimizer are the target's; every
-    file is there with its checksum. A `CheckpointError` naming the first mismatch otherwise."""
+    """The checkpoint's leaves (path, shape, dtype, frozen), optimizer and scaler are the target's;
+    a `CheckpointError` naming the first mismatch otherwise. (Files are checked as they are read.)"""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
     keys = ("path", "shape", "dtype", "frozen")
     for i, (a, b) in enumerate(zip(theirs, mine)):
@@ -307,12 +632,14 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     if (manifest.get("scaler") is None) != (target.info.scaler is None):
         raise CheckpointError(f"{path!r} has loss scaler {manifest.get('scaler')!r}, the target "
                               f"{target.info.scaler!r}; make the target with loss_scale set as when it was saved")
-    check_files(path, manifest)
 
 
-def check_files(path: str, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists is there, of its size and sha256; else `CheckpointError`."""
+def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = None) -> None:
+    """Every file the manifest lists (or those in `only`) is there, of its size and sha256; else
+    `CheckpointError` naming the file."""
     for f, meta in manifest["files"].items():
+        if only is not None and f not in only:
+            continue
         name = os.path.join(path, f)
         if not os.path.isfile(name):
             raise CheckpointError(f"{name!r} is missing from the checkpoint (the manifest lists it)")
@@ -321,126 +648,140 @@ def check_files(path: str, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{name!r} is corrupted: {size} bytes with sha256 {digest[:16]}..., the manifest "
                                   f"recorded {meta['bytes']} bytes with sha256 {meta['sha256'][:16]}...; load an "
                                   f"older checkpoint (fzero.checkpoint.complete(root))")
+    if only is not None and only - set(manifest["files"]):
+        raise CheckpointError(f"{path!r}: DCP's metadata names file(s) {sorted(only - set(manifest['files']))} that "
+                              f"the manifest does not list; the checkpoint was altered after it was saved")
+
+
+def _read_metadata(path: str) -> Metadata:
+    """DCP's metadata (`path/.metadata`), or a `CheckpointError` naming the file."""
+    try:
+        return _reader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP raises what the unpickling or the file system raised
+        raise CheckpointError(f"{os.path.join(path, '.metadata')!r} is not readable DCP metadata: "
+                              f"{type(e).__name__}: {e}") from None
+
+
+def _metadata(path: str, manifest: dict[str, Any]) -> Metadata:
+    """DCP's metadata of the checkpoint, its file checked against the manifest first."""
+    check_files(path, manifest, only={".metadata"})
+    return _read_metadata(path)
 
 
 # -- loading ---------------------------------------------------------------------------------------
 
 
-def _read(path: str, manifest: dict[str, Any]) -> tuple[dict[tuple[str, str], list], dict[str, Any], list]:
-    """`({(kind, field): [(leaf, start, values)]}, scalars, rng per saved rank)` from every rank file."""
-    table: dict[tuple[str, str], list] = {}
-    scalars: dict[str, Any] = {}
-    rng = []
-    for f in sorted(manifest["files"]):
-        data = torch.load(os.path.join(path, f), weights_only=True, mmap=True)
-        for kind, field, leaf, start, values in data["pieces"]:
-            table.setdefault((kind, field), []).append((leaf, start, values))
-        scalars.update(data.get("scalars", {}))
-        rng.append(data["rng"])
-    return table, scalars, rng
+class _Wanted(NamedTuple):
+    """What a rank reads, `{name: (offsets, destination view)}`, and the state it becomes."""
+
+    ranges: dict[str, tuple[tuple[int, ...], torch.Tensor]]
+    buffers: list[list[torch.Tensor]]  # per bucket: the params buffer, then each optimizer field's
+    scalars: dict[str, torch.Tensor]  # "step", "loss_scale/<f>"
+    rng: dict[str, torch.Tensor]  # "cpu", "cuda": this rank's saved RNG states (if restored)
 
 
-def _assemble(path: str, layout: Layout, b: int, parts: Iterable, like: torch.Tensor, what: str,
-              window: tuple[int, int] | None = None) -> torch.Tensor:
-    """Elements `[lo, hi)` (`window`; default all of them) of bucket `b`'s `flat[N * S]` of `what`,
-    from canonical pieces, zero padding, in `like`'s dtype and device: `buffer[hi - lo]`. Every
-    leaf element inside the window must be covered exactly once."""
-    spec = layout.buckets[b]
-    lo, hi = window if window is not None else (0, spec.padded_numel)
-    out = torch.zeros(hi - lo, dtype=like.dtype, device=like.device)
-    mine = set(spec.leaves)
-    filled = {i: 0 for i in spec.leaves}
-    for leaf, start, values in parts:
-        if leaf not in mine:
-            continue
-        ls = layout.leaves[leaf]
-        if values.dtype != like.dtype:
-            raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} is {values.dtype}, the target holds "
-                                  f"{like.dtype}")
-        a, z = ls.offset + start, ls.offset + start + values.numel()  # the piece in flat coordinates
-        a2, z2 = max(a, lo), min(z, hi)
-        if a2 < z2:
-            out[a2 - lo : z2 - lo] = values[a2 - a : z2 - a]
-            filled[leaf] += z2 - a2
-    for i, count in filled.items():
-        ls = layout.leaves[i]
-        want = max(0, min(ls.offset + ls.numel, hi) - max(ls.offset, lo))
-        if count != want:
-            raise CheckpointError(f"{path!r}: {what} of leaf {ls.path!r} has {count} of the {want} elements this "
-                                  f"rank needs in the checkpoint; it is incomplete")
-    return out
-
-
-def _window(layout: Layout, b: int, rank: int, sharded: bool) -> tuple[int, int] | None:
-    """The flat elements a rank holds of bucket `b`: its shard where `sharded`, else all (None)."""
-    s = layout.buckets[b].shard_numel
-    return (rank * s, (rank + 1) * s) if sharded else None
-
-
-def _leaf_field(path: str, layout: Layout, b: int, parts: list, like: torch.Tensor, what: str) -> torch.Tensor:
-    """A "leaf" field `[L]` of bucket `b` from its per-leaf entries."""
-    got = {leaf: values for leaf, _, values in parts}
-    missing = [layout.leaves[i].path for i in layout.buckets[b].leaves if i not in got]
-    if missing:
-        raise CheckpointError(f"{path!r}: {what} has no entry for leaves {missing[:5]}")
-    return torch.cat([got[i] for i in layout.buckets[b].leaves]).to(device=like.device)
-
-
-def _opt_state(path: str, target: ZeroState, b: int, table: dict) -> Any:
-    opt = target.opt_state[b]
-    if opt is None:
-        return None
+def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted:
+    """The ranges of canonical tensors `target`'s rank holds: its window of each bucket's
+    `flat[M * S']` (stage 3 params, sharded optimizer fields) or the whole buffer, per leaf
+    (`KINDS[kind].requests`); the scalars; and, with `restore_rng`, this rank's RNG states."""
     layout, stage, rank = target.layout, target.stage, target.rank
-    fields = []
-    for field, kind, like in zip(opt._fields, spec_of(target.optimizer, opt), opt):
-        parts = table.get(("opt", field), [])
-        if kind == "leaf":
-            fields.append(_leaf_field(path, layout, b, parts, like, f"optimizer field {field!r}"))
-            continue
-        window = _window(layout, b, rank, stage.sharded("optimizer_state"))
-        fields.append(_assemble(path, layout, b, parts, like, f"optimizer field {field!r}", window))
-    return type(opt)(*fields)
+    ranges: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+    buffers = []
+    for b in range(len(layout.buckets)):
+        like = target.master[b] if target.master[b] is not None else target.params[b]
+        like = torch.empty(0, dtype=layout.buckets[b].dtype, device=like.device)
+        kinds = [("params", "shard", like, stage.sharded("params"))]
+        opt = target.opt_state[b]
+        if opt is not None:
+            kinds += [(f"opt/{field}", kind, t, stage.sharded("optimizer_state"))
+                      for field, kind, t in zip(opt._fields, spec_of(target.optimizer, opt), opt)]
+        bucket = []
+        for prefix, kind, t, sharded in kinds:
+            buf, requests = KINDS[kind].requests(layout, b, t, rank, sharded)
+            ranges.update({f"{prefix}/{layout.leaves[leaf].path}": ((start,), view) for leaf, start, view in requests})
+            bucket.append(buf)
+        buffers.append(bucket)
+    scalars = {"step": torch.empty_like(target.step)}
+    if target.loss_scale is not None:
+        scalars.update({f"loss_scale/{f}": torch.empty_like(t)
+                        for f, t in zip(target.loss_scale._fields, target.loss_scale)})
+    rng = {}
+    if restore_rng:
+        for kind in ("cpu", "cuda"):
+            md = metadata.state_dict_metadata.get(f"rng/{rank}/{kind}")
+            if md is not None and (kind == "cpu" or target.mesh.device.type == "cuda"):
+                rng[kind] = torch.empty(md.size, dtype=md.properties.dtype)
+    ranges.update({name: ((0,) * t.dim(), t) for name, t in scalars.items()})
+    ranges.update({f"rng/{rank}/{kind}": ((0,) * t.dim(), t) for kind, t in rng.items()})
+    return _Wanted(ranges, buffers, scalars, rng)
+
+
+def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
+    """Every rank learns whether any rank found the checkpoint unfit (ranks check the files they
+    read, which differ), so all raise before any reads, or none does."""
+    bad = mesh.collective("all_reduce", torch.tensor(int(error is not None), device=mesh.device), arg="sum",
+                          tag="fzero.checkpoint/checked")
+    if error is not None:
+        raise error
+    if int(bad):
+        raise CheckpointError(f"{path!r}: {int(bad)} other rank(s) of {mesh!r} found the checkpoint unfit (their "
+                              f"errors name the file and the mismatch); nothing was loaded")
+
+
+def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
+    """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
+    layout, stage, rank = target.layout, target.stage, target.rank
+    params, master, opt_state = [], [], []
+    for b, spec in enumerate(layout.buckets):
+        flat, *fields = w.buffers[b]
+        if stage.sharded("params"):  # the buffer is this rank's shard already
+            held, m = flat, None
+        else:
+            held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
+        params.append(held)
+        master.append(m)
+        opt = target.opt_state[b]
+        opt_state.append(None if opt is None else type(opt)(*fields))
+    return tuple(params), tuple(master), tuple(opt_state)
 
 
 def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True) -> ZeroState:
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
-    Every rank calls it; no collective runs. Before anything is built, the manifest is checked
-    against `target` (leaves, optimizer, scaler) and every file against its sha256
-    (`CheckpointError` naming the file and the mismatch). Each bucket's master values are
-    assembled into `flat[M * S']` and held as `fzero.init` holds them (`Stage.hold`: the shard,
-    the master shard beside the compute copy `flat.to(compute)`, or the whole buffer); each
-    optimizer field per its spec; the step counter and loss scale as saved. Where the stage
-    keeps a shard (stage 3's params, sharded optimizer fields) only that shard's elements are
-    assembled. With `restore_rng`
-    and M == N, this rank's torch RNG state is set to the one saved by the same rank.
+    Every rank calls it. Before anything is read, the manifest is checked against `target`
+    (leaves, optimizer, scaler), this rank's read plan is made (`read_plan`: only the saved
+    chunks that overlap what the rank holds) and every file it touches is checked against its
+    sha256; the ranks agree on the checks (`CheckpointError` naming the file and the mismatch on
+    every rank). Then `dcp.load` fills fresh buffers: each bucket's master values, held as
+    `fzero.init` holds them (`Stage.hold`: the shard, the master shard beside the compute copy
+    `flat.to(compute)`, or the whole buffer); each optimizer field per its spec; the step counter
+    and loss scale as saved. With `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA
+    where saved and initialised) are set to the ones saved by the same rank.
     """
     check_state(target)
     path = os.fspath(path)
-    with target.mesh.guard():
+    mesh = target.mesh
+    with mesh.guard():
         manifest = read_manifest(path)
         check_fits(path, manifest, target)
-        table, scalars, rng = _read(path, manifest)
-        layout, stage, rank = target.layout, target.stage, target.rank
-        params, master, opt_state = [], [], []
-        for b, spec in enumerate(layout.buckets):
-            like = target.master[b] if target.master[b] is not None else target.params[b]
-            like = torch.empty(0, dtype=spec.dtype, device=like.device)
-            parts = table.get(("params", ""), [])
-            if stage.sharded("params"):  # hold keeps this rank's shard: assemble only that
-                held, m = _assemble(path, layout, b, parts, like, "params", _window(layout, b, rank, True)), None
-            else:
-                flat = _assemble(path, layout, b, parts, like, "params")
-                held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
-            params.append(held)
-            master.append(m)
-            opt_state.append(_opt_state(path, target, b, table))
-        scale = scalars.get("loss_scale")
-        if restore_rng and manifest["world_size"] == target.mesh.world_size:
-            torch.set_rng_state(rng[rank])
-    return ZeroState(tuple(params), tuple(opt_state), scalars["step"].clone(), tuple(master),
-                     None if scale is None else LossScaleState(*(t.clone() for t in scale)), target.info)
+        error = None
+        try:
+            metadata = _metadata(path, manifest)
+            w = _wanted(target, metadata, restore_rng and manifest["world_size"] == mesh.world_size)
+            items = read_plan(path, metadata, w.ranges)
+            check_files(path, manifest, only=files_read(metadata, items))
+        except CheckpointError as e:
+            error = e
+        _agree(mesh, path, error)
+        _dcp_load(path, metadata, w.ranges, items, mesh)
+        params, master, opt_state = _held(target, w)
+        if w.rng:
+            _set_rng_states(mesh, w.rng)
+    scale = None
+    if target.loss_scale is not None:
+        scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))
+    return ZeroState(params, opt_state, w.scalars["step"], master, scale, target.info)
 
 
 # -- export, offline ----------------------------------------------------------------------------
@@ -460,20 +801,15 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     path = os.fspath(path)
     manifest = read_manifest(path)
     check_files(path, manifest)
-    table, _, _ = _read(path, manifest)
+    metadata = _read_metadata(path)
     leaves = manifest["leaves"]
-    out: dict[str, torch.Tensor] = {}
-    covered = [0] * len(leaves)
-    flats = [torch.zeros(math.prod(ls["shape"]), dtype=_DTYPES[ls["dtype"]]) for ls in leaves]
-    for leaf, start, values in table.get(("params", ""), []):
-        flats[leaf][start : start + values.numel()] = values
-        covered[leaf] += values.numel()
-    for i, ls in enumerate(leaves):
-        if covered[i] != flats[i].numel():
-            raise CheckpointError(f"{path!r}: leaf {ls['path']!r} has {covered[i]} of {flats[i].numel()} elements in "
-                                  f"the checkpoint's files; it is incomplete")
-        t = flats[i].view(ls["shape"])
-        out[ls["path"]] = t if dtype is None else t.to(dtype)
+    flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_DTYPES[ls["dtype"]]) for ls in leaves}
+    wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
+    items = read_plan(path, metadata, wanted)
+    _dcp_load(path, metadata, wanted, items, None)
+    out = {ls["path"]: flats[ls["path"]].view(ls["shape"]) for ls in leaves}
+    if dtype is not None:
+        out = {k: t.to(dtype) for k, t in out.items()}
     if aliases:
         for name, names in aliases.items():
             for alias in names:
@@ -525,5 +861,8 @@ def summary(path: str | os.PathLike) -> str:
         lines.append(f"  {ls['path']:40s} {ls['dtype']:9s} {str(ls['shape']):20s} {nbytes:>12,} B"
                      + (" (frozen)" if ls["frozen"] else ""))
     files = sum(meta["bytes"] for meta in m["files"].values())
-    lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(m['files'])} files, {files:,} B on disk")
+    md = _read_metadata(os.fspath(path)).state_dict_metadata
+    chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
+    lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(md)} DCP tensors in {chunks} chunks; "
+                 f"{len(m['files'])} files, {files:,} B on disk")
     return "\n".join(lines)

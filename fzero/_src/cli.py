@@ -294,7 +294,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="print a checkpoint's step, world size, stage, optimizer, leaves and bytes",
-                       description="Read a checkpoint's manifest (fzero.checkpoint.save) and print what it holds.")
+                       description="Read a checkpoint's manifest and DCP metadata (fzero.checkpoint.save), offline, "
+                       "and print what it holds.")
     p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
     p.set_defaults(func=_run_inspect)
 
@@ -315,8 +316,9 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", help="write a checkpoint's full params as a safetensors file, offline",
-                       description="Assemble every leaf's master values from a checkpoint's files (no process "
-                       "group needed, any world size) and write them as OUT.safetensors, each tensor once.")
+                       description="Assemble every leaf's master values from a checkpoint's DCP chunks (no "
+                       "process group needed, any world size saved at) and write them as OUT.safetensors, each "
+                       "tensor once.")
     p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
     p.add_argument("out", help="the .safetensors file to write")
     p.add_argument("--dtype", help="cast to this dtype (bf16, fp16, fp32); default: as saved")

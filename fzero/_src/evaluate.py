@@ -25,12 +25,13 @@ import torch
 
 from .collectives import all_gather
 from .errors import ConfigError
-from .gathering import GATHERS, DivergentPaths, Gathering, is_flat_dict, same_paths
+from .gathering import GATHERS, DivergentPaths, Gathering, check_prefetch, is_flat_dict, same_paths
 from .state import ZeroState, check_state
 from .unit import Probe, unit_programs
 
 
-def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use") -> Callable[[ZeroState, Any], Any]:
+def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch: int = 0
+             ) -> Callable[[ZeroState, Any], Any]:
     """Build `evaluate(state, batch) -> fn(params, batch)` for one rank (call it on every rank).
 
     Args:
@@ -40,6 +41,8 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use") -> Callab
       gather: "on_use" (default: a unit is gathered when `fn` first reads it and, in stage 3
         with flat-dict params, freed after its submodule's forward) or "eager" (every unit
         before `fn`). The same bits either way.
+      prefetch: stage 3, on use: start the gathers of the next `prefetch` units of the layout's
+        order before the current one computes, as `train_step(..., prefetch=k)`. Same bits.
 
     Every rank must read the same units in the same order with "on_use" (as in the step): a rank
     that takes another path through the model stops every rank with `DivergentPaths`.
@@ -56,16 +59,17 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use") -> Callab
         raise ConfigError(f"evaluate's fn must be a callable (params, batch) -> output, got {fn!r}")
     if gather not in GATHERS:
         raise ConfigError(f"gather must be one of {GATHERS}, got {gather!r}")
+    check_prefetch(prefetch)
 
     def run(state: ZeroState, batch: Any) -> Any:
         check_state(state)
         with state.mesh.guard(), same_paths(state.layout), torch.no_grad():
-            return forward(state, fn, gather, batch)
+            return forward(state, fn, gather, batch, prefetch)
 
     return run
 
 
-def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any) -> Any:
+def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any, prefetch: int = 0) -> Any:
     """`fn(params, batch)` through the state's unit Functions, under `torch.no_grad()`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     programs = unit_programs(layout, mesh, stage, state.precision)
@@ -73,7 +77,8 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
     on_use = gather == "on_use" and stage.sharded("params")
-    gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout))
+    gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout),
+                           prefetch=prefetch)
     out = gathering.call(fn, batch)
     if on_use:
         check_paths(state, gathering.gathered)

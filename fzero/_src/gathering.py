@@ -35,11 +35,23 @@ Where units are freed after use, two settings move frees (never values, proofs/s
 `persist_bytes` keeps units of at most that many gathered bytes for the whole step (no
 backward re-gather), and `max_live_bytes` caps the gathered bytes live at once (kept units are
 freed early to make room; what cannot fit raises).
+
+`prefetch=k` (stage 3, on use) issues gathers ahead of use, through `Mesh.start` (on DistMesh
+asynchronous: NCCL runs it on its own stream, overlapping the current unit's compute): when
+the forward reads unit u, the gathers of the next k units of the predicted order (the layout's
+unit order) are started before u computes; when backward refills u, the refills of the next k
+released units of the reverse of this step's read order are started before u's backward runs.
+A unit read out of prediction is gathered on demand; a prefetched unit the forward never reads
+(or whose backward never reads it) is waited for and dropped. Prefetched units count against
+`max_live_bytes` (a prefetch that does not fit waits until it does; a demand read drops
+prefetches before it raises). All-gathers copy bits, so the values are those of k = 0
+(proofs/stage3.md, section 5).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -53,6 +65,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
+from .mesh import Pending
+from .stages import Piece
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Probe, UnitProgram, run_unit
 
@@ -126,11 +140,15 @@ class Gathering:
         steps only): before a unit is gathered, kept units whose use is done are freed, oldest
         first, to make room; a unit larger than the cap, or units still in use that leave no
         room, raise `ConfigError` naming them.
+      prefetch: how many units ahead to start gathering (0: each unit is gathered when read);
+        see the module docstring. Only stages that gather params (stage 3) have gathers to
+        start; elsewhere it changes nothing.
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
-                 releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None) -> None:
+                 releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None,
+                 prefetch: int = 0) -> None:
         if max_live_bytes is not None and not releasable:
             raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
                               f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
@@ -145,6 +163,9 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
+        self.prefetch = prefetch if mode == "on_use" and _gathers(programs) else 0
+        self._ahead: dict[str, list[Pending]] = {}  # unit -> its buckets' gathers in flight, in start order
+        self._backward_done: set[str] = set()  # units whose Function's backward has run
 
     # -- one unit -------------------------------------------------------------------------
 
@@ -153,13 +174,19 @@ class Gathering:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
         if unit not in self._leaves:
-            self._make_room(unit)
-            self._leaves[unit] = self._run(unit)
+            if unit not in self._ahead:  # not prefetched (or prefetch is off): gather it now
+                self._make_room(unit)
+                if self.prefetch:
+                    self._ahead[unit] = self._start(unit)
+            self._prefetch(self._after(unit, self.layout.units), backward=False)
+            self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
         self.refill(unit)
         return self._leaves[unit]
 
-    def _run(self, unit: str) -> dict[str, torch.Tensor]:
+    def _run(self, unit: str, gathered: list[Pending] | None = None) -> dict[str, torch.Tensor]:
         program = self._programs[unit]
+        if gathered is not None:
+            program = _entering(program, gathered)
         ids = [b.index for b in program.buckets]
         after = self.after_backward if self.releasable else None
         outs, anchor = run_unit(program, [self._xs[b] for b in ids], [self._fulls[b] for b in ids],
@@ -190,12 +217,15 @@ class Gathering:
 
     @property
     def live(self) -> dict[str, int]:
-        """`{unit: gathered bytes}` of the units gathered now (read, not released), in read order."""
-        return {u: self._programs[u].gathered_bytes for u in self._leaves if u not in self._released}
+        """`{unit: gathered bytes}` of the units gathered now (read and not released, or with a
+        prefetched gather in flight), in read order, then start order."""
+        held = [u for u in self._leaves if u not in self._released] + [u for u in self._ahead if u not in self._leaves
+                                                                         or u in self._released]
+        return {u: self._programs[u].gathered_bytes for u in held}
 
     def _make_room(self, unit: str) -> None:
-        """Before gathering `unit` under `max_live_bytes`: free kept units (their use is done) until
-        it fits, oldest first; raise if it cannot fit."""
+        """Before gathering `unit` under `max_live_bytes`: free kept units (their use is done), oldest
+        first, then drop prefetched gathers, latest first, until it fits; raise if it cannot fit."""
         cap = self.max_live_bytes
         if cap is None:
             return
@@ -205,29 +235,84 @@ class Gathering:
                               f"least {need}, or split the unit (finer units=...)")
         while sum(self.live.values()) + need > cap and self._kept:
             self.release(self._kept[0], force=True)
+        while sum(self.live.values()) + need > cap and self._ahead:
+            self._drop(next(reversed(self._ahead)))
         live = self.live
         if sum(live.values()) + need > cap:
             raise ConfigError(f"max_live_bytes={cap}: gathering unit {unit!r} ({need} B) while units {live} "
                               f"({sum(live.values())} B) are still in use would exceed the cap; raise it to at "
                               f"least {sum(live.values()) + need}, or use finer units")
 
-    def refill(self, unit: str) -> None:
-        """Gather a released unit again, into the same storage (the same bits: all-gather copies)."""
+    def refill(self, unit: str, backward: bool = False) -> None:
+        """Gather a released unit again, into the same storage (the same bits: all-gather copies).
+        In backward (`_Unpacking`) the refills of the next `prefetch` units backward will need are
+        started first."""
         if unit not in self._released:
             return
-        self._make_room(unit)
-        program = self._programs[unit]
+        if unit not in self._ahead:
+            self._make_room(unit)
+            self._ahead[unit] = self._start(unit)
+        if backward:
+            self._prefetch(self._after(unit, tuple(reversed(self.gathered))), backward=True)
+        pending = self._ahead.pop(unit)
         with torch.no_grad():
-            for bucket, storage, nbytes in self._storages[unit]:
-                wire = bucket.wire
-                full = program.stage.enter.run(program.mesh, wire, self._xs[bucket.index].detach().to(wire.compute))
+            for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
+                full = gathered.wait()
                 storage.resize_(nbytes)
                 full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
         self._released.discard(unit)
 
     def after_backward(self, unit: str) -> None:
-        """Called by the unit's Function when its backward is done."""
+        """Called by the unit's Function when its backward is done: a refill prefetched for it and
+        never read is dropped, and the unit is released."""
+        self._backward_done.add(unit)
+        if unit in self._ahead:
+            self._drop(unit)
         self.release(unit)
+
+    # -- prefetch --------------------------------------------------------------------------------
+
+    def _start(self, unit: str) -> list[Pending]:
+        """Start the all-gather of `unit`'s buckets (`Mesh.start`): `[Pending]` in bucket order,
+        whose results are the `flat[N * S]` the stage's `enter` returns (the shard cast to the
+        compute dtype, all-gathered; frozen buckets too). For a released unit (a refill): only
+        the buckets that own a storage (`_storages`), as `refill` fills them."""
+        program = self._programs[unit]
+        buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
+        return [program.mesh.start("all_gather", self._xs[b.index].detach().to(b.wire.compute), tag=b.tag)
+                for b in buckets]
+
+    def _after(self, unit: str, order: Sequence[str]) -> list[str]:
+        """The `prefetch` units that follow `unit` in the predicted `order` (none if it is not in it)."""
+        order = list(order)
+        at = order.index(unit) + 1 if unit in order else len(order)
+        return order[at : at + self.prefetch]
+
+    def _prefetch(self, units: Sequence[str], backward: bool) -> None:
+        """Start the gathers of `units` in order: in forward those not yet read, in backward those
+        released whose backward has not run; stop at the first that does not fit the cap (the
+        same decision on every rank: the order and the sizes are the same)."""
+        cap = self.max_live_bytes
+        for unit in units:
+            if unit in self._ahead:
+                continue
+            wanted = (unit in self._released and unit not in self._backward_done) if backward else unit not in self._leaves
+            if not wanted:
+                continue
+            if cap is not None and sum(self.live.values()) + self._programs[unit].gathered_bytes > cap:
+                return
+            self._ahead[unit] = self._start(unit)
+
+    def _drop(self, unit: str) -> None:
+        """Wait for a prefetched gather nobody will read, and free it (NCCL may still be writing)."""
+        for pending in self._ahead.pop(unit):
+            pending.wait()
+
+    def drain(self) -> None:
+        """Drop every forward prefetch still in flight (the forward is over: those units were not
+        read). Backward prefetches are dropped by their unit's `after_backward`."""
+        for unit in [u for u in self._ahead if u not in self._leaves]:
+            self._drop(unit)
 
     @property
     def gathered(self) -> tuple[str, ...]:
@@ -249,7 +334,9 @@ class Gathering:
         `fzero.evaluate` runs no backward)."""
         params, context = self._params()
         with context:
-            return fn(params, batch)
+            out = fn(params, batch)
+        self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
+        return out
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
@@ -264,6 +351,32 @@ class Gathering:
         holders = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]).expand(ls.shape) for ls in layout.leaves]
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
+
+
+def check_prefetch(prefetch: Any) -> None:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigError(f"prefetch must be an int >= 0 (how many units ahead stage 3 starts gathering; 0: gather "
+                          f"each unit when it is read), got {prefetch!r}")
+
+
+def _gathers(programs: Sequence[UnitProgram]) -> bool:
+    """Whether the stage enters params by all-gather (stage 3): only then is there a gather to start."""
+    return any(p.stage.sharded("params") for p in programs)
+
+
+def _entering(program: UnitProgram, gathered: Sequence[Pending]) -> UnitProgram:
+    """`program` whose `enter` returns the started gathers' results, bucket by bucket, instead of
+    gathering (`Pending.wait`: the same bits as `enter`). Holds the pending gathers only, never
+    the `Gathering` (the program lives in the autograd graph)."""
+    results = {b.index: p for b, p in zip(program.buckets, gathered)}
+    order = iter(program.buckets)
+
+    def enter(mesh: Any, wire: Any, x: torch.Tensor) -> torch.Tensor:
+        return results.pop(next(order).index).wait()
+
+    stage = program.stage
+    return dataclasses.replace(program, stage=dataclasses.replace(
+        stage, enter=Piece(enter, stage.enter.moves, stage.enter.frozen_moves)))
 
 
 def is_flat_dict(layout: Layout) -> bool:
@@ -285,7 +398,7 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
         def unpack(t: torch.Tensor) -> torch.Tensor:
             unit = gathering._owner.get(t.untyped_storage()._cdata)
             if unit is not None:
-                gathering.refill(unit)
+                gathering.refill(unit, backward=True)
             return t
 
         super().__init__(lambda t: t, unpack)

@@ -26,8 +26,9 @@ that update buffers (functorch rejects in-place writes to captured tensors).
 from __future__ import annotations
 
 import copy
+import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import torch
@@ -35,10 +36,11 @@ from torch import nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what functional_call swaps with
 
 from .collectives import broadcast
-from .errors import FzeroError, LayoutError
+from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh
+from .remat import remat_call
 
 
 class ModuleInfo(NamedTuple):
@@ -79,7 +81,8 @@ class _FrozenNames:
         return f"frozen_names({sorted(self.names)})"
 
 
-def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str, torch.Tensor], Callable, ModuleInfo]:
+def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Collection[str] = False
+                ) -> tuple[dict[str, torch.Tensor], Callable, ModuleInfo]:
     """`module -> (params, apply, info)`; see the module docstring.
 
     Args:
@@ -87,6 +90,13 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
       units: as for `fzero.init` (`None`, `path -> unit name`, or `{unit: predicate}`); e.g.
         `fzero.units_by_prefix(model, "transformer.h")` for one unit per block. Checked here:
         the parameters of one unit must share one device and one dtype.
+      remat: activation checkpointing per unit: `True` (every unit that has a home submodule,
+        i.e. all but the root's), or the names of the units to checkpoint (False: none). Where
+        `apply` reads units on use (`train_step`'s default), a checkpointed unit's submodule
+        keeps only its inputs for backward and runs again there, with the random-number state
+        of its first run: the same bits (`fzero._src.remat`, proofs/stage3.md). With a plain
+        params dict (`gather="eager"`, `fzero.gather`) `apply` computes the same values without
+        checkpointing.
 
     Returns:
       `params` `{name: Tensor}` (distinct parameters, module order), `apply(params, *args,
@@ -118,6 +128,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     _check_units(params, units)
+    remat_units = _remat_units(module, aliases, units, remat)
     placeholders = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     for p in module.parameters()}
     skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
@@ -138,7 +149,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None) -> tuple[dict[str,
             # (thread) binds into its own copy of the skeleton; buffers stay shared, as in eager mode
             if not hasattr(per_thread, "skeleton"):
                 per_thread.skeleton = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
-            return _apply_on_use(per_thread.skeleton, buffers, alias_table, params, args, kwargs)
+            return _apply_on_use(per_thread.skeleton, buffers, alias_table, params, args, kwargs, remat_units)
         if not isinstance(params, dict) or set(params) != expected:
             got = set(params) if isinstance(params, dict) else set()
             missing, extra = sorted(expected - got), sorted(got - expected)
@@ -175,13 +186,15 @@ def _runs_forward(module: nn.Module) -> bool:
 
 
 def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: LazyParams, args: tuple,
-                  kwargs: dict) -> Any:
-    """`skeleton(*args, **kwargs)` binding each unit's parameters when its home submodule runs."""
+                  kwargs: dict, remat: frozenset[str] = frozenset()) -> Any:
+    """`skeleton(*args, **kwargs)` binding each unit's parameters when its home submodule runs;
+    the submodule of a unit in `remat` runs through `remat_call` instead (its parameters bound
+    only inside it: the forward, and the recompute in backward)."""
     by_unit: dict[str, list[str]] = {}
     for name in aliases:
         by_unit.setdefault(params.unit_of(name), []).append(name)
     bound: dict[str, torch.Tensor] = dict(buffers)
-    hooks, swapped = [], []
+    hooks, swapped, patched = [], [], []
     for unit, names in by_unit.items():
         home = _home([alias for name in names for alias in aliases[name]])
         if home and _runs_forward(skeleton.get_submodule(home)) is False:
@@ -203,15 +216,81 @@ def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: Laz
             NamedMemberAccessor(done).swap_tensors_dict(orig, allow_missing=False)
             params.release(unit)  # frees the gathered copy where the step allows; backward re-gathers
 
+        if unit in remat:  # nn.Module reads `forward` before its hooks run: replace it for this call
+            rel_names = {alias[len(home) + 1 :]: name for name in names for alias in aliases[name]}
+            module.forward = functools.partial(_checkpointed, module, params, unit, rel_names)
+            patched.append(module)
+            continue
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
         return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=False)
     finally:
         for h in hooks:
             h.remove()
+        for mod in patched:
+            del mod.forward
         while swapped:  # a forward that raised inside a unit: put the placeholders back
             mod, orig = swapped.pop()
             NamedMemberAccessor(mod).swap_tensors_dict(orig, allow_missing=False)
+
+
+def _checkpointed(mod: nn.Module, params: LazyParams, unit: str, rel_names: dict[str, str], *args: Any,
+                  **kwargs: Any) -> Any:
+    """`mod`'s forward for a checkpointed unit: read the unit (gathering it), run the forward
+    through `remat_call` with the unit's parameters `{relative alias: leaf}` bound inside it
+    (each distinct leaf one input, so a leaf tied within the unit gets one gradient), release
+    the unit."""
+    leaves = params.unit(unit)
+
+    def forward(bound: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        rel = {alias: bound[name] for alias, name in rel_names.items()}
+        orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
+        try:
+            return type(mod).forward(mod, *args, **kwargs)
+        finally:
+            NamedMemberAccessor(mod).swap_tensors_dict(orig, allow_missing=False)
+
+    out = remat_call(forward, {name: leaves[name] for name in dict.fromkeys(rel_names.values())}, args, kwargs)
+    params.release(unit)
+    return out
+
+
+def _remat_units(module: nn.Module, aliases: dict[str, list[str]], units: UnitSpec,
+                 remat: bool | Collection[str]) -> frozenset[str]:
+    """The units to checkpoint: `remat=True` -> every unit with a home submodule that runs a
+    forward; names -> those, checked: each must be a unit, have such a home, and no other unit's
+    home may lie inside it (its parameters would be read inside the checkpointed forward,
+    where no graph is built)."""
+    if remat is False or remat is None:
+        return frozenset()
+    unit_of = _unit_of(units)
+    by_unit: dict[str, list[str]] = {}
+    for name, names in aliases.items():
+        by_unit.setdefault(unit_of(name), []).extend(names)
+    homes = {}
+    for unit, names in by_unit.items():
+        home = _home(names)
+        homes[unit] = home if home and _runs_forward(module.get_submodule(home)) else ""
+    if remat is True:
+        chosen = [u for u, h in homes.items() if h]
+    elif isinstance(remat, str) or not isinstance(remat, Collection):
+        raise ConfigError(f"remat must be True, False or a collection of unit names, got {remat!r}")
+    else:
+        chosen = list(remat)
+    for unit in chosen:
+        if unit not in homes:
+            raise ConfigError(f"remat names unit {unit!r}, which is not a unit of this module; its units are "
+                              f"{sorted(homes)[:8]} (pass units=... to from_module to define them)")
+        if not homes[unit]:
+            raise ConfigError(f"remat: unit {unit!r} has no home submodule that runs a forward (its parameters "
+                              f"spread over the root or a container), so there is no forward to recompute; drop it "
+                              f"from remat or give it its own submodule")
+        inner = [u for u, h in homes.items() if u != unit and h.startswith(homes[unit] + ".")]
+        if inner:
+            raise ConfigError(f"remat: unit {unit!r} (submodule {homes[unit]!r}) holds the home of unit(s) {inner}, "
+                              f"whose gathers would run inside the checkpointed forward; checkpoint the inner units "
+                              f"instead, or make them one unit")
+    return frozenset(chosen)
 
 
 def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:

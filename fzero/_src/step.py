@@ -30,7 +30,7 @@ import torch
 
 from .collectives import all_gather, all_reduce
 from .errors import ConfigError, NonFiniteError
-from .gathering import GATHERS, Gathering, is_flat_dict, same_paths
+from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Probe, unit_programs
@@ -79,6 +79,7 @@ class StepConfig:
     donate: bool = False
     persist_bytes: int = 0
     max_live_bytes: int | None = None
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -104,6 +105,7 @@ class StepConfig:
                               f"gathered for the step), got {p!r}")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ConfigError(f"max_live_bytes must be None or an int >= 1 (a cap on gathered bytes), got {cap!r}")
+        check_prefetch(self.prefetch)
 
 
 class Report(NamedTuple):
@@ -144,6 +146,7 @@ def train_step(
     donate: bool = False,
     persist_bytes: int = 0,
     max_live_bytes: int | None = None,
+    prefetch: int = 0,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -191,9 +194,13 @@ def train_step(
       max_live_bytes: None, or a cap on the gathered bytes live at once where stage 3 frees units
         after use: persisting units are freed early to make room; a unit larger than the cap, or
         units in use that leave no room, raise `ConfigError`. Same bits (proofs/stage3.md).
+      prefetch: stage 3, on use: how many units ahead to start gathering (forward: the layout's
+        unit order; backward: the reverse of the forward's read order), through `Mesh.start`
+        (asynchronous on DistMesh). 0 (default): gather when read. Same bits; prefetched units
+        count against `max_live_bytes` (see `fzero._src.gathering`).
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
-                        clip_norm, donate, persist_bytes, max_live_bytes)
+                        clip_norm, donate, persist_bytes, max_live_bytes, prefetch)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         return eager_step(config, state, batch)
@@ -357,7 +364,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes).loss(objective, batch)
+                         config.max_live_bytes, config.prefetch).loss(objective, batch)
         return loss, counts[0]
 
     train = tuple(xs[b] for b in trainable)

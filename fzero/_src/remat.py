@@ -1,0 +1,147 @@
+"""Activation checkpointing of one unit: keep its inputs, recompute its forward in backward.
+
+`remat_call(forward, params, args, kwargs)` computes `forward(params, *args, **kwargs)` (a
+unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
+
+- in forward runs `forward` without building a graph and saves only its inputs: the tensors
+  among `args` / `kwargs` (activations) and `params` (the unit's leaves: views of its gathered
+  storage, which the step frees after the forward and gathers again when backward unpacks them;
+  the Function saves no activation of its own);
+- in backward unpacks them (in stage 3: one re-gather of the unit, which then serves both the
+  recompute and the unit's own backward), puts back the random-number state the forward
+  started from (CPU generator, and the CUDA generator of every CUDA device among the inputs),
+  recomputes `forward` under the autocast settings of the forward (as `torch.utils.checkpoint`
+  does: backward runs outside the loss's `torch.autocast` block) and takes its vector-Jacobian
+  product with `torch.func.vjp`, and restores the generators it found.
+
+The recompute runs the same ops on the same values with the same random numbers, so its
+outputs, and the vjp's gradients, are the bits of the run without checkpointing
+(proofs/stage3.md, section 6). `torch.func.vjp` composes with `torch.func` transforms, so
+`train_step(..., engine="func")` works too, where `torch.utils.checkpoint` does not compose.
+
+Shapes: `args` / `kwargs` a pytree of tensors and constants; `params` `{name: tensor}`; the
+output a pytree of tensors (what `forward` returns), each output of `_Remat` one leaf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class RngState(NamedTuple):
+    """The generator states a forward starts from: `cpu` (`torch.get_rng_state()`) and, per CUDA
+    device index among its inputs, `torch.cuda.get_rng_state(device)`."""
+
+    cpu: torch.Tensor
+    cuda: tuple[tuple[int, torch.Tensor], ...]
+
+    @staticmethod
+    def now(tensors: list[torch.Tensor]) -> "RngState":
+        devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        return RngState(torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices))
+
+    def put(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for d, state in self.cuda:
+            torch.cuda.set_rng_state(state, d)
+
+
+@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+    """The autocast settings a forward runs under: per device type (CPU, and CUDA where an input
+    is on CUDA) whether autocast is on and its dtype, and whether its cast cache is on."""
+
+    devices: tuple[tuple[str, bool, torch.dtype], ...]
+    cache: bool
+
+    @staticmethod
+    def now(tensors: list[torch.Tensor]) -> "Autocast":
+        types = ["cpu"] + (["cuda"] if any(t.device.type == "cuda" for t in tensors) else [])
+        return Autocast(tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in types),
+                        torch.is_autocast_cache_enabled())
+
+    def context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for device, enabled, dtype in self.devices:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=self.cache))
+        return stack
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """The static half of one checkpointed call: how to rebuild `(params, args, kwargs)` from
+    the Function's tensor inputs, and the output's structure (set by the forward). Not a pytree
+    node (a NamedTuple would be one), so `torch.func` passes it to the Function as it is."""
+
+    forward: Callable[..., Any]
+    names: tuple[str, ...]
+    spec: Any  # the treespec of (args, kwargs) with tensors taken out
+    consts: tuple[Any, ...]  # its non-tensor leaves, by position (None where a tensor goes)
+    rng: RngState
+    autocast: Autocast
+    out: list  # [output treespec], filled by the forward
+
+    def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """`forward(params, *args, **kwargs)` from the flat tensors `(*params, *arg tensors)`,
+        as a flat tuple of output tensors."""
+        k = len(self.names)
+        params, rest = dict(zip(self.names, tensors[:k])), iter(tensors[k:])
+        leaves = [next(rest) if c is None else c for c in self.consts]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        flat, spec = tree_flatten(self.forward(params, *args, **kwargs))
+        if not self.out:
+            self.out.append(spec)
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            raise TypeError(f"a checkpointed unit must return tensors only (a pytree of them); got "
+                            f"{[type(t).__name__ for t in flat]}")
+        return tuple(flat)
+
+
+def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """`forward(params, *args, **kwargs)`, saving only its tensor inputs for backward (see the
+    module docstring). Without grad mode on, a plain call (nothing to save)."""
+    if not torch.is_grad_enabled():
+        return forward(dict(params), *args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    names = tuple(params)
+    inputs = [*(params[n] for n in names), *tensors]
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [])
+    outs = _Remat.apply(plan, *inputs)
+    return tree_unflatten(list(outs), plan.out[0])
+
+
+class _Remat(torch.autograd.Function):
+    @staticmethod
+    def forward(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return plan.call(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.plan = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.set_materialize_grads(True)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        tensors = ctx.saved_tensors  # stage 3: unpacking the params gathers the unit again, once
+        plan: _Plan = ctx.plan
+        found = RngState.now(list(tensors))
+        plan.rng.put()
+        try:
+            detached = tuple(t.detach() for t in tensors)
+            with torch.enable_grad(), plan.autocast.context():
+                _, vjp = torch.func.vjp(lambda *ts: plan.call(ts), *detached)
+                got = vjp(tuple(grads))
+        finally:
+            found.put()
+        needs = ctx.needs_input_grad[1:]
+        return (None, *(g if need else None for g, need in zip(got, needs)))

@@ -1,0 +1,172 @@
+"""Activation checkpointing per unit (`from_module(..., remat=...)`, fzero/_src/remat.py): the
+same bits as the run without it in every stage and engine, dropout included (the recompute
+replays the forward's random numbers), only the unit's inputs kept for backward, and in stage 3
+one backward gather per unit serving both the recompute and the unit's backward
+(proofs/stage3.md, section 6)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero._src import remat as remat_module
+from fzero.accounting import LiveStorages
+from fzero.testing import examples
+
+from . import prefetch_cases as cases
+from .test_prefetch import _equal
+
+
+def _run(n, stage, d, hidden, **kw):
+    mesh = fzero.SimMesh(n)
+    return mesh.run(functools.partial(cases.train, mesh, stage, d, hidden, **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _stage_0(n, d, hidden, dropout):
+    """Stage 0 without checkpointing: the reference (computed once per model; results are
+    only compared, never modified)."""
+    return _run(n, 0, d, hidden, dropout=dropout)
+
+
+@pytest.mark.parametrize("dropout", [0.3])
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_remat_in_every_stage_equals_stage_0_without_it(stage, engine, dropout):
+    """Every block checkpointed, N = 2, two AdamW steps: losses and params equal stage 0 without
+    checkpointing, bit for bit, with dropout too: the recompute runs the same ops on the same
+    values (the params gathered again copy the same bits) with the generator state the forward
+    started from, so it draws the same masks."""
+    d, hidden = 8, (8, 12, 16)
+    _equal(_stage_0(2, d, hidden, dropout), _run(2, stage, d, hidden, dropout=dropout, remat=True, engine=engine))
+
+
+@examples(4)
+@given(st.integers(1, 4), st.sampled_from([4, 8]), st.integers(0, 2), st.integers(1, 3), st.data())
+def test_remat_with_prefetch_on_random_models_equals_stage_0(depth, d, k, n, data):
+    """Random depth and width, a random subset of blocks checkpointed, stage 3 with prefetch k,
+    dropout 0.2: the same bits as stage 0 without checkpointing."""
+    hidden = tuple(data.draw(st.lists(st.sampled_from([4, 8, 12]), min_size=depth, max_size=depth)))
+    chosen = data.draw(st.sets(st.sampled_from([f"blocks.{i}" for i in range(depth)])))
+    _equal(_stage_0(n, d, hidden, 0.2), _run(n, 3, d, hidden, dropout=0.2, remat=chosen or False, prefetch=k))
+
+
+def test_without_the_rng_replay_dropout_would_differ(monkeypatch):
+    """Non-vacuous: with the replay of the generator state disabled, the recompute draws other
+    dropout masks and the gradients (so the params after a step) differ."""
+    d, hidden = 8, (8, 12)
+    want = _run(2, 3, d, hidden, dropout=0.3)
+    monkeypatch.setattr(remat_module.RngState, "put", lambda self: None)
+    got = _run(2, 3, d, hidden, dropout=0.3, remat=True)
+    assert any(not torch.equal(a[0][k], b[0][k]) for a, b in zip(want, got) for k in a[0])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_block_keeps_only_its_input_for_backward(stage):
+    """A census of the floating storages the forward leaves live (allocated between the loss's
+    start and its end; gathered parameter storage excluded: `GatherCensusMesh`; and storages
+    under 64 bytes: the units' 0-d anchors): one more checkpointed block keeps exactly one more
+    (B, T, d) float32 tensor per rank -- its output, the next one's input -- while one more plain
+    block keeps several of its activations."""
+    n, d, b, t = 1, 8, 2, 5  # one rank: no other rank's allocations between the two notes
+    act = b * t * d * 4
+
+    def live(depth, remat):
+        mesh = cases.GatherCensusMesh(n)
+        census = LiveStorages(count=lambda x: x.is_floating_point() and not mesh.inside(x)
+                              and x.untyped_storage().nbytes() >= 64)
+        seen = {}
+
+        def rank_fn():
+            def note(when):
+                torch.zeros(1).add_(1)  # one op: the census re-reads what is live
+                seen.setdefault(when, []).append(census.current)
+
+            with census:
+                return cases.train(mesh, stage, d, (12,) * depth, steps=1, remat=remat, note=note)
+
+        mesh.run(rank_fn)
+        return seen["end"][0] - seen["start"][0]
+
+    remat = [live(k, True) for k in (1, 2, 3)]
+    plain = [live(k, False) for k in (1, 2, 3)]
+    assert remat[1] - remat[0] == remat[2] - remat[1] == n * act, (remat, act)
+    assert plain[1] - plain[0] > 3 * n * act, plain
+
+
+def _gathers(log, rank):
+    units = [r.tag.split("/")[0] for r in log if r.op == "all_gather" and r.rank == rank
+             and not r.tag.startswith("fzero.")]
+    return {u: units.count(u) for u in set(units)}
+
+
+def test_in_stage_3_one_backward_gather_serves_the_recompute_and_the_backward():
+    """The all-gathers per unit of a checkpointed stage-3 step are those of the plain step: one
+    in forward, one in backward for every block (the recompute's params are the refilled
+    storage its backward reads too), and one by `fzero.gather` after the step."""
+    n, d, hidden = 2, 8, (8, 12, 16)
+
+    def count(remat):
+        mesh = fzero.SimMesh(n)
+
+        def rank_fn():
+            with mesh.record() as log:
+                cases.train(mesh, 3, d, hidden, steps=1, remat=remat)
+            return _gathers(log, mesh.rank)
+
+        return mesh.run(rank_fn)[0]
+
+    plain, checkpointed = count(False), count(True)
+    assert checkpointed == plain and all(checkpointed[f"blocks.{i}"] == 3 for i in range(len(hidden))), (plain,
+                                                                                                        checkpointed)
+
+
+def test_remat_rejects_what_it_cannot_checkpoint():
+    with pytest.raises(fzero.ConfigError, match="remat names unit 'blocks.9', which is not a unit"):
+        cases.model(8, (8,), remat={"blocks.9"})
+    with pytest.raises(fzero.ConfigError, match="unit 'default' has no home submodule"):
+        cases.model(8, (8,), remat={"default"})
+    with pytest.raises(fzero.ConfigError, match="must be True, False or a collection"):
+        cases.model(8, (8,), remat="blocks.0")
+    torch.manual_seed(0)
+    m = cases.Tiny(11, 8, (8, 8))
+
+    def units(path):  # block 0's `up` is a unit of its own inside unit "outer" (the rest of block 0)
+        return "inner" if path.startswith("blocks.0.up.") else "outer" if path.startswith("blocks.0.") else "default"
+
+    with pytest.raises(fzero.ConfigError, match=r"unit 'outer' \(submodule 'blocks.0'\) holds the home of unit"):
+        fzero.from_module(m, units=units, remat={"outer"})
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_remat_recomputes_under_the_forwards_autocast(engine):
+    """The loss runs under CPU bf16 autocast; backward runs outside it, so the recompute must
+    re-enter it (as `torch.utils.checkpoint` does) to compute the same bf16 matmuls: stage 3
+    with every block checkpointed equals stage 0 without, bit for bit. Non-vacuous: autocast
+    changes the loss (the bf16 run differs from the fp32 one)."""
+    n, d, hidden = 2, 8, (8, 12)
+
+    def run(stage, remat, autocast=True):
+        mesh = fzero.SimMesh(n)
+        params, apply, info = cases.model(d, hidden, remat=remat)
+
+        def loss(p, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = apply(p, b[0])
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
+
+        def rank_fn():
+            state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            state, m = fzero.train_step(loss, engine=engine)(state, cases.batch(mesh.rank))
+            return fzero.gather(state), [m.loss]
+
+        return mesh.run(rank_fn)
+
+    want = run(0, False)
+    _equal(want, run(3, True))
+    assert not torch.equal(want[0][1][0], run(0, False, autocast=False)[0][1][0])
