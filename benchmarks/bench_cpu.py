@@ -7,6 +7,10 @@ processes, one after the other: median step time of `--steps` steps after `--war
 line per mode on rank 0, with the ratio to DDP's median. On a CPU only ratios mean anything.
 
 Run:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py
+Bucket-size sweep:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,2,3 \
+        --bucket-bytes none,1048576,4194304,16777216
+(a cap splits each unit's leaves into consecutive buckets of at most that many bytes; the
+reductions of a unit's buckets are then in flight together)
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--bucket-bytes", default="none",
+                    help="comma list of fzero.init(bucket_bytes=...) to sweep ('none': one bucket per unit), "
+                         "e.g. none,1048576,4194304,16777216")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
     rank = mesh.rank
@@ -77,16 +84,20 @@ def main() -> None:
 
     rows = [("ddp", timed(ddp_step, a))]
     del ddp, opt
+    caps = [None if c == "none" else int(c) for c in a.bucket_bytes.split(",")]
     for stage in (int(s) for s in a.stages.split(",")):
-        params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
-        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units)
-        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
-        box = [state]
+        for cap in caps:
+            params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
+            state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units,
+                               bucket_bytes=cap)
+            step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
+            box = [state]
 
-        def fzero_step() -> None:
-            box[0], _ = step(box[0], (x, y))
+            def fzero_step() -> None:
+                box[0], _ = step(box[0], (x, y))
 
-        rows.append((f"fzero-stage{stage}", timed(fzero_step, a)))
+            rows.append((f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}"), timed(fzero_step, a)))
+            del box, state
     if rank == 0:
         base = rows[0][1]
         for mode, t in rows:

@@ -1,6 +1,9 @@
 """fzero stages 0-3 on the peers' GPT-style model, one stage per torchrun job.
 
 Run (2 GPUs):  torchrun --nproc-per-node 2 benchmarks/bench_stages.py --stage 3
+Profile:       torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --profile prof-stage2.txt
+CPU check:     torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --dim 64 --layers 2 --heads 2
+               --seq 32 --vocab 128 --micro 2 --warmup 1 --steps 2 (gloo; the numbers mean nothing)
 The model, data, batch, bf16 autocast, AdamW and timing rule are those of
 benchmarks/peers/bench_peers.py (the team's peer script, copied from shared/peers), so the JSON
 lines compare one to one with its `ddp` / `fsdp2` modes run in the same job
@@ -37,7 +40,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--peak", type=float, default=989e12)
     ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
-    ap.add_argument("--profile", action="store_true", help="print the top ops of one step (rank 0)")
+    ap.add_argument("--profile", default="", help="write the profiler tables of one extra step (rank 0) to this file")
     ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
     ap.add_argument("--donate", type=int, default=1, help="train_step(donate=...): update the state in place")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
@@ -83,12 +86,17 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
             state, m = step(state, (idx, tgt))
-            torch.cuda.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
         if rank == 0:
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
+            by = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+            with open(a.profile, "w") as f:
+                f.write(f"# fzero stage {a.stage}, {a.precision}, world {world}, torch {torch.__version__}\n")
+                f.write(prof.key_averages().table(sort_by=by, row_limit=30) + "\n")
+                f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
     times.sort()
     med = times[len(times) // 2]
     tok = a.micro * a.seq
@@ -99,7 +107,8 @@ def main() -> None:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
-            + ("" if a.precision == "autocast" else f"-{a.precision}"), "world": world, "params_M": round(nparams / 1e6, 1),
+            + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else ""),
+            "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),

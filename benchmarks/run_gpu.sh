@@ -1,18 +1,32 @@
 #!/bin/bash
-# One job on a machine with 2 GPUs: torch DDP and FSDP2 (the peer script) and fzero stages 0-3 on
-# the same model, one torchrun job each, one JSON line each, written to ${OUT:-.}/bench.jsonl.
-# Use: ARGS="--layers 24" bash benchmarks/run_gpu.sh
+# One job on a GPU machine (NGPU GPUs, default all): torch DDP and FSDP2 with and without reshard
+# (the peer script), fzero stages 0-3 (fp32 params, bf16 autocast), fzero with the bf16 policy
+# (stages 2-3), all on the same model, one torchrun job each, one JSON line each, appended to
+# ${OUT:-.}/bench.jsonl; then (PROFILE=1) a profiler table of one fzero step per PROFILE_STAGES
+# (${OUT}/profile-stage<s>.txt) and (CENSUS=1, one GPU) benchmarks/census.py's passes per step.
+# Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode)
+# An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
-out=${OUT:-.}/bench.jsonl
+o=${OUT:-.}
+out=$o/bench.jsonl
 ngpu=${NGPU:-$(python3 -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 run() {  # name, script, args...
   local name=$1; shift
-  timeout ${MODE_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" "$@" ${ARGS:-} > "${OUT:-.}/$name.log" 2>&1
-  grep '^{' "${OUT:-.}/$name.log" | tee -a "$out" || { echo "{\"mode\": \"$name\", \"error\": true}" | tee -a "$out"; tail -5 "${OUT:-.}/$name.log"; }
+  timeout ${MODE_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" "$@" ${ARGS:-} > "$o/$name.log" 2>&1
+  grep '^{' "$o/$name.log" | tee -a "$out" || { echo "{\"mode\": \"$name\", \"error\": true}" | tee -a "$out"; tail -5 "$o/$name.log"; }
 }
-for m in ${PEERS:-ddp fsdp2}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
-for s in ${STAGES:-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
-for s in ${EAGER_STAGES:-3}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
-for s in ${BF16_STAGES:-}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+for m in ${PEERS-ddp fsdp2 fsdp2-noreshard}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
+for s in ${STAGES-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
+for s in ${EAGER_STAGES:-}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
+for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+if [ "${PROFILE:-1}" = 1 ]; then
+  for s in ${PROFILE_STAGES-2}; do
+    run "fzero$s-profile" "$here/bench_stages.py" --stage "$s" --steps 2 --warmup 2 --profile "$o/profile-stage$s.txt"
+  done
+fi
+if [ "${CENSUS:-1}" = 1 ] && [ "$ngpu" = 1 ] && python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  timeout ${CENSUS_TIMEOUT:-400} python3 -m torch.distributed.run --standalone --nproc-per-node 1 "$here/census.py" --gpt \
+    > "$o/census.log" 2>&1; grep '^{' "$o/census.log" | tee -a "$o/census.jsonl" || tail -5 "$o/census.log"
+fi

@@ -237,3 +237,8 @@ class PeakAtBackward(fzero.SimMesh):
         if op == "reduce_scatter" and self.forward_peak is None:
             self.forward_peak = self.census.peak
         return super().collective(op, x, arg=arg, tag=tag)
+
+    def start(self, op, x, *, arg=None, tag=None):  # the step starts backward's reductions without waiting
+        if op == "reduce_scatter" and self.forward_peak is None:
+            self.forward_peak = self.census.peak
+        return super().start(op, x, arg=arg, tag=tag)

@@ -87,6 +87,7 @@ class BucketSpec:
     numel: int
     shard_numel: int
     world_size: int
+    part: int = 0  # k-th bucket of its (unit, dtype, group) where `plan(bucket_bytes=...)` splits it
 
     @property
     def padded_numel(self) -> int:
@@ -94,7 +95,8 @@ class BucketSpec:
 
     @property
     def tag(self) -> str:
-        return f"{self.unit}/{str(self.dtype).removeprefix('torch.')}/{self.group.name}"
+        base = f"{self.unit}/{str(self.dtype).removeprefix('torch.')}/{self.group.name}"
+        return base if self.part == 0 else f"{base}#{self.part}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +226,7 @@ def plan(
     units: UnitSpec = None,
     groups: Sequence[ParamGroup] = (),
     align: int = 1,
+    bucket_bytes: int | None = None,
 ) -> Layout:
     """The layout of `params` over `world_size` ranks.
 
@@ -237,6 +240,12 @@ def plan(
       groups: parameter groups; the first whose `match` accepts a leaf's path wins, a frozen
         group wherever it stands; an `nn.Parameter` leaf with `requires_grad=False` is frozen.
       align: each shard's length is a multiple of `align` elements.
+      bucket_bytes: None (one bucket per unit, dtype and group), or a cap: the leaves of each
+        (unit, dtype, group) are cut into consecutive buckets of at most this many bytes of
+        leaves (padding not counted), each leaf kept whole -- a leaf larger than the cap is a
+        bucket of its own. The k-th bucket after the first is tagged `unit/dtype/group#k`. Leaf
+        paths and offsets within their bucket keep their meaning; every bucket is reduced and
+        gathered on its own (more, smaller collectives that can be in flight at once).
 
     Returns:
       A `Layout` whose buckets hold `flat[N * S]` with `S = align * max(1, ceil(numel / (N * align)))`.
@@ -244,6 +253,10 @@ def plan(
     world_size = check_world_size(world_size)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise LayoutError(f"align must be an int >= 1, got {align!r}")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 1):
+        raise LayoutError(f"bucket_bytes must be None or an int >= 1 (the most bytes of leaves per bucket), "
+                          f"got {bucket_bytes!r}")
     paths, leaves, spec = flatten_with_paths(params)
     unit_of, group_of = _unit_of(units), _group_of(groups)
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
@@ -252,14 +265,33 @@ def plan(
         keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
     specs: list[LeafSpec | None] = [None] * len(leaves)
     buckets = []
-    for b, ((unit, dtype, group), members) in enumerate(keys.items()):
+    runs = [(key, part, run) for key, members in keys.items()
+            for part, run in enumerate(_runs(members, [leaves[i].numel() * key[1].itemsize for i in members],
+                                             bucket_bytes))]
+    for b, ((unit, dtype, group), part, members) in enumerate(runs):
         offset = 0
         for i in members:
             specs[i] = LeafSpec(i, paths[i], tuple(leaves[i].shape), dtype, unit, group, b, offset)
             offset += specs[i].numel
         shard = align * max(1, -(-offset // (world_size * align)))
-        buckets.append(BucketSpec(b, unit, dtype, group, tuple(members), offset, shard, world_size))
+        buckets.append(BucketSpec(b, unit, dtype, group, tuple(members), offset, shard, world_size, part))
     return Layout(spec, tuple(specs), tuple(buckets), world_size, align)  # type: ignore[arg-type]
+
+
+def _runs(members: list[int], nbytes: list[int], cap: int | None) -> list[list[int]]:
+    """`members` cut into consecutive runs of at most `cap` bytes (`nbytes[k]`: member k's), each
+    member whole; a member larger than `cap` is a run of its own. `cap=None`: one run."""
+    if cap is None:
+        return [members]
+    runs: list[list[int]] = [[]]
+    size = 0
+    for i, n in zip(members, nbytes):
+        if runs[-1] and size + n > cap:
+            runs.append([])
+            size = 0
+        runs[-1].append(i)
+        size += n
+    return runs
 
 
 def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:

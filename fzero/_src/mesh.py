@@ -147,6 +147,16 @@ class Mesh(abc.ABC):
         return self._exchange(*self._enter(op, x, arg, tag))
 
     @torch.compiler.disable
+    def solo(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
+        """At world size 1: `collective(op, x)` validated and recorded, returning `x` itself (over one
+        rank every collective is the identity). The caller guarantees that nothing writes or frees
+        `x` while the result is used, as the copy `collective` makes would allow."""
+        if self.world_size != 1:
+            raise MeshError(f"{op} (tag {tag!r}): Mesh.solo is the world-size-1 form, this mesh has {self.world_size}")
+        self._enter(op, x, arg, tag)
+        return x
+
+    @torch.compiler.disable
     def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
@@ -197,6 +207,11 @@ class Pending:
     def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None,
                  lost: Callable[[BaseException], BaseException] | None = None) -> None:
         self._out, self._work, self._keep, self._lost = out, work, keep, lost
+
+    @property
+    def result(self) -> torch.Tensor:
+        """The tensor `wait()` returns, without waiting: pass it on, but read it only after `wait()`."""
+        return self._out
 
     @property
     def done(self) -> bool:

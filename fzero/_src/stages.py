@@ -34,10 +34,10 @@ from typing import NamedTuple
 
 import torch
 
-from .collectives import all_gather, all_reduce, reduce_scatter
+from .collectives import all_reduce, reduce_scatter
 from .errors import ConfigError
 from .layout import Layout
-from .mesh import Mesh
+from .mesh import Mesh, Pending
 
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
 
@@ -65,14 +65,47 @@ class Wire(NamedTuple):
 BucketFn = Callable[[Mesh, Wire, torch.Tensor], torch.Tensor]  # (mesh, how the bucket travels, tensor) -> tensor
 
 
+class Flight:
+    """One bucket's collectives in flight: `pending`, and the collectives still to start on its
+    result (`then`: result -> Pending), in order. `advance()` waits for `pending` and starts the
+    next; `wait()` runs every phase and returns the last result. A step starts every bucket's
+    first collective, then advances each (stage 0: each reduce-scatter's all-gather), then waits:
+    the same calls, the same bits, as the blocking pieces, with many in flight at once."""
+
+    def __init__(self, pending: Pending, then: tuple[Callable[[torch.Tensor], Pending], ...] = ()) -> None:
+        self.pending, self.then = pending, then
+
+    def advance(self) -> "Flight":
+        if not self.then:
+            return self
+        return Flight(self.then[0](self.pending.wait()), self.then[1:])
+
+    def wait(self) -> torch.Tensor:
+        flight = self
+        while flight.then:
+            flight = flight.advance()
+        return flight.pending.wait()
+
+
+StartFn = Callable[[Mesh, Wire, torch.Tensor], Flight]
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A step function of one category and the collectives it issues (per trainable bucket, and
-    `frozen_moves` per frozen bucket)."""
+    `frozen_moves` per frozen bucket). Pieces that run outside autograd (after backward, after
+    the update) also have `start`, the same collectives without waiting: `run` is then
+    `start(...).wait()`."""
 
     run: BucketFn
     moves: tuple[Move, ...] = ()
     frozen_moves: tuple[Move, ...] = ()
+    start: StartFn | None = None
+
+
+def _started(start: StartFn, moves: tuple[Move, ...] = ()) -> Piece:
+    """The piece whose blocking form is `start(...).wait()`."""
+    return Piece(lambda mesh, wire, x: start(mesh, wire, x).wait(), moves, start=start)
 
 
 def _identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> torch.Tensor:
@@ -90,18 +123,54 @@ def _gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
 
 def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     """`flat[N * S] -> shard[S]` of `Σ_r fl(1/N) * g_r` in the reduce dtype (DDP multiplies by
-    fl(1/N), then sums)."""
+    fl(1/N), then sums).
+
+    At N = 1 this is `g.to(reduce)` with no collective and no multiply: fl(1/1) = 1 and
+    `x * 1.0 == x` for every float x (signed zeros included), and a sum over one rank is its one
+    term (`Mesh.solo`: recorded, not moved). The result may then be `grad` itself: every caller passes a fresh gradient buffer that
+    nothing else holds (the unit's assembled `flat[N * S]`, or the step's sum of micro-batches).
+    """
+    if mesh.world_size == 1:
+        return mesh.solo("reduce_scatter", grad.to(wire.reduce), tag=wire.tag)
     return reduce_scatter(grad.to(wire.reduce) * (1.0 / mesh.world_size), mesh, tag=wire.tag)
 
 
-def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
-    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0)."""
-    return all_gather(reduce_grad(mesh, wire, grad), mesh, tag=wire.tag)
+def _start_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
+    """`reduce_grad` without waiting (outside autograd, on a detached gradient): `flat[N * S] ->`
+    (in flight) `shard[S]` of `Σ_r fl(1/N) * g_r`. The scaled copy is kept by the Pending until
+    waited; `grad` itself is not read after this returns."""
+    x = grad.detach().to(wire.reduce)
+    if mesh.world_size == 1:
+        return Flight(Pending(mesh.solo("reduce_scatter", x, tag=wire.tag)))
+    return Flight(mesh.start("reduce_scatter", x * (1.0 / mesh.world_size), tag=wire.tag))
 
 
-def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
-    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`."""
-    return all_gather(shard.to(wire.compute), mesh, tag=wire.tag)
+def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
+    """`shard[S] -> flat[N * S]` in flight; at N = 1 the shard itself (`Mesh.solo`)."""
+    if mesh.world_size == 1:
+        return Pending(mesh.solo("all_gather", shard, tag=wire.tag))
+    return mesh.start("all_gather", shard, tag=wire.tag)
+
+
+def _start_reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0;
+    at N = 1 neither moves anything)."""
+    reduced = _start_reduce(mesh, wire, grad)
+    return Flight(reduced.pending, (lambda x: _start_gather(mesh, wire, x),))
+
+
+def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
+    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`.
+
+    At N = 1 the shard is the whole buffer and nothing is moved (`Mesh.solo`): the result is
+    `shard` itself where no cast is needed. That aliasing is safe: stages 1-2 hold that buffer as
+    their params, and where they keep a separate master the cast makes a fresh tensor (compute !=
+    master dtype). `shard` must not be written until the flight is waited (the next step's update)."""
+    return Flight(_start_gather(mesh, wire, shard.to(wire.compute)))
+
+
+def _start_identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> Flight:
+    return Flight(Pending(x))
 
 
 _AG_PARAM_FWD = Move("all_gather", "params", "forward")
@@ -109,14 +178,16 @@ _AG_PARAM_AGAIN = Move("all_gather", "params", "regather")
 _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 
 ENTER_FULL = Piece(_identity)
+# stage 3's gather copies at N = 1 too (`_gather` has no `solo` form): the step releases gathered
+# storage (resize to 0) after use, which must never reach the held shard.
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
 LEAVE_LOCAL = Piece(_identity)
-LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,))
-AFTER_NONE = Piece(_identity)
-AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,))
-AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))
-FINISH_KEEP = Piece(_identity)
-FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),))
+LEAVE_REDUCED = Piece(reduce_grad, (_RS_GRAD,), start=lambda mesh, wire, g: _start_reduce(mesh, wire, g))
+AFTER_NONE = _started(_start_identity)
+AFTER_REDUCE = _started(_start_reduce, (_RS_GRAD,))
+AFTER_REDUCE_GATHER = _started(_start_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")))
+FINISH_KEEP = _started(_start_identity)
+FINISH_GATHER = _started(_start_gather_params, (Move("all_gather", "params", "update"),))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,6 +137,7 @@ def init(
     units: UnitSpec = None,
     groups: Sequence[ParamGroup] = (),
     align: int = 1,
+    bucket_bytes: int | None = None,
     sync: bool = True,
     precision: Precision = FULL,
     loss_scale: LossScale | None = None,
@@ -152,7 +153,7 @@ def init(
       optimizer: a `fzero.optim` optimizer; the state remembers it, and `train_step` uses it.
       stage: the ZeRO stage, 0-3.
       mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
-      units, groups, align: as for `fzero.layout.plan`.
+      units, groups, align, bucket_bytes: as for `fzero.layout.plan`.
       sync: broadcast rank 0's values to every rank.
       precision: a `fzero.Precision` (compute and reduce dtypes); the master values stay in the
         params' own dtype (`fzero._src.precision`).
@@ -168,12 +169,13 @@ def init(
         if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
             raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
                               f"got {type(loss_scale).__name__} {loss_scale!r}")
-        layout = plan(params, mesh.world_size, units=units, groups=groups, align=align)
+        layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
         _check_distinct(params)
         _check_real(params)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
+                            bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,

@@ -5,14 +5,19 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
 1. `backward`: each unit's leaves come out of the per-unit Function (gathered where the stage
    shards params), `loss_fn(params, batch)` gives this rank's mean loss, and its gradient is
    taken (`torch.autograd.grad`, or `torch.func.grad_and_value` with `engine="func"`); stages
-   that shard gradients reduce-scatter each unit inside its backward. The units' probes report
+   that shard gradients reduce-scatter each unit inside its backward (with the autograd engine
+   started there and waited for when the backward is done, `unit.Inflight`). The units' probes report
    which leaves got a gradient and which local gradients were non-finite;
-2. `reduce`: the stage's `after_backward` per bucket; the reduced gradient is `Σ_r fl(1/N) g_r`;
+2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
+   any is waited for; the reduced gradient is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
-   `finish` (stages 1-2: all-gather the new params).
+   `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
+
+At N = 1 nothing is moved: reductions and gathers of gradients and updated params are recorded
+and return their input (`Mesh.solo`), except stage 3's gathers, which copy.
 
 The input state is never modified. The new state's updated tensors are fresh; what a step does
 not touch (frozen buckets' params) is shared with the input state, as in JAX: treat states as
@@ -33,7 +38,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
-from .unit import Probe, unit_programs
+from .unit import Inflight, Probe, float64_sum, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -343,7 +348,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode))`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    programs = unit_programs(layout, mesh, stage, state.precision)
+    inflight = Inflight() if config.engine == "autograd" else None  # func: every reduction waited in place
+    programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
@@ -373,6 +379,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             train, probes)
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
+        inflight.wait()  # the reductions the units' backward started: done before any gradient is read
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count
 
 
@@ -431,14 +438,18 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
 
 def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor]:
     """Per trainable bucket, the reduced gradient the optimizer reads (`Stage.after_backward`);
-    a bucket no gradient reached on this rank contributes zeros, as every rank must reduce."""
+    a bucket no gradient reached on this rank contributes zeros, as every rank must reduce.
+    Every bucket's collectives are started before the first is waited for (`Stage` pieces'
+    `start`): on DistMesh they run concurrently; the calls and their order per bucket are those of
+    the blocking form, so the bits are too."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    out = {}
-    for b, g in grads.items():
+    flights = {}
+    for b, g in grads.items():  # every bucket's reduction in flight before any is waited for
         if g is None:
             g = torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
-        out[b] = stage.after_backward.run(mesh, state.precision.wire(layout.buckets[b]), g)
-    return out
+        flights[b] = stage.after_backward.start(mesh, state.precision.wire(layout.buckets[b]), g)
+    flights = {b: f.advance() for b, f in flights.items()}  # stage 0: each all-gather as its reduce-scatter ends
+    return {b: f.wait() for b, f in flights.items()}
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -449,15 +460,15 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count]` from every rank.
 
     `‖g_shard‖²` sums the squares of the rank's shard of the *reduced* gradient in float64
-    (stage 0 takes its rank's shard of the full buffer, so every stage sums the same numbers in
-    the same order); ranks' parts and losses are then summed in rank order.
+    (`sum_of_squares`; stage 0 takes its rank's shard of the full buffer, so every stage sums the
+    same numbers in the same order); ranks' parts and losses are then summed in rank order. At
+    N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite `‖g‖²` then
+    names the buckets from the reduced gradient, which is the local one.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
-    sq = torch.zeros((), dtype=torch.float64, device=dev)
-    for b, g in reduced.items():
-        sq = sq + stage.grad_shard(layout, b, g, rank).to(torch.float64).square().sum().to(dev)
+    sq = sum_of_squares([stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()], dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
@@ -467,12 +478,53 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     sqs, counts = rows[:, -2], rows[:, -1]
     bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
                  for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
+    if n == 1 and not math.isfinite(sqs[0].item()):  # the rare path of the skipped local check (unit.py)
+        bad_ranks[0] = _nonfinite_buckets(state, reduced)
     total_loss, total_sq, total_count = 0.0, 0.0, 0.0
     for r in range(n):  # rank order
         total_loss += losses[r].item()
         total_sq += sqs[r].item()
         total_count += counts[r].item()
     return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss, total_sq, total_count)
+
+
+SQ_CHUNK = 1 << 22  # elements per float64 chunk of `sum_of_squares`: a 32 MiB scratch buffer
+
+
+def sum_of_squares(shards: list[torch.Tensor], device: torch.device, chunk: int = SQ_CHUNK) -> torch.Tensor:
+    """`Σ_k s_k` in float64 (0-d, on `device`), `s_k = Σ_i x_i²` over chunk k of at most `chunk`
+    elements: each shard `[S]` is cut into chunks from its start, in shard order.
+
+    Each chunk is copied into one reused float64 scratch buffer, squared there and summed into
+    `parts[k]`; then `parts` is summed. So no float64 copy of a whole shard exists (the transient
+    is `8 * min(chunk, max S)` bytes, not `16 * S`), and the order of additions depends only on
+    the shards' lengths and values: every stage sums the same shard the same way (stage 0 reads its
+    rank's slice of the full buffer; the copy into the scratch makes where the slice sits in
+    memory irrelevant). A float32, bfloat16 or float16 value squares exactly in float64, so the
+    only roundings are the float64 additions; NaN and inf survive them (squares are >= 0: no
+    inf - inf), so `‖g‖²` is non-finite iff some element is.
+    """
+    counts = [-(-x.numel() // chunk) for x in shards]
+    parts = torch.zeros(sum(counts), dtype=torch.float64, device=device)
+    widest = max((min(x.numel(), chunk) for x in shards), default=0)
+    scratch = torch.empty(widest, dtype=torch.float64, device=device)
+    k = 0
+    for x in shards:
+        flat = x.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start : start + chunk]
+            buf = scratch[: piece.numel()]
+            buf.copy_(piece)
+            buf.square_()
+            torch.sum(buf, dim=0, out=parts[k])
+            k += 1
+    return parts.sum()
+
+
+def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> list[str]:
+    """At N = 1: the tags of the buckets whose reduced gradient -- there the local gradient, summed
+    over micro-batches -- holds a NaN or inf (one check per bucket, only on a non-finite step)."""
+    return [state.layout.buckets[b].tag for b, g in reduced.items() if not bool(torch.isfinite(g).all())]
 
 
 # -- 4. update ---------------------------------------------------------------------------------
@@ -483,7 +535,11 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or
     `(state, leaves)` -- the input state and the leaves the update would have made NaN or inf,
     agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently.
-    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`)."""
+    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`).
+
+    Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
+    update is done, so it runs while the next bucket is updated; all are waited for after the
+    finite check (and discarded if it fails). Nothing writes an updated shard before its wait."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -491,6 +547,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
+    flights = {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
@@ -502,10 +559,13 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
         else:
             updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
-    if _any_nonfinite(state, updated):
+        flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
+    broken = _any_nonfinite(state, updated)
+    gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     for b, p_new in updated.items():
-        new_params[b] = stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p_new)
+        new_params[b] = gathered[b]
         if state.master[b] is not None:
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
@@ -520,7 +580,7 @@ def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
     mesh = state.mesh
     flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
     for p in updated.values():
-        flag = torch.maximum(flag, (~torch.isfinite(p.sum(dtype=torch.float64))).to(flag))
+        flag = torch.maximum(flag, (~torch.isfinite(float64_sum(p))).to(flag))
     return bool(all_reduce(flag.reshape(1), mesh, "max", tag="fzero.step/update").item() > 0)
 
 

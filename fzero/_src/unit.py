@@ -64,14 +64,47 @@ class Bucket:
         return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
 
 
+class Inflight:
+    """The reductions one step's unit backwards started and nobody has waited for yet.
+
+    Where the stage reduces inside the unit's backward (stages 2-3) and the step differentiates
+    with `torch.autograd.grad` without a graph of the backward, each bucket's reduce-scatter is
+    started (`Stage.leave.start`) and its result tensor handed to autograd unread; the step waits
+    for all of them (`wait`) when the backward is done, before anything reads a gradient. So the
+    reductions run while the backward of the units below goes on.
+
+    At most `depth` flights stay open: each holds its unit's scaled local gradient `flat[N * S]`
+    until waited, so starting one more first waits for the oldest. On DistMesh stage 2 then keeps
+    at most `depth + 1` units' full gradients alive (the one being assembled and the ones in
+    flight), not all of them; the default 1 overlaps each unit's reduction with the next unit's
+    backward for one more unit of gradient memory. (SimMesh completes at start: nothing stays open.)"""
+
+    def __init__(self, depth: int = 1) -> None:
+        self._flights: list[Any] = []
+        self.depth = depth
+
+    def add(self, flight: Any) -> torch.Tensor:
+        self._flights.append(flight)
+        while len(self._flights) > self.depth:
+            self._flights.pop(0).wait()
+        return flight.pending.result
+
+    def wait(self) -> None:
+        flights, self._flights = self._flights, []
+        for f in flights:
+            f.wait()
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitProgram:
-    """The static description of one unit under one stage (not a pytree node)."""
+    """The static description of one unit under one stage (not a pytree node); `inflight`: where
+    its backward leaves started reductions (None: it waits for each)."""
 
     name: str
     mesh: Mesh
     stage: Stage
     buckets: tuple[Bucket, ...]
+    inflight: Inflight | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def leaves(self) -> tuple[int, ...]:
@@ -85,8 +118,10 @@ class UnitProgram:
         return sum(b.size * b.wire.compute.itemsize for b in self.buckets)
 
 
-def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL) -> list[UnitProgram]:
-    return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)))
+def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL,
+                  inflight: Inflight | None = None) -> list[UnitProgram]:
+    return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)),
+                        inflight)
             for unit in layout.units]
 
 
@@ -146,6 +181,8 @@ class _Unit(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         program = ctx.program
         grads = grads[:-1]  # the anchor's gradient (a zero) only made this backward run
+        leave, inflight = program.stage.leave, program.inflight
+        started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
         result: list[torch.Tensor | None] = []
         bad: list[torch.Tensor] = []
         at = 0
@@ -157,8 +194,11 @@ class _Unit(torch.autograd.Function):
                 bad.append(torch.zeros((), device=device))
                 continue
             flat = _assemble(bucket, gs, bucket.wire.compute, device)
-            bad.append(_nonfinite(flat).float())
-            result.append(program.stage.leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
+            bad.append(_nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
+            if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
+                result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
+            else:
+                result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
         after = ctx.after() if ctx.after is not None else None
         if after is not None:
@@ -168,19 +208,45 @@ class _Unit(torch.autograd.Function):
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`."""
-    parts, end = [], 0
+    """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
+
+    One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
+    buffer (cast to `dtype` on the way), and only what no gradient covers -- unused leaves and
+    the padding -- is zero-filled, in one fill per gap."""
+    flat = torch.empty(bucket.size, dtype=dtype, device=device)
+    end = 0  # the end of the last slice written
     for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
+        if g is None:
+            continue
         n = math.prod(s)
-        parts.append(g.reshape(-1) if g is not None else torch.zeros(n, dtype=dtype, device=device))
+        if o > end:
+            flat[end:o].zero_()
+        flat[o : o + n].view(s).copy_(g)
         end = o + n
-    parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
-    return torch.cat(parts)
+    if bucket.size > end:
+        flat[end:].zero_()
+    return flat
 
 
 def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
-    """0-d bool: does `flat` hold a NaN or inf? For 16/32-bit floats, one float64 sum with no
-    temporary: a sum of finite float32 values cannot overflow float64, and NaN or inf survive it."""
+    """0-d bool: does `flat` hold a NaN or inf? Only at N > 1, where it names the rank whose local
+    gradient was bad: at N = 1 the reduced gradient is the local one, and the step's float64
+    `‖g‖²` finds it (`step.agree` names the buckets on that rare path)."""
     if flat.dtype == torch.float64:
         return ~torch.isfinite(flat).all()
-    return ~torch.isfinite(flat.sum(dtype=torch.float64))
+    return ~torch.isfinite(float64_sum(flat))
+
+
+SUM_CHUNK = 1 << 22  # elements per chunk of `float64_sum`
+
+
+def float64_sum(x: torch.Tensor, chunk: int = SUM_CHUNK) -> torch.Tensor:
+    """0-d float64 `Σ_i x_i` of a 16/32-bit float tensor, summed per chunk of `chunk` elements,
+    then over chunks: a NaN or inf survives it, and a sum of finite float32 values cannot
+    overflow float64 (at most 2^128 · numel), so it is finite iff every element is. Chunked
+    because on the CPU `sum(dtype=float64)` first makes a float64 copy of its whole input: the
+    transient is one chunk's (32 MiB), not `8 * numel` bytes."""
+    flat = x.reshape(-1)
+    if flat.numel() <= chunk:
+        return flat.sum(dtype=torch.float64)
+    return torch.stack([flat[i : i + chunk].sum(dtype=torch.float64) for i in range(0, flat.numel(), chunk)]).sum()

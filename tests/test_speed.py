@@ -1,0 +1,234 @@
+"""The hot path keeps the bits: what the step no longer does, and what it must never alias.
+
+- `sum_of_squares` (the float64 `‖g_shard‖²` of the agreement) equals the exact sum on
+  integer-valued data for every chunk size, gives the same bits for a shard held as a slice of a
+  larger buffer (stage 0) and as its own tensor (stages 1-3), and is non-finite iff an element is.
+- `_assemble` (the unit's local gradient `flat[N * S]`) equals the concatenation of the per-leaf
+  gradients with zeros for unused leaves and padding.
+- At N = 1 the reductions and the gathers of gradients and updated params are recorded but move
+  nothing (`Mesh.solo`): `reduce_grad` returns its input where no cast is needed. The state a
+  step returns never shares storage between params, master and optimizer state, a pure step
+  leaves its input untouched, and stage 3's released gathers never reach the held shard.
+- At N = 1 a non-finite gradient still names the rank and the bucket (found on the rare path).
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import optree
+import pytest
+import torch
+from hypothesis import given
+
+import fzero
+from fzero import optim
+from fzero._src.stages import Wire, reduce_grad
+from fzero._src.step import sum_of_squares
+from fzero._src.unit import Bucket, _assemble
+from fzero.layout import plan
+from fzero.testing import examples
+
+CPU = torch.device("cpu")
+
+
+@examples(30)
+@given(sizes=st.lists(st.integers(0, 40), max_size=4), chunk=st.integers(1, 17), seed=st.integers(0, 2**16))
+def test_sum_of_squares_is_the_exact_sum_on_integer_values(sizes, chunk, seed):
+    """Integers below 2^10 square to below 2^20; at most 160 of them sum below 2^28 < 2^53: every
+    float64 addition is exact in any order, so the chunked sum equals the one-pass reference."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(-1000, 1000, (n,), generator=g).float() for n in sizes]
+    want = sum((x.double().square().sum() for x in xs), torch.zeros((), dtype=torch.float64))
+    assert torch.equal(sum_of_squares(xs, CPU, chunk=chunk), want)
+
+
+@examples(30)
+@given(n=st.integers(1, 60), offset=st.integers(1, 7), chunk=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_sum_of_squares_of_a_slice_equals_that_of_its_copy(n, offset, chunk, seed):
+    """Stage 0 sums a slice of the full buffer where stages 1-3 sum a tensor of their own: the
+    same values must give the same bits wherever they sit in memory (random, non-integer values:
+    the additions round, so only the same order gives equal bits)."""
+    big = torch.randn(offset + n + 3, generator=torch.Generator().manual_seed(seed))
+    view = big[offset : offset + n]
+    assert torch.equal(sum_of_squares([view], CPU, chunk=chunk), sum_of_squares([view.clone()], CPU, chunk=chunk))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_sum_of_squares_is_nonfinite_iff_an_element_is(bad):
+    x = torch.arange(10.0)
+    assert torch.isfinite(sum_of_squares([x, x], CPU, chunk=3))
+    y = x.clone()
+    y[7] = bad
+    assert not torch.isfinite(sum_of_squares([x, y], CPU, chunk=3))
+
+
+@examples(30)
+@given(shapes=st.lists(st.sampled_from([(), (0,), (3,), (2, 2), (1, 5)]), min_size=1, max_size=5),
+       used=st.lists(st.booleans(), min_size=5, max_size=5), n=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_assemble_equals_concatenation_with_zero_fill(shapes, used, n, seed):
+    params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+    layout = plan(params, n)
+    bucket = Bucket.of(layout, 0)
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=g) if used[i] else None for i, s in enumerate(bucket.shapes)]
+    parts = [x.reshape(-1) if x is not None else torch.zeros(s).reshape(-1) for x, s in zip(grads, bucket.shapes)]
+    want = torch.cat([*parts, torch.zeros(bucket.size - sum(p.numel() for p in parts))])
+    got = _assemble(bucket, grads, torch.float32, CPU)
+    assert got.shape == (bucket.size,) and torch.equal(got, want)
+
+
+def test_reduce_grad_at_one_rank_records_and_returns_its_input():
+    """fl(1/1) = 1 and a sum over one rank is its term: no multiply, no copy -- but the collective
+    is still recorded (the accounting counts it, with 0 wire bytes)."""
+    mesh, g = fzero.SimMesh(1), torch.randn(8)
+    with mesh.record() as log:
+        out = mesh.run(lambda: reduce_grad(mesh, Wire("t", torch.float32, torch.float32), g))[0]
+    assert out is g and [(r.op, r.tag) for r in log] == [("reduce_scatter", "t")]
+    two = fzero.SimMesh(2)
+    with pytest.raises(fzero.MeshError, match="world-size-1 form"):
+        two.run(lambda: two.solo("all_gather", g, tag="t"))
+
+
+def _params():
+    return {"a": torch.linspace(-1, 1, 7), "w": torch.linspace(0, 2, 6).reshape(2, 3)}  # flat: stage 3 releases
+
+
+def _loss(p, x):
+    return (p["a"].sum() * x + (p["w"] * x).square().sum()).square()
+
+
+def _storages(state) -> list[int]:
+    return [t.untyped_storage().data_ptr() for t in optree.tree_leaves((state.params, state.master, state.opt_state))
+            if isinstance(t, torch.Tensor) and t.numel() > 0]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_one_rank_states_share_no_storage_and_pure_steps_leave_the_input(stage, precision):
+    """At N = 1 the gathers of updated params return the optimizer's output itself: it must not
+    alias the master copy or the optimizer state (the next step writes them in place with
+    `donate`), a pure step must leave its input's tensors as they were, and stage 3's gathered
+    buffers (released after use) must not be the held shard. Three steps with the same result as
+    the donating step, bit for bit."""
+    mesh = fzero.SimMesh(1)
+    prec = fzero.Precision(torch.bfloat16, torch.float32) if precision else None
+    kw = {} if prec is None else {"precision": prec}
+
+    def run(donate):
+        state = fzero.init(_params(), optim.adamw(0.1), stage=stage, mesh=mesh, units=lambda path: path, **kw)
+        step = fzero.train_step(_loss, donate=donate)
+        for i in range(3):
+            before = [t.clone() for t in optree.tree_leaves((state.params, state.master, state.opt_state))]
+            new, _ = step(state, torch.tensor(0.5 + i))
+            if not donate:
+                after = optree.tree_leaves((state.params, state.master, state.opt_state))
+                assert all(torch.equal(x, y) for x, y in zip(before, after))
+            ptrs = _storages(new)
+            assert len(ptrs) == len(set(ptrs)), f"stage {stage}: tensors of one state share storage"
+            assert all(t.untyped_storage().size() > 0 for t in new.params)
+            state = new
+        return fzero.gather(state)
+
+    pure, donated = mesh.run(lambda: run(False))[0], mesh.run(lambda: run(True))[0]
+    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(pure), optree.tree_leaves(donated)))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_rank_nonfinite_gradient_names_the_bucket(stage):
+    """At N = 1 the units skip their local non-finite check; the agreement's non-finite ‖g‖² finds
+    the step and the rare path names rank 0 and the one bad bucket of two."""
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.ones(4), "b": torch.ones(3)}
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda path: path)
+        return fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].sum())(state, torch.tensor([1, float("nan"), 1, 1]))
+
+    match = r"rank\(s\) \[0\] \(rank 0: non-finite local gradient in bucket\(s\) \['a/float32/default'\]\)"
+    with pytest.raises(fzero.NonFiniteError, match=match):
+        mesh.run(rank_fn)
+
+
+# -- bucket_bytes: a unit's leaves cut into consecutive buckets ------------------------------------
+
+
+@examples(30)
+@given(shapes=st.lists(st.sampled_from([(), (0,), (3,), (2, 5), (17,)]), min_size=1, max_size=8),
+       cap=st.integers(1, 100), n=st.integers(1, 3))
+def test_bucket_bytes_cuts_each_unit_into_consecutive_buckets_of_at_most_cap(shapes, cap, n):
+    params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
+    whole, cut = plan(params, n), plan(params, n, bucket_bytes=cap)
+    assert [ls.path for ls in cut.leaves] == [ls.path for ls in whole.leaves]
+    assert [i for b in cut.buckets for i in b.leaves] == [i for b in whole.buckets for i in b.leaves]
+    for b in cut.buckets:
+        assert b.numel * 4 <= cap or len(b.leaves) == 1  # whole leaves; a larger leaf alone
+        assert [cut.leaves[i].offset for i in b.leaves] == [sum(cut.leaves[j].numel for j in b.leaves[:k])
+                                                            for k in range(len(b.leaves))]
+    for a, b in zip(cut.buckets, cut.buckets[1:]):  # greedy: the next leaf did not fit
+        assert a.numel * 4 + cut.leaves[b.leaves[0]].numel * 4 > cap
+    assert len({b.tag for b in cut.buckets}) == len(cut.buckets)
+
+
+def test_bucket_bytes_rejects_a_bad_cap():
+    with pytest.raises(fzero.LayoutError, match="bucket_bytes must be None or an int >= 1"):
+        plan({"a": torch.zeros(3)}, 1, bucket_bytes=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bucket_bytes_changes_no_bit_of_the_params(stage):
+    """Reductions and the optimizer are element-wise, so where the buffers are cut cannot change
+    an element: two steps at N = 2 with buckets of at most 24 bytes equal those of one bucket per
+    unit, bit for bit (the norm's float64 additions follow the shards, so it is not compared)."""
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.linspace(-1, 1, 7), "w": torch.linspace(0, 2, 6).reshape(2, 3), "c": torch.ones(5)}
+
+    def run(cap):
+        def rank_fn(x):
+            state = fzero.init(params, optim.adamw(0.1), stage=stage, mesh=mesh, bucket_bytes=cap)
+            step = fzero.train_step(lambda p, x: (p["a"].sum() * x + (p["w"] * x).square().sum() + p["c"].prod()) ** 2)
+            for _ in range(2):
+                state, _ = step(state, x)
+            return fzero.gather(state)
+        return mesh.run(rank_fn, [(torch.tensor(0.5),), (torch.tensor(-1.5),)])
+
+    whole, cut = run(None), run(24)
+    for p0, p1 in zip(whole, cut):  # Adam's moments enter the second step's params
+        assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p0), optree.tree_leaves(p1)))
+
+
+def test_inflight_keeps_at_most_depth_reductions_open():
+    """Each open flight holds a unit's scaled gradient: adding one past `depth` waits the oldest
+    first (stage 2's peak stays a few units' gradients), and `wait` closes the rest in order."""
+    from fzero._src.mesh import Pending
+    from fzero._src.stages import Flight
+    from fzero._src.unit import Inflight
+
+    waited = []
+
+    class Seen(Pending):
+        def __init__(self, k):
+            super().__init__(torch.full((2,), float(k)))
+            self.k = k
+
+        def wait(self):
+            waited.append(self.k)
+            return super().wait()
+
+    inflight = Inflight(depth=2)
+    outs = [inflight.add(Flight(Seen(k))) for k in range(4)]
+    assert waited == [0, 1] and [float(o[0]) for o in outs] == [0, 1, 2, 3]
+    inflight.wait()
+    assert waited == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_float64_sum_is_finite_iff_every_element_is(bad):
+    """The finite checks (a unit's local gradient at N > 1, the updated params) sum in float64 per
+    chunk: finite float32 values near the largest float32 do not overflow it, a NaN or inf does."""
+    from fzero._src.unit import float64_sum
+
+    x = torch.full((10,), torch.finfo(torch.float32).max)
+    if bad is not None:
+        x[6] = bad
+    assert bool(torch.isfinite(float64_sum(x, chunk=3))) == (bad is None)
+    assert bool(torch.isfinite(float64_sum(x, chunk=3))) == bool(torch.isfinite(float64_sum(x)))
