@@ -19,6 +19,7 @@ OPTIMIZERS = {
     "sgd-momentum": lambda: fzero.optim.sgd(0.1, momentum=0.9),
     "adamw": lambda: fzero.optim.adamw(1e-2, weight_decay=0.1),
     "lamb": lambda: fzero.optim.lamb(1e-2, weight_decay=0.01),
+    "adafactor": lambda: fzero.optim.adafactor(1e-2),  # factored "rows" / "cols" fields
 }
 BF16 = fzero.Precision(torch.bfloat16, torch.float32)
 
@@ -69,9 +70,10 @@ def merged_opt(states) -> dict:
             continue
         for f, kind in zip(s0.opt_state[b]._fields, s0.optimizer.spec(s0.opt_state[b])):
             parts = [getattr(s.opt_state[b], f) for s in states]
-            if kind == "leaf":
-                for k, i in enumerate(spec.leaves):
-                    out[f, s0.layout.leaves[i].path] = parts[0][k]
+            if kind != "shard":  # replicated ("leaf", factored "rows" / "cols"): per-leaf blocks of rank 0's
+                shapes = [s0.layout.leaves[i].shape for i in spec.leaves]
+                for i, blk in zip(spec.leaves, fzero.optim.leaf_blocks(kind, parts[0], shapes)):
+                    out[f, s0.layout.leaves[i].path] = blk
                 continue
             flat = torch.cat(parts) if s0.stage.sharded("optimizer_state") else parts[0]
             for i in spec.leaves:

@@ -48,9 +48,10 @@ CONTROL_SUFFIX = "/leaf_sum"
 class HeldBytes(NamedTuple):
     """Bytes of model state one rank holds, per category (as `fzero.accounting.estimate` names them).
 
-    `optimizer_state` counts every optimizer-state tensor, "shard" and "leaf" fields alike;
-    `optimizer_leaf` is the part in "leaf" fields (per-leaf step counts: `[L_b]` float32 per
-    trainable bucket, replicated), or None when `held_bytes` was not given the optimizer.
+    `optimizer_state` counts every optimizer-state tensor, sharded and replicated fields alike;
+    `optimizer_leaf` is the part in replicated fields, "leaf", "rows" and "cols" (per-leaf step
+    counts: `[L_b]` float32 per trainable bucket; factored row / column statistics), or None when
+    `held_bytes` was not given the optimizer.
     `master` counts the master shards a state keeps apart from its params (stages 1-2 under a
     precision policy); 0 where the params are the master copy.
     """
@@ -89,7 +90,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     params: Σ nbytes of `state.params` (`flat[N * S]` in stages 0-2, `shard[S]` in stage 3);
     optimizer_state: Σ nbytes of every tensor in `state.opt_state`; grads: `grad_bytes`.
     With `optimizer` (the `fzero.optim` triple the state was made with), its `spec` splits off
-    the "leaf" fields into `optimizer_leaf`.
+    the replicated fields (every kind but "shard") into `optimizer_leaf`.
     """
     leaf = None
     if optimizer is not None:
@@ -98,7 +99,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
             if s is None:
                 continue
             for field, kind in zip(s, spec_of(optimizer, s)):
-                if kind == "leaf":
+                if kind != "shard":  # replicated: "leaf", "rows", "cols"
                     leaf += _nbytes(field)
     return HeldBytes(
         params=_nbytes(state.params),

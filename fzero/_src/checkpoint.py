@@ -75,7 +75,7 @@ from .collectives import broadcast
 from .errors import FzeroError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
-from .optim.base import spec_of
+from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
 from .state import ZeroState, check_state, describe
 
@@ -115,11 +115,6 @@ def _shard_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: b
             for seg in layout.segments(b, rank)]
 
 
-def _leaf_chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
-    """A replicated "leaf" field `x[L]`: rank 0 writes entry k as leaf `bucket.leaves[k]`'s `[1]`."""
-    return [(leaf, 0, x[k : k + 1].detach()) for k, leaf in enumerate(layout.buckets[b].leaves)] if rank == 0 else []
-
-
 def _shard_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
                     ) -> tuple[torch.Tensor, list[Request]]:
     """`(buffer[hi - lo], requests)`: a zero buffer for the window `[lo, hi)` of bucket `b`'s
@@ -136,14 +131,6 @@ def _shard_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, shard
     return out, requests
 
 
-def _leaf_requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
-                   ) -> tuple[torch.Tensor, list[Request]]:
-    """`(field[L], requests)`: entry k of a "leaf" field comes from leaf `bucket.leaves[k]`'s `[1]`."""
-    leaves = layout.buckets[b].leaves
-    out = torch.zeros(len(leaves), dtype=like.dtype, device=like.device)
-    return out, [(leaf, 0, out[k : k + 1]) for k, leaf in enumerate(leaves)]
-
-
 class Kind(NamedTuple):
     """How tensors of one spec kind map to canonical per-leaf tensors (one entry of `KINDS`).
 
@@ -157,10 +144,31 @@ class Kind(NamedTuple):
     requests: Callable[[Layout, int, torch.Tensor, int, bool], tuple[torch.Tensor, list[Request]]]
 
 
-KINDS: dict[str, Kind] = {
-    "shard": Kind(lambda ls: ls.numel, _shard_chunks, _shard_requests),
-    "leaf": Kind(lambda ls: 1, _leaf_chunks, _leaf_requests),
-}
+def _replicated(kind: str) -> Kind:
+    """A field every rank holds whole ("leaf" `[L]`, factored "rows" / "cols"): one block per
+    bucket leaf, of the leaf's canonical shape (`optim.base.field_shapes` / `leaf_blocks`); rank 0
+    writes each non-empty block as that leaf's canonical tensor, every rank reads them all."""
+
+    def shapes(layout: Layout, b: int) -> list[tuple[int, ...]]:
+        return [layout.leaves[i].shape for i in layout.buckets[b].leaves]
+
+    def blocks(layout: Layout, b: int, x: torch.Tensor) -> list[Chunk]:
+        return [(leaf, 0, blk.reshape(-1)) for leaf, blk in
+                zip(layout.buckets[b].leaves, leaf_blocks(kind, x, shapes(layout, b))) if blk.numel()]
+
+    def chunks(layout: Layout, b: int, x: torch.Tensor, rank: int, sharded: bool) -> list[Chunk]:
+        return [(leaf, o, t.detach()) for leaf, o, t in blocks(layout, b, x)] if rank == 0 else []
+
+    def requests(layout: Layout, b: int, like: torch.Tensor, rank: int, sharded: bool
+                 ) -> tuple[torch.Tensor, list[Request]]:
+        out = torch.zeros_like(like)
+        return out, blocks(layout, b, out)
+
+    return Kind(lambda ls: math.prod(field_shapes(kind, [ls.shape])[0]), chunks, requests)
+
+
+KINDS: dict[str, Kind] = {"shard": Kind(lambda ls: ls.numel, _shard_chunks, _shard_requests),
+                          **{kind: _replicated(kind) for kind in ("leaf", *FACTORED)}}
 
 
 class Source(NamedTuple):
@@ -183,8 +191,8 @@ def sources(state: ZeroState) -> list[Source]:
         out.append(Source("params", "shard", b, x, sharded))
         opt = state.opt_state[b]
         if opt is not None:
-            out += [Source(f"opt/{field}", kind, b, t, state.stage.sharded("optimizer_state"))
-                    for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt)]
+            out += [Source(f"opt/{field}", kind, b, t, kind == "shard" and state.stage.sharded("optimizer_state"))
+                    for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt)]  # others: whole
     return out
 
 

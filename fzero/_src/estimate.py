@@ -47,14 +47,16 @@ from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
 from .stages import STAGES, get_stage
 
-OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd")
+OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
 
 
-# fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none.
-_STATE_BYTES = {"adam-mixed": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0}
+# fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none,
+# fzero's adafactor v[S] (its row / column statistics are replicated, O(rows + cols) per leaf).
+_STATE_BYTES = {"adam-mixed": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "adafactor": 4}
 _DEFAULT_DTYPE = {
-    "adam-mixed": torch.bfloat16, "adam": torch.float32, "sgd-momentum": torch.float32, "sgd": torch.float32
+    "adam-mixed": torch.bfloat16, "adam": torch.float32, "sgd-momentum": torch.float32, "sgd": torch.float32,
+    "adafactor": torch.float32,
 }  # fmt: skip
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

@@ -169,6 +169,7 @@ class Gathering:
 
     # -- one unit -------------------------------------------------------------------------
 
+    @torch.compiler.disable  # a compiled loss reading a unit gathers it eager (docs/compile.md)
     def read(self, unit: str) -> dict[str, torch.Tensor]:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""

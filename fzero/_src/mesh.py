@@ -137,6 +137,7 @@ class Mesh(abc.ABC):
         (DistMesh) so they stop with `RankFailed` instead of waiting. SimMesh.run does this itself."""
         yield
 
+    @torch.compiler.disable  # dynamo never traces a mesh (locks, condition variables, process groups)
     def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
         """The one entry point of every collective: validate, record, agree, move.
 
@@ -145,6 +146,7 @@ class Mesh(abc.ABC):
         """
         return self._exchange(*self._enter(op, x, arg, tag))
 
+    @torch.compiler.disable
     def solo(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
         """At world size 1: `collective(op, x)` validated and recorded, returning `x` itself (over one
         rank every collective is the identity). The caller guarantees that nothing writes or frees
@@ -154,6 +156,7 @@ class Mesh(abc.ABC):
         self._enter(op, x, arg, tag)
         return x
 
+    @torch.compiler.disable
     def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
@@ -215,6 +218,7 @@ class Pending:
         """Whether `wait()` has returned (or the collective completed when started)."""
         return self._work is None
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         work, self._work, self._keep = self._work, None, None
         if work is not None:

@@ -23,7 +23,7 @@ from .collectives import all_gather, broadcast
 from .errors import ConfigError, FzeroError, LayoutError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
-from .optim.base import Optimizer, spec_of
+from .optim.base import Optimizer, init_state, spec_of
 from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -187,8 +187,8 @@ def init(
         kept = [st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute) for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
         opt_state = tuple(
-            None if spec.group.frozen else optimizer.init(st.optimizer_params(layout, b, held[b], rank, master[b]),
-                                                          len(spec.leaves))
+            None if spec.group.frozen else init_state(optimizer, st.optimizer_params(layout, b, held[b], rank, master[b]),
+                                                      [layout.leaves[i].shape for i in spec.leaves])
             for b, spec in enumerate(layout.buckets)
         )
         for s in opt_state:

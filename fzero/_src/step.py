@@ -210,11 +210,16 @@ def train_step(
                         clip_norm, donate, persist_bytes, max_live_bytes, prefetch)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-        check_state(state)
-        with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
-            return run_step(config, state, batch)
+        return eager_step(config, state, batch)
 
     return step
+
+
+@torch.compiler.disable  # under torch.compile(step) fzero runs eager; compile the loss instead (docs/compile.md)
+def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+    check_state(state)
+    with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
+        return run_step(config, state, batch)
 
 
 @contextlib.contextmanager
@@ -602,7 +607,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
-                            tuple(layout.leaves[i].numel for i in spec.leaves))
+                            tuple(layout.leaves[i].numel for i in spec.leaves), tuple(layout.leaves[i].shape for i in spec.leaves))
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
         g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:

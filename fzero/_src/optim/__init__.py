@@ -1,8 +1,11 @@
 """Pure optimizers over flat shards; see `base` for the interface."""
 
+from .adafactor import AdafactorState as AdafactorState, adafactor as adafactor
 from .adam import AdamState as AdamState, AmsgradState as AmsgradState, adam as adam, adamw as adamw
 from .base import (
     IMPLS as IMPLS,
+    FACTORED as FACTORED,
+    SPECS as SPECS,
     EmptyState as EmptyState,
     Impl as Impl,
     Optimizer as Optimizer,
@@ -13,8 +16,13 @@ from .base import (
     check_impl as check_impl,
     check_placement as check_placement,
     check_shards as check_shards,
+    field_numel as field_numel,
+    field_shapes as field_shapes,
     group_lr as group_lr,
     in_place as in_place,
+    join_blocks as join_blocks,
+    leaf_blocks as leaf_blocks,
+    init_state as init_state,
     pure as pure,
     resolve_impl as resolve_impl,
     runs as runs,

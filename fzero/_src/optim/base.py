@@ -14,7 +14,13 @@ donates the state, as JAX's `donate_argnums`): `update(g, s, p, ctx)` is, bit fo
 State is a NamedTuple of tensors. `spec(state)` is the same NamedTuple of strings:
 
   "shard"  the field is shaped like the shard, `[S]`, and is sharded like the parameters;
-  "leaf"   the field is `[len(ctx.leaves)]`, one entry per bucket leaf, replicated on every rank.
+  "leaf"   the field is `[len(ctx.leaves)]`, one entry per bucket leaf, replicated on every rank;
+  "rows"   factored statistics, replicated on every rank: per bucket leaf of shape `[..., R, C]`
+           (2 or more dims) a block of shape `[..., R]` (one value per row), none for a leaf of
+           fewer dims; the field is the blocks flattened and concatenated in bucket-leaf order;
+  "cols"   the same with a block of shape `[..., C]` per leaf of 2 or more dims (one per column).
+
+`field_shapes` gives each kind's per-leaf shapes (what checkpoints map a field to).
 
 so checkpointing and resharding read the spec, never the optimizer's class.
 """
@@ -49,11 +55,14 @@ class UpdateContext(NamedTuple):
         state change, its step count not incremented.
       leaf_sum: sums a float64 tensor `[..., len(leaves)]` of per-leaf partial values over all
         ranks, element-wise, in a fixed rank order, without changing its dtype; identity when
-        N == 1. Only layer-wise optimizers call it (once per update).
+        N == 1 or where each rank updates whole buffers (stage 0). Only layer-wise and factored
+        optimizers call it, the same number of times on every rank (lamb once, adafactor twice).
       leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only
         `impl="fused"` with a placement-dependent kernel (CPU always, CUDA for some
         configurations; see `fzero._src.optim.fused`) reads it, to check that every updated
         leaf lies whole in the shard.
+      leaf_shapes: the shape of each bucket leaf, in the order of `leaves`, or `()`. Optimizers
+        with "rows" / "cols" state (`adafactor`) need it, to map shard elements to rows and columns.
     """
 
     step: int
@@ -63,21 +72,23 @@ class UpdateContext(NamedTuple):
     used: tuple[bool, ...]
     leaf_sum: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
     leaf_numels: tuple[int, ...] = ()
+    leaf_shapes: tuple[tuple[int, ...], ...] = ()
 
 
 class Optimizer(NamedTuple):
     """An optimizer over flat shards (optax's `GradientTransformation`, praxis's spec).
 
     Attributes:
-      init: `(param shard[S], number of bucket leaves L) -> state`.
+      init: `(param shard[S], number of bucket leaves L) -> state`; with `shaped=True`,
+        `(param shard[S], the bucket leaves' shapes) -> state` (see `init_state`).
       update: `(grad shard[S], state, param shard[S], ctx) -> (new param shard[S], new state)`;
         pure: never mutates its inputs (grad, state, param).
-      spec: `state -> same NamedTuple of "shard" / "leaf"`.
+      spec: `state -> same NamedTuple of "shard" / "leaf" / "rows" / "cols"` (`SPECS`).
       update_: `(grad shard[S], state, param shard[S], ctx) -> new state`, the same update in
         place: `param` and every "shard" field of `state` are overwritten with their new values
-        (the new state holds those very tensors); "leaf" fields are replaced by new tensors (the
+        (the new state holds those very tensors); other fields are replaced by new tensors (the
         input's are not written); `grad` is never written. Afterwards the input `state` must not
-        be used (its "leaf" fields are stale). Errors of the checks (`check_shards`,
+        be used (its replicated fields are stale). Errors of the checks (`check_shards`,
         `check_placement`) come before any write; an error raised later (a failing
         `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
         optimizer with no in-place form.
@@ -90,11 +101,20 @@ class Optimizer(NamedTuple):
     update: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], tuple[torch.Tensor, Any]]
     spec: Callable[[Any], Any]
     update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
+    shaped: bool = False
+
+
+def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> Any:
+    """One bucket's initial state: `optimizer.init(param shard[S], L)`, or, for an optimizer whose
+    state has "rows" / "cols" fields (`shaped=True`), `optimizer.init(param, leaf_shapes)`."""
+    shapes = tuple(tuple(s) for s in leaf_shapes)
+    return optimizer.init(param, shapes) if optimizer.shaped else optimizer.init(param, len(shapes))
 
 
 def pure(update_: Callable, spec: Callable) -> Callable:
     """The pure `update` of an in-place `update_`: clone `param` and the "shard" fields, then
-    write into the clones. "leaf" fields are passed as they are (`update_` replaces them)."""
+    write into the clones. Replicated fields ("leaf", "rows", "cols") are passed as they are
+    (`update_` replaces them)."""
 
     def update(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext):
         fresh = type(state)(*[t.clone() if kind == "shard" else t for t, kind in zip(state, spec(state))])
@@ -104,9 +124,9 @@ def pure(update_: Callable, spec: Callable) -> Callable:
     return update
 
 
-def in_place(init: Callable, update_: Callable, spec: Callable) -> Optimizer:
-    """`Optimizer(init, pure(update_, spec), spec, update_)`: both forms from the in-place one."""
-    return Optimizer(init, pure(update_, spec), spec, update_)
+def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = False) -> Optimizer:
+    """`Optimizer(init, pure(update_, spec), spec, update_, shaped)`: both forms from the in-place one."""
+    return Optimizer(init, pure(update_, spec), spec, update_, shaped)
 
 
 class EmptyState(NamedTuple):
@@ -193,7 +213,13 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
             f"were they made for another bucket or world size?"
         )
     for field, t, kind in zip(state._fields, state, spec):
-        want = (len(ctx.leaves),) if kind == "leaf" else tuple(param.shape)
+        if kind in FACTORED and len(ctx.leaf_shapes) != len(ctx.leaves):
+            raise OptimizerError(
+                f"{name}: state field {field!r} is {kind!r} (factored), which needs ctx.leaf_shapes (one shape per "
+                f"bucket leaf, got {len(ctx.leaf_shapes)} for {len(ctx.leaves)}); pass them in the UpdateContext"
+            )
+        want = ((len(ctx.leaves),) if kind == "leaf" else tuple(param.shape) if kind == "shard"
+                else (field_numel(kind, ctx.leaf_shapes),))
         if tuple(t.shape) != want:
             raise OptimizerError(
                 f"{name}: state field {field!r} ({kind}) has shape {list(t.shape)}, expected {list(want)} for a "
@@ -202,11 +228,83 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
             )
 
 
-SPECS = ("shard", "leaf")  # what `Optimizer.spec` may say of a state field
+SPECS = ("shard", "leaf", "rows", "cols")  # what `Optimizer.spec` may say of a state field
+FACTORED = ("rows", "cols")  # the replicated per-row / per-column kinds
+
+
+def factored(shape: Sequence[int]) -> bool:
+    """Whether a leaf of this shape has row and column statistics (2 or more dims)."""
+    return len(shape) >= 2
+
+
+def field_shapes(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The canonical per-leaf form of a state field of spec `kind`: one shape per bucket leaf.
+
+      "shard"  the leaf's own shape (the field holds the leaf's elements at the leaf's place in
+               the bucket's flat buffer; each rank holds its shard of that buffer);
+      "leaf"   `()`, one value (the field's entry at the leaf's position);
+      "rows"   `shape[:-1]` of a leaf `[..., R, C]`, `(0,)` for a leaf of fewer than 2 dims;
+      "cols"   `shape[:-2] + shape[-1:]`, `(0,)` likewise.
+
+    A "rows" / "cols" field is the per-leaf blocks flattened (row-major) and concatenated in
+    bucket-leaf order, the same on every rank: leaf k's block is
+    `field[sum(numel of blocks < k) :][: numel of block k].view(shape)`."""
+    if kind not in SPECS:
+        raise OptimizerError(f"unknown state field kind {kind!r}; expected one of {SPECS}")
+    out = []
+    for shape in leaf_shapes:
+        shape = tuple(shape)
+        if kind == "shard":
+            out.append(shape)
+        elif kind == "leaf":
+            out.append(())
+        elif not factored(shape):
+            out.append((0,))
+        else:
+            out.append(shape[:-1] if kind == "rows" else shape[:-2] + shape[-1:])
+    return tuple(out)
+
+
+def leaf_blocks(kind: str, field: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """A replicated field ("leaf", "rows", "cols") of one bucket -> one view per bucket leaf, of
+    the leaf's canonical shape (`field_shapes`): what a checkpoint saves per leaf. The inverse is
+    `join_blocks`. "shard" fields are cut by the layout (the leaf's offset in the flat buffer)."""
+    shapes = field_shapes(kind, leaf_shapes)
+    if kind == "shard":
+        raise OptimizerError("a 'shard' field is cut by the layout (layout.leaves[i].offset), not by leaf_blocks")
+    if tuple(field.shape) != (field_numel(kind, leaf_shapes),):
+        raise OptimizerError(f"a {kind!r} field of {len(shapes)} leaves {list(leaf_shapes)} has "
+                             f"{field_numel(kind, leaf_shapes)} elements, got shape {list(field.shape)}")
+    out, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(field[at : at + n].view(shape))
+        at += n
+    return out
+
+
+def join_blocks(kind: str, blocks: Sequence[torch.Tensor], leaf_shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """Per-leaf blocks of a replicated field, each of its canonical shape -> the field (`[L]` or
+    the blocks flattened and concatenated in bucket-leaf order): the inverse of `leaf_blocks`."""
+    shapes = field_shapes(kind, leaf_shapes)
+    for k, (b, shape) in enumerate(zip(blocks, shapes)):
+        if tuple(b.shape) != shape:
+            raise OptimizerError(f"block {k} of a {kind!r} field has shape {list(b.shape)}, expected {list(shape)} "
+                                 f"for a leaf of shape {list(leaf_shapes[k])}")
+    if len(blocks) != len(shapes):
+        raise OptimizerError(f"{len(blocks)} blocks for {len(shapes)} bucket leaves")
+    return torch.cat([b.reshape(-1) for b in blocks]) if blocks else torch.zeros(0)
+
+
+def field_numel(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> int:
+    """Elements of a replicated field ("leaf", "rows", "cols") for a bucket of these leaves."""
+    if kind == "shard":
+        raise OptimizerError("a 'shard' field's size is the shard's, [S]; field_numel is for replicated kinds")
+    return sum(math.prod(s) for s in field_shapes(kind, leaf_shapes))
 
 
 def spec_of(optimizer: "Optimizer", state: Any) -> Any:
-    """`optimizer.spec(state)`, checked: one entry per field of the state, each "shard" or "leaf"
+    """`optimizer.spec(state)`, checked: one entry per field of the state, each one of `SPECS`
     (memory accounting, checkpoints and resharding read it, never the optimizer's class)."""
     spec = optimizer.spec(state)
     fields = getattr(state, "_fields", None)
