@@ -134,12 +134,14 @@ def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
 
 def _start_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
     """`reduce_grad` without waiting (outside autograd, on a detached gradient): `flat[N * S] ->`
-    (in flight) `shard[S]` of `Σ_r fl(1/N) * g_r`. The scaled copy is kept by the Pending until
-    waited; `grad` itself is not read after this returns."""
+    (in flight) `shard[S]` of `Σ_r fl(1/N) * g_r`. The multiply is in place (the same bits as
+    `x * c`; one gradient-sized buffer fewer at peak): every caller hands over a fresh gradient
+    buffer it does not read again (the unit's assembled `flat[N * S]`, the step's gradient or
+    micro-batch sum), which the Pending keeps until waited."""
     x = grad.detach().to(wire.reduce)
     if mesh.world_size == 1:
         return Flight(Pending(mesh.solo("reduce_scatter", x, tag=wire.tag)))
-    return Flight(mesh.start("reduce_scatter", x * (1.0 / mesh.world_size), tag=wire.tag))
+    return Flight(mesh.start("reduce_scatter", x.mul_(1.0 / mesh.world_size), tag=wire.tag))
 
 
 def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
