@@ -307,5 +307,5 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     that rare path)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
-    lo, hi = torch.aminmax(x.reshape(-1))
+    lo, hi = torch.aminmax(x.detach().reshape(-1))  # a flag, not differentiated (aminmax has no forward AD)
     return ~(torch.isfinite(lo) & torch.isfinite(hi))
