@@ -63,12 +63,14 @@ def _reading(math):
     return lambda p, x: math(p["layer.w"], p["layer.b"], p["head.w"], x)
 
 
-# On torch 2.11 (the device image) dynamo crashed the process (a fatal error inside its
-# fake-tensor wrapping of a leaf) when a compiled function read stage-3 leaves gathered on use,
-# tests-torch211 on 2026-12-01; on torch 2.13 it runs. docs/compile.md says the same.
+# On torch 2.11 (the device image, 2026-12-01) dynamo crashed the process (segmentation faults
+# inside its fake-tensor code) when SimMesh's thread ranks compiled in turn -- one rank's
+# compiled frame paused at a collective's graph break while the next rank compiled: in
+# test_compiled_loss_is_compiled[on_use] and test_collective_inside_a_compiled_function. On
+# torch 2.13 every case runs. docs/compile.md says the same; this module needs 2.13.
 TORCH_213 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-ON_USE_211 = pytest.mark.skipif(not TORCH_213, reason="torch 2.11's dynamo crashes on a compiled read of "
-                                "stage-3 leaves gathered on use (docs/compile.md)")
+pytestmark = pytest.mark.skipif(not TORCH_213, reason="torch 2.11's dynamo crashes when SimMesh's thread ranks "
+                                "compile in turn (docs/compile.md)")
 
 COMPILED: dict = {}  # (engine, gather) -> one compiled loss, whose dynamo cache that case's tests share
 
@@ -122,7 +124,7 @@ def test_compiled_step_is_the_eager_step(engine):
     _assert_same(_run(3, engine, loss, True), _run(3, engine, loss, False), f"stage 3, {engine}")
 
 
-@pytest.mark.parametrize("engine,gather", [pytest.param("autograd", "on_use", marks=ON_USE_211), ("func", "eager")])
+@pytest.mark.parametrize("engine,gather", [("autograd", "on_use"), ("func", "eager")])
 def test_compiled_loss_same_bits_in_every_stage(engine, gather):
     """A compiled loss inside the step: stages 1-3 equal stage 0 bit for bit (the same compiled
     kernels read the same leaf values), and compiling the step around it changes nothing. On use,
@@ -135,7 +137,7 @@ def test_compiled_loss_same_bits_in_every_stage(engine, gather):
     _assert_same(_run(3, engine, loss, True, gather), ref, f"compiled step at stage 3 vs stage 0, {engine}")
 
 
-@pytest.mark.parametrize("gather", [pytest.param("on_use", marks=ON_USE_211), "eager"])
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
 def test_compiled_loss_is_compiled(gather):
     """The compiled code really runs inside the step (not a silent fallback to eager): dynamo
     captures a graph of the loss's ops. (A whole compiled loss over `LazyParams` would not: dynamo
