@@ -69,8 +69,8 @@ def _reading(math):
 # test_compiled_loss_is_compiled[on_use] and test_collective_inside_a_compiled_function. On
 # torch 2.13 every case runs. docs/compile.md says the same; this module needs 2.13.
 TORCH_213 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-pytestmark = pytest.mark.skipif(not TORCH_213, reason="torch 2.11's dynamo crashes when SimMesh's thread ranks "
-                                "compile in turn (docs/compile.md)")
+pytestmark.append(pytest.mark.skipif(not TORCH_213, reason="torch 2.11's dynamo crashes when SimMesh's thread "
+                                     "ranks compile in turn (docs/compile.md)"))
 
 COMPILED: dict = {}  # (engine, gather) -> one compiled loss, whose dynamo cache that case's tests share
 
