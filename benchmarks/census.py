@@ -33,6 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_cpu import Block  # the CPU benchmark's residual block (benchmarks/ is the script's directory)
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -51,15 +52,6 @@ METADATA = frozenset("aten::" + n for n in (
     "empty_strided", "lift_fresh", "unbind", "split", "chunk", "narrow", "_unsafe_view", "set_", "resize_",
     "is_nonzero", "item", "_local_scalar_dense", "contiguous", "numpy_T", "flatten", "unflatten", "view_as",
     "split_with_sizes", "_has_compatible_shallow_copy_type", "is_same_size", "zeros_like_meta"))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, dim) -> (B, dim)
-        return x + self.fc2(F.gelu(self.fc1(x)))
 
 
 def _numel(shape) -> int:

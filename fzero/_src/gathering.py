@@ -65,8 +65,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .mesh import Pending
-from .stages import Piece
+from .stages import Flight, Piece
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Probe, UnitProgram, run_unit
 
@@ -164,7 +163,7 @@ class Gathering:
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
         self.prefetch = prefetch if mode == "on_use" and _gathers(programs) else 0
-        self._ahead: dict[str, list[Pending]] = {}  # unit -> its buckets' gathers in flight, in start order
+        self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
 
     # -- one unit -------------------------------------------------------------------------
@@ -183,7 +182,7 @@ class Gathering:
         self.refill(unit)
         return self._leaves[unit]
 
-    def _run(self, unit: str, gathered: list[Pending] | None = None) -> dict[str, torch.Tensor]:
+    def _run(self, unit: str, gathered: list[Flight] | None = None) -> dict[str, torch.Tensor]:
         program = self._programs[unit]
         if gathered is not None:
             program = _entering(program, gathered)
@@ -272,14 +271,14 @@ class Gathering:
 
     # -- prefetch --------------------------------------------------------------------------------
 
-    def _start(self, unit: str) -> list[Pending]:
-        """Start the all-gather of `unit`'s buckets (`Mesh.start`): `[Pending]` in bucket order,
-        whose results are the `flat[N * S]` the stage's `enter` returns (the shard cast to the
-        compute dtype, all-gathered; frozen buckets too). For a released unit (a refill): only
-        the buckets that own a storage (`_storages`), as `refill` fills them."""
+    def _start(self, unit: str) -> list[Flight]:
+        """Start the stage's `enter` of `unit`'s buckets without waiting (`Piece.start`): one
+        flight per bucket in bucket order, whose `wait()` is the `flat[N * S]` `enter` returns (the
+        shard cast to the compute dtype, all-gathered; frozen buckets too). For a released unit
+        (a refill): only the buckets that own a storage (`_storages`), as `refill` fills them."""
         program = self._programs[unit]
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
-        return [program.mesh.start("all_gather", self._xs[b.index].detach().to(b.wire.compute), tag=b.tag)
+        return [program.stage.enter.start(program.mesh, b.wire, self._xs[b.index].detach().to(b.wire.compute))
                 for b in buckets]
 
     def _after(self, unit: str, order: Sequence[str]) -> list[str]:
@@ -364,9 +363,9 @@ def _gathers(programs: Sequence[UnitProgram]) -> bool:
     return any(p.stage.sharded("params") for p in programs)
 
 
-def _entering(program: UnitProgram, gathered: Sequence[Pending]) -> UnitProgram:
+def _entering(program: UnitProgram, gathered: Sequence[Flight]) -> UnitProgram:
     """`program` whose `enter` returns the started gathers' results, bucket by bucket, instead of
-    gathering (`Pending.wait`: the same bits as `enter`). Holds the pending gathers only, never
+    gathering (`Flight.wait`: the same bits as `enter`). Holds the pending gathers only, never
     the `Gathering` (the program lives in the autograd graph)."""
     results = {b.index: p for b, p in zip(program.buckets, gathered)}
     order = iter(program.buckets)

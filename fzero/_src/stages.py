@@ -124,8 +124,9 @@ def reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
 
     At N = 1 this is `g.to(reduce)` with no collective and no multiply: fl(1/1) = 1 and
     `x * 1.0 == x` for every float x (signed zeros included), and a sum over one rank is its one
-    term (`Mesh.solo`: recorded, not moved). The result may then be `grad` itself: every caller passes a fresh gradient buffer that
-    nothing else holds (the unit's assembled `flat[N * S]`, or the step's sum of micro-batches).
+    term (`Mesh.solo`: recorded, not moved). The result may then be `grad` itself: every caller
+    passes a fresh gradient buffer that nothing else holds (the unit's assembled `flat[N * S]`, or
+    the step's sum of micro-batches).
     """
     if mesh.world_size == 1:
         return mesh.solo("reduce_scatter", grad.to(wire.reduce), tag=wire.tag)
@@ -171,6 +172,12 @@ def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
     return all_gather(x, mesh, tag=wire.tag)
 
 
+def _start_enter(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
+    """`_gather` without waiting (stage 3's prefetch): `shard[S] ->` (in flight) `flat[N * S]`, a
+    fresh buffer at N = 1 too (released gathered storage must never be the held shard)."""
+    return Flight(mesh.start("all_gather", shard, tag=wire.tag))
+
+
 def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
     """`shard[S] -> flat[N * S]` in flight; at N = 1 the shard itself (`Mesh.solo`)."""
     if mesh.world_size == 1:
@@ -206,7 +213,7 @@ _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 ENTER_FULL = Piece(_identity)
 # stage 3's gather copies at N = 1 too (`_gather` has no `solo` form): the step releases gathered
 # storage (resize to 0) after use, which must never reach the held shard.
-ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,))
+ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,), start=_start_enter)
 LEAVE_LOCAL = Piece(_identity)
 LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce)
 AFTER_NONE = Piece(_identity, start=_start_identity)
