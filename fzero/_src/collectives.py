@@ -39,6 +39,13 @@ class ForwardModeOnSimMesh(FzeroError):
     """Forward-mode AD (a dual level) reached a collective on a SimMesh of N > 1 ranks."""
 
 
+def func_level() -> int | None:
+    """The torch.func transform level running now, or None outside every transform. torch keeps it
+    privately (`torch._C._functorch.maybe_current_level`, in 2.11 and 2.13): this is the one place
+    fzero reads it."""
+    return torch._C._functorch.maybe_current_level()
+
+
 def check_forward_mode(mesh: Mesh) -> None:
     """Raise `ForwardModeOnSimMesh` where a collective on a multi-rank SimMesh runs inside a
     forward-AD level (`torch.func.jvp`, `jacfwd`, `hessian`, `forward_ad.dual_level`).

@@ -63,6 +63,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .collectives import func_level
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .stages import Flight, Piece
@@ -422,7 +423,7 @@ class LazyParams(Mapping):
     def __init__(self, unit_of: dict[str, str], gathering: Gathering) -> None:
         self._unit_of = unit_of
         self._gathering = gathering
-        self._level = torch._C._functorch.maybe_current_level()  # the torch.func level the loss runs at
+        self._level = func_level()  # the torch.func level the loss runs at
 
     def unit_of(self, path: str) -> str:
         return self._unit_of[path]
@@ -468,7 +469,7 @@ def _flatten_lazy_for_torch(params: LazyParams) -> tuple[list[torch.Tensor], lis
     tensor, dead once it returns, yet cached for the rest of the step. So where units are still
     ungathered and the level is not the loss's, say so (`vmap` flattens before its level: fine)."""
     missing = [u for u in dict.fromkeys(params._unit_of.values()) if u not in params.gathered]
-    if missing and torch._C._functorch.maybe_current_level() != params._level:
+    if missing and func_level() != params._level:
         raise FzeroError(
             f"a torch.func transform inside the loss received the params mapping (LazyParams) with units "
             f"{missing[:4]} not gathered yet: it would gather them inside its own level, and the step would keep "

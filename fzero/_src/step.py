@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import all_gather, all_reduce
+from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .optim.base import UpdateContext
@@ -475,7 +475,7 @@ def overlaps(tensors: Any) -> bool:
     """Whether the step may issue collectives without waiting (`Piece.start`: detached, outside
     autograd): only where nothing differentiates through the step -- no torch.func transform is
     active and no tensor requires grad. Otherwise the blocking, differentiable `Piece.run`."""
-    return torch._C._functorch.maybe_current_level() is None and not any(t.requires_grad for t in tensors)
+    return func_level() is None and not any(t.requires_grad for t in tensors)
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -607,7 +607,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         spec = layout.buckets[b]
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
-                            tuple(layout.leaves[i].numel for i in spec.leaves), tuple(layout.leaves[i].shape for i in spec.leaves))
+                            tuple(layout.leaves[i].numel for i in spec.leaves),
+                            tuple(layout.leaves[i].shape for i in spec.leaves))
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
         g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:
@@ -618,10 +619,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
     broken = _any_nonfinite(state, updated)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
-    if not overlap and not broken:
-        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in updated.items()}
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
+    if not overlap:  # differentiated through: the blocking, differentiable finish
+        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in updated.items()}
     for b, p_new in updated.items():
         new_params[b] = gathered[b]
         if state.master[b] is not None:

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import all_gather, check_forward_mode
+from .collectives import all_gather, check_forward_mode, func_level
 from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
@@ -270,7 +270,7 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     the padding -- is zero-filled, in one fill per gap. Under a torch.func transform the buffer
     is concatenated out of place instead (the same values): a vmapped gradient cannot be written
     into an unbatched buffer, and a transform must see every op on its tensors."""
-    if torch._C._functorch.maybe_current_level() is not None:
+    if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
     end = 0  # the end of the last slice written
