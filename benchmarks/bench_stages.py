@@ -2,6 +2,8 @@
 
 Run (2 GPUs):  torchrun --nproc-per-node 2 benchmarks/bench_stages.py --stage 3
 Profile:       torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --profile prof-stage2.txt
+Host syncs:    torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 0 --syncs 1 (CUDA: one extra step
+               under torch.cuda.set_sync_debug_mode("warn"); "host_syncs" counts the step's synchronising calls)
 CPU check:     torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --dim 64 --layers 2 --heads 2
                --seq 32 --vocab 128 --micro 2 --warmup 1 --steps 2 (gloo; the numbers mean nothing)
 The model, data, batch, bf16 autocast, AdamW and timing rule are those of
@@ -27,6 +29,37 @@ import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
 
 
+def count_syncs(run_step) -> dict:
+    """One step under `torch.cuda.set_sync_debug_mode("warn")`: `{"count": synchronising CUDA calls,
+    "sites": {"file:line": count} of fzero's frames that made them, "state": the new state}`."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = {}
+    count = 0
+    torch.cuda.synchronize()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        nonlocal count
+        if "synchroniz" not in str(message):
+            return
+        count += 1
+        frames = [f for f in traceback.extract_stack() if "/fzero/" in f.filename]
+        where = f"{frames[-1].filename.rsplit('/fzero/', 1)[-1]}:{frames[-1].lineno}" if frames else "outside fzero"
+        sites[where] = sites.get(where, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            state, _ = run_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"count": count, "sites": sites, "state": state}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
@@ -42,6 +75,7 @@ def main() -> None:
     ap.add_argument("--engine", default="autograd", choices=["autograd", "func"])
     ap.add_argument("--profile", default="", help="write the profiler tables of one extra step (rank 0) to this file")
     ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
+    ap.add_argument("--syncs", type=int, default=0, help="count the host synchronisations of one extra step (CUDA)")
     ap.add_argument("--donate", type=int, default=1, help="train_step(donate=...): update the state in place")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
@@ -97,6 +131,9 @@ def main() -> None:
                 f.write(f"# fzero stage {a.stage}, {a.precision}, world {world}, torch {torch.__version__}\n")
                 f.write(prof.key_averages().table(sort_by=by, row_limit=30) + "\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
+    syncs = count_syncs(lambda: step(state, (idx, tgt))) if a.syncs and dev.type == "cuda" else None
+    if syncs is not None:
+        state = syncs.pop("state")
     times.sort()
     med = times[len(times) // 2]
     tok = a.micro * a.seq
@@ -113,7 +150,7 @@ def main() -> None:
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),
             "torch": torch.__version__,
-        }), flush=True)
+        } | ({} if syncs is None else {"host_syncs": syncs["count"], "sync_sites": syncs["sites"]})), flush=True)
     dist.destroy_process_group()
 
 

@@ -767,7 +767,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     and loss scale as saved. With `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA
     where saved and initialised) are set to the ones saved by the same rank.
     """
-    check_state(target)
+    check_state(target, pending=False)  # load overwrites it: a broken donated target is what it restores
     path = os.fspath(path)
     mesh = target.mesh
     with mesh.guard():

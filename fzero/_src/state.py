@@ -19,8 +19,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
-from .collectives import all_gather, broadcast
-from .errors import ConfigError, FzeroError, LayoutError
+from .collectives import all_gather, all_reduce, broadcast
+from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
 from .optim.base import Optimizer, init_state, spec_of
@@ -67,6 +67,12 @@ class ZeroState:
       loss_scale: the loss scaler's `LossScaleState` (0-d tensors), or None without a scaler.
       step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
       info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
+      pending: None where every update that made this state was checked on the host (`init`,
+        `load`, a pure step); after a donating step (`train_step(donate=True)`), this rank's
+        verdict on its own update, not yet read: a float32 0-d tensor on the mesh device, 1 where
+        the update left a NaN or inf in what this rank updated, else 0. The next step carries it
+        in its agreement row; every other reader checks it first (`check_state`), so a state
+        broken in place is never used silently.
     """
 
     params: tuple[torch.Tensor, ...]
@@ -75,6 +81,7 @@ class ZeroState:
     master: tuple[torch.Tensor | None, ...]
     loss_scale: LossScaleState | None
     info: StateInfo
+    pending: torch.Tensor | None = None
 
     layout = property(lambda self: self.info.layout)
     stage = property(lambda self: self.info.stage)
@@ -88,16 +95,17 @@ class ZeroState:
         return dataclasses.replace(self, **changes)
 
 
-_FIELDS = ("params", "opt_state", "step", "master", "loss_scale")
+_FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "pending")
 
 
 def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
-    return (state.params, state.opt_state, state.step, state.master, state.loss_scale), state.info, _FIELDS
+    children = (state.params, state.opt_state, state.step, state.master, state.loss_scale, state.pending)
+    return children, state.info, _FIELDS
 
 
 def _unflatten(info: StateInfo, children: Any) -> ZeroState:
-    params, opt_state, step, master, loss_scale = children
-    return ZeroState(params, opt_state, step, master, loss_scale, info)
+    params, opt_state, step, master, loss_scale, pending = children
+    return ZeroState(params, opt_state, step, master, loss_scale, info, pending)
 
 
 for _namespace in (_GLOBAL, NAMESPACE):
@@ -112,17 +120,19 @@ def _torch_flatten(state: ZeroState) -> tuple[list, tuple]:
     opt, no_opt = split(state.opt_state)
     master, no_master = split(state.master)
     scale = () if state.loss_scale is None else (state.loss_scale,)
-    return [state.params, opt, state.step, master, scale], (state.info, no_opt, no_master, len(state.params))
+    pending = () if state.pending is None else (state.pending,)
+    return [state.params, opt, state.step, master, scale, pending], (state.info, no_opt, no_master, len(state.params))
 
 
 def _torch_unflatten(children: list, context: tuple) -> ZeroState:
-    (params, opt, step, master, scale), (info, no_opt, no_master, nb) = children, context
+    (params, opt, step, master, scale, pending), (info, no_opt, no_master, nb) = children, context
 
     def join(xs: tuple, nones: tuple[int, ...]) -> tuple:
         it = iter(xs)
         return tuple(None if b in nones else next(it) for b in range(nb))
 
-    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None, info)
+    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None, info,
+                     pending[0] if pending else None)
 
 
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
@@ -306,8 +316,12 @@ def consume(state: ZeroState) -> None:
     object.__setattr__(state, "_consumed", True)
 
 
-def check_state(state: Any) -> None:
-    """A `ZeroState` used on the rank and world size it was made for, not consumed, or a clear error."""
+def check_state(state: Any, *, pending: bool = True) -> None:
+    """A `ZeroState` used on the rank and world size it was made for, not consumed, or a clear error.
+
+    With `pending` (every reader but the step, which carries the flag in its agreement), a state
+    made by a donating step whose update is not yet checked is checked first (`check_pending`:
+    every rank together, one small all-gather)."""
     if not isinstance(state, ZeroState):
         raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
     if getattr(state, "_consumed", False):
@@ -318,6 +332,55 @@ def check_state(state: Any) -> None:
     if state.rank != mesh.rank:
         raise FzeroError(f"this state belongs to rank {state.rank} of {mesh!r} but runs on rank {mesh.rank}; "
                          f"hand each rank the state fzero.init made on it")
+    if pending:
+        check_pending(state)
+
+
+def check_pending(state: ZeroState) -> None:
+    """Taken by every rank together where `state.pending` is set (a donating step made it): one
+    all-gather of each rank's flag `[N]`, tag "fzero.state/pending"; `NonFiniteError` on every
+    rank where some rank's update left a NaN or inf (`broken_update`). No collective otherwise."""
+    if state.pending is None:
+        return
+    flag = state.pending.to(device=state.mesh.device, dtype=torch.float64).reshape(1)
+    flags = all_gather(flag, state.mesh, tag="fzero.state/pending").tolist()
+    ranks = [r for r, f in enumerate(flags) if f != 0]
+    if ranks:
+        raise broken_update(state, ranks)
+
+
+def broken_update(state: ZeroState, ranks: list[int]) -> NonFiniteError:
+    """The error for a state whose donating update left a NaN or inf on `ranks` (every rank calls
+    it: the leaves are found by `nonfinite_leaves` over what each rank updated, one all-reduce)."""
+    layout, stage, rank = state.layout, state.stage, state.rank
+    updated = {b.index: stage.optimizer_params(layout, b.index, state.params[b.index], rank, state.master[b.index])
+               for b in layout.buckets if not b.group.frozen}
+    leaves = nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
+    named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
+    return NonFiniteError(
+        f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
+        f"inf on rank(s) {ranks} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in place, so "
+        f"this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning rate or keep "
+        f"params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+
+
+def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Any = None, where: Any = None
+                     ) -> list[str]:
+    """Taken by every rank together: the leaves whose values in `tensors` (per bucket; by default
+    the *reduced* gradients, of which each rank reads its shard) hold a NaN or inf, by one
+    all-reduce `[L]` (max), tag "fzero.step/nonfinite". `mine(b, t)` picks what this rank checks,
+    `where(layout, b, rank)` its segments. The rare path: one host read per segment."""
+    layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    mine = mine or (lambda b, g: stage.grad_shard(layout, b, g, rank))
+    where = where or (lambda layout, b, rank: layout.segments(b, rank))
+    flags = torch.zeros(len(layout.leaves), dtype=torch.float64, device=mesh.device)
+    for b, g in tensors.items():
+        local = mine(b, g)
+        for seg in where(layout, b, rank):
+            if not bool(torch.isfinite(local[seg.start : seg.stop]).all()):
+                flags[seg.leaf] = 1.0
+    flags = all_reduce(flags, mesh, "max", tag="fzero.step/nonfinite")
+    return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]
 
 
 def _crc(x: Any) -> int:

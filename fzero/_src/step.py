@@ -16,6 +16,12 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
    `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
 
+The agreement is the step's one host synchronisation where the step donates its input: the
+donating update's finite flag stays on the device, in the new state (`ZeroState.pending`), and
+the next step's agreement carries it (see `train_step`'s `donate`). The pure step reads its
+update's flag on the host at once (a second synchronisation), so that it can return its input
+unchanged.
+
 At N = 1 nothing is moved: reductions and gathers of gradients and updated params are recorded
 and return their input (`Mesh.solo`), except stage 3's gathers, which copy.
 
@@ -38,7 +44,7 @@ from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .optim.base import UpdateContext
-from .state import ZeroState, check_state, consume
+from .state import ZeroState, broken_update, check_state, consume, nonfinite_leaves
 from .unit import Inflight, Probe, nonfinite, unit_programs
 
 ENGINES = ("autograd", "func")
@@ -126,13 +132,15 @@ class Report(NamedTuple):
 
 class Verdict(NamedTuple):
     """What every rank agreed on: used leaves, ranks with non-finite values, the loss (summed over
-    ranks in rank order), ‖g‖² and the total token count (`normalize="tokens"`)."""
+    ranks in rank order), ‖g‖², the total token count (`normalize="tokens"`), and the ranks whose
+    previous, donating update left a NaN or inf in the state (`ZeroState.pending`)."""
 
     used: list[bool]
     bad_ranks: dict[int, list[str]]
     loss: float
     norm_sq: float
     count: float
+    broken_ranks: list[int] = []
 
     @property
     def finite(self) -> bool:
@@ -192,8 +200,16 @@ def train_step(
         updates the state's params and optimizer state in place (`Optimizer.update_`), so a step
         does not hold a second copy of them; the same bits as the pure step. The input state is
         then marked consumed and raises if used again. A step skipped for a non-finite gradient
-        leaves it intact; an update that itself makes params non-finite cannot be undone in
-        place: it raises `NonFiniteError` (whatever `on_nonfinite` says) with the state consumed.
+        leaves it intact. The step's only host synchronisation is its agreement: whether the
+        update itself made params NaN or inf (which cannot be undone in place) is computed on the
+        device and kept in the new state (`ZeroState.pending`), and the next step's agreement
+        row carries it; so the step that breaks the state returns, and the next step -- or any
+        other reader first (`fzero.gather`, `fzero.checkpoint.save`, `fzero.evaluate`) --
+        raises `NonFiniteError` on every rank, naming that step and the leaves, whatever
+        `on_nonfinite` says: restore from a checkpoint (`fzero.checkpoint.load` into the broken
+        state works). `donate=False` checks each update at once (one all-reduce of a flag, read
+        on the host): its promise is the input state unchanged, so an update that would break
+        it raises or is skipped (`on_nonfinite`) before anything is kept.
       persist_bytes: where stage 3 frees units after use (see `gather`), a unit whose gathered
         bytes (`Σ N * S * itemsize` over its buckets) are at most this stays gathered for the
         micro-batch's forward and backward: no backward re-gather (DeepSpeed's
@@ -217,19 +233,22 @@ def train_step(
 
 @torch.compiler.disable  # under torch.compile(step) fzero runs eager; compile the loss instead (docs/compile.md)
 def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    check_state(state)
+    check_state(state, pending=False)  # the step's agreement carries the pending flag
     with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
         return run_step(config, state, batch)
 
 
 @contextlib.contextmanager
 def _no_vmap_over_steps() -> Iterator[None]:
-    """torch's `.item()` / data-dependent-control-flow error under vmap, as what it means for a step
-    (docs/func.md)."""
+    """torch's `.item()` / data-dependent-control-flow error under vmap, or its error for the
+    agreement's host read (`tolist`) of a batched tensor, which has no storage (only vmap batches:
+    under the other transforms the read works), as what it means for a step (docs/func.md)."""
     try:
         yield
     except RuntimeError as e:
-        if "vmap" not in str(e) or (".item()" not in str(e) and "data-dependent control flow" not in str(e)):
+        msg = str(e)
+        batched = "doesn't have storage" in msg and func_level() is not None
+        if not batched and ("vmap" not in msg or (".item()" not in msg and "data-dependent control flow" not in msg)):
             raise
         raise ConfigError("vmap over a step: the step decides on Python numbers that every rank agrees on (the "
                           "loss, the gradient norm, whether to skip a non-finite step), which vmap cannot batch. "
@@ -240,6 +259,8 @@ def _no_vmap_over_steps() -> Iterator[None]:
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     verdict = agree(state, loss, report, reduced, count)
+    if verdict.broken_ranks:  # the donating step before this one broke the state in place
+        raise broken_update(state, verdict.broken_ranks)
     step, s = int(state.step), loss_scale_of(state)
     scale = _normalizer(config, state, verdict)
     norm = math.sqrt(verdict.norm_sq) * scale / s if math.isfinite(verdict.norm_sq) else verdict.norm_sq
@@ -258,16 +279,13 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
-    if not broken:
+    if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
         return (new if scaler is None else new.replace(loss_scale=next_scale)), metrics
-    if config.on_nonfinite == "raise" or config.donate:
+    if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
-        fate = ("the donated state was written in place and is lost: restore it from a checkpoint" if config.donate
-                else "the state is unchanged")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
-                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); {fate}. Lower the "
-                             f"learning rate, keep params in a wider dtype, or use on_nonfinite='skip' (without "
-                             f"donate)")
+                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); the state is unchanged. "
+                             f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
     return state, metrics._replace(skipped=True)
 
 
@@ -483,11 +501,14 @@ def overlaps(tensors: Any) -> bool:
 
 def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
           count: torch.Tensor) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count]` from every rank.
+    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
+    from every rank, read on the host once (`tolist`): the step's one host synchronisation.
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shard of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
-    values); ranks' parts and losses are then summed in rank order. Where some rank's part is not
+    values); ranks' parts and losses are then summed in rank order (Python floats: float64 adds,
+    as before). `broken` is the state's `pending` flag (0 without one): whether the donating
+    update that made the state left a NaN or inf on this rank. Where some rank's part is not
     finite -- a NaN or inf, or a float32 norm that overflowed -- every rank (all see the same rows)
     recomputes its part exactly in float64 (`exact_sum_of_squares`) and the parts are gathered
     again: the rare path decides finiteness exactly. At N = 1 the units skip their local
@@ -501,24 +522,27 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     sq = sum_of_squares(shards, dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+    broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
+              else sq.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
-                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:]])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 3).cpu()
-    losses, used_rows, bad_rows = rows[:, 0], rows[:, 1 : 1 + num], rows[:, 1 + num : 1 + num + nb]
-    sqs, counts = rows[:, -2], rows[:, -1]
-    if not bool(torch.isfinite(sqs).all()):  # the rare path: decide exactly
+                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
+    losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
+    bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
+    if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly
         exact = exact_sum_of_squares(shards, dev).reshape(1)
-        sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").cpu()
-    bad_ranks = {r: [layout.buckets[b].tag for b in (bad_rows[r] > 0).nonzero().flatten().tolist()]
-                 for r in range(n) if not math.isfinite(losses[r].item()) or bool((bad_rows[r] > 0).any())}
-    if n == 1 and not math.isfinite(sqs[0].item()):  # the rare path of the skipped local check (unit.py)
+        sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
+    bad_ranks = {r: [layout.buckets[b].tag for b, x in enumerate(bad_rows[r]) if x > 0]
+                 for r in range(n) if not math.isfinite(losses[r]) or any(x > 0 for x in bad_rows[r])}
+    if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
     total_loss, total_sq, total_count = 0.0, 0.0, 0.0
     for r in range(n):  # rank order
-        total_loss += losses[r].item()
-        total_sq += sqs[r].item()
-        total_count += counts[r].item()
-    return Verdict((used_rows > 0).any(dim=0).tolist(), bad_ranks, total_loss, total_sq, total_count)
+        total_loss += losses[r]
+        total_sq += sqs[r]
+        total_count += counts[r]
+    used = [any(r[1 + i] > 0 for r in rows) for i in range(num)]
+    return Verdict(used, bad_ranks, total_loss, total_sq, total_count, [r for r in range(n) if rows[r][-1] != 0])
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -586,10 +610,15 @@ def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> li
 
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False
            ) -> tuple[ZeroState, list[str]]:
-    """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or
-    `(state, leaves)` -- the input state and the leaves the update would have made NaN or inf,
-    agreed by every rank (one all-reduce of a flag), so a state is never corrupted silently.
-    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`).
+    """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
+    without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
+    made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
+    is never corrupted silently.
+
+    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`) and nothing
+    waits on the host: this rank's flag (`_nonfinite_flag`, on the device) becomes the new state's
+    `pending`, which the next step's agreement row carries and every other reader checks first
+    (`state.check_pending`): a broken update is found there, on every rank, naming its step.
 
     Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
     update is done, so it runs while the next bucket is updated; all are waited for after the
@@ -617,7 +646,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
         if overlap:
             flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
-    broken = _any_nonfinite(state, updated)
+    flag = _nonfinite_flag(state, updated)
+    broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
@@ -628,40 +658,25 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         if state.master[b] is not None:
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
-                         step=state.step + 1), []
+                         step=state.step + 1, pending=flag if donate else None), []
 
 
-def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
-    """Whether any rank's updated params hold a NaN or inf: one float64 flag, all-reduced (max),
-    tag "fzero.step/update" (a control collective); none where nothing is trainable."""
-    if not updated:
-        return False
-    mesh = state.mesh
-    flag = torch.zeros((), dtype=torch.float64, device=mesh.device)
+def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
+    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf
+    (`unit.nonfinite` per bucket, one read each), else 0; no host synchronisation."""
+    flag = torch.zeros((), dtype=torch.float32, device=state.mesh.device)
     for p in updated.values():
         flag = torch.maximum(flag, nonfinite(p).to(flag))
-    return bool(all_reduce(flag.reshape(1), mesh, "max", tag="fzero.step/update").item() > 0)
+    return flag
+
+
+def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
+    """Whether any rank's flag is set: one all-reduce (max), tag "fzero.step/update" (a control
+    collective), read on the host."""
+    return bool(all_reduce(flag.to(torch.float64).reshape(1), state.mesh, "max", tag="fzero.step/update").item() > 0)
 
 
 # -- the rare path: a non-finite step ----------------------------------------------------------
-
-
-def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Callable | None = None,
-                     where: Callable | None = None) -> list[str]:
-    """Taken by every rank together: the leaves whose values in `tensors` (per bucket; by default
-    the *reduced* gradients, of which each rank reads its shard) hold a NaN or inf, by one
-    all-reduce. `mine(b, t)` picks what this rank checks, `where(layout, b, rank)` its segments."""
-    layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    mine = mine or (lambda b, g: stage.grad_shard(layout, b, g, rank))
-    where = where or (lambda layout, b, rank: layout.segments(b, rank))
-    flags = torch.zeros(len(layout.leaves), dtype=torch.float64, device=mesh.device)
-    for b, g in tensors.items():
-        local = mine(b, g)
-        for seg in where(layout, b, rank):
-            if not bool(torch.isfinite(local[seg.start : seg.stop]).all()):
-                flags[seg.leaf] = 1.0
-    flags = all_reduce(flags, mesh, "max", tag="fzero.step/nonfinite")
-    return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]
 
 
 def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:

@@ -1,0 +1,171 @@
+"""The step's host synchronisation: one agreement per step and nothing else on the donating path.
+
+- A donating step (`train_step(donate=True)`) does not read its update's finite flag on the host:
+  the flag rides in the new state (`ZeroState.pending`) to the next step's agreement row, so an
+  update that overflows raises `NonFiniteError` on every rank at the next step, naming the step
+  and the leaves -- also where only one rank's shard broke -- and every other reader (`gather`,
+  `checkpoint.save`, `evaluate`) raises the same before reading anything; `checkpoint.load` into
+  the broken state restores it. SimMesh and gloo.
+- `donate=False` keeps the immediate check: the step that would break the state raises (or
+  skips) and returns the input state unchanged.
+- Counted on the CPU: the donating step's host reads of tensors (`item`, `tolist`, `cpu`, `bool`,
+  `float`, ...) other than the ones the host owns by contract (the step counter, the optimizer's
+  per-leaf step counts) are exactly one, the agreement's; the pure step has one more (its finite
+  flag). The collectives are counted too: one agreement, no update flag.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+
+import pytest
+import torch
+
+import fzero
+import fzero.checkpoint as ck
+from fzero import optim
+from fzero._src import step as step_module
+from fzero._src.optim.base import spec_of
+
+from . import sync_cases
+
+
+def _check_broken(out: dict, rank: int, stage: int) -> None:
+    loss, norm, skipped = out["metrics"]
+    assert out["pending"] and not skipped and loss == loss and norm == norm  # the broken step itself returns
+    ranks = "[0, 1]" if stage == 0 else "[1]"  # stage 0: every rank updates `b`; else its owner only
+    for reader in ("step", "gather", "save", "evaluate"):
+        text = out[reader]
+        assert text.startswith("step 0: the update of a donating step"), (rank, reader, text)
+        assert f"on rank(s) {ranks} in 'b' (" in text and "1 leaves" in text, (rank, reader, text)
+        assert "fzero.checkpoint.load" in text, (rank, reader, text)
+    assert out["saved"] == ["step-0"], out["saved"]  # save raised before writing anything
+    assert out["restored"] == {k: v.tolist() for k, v in sync_cases.params().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_broken_donated_update_raises_at_the_next_read_on_every_rank(stage, tmp_path):
+    mesh = fzero.SimMesh(2)
+    outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
+    for r, out in enumerate(outs):
+        _check_broken(out, r, stage)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_broken_donated_update_raises_at_the_next_read_on_every_gloo_rank(dist2, stage, tmp_path):
+    root = tmp_path / f"gloo-{stage}"
+    root.mkdir()
+    outs = dist2.run(sync_cases.broken_then_read, [(stage, str(root))] * 2)
+    for r, out in enumerate(outs):
+        _check_broken(out, r, stage)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
+def test_the_pure_step_checks_its_update_at_once(on_nonfinite):
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = sync_cases.fresh(mesh, 1)
+        step = fzero.train_step(sync_cases.loss, on_nonfinite=on_nonfinite)
+        if on_nonfinite == "raise":
+            with pytest.raises(fzero.NonFiniteError, match=r"^step 0: .* in 'b' .*the state is unchanged"):
+                step(state, torch.full((4,), 10.0))
+            return True
+        new, m = step(state, torch.full((4,), 10.0))
+        return new is state and m.skipped and new.pending is None
+
+    assert mesh.run(rank_fn) == [True, True]
+
+
+def test_a_finite_donated_state_is_checked_once_per_reader():
+    """A healthy pending flag costs a reader one small all-gather and nothing else; the next
+    step reads it in its agreement row (no collective of its own)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(sync_cases.params(), optim.sgd(0.1), stage=2, mesh=mesh)
+        step = fzero.train_step(sync_cases.loss, donate=True)
+        state, _ = step(state, torch.ones(4))
+        assert state.pending is not None and state.pending.shape == () and float(state.pending) == 0
+        with mesh.record() as log:
+            fzero.gather(state)
+        gather_tags = [c.tag for c in log if c.rank == mesh.rank]
+        with mesh.record() as log:
+            state, _ = step(state, torch.ones(4))
+        return gather_tags, sorted({c.tag for c in log if c.rank == mesh.rank and (c.tag or "").startswith("fzero.")})
+
+    for gather_tags, step_tags in mesh.run(rank_fn):
+        assert gather_tags.count("fzero.state/pending") == 1
+        assert step_tags == ["fzero.step/agree"]
+
+
+# -- counting host reads ---------------------------------------------------------------------
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+class HostReads:
+    """Counts, per thread (SimMesh ranks are threads), the calls of `READS` on tensors while a
+    `run_step` is running, by the name of the calling function; tensors the host owns by
+    contract (`ZeroState.step`, CPU int64; the optimizer's "leaf" fields, CPU float32 step
+    counts) are left out: on a GPU reading them is no synchronisation."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._host = threading.local()
+        for name in READS:
+            monkeypatch.setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
+        run_step = step_module.run_step
+        monkeypatch.setattr(step_module, "run_step", lambda config, state, batch: self._within(
+            run_step, config, state, batch))
+
+    def _within(self, run_step, config, state, batch):
+        host = {id(state.step)}
+        for s in state.opt_state:
+            if s is not None:
+                host |= {id(t) for t, kind in zip(s, spec_of(state.optimizer, s)) if kind == "leaf"}
+        self._host.ids = host
+        try:
+            return run_step(config, state, batch)
+        finally:
+            self._host.ids = None
+
+    def _counted(self, name, method):
+        def counted(t, *args, **kwargs):
+            ids = getattr(self._host, "ids", None)
+            if ids is not None and id(t) not in ids:
+                import sys
+
+                self.counts[threading.get_ident()][f"{sys._getframe(1).f_code.co_name}.{name}"] += 1
+            return method(t, *args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("donate", [True, False])
+def test_one_host_read_per_donating_step(stage, donate, monkeypatch):
+    steps, n = 3, 2
+    mesh = fzero.SimMesh(n)
+    reads = HostReads(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(13, generator=g), "b": {"w": torch.randn(3, 5, generator=g)}}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0])
+        step = fzero.train_step(lambda p, x: torch.tanh(p["a"][:5] * x).sum() + (p["b"]["w"] @ x).square().mean(),
+                                donate=donate)
+        with mesh.record() as log:
+            for t in range(steps):
+                state, m = step(state, torch.ones(5) * (t + 1) * (mesh.rank + 1))
+        return [c.tag for c in log if c.rank == mesh.rank and (c.tag or "").startswith("fzero.")]
+
+    for tags in mesh.run(rank_fn):
+        assert tags.count("fzero.step/agree") == steps and len(tags) == steps * (1 if donate else 2), tags
+    want = {"agree.tolist": steps} | ({} if donate else {"_agreed_nonfinite.item": steps})
+    assert len(reads.counts) == n
+    for counts in reads.counts.values():
+        assert dict(counts) == want
