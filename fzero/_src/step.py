@@ -35,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -43,8 +45,10 @@ import torch
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
+from .layout import ParamGroup, Segment
 from .optim.base import UpdateContext
-from .state import ZeroState, broken_update, check_state, consume, nonfinite_leaves
+from .stages import Wire
+from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
 from .unit import Inflight, Probe, nonfinite, unit_programs
 
 ENGINES = ("autograd", "func")
@@ -257,36 +261,41 @@ def _no_vmap_over_steps() -> Iterator[None]:
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
+    """One step (the module docstring). After the agreement the host does only what decides the
+    update before launching it (`update`); the metrics' tensors are made after it."""
     reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     verdict = agree(state, loss, report, reduced, count)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
-    step, s = int(state.step), loss_scale_of(state)
+    step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
     scale = _normalizer(config, state, verdict)
     norm = math.sqrt(verdict.norm_sq) * scale / s if math.isfinite(verdict.norm_sq) else verdict.norm_sq
     mean_loss = verdict.loss / (verdict.count if config.normalize == "tokens" else state.mesh.world_size) / s
-    metrics = Metrics(torch.tensor(mean_loss, dtype=torch.float64), torch.tensor(norm, dtype=torch.float64), step,
-                      not verdict.finite, s if state.info.scaler is not None else None)
-    scaler = state.info.scaler
-    next_scale = None if scaler is None else scaler.update(state.loss_scale, not verdict.finite)
-    if not verdict.finite:
+    seen = (mean_loss, norm, step, s if scaler is not None else None)
+    next_scale = None if scaler is None else scaler.update(state.loss_scale, not finite)
+    if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
-            return state.replace(loss_scale=next_scale), metrics
+            return state.replace(loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
-        return state, metrics
+        return state, _metrics(*seen, skipped=True)
     reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
     new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
-        return (new if scaler is None else new.replace(loss_scale=next_scale)), metrics
+        return (new if scaler is None else new.replace(loss_scale=next_scale)), _metrics(*seen, skipped=False)
     if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
                              f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); the state is unchanged. "
                              f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
-    return state, metrics._replace(skipped=True)
+    return state, _metrics(*seen, skipped=True)
+
+
+def _metrics(loss: float, norm: float, step: int, loss_scale: float | None, skipped: bool) -> Metrics:
+    return Metrics(torch.tensor(loss, dtype=torch.float64), torch.tensor(norm, dtype=torch.float64), step, skipped,
+                   loss_scale)
 
 
 def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[Any]:
@@ -376,6 +385,46 @@ def _rescale(reduced: dict[int, torch.Tensor], factor: float) -> dict[int, torch
 
 def _trainable(state: ZeroState) -> list[int]:
     return [b.index for b in state.layout.buckets if not b.group.frozen]
+
+
+class BucketPlan(NamedTuple):
+    """What a step needs of one trainable bucket that never changes for a state's `StateInfo`
+    (layout, stage, mesh, rank, precision): how it travels, and the optimizer's context but for
+    the step index and the used flags (`context`)."""
+
+    index: int
+    wire: Wire
+    group: ParamGroup
+    segments: tuple[Segment, ...]  # `Stage.segments`: the leaf pieces of what the optimizer updates
+    leaves: tuple[int, ...]
+    leaf_sum: Callable[[torch.Tensor], torch.Tensor]
+    numels: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def context(self, step: int, used: list[bool]) -> UpdateContext:
+        return UpdateContext(step, self.group, self.segments, self.leaves, tuple(map(used.__getitem__, self.leaves)),
+                             self.leaf_sum, self.numels, self.shapes)
+
+
+_PLANS: dict[int, tuple[Any, dict[int, BucketPlan]]] = {}
+
+
+def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
+    """`{bucket: BucketPlan}` over the trainable buckets, built once per `StateInfo` (every state a
+    step returns shares its input's) and remembered by identity while the info lives: hashing a
+    layout costs a pass over its leaves, which is what the plan saves the step's host."""
+    key = id(info)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is info:
+        return hit[1]
+    layout, stage, mesh, rank = info.layout, info.stage, info.mesh, info.rank
+    plan = {spec.index: BucketPlan(spec.index, info.precision.wire(spec), spec.group,
+                                   stage.segments(layout, spec.index, rank), spec.leaves, stage.leaf_sum(mesh, spec.tag),
+                                   tuple(layout.leaves[i].numel for i in spec.leaves),
+                                   tuple(layout.leaves[i].shape for i in spec.leaves))
+            for spec in layout.buckets if not spec.group.frozen}
+    _PLANS[key] = (weakref.ref(info, lambda _: _PLANS.pop(key, None)), plan)
+    return plan
 
 
 def backward(config: StepConfig, state: ZeroState, batch: Any
@@ -481,7 +530,8 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
     grads = {b: g if g is not None else
              torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
              for b, g in grads.items()}
-    wires = {b: state.precision.wire(layout.buckets[b]) for b in grads}
+    plan = plan_of(state.info)
+    wires = {b: plan[b].wire for b in grads}
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
         return {b: stage.after_backward.run(mesh, wires[b], g) for b, g in grads.items()}
     flights = {b: stage.after_backward.start(mesh, wires[b], g) for b, g in grads.items()}
@@ -493,7 +543,10 @@ def overlaps(tensors: Any) -> bool:
     """Whether the step may issue collectives without waiting (`Piece.start`: detached, outside
     autograd): only where nothing differentiates through the step -- no torch.func transform is
     active and no tensor requires grad. Otherwise the blocking, differentiable `Piece.run`."""
-    return func_level() is None and not any(t.requires_grad for t in tensors)
+    return func_level() is None and not any(map(_REQUIRES_GRAD, tensors))
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -632,12 +685,9 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     updated: dict[int, torch.Tensor] = {}
     flights = {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
+    plan = plan_of(state.info)
     for b, g in reduced.items():
-        spec = layout.buckets[b]
-        ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
-                            tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
-                            tuple(layout.leaves[i].numel for i in spec.leaves),
-                            tuple(layout.leaves[i].shape for i in spec.leaves))
+        ctx = plan[b].context(step, used)
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
         g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:
@@ -645,14 +695,14 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         else:
             updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
         if overlap:
-            flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
+            flights[b] = stage.finish.start(mesh, plan[b].wire, updated[b])  # overlaps the next update
     flag = _nonfinite_flag(state, updated)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     if not overlap:  # differentiated through: the blocking, differentiable finish
-        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in updated.items()}
+        gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in updated.items()}
     for b, p_new in updated.items():
         new_params[b] = gathered[b]
         if state.master[b] is not None:
