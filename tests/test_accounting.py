@@ -115,7 +115,7 @@ def _peak(stage, k, n=2, d=32):
 
     def rank_fn(x):
         s = fzero.init(params, opt, stage=stage, mesh=mesh, units=unit_spec)
-        step = fzero.train_step(_mlp_loss, on_nonfinite="skip")
+        step = fzero.train_step(_mlp_loss, on_nonfinite="skip", accumulate="once" if stage == 1 else "each")
         s, _ = step(s, x)
         with mode:
             s, m = step(s, x * float("nan"))
@@ -145,8 +145,10 @@ def test_live_storages_sees_thread_allocations():
 
 
 def test_stage2_peak_holds_one_unit_of_full_gradient():
-    """Stage 1 holds the full gradient of all K units at once; stage 2 reduce-scatters each unit's
-    gradient during backward, so its peak is lower by at least (K - 2) unit gradients per rank."""
+    """Stage 1 reducing after backward (`accumulate="once"`; by default it starts each unit's
+    reduction in backward too, which SimMesh completes at once) holds the full gradient of all K
+    units at once; stage 2 reduce-scatters each unit's gradient during backward, so its peak is
+    lower by at least (K - 2) unit gradients per rank."""
     k, n, d = 4, 2, 32
     unit = d * d * 4  # bytes of one unit's full fp32 gradient
     p1, p2 = _peak(1, k, n, d), _peak(2, k, n, d)

@@ -48,7 +48,9 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
     and a unit's assembled flat[N * S].
     A rank's census runs from the end of its forward to the step's agreement collective.
 
-    Stage 1 keeps every unit's full gradient until after backward: >= K units, growing with K.
+    Stage 1 reducing after backward (`accumulate="once"`: its default starts each unit's
+    reduce-scatter in the unit's backward too, and on SimMesh that completes at once) keeps every
+    unit's full gradient until after backward: >= K units, growing with K.
     Stage 2 reduce-scatters each unit when its backward is done -- the unit's Function runs
     right after the block's backward because it was created, on use, just before the block's
     forward -- so its peak does not grow with K: the per-leaf gradients, the assembled buffer,
@@ -95,7 +97,8 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
 
         def rank_fn(x):
             state = fzero.init(params, opt, stage=stage, mesh=mesh, units=units)
-            step = fzero.train_step(loss_fn, engine=engine, gather="on_use")
+            step = fzero.train_step(loss_fn, engine=engine, gather="on_use",
+                                    accumulate="once" if stage == 1 else "each")
             with census:
                 state, _ = step(state, x)
             return state

@@ -169,3 +169,40 @@ def test_one_host_read_per_donating_step(stage, donate, monkeypatch):
     assert len(reads.counts) == n
     for counts in reads.counts.values():
         assert dict(counts) == want
+
+
+# -- stages 0-1 start their reduction in backward ---------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage):
+    """With the autograd engine and accumulate="each", stages 0-1 start each bucket's
+    reduce-scatter in its unit's backward (as stages 2-3), so they come in backward order (the
+    loss reads a, b, c: backward reaches c first); stage 0's gradient all-gathers follow, in
+    bucket order, after every reduce-scatter. With accumulate="once" (the sum is reduced after
+    the last micro-batch) they come after backward, in bucket order. The bits are the same:
+    tests/test_stages.py holds stages 0-1 bitwise equal to stages 2-3, and tests/test_ddp.py
+    to torch DDP over gloo."""
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.randn(6), "b": torch.randn(5), "c": torch.randn(4)}
+
+    def loss(p, x):
+        return (torch.tanh(p["a"][:4] * x) * p["b"][:4] * p["c"]).sum()
+
+    def order(accumulate):
+        def rank_fn():
+            state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda path: path)
+            tags = {b.tag: b.unit for b in state.layout.buckets}
+            with mesh.record() as log:
+                fzero.train_step(loss, accumulate=accumulate)(state, torch.ones(4))
+            mine = [c for c in log if c.rank == mesh.rank]
+            before = mine[: [c.tag for c in mine].index("fzero.step/agree")]  # the gradients' collectives
+            return [(c.op, tags[c.tag]) for c in before if c.tag in tags]
+
+        out = mesh.run(rank_fn)
+        assert out[0] == out[1]
+        return out[0]
+
+    gathers = [("all_gather", u) for u in "abc"] if stage == 0 else []
+    assert order("each") == [("reduce_scatter", u) for u in "cba"] + gathers
+    assert order("once") == [("reduce_scatter", u) for u in "abc"] + gathers

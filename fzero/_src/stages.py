@@ -7,7 +7,8 @@ swaps one piece of the step for another. Every stage is the composition of four 
 |----------------|--------------------------------------|----------------------------------------------|
 | params         | hold `flat[N * S]`; enter as is      | hold `shard[S]`; enter by all-gather         |
 | grads          | leave the unit whole; reduce after   | reduce-scatter as each unit's backward ends  |
-|                | backward                             |                                              |
+|                | backward (started in the unit's      |                                              |
+|                | backward where the step overlaps)    |                                              |
 | optimizer      | update `flat[N * S]` (grad gathered  | update this rank's `shard[S]`                |
 | state + master | back: RS then AG of the gradient)    | (then all-gather params unless sharded)      |
 

@@ -9,7 +9,9 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    started there and waited for when the backward is done, `unit.Inflight`). The units' probes report
    which leaves got a gradient and which local gradients were non-finite;
 2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
-   any is waited for; the reduced gradient is `Σ_r fl(1/N) g_r`;
+   any is waited for -- with the autograd engine and `accumulate="each"`, stages 0-1 start theirs
+   in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's all-gather
+   follows after backward); the reduced gradient is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
@@ -47,7 +49,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .optim.base import UpdateContext
-from .stages import Wire
+from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
 from .unit import Inflight, Probe, nonfinite, unit_programs
 
@@ -328,8 +330,8 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any]
     loss = count = None
     used = bad = None
     for mb in micro:
-        grads, l_i, report, c_i = backward(config, state, mb)
-        parts = grads if once else reduce(state, grads)
+        grads, l_i, report, c_i, started = backward(config, state, mb)
+        parts = grads if once else reduce(state, grads, started)
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
         loss = l_i if loss is None else loss + l_i
@@ -419,8 +421,8 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
         return hit[1]
     layout, stage, mesh, rank = info.layout, info.stage, info.mesh, info.rank
     plan = {spec.index: BucketPlan(spec.index, info.precision.wire(spec), spec.group,
-                                   stage.segments(layout, spec.index, rank), spec.leaves, stage.leaf_sum(mesh, spec.tag),
-                                   tuple(layout.leaves[i].numel for i in spec.leaves),
+                                   stage.segments(layout, spec.index, rank), spec.leaves,
+                                   stage.leaf_sum(mesh, spec.tag), tuple(layout.leaves[i].numel for i in spec.leaves),
                                    tuple(layout.leaves[i].shape for i in spec.leaves))
             for spec in layout.buckets if not spec.group.frozen}
     _PLANS[key] = (weakref.ref(info, lambda _: _PLANS.pop(key, None)), plan)
@@ -428,11 +430,16 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
 
 
 def backward(config: StepConfig, state: ZeroState, batch: Any
-             ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor]:
+             ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor, dict[int, Flight]]:
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
-    as differentiated, Report, token count (float64; 0 in "mean" mode))`."""
+    as differentiated, Report, token count (float64; 0 in "mean" mode), {bucket: its reduction in
+    flight})`. With the autograd engine and `accumulate="each"`, stages 0-1 start each bucket's
+    reduction (`Stage.after_backward`) in its unit's backward, as stages 2-3 start theirs: the
+    bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
+    tensor, so the same bits)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
-    inflight = Inflight() if config.engine == "autograd" else None  # func: every reduction waited in place
+    # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
+    inflight = Inflight(early=config.accumulate == "each") if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
@@ -464,7 +471,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
-    return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count
+    started = inflight.started if inflight is not None else {}
+    return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 
 
 def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
@@ -520,21 +528,24 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
 # -- 2. reduce ---------------------------------------------------------------------------------
 
 
-def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int, torch.Tensor]:
+def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dict[int, Flight] | None = None
+           ) -> dict[int, torch.Tensor]:
     """Per trainable bucket, the reduced gradient the optimizer reads (`Stage.after_backward`);
     a bucket no gradient reached on this rank contributes zeros, as every rank must reduce.
     Every bucket's collectives are started before the first is waited for (`Stage` pieces'
-    `start`): on DistMesh they run concurrently; the calls and their order per bucket are those of
-    the blocking form, so the bits are too."""
+    `start`), or were started in its unit's backward (`started`: stages 0-1); on DistMesh they run
+    concurrently; the calls and their order per bucket are those of the blocking form, so the bits
+    are too. Stage 0's all-gathers start after every reduce-scatter has been started, in bucket order."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    started = started or {}
     grads = {b: g if g is not None else
              torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
-             for b, g in grads.items()}
+             for b, g in grads.items() if b not in started}
     plan = plan_of(state.info)
-    wires = {b: plan[b].wire for b in grads}
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
-        return {b: stage.after_backward.run(mesh, wires[b], g) for b, g in grads.items()}
-    flights = {b: stage.after_backward.start(mesh, wires[b], g) for b, g in grads.items()}
+        return {b: stage.after_backward.run(mesh, plan[b].wire, g) for b, g in grads.items()}
+    flights = {b: started[b] if b in started else stage.after_backward.start(mesh, plan[b].wire, grads[b])
+               for b in plan if b in started or b in grads}
     flights = {b: f.advance() for b, f in flights.items()}  # stage 0: each all-gather as its reduce-scatter ends
     return {b: f.wait() for b, f in flights.items()}
 

@@ -84,11 +84,19 @@ class Inflight:
     until waited, so starting one more first waits for the oldest. On DistMesh stage 2 then keeps
     at most `depth + 1` units' full gradients alive (the one being assembled and the ones in
     flight), not all of them; the default 1 overlaps each unit's reduction with the next unit's
-    backward for one more unit of gradient memory. (SimMesh completes at start: nothing stays open.)"""
+    backward for one more unit of gradient memory. (SimMesh completes at start: nothing stays open.)
 
-    def __init__(self, depth: int = 1) -> None:
+    With `early` (stages 0-1, whose leave keeps the gradient local; the step asks for it where it
+    reduces each micro-batch), the unit's backward starts the step's own reduction of each bucket
+    (`Stage.after_backward.start` on the gradient the step would get) into `started`, and hands
+    autograd no gradient for it; `step.reduce` finishes those flights. They are not bounded by
+    `depth`: stages 0-1 hold every unit's gradient after backward anyway, as DDP does."""
+
+    def __init__(self, depth: int = 1, early: bool = False) -> None:
         self._flights: list[Any] = []
         self.depth = depth
+        self.early = early  # stages 0-1: start the step's reduction (`Stage.after_backward`) in the unit's backward
+        self.started: dict[int, Any] = {}  # bucket -> that Flight, which the step finishes (`step.reduce`)
 
     def add(self, flight: Any) -> torch.Tensor:
         self._flights.append(flight)
@@ -222,6 +230,7 @@ class _Unit(torch.autograd.Function):
         grads = grads[:-1]  # the anchor's gradient (a zero) only made this backward run
         leave, inflight = program.stage.leave, program.inflight
         started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
+        early = inflight is not None and inflight.early and leave.start is None and not torch.is_grad_enabled()
         result: list[torch.Tensor | None] = []
         bad: list[torch.Tensor] = []
         at = 0
@@ -236,6 +245,10 @@ class _Unit(torch.autograd.Function):
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
+            elif early:  # the step's own reduction of what it would get (`flat.to(dtype)`), started now
+                inflight.started[bucket.index] = program.stage.after_backward.start(program.mesh, bucket.wire,
+                                                                                   flat.to(dtype))
+                result.append(None)
             else:
                 result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
