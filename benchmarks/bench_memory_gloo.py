@@ -84,6 +84,45 @@ def _params(a, torch):
     return p
 
 
+def _watch(events: list, fzero) -> None:
+    """Record `(event, current RSS, VmHWM)` at every unit event of the step (read, release, refill,
+    the Function's backward, each collective issued): with VmHWM reset before a step, the first
+    event whose VmHWM equals the step's peak is where the peak was reached (between it and the
+    event before)."""
+    from fzero._src import gathering, mesh as mesh_mod, unit as unit_mod
+
+    def note(what):
+        events.append((what, *_rss()[:2]))
+
+    for name in ("read", "release", "refill", "after_backward"):
+        orig = getattr(gathering.Gathering, name)
+
+        def wrapped(self, unit, *args, orig=orig, name=name, **kw):
+            out = orig(self, unit, *args, **kw)
+            note(f"{name} {unit}")
+            return out
+
+        setattr(gathering.Gathering, name, wrapped)
+    backward = unit_mod._Unit.backward
+
+    def unit_backward(ctx, *grads):
+        note(f"backward< {ctx.program.name}")
+        out = backward(ctx, *grads)
+        note(f"backward> {ctx.program.name}")
+        return out
+
+    unit_mod._Unit.backward = staticmethod(unit_backward)
+    start = mesh_mod.DistMesh._start
+
+    def started(self, call, x):
+        note(f"start< {call.op} {call.tag}")
+        out = start(self, call, x)
+        note(f"start> {call.op} {call.tag}")
+        return out
+
+    mesh_mod.DistMesh._start = started
+
+
 def worker(a) -> None:
     import torch
     import torch.nn.functional as F
@@ -103,11 +142,17 @@ def worker(a) -> None:
     timeline.append(("init", *_rss()))
     held = held_bytes(state, opt)
 
-    def loss_fn(p, batch):
+    def layer(p, unit, x):  # one unit: read (stage 3: gathered), used, released (stage 3: freed until backward)
+        w, b = p[f"{unit}.w"], p[f"{unit}.b"]
+        y = x @ w + b
+        p.release(unit)
+        return y
+
+    def loss_fn(p, batch):  # p: the LazyParams mapping gather="on_use" gives a flat-dict loss
         x, y = batch
         for i in range(a.blocks):
-            h = F.gelu(x @ p[f"blocks.{i}.fc1.w"] + p[f"blocks.{i}.fc1.b"])  # (B, hidden)
-            x = x + h @ p[f"blocks.{i}.fc2.w"] + p[f"blocks.{i}.fc2.b"]  # (B, dim)
+            h = F.gelu(layer(p, f"blocks.{i}.fc1", x))  # (B, hidden)
+            x = x + layer(p, f"blocks.{i}.fc2", h)  # (B, dim)
         return F.mse_loss(x, y)
 
     step = fzero.train_step(loss_fn, gather="on_use", donate=True)
@@ -117,7 +162,14 @@ def worker(a) -> None:
     timeline.append(("train", *_rss()))
     t0 = time.perf_counter()
     loss = None
+    events: list = []
+    if a.events:
+        _watch(events, fzero)
     for k in range(a.steps):
+        if a.events and k == a.steps - 1:  # the last step's events, its own peak
+            events.clear()
+            _reset_peak()
+            events.append(("last step", *_rss()[:2]))
         state, m = step(state, batch)
         loss = float(m.loss)
         timeline.append((f"step{k}", *_rss()))
@@ -134,6 +186,10 @@ def worker(a) -> None:
                           "baseline_peak_bytes": max(int(r[2]) for r in rows),
                           "held": held._asdict(), "loss": loss, "step_s": round(seconds / a.steps, 3),
                           "timeline": per_rank}), flush=True)
+    if a.events:  # each rank its own file
+        with open(f"{a.events_prefix}{a.stage}-rank{mesh.rank}.jsonl", "w") as f:
+            f.writelines(json.dumps({"event": what, "rss_mib": round(rss / 2**20, 1), "hwm_mib": round(hwm / 2**20, 1)})
+                         + "\n" for what, rss, hwm in events)
     torch.distributed.destroy_process_group()
 
 
@@ -143,7 +199,8 @@ def worker(a) -> None:
 def run_stage(a, stage: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            __file__, "--worker", "--stage", str(stage), "--dim", str(a.dim), "--hidden", str(a.hidden),
-           "--blocks", str(a.blocks), "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads)]
+           "--blocks", str(a.blocks), "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads)] + (
+           ["--events", "--events-prefix", a.events_prefix] if a.events else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     if a.mmap_threshold > 0:  # glibc: buffers of at least this many bytes are mmapped, returned to the OS on free
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
@@ -171,9 +228,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per stage")
     ap.add_argument("--timeline", action="store_true", help="print each stage's per-phase RSS timeline")
+    ap.add_argument("--events", action="store_true",
+                    help="also print, per rank, RSS and VmHWM at every unit event of the last step (where the peak is)")
     ap.add_argument("--mmap-threshold", type=int, default=1 << 20,
                     help="glibc MALLOC_MMAP_THRESHOLD_ for the workers (0: glibc's default, whose dynamic threshold "
                          "keeps freed buffers below 32 MiB in the heap, so RSS counts them after they are freed)")
+    ap.add_argument("--events-prefix", default="/tmp/fzero-memory-events-stage",
+                    help="with --events: stage s's rank r's event lines go to PREFIX{s}-rank{r}.jsonl")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()

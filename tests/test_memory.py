@@ -9,23 +9,36 @@ fzero's bookkeeping), on SimMesh.
   after its forward and gathers them again in backward: its forward holds about one unit where
   eager gathering holds all K, for the same bits and one more all-gather per re-gathered unit
   (the 3Ψ of proofs/communication.md).
+- Full gradients, on transformer-like models of random depth and width (stages 2-3): the
+  storages a rank holds of the units' per-leaf gradients and of what each unit's backward makes
+  stay within the root unit's leaf gradients plus one unit's leaf gradients, its assembled
+  buffer and the reduction's staging copy (proofs/stage3.md, section 7). The census identifies
+  them by role, not size: autograd's own hooks on each unit's node say which storages are the
+  leaves' gradients and which its backward made or returned.
 - The census itself: it counts the new storages its `count` accepts, per `group`, each at its
-  size at the latest op (a storage released by `resize_(0)` counts 0).
+  size at the latest op (a storage released by `resize_(0)` counts 0), and keeps every
+  storage's life under a key that may be given after its birth.
 
 Model-state bytes (what `fzero.accounting.estimate` predicts) are tests/test_accounting.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fzero
 from fzero import optim
 from fzero.accounting import LiveStorages
+from fzero.testing import examples
 
+from . import prefetch_cases as cases
 from .stage_harness import PeakAtBackward
 
 
@@ -185,3 +198,172 @@ def test_live_storages_counts_what_count_accepts_per_group_at_its_size_now():
         assert census.current == 0
     assert census.peak == 1200 and census.peaks == {torch.float32: 400, torch.float64: 800}
     assert b.numel() == 10 and v.shape == (50,)
+
+
+def _gradient_census(n: int, stage: int, d: int, hidden: tuple[int, ...], gather: str = "on_use"):
+    """One AdamW step of `prefetch_cases.Tiny` on SimMesh(n): `(per-rank peak bytes of full-gradient
+    storages, the per-rank results)`, from a `LiveStorages` history keyed `(thread, role)`.
+
+    Roles, from autograd's hooks on the node of every unit the loss reads (`LazyParams.unit`):
+    the node's pre-hook receives the unit's per-leaf gradients ("leaf"); every storage the rank
+    makes while the node runs is "made" (its assembled `flat[N * S]`, the reduction's staging),
+    except what the node returns, which its post-hook marks "result" (the reduced shard, the
+    probes' reports). Everything else -- activations and their gradients, gathered params, the
+    optimizer -- is "other". 0-d storages (the non-finite check's flags) are not counted."""
+    on = threading.local()
+    census = LiveStorages(count=lambda t: t.dim() > 0,
+                          group=lambda t: (threading.get_ident(), "made" if getattr(on, "node", False) else "other"))
+    hooked: set[int] = set()
+    read = fzero.LazyParams.unit
+
+    def pre(grad_outputs):
+        for g in grad_outputs:
+            if g is not None:
+                census.relabel(g, (threading.get_ident(), "leaf"))
+        on.node = True
+
+    def post(grad_inputs, grad_outputs):
+        on.node = False
+        for g in grad_inputs:
+            if g is not None:
+                census.relabel(g, (threading.get_ident(), "result"))
+
+    def hook(leaves):
+        for t in leaves:
+            node = t.grad_fn  # the unit's Function node
+            if node is not None and id(node) not in hooked:
+                hooked.add(id(node))
+                node.register_prehook(pre)
+                node.register_hook(post)
+
+    def unit(self, name):  # gather="on_use": the loss reads each unit through LazyParams.unit
+        leaves = read(self, name)
+        hook(leaves.values())
+        return leaves
+
+    params, apply, info = cases.model(d, hidden)
+    mesh = fzero.SimMesh(n)
+
+    def loss(p, b):
+        if isinstance(p, dict):  # gather="eager": every unit's leaves, already read
+            hook(p.values())
+        return torch.nn.functional.cross_entropy(apply(p, b[0]).flatten(0, 1), b[1].flatten())
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=info.units)
+        with census:
+            state, m = fzero.train_step(loss, gather=gather)(state, cases.batch(mesh.rank))
+        return fzero.gather(state), [m.loss]
+
+    with _patched(fzero.LazyParams, "unit", unit):
+        out = mesh.run(rank_fn)
+    peaks = census.peaks_of(lambda key: key[1] in ("leaf", "made"), key_group=lambda key: key[0])
+    assert len(peaks) == n, "every rank's thread must hold gradients"
+    return max(peaks.values()), out
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _unit_sizes(n: int, d: int, hidden: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """`{unit: (L: bytes of its leaves' gradients, F: bytes of its assembled flat[N * S])}`, fp32."""
+    params, _, info = cases.model(d, hidden)
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        layout = state.layout
+        return {u: (sum(math.prod(ls.shape) * 4 for ls in layout.leaves if ls.unit == u),
+                    sum(b.padded_numel * 4 for b in layout.buckets if b.unit == u)) for u in layout.units}
+
+    return mesh.run(rank_fn)[0]
+
+
+MODELS = st.tuples(st.integers(1, 5), st.sampled_from([4, 8]), st.lists(st.sampled_from([4, 8, 12, 20]),
+                                                                         min_size=5, max_size=5))
+
+
+@examples(4)
+@given(MODELS, st.integers(2, 3), st.sampled_from([2, 3]))
+def test_live_full_gradients_stay_within_the_root_unit_plus_one_unit_assembling(model, n, stage):
+    """The live-storage oracle for gradients (proofs/stage3.md, section 7). Per rank, at any op of
+    the step, the full-gradient storages (per-leaf gradients, and what a unit's backward makes
+    but does not return) are at most `L_root + max_u (L_u + 2 F_u)`: the root unit's leaf
+    gradients (its node runs last, so its head's and final norm's gradients wait through the
+    whole backward), one unit's leaf gradients and its assembled buffer, and SimMesh's staging
+    accumulator (one `flat[N * S]`, on the rank that completes the round). Independent of the
+    depth. Lower bound, so the census is not vacuous: the largest block's gradients and its
+    assembled buffer coexist. With gather="eager" (every node runs after the whole backward)
+    every block's leaf gradients wait together: a rank holds at least their sum."""
+    depth, d, widths = model
+    hidden = tuple(widths[:depth])
+    sizes = _unit_sizes(n, d, hidden)
+    root_l, _ = sizes["default"]
+    bound = root_l + max(l + 2 * f for l, f in sizes.values())
+    peak, out = _gradient_census(n, stage, d, hidden)
+    blocks = [v for u, v in sizes.items() if u != "default"]
+    assert peak <= bound, (peak, bound, sizes)
+    assert peak >= max(l + f for l, f in blocks), (peak, sizes)
+    want = fzero.SimMesh(n)
+    for (pw, lw), (pg, lg) in zip(want.run(lambda: cases.train(want, 0, d, hidden, steps=1)), out):
+        assert all(torch.equal(a, b) for a, b in zip(lw, lg)) and all(torch.equal(pw[k], pg[k]) for k in pw)
+    eager, _ = _gradient_census(n, stage, d, hidden, gather="eager")
+    assert eager >= sum(l for l, _ in blocks), (eager, sizes)
+
+
+def test_live_storages_history_counts_a_storage_under_its_final_key_for_its_whole_life():
+    """`relabel` after birth moves a storage's whole life to its new key; `peaks_of` sums the
+    selected keys' lives over the op counter (a death and a birth at one op: the dead one is
+    gone), per `key_group`."""
+    census = LiveStorages(group=lambda t: ("new", t.dtype))
+    before = torch.ones(3)  # made before the census: never tracked
+    with census:
+        a = torch.zeros(100)  # 400 B
+        b = torch.zeros(50)  # 200 B
+        census.relabel(a, ("grad", torch.float32))  # its role is known later
+        del a
+        c = torch.zeros(25, dtype=torch.float64)  # 200 B, after a is gone
+        assert census.relabel(c, ("grad", torch.float64)) and not census.relabel(before, "x")
+        torch.zeros(1)
+    grads = census.peaks_of(lambda key: key[0] == "grad", key_group=lambda key: key[1])
+    assert grads == {torch.float32: 400, torch.float64: 200}
+    assert census.peaks_of(lambda key: key[0] == "grad") == {None: 400}  # never both at once
+    assert census.peaks_of(lambda key: True) == {None: 600}  # a and b
+    assert b.numel() == 50 and c.numel() == 25
+
+
+def test_inflight_make_room_closes_the_oldest_before_the_next_buffer_exists():
+    """The unit's backward calls `make_room` before it assembles a bucket's gradient: with depth k
+    at most k - 1 flights stay open then, so the new buffer and the open ones are k at most."""
+    from fzero._src.mesh import Pending
+    from fzero._src.stages import Flight
+    from fzero._src.unit import Inflight
+
+    waited = []
+
+    class Seen(Pending):
+        def __init__(self, k):
+            super().__init__(torch.full((1,), float(k)))
+            self.k = k
+
+        def wait(self):
+            waited.append(self.k)
+            return super().wait()
+
+    for depth, want in ((1, [0, 1, 2]), (2, [0, 1])):
+        waited.clear()
+        inflight = Inflight(depth)
+        for k in range(4):
+            inflight.make_room()
+            assert len(inflight._flights) < depth
+            inflight.add(Flight(Seen(k)))
+        assert waited == want
+        inflight.wait()
+        assert waited == [0, 1, 2, 3]

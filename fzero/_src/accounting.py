@@ -145,6 +145,15 @@ class LiveStorages(TorchDispatchMode):
       peak: the most `current` has been.
       peaks: `{key: the most bytes group key has held at once}`, for every group seen.
 
+    History: every tracked storage's life is kept as `(birth, death, bytes, key)` over an op
+    counter (`tick`, advanced once per op): alive at tick t iff `birth <= t < death`, at the most
+    bytes it held. `relabel(tensor, key)` changes the key of the live storage a tensor uses, for
+    its whole life, before and after: a storage whose role is known only after it was made (a
+    gradient that reaches its consumer later) is counted in its role from its birth.
+    `peaks_of(select)` is the most bytes the storages whose final key `select` accepts held at
+    once, per `key_group(key)`, over the whole history -- an oracle whose identification of
+    storages does not depend on their sizes.
+
     Thread-locality: torch keeps the dispatch-mode stack per thread, and SimMesh computes a
     collective's results for all ranks on whichever rank thread completes the round. So enter
     one *shared* `LiveStorages` inside every rank's function: it then counts the live bytes of
@@ -161,39 +170,87 @@ class LiveStorages(TorchDispatchMode):
         self._ref = StorageWeakRef
         self._count = count if count is not None else _always
         self._group = group if group is not None else _one_group
-        self._live: dict[int, tuple[Any, Hashable]] = {}  # storage cdata -> (weak ref, group)
+        self._live: dict[int, tuple[Any, Life]] = {}  # storage cdata -> (weak ref, its life)
+        self.history: list[Life] = []  # every tracked storage's life, in birth order
+        self.tick = 0
         self.peak = 0
         self.current = 0
         self.peaks: dict[Hashable, int] = {}
         self._by_group: dict[Hashable, int] = {}  # group -> bytes live now
 
     def _sweep(self) -> None:
-        """Drop expired storages and re-read the others' sizes into `current` and `_by_group`."""
+        """Drop expired storages (their death is now) and re-read the others' sizes into
+        `current`, `_by_group` and their lives' most bytes."""
         self._by_group = {}
-        for k, (ref, key) in list(self._live.items()):
+        for k, (ref, life) in list(self._live.items()):
             st = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
             if st is None:
+                life.death = self.tick
                 del self._live[k]
                 continue
-            self._by_group[key] = self._by_group.get(key, 0) + st.nbytes()
+            life.nbytes = max(life.nbytes, st.nbytes())
+            self._by_group[life.key] = self._by_group.get(life.key, 0) + st.nbytes()
         self.current = sum(self._by_group.values())
+
+    def relabel(self, t: torch.Tensor, key: Hashable) -> bool:
+        """Give the live tracked storage `t` uses the key `key` for its whole life (the group it
+        counts in from now on, and in `peaks_of`); False (nothing changed) if it is not tracked."""
+        entry = self._live.get(t.untyped_storage()._cdata)
+        if entry is None:
+            return False
+        entry[1].key = key
+        return True
+
+    def peaks_of(self, select: Callable[[Hashable], bool],
+                 key_group: Callable[[Hashable], Hashable] | None = None) -> dict[Hashable, int]:
+        """`{key_group(key): the most bytes its storages held at once}` over the history, counting
+        the storages whose final key `select` accepts (still-live ones as alive to the end)."""
+        key_group = key_group if key_group is not None else _one_group
+        events: list[tuple[int, int, Hashable, int]] = []  # (tick, 0 death / 1 birth, group, bytes)
+        for life in self.history:
+            if not select(life.key):
+                continue
+            g = key_group(life.key)
+            events.append((life.birth, 1, g, life.nbytes))
+            if life.death is not None:
+                events.append((life.death, 0, g, -life.nbytes))
+        now: dict[Hashable, int] = {}
+        peaks: dict[Hashable, int] = {}
+        for _, _, g, delta in sorted(events, key=lambda e: (e[0], e[1])):  # deaths at a tick come first
+            now[g] = now.get(g, 0) + delta
+            peaks[g] = max(peaks.get(g, 0), now[g])
+        return peaks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ins = {x.untyped_storage()._cdata for x in optree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
         out = func(*args, **kwargs)
+        self.tick += 1
         for t in optree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
             if st._cdata in ins or st._cdata in self._live or not self._count(t):
                 continue
-            self._live[st._cdata] = (self._ref(st), self._group(t))
+            life = Life(self.tick, None, st.nbytes(), self._group(t))
+            self._live[st._cdata] = (self._ref(st), life)
+            self.history.append(life)
         self._sweep()
         for key, nbytes in self._by_group.items():
             self.peaks[key] = max(self.peaks.get(key, 0), nbytes)
         self.peak = max(self.peak, self.current)
         return out
+
+
+@dataclasses.dataclass
+class Life:
+    """One tracked storage's life in a `LiveStorages` history: born after op `birth`, gone at op
+    `death` (None: still live), at most `nbytes`, counted under `key` (its group, or its label)."""
+
+    birth: int
+    death: int | None
+    nbytes: int
+    key: Hashable
 
 
 def _always(t: torch.Tensor) -> bool:

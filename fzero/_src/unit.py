@@ -80,11 +80,14 @@ class Inflight:
     for all of them (`wait`) when the backward is done, before anything reads a gradient. So the
     reductions run while the backward of the units below goes on.
 
-    At most `depth` flights stay open: each holds its unit's scaled local gradient `flat[N * S]`
-    until waited, so starting one more first waits for the oldest. On DistMesh stage 2 then keeps
-    at most `depth + 1` units' full gradients alive (the one being assembled and the ones in
-    flight), not all of them; the default 1 overlaps each unit's reduction with the next unit's
-    backward for one more unit of gradient memory. (SimMesh completes at start: nothing stays open.)
+    At most `depth` flights stay open: each holds its bucket's scaled local gradient `flat[N * S]`
+    (and, on gloo, the backend's own copy of it) until waited. The unit's backward calls
+    `make_room` before it assembles a bucket's gradient, so the oldest flight is closed before
+    the next `flat[N * S]` exists, not after its reduction starts: with the default depth 1 the
+    reduction of one unit runs while the next unit's per-leaf gradients are computed (the
+    overlap), and the next assembled buffer replaces it (the memory: one bucket's gradient
+    buffer, plus its per-leaf gradients, at any time; proofs/stage3.md, section 7). `add` past
+    `depth` also waits for the oldest. (SimMesh completes at start: nothing stays open.)
 
     With `early` (stages 0-1, whose leave keeps the gradient local; the step asks for it where it
     reduces each micro-batch), the unit's backward starts the step's own reduction of each bucket
@@ -97,6 +100,11 @@ class Inflight:
         self.depth = depth
         self.early = early  # stages 0-1: start the step's reduction (`Stage.after_backward`) in the unit's backward
         self.started: dict[int, Any] = {}  # bucket -> that Flight, which the step finishes (`step.reduce`)
+
+    def make_room(self) -> None:
+        """Close the oldest flights until fewer than `depth` are open (room for one more)."""
+        while self._flights and len(self._flights) >= self.depth:
+            self._flights.pop(0).wait()
 
     def add(self, flight: Any) -> torch.Tensor:
         self._flights.append(flight)
@@ -167,8 +175,10 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
     """`([leaf tensors] in bucket order, anchor)` for one unit.
 
     `xs[k]` is bucket k's differentiated input (`Stage.differentiated`); `fulls[k]` the full
-    buffer the unit reads beside it, or None. `after_backward(unit)` runs when the unit's
-    backward is done (held weakly: the step's gathering object must not live in the graph).
+    buffer the unit reads beside it, or None. `after_backward(unit)` runs when the backward of
+    every use of the unit's leaves is done, at the start of the Function's own backward, before
+    its gradients are assembled and reduced: nothing reads the unit's params after that point
+    (held weakly: the step's gathering object must not live in the graph).
     The anchor is a 0-d zero the step adds to the loss times 0: it makes the unit's backward run
     on every rank, also where no leaf of the unit reached this rank's loss, so every rank calls
     the unit's reduce-scatter in the same order (the engine runs the unit nodes, all made in the
@@ -194,6 +204,8 @@ class _Unit(torch.autograd.Function):
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[3 : 3 + ctx.k]]
         ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
+        releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
+        ctx.entered = frozenset(t.untyped_storage()._cdata for t in output[:-1]) if releases else frozenset()
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -228,6 +240,10 @@ class _Unit(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         program = ctx.program
         grads = grads[:-1]  # the anchor's gradient (a zero) only made this backward run
+        after = ctx.after() if ctx.after is not None else None
+        released = after is not None and not _reads_entered(ctx, grads)
+        if released:  # every use of the unit's leaves is differentiated: its params go before its gradient is built
+            after(program.name)
         leave, inflight = program.stage.leave, program.inflight
         started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
         early = inflight is not None and inflight.early and leave.start is None and not torch.is_grad_enabled()
@@ -241,6 +257,8 @@ class _Unit(torch.autograd.Function):
                 result.append(None)
                 bad.append(torch.zeros((), device=device))
                 continue
+            if started:
+                inflight.make_room()  # the previous reduction's buffers go before this one exists
             flat = _assemble(bucket, gs, bucket.wire.compute, device)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
@@ -251,11 +269,17 @@ class _Unit(torch.autograd.Function):
                 result.append(None)
             else:
                 result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
-        used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
-        after = ctx.after() if ctx.after is not None else None
-        if after is not None:
+        if after is not None and not released:
             after(program.name)
+        used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
         return (None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
+
+
+def _reads_entered(ctx: Any, grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether an incoming gradient shares storage with the unit's entered buffers (a backward that
+    returns a saved param as a gradient, e.g. a custom Function's): then the params are released
+    only after the gradients are assembled."""
+    return func_level() is not None or any(g is not None and g.untyped_storage()._cdata in ctx.entered for g in grads)
 
 
 def _gather_tangent(program: UnitProgram, bucket: Bucket, x_t: torch.Tensor | None, shape: torch.Size,
