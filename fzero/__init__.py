@@ -23,6 +23,7 @@ from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
+from fzero._src.offload import Offload as Offload
 from fzero._src.precision import Precision as Precision
 from fzero._src.scale import DynamicLossScale as DynamicLossScale
 from fzero._src.scale import LossScaleState as LossScaleState
@@ -67,6 +68,7 @@ __all__ = [
     "StepConfig",
     "ModuleInfo",
     "NonFiniteError",
+    "Offload",
     "ParamGroup",
     "Precision",
     "RankFailed",

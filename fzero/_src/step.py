@@ -37,6 +37,7 @@ import torch
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
+from .offload import device_master, host_leaf_sum
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Inflight, Probe, nonfinite, unit_programs
@@ -367,7 +368,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     inflight = Inflight() if config.engine == "autograd" else None  # func: every reduction waited in place
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
-    pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
+    pairs = [stage.differentiated(layout, b, p, rank, device_master(state.info, m, mesh.device))
+             for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
     s = loss_scale_of(state)
@@ -461,7 +463,8 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
     the blocking form, so the bits are too."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     grads = {b: g if g is not None else
-             torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
+             torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank,
+                                                   device_master(state.info, state.master[b], mesh.device))[0])
              for b, g in grads.items()}
     wires = {b: state.precision.wire(layout.buckets[b]) for b in grads}
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
@@ -601,34 +604,51 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
-    flights = {}
+    flights, back = {}, {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
+    tier = state.info.tier  # offloaded: every gradient shard starts for the host now, each waited for below
+    on_host = {b: tier.start_host(g) for b, g in reduced.items()} if tier is not None else {}
     for b, g in reduced.items():
         spec = layout.buckets[b]
+        leaf_sum = stage.leaf_sum(mesh, spec.tag)
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
-                            tuple(used[i] for i in spec.leaves), stage.leaf_sum(mesh, spec.tag),
+                            tuple(used[i] for i in spec.leaves), leaf_sum if tier is None else
+                            host_leaf_sum(leaf_sum, mesh.device),
                             tuple(layout.leaves[i].numel for i in spec.leaves),
                             tuple(layout.leaves[i].shape for i in spec.leaves))
-        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
-        g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
+        g = (on_host.pop(b).wait() if tier is not None else g).to(p.dtype)  # reduce dtype -> the master's
+        opt = state.opt_state[b] if tier is None else tier.fetch(b, state.opt_state[b])
         if donate:
-            updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
+            updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
         else:
-            updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
+            updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+        back[b] = updated[b] if tier is None else _to_device(state, tier, b, updated[b])
+        if tier is not None:
+            new_opt[b] = tier.store(b, new_opt[b])
         if overlap:
-            flights[b] = stage.finish.start(mesh, state.precision.wire(spec), updated[b])  # overlaps the next update
+            flights[b] = stage.finish.start(mesh, state.precision.wire(spec), back[b])  # overlaps the next update
     broken = _any_nonfinite(state, updated)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     if not overlap:  # differentiated through: the blocking, differentiable finish
-        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in updated.items()}
+        gathered = {b: stage.finish.run(mesh, state.precision.wire(layout.buckets[b]), p) for b, p in back.items()}
     for b, p_new in updated.items():
         new_params[b] = gathered[b]
         if state.master[b] is not None:
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1), []
+
+
+def _to_device(state: ZeroState, tier: Any, b: int, master: torch.Tensor) -> torch.Tensor:
+    """An offloaded bucket's new master shard as the stage's `finish` reads it: on the device in
+    the dtype the state holds there (stages 1-2: the compute dtype of the full buffer; stage 3: the
+    shard's), or, with params offloaded, the host shard itself (it is the params)."""
+    if state.info.offload.params is not None:
+        return master
+    return tier.to_device(master, state.params[b].dtype)
 
 
 def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:

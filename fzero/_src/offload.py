@@ -1,0 +1,277 @@
+"""Offload: the master copy and optimizer state in host memory, and stage 3's shards too.
+
+`Offload(optimizer="cpu")` (stages 1-3) keeps, per trainable bucket, this rank's fp32 master
+`shard[S]` and the optimizer state in host memory (pinned where CUDA is available); the device
+keeps what the loss reads (stages 1-2: the full buffer in the compute dtype; stage 3: the shard
+in the params' dtype). One step per bucket (`step.update`):
+
+    g_dev[S]  --(device -> host, all buckets started at once; CUDA: a side stream + events)-->
+    g_host[S] --(the optimizer on the host: torch's CPU kernels)--> master'[S], state'
+    master'   --(host -> device, in the dtype the device holds)--> the stage's `finish`
+
+`Offload(params="cpu")` (stage 3, with the optimizer offloaded) keeps the param shards in host
+memory: the shard *is* the master; a unit's `enter` copies each bucket's shard (cast to the
+compute dtype first: half the bytes for bf16) to the device and all-gathers it, inside the
+prefetched flight (`Piece.start`), and its `leave` reduce-scatters the gradient and copies the
+shard to the host in the unit's backward. Both are the stage's own pieces wrapped (`stage_of`):
+the step and `Gathering` are unchanged.
+
+What moves between tiers is copied, never rounded (the casts are those the stage does anyway),
+and the optimizer runs on the same values: on a CPU-only machine (where the "device" is the
+CPU and the tier copies into separate buffers) an offloaded run is bitwise the run without
+offload (tests/test_offload.py); on CUDA the CPU optimizer kernel stands in for the CUDA one
+(proofs/offload.md says what is then bitwise and bounds AdamW's difference).
+
+`HostTier` is the seam a tier plugs into: copies to and from the host (`host`, `start_host`,
+`device`) and, per bucket, where its optimizer state lives between steps (`fetch` / `store`:
+in host memory here, the identity; an NVMe tier reads and writes swap files there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import optree
+import torch
+
+from .errors import ConfigError
+from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
+
+OPTIMIZER_TIERS = (None, "cpu", "nvme")
+PARAM_TIERS = (None, "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where model state lives besides the device (given to `fzero.init(..., offload=...)`).
+
+    Attributes:
+      optimizer: None (on the device), "cpu" (the master shard and optimizer state in host
+        memory; the update runs on the host) or "nvme" (the optimizer state in swap files under
+        `nvme_path`). Stages 1-3.
+      params: None or "cpu": stage 3's param shards in host memory, brought to the device per
+        unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
+        the host updates, as FSDP2's `CPUOffloadPolicy`).
+      nvme_path: the directory of the swap files (`optimizer="nvme"`).
+      ratio: the fraction of each shard offloaded (DeepSpeed's `ratio`); only 1.0 is built.
+      pin: pin host buffers where CUDA is available (page-locked: asynchronous copies).
+    """
+
+    optimizer: str | None = None
+    params: str | None = None
+    nvme_path: str | None = None
+    ratio: float = 1.0
+    pin: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_TIERS:
+            raise ConfigError(f"Offload.optimizer must be one of {OPTIMIZER_TIERS}, got {self.optimizer!r}")
+        if self.params not in PARAM_TIERS:
+            raise ConfigError(f"Offload.params must be one of {PARAM_TIERS}, got {self.params!r}")
+        if self.params is not None and self.optimizer is None:
+            raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
+                              f"master copy the optimizer updates: offload the optimizer too, "
+                              f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
+        if self.optimizer == "nvme" and not self.nvme_path:
+            raise ConfigError("Offload(optimizer='nvme') needs nvme_path=<a directory on the NVMe drive> for the "
+                              "optimizer state's swap files; or use optimizer='cpu'")
+        if self.nvme_path is not None and self.optimizer != "nvme":
+            raise ConfigError(f"Offload(nvme_path={self.nvme_path!r}) is read only with optimizer='nvme' (got "
+                              f"optimizer={self.optimizer!r}); drop nvme_path or set optimizer='nvme'")
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
+            raise ConfigError(f"Offload.ratio must be a float in (0, 1] (the fraction of each shard offloaded), got "
+                              f"{r!r}")
+        if r != 1 and self.optimizer is not None:
+            raise ConfigError(f"Offload(ratio={r}): offloading part of each shard is not built yet; use ratio=1.0 "
+                              f"(the whole shard on the host)")
+        if not isinstance(self.pin, bool):
+            raise ConfigError(f"Offload.pin must be a bool, got {self.pin!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer is not None
+
+    def check_stage(self, stage: Stage) -> None:
+        """Stage 0 has no shard to offload; params offload needs stage 3's sharded params."""
+        if self.active and not stage.sharded("optimizer_state"):
+            raise ConfigError(f"Offload(optimizer={self.optimizer!r}) moves this rank's shard of the optimizer state "
+                              f"and master copy to the host, but stage {stage.level} replicates them (no shard); use "
+                              f"stage 1, 2 or 3, or offload=None")
+        if self.params is not None and not stage.sharded("params"):
+            raise ConfigError(f"Offload(params={self.params!r}) keeps param shards on the host, but stage "
+                              f"{stage.level} holds the full params on every rank; use stage=3, or params=None")
+
+
+NO_OFFLOAD = Offload()
+
+
+def check_offload(offload: Any) -> Offload:
+    if offload is None:
+        return NO_OFFLOAD
+    if not isinstance(offload, Offload):
+        raise ConfigError(f"offload must be None or a fzero.Offload(...), got {type(offload).__name__} {offload!r}")
+    return offload
+
+
+# -- the host tier ------------------------------------------------------------------------------
+
+
+class Transfer:
+    """A copy in flight: `wait()` returns the destination once the copy is done (CUDA: its event
+    synchronised; otherwise the copy was made at start)."""
+
+    def __init__(self, result: torch.Tensor, event: Any = None) -> None:
+        self.result, self.event = result, event
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.result
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+    """Copies between the mesh's `device` and host memory. On CUDA host buffers are pinned (if
+    `pin`) and copies are `non_blocking`; device -> host copies run on a side stream after the
+    current stream's work (`start_host`), so several overlap the host's updates. Elsewhere (the
+    CPU-only stand-in) every copy is a copy into a separate buffer: the same code, the same bits.
+    """
+
+    device: torch.device
+    pin: bool = True
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def pinned(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (a host tensor) in page-locked memory where copies to CUDA may then be asynchronous."""
+        return x.pin_memory() if self.cuda and self.pin and not x.is_pinned() else x
+
+    def host(self, x: torch.Tensor) -> torch.Tensor:
+        """A host copy of `x` (a new buffer; pinned on CUDA); blocking."""
+        if self.cuda:
+            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
+            return out.copy_(x.detach())
+        return x.to(device="cpu", copy=True)
+
+    def start_host(self, x: torch.Tensor) -> Transfer:
+        """`host(x)` without waiting: on CUDA a `non_blocking` copy into a pinned buffer on the side
+        stream, after the work queued on `x`'s stream (the caching allocator is told the side stream
+        uses `x`); elsewhere the copy, made now."""
+        if not self.cuda:
+            return Transfer(self.host(x))
+        if x.device.type == "cpu":  # already on the host (params offloaded: the unit's leave copied it)
+            return Transfer(x)
+        side = _side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
+        with torch.cuda.stream(side):
+            out.copy_(x.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        x.record_stream(side)
+        return Transfer(out, event)
+
+    def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
+        device: a new buffer. On CUDA `non_blocking` from pinned memory, queued on the current
+        stream before whatever reads it (a collective, the loss)."""
+        if self.cuda:
+            return self.pinned(x.to(dtype)).to(self.device, non_blocking=True)
+        return x.to(dtype=dtype, copy=True)
+
+    # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
+
+    def fetch(self, b: int, opt_state: Any) -> Any:
+        """Bucket `b`'s optimizer state for the update: in host memory already."""
+        return opt_state
+
+    def store(self, b: int, opt_state: Any) -> Any:
+        """What the state keeps of bucket `b`'s new optimizer state: the host tensors themselves."""
+        return opt_state
+
+
+def tier_of(offload: Offload, device: torch.device) -> HostTier | None:
+    return HostTier(torch.device(device), offload.pin) if offload.active else None
+
+
+# -- the stage's pieces with the param shards on the host (stage 3, params="cpu") -----------------
+
+
+def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
+    """`stage`, or, with params offloaded, stage 3 whose `enter` first copies the host shard to the
+    device (inside the flight `Gathering` prefetches) and whose `leave` brings the reduced
+    gradient shard to the host (the gradient of a host tensor is a host tensor). The collectives,
+    their order and the bits are the stage's; `leave` has no started form (the unit's backward
+    waits for its reduce-scatter, then copies)."""
+    if offload.params is None:
+        return stage
+    assert tier is not None and stage.enter is ENTER_GATHER
+
+    def fetch(x: torch.Tensor) -> torch.Tensor:
+        return tier.to_device(x, x.dtype)
+
+    def enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
+        return ENTER_GATHER.run(mesh, wire, fetch(shard))
+
+    def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
+        return ENTER_GATHER.start(mesh, wire, fetch(shard))
+
+    def leave(mesh: Any, wire: Wire, grad: torch.Tensor) -> torch.Tensor:  # differentiable (a copy)
+        return stage.leave.run(mesh, wire, grad).to(device="cpu", copy=True)
+
+    return dataclasses.replace(
+        stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves, start=start_enter),
+        leave=Piece(leave, stage.leave.moves, stage.leave.frozen_moves))
+
+
+# -- what init (and a checkpoint's load) holds where --------------------------------------------
+
+
+def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b: int, held: torch.Tensor,
+          master: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(params, master)` of bucket `b` as an offloaded state holds them, from what `Stage.hold`
+    keeps (`held` on the device, `master` or None): a trainable bucket's master `shard[S]` -- the
+    kept master, else the shard the optimizer would update in place -- copied to the host; with
+    params offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard
+    moves to the host. Without offload, unchanged."""
+    if tier is None:
+        return held, master
+    if layout.buckets[b].group.frozen:
+        return (tier.host(held) if offload.params is not None else held), None
+    on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
+    return (on_host if offload.params is not None else held), on_host
+
+
+def place_opt_state(tier: HostTier | None, opt_state: Any) -> Any:
+    """An optimizer state made on the host master (`init`), its tensors pinned where CUDA is."""
+    if tier is None or opt_state is None:
+        return opt_state
+    return optree.tree_map(tier.pinned, opt_state)
+
+
+def device_master(info: Any, master: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """What the step differentiates in place of a host master (stage 2 takes the gradient with
+    respect to the master shard, reading the full buffer beside it): a zero-cost device tensor of
+    the master's shape and dtype (`expand` of a 0-d zero; the unit never reads its values), so the
+    gradient is computed, reduced and kept on the device in the master's dtype, as without offload."""
+    if master is None or info.offload is None or not info.offload.active:
+        return master
+    return torch.zeros((), dtype=master.dtype, device=device).expand(master.shape)
+
+
+def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
+    """A layer-wise optimizer's per-leaf sums over ranks, taken on the mesh's device from host
+    partial sums (the collective needs device tensors; the values are float64 copies)."""
+    return lambda x: leaf_sum(x.to(device)).to(x.device)

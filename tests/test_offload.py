@@ -1,0 +1,165 @@
+"""Offload (`fzero.Offload`): the same bits as the same stage without offload, and clear errors.
+
+On this CPU-only machine the mesh device is the CPU, and the host tier copies into separate
+buffers (`HostTier` with a CPU device): the code that copies gradients to the host, runs the
+optimizer there and copies the new shard back is the code CUDA runs, minus the streams. The
+optimizer then runs the same kernels on the same values, every copy copies bits and every cast
+is one the stage makes anyway, so `torch.equal` is the right comparison (docs/offload.md,
+proofs/offload.md).
+
+The property draws the stage-equivalence problems (tests/stage_harness.py: pytrees with tied,
+unused and frozen leaves, units, groups, engines, gather modes) and adds an optimizer among
+sgd / adamw / lamb / adafactor, the bf16 policy or none, accumulation, clipping and donation;
+it compares params, optimizer state, loss and gradient norm after every step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero._src.offload import HostTier
+from fzero.testing.strategies import example_count
+
+from . import dist_cases
+from .stage_harness import assert_equal_leaves, build, make_loss, problems
+
+OPTIMIZERS = {
+    "sgd": lambda lr, wd: optim.sgd(lr, momentum=0.9, weight_decay=wd),
+    "adamw": lambda lr, wd: optim.adamw(lr, weight_decay=wd),
+    "lamb": lambda lr, wd: optim.lamb(lr, weight_decay=wd),
+    "adafactor": lambda lr, wd: optim.adafactor(lr, weight_decay=wd),
+}
+POLICIES = {"none": fzero.Precision(), "bf16": fzero.Precision(torch.bfloat16),
+            "bf16/fp32": fzero.Precision(torch.bfloat16, torch.float32)}
+
+
+@st.composite
+def offload_problems(draw, n: int):
+    pb = draw(problems(n))
+    stage = pb["stage"]
+    pb.update(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), policy=draw(st.sampled_from(sorted(POLICIES))),
+              micro=draw(st.sampled_from([1, 2])), clip=draw(st.sampled_from([None, 0.05])),
+              donate=draw(st.booleans()),
+              params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
+    return pb
+
+
+def run(pb, offload):
+    """Per rank: `[(gathered params, opt_state, Metrics)]` per step of `pb` with `offload`."""
+    params, batches, units, groups, roles = build(pb)
+    mesh = fzero.SimMesh(pb["n"])
+    opt = OPTIMIZERS[pb["opt"]](pb["lr"], pb["wd"])
+    k = pb["micro"]
+
+    def rank_fn(*mine):
+        state = fzero.init(params, opt, stage=pb["stage"], mesh=mesh, units=units, groups=groups,
+                           precision=POLICIES[pb["policy"]], offload=offload)
+        step = fzero.train_step(make_loss(roles), engine=pb["engine"], gather=pb["gather"], micro_batches=k,
+                                clip_norm=pb["clip"], donate=pb["donate"])
+        trace = []
+        for c in mine:
+            state, m = step(state, c if k == 1 else [c, c.flip(0)])
+            trace.append((fzero.gather(state), [None if s is None else tuple(s) for s in state.opt_state], m))
+        return trace
+
+    per_rank = [tuple(batches[t][r] for t in range(pb["steps"])) for r in range(pb["n"])]
+    return mesh.run(rank_fn, per_rank)
+
+
+def assert_same_runs(got, want, what):
+    for r, (g_rank, w_rank) in enumerate(zip(got, want)):
+        for t, ((gp, go, gm), (wp, wo, wm)) in enumerate(zip(g_rank, w_rank)):
+            assert_equal_leaves(gp, wp, f"{what}: params, rank {r}, step {t}")
+            assert torch.equal(gm.loss, wm.loss) and torch.equal(gm.grad_norm, wm.grad_norm), f"{what}: metrics"
+            for b, (x, y) in enumerate(zip(go, wo)):
+                assert (x is None) == (y is None)
+                for k, (u, v) in enumerate(zip(x or (), y or ())):
+                    assert u.dtype == v.dtype and torch.equal(u, v), f"{what}: opt bucket {b} field {k}, step {t}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_offloaded_equals_not_offloaded(n):
+    @settings(max_examples=example_count(12))
+    @given(offload_problems(n))
+    def prop(pb):
+        want = run(pb, None)
+        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"]))
+        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['params']}")
+
+    prop()
+
+
+def test_tensors_live_where_offload_says():
+    """The master shard and optimizer state are separate host buffers (not the params); with
+    params offloaded the stage-3 shard is the master itself; frozen buckets keep no master."""
+    params = {"w": torch.randn(6), "f": torch.randn(3)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True),)
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(stage, off):
+        s = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p, groups=frozen,
+                       offload=off)
+        (f,), (w,) = ([b for b, spec in enumerate(s.layout.buckets) if spec.group.frozen == fz] for fz in (True, False))
+        return s, w, f
+
+    for stage in (1, 2, 3):
+        s, w, f = mesh.run(rank_fn, [(stage, fzero.Offload(optimizer="cpu"))] * 2)[0]
+        assert s.master[w] is not None and s.master[f] is None and s.opt_state[f] is None
+        assert s.master[w].untyped_storage().data_ptr() != s.params[w].untyped_storage().data_ptr()
+        assert s.info.tier == HostTier(torch.device("cpu"))
+    s, w, f = mesh.run(rank_fn, [(3, fzero.Offload(optimizer="cpu", params="cpu"))] * 2)[0]
+    assert s.params[w] is s.master[w]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer="gpu"), "Offload.optimizer must be one of"),
+    (dict(params="nvme", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="cpu"), "offload the optimizer too"),
+    (dict(optimizer="nvme"), "needs nvme_path"),
+    (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
+    (dict(optimizer="cpu", ratio=0.0), r"ratio must be a float in \(0, 1\]"),
+    (dict(optimizer="cpu", ratio=True), r"ratio must be a float in \(0, 1\]"),
+    (dict(optimizer="cpu", ratio=0.5), "not built yet; use ratio=1.0"),
+    (dict(optimizer="cpu", pin=1), "pin must be a bool"),
+])
+def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
+    with pytest.raises(fzero.ConfigError, match=match):
+        fzero.Offload(**kwargs)
+
+
+@pytest.mark.parametrize("stage, off, match", [
+    (0, fzero.Offload(optimizer="cpu"), "stage 0 replicates them .*use stage 1, 2 or 3"),
+    (2, fzero.Offload(optimizer="cpu", params="cpu"), "stage 2 holds the full params .*use stage=3"),
+    (1, "cpu", "offload must be None or a fzero.Offload"),
+])
+def test_offload_that_does_not_fit_the_stage_is_refused_at_init(stage, off, match):
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.ConfigError, match=match):
+        mesh.run(lambda: fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=stage, mesh=mesh, offload=off))
+
+
+def test_ranks_with_different_offload_settings_are_refused():
+    mesh = fzero.SimMesh(2)
+    with pytest.raises(fzero.ConfigError, match="'offload' on rank"):
+        mesh.run(lambda off: fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=1, mesh=mesh, offload=off),
+                 [(None,), (fzero.Offload(optimizer="cpu"),)])
+
+
+def test_gloo_offloaded_equals_not_offloaded(dist2):
+    """On real gloo process groups (asynchronous collectives), stages 1-3 with the optimizer
+    offloaded (and stage 3 with params too) give the bits of the same stage without offload."""
+    for stage, params in ((1, None), (2, None), (3, None), (3, "cpu")):
+        got = dist2.run(dist_cases.offload_steps, [(stage, "cpu", params)] * 2)
+        want = dist2.run(dist_cases.offload_steps, [(stage, None, None)] * 2)
+        sim = fzero.SimMesh(2)
+        ref = sim.run(functools.partial(dist_cases.offload_steps, sim), [(stage, "cpu", params)] * 2)
+        for g, w, s in zip(got, want, ref):
+            for k in w:
+                assert torch.equal(g[k], w[k]) and torch.equal(g[k], s[k]), (stage, params, k)
