@@ -163,3 +163,43 @@ def test_gloo_offloaded_equals_not_offloaded(dist2):
         for g, w, s in zip(got, want, ref):
             for k in w:
                 assert torch.equal(g[k], w[k]) and torch.equal(g[k], s[k]), (stage, params, k)
+
+
+@pytest.mark.parametrize("stage, params", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, stage, params):
+    """Save an offloaded state (and a plain one) after a step; load each into an offloaded and a
+    plain target: the same params, optimizer state, and next step, bit for bit."""
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    offload = fzero.Offload(optimizer="cpu", params=params)
+
+    def rank_fn(x):
+        def make(off):
+            return fzero.init(tree, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=lambda p: p,
+                              precision=fzero.Precision(torch.bfloat16), offload=off)
+
+        step = fzero.train_step(loss)
+        saved = {}
+        for name, off in (("plain", None), ("offloaded", offload)):
+            state, _ = step(make(off), x)
+            saved[name] = fzero.checkpoint.save(state, tmp_path / name)
+        out = []
+        for src in saved.values():
+            for off in (None, offload):
+                loaded = fzero.checkpoint.load(src, make(off))
+                after, m = step(loaded, x + 1)
+                placed = off is None or all(m is not None and (params is None or p is m)
+                                            for p, m in zip(loaded.params, loaded.master))
+                out.append((fzero.gather(loaded), [tuple(s) for s in loaded.opt_state], fzero.gather(after), m.loss,
+                            placed))
+        return out
+
+    for rank_out in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        first = rank_out[0]
+        for params_now, opt, after, loss_next, placed in rank_out:
+            assert placed
+            assert_equal_leaves(params_now, first[0], "loaded params")
+            assert all(torch.equal(u, v) for s, t in zip(opt, first[1]) for u, v in zip(s, t))
+            assert_equal_leaves(after, first[2], "the step after the load")
+            assert torch.equal(loss_next, first[3])

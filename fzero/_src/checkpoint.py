@@ -75,6 +75,7 @@ from .collectives import broadcast
 from .errors import FzeroError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
+from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
 from .state import ZeroState, check_state, describe
@@ -696,8 +697,7 @@ def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted
     ranges: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
     buffers = []
     for b in range(len(layout.buckets)):
-        like = target.master[b] if target.master[b] is not None else target.params[b]
-        like = torch.empty(0, dtype=layout.buckets[b].dtype, device=like.device)
+        like = torch.empty(0, dtype=layout.buckets[b].dtype, device=target.params[b].device)  # where params live
         kinds = [("params", "shard", like, stage.sharded("params"))]
         opt = target.opt_state[b]
         if opt is not None:
@@ -738,7 +738,7 @@ def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
 
 def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
-    layout, stage, rank = target.layout, target.stage, target.rank
+    layout, stage, rank, tier = target.layout, target.stage, target.rank, target.info.tier
     params, master, opt_state = [], [], []
     for b, spec in enumerate(layout.buckets):
         flat, *fields = w.buffers[b]
@@ -746,10 +746,11 @@ def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
             held, m = flat, None
         else:
             held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
+        held, m = place(stage, target.info.offload, tier, layout, b, held, m, rank)  # offloaded: master to the host
         params.append(held)
         master.append(m)
         opt = target.opt_state[b]
-        opt_state.append(None if opt is None else type(opt)(*fields))
+        opt_state.append(None if opt is None else place_opt_state(tier, type(opt)(*fields)))
     return tuple(params), tuple(master), tuple(opt_state)
 
 
