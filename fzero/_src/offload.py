@@ -12,9 +12,9 @@ in the params' dtype). One step per bucket (`step.update`):
 `Offload(params="cpu")` (stage 3, with the optimizer offloaded) keeps the param shards in host
 memory: the shard *is* the master; a unit's `enter` copies each bucket's shard (cast to the
 compute dtype first: half the bytes for bf16) to the device and all-gathers it, inside the
-prefetched flight (`Piece.start`), and its `leave` reduce-scatters the gradient and copies the
-shard to the host in the unit's backward. Both are the stage's own pieces wrapped (`stage_of`):
-the step and `Gathering` are unchanged.
+prefetched flight (`Piece.start`): the stage's own piece wrapped (`stage_of`). The step
+differentiates a device stand-in of each shard (`differentiated`), so gradients are reduced and
+kept on the device as without offload.
 
 What moves between tiers is copied, never rounded (the casts are those the stage does anyway),
 and the optimizer runs on the same values: on a CPU-only machine (where the "device" is the
@@ -211,10 +211,8 @@ def tier_of(offload: Offload, device: torch.device) -> HostTier | None:
 
 def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     """`stage`, or, with params offloaded, stage 3 whose `enter` first copies the host shard to the
-    device (inside the flight `Gathering` prefetches) and whose `leave` brings the reduced
-    gradient shard to the host (the gradient of a host tensor is a host tensor). The collectives,
-    their order and the bits are the stage's; `leave` has no started form (the unit's backward
-    waits for its reduce-scatter, then copies)."""
+    device (inside the flight `Gathering` prefetches), then all-gathers it: the stage's collectives,
+    in its order, on the same bits."""
     if offload.params is None:
         return stage
     assert tier is not None and stage.enter is ENTER_GATHER
@@ -228,12 +226,8 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
         return ENTER_GATHER.start(mesh, wire, fetch(shard))
 
-    def leave(mesh: Any, wire: Wire, grad: torch.Tensor) -> torch.Tensor:  # differentiable (a copy)
-        return stage.leave.run(mesh, wire, grad).to(device="cpu", copy=True)
-
-    return dataclasses.replace(
-        stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves, start=start_enter),
-        leave=Piece(leave, stage.leave.moves, stage.leave.frozen_moves))
+    return dataclasses.replace(stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves,
+                                                  start=start_enter))
 
 
 # -- what init (and a checkpoint's load) holds where --------------------------------------------
@@ -261,14 +255,26 @@ def place_opt_state(tier: HostTier | None, opt_state: Any) -> Any:
     return optree.tree_map(tier.pinned, opt_state)
 
 
-def device_master(info: Any, master: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """What the step differentiates in place of a host master (stage 2 takes the gradient with
-    respect to the master shard, reading the full buffer beside it): a zero-cost device tensor of
-    the master's shape and dtype (`expand` of a 0-d zero; the unit never reads its values), so the
-    gradient is computed, reduced and kept on the device in the master's dtype, as without offload."""
-    if master is None or info.offload is None or not info.offload.active:
-        return master
-    return torch.zeros((), dtype=master.dtype, device=device).expand(master.shape)
+def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor | None, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Stage.differentiated` of an offloaded state: the step takes gradients with respect to device
+    tensors only, so where the stage would differentiate a host tensor -- stage 2's master shard, or
+    stage 3's shard with params offloaded -- it differentiates a stand-in of that tensor's shape and
+    dtype on the device (`_twin`), and the unit reads the host tensor beside it (stage 3: its `enter`
+    copies it to the device). The gradient is then computed, reduced and kept on the device in the
+    same dtype as without offload."""
+    stage, layout, rank = info.stage, info.layout, info.rank
+    if info.offload.params is not None:
+        return _twin(held, device), held
+    if master is not None and info.offload.active:
+        master = _twin(master, device)
+    return stage.differentiated(layout, b, held, rank, master)
+
+
+def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A zero-cost device tensor of `x`'s shape and dtype (an `expand` of a 0-d zero), for the step
+    to differentiate; no unit reads its values (each reads the full tensor beside it)."""
+    return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
 
 
 def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:

@@ -37,7 +37,7 @@ import torch
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
-from .offload import device_master, host_leaf_sum
+from .offload import differentiated, host_leaf_sum
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Inflight, Probe, nonfinite, unit_programs
@@ -368,8 +368,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     inflight = Inflight() if config.engine == "autograd" else None  # func: every reduction waited in place
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
-    pairs = [stage.differentiated(layout, b, p, rank, device_master(state.info, m, mesh.device))
-             for b, (p, m) in enumerate(zip(state.params, state.master))]
+    pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
     s = loss_scale_of(state)
@@ -463,8 +462,7 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None]) -> dict[int,
     the blocking form, so the bits are too."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     grads = {b: g if g is not None else
-             torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank,
-                                                   device_master(state.info, state.master[b], mesh.device))[0])
+             torch.zeros_like(differentiated(state.info, b, state.params[b], state.master[b], mesh.device)[0])
              for b, g in grads.items()}
     wires = {b: state.precision.wire(layout.buckets[b]) for b in grads}
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
