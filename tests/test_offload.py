@@ -48,6 +48,7 @@ def offload_problems(draw, n: int):
               micro=draw(st.sampled_from([1, 2])), clip=draw(st.sampled_from([None, 0.05])),
               donate=draw(st.booleans()),
               params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
+    pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
     return pb
 
 
@@ -90,10 +91,26 @@ def test_offloaded_equals_not_offloaded(n):
     @given(offload_problems(n))
     def prop(pb):
         want = run(pb, None)
-        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"]))
+        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"], ratio=pb["ratio"]))
         assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['params']}")
 
     prop()
+
+
+def test_ratio_keeps_the_first_buckets_on_the_device():
+    """`ratio` offloads whole buckets: the first trainable buckets in layout order stay on the
+    device while they fit in (1 - ratio) of the trainable shard elements; frozen buckets never
+    count. Those keep no master (no policy) and run the device's update."""
+    params = {f"l{i}": torch.randn(8) for i in range(4)} | {"z": torch.randn(8)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l1", frozen=True),)
+    mesh = fzero.SimMesh(2)
+    # four trainable buckets of 4 elements per shard: (1 - ratio) * 16 elements may stay on the device
+    for ratio, on_host in ((1.0, [0, 2, 3, 4]), (0.8, [0, 2, 3, 4]), (0.75, [2, 3, 4]), (0.5, [3, 4]), (0.3, [3, 4]),
+                           (0.2, [4]), (0.01, [4])):
+        s = mesh.run(lambda: fzero.init(params, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p,
+                                        groups=frozen, offload=fzero.Offload(optimizer="cpu", ratio=ratio)))[0]
+        assert [b for b in range(5) if s.info.host_tier(b) is not None] == on_host, ratio
+        assert [b for b in range(5) if s.master[b] is not None] == on_host, ratio
 
 
 def test_tensors_live_where_offload_says():
@@ -113,7 +130,7 @@ def test_tensors_live_where_offload_says():
         s, w, f = mesh.run(rank_fn, [(stage, fzero.Offload(optimizer="cpu"))] * 2)[0]
         assert s.master[w] is not None and s.master[f] is None and s.opt_state[f] is None
         assert s.master[w].untyped_storage().data_ptr() != s.params[w].untyped_storage().data_ptr()
-        assert s.info.tier == HostTier(torch.device("cpu"))
+        assert s.info.host_tier(w) == HostTier(torch.device("cpu")) and s.info.host_tier(f) is None
     s, w, f = mesh.run(rank_fn, [(3, fzero.Offload(optimizer="cpu", params="cpu"))] * 2)[0]
     assert s.params[w] is s.master[w]
 
@@ -126,7 +143,7 @@ def test_tensors_live_where_offload_says():
     (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
     (dict(optimizer="cpu", ratio=0.0), r"ratio must be a float in \(0, 1\]"),
     (dict(optimizer="cpu", ratio=True), r"ratio must be a float in \(0, 1\]"),
-    (dict(optimizer="cpu", ratio=0.5), "not built yet; use ratio=1.0"),
+    (dict(optimizer="cpu", params="cpu", ratio=0.5), "with params offloaded every shard is on the host"),
     (dict(optimizer="cpu", pin=1), "pin must be a bool"),
 ])
 def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):

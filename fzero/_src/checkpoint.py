@@ -738,9 +738,10 @@ def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
 
 def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
-    layout, stage, rank, tier = target.layout, target.stage, target.rank, target.info.tier
+    layout, stage, rank = target.layout, target.stage, target.rank
     params, master, opt_state = [], [], []
     for b, spec in enumerate(layout.buckets):
+        tier = target.info.host_tier(b)
         flat, *fields = w.buffers[b]
         if stage.sharded("params"):  # the buffer is this rank's shard already
             held, m = flat, None

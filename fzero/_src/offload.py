@@ -56,7 +56,10 @@ class Offload:
         unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
         the host updates, as FSDP2's `CPUOffloadPolicy`).
       nvme_path: the directory of the swap files (`optimizer="nvme"`).
-      ratio: the fraction of each shard offloaded (DeepSpeed's `ratio`); only 1.0 is built.
+      ratio: the fraction of the trainable elements whose optimizer state is offloaded
+        (DeepSpeed's `ratio`), in whole buckets: the first trainable buckets in layout order stay
+        on the device while they fit in `1 - ratio` of the elements (`host_buckets`); 1.0: all.
+        Choose `bucket_bytes` for a finer split.
       pin: pin host buffers where CUDA is available (page-locked: asynchronous copies).
     """
 
@@ -85,15 +88,33 @@ class Offload:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
             raise ConfigError(f"Offload.ratio must be a float in (0, 1] (the fraction of each shard offloaded), got "
                               f"{r!r}")
-        if r != 1 and self.optimizer is not None:
-            raise ConfigError(f"Offload(ratio={r}): offloading part of each shard is not built yet; use ratio=1.0 "
-                              f"(the whole shard on the host)")
+        if r != 1 and self.params is not None:
+            raise ConfigError(f"Offload(ratio={r}, params={self.params!r}): with params offloaded every shard is on "
+                              f"the host (it is the master), so the whole optimizer state is too; use ratio=1.0, or "
+                              f"params=None")
         if not isinstance(self.pin, bool):
             raise ConfigError(f"Offload.pin must be a bool, got {self.pin!r}")
 
     @property
     def active(self) -> bool:
         return self.optimizer is not None
+
+    def host_buckets(self, layout: Any) -> frozenset[int]:
+        """The buckets whose state lives on the host: with params offloaded, every bucket; else the
+        trainable buckets after the longest prefix (in layout order) of trainable buckets whose
+        shards hold at most `(1 - ratio)` of all trainable shard elements. The same on every rank
+        (shard sizes are)."""
+        if not self.active:
+            return frozenset()
+        if self.params is not None:
+            return frozenset(range(len(layout.buckets)))
+        trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+        sizes = [layout.buckets[b].shard_numel for b in trainable]
+        keep, room, kept = 0, (1 - self.ratio) * sum(sizes), 0
+        while keep < len(trainable) and kept + sizes[keep] <= room:
+            kept += sizes[keep]
+            keep += 1
+        return frozenset(trainable[keep:])
 
     def check_stage(self, stage: Stage) -> None:
         """Stage 0 has no shard to offload; params offload needs stage 3's sharded params."""
@@ -266,7 +287,7 @@ def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor |
     stage, layout, rank = info.stage, info.layout, info.rank
     if info.offload.params is not None:
         return _twin(held, device), held
-    if master is not None and info.offload.active:
+    if master is not None and info.host_tier(b) is not None:
         master = _twin(master, device)
     return stage.differentiated(layout, b, held, rank, master)
 

@@ -10,6 +10,7 @@ rebuilds a state with the same metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -55,10 +56,14 @@ class StateInfo:
     scaler: LossScale | None = None
     offload: Offload = NO_OFFLOAD
 
-    @property
-    def tier(self) -> HostTier | None:
-        """Where offloaded tensors live and how they move (None without offload)."""
-        return tier_of(self.offload, self.mesh.device)
+    @functools.cached_property
+    def _host_buckets(self) -> frozenset[int]:
+        return self.offload.host_buckets(self.layout)
+
+    def host_tier(self, b: int) -> HostTier | None:
+        """The host tier bucket `b`'s master and optimizer state live in (and how they move), or
+        None where they stay on the device (`Offload.host_buckets`)."""
+        return tier_of(self.offload, self.mesh.device) if b in self._host_buckets else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +206,14 @@ def init(
         if sync and mesh.world_size > 1:
             flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
         rank = mesh.rank
-        kept = [place(st, off, tier, layout, b, *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute),
-                      rank) for b, f in enumerate(flats)]
+        on_host = off.host_buckets(layout)
+        tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
+        kept = [place(st, off, tiers[b], layout, b,
+                      *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute), rank)
+                for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
         opt_state = tuple(
-            None if spec.group.frozen else place_opt_state(tier, init_state(
+            None if spec.group.frozen else place_opt_state(tiers[b], init_state(
                 optimizer, st.optimizer_params(layout, b, held[b], rank, master[b]),
                 [layout.leaves[i].shape for i in spec.leaves]))
             for b, spec in enumerate(layout.buckets)

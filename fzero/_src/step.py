@@ -604,10 +604,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
-    tier = state.info.tier  # offloaded: every gradient shard starts for the host now, each waited for below
-    on_host = {b: tier.start_host(g) for b, g in reduced.items()} if tier is not None else {}
+    tiers = {b: state.info.host_tier(b) for b in reduced}  # offloaded buckets: each gradient shard starts for the
+    on_host = {b: t.start_host(reduced[b]) for b, t in tiers.items() if t is not None}  # host now, waited for below
     for b, g in reduced.items():
-        spec = layout.buckets[b]
+        spec, tier = layout.buckets[b], tiers[b]
         leaf_sum = stage.leaf_sum(mesh, spec.tag)
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), leaf_sum if tier is None else
