@@ -71,6 +71,7 @@ def test_files_are_sized_and_removed(tmp_path):
     files = SwapFiles(tmp_path, entries)
     assert os.path.dirname(files.path) == str(tmp_path)
     assert sorted(os.path.getsize(e.path) for e in files.entries.values()) == [0, 6, 40]
+    assert files.host_bytes == nvme.buffer_bytes([40, 6, 0]) == 2 * nvme.BUFFERS * 40  # read + staging buffers
     files.close()
     files.close()  # idempotent
     assert os.listdir(tmp_path) == []

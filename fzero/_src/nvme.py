@@ -42,14 +42,24 @@ import queue
 import shutil
 import tempfile
 import weakref
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from .errors import OffloadError
 
-__all__ = ["SwapFiles", "Entry"]
+T = TypeVar("T")
+
+__all__ = ["SwapFiles", "Entry", "BUFFERS", "buffer_bytes"]
+
+BUFFERS = 2  # read buffers, and staging buffers: double buffering
+
+
+def buffer_bytes(entry_bytes: Iterable[T], buffers: int = BUFFERS) -> T | int:
+    """Host bytes of a `SwapFiles`' buffers: `buffers` read and `buffers` staging buffers, each of
+    the largest entry's bytes, `2 * buffers * max(entry_bytes)` (0 without entries)."""
+    return 2 * buffers * max(entry_bytes, default=0)
 
 
 class Entry(NamedTuple):
@@ -162,7 +172,7 @@ class SwapFiles:
         directory: str | os.PathLike,
         entries: Mapping[str, tuple[int, torch.dtype]],
         pin: bool = False,
-        buffers: int = 2,
+        buffers: int = BUFFERS,
         threads: int = 2,
     ) -> None:
         _check_entries(entries)
@@ -195,10 +205,12 @@ class SwapFiles:
                 "space or point nvme_path at a larger disk"
             ) from e
         max_bytes = max(e.nbytes for e in self.entries.values())
-        self._read_free = [torch.empty(max_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
+        read, staging = ([torch.empty(max_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)] for _ in "rs")
+        self.host_bytes = sum(b.numel() for b in read + staging)  # == buffer_bytes(entry bytes, buffers)
+        self._read_free = read
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for _ in range(buffers):
-            self._staging.put(torch.empty(max_bytes, dtype=torch.uint8, pin_memory=pin))
+        for b in staging:
+            self._staging.put(b)
         self._readers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-read")
         self._writers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-write")
         self._writes: dict[str, cf.Future[None]] = {}  # the last write of each entry
