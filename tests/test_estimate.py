@@ -460,3 +460,26 @@ def test_cli_offload(capsys):
     assert "not counted for a bare count" in out
     assert main(["estimate", "--params", "14e9", "-n", "2", "--stage", "0", "--offload-optimizer", "cpu"]) == 2
     assert "stage 0 replicates it" in capsys.readouterr().err
+
+
+def test_seed_14b_on_2_gpus_row():
+    """The seed's row "14B on 2 GPUs, ZeRO-3 + CPU offload: 72 GB -> 25.6 GB per GPU", checked
+    against the formula (proofs/memory.md, "The seed's 14B row"): with mixed-precision Adam stage
+    3 holds 16·Ψ/N = 112 GB per GPU without offload and (2 + 2)·Ψ/N = 28 GB with the optimizer
+    offloaded (26.1 GiB), 0 with the params too. No optimizer, dtype, offload setting or stage of
+    the model, in GB or in GiB, gives 72 or 25.6 per GPU for Ψ = 14·10⁹, N = 2, so the row is not
+    a count of model states: it is not reproduced."""
+    e = estimate(14e9, 2, stage=3, optimizer="adam-mixed")
+    off = estimate(14e9, 2, stage=3, optimizer="adam-mixed", offload_optimizer="cpu")
+    assert (_gb(e.total), _gb(off.total), round(float(off.total) / 2**30, 1)) == (112, 28, 26.1)
+    printed = set()
+    for optimizer in ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for where, params in ((None, None), ("cpu", None), ("nvme", None), ("cpu", "cpu")):
+                try:
+                    es = estimate(14e9, 2, optimizer=optimizer, param_dtype=dtype, offload_optimizer=where,
+                                  offload_params=params)
+                except ConfigError:  # adam-mixed with fp32 params
+                    continue
+                printed |= {round(float(x.total) / unit, 1) for x in es for unit in (10**9, 2**30)}
+    assert 28.0 in printed and 26.1 in printed and not {72.0, 25.6} & printed
