@@ -52,8 +52,9 @@ def offload_problems(draw, n: int):
     return pb
 
 
-def run(pb, offload):
-    """Per rank: `[(gathered params, opt_state, Metrics)]` per step of `pb` with `offload`."""
+def run(pb, offload, snapshot=False):
+    """Per rank: `[(gathered params, opt_state, Metrics)]` per step of `pb` with `offload` (with
+    `snapshot`, the optimizer state read through the tier, as a checkpoint reads it: NVMe)."""
     params, batches, units, groups, roles = build(pb)
     mesh = fzero.SimMesh(pb["n"])
     opt = OPTIMIZERS[pb["opt"]](pb["lr"], pb["wd"])
@@ -67,7 +68,9 @@ def run(pb, offload):
         trace = []
         for c in mine:
             state, m = step(state, c if k == 1 else [c, c.flip(0)])
-            trace.append((fzero.gather(state), [None if s is None else tuple(s) for s in state.opt_state], m))
+            opts = [s if s is None or not snapshot or state.info.host_tier(b) is None
+                    else state.info.host_tier(b).snapshot(b, s) for b, s in enumerate(state.opt_state)]
+            trace.append((fzero.gather(state), [None if s is None else tuple(x.clone() for x in s) for s in opts], m))
         return trace
 
     per_rank = [tuple(batches[t][r] for t in range(pb["steps"])) for r in range(pb["n"])]
@@ -258,3 +261,70 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
     for (gp, gl, gn), (wp, wl, wn) in zip(got, want):
         assert_equal_leaves(gp, wp, "params")
         assert torch.equal(gl, wl) and torch.equal(gn, wn)
+
+
+# -- NVMe: the optimizer state's shard fields in swap files -------------------------------------
+
+
+@pytest.mark.parametrize("stage, opt, policy, params, ratio", [
+    (1, "adamw", "bf16", None, 1.0), (2, "lamb", "none", None, 0.6), (2, "adafactor", "bf16/fp32", None, 1.0),
+    (3, "sgd", "bf16", None, 1.0), (3, "adamw", "bf16", "cpu", 1.0),
+])
+def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio):
+    """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
+    bits of `optimizer="cpu"` and of no offload: params, loss, gradient norm and optimizer state
+    (read back through `snapshot`, as a checkpoint does)."""
+    pb = dict(tree={"m0": [(3, 4), (5,)], "m1": [(2, 3, 2)], "m2": [()]}, role=["use", "tied", "use", "use"],
+              unit_mode="per-module", group_mode="nowd", opt=opt, lr=3e-2, wd=0.01, steps=3, stage=stage,
+              engine="autograd", gather="on_use", seed=11, n=2, policy=policy, micro=2, clip=0.05, donate=True,
+              params=params, ratio=ratio)
+    want = run(pb, None)
+    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
+    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio),
+               snapshot=True)
+    assert_same_runs(cpu, want, "cpu")
+    assert_same_runs(nvme, want, "nvme")
+
+
+def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
+    """The state keeps a no-memory stand-in for each file-backed field; a checkpoint of an NVMe
+    state reads the files and loads into plain and NVMe targets bit for bit."""
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "swap"))
+    (tmp_path / "swap").mkdir()
+
+    def rank_fn(x):
+        def make(off):
+            return fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p, offload=off)
+
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(make(nvme), x)
+        assert all(f.stride() == (0,) for s in state.opt_state for f in s[1:])  # exp_avg, exp_avg_sq: stand-ins
+        path = fzero.checkpoint.save(state, tmp_path / "ckpt")
+        out = []
+        for off in (None, nvme):
+            loaded = fzero.checkpoint.load(path, make(off))
+            after, m = step(loaded, x + 1)
+            out.append((fzero.gather(after), m.loss))
+        return out
+
+    for (pa, la), (pb_, lb) in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        assert_equal_leaves(pa, pb_, "after load")
+        assert torch.equal(la, lb)
+
+
+def test_nvme_needs_donate_and_a_usable_path(tmp_path):
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.FzeroError, match="does not exist"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(3)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                                    offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "missing"))))
+
+    def undonated():
+        state = fzero.init({"w": torch.ones(3)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        fzero.train_step(lambda p, x: p["w"].sum() * x)(state, torch.tensor(1.0))
+
+    with pytest.raises(fzero.ConfigError, match=r"writes the optimizer state's swap files in place.*donate=True"):
+        mesh.run(undonated)

@@ -190,7 +190,8 @@ def sources(state: ZeroState) -> list[Source]:
         master = state.master[b]
         x, sharded = (master, True) if master is not None else (state.params[b], state.stage.sharded("params"))
         out.append(Source("params", "shard", b, x, sharded))
-        opt = state.opt_state[b]
+        opt, tier = state.opt_state[b], state.info.host_tier(b)
+        opt = opt if opt is None or tier is None else tier.snapshot(b, opt)  # NVMe: read from its files
         if opt is not None:
             out += [Source(f"opt/{field}", kind, b, t, kind == "shard" and state.stage.sharded("optimizer_state"))
                     for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt)]  # others: whole
@@ -751,7 +752,7 @@ def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
         params.append(held)
         master.append(m)
         opt = target.opt_state[b]
-        opt_state.append(None if opt is None else place_opt_state(tier, type(opt)(*fields)))
+        opt_state.append(None if opt is None else place_opt_state(tier, b, type(opt)(*fields)))
     return tuple(params), tuple(master), tuple(opt_state)
 
 

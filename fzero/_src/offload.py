@@ -170,6 +170,7 @@ class HostTier:
 
     device: torch.device
     pin: bool = True
+    in_place = False  # whether a step writes the stored optimizer state in place (NVMe: its files)
 
     @property
     def cuda(self) -> bool:
@@ -214,6 +215,14 @@ class HostTier:
 
     # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
 
+    def restore(self, b: int, opt_state: Any) -> Any:
+        """What the state keeps of a fresh optimizer state (`init`, a checkpoint's load): the host
+        tensors, pinned."""
+        return optree.tree_map(self.pinned, opt_state)
+
+    def prefetch(self, b: int) -> None:
+        """Start bringing bucket `b`'s optimizer state in for its update: in host memory already."""
+
     def fetch(self, b: int, opt_state: Any) -> Any:
         """Bucket `b`'s optimizer state for the update: in host memory already."""
         return opt_state
@@ -222,9 +231,99 @@ class HostTier:
         """What the state keeps of bucket `b`'s new optimizer state: the host tensors themselves."""
         return opt_state
 
+    def snapshot(self, b: int, opt_state: Any) -> Any:
+        """Bucket `b`'s optimizer state as tensors to read (a checkpoint's save): the state's own."""
+        return opt_state
 
-def tier_of(offload: Offload, device: torch.device) -> HostTier | None:
-    return HostTier(torch.device(device), offload.pin) if offload.active else None
+    def flush(self) -> None:
+        """Every store is durable (nothing to wait for in host memory)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NvmeTier(HostTier):
+    """The host tier whose buckets keep their optimizer state's "shard" fields in swap files
+    (`fzero._src.nvme.SwapFiles`, one file per bucket and field); the master shard and the
+    replicated fields stay in (pinned) host memory. The state holds a stand-in for each
+    file-backed field: an `expand`ed 0-d zero of the field's shape and dtype (no memory; read the
+    values through `snapshot`, as `fzero.checkpoint.save` does).
+
+    A step's update is double-buffered: `prefetch(b')` starts reading the next bucket's files
+    while bucket b is updated in the read buffers (`fetch`: views, written in place by a donating
+    update), `store` copies the new values into staging buffers, writes them in the background and
+    frees the read buffers, and `flush` waits for every write at the end of the update (an error
+    names the file). The files are written in place: a step consumes its input state
+    (`train_step(..., donate=True)` is required)."""
+
+    files: Any = None
+    fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
+    in_place = True
+
+    @staticmethod
+    def make(device: torch.device, offload: Offload, shapes: dict[int, Any]) -> "NvmeTier":
+        """The tier for `{bucket: optimizer state}` (their "shard" fields get files, sized and
+        typed as those tensors; the tensors themselves are not read)."""
+        from .nvme import SwapFiles
+
+        fields, entries = {}, {}
+        for b, (opt, spec) in shapes.items():
+            named = tuple((k, f"b{b}/{field}") for k, (field, kind) in enumerate(zip(opt._fields, spec))
+                          if kind == "shard")
+            fields[b] = named
+            entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
+        depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
+        files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
+                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1))
+        return NvmeTier(device, offload.pin, files, fields)
+
+    def _stand_in(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, _ in self.fields[b]:
+            values[k] = torch.zeros((), dtype=values[k].dtype).expand(values[k].shape)
+        return type(opt_state)(*values)
+
+    def restore(self, b: int, opt_state: Any) -> Any:
+        for k, name in self.fields[b]:
+            self.files.write(name, opt_state[k])
+        self.files.flush()
+        on_file = {k for k, _ in self.fields[b]}
+        kept = type(opt_state)(*(x if k in on_file else self.pinned(x) for k, x in enumerate(opt_state)))
+        return self._stand_in(b, kept)
+
+    def prefetch(self, b: int) -> None:
+        for _, name in self.fields.get(b, ()):
+            self.files.prefetch(name)
+
+    def fetch(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, name in self.fields[b]:
+            values[k] = self.files.read(name)
+        return type(opt_state)(*values)
+
+    def store(self, b: int, opt_state: Any) -> Any:
+        for k, name in self.fields[b]:
+            self.files.write(name, opt_state[k])  # copies first: the read buffer may be the tensor
+            self.files.release(name)
+        return self._stand_in(b, opt_state)
+
+    def snapshot(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, name in self.fields[b]:
+            values[k] = self.files.read(name).clone()
+            self.files.release(name)
+        return type(opt_state)(*values)
+
+    def flush(self) -> None:
+        self.files.flush()
+
+
+def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None) -> HostTier | None:
+    """The tier an offloaded state's host buckets use (None without offload); NVMe needs the
+    buckets' optimizer states (`NvmeTier.make`)."""
+    if not offload.active:
+        return None
+    if offload.optimizer == "nvme" and shapes is not None:
+        return NvmeTier.make(torch.device(device), offload, shapes)
+    return HostTier(torch.device(device), offload.pin)
 
 
 # -- the stage's pieces with the param shards on the host (stage 3, params="cpu") -----------------
@@ -269,11 +368,12 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     return (on_host if offload.params is not None else held), on_host
 
 
-def place_opt_state(tier: HostTier | None, opt_state: Any) -> Any:
-    """An optimizer state made on the host master (`init`), its tensors pinned where CUDA is."""
+def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:
+    """A fresh optimizer state of bucket `b` (made on the host master by `init`, or read by a
+    checkpoint's load) as the state keeps it: pinned where CUDA is; NVMe: written to its files."""
     if tier is None or opt_state is None:
         return opt_state
-    return optree.tree_map(tier.pinned, opt_state)
+    return tier.restore(b, opt_state)
 
 
 def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor | None, device: torch.device

@@ -45,6 +45,8 @@ class StateInfo:
       precision: the `fzero.Precision` policy (compute and reduce dtypes).
       scaler: the fp16 loss scaler (`fzero.StaticLossScale` / `fzero.DynamicLossScale`), or None.
       offload: the `fzero.Offload` settings (what lives in host memory; `fzero._src.offload`).
+      tier: the host tier of the offloaded buckets (`HostTier`, or `NvmeTier` with its swap
+        files), or None.
     """
 
     layout: Layout
@@ -55,6 +57,7 @@ class StateInfo:
     precision: Precision = FULL
     scaler: LossScale | None = None
     offload: Offload = NO_OFFLOAD
+    tier: HostTier | None = None
 
     @functools.cached_property
     def _host_buckets(self) -> frozenset[int]:
@@ -63,7 +66,7 @@ class StateInfo:
     def host_tier(self, b: int) -> HostTier | None:
         """The host tier bucket `b`'s master and optimizer state live in (and how they move), or
         None where they stay on the device (`Offload.host_buckets`)."""
-        return tier_of(self.offload, self.mesh.device) if b in self._host_buckets else None
+        return self.tier if b in self._host_buckets else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,18 +215,24 @@ def init(
                       *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute), rank)
                 for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
-        opt_state = tuple(
-            None if spec.group.frozen else place_opt_state(tiers[b], init_state(
-                optimizer, st.optimizer_params(layout, b, held[b], rank, master[b]),
-                [layout.leaves[i].shape for i in spec.leaves]))
-            for b, spec in enumerate(layout.buckets)
-        )
-        for s in opt_state:
-            if s is not None:
-                spec_of(optimizer, s)
+
+        def opt_init(b: int, device: Any = None) -> Any:
+            p = st.optimizer_params(layout, b, held[b], rank, master[b])
+            s = init_state(optimizer, p if device is None else p.to(device),
+                           [layout.leaves[i].shape for i in layout.buckets[b].leaves])
+            spec_of(optimizer, s)
+            return s
+
+        trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+        if off.optimizer == "nvme":  # the files' sizes from states made on the meta device (no memory)
+            metas = {b: opt_init(b, "meta") for b in trainable if b in on_host}
+            tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()})
+            tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
+        opt_state = tuple(place_opt_state(tiers[b], b, opt_init(b)) if b in trainable else None
+                          for b in range(len(layout.buckets)))
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
-                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off))
+                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier))
 
 
 def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> None:

@@ -606,8 +606,17 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
     tiers = {b: state.info.host_tier(b) for b in reduced}  # offloaded buckets: each gradient shard starts for the
     on_host = {b: t.start_host(reduced[b]) for b, t in tiers.items() if t is not None}  # host now, waited for below
+    host = list(on_host)
+    if host and tiers[host[0]].in_place and not donate:
+        raise ConfigError(f"Offload(optimizer={state.info.offload.optimizer!r}) writes the optimizer state's swap "
+                          f"files in place, so a step consumes its input state: use train_step(..., donate=True)")
+    following = dict(zip(host, host[1:]))
+    if host:
+        tiers[host[0]].prefetch(host[0])
     for b, g in reduced.items():
         spec, tier = layout.buckets[b], tiers[b]
+        if b in following:
+            tier.prefetch(following[b])  # NVMe: the next offloaded bucket's state is read while this one updates
         leaf_sum = stage.leaf_sum(mesh, spec.tag)
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
                             tuple(used[i] for i in spec.leaves), leaf_sum if tier is None else
@@ -626,6 +635,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_opt[b] = tier.store(b, new_opt[b])
         if overlap:
             flights[b] = stage.finish.start(mesh, state.precision.wire(spec), back[b])  # overlaps the next update
+    if host:
+        tiers[host[0]].flush()  # NVMe: every file written, or OffloadError naming it
     broken = _any_nonfinite(state, updated)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
