@@ -305,14 +305,19 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
         path = fzero.checkpoint.save(state, tmp_path / "ckpt")
         out = []
         for off in (None, nvme):
-            loaded = fzero.checkpoint.load(path, make(off))
+            target = make(off)
+            loaded = fzero.checkpoint.load(path, target)
+            assert off is None or loaded.info.tier.files is not target.info.tier.files  # the target's stay its own
             after, m = step(loaded, x + 1)
             out.append((fzero.gather(after), m.loss))
+        again, m = step(state, x + 1)  # the saved state's files were only read
+        out.append((fzero.gather(again), m.loss))
         return out
 
-    for (pa, la), (pb_, lb) in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
-        assert_equal_leaves(pa, pb_, "after load")
-        assert torch.equal(la, lb)
+    for (pa, la), *others in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        for pb_, lb in others:
+            assert_equal_leaves(pa, pb_, "after load")
+            assert torch.equal(la, lb)
 
 
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):

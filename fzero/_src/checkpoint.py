@@ -737,12 +737,12 @@ def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
                               f"errors name the file and the mismatch); nothing was loaded")
 
 
-def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
+def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
     layout, stage, rank = target.layout, target.stage, target.rank
     params, master, opt_state = [], [], []
     for b, spec in enumerate(layout.buckets):
-        tier = target.info.host_tier(b)
+        tier = info.host_tier(b)
         flat, *fields = w.buffers[b]
         if stage.sharded("params"):  # the buffer is this rank's shard already
             held, m = flat, None
@@ -786,13 +786,14 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             error = e
         _agree(mesh, path, error)
         _dcp_load(path, metadata, w.ranges, items, mesh)
-        params, master, opt_state = _held(target, w)
+        info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
+        params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)
     scale = None
     if target.loss_scale is not None:
         scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))
-    return ZeroState(params, opt_state, w.scalars["step"], master, scale, target.info)
+    return ZeroState(params, opt_state, w.scalars["step"], master, scale, info)
 
 
 # -- export, offline ----------------------------------------------------------------------------

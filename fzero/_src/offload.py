@@ -23,8 +23,9 @@ offload (tests/test_offload.py); on CUDA the CPU optimizer kernel stands in for 
 (proofs/offload.md says what is then bitwise and bounds AdamW's difference).
 
 `HostTier` is the seam a tier plugs into: copies to and from the host (`host`, `start_host`,
-`device`) and, per bucket, where its optimizer state lives between steps (`fetch` / `store`:
-in host memory here, the identity; an NVMe tier reads and writes swap files there).
+`to_device`) and, per bucket, where its optimizer state lives between steps (`restore`,
+`prefetch`, `fetch`, `store`, `snapshot`, `flush`: in host memory, the identity; `NvmeTier`
+reads and writes swap files, `fzero._src.nvme.SwapFiles`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class Offload:
 
     Attributes:
       optimizer: None (on the device), "cpu" (the master shard and optimizer state in host
-        memory; the update runs on the host) or "nvme" (the optimizer state in swap files under
-        `nvme_path`). Stages 1-3.
+        memory; the update runs on the host) or "nvme" (as "cpu", with the optimizer state's
+        "shard" fields in swap files under `nvme_path`, `NvmeTier`; needs `donate=True`).
+        Stages 1-3.
       params: None or "cpu": stage 3's param shards in host memory, brought to the device per
         unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
         the host updates, as FSDP2's `CPUOffloadPolicy`).
@@ -238,6 +240,11 @@ class HostTier:
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
+    def renewed(self) -> "HostTier":
+        """A tier for a new state that shares no stored state with this one's: host memory is the
+        state's own tensors, so this tier itself."""
+        return self
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NvmeTier(HostTier):
@@ -256,6 +263,7 @@ class NvmeTier(HostTier):
 
     files: Any = None
     fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
+    directory: str = ""
     in_place = True
 
     @staticmethod
@@ -273,7 +281,16 @@ class NvmeTier(HostTier):
         depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
         files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
                           pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1))
-        return NvmeTier(device, offload.pin, files, fields)
+        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path)
+
+    def renewed(self) -> "NvmeTier":
+        """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
+        from .nvme import SwapFiles
+
+        entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
+        depth = 2 * max((len(f) for f in self.fields.values()), default=1)
+        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1))
+        return NvmeTier(self.device, self.pin, files, self.fields, self.directory)
 
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)

@@ -68,6 +68,12 @@ class StateInfo:
         None where they stay on the device (`Offload.host_buckets`)."""
         return self.tier if b in self._host_buckets else None
 
+    def renewed(self) -> "StateInfo":
+        """This info for a new state that must not share storage with this one's (a checkpoint's
+        load): with NVMe offload, a fresh set of swap files; otherwise itself."""
+        tier = self.tier.renewed() if self.tier is not None else None
+        return self if tier is self.tier else dataclasses.replace(self, tier=tier)
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeroState:
