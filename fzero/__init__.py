@@ -13,6 +13,7 @@ from fzero._src.collectives import ForwardModeOnSimMesh as ForwardModeOnSimMesh
 from fzero._src.errors import LayoutError as LayoutError
 from fzero._src.errors import MeshError as MeshError
 from fzero._src.errors import NonFiniteError as NonFiniteError
+from fzero._src.errors import OffloadError as OffloadError
 from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import ParamGroup as ParamGroup
@@ -69,6 +70,7 @@ __all__ = [
     "ModuleInfo",
     "NonFiniteError",
     "Offload",
+    "OffloadError",
     "ParamGroup",
     "Precision",
     "RankFailed",

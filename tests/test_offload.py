@@ -183,6 +183,11 @@ def test_gloo_offloaded_equals_not_offloaded(dist2):
         for g, w, s in zip(got, want, ref):
             for k in w:
                 assert torch.equal(g[k], w[k]) and torch.equal(g[k], s[k]), (stage, params, k)
+    for stage in (1, 3):  # NVMe: the swap files on each worker
+        got = dist2.run(dist_cases.offload_nvme_steps, [(stage,)] * 2)
+        want = dist2.run(dist_cases.offload_steps, [(stage, None, None)] * 2)
+        for g, w in zip(got, want):
+            assert all(torch.equal(g[k], w[k]) for k in w), stage
 
 
 @pytest.mark.parametrize("stage, params", [(1, None), (2, None), (3, None), (3, "cpu")])
@@ -322,7 +327,7 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
 
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):
     mesh = fzero.SimMesh(1)
-    with pytest.raises(fzero.FzeroError, match="does not exist"):
+    with pytest.raises(fzero.OffloadError, match="does not exist"):
         mesh.run(lambda: fzero.init({"w": torch.ones(3)}, optim.adamw(0.1), stage=1, mesh=mesh,
                                     offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "missing"))))
 

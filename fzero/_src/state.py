@@ -208,7 +208,8 @@ def init(
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
-                            loss_scale=repr(loss_scale), offload=repr(off),
+                            loss_scale=repr(loss_scale),
+                            offload=(off.optimizer, off.params, off.ratio, off.pin),  # nvme_path: each rank its disk
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
