@@ -419,3 +419,48 @@ def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
     """A layer-wise optimizer's per-leaf sums over ranks, taken on the mesh's device from host
     partial sums (the collective needs device tensors; the values are float64 copies)."""
     return lambda x: leaf_sum(x.to(device)).to(x.device)
+
+
+class HostUpdate:
+    """One update's traffic between the device and the host tier, around the optimizer call of
+    each offloaded bucket (`step.update`); buckets on the device pass through unchanged.
+
+    At construction every offloaded bucket's reduced gradient shard starts for the host (CUDA: a
+    side stream, one event each) and the first bucket's optimizer state starts coming in (NVMe).
+    `inputs(b, ...)` waits for bucket b's gradient, starts the next bucket's state, and returns the
+    host gradient, the host state and the per-leaf sum that runs on the device; `outputs(b, ...)`
+    stores the new state and returns the new master shard as the stage's `finish` reads it (on the
+    device in the dtype the state holds there, or, with params offloaded, the host shard itself,
+    which is the params); `done()` waits for the tier's writes (NVMe)."""
+
+    def __init__(self, info: Any, reduced: dict[int, torch.Tensor], donate: bool) -> None:
+        self.info, self.device = info, info.mesh.device
+        self.tiers = {b: t for b in reduced if (t := info.host_tier(b)) is not None}
+        if any(t.in_place for t in self.tiers.values()) and not donate:
+            raise ConfigError(f"Offload(optimizer={info.offload.optimizer!r}) writes the optimizer state's swap files "
+                              f"in place, so a step consumes its input state: use train_step(..., donate=True)")
+        self.grads = {b: t.start_host(reduced[b]) for b, t in self.tiers.items()}
+        order = list(self.tiers)
+        self.following = dict(zip(order, order[1:]))
+        if order:
+            self.tiers[order[0]].prefetch(order[0])
+
+    def inputs(self, b: int, grad: torch.Tensor, opt_state: Any, leaf_sum: Any) -> tuple[torch.Tensor, Any, Any]:
+        tier = self.tiers.get(b)
+        if tier is None:
+            return grad, opt_state, leaf_sum
+        if b in self.following:  # NVMe: the next bucket's state is read while this one updates
+            tier.prefetch(self.following[b])
+        return self.grads.pop(b).wait(), tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
+
+    def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, Any]:
+        tier = self.tiers.get(b)
+        if tier is None:
+            return master, opt_state
+        back = master if self.info.offload.params is not None else tier.to_device(master, held_dtype)
+        return back, tier.store(b, opt_state)
+
+    def done(self) -> None:
+        for tier in {id(t): t for t in self.tiers.values()}.values():
+            tier.flush()  # NVMe: every file written, or OffloadError naming it

@@ -37,7 +37,7 @@ import torch
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
-from .offload import differentiated, host_leaf_sum
+from .offload import HostUpdate, differentiated
 from .optim.base import UpdateContext
 from .state import ZeroState, check_state, consume
 from .unit import Inflight, Probe, nonfinite, unit_programs
@@ -604,39 +604,24 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
-    tiers = {b: state.info.host_tier(b) for b in reduced}  # offloaded buckets: each gradient shard starts for the
-    on_host = {b: t.start_host(reduced[b]) for b, t in tiers.items() if t is not None}  # host now, waited for below
-    host = list(on_host)
-    if host and tiers[host[0]].in_place and not donate:
-        raise ConfigError(f"Offload(optimizer={state.info.offload.optimizer!r}) writes the optimizer state's swap "
-                          f"files in place, so a step consumes its input state: use train_step(..., donate=True)")
-    following = dict(zip(host, host[1:]))
-    if host:
-        tiers[host[0]].prefetch(host[0])
+    host = HostUpdate(state.info, reduced, donate)  # offloaded buckets: gradients start for the host now
     for b, g in reduced.items():
-        spec, tier = layout.buckets[b], tiers[b]
-        if b in following:
-            tier.prefetch(following[b])  # NVMe: the next offloaded bucket's state is read while this one updates
-        leaf_sum = stage.leaf_sum(mesh, spec.tag)
+        spec = layout.buckets[b]
+        g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], stage.leaf_sum(mesh, spec.tag))
         ctx = UpdateContext(step, spec.group, stage.segments(layout, b, rank), spec.leaves,
-                            tuple(used[i] for i in spec.leaves), leaf_sum if tier is None else
-                            host_leaf_sum(leaf_sum, mesh.device),
+                            tuple(used[i] for i in spec.leaves), leaf_sum,
                             tuple(layout.leaves[i].numel for i in spec.leaves),
                             tuple(layout.leaves[i].shape for i in spec.leaves))
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
-        g = (on_host.pop(b).wait() if tier is not None else g).to(p.dtype)  # reduce dtype -> the master's
-        opt = state.opt_state[b] if tier is None else tier.fetch(b, state.opt_state[b])
+        g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:
             updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
         else:
             updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-        back[b] = updated[b] if tier is None else _to_device(state, tier, b, updated[b])
-        if tier is not None:
-            new_opt[b] = tier.store(b, new_opt[b])
+        back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
         if overlap:
             flights[b] = stage.finish.start(mesh, state.precision.wire(spec), back[b])  # overlaps the next update
-    if host:
-        tiers[host[0]].flush()  # NVMe: every file written, or OffloadError naming it
+    host.done()
     broken = _any_nonfinite(state, updated)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
@@ -649,15 +634,6 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1), []
-
-
-def _to_device(state: ZeroState, tier: Any, b: int, master: torch.Tensor) -> torch.Tensor:
-    """An offloaded bucket's new master shard as the stage's `finish` reads it: on the device in
-    the dtype the state holds there (stages 1-2: the compute dtype of the full buffer; stage 3: the
-    shard's), or, with params offloaded, the host shard itself (it is the params)."""
-    if state.info.offload.params is not None:
-        return master
-    return tier.to_device(master, state.params[b].dtype)
 
 
 def _any_nonfinite(state: ZeroState, updated: dict[int, torch.Tensor]) -> bool:
