@@ -13,6 +13,7 @@ from fzero._src.collectives import ForwardModeOnSimMesh as ForwardModeOnSimMesh
 from fzero._src.errors import LayoutError as LayoutError
 from fzero._src.errors import MeshError as MeshError
 from fzero._src.errors import NonFiniteError as NonFiniteError
+from fzero._src.errors import OffloadError as OffloadError
 from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import ParamGroup as ParamGroup
@@ -23,6 +24,7 @@ from fzero._src.mesh import CollectiveRecord as CollectiveRecord
 from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
+from fzero._src.offload import Offload as Offload
 from fzero._src.precision import Precision as Precision
 from fzero._src.scale import DynamicLossScale as DynamicLossScale
 from fzero._src.scale import LossScaleState as LossScaleState
@@ -67,6 +69,8 @@ __all__ = [
     "StepConfig",
     "ModuleInfo",
     "NonFiniteError",
+    "Offload",
+    "OffloadError",
     "ParamGroup",
     "Precision",
     "RankFailed",

@@ -136,3 +136,27 @@ def backend_choice(fake_cuda_devices):
             errors.append(f"MeshError: {e}")
     mesh = fzero.DistMesh(backend="gloo")
     return errors, fzero.collectives.all_reduce(torch.ones(1), mesh)
+
+
+def offload_steps(mesh, stage, optimizer, params, nvme_path=None):
+    """Two AdamW steps (bf16 policy, clipping) of a small problem at `stage` with
+    `fzero.Offload(optimizer, params)` (None: no offload): the gathered params and the step's
+    metrics."""
+    g = torch.Generator().manual_seed(7)
+    tree = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(11, generator=g)}
+    off = None if optimizer is None else fzero.Offload(optimizer=optimizer, params=params, nvme_path=nvme_path)
+    state = fzero.init(tree, fzero.optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh,
+                       units=lambda p: p, precision=fzero.Precision(torch.bfloat16), offload=off)
+    step = fzero.train_step(lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum(), clip_norm=1.0,
+                            donate=True)
+    for t in range(2):
+        state, m = step(state, torch.tensor(1.0 + mesh.rank + t))
+    return {**fzero.gather(state), "loss": m.loss, "grad_norm": m.grad_norm}
+
+
+def offload_nvme_steps(mesh, stage):
+    """`offload_steps` with the optimizer state in swap files under a fresh temporary folder."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return offload_steps(mesh, stage, "nvme", None, nvme_path=d)

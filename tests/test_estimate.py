@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,18 +15,21 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fzero._src import nvme
 from fzero._src.cli import main
 from fzero._src.estimate import (
     STAGES,
     BytesPerParam,
+    TierBytes,
     bytes_per_param,
     estimate,
     estimate_stages,
     human_bytes,
     num_params,
+    offload_setting,
     round_significant,
 )
-from fzero._src.errors import LayoutError
+from fzero._src.errors import ConfigError, LayoutError
 from fzero._src.layout import ParamGroup
 from fzero._src.tree import flatten_with_paths
 
@@ -307,3 +311,175 @@ def test_cli_gpt2_config(tmp_path, capsys):
     assert "124439808 parameters" in out
     # stage 3, mixed-precision Adam: 16 bytes per padded parameter / 8 ranks
     assert "249 MB (248879616 B)" in out.splitlines()[-1]
+
+
+# ------------------------------------------------------------------------------------ offload
+
+
+def _gb(x) -> Fraction:
+    return Fraction(x) / GB
+
+
+def test_offload_14b_on_2_gpus_by_hand():
+    """14B params, N = 2, mixed-precision Adam (p = g = 2, s = 8, m = 4), so the shard is
+    E = Ψ/N = 7·10⁹ elements. Stage 3 + optimizer offload: the GPU keeps its bf16 param shard and
+    gradient shard, (2 + 2)·E = 28 GB; the host holds the gradient shard's copy 2·E = 14 GB, Adam's
+    moments 8·E = 56 GB and the fp32 master 4·E = 28 GB, 98 GB. + params offload: 0 GB on the GPU
+    (model state; the gathered units are transient), the same 98 GB on the host (the master is
+    the param shard). NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
+    Stages 1 and 2 keep their full params (2·Ψ = 28 GB) and full / sharded gradients."""
+    kw = dict(optimizer="adam-mixed")
+    plain = estimate(14e9, 2, stage=3, **kw)
+    cpu = estimate(14e9, 2, stage=3, offload_optimizer="cpu", **kw)
+    both = estimate(14e9, 2, stage=3, offload_optimizer="cpu", offload_params="cpu", **kw)
+    disk = estimate(14e9, 2, stage=3, offload_optimizer="nvme", **kw)
+    assert _gb(plain.total) == 112 and plain.host == TierBytes() and plain.nvme == TierBytes()
+    assert (_gb(cpu.params), _gb(cpu.grads), cpu.optimizer_state, cpu.master) == (14, 14, 0, 0)
+    assert cpu.host == TierBytes(grads=Fraction(14 * GB), optimizer_state=Fraction(56 * GB), master=Fraction(28 * GB))
+    assert (_gb(cpu.total), _gb(cpu.host.total), cpu.nvme.total) == (28, 98, 0)
+    assert (both.total, both.host) == (0, cpu.host)
+    assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 42, 56)
+    assert disk.host.optimizer_state == 0 and disk.nvme.optimizer_state == 56 * GB
+    s1, s2, s3 = estimate(14e9, 2, offload_optimizer="cpu", **kw)  # stage 0 has no shard: not listed
+    assert [_gb(e.total) for e in (s1, s2, s3)] == [28 + 28, 28 + 14, 14 + 14]
+    assert s1.host == s2.host == s3.host
+
+
+def test_offload_ratio_by_hand():
+    """r = 1/4 at stage 2, Ψ = 8·10⁹, N = 4, mixed Adam: E = 2·10⁹. The device keeps
+    3/4 of the state and master, 0.75·(8 + 4)·E = 18 GB, besides its full params 2Ψ = 16 GB and
+    gradient shard 2·E = 4 GB: 38 GB. The host holds 1/4: gradient copy 0.25·2·E = 1 GB, moments
+    0.25·8·E = 4 GB, master 0.25·4·E = 2 GB: 7 GB. A float ratio is read as its decimal (0.3 is
+    3/10 exactly)."""
+    e = estimate(8e9, 4, stage=2, optimizer="adam-mixed", offload_optimizer="cpu", offload_ratio=0.25)
+    assert (_gb(e.params), _gb(e.grads), _gb(e.optimizer_state), _gb(e.master), _gb(e.total)) == (16, 4, 12, 6, 38)
+    assert e.host == TierBytes(grads=Fraction(GB), optimizer_state=Fraction(4 * GB), master=Fraction(2 * GB))
+    assert estimate(10, 1, stage=1, offload_optimizer="cpu", offload_ratio=0.3).offload.ratio == Fraction(3, 10)
+
+
+@given(
+    tree=trees,
+    n=st.integers(1, 6),
+    optimizer=st.sampled_from(["adam-mixed", "adam", "sgd-momentum", "sgd"]),
+    where=st.sampled_from(["cpu", "nvme"]),
+    params=st.sampled_from([None, "cpu"]),
+    ratio=st.sampled_from([1, Fraction(1, 2), Fraction(1, 3)]),
+)
+def test_offload_moves_state_without_losing_any(tree, n, optimizer, where, params, ratio):
+    """For every stage that accepts the setting: with E = Σ_b S_b the rank's shard, the optimizer
+    state is split (1 - r)·s·E device + r·s·E host or NVMe, nothing lost or duplicated; the host's
+    master is r·4·E (fp32: the master, or the fp32 param shard) and its gradient copy r·g·E; the device's params and grads are those of the
+    stage without offload (none with params offload), its master (1 - r)·m·E."""
+    if params is not None and ratio != 1:
+        ratio = 1  # params offload keeps the whole shard on the host (a ConfigError otherwise)
+    bpp = bytes_per_param(optimizer)
+    kw = dict(optimizer=optimizer)
+    shard = estimate(tree, n, stage=3, **kw).grads / bpp.grads  # E, read off stage 3's sharded grads
+    for e in estimate(tree, n, offload_optimizer=where, offload_params=params, offload_ratio=ratio, **kw):
+        plain = estimate(tree, n, stage=e.stage, **kw)
+        r = Fraction(ratio)
+        assert e.optimizer_state + e.host.optimizer_state + e.nvme.optimizer_state == plain.optimizer_state
+        assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == r * bpp.optimizer_state * shard
+        assert (e.master, e.host.master, e.host.grads) == ((1 - r) * plain.master, r * 4 * shard, r * bpp.grads * shard)
+        assert (e.params, e.grads) == ((0, 0) if params else (plain.params, plain.grads))
+        assert e.host.params == 0  # every bucket of these trees trains
+        assert e.stage >= (3 if params else 1)
+
+
+def test_nvme_estimate_is_what_swap_files_hold(tmp_path):
+    """The NVMe bytes and host swap buffers of the estimate are those of a `SwapFiles` made with
+    one fp32 entry per bucket and Adam field (m, v), r·S_b elements each: files and buffers as built."""
+    tree = {"a": torch.empty(10, 3, device="meta"), "b": torch.empty(7, device="meta")}
+    units = lambda path: path  # noqa: E731 -- two buckets, of 30 and 7 elements
+    n = 3
+    e = estimate(tree, n, stage=3, optimizer="adam", units=units, offload_optimizer="nvme")
+    from fzero._src.layout import plan
+
+    layout = plan(tree, n, units=units)
+    entries = {f"{b.tag}/{field}": (b.shard_numel, torch.float32) for b in layout.buckets for field in ("m", "v")}
+    with nvme.SwapFiles(tmp_path, entries) as files:
+        on_disk = sum(os.path.getsize(x.path) for x in files.entries.values())
+        host = files.host_bytes
+    assert e.nvme.total == e.nvme.optimizer_state == on_disk == 8 * (10 + 3)
+    assert e.host.buffers == host == nvme.buffer_bytes([40, 12]) == 2 * 2 * 40
+    assert estimate(37, n, stage=3, optimizer="adam", offload_optimizer="nvme").host.buffers == 0  # bare count
+
+
+def test_offload_settings_refused():
+    with pytest.raises(ConfigError, match="stage 0 replicates it; use stage 1, 2 or 3"):
+        estimate(100, 2, stage=0, offload_optimizer="cpu")
+    for stage in (1, 2):
+        with pytest.raises(ConfigError, match=f"stage {stage} holds the full params on every rank; use stage 3"):
+            estimate(100, 2, stage=stage, offload_optimizer="cpu", offload_params="cpu")
+    with pytest.raises(ConfigError, match="offload the optimizer too"):
+        estimate(100, 2, stage=3, offload_params="cpu")
+    for bad in (0, 1.5, float("nan"), True, "1"):
+        with pytest.raises(ConfigError, match=r"ratio .*\(0, 1\]"):
+            estimate(100, 2, stage=3, offload_optimizer="cpu", offload_ratio=bad)
+    with pytest.raises(ConfigError, match="needs the optimizer offloaded and the params not"):
+        estimate(100, 2, stage=3, offload_optimizer="cpu", offload_params="cpu", offload_ratio=0.5)
+    with pytest.raises(ConfigError, match="needs the optimizer offloaded"):
+        estimate(100, 2, stage=3, offload_ratio=0.5)
+    with pytest.raises(ConfigError, match="one of"):
+        estimate(100, 2, stage=3, offload_optimizer="gpu")
+    with pytest.raises(ConfigError, match="not both"):
+        offload_setting(offload_setting(optimizer="cpu"), optimizer="cpu")
+    assert estimate_stages(100, 2, offload_optimizer="cpu", offload_params="cpu")[0].stage == 3
+
+
+def test_offload_object_is_read_by_its_fields():
+    """`offload=` takes a `fzero.Offload` (read by optimizer / params / ratio; a stand-in with
+    those fields where fzero has none yet) and gives what the three keywords give."""
+    import dataclasses
+
+    import fzero
+
+    @dataclasses.dataclass(frozen=True)
+    class StandIn:
+        optimizer: str | None = None
+        params: str | None = None
+        ratio: float = 1.0
+
+    kinds = [StandIn] + ([fzero.Offload] if hasattr(fzero, "Offload") else [])
+    for kind in kinds:
+        for kw in (dict(optimizer="cpu"), dict(optimizer="cpu", params="cpu")):
+            got = estimate(14e9, 2, stage=3, offload=kind(**kw))
+            want = estimate(14e9, 2, stage=3, **{f"offload_{k}": v for k, v in kw.items()})
+            assert got == want and got.offload.optimizer == "cpu"
+
+
+def test_cli_offload(capsys):
+    assert main(["estimate", "--params", "14e9", "-n", "2", "--stage", "3", "--offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "offload: optimizer cpu, params on the device, ratio 1" in out
+    row = [line.split() for line in out.splitlines() if line.startswith("3 ")][-1]
+    assert row[:7] == ["3", "28", "GB", "98", "GB", "0", "B"]  # device, host, NVMe
+    assert main(["estimate", "--params", "14e9", "-n", "2", "--offload-optimizer", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")] == ["1", "2", "3"] * 2
+    assert "not counted for a bare count" in out
+    assert main(["estimate", "--params", "14e9", "-n", "2", "--stage", "0", "--offload-optimizer", "cpu"]) == 2
+    assert "stage 0 replicates it" in capsys.readouterr().err
+
+
+def test_seed_14b_on_2_gpus_row():
+    """The seed's row "14B on 2 GPUs, ZeRO-3 + CPU offload: 72 GB -> 25.6 GB per GPU", checked
+    against the formula (proofs/memory.md, "The seed's 14B row"): with mixed-precision Adam stage
+    3 holds 16·Ψ/N = 112 GB per GPU without offload and (2 + 2)·Ψ/N = 28 GB with the optimizer
+    offloaded (26.1 GiB), 0 with the params too. No optimizer, dtype, offload setting or stage of
+    the model, in GB or in GiB, gives 72 or 25.6 per GPU for Ψ = 14·10⁹, N = 2, so the row is not
+    a count of model states: it is not reproduced."""
+    e = estimate(14e9, 2, stage=3, optimizer="adam-mixed")
+    off = estimate(14e9, 2, stage=3, optimizer="adam-mixed", offload_optimizer="cpu")
+    assert (_gb(e.total), _gb(off.total), round(float(off.total) / 2**30, 1)) == (112, 28, 26.1)
+    printed = set()
+    for optimizer in ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for where, params in ((None, None), ("cpu", None), ("nvme", None), ("cpu", "cpu")):
+                try:
+                    es = estimate(14e9, 2, optimizer=optimizer, param_dtype=dtype, offload_optimizer=where,
+                                  offload_params=params)
+                except ConfigError:  # adam-mixed with fp32 params
+                    continue
+                printed |= {round(float(x.total) / unit, 1) for x in es for unit in (10**9, 2**30)}
+    assert 28.0 in printed and 26.1 in printed and not {72.0, 25.6} & printed

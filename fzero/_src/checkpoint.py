@@ -75,6 +75,7 @@ from .collectives import broadcast
 from .errors import FzeroError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
+from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
 from .state import ZeroState, check_state, describe
@@ -189,7 +190,8 @@ def sources(state: ZeroState) -> list[Source]:
         master = state.master[b]
         x, sharded = (master, True) if master is not None else (state.params[b], state.stage.sharded("params"))
         out.append(Source("params", "shard", b, x, sharded))
-        opt = state.opt_state[b]
+        opt, tier = state.opt_state[b], state.info.host_tier(b)
+        opt = opt if opt is None or tier is None else tier.snapshot(b, opt)  # NVMe: read from its files
         if opt is not None:
             out += [Source(f"opt/{field}", kind, b, t, kind == "shard" and state.stage.sharded("optimizer_state"))
                     for field, kind, t in zip(opt._fields, spec_of(state.optimizer, opt), opt)]  # others: whole
@@ -696,8 +698,7 @@ def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted
     ranges: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
     buffers = []
     for b in range(len(layout.buckets)):
-        like = target.master[b] if target.master[b] is not None else target.params[b]
-        like = torch.empty(0, dtype=layout.buckets[b].dtype, device=like.device)
+        like = torch.empty(0, dtype=layout.buckets[b].dtype, device=target.params[b].device)  # where params live
         kinds = [("params", "shard", like, stage.sharded("params"))]
         opt = target.opt_state[b]
         if opt is not None:
@@ -736,20 +737,22 @@ def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
                               f"errors name the file and the mismatch); nothing was loaded")
 
 
-def _held(target: ZeroState, w: _Wanted) -> tuple[tuple, tuple, tuple]:
+def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
     layout, stage, rank = target.layout, target.stage, target.rank
     params, master, opt_state = [], [], []
     for b, spec in enumerate(layout.buckets):
+        tier = info.host_tier(b)
         flat, *fields = w.buffers[b]
         if stage.sharded("params"):  # the buffer is this rank's shard already
             held, m = flat, None
         else:
             held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
+        held, m = place(stage, target.info.offload, tier, layout, b, held, m, rank)  # offloaded: master to the host
         params.append(held)
         master.append(m)
         opt = target.opt_state[b]
-        opt_state.append(None if opt is None else type(opt)(*fields))
+        opt_state.append(None if opt is None else place_opt_state(tier, b, type(opt)(*fields)))
     return tuple(params), tuple(master), tuple(opt_state)
 
 
@@ -783,13 +786,14 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             error = e
         _agree(mesh, path, error)
         _dcp_load(path, metadata, w.ranges, items, mesh)
-        params, master, opt_state = _held(target, w)
+        info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
+        params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)
     scale = None
     if target.loss_scale is not None:
         scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))
-    return ZeroState(params, opt_state, w.scalars["step"], master, scale, target.info)
+    return ZeroState(params, opt_state, w.scalars["step"], master, scale, info)
 
 
 # -- export, offline ----------------------------------------------------------------------------

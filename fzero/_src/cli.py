@@ -3,6 +3,7 @@
     fzero estimate --params 7.5e9 --world-size 64            # the ZeRO paper's Table 1 row
     fzero estimate --module mypkg.models:make_gpt --world-size 8 --dtype bf16
     fzero estimate --config gpt2.json --world-size 16 --plot mem.png
+    fzero estimate --params 14e9 -n 2 --stage 3 --offload-optimizer cpu       # GPU, host and NVMe bytes
     fzero trace --world-size 4 --stage 3 --steps 2                # collectives per step vs the formula
     fzero inspect ckpt/step-100                                    # what a checkpoint holds
     fzero export ckpt/step-100 model.safetensors --dtype bf16     # full params, offline
@@ -49,6 +50,21 @@ def format_table(estimates: Sequence[est.MemoryEstimate]) -> str:
     header = ["stage", "params", "grads", "optimizer state", "master", "total"]
     rows = [header] + [
         [str(e.stage), *(_cell(getattr(e, c)) for c in est.CATEGORIES), _cell(e.total)] for e in estimates
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_tiers(estimates: Sequence[est.MemoryEstimate]) -> str:
+    """One row per stage: device / host / NVMe totals, and the host's part of each category."""
+    header = ["stage", "device", "host", "NVMe", "host: grads", "host: optimizer state", "host: master",
+              "host: params", "host: swap buffers"]
+    rows = [header] + [
+        [str(e.stage), *(est.human_bytes(t) for t in (e.total, e.host.total, e.nvme.total)),
+         *(est.human_bytes(getattr(e.host, c)) for c in ("grads", "optimizer_state", "master", "params", "buffers"))]
+        for e in estimates
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -151,21 +167,34 @@ def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs
 
 def _run_estimate(args: argparse.Namespace) -> int:
     model, what = _model_of(args)
-    kwargs = dict(param_dtype=args.dtype, grad_dtype=args.dtype, optimizer=args.optimizer, align=args.align)
+    kwargs = dict(param_dtype=args.dtype, grad_dtype=args.dtype, optimizer=args.optimizer, align=args.align,
+                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+                  offload_ratio=args.offload_ratio)
     try:
         bpp = est.bytes_per_param(args.optimizer, args.dtype, args.dtype)
-        estimates = est.estimate_stages(model, args.world_size, **kwargs)
+        if args.stage is not None:
+            estimates = (est.estimate(model, args.world_size, stage=args.stage, **kwargs),)
+        else:
+            estimates = est.estimate_stages(model, args.world_size, **kwargs)
     except ValueError as e:
         raise CliError(str(e)) from e
-    if args.stage is not None:
-        estimates = (estimates[args.stage],)
+    off = estimates[0].offload
     print(f"model: {what}")
     print(
         f"world size {args.world_size}, optimizer {args.optimizer}: bytes per parameter: params {bpp.params}, "
         f"grads {bpp.grads}, optimizer state {bpp.optimizer_state}, master {bpp.master} (K = {bpp.K})"
     )
-    print("per rank, model states only (GB = 1e9 B; exact bytes in parentheses):")
+    if off.optimizer is not None:
+        print(f"offload: optimizer {off.optimizer}, params {off.params or 'on the device'}, ratio {off.ratio} "
+              f"(host: fp32 master, the gradient shard's copy{', optimizer state' if off.optimizer == 'cpu' else ''})")
+    print("per rank, model states only, on the device (GB = 1e9 B; exact bytes in parentheses):")
     print(format_table(estimates))
+    if off.optimizer is not None:
+        print("per rank, device / host (CPU RAM) / NVMe (per node: times the ranks on the node):")
+        print(format_tiers(estimates))
+        if off.optimizer == "nvme" and args.params is not None:
+            print("swap buffers: not counted for a bare count (they hold the largest bucket's state: --module or "
+                  "--config gives the buckets)")
     if args.plot:
         plot(model, args.plot_world_sizes, args.plot, f"{what}, {args.optimizer}", **kwargs)
         print(f"plot written to {args.plot}")
@@ -189,6 +218,11 @@ def _add_estimate(sub: Any) -> None:
                    help="default: the ZeRO paper's mixed-precision Adam (K = 12); fzero's train_step runs 'adam' "
                         "(fp32, K = 8) until it has a precision policy")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
+    p.add_argument("--offload-optimizer", choices=("cpu", "nvme"),
+                   help="the optimizer's shard (master, state) in host memory, or its state in NVMe swap files")
+    p.add_argument("--offload-params", choices=("cpu",), help="stage 3's param shards in host memory")
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="the fraction r of each shard offloaded (default 1; DeepSpeed's ratio)")
     p.add_argument("--plot", metavar="OUT.png", help="plot bytes per rank vs world size (needs matplotlib)")
     p.add_argument(
         "--plot-world-sizes",

@@ -33,3 +33,7 @@ class NonFiniteError(FzeroError, FloatingPointError):
 
 class LossScaleError(FzeroError, FloatingPointError):
     """The gradients overflowed with the loss scale already at `min_scale` (`raise_at_min`)."""
+
+
+class OffloadError(FzeroError, OSError):
+    """Offloaded state cannot be kept: an NVMe path is missing, unwritable or full, or its I/O failed."""

@@ -18,6 +18,19 @@ pytree or an `nn.Module` the count is taken from `fzero.layout.plan`: bucket b i
 `N * S_b` (padding included). Only model states are counted: no activations, no transient
 all-gather buffers, no communication buckets. proofs/memory.md proves each row.
 
+Offload (`offload_optimizer="cpu" | "nvme"`, `offload_params="cpu"`, `offload_ratio=r`, or
+`offload=fzero.Offload(...)`) moves part of a rank's model state off the device. With E the
+rank's trainable shard (Ψ/N elements; Σ_b S_b with a layout) and r the offloaded fraction:
+
+    device:  params and grads as the stage holds them (none with params offload, stage 3),
+             optimizer state (1 - r)·s·E, master (1 - r)·m·E
+    host:    grads r·g·E (the shard's device -> host copy), master r·m'·E (m' = m, or p where
+             there is no master: the host always keeps one, fp32 for fp32 params),
+             optimizer state r·s·E ("cpu"), swap buffers ("nvme")
+    NVMe:    optimizer state r·s·E ("nvme")
+
+proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps where.
+
 The default optimizer is "adam": fp32 params, gradients and Adam moments (K = 8), what fzero's
 `train_step` runs today. The paper's rows use mixed-precision Adam (bf16/fp16 params and
 gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, which fzero will train once
@@ -29,6 +42,9 @@ Example:
   1.875
   >>> float(estimate(7.5e9, 64, stage=3).total) / 1e9             # fp32 Adam: 16 bytes / param / N
   1.875
+  >>> e = estimate(14e9, 2, stage=3, optimizer="adam-mixed", offload_optimizer="cpu")
+  >>> float(e.total) / 1e9, float(e.host.total) / 1e9               # GPU: bf16 params + grads
+  (28.0, 98.0)
 """
 
 from __future__ import annotations
@@ -43,12 +59,15 @@ from typing import Any, NamedTuple, Union, overload
 
 import torch
 
+from . import nvme
 from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
-from .stages import STAGES, get_stage
+from .stages import STAGES, Stage, get_stage
 
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
+OFFLOAD_OPTIMIZER = (None, "cpu", "nvme")
+OFFLOAD_PARAMS = (None, "cpu")
 
 
 # fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none,
@@ -81,10 +100,41 @@ class BytesPerParam(NamedTuple):
         return self.optimizer_state + self.master
 
 
+class OffloadSetting(NamedTuple):
+    """What the estimate reads of an offload: where the optimizer's shard lives (None, "cpu",
+    "nvme"), where stage 3's param shards live (None, "cpu"), and the offloaded fraction r of
+    each shard (DeepSpeed's `ratio`), exact."""
+
+    optimizer: str | None = None
+    params: str | None = None
+    ratio: Fraction = Fraction(1)
+
+
+NO_OFFLOAD = OffloadSetting()
+
+
+class TierBytes(NamedTuple):
+    """Bytes of one rank's model state in one off-device tier (host memory or NVMe), per
+    category; `buffers` are the NVMe swap files' host buffers (`nvme.buffer_bytes`)."""
+
+    params: Fraction = Fraction(0)
+    grads: Fraction = Fraction(0)
+    optimizer_state: Fraction = Fraction(0)
+    master: Fraction = Fraction(0)
+    buffers: Fraction = Fraction(0)
+
+    @property
+    def total(self) -> Fraction:
+        return sum(self, Fraction(0))
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes of model state on one rank at one ZeRO stage. Exact: each field is a `Fraction`
-    (Ψ/N need not be whole for a bare count); `float(e.total) / 1e9` is GB."""
+    (Ψ/N need not be whole for a bare count); `float(e.total) / 1e9` is GB.
+
+    `params`, `grads`, `optimizer_state`, `master` and `total` are the device's (the GPU's);
+    `host` (CPU RAM) and `nvme` are the off-device tiers of `offload` (zero without offload)."""
 
     stage: int
     world_size: int
@@ -92,16 +142,21 @@ class MemoryEstimate:
     grads: Fraction
     optimizer_state: Fraction
     master: Fraction
+    host: TierBytes = TierBytes()
+    nvme: TierBytes = TierBytes()
+    offload: OffloadSetting = NO_OFFLOAD
 
     def __post_init__(self) -> None:
         get_stage(self.stage)
-        for name in CATEGORIES:
-            value = getattr(self, name)
+        values = [(name, getattr(self, name)) for name in CATEGORIES]
+        values += [(f"{tier}.{k}", v) for tier in ("host", "nvme") for k, v in getattr(self, tier)._asdict().items()]
+        for name, value in values:
             if not isinstance(value, Fraction) or value < 0:
                 raise ConfigError(f"MemoryEstimate.{name} must be a Fraction >= 0, got {value!r}")
 
     @property
     def total(self) -> Fraction:
+        """Bytes on the device."""
         return self.params + self.grads + self.optimizer_state + self.master
 
 
@@ -142,11 +197,13 @@ def bytes_per_param(
 
 
 class _Buffer(NamedTuple):
-    """One flat buffer: `full` elements when replicated, `shard` per rank when sharded."""
+    """One flat buffer: `full` elements when replicated, `shard` per rank when sharded; `bucket`
+    is False for a bare count (one buffer standing for buckets whose sizes are unknown)."""
 
     full: Fraction
     shard: Fraction
     trainable: bool
+    bucket: bool = True
 
 
 def _count(n: Real) -> Fraction:
@@ -172,26 +229,104 @@ def params_of(model: Any) -> Any:
 def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[ParamGroup], align: int) -> list[_Buffer]:
     if isinstance(model, Real) and not isinstance(model, bool):
         psi = _count(model)
-        return [_Buffer(psi, psi / world_size, True)]
+        return [_Buffer(psi, psi / world_size, True, bucket=False)]
     layout = plan(params_of(model), world_size, units=units, groups=groups, align=align)
     return [_Buffer(Fraction(b.padded_numel), Fraction(b.shard_numel), not b.group.frozen) for b in layout.buckets]
 
 
-def _stage_estimate(buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam) -> MemoryEstimate:
+def _ratio(r: Any) -> Fraction:
+    """The offloaded fraction as an exact rational in (0, 1]: a float is read as the decimal it
+    prints (0.3 -> 3/10, not the binary neighbour)."""
+    if isinstance(r, bool) or not isinstance(r, (Real, Fraction)):
+        raise ConfigError(f"offload ratio must be a number in (0, 1] (the fraction of each shard offloaded), got {r!r}")
+    value = Fraction(repr(float(r))) if isinstance(r, float) and math.isfinite(r) else Fraction(r) if math.isfinite(r) else None
+    if value is None or not 0 < value <= 1:
+        raise ConfigError(f"offload ratio must be in (0, 1] (the fraction of each shard offloaded), got {r!r}")
+    return value
+
+
+def offload_setting(
+    offload: Any = None, optimizer: str | None = None, params: str | None = None, ratio: Real = 1
+) -> OffloadSetting:
+    """`fzero.Offload(...)` (read by its `optimizer`, `params`, `ratio`), or the three settings
+    themselves, checked -> `OffloadSetting`. Errors name the setting and the way out."""
+    if offload is not None:
+        if (optimizer, params, ratio) != (None, None, 1):
+            raise ConfigError("pass either offload=fzero.Offload(...) or offload_optimizer / offload_params / "
+                              "offload_ratio, not both")
+        optimizer, params = getattr(offload, "optimizer", None), getattr(offload, "params", None)
+        ratio = getattr(offload, "ratio", 1)
+    if optimizer not in OFFLOAD_OPTIMIZER:
+        raise ConfigError(f"offload optimizer must be one of {OFFLOAD_OPTIMIZER}, got {optimizer!r}")
+    if params not in OFFLOAD_PARAMS:
+        raise ConfigError(f"offload params must be one of {OFFLOAD_PARAMS}, got {params!r}")
+    if params is not None and optimizer is None:
+        raise ConfigError(f"offload params={params!r} keeps stage 3's shards on the host as the master copy the "
+                          f"host's optimizer updates: offload the optimizer too (optimizer='cpu')")
+    r = _ratio(ratio)
+    if r != 1 and (optimizer is None or params is not None):
+        raise ConfigError(f"offload ratio {ratio} splits the optimizer's shard between device and host: it needs the "
+                          f"optimizer offloaded and the params not (got optimizer={optimizer!r}, params={params!r})")
+    return OffloadSetting(optimizer, params, r)
+
+
+def check_offload_stage(off: OffloadSetting, st: Stage) -> None:
+    """Optimizer offload moves the rank's shard (stages 1-3); params offload stage 3's shards."""
+    if off.optimizer is not None and not st.sharded("optimizer_state"):
+        raise ConfigError(f"offload optimizer={off.optimizer!r} moves this rank's shard of the optimizer state, but "
+                          f"stage {st.level} replicates it; use stage 1, 2 or 3, or no offload")
+    if off.params is not None and not st.sharded("params"):
+        raise ConfigError(f"offload params={off.params!r} moves param shards, but stage {st.level} holds the full "
+                          f"params on every rank; use stage 3, or params=None")
+
+
+def _stage_estimate(
+    buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam, off: OffloadSetting = NO_OFFLOAD
+) -> MemoryEstimate:
     st = get_stage(stage)
+    check_offload_stage(off, st)
 
     def category(name: str, per_param: int, trainable_only: bool) -> Fraction:
         pick = (lambda b: b.shard) if st.sharded(name) else (lambda b: b.full)
         return sum((per_param * pick(b) for b in buffers if b.trainable or not trainable_only), Fraction(0))
 
-    return MemoryEstimate(
-        stage,
-        world_size,
-        params=category("params", bpp.params, trainable_only=False),
-        grads=category("grads", bpp.grads, trainable_only=True),
-        optimizer_state=category("optimizer_state", bpp.optimizer_state, trainable_only=True),
-        master=category("master", bpp.master, trainable_only=True),
+    params = category("params", bpp.params, trainable_only=False)
+    grads = category("grads", bpp.grads, trainable_only=True)
+    state = category("optimizer_state", bpp.optimizer_state, trainable_only=True)
+    master = category("master", bpp.master, trainable_only=True)
+    if off.optimizer is None:
+        return MemoryEstimate(stage, world_size, params, grads, state, master)
+    host, disk = _offloaded(buffers, bpp, off)
+    kept = 1 - off.ratio  # sharded categories here (check_offload_stage): the device keeps (1 - r) of each shard
+    if off.params is not None:
+        params = grads = Fraction(0)
+    return MemoryEstimate(stage, world_size, params, grads, kept * state, kept * master, host, disk, off)
+
+
+def _offloaded(buffers: Sequence[_Buffer], bpp: BytesPerParam, off: OffloadSetting) -> tuple[TierBytes, TierBytes]:
+    """Host and NVMe bytes of an offloaded rank (stages 1-3, where E = Σ_trainable S_b is the
+    optimizer's shard): of each shard the fraction r is on the host with its master (the fp32
+    master where the params are narrower, else a copy of the param shard: m or p bytes) and the
+    copy of its gradient; its optimizer state is on the host ("cpu") or in swap files ("nvme": one
+    fp32 file per bucket and state field, `nvme.buffer_bytes` of host buffers; not counted for a
+    bare count, whose buckets are unknown). With params
+    offload (r = 1) the host shard is the param (the master) and the gradient shard comes to the
+    host in the unit's backward; frozen shards live on the host in the param dtype."""
+    shard = sum((b.shard for b in buffers if b.trainable), Fraction(0))
+    frozen = sum((b.shard for b in buffers if not b.trainable), Fraction(0))
+    on_host = off.ratio * shard
+    state = bpp.optimizer_state * on_host
+    fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
+    files = [4 * off.ratio * b.shard for b in buffers if b.trainable and b.bucket] * fields
+    host = TierBytes(
+        params=bpp.params * frozen if off.params is not None else Fraction(0),
+        grads=bpp.grads * on_host,
+        optimizer_state=state if off.optimizer == "cpu" else Fraction(0),
+        master=(bpp.master or bpp.params) * on_host,
+        buffers=Fraction(nvme.buffer_bytes(files)) if off.optimizer == "nvme" else Fraction(0),
     )
+    disk = TierBytes(optimizer_state=state) if off.optimizer == "nvme" else TierBytes()
+    return host, disk
 
 
 @overload
@@ -209,6 +344,10 @@ def estimate(
     align: int = 1,
     units: UnitSpec = None,
     groups: Sequence[ParamGroup] = (),
+    offload: Any = None,
+    offload_optimizer: str | None = None,
+    offload_params: str | None = None,
+    offload_ratio: Real = 1,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Per-rank bytes of params, grads, optimizer state and master weights.
 
@@ -222,22 +361,35 @@ def estimate(
       world_size: N >= 1.
       stage: 0-3, or None for all four.
       param_dtype, grad_dtype, optimizer: see `bytes_per_param`.
+      offload: a `fzero.Offload(...)`, or its settings as `offload_optimizer` (None, "cpu",
+        "nvme"), `offload_params` (None, "cpu"; stage 3) and `offload_ratio` (r in (0, 1]).
 
     Returns:
-      A `MemoryEstimate` for `stage`, or a tuple of them for stages 0, 1, 2, 3.
+      A `MemoryEstimate` for `stage`, or a tuple of them for stages 0, 1, 2, 3 (with an offload:
+      for the stages that accept it, 1-3 or 3).
     """
     world_size = check_world_size(world_size)
     if stage is not None:
         get_stage(stage)
     bpp = bytes_per_param(optimizer, param_dtype, grad_dtype)
+    off = offload_setting(offload, offload_optimizer, offload_params, offload_ratio)
     buffers = _buffers(model, world_size, units, groups, align)
     if stage is not None:
-        return _stage_estimate(buffers, world_size, stage, bpp)
-    return tuple(_stage_estimate(buffers, world_size, s.level, bpp) for s in STAGES)
+        return _stage_estimate(buffers, world_size, stage, bpp, off)
+    return tuple(_stage_estimate(buffers, world_size, s.level, bpp, off) for s in STAGES if _accepts(s, off))
+
+
+def _accepts(st: Stage, off: OffloadSetting) -> bool:
+    try:
+        check_offload_stage(off, st)
+    except ConfigError:
+        return False
+    return True
 
 
 def estimate_stages(model: Model, world_size: int, **kwargs: Any) -> tuple[MemoryEstimate, ...]:
-    """`estimate` for stages 0, 1, 2, 3, in order (keyword arguments as `estimate`, without `stage`)."""
+    """`estimate` for stages 0, 1, 2, 3, in order (keyword arguments as `estimate`, without `stage`;
+    with an offload, the stages that accept it)."""
     return estimate(model, world_size, stage=None, **kwargs)
 
 

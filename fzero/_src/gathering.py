@@ -279,8 +279,9 @@ class Gathering:
         (a refill): only the buckets that own a storage (`_storages`), as `refill` fills them."""
         program = self._programs[unit]
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
-        return [program.stage.enter.start(program.mesh, b.wire, self._xs[b.index].detach().to(b.wire.compute))
-                for b in buckets]
+        held = [self._xs[b.index] if self._fulls[b.index] is None else self._fulls[b.index] for b in buckets]  # offload
+        return [program.stage.enter.start(program.mesh, b.wire, x.detach().to(b.wire.compute))
+                for b, x in zip(buckets, held)]
 
     def _after(self, unit: str, order: Sequence[str]) -> list[str]:
         """The `prefetch` units that follow `unit` in the predicted `order` (none if it is not in it)."""

@@ -10,6 +10,7 @@ rebuilds a state with the same metadata.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ from .collectives import all_gather, all_reduce, broadcast
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh
+from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, init_state, spec_of
 from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
@@ -42,6 +44,9 @@ class StateInfo:
       optimizer: the `fzero.optim` optimizer `init` made the optimizer state with.
       precision: the `fzero.Precision` policy (compute and reduce dtypes).
       scaler: the fp16 loss scaler (`fzero.StaticLossScale` / `fzero.DynamicLossScale`), or None.
+      offload: the `fzero.Offload` settings (what lives in host memory; `fzero._src.offload`).
+      tier: the host tier of the offloaded buckets (`HostTier`, or `NvmeTier` with its swap
+        files), or None.
     """
 
     layout: Layout
@@ -51,6 +56,23 @@ class StateInfo:
     optimizer: Optimizer
     precision: Precision = FULL
     scaler: LossScale | None = None
+    offload: Offload = NO_OFFLOAD
+    tier: HostTier | None = None
+
+    @functools.cached_property
+    def _host_buckets(self) -> frozenset[int]:
+        return self.offload.host_buckets(self.layout)
+
+    def host_tier(self, b: int) -> HostTier | None:
+        """The host tier bucket `b`'s master and optimizer state live in (and how they move), or
+        None where they stay on the device (`Offload.host_buckets`)."""
+        return self.tier if b in self._host_buckets else None
+
+    def renewed(self) -> "StateInfo":
+        """This info for a new state that must not share storage with this one's (a checkpoint's
+        load): with NVMe offload, a fresh set of swap files; otherwise itself."""
+        tier = self.tier.renewed() if self.tier is not None else None
+        return self if tier is self.tier else dataclasses.replace(self, tier=tier)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +85,8 @@ class ZeroState:
         the stage shards optimizer state; None for frozen buckets.
       master: per bucket, this rank's master `shard[S]` where the stage keeps one apart from
         `params` (stages 1-2 under a precision policy: `params` is then the full buffer in the
-        compute dtype); else None (`params` holds the master values).
+        compute dtype; and every trainable bucket under optimizer offload, in host memory); else
+        None (`params` holds the master values).
       loss_scale: the loss scaler's `LossScaleState` (0-d tensors), or None without a scaler.
       step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
       info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
@@ -151,6 +174,7 @@ def init(
     sync: bool = True,
     precision: Precision = FULL,
     loss_scale: LossScale | None = None,
+    offload: Offload | None = None,
 ) -> ZeroState:
     """This rank's `ZeroState` for `params` (call on every rank; on SimMesh inside `mesh.run`).
 
@@ -170,9 +194,16 @@ def init(
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`). Only where some bucket computes in fp16.
+      offload: None or `fzero.Offload(optimizer="cpu", params=None | "cpu")`: this rank's master
+        shard and optimizer state (stages 1-3) and stage 3's param shards in host memory, the
+        update on the host; the same bits (docs/offload.md).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
+        off = check_offload(offload)
+        off.check_stage(st)
+        tier = tier_of(off, mesh.device)
+        st = stage_of(st, off, tier)
         _check_optimizer(optimizer)
         if not isinstance(precision, Precision):
             raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
@@ -188,25 +219,37 @@ def init(
                             bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
+                            offload=(off.optimizer, off.params, off.ratio, off.pin),  # nvme_path: each rank its disk
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
         if sync and mesh.world_size > 1:
             flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
         rank = mesh.rank
-        kept = [st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute) for b, f in enumerate(flats)]
+        on_host = off.host_buckets(layout)
+        tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
+        kept = [place(st, off, tiers[b], layout, b,
+                      *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute), rank)
+                for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
-        opt_state = tuple(
-            None if spec.group.frozen else init_state(optimizer, st.optimizer_params(layout, b, held[b], rank, master[b]),
-                                                      [layout.leaves[i].shape for i in spec.leaves])
-            for b, spec in enumerate(layout.buckets)
-        )
-        for s in opt_state:
-            if s is not None:
-                spec_of(optimizer, s)
+
+        def opt_init(b: int, device: Any = None) -> Any:
+            p = st.optimizer_params(layout, b, held[b], rank, master[b])
+            s = init_state(optimizer, p if device is None else p.to(device),
+                           [layout.leaves[i].shape for i in layout.buckets[b].leaves])
+            spec_of(optimizer, s)
+            return s
+
+        trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+        if off.optimizer == "nvme":  # the files' sizes from states made on the meta device (no memory)
+            metas = {b: opt_init(b, "meta") for b in trainable if b in on_host}
+            tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()})
+            tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
+        opt_state = tuple(place_opt_state(tiers[b], b, opt_init(b)) if b in trainable else None
+                          for b in range(len(layout.buckets)))
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
-                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale))
+                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier))
 
 
 def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> None:
@@ -305,7 +348,7 @@ def gather(state: ZeroState) -> Any:
     with torch.no_grad():
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
             xs = [state.params[b.index] if state.master[b.index] is None
-                  else all_gather(state.master[b.index], mesh, tag=b.tag) for b in program.buckets]
+                  else all_gather(state.master[b.index].to(mesh.device), mesh, tag=b.tag) for b in program.buckets]
             for i, t in zip(program.leaves, gather_leaves(program, xs, cast=False)):
                 leaves[i] = t.clone()
     return unflatten(layout.treespec, leaves)

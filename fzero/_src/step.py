@@ -48,6 +48,7 @@ from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
+from .offload import HostUpdate, differentiated
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
@@ -403,9 +404,10 @@ class BucketPlan(NamedTuple):
     numels: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
 
-    def context(self, step: int, used: list[bool]) -> UpdateContext:
+    def context(self, step: int, used: list[bool], leaf_sum: Callable | None = None) -> UpdateContext:
+        """`leaf_sum`: where the optimizer's per-leaf sums run elsewhere (an offloaded bucket's, on the host)."""
         return UpdateContext(step, self.group, self.segments, self.leaves, tuple(map(used.__getitem__, self.leaves)),
-                             self.leaf_sum, self.numels, self.shapes)
+                             leaf_sum or self.leaf_sum, self.numels, self.shapes)
 
 
 _PLANS: dict[int, tuple[Any, dict[int, BucketPlan]]] = {}
@@ -441,7 +443,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
     inflight = Inflight(early=config.accumulate == "each") if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
-    pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
+    pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     trainable = _trainable(state)
     s = loss_scale_of(state)
@@ -539,7 +541,7 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     started = started or {}
     grads = {b: g if g is not None else
-             torch.zeros_like(stage.differentiated(layout, b, state.params[b], rank, state.master[b])[0])
+             torch.zeros_like(differentiated(state.info, b, state.params[b], state.master[b], mesh.device)[0])
              for b, g in grads.items() if b not in started}
     plan = plan_of(state.info)
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
@@ -694,26 +696,30 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
-    flights = {}
+    flights, back = {}, {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
     plan = plan_of(state.info)
+    host = HostUpdate(state.info, reduced, donate)  # offloaded buckets: gradients start for the host now
     for b, g in reduced.items():
-        ctx = plan[b].context(step, used)
-        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
+        g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
+        ctx = plan[b].context(step, used, leaf_sum)
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
         g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
         if donate:
-            updated[b], new_opt[b] = p, optimizer.update_(g, state.opt_state[b], p, ctx)
+            updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
         else:
-            updated[b], new_opt[b] = optimizer.update(g, state.opt_state[b], p, ctx)
+            updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+        back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
         if overlap:
-            flights[b] = stage.finish.start(mesh, plan[b].wire, updated[b])  # overlaps the next update
+            flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
+    host.done()
     flag = _nonfinite_flag(state, updated)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
         return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
     if not overlap:  # differentiated through: the blocking, differentiable finish
-        gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in updated.items()}
+        gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in back.items()}
     for b, p_new in updated.items():
         new_params[b] = gathered[b]
         if state.master[b] is not None:

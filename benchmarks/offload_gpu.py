@@ -1,0 +1,160 @@
+"""Offload on one GPU: the CPU optimizer kernel against the CUDA one, and offloaded steps vs plain.
+
+Run (GPU, the lead):  torchrun --nproc-per-node 1 benchmarks/offload_gpu.py --out offload-1xH200.jsonl
+Run (CPU smoke):      python benchmarks/offload_gpu.py --elements 4096 --width 64 --steps 2
+
+Rows (one JSON line each, also appended to `--out` if given):
+
+  kernel  one AdamW (or SGD) step from the same random inputs (2^20 elements by default) with
+          fzero's default impl on the host (`foreach`, CPU kernels: what an offloaded update
+          runs) and on the device (on CUDA `fused`): the largest ratio of |p'_A - p'_B| to the
+          bound u (6|p1| + 27R) of proofs/offload.md §2 (`ratio_p`, must be <= 1 for AdamW), the
+          same for m and v (`ratio_m`, `ratio_v` against 6uM and 6uv'), and the fraction of
+          elements that are bitwise equal. On the CPU both sides are the CPU (ratio 0).
+  step    per stage (1, 2, 3, 3 + params offload), a 4-block MLP (`--width`, bf16 policy,
+          AdamW, donate): offloaded vs plain from the same init, the first step's loss and
+          gradient norm (`first_equal`: expected bitwise), the largest |difference| of the final
+          params, the median step time (`ms`, ms_plain) and the peak device memory
+          (`peak_gib`, peak_gib_plain; CUDA only).
+
+Time limit: `--budget` seconds overall (rows stop when it is spent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+import fzero
+import fzero.optim as fo
+from fzero import ParamGroup
+from fzero.layout import Segment
+
+U = 2.0**-24
+
+
+def emit(row: dict, out: str | None) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def kernel_rows(device: torch.device, n: int, out: str | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = 0.1 * torch.randn(n, generator=gen), 0.01 * torch.rand(n, generator=gen)
+    ctx0 = fo.UpdateContext(0, ParamGroup(), (Segment(0, 0, 0, n),), (0,), (True,), leaf_numels=(n,))
+    for t in (1, 2, 10, 1000):
+        for lr, wd in ((1e-3, 0.0), (1e-3, 0.1), (3e-2, 0.01)):
+            beta1, beta2, eps = 0.9, 0.999, 1e-8
+            opt = fo.adamw(lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+            state = fo.AdamState(torch.full((1,), float(t - 1)), m.clone(), v.clone())
+            host_p, host_s = opt.update(g, state, p, ctx0)
+            dev = lambda x: x.to(device, copy=True)  # noqa: E731
+            dev_p, dev_s = opt.update(dev(g), fo.AdamState(*map(dev, state)), dev(p), ctx0)
+            dev_p, dev_s = dev_p.cpu(), fo.AdamState(*(x.cpu() for x in dev_s))
+            p64, g64, m64, v64 = (x.double() for x in (p, g, m, v))
+            p1 = p64 * (1 - lr * wd)
+            big_m = beta1 * m64.abs() + (1 - beta1) * g64.abs()
+            v1 = beta2 * v64 + (1 - beta2) * g64 * g64
+            d = v1.sqrt() / math.sqrt(1 - beta2**t) + eps
+            r = lr / (1 - beta1**t) * big_m / d
+            ratio = lambda a, b, bound: float(((a.double() - b.double()).abs() / bound).max())  # noqa: E731
+            emit({"row": "kernel", "opt": "adamw", "t": t, "lr": lr, "wd": wd, "device": str(device),
+                  "ratio_p": ratio(host_p, dev_p, U * (6 * p1.abs() + 27 * r)),
+                  "ratio_m": ratio(host_s.exp_avg, dev_s.exp_avg, 6 * U * big_m),
+                  "ratio_v": ratio(host_s.exp_avg_sq, dev_s.exp_avg_sq, 6 * U * v1),
+                  "equal_p": float((host_p == dev_p).double().mean())}, out)
+    for momentum in (0.0, 0.9):
+        opt = fo.sgd(1e-2, momentum=momentum, weight_decay=0.01)
+        state = opt.init(p, 1)
+        host_p, _ = opt.update(g, state, p, ctx0)
+        dev_p, _ = opt.update(g.to(device), type(state)(*(x.to(device) for x in state)), p.to(device), ctx0)
+        dev_p = dev_p.cpu()
+        emit({"row": "kernel", "opt": "sgd", "momentum": momentum, "device": str(device),
+              "max_ulps_p": float(((host_p.double() - dev_p.double()).abs() / (2 * U * p.double().abs())).max()),
+              "equal_p": float((host_p == dev_p).double().mean())}, out)
+
+
+def mlp(width: int, blocks: int = 4) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    return {f"b{i}": {"w1": torch.randn(width, 4 * width, generator=gen) / math.sqrt(width),
+                      "w2": torch.randn(4 * width, width, generator=gen) / math.sqrt(4 * width)}
+            for i in range(blocks)}
+
+
+def loss_fn(p, x):
+    h = x
+    for i in range(len(p)):
+        h = h + torch.relu(h @ p[f"b{i}"]["w1"]) @ p[f"b{i}"]["w2"]
+    return h.float().square().mean()
+
+
+def step_rows(mesh: fzero.Mesh, width: int, steps: int, out: str | None, deadline: float) -> None:
+    device = mesh.device
+    params = {k: {n: t.to(device) for n, t in v.items()} for k, v in mlp(width).items()}
+    batch = torch.randn(32, width, generator=torch.Generator().manual_seed(2)).to(device)
+    policy = fzero.Precision(torch.bfloat16)
+
+    def run(stage: int, offload):
+        state = fzero.init(params, fo.adamw(1e-3, weight_decay=0.1), stage=stage, mesh=mesh,
+                           units=lambda p: p.split(".")[0], precision=policy, offload=offload)
+        step = fzero.train_step(loss_fn, donate=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        times, first = [], None
+        for t in range(steps):
+            t0 = time.perf_counter()
+            state, m = step(state, batch.to(torch.bfloat16))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(1e3 * (time.perf_counter() - t0))
+            first = first or (m.loss, m.grad_norm)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        return fzero.gather(state), first, statistics.median(times), peak
+
+    for stage, params_tier in ((1, None), (2, None), (3, None), (3, "cpu")):
+        if time.monotonic() > deadline:
+            emit({"row": "step", "stage": stage, "skipped": "budget spent"}, out)
+            continue
+        plain = run(stage, None)
+        offl = run(stage, fzero.Offload(optimizer="cpu", params=params_tier))
+        diff = max(float((a - b).abs().max()) for k in plain[0] for a, b in
+                   zip(plain[0][k].values(), offl[0][k].values()))
+        emit({"row": "step", "stage": stage, "params": params_tier, "device": str(device), "width": width,
+              "first_equal": bool(torch.equal(plain[1][0], offl[1][0]) and torch.equal(plain[1][1], offl[1][1])),
+              "max_abs_diff": diff, "ms": offl[2], "ms_plain": plain[2], "peak_gib": offl[3],
+              "peak_gib_plain": plain[3]}, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--elements", type=int, default=1 << 20)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=300.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    deadline = time.monotonic() + args.budget
+    if "RANK" in os.environ:
+        mesh = fzero.DistMesh()
+    else:
+        mesh = fzero.SimMesh(1)
+    kernel_rows(mesh.device, args.elements, args.out)
+    if isinstance(mesh, fzero.SimMesh):
+        mesh.run(lambda: step_rows(mesh, args.width, args.steps, args.out, deadline))
+    else:
+        step_rows(mesh, args.width, args.steps, args.out, deadline)
+
+
+if __name__ == "__main__":
+    main()

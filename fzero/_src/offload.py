@@ -1,0 +1,466 @@
+"""Offload: the master copy and optimizer state in host memory, and stage 3's shards too.
+
+`Offload(optimizer="cpu")` (stages 1-3) keeps, per trainable bucket, this rank's fp32 master
+`shard[S]` and the optimizer state in host memory (pinned where CUDA is available); the device
+keeps what the loss reads (stages 1-2: the full buffer in the compute dtype; stage 3: the shard
+in the params' dtype). One step per bucket (`step.update`):
+
+    g_dev[S]  --(device -> host, all buckets started at once; CUDA: a side stream + events)-->
+    g_host[S] --(the optimizer on the host: torch's CPU kernels)--> master'[S], state'
+    master'   --(host -> device, in the dtype the device holds)--> the stage's `finish`
+
+`Offload(params="cpu")` (stage 3, with the optimizer offloaded) keeps the param shards in host
+memory: the shard *is* the master; a unit's `enter` copies each bucket's shard (cast to the
+compute dtype first: half the bytes for bf16) to the device and all-gathers it, inside the
+prefetched flight (`Piece.start`): the stage's own piece wrapped (`stage_of`). The step
+differentiates a device stand-in of each shard (`differentiated`), so gradients are reduced and
+kept on the device as without offload.
+
+What moves between tiers is copied, never rounded (the casts are those the stage does anyway),
+and the optimizer runs on the same values: on a CPU-only machine (where the "device" is the
+CPU and the tier copies into separate buffers) an offloaded run is bitwise the run without
+offload (tests/test_offload.py); on CUDA the CPU optimizer kernel stands in for the CUDA one
+(proofs/offload.md says what is then bitwise and bounds AdamW's difference).
+
+`HostTier` is the seam a tier plugs into: copies to and from the host (`host`, `start_host`,
+`to_device`) and, per bucket, where its optimizer state lives between steps (`restore`,
+`prefetch`, `fetch`, `store`, `snapshot`, `flush`: in host memory, the identity; `NvmeTier`
+reads and writes swap files, `fzero._src.nvme.SwapFiles`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import optree
+import torch
+
+from .errors import ConfigError
+from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
+
+OPTIMIZER_TIERS = (None, "cpu", "nvme")
+PARAM_TIERS = (None, "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where model state lives besides the device (given to `fzero.init(..., offload=...)`).
+
+    Attributes:
+      optimizer: None (on the device), "cpu" (the master shard and optimizer state in host
+        memory; the update runs on the host) or "nvme" (as "cpu", with the optimizer state's
+        "shard" fields in swap files under `nvme_path`, `NvmeTier`; needs `donate=True`).
+        Stages 1-3.
+      params: None or "cpu": stage 3's param shards in host memory, brought to the device per
+        unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
+        the host updates, as FSDP2's `CPUOffloadPolicy`).
+      nvme_path: the directory of the swap files (`optimizer="nvme"`).
+      ratio: the fraction of the trainable elements whose optimizer state is offloaded
+        (DeepSpeed's `ratio`), in whole buckets: the first trainable buckets in layout order stay
+        on the device while they fit in `1 - ratio` of the elements (`host_buckets`); 1.0: all.
+        Choose `bucket_bytes` for a finer split.
+      pin: pin host buffers where CUDA is available (page-locked: asynchronous copies).
+    """
+
+    optimizer: str | None = None
+    params: str | None = None
+    nvme_path: str | None = None
+    ratio: float = 1.0
+    pin: bool = True
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_TIERS:
+            raise ConfigError(f"Offload.optimizer must be one of {OPTIMIZER_TIERS}, got {self.optimizer!r}")
+        if self.params not in PARAM_TIERS:
+            raise ConfigError(f"Offload.params must be one of {PARAM_TIERS}, got {self.params!r}")
+        if self.params is not None and self.optimizer is None:
+            raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
+                              f"master copy the optimizer updates: offload the optimizer too, "
+                              f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
+        if self.optimizer == "nvme" and not self.nvme_path:
+            raise ConfigError("Offload(optimizer='nvme') needs nvme_path=<a directory on the NVMe drive> for the "
+                              "optimizer state's swap files; or use optimizer='cpu'")
+        if self.nvme_path is not None and self.optimizer != "nvme":
+            raise ConfigError(f"Offload(nvme_path={self.nvme_path!r}) is read only with optimizer='nvme' (got "
+                              f"optimizer={self.optimizer!r}); drop nvme_path or set optimizer='nvme'")
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
+            raise ConfigError(f"Offload.ratio must be a float in (0, 1] (the fraction of each shard offloaded), got "
+                              f"{r!r}")
+        if r != 1 and self.params is not None:
+            raise ConfigError(f"Offload(ratio={r}, params={self.params!r}): with params offloaded every shard is on "
+                              f"the host (it is the master), so the whole optimizer state is too; use ratio=1.0, or "
+                              f"params=None")
+        if not isinstance(self.pin, bool):
+            raise ConfigError(f"Offload.pin must be a bool, got {self.pin!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.optimizer is not None
+
+    def host_buckets(self, layout: Any) -> frozenset[int]:
+        """The buckets whose state lives on the host: with params offloaded, every bucket; else the
+        trainable buckets after the longest prefix (in layout order) of trainable buckets whose
+        shards hold at most `(1 - ratio)` of all trainable shard elements. The same on every rank
+        (shard sizes are)."""
+        if not self.active:
+            return frozenset()
+        if self.params is not None:
+            return frozenset(range(len(layout.buckets)))
+        trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+        sizes = [layout.buckets[b].shard_numel for b in trainable]
+        keep, room, kept = 0, (1 - self.ratio) * sum(sizes), 0
+        while keep < len(trainable) and kept + sizes[keep] <= room:
+            kept += sizes[keep]
+            keep += 1
+        return frozenset(trainable[keep:])
+
+    def check_stage(self, stage: Stage) -> None:
+        """Stage 0 has no shard to offload; params offload needs stage 3's sharded params."""
+        if self.active and not stage.sharded("optimizer_state"):
+            raise ConfigError(f"Offload(optimizer={self.optimizer!r}) moves this rank's shard of the optimizer state "
+                              f"and master copy to the host, but stage {stage.level} replicates them (no shard); use "
+                              f"stage 1, 2 or 3, or offload=None")
+        if self.params is not None and not stage.sharded("params"):
+            raise ConfigError(f"Offload(params={self.params!r}) keeps param shards on the host, but stage "
+                              f"{stage.level} holds the full params on every rank; use stage=3, or params=None")
+
+
+NO_OFFLOAD = Offload()
+
+
+def check_offload(offload: Any) -> Offload:
+    if offload is None:
+        return NO_OFFLOAD
+    if not isinstance(offload, Offload):
+        raise ConfigError(f"offload must be None or a fzero.Offload(...), got {type(offload).__name__} {offload!r}")
+    return offload
+
+
+# -- the host tier ------------------------------------------------------------------------------
+
+
+class Transfer:
+    """A copy in flight: `wait()` returns the destination once the copy is done (CUDA: its event
+    synchronised; otherwise the copy was made at start)."""
+
+    def __init__(self, result: torch.Tensor, event: Any = None) -> None:
+        self.result, self.event = result, event
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.result
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTier:
+    """Copies between the mesh's `device` and host memory. On CUDA host buffers are pinned (if
+    `pin`) and copies are `non_blocking`; device -> host copies run on a side stream after the
+    current stream's work (`start_host`), so several overlap the host's updates. Elsewhere (the
+    CPU-only stand-in) every copy is a copy into a separate buffer: the same code, the same bits.
+    """
+
+    device: torch.device
+    pin: bool = True
+    in_place = False  # whether a step writes the stored optimizer state in place (NVMe: its files)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def pinned(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` (a host tensor) in page-locked memory where copies to CUDA may then be asynchronous."""
+        return x.pin_memory() if self.cuda and self.pin and not x.is_pinned() else x
+
+    def host(self, x: torch.Tensor) -> torch.Tensor:
+        """A host copy of `x` (a new buffer; pinned on CUDA); blocking."""
+        if self.cuda:
+            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
+            return out.copy_(x.detach())
+        return x.to(device="cpu", copy=True)
+
+    def start_host(self, x: torch.Tensor) -> Transfer:
+        """`host(x)` without waiting: on CUDA a `non_blocking` copy into a pinned buffer on the side
+        stream, after the work queued on `x`'s stream (the caching allocator is told the side stream
+        uses `x`); elsewhere the copy, made now."""
+        if not self.cuda:
+            return Transfer(self.host(x))
+        if x.device.type == "cpu":  # already on the host (params offloaded: the unit's leave copied it)
+            return Transfer(x)
+        side = _side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
+        with torch.cuda.stream(side):
+            out.copy_(x.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        x.record_stream(side)
+        return Transfer(out, event)
+
+    def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
+        device: a new buffer. On CUDA `non_blocking` from pinned memory, queued on the current
+        stream before whatever reads it (a collective, the loss)."""
+        if self.cuda:
+            return self.pinned(x.to(dtype)).to(self.device, non_blocking=True)
+        return x.to(dtype=dtype, copy=True)
+
+    # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
+
+    def restore(self, b: int, opt_state: Any) -> Any:
+        """What the state keeps of a fresh optimizer state (`init`, a checkpoint's load): the host
+        tensors, pinned."""
+        return optree.tree_map(self.pinned, opt_state)
+
+    def prefetch(self, b: int) -> None:
+        """Start bringing bucket `b`'s optimizer state in for its update: in host memory already."""
+
+    def fetch(self, b: int, opt_state: Any) -> Any:
+        """Bucket `b`'s optimizer state for the update: in host memory already."""
+        return opt_state
+
+    def store(self, b: int, opt_state: Any) -> Any:
+        """What the state keeps of bucket `b`'s new optimizer state: the host tensors themselves."""
+        return opt_state
+
+    def snapshot(self, b: int, opt_state: Any) -> Any:
+        """Bucket `b`'s optimizer state as tensors to read (a checkpoint's save): the state's own."""
+        return opt_state
+
+    def flush(self) -> None:
+        """Every store is durable (nothing to wait for in host memory)."""
+
+    def renewed(self) -> "HostTier":
+        """A tier for a new state that shares no stored state with this one's: host memory is the
+        state's own tensors, so this tier itself."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NvmeTier(HostTier):
+    """The host tier whose buckets keep their optimizer state's "shard" fields in swap files
+    (`fzero._src.nvme.SwapFiles`, one file per bucket and field); the master shard and the
+    replicated fields stay in (pinned) host memory. The state holds a stand-in for each
+    file-backed field: an `expand`ed 0-d zero of the field's shape and dtype (no memory; read the
+    values through `snapshot`, as `fzero.checkpoint.save` does).
+
+    A step's update is double-buffered: `prefetch(b')` starts reading the next bucket's files
+    while bucket b is updated in the read buffers (`fetch`: views, written in place by a donating
+    update), `store` copies the new values into staging buffers, writes them in the background and
+    frees the read buffers, and `flush` waits for every write at the end of the update (an error
+    names the file). The files are written in place: a step consumes its input state
+    (`train_step(..., donate=True)` is required)."""
+
+    files: Any = None
+    fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
+    directory: str = ""
+    in_place = True
+
+    @staticmethod
+    def make(device: torch.device, offload: Offload, shapes: dict[int, Any]) -> "NvmeTier":
+        """The tier for `{bucket: optimizer state}` (their "shard" fields get files, sized and
+        typed as those tensors; the tensors themselves are not read)."""
+        from .nvme import SwapFiles
+
+        fields, entries = {}, {}
+        for b, (opt, spec) in shapes.items():
+            named = tuple((k, f"b{b}/{field}") for k, (field, kind) in enumerate(zip(opt._fields, spec))
+                          if kind == "shard")
+            fields[b] = named
+            entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
+        depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
+        files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
+                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1))
+        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path)
+
+    def renewed(self) -> "NvmeTier":
+        """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
+        from .nvme import SwapFiles
+
+        entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
+        depth = 2 * max((len(f) for f in self.fields.values()), default=1)
+        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1))
+        return NvmeTier(self.device, self.pin, files, self.fields, self.directory)
+
+    def _stand_in(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, _ in self.fields[b]:
+            values[k] = torch.zeros((), dtype=values[k].dtype).expand(values[k].shape)
+        return type(opt_state)(*values)
+
+    def restore(self, b: int, opt_state: Any) -> Any:
+        for k, name in self.fields[b]:
+            self.files.write(name, opt_state[k])
+        self.files.flush()
+        on_file = {k for k, _ in self.fields[b]}
+        kept = type(opt_state)(*(x if k in on_file else self.pinned(x) for k, x in enumerate(opt_state)))
+        return self._stand_in(b, kept)
+
+    def prefetch(self, b: int) -> None:
+        for _, name in self.fields.get(b, ()):
+            self.files.prefetch(name)
+
+    def fetch(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, name in self.fields[b]:
+            values[k] = self.files.read(name)
+        return type(opt_state)(*values)
+
+    def store(self, b: int, opt_state: Any) -> Any:
+        for k, name in self.fields[b]:
+            self.files.write(name, opt_state[k])  # copies first: the read buffer may be the tensor
+            self.files.release(name)
+        return self._stand_in(b, opt_state)
+
+    def snapshot(self, b: int, opt_state: Any) -> Any:
+        values = list(opt_state)
+        for k, name in self.fields[b]:
+            values[k] = self.files.read(name).clone()
+            self.files.release(name)
+        return type(opt_state)(*values)
+
+    def flush(self) -> None:
+        self.files.flush()
+
+
+def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None) -> HostTier | None:
+    """The tier an offloaded state's host buckets use (None without offload); NVMe needs the
+    buckets' optimizer states (`NvmeTier.make`)."""
+    if not offload.active:
+        return None
+    if offload.optimizer == "nvme" and shapes is not None:
+        return NvmeTier.make(torch.device(device), offload, shapes)
+    return HostTier(torch.device(device), offload.pin)
+
+
+# -- the stage's pieces with the param shards on the host (stage 3, params="cpu") -----------------
+
+
+def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
+    """`stage`, or, with params offloaded, stage 3 whose `enter` first copies the host shard to the
+    device (inside the flight `Gathering` prefetches), then all-gathers it: the stage's collectives,
+    in its order, on the same bits."""
+    if offload.params is None:
+        return stage
+    assert tier is not None and stage.enter is ENTER_GATHER
+
+    def fetch(x: torch.Tensor) -> torch.Tensor:
+        return tier.to_device(x, x.dtype)
+
+    def enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
+        return ENTER_GATHER.run(mesh, wire, fetch(shard))
+
+    def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
+        return ENTER_GATHER.start(mesh, wire, fetch(shard))
+
+    return dataclasses.replace(stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves,
+                                                  start=start_enter))
+
+
+# -- what init (and a checkpoint's load) holds where --------------------------------------------
+
+
+def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b: int, held: torch.Tensor,
+          master: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(params, master)` of bucket `b` as an offloaded state holds them, from what `Stage.hold`
+    keeps (`held` on the device, `master` or None): a trainable bucket's master `shard[S]` -- the
+    kept master, else the shard the optimizer would update in place -- copied to the host; with
+    params offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard
+    moves to the host. Without offload, unchanged."""
+    if tier is None:
+        return held, master
+    if layout.buckets[b].group.frozen:
+        return (tier.host(held) if offload.params is not None else held), None
+    on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
+    return (on_host if offload.params is not None else held), on_host
+
+
+def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:
+    """A fresh optimizer state of bucket `b` (made on the host master by `init`, or read by a
+    checkpoint's load) as the state keeps it: pinned where CUDA is; NVMe: written to its files."""
+    if tier is None or opt_state is None:
+        return opt_state
+    return tier.restore(b, opt_state)
+
+
+def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor | None, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`Stage.differentiated` of an offloaded state: the step takes gradients with respect to device
+    tensors only, so where the stage would differentiate a host tensor -- stage 2's master shard, or
+    stage 3's shard with params offloaded -- it differentiates a stand-in of that tensor's shape and
+    dtype on the device (`_twin`), and the unit reads the host tensor beside it (stage 3: its `enter`
+    copies it to the device). The gradient is then computed, reduced and kept on the device in the
+    same dtype as without offload."""
+    stage, layout, rank = info.stage, info.layout, info.rank
+    if info.offload.params is not None:
+        return _twin(held, device), held
+    if master is not None and info.host_tier(b) is not None:
+        master = _twin(master, device)
+    return stage.differentiated(layout, b, held, rank, master)
+
+
+def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A zero-cost device tensor of `x`'s shape and dtype (an `expand` of a 0-d zero), for the step
+    to differentiate; no unit reads its values (each reads the full tensor beside it)."""
+    return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
+
+
+def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
+    """A layer-wise optimizer's per-leaf sums over ranks, taken on the mesh's device from host
+    partial sums (the collective needs device tensors; the values are float64 copies)."""
+    return lambda x: leaf_sum(x.to(device)).to(x.device)
+
+
+class HostUpdate:
+    """One update's traffic between the device and the host tier, around the optimizer call of
+    each offloaded bucket (`step.update`); buckets on the device pass through unchanged.
+
+    At construction every offloaded bucket's reduced gradient shard starts for the host (CUDA: a
+    side stream, one event each) and the first bucket's optimizer state starts coming in (NVMe).
+    `inputs(b, ...)` waits for bucket b's gradient, starts the next bucket's state, and returns the
+    host gradient, the host state and the per-leaf sum that runs on the device; `outputs(b, ...)`
+    stores the new state and returns the new master shard as the stage's `finish` reads it (on the
+    device in the dtype the state holds there, or, with params offloaded, the host shard itself,
+    which is the params); `done()` waits for the tier's writes (NVMe)."""
+
+    def __init__(self, info: Any, reduced: dict[int, torch.Tensor], donate: bool) -> None:
+        self.info, self.device = info, info.mesh.device
+        self.tiers = {b: t for b in reduced if (t := info.host_tier(b)) is not None}
+        if any(t.in_place for t in self.tiers.values()) and not donate:
+            raise ConfigError(f"Offload(optimizer={info.offload.optimizer!r}) writes the optimizer state's swap files "
+                              f"in place, so a step consumes its input state: use train_step(..., donate=True)")
+        self.grads = {b: t.start_host(reduced[b]) for b, t in self.tiers.items()}
+        order = list(self.tiers)
+        self.following = dict(zip(order, order[1:]))
+        if order:
+            self.tiers[order[0]].prefetch(order[0])
+
+    def inputs(self, b: int, grad: torch.Tensor, opt_state: Any, leaf_sum: Any) -> tuple[torch.Tensor, Any, Any]:
+        tier = self.tiers.get(b)
+        if tier is None:
+            return grad, opt_state, leaf_sum
+        if b in self.following:  # NVMe: the next bucket's state is read while this one updates
+            tier.prefetch(self.following[b])
+        return self.grads.pop(b).wait(), tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
+
+    def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, Any]:
+        tier = self.tiers.get(b)
+        if tier is None:
+            return master, opt_state
+        back = master if self.info.offload.params is not None else tier.to_device(master, held_dtype)
+        return back, tier.store(b, opt_state)
+
+    def done(self) -> None:
+        for tier in {id(t): t for t in self.tiers.values()}.values():
+            tier.flush()  # NVMe: every file written, or OffloadError naming it

@@ -1,0 +1,340 @@
+"""Offload (`fzero.Offload`): the same bits as the same stage without offload, and clear errors.
+
+On this CPU-only machine the mesh device is the CPU, and the host tier copies into separate
+buffers (`HostTier` with a CPU device): the code that copies gradients to the host, runs the
+optimizer there and copies the new shard back is the code CUDA runs, minus the streams. The
+optimizer then runs the same kernels on the same values, every copy copies bits and every cast
+is one the stage makes anyway, so `torch.equal` is the right comparison (docs/offload.md,
+proofs/offload.md).
+
+The property draws the stage-equivalence problems (tests/stage_harness.py: pytrees with tied,
+unused and frozen leaves, units, groups, engines, gather modes) and adds an optimizer among
+sgd / adamw / lamb / adafactor, the bf16 policy or none, accumulation, clipping and donation;
+it compares params, optimizer state, loss and gradient norm after every step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fzero
+from fzero import optim
+from fzero._src.offload import HostTier
+from fzero.testing.strategies import example_count
+
+from . import dist_cases
+from .stage_harness import assert_equal_leaves, build, make_loss, problems
+
+OPTIMIZERS = {
+    "sgd": lambda lr, wd: optim.sgd(lr, momentum=0.9, weight_decay=wd),
+    "adamw": lambda lr, wd: optim.adamw(lr, weight_decay=wd),
+    "lamb": lambda lr, wd: optim.lamb(lr, weight_decay=wd),
+    "adafactor": lambda lr, wd: optim.adafactor(lr, weight_decay=wd),
+}
+POLICIES = {"none": fzero.Precision(), "bf16": fzero.Precision(torch.bfloat16),
+            "bf16/fp32": fzero.Precision(torch.bfloat16, torch.float32)}
+
+
+@st.composite
+def offload_problems(draw, n: int):
+    pb = draw(problems(n))
+    stage = pb["stage"]
+    pb.update(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), policy=draw(st.sampled_from(sorted(POLICIES))),
+              micro=draw(st.sampled_from([1, 2])), clip=draw(st.sampled_from([None, 0.05])),
+              donate=draw(st.booleans()),
+              params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
+    pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
+    return pb
+
+
+def run(pb, offload, snapshot=False):
+    """Per rank: `[(gathered params, opt_state, Metrics)]` per step of `pb` with `offload` (with
+    `snapshot`, the optimizer state read through the tier, as a checkpoint reads it: NVMe)."""
+    params, batches, units, groups, roles = build(pb)
+    mesh = fzero.SimMesh(pb["n"])
+    opt = OPTIMIZERS[pb["opt"]](pb["lr"], pb["wd"])
+    k = pb["micro"]
+
+    def rank_fn(*mine):
+        state = fzero.init(params, opt, stage=pb["stage"], mesh=mesh, units=units, groups=groups,
+                           precision=POLICIES[pb["policy"]], offload=offload)
+        step = fzero.train_step(make_loss(roles), engine=pb["engine"], gather=pb["gather"], micro_batches=k,
+                                clip_norm=pb["clip"], donate=pb["donate"])
+        trace = []
+        for c in mine:
+            state, m = step(state, c if k == 1 else [c, c.flip(0)])
+            opts = [s if s is None or not snapshot or state.info.host_tier(b) is None
+                    else state.info.host_tier(b).snapshot(b, s) for b, s in enumerate(state.opt_state)]
+            trace.append((fzero.gather(state), [None if s is None else tuple(x.clone() for x in s) for s in opts], m))
+        return trace
+
+    per_rank = [tuple(batches[t][r] for t in range(pb["steps"])) for r in range(pb["n"])]
+    return mesh.run(rank_fn, per_rank)
+
+
+def assert_same_runs(got, want, what):
+    for r, (g_rank, w_rank) in enumerate(zip(got, want)):
+        for t, ((gp, go, gm), (wp, wo, wm)) in enumerate(zip(g_rank, w_rank)):
+            assert_equal_leaves(gp, wp, f"{what}: params, rank {r}, step {t}")
+            assert torch.equal(gm.loss, wm.loss) and torch.equal(gm.grad_norm, wm.grad_norm), f"{what}: metrics"
+            for b, (x, y) in enumerate(zip(go, wo)):
+                assert (x is None) == (y is None)
+                for k, (u, v) in enumerate(zip(x or (), y or ())):
+                    assert u.dtype == v.dtype and torch.equal(u, v), f"{what}: opt bucket {b} field {k}, step {t}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_offloaded_equals_not_offloaded(n):
+    @settings(max_examples=example_count(12))
+    @given(offload_problems(n))
+    def prop(pb):
+        want = run(pb, None)
+        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"], ratio=pb["ratio"]))
+        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['params']}")
+
+    prop()
+
+
+def test_ratio_keeps_the_first_buckets_on_the_device():
+    """`ratio` offloads whole buckets: the first trainable buckets in layout order stay on the
+    device while they fit in (1 - ratio) of the trainable shard elements; frozen buckets never
+    count. Those keep no master (no policy) and run the device's update."""
+    params = {f"l{i}": torch.randn(8) for i in range(4)} | {"z": torch.randn(8)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l1", frozen=True),)
+    mesh = fzero.SimMesh(2)
+    # four trainable buckets of 4 elements per shard: (1 - ratio) * 16 elements may stay on the device
+    for ratio, on_host in ((1.0, [0, 2, 3, 4]), (0.8, [0, 2, 3, 4]), (0.75, [2, 3, 4]), (0.5, [3, 4]), (0.3, [3, 4]),
+                           (0.2, [4]), (0.01, [4])):
+        s = mesh.run(lambda: fzero.init(params, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p,
+                                        groups=frozen, offload=fzero.Offload(optimizer="cpu", ratio=ratio)))[0]
+        assert [b for b in range(5) if s.info.host_tier(b) is not None] == on_host, ratio
+        assert [b for b in range(5) if s.master[b] is not None] == on_host, ratio
+
+
+def test_tensors_live_where_offload_says():
+    """The master shard and optimizer state are separate host buffers (not the params); with
+    params offloaded the stage-3 shard is the master itself; frozen buckets keep no master."""
+    params = {"w": torch.randn(6), "f": torch.randn(3)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True),)
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(stage, off):
+        s = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p, groups=frozen,
+                       offload=off)
+        (f,), (w,) = ([b for b, spec in enumerate(s.layout.buckets) if spec.group.frozen == fz] for fz in (True, False))
+        return s, w, f
+
+    for stage in (1, 2, 3):
+        s, w, f = mesh.run(rank_fn, [(stage, fzero.Offload(optimizer="cpu"))] * 2)[0]
+        assert s.master[w] is not None and s.master[f] is None and s.opt_state[f] is None
+        assert s.master[w].untyped_storage().data_ptr() != s.params[w].untyped_storage().data_ptr()
+        assert s.info.host_tier(w) == HostTier(torch.device("cpu")) and s.info.host_tier(f) is None
+    s, w, f = mesh.run(rank_fn, [(3, fzero.Offload(optimizer="cpu", params="cpu"))] * 2)[0]
+    assert s.params[w] is s.master[w]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer="gpu"), "Offload.optimizer must be one of"),
+    (dict(params="nvme", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="cpu"), "offload the optimizer too"),
+    (dict(optimizer="nvme"), "needs nvme_path"),
+    (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
+    (dict(optimizer="cpu", ratio=0.0), r"ratio must be a float in \(0, 1\]"),
+    (dict(optimizer="cpu", ratio=True), r"ratio must be a float in \(0, 1\]"),
+    (dict(optimizer="cpu", params="cpu", ratio=0.5), "with params offloaded every shard is on the host"),
+    (dict(optimizer="cpu", pin=1), "pin must be a bool"),
+])
+def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
+    with pytest.raises(fzero.ConfigError, match=match):
+        fzero.Offload(**kwargs)
+
+
+@pytest.mark.parametrize("stage, off, match", [
+    (0, fzero.Offload(optimizer="cpu"), "stage 0 replicates them .*use stage 1, 2 or 3"),
+    (2, fzero.Offload(optimizer="cpu", params="cpu"), "stage 2 holds the full params .*use stage=3"),
+    (1, "cpu", "offload must be None or a fzero.Offload"),
+])
+def test_offload_that_does_not_fit_the_stage_is_refused_at_init(stage, off, match):
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.ConfigError, match=match):
+        mesh.run(lambda: fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=stage, mesh=mesh, offload=off))
+
+
+def test_ranks_with_different_offload_settings_are_refused():
+    mesh = fzero.SimMesh(2)
+    with pytest.raises(fzero.ConfigError, match="'offload' on rank"):
+        mesh.run(lambda off: fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=1, mesh=mesh, offload=off),
+                 [(None,), (fzero.Offload(optimizer="cpu"),)])
+
+
+def test_gloo_offloaded_equals_not_offloaded(dist2):
+    """On real gloo process groups (asynchronous collectives), stages 1-3 with the optimizer
+    offloaded (and stage 3 with params too) give the bits of the same stage without offload."""
+    for stage, params in ((1, None), (2, None), (3, None), (3, "cpu")):
+        got = dist2.run(dist_cases.offload_steps, [(stage, "cpu", params)] * 2)
+        want = dist2.run(dist_cases.offload_steps, [(stage, None, None)] * 2)
+        sim = fzero.SimMesh(2)
+        ref = sim.run(functools.partial(dist_cases.offload_steps, sim), [(stage, "cpu", params)] * 2)
+        for g, w, s in zip(got, want, ref):
+            for k in w:
+                assert torch.equal(g[k], w[k]) and torch.equal(g[k], s[k]), (stage, params, k)
+    for stage in (1, 3):  # NVMe: the swap files on each worker
+        got = dist2.run(dist_cases.offload_nvme_steps, [(stage,)] * 2)
+        want = dist2.run(dist_cases.offload_steps, [(stage, None, None)] * 2)
+        for g, w in zip(got, want):
+            assert all(torch.equal(g[k], w[k]) for k in w), stage
+
+
+@pytest.mark.parametrize("stage, params", [(1, None), (2, None), (3, None), (3, "cpu")])
+def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, stage, params):
+    """Save an offloaded state (and a plain one) after a step; load each into an offloaded and a
+    plain target: the same params, optimizer state, and next step, bit for bit."""
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    offload = fzero.Offload(optimizer="cpu", params=params)
+
+    def rank_fn(x):
+        def make(off):
+            return fzero.init(tree, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh, units=lambda p: p,
+                              precision=fzero.Precision(torch.bfloat16), offload=off)
+
+        step = fzero.train_step(loss)
+        saved = {}
+        for name, off in (("plain", None), ("offloaded", offload)):
+            state, _ = step(make(off), x)
+            saved[name] = fzero.checkpoint.save(state, tmp_path / name)
+        out = []
+        for src in saved.values():
+            for off in (None, offload):
+                loaded = fzero.checkpoint.load(src, make(off))
+                after, m = step(loaded, x + 1)
+                placed = off is None or all(m is not None and (params is None or p is m)
+                                            for p, m in zip(loaded.params, loaded.master))
+                out.append((fzero.gather(loaded), [tuple(s) for s in loaded.opt_state], fzero.gather(after), m.loss,
+                            placed))
+        return out
+
+    for rank_out in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        first = rank_out[0]
+        for params_now, opt, after, loss_next, placed in rank_out:
+            assert placed
+            assert_equal_leaves(params_now, first[0], "loaded params")
+            assert all(torch.equal(u, v) for s, t in zip(opt, first[1]) for u, v in zip(s, t))
+            assert_equal_leaves(after, first[2], "the step after the load")
+            assert torch.equal(loss_next, first[3])
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("policy", ["none", "bf16"])
+def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefetch, policy):
+    """Flat-dict params (units freed after their forward, gathered again in backward) with
+    `prefetch=k`: the host shards come to the device inside the prefetched flights and the
+    backward's refills, and the run equals stage 3 without offload bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(4)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),)
+
+    def loss(p, x):
+        for i in range(4):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+            p.release(f"l{i}")  # freed now, gathered again when backward reads it (as from_module's apply)
+        return x.float().square().mean()
+
+    def run(offload):
+        mesh = fzero.SimMesh(2)
+
+        def rank_fn(x):
+            state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                               groups=frozen, precision=POLICIES[policy], offload=offload)
+            step = fzero.train_step(loss, prefetch=prefetch, donate=True)
+            for t in range(2):
+                state, m = step(state, (x + t).to(POLICIES[policy].param_dtype or torch.float32))
+            return fzero.gather(state), m.loss, m.grad_norm
+
+        return mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen),) for _ in range(2)])
+
+    gen_state = gen.get_state()
+    want = run(None)
+    gen.set_state(gen_state)
+    got = run(fzero.Offload(optimizer="cpu", params="cpu"))
+    for (gp, gl, gn), (wp, wl, wn) in zip(got, want):
+        assert_equal_leaves(gp, wp, "params")
+        assert torch.equal(gl, wl) and torch.equal(gn, wn)
+
+
+# -- NVMe: the optimizer state's shard fields in swap files -------------------------------------
+
+
+@pytest.mark.parametrize("stage, opt, policy, params, ratio", [
+    (1, "adamw", "bf16", None, 1.0), (2, "lamb", "none", None, 0.6), (2, "adafactor", "bf16/fp32", None, 1.0),
+    (3, "sgd", "bf16", None, 1.0), (3, "adamw", "bf16", "cpu", 1.0),
+])
+def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio):
+    """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
+    bits of `optimizer="cpu"` and of no offload: params, loss, gradient norm and optimizer state
+    (read back through `snapshot`, as a checkpoint does)."""
+    pb = dict(tree={"m0": [(3, 4), (5,)], "m1": [(2, 3, 2)], "m2": [()]}, role=["use", "tied", "use", "use"],
+              unit_mode="per-module", group_mode="nowd", opt=opt, lr=3e-2, wd=0.01, steps=3, stage=stage,
+              engine="autograd", gather="on_use", seed=11, n=2, policy=policy, micro=2, clip=0.05, donate=True,
+              params=params, ratio=ratio)
+    want = run(pb, None)
+    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
+    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio),
+               snapshot=True)
+    assert_same_runs(cpu, want, "cpu")
+    assert_same_runs(nvme, want, "nvme")
+
+
+def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
+    """The state keeps a no-memory stand-in for each file-backed field; a checkpoint of an NVMe
+    state reads the files and loads into plain and NVMe targets bit for bit."""
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "swap"))
+    (tmp_path / "swap").mkdir()
+
+    def rank_fn(x):
+        def make(off):
+            return fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p, offload=off)
+
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(make(nvme), x)
+        assert all(f.stride() == (0,) for s in state.opt_state for f in s[1:])  # exp_avg, exp_avg_sq: stand-ins
+        path = fzero.checkpoint.save(state, tmp_path / "ckpt")
+        out = []
+        for off in (None, nvme):
+            target = make(off)
+            loaded = fzero.checkpoint.load(path, target)
+            assert off is None or loaded.info.tier.files is not target.info.tier.files  # the target's stay its own
+            after, m = step(loaded, x + 1)
+            out.append((fzero.gather(after), m.loss))
+        again, m = step(state, x + 1)  # the saved state's files were only read
+        out.append((fzero.gather(again), m.loss))
+        return out
+
+    for (pa, la), *others in mesh.run(rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        for pb_, lb in others:
+            assert_equal_leaves(pa, pb_, "after load")
+            assert torch.equal(la, lb)
+
+
+def test_nvme_needs_donate_and_a_usable_path(tmp_path):
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.OffloadError, match="does not exist"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(3)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                                    offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "missing"))))
+
+    def undonated():
+        state = fzero.init({"w": torch.ones(3)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        fzero.train_step(lambda p, x: p["w"].sum() * x)(state, torch.tensor(1.0))
+
+    with pytest.raises(fzero.ConfigError, match=r"writes the optimizer state's swap files in place.*donate=True"):
+        mesh.run(undonated)
