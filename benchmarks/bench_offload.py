@@ -302,6 +302,10 @@ def _ds_trainer(a, where: str, params_tier: str | None):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 1e-2}},
            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if where == "nvme":
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio missing?): no ZeRO-Infinity NVMe")
         path = os.path.join(a.nvme_path, "deepspeed")
         os.makedirs(path, exist_ok=True)
         zero["offload_optimizer"].update(nvme_path=path, buffer_count=4, fast_init=False)
@@ -379,7 +383,7 @@ def bench_train(a) -> dict:
         times.sort()
         med = times[len(times) // 2]
         row.update(steps=a.steps + 1, step_s_median=round(med, 3), tok_s=round(a.micro * a.seq / med, 1),
-                   loss=round(float(loss), 4),
+                   loss=round(float(loss.detach()), 4),
                    peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
                    host_rss_GiB=round(rss_now() / GIB, 2), host_rss_peak_GiB=round(rss_peak() / GIB, 2))
         if "nvme" in a.mode:  # the swap files exist: the mode really keeps state on the disk
@@ -414,13 +418,28 @@ def child(args: list[str], timeout: float) -> tuple[list[dict], float, str | Non
                             text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=max(timeout, 1))
-        status = None if proc.returncode == 0 else f"exit {proc.returncode}: {err.strip()[-300:]}"
+        status = None if proc.returncode == 0 else f"exit {proc.returncode}: {_tail(err)}"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        status = "timeout"
+        status = f"timeout after {timeout:.0f} s; stderr ends: {_tail(err)}"
+        _drop_stale_locks()
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return rows, time.perf_counter() - t0, status
+
+
+def _tail(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if "WARNING" not in line]
+    return " | ".join(lines[-4:])[-400:]
+
+
+def _drop_stale_locks() -> None:
+    """A child killed while JIT-building an op leaves torch's build lock behind, and the next
+    child would wait on it forever; no other child runs now, so every lock there is stale."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    for folder, _, files in os.walk(root) if root else ():
+        if "lock" in files:
+            os.remove(os.path.join(folder, "lock"))
 
 
 def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
@@ -444,7 +463,7 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
                 str(a.steps), "--nvme-path", a.nvme_path]
         rows, wall, status = child(args, min(left, a.run_timeout))
         row = rows[0] if rows else dict(bench="train", mode=mode, width=width, depth=depth,
-                                         params_M=round(n / 1e6, 1), error=status)
+                                         params_M=round(n / 1e6, 1), error=status.split(";")[0], detail=status)
         row.update(wall_s=round(wall, 1), host_pred_GiB=round(host_pp * n / GIB, 1),
                    nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
         emit(row, a.out)
@@ -460,6 +479,7 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
 
 
 def driver(a) -> None:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/torch_extensions_bench_offload")  # every child's op cache
     start = time.perf_counter()
     deadline = start + a.total
     os.makedirs(a.nvme_path, exist_ok=True)
@@ -507,7 +527,7 @@ def main() -> None:
     ap.add_argument("--skip-pcie", action="store_true")
     ap.add_argument("--skip-adam", action="store_true")
     ap.add_argument("--skip-build", action="store_true", help="DeepSpeed's ops are built already")
-    ap.add_argument("--build-timeout", type=float, default=240)
+    ap.add_argument("--build-timeout", type=float, default=300)
     # child-only
     ap.add_argument("--child", choices=["pcie", "ds_build", "cpu_adam", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
