@@ -1,0 +1,60 @@
+"""Where the GPU waits: the idle gaps between kernels in a torch.profiler trace of one step.
+
+`gpu_gaps(prof)` reads the CUDA kernel intervals of a finished `torch.profiler.profile` (one step
+between two `torch.cuda.synchronize()`), and returns the step's span, the kernels' busy time, the
+idle time, and the largest gaps, each with the kernel before it, the kernel after it and the CPU op
+the CPU ops the host was in during the gap (`host`: the innermost ops covering most of it; with
+`torch.profiler.record_function` ranges, such as fzero's "fzero.step/<phase>" ranges, these name the
+phase). So a gap before the first `_fused_adamw_` is the host's work between the agreement and the
+update; the time before the first kernel is the step's host prologue. Kernels that overlap (several streams) count once in the busy time.
+
+Used by `bench_stages.py --profile`; runs wherever the profiler records CUDA kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _intervals(prof: Any) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
+    """(CUDA kernels, CPU ops) as [(start_us, end_us, name)], kernels sorted by start."""
+    gpu, cpu = [], []
+    for e in prof.events():
+        (gpu if e.device_type.name == "CUDA" else cpu).append((e.time_range.start, e.time_range.end, e.name))
+    gpu.sort()
+    return gpu, cpu
+
+
+def _host_during(cpu: list[tuple[float, float, str]], g0: float, g1: float, k: int = 3) -> list[str]:
+    """The names of the innermost CPU ops covering at least half of the gap [g0, g1]."""
+    covering = [(e - s, name) for s, e, name in cpu if min(e, g1) - max(s, g0) >= 0.5 * (g1 - g0)]
+    names: list[str] = []
+    for _, name in sorted(covering):
+        if name not in names:
+            names.append(name[:50])
+    return names[:k]
+
+
+def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
+    """{span_ms, busy_ms, idle_ms, prologue_ms, gaps: [{at_ms, us, before, after, launched_by}]}:
+    span from the first CPU op to the last kernel's end; `prologue_ms` the time before the first
+    kernel starts (host work at the step's start while the GPU has nothing)."""
+    ks, cpu = _intervals(prof)
+    lo = min((s for s, _, _ in cpu), default=ks[0][0] if ks else 0.0)
+    if not ks:
+        return {"error": "no CUDA kernels in the trace"}
+    busy, gaps, end, last = 0.0, [], ks[0][0], None  # `end`: the latest end so far, `last` its kernel
+    for s, e, name in ks:
+        if s > end and last is not None and s - end >= min_us:
+            gaps.append({"at_ms": round((end - lo) / 1e3, 3), "us": round(s - end, 1), "before": last[:60],
+                         "after": name[:60], "g": (end, s)})
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, last = e, name
+    span = end - lo
+    gaps.sort(key=lambda g: -g["us"])
+    gaps = gaps[:top]
+    for g in gaps:
+        g["host"] = _host_during(cpu, *g.pop("g"))
+    return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
+            "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "gaps": gaps}
