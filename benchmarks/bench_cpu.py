@@ -11,6 +11,11 @@ Bucket-size sweep:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages
         --bucket-bytes none,1048576,4194304,16777216
 (a cap splits each unit's leaves into consecutive buckets of at most that many bytes; the
 reductions of a unit's buckets are then in flight together)
+Overlap check:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,1 --once-stages 0,1
+(adds `fzero-stage<s>-once` rows: `accumulate="once"`, which at one micro-batch reduces after the
+whole backward, as stages 0-1 did before they started each unit's reduce-scatter in its backward)
+Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
+        --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def main() -> None:
     ap.add_argument("--bucket-bytes", default="none",
                     help="comma list of fzero.init(bucket_bytes=...) to sweep ('none': one bucket per unit), "
                          "e.g. none,1048576,4194304,16777216")
+    ap.add_argument("--once-stages", default="",
+                    help="comma list of stages (0, 1) to time also with accumulate='once' (reduce after backward)")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
     rank = mesh.rank
@@ -85,19 +92,23 @@ def main() -> None:
     rows = [("ddp", timed(ddp_step, a))]
     del ddp, opt
     caps = [None if c == "none" else int(c) for c in a.bucket_bytes.split(",")]
-    for stage in (int(s) for s in a.stages.split(",")):
-        for cap in caps:
-            params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
-            state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units,
-                               bucket_bytes=cap)
-            step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
-            box = [state]
+    once = {int(s) for s in a.once_stages.split(",") if s}
+    runs = [(int(s), cap, "each") for s in a.stages.split(",") for cap in caps]
+    runs += [(s, caps[0], "once") for s in sorted(once)]
+    for stage, cap, accumulate in runs:
+        params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
+        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units,
+                           bucket_bytes=cap)
+        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True, accumulate=accumulate)
+        box = [state]
 
-            def fzero_step() -> None:
-                box[0], _ = step(box[0], (x, y))
+        def fzero_step() -> None:
+            box[0], _ = step(box[0], (x, y))
 
-            rows.append((f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}"), timed(fzero_step, a)))
-            del box, state
+        mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
+                + ("" if accumulate == "each" else "-once"))
+        rows.append((mode, timed(fzero_step, a)))
+        del box, state
     if rank == 0:
         base = rows[0][1]
         for mode, t in rows:

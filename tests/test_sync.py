@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 import threading
 
 import pytest
 import torch
 
 import fzero
-import fzero.checkpoint as ck
 from fzero import optim
 from fzero._src import step as step_module
 from fzero._src.optim.base import spec_of
@@ -137,8 +137,6 @@ class HostReads:
         def counted(t, *args, **kwargs):
             ids = getattr(self._host, "ids", None)
             if ids is not None and id(t) not in ids:
-                import sys
-
                 self.counts[threading.get_ident()][f"{sys._getframe(1).f_code.co_name}.{name}"] += 1
             return method(t, *args, **kwargs)
 

@@ -306,6 +306,13 @@ class Stage:
             return (master if master is not None else layout.rank_shard(b, held, rank)), held
         return held, None
 
+    @property
+    def reduces_after_leave(self) -> bool:
+        """Whether the gradient leaves the unit local and all its reduction is `after_backward`'s
+        (stages 0-1): the step may then start that reduction inside the unit's backward
+        (`unit.Inflight`'s `early`), the same calls on the same tensor."""
+        return self.leave.start is None and self.after_backward.start is not None
+
     # -- what the step communicates ---------------------------------------------------------
 
     def moves(self, trainable: bool, regather: bool) -> tuple[Move, ...]:

@@ -392,7 +392,7 @@ def check_pending(state: ZeroState) -> None:
         raise broken_update(state, ranks)
 
 
-def broken_update(state: ZeroState, ranks: list[int]) -> NonFiniteError:
+def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     """The error for a state whose donating update left a NaN or inf on `ranks` (every rank calls
     it: the leaves are found by `nonfinite_leaves` over what each rank updated, one all-reduce)."""
     layout, stage, rank = state.layout, state.stage, state.rank
@@ -402,9 +402,9 @@ def broken_update(state: ZeroState, ranks: list[int]) -> NonFiniteError:
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
-        f"inf on rank(s) {ranks} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in place, so "
-        f"this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning rate or keep "
-        f"params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+        f"inf on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in "
+        f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
+        f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
 
 
 def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Any = None, where: Any = None

@@ -147,7 +147,7 @@ class Verdict(NamedTuple):
     loss: float
     norm_sq: float
     count: float
-    broken_ranks: list[int] = []
+    broken_ranks: tuple[int, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -441,7 +441,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     tensor, so the same bits)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
-    inflight = Inflight(early=config.accumulate == "each") if config.engine == "autograd" else None
+    early = tuple(_trainable(state)) if config.accumulate == "each" and stage.reduces_after_leave else ()
+    inflight = Inflight(early=early) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
@@ -473,8 +474,15 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
-    started = inflight.started if inflight is not None else {}
+    started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+
+
+def _zeros_reduction(state: ZeroState, b: int) -> Callable[[], Flight]:
+    """Where no unit backward reached bucket `b` on this rank: its reduction of zeros, as `reduce`
+    does for a missing gradient (every rank must reduce every bucket)."""
+    x = state.stage.differentiated(state.layout, b, state.params[b], state.rank, state.master[b])[0]
+    return lambda: state.stage.after_backward.start(state.mesh, plan_of(state.info)[b].wire, torch.zeros_like(x))
 
 
 def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
@@ -608,7 +616,7 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
         total_sq += sqs[r]
         total_count += counts[r]
     used = [any(r[1 + i] > 0 for r in rows) for i in range(num)]
-    return Verdict(used, bad_ranks, total_loss, total_sq, total_count, [r for r in range(n) if rows[r][-1] != 0])
+    return Verdict(used, bad_ranks, total_loss, total_sq, total_count, tuple(r for r in range(n) if rows[r][-1] != 0))
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:

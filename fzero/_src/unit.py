@@ -28,6 +28,7 @@ batched params (a vmap over states) raise `ConfigError`, as a vmap over a step m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -89,17 +90,37 @@ class Inflight:
     buffer, plus its per-leaf gradients, at any time; proofs/stage3.md, section 7). `add` past
     `depth` also waits for the oldest. (SimMesh completes at start: nothing stays open.)
 
-    With `early` (stages 0-1, whose leave keeps the gradient local; the step asks for it where it
-    reduces each micro-batch), the unit's backward starts the step's own reduction of each bucket
-    (`Stage.after_backward.start` on the gradient the step would get) into `started`, and hands
-    autograd no gradient for it; `step.reduce` finishes those flights. They are not bounded by
-    `depth`: stages 0-1 hold every unit's gradient after backward anyway, as DDP does."""
+    With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
+    the step passes where it reduces each micro-batch), the unit's backward hands autograd no
+    gradient and `begin`s the step's own reduction of each bucket (`Stage.after_backward.start`
+    on the gradient the step would get); `step.reduce` finishes the flights (`started`). They
+    start in one order on every rank, as DDP launches its buckets: the buckets of `early` from the
+    last, each once it and every later one are ready -- ranks whose backward reaches the units in
+    another order (a unit some rank skipped) still call the same collectives in the same order.
+    They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway."""
 
-    def __init__(self, depth: int = 1, early: bool = False) -> None:
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
         self._flights: list[Any] = []
         self.depth = depth
-        self.early = early  # stages 0-1: start the step's reduction (`Stage.after_backward`) in the unit's backward
-        self.started: dict[int, Any] = {}  # bucket -> that Flight, which the step finishes (`step.reduce`)
+        self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
+        self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
+        self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
+
+    def begin(self, b: int, start: Callable[[], Any]) -> None:
+        """Bucket `b`'s reduction is ready: start it, and every ready one after it in turn."""
+        self._ready[b] = start
+        while self.early and self.early[-1] in self._ready:
+            k = self.early.pop()
+            self.started[k] = self._ready.pop(k)()
+
+    def rest(self, zeros: Callable[[int], Callable[[], Any]]) -> dict[int, Any]:
+        """After the backward: start the rest in turn (a bucket no unit backward reached on this
+        rank with `zeros(b)`, its reduction of zeros), and return every bucket's flight."""
+        while self.early:
+            k = self.early.pop()
+            self.started[k] = self._ready.pop(k, None) or zeros(k)
+            self.started[k] = self.started[k]()
+        return self.started
 
     def make_room(self) -> None:
         """Close the oldest flights until fewer than `depth` are open (room for one more)."""
@@ -246,7 +267,7 @@ class _Unit(torch.autograd.Function):
             after(program.name)
         leave, inflight = program.stage.leave, program.inflight
         started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
-        early = inflight is not None and inflight.early and leave.start is None and not torch.is_grad_enabled()
+        early = inflight is not None and bool(inflight.early) and leave.start is None and not torch.is_grad_enabled()
         result: list[torch.Tensor | None] = []
         bad: list[torch.Tensor] = []
         at = 0
@@ -263,9 +284,9 @@ class _Unit(torch.autograd.Function):
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
-            elif early:  # the step's own reduction of what it would get (`flat.to(dtype)`), started now
-                inflight.started[bucket.index] = program.stage.after_backward.start(program.mesh, bucket.wire,
-                                                                                   flat.to(dtype))
+            elif early:  # the step's own reduction of what it would get (`flat.to(dtype)`), started in turn
+                inflight.begin(bucket.index, functools.partial(program.stage.after_backward.start, program.mesh,
+                                                               bucket.wire, flat.to(dtype)))
                 result.append(None)
             else:
                 result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
