@@ -3,8 +3,10 @@ per stage (`torchrun --nproc-per-node 2`), JSON lines with the ratios to stage 0
 
 The model: `--blocks` blocks `x + W2 GELU(W1 x + b1) + b2` (dim -> hidden -> dim), defaults
 4 x 2048 -> 8192 -> 2048 = 134.3M float32 parameters, a flat dict of leaves built directly
-(no nn.Module copy), one unit per linear layer (8 units of 16.8M), `gather="on_use"` (stage 3
-frees each unit after its forward and gathers it again in backward), AdamW with `donate=True`
+(no nn.Module copy), one unit per linear layer (8 units of 16.8M), `gather="on_use"` (the loss
+reads each unit through `LazyParams` and calls `release` after the layer, as `from_module`'s
+`apply` does: stage 3 frees it after its forward and gathers it again in backward; elsewhere
+`release` does nothing), AdamW with `donate=True`
 (the update is in place: no second copy of params and moments), batch `--batch` per rank, MSE
 loss, `--steps` steps.
 
@@ -18,7 +20,11 @@ What is measured, per rank: the training peak (VmHWM, reset with `/proc/self/cle
 state is built and the params dict freed, read after the last step: the peak while training),
 `ru_maxrss` (the whole process's peak, `fzero.init` included), and after each phase (baseline,
 params built, init, train start, each step) the current RSS, VmHWM and ru_maxrss: the timeline
-says where the bytes came in if the peaks miss the target. A stage's line reports the larger
+says where the bytes came in if the peaks miss the target. `--events` adds, per rank, the RSS
+and VmHWM at every unit event of the last step (each unit's read, release, refill, the start
+and end of its Function's backward, every collective started; VmHWM reset at the step's start)
+to `--events-prefix{stage}-rank{r}.jsonl`: the first event whose VmHWM is the step's peak
+says between which two events the peak was reached. A stage's line reports the larger
 rank's peaks, the whole-process peak above the baseline (the RSS after `import torch, fzero` and
 the gloo group, before any parameter exists, the same in every stage), `held_bytes` of the state,
 and the ratios to stage 0. The last two lines check the issue's target, stage 3 <= 0.6 x stage 0
@@ -27,7 +33,8 @@ and peaks never growing from stage 0 to 3, for the training peak and for the who
 Expected (proofs/memory.md's model, Ψ = 134.3M, N = 2, float32, Adam): stage 0 holds params 4Ψ,
 the full gradient 4Ψ, moments 8Ψ = 16Ψ = 2.15 GB; stage 1 params 4Ψ + gradient 4Ψ + moments
 4Ψ = 12Ψ; stage 2 4Ψ + 2Ψ + 4Ψ = 10Ψ; stage 3 8Ψ/N = 8Ψ... halved: 2Ψ + 2Ψ + 4Ψ = 8Ψ = 1.07 GB,
-plus one or two gathered units (67 MB each) and a unit's full local gradient; the baseline
+plus, at its peak (a block's backward), about 4 units of 67 MB: the block's refilled params, its
+leaf gradients, and the previous unit's reduction in flight (its buffer and gloo's clone of it); the baseline
 (~0.3-0.4 GB of torch and gloo) is the same in every stage and pulls the raw ratio towards 1.
 
 Run (the lead, on a quiet machine; ~5-15 min):

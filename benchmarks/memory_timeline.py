@@ -31,8 +31,8 @@ def main() -> None:
     for name in ("release", "refill"):
         orig = getattr(gathering.Gathering, name)
 
-        def wrapped(self, unit, orig=orig, name=name):
-            orig(self, unit)
+        def wrapped(self, unit, *args, orig=orig, name=name, **kwargs):  # refill(unit, backward=True) too
+            orig(self, unit, *args, **kwargs)
             say(f"{name:8s} {unit:12s} {gib()}")
 
         setattr(gathering.Gathering, name, wrapped)

@@ -367,3 +367,47 @@ def test_inflight_make_room_closes_the_oldest_before_the_next_buffer_exists():
         assert waited == want
         inflight.wait()
         assert waited == [0, 1, 2, 3]
+
+
+class _OwnGradient(torch.autograd.Function):
+    """`w -> w` whose backward returns the saved `w` itself as w's gradient: a gradient that shares
+    storage with the unit's gathered params."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return w
+
+
+def test_a_gradient_sharing_the_gathered_storage_releases_the_unit_after_it_is_read():
+    """A unit's Function releases its gathered params when its backward starts -- unless an
+    incoming gradient is (a view of) that storage, as `_OwnGradient`'s is: then only after the
+    gradient is copied into the assembled buffer. Stage 3 (which frees; every unit released after
+    use, as `from_module`'s `apply` does) equals stage 0 bit for bit; freeing first would read a
+    freed storage."""
+    g = torch.Generator().manual_seed(0)
+    params = {"a.w": torch.randn(4, 4, generator=g), "b.w": torch.randn(4, 4, generator=g)}
+
+    def loss(p, x):  # (B, 4) -> ()
+        for unit in ("a", "b"):
+            x = torch.tanh(x @ _OwnGradient.apply(p[f"{unit}.w"]))
+            p.release(unit)
+        return x.square().mean()
+
+    def run(stage):
+        mesh = fzero.SimMesh(2)
+
+        def rank_fn(x):
+            state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda path: path[0])
+            state, m = fzero.train_step(loss)(state, x)
+            return fzero.gather(state), m.loss
+
+        return mesh.run(rank_fn, [(torch.randn(3, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
+
+    for (p0, l0), (p3, l3) in zip(run(0), run(3)):
+        assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)

@@ -300,7 +300,10 @@ def _reads_entered(ctx: Any, grads: Sequence[torch.Tensor | None]) -> bool:
     """Whether an incoming gradient shares storage with the unit's entered buffers (a backward that
     returns a saved param as a gradient, e.g. a custom Function's): then the params are released
     only after the gradients are assembled."""
-    return func_level() is not None or any(g is not None and g.untyped_storage()._cdata in ctx.entered for g in grads)
+    if func_level() is not None:
+        return True  # a transform's wrapped tensors have no storage to compare: release after
+    return any(g is not None and (g.layout != torch.strided or g.untyped_storage()._cdata in ctx.entered)
+               for g in grads)  # a sparse gradient: not compared, released after
 
 
 def _gather_tangent(program: UnitProgram, bucket: Bucket, x_t: torch.Tensor | None, shape: torch.Size,
