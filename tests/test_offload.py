@@ -90,7 +90,7 @@ def assert_same_runs(got, want, what):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_offloaded_equals_not_offloaded(n):
-    @settings(max_examples=example_count(12))
+    @settings(max_examples=example_count(25))
     @given(offload_problems(n))
     def prop(pb):
         want = run(pb, None)
@@ -338,3 +338,30 @@ def test_nvme_needs_donate_and_a_usable_path(tmp_path):
 
     with pytest.raises(fzero.ConfigError, match=r"writes the optimizer state's swap files in place.*donate=True"):
         mesh.run(undonated)
+
+
+def test_evaluate_reads_offloaded_states():
+    """`fzero.evaluate` (a forward through the units, prefetching) gives the same output for an
+    offloaded state as for the plain one after the same step."""
+    gen = torch.Generator().manual_seed(5)
+    tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(3)}
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+        return x.float().square().mean()
+
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(x):
+        out = []
+        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (3, None),
+                           (3, fzero.Offload(optimizer="cpu", params="cpu"))):
+            s = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=fzero.Precision(torch.bfloat16), offload=off)
+            s, _ = fzero.train_step(loss)(s, x)
+            out.append(fzero.evaluate(loss, prefetch=1)(s, x))
+        return out
+
+    for outs in mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen).bfloat16(),) for _ in range(2)]):
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])

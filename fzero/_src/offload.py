@@ -213,7 +213,7 @@ class HostTier:
         stream before whatever reads it (a collective, the loss)."""
         if self.cuda:
             return self.pinned(x.to(dtype)).to(self.device, non_blocking=True)
-        return x.to(dtype=dtype, copy=True)
+        return x.to(device=self.device, dtype=dtype, copy=True)
 
     # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
 
