@@ -5,8 +5,8 @@ PCIe ceiling; the host AdamW's speed against DeepSpeed's CPUAdam. One job, JSON 
 Run (one H200, from the repository root; DeepSpeed from the carried wheels, its ops JIT-built):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl
-Smoke (every mode on a tiny model, < 2 minutes; also on a CPU-only machine, where the CUDA-only
-rows say so):
+Smoke (every mode on a tiny model, < 2 minutes once DeepSpeed's ops are built, which a cold cache
+adds first: minutes; also on a CPU-only machine, where the CUDA-only rows say so):
     PYTHONPATH=$PWD python3 benchmarks/bench_offload.py --smoke
 
 Rows (each from its own subprocess with a time limit; the driver stays inside `--total` s):
@@ -23,7 +23,9 @@ Rows (each from its own subprocess with a time limit; the driver stays inside `-
                           NVMe bytes, or `error` ("oom", "timeout", the exception).
   {"bench": "largest"}    per mode: the largest size that trained, and why the sweep stopped.
 
-Modes (all: the peers' GPT, bf16 compute with fp32 master and optimizer state, AdamW, stage 3):
+Modes (all: the peers' GPT, bf16 compute with fp32 master and optimizer state, AdamW, stage 3;
+the host update: fzero's adamw with `--host-impl` (fused by default), DeepSpeedCPUAdam for
+DeepSpeed, torch.optim.AdamW's default (foreach) on FSDP2's host shards):
   fzero-cpu         fzero.Offload(optimizer="cpu")                  (params on the GPU, bf16)
   fzero-cpu-params  fzero.Offload(optimizer="cpu", params="cpu")
   fzero-nvme        fzero.Offload(optimizer="nvme", nvme_path=...)
@@ -58,7 +60,7 @@ DS_MODES = {"ds-cpu": ("cpu", None), "ds-cpu-params": ("cpu", "cpu"), "ds-nvme":
 MODES = (*FZERO_MODES, *DS_MODES, "fsdp2-cpu")
 # (width, depth): 0.54B, 1.34B (the peers' model), 2.69B, 5.1B, 7.5B, 12.8B params at vocab 32000
 LADDER = ((2048, 8), (2048, 24), (4096, 12), (4096, 24), (4096, 36), (5120, 40))
-SMOKE = dict(ladder=((64, 2), (96, 2)), vocab=128, seq=32, micro=2, heads=2)
+SMOKE = dict(ladder=((64, 2),), vocab=128, seq=32, micro=2, heads=2)
 
 
 def gpt_params(width: int, depth: int, vocab: int, seq: int) -> int:
@@ -175,9 +177,10 @@ def bench_ds_build(a) -> list[dict]:
 # ------------------------------------------------------------------------------ child: cpu adam
 
 
-def bench_cpu_adam(a) -> list[dict]:
-    """One AdamW step on E host fp32 elements: fzero's adamw in place (each impl) and
-    DeepSpeedCPUAdam, the same hyper-parameters, fresh values per optimizer."""
+def bench_cpu_adam(a) -> None:
+    """One AdamW step on E host fp32 elements: fzero's adamw in place (each impl; foreach and
+    single only up to `--adam-slow-max` elements) and DeepSpeedCPUAdam, the same
+    hyper-parameters, fresh values per optimizer. Each row is printed when measured."""
     import torch
 
     from fzero import optim
@@ -185,11 +188,13 @@ def bench_cpu_adam(a) -> list[dict]:
     sys.path.insert(0, HERE)
     from bench_optim import HP, context
 
-    rows = []
+    rows = _Printer()
     for e in (int(x) for x in a.adam_elements):
         base = dict(bench="cpu_adam", elements=e, threads=torch.get_num_threads(), torch=torch.__version__)
         p, g = torch.empty(e).uniform_(-1, 1), torch.empty(e).uniform_(-1e-3, 1e-3)
         for impl in optim.IMPLS:
+            if impl != "fused" and e > a.adam_slow_max:
+                continue
             opt = optim.adamw(**HP, impl=impl)
             state = opt.init(p, 1)
             times = []
@@ -218,7 +223,14 @@ def bench_cpu_adam(a) -> list[dict]:
         except Exception as err:  # noqa: BLE001 -- not installed, or its op did not build: say so
             rows.append(dict(base, who="deepspeed", impl="DeepSpeedCPUAdam", error=_err(err)))
         del p, g
-    return rows
+
+
+class _Printer:
+    """A list-like sink that prints each JSON row at once (a child killed at its time limit
+    still returns what it measured)."""
+
+    def append(self, row: dict) -> None:
+        emit(row, None)
 
 
 def _rate(times: list[float], e: int) -> dict:
@@ -275,8 +287,9 @@ def _fzero_trainer(a, where: str, params_tier: str | None):
     off = fzero.Offload(optimizer=where, params=params_tier, nvme_path=nvme_path)
     cuda = dev.type == "cuda"
     policy = fzero.Precision(torch.bfloat16, torch.float32) if cuda else fzero.Precision()
-    state = fzero.init(params, optim.adamw(lr=1e-4), stage=3, mesh=mesh, units=info.units, precision=policy,
-                       offload=off)
+    impl = None if a.host_impl == "default" else a.host_impl
+    state = fzero.init(params, optim.adamw(lr=1e-4, impl=impl), stage=3, mesh=mesh, units=info.units,
+                       precision=policy, offload=off)
     del params
     step = fzero.train_step(lambda p, batch: apply(p, *batch), donate=True)
     batch = _batch(a, dev)
@@ -302,6 +315,10 @@ def _ds_trainer(a, where: str, params_tier: str | None):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 1e-2}},
            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": False}
     if where == "nvme":
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        if not AsyncIOBuilder().is_compatible(verbose=False):
+            raise RuntimeError("DeepSpeed's async_io op is not compatible here (libaio missing?): no ZeRO-Infinity NVMe")
         path = os.path.join(a.nvme_path, "deepspeed")
         os.makedirs(path, exist_ok=True)
         zero["offload_optimizer"].update(nvme_path=path, buffer_count=4, fast_init=False)
@@ -354,6 +371,7 @@ def bench_train(a) -> dict:
     import torch
 
     row = dict(bench="train", mode=a.mode, width=a.width, depth=a.depth, micro=a.micro, seq=a.seq,
+               host_impl=a.host_impl if a.mode in FZERO_MODES else None,
                params_M=round(gpt_params(a.width, a.depth, a.vocab, a.seq) / 1e6, 1), torch=torch.__version__)
     t0 = time.perf_counter()
     try:
@@ -379,7 +397,7 @@ def bench_train(a) -> dict:
         times.sort()
         med = times[len(times) // 2]
         row.update(steps=a.steps + 1, step_s_median=round(med, 3), tok_s=round(a.micro * a.seq / med, 1),
-                   loss=round(float(loss), 4),
+                   loss=round(float(loss.detach()), 4),
                    peak_gpu_GiB=round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
                    host_rss_GiB=round(rss_now() / GIB, 2), host_rss_peak_GiB=round(rss_peak() / GIB, 2))
         if "nvme" in a.mode:  # the swap files exist: the mode really keeps state on the disk
@@ -414,18 +432,33 @@ def child(args: list[str], timeout: float) -> tuple[list[dict], float, str | Non
                             text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=max(timeout, 1))
-        status = None if proc.returncode == 0 else f"exit {proc.returncode}: {err.strip()[-300:]}"
+        status = None if proc.returncode == 0 else f"exit {proc.returncode}: {_tail(err)}"
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        status = "timeout"
+        status = f"timeout after {timeout:.0f} s; stderr ends: {_tail(err)}"
+        _drop_stale_locks()
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return rows, time.perf_counter() - t0, status
 
 
+def _tail(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if "WARNING" not in line]
+    return " | ".join(lines[-4:])[-400:]
+
+
+def _drop_stale_locks() -> None:
+    """A child killed while JIT-building an op leaves torch's build lock behind, and the next
+    child would wait on it forever; no other child runs now, so every lock there is stale."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    for folder, _, files in os.walk(root) if root else ():
+        if "lock" in files:
+            os.remove(os.path.join(folder, "lock"))
+
+
 def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
+    host_pp, nvme_pp = host_bytes_per_param(mode)  # (imports fzero and torch into the driver once: seconds)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
-    host_pp, nvme_pp = host_bytes_per_param(mode)
     largest, why, last = None, "the ladder ended", None
     for width, depth in a.ladder:
         n = gpt_params(width, depth, a.vocab, a.seq)
@@ -439,12 +472,12 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
         if nvme_pp and nvme_pp * n > 0.85 * shutil.disk_usage(a.nvme_path).free:
             why = f"{n / 1e9:.3g}B needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its free space"
             break
-        args = ["--child", "train", "--mode", mode, "--width", str(width), "--depth", str(depth), "--vocab",
+        args = ["--child", "train", "--mode", mode, "--host-impl", a.host_impl, "--width", str(width), "--depth", str(depth), "--vocab",
                 str(a.vocab), "--seq", str(a.seq), "--micro", str(a.micro), "--heads", str(a.heads), "--steps",
                 str(a.steps), "--nvme-path", a.nvme_path]
         rows, wall, status = child(args, min(left, a.run_timeout))
         row = rows[0] if rows else dict(bench="train", mode=mode, width=width, depth=depth,
-                                         params_M=round(n / 1e6, 1), error=status)
+                                         params_M=round(n / 1e6, 1), error=status.split(";")[0], detail=status)
         row.update(wall_s=round(wall, 1), host_pred_GiB=round(host_pp * n / GIB, 1),
                    nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
         emit(row, a.out)
@@ -460,23 +493,32 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
 
 
 def driver(a) -> None:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/torch_extensions_bench_offload")  # every child's op cache
     start = time.perf_counter()
-    deadline = start + a.total
     os.makedirs(a.nvme_path, exist_ok=True)
     emit(dict(bench="job", modes=a.modes, ladder=a.ladder, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
               nvme_free_GiB=round(shutil.disk_usage(a.nvme_path).free / GIB, 1),
               host_available_GiB=round(mem_available() / GIB, 1), cpus=os.cpu_count()), a.out)
-    if not a.skip_pcie:
-        rows, _, status = child(["--child", "pcie", "--pcie-gib", str(a.pcie_gib)], 60)
-        for row in rows or [dict(bench="pcie", error=status)]:
-            emit(row, a.out)
+    reserve = a.mode_floor * len(a.modes)  # the sweeps' share, kept from the fixed phases
+    deadline = start + a.total
+
+    def cap(limit: float) -> float:
+        return max(1.0, min(limit, deadline - time.perf_counter() - reserve))
+
     if not a.skip_build and any(m in DS_MODES for m in a.modes):
-        rows, wall, status = child(["--child", "ds_build"], a.build_timeout)
+        rows, wall, status = child(["--child", "ds_build"], cap(a.build_timeout))
         for row in rows or [dict(bench="ds_build", error=status, wall_s=round(wall, 1))]:
             emit(row, a.out)
+        if a.smoke:  # the smoke's time limit starts once the ops are built (a cold build takes minutes)
+            deadline += time.perf_counter() - start
+    if not a.skip_pcie:
+        rows, _, status = child(["--child", "pcie", "--pcie-gib", str(a.pcie_gib)], cap(60))
+        for row in rows or [dict(bench="pcie", error=status)]:
+            emit(row, a.out)
     if not a.skip_adam:
-        args = ["--child", "cpu_adam", "--adam-iters", str(a.adam_iters), "--adam-elements", *map(str, a.adam_elements)]
-        rows, wall, status = child(args, a.adam_timeout)
+        args = ["--child", "cpu_adam", "--adam-iters", str(a.adam_iters), "--adam-slow-max", str(a.adam_slow_max),
+                "--adam-elements", *map(str, a.adam_elements)]
+        rows, wall, status = child(args, cap(a.adam_timeout))
         for row in rows:
             emit(row, a.out)
         if status:
@@ -488,10 +530,13 @@ def driver(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="every mode on a tiny model, < 2 minutes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every mode on a tiny model, < 2 minutes after DeepSpeed's ops are built")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--total", type=float, default=None, help="seconds for the whole job (default 530; smoke 110)")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds per training run")
+    ap.add_argument("--mode-floor", type=float, default=None,
+                    help="seconds per mode the fixed phases (PCIe, op build, CPU Adam) leave to the sweeps (45; smoke 9)")
     ap.add_argument("--start", type=int, default=0, help="first LADDER index of every sweep")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--nvme-path", default="/tmp/fzero-bench-nvme", help="folder for fzero's and DeepSpeed's swap files")
@@ -500,14 +545,18 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    ap.add_argument("--host-impl", default="fused", choices=["fused", "foreach", "single", "default"],
+                    help="fzero's adamw impl for the host update (default: fused, torch's vectorised CPU kernel; "
+                         "'default' is fzero's own choice, foreach on host tensors)")
     ap.add_argument("--pcie-gib", type=float, default=1.0)
     ap.add_argument("--adam-elements", type=float, nargs="+", default=[1e8, 1e9])
     ap.add_argument("--adam-iters", type=int, default=3)
-    ap.add_argument("--adam-timeout", type=float, default=150)
+    ap.add_argument("--adam-slow-max", type=float, default=1e8, help="largest E for fzero's foreach / single impls")
+    ap.add_argument("--adam-timeout", type=float, default=120)
     ap.add_argument("--skip-pcie", action="store_true")
     ap.add_argument("--skip-adam", action="store_true")
     ap.add_argument("--skip-build", action="store_true", help="DeepSpeed's ops are built already")
-    ap.add_argument("--build-timeout", type=float, default=240)
+    ap.add_argument("--build-timeout", type=float, default=300)
     # child-only
     ap.add_argument("--child", choices=["pcie", "ds_build", "cpu_adam", "train"], help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -522,8 +571,7 @@ def main() -> None:
             emit(row, None)
         return
     if a.child == "cpu_adam":
-        for row in bench_cpu_adam(a):
-            emit(row, None)
+        bench_cpu_adam(a)
         return
     if a.child == "train":
         emit(bench_train(a), None)
@@ -531,11 +579,13 @@ def main() -> None:
     if a.smoke:
         a.ladder = SMOKE["ladder"]
         a.vocab, a.seq, a.micro, a.heads = SMOKE["vocab"], SMOKE["seq"], SMOKE["micro"], SMOKE["heads"]
-        a.adam_elements, a.pcie_gib, a.adam_timeout, a.run_timeout = [1e6], 1 / 64, 60, 40
+        a.adam_elements, a.pcie_gib, a.adam_timeout, a.run_timeout = [1e6], 1 / 64, 30, 40
         a.total = a.total or 110
+        a.mode_floor = 9 if a.mode_floor is None else a.mode_floor
     else:
         a.ladder = LADDER[a.start:]
         a.total = a.total or 530
+        a.mode_floor = 45 if a.mode_floor is None else a.mode_floor
     driver(a)
 
 

@@ -30,7 +30,10 @@ directory exists, is a directory and is writable, and `shutil.disk_usage` shows 
 every entry; the files are then reserved with `posix_fallocate`, so a disk that fills later
 fails here, not in the middle of training. Reads and writes are `os.preadv` / `os.pwrite` on the
 tensors' raw bytes (`tensor.view(torch.uint8)`, so bfloat16 works), in small thread pools (the
-calls release the GIL); the page cache is not bypassed (no O_DIRECT).
+calls release the GIL). By default they go through the page cache; `direct=True` opens the files
+with O_DIRECT (the disk itself, as DeepSpeed's libaio swapper does): each file and buffer is then
+padded to `ALIGN` bytes and the buffers start on an `ALIGN` boundary, and a filesystem that
+refuses O_DIRECT (tmpfs) is an `OffloadError` at construction.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ T = TypeVar("T")
 __all__ = ["SwapFiles", "Entry", "BUFFERS", "buffer_bytes"]
 
 BUFFERS = 2  # read buffers, and staging buffers: double buffering
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses in multiples of the logical block
 
 
 def buffer_bytes(entry_bytes: Iterable[T], buffers: int = BUFFERS) -> T | int:
@@ -63,11 +67,13 @@ def buffer_bytes(entry_bytes: Iterable[T], buffers: int = BUFFERS) -> T | int:
 
 
 class Entry(NamedTuple):
-    """One swap file: `numel` elements of `dtype` at `path`."""
+    """One swap file: `numel` elements of `dtype` at `path`, `stored` bytes on disk (`nbytes`,
+    rounded up to `ALIGN` with O_DIRECT)."""
 
     numel: int
     dtype: torch.dtype
     path: str
+    stored: int
 
     @property
     def nbytes(self) -> int:
@@ -130,10 +136,20 @@ def _cleanup(fds: dict[str, int], path: str) -> None:
 def _describe(e: BaseException) -> str:
     if not isinstance(e, OSError):
         return f"{type(e).__name__}: {e}"
-
     name = errno.errorcode.get(e.errno or 0, "")
     disk_full = " (disk full)" if e.errno == errno.ENOSPC else ""
     return f"{name}{disk_full}: {e.strerror or e}"
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _buffer(nbytes: int, pin: bool, align: int) -> torch.Tensor:
+    """`[nbytes]` uint8 host buffer whose first byte sits on an `align` boundary."""
+    raw = torch.empty(nbytes + align - 1, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % align
+    return raw[start : start + nbytes]
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:
@@ -142,12 +158,14 @@ def _bytes_of(buffer: torch.Tensor) -> memoryview:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` (`pwrite` may write less than asked: loop)."""
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
 
 
 def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
+    """Fill `out` from `offset`; a file shorter than that is EIO (someone cut it)."""
     while len(out):
         n = os.preadv(fd, [out], offset)
         if n == 0:
@@ -165,6 +183,7 @@ class SwapFiles:
       buffers: read buffers, and separately staging buffers, each of the largest entry's size
         (2 = double buffering: read the next entry while the caller works on this one).
       threads: I/O threads for reads, and separately for writes.
+      direct: O_DIRECT reads and writes (no page cache; files and buffers padded to `ALIGN`).
     """
 
     def __init__(
@@ -174,6 +193,7 @@ class SwapFiles:
         pin: bool = False,
         buffers: int = BUFFERS,
         threads: int = 2,
+        direct: bool = False,
     ) -> None:
         _check_entries(entries)
         if not isinstance(buffers, int) or buffers < 1 or not isinstance(threads, int) or threads < 1:
@@ -182,31 +202,13 @@ class SwapFiles:
             raise OffloadError("SwapFiles(pin=True) pins host buffers for CUDA copies, but CUDA is not available; "
                                "pass pin=False")
         directory = os.fspath(directory)
-        needed = sum(n * d.itemsize for n, d in entries.values())
-        _preflight(directory, needed)
-        try:
-            self.path = tempfile.mkdtemp(prefix="fzero-swap-", dir=directory)
-        except OSError as e:
-            raise OffloadError(f"NVMe offload: cannot create a folder in {directory!r}: {_describe(e)}; point "
-                               "nvme_path at a writable folder") from e
-        self.entries = {
-            name: Entry(n, d, os.path.join(self.path, f"entry-{i}.bin")) for i, (name, (n, d)) in enumerate(entries.items())
-        }
-        self._fds: dict[str, int] = {}
-        self._remove = weakref.finalize(self, _cleanup, self._fds, self.path)
-        try:
-            for name, entry in self.entries.items():
-                _reserve(entry.path, entry.nbytes)
-                self._fds[name] = os.open(entry.path, os.O_RDWR)
-        except OSError as e:
-            self._remove()
-            raise OffloadError(
-                f"NVMe offload: cannot reserve {needed} bytes of swap files in {directory!r}: {_describe(e)}; free "
-                "space or point nvme_path at a larger disk"
-            ) from e
-        max_bytes = max(e.nbytes for e in self.entries.values())
-        read, staging = ([torch.empty(max_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)] for _ in "rs")
-        self.host_bytes = sum(b.numel() for b in read + staging)  # == buffer_bytes(entry bytes, buffers)
+        align = ALIGN if direct else 1
+        stored = {name: _round_up(n * d.itemsize, align) for name, (n, d) in entries.items()}
+        _preflight(directory, sum(stored.values()))
+        self._create_files(directory, entries, stored, direct)
+        max_bytes = max(e.stored for e in self.entries.values())
+        read, staging = ([_buffer(max_bytes, pin, align) for _ in range(buffers)] for _ in "rs")
+        self.host_bytes = sum(b.numel() for b in read + staging)  # buffer_bytes(stored bytes, buffers)
         self._read_free = read
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for b in staging:
@@ -221,6 +223,35 @@ class SwapFiles:
 
     # ---------------------------------------------------------------------------------- helpers
 
+    def _create_files(self, directory: str, entries: Mapping[str, tuple[int, torch.dtype]],
+                      stored: Mapping[str, int], direct: bool) -> None:
+        """A fresh folder `self.path` under `directory`, one reserved file per entry, opened; any
+        failure removes what was made and is an `OffloadError` naming the way out."""
+        try:
+            self.path = tempfile.mkdtemp(prefix="fzero-swap-", dir=directory)
+        except OSError as e:
+            raise OffloadError(f"NVMe offload: cannot create a folder in {directory!r}: {_describe(e)}; point "
+                               "nvme_path at a writable folder") from e
+        self.entries = {
+            name: Entry(n, d, os.path.join(self.path, f"entry-{i}.bin"), stored[name])
+            for i, (name, (n, d)) in enumerate(entries.items())
+        }
+        self._fds: dict[str, int] = {}
+        self._remove = weakref.finalize(self, _cleanup, self._fds, self.path)
+        try:
+            for name, entry in self.entries.items():
+                _reserve(entry.path, entry.stored)
+                self._fds[name] = os.open(entry.path, os.O_RDWR | (os.O_DIRECT if direct else 0))
+        except OSError as e:
+            self._remove()
+            if direct and e.errno == errno.EINVAL:
+                raise OffloadError(f"NVMe offload: the filesystem of {directory!r} refuses O_DIRECT; put nvme_path on "
+                                   f"a disk's filesystem (ext4, xfs), or pass direct=False (through the page cache)") from e
+            raise OffloadError(
+                f"NVMe offload: cannot reserve {sum(stored.values())} bytes of swap files in {directory!r}: "
+                f"{_describe(e)}; free space or point nvme_path at a larger disk"
+            ) from e
+
     def _entry(self, name: str) -> Entry:
         if self._closed:
             raise OffloadError(f"SwapFiles at {self.path!r} is closed; entry {name!r} is gone")
@@ -228,10 +259,10 @@ class SwapFiles:
             raise OffloadError(f"SwapFiles has no entry {name!r}; its entries are {sorted(self.entries)}")
         return self.entries[name]
 
-    def _write_task(self, name: str, staging: torch.Tensor, nbytes: int, after: list[cf.Future[None]]) -> None:
+    def _write_task(self, name: str, staging: torch.Tensor, after: list[cf.Future[None]]) -> None:
         try:
             cf.wait(after)  # the entry's previous write, and a read still copying its old bytes
-            _pwrite_all(self._fds[name], _bytes_of(staging)[:nbytes], 0)
+            _pwrite_all(self._fds[name], _bytes_of(staging)[: self.entries[name].stored], 0)
         finally:
             self._staging.put(staging)
 
@@ -239,7 +270,7 @@ class SwapFiles:
         if after is not None:
             after.result()  # the entry's last write; its error is the read's error
         entry = self.entries[name]
-        _pread_all(self._fds[name], _bytes_of(buffer)[: entry.nbytes], 0, entry.path)
+        _pread_all(self._fds[name], _bytes_of(buffer)[: entry.stored], 0, entry.path)
 
     def _check_written(self, name: str) -> None:
         if name in self._writes or name in self._valid:
@@ -269,7 +300,7 @@ class SwapFiles:
         after = [f for f in (self._writes.get(name), self._reads.get(name, (None, None))[1]) if f is not None]
         self._valid.discard(name)
         self._failed.discard(name)
-        self._writes[name] = self._writers.submit(self._write_task, name, staging, entry.nbytes, after)
+        self._writes[name] = self._writers.submit(self._write_task, name, staging, after)
 
     def prefetch(self, name: str) -> None:
         """Start reading entry `name` into a free read buffer (no-op if it is already read or
