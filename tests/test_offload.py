@@ -136,6 +136,11 @@ def test_tensors_live_where_offload_says():
         assert s.info.host_tier(w) == HostTier(torch.device("cpu")) and s.info.host_tier(f) is None
     s, w, f = mesh.run(rank_fn, [(3, fzero.Offload(optimizer="cpu", params="cpu"))] * 2)[0]
     assert s.params[w] is s.master[w]
+    bf16 = mesh.run(lambda: fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p, groups=frozen,
+                                       precision=fzero.Precision(torch.bfloat16), offload=fzero.Offload(optimizer="cpu")))
+    s = bf16[0]  # stage 3: the device shard in the compute dtype, the master (fp32) on the host; frozen: its own
+    assert s.params[w].dtype == torch.bfloat16 and s.master[w].dtype == torch.float32
+    assert s.params[f].dtype == torch.float32 and s.master[f] is None
 
 
 @pytest.mark.parametrize("kwargs, match", [

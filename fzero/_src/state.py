@@ -218,8 +218,8 @@ def init(
         rank = mesh.rank
         on_host = off.host_buckets(layout)
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
-        kept = [place(st, off, tiers[b], layout, b,
-                      *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute), rank)
+        computes = [precision.wire(spec).compute for spec in layout.buckets]
+        kept = [place(st, off, tiers[b], layout, b, *st.hold(layout, b, f, rank, computes[b]), rank, computes[b])
                 for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 
