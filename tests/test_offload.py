@@ -153,6 +153,7 @@ def test_tensors_live_where_offload_says():
     (dict(optimizer="cpu", ratio=True), r"ratio must be a float in \(0, 1\]"),
     (dict(optimizer="cpu", params="cpu", ratio=0.5), "with params offloaded every shard is on the host"),
     (dict(optimizer="cpu", pin=1), "pin must be a bool"),
+    (dict(optimizer="cpu", direct=True), "True only with optimizer='nvme'"),
 ])
 def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
     with pytest.raises(fzero.ConfigError, match=match):
@@ -276,11 +277,12 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
 # -- NVMe: the optimizer state's shard fields in swap files -------------------------------------
 
 
-@pytest.mark.parametrize("stage, opt, policy, params, ratio", [
-    (1, "adamw", "bf16", None, 1.0), (2, "lamb", "none", None, 0.6), (2, "adafactor", "bf16/fp32", None, 1.0),
-    (3, "sgd", "bf16", None, 1.0), (3, "adamw", "bf16", "cpu", 1.0),
+@pytest.mark.parametrize("stage, opt, policy, params, ratio, direct", [
+    (1, "adamw", "bf16", None, 1.0, False), (2, "lamb", "none", None, 0.6, False),
+    (2, "adafactor", "bf16/fp32", None, 1.0, False), (3, "sgd", "bf16", None, 1.0, False),
+    (3, "adamw", "bf16", "cpu", 1.0, False), (2, "adamw", "bf16", None, 1.0, True),
 ])
-def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio):
+def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio, direct):
     """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
     bits of `optimizer="cpu"` and of no offload: params, loss, gradient norm and optimizer state
     (read back through `snapshot`, as a checkpoint does)."""
@@ -290,8 +292,8 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
               params=params, ratio=ratio)
     want = run(pb, None)
     cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
-    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio),
-               snapshot=True)
+    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio,
+                                 direct=direct), snapshot=True)  # direct: O_DIRECT (this machine's ext4 takes it)
     assert_same_runs(cpu, want, "cpu")
     assert_same_runs(nvme, want, "nvme")
 

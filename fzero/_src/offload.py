@@ -63,6 +63,8 @@ class Offload:
         on the device while they fit in `1 - ratio` of the elements (`host_buckets`); 1.0: all.
         Choose `bucket_bytes` for a finer split.
       pin: pin host buffers where CUDA is available (page-locked: asynchronous copies).
+      direct: NVMe swap files read and written with O_DIRECT (past the page cache, as the disk
+        really is; a filesystem that refuses it raises `OffloadError` at `init`).
     """
 
     optimizer: str | None = None
@@ -70,6 +72,7 @@ class Offload:
     nvme_path: str | None = None
     ratio: float = 1.0
     pin: bool = True
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_TIERS:
@@ -96,6 +99,9 @@ class Offload:
                               f"params=None")
         if not isinstance(self.pin, bool):
             raise ConfigError(f"Offload.pin must be a bool, got {self.pin!r}")
+        if not isinstance(self.direct, bool) or self.direct and self.optimizer != "nvme":
+            raise ConfigError(f"Offload.direct must be a bool, and True only with optimizer='nvme' (O_DIRECT swap "
+                              f"files), got direct={self.direct!r} with optimizer={self.optimizer!r}")
 
     @property
     def active(self) -> bool:
@@ -264,6 +270,7 @@ class NvmeTier(HostTier):
     files: Any = None
     fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
     directory: str = ""
+    direct: bool = False
     in_place = True
 
     @staticmethod
@@ -280,8 +287,8 @@ class NvmeTier(HostTier):
             entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
         depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
         files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
-                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1))
-        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path)
+                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1), direct=offload.direct)
+        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path, offload.direct)
 
     def renewed(self) -> "NvmeTier":
         """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
@@ -289,8 +296,9 @@ class NvmeTier(HostTier):
 
         entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
         depth = 2 * max((len(f) for f in self.fields.values()), default=1)
-        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1))
-        return NvmeTier(self.device, self.pin, files, self.fields, self.directory)
+        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1),
+                          direct=self.direct)
+        return NvmeTier(self.device, self.pin, files, self.fields, self.directory, self.direct)
 
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)

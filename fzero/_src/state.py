@@ -209,7 +209,7 @@ def init(
                             bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
-                            offload=(off.optimizer, off.params, off.ratio, off.pin),  # nvme_path: each rank its disk
+                            offload=(off.optimizer, off.params, off.ratio, off.pin, off.direct),  # not nvme_path
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
