@@ -126,8 +126,13 @@ def step_rows(mesh: fzero.Mesh, width: int, steps: int, out: str | None, deadlin
         if time.monotonic() > deadline:
             emit({"row": "step", "stage": stage, "skipped": "budget spent"}, out)
             continue
-        plain = run(stage, None)
-        offl = run(stage, fzero.Offload(optimizer="cpu", params=params_tier))
+        try:
+            plain = run(stage, None)
+            offl = run(stage, fzero.Offload(optimizer="cpu", params=params_tier))
+        except Exception as e:  # one row says why; the next stage still runs
+            emit({"row": "step", "stage": stage, "params": params_tier, "error": f"{type(e).__name__}: {e}"[:500]},
+                 out)
+            continue
         diff = max(float((a - b).abs().max()) for k in plain[0] for a, b in
                    zip(plain[0][k].values(), offl[0][k].values()))
         emit({"row": "step", "stage": stage, "params": params_tier, "device": str(device), "width": width,

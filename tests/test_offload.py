@@ -90,7 +90,7 @@ def assert_same_runs(got, want, what):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_offloaded_equals_not_offloaded(n):
-    @settings(max_examples=example_count(12))
+    @settings(max_examples=example_count(25))
     @given(offload_problems(n))
     def prop(pb):
         want = run(pb, None)
@@ -136,6 +136,11 @@ def test_tensors_live_where_offload_says():
         assert s.info.host_tier(w) == HostTier(torch.device("cpu")) and s.info.host_tier(f) is None
     s, w, f = mesh.run(rank_fn, [(3, fzero.Offload(optimizer="cpu", params="cpu"))] * 2)[0]
     assert s.params[w] is s.master[w]
+    bf16 = mesh.run(lambda: fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p, groups=frozen,
+                                       precision=fzero.Precision(torch.bfloat16), offload=fzero.Offload(optimizer="cpu")))
+    s = bf16[0]  # stage 3: the device shard in the compute dtype, the master (fp32) on the host; frozen: its own
+    assert s.params[w].dtype == torch.bfloat16 and s.master[w].dtype == torch.float32
+    assert s.params[f].dtype == torch.float32 and s.master[f] is None
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -148,6 +153,7 @@ def test_tensors_live_where_offload_says():
     (dict(optimizer="cpu", ratio=True), r"ratio must be a float in \(0, 1\]"),
     (dict(optimizer="cpu", params="cpu", ratio=0.5), "with params offloaded every shard is on the host"),
     (dict(optimizer="cpu", pin=1), "pin must be a bool"),
+    (dict(optimizer="cpu", direct=True), "True only with optimizer='nvme'"),
 ])
 def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
     with pytest.raises(fzero.ConfigError, match=match):
@@ -271,11 +277,12 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
 # -- NVMe: the optimizer state's shard fields in swap files -------------------------------------
 
 
-@pytest.mark.parametrize("stage, opt, policy, params, ratio", [
-    (1, "adamw", "bf16", None, 1.0), (2, "lamb", "none", None, 0.6), (2, "adafactor", "bf16/fp32", None, 1.0),
-    (3, "sgd", "bf16", None, 1.0), (3, "adamw", "bf16", "cpu", 1.0),
+@pytest.mark.parametrize("stage, opt, policy, params, ratio, direct", [
+    (1, "adamw", "bf16", None, 1.0, False), (2, "lamb", "none", None, 0.6, False),
+    (2, "adafactor", "bf16/fp32", None, 1.0, False), (3, "sgd", "bf16", None, 1.0, False),
+    (3, "adamw", "bf16", "cpu", 1.0, False), (2, "adamw", "bf16", None, 1.0, True),
 ])
-def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio):
+def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio, direct):
     """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
     bits of `optimizer="cpu"` and of no offload: params, loss, gradient norm and optimizer state
     (read back through `snapshot`, as a checkpoint does)."""
@@ -285,8 +292,8 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
               params=params, ratio=ratio)
     want = run(pb, None)
     cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
-    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio),
-               snapshot=True)
+    nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio,
+                                 direct=direct), snapshot=True)  # direct: O_DIRECT (this machine's ext4 takes it)
     assert_same_runs(cpu, want, "cpu")
     assert_same_runs(nvme, want, "nvme")
 
@@ -338,3 +345,30 @@ def test_nvme_needs_donate_and_a_usable_path(tmp_path):
 
     with pytest.raises(fzero.ConfigError, match=r"writes the optimizer state's swap files in place.*donate=True"):
         mesh.run(undonated)
+
+
+def test_evaluate_reads_offloaded_states():
+    """`fzero.evaluate` (a forward through the units, prefetching) gives the same output for an
+    offloaded state as for the plain one after the same step."""
+    gen = torch.Generator().manual_seed(5)
+    tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(3)}
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+        return x.float().square().mean()
+
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(x):
+        out = []
+        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (3, None),
+                           (3, fzero.Offload(optimizer="cpu", params="cpu"))):
+            s = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=fzero.Precision(torch.bfloat16), offload=off)
+            s, _ = fzero.train_step(loss)(s, x)
+            out.append(fzero.evaluate(loss, prefetch=1)(s, x))
+        return out
+
+    for outs in mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen).bfloat16(),) for _ in range(2)]):
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])

@@ -136,7 +136,6 @@ def _cleanup(fds: dict[str, int], path: str) -> None:
 def _describe(e: BaseException) -> str:
     if not isinstance(e, OSError):
         return f"{type(e).__name__}: {e}"
-
     name = errno.errorcode.get(e.errno or 0, "")
     disk_full = " (disk full)" if e.errno == errno.ENOSPC else ""
     return f"{name}{disk_full}: {e.strerror or e}"
@@ -159,12 +158,14 @@ def _bytes_of(buffer: torch.Tensor) -> memoryview:
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` (`pwrite` may write less than asked: loop)."""
     while len(data):
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
 
 
 def _pread_all(fd: int, out: memoryview, offset: int, path: str) -> None:
+    """Fill `out` from `offset`; a file shorter than that is EIO (someone cut it)."""
     while len(out):
         n = os.preadv(fd, [out], offset)
         if n == 0:
@@ -203,8 +204,29 @@ class SwapFiles:
         directory = os.fspath(directory)
         align = ALIGN if direct else 1
         stored = {name: _round_up(n * d.itemsize, align) for name, (n, d) in entries.items()}
-        needed = sum(stored.values())
-        _preflight(directory, needed)
+        _preflight(directory, sum(stored.values()))
+        self._create_files(directory, entries, stored, direct)
+        max_bytes = max(e.stored for e in self.entries.values())
+        read, staging = ([_buffer(max_bytes, pin, align) for _ in range(buffers)] for _ in "rs")
+        self.host_bytes = sum(b.numel() for b in read + staging)  # buffer_bytes(stored bytes, buffers)
+        self._read_free = read
+        self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        for b in staging:
+            self._staging.put(b)
+        self._readers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-read")
+        self._writers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-write")
+        self._writes: dict[str, cf.Future[None]] = {}  # the last write of each entry
+        self._reads: dict[str, tuple[torch.Tensor, cf.Future[None]]] = {}  # buffer and read, until release
+        self._valid: set[str] = set()  # entries whose last write completed
+        self._failed: set[str] = set()  # entries whose last write failed (reported by flush)
+        self._closed = False
+
+    # ---------------------------------------------------------------------------------- helpers
+
+    def _create_files(self, directory: str, entries: Mapping[str, tuple[int, torch.dtype]],
+                      stored: Mapping[str, int], direct: bool) -> None:
+        """A fresh folder `self.path` under `directory`, one reserved file per entry, opened; any
+        failure removes what was made and is an `OffloadError` naming the way out."""
         try:
             self.path = tempfile.mkdtemp(prefix="fzero-swap-", dir=directory)
         except OSError as e:
@@ -226,25 +248,9 @@ class SwapFiles:
                 raise OffloadError(f"NVMe offload: the filesystem of {directory!r} refuses O_DIRECT; put nvme_path on "
                                    f"a disk's filesystem (ext4, xfs), or pass direct=False (through the page cache)") from e
             raise OffloadError(
-                f"NVMe offload: cannot reserve {needed} bytes of swap files in {directory!r}: {_describe(e)}; free "
-                "space or point nvme_path at a larger disk"
+                f"NVMe offload: cannot reserve {sum(stored.values())} bytes of swap files in {directory!r}: "
+                f"{_describe(e)}; free space or point nvme_path at a larger disk"
             ) from e
-        max_bytes = max(e.stored for e in self.entries.values())
-        read, staging = ([_buffer(max_bytes, pin, align) for _ in range(buffers)] for _ in "rs")
-        self.host_bytes = sum(b.numel() for b in read + staging)  # buffer_bytes(stored bytes, buffers)
-        self._read_free = read
-        self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for b in staging:
-            self._staging.put(b)
-        self._readers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-read")
-        self._writers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-write")
-        self._writes: dict[str, cf.Future[None]] = {}  # the last write of each entry
-        self._reads: dict[str, tuple[torch.Tensor, cf.Future[None]]] = {}  # buffer and read, until release
-        self._valid: set[str] = set()  # entries whose last write completed
-        self._failed: set[str] = set()  # entries whose last write failed (reported by flush)
-        self._closed = False
-
-    # ---------------------------------------------------------------------------------- helpers
 
     def _entry(self, name: str) -> Entry:
         if self._closed:

@@ -2,8 +2,8 @@
 
 `Offload(optimizer="cpu")` (stages 1-3) keeps, per trainable bucket, this rank's fp32 master
 `shard[S]` and the optimizer state in host memory (pinned where CUDA is available); the device
-keeps what the loss reads (stages 1-2: the full buffer in the compute dtype; stage 3: the shard
-in the params' dtype). One step per bucket (`step.update`):
+keeps what the loss reads (stages 1-2: the full buffer, stage 3: the shard, in the compute
+dtype). One step per bucket (`step.update`):
 
     g_dev[S]  --(device -> host, all buckets started at once; CUDA: a side stream + events)-->
     g_host[S] --(the optimizer on the host: torch's CPU kernels)--> master'[S], state'
@@ -63,6 +63,8 @@ class Offload:
         on the device while they fit in `1 - ratio` of the elements (`host_buckets`); 1.0: all.
         Choose `bucket_bytes` for a finer split.
       pin: pin host buffers where CUDA is available (page-locked: asynchronous copies).
+      direct: NVMe swap files read and written with O_DIRECT (past the page cache, as the disk
+        really is; a filesystem that refuses it raises `OffloadError` at `init`).
     """
 
     optimizer: str | None = None
@@ -70,6 +72,7 @@ class Offload:
     nvme_path: str | None = None
     ratio: float = 1.0
     pin: bool = True
+    direct: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_TIERS:
@@ -96,6 +99,9 @@ class Offload:
                               f"params=None")
         if not isinstance(self.pin, bool):
             raise ConfigError(f"Offload.pin must be a bool, got {self.pin!r}")
+        if not isinstance(self.direct, bool) or self.direct and self.optimizer != "nvme":
+            raise ConfigError(f"Offload.direct must be a bool, and True only with optimizer='nvme' (O_DIRECT swap "
+                              f"files), got direct={self.direct!r} with optimizer={self.optimizer!r}")
 
     @property
     def active(self) -> bool:
@@ -213,7 +219,7 @@ class HostTier:
         stream before whatever reads it (a collective, the loss)."""
         if self.cuda:
             return self.pinned(x.to(dtype)).to(self.device, non_blocking=True)
-        return x.to(dtype=dtype, copy=True)
+        return x.to(device=self.device, dtype=dtype, copy=True)
 
     # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
 
@@ -264,6 +270,7 @@ class NvmeTier(HostTier):
     files: Any = None
     fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
     directory: str = ""
+    direct: bool = False
     in_place = True
 
     @staticmethod
@@ -280,8 +287,8 @@ class NvmeTier(HostTier):
             entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
         depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
         files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
-                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1))
-        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path)
+                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1), direct=offload.direct)
+        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path, offload.direct)
 
     def renewed(self) -> "NvmeTier":
         """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
@@ -289,8 +296,9 @@ class NvmeTier(HostTier):
 
         entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
         depth = 2 * max((len(f) for f in self.fields.values()), default=1)
-        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1))
-        return NvmeTier(self.device, self.pin, files, self.fields, self.directory)
+        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1),
+                          direct=self.direct)
+        return NvmeTier(self.device, self.pin, files, self.fields, self.directory, self.direct)
 
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)
@@ -371,18 +379,22 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
 
 
 def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b: int, held: torch.Tensor,
-          master: torch.Tensor | None, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+          master: torch.Tensor | None, rank: int, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(params, master)` of bucket `b` as an offloaded state holds them, from what `Stage.hold`
     keeps (`held` on the device, `master` or None): a trainable bucket's master `shard[S]` -- the
-    kept master, else the shard the optimizer would update in place -- copied to the host; with
-    params offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard
-    moves to the host. Without offload, unchanged."""
+    kept master, else the shard the optimizer would update in place -- copied to the host. Stage
+    3's device shard is then kept in the `compute` dtype (the unit casts to it before the gather
+    anyway; the step differentiates a stand-in of the master, `differentiated`); with params
+    offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard moves to
+    the host. Without offload, unchanged."""
     if tier is None:
         return held, master
     if layout.buckets[b].group.frozen:
         return (tier.host(held) if offload.params is not None else held), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
-    return (on_host if offload.params is not None else held), on_host
+    if offload.params is not None:
+        return on_host, on_host
+    return (held.to(compute) if stage.sharded("params") else held), on_host
 
 
 def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:
@@ -396,17 +408,20 @@ def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:
 def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor | None, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`Stage.differentiated` of an offloaded state: the step takes gradients with respect to device
-    tensors only, so where the stage would differentiate a host tensor -- stage 2's master shard, or
-    stage 3's shard with params offloaded -- it differentiates a stand-in of that tensor's shape and
-    dtype on the device (`_twin`), and the unit reads the host tensor beside it (stage 3: its `enter`
+    tensors of the master's dtype, so where the stage would differentiate the host master -- stage
+    2's master shard, stage 3's shard (held on the device in the compute dtype, or on the host with
+    params offloaded) -- it differentiates a stand-in of the master's shape and dtype on the device
+    (`_twin`), and the unit reads the held tensor beside it (with params offloaded its `enter`
     copies it to the device). The gradient is then computed, reduced and kept on the device in the
     same dtype as without offload."""
     stage, layout, rank = info.stage, info.layout, info.rank
     if info.offload.params is not None:
         return _twin(held, device), held
-    if master is not None and info.host_tier(b) is not None:
-        master = _twin(master, device)
-    return stage.differentiated(layout, b, held, rank, master)
+    if master is None or info.host_tier(b) is None:
+        return stage.differentiated(layout, b, held, rank, master)
+    if stage.sharded("params"):  # stage 3: the device shard is in the compute dtype; the gradient is the master's
+        return _twin(master, device), held
+    return stage.differentiated(layout, b, held, rank, _twin(master, device))
 
 
 def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:

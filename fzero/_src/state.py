@@ -219,7 +219,7 @@ def init(
                             bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
-                            offload=(off.optimizer, off.params, off.ratio, off.pin),  # nvme_path: each rank its disk
+                            offload=(off.optimizer, off.params, off.ratio, off.pin, off.direct),  # not nvme_path
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
@@ -228,8 +228,8 @@ def init(
         rank = mesh.rank
         on_host = off.host_buckets(layout)
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
-        kept = [place(st, off, tiers[b], layout, b,
-                      *st.hold(layout, b, f, rank, precision.wire(layout.buckets[b]).compute), rank)
+        computes = [precision.wire(spec).compute for spec in layout.buckets]
+        kept = [place(st, off, tiers[b], layout, b, *st.hold(layout, b, f, rank, computes[b]), rank, computes[b])
                 for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 
