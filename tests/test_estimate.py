@@ -265,6 +265,37 @@ def test_cli_module(tmp_path, monkeypatch, capsys):
     assert "PKG.MOD:FACTORY" in capsys.readouterr().err
 
 
+def test_cli_units_size_the_swap_buffers(tmp_path, monkeypatch, capsys):
+    """--units-prefix makes one bucket per block: the NVMe swap buffers (2 · 4 buffers of the
+    largest fp32 field, Adam's two fields per bucket) shrink from the whole model's 4·(3·100 +
+    2·10) = 1280 B field, 10240 B, to the largest bucket's: a block's 4·100 = 400 B, 3200 B
+    (the head's 4·20 = 80 B, the rest unit, is smaller)."""
+    (tmp_path / "fzero_cli_blocks.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            def make():
+                blocks = torch.nn.Sequential(*(torch.nn.Linear(10, 10, bias=False) for _ in range(3)))
+                return torch.nn.ModuleDict({"blocks": blocks, "head": torch.nn.Linear(10, 2, bias=False)})
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["estimate", "--module", "fzero_cli_blocks:make", "-n", "1", "--stage", "3", "--optimizer", "adam",
+            "--offload-optimizer", "nvme"]
+
+    def swap_buffers(argv):
+        assert main(argv) == 0
+        return [line.split()[-2:] for line in capsys.readouterr().out.splitlines() if line.startswith("3 ")][-1]
+
+    assert swap_buffers(base) == ["10.2", "kB"]
+    assert swap_buffers(base + ["--units-prefix", "blocks"]) == ["3.2", "kB"]
+    assert main(base + ["--units-prefix", "nope"]) == 2
+    assert "no submodule 'nope'" in capsys.readouterr().err
+    assert main(["estimate", "--params", "10", "-n", "1", "--units-prefix", "blocks"]) == 2
+    assert "use it with --module or --config" in capsys.readouterr().err
+
+
 def test_cli_optional_dependencies_missing(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
