@@ -104,8 +104,8 @@ class BytesPerParam(NamedTuple):
 
 class OffloadSetting(NamedTuple):
     """What the estimate reads of an offload: where the optimizer's shard lives (None, "cpu",
-    "nvme"), where stage 3's param shards live (None, "cpu"), and the offloaded fraction r of
-    each shard (DeepSpeed's `ratio`), exact."""
+    "nvme"), where stage 3's param shards live (None, "cpu"), and the fraction r of the trainable
+    elements offloaded (DeepSpeed's `ratio`, exact; by whole buckets: `host_fractions`)."""
 
     optimizer: str | None = None
     params: str | None = None
@@ -239,11 +239,12 @@ def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[Pa
 def _ratio(r: Any) -> Fraction:
     """The offloaded fraction as an exact rational in (0, 1]: a float is read as the decimal it
     prints (0.3 -> 3/10, not the binary neighbour)."""
-    if isinstance(r, bool) or not isinstance(r, (Real, Fraction)):
-        raise ConfigError(f"offload ratio must be a number in (0, 1] (the fraction of each shard offloaded), got {r!r}")
-    value = Fraction(repr(float(r))) if isinstance(r, float) and math.isfinite(r) else Fraction(r) if math.isfinite(r) else None
-    if value is None or not 0 < value <= 1:
-        raise ConfigError(f"offload ratio must be in (0, 1] (the fraction of each shard offloaded), got {r!r}")
+    what = "offload ratio must be a number in (0, 1] (the fraction of the trainable elements offloaded)"
+    if isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r):
+        raise ConfigError(f"{what}, got {r!r}")
+    value = Fraction(repr(float(r))) if isinstance(r, float) else Fraction(r)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{what}, got {r!r}")
     return value
 
 
