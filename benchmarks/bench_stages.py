@@ -131,6 +131,13 @@ def main() -> None:
                 f.write(f"# fzero stage {a.stage}, {a.precision}, world {world}, torch {torch.__version__}\n")
                 f.write(prof.key_averages().table(sort_by=by, row_limit=30) + "\n")
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
+                if dev.type == "cuda":  # where the GPU waited, and for which host work (benchmarks/gaps.py)
+                    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+                    from gaps import gpu_gaps
+
+                    found = gpu_gaps(prof)
+                    f.write("# GPU idle gaps: " + json.dumps(found) + "\n")
+                    print(json.dumps({"mode": f"fzero-stage{a.stage}-{a.precision}-gaps"} | found), flush=True)
     syncs = count_syncs(lambda: step(state, (idx, tgt))) if a.syncs and dev.type == "cuda" else None
     if syncs is not None:
         state = syncs.pop("state")

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from torch.profiler import record_function
 
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
@@ -266,8 +267,10 @@ def _no_vmap_over_steps() -> Iterator[None]:
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     """One step (the module docstring). After the agreement the host does only what decides the
     update before launching it (`update`); the metrics' tensors are made after it."""
-    reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
-    verdict = agree(state, loss, report, reduced, count)
+    with record_function("fzero.step/backward"):  # named ranges for profiles (benchmarks/gaps.py)
+        reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
+    with record_function("fzero.step/agree"):
+        verdict = agree(state, loss, report, reduced, count)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
     step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
@@ -283,7 +286,8 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, _metrics(*seen, skipped=True)
     reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
-    new, broken = update(state, reduced, verdict.used, config.donate)
+    with record_function("fzero.step/update"):
+        new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
