@@ -21,7 +21,10 @@ def _intervals(prof: Any) -> tuple[list[tuple[float, float, str]], list[tuple[fl
     gpu, cpu = [], []
     for e in prof.events():
         (gpu if e.device_type.name == "CUDA" else cpu).append((e.time_range.start, e.time_range.end, e.name))
-    gpu.sort()
+    # a `record_function` range is mirrored on the GPU's timeline as an annotation spanning its
+    # kernels (same name as the CPU range): not a kernel, so not busy time
+    ranges = {name for _, _, name in cpu}
+    gpu = sorted(k for k in gpu if k[2] not in ranges)
     return gpu, cpu
 
 
