@@ -12,10 +12,11 @@ from fzero._src.accounting import held_bytes as held_bytes
 from fzero._src.accounting import storage_bytes as storage_bytes
 from fzero._src.estimate import BytesPerParam as BytesPerParam
 from fzero._src.estimate import MemoryEstimate as MemoryEstimate
+from fzero._src.estimate import TierBytes as TierBytes
 from fzero._src.estimate import bytes_per_param as bytes_per_param
 from fzero._src.estimate import estimate as estimate
 from fzero._src.estimate import estimate_stages as estimate_stages
 
-__all__ = ["BytesPerParam", "CommVolume", "HeldBytes", "LiveStorages", "MemoryEstimate", "bytes_per_param",
-           "comm_volume", "estimate", "estimate_stages", "expected_comm", "grad_bytes", "held_bytes",
+__all__ = ["BytesPerParam", "CommVolume", "HeldBytes", "LiveStorages", "MemoryEstimate", "TierBytes",
+           "bytes_per_param", "comm_volume", "estimate", "estimate_stages", "expected_comm", "grad_bytes", "held_bytes",
            "storage_bytes"]
