@@ -2,9 +2,13 @@
 offload, against DeepSpeed ZeRO-Offload / ZeRO-Infinity and FSDP2 with CPUOffloadPolicy; the
 PCIe ceiling; the host AdamW's speed against DeepSpeed's CPUAdam. One job, JSON lines.
 
-Run (one H200, from the repository root; DeepSpeed from the carried wheels, its ops JIT-built):
+Run (one H200, from the repository root; DeepSpeed from the carried wheels, its ops JIT-built
+once, ~1-2 minutes, cached in $TORCH_EXTENSIONS_DIR for the machine's later calls):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl
+    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions_bench_offload
+    python3 benchmarks/bench_offload.py --smoke                                # first call: builds, then < 2 min
+    python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl                # second call: < 9 min
+Larger sizes in a further call: `--skip-pcie --skip-adam --start 2 --modes fzero-cpu ds-cpu ...`.
 Smoke (every mode on a tiny model, < 2 minutes once DeepSpeed's ops are built, which a cold cache
 adds first: minutes; also on a CPU-only machine, where the CUDA-only rows say so):
     PYTHONPATH=$PWD python3 benchmarks/bench_offload.py --smoke
@@ -116,6 +120,18 @@ def folder_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def filesystem(path: str) -> str:
+    """The type and device of the mount holding `path` (/proc/mounts' longest matching mount
+    point): a tmpfs "NVMe" would be host memory."""
+    path, best = os.path.realpath(path), ("", "?", "?")
+    with open("/proc/mounts") as f:
+        for line in f:
+            dev, mount, kind = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[0]):
+                best = (mount, kind, dev)
+    return f"{best[1]} ({best[2]} on {best[0]})"
 
 
 def emit(row: dict, out: str | None) -> None:
@@ -427,6 +443,8 @@ def child(args: list[str], timeout: float) -> tuple[list[dict], float, str | Non
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(name, value)  # NVLink multicast stays off on the shared machines
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
@@ -497,7 +515,7 @@ def driver(a) -> None:
     start = time.perf_counter()
     os.makedirs(a.nvme_path, exist_ok=True)
     emit(dict(bench="job", modes=a.modes, ladder=a.ladder, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
-              nvme_free_GiB=round(shutil.disk_usage(a.nvme_path).free / GIB, 1),
+              nvme_free_GiB=round(shutil.disk_usage(a.nvme_path).free / GIB, 1), nvme_fs=filesystem(a.nvme_path),
               host_available_GiB=round(mem_available() / GIB, 1), cpus=os.cpu_count()), a.out)
     reserve = a.mode_floor * len(a.modes)  # the sweeps' share, kept from the fixed phases
     deadline = start + a.total

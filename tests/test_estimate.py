@@ -30,7 +30,7 @@ from fzero._src.estimate import (
     round_significant,
 )
 from fzero._src.errors import ConfigError, LayoutError
-from fzero._src.layout import ParamGroup
+from fzero._src.layout import ParamGroup, plan
 from fzero._src.tree import flatten_with_paths
 
 GB = 10**9
@@ -265,6 +265,37 @@ def test_cli_module(tmp_path, monkeypatch, capsys):
     assert "PKG.MOD:FACTORY" in capsys.readouterr().err
 
 
+def test_cli_units_size_the_swap_buffers(tmp_path, monkeypatch, capsys):
+    """--units-prefix makes one bucket per block: the NVMe swap buffers (2 · 4 buffers of the
+    largest fp32 field, Adam's two fields per bucket) shrink from the whole model's 4·(3·100 +
+    2·10) = 1280 B field, 10240 B, to the largest bucket's: a block's 4·100 = 400 B, 3200 B
+    (the head's 4·20 = 80 B, the rest unit, is smaller)."""
+    (tmp_path / "fzero_cli_blocks.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            def make():
+                blocks = torch.nn.Sequential(*(torch.nn.Linear(10, 10, bias=False) for _ in range(3)))
+                return torch.nn.ModuleDict({"blocks": blocks, "head": torch.nn.Linear(10, 2, bias=False)})
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["estimate", "--module", "fzero_cli_blocks:make", "-n", "1", "--stage", "3", "--optimizer", "adam",
+            "--offload-optimizer", "nvme"]
+
+    def swap_buffers(argv):
+        assert main(argv) == 0
+        return [line.split()[-2:] for line in capsys.readouterr().out.splitlines() if line.startswith("3 ")][-1]
+
+    assert swap_buffers(base) == ["10.2", "kB"]
+    assert swap_buffers(base + ["--units-prefix", "blocks"]) == ["3.2", "kB"]
+    assert main(base + ["--units-prefix", "nope"]) == 2
+    assert "no submodule 'nope'" in capsys.readouterr().err
+    assert main(["estimate", "--params", "10", "-n", "1", "--units-prefix", "blocks"]) == 2
+    assert "use it with --module or --config" in capsys.readouterr().err
+
+
 def test_cli_optional_dependencies_missing(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -324,9 +355,9 @@ def test_offload_14b_on_2_gpus_by_hand():
     """14B params, N = 2, mixed-precision Adam (p = g = 2, s = 8, m = 4), so the shard is
     E = Ψ/N = 7·10⁹ elements. Stage 3 + optimizer offload: the GPU keeps its bf16 param shard and
     gradient shard, (2 + 2)·E = 28 GB; the host holds the gradient shard's copy 2·E = 14 GB, Adam's
-    moments 8·E = 56 GB and the fp32 master 4·E = 28 GB, 98 GB. + params offload: 0 GB on the GPU
-    (model state; the gathered units are transient), the same 98 GB on the host (the master is
-    the param shard). NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
+    moments 8·E = 56 GB and the fp32 master 4·E = 28 GB, 98 GB. + params offload: the GPU keeps
+    only the gradient shard, 14 GB (the gathered units are transient), the host the same 98 GB
+    (the master is the param shard). NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
     Stages 1 and 2 keep their full params (2·Ψ = 28 GB) and full / sharded gradients."""
     kw = dict(optimizer="adam-mixed")
     plain = estimate(14e9, 2, stage=3, **kw)
@@ -337,7 +368,7 @@ def test_offload_14b_on_2_gpus_by_hand():
     assert (_gb(cpu.params), _gb(cpu.grads), cpu.optimizer_state, cpu.master) == (14, 14, 0, 0)
     assert cpu.host == TierBytes(grads=Fraction(14 * GB), optimizer_state=Fraction(56 * GB), master=Fraction(28 * GB))
     assert (_gb(cpu.total), _gb(cpu.host.total), cpu.nvme.total) == (28, 98, 0)
-    assert (both.total, both.host) == (0, cpu.host)
+    assert (both.params, _gb(both.grads), both.host) == (0, 14, cpu.host)
     assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 42, 56)
     assert disk.host.optimizer_state == 0 and disk.nvme.optimizer_state == 56 * GB
     s1, s2, s3 = estimate(14e9, 2, offload_optimizer="cpu", **kw)  # stage 0 has no shard: not listed
@@ -360,48 +391,81 @@ def test_offload_ratio_by_hand():
 @given(
     tree=trees,
     n=st.integers(1, 6),
+    split_units=st.booleans(),
     optimizer=st.sampled_from(["adam-mixed", "adam", "sgd-momentum", "sgd"]),
     where=st.sampled_from(["cpu", "nvme"]),
     params=st.sampled_from([None, "cpu"]),
     ratio=st.sampled_from([1, Fraction(1, 2), Fraction(1, 3)]),
 )
-def test_offload_moves_state_without_losing_any(tree, n, optimizer, where, params, ratio):
-    """For every stage that accepts the setting: with E = Σ_b S_b the rank's shard, the optimizer
-    state is split (1 - r)·s·E device + r·s·E host or NVMe, nothing lost or duplicated; the host's
-    master is r·4·E (fp32: the master, or the fp32 param shard) and its gradient copy r·g·E; the device's params and grads are those of the
-    stage without offload (none with params offload), its master (1 - r)·m·E."""
+def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer, where, params, ratio):
+    """For every stage that accepts the setting, with E = Σ_b S_b the rank's shard and H the
+    elements of it on the host: the optimizer state is split s·(E - H) on the device + s·H on the
+    host or NVMe, nothing lost or duplicated; the host's master is 4·H (fp32: the master, or the
+    fp32 param shard) and its gradient copy g·H; the device's master is m·(E - H), its params
+    and grads those of the stage without offload (no params with params offload). H is whole
+    buckets: r·E <= H < r·E + max_b S_b (the device keeps the longest prefix of buckets holding
+    at most (1 - r)·E; the next one did not fit), H = E at r = 1."""
     if params is not None and ratio != 1:
         ratio = 1  # params offload keeps the whole shard on the host (a ConfigError otherwise)
+    units = (lambda path: path.split(".")[0]) if split_units else None
     bpp = bytes_per_param(optimizer)
-    kw = dict(optimizer=optimizer)
+    kw = dict(optimizer=optimizer, units=units)
     shard = estimate(tree, n, stage=3, **kw).grads / bpp.grads  # E, read off stage 3's sharded grads
+    largest = max(b.shard_numel for b in plan(tree, n, units=units).buckets)
+    r = Fraction(ratio)
     for e in estimate(tree, n, offload_optimizer=where, offload_params=params, offload_ratio=ratio, **kw):
         plain = estimate(tree, n, stage=e.stage, **kw)
-        r = Fraction(ratio)
+        on_host = e.host.master / 4  # H
+        assert r * shard <= on_host and (on_host < r * shard + largest if r < 1 else on_host == shard)
         assert e.optimizer_state + e.host.optimizer_state + e.nvme.optimizer_state == plain.optimizer_state
-        assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == r * bpp.optimizer_state * shard
-        assert (e.master, e.host.master, e.host.grads) == ((1 - r) * plain.master, r * 4 * shard, r * bpp.grads * shard)
-        assert (e.params, e.grads) == ((0, 0) if params else (plain.params, plain.grads))
+        assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == bpp.optimizer_state * on_host
+        assert (e.master, e.host.grads) == (bpp.master * (shard - on_host), bpp.grads * on_host)
+        assert (e.params, e.grads) == ((0 if params else plain.params), plain.grads)
         assert e.host.params == 0  # every bucket of these trees trains
         assert e.stage >= (3 if params else 1)
 
 
+def test_offload_ratio_keeps_whole_buckets():
+    """Three buckets of 10, 20, 30 elements (N = 1, fp32 Adam): r = 1/2 leaves room for 30
+    elements on the device, so buckets 10 and 20 stay (8·30 = 240 B of state) and 30 goes to the
+    host (state 8·30, master 4·30, gradient copy 4·30); r = 0.6 leaves room for 24: only the first
+    stays (80 B) and 20 + 30 = 50 go (state 400 B); r = 1: all 60 go. A frozen bucket in front is
+    skipped, not counted against the room. The same buckets as `fzero.Offload.host_buckets`
+    where fzero has it."""
+    import fzero
+
+    tree = {"a": torch.empty(10, device="meta"), "b": torch.empty(20, device="meta"), "c": torch.empty(30, device="meta")}
+    units = lambda path: path  # noqa: E731 -- one bucket per leaf, in this order
+    kw = dict(stage=1, optimizer="adam", units=units, offload_optimizer="cpu")
+    for r, device_state, host_elements in ((0.5, 240, 30), (0.6, 80, 50), (1, 0, 60)):
+        e = estimate(tree, 1, offload_ratio=r, **kw)
+        want = TierBytes(grads=Fraction(4 * host_elements), optimizer_state=Fraction(8 * host_elements),
+                         master=Fraction(4 * host_elements))
+        assert (e.optimizer_state, e.host) == (device_state, want)
+        if hasattr(fzero, "Offload"):
+            layout = plan(tree, 1, units=units)
+            held = fzero.Offload(optimizer="cpu", ratio=r).host_buckets(layout)
+            assert sum(layout.buckets[b].shard_numel for b in held) == host_elements
+    frozen = (ParamGroup("frozen", match=lambda p: p == "f", frozen=True),)
+    e = estimate({"f": torch.empty(50, device="meta"), **tree}, 1, offload_ratio=0.5, groups=frozen, **kw)
+    assert e.optimizer_state == 240 and e.host.params == 0  # the frozen 50 stay on the device (params not offloaded)
+
+
 def test_nvme_estimate_is_what_swap_files_hold(tmp_path):
-    """The NVMe bytes and host swap buffers of the estimate are those of a `SwapFiles` made with
-    one fp32 entry per bucket and Adam field (m, v), r·S_b elements each: files and buffers as built."""
+    """The NVMe bytes and host swap buffers of the estimate are those of a `SwapFiles` made as the
+    NVMe tier makes it: one fp32 entry per bucket and Adam field (m, v), and twice a bucket's
+    fields as buffers (this bucket's and the next one's): files and buffers as built."""
     tree = {"a": torch.empty(10, 3, device="meta"), "b": torch.empty(7, device="meta")}
     units = lambda path: path  # noqa: E731 -- two buckets, of 30 and 7 elements
     n = 3
     e = estimate(tree, n, stage=3, optimizer="adam", units=units, offload_optimizer="nvme")
-    from fzero._src.layout import plan
-
     layout = plan(tree, n, units=units)
     entries = {f"{b.tag}/{field}": (b.shard_numel, torch.float32) for b in layout.buckets for field in ("m", "v")}
-    with nvme.SwapFiles(tmp_path, entries) as files:
+    with nvme.SwapFiles(tmp_path, entries, buffers=4) as files:
         on_disk = sum(os.path.getsize(x.path) for x in files.entries.values())
         host = files.host_bytes
     assert e.nvme.total == e.nvme.optimizer_state == on_disk == 8 * (10 + 3)
-    assert e.host.buffers == host == nvme.buffer_bytes([40, 12]) == 2 * 2 * 40
+    assert e.host.buffers == host == nvme.buffer_bytes([40, 12], buffers=4) == 2 * 4 * 40
     assert estimate(37, n, stage=3, optimizer="adam", offload_optimizer="nvme").host.buffers == 0  # bare count
 
 
@@ -466,9 +530,9 @@ def test_seed_14b_on_2_gpus_row():
     """The seed's row "14B on 2 GPUs, ZeRO-3 + CPU offload: 72 GB -> 25.6 GB per GPU", checked
     against the formula (proofs/memory.md, "The seed's 14B row"): with mixed-precision Adam stage
     3 holds 16·Ψ/N = 112 GB per GPU without offload and (2 + 2)·Ψ/N = 28 GB with the optimizer
-    offloaded (26.1 GiB), 0 with the params too. No optimizer, dtype, offload setting or stage of
-    the model, in GB or in GiB, gives 72 or 25.6 per GPU for Ψ = 14·10⁹, N = 2, so the row is not
-    a count of model states: it is not reproduced."""
+    offloaded (26.1 GiB), 14 GB with the params too (the gradient shard). No optimizer, dtype,
+    offload setting or stage of the model, in GB or in GiB, gives 72 or 25.6 per GPU for
+    Ψ = 14·10⁹, N = 2, so the row is not a count of model states: it is not reproduced."""
     e = estimate(14e9, 2, stage=3, optimizer="adam-mixed")
     off = estimate(14e9, 2, stage=3, optimizer="adam-mixed", offload_optimizer="cpu")
     assert (_gb(e.total), _gb(off.total), round(float(off.total) / 2**30, 1)) == (112, 28, 26.1)

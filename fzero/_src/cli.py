@@ -117,6 +117,22 @@ def _model_of(args: argparse.Namespace) -> tuple[Any, str]:
     return model, f"{source}: {est.num_params(model)} parameters (padded layout, align {args.align})"
 
 
+def _units_of(model: Any, prefix: str | None) -> Any:
+    """`--units-prefix P`: one unit (so one bucket per dtype) per child of the module's container
+    `P` (`fzero.units_by_prefix`), as `from_module(units=...)` would split it; else one unit."""
+    if prefix is None:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        raise CliError("--units-prefix splits a module into units: use it with --module or --config")
+    from .errors import FzeroError
+    from .module import units_by_prefix
+
+    try:
+        return units_by_prefix(model, prefix)
+    except FzeroError as e:
+        raise CliError(f"--units-prefix {prefix}: {e}") from e
+
+
 def _parse_count(text: str) -> float | int:
     try:
         value = int(text)
@@ -168,8 +184,8 @@ def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs
 def _run_estimate(args: argparse.Namespace) -> int:
     model, what = _model_of(args)
     kwargs = dict(param_dtype=args.dtype, grad_dtype=args.dtype, optimizer=args.optimizer, align=args.align,
-                  offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-                  offload_ratio=args.offload_ratio)
+                  units=_units_of(model, args.units_prefix), offload_optimizer=args.offload_optimizer,
+                  offload_params=args.offload_params, offload_ratio=args.offload_ratio)
     try:
         bpp = est.bytes_per_param(args.optimizer, args.dtype, args.dtype)
         if args.stage is not None:
@@ -218,6 +234,9 @@ def _add_estimate(sub: Any) -> None:
                    help="default: the ZeRO paper's mixed-precision Adam (K = 12); fzero's train_step runs 'adam' "
                         "(fp32, K = 8) until it has a precision policy")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
+    p.add_argument("--units-prefix", metavar="PREFIX",
+                   help="one unit per child of this container, e.g. transformer.h (module/config only; default: one "
+                        "unit): the buckets NVMe swap buffers are sized by")
     p.add_argument("--offload-optimizer", choices=("cpu", "nvme"),
                    help="the optimizer's shard (master, state) in host memory, or its state in NVMe swap files")
     p.add_argument("--offload-params", choices=("cpu",), help="stage 3's param shards in host memory")

@@ -19,15 +19,17 @@ pytree or an `nn.Module` the count is taken from `fzero.layout.plan`: bucket b i
 all-gather buffers, no communication buckets. proofs/memory.md proves each row.
 
 Offload (`offload_optimizer="cpu" | "nvme"`, `offload_params="cpu"`, `offload_ratio=r`, or
-`offload=fzero.Offload(...)`) moves part of a rank's model state off the device. With E the
-rank's trainable shard (Ψ/N elements; Σ_b S_b with a layout) and r the offloaded fraction:
+`offload=fzero.Offload(...)`) moves part of a rank's model state off the device. With H the
+elements of the rank's trainable shards that live on the host (every bucket's with params
+offload, else the buckets after a device-kept prefix of at most (1 - r) of them,
+`host_fractions`) and K = E - H those kept on the device:
 
-    device:  params and grads as the stage holds them (none with params offload, stage 3),
-             optimizer state (1 - r)·s·E, master (1 - r)·m·E
-    host:    grads r·g·E (the shard's device -> host copy), master r·m'·E (m' = m, or p where
+    device:  params as the stage holds them (none with params offload, stage 3), grads as the
+             stage holds them, optimizer state s·K, master m·K
+    host:    grads g·H (the shards' device -> host copies), master m'·H (m' = m, or p where
              there is no master: the host always keeps one, fp32 for fp32 params),
-             optimizer state r·s·E ("cpu"), swap buffers ("nvme")
-    NVMe:    optimizer state r·s·E ("nvme")
+             optimizer state s·H ("cpu"), swap buffers ("nvme")
+    NVMe:    optimizer state s·H ("nvme")
 
 proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps where.
 
@@ -102,8 +104,8 @@ class BytesPerParam(NamedTuple):
 
 class OffloadSetting(NamedTuple):
     """What the estimate reads of an offload: where the optimizer's shard lives (None, "cpu",
-    "nvme"), where stage 3's param shards live (None, "cpu"), and the offloaded fraction r of
-    each shard (DeepSpeed's `ratio`), exact."""
+    "nvme"), where stage 3's param shards live (None, "cpu"), and the fraction r of the trainable
+    elements offloaded (DeepSpeed's `ratio`, exact; by whole buckets: `host_fractions`)."""
 
     optimizer: str | None = None
     params: str | None = None
@@ -237,11 +239,12 @@ def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[Pa
 def _ratio(r: Any) -> Fraction:
     """The offloaded fraction as an exact rational in (0, 1]: a float is read as the decimal it
     prints (0.3 -> 3/10, not the binary neighbour)."""
-    if isinstance(r, bool) or not isinstance(r, (Real, Fraction)):
-        raise ConfigError(f"offload ratio must be a number in (0, 1] (the fraction of each shard offloaded), got {r!r}")
-    value = Fraction(repr(float(r))) if isinstance(r, float) and math.isfinite(r) else Fraction(r) if math.isfinite(r) else None
-    if value is None or not 0 < value <= 1:
-        raise ConfigError(f"offload ratio must be in (0, 1] (the fraction of each shard offloaded), got {r!r}")
+    what = "offload ratio must be a number in (0, 1] (the fraction of the trainable elements offloaded)"
+    if isinstance(r, bool) or not isinstance(r, Real) or not math.isfinite(r):
+        raise ConfigError(f"{what}, got {r!r}")
+    value = Fraction(repr(float(r))) if isinstance(r, float) else Fraction(r)
+    if not 0 < value <= 1:
+        raise ConfigError(f"{what}, got {r!r}")
     return value
 
 
@@ -292,38 +295,59 @@ def _stage_estimate(
 
     params = category("params", bpp.params, trainable_only=False)
     grads = category("grads", bpp.grads, trainable_only=True)
-    state = category("optimizer_state", bpp.optimizer_state, trainable_only=True)
-    master = category("master", bpp.master, trainable_only=True)
     if off.optimizer is None:
-        return MemoryEstimate(stage, world_size, params, grads, state, master)
-    host, disk = _offloaded(buffers, bpp, off)
-    kept = 1 - off.ratio  # sharded categories here (check_offload_stage): the device keeps (1 - r) of each shard
+        state = category("optimizer_state", bpp.optimizer_state, trainable_only=True)
+        return MemoryEstimate(stage, world_size, params, grads, state, category("master", bpp.master, True))
+    # Offloaded (stages 1-3: state and master are sharded): h_b of bucket b's shard is on the host.
+    h = host_fractions(buffers, off)
+    kept = sum(((1 - f) * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
+    host, disk = _offloaded(buffers, h, bpp, off)
     if off.params is not None:
-        params = grads = Fraction(0)
-    return MemoryEstimate(stage, world_size, params, grads, kept * state, kept * master, host, disk, off)
+        params = Fraction(0)  # every shard is on the host; the gradients stay on the device (as the stage)
+    return MemoryEstimate(stage, world_size, params, grads, bpp.optimizer_state * kept, bpp.master * kept, host, disk,
+                          off)
 
 
-def _offloaded(buffers: Sequence[_Buffer], bpp: BytesPerParam, off: OffloadSetting) -> tuple[TierBytes, TierBytes]:
-    """Host and NVMe bytes of an offloaded rank (stages 1-3, where E = Σ_trainable S_b is the
-    optimizer's shard): of each shard the fraction r is on the host with its master (the fp32
-    master where the params are narrower, else a copy of the param shard: m or p bytes) and the
-    copy of its gradient; its optimizer state is on the host ("cpu") or in swap files ("nvme": one
-    fp32 file per bucket and state field, `nvme.buffer_bytes` of host buffers; not counted for a
-    bare count, whose buckets are unknown). With params
-    offload (r = 1) the host shard is the param (the master) and the gradient shard comes to the
-    host in the unit's backward; frozen shards live on the host in the param dtype."""
-    shard = sum((b.shard for b in buffers if b.trainable), Fraction(0))
-    frozen = sum((b.shard for b in buffers if not b.trainable), Fraction(0))
-    on_host = off.ratio * shard
+def host_fractions(buffers: Sequence[_Buffer], off: OffloadSetting) -> list[Fraction]:
+    """The part of each buffer's shard that an offload keeps on the host, as `Offload.host_buckets`
+    decides: with params offloaded every bucket (1); else the trainable buckets after the longest
+    prefix, in layout order, of trainable buckets whose shards hold at most `(1 - r)` of all
+    trainable shard elements (1), the others 0. A bare count has no buckets: there the limit of
+    many small ones, r of the shard on the host."""
+    if off.params is not None:
+        return [Fraction(1)] * len(buffers)
+    if any(not b.bucket for b in buffers):
+        return [off.ratio if b.trainable else Fraction(0) for b in buffers]
+    room = (1 - off.ratio) * sum((b.shard for b in buffers if b.trainable), Fraction(0))
+    h, kept, prefix = [], Fraction(0), True
+    for b in buffers:
+        prefix = prefix and (not b.trainable or kept + b.shard <= room)
+        kept += b.shard if b.trainable and prefix else 0
+        h.append(Fraction(0) if not b.trainable or prefix else Fraction(1))
+    return h
+
+
+def _offloaded(
+    buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting
+) -> tuple[TierBytes, TierBytes]:
+    """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions`. For each host
+    shard the host holds its master (the fp32 master where the params are narrower, else a copy
+    of the param shard: m or p bytes), the copy of its reduced gradient (all buckets' copies are
+    started at once in `update`), and its optimizer state ("cpu"), or the state is in swap files
+    ("nvme": one fp32 file per bucket and state field; host buffers `nvme.buffer_bytes` with
+    twice a bucket's fields as buffers; not counted for a bare count, whose buckets are unknown).
+    With params offloaded, frozen shards live on the host in the params' dtype."""
+    on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
+    frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
     fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
-    files = [4 * off.ratio * b.shard for b in buffers if b.trainable and b.bucket] * fields
+    files = [4 * f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f] * fields
     host = TierBytes(
-        params=bpp.params * frozen if off.params is not None else Fraction(0),
+        params=bpp.params * frozen,
         grads=bpp.grads * on_host,
         optimizer_state=state if off.optimizer == "cpu" else Fraction(0),
         master=(bpp.master or bpp.params) * on_host,
-        buffers=Fraction(nvme.buffer_bytes(files)) if off.optimizer == "nvme" else Fraction(0),
+        buffers=Fraction(nvme.buffer_bytes(files, buffers=2 * fields)) if off.optimizer == "nvme" else Fraction(0),
     )
     disk = TierBytes(optimizer_state=state) if off.optimizer == "nvme" else TierBytes()
     return host, disk
