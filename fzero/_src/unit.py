@@ -87,8 +87,9 @@ class Inflight:
     the next `flat[N * S]` exists, not after its reduction starts: with the default depth 1 the
     reduction of one unit runs while the next unit's per-leaf gradients are computed (the
     overlap), and the next assembled buffer replaces it (the memory: one bucket's gradient
-    buffer, plus its per-leaf gradients, at any time; proofs/stage3.md, section 7). `add` past
-    `depth` also waits for the oldest. (SimMesh completes at start: nothing stays open.)
+    buffer at any time, beside the per-leaf gradients being assembled and the backend's staging;
+    proofs/stage3.md, section 7). `add` past `depth` also waits for the oldest. (SimMesh
+    completes at start: nothing stays open.)
 
     With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
     the step passes where it reduces each micro-batch), the unit's backward hands autograd no
