@@ -68,10 +68,14 @@ def kernel_rows(device: torch.device, n: int, out: str | None) -> None:
             d = v1.sqrt() / math.sqrt(1 - beta2**t) + eps
             r = lr / (1 - beta1**t) * big_m / d
             ratio = lambda a, b, bound: float(((a.double() - b.double()).abs() / bound).max())  # noqa: E731
+            # proofs/offload.md §2, corrected: where each kernel rounds beta to float32 (kappa, tau)
+            k1, k2 = beta1 / (1 - beta1), beta2 / (1 - beta2)
+            tau1, tau2 = t * beta1**t / (1 - beta1**t), t * beta2**t / (1 - beta2**t)
             emit({"row": "kernel", "opt": "adamw", "t": t, "lr": lr, "wd": wd, "device": str(device),
-                  "ratio_p": ratio(host_p, dev_p, U * (6 * p1.abs() + 27 * r)),
-                  "ratio_m": ratio(host_s.exp_avg, dev_s.exp_avg, 6 * U * big_m),
-                  "ratio_v": ratio(host_s.exp_avg_sq, dev_s.exp_avg_sq, 6 * U * v1),
+                  "ratio_p": ratio(host_p, dev_p, U * (6 * p1.abs() + (27 + k1 + tau1 + (k2 + tau2) / 2) * r)),
+                  "ratio_m": ratio(host_s.exp_avg, dev_s.exp_avg, (6 + k1) * U * big_m),
+                  "ratio_v": ratio(host_s.exp_avg_sq, dev_s.exp_avg_sq, (6 + k2) * U * v1),
+                  "ratio_p_first_bound": ratio(host_p, dev_p, U * (6 * p1.abs() + 27 * r)),
                   "equal_p": float((host_p == dev_p).double().mean())}, out)
     for momentum in (0.0, 0.9):
         opt = fo.sgd(1e-2, momentum=momentum, weight_decay=0.01)

@@ -185,8 +185,9 @@ class HostTier:
         return self.device.type == "cuda"
 
     def pinned(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` (a host tensor) in page-locked memory where copies to CUDA may then be asynchronous."""
-        return x.pin_memory() if self.cuda and self.pin and not x.is_pinned() else x
+        """`x` (a host tensor) in page-locked memory where copies to CUDA may then be asynchronous;
+        a tensor already on the device is left where it is (only host memory can be pinned)."""
+        return x.pin_memory() if self.cuda and self.pin and x.device.type == "cpu" and not x.is_pinned() else x
 
     def host(self, x: torch.Tensor) -> torch.Tensor:
         """A host copy of `x` (a new buffer; pinned on CUDA); blocking."""
