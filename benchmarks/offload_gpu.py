@@ -23,10 +23,10 @@ Time limit: `--budget` seconds overall (rows stop when it is spent).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -36,15 +36,10 @@ import fzero.optim as fo
 from fzero import ParamGroup
 from fzero.layout import Segment
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offload import emit  # noqa: E402  (one JSON line, printed and appended to --out)
+
 U = 2.0**-24
-
-
-def emit(row: dict, out: str | None) -> None:
-    line = json.dumps(row)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
 
 
 def kernel_rows(device: torch.device, n: int, out: str | None) -> None:
