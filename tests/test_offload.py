@@ -372,3 +372,26 @@ def test_evaluate_reads_offloaded_states():
 
     for outs in mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen).bfloat16(),) for _ in range(2)]):
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+
+
+@pytest.mark.parametrize("offload", [None, fzero.Offload(optimizer="cpu")])
+def test_gather_of_a_stage3_master_all_gathers_each_bucket_once(offload):
+    """`fzero.gather` of a stage-3 state that keeps a master shard (a bf16 policy; optimizer
+    offload) returns the params and all-gathers each bucket's `N * S` elements once: the stage's
+    `enter` gathers the master shard itself (gathering it first, then entering the full buffer,
+    moved N times the bytes)."""
+    n = 2
+    mesh = fzero.SimMesh(n)
+    params = {"a": torch.arange(8.0), "b": torch.arange(6.0).reshape(2, 3)}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(0.1), stage=3, mesh=mesh, units=lambda p: p,
+                           precision=fzero.Precision(torch.bfloat16), offload=offload)
+        with mesh.record() as log:
+            full = fzero.gather(state)
+        sizes = {spec.tag: spec.padded_numel for spec in state.layout.buckets}
+        return full, [(r.tag, r.elements) for r in log if r.rank == mesh.rank and r.op == "all_gather"], sizes
+
+    for full, gathers, sizes in mesh.run(rank_fn):
+        assert torch.equal(full["a"], params["a"]) and torch.equal(full["b"], params["b"])
+        assert sorted(gathers) == sorted(sizes.items())

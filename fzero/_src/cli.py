@@ -241,7 +241,8 @@ def _add_estimate(sub: Any) -> None:
                    help="the optimizer's shard (master, state) in host memory, or its state in NVMe swap files")
     p.add_argument("--offload-params", choices=("cpu",), help="stage 3's param shards in host memory")
     p.add_argument("--offload-ratio", type=float, default=1.0,
-                   help="the fraction r of each shard offloaded (default 1; DeepSpeed's ratio)")
+                   help="the fraction r of the trainable elements whose optimizer state is offloaded, in whole "
+                        "buckets (default 1; DeepSpeed's ratio)")
     p.add_argument("--plot", metavar="OUT.png", help="plot bytes per rank vs world size (needs matplotlib)")
     p.add_argument(
         "--plot-world-sizes",

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 from typing import Any
 
 import optree
@@ -91,8 +92,8 @@ class Offload:
                               f"optimizer={self.optimizer!r}); drop nvme_path or set optimizer='nvme'")
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 < r <= 1:
-            raise ConfigError(f"Offload.ratio must be a float in (0, 1] (the fraction of each shard offloaded), got "
-                              f"{r!r}")
+            raise ConfigError(f"Offload.ratio must be a float in (0, 1] (the fraction of the trainable elements whose "
+                              f"optimizer state is offloaded, in whole buckets), got {r!r}")
         if r != 1 and self.params is not None:
             raise ConfigError(f"Offload(ratio={r}, params={self.params!r}): with params offloaded every shard is on "
                               f"the host (it is the master), so the whole optimizer state is too; use ratio=1.0, or "
@@ -118,7 +119,8 @@ class Offload:
             return frozenset(range(len(layout.buckets)))
         trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
         sizes = [layout.buckets[b].shard_numel for b in trainable]
-        keep, room, kept = 0, (1 - self.ratio) * sum(sizes), 0
+        ratio = Fraction(repr(float(self.ratio)))  # exact, as the estimate reads it (0.9 -> 9/10)
+        keep, room, kept = 0, (1 - ratio) * sum(sizes), 0
         while keep < len(trainable) and kept + sizes[keep] <= room:
             kept += sizes[keep]
             keep += 1
@@ -273,6 +275,10 @@ class NvmeTier(HostTier):
     directory: str = ""
     direct: bool = False
     in_place = True
+    # each tier owns its own files: equal only to itself (HostTier's generated __eq__ compares
+    # device and pin, which two NVMe tiers with different files share)
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     @staticmethod
     def make(device: torch.device, offload: Offload, shapes: dict[int, Any]) -> "NvmeTier":

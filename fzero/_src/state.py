@@ -194,9 +194,11 @@ def init(
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`). Only where some bucket computes in fp16.
-      offload: None or `fzero.Offload(optimizer="cpu", params=None | "cpu")`: this rank's master
-        shard and optimizer state (stages 1-3) and stage 3's param shards in host memory, the
-        update on the host; the same bits (docs/offload.md).
+      offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu", nvme_path=,
+        ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme": the state's
+        per-element fields in swap files under `nvme_path`; `ratio` < 1 keeps whole buckets on
+        the device) and stage 3's param shards in host memory, the update on the host; the same
+        bits where the host's kernels are the device's (docs/offload.md).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)
@@ -347,11 +349,18 @@ def gather(state: ZeroState) -> Any:
     leaves: list[Any] = [None] * len(layout.leaves)
     with torch.no_grad():
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
-            xs = [state.params[b.index] if state.master[b.index] is None
-                  else all_gather(state.master[b.index].to(mesh.device), mesh, tag=b.tag) for b in program.buckets]
+            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b) for b in program.buckets]
             for i, t in zip(program.leaves, gather_leaves(program, xs, cast=False)):
                 leaves[i] = t.clone()
     return unflatten(layout.treespec, leaves)
+
+
+def _master_input(state: ZeroState, b: Any) -> torch.Tensor:
+    """What `gather_leaves` reads for bucket b's master values: where the stage shards params its
+    `enter` gathers the master shard itself (an offloaded stage 3); else the master shard is
+    all-gathered here into the full buffer the stage's `enter` passes through."""
+    master = state.master[b.index].to(state.mesh.device)
+    return master if state.stage.sharded("params") else all_gather(master, state.mesh, tag=b.tag)
 
 
 def consume(state: ZeroState) -> None:

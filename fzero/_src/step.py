@@ -242,8 +242,18 @@ def train_step(
 @torch.compiler.disable  # under torch.compile(step) fzero runs eager; compile the loss instead (docs/compile.md)
 def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     check_state(state, pending=False)  # the step's agreement carries the pending flag
+    _check_in_place_tiers(config, state)
     with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
         return run_step(config, state, batch)
+
+
+def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
+    """NVMe offload writes the optimizer state's files in place: refused before the step's work
+    without `donate=True` (the same error `offload.HostUpdate` raises, here before any compute)."""
+    offload = state.info.offload
+    if offload.optimizer == "nvme" and not config.donate:
+        raise ConfigError(f"Offload(optimizer='nvme') writes the optimizer state's swap files in place, so a step "
+                          f"consumes its input state: use train_step(..., donate=True) (got donate=False)")
 
 
 @contextlib.contextmanager
@@ -742,7 +752,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
     """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf
-    (`unit.nonfinite` per bucket, one read each), else 0; no host synchronisation."""
+    (`unit.nonfinite` per bucket, one read each), else 0; no host synchronisation for buckets
+    updated on the device (an offloaded bucket's flag is computed on the host and copied)."""
     flag = torch.zeros((), dtype=torch.float32, device=state.mesh.device)
     for p in updated.values():
         flag = torch.maximum(flag, nonfinite(p).to(flag))

@@ -166,9 +166,23 @@ class UnitProgram:
 
 def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL,
                   inflight: Inflight | None = None) -> list[UnitProgram]:
-    return [UnitProgram(unit, mesh, stage, tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)),
-                        inflight)
-            for unit in layout.units]
+    buckets = _unit_buckets(layout, precision)
+    return [UnitProgram(unit, mesh, stage, buckets[unit], inflight) for unit in layout.units]
+
+
+_BUCKETS: dict[tuple[int, Precision], tuple[weakref.ref, dict[str, tuple[Bucket, ...]]]] = {}
+
+
+def _unit_buckets(layout: Layout, precision: Precision) -> dict[str, tuple[Bucket, ...]]:
+    """`{unit: its Buckets}`, built once per (layout, precision) -- every step's programs read them
+    -- and remembered by the layout's identity while it lives (hashing a layout reads every leaf)."""
+    key = (id(layout), precision)
+    hit = _BUCKETS.get(key)
+    if hit is not None and hit[0]() is layout:
+        return hit[1]
+    built = {unit: tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)) for unit in layout.units}
+    _BUCKETS[key] = (weakref.ref(layout, lambda _: _BUCKETS.pop(key, None)), built)
+    return built
 
 
 class Probe(NamedTuple):
