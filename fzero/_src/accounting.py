@@ -91,6 +91,9 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     optimizer_state: Σ nbytes of every tensor in `state.opt_state`; grads: `grad_bytes`.
     With `optimizer` (the `fzero.optim` triple the state was made with), its `spec` splits off
     the replicated fields (every kind but "shard") into `optimizer_leaf`.
+    Tensors count wherever they live: under `fzero.Offload` the host's master and optimizer state
+    count too (not split by tier: `estimate(..., offload=...)`'s `TierBytes` gives device, host
+    and NVMe bytes), and NVMe's file-backed fields count at their stand-ins' logical size.
     """
     leaf = None
     if optimizer is not None:

@@ -204,7 +204,7 @@ class HostTier:
         uses `x`); elsewhere the copy, made now."""
         if not self.cuda:
             return Transfer(self.host(x))
-        if x.device.type == "cpu":  # already on the host (params offloaded: the unit's leave copied it)
+        if x.device.type == "cpu":  # already on the host: nothing to copy
             return Transfer(x)
         side = _side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
