@@ -455,12 +455,9 @@ class HostUpdate:
     device in the dtype the state holds there, or, with params offloaded, the host shard itself,
     which is the params); `done()` waits for the tier's writes (NVMe)."""
 
-    def __init__(self, info: Any, reduced: dict[int, torch.Tensor], donate: bool) -> None:
+    def __init__(self, info: Any, reduced: dict[int, torch.Tensor]) -> None:
         self.info, self.device = info, info.mesh.device
         self.tiers = {b: t for b in reduced if (t := info.host_tier(b)) is not None}
-        if any(t.in_place for t in self.tiers.values()) and not donate:
-            raise ConfigError(f"Offload(optimizer={info.offload.optimizer!r}) writes the optimizer state's swap files "
-                              f"in place, so a step consumes its input state: use train_step(..., donate=True)")
         self.grads = {b: t.start_host(reduced[b]) for b, t in self.tiers.items()}
         order = list(self.tiers)
         self.following = dict(zip(order, order[1:]))

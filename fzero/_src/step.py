@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import math
 import operator
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -53,7 +52,7 @@ from .offload import HostUpdate, differentiated
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
-from .unit import Inflight, Probe, nonfinite, unit_programs
+from .unit import Inflight, Probe, nonfinite, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -248,12 +247,13 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
 
 
 def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
-    """NVMe offload writes the optimizer state's files in place: refused before the step's work
-    without `donate=True` (the same error `offload.HostUpdate` raises, here before any compute)."""
-    offload = state.info.offload
-    if offload.optimizer == "nvme" and not config.donate:
-        raise ConfigError(f"Offload(optimizer='nvme') writes the optimizer state's swap files in place, so a step "
-                          f"consumes its input state: use train_step(..., donate=True) (got donate=False)")
+    """A tier that writes the optimizer state in place (NVMe's swap files) needs a donating step:
+    refused before the step's work."""
+    tier = state.info.tier
+    if tier is not None and tier.in_place and not config.donate:
+        raise ConfigError(f"Offload(optimizer={state.info.offload.optimizer!r}) writes the optimizer state's swap "
+                          f"files in place, so a step consumes its input state: use train_step(..., donate=True) "
+                          f"(got donate=False)")
 
 
 @contextlib.contextmanager
@@ -424,25 +424,19 @@ class BucketPlan(NamedTuple):
                              leaf_sum or self.leaf_sum, self.numels, self.shapes)
 
 
-_PLANS: dict[int, tuple[Any, dict[int, BucketPlan]]] = {}
+_PLANS: dict = {}
 
 
 def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
     """`{bucket: BucketPlan}` over the trainable buckets, built once per `StateInfo` (every state a
-    step returns shares its input's) and remembered by identity while the info lives: hashing a
-    layout costs a pass over its leaves, which is what the plan saves the step's host."""
-    key = id(info)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is info:
-        return hit[1]
+    step returns shares its input's; `unit.remembered`)."""
     layout, stage, mesh, rank = info.layout, info.stage, info.mesh, info.rank
-    plan = {spec.index: BucketPlan(spec.index, info.precision.wire(spec), spec.group,
-                                   stage.segments(layout, spec.index, rank), spec.leaves,
-                                   stage.leaf_sum(mesh, spec.tag), tuple(layout.leaves[i].numel for i in spec.leaves),
-                                   tuple(layout.leaves[i].shape for i in spec.leaves))
-            for spec in layout.buckets if not spec.group.frozen}
-    _PLANS[key] = (weakref.ref(info, lambda _: _PLANS.pop(key, None)), plan)
-    return plan
+    return remembered(_PLANS, info, None, lambda: {
+        spec.index: BucketPlan(spec.index, info.precision.wire(spec), spec.group,
+                               stage.segments(layout, spec.index, rank), spec.leaves,
+                               stage.leaf_sum(mesh, spec.tag), tuple(layout.leaves[i].numel for i in spec.leaves),
+                               tuple(layout.leaves[i].shape for i in spec.leaves))
+        for spec in layout.buckets if not spec.group.frozen})
 
 
 def backward(config: StepConfig, state: ZeroState, batch: Any
@@ -721,7 +715,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     flights, back = {}, {}
     overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
     plan = plan_of(state.info)
-    host = HostUpdate(state.info, reduced, donate)  # offloaded buckets: gradients start for the host now
+    host = HostUpdate(state.info, reduced)  # offloaded buckets: gradients start for the host now
     for b, g in reduced.items():
         g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
         ctx = plan[b].context(step, used, leaf_sum)

@@ -170,19 +170,26 @@ def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision
     return [UnitProgram(unit, mesh, stage, buckets[unit], inflight) for unit in layout.units]
 
 
-_BUCKETS: dict[tuple[int, Precision], tuple[weakref.ref, dict[str, tuple[Bucket, ...]]]] = {}
+def remembered(cache: dict, owner: Any, extra: Any, build: Callable[[], Any]) -> Any:
+    """`build()`, once per `(owner, extra)` while `owner` lives: kept in `cache` under the owner's
+    identity and dropped with it (weakly), for owners whose hash would cost a pass over them
+    (a layout reads every leaf). Every step reads what is built from its state's static parts."""
+    key = (id(owner), extra)
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is owner:
+        return hit[1]
+    value = build()
+    cache[key] = (weakref.ref(owner, lambda _: cache.pop(key, None)), value)
+    return value
+
+
+_BUCKETS: dict = {}
 
 
 def _unit_buckets(layout: Layout, precision: Precision) -> dict[str, tuple[Bucket, ...]]:
-    """`{unit: its Buckets}`, built once per (layout, precision) -- every step's programs read them
-    -- and remembered by the layout's identity while it lives (hashing a layout reads every leaf)."""
-    key = (id(layout), precision)
-    hit = _BUCKETS.get(key)
-    if hit is not None and hit[0]() is layout:
-        return hit[1]
-    built = {unit: tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)) for unit in layout.units}
-    _BUCKETS[key] = (weakref.ref(layout, lambda _: _BUCKETS.pop(key, None)), built)
-    return built
+    """`{unit: its Buckets}`, built once per (layout, precision)."""
+    return remembered(_BUCKETS, layout, precision, lambda: {
+        unit: tuple(Bucket.of(layout, b, precision) for b in layout.unit_buckets(unit)) for unit in layout.units})
 
 
 class Probe(NamedTuple):
