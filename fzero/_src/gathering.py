@@ -193,8 +193,10 @@ class Gathering:
                                 self._probes[unit], after)
         self._anchors.append(anchor)
         leaves = dict(zip(program.leaves, outs))
-        if self.releasable:
-            firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()]
+        if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
+            held = {b: self._xs[b] if self._fulls[b] is None else self._fulls[b] for b in ids}
+            firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()
+                      and leaves[b.leaves[0]].untyped_storage()._cdata != held[b.index].untyped_storage()._cdata]
             self._storages[unit] = [(b, t.untyped_storage(), t.untyped_storage().nbytes()) for b, t in firsts]
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
@@ -203,8 +205,8 @@ class Gathering:
         """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
         nothing where the step does not release. A unit of at most `persist_bytes` is kept
         instead (unless `force`: the cap needs its room)."""
-        if not (self.releasable and unit in self._leaves and unit not in self._released):
-            return
+        if not (self.releasable and unit in self._leaves and unit not in self._released and self._storages[unit]):
+            return  # (no gathered storage: every bucket reads its held tensor, N = 1)
         if not force and self._programs[unit].gathered_bytes <= self.persist_bytes:
             if unit not in self._kept:
                 self._kept.append(unit)
