@@ -1,0 +1,242 @@
+"""Host work of the forward (`from_module`'s `apply` with `LazyParams`, fzero/_src/module.py):
+
+- each rank thread's skeleton copy registers its forward hooks once, on its first step; later
+  steps register none, and the binding plan is built once per unit map (rebuilt, and the hooks
+  extended, for a state with other units; every map gives the bits of `gather="eager"`);
+- a forward that raises inside a unit leaves every parameter slot of the copy holding its meta
+  placeholder, and the next step gives the bits of a step that never saw the error;
+- a loss that runs the module twice on one `LazyParams` runs each unit's Function once per
+  step (stage 3: the second forward gathers released units again) and gives the bits of
+  `gather="eager"`;
+- `apply` inside a module's forward binds into a second copy, not the running one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fzero
+from fzero import from_module, units_by_prefix
+from fzero._src import gathering as gathering_module
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.fail = False  # set by a test: raise inside this unit's forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x))
+        if self.fail:
+            raise RuntimeError("block failed")
+        return x + self.out(h)
+
+
+class Net(nn.Module):
+    """Blocks over an embedding whose weight the head reads too (tied across units: its home
+    is the root), so units bind at the root and in submodule hooks."""
+
+    def __init__(self, d: int = 8, blocks: int = 3, vocab: int = 11) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)
+
+
+def _copies(apply) -> list:
+    """This thread's skeleton copies (`apply`'s per-thread state)."""
+    local = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, threading.local))
+    return local.__dict__.get("copies", [])
+
+
+def _hooks(skeleton: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in skeleton.modules())
+
+
+def _steps(model: nn.Module, stage: int, units, steps: int, gather: str = "on_use", loss=None, during=None):
+    """`steps` steps of one rank (SimMesh(1)); `during(apply, k)` runs in the rank's thread after
+    step k. Returns the final params (gathered) and the losses."""
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    loss = loss or (lambda p, b: apply(p, *b))
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        step = fzero.train_step(loss, gather=gather)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh,
+                           units=units if units is not None else info.units)
+        losses = []
+        for k in range(steps):
+            state, metrics = step(state, _batch())
+            losses.append(metrics.loss)
+            if during is not None:
+                during(apply, k)
+        return fzero.gather(state), losses
+
+    return mesh.run(rank)[0], apply
+
+
+def _equal(a, b) -> bool:
+    (pa, la), (pb, lb) = a, b
+    return (pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa) and len(la) == len(lb)
+            and all(torch.equal(x, y) for x, y in zip(la, lb)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hooks_are_registered_once_and_the_plan_is_cached(stage):
+    torch.manual_seed(0)
+    model = Net()
+    seen = []
+
+    def during(apply, k):
+        (skel,) = _copies(apply)
+        seen.append((_hooks(skel.module), skel.plan))
+
+    got, _ = _steps(model, stage, None, 4, during=during)
+    hooks, plans = zip(*seen)
+    assert hooks == (2 * 3,) * 4  # a pre-hook and a hook on each of the 3 blocks, from the first step on
+    assert all(p is plans[0] for p in plans)  # built once
+    assert {b.unit for b in plans[0].root} == {"default"} and len(plans[0].hooked) == 3
+    want, _ = _steps(model, stage, None, 4, gather="eager")
+    assert _equal(got, want)
+
+
+def test_a_forward_that_raises_inside_a_unit_leaves_the_placeholders_and_the_next_step_works():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    failing = {"on": False}
+
+    def loss(p, b):
+        for c in _copies(apply):
+            c.module.blocks[1].fail = failing["on"]
+        return apply(p, *b)
+
+    def rank():
+        step = fzero.train_step(loss)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        state, _ = step(state, _batch())
+        failing["on"] = True
+        with pytest.raises(RuntimeError, match="block failed"):
+            step(state, _batch())
+        (skel,) = _copies(apply)
+        assert skel.call is None
+        slots = [p for m in skel.module.modules() for p in m._parameters.values() if p is not None]
+        assert slots and all(p.is_meta for p in slots)  # no gathered leaf left bound
+        failing["on"] = False
+        state, metrics = step(state, _batch())
+        return fzero.gather(state), [metrics.loss]
+
+    got = mesh.run(rank)[0]
+    (want_params, want_losses), _ = _steps(model, 3, None, 2)
+    assert _equal(got, (want_params, want_losses[1:]))
+
+
+def test_a_state_with_other_units_rebuilds_the_plan_and_gives_the_eager_bits():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    coarse = lambda path: "blocks" if path.startswith("blocks.") else "rest"  # noqa: E731
+    mesh = fzero.SimMesh(1)
+
+    def rank(gather):
+        step = fzero.train_step(lambda p, b: apply(p, *b), gather=gather)
+        fine = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        wide = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=coarse)
+        seen = []
+        for _ in range(2):  # alternate: each switch rebuilds the plan for that state's map
+            for which in ("fine", "wide"):
+                if which == "fine":
+                    fine, _ = step(fine, _batch())
+                else:
+                    wide, _ = step(wide, _batch())
+                if gather == "on_use":
+                    (skel,) = _copies(apply)
+                    seen.append(({b.unit for b in skel.plan.root},
+                                 {b.unit for bs in skel.plan.hooked.values() for b in bs}, _hooks(skel.module)))
+        return fzero.gather(fine), fzero.gather(wide), seen
+
+    fine, wide, seen = mesh.run(rank, [("on_use",)])[0]
+    want_fine, want_wide, _ = mesh.run(rank, [("eager",)])[0]
+    assert _equal((fine, []), (want_fine, [])) and _equal((wide, []), (want_wide, []))
+    blocks = {"blocks.0", "blocks.1", "blocks.2"}
+    # the coarse unit's home is the ModuleList, which never runs: it binds at the root. The fine
+    # map's 3 blocks keep their hooks (doing nothing for the coarse map); none is registered twice
+    assert seen == [({"default"}, blocks, 6), ({"blocks", "rest"}, set(), 6)] * 2
+
+
+def test_a_loss_that_runs_the_module_twice_runs_each_unit_once(monkeypatch):
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    runs = []
+    run_unit = gathering_module.run_unit
+    monkeypatch.setattr(gathering_module, "run_unit", lambda program, *a: runs.append(program.name) or
+                        run_unit(program, *a))
+
+    def rank(gather):
+        step = fzero.train_step(lambda p, b: apply(p, *b) + apply(p, b[0].flip(1), b[1]), gather=gather)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, _batch())
+            losses.append(metrics.loss)
+        return fzero.gather(state), losses
+
+    got = mesh.run(rank, [("on_use",)])[0]
+    assert sorted(runs) == sorted(["default", "blocks.0", "blocks.1", "blocks.2"] * 2)  # once per step each
+    want = mesh.run(rank, [("eager",)])[0]
+    assert _equal(got, want)
+
+
+def test_apply_inside_apply_binds_a_second_copy():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    results = []
+
+    def loss(p, b):
+        def inside(mod, args):  # runs while the outer call is inside block 0 (its unit bound)
+            if len(results) == 1:
+                results.append(apply(p, *b))
+
+        copies = _copies(apply)
+        handle = copies[0].module.blocks[0].register_forward_pre_hook(inside) if copies else None
+        try:
+            out = apply(p, *b)
+        finally:
+            if handle is not None:
+                handle.remove()
+        results.append(out)
+        return out
+
+    def rank():
+        step = fzero.train_step(loss)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units)
+        state, _ = step(state, _batch())  # builds copy 0 (no nesting yet)
+        state, _ = step(state, _batch())
+        return len(_copies(apply))
+
+    assert mesh.run(rank)[0] == 2  # the inner call ran in its own copy
+    first, inner, outer = results
+    assert torch.equal(inner, outer)  # the same forward on the same params: the same bits
