@@ -23,6 +23,7 @@ from torch import nn
 import fzero
 from fzero import from_module, units_by_prefix
 from fzero._src import gathering as gathering_module
+from fzero._src.eager import eager
 
 
 class Block(nn.Module):
@@ -240,3 +241,58 @@ def test_apply_inside_apply_binds_a_second_copy():
     assert mesh.run(rank)[0] == 2  # the inner call ran in its own copy
     first, inner, outer = results
     assert torch.equal(inner, outer)  # the same forward on the same params: the same bits
+
+
+# -- eager (fzero/_src/eager.py): no dynamo frame switch where dynamo is absent, the same graph
+# breaks where it is ------------------------------------------------------------------------
+
+
+def test_eager_calls_the_function_directly_without_dynamo():
+    seen = []
+
+    @eager
+    def f(x):
+        seen.append(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+        return x + 1
+
+    assert torch.equal(f(torch.zeros(2)), torch.ones(2)) and seen == [None]
+    assert f.__name__ == "f" and f.__wrapped__ is not None  # a plain wrapper, not dynamo's
+
+
+def test_a_compiled_function_calling_collectives_traces_none_of_fzero():
+    """Every collective is one graph break, as with `torch.compiler.disable`: the graphs hold the
+    user's ops only (none from fzero/_src: the mesh's bookkeeping and SimMesh's exchange run
+    eager, with dynamo's callback off), and the result has the eager bits (a backend that runs
+    the captured graphs as they are)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    inside = []
+
+    @eager
+    def probe(x):
+        inside.append(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+        return x
+
+    mesh = fzero.SimMesh(1)
+
+    def f(x):
+        y = torch.sin(x)
+        z = mesh.collective("all_reduce", y, arg="sum", tag="a")
+        w = mesh.solo("all_gather", probe(z * 2), tag="b")
+        return torch.cos(mesh.start("all_gather", w + 1, tag="c").wait())
+
+    x = torch.randn(4)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend)
+    got = mesh.run(lambda: [compiled(x) for _ in range(2)])[0]
+    want = mesh.run(lambda: f(x))[0]
+    assert all(torch.equal(g, want) for g in got)
+    sources = [n.meta.get("stack_trace") or "" for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sources and not any("fzero/_src" in s for s in sources)
+    assert {len([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in graphs} == {1}  # sin | *2 | +1 | cos
+    assert inside and all(c is None for c in inside)  # probe ran with dynamo's callback off
+    torch._dynamo.reset()

@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import func_level
+from .eager import eager
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .stages import Flight, Piece
@@ -169,7 +170,7 @@ class Gathering:
 
     # -- one unit -------------------------------------------------------------------------
 
-    @torch.compiler.disable  # a compiled loss reading a unit gathers it eager (docs/compile.md)
+    @eager  # a compiled loss reading a unit gathers it eager (docs/compile.md)
     def read(self, unit: str) -> dict[str, torch.Tensor]:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
