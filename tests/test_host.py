@@ -13,17 +13,23 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 
 import fzero
 from fzero import from_module, units_by_prefix
 from fzero._src import gathering as gathering_module
+from fzero._src import unit as unit_module
 from fzero._src.eager import eager
+from fzero._src.stages import get_stage
+from fzero.testing import examples, pytrees, world_sizes
 
 
 class Block(nn.Module):
@@ -296,3 +302,51 @@ def test_a_compiled_function_calling_collectives_traces_none_of_fzero():
     assert {len([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in graphs} == {1}  # sin | *2 | +1 | cos
     assert inside and all(c is None for c in inside)  # probe ran with dynamo's callback off
     torch._dynamo.reset()
+
+
+# -- the unit Function's per-call host work (fzero/_src/unit.py) ------------------------------
+
+
+@examples(60)
+@given(pytrees(max_leaves=6), world_sizes(4), st.sampled_from([1, 4]))
+def test_bucket_views_are_the_slices_of_each_leaf(tree, n, align):
+    """One split per bucket (leaves, gaps, padding) then a view per multi-dimensional leaf: the
+    same views as slicing each leaf out (same storage offset, shape and strides, same values)."""
+    layout = fzero.layout.plan(tree, n, align=align)
+    for b, spec in enumerate(layout.buckets):
+        bucket = unit_module.Bucket.of(layout, b)
+        flat = torch.arange(bucket.size, dtype=torch.float32)
+        got = bucket.views(flat)
+        want = [flat[o : o + math.prod(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)]
+        assert len(got) == len(want) == len(spec.leaves)
+        for g, w in zip(got, want):
+            assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+            assert g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and torch.equal(g, w)
+
+
+def test_probes_share_zeros_but_each_is_its_own_autograd_leaf():
+    """Probe.of hands every call new tensors over zeros made once: one probe's requires_grad is
+    not another's, and `autograd.grad` over two probes of one shape gives each its own gradient
+    (shared tensors would get the sum)."""
+    layout = fzero.layout.plan({"a": torch.zeros(3), "b": torch.zeros(2, 2)}, 1, units=lambda p: p)
+    mesh = fzero.SimMesh(1)
+    programs = unit_module.unit_programs(layout, mesh, get_stage(0))
+    p, q = (unit_module.Probe.of(programs[0], torch.device("cpu")) for _ in range(2))
+    assert p.used is not q.used and p.used.untyped_storage().data_ptr() == q.used.untyped_storage().data_ptr()
+    assert torch.equal(p.used, torch.zeros(1)) and torch.equal(p.bad, torch.zeros(1))
+    p.used.requires_grad_()
+    assert not q.used.requires_grad
+    q.used.requires_grad_()
+    gp, gq = torch.autograd.grad((p.used * 2 + q.used * 3).sum(), [p.used, q.used])
+    assert torch.equal(gp, torch.full((1,), 2.0)) and torch.equal(gq, torch.full((1,), 3.0))
+
+
+def test_zeros_first_made_under_inference_mode_serve_a_training_step():
+    unit_module._ZEROS.clear()
+    with torch.inference_mode():
+        made = unit_module._zeros((5,), torch.device("cpu"))
+    assert not made.is_inference()
+    t = unit_module._zeros((5,), torch.device("cpu")).detach().requires_grad_()
+    (g,) = torch.autograd.grad((t * 2).sum(), [t])
+    assert torch.equal(g, torch.full((5,), 2.0))
+    unit_module._ZEROS.clear()

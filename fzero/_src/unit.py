@@ -69,8 +69,29 @@ class Bucket:
         return self.wire.tag
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """`flat[N * S] -> [leaf views]`."""
-        return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+        """`flat[N * S] -> [leaf views]`: one split of `flat` into leaves, gaps and padding, then a
+        view to the leaf's shape where it is not 1-d (host time: one op per bucket and one per
+        multi-dimensional leaf, not two per leaf)."""
+        sizes, pick = self._pieces
+        parts = flat.split_with_sizes(sizes)
+        return [parts[k] if len(s) == 1 else parts[k].view(s) for k, s in zip(pick, self.shapes)]
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`(sizes, pick)`: `flat[N * S]` split by `sizes` (each leaf, and each gap before one and
+        after the last) has leaf k's elements in piece `pick[k]`."""
+        sizes: list[int] = []
+        pick: list[int] = []
+        end = 0
+        for o, s in zip(self.offsets, self.shapes):
+            if o > end:
+                sizes.append(o - end)
+            pick.append(len(sizes))
+            sizes.append(math.prod(s))
+            end = o + sizes[-1]
+        if self.size > end:
+            sizes.append(self.size - end)
+        return tuple(sizes), tuple(pick)
 
 
 class Inflight:
@@ -201,7 +222,29 @@ class Probe(NamedTuple):
 
     @staticmethod
     def of(program: UnitProgram, device: torch.device) -> "Probe":
-        return Probe(torch.zeros(len(program.leaves)), torch.zeros(len(program.buckets), device=device))
+        """Fresh tensors over zeros made once per shape and device (`detach()`: a new tensor, and
+        so a new autograd leaf, on the same storage; no allocation and no fill kernel per step).
+        Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
+        `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
+        each step's tensors are its own (their `requires_grad`, their place in that step's graph)."""
+        used = sum(len(b.leaves) for b in program.buckets)
+        return Probe(_zeros((used,), torch.device("cpu")).detach(), _zeros((len(program.buckets),), device).detach())
+
+
+_ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float32 zeros of `shape` on `device`, made once (read only: callers take views or detached
+    aliases, and nothing writes them)."""
+    z = _ZEROS.get((shape, device))
+    if z is None:
+        with torch.inference_mode(False):  # a tensor autograd may use later, also if made under inference_mode
+            z = torch.zeros(shape, device=device)
+        if type(z) is not torch.Tensor:  # made under a mode that returns subclasses (fake tensors): not kept
+            return z
+        z = _ZEROS.setdefault((shape, device), z)
+    return z
 
 
 def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
@@ -240,7 +283,7 @@ class _Unit(torch.autograd.Function):
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
-        return (*gather_leaves(program, held), xs[0].new_zeros((), dtype=torch.float32))  # + the anchor
+        return (*gather_leaves(program, held), _zeros((), xs[0].device).view(()))  # + the anchor: a view, no kernel
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
