@@ -26,7 +26,11 @@ foreach, measured before and after the fzero rows):
 - `forward_us`: from that first kernel to the loss's return, and `forward_us_per_unit` its
   excess over plain torch's forward per unit, `(forward_us - plain forward_us) / units`;
 - `step_us`: one whole step; plain torch's row has the same fields (its prologue: from the
-  start of its step to its first embedding).
+  start of its step to its first embedding);
+- `prologue_calls`, `forward_calls`, `step_calls`, `forward_calls_per_unit`: the same spans in
+  Python and C function calls, counted in one more step (`sys.setprofile`): the same on every
+  run, so they compare two versions where the times, on a busy machine, do not. On the CPU the
+  bf16 rows' forward times include bf16's slower CPU kernels (plain torch runs fp32).
 
 Run:  python benchmarks/host_profile.py                 (JSON lines; --stages 0,1,2,3)
       python benchmarks/host_profile.py --top 15 --stages 0
@@ -110,29 +114,47 @@ def optimizer(clock: Clock) -> fzero.optim.Optimizer:
 
 class FirstKernel:
     """Wraps `nn.Embedding.forward` (class-wide: the skeletons fzero binds are copies) to note the
-    thread time of the first embedding after `arm()`, and a loss to note when it returns."""
+    thread time of the first embedding after `arm()`, and a loss to note when it returns. With
+    `arm(count=True)` it counts instead the Python and C function calls (`sys.setprofile`, this
+    thread) up to each of those points: the same on every run, where times move with the load."""
 
     def __init__(self) -> None:
         self.armed_at: float | None = None
         self.first: float | None = None
         self.loss_done: float | None = None
+        self.counting = False
+        self.calls = 0
+        self.marks: list[int] = []
         forward = torch.nn.Embedding.forward
 
         def timed(module, *args, **kwargs):
             if self.first is None and self.armed_at is not None:
                 self.first = time.thread_time()
+                self._mark()
             return forward(module, *args, **kwargs)
 
         torch.nn.Embedding.forward = timed
 
-    def arm(self) -> None:
+    def _count(self, frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def _mark(self) -> None:
+        if self.counting:
+            self.marks.append(self.calls)
+
+    def arm(self, count: bool = False) -> None:
         self.first, self.loss_done = None, None
+        self.counting, self.calls, self.marks = count, 0, []
         self.armed_at = time.thread_time()
+        if count:
+            sys.setprofile(self._count)
 
     def loss(self, fn):
         def timed(*args, **kwargs):
             out = fn(*args, **kwargs)
             self.loss_done = time.thread_time()
+            self._mark()
             return out
 
         return timed
@@ -140,6 +162,12 @@ class FirstKernel:
     def times(self, done: float) -> tuple[float, float, float]:
         """`(prologue, forward, step)` seconds of the step armed last, which ended at `done`."""
         return self.first - self.armed_at, self.loss_done - self.first, done - self.armed_at
+
+    def counts(self) -> dict[str, int]:
+        """The calls of the step armed last with `count=True`: prologue, forward, whole step."""
+        sys.setprofile(None)
+        first, loss = self.marks
+        return {"prologue_calls": first, "forward_calls": loss - first, "step_calls": self.calls}
 
 
 def _medians(rows: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -165,7 +193,11 @@ def plain_gpt(a, clock: FirstKernel, idx: torch.Tensor, tgt: torch.Tensor) -> di
         opt.zero_grad(set_to_none=True)
         if k >= a.warmup:
             rows.append(clock.times(time.thread_time()))
-    return _medians(rows)
+    clock.arm(count=True)
+    forward(idx, tgt).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {**_medians(rows), **clock.counts()}
 
 
 def fzero_gpt(a, clock: FirstKernel, stage: int, policy: str, idx: torch.Tensor, tgt: torch.Tensor
@@ -186,7 +218,9 @@ def fzero_gpt(a, clock: FirstKernel, stage: int, policy: str, idx: torch.Tensor,
             state, _ = step(state, (idx, tgt))
             if k >= a.warmup:
                 rows.append(clock.times(time.thread_time()))
-        return _medians(rows), len(state.layout.units)
+        clock.arm(count=True)
+        state, _ = step(state, (idx, tgt))
+        return {**_medians(rows), **clock.counts()}, len(state.layout.units)
 
     return mesh.run(rank_fn)[0]
 
@@ -199,13 +233,14 @@ def main_gpt(a) -> None:
     rows = [(stage, policy, *fzero_gpt(a, clock, stage, policy, idx, tgt))
             for policy in a.policies.split(",") for stage in (int(s) for s in a.stages.split(","))]
     after = plain_gpt(a, clock, idx, tgt)
-    plain = {k: round((before[k] + after[k]) / 2, 1) for k in before}
+    plain = {k: round((before[k] + after[k]) / 2, 1) if k.endswith("_us") else before[k] for k in before}
     print(json.dumps({"model": "gpt", "plain": True, **plain, "before": before, "after": after,
                       "torch": torch.__version__}), flush=True)
     for stage, policy, med, units in rows:
         print(json.dumps({
             "model": "gpt", "stage": stage, "policy": policy, "units": units, **med,
             "forward_us_per_unit": round((med["forward_us"] - plain["forward_us"]) / units, 1),
+            "forward_calls_per_unit": round((med["forward_calls"] - plain["forward_calls"]) / units, 1),
             "step_over_plain": round(med["step_us"] / plain["step_us"], 3), "torch": torch.__version__}), flush=True)
 
 

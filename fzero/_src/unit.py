@@ -278,7 +278,11 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
 
 class _Unit(torch.autograd.Function):
     @staticmethod
-    def forward(program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def forward(*inputs: Any) -> tuple[torch.Tensor, ...]:
+        """`inputs = (program, after, k, *xs[k], *fulls[k], *probe)` (one variadic parameter:
+        `Function.apply` binds its arguments to this signature on every call, and binding one
+        parameter costs about half of binding four)."""
+        program, k, tensors = inputs[0], inputs[2], inputs[3:]
         xs, fulls = tensors[:k], tensors[k : 2 * k]
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
