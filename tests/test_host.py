@@ -350,3 +350,15 @@ def test_zeros_first_made_under_inference_mode_serve_a_training_step():
     (g,) = torch.autograd.grad((t * 2).sum(), [t])
     assert torch.equal(g, torch.full((5,), 2.0))
     unit_module._ZEROS.clear()
+
+
+def test_entered_names_each_bucket_storage_once():
+    """`_entered` reads one leaf per bucket: the set of storages is that of every leaf's."""
+    tree = {"a": torch.zeros(3), "b": torch.zeros(2, 2), "c": torch.zeros(4, dtype=torch.float64), "d": torch.zeros(0)}
+    layout = fzero.layout.plan(tree, 1)
+    (program,) = unit_module.unit_programs(layout, fzero.SimMesh(1), get_stage(0))
+    assert len(program.buckets) == 2
+    flats = [torch.zeros(b.size, dtype=b.wire.compute) for b in program.buckets]
+    outs = [v for b, f in zip(program.buckets, flats) for v in b.views(f)] + [torch.zeros(())]
+    want = frozenset(t.untyped_storage()._cdata for t in outs[:-1])
+    assert unit_module._entered(program, outs) == want and len(want) == 2

@@ -173,12 +173,12 @@ class UnitProgram:
     buckets: tuple[Bucket, ...]
     inflight: Inflight | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def leaves(self) -> tuple[int, ...]:
         """The unit's leaf indices, in bucket order (the order of its outputs and of `used`)."""
         return tuple(i for b in self.buckets for i in b.leaves)
 
-    @property
+    @functools.cached_property
     def gathered_bytes(self) -> int:
         """Bytes of the unit's entered buffers: `Σ_b N * S_b * itemsize(compute_b)` (padding
         included) -- what a stage-3 gather of the unit allocates."""
@@ -296,7 +296,7 @@ class _Unit(torch.autograd.Function):
         ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
         releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
-        ctx.entered = frozenset(t.untyped_storage()._cdata for t in output[:-1]) if releases else frozenset()
+        ctx.entered = _entered(inputs[0], output) if releases else frozenset()
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -369,6 +369,17 @@ class _Unit(torch.autograd.Function):
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
+def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
+    """The storages of the unit's entered buffers: a bucket's leaves are views of one buffer, so
+    its first leaf's storage is every one's."""
+    firsts, at = [], 0
+    for bucket in program.buckets:
+        if bucket.leaves:
+            firsts.append(output[at].untyped_storage()._cdata)
+        at += len(bucket.leaves)
+    return frozenset(firsts)
+
 
 def _reads_entered(ctx: Any, grads: Sequence[torch.Tensor | None]) -> bool:
     """Whether an incoming gradient shares storage with the unit's entered buffers (a backward that
