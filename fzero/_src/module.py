@@ -143,6 +143,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         With `LazyParams` (`train_step(..., gather="on_use")`), each unit is read, and so
         gathered, in a forward pre-hook of its home submodule (the deepest one holding all its
         parameters) and unbound after that submodule's forward; units at the root are read first.
+        The plan of where each alias binds, and the hooks, are made once per thread's copy of
+        the skeleton and unit map (`_Skeleton`): a step's host work before its first kernel is
+        the reads of the root units.
         """
         nonlocal known
         if isinstance(params, LazyParams) and (params.unit_map is known or params.unit_map.keys() == expected):
