@@ -164,7 +164,7 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
-        self.prefetch = prefetch if mode == "on_use" and _gathers(programs) else 0
+        self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
 

@@ -227,11 +227,12 @@ class Probe(NamedTuple):
         Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each step's tensors are its own (their `requires_grad`, their place in that step's graph)."""
-        used = sum(len(b.leaves) for b in program.buckets)
-        return Probe(_zeros((used,), torch.device("cpu")).detach(), _zeros((len(program.buckets),), device).detach())
+        used = sum(len(b.leaves) for b in program.buckets)  # len(program.leaves), without building them first
+        return Probe(_zeros((used,), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
 
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_CPU = torch.device("cpu")
 
 
 def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
