@@ -310,18 +310,19 @@ def test_a_compiled_function_calling_collectives_traces_none_of_fzero():
 @examples(60)
 @given(pytrees(max_leaves=6), world_sizes(4), st.sampled_from([1, 4]))
 def test_bucket_views_are_the_slices_of_each_leaf(tree, n, align):
-    """One split per bucket (leaves, gaps, padding) then a view per multi-dimensional leaf: the
-    same views as slicing each leaf out (same storage offset, shape and strides, same values)."""
+    """`views` (one as_strided per leaf) and `split_views` (one split per bucket, then a view per
+    multi-dimensional leaf) are the views slicing each leaf out gives (same storage offset, shape
+    and strides, same values), also of a buffer that is itself a view at an offset."""
     layout = fzero.layout.plan(tree, n, align=align)
     for b, spec in enumerate(layout.buckets):
         bucket = unit_module.Bucket.of(layout, b)
-        flat = torch.arange(bucket.size, dtype=torch.float32)
-        got = bucket.views(flat)
-        want = [flat[o : o + math.prod(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)]
-        assert len(got) == len(want) == len(spec.leaves)
-        for g, w in zip(got, want):
-            assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
-            assert g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and torch.equal(g, w)
+        for flat in (torch.arange(bucket.size, dtype=torch.float32), torch.arange(bucket.size + 3.0)[3:]):
+            want = [flat[o : o + math.prod(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)]
+            for got in (bucket.views(flat), bucket.split_views(flat)):
+                assert len(got) == len(want) == len(spec.leaves)
+                for g, w in zip(got, want):
+                    assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+                    assert g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and torch.equal(g, w)
 
 
 def test_probes_share_zeros_but_each_is_its_own_autograd_leaf():

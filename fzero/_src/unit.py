@@ -69,12 +69,24 @@ class Bucket:
         return self.wire.tag
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """`flat[N * S] -> [leaf views]`: one split of `flat` into leaves, gaps and padding, then a
-        view to the leaf's shape where it is not 1-d (host time: one op per bucket and one per
-        multi-dimensional leaf, not two per leaf)."""
+        """`flat[N * S] -> [leaf views]`, one `as_strided` per leaf (a slice and a view would be
+        two ops of host time each): leaf k is `flat[o_k : o_k + n_k]` in its contiguous shape.
+        For the Function's forward and `fzero.gather`, where no transform batches `flat`;
+        tangents use `split_views`."""
+        at = flat.storage_offset()
+        return [flat.as_strided(s, st, at + o) for o, s, st in zip(self.offsets, self.shapes, self._strides)]
+
+    def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`views` by one split of `flat` into leaves, gaps and padding, then a view to the leaf's
+        shape where it is not 1-d: ops with batching rules, for tangents that `jacfwd` batches."""
         sizes, pick = self._pieces
         parts = flat.split_with_sizes(sizes)
         return [parts[k] if len(s) == 1 else parts[k].view(s) for k, s in zip(pick, self.shapes)]
+
+    @functools.cached_property
+    def _strides(self) -> tuple[tuple[int, ...], ...]:
+        """Each leaf's contiguous strides, as torch makes them (a side of 0 counts as 1)."""
+        return tuple(tuple(math.prod(max(n, 1) for n in s[d + 1 :]) for d in range(len(s))) for s in self.shapes)
 
     @functools.cached_property
     def _pieces(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -314,7 +326,7 @@ class _Unit(torch.autograd.Function):
             else:
                 t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
                 flat = _enter_tangent(program, bucket, t.to(bucket.wire.compute))
-            leaves.extend(v.clone() for v in bucket.views(flat))
+            leaves.extend(v.clone() for v in bucket.split_views(flat))
         return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
 
     @staticmethod
