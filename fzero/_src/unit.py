@@ -363,7 +363,7 @@ class _Unit(torch.autograd.Function):
                 continue
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
-            flat = _assemble(bucket, gs, bucket.wire.compute, device)
+            flat = _assemble(bucket, gs, _assembled_dtype(bucket.wire, leave), device)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
@@ -418,6 +418,20 @@ def _enter_tangent(program: UnitProgram, bucket: Bucket, t: torch.Tensor) -> tor
     if program.stage.enter is ENTER_GATHER:
         return all_gather(t, program.mesh, tag=bucket.tag)
     return program.stage.enter.run(program.mesh, bucket.wire, t)
+
+
+_WIDER = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def _assembled_dtype(wire: Wire, leave: Any) -> torch.dtype:
+    """The dtype a unit's local gradient is assembled in: the compute dtype, or -- where the stage
+    reduces it in the unit (`LEAVE_REDUCED`, whose first act is the cast to the reduce dtype) and
+    that cast only widens (bf16 / fp16 -> fp32, anything -> fp64: exact) -- the reduce dtype
+    itself, so the per-leaf copies widen on the way in and no separate cast pass runs (the same
+    values: each element is the same number either way)."""
+    if leave.start is not None and wire.compute in _WIDER.get(wire.reduce, ()):
+        return wire.reduce
+    return wire.compute
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
