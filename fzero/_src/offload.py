@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from fractions import Fraction
 from typing import Any
 
@@ -181,6 +182,9 @@ class HostTier:
     device: torch.device
     pin: bool = True
     in_place = False  # whether a step writes the stored optimizer state in place (NVMe: its files)
+    # the device -> host copies started during the backward (`start_early`): id(device tensor) ->
+    # (a weak reference to it, its Transfer); an entry goes with its tensor
+    early: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def cuda(self) -> bool:
@@ -201,7 +205,11 @@ class HostTier:
     def start_host(self, x: torch.Tensor) -> Transfer:
         """`host(x)` without waiting: on CUDA a `non_blocking` copy into a pinned buffer on the side
         stream, after the work queued on `x`'s stream (the caching allocator is told the side stream
-        uses `x`); elsewhere the copy, made now."""
+        uses `x`); elsewhere the copy, made now. Where `start_early(x)` started the copy of this
+        very tensor already (during the backward), that copy."""
+        hit = self.early.pop(id(x), None)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
         if not self.cuda:
             return Transfer(self.host(x))
         if x.device.type == "cpu":  # already on the host: nothing to copy
@@ -215,6 +223,21 @@ class HostTier:
             event.record(side)
         x.record_stream(side)
         return Transfer(out, event)
+
+    def start_early(self, x: torch.Tensor) -> None:
+        """Start `start_host(x)` now, for a later `start_host(x)` of the same tensor (the update's)
+        to take: the backward hands each offloaded bucket's reduced shard here as soon as it
+        exists (`unit.Inflight`'s `host`, `early_copies`), so the copy overlaps the rest of the
+        backward. The copy is of the tensor's values now: whoever calls this promises that nothing
+        writes `x` before the update reads it (a tensor the update does not read, e.g. one later
+        rescaled out of place, is never taken: its entry goes with it)."""
+        key = id(x)
+        hit = self.early.get(key)
+        if hit is not None and hit[0]() is x:
+            return
+        transfer = self.start_host(x)
+        early = self.early
+        self.early[key] = (weakref.ref(x, lambda _: early.pop(key, None)), transfer)
 
     def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
@@ -435,6 +458,34 @@ def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A zero-cost device tensor of `x`'s shape and dtype (an `expand` of a 0-d zero), for the step
     to differentiate; no unit reads its values (each reads the full tensor beside it)."""
     return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
+
+
+def early_copies(info: Any, micro_batches: int) -> Any:
+    """The `host` of a step's `unit.Inflight` (None: no early copies): `copy(shard, bucket)` starts
+    the device -> host copy of an offloaded bucket's reduced gradient shard as soon as the unit's
+    backward has it (`HostTier.start_early`), so that `HostUpdate` finds the copy done instead of
+    starting it at the update.
+
+    Only where the copy is the tensor the update reads: one micro-batch (with k > 1 the update
+    reads the sum over micro-batches, which exists only after the last backward: the update
+    copies it then), and a tensor the update reads unchanged (clipping that clips, a loss scale or
+    `normalize="tokens"` rescale the shard out of place after the agreement: the update then
+    copies the rescaled tensor, and the early copy is dropped with the shard). `bucket`: the
+    bucket's index, so that buckets `ratio` keeps on the device are not copied; where the caller
+    does not know it (None), the shard is copied only if every trainable bucket is offloaded."""
+    tier = info.tier
+    if tier is None or micro_batches != 1:
+        return None
+    layout = info.layout
+    trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+    host = frozenset(b for b in trainable if info.host_tier(b) is not None)
+    every = len(host) == len(trainable)
+
+    def copy(shard: torch.Tensor, bucket: int | None) -> None:
+        if bucket in host or bucket is None and every:
+            tier.start_early(shard)
+
+    return copy
 
 
 def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
