@@ -221,8 +221,9 @@ def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, st
             for off in (None, offload):
                 loaded = fzero.checkpoint.load(src, make(off))
                 after, m = step(loaded, x + 1)
-                placed = off is None or all(m is not None and (params is None or p is m)
-                                            for p, m in zip(loaded.params, loaded.master))
+                placed = off is None or all(  # params offloaded: the bf16 host copy of the master beside it
+                    m is not None and (params is None or p.dtype == torch.bfloat16 and torch.equal(p, m.to(p.dtype)))
+                    for p, m in zip(loaded.params, loaded.master))
                 out.append((fzero.gather(loaded), [tuple(s) for s in loaded.opt_state], fzero.gather(after), m.loss,
                             placed))
         return out
@@ -531,3 +532,54 @@ def test_inflight_hands_each_reduced_shard_to_host_once_when_it_exists():
     inflight.add(Flight(Pending(c, work=Open(log, c))), 2)
     inflight.wait()
     assert log[3:] == [("waited", id(c)), ("host", id(c), 2)]
+
+
+def test_params_offload_casts_each_shard_once_per_step_not_per_unit():
+    """params="cpu" under a bf16 policy: the state keeps a bf16 host copy of each trainable master
+    shard beside it (made once per step, after the update), so no unit's enter -- forward, and the
+    backward's refill of a released unit -- casts a shard fp32 -> bf16 on the host. Counted over a
+    step's aten ops (a cast is `_to_copy` or `copy_` from a float32 tensor into a bfloat16 one of a
+    shard's size): one per trainable bucket per step, whatever the number of enters. Before the
+    copy existed every enter cast its shard on the host: 9 per step here, not 3."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tree = {f"l{i}.w": torch.randn(6, 6) / 3 for i in range(3)}
+    bf16 = fzero.Precision(torch.bfloat16)
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+            p.release(f"l{i}")  # freed now, gathered again when backward reads it
+        return x.float().square().mean()
+
+    class Casts(TorchDispatchMode):
+        def __init__(self, sizes):
+            super().__init__()
+            self.sizes, self.count = sizes, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0] if func is torch.ops.aten.copy_.default else out
+            if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and src.dtype == torch.float32
+                    and dst.dtype == torch.bfloat16 and src.numel() in self.sizes):
+                self.count += 1
+            return out
+
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(x):
+        state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=bf16, offload=fzero.Offload(optimizer="cpu", params="cpu"))
+        assert all(p.dtype == torch.bfloat16 and m.dtype == torch.float32 for p, m in zip(state.params, state.master))
+        step = fzero.train_step(loss, donate=True, prefetch=1)
+        counts = []
+        for t in range(2):
+            with Casts({b.shard_numel for b in state.layout.buckets}) as casts:
+                state, _ = step(state, (x + t).to(torch.bfloat16))
+            counts.append(casts.count)
+        return counts
+
+    for counts in mesh.run(rank_fn, [(torch.randn(4, 6),) for _ in range(2)]):
+        assert counts == [3, 3], counts

@@ -224,6 +224,19 @@ class HostTier:
         x.record_stream(side)
         return Transfer(out, event)
 
+    def host_cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (host) in `dtype`, in host memory (pinned on CUDA): a new buffer written by one cast
+        (read 4, write 2 bytes per element for fp32 -> bf16), or `x` itself where it has `dtype`
+        already. With params offloaded the state keeps this compute-dtype copy of the master
+        shard beside it, made once per step after the update (`HostUpdate.outputs`), so a unit's
+        `enter` moves 2 bytes per element to the device and casts nothing on the host (DeepSpeed
+        keeps a 16-bit copy of its offloaded params the same way)."""
+        if x.dtype == dtype:
+            return x
+        if self.cuda:
+            return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
+        return x.to(dtype)
+
     def start_early(self, x: torch.Tensor) -> None:
         """Start `start_host(x)` now, for a later `start_host(x)` of the same tensor (the update's)
         to take: the backward hands each offloaded bucket's reduced shard here as soon as it
@@ -422,8 +435,8 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     if layout.buckets[b].group.frozen:
         return (tier.host(held) if offload.params is not None else held), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
-    if offload.params is not None:
-        return on_host, on_host
+    if offload.params is not None:  # what the units read: the compute-dtype copy, made here and by each update
+        return tier.host_cast(on_host, compute), on_host
     return (held.to(compute) if stage.sharded("params") else held), on_host
 
 
@@ -445,8 +458,8 @@ def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor |
     copies it to the device). The gradient is then computed, reduced and kept on the device in the
     same dtype as without offload."""
     stage, layout, rank = info.stage, info.layout, info.rank
-    if info.offload.params is not None:
-        return _twin(held, device), held
+    if info.offload.params is not None:  # the gradient is the master's (frozen buckets: their own dtype)
+        return _twin(master if master is not None else held, device), held
     if master is None or info.host_tier(b) is None:
         return stage.differentiated(layout, b, held, rank, master)
     if stage.sharded("params"):  # stage 3: the device shard is in the compute dtype; the gradient is the master's
@@ -528,7 +541,8 @@ class HostUpdate:
         tier = self.tiers.get(b)
         if tier is None:
             return master, opt_state
-        back = master if self.info.offload.params is not None else tier.to_device(master, held_dtype)
+        params = self.info.offload.params is not None  # the host copy the units read, cast once per step here
+        back = tier.host_cast(master, held_dtype) if params else tier.to_device(master, held_dtype)
         return back, tier.store(b, opt_state)
 
     def done(self) -> None:
