@@ -583,3 +583,25 @@ def test_params_offload_casts_each_shard_once_per_step_not_per_unit():
 
     for counts in mesh.run(rank_fn, [(torch.randn(4, 6),) for _ in range(2)]):
         assert counts == [3, 3], counts
+
+
+def test_host_update_rescales_the_host_copy_as_the_device_would():
+    """`HostUpdate(..., factor)`: the host copy of each offloaded bucket's unscaled shard times the
+    factor -- the device's `g * factor` bit for bit (one float32 rounding of the same product) --
+    for a step that leaves the rescale of offloaded buckets to the host (its early copies are then
+    of the tensors the update reads); buckets on the device pass through unscaled and untouched."""
+    from fzero._src.offload import HostUpdate
+
+    tree = {f"l{i}.w": torch.randn(6, 6) for i in range(3)}
+    mesh = fzero.SimMesh(1)
+    state = mesh.run(lambda: fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p.split(".")[0],
+                                        offload=fzero.Offload(optimizer="cpu", ratio=0.5)))[0]
+    reduced = {b: torch.randn(36) for b in range(3)}
+    factor = 0.3  # not a power of two: the product rounds
+    host = HostUpdate(state.info, reduced, factor)
+    for b, g in reduced.items():
+        got, _, _ = host.inputs(b, g, state.opt_state[b], None)
+        if state.info.host_tier(b) is None:
+            assert got is g
+        else:
+            assert got is not g and torch.equal(got, g * factor) and not torch.equal(got, g)

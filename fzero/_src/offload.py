@@ -517,10 +517,17 @@ class HostUpdate:
     host gradient, the host state and the per-leaf sum that runs on the device; `outputs(b, ...)`
     stores the new state and returns the new master shard as the stage's `finish` reads it (on the
     device in the dtype the state holds there, or, with params offloaded, the host shard itself,
-    which is the params); `done()` waits for the tier's writes (NVMe)."""
+    which is the params); `done()` waits for the tier's writes (NVMe).
 
-    def __init__(self, info: Any, reduced: dict[int, torch.Tensor]) -> None:
-        self.info, self.device = info, info.mesh.device
+    `factor` (default 1): the step's rescale of the reduced gradient (clipping, a loss scale,
+    `normalize="tokens"`) where the step leaves it to the host for the offloaded buckets, whose
+    `reduced` tensors are then the unscaled ones -- so the copy started in the backward is of the
+    tensor read here. `inputs` returns `g_host * factor`: the same one rounding of the same
+    float32 product the device's `g * factor` makes (CPU and CUDA both multiply in the tensor's
+    opmath type, float32 for float32 and 16-bit gradients, by the Python float rounded to it)."""
+
+    def __init__(self, info: Any, reduced: dict[int, torch.Tensor], factor: float = 1.0) -> None:
+        self.info, self.device, self.factor = info, info.mesh.device, factor
         self.tiers = {b: t for b in reduced if (t := info.host_tier(b)) is not None}
         self.grads = {b: t.start_host(reduced[b]) for b, t in self.tiers.items()}
         order = list(self.tiers)
@@ -534,7 +541,10 @@ class HostUpdate:
             return grad, opt_state, leaf_sum
         if b in self.following:  # NVMe: the next bucket's state is read while this one updates
             tier.prefetch(self.following[b])
-        return self.grads.pop(b).wait(), tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
+        g = self.grads.pop(b).wait()
+        if self.factor != 1.0:
+            g = g * self.factor
+        return g, tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
 
     def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype
                 ) -> tuple[torch.Tensor, Any]:
