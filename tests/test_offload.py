@@ -433,17 +433,18 @@ def _early_run(monkeypatch, offload, n, micro=1, clip=None, policy="none", ratio
     def rank_fn(x, off):
         state = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
                            precision=POLICIES[policy], offload=off, bucket_bytes=4 * 36 if ratio_buckets else None)
-        wired = early_copies(state.info, micro) if off is not None else None
+        wired[threading.get_ident()] = early_copies(state.info, micro) if off is not None else None
         step = fzero.train_step(loss, micro_batches=micro, clip_norm=clip, donate=True)
         for t in range(2):
-            with monkeypatch.context() as m:
-                m.setattr(step_module, "Inflight", lambda depth=1, early=(), host=None: Inflight(depth, early, host or wired))
-                batch = (x + t).to(POLICIES[policy].param_dtype or torch.float32)
-                state, met = step(state, batch if micro == 1 else [batch, batch.flip(0)])
+            batch = (x + t).to(POLICIES[policy].param_dtype or torch.float32)
+            state, met = step(state, batch if micro == 1 else [batch, batch.flip(0)])
         return fzero.gather(state), met.loss, met.grad_norm, threading.get_ident()
 
+    wired = {}  # rank thread -> its state's early_copies (set once, here: monkeypatch is not thread-safe)
     with monkeypatch.context() as m:
         m.setattr(HostTier, "start_host", spy)
+        m.setattr(step_module, "Inflight", lambda depth=1, early=(), host=None: Inflight(
+            depth, early, host or wired.get(threading.get_ident())))
         want = mesh.run(rank_fn, [(x, None) for x in xs])
         got = mesh.run(rank_fn, [(x, fzero.Offload(optimizer="cpu", params=params,
                                                    ratio=0.5 if ratio_buckets else 1.0)) for x in xs])
