@@ -15,8 +15,9 @@ Rows (one JSON line each, also appended to `--out` if given):
           sides are the CPU (ratio 0).
   kernel_bound  the largest of each ratio over the kernel rows, and `corrected_bound_holds`.
   step    per stage (1, 2, 3, 3 + params offload), a 4-block MLP (`--width`, bf16 compute,
-          `--reduce-dtype` reduction (fp32: bench_offload's), AdamW, donate): offloaded vs plain from the same init, the first step's loss and
-          gradient norm (`first_equal`: expected bitwise), the largest |difference| of the final
+          `--reduce-dtype` reduction (fp32: bench_offload's), AdamW, donate): offloaded vs plain
+          from the same init, the first step's loss and gradient norm (`first_equal`: expected
+          bitwise), the largest |difference| of the final
           params, the median step time (`ms`, ms_plain) and the peak device memory
           (`peak_gib`, peak_gib_plain; CUDA only).
 

@@ -142,7 +142,8 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     info = state.info
     offload = getattr(info, "offload", None)
     params_off = offload is not None and offload.params is not None
-    acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in ("device", "host", "nvme")}
+    tiers = ("device", "host", "nvme")
+    acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
     sharded = state.stage.sharded("grads")
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
@@ -166,7 +167,7 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     if optimizer is None:
         for a in acc.values():
             a["optimizer_leaf"] = None
-    return TierSplit(*(HeldBytes(**acc[t]) for t in ("device", "host", "nvme")))
+    return TierSplit(*(HeldBytes(**acc[t]) for t in tiers))
 
 
 def storage_bytes(tree: Any) -> int:
