@@ -125,6 +125,12 @@ class Inflight:
     proofs/stage3.md, section 7). `add` past `depth` also waits for the oldest. (SimMesh
     completes at start: nothing stays open.)
 
+    `host` (offload, `fzero._src.offload.early_copies`): `host(shard, bucket)` is called with each
+    flight's reduced `shard[S]` as soon as it exists -- when the flight is closed (`make_room`,
+    `add` past `depth`, `wait`), or at `add` where the reduction completed when started (N = 1,
+    SimMesh) -- so that its device -> host copy runs during the rest of the backward instead of at
+    the update. `bucket` is the index `add` was given, or None.
+
     With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
     the step passes where it reduces each micro-batch), the unit's backward hands autograd no
     gradient and `begin`s the step's own reduction of each bucket (`Stage.after_backward.start`
@@ -134,10 +140,12 @@ class Inflight:
     another order (a unit some rank skipped) still call the same collectives in the same order.
     They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway."""
 
-    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
-        self._flights: list[Any] = []
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
+                 host: Callable[[torch.Tensor, int | None], None] | None = None) -> None:
+        self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
+        self.host = host
         self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
         self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
 
@@ -157,21 +165,30 @@ class Inflight:
             self.started[k] = self.started[k]()
         return self.started
 
+    def _close(self, flight: Any, bucket: int | None, copied: bool) -> None:
+        shard = flight.wait()
+        if self.host is not None and not copied:
+            self.host(shard, bucket)
+
     def make_room(self) -> None:
         """Close the oldest flights until fewer than `depth` are open (room for one more)."""
         while self._flights and len(self._flights) >= self.depth:
-            self._flights.pop(0).wait()
+            self._close(*self._flights.pop(0))
 
-    def add(self, flight: Any) -> torch.Tensor:
-        self._flights.append(flight)
+    def add(self, flight: Any, bucket: int | None = None) -> torch.Tensor:
+        """Keep `flight` (bucket `bucket`'s reduction) open; its result, for autograd, unread."""
+        done = self.host is not None and not flight.then and flight.pending.done  # N = 1: the shard exists
+        if done:
+            self.host(flight.pending.result, bucket)
+        self._flights.append((flight, bucket, done))
         while len(self._flights) > self.depth:
-            self._flights.pop(0).wait()
+            self._close(*self._flights.pop(0))
         return flight.pending.result
 
     def wait(self) -> None:
         flights, self._flights = self._flights, []
         for f in flights:
-            f.wait()
+            self._close(*f)
 
 
 @dataclasses.dataclass(frozen=True)
