@@ -25,7 +25,8 @@ Rows (each from its own subprocess with a time limit; the driver stays inside `-
                           `--steps` after one warm-up step, so >= steps + 1 steps trained), peak
                           GPU memory, host RSS (peak and after the steps), the predicted host /
                           NVMe bytes, or `error` ("oom", "timeout", the exception).
-  {"bench": "largest"}    per mode: the largest size that trained, and why the sweep stopped.
+  {"bench": "largest"}    per mode: the largest size that trained, and why the sweep (or search)
+                          stopped; a search also says how many attempts it made.
 
 Modes (all: the peers' GPT, bf16 compute with fp32 master and optimizer state, AdamW, stage 3;
 the host update: fzero's adamw with `--host-impl` (fused by default), DeepSpeedCPUAdam for
@@ -37,7 +38,11 @@ DeepSpeed, torch.optim.AdamW's default (foreach) on FSDP2's host shards):
   ds-cpu-params     + offload_param cpu
   ds-nvme           offload_optimizer nvme                           (ZeRO-Infinity)
   fsdp2-cpu         FSDP2 fully_shard per block, CPUOffloadPolicy, MixedPrecisionPolicy(bf16, fp32)
-A sweep grows the model along `LADDER` (width, depth) and stops at the first failure, or when
+With `--sizes` (e.g. `--sizes 12.8 8 5.1 2.7 1.34`: billions of params, or WxD), a search per mode
+tries them from the largest down, each attempt in its own child with a time limit, and stops at
+the first that trains (`--steps` timed steps after one warm-up; `--steps 2`: 3 steps); sizes
+predicted not to fit the host memory or the NVMe folder are skipped without an attempt.
+Without it, a sweep grows the model along `LADDER` (width, depth) and stops at the first failure, or when
 the next size is predicted (last run's time x the size ratio) to overrun the mode's share of the
 time left, or would not fit in 85% of the host's available memory / the NVMe folder's free space
 (predicted from fzero.accounting.estimate for fzero, from their byte counts for the peers).
@@ -73,10 +78,35 @@ def gpt_params(width: int, depth: int, vocab: int, seq: int) -> int:
     return depth * (12 * width * width + 4 * width) + 2 * vocab * width + seq * width + 2 * width
 
 
-def host_bytes_per_param(mode: str) -> tuple[int, int]:
+def parse_size(text: str, vocab: int, seq: int) -> tuple[int, int]:
+    """`"WxD"` (width x depth) or a number of parameters in billions (`"5.1"`) -> (width, depth):
+    the width from `WIDTHS` (the first whose row covers the count), the depth that comes
+    closest to the count with it (at least 1)."""
+    if "x" in text:
+        w, d = text.lower().split("x")
+        return int(w), int(d)
+    want = float(text) * 1e9
+    width = next((w for limit, w in WIDTHS if want <= limit * 1e9), WIDTHS[-1][1])
+    per_block, rest = 12 * width * width + 4 * width, 2 * vocab * width + seq * width + 2 * width
+    return width, max(1, round((want - rest) / per_block))
+
+
+# the width a size in billions gets (`parse_size`): up to 1.5B 2048, up to 8B 4096, ...
+WIDTHS = ((1.5, 2048), (8.0, 4096), (16.0, 5120), (40.0, 6144))
+
+
+# fzero's host RSS per param measured on the H200 over the estimate's bytes (BENCHMARKS.md, third
+# session: 27.9 GiB at 1.34B and 54.5 GiB at 2.68B against 16 B/param predicted, 1.27-1.30x):
+# pinned buffers come from torch's caching host allocator, which rounds each up (to a power of
+# two), plus the process's own memory; the guard carries it so that a search does not start a size
+# the host cannot hold (an OOM kill costs the attempt's time)
+HOST_SLACK = 1.3
+
+
+def host_bytes_per_param(mode: str) -> tuple[float, int]:
     """(host, NVMe) bytes per parameter a mode is expected to hold at N = 1, for the sweep's
     guard. fzero: from `fzero.accounting.estimate` (bf16 params, fp32 master, Adam; the gradient
-    copy in the fp32 reduce dtype). DeepSpeed: fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for
+    copy in the fp32 reduce dtype), times `HOST_SLACK`. DeepSpeed: fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for
     offloaded bf16 params), the moments and master on NVMe for nvme. FSDP2: fp32 sharded params 4
     + fp32 gradients 4 + moments 8, all on the host. Plus the model's fp32 copy where it is built on
     the host (DeepSpeed)."""
@@ -86,7 +116,9 @@ def host_bytes_per_param(mode: str) -> tuple[int, int]:
         where, params = FZERO_MODES[mode]
         e = estimate(1, 1, stage=3, optimizer="adam-mixed", grad_dtype="fp32", offload_optimizer=where,
                      offload_params=params)
-        return int(e.host.total), int(e.nvme.total)
+        # params offloaded: the bf16 copy the units read (HostTier.host_cast), two of them across
+        # an update (the new one is made before the old state goes), which the estimate omits
+        return HOST_SLACK * (int(e.host.total) + (4 if params else 0)), int(e.nvme.total)
     if mode in DS_MODES:
         where, params = DS_MODES[mode]
         return (4 + (2 if params else 0) + (0 if where == "nvme" else 12) + 4, 12 if where == "nvme" else 0)
@@ -510,11 +542,59 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
               host_rss_peak_GiB=largest and largest["host_rss_peak_GiB"], stopped=why), a.out)
 
 
+def search(mode: str, a, deadline: float, modes_left: int) -> None:
+    """The largest of `a.sizes` that trains, in few attempts: sizes from the largest down, each
+    attempt in its own child with a time limit, stopping at the first that trains (`--steps`
+    timed steps after one warm-up). A size predicted not to fit in 85% of the host's available
+    memory or the NVMe folder's free space is skipped without an attempt (a "train" row with
+    `skipped`); a failed attempt (oom, timeout, an error) moves to the next smaller size. The
+    mode's share of the time left is `(deadline - now) / modes_left`; each attempt gets what is
+    left of it, at most `--run-timeout`."""
+    host_pp, nvme_pp = host_bytes_per_param(mode)
+    budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
+    sizes = sorted({parse_size(x, a.vocab, a.seq) for x in a.sizes},
+                   key=lambda wd: gpt_params(*wd, a.vocab, a.seq), reverse=True)
+    found, why, attempts = None, "every size failed or was skipped", 0
+    for width, depth in sizes:
+        n = gpt_params(width, depth, a.vocab, a.seq)
+        base = dict(bench="train", mode=mode, width=width, depth=depth, params_M=round(n / 1e6, 1),
+                    host_pred_GiB=round(host_pp * n / GIB, 1), nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
+        left = budget_end - time.perf_counter()
+        if left < 5:
+            why = f"the mode's time ran out before {n / 1e9:.3g}B"
+            break
+        if host_pp * n > 0.85 * mem_available():
+            emit(dict(base, skipped=f"needs ~{host_pp * n / GIB:.0f} GiB of host memory, more than 85% of the "
+                                    f"{mem_available() / GIB:.0f} GiB available"), a.out)
+            continue
+        if nvme_pp and nvme_pp * n > 0.85 * shutil.disk_usage(a.nvme_path).free:
+            emit(dict(base, skipped=f"needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its "
+                                    f"free space"), a.out)
+            continue
+        args = ["--child", "train", "--mode", mode, "--host-impl", a.host_impl, "--width", str(width), "--depth",
+                str(depth), "--vocab", str(a.vocab), "--seq", str(a.seq), "--micro", str(a.micro), "--heads",
+                str(a.heads), "--steps", str(a.steps), "--nvme-path", a.nvme_path]
+        rows, wall, status = child(args, min(left, a.run_timeout))
+        attempts += 1
+        row = dict(base, **rows[0]) if rows else dict(base, error=status.split(";")[0], detail=status)
+        row.update(wall_s=round(wall, 1), attempt=attempts)
+        emit(row, a.out)
+        shutil.rmtree(os.path.join(a.nvme_path, "fzero"), ignore_errors=True)  # a killed run's swap files
+        shutil.rmtree(os.path.join(a.nvme_path, "deepspeed"), ignore_errors=True)
+        if "error" not in row:
+            found, why = row, f"the largest size that trained, after {attempts} attempt(s)"
+            break
+    emit(dict(bench="largest", mode=mode, params_M=found and found["params_M"], width=found and found["width"],
+              depth=found and found["depth"], tok_s=found and found["tok_s"],
+              peak_gpu_GiB=found and found["peak_gpu_GiB"], host_rss_peak_GiB=found and found["host_rss_peak_GiB"],
+              attempts=attempts, stopped=why), a.out)
+
+
 def driver(a) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/torch_extensions_bench_offload")  # every child's op cache
     start = time.perf_counter()
     os.makedirs(a.nvme_path, exist_ok=True)
-    emit(dict(bench="job", modes=a.modes, ladder=a.ladder, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
+    emit(dict(bench="job", modes=a.modes, ladder=a.ladder, sizes=a.sizes, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
               nvme_free_GiB=round(shutil.disk_usage(a.nvme_path).free / GIB, 1), nvme_fs=filesystem(a.nvme_path),
               host_available_GiB=round(mem_available() / GIB, 1), cpus=os.cpu_count()), a.out)
     reserve = a.mode_floor * len(a.modes)  # the sweeps' share, kept from the fixed phases
@@ -542,7 +622,7 @@ def driver(a) -> None:
         if status:
             emit(dict(bench="cpu_adam", error=status, wall_s=round(wall, 1)), a.out)
     for i, mode in enumerate(a.modes):
-        sweep(mode, a, deadline, len(a.modes) - i)
+        (search if a.sizes else sweep)(mode, a, deadline, len(a.modes) - i)
     emit(dict(bench="done", wall_s=round(time.perf_counter() - start, 1)), a.out)
 
 
@@ -556,6 +636,10 @@ def main() -> None:
     ap.add_argument("--mode-floor", type=float, default=None,
                     help="seconds per mode the fixed phases (PCIe, op build, CPU Adam) leave to the sweeps (45; smoke 9)")
     ap.add_argument("--start", type=int, default=0, help="first LADDER index of every sweep")
+    ap.add_argument("--sizes", nargs="+", default=None,
+                    help="find the largest that trains per mode instead of growing along LADDER: sizes as WxD "
+                         "(width x depth) or params in billions (e.g. 12.8 8 5.1 2.7), tried from the largest down, "
+                         "stopping at the first that trains (search)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--nvme-path", default="/tmp/fzero-bench-nvme", help="folder for fzero's and DeepSpeed's swap files")
     ap.add_argument("--vocab", type=int, default=32000)
@@ -595,7 +679,7 @@ def main() -> None:
         emit(bench_train(a), None)
         return
     if a.smoke:
-        a.ladder = SMOKE["ladder"]
+        a.ladder = SMOKE["ladder"] if not a.sizes else ()
         a.vocab, a.seq, a.micro, a.heads = SMOKE["vocab"], SMOKE["seq"], SMOKE["micro"], SMOKE["heads"]
         a.adam_elements, a.pcie_gib, a.adam_timeout, a.run_timeout = [1e6], 1 / 64, 30, 40
         a.total = a.total or 110

@@ -5,6 +5,7 @@ proofs/communication.md)."""
 from fzero._src.accounting import CommVolume as CommVolume
 from fzero._src.accounting import HeldBytes as HeldBytes
 from fzero._src.accounting import LiveStorages as LiveStorages
+from fzero._src.accounting import TierSplit as TierSplit
 from fzero._src.accounting import comm_volume as comm_volume
 from fzero._src.accounting import expected_comm as expected_comm
 from fzero._src.accounting import grad_bytes as grad_bytes
@@ -17,6 +18,6 @@ from fzero._src.estimate import bytes_per_param as bytes_per_param
 from fzero._src.estimate import estimate as estimate
 from fzero._src.estimate import estimate_stages as estimate_stages
 
-__all__ = ["BytesPerParam", "CommVolume", "HeldBytes", "LiveStorages", "MemoryEstimate", "TierBytes",
+__all__ = ["BytesPerParam", "CommVolume", "HeldBytes", "LiveStorages", "MemoryEstimate", "TierBytes", "TierSplit",
            "bytes_per_param", "comm_volume", "estimate", "estimate_stages", "expected_comm", "grad_bytes", "held_bytes",
            "storage_bytes"]

@@ -1,10 +1,11 @@
 """torch.compile and fzero (docs/compile.md): what is compiled, and which bits are kept.
 
-fzero's step, its collectives and its mesh are marked `torch.compiler.disable`, so dynamo never
-traces them: `torch.compile(step)` runs fzero eager (the optimizer and the reductions keep their
-bits), and the model is compiled by passing a compiled loss to `train_step`. A compiled loss
-may round differently from the eager loss (inductor fuses and reorders), so it is compared with
-the same compiled loss run by an eager step, and across stages: the stages feed it the same leaf
+fzero's step is marked `torch.compiler.disable`, and its unit reads and collectives go through
+`eager` (`torch.compiler.disable` whenever dynamo is about), so dynamo never traces them:
+`torch.compile(step)` runs fzero eager (the optimizer and the reductions keep their bits), and
+the model is compiled by passing a compiled loss to `train_step`. A compiled loss may round
+differently from the eager loss (inductor fuses and reorders), so it is compared with the same
+compiled loss run by an eager step, and across stages: the stages feed it the same leaf
 values, so every stage gets the same bits.
 
 Compile is slow on 2 CPU cores: one tiny model, one compiled loss object shared by the tests of

@@ -356,8 +356,8 @@ def test_offload_14b_on_2_gpus_by_hand():
     E = Ψ/N = 7·10⁹ elements. Stage 3 + optimizer offload: the GPU keeps its bf16 param shard and
     gradient shard, (2 + 2)·E = 28 GB; the host holds the gradient shard's copy 2·E = 14 GB, Adam's
     moments 8·E = 56 GB and the fp32 master 4·E = 28 GB, 98 GB. + params offload: the GPU keeps
-    only the gradient shard, 14 GB (the gathered units are transient), the host the same 98 GB
-    (the master is the param shard). NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
+    only the gradient shard, 14 GB (the gathered units are transient), the host those 98 GB and
+    the bf16 copy of its shard that the units move, 2·E = 14 GB: 112 GB. NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
     Stages 1 and 2 keep their full params (2·Ψ = 28 GB) and full / sharded gradients."""
     kw = dict(optimizer="adam-mixed")
     plain = estimate(14e9, 2, stage=3, **kw)
@@ -368,7 +368,8 @@ def test_offload_14b_on_2_gpus_by_hand():
     assert (_gb(cpu.params), _gb(cpu.grads), cpu.optimizer_state, cpu.master) == (14, 14, 0, 0)
     assert cpu.host == TierBytes(grads=Fraction(14 * GB), optimizer_state=Fraction(56 * GB), master=Fraction(28 * GB))
     assert (_gb(cpu.total), _gb(cpu.host.total), cpu.nvme.total) == (28, 98, 0)
-    assert (both.params, _gb(both.grads), both.host) == (0, 14, cpu.host)
+    assert (both.params, _gb(both.grads), both.host) == (0, 14, cpu.host._replace(params=Fraction(14 * GB)))
+    assert _gb(both.host.total) == 112
     assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 42, 56)
     assert disk.host.optimizer_state == 0 and disk.nvme.optimizer_state == 56 * GB
     s1, s2, s3 = estimate(14e9, 2, offload_optimizer="cpu", **kw)  # stage 0 has no shard: not listed
@@ -421,7 +422,8 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
         assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == bpp.optimizer_state * on_host
         assert (e.master, e.host.grads) == (bpp.master * (shard - on_host), bpp.grads * on_host)
         assert (e.params, e.grads) == ((0 if params else plain.params), plain.grads)
-        assert e.host.params == 0  # every bucket of these trees trains
+        # every bucket of these trees trains: host params only as params offload's compute copy beside a master
+        assert e.host.params == (bpp.params * on_host if params and bpp.master else 0)
         assert e.stage >= (3 if params else 1)
 
 

@@ -411,3 +411,51 @@ def test_a_gradient_sharing_the_gathered_storage_releases_the_unit_after_it_is_r
 
     for (p0, l0), (p3, l3) in zip(run(0), run(3)):
         assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)
+
+
+# -- held_bytes by tier (fzero._src.accounting.TierSplit) ------------------------------------------
+
+
+@pytest.mark.parametrize("where, params, ratio", [
+    (None, None, 1.0), ("cpu", None, 1.0), ("cpu", None, 0.5), ("cpu", "cpu", 1.0), ("nvme", None, 1.0),
+    ("nvme", "cpu", 1.0)])
+def test_held_bytes_split_by_tier_from_the_layout(tmp_path, where, params, ratio):
+    """Stage 3, bf16 policy, AdamW (m, v: fp32 [S]; a float32 step count per leaf), N = 2, a frozen
+    bucket, S_b bucket b's shard; H: the trainable buckets with a host tier, D: the others. Each
+    term from the layout, not from the tensors: params 2 S_b (bf16) for b in H, 4 S_b (fp32: the
+    plain stage 3's shard is the master) for b in D and the frozen bucket, on the host with params
+    offloaded, else on the device; masters 4 S_b for b in H on the host (D keeps none); moments 8
+    S_b and step counts where the bucket's tier is (the moments in files for NVMe); gradients 4
+    S_b for every trainable b on the device, and the update's copy of it for b in H on the host.
+    The total is the one `held_bytes` always had; the tiers add up to it plus the host copies."""
+    from fzero._src.accounting import held_bytes
+
+    tree = {f"l{i}.w": torch.randn(6, 5) for i in range(4)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l3.w", frozen=True),)
+    off = None if where is None else fzero.Offload(optimizer=where, params=params, ratio=ratio,
+                                                    nvme_path=str(tmp_path) if where == "nvme" else None)
+    mesh = fzero.SimMesh(2)
+    opt = optim.adamw(1e-2)
+    state = mesh.run(lambda: fzero.init(tree, opt, stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                                        groups=frozen, precision=fzero.Precision(torch.bfloat16), offload=off))[0]
+    held = held_bytes(state, opt)
+    S = {b.index: b.shard_numel for b in state.layout.buckets}
+    leaves = {b.index: len(b.leaves) for b in state.layout.buckets}
+    fz = [b.index for b in state.layout.buckets if b.group.frozen]
+    train = [b for b in S if b not in fz]
+    host = [b for b in train if state.info.host_tier(b) is not None]
+    dev = [b for b in train if b not in host]
+    assert len(fz) == 1 and len(host) == (0 if where is None else 2 if ratio < 1 else 3)
+    params_bytes = sum(2 * S[b] for b in host) + sum(4 * S[b] for b in dev + fz)
+    moments, steps = (lambda bs: sum(8 * S[b] for b in bs)), (lambda bs: sum(4 * leaves[b] for b in bs))
+    d, h, f = held.tiers
+    assert (d.params, h.params, f.params) == ((0, params_bytes, 0) if params else (params_bytes, 0, 0))
+    assert (d.master, h.master, f.master) == (0, sum(4 * S[b] for b in host), 0)
+    assert d.optimizer_state == moments(dev) + steps(dev)
+    assert h.optimizer_state == (moments(host) if where == "cpu" else 0) + steps(host)
+    assert f.optimizer_state == (moments(host) if where == "nvme" else 0)
+    assert (d.optimizer_leaf, h.optimizer_leaf, f.optimizer_leaf) == (steps(dev), steps(host), 0)
+    assert (d.grads, h.grads, f.grads) == (held.grads, sum(4 * S[b] for b in host), 0)
+    assert held.grads == sum(4 * S[b] for b in train)
+    assert d.total + h.total + f.total == held.total + h.grads
+    assert held_bytes(state).tiers.host.optimizer_leaf is None  # without the optimizer: not split off

@@ -16,6 +16,7 @@ it compares params, optimizer state, loss and gradient norm after every step.
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -220,8 +221,9 @@ def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, st
             for off in (None, offload):
                 loaded = fzero.checkpoint.load(src, make(off))
                 after, m = step(loaded, x + 1)
-                placed = off is None or all(m is not None and (params is None or p is m)
-                                            for p, m in zip(loaded.params, loaded.master))
+                placed = off is None or all(  # params offloaded: the bf16 host copy of the master beside it
+                    m is not None and (params is None or p.dtype == torch.bfloat16 and torch.equal(p, m.to(p.dtype)))
+                    for p, m in zip(loaded.params, loaded.master))
                 out.append((fzero.gather(loaded), [tuple(s) for s in loaded.opt_state], fzero.gather(after), m.loss,
                             placed))
         return out
@@ -395,3 +397,212 @@ def test_gather_of_a_stage3_master_all_gathers_each_bucket_once(offload):
     for full, gathers, sizes in mesh.run(rank_fn):
         assert torch.equal(full["a"], params["a"]) and torch.equal(full["b"], params["b"])
         assert sorted(gathers) == sorted(sizes.items())
+
+
+# -- gradient shards to the host inside backward (unit.Inflight's host, offload.early_copies) -----
+
+
+def _early_run(monkeypatch, offload, n, micro=1, clip=None, policy="none", ratio_buckets=False):
+    """Stage 2 or 3 runs with the step's Inflight given `early_copies` (what `step.backward` builds
+    once wired; set here through the class it calls), logging each `HostTier.start_host` call:
+    True where it returned a copy started during the backward. Returns the log per rank and step,
+    and the gathered params, loss and gradient norm per rank."""
+    from fzero._src import step as step_module
+    from fzero._src.offload import early_copies
+    from fzero._src.unit import Inflight
+
+    gen = torch.Generator().manual_seed(5)
+    tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(3)}
+    xs = [torch.randn(4, 6, generator=gen) for _ in range(n)]
+    stage, params = offload
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+        return x.float().square().mean()
+
+    mesh = fzero.SimMesh(n)
+    logs = {}
+    original = HostTier.start_host
+
+    def spy(self, x):
+        hit = self.early.get(id(x))
+        logs.setdefault(threading.get_ident(), []).append(hit is not None and hit[0]() is x)
+        return original(self, x)
+
+    def rank_fn(x, off):
+        state = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=POLICIES[policy], offload=off, bucket_bytes=4 * 36 if ratio_buckets else None)
+        wired[threading.get_ident()] = early_copies(state.info, micro) if off is not None else None
+        step = fzero.train_step(loss, micro_batches=micro, clip_norm=clip, donate=True)
+        for t in range(2):
+            batch = (x + t).to(POLICIES[policy].param_dtype or torch.float32)
+            state, met = step(state, batch if micro == 1 else [batch, batch.flip(0)])
+        return fzero.gather(state), met.loss, met.grad_norm, threading.get_ident()
+
+    wired = {}  # rank thread -> its state's early_copies (set once, here: monkeypatch is not thread-safe)
+    with monkeypatch.context() as m:
+        m.setattr(HostTier, "start_host", spy)
+        m.setattr(step_module, "Inflight", lambda depth=1, early=(), host=None: Inflight(
+            depth, early, host or wired.get(threading.get_ident())))
+        want = mesh.run(rank_fn, [(x, None) for x in xs])
+        got = mesh.run(rank_fn, [(x, fzero.Offload(optimizer="cpu", params=params,
+                                                   ratio=0.5 if ratio_buckets else 1.0)) for x in xs])
+    for (gp, gl, gn, _), (wp, wl, wn, _) in zip(got, want):
+        assert_equal_leaves(gp, wp, f"stage {stage} params={params}")
+        assert torch.equal(gl, wl) and torch.equal(gn, wn)
+    return [logs.get(ident, []) for *_, ident in got]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage, params", [(2, None), (3, None), (3, "cpu")])
+def test_gradient_copies_start_in_backward_and_the_update_takes_them(monkeypatch, n, stage, params):
+    """One micro-batch, no rescale: each trainable bucket's reduced shard starts for the host in
+    its unit's backward (a start_host that is not a hit), and the update's start_host of the same
+    tensor returns that copy (a hit): per step 3 misses, then 3 hits. Bitwise the run without
+    offload (the copy is of the tensor the update reads)."""
+    logs = _early_run(monkeypatch, (stage, params), n)
+    for log in logs:
+        assert log == ([False] * 3 + [True] * 3) * 2, log
+
+
+@pytest.mark.parametrize("what", ["micro", "clip"])
+def test_early_copies_are_not_used_where_the_update_reads_another_tensor(monkeypatch, what):
+    """Two micro-batches: no early copy (the update reads the sum; it copies it then). Clipping
+    that clips rescales the shard out of place: the early copy is dropped and the update copies the
+    rescaled tensor. Both bitwise the run without offload."""
+    if what == "micro":
+        logs = _early_run(monkeypatch, (3, None), 2, micro=2)
+        assert all(log == [False] * 3 * 2 for log in logs), logs
+    else:
+        logs = _early_run(monkeypatch, (2, None), 2, clip=1e-3)
+        assert all(log == ([False] * 3 + [False] * 3) * 2 for log in logs), logs
+
+
+def test_early_copies_skip_buckets_kept_on_the_device(monkeypatch):
+    """ratio < 1: without the bucket's index (the unit backward's `inflight.add(flight)`) nothing is
+    copied early; with it (`add(flight, bucket)`) only the offloaded buckets are."""
+    from fzero._src.offload import early_copies
+    from fzero._src.stages import Flight
+    from fzero._src.mesh import Pending
+    from fzero._src.unit import Inflight
+
+    tree = {f"l{i}.w": torch.randn(6, 6) for i in range(3)}
+    mesh = fzero.SimMesh(1)
+    state = mesh.run(lambda: fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p.split(".")[0],
+                                        offload=fzero.Offload(optimizer="cpu", ratio=0.5)))[0]
+    host = [b for b in range(3) if state.info.host_tier(b) is not None]
+    assert host == [1, 2]
+    started = []
+    monkeypatch.setattr(HostTier, "start_early", lambda self, x: started.append(x))
+    shards = [torch.randn(36) for _ in range(3)]
+    for bucket in (None, 0, 1, 2):
+        inflight = Inflight(host=early_copies(state.info, 1))
+        for b, x in enumerate(shards):
+            inflight.add(Flight(Pending(x)), bucket if bucket is None else b)
+        inflight.wait()
+    assert [id(x) for x in started] == [id(shards[b]) for b in host] * 3
+    assert early_copies(state.info, 2) is None  # accumulation: the update copies the sum
+
+
+def test_inflight_hands_each_reduced_shard_to_host_once_when_it_exists():
+    """A flight done at start (N = 1) goes to `host` at `add`; an open one when it is closed
+    (make_room, add past depth, wait), after its wait; each once."""
+    from fzero._src.stages import Flight
+    from fzero._src.mesh import Pending
+
+    class Open:  # a backend handle: the result exists once waited
+        def __init__(self, log, x):
+            self.log, self.x = log, x
+
+        def wait(self):
+            self.log.append(("waited", id(self.x)))
+
+    log = []
+    host = lambda x, b: log.append(("host", id(x), b))  # noqa: E731
+    from fzero._src.unit import Inflight
+
+    inflight = Inflight(depth=1, host=host)
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    inflight.add(Flight(Pending(a)), 0)  # done at start
+    assert log == [("host", id(a), 0)]
+    inflight.add(Flight(Pending(b, work=Open(log, b))), 1)  # past depth: a is closed (already handed over)
+    assert log == [("host", id(a), 0)]
+    inflight.make_room()  # b is closed: waited, then handed over
+    assert log[1:] == [("waited", id(b)), ("host", id(b), 1)]
+    inflight.add(Flight(Pending(c, work=Open(log, c))), 2)
+    inflight.wait()
+    assert log[3:] == [("waited", id(c)), ("host", id(c), 2)]
+
+
+def test_params_offload_casts_each_shard_once_per_step_not_per_unit():
+    """params="cpu" under a bf16 policy: the state keeps a bf16 host copy of each trainable master
+    shard beside it (made once per step, after the update), so no unit's enter -- forward, and the
+    backward's refill of a released unit -- casts a shard fp32 -> bf16 on the host. Counted over a
+    step's aten ops (a cast is `_to_copy` or `copy_` from a float32 tensor into a bfloat16 one of a
+    shard's size): one per trainable bucket per step, whatever the number of enters. Before the
+    copy existed every enter cast its shard on the host: 9 per step here, not 3."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tree = {f"l{i}.w": torch.randn(6, 6) / 3 for i in range(3)}
+    bf16 = fzero.Precision(torch.bfloat16)
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"l{i}.w"])
+            p.release(f"l{i}")  # freed now, gathered again when backward reads it
+        return x.float().square().mean()
+
+    class Casts(TorchDispatchMode):
+        def __init__(self, sizes):
+            super().__init__()
+            self.sizes, self.count = sizes, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0] if func is torch.ops.aten.copy_.default else out
+            if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and src.dtype == torch.float32
+                    and dst.dtype == torch.bfloat16 and src.numel() in self.sizes):
+                self.count += 1
+            return out
+
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(x):
+        state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=bf16, offload=fzero.Offload(optimizer="cpu", params="cpu"))
+        assert all(p.dtype == torch.bfloat16 and m.dtype == torch.float32 for p, m in zip(state.params, state.master))
+        step = fzero.train_step(loss, donate=True, prefetch=1)
+        counts = []
+        for t in range(2):
+            with Casts({b.shard_numel for b in state.layout.buckets}) as casts:
+                state, _ = step(state, (x + t).to(torch.bfloat16))
+            counts.append(casts.count)
+        return counts
+
+    for counts in mesh.run(rank_fn, [(torch.randn(4, 6),) for _ in range(2)]):
+        assert counts == [3, 3], counts
+
+
+def test_host_update_rescales_the_host_copy_as_the_device_would():
+    """`HostUpdate(..., factor)`: the host copy of each offloaded bucket's unscaled shard times the
+    factor -- the device's `g * factor` bit for bit (one float32 rounding of the same product) --
+    for a step that leaves the rescale of offloaded buckets to the host (its early copies are then
+    of the tensors the update reads); buckets on the device pass through unscaled and untouched."""
+    from fzero._src.offload import HostUpdate
+
+    tree = {f"l{i}.w": torch.randn(6, 6) for i in range(3)}
+    mesh = fzero.SimMesh(1)
+    state = mesh.run(lambda: fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p.split(".")[0],
+                                        offload=fzero.Offload(optimizer="cpu", ratio=0.5)))[0]
+    reduced = {b: torch.randn(36) for b in range(3)}
+    factor = 0.3  # not a power of two: the product rounds
+    host = HostUpdate(state.info, reduced, factor)
+    for b, g in reduced.items():
+        got, _, _ = host.inputs(b, g, state.opt_state[b], None)
+        if state.info.host_tier(b) is None:
+            assert got is g
+        else:
+            assert got is not g and torch.equal(got, g * factor) and not torch.equal(got, g)

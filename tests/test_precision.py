@@ -252,3 +252,41 @@ def test_loss_scaling_needs_fp16():
     with pytest.raises(fzero.ConfigError, match="loss_scale must be None"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
                                     loss_scale=1024.0))
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts `_to_copy` calls from bf16 to fp32 of `numel` elements on this thread."""
+
+    def __init__(self, numels):
+        super().__init__()
+        self.numels, self.count = set(numels), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        x = args[0] if args else None
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
+                and out.dtype == torch.float32 and x.numel() in self.numels):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("n", [1, 2])
+def test_units_assemble_bf16_gradients_in_fp32_without_a_cast_pass(stage, n):
+    """Stages 2-3 under bf16/fp32 reduce each unit's gradient in fp32: the unit assembles its
+    local gradient `flat[N * S]` in fp32 directly (each leaf's bf16 gradient widened as it is
+    copied in, exactly), so no bf16 buffer of the bucket's size is cast to fp32 in the step; the
+    values are those of assembling in bf16 and casting (`test_stages_equal_stage0_under_every_policy`)."""
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn(x):
+        state = fzero.init(_params(1), optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           groups=GROUPS, precision=POLICIES["bf16/fp32"])
+        sizes = [b.padded_numel for b in state.layout.buckets if not b.group.frozen]
+        casts = _Casts(sizes)
+        with casts:
+            fzero.train_step(_loss)(state, x)
+        return casts.count, len(sizes)
+
+    for count, buckets in mesh.run(rank_fn, [(torch.ones(7),)] * n):
+        assert buckets == 2 and count == 0, (count, buckets)

@@ -61,10 +61,29 @@ class HeldBytes(NamedTuple):
     optimizer_state: int
     master: int
     optimizer_leaf: int | None = None
+    tiers: "TierSplit | None" = None
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer_state + self.master
+
+
+class TierSplit(NamedTuple):
+    """`held_bytes` by where the state keeps each tensor: `device` (the mesh's), `host` (the
+    offload tier's host memory) and `nvme` (the swap files' fields, at their logical size), each a
+    `HeldBytes` (without `tiers`). Where a tensor lives is read from the state's settings (the
+    bucket's host tier, `Offload.params`), not from `tensor.device`: on a CPU-only machine the
+    device is the host too.
+
+    `grads` per tier: the device's is `grad_bytes` (the reduced gradient every trainable bucket
+    has at the update, as `HeldBytes.grads`); the host's is the copy of each offloaded bucket's
+    reduced `shard[S]` that the update reads (transient, as the device's; what
+    `estimate(..., offload=...)`'s `host.grads` counts). So the tiers' totals add up to
+    `HeldBytes.total` plus `host.grads`, which `HeldBytes.total` never counted."""
+
+    device: HeldBytes
+    host: HeldBytes
+    nvme: HeldBytes
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -92,8 +111,9 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     With `optimizer` (the `fzero.optim` triple the state was made with), its `spec` splits off
     the replicated fields (every kind but "shard") into `optimizer_leaf`.
     Tensors count wherever they live: under `fzero.Offload` the host's master and optimizer state
-    count too (not split by tier: `estimate(..., offload=...)`'s `TierBytes` gives device, host
-    and NVMe bytes), and NVMe's file-backed fields count at their stand-ins' logical size.
+    count too, and NVMe's file-backed fields count at their stand-ins' logical size; `tiers`
+    (`TierSplit`) says how much of each is on the device, in host memory and in files (compare
+    `estimate(..., offload=...)`'s `host` and `nvme`).
     """
     leaf = None
     if optimizer is not None:
@@ -110,7 +130,44 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
         optimizer_state=_nbytes(state.opt_state),
         master=_nbytes(state.master),
         optimizer_leaf=leaf,
+        tiers=tier_split(state, optimizer),
     )
+
+
+def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
+    """`TierSplit` of a state's bytes (see there). Per bucket b: `params[b]` is on the host where
+    params are offloaded (every bucket, frozen ones too), else on the device; `master[b]` and
+    `opt_state[b]` are on the host where b has a host tier (`StateInfo.host_tier`), else on the
+    device -- but an NVMe tier's file-backed fields (`NvmeTier.fields`) are in files."""
+    info = state.info
+    offload = getattr(info, "offload", None)
+    params_off = offload is not None and offload.params is not None
+    tiers = ("device", "host", "nvme")
+    acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
+    sharded = state.stage.sharded("grads")
+    for b, spec in enumerate(state.layout.buckets):
+        tier = info.host_tier(b)
+        acc["host" if params_off else "device"]["params"] += _nbytes(state.params[b])
+        if spec.group.frozen:
+            continue
+        acc["device"]["grads"] += (spec.shard_numel if sharded else spec.padded_numel) * spec.dtype.itemsize
+        if tier is not None:
+            acc["host"]["grads"] += spec.shard_numel * spec.dtype.itemsize  # the update's copy of the shard
+        acc["device" if tier is None else "host"]["master"] += _nbytes(state.master[b])
+        opt = state.opt_state[b]
+        if opt is None:
+            continue
+        on_file = {k for k, _ in (getattr(tier, "fields", None) or {}).get(b, ())}
+        kinds = spec_of(optimizer, opt) if optimizer is not None else (None,) * len(opt)
+        for k, (field, kind) in enumerate(zip(opt, kinds)):
+            where = "device" if tier is None else ("nvme" if k in on_file else "host")
+            acc[where]["optimizer_state"] += _nbytes(field)
+            if kind is not None and kind != "shard":
+                acc[where]["optimizer_leaf"] += _nbytes(field)
+    if optimizer is None:
+        for a in acc.values():
+            a["optimizer_leaf"] = None
+    return TierSplit(*(HeldBytes(**acc[t]) for t in tiers))
 
 
 def storage_bytes(tree: Any) -> int:

@@ -336,14 +336,16 @@ def _offloaded(
     started at once in `update`), and its optimizer state ("cpu"), or the state is in swap files
     ("nvme": one fp32 file per bucket and state field; host buffers `nvme.buffer_bytes` with
     twice a bucket's fields as buffers; not counted for a bare count, whose buckets are unknown).
-    With params offloaded, frozen shards live on the host in the params' dtype."""
+    With params offloaded, frozen shards live on the host in the params' dtype, and so does a copy of
+    each trainable shard where the master is wider (what a unit moves to the device: p bytes)."""
     on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
     frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
     fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
     files = [4 * f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f] * fields
     host = TierBytes(
-        params=bpp.params * frozen,
+        # with params offloaded and a wider master, the host also keeps the shard in the params' dtype
+        params=bpp.params * frozen + (bpp.params * on_host if off.params is not None and bpp.master else 0),
         grads=bpp.grads * on_host,
         optimizer_state=state if off.optimizer == "cpu" else Fraction(0),
         master=(bpp.master or bpp.params) * on_host,

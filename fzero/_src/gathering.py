@@ -64,11 +64,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import func_level
+from .eager import eager
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .stages import Flight, Piece
 from .tree import NAMESPACE, unflatten
-from .unit import Bucket, Probe, UnitProgram, run_unit
+from .unit import Bucket, Probe, UnitProgram, remembered, run_unit
 
 GATHERS = ("on_use", "eager")
 
@@ -163,13 +164,13 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
-        self.prefetch = prefetch if mode == "on_use" and _gathers(programs) else 0
+        self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
 
     # -- one unit -------------------------------------------------------------------------
 
-    @torch.compiler.disable  # a compiled loss reading a unit gathers it eager (docs/compile.md)
+    @eager  # a compiled loss reading a unit gathers it eager (docs/compile.md)
     def read(self, unit: str) -> dict[str, torch.Tensor]:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
@@ -178,7 +179,8 @@ class Gathering:
                 self._make_room(unit)
                 if self.prefetch:
                     self._ahead[unit] = self._start(unit)
-            self._prefetch(self._after(unit, self.layout.units), backward=False)
+            if self.prefetch:
+                self._prefetch(self._after(unit, self.layout.units), backward=False)
             self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
         self.refill(unit)
         return self._leaves[unit]
@@ -193,8 +195,10 @@ class Gathering:
                                 self._probes[unit], after)
         self._anchors.append(anchor)
         leaves = dict(zip(program.leaves, outs))
-        if self.releasable:
-            firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()]
+        if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
+            held = {b: self._xs[b] if self._fulls[b] is None else self._fulls[b] for b in ids}
+            firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()
+                      and leaves[b.leaves[0]].untyped_storage()._cdata != held[b.index].untyped_storage()._cdata]
             self._storages[unit] = [(b, t.untyped_storage(), t.untyped_storage().nbytes()) for b, t in firsts]
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
@@ -203,8 +207,8 @@ class Gathering:
         """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
         nothing where the step does not release. A unit of at most `persist_bytes` is kept
         instead (unless `force`: the cap needs its room)."""
-        if not (self.releasable and unit in self._leaves and unit not in self._released):
-            return
+        if not (self.releasable and unit in self._leaves and unit not in self._released and self._storages[unit]):
+            return  # (no gathered storage: every bucket reads its held tensor, N = 1)
         if not force and self._programs[unit].gathered_bytes <= self.persist_bytes:
             if unit not in self._kept:
                 self._kept.append(unit)
@@ -341,7 +345,7 @@ class Gathering:
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
-        paths = {ls.path: ls.unit for ls in layout.leaves}
+        paths = remembered(_PATHS, layout, None, lambda: {ls.path: ls.unit for ls in layout.leaves})
         if self.mode == "eager":
             by_path = {path: t for unit in self._programs for path, t in self.read(unit).items()}
             return unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves]), contextlib.nullcontext()
@@ -352,6 +356,9 @@ class Gathering:
         holders = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]).expand(ls.shape) for ls in layout.leaves]
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
+
+
+_PATHS: dict = {}  # layout -> {path: unit}, what LazyParams reads (one object per layout: from_module's plan key)
 
 
 def check_prefetch(prefetch: Any) -> None:
@@ -380,10 +387,14 @@ def _entering(program: UnitProgram, gathered: Sequence[Flight]) -> UnitProgram:
         stage, enter=Piece(enter, stage.enter.moves, stage.enter.frozen_moves)))
 
 
+_FLAT: dict = {}
+
+
 def is_flat_dict(layout: Layout) -> bool:
-    """Whether the params pytree is a flat `{path: tensor}` dict (what `from_module` makes)."""
-    flat = optree.tree_structure(dict.fromkeys((ls.path for ls in layout.leaves), 0), namespace=NAMESPACE)
-    return layout.treespec == flat
+    """Whether the params pytree is a flat `{path: tensor}` dict (what `from_module` makes); once
+    per layout."""
+    return remembered(_FLAT, layout, None, lambda: layout.treespec == optree.tree_structure(
+        dict.fromkeys((ls.path for ls in layout.leaves), 0), namespace=NAMESPACE))
 
 
 def _check_loss(loss: Any) -> None:
@@ -428,6 +439,11 @@ class LazyParams(Mapping):
 
     def unit_of(self, path: str) -> str:
         return self._unit_of[path]
+
+    @property
+    def unit_map(self) -> Mapping[str, str]:
+        """`{path: unit}` (read-only; the same object for every step of one layout)."""
+        return self._unit_of
 
     def unit(self, unit: str) -> dict[str, torch.Tensor]:
         """All leaves of `unit`, gathering it now if it was not yet."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .eager import eager
 from .errors import CollectiveMismatch, MeshError, RankFailed
 from .layout import check_world_size
 
@@ -137,7 +138,7 @@ class Mesh(abc.ABC):
         (DistMesh) so they stop with `RankFailed` instead of waiting. SimMesh.run does this itself."""
         yield
 
-    @torch.compiler.disable  # dynamo never traces a mesh (locks, condition variables, process groups)
+    @eager  # dynamo never traces a mesh (locks, condition variables, process groups)
     def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
         """The one entry point of every collective: validate, record, agree, move.
 
@@ -146,7 +147,7 @@ class Mesh(abc.ABC):
         """
         return self._exchange(*self._enter(op, x, arg, tag))
 
-    @torch.compiler.disable
+    @eager
     def solo(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
         """At world size 1: `collective(op, x)` validated and recorded, returning `x` itself (over one
         rank every collective is the identity). The caller guarantees that nothing writes or frees
@@ -156,7 +157,7 @@ class Mesh(abc.ABC):
         self._enter(op, x, arg, tag)
         return x
 
-    @torch.compiler.disable
+    @eager
     def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
@@ -218,7 +219,7 @@ class Pending:
         """Whether `wait()` has returned (or the collective completed when started)."""
         return self._work is None
 
-    @torch.compiler.disable
+    @eager
     def wait(self) -> torch.Tensor:
         work, self._work, self._keep = self._work, None, None
         if work is not None:

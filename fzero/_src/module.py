@@ -28,12 +28,11 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor  # what functional_call swaps with
 
 from .collectives import broadcast
 from .errors import ConfigError, FzeroError, LayoutError
@@ -136,6 +135,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
     per_thread = threading.local()
+    known: Any = None  # the last unit map whose keys were checked
 
     def apply(params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
         """`module(*args, **kwargs)` with `params` (one tensor per distinct parameter) bound.
@@ -143,13 +143,26 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         With `LazyParams` (`train_step(..., gather="on_use")`), each unit is read, and so
         gathered, in a forward pre-hook of its home submodule (the deepest one holding all its
         parameters) and unbound after that submodule's forward; units at the root are read first.
+        The plan of where each alias binds, and the hooks, are made once per thread's copy of
+        the skeleton and unit map (`_Skeleton`): a step's host work before its first kernel is
+        the reads of the root units.
         """
-        if isinstance(params, LazyParams) and set(params) == expected:
+        nonlocal known
+        if isinstance(params, LazyParams) and (params.unit_map is known or params.unit_map.keys() == expected):
             # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
-            # (thread) binds into its own copy of the skeleton; buffers stay shared, as in eager mode
-            if not hasattr(per_thread, "skeleton"):
-                per_thread.skeleton = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
-            return _apply_on_use(per_thread.skeleton, buffers, alias_table, params, args, kwargs, remat_units)
+            # (thread) binds into its own copy of the skeleton (one per depth of `apply` inside
+            # `apply`); buffers stay shared, as in eager mode
+            known = params.unit_map
+            copies = per_thread.__dict__.setdefault("copies", [])
+            depth = per_thread.__dict__.get("depth", 0)
+            if depth == len(copies):
+                copies.append(_Skeleton(copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()}),
+                                        alias_table, remat_units))
+            per_thread.depth = depth + 1
+            try:
+                return copies[depth](params, args, kwargs)
+            finally:
+                per_thread.depth = depth
         if not isinstance(params, dict) or set(params) != expected:
             got = set(params) if isinstance(params, dict) else set()
             missing, extra = sorted(expected - got), sorted(got - expected)
@@ -185,73 +198,190 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _apply_on_use(skeleton: nn.Module, buffers: dict, aliases: dict, params: LazyParams, args: tuple,
-                  kwargs: dict, remat: frozenset[str] = frozenset()) -> Any:
-    """`skeleton(*args, **kwargs)` binding each unit's parameters when its home submodule runs;
-    the submodule of a unit in `remat` runs through `remat_call` instead (its parameters bound
-    only inside it: the forward, and the recompute in backward)."""
+class _Binding(NamedTuple):
+    """One alias of a parameter in a skeleton copy: the module reads it as `owner._parameters[attr]`;
+    `name` is its params name (its distinct leaf), `placeholder` the skeleton's meta Parameter
+    that is put back after use."""
+
+    owner: nn.Module
+    attr: str
+    name: str
+    placeholder: torch.Tensor
+
+
+class _UnitBinding(NamedTuple):
+    """Every alias of one unit's parameters (`bindings`) and its distinct params `names`."""
+
+    unit: str
+    bindings: tuple[_Binding, ...]
+    names: tuple[str, ...]
+
+    def bind(self, leaves: Mapping[str, torch.Tensor]) -> None:
+        """Write each alias's leaf where the module reads it (what torch's `swap_tensor` does, minus
+        its per-call checks: the plan checked once that each alias is a parameter slot)."""
+        for b in self.bindings:
+            b.owner._parameters[b.attr] = leaves[b.name]
+
+    def unbind(self) -> None:
+        for b in self.bindings:
+            b.owner._parameters[b.attr] = b.placeholder
+
+
+class _Plan(NamedTuple):
+    """How one skeleton copy binds the units of one unit map, built once per (copy, map).
+
+    Attributes:
+      unit_map: `{params name: unit}` the plan was built for (`LazyParams.unit_map`).
+      root: units without a home submodule that runs a forward: read and bound before the call.
+      hooked: `{home submodule: its units}`: read and bound in the submodule's forward pre-hook,
+        unbound and released in its forward hook.
+      checkpointed: `{home submodule: its unit}` for the units in `remat`: the submodule's forward
+        runs through `_checkpointed`.
+    """
+
+    unit_map: Mapping[str, str]
+    root: tuple[_UnitBinding, ...]
+    hooked: dict[nn.Module, tuple[_UnitBinding, ...]]
+    checkpointed: dict[nn.Module, _UnitBinding]
+
+
+def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Mapping[str, str],
+          remat: frozenset[str]) -> _Plan:
+    """Each unit's home (the deepest submodule holding all its aliases that runs a forward; the
+    root if none) and, per alias, the module and attribute it is bound to."""
     by_unit: dict[str, list[str]] = {}
     for name in aliases:
-        by_unit.setdefault(params.unit_of(name), []).append(name)
-    bound: dict[str, torch.Tensor] = dict(buffers)
-    hooks, swapped, patched = [], [], []
+        by_unit.setdefault(unit_map[name], []).append(name)
+    root: list[_UnitBinding] = []
+    hooked: dict[nn.Module, list[_UnitBinding]] = {}
+    checkpointed: dict[nn.Module, _UnitBinding] = {}
     for unit, names in by_unit.items():
         home = _home([alias for name in names for alias in aliases[name]])
-        if home and _runs_forward(skeleton.get_submodule(home)) is False:
+        if home and not _runs_forward(skeleton.get_submodule(home)):
             home = ""  # e.g. a weight tied across blocks: its home is the ModuleList, which never runs
-        if not home:  # spread over the root: read now
-            leaves = params.unit(unit)
-            bound.update({alias: leaves[name] for name in names for alias in aliases[name]})
-            continue
-        module = skeleton.get_submodule(home)
-
-        def pre(mod: nn.Module, _args: Any, unit: str = unit, names: list[str] = names, home: str = home) -> None:
-            leaves = params.unit(unit)  # gathers the unit on its first read this step (again if released)
-            rel = {alias[len(home) + 1 :]: leaves[name] for name in names for alias in aliases[name]}
-            orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
-            swapped.append((mod, orig))
-
-        def post(mod: nn.Module, _args: Any, _out: Any, unit: str = unit) -> None:
-            done, orig = swapped.pop()
-            NamedMemberAccessor(done).swap_tensors_dict(orig, allow_missing=False)
-            params.release(unit)  # frees the gathered copy where the step allows; backward re-gathers
-
-        if unit in remat:  # nn.Module reads `forward` before its hooks run: replace it for this call
-            rel_names = {alias[len(home) + 1 :]: name for name in names for alias in aliases[name]}
-            module.forward = functools.partial(_checkpointed, module, params, unit, rel_names)
-            patched.append(module)
-            continue
-        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=False)
-    finally:
-        for h in hooks:
-            h.remove()
-        for mod in patched:
-            del mod.forward
-        while swapped:  # a forward that raised inside a unit: put the placeholders back
-            mod, orig = swapped.pop()
-            NamedMemberAccessor(mod).swap_tensors_dict(orig, allow_missing=False)
+        bindings = tuple(_binding(skeleton, alias, name) for name in names for alias in aliases[name])
+        binding = _UnitBinding(unit, bindings, tuple(names))
+        module = skeleton.get_submodule(home) if home else skeleton
+        if not home:
+            root.append(binding)
+        elif unit in remat:
+            checkpointed[module] = binding
+        else:
+            hooked.setdefault(module, []).append(binding)
+    return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed)
 
 
-def _checkpointed(mod: nn.Module, params: LazyParams, unit: str, rel_names: dict[str, str], *args: Any,
-                  **kwargs: Any) -> Any:
+def _binding(skeleton: nn.Module, alias: str, name: str) -> _Binding:
+    path, _, attr = alias.rpartition(".")
+    owner = skeleton.get_submodule(path)
+    if attr not in owner._parameters:
+        raise FzeroError(f"from_module: parameter {alias!r} is not in {type(owner).__name__}._parameters of the "
+                         f"module's copy; was the module changed after from_module? Call from_module again")
+    return _Binding(owner, attr, name, owner._parameters[attr])
+
+
+class _Call(NamedTuple):
+    """One `apply` running in a skeleton copy: its params, its plan, and the hooked units bound
+    now (innermost last)."""
+
+    params: LazyParams
+    plan: _Plan
+    bound: list[_UnitBinding]
+
+
+class _Skeleton:
+    """One thread's copy of the skeleton, bound unit by unit as its submodules run (`__call__`).
+
+    The forward pre-hook and forward hook of each home submodule are registered once, on first
+    use, and stay: they act on the running call (`call`; outside a call they do nothing), so a
+    step registers no hook. A checkpointed unit's home gets an instance `forward` once, which
+    runs `_checkpointed` while a call's plan says so and the class's forward otherwise. The plan
+    is cached for the last unit map seen (each step's `LazyParams` carry the same map object).
+    At most one call runs in a copy at a time: `apply` inside `apply` uses the next copy."""
+
+    def __init__(self, module: nn.Module, aliases: dict[str, tuple[str, ...]], remat: frozenset[str]) -> None:
+        self.module, self.aliases, self.remat = module, aliases, remat
+        self.plan: _Plan | None = None
+        self.call: _Call | None = None
+        self._hooked: set[nn.Module] = set()
+        self._patched: set[nn.Module] = set()
+        self._buffers = tuple((m, attr, b) for m in module.modules() for attr, b in m._buffers.items())
+
+    def plan_for(self, unit_map: Mapping[str, str]) -> _Plan:
+        plan = self.plan
+        if plan is not None and (plan.unit_map is unit_map or plan.unit_map == unit_map):
+            return plan
+        plan = _plan(self.module, self.aliases, unit_map, self.remat)
+        for module in plan.hooked.keys() - self._hooked:
+            module.register_forward_pre_hook(self._pre)
+            module.register_forward_hook(self._post)
+            self._hooked.add(module)
+        for module in plan.checkpointed.keys() - self._patched:  # nn.Module reads `forward` before its hooks run
+            module.forward = functools.partial(self._forward, module)
+            self._patched.add(module)
+        self.plan = plan
+        return plan
+
+    def __call__(self, params: LazyParams, args: tuple, kwargs: dict) -> Any:
+        plan = self.plan_for(params.unit_map)
+        for binding in plan.root:  # nothing is read before the plan is ready: the reads launch back to back
+            binding.bind(params.unit(binding.unit))
+        self.call = _Call(params, plan, [])
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            bound, self.call = self.call.bound, None
+            while bound:  # a forward that raised inside a unit: put the placeholders back
+                bound.pop().unbind()
+            for binding in plan.root:
+                binding.unbind()
+            for module, attr, buffer in self._buffers:  # as functional_call: a reassigned buffer is put back
+                module._buffers[attr] = buffer
+
+    def _pre(self, module: nn.Module, _args: Any) -> None:
+        call = self.call
+        if call is None:
+            return
+        for binding in call.plan.hooked.get(module, ()):
+            binding.bind(call.params.unit(binding.unit))  # gathers the unit on its first read this step
+            call.bound.append(binding)
+
+    def _post(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        call = self.call
+        if call is None:
+            return
+        bound = call.bound
+        for binding in call.plan.hooked.get(module, ()):
+            binding.unbind()
+            for k in range(len(bound) - 1, -1, -1):  # the innermost entry (a child that raised may lie above)
+                if bound[k] is binding:
+                    del bound[k]
+                    break
+            call.params.release(binding.unit)  # frees the gathered copy where the step allows; backward re-gathers
+
+    def _forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        call = self.call
+        binding = call.plan.checkpointed.get(module) if call is not None else None
+        if binding is None:
+            return type(module).forward(module, *args, **kwargs)
+        return _checkpointed(module, call.params, binding, *args, **kwargs)
+
+
+def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *args: Any, **kwargs: Any) -> Any:
     """`mod`'s forward for a checkpointed unit: read the unit (gathering it), run the forward
-    through `remat_call` with the unit's parameters `{relative alias: leaf}` bound inside it
-    (each distinct leaf one input, so a leaf tied within the unit gets one gradient), release
-    the unit."""
-    leaves = params.unit(unit)
+    through `remat_call` with the unit's parameters bound inside it (each distinct leaf one
+    input, so a leaf tied within the unit gets one gradient), release the unit."""
+    leaves = params.unit(binding.unit)
 
     def forward(bound: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        rel = {alias: bound[name] for alias, name in rel_names.items()}
-        orig, _ = NamedMemberAccessor(mod).swap_tensors_dict(rel, allow_missing=False)
+        binding.bind(bound)
         try:
             return type(mod).forward(mod, *args, **kwargs)
         finally:
-            NamedMemberAccessor(mod).swap_tensors_dict(orig, allow_missing=False)
+            binding.unbind()
 
-    out = remat_call(forward, {name: leaves[name] for name in dict.fromkeys(rel_names.values())}, args, kwargs)
-    params.release(unit)
+    out = remat_call(forward, {name: leaves[name] for name in binding.names}, args, kwargs)
+    params.release(binding.unit)
     return out
 
 

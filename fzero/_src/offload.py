@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from fractions import Fraction
 from typing import Any
 
@@ -181,6 +182,9 @@ class HostTier:
     device: torch.device
     pin: bool = True
     in_place = False  # whether a step writes the stored optimizer state in place (NVMe: its files)
+    # the device -> host copies started during the backward (`start_early`): id(device tensor) ->
+    # (a weak reference to it, its Transfer); an entry goes with its tensor
+    early: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def cuda(self) -> bool:
@@ -201,7 +205,11 @@ class HostTier:
     def start_host(self, x: torch.Tensor) -> Transfer:
         """`host(x)` without waiting: on CUDA a `non_blocking` copy into a pinned buffer on the side
         stream, after the work queued on `x`'s stream (the caching allocator is told the side stream
-        uses `x`); elsewhere the copy, made now."""
+        uses `x`); elsewhere the copy, made now. Where `start_early(x)` started the copy of this
+        very tensor already (during the backward), that copy."""
+        hit = self.early.pop(id(x), None)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
         if not self.cuda:
             return Transfer(self.host(x))
         if x.device.type == "cpu":  # already on the host: nothing to copy
@@ -215,6 +223,34 @@ class HostTier:
             event.record(side)
         x.record_stream(side)
         return Transfer(out, event)
+
+    def host_cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (host) in `dtype`, in host memory (pinned on CUDA): a new buffer written by one cast
+        (read 4, write 2 bytes per element for fp32 -> bf16), or `x` itself where it has `dtype`
+        already. With params offloaded the state keeps this compute-dtype copy of the master
+        shard beside it, made once per step after the update (`HostUpdate.outputs`), so a unit's
+        `enter` moves 2 bytes per element to the device and casts nothing on the host (DeepSpeed
+        keeps a 16-bit copy of its offloaded params the same way)."""
+        if x.dtype == dtype:
+            return x
+        if self.cuda:
+            return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
+        return x.to(dtype)
+
+    def start_early(self, x: torch.Tensor) -> None:
+        """Start `start_host(x)` now, for a later `start_host(x)` of the same tensor (the update's)
+        to take: the backward hands each offloaded bucket's reduced shard here as soon as it
+        exists (`unit.Inflight`'s `host`, `early_copies`), so the copy overlaps the rest of the
+        backward. The copy is of the tensor's values now: whoever calls this promises that nothing
+        writes `x` before the update reads it (a tensor the update does not read, e.g. one later
+        rescaled out of place, is never taken: its entry goes with it)."""
+        key = id(x)
+        hit = self.early.get(key)
+        if hit is not None and hit[0]() is x:
+            return
+        transfer = self.start_host(x)
+        early = self.early
+        self.early[key] = (weakref.ref(x, lambda _: early.pop(key, None)), transfer)
 
     def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
@@ -399,8 +435,8 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     if layout.buckets[b].group.frozen:
         return (tier.host(held) if offload.params is not None else held), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
-    if offload.params is not None:
-        return on_host, on_host
+    if offload.params is not None:  # what the units read: the compute-dtype copy, made here and by each update
+        return tier.host_cast(on_host, compute), on_host
     return (held.to(compute) if stage.sharded("params") else held), on_host
 
 
@@ -422,8 +458,8 @@ def differentiated(info: Any, b: int, held: torch.Tensor, master: torch.Tensor |
     copies it to the device). The gradient is then computed, reduced and kept on the device in the
     same dtype as without offload."""
     stage, layout, rank = info.stage, info.layout, info.rank
-    if info.offload.params is not None:
-        return _twin(held, device), held
+    if info.offload.params is not None:  # the gradient is the master's (frozen buckets: their own dtype)
+        return _twin(master if master is not None else held, device), held
     if master is None or info.host_tier(b) is None:
         return stage.differentiated(layout, b, held, rank, master)
     if stage.sharded("params"):  # stage 3: the device shard is in the compute dtype; the gradient is the master's
@@ -435,6 +471,34 @@ def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A zero-cost device tensor of `x`'s shape and dtype (an `expand` of a 0-d zero), for the step
     to differentiate; no unit reads its values (each reads the full tensor beside it)."""
     return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
+
+
+def early_copies(info: Any, micro_batches: int) -> Any:
+    """The `host` of a step's `unit.Inflight` (None: no early copies): `copy(shard, bucket)` starts
+    the device -> host copy of an offloaded bucket's reduced gradient shard as soon as the unit's
+    backward has it (`HostTier.start_early`), so that `HostUpdate` finds the copy done instead of
+    starting it at the update.
+
+    Only where the copy is the tensor the update reads: one micro-batch (with k > 1 the update
+    reads the sum over micro-batches, which exists only after the last backward: the update
+    copies it then), and a tensor the update reads unchanged (clipping that clips, a loss scale or
+    `normalize="tokens"` rescale the shard out of place after the agreement: the update then
+    copies the rescaled tensor, and the early copy is dropped with the shard). `bucket`: the
+    bucket's index, so that buckets `ratio` keeps on the device are not copied; where the caller
+    does not know it (None), the shard is copied only if every trainable bucket is offloaded."""
+    tier = info.tier
+    if tier is None or micro_batches != 1:
+        return None
+    layout = info.layout
+    trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+    host = frozenset(b for b in trainable if info.host_tier(b) is not None)
+    every = len(host) == len(trainable)
+
+    def copy(shard: torch.Tensor, bucket: int | None) -> None:
+        if bucket in host or bucket is None and every:
+            tier.start_early(shard)
+
+    return copy
 
 
 def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
@@ -453,10 +517,17 @@ class HostUpdate:
     host gradient, the host state and the per-leaf sum that runs on the device; `outputs(b, ...)`
     stores the new state and returns the new master shard as the stage's `finish` reads it (on the
     device in the dtype the state holds there, or, with params offloaded, the host shard itself,
-    which is the params); `done()` waits for the tier's writes (NVMe)."""
+    which is the params); `done()` waits for the tier's writes (NVMe).
 
-    def __init__(self, info: Any, reduced: dict[int, torch.Tensor]) -> None:
-        self.info, self.device = info, info.mesh.device
+    `factor` (default 1): the step's rescale of the reduced gradient (clipping, a loss scale,
+    `normalize="tokens"`) where the step leaves it to the host for the offloaded buckets, whose
+    `reduced` tensors are then the unscaled ones -- so the copy started in the backward is of the
+    tensor read here. `inputs` returns `g_host * factor`: the same one rounding of the same
+    float32 product the device's `g * factor` makes (CPU and CUDA both multiply in the tensor's
+    opmath type, float32 for float32 and 16-bit gradients, by the Python float rounded to it)."""
+
+    def __init__(self, info: Any, reduced: dict[int, torch.Tensor], factor: float = 1.0) -> None:
+        self.info, self.device, self.factor = info, info.mesh.device, factor
         self.tiers = {b: t for b in reduced if (t := info.host_tier(b)) is not None}
         self.grads = {b: t.start_host(reduced[b]) for b, t in self.tiers.items()}
         order = list(self.tiers)
@@ -470,14 +541,18 @@ class HostUpdate:
             return grad, opt_state, leaf_sum
         if b in self.following:  # NVMe: the next bucket's state is read while this one updates
             tier.prefetch(self.following[b])
-        return self.grads.pop(b).wait(), tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
+        g = self.grads.pop(b).wait()
+        if self.factor != 1.0:
+            g = g * self.factor
+        return g, tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
 
     def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype
                 ) -> tuple[torch.Tensor, Any]:
         tier = self.tiers.get(b)
         if tier is None:
             return master, opt_state
-        back = master if self.info.offload.params is not None else tier.to_device(master, held_dtype)
+        params = self.info.offload.params is not None  # the host copy the units read, cast once per step here
+        back = tier.host_cast(master, held_dtype) if params else tier.to_device(master, held_dtype)
         return back, tier.store(b, opt_state)
 
     def done(self) -> None:

@@ -115,7 +115,10 @@ def _no_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
-    """`shard[S] -> flat[N * S]` (not differentiable: used on detached data and inside the unit)."""
+    """`shard[S] -> flat[N * S]` (not differentiable: used on detached data and inside the unit).
+    At N = 1 the shard is the whole buffer: `shard` itself (`Mesh.solo`), no copy."""
+    if mesh.world_size == 1:
+        return mesh.solo("all_gather", shard, tag=wire.tag)
     return mesh.collective("all_gather", shard, tag=wire.tag)
 
 
@@ -174,9 +177,9 @@ def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
 
 
 def _start_enter(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
-    """`_gather` without waiting (stage 3's prefetch): `shard[S] ->` (in flight) `flat[N * S]`, a
-    fresh buffer at N = 1 too (released gathered storage must never be the held shard)."""
-    return Flight(mesh.start("all_gather", shard, tag=wire.tag))
+    """`_gather` without waiting (stage 3's prefetch): `shard[S] ->` (in flight) `flat[N * S]`; at
+    N = 1 `shard` itself, as `_gather`."""
+    return Flight(_start_gather(mesh, wire, shard))
 
 
 def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
@@ -212,8 +215,8 @@ _AG_PARAM_AGAIN = Move("all_gather", "params", "regather")
 _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 
 ENTER_FULL = Piece(_identity)
-# stage 3's gather copies at N = 1 too (`_gather` has no `solo` form): the step releases gathered
-# storage (resize to 0) after use, which must never reach the held shard.
+# at N = 1 stage 3's gather is the held shard itself (`Mesh.solo`): `Gathering` frees only gathered
+# storage that is not the held tensor's, so such a unit stays whole (there is nothing to shard).
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,), start=_start_enter)
 LEAVE_LOCAL = Piece(_identity)
 LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce)

@@ -350,8 +350,9 @@ def gather(state: ZeroState) -> Any:
     with torch.no_grad():
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
             xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b) for b in program.buckets]
-            for i, t in zip(program.leaves, gather_leaves(program, xs, cast=False)):
-                leaves[i] = t.clone()
+            clones = [t.clone() for t in gather_leaves(program, xs, cast=False)]  # one unit gathered at a time
+            for i, t in zip(program.leaves, clones):
+                leaves[i] = t
     return unflatten(layout.treespec, leaves)
 
 

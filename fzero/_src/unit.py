@@ -69,8 +69,41 @@ class Bucket:
         return self.wire.tag
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """`flat[N * S] -> [leaf views]`."""
-        return [flat[o : o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+        """`flat[N * S] -> [leaf views]`, one `as_strided` per leaf (a slice and a view would be
+        two ops of host time each): leaf k is `flat[o_k : o_k + n_k]` in its contiguous shape.
+        For the Function's forward and `fzero.gather`, where no transform batches `flat`;
+        tangents use `split_views`."""
+        at = flat.storage_offset()
+        return [flat.as_strided(s, st, at + o) for o, s, st in zip(self.offsets, self.shapes, self._strides)]
+
+    def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`views` by one split of `flat` into leaves, gaps and padding, then a view to the leaf's
+        shape where it is not 1-d: ops with batching rules, for tangents that `jacfwd` batches."""
+        sizes, pick = self._pieces
+        parts = flat.split_with_sizes(sizes)
+        return [parts[k] if len(s) == 1 else parts[k].view(s) for k, s in zip(pick, self.shapes)]
+
+    @functools.cached_property
+    def _strides(self) -> tuple[tuple[int, ...], ...]:
+        """Each leaf's contiguous strides, as torch makes them (a side of 0 counts as 1)."""
+        return tuple(tuple(math.prod(max(n, 1) for n in s[d + 1 :]) for d in range(len(s))) for s in self.shapes)
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`(sizes, pick)`: `flat[N * S]` split by `sizes` (each leaf, and each gap before one and
+        after the last) has leaf k's elements in piece `pick[k]`."""
+        sizes: list[int] = []
+        pick: list[int] = []
+        end = 0
+        for o, s in zip(self.offsets, self.shapes):
+            if o > end:
+                sizes.append(o - end)
+            pick.append(len(sizes))
+            sizes.append(math.prod(s))
+            end = o + sizes[-1]
+        if self.size > end:
+            sizes.append(self.size - end)
+        return tuple(sizes), tuple(pick)
 
 
 class Inflight:
@@ -92,6 +125,12 @@ class Inflight:
     proofs/stage3.md, section 7). `add` past `depth` also waits for the oldest. (SimMesh
     completes at start: nothing stays open.)
 
+    `host` (offload, `fzero._src.offload.early_copies`): `host(shard, bucket)` is called with each
+    flight's reduced `shard[S]` as soon as it exists -- when the flight is closed (`make_room`,
+    `add` past `depth`, `wait`), or at `add` where the reduction completed when started (N = 1,
+    SimMesh) -- so that its device -> host copy runs during the rest of the backward instead of at
+    the update. `bucket` is the index `add` was given, or None.
+
     With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
     the step passes where it reduces each micro-batch), the unit's backward hands autograd no
     gradient and `begin`s the step's own reduction of each bucket (`Stage.after_backward.start`
@@ -101,10 +140,12 @@ class Inflight:
     another order (a unit some rank skipped) still call the same collectives in the same order.
     They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway."""
 
-    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
-        self._flights: list[Any] = []
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
+                 host: Callable[[torch.Tensor, int | None], None] | None = None) -> None:
+        self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
+        self.host = host
         self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
         self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
 
@@ -124,21 +165,30 @@ class Inflight:
             self.started[k] = self.started[k]()
         return self.started
 
+    def _close(self, flight: Any, bucket: int | None, copied: bool) -> None:
+        shard = flight.wait()
+        if self.host is not None and not copied:
+            self.host(shard, bucket)
+
     def make_room(self) -> None:
         """Close the oldest flights until fewer than `depth` are open (room for one more)."""
         while self._flights and len(self._flights) >= self.depth:
-            self._flights.pop(0).wait()
+            self._close(*self._flights.pop(0))
 
-    def add(self, flight: Any) -> torch.Tensor:
-        self._flights.append(flight)
+    def add(self, flight: Any, bucket: int | None = None) -> torch.Tensor:
+        """Keep `flight` (bucket `bucket`'s reduction) open; its result, for autograd, unread."""
+        done = self.host is not None and not flight.then and flight.pending.done  # N = 1: the shard exists
+        if done:
+            self.host(flight.pending.result, bucket)
+        self._flights.append((flight, bucket, done))
         while len(self._flights) > self.depth:
-            self._flights.pop(0).wait()
+            self._close(*self._flights.pop(0))
         return flight.pending.result
 
     def wait(self) -> None:
         flights, self._flights = self._flights, []
         for f in flights:
-            f.wait()
+            self._close(*f)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +202,12 @@ class UnitProgram:
     buckets: tuple[Bucket, ...]
     inflight: Inflight | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def leaves(self) -> tuple[int, ...]:
         """The unit's leaf indices, in bucket order (the order of its outputs and of `used`)."""
         return tuple(i for b in self.buckets for i in b.leaves)
 
-    @property
+    @functools.cached_property
     def gathered_bytes(self) -> int:
         """Bytes of the unit's entered buffers: `Σ_b N * S_b * itemsize(compute_b)` (padding
         included) -- what a stage-3 gather of the unit allocates."""
@@ -201,7 +251,30 @@ class Probe(NamedTuple):
 
     @staticmethod
     def of(program: UnitProgram, device: torch.device) -> "Probe":
-        return Probe(torch.zeros(len(program.leaves)), torch.zeros(len(program.buckets), device=device))
+        """Fresh tensors over zeros made once per shape and device (`detach()`: a new tensor, and
+        so a new autograd leaf, on the same storage; no allocation and no fill kernel per step).
+        Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
+        `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
+        each step's tensors are its own (their `requires_grad`, their place in that step's graph)."""
+        used = sum(len(b.leaves) for b in program.buckets)  # len(program.leaves), without building them first
+        return Probe(_zeros((used,), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
+
+
+_ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_CPU = torch.device("cpu")
+
+
+def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float32 zeros of `shape` on `device`, made once (read only: callers take views or detached
+    aliases, and nothing writes them)."""
+    z = _ZEROS.get((shape, device))
+    if z is None:
+        with torch.inference_mode(False):  # a tensor autograd may use later, also if made under inference_mode
+            z = torch.zeros(shape, device=device)
+        if type(z) is not torch.Tensor:  # made under a mode that returns subclasses (fake tensors): not kept
+            return z
+        z = _ZEROS.setdefault((shape, device), z)
+    return z
 
 
 def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
@@ -235,12 +308,16 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
 
 class _Unit(torch.autograd.Function):
     @staticmethod
-    def forward(program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def forward(*inputs: Any) -> tuple[torch.Tensor, ...]:
+        """`inputs = (program, after, k, *xs[k], *fulls[k], *probe)` (one variadic parameter:
+        `Function.apply` binds its arguments to this signature on every call, and binding one
+        parameter costs about half of binding four)."""
+        program, k, tensors = inputs[0], inputs[2], inputs[3:]
         xs, fulls = tensors[:k], tensors[k : 2 * k]
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
-        return (*gather_leaves(program, held), xs[0].new_zeros((), dtype=torch.float32))  # + the anchor
+        return (*gather_leaves(program, held), _zeros((), xs[0].device).view(()))  # + the anchor: a view, no kernel
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -249,7 +326,7 @@ class _Unit(torch.autograd.Function):
         ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
         releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
-        ctx.entered = frozenset(t.untyped_storage()._cdata for t in output[:-1]) if releases else frozenset()
+        ctx.entered = _entered(inputs[0], output) if releases else frozenset()
 
     @staticmethod
     def jvp(ctx: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -266,7 +343,7 @@ class _Unit(torch.autograd.Function):
             else:
                 t = x_t if x_t is not None else torch.zeros(shape, dtype=dtype, device=device)
                 flat = _enter_tangent(program, bucket, t.to(bucket.wire.compute))
-            leaves.extend(v.clone() for v in bucket.views(flat))
+            leaves.extend(v.clone() for v in bucket.split_views(flat))
         return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
 
     @staticmethod
@@ -303,7 +380,7 @@ class _Unit(torch.autograd.Function):
                 continue
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
-            flat = _assemble(bucket, gs, bucket.wire.compute, device)
+            flat = _assemble(bucket, gs, _assembled_dtype(bucket.wire, leave), device)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
@@ -322,6 +399,17 @@ class _Unit(torch.autograd.Function):
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
+def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
+    """The storages of the unit's entered buffers: a bucket's leaves are views of one buffer, so
+    its first leaf's storage is every one's."""
+    firsts, at = [], 0
+    for bucket in program.buckets:
+        if bucket.leaves:
+            firsts.append(output[at].untyped_storage()._cdata)
+        at += len(bucket.leaves)
+    return frozenset(firsts)
+
 
 def _reads_entered(ctx: Any, grads: Sequence[torch.Tensor | None]) -> bool:
     """Whether an incoming gradient shares storage with the unit's entered buffers (a backward that
@@ -347,6 +435,20 @@ def _enter_tangent(program: UnitProgram, bucket: Bucket, t: torch.Tensor) -> tor
     if program.stage.enter is ENTER_GATHER:
         return all_gather(t, program.mesh, tag=bucket.tag)
     return program.stage.enter.run(program.mesh, bucket.wire, t)
+
+
+_WIDER = {torch.float32: (torch.bfloat16, torch.float16), torch.float64: (torch.bfloat16, torch.float16, torch.float32)}
+
+
+def _assembled_dtype(wire: Wire, leave: Any) -> torch.dtype:
+    """The dtype a unit's local gradient is assembled in: the compute dtype, or -- where the stage
+    reduces it in the unit (`LEAVE_REDUCED`, whose first act is the cast to the reduce dtype) and
+    that cast only widens (bf16 / fp16 -> fp32, anything -> fp64: exact) -- the reduce dtype
+    itself, so the per-leaf copies widen on the way in and no separate cast pass runs (the same
+    values: each element is the same number either way)."""
+    if leave.start is not None and wire.compute in _WIDER.get(wire.reduce, ()):
+        return wire.reduce
+    return wire.compute
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,

@@ -1,0 +1,46 @@
+"""`eager(fn)`: `fn`, never traced by dynamo, at the cost of a plain call where dynamo is absent.
+
+`torch.compiler.disable(fn)` makes dynamo run `fn` eager (a graph break at the call, no tracing
+inside), but its wrapper switches dynamo's frame callback off and back on around every call,
+compiled or not: about a microsecond of host time per call on the CPU this was measured on
+(benchmarks/host_profile.py), and a step's forward makes several such calls per unit (a read,
+its collectives, their waits). `eager(fn)` calls `fn` directly where dynamo can see nothing --
+not tracing (`torch.compiler.is_compiling()`, which dynamo folds to True while it traces) and no
+frame callback installed on this thread (no compiled code is running: a compiled function sets
+one for the frames it calls; a disabled region clears it) -- and through
+`torch.compiler.disable(fn)` otherwise: traced, the same graph break as the decorator; called
+by compiled code at run time, the callback is switched off for `fn` and all it calls.
+
+The callback is read with `torch._C._dynamo.eval_frame.get_eval_frame_callback` (private, in
+torch since 2.1; where it is missing every call goes through `torch.compiler.disable`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_compiling = torch.compiler.is_compiling
+_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_callback = getattr(_callback, "get_eval_frame_callback", None)
+
+
+def eager(fn: F) -> F:
+    """`fn` run eager: directly where dynamo is neither tracing nor installed on this thread,
+    else through `torch.compiler.disable(fn)`. For functions and methods (decorate the `def`)."""
+    disabled = torch.compiler.disable(fn)
+    if _callback is None:
+        return disabled
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _compiling() or _callback() is not None:
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]

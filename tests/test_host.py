@@ -1,0 +1,365 @@
+"""Host work of the forward (`from_module`'s `apply` with `LazyParams`, fzero/_src/module.py):
+
+- each rank thread's skeleton copy registers its forward hooks once, on its first step; later
+  steps register none, and the binding plan is built once per unit map (rebuilt, and the hooks
+  extended, for a state with other units; every map gives the bits of `gather="eager"`);
+- a forward that raises inside a unit leaves every parameter slot of the copy holding its meta
+  placeholder, and the next step gives the bits of a step that never saw the error;
+- a loss that runs the module twice on one `LazyParams` runs each unit's Function once per
+  step (stage 3: the second forward gathers released units again) and gives the bits of
+  `gather="eager"`;
+- `apply` inside a module's forward binds into a second copy, not the running one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+import torch.nn.functional as F
+from torch import nn
+
+import fzero
+from fzero import from_module, units_by_prefix
+from fzero._src import gathering as gathering_module
+from fzero._src import unit as unit_module
+from fzero._src.eager import eager
+from fzero._src.stages import get_stage
+from fzero.testing import examples, pytrees, world_sizes
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.fail = False  # set by a test: raise inside this unit's forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc(x))
+        if self.fail:
+            raise RuntimeError("block failed")
+        return x + self.out(h)
+
+
+class Net(nn.Module):
+    """Blocks over an embedding whose weight the head reads too (tied across units: its home
+    is the root), so units bind at the root and in submodule hooks."""
+
+    def __init__(self, d: int = 8, blocks: int = 3, vocab: int = 11) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)
+
+
+def _copies(apply) -> list:
+    """This thread's skeleton copies (`apply`'s per-thread state)."""
+    local = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, threading.local))
+    return local.__dict__.get("copies", [])
+
+
+def _hooks(skeleton: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in skeleton.modules())
+
+
+def _steps(model: nn.Module, stage: int, units, steps: int, gather: str = "on_use", loss=None, during=None):
+    """`steps` steps of one rank (SimMesh(1)); `during(apply, k)` runs in the rank's thread after
+    step k. Returns the final params (gathered) and the losses."""
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    loss = loss or (lambda p, b: apply(p, *b))
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        step = fzero.train_step(loss, gather=gather)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh,
+                           units=units if units is not None else info.units)
+        losses = []
+        for k in range(steps):
+            state, metrics = step(state, _batch())
+            losses.append(metrics.loss)
+            if during is not None:
+                during(apply, k)
+        return fzero.gather(state), losses
+
+    return mesh.run(rank)[0], apply
+
+
+def _equal(a, b) -> bool:
+    (pa, la), (pb, lb) = a, b
+    return (pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa) and len(la) == len(lb)
+            and all(torch.equal(x, y) for x, y in zip(la, lb)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hooks_are_registered_once_and_the_plan_is_cached(stage):
+    torch.manual_seed(0)
+    model = Net()
+    seen = []
+
+    def during(apply, k):
+        (skel,) = _copies(apply)
+        seen.append((_hooks(skel.module), skel.plan))
+
+    got, _ = _steps(model, stage, None, 4, during=during)
+    hooks, plans = zip(*seen)
+    assert hooks == (2 * 3,) * 4  # a pre-hook and a hook on each of the 3 blocks, from the first step on
+    assert all(p is plans[0] for p in plans)  # built once
+    assert {b.unit for b in plans[0].root} == {"default"} and len(plans[0].hooked) == 3
+    want, _ = _steps(model, stage, None, 4, gather="eager")
+    assert _equal(got, want)
+
+
+def test_a_forward_that_raises_inside_a_unit_leaves_the_placeholders_and_the_next_step_works():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    failing = {"on": False}
+
+    def loss(p, b):
+        for c in _copies(apply):
+            c.module.blocks[1].fail = failing["on"]
+        return apply(p, *b)
+
+    def rank():
+        step = fzero.train_step(loss)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        state, _ = step(state, _batch())
+        failing["on"] = True
+        with pytest.raises(RuntimeError, match="block failed"):
+            step(state, _batch())
+        (skel,) = _copies(apply)
+        assert skel.call is None
+        slots = [p for m in skel.module.modules() for p in m._parameters.values() if p is not None]
+        assert slots and all(p.is_meta for p in slots)  # no gathered leaf left bound
+        failing["on"] = False
+        state, metrics = step(state, _batch())
+        return fzero.gather(state), [metrics.loss]
+
+    got = mesh.run(rank)[0]
+    (want_params, want_losses), _ = _steps(model, 3, None, 2)
+    assert _equal(got, (want_params, want_losses[1:]))
+
+
+def test_a_state_with_other_units_rebuilds_the_plan_and_gives_the_eager_bits():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    coarse = lambda path: "blocks" if path.startswith("blocks.") else "rest"  # noqa: E731
+    mesh = fzero.SimMesh(1)
+
+    def rank(gather):
+        step = fzero.train_step(lambda p, b: apply(p, *b), gather=gather)
+        fine = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        wide = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=coarse)
+        seen = []
+        for _ in range(2):  # alternate: each switch rebuilds the plan for that state's map
+            for which in ("fine", "wide"):
+                if which == "fine":
+                    fine, _ = step(fine, _batch())
+                else:
+                    wide, _ = step(wide, _batch())
+                if gather == "on_use":
+                    (skel,) = _copies(apply)
+                    seen.append(({b.unit for b in skel.plan.root},
+                                 {b.unit for bs in skel.plan.hooked.values() for b in bs}, _hooks(skel.module)))
+        return fzero.gather(fine), fzero.gather(wide), seen
+
+    fine, wide, seen = mesh.run(rank, [("on_use",)])[0]
+    want_fine, want_wide, _ = mesh.run(rank, [("eager",)])[0]
+    assert _equal((fine, []), (want_fine, [])) and _equal((wide, []), (want_wide, []))
+    blocks = {"blocks.0", "blocks.1", "blocks.2"}
+    # the coarse unit's home is the ModuleList, which never runs: it binds at the root. The fine
+    # map's 3 blocks keep their hooks (doing nothing for the coarse map); none is registered twice
+    assert seen == [({"default"}, blocks, 6), ({"blocks", "rest"}, set(), 6)] * 2
+
+
+def test_a_loss_that_runs_the_module_twice_runs_each_unit_once(monkeypatch):
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    runs = []
+    run_unit = gathering_module.run_unit
+    monkeypatch.setattr(gathering_module, "run_unit", lambda program, *a: runs.append(program.name) or
+                        run_unit(program, *a))
+
+    def rank(gather):
+        step = fzero.train_step(lambda p, b: apply(p, *b) + apply(p, b[0].flip(1), b[1]), gather=gather)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, _batch())
+            losses.append(metrics.loss)
+        return fzero.gather(state), losses
+
+    got = mesh.run(rank, [("on_use",)])[0]
+    assert sorted(runs) == sorted(["default", "blocks.0", "blocks.1", "blocks.2"] * 2)  # once per step each
+    want = mesh.run(rank, [("eager",)])[0]
+    assert _equal(got, want)
+
+
+def test_apply_inside_apply_binds_a_second_copy():
+    torch.manual_seed(0)
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    results = []
+
+    def loss(p, b):
+        def inside(mod, args):  # runs while the outer call is inside block 0 (its unit bound)
+            if len(results) == 1:
+                results.append(apply(p, *b))
+
+        copies = _copies(apply)
+        handle = copies[0].module.blocks[0].register_forward_pre_hook(inside) if copies else None
+        try:
+            out = apply(p, *b)
+        finally:
+            if handle is not None:
+                handle.remove()
+        results.append(out)
+        return out
+
+    def rank():
+        step = fzero.train_step(loss)
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units)
+        state, _ = step(state, _batch())  # builds copy 0 (no nesting yet)
+        state, _ = step(state, _batch())
+        return len(_copies(apply))
+
+    assert mesh.run(rank)[0] == 2  # the inner call ran in its own copy
+    first, inner, outer = results
+    assert torch.equal(inner, outer)  # the same forward on the same params: the same bits
+
+
+# -- eager (fzero/_src/eager.py): no dynamo frame switch where dynamo is absent, the same graph
+# breaks where it is ------------------------------------------------------------------------
+
+
+def test_eager_calls_the_function_directly_without_dynamo():
+    seen = []
+
+    @eager
+    def f(x):
+        seen.append(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+        return x + 1
+
+    assert torch.equal(f(torch.zeros(2)), torch.ones(2)) and seen == [None]
+    assert f.__name__ == "f" and f.__wrapped__ is not None  # a plain wrapper, not dynamo's
+
+
+def test_a_compiled_function_calling_collectives_traces_none_of_fzero():
+    """Every collective is one graph break, as with `torch.compiler.disable`: the graphs hold the
+    user's ops only (none from fzero/_src: the mesh's bookkeeping and SimMesh's exchange run
+    eager, with dynamo's callback off), and the result has the eager bits (a backend that runs
+    the captured graphs as they are)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    inside = []
+
+    @eager
+    def probe(x):
+        inside.append(torch._C._dynamo.eval_frame.get_eval_frame_callback())
+        return x
+
+    mesh = fzero.SimMesh(1)
+
+    def f(x):
+        y = torch.sin(x)
+        z = mesh.collective("all_reduce", y, arg="sum", tag="a")
+        w = mesh.solo("all_gather", probe(z * 2), tag="b")
+        return torch.cos(mesh.start("all_gather", w + 1, tag="c").wait())
+
+    x = torch.randn(4)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend)
+    got = mesh.run(lambda: [compiled(x) for _ in range(2)])[0]
+    want = mesh.run(lambda: f(x))[0]
+    assert all(torch.equal(g, want) for g in got)
+    sources = [n.meta.get("stack_trace") or "" for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sources and not any("fzero/_src" in s for s in sources)
+    assert {len([n for n in gm.graph.nodes if n.op == "call_function"]) for gm in graphs} == {1}  # sin | *2 | +1 | cos
+    assert inside and all(c is None for c in inside)  # probe ran with dynamo's callback off
+    torch._dynamo.reset()
+
+
+# -- the unit Function's per-call host work (fzero/_src/unit.py) ------------------------------
+
+
+@examples(60)
+@given(pytrees(max_leaves=6), world_sizes(4), st.sampled_from([1, 4]))
+def test_bucket_views_are_the_slices_of_each_leaf(tree, n, align):
+    """`views` (one as_strided per leaf) and `split_views` (one split per bucket, then a view per
+    multi-dimensional leaf) are the views slicing each leaf out gives (same storage offset, shape
+    and strides, same values), also of a buffer that is itself a view at an offset."""
+    layout = fzero.layout.plan(tree, n, align=align)
+    for b, spec in enumerate(layout.buckets):
+        bucket = unit_module.Bucket.of(layout, b)
+        for flat in (torch.arange(bucket.size, dtype=torch.float32), torch.arange(bucket.size + 3.0)[3:]):
+            want = [flat[o : o + math.prod(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)]
+            for got in (bucket.views(flat), bucket.split_views(flat)):
+                assert len(got) == len(want) == len(spec.leaves)
+                for g, w in zip(got, want):
+                    assert (g.shape, g.stride(), g.storage_offset()) == (w.shape, w.stride(), w.storage_offset())
+                    assert g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() and torch.equal(g, w)
+
+
+def test_probes_share_zeros_but_each_is_its_own_autograd_leaf():
+    """Probe.of hands every call new tensors over zeros made once: one probe's requires_grad is
+    not another's, and `autograd.grad` over two probes of one shape gives each its own gradient
+    (shared tensors would get the sum)."""
+    layout = fzero.layout.plan({"a": torch.zeros(3), "b": torch.zeros(2, 2)}, 1, units=lambda p: p)
+    mesh = fzero.SimMesh(1)
+    programs = unit_module.unit_programs(layout, mesh, get_stage(0))
+    p, q = (unit_module.Probe.of(programs[0], torch.device("cpu")) for _ in range(2))
+    assert p.used is not q.used and p.used.untyped_storage().data_ptr() == q.used.untyped_storage().data_ptr()
+    assert torch.equal(p.used, torch.zeros(1)) and torch.equal(p.bad, torch.zeros(1))
+    p.used.requires_grad_()
+    assert not q.used.requires_grad
+    q.used.requires_grad_()
+    gp, gq = torch.autograd.grad((p.used * 2 + q.used * 3).sum(), [p.used, q.used])
+    assert torch.equal(gp, torch.full((1,), 2.0)) and torch.equal(gq, torch.full((1,), 3.0))
+
+
+def test_zeros_first_made_under_inference_mode_serve_a_training_step():
+    unit_module._ZEROS.clear()
+    with torch.inference_mode():
+        made = unit_module._zeros((5,), torch.device("cpu"))
+    assert not made.is_inference()
+    t = unit_module._zeros((5,), torch.device("cpu")).detach().requires_grad_()
+    (g,) = torch.autograd.grad((t * 2).sum(), [t])
+    assert torch.equal(g, torch.full((5,), 2.0))
+    unit_module._ZEROS.clear()
+
+
+def test_entered_names_each_bucket_storage_once():
+    """`_entered` reads one leaf per bucket: the set of storages is that of every leaf's."""
+    tree = {"a": torch.zeros(3), "b": torch.zeros(2, 2), "c": torch.zeros(4, dtype=torch.float64), "d": torch.zeros(0)}
+    layout = fzero.layout.plan(tree, 1)
+    (program,) = unit_module.unit_programs(layout, fzero.SimMesh(1), get_stage(0))
+    assert len(program.buckets) == 2
+    flats = [torch.zeros(b.size, dtype=b.wire.compute) for b in program.buckets]
+    outs = [v for b, f in zip(program.buckets, flats) for v in b.views(f)] + [torch.zeros(())]
+    want = frozenset(t.untyped_storage()._cdata for t in outs[:-1])
+    assert unit_module._entered(program, outs) == want and len(want) == 2
