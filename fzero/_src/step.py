@@ -583,68 +583,119 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
           count: torch.Tensor) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
+    """The one agreement collective: `[loss, used[L], bad[B], ν²[T], count, broken]` (float64)
     from every rank, read on the host once (`tolist`): the step's one host synchronisation.
 
-    `‖g_shard‖²` is `sum_of_squares` of the rank's shard of the *reduced* gradient (stage 0
-    takes its rank's shard of the full buffer, so every stage computes it from the same tensor
-    values); ranks' parts and losses are then summed in rank order (Python floats: float64 adds,
-    as before). `broken` is the state's `pending` flag (0 without one): whether the donating
-    update that made the state left a NaN or inf on this rank. Where some rank's part is not
-    finite -- a NaN or inf, or a float32 norm that overflowed -- every rank (all see the same rows)
-    recomputes its part exactly in float64 (`exact_sum_of_squares`) and the parts are gathered
-    again: the rare path decides finiteness exactly. At N = 1 the units skip their local
-    non-finite check (`bad` is 0): a non-finite `‖g‖²` then names the buckets from the reduced
-    gradient, which is the local one.
+    `ν²[T]` are `shard_squares` of the rank's shards of the *reduced* gradient, one per trainable
+    bucket (stage 0 takes its rank's shard of the full buffer, so every stage computes them from
+    the same tensor values); each rank's `‖g_shard‖²` is their sum in bucket order and the ranks'
+    parts and losses are then summed in rank order, on the host (`in_order`: Python floats,
+    float64 adds, the additions the device made before). `broken` is the state's `pending` flag
+    (0 without one): whether the donating update that made the state left a NaN or inf on this
+    rank. Where some rank's part is not finite -- a NaN or inf, or a float32 norm that overflowed
+    -- every rank (all see the same rows) recomputes its part exactly in float64
+    (`exact_sum_of_squares`) and the parts are gathered again: the rare path decides finiteness
+    exactly. At N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite
+    `‖g‖²` then names the buckets from the reduced gradient, which is the local one.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
-    num, nb = len(layout.leaves), len(layout.buckets)
+    num, nb, nt = len(layout.leaves), len(layout.buckets), len(reduced)
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
-    sq = sum_of_squares(shards, dev)
+    squares = shard_squares(shards, dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
-              else sq.new_zeros(1))
+              else squares.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
-                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
-    losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
-    bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
+                     report.bad.to(dev, torch.float64), squares, host[num:], broken])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + nt + 3).tolist()
+    return _verdict(state, rows, shards, reduced)
+
+
+def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
+             reduced: dict[int, torch.Tensor]) -> Verdict:
+    """The agreed rows (one per rank, `agree`'s layout) -> `Verdict`: Python over ranks and
+    columns, no tensor op but on the rare paths."""
+    layout, mesh = state.layout, state.mesh
+    n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
+    at = 1 + num + nb  # the first ν² column
+    losses, counts = [r[0] for r in rows], [r[-2] for r in rows]
+    sqs = [in_order(r[at:-2]) for r in rows]
+    bad_rows = [r[1 + num : at] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly
-        exact = exact_sum_of_squares(shards, dev).reshape(1)
+        exact = exact_sum_of_squares(shards, mesh.device).reshape(1)
         sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
     bad_ranks = {r: [layout.buckets[b].tag for b, x in enumerate(bad_rows[r]) if x > 0]
-                 for r in range(n) if not math.isfinite(losses[r]) or any(x > 0 for x in bad_rows[r])}
+                 for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
-    total_loss, total_sq, total_count = 0.0, 0.0, 0.0
-    for r in range(n):  # rank order
-        total_loss += losses[r]
-        total_sq += sqs[r]
-        total_count += counts[r]
-    used = [any(r[1 + i] > 0 for r in rows) for i in range(num)]
-    return Verdict(used, bad_ranks, total_loss, total_sq, total_count, tuple(r for r in range(n) if rows[r][-1] != 0))
+    used = [max(col) > 0 for col in zip(*(r[1 : 1 + num] for r in rows))] if num else []
+    broken = tuple(r for r in range(n) if rows[r][-1] != 0)
+    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+
+
+def in_order(values: list[float]) -> float:
+    """`((0 + v_0) + v_1) + ...` in float64 (Python floats): a sum in a fixed order, the one the
+    step uses over buckets and over ranks (rank order)."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`ν²[K]` in float64 (on `device`), `ν_k = ‖x_k‖₂` of shard k: one `torch._foreach_norm`
+    per (device, dtype) of the shards (a single read of each, no transient; accumulated in
+    float32, or float64 for float64 shards: 16-bit shards are widened to float32 in the
+    kernel), then one stack, cast and square. `ν_k²` is exact in float64.
+
+    The value of `ν_k` depends only on the shard's values and length, never on where it sits in
+    memory (a slice of stage 0's full buffer, or a tensor of its own in stages 1-3), so every
+    stage gets the same bits: on the CPU the kernel is `torch.linalg.vector_norm` per tensor,
+    whose order of additions does not depend on the address (`tests/test_speed.py`); on CUDA the
+    multi-tensor kernel takes a vectorised path for a tensor whose address is a multiple of 16
+    bytes and a scalar path otherwise, which add in different orders, so a shard that is not so
+    placed (stage 0's slice of the full buffer at N > 1, where `N * S` elements are not a
+    multiple of 16 bytes) is copied first, to a fresh (aligned) tensor as stages 1-3 hold.
+    Relative error of `ν_k²` against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the
+    shard's length: S squares and additions in any order, one square root and its rounding to
+    float32), the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and
+    inf propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves
+    exactly.
+    """
+    if not shards:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.device, bool], list[int]] = {}
+    for k, x in enumerate(shards):
+        groups.setdefault((x.device, x.dtype == torch.float64), []).append(k)
+    norms: list[torch.Tensor | None] = [None] * len(shards)
+    for (where, wide), ks in groups.items():
+        xs = [_placed(shards[k].detach().reshape(-1)) for k in ks]  # read as numbers: not differentiated
+        for k, nu in zip(ks, _norms(xs, torch.float64 if wide else torch.float32)):
+            norms[k] = nu if where == device else nu.to(device)
+    return torch.stack(norms).to(torch.float64).square()
+
+
+def _norms(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    """`‖x‖₂` of each 1-d `x` (one device and dtype), accumulated in `acc`: one `_foreach_norm`;
+    under a torch.func transform, which has no rule for it, one `vector_norm` each (on the CPU the
+    kernel `_foreach_norm` runs per tensor: the same bits)."""
+    if func_level() is None:
+        return list(torch._foreach_norm(xs, 2, dtype=acc))
+    return [torch.linalg.vector_norm(x, 2, dtype=None if x.dtype == acc else acc) for x in xs]
+
+
+def _placed(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or on CUDA a copy of it where its address is not a multiple of 16 bytes (`shard_squares`)."""
+    return x.clone() if x.device.type == "cuda" and func_level() is None and x.data_ptr() % 16 else x
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`Σ_k ν_k²` in float64 (0-d, on `device`), `ν_k = ‖x_k‖₂` of shard k by one
-    `torch.linalg.vector_norm` (a single read, no transient; accumulated in float32, or float64 for
-    float64 shards; 16-bit shards are widened to float32 first), added in shard order. `ν_k²` is
-    exact in float64. The value depends only on the shard's values and length: the kernel's
-    order of additions does not depend on where the shard sits in memory (a slice of stage 0's
-    full buffer or a tensor of its own: `tests/test_speed.py`), so every stage gets the same bits.
-    Relative error against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the shard's
-    length: S squares and additions in any order, one square root and its rounding to float32),
-    the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and inf
-    propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves exactly.
-    """
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for x in shards:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        nu = torch.linalg.vector_norm(x.reshape(-1), 2, dtype=None if x.dtype == acc else acc)
-        total = total + nu.to(device=device, dtype=torch.float64).square()
-    return total
+    """`Σ_k ν_k²` in float64 (0-d, on `device`), added in shard order (`in_order`): a rank's
+    `‖g_shard‖²` as `agree` computes it (`shard_squares`, summed on the host there). Error bound
+    per shard as `shard_squares`'s, plus the float64 additions (proofs/stages.md §3)."""
+    return torch.tensor(in_order(shard_squares(shards, device).tolist()), dtype=torch.float64, device=device)
 
 
 SQ_CHUNK = 1 << 22  # elements per float64 chunk of `exact_sum_of_squares`: a 32 MiB scratch buffer
