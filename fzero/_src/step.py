@@ -52,7 +52,7 @@ from .offload import HostUpdate, differentiated
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
-from .unit import Inflight, Probe, nonfinite, remembered, unit_programs
+from .unit import Inflight, Probe, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -401,7 +401,56 @@ def _rescale(reduced: dict[int, torch.Tensor], factor: float) -> dict[int, torch
 
 
 def _trainable(state: ZeroState) -> list[int]:
-    return [b.index for b in state.layout.buckets if not b.group.frozen]
+    return list(step_plan(state.info).trainable)
+
+
+class StepPlan(NamedTuple):
+    """What `backward` and `_report` read of a state's `StateInfo` that never changes between
+    steps, built once per `StateInfo` (`step_plan`): a step's prologue reads it, so the per-step
+    setup is the step's own (its `Inflight`, the unit programs that carry it, the tensors).
+
+    Attributes:
+      trainable: the trainable buckets, in layout order.
+      flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
+      leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
+        None where that order is the layout's, else a CPU index `[Σ L_u]`.
+      bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
+      unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
+    """
+
+    trainable: tuple[int, ...]
+    flat: bool
+    leaf_order: torch.Tensor | None
+    bucket_order: tuple[int, ...] | None
+    unused: dict[str, torch.Tensor]
+
+
+_STEP_PLANS: dict = {}
+
+
+def step_plan(info: StateInfo) -> StepPlan:
+    """`StepPlan` of `info`, built once per `StateInfo` (`unit.remembered`)."""
+    return remembered(_STEP_PLANS, info, None, lambda: _step_plan(info))
+
+
+def _step_plan(info: StateInfo) -> StepPlan:
+    layout = info.layout
+    programs = unit_programs(layout, info.mesh, info.stage, info.precision)
+    leaves = [i for p in programs for i in p.leaves]
+    buckets = [b.index for p in programs for b in p.buckets]
+    return StepPlan(tuple(b.index for b in layout.buckets if not b.group.frozen), is_flat_dict(layout),
+                    None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
+                    None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
+                    {p.name: torch.zeros(len(p.leaves)) for p in programs})
+
+
+_PROBES: dict = {}
+
+
+def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...]) -> dict[str, Probe]:
+    """Each unit's `Probe` (zeros on the device of its first bucket's differentiated tensor), built
+    once per `StateInfo` and devices: no step writes them (`_autograd` differentiates aliases)."""
+    return remembered(_PROBES, info, devices, lambda: {p.name: Probe.of(p, d) for p, d in zip(programs, devices)})
 
 
 class BucketPlan(NamedTuple):
@@ -448,17 +497,18 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
     tensor, so the same bits)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    plan = step_plan(state.info)
+    trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
-    early = tuple(_trainable(state)) if config.accumulate == "each" and stage.reduces_after_leave else ()
+    early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     inflight = Inflight(early=early) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
-    trainable = _trainable(state)
     s = loss_scale_of(state)
-    probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
+    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs))
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
-                  and is_flat_dict(layout))
+                  and plan.flat)
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
@@ -514,7 +564,7 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
     train = tuple(x.detach().requires_grad_() for x in train)
-    probes = {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()}
+    probes = {u: Probe(*(t.detach().requires_grad_() for t in p)) for u, p in probes.items()}  # fresh leaves
     with torch.enable_grad():
         loss, count = loss_of(train, probes)
     inputs = [*train, *(t for p in probes.values() for t in p)]
@@ -527,20 +577,28 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
 
 
 def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Report:
-    """The probes' gradients as one `Report`. `bad` is assembled on the device from 0-d views
-    (`torch.stack`): indexing a device tensor with a Python list copies the index host-to-device,
-    and a blocking copy synchronises the stream, once per unit."""
-    layout, dev = state.layout, state.mesh.device
-    used = torch.zeros(len(layout.leaves))
-    bad: list[torch.Tensor | None] = [None] * len(layout.buckets)
-    for program in programs:
-        g = g_probes[program.name]
-        if g.used is not None:
-            used[list(program.leaves)] = g.used
-        for k, b in enumerate(program.buckets):
-            bad[b.index] = g.bad[k].to(dev) if g.bad is not None else None
-    zero = torch.zeros((), device=dev)
-    return Report(used, torch.stack([zero if x is None else x for x in bad]) if bad else zero.new_zeros(0))
+    """The probes' gradients as one `Report`: the units' `used[L_u]` concatenated (CPU) and their
+    `bad[B_u]` concatenated on the mesh device, each put in layout order by one index where the
+    units' order is not the layout's (`StepPlan`); a unit whose probe got no gradient reports
+    zeros. No per-bucket op: indexing a device tensor with a Python list would copy the index
+    host-to-device, and a blocking copy synchronises the stream."""
+    plan, dev = step_plan(state.info), state.mesh.device
+    gs = [g_probes[p.name] for p in programs]
+    used = torch.cat([plan.unused[p.name] if g.used is None else g.used for p, g in zip(programs, gs)] or
+                     [torch.zeros(0)])
+    if plan.leaf_order is not None:
+        used = torch.zeros(len(state.layout.leaves)).index_copy_(0, plan.leaf_order, used)
+    parts = [g.bad.to(dev) for g in gs if g.bad is not None]
+    if not parts:
+        return Report(used, torch.zeros(len(state.layout.buckets), device=dev))
+    if len(parts) < len(gs):  # some unit's probe got no gradient: zeros for its buckets
+        parts = [g.bad.to(dev) if g.bad is not None else torch.zeros(len(p.buckets), device=dev)
+                 for p, g in zip(programs, gs)]
+    bad = torch.cat(parts)
+    if plan.bucket_order is not None:
+        at = {b: k for k, b in enumerate(plan.bucket_order)}
+        bad = torch.stack([bad[at[b]] if b in at else bad.new_zeros(()) for b in range(len(state.layout.buckets))])
+    return Report(used, bad)
 
 
 # -- 2. reduce ---------------------------------------------------------------------------------
@@ -796,13 +854,16 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
-    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf
-    (`unit.nonfinite` per bucket, one read each), else 0; no host synchronisation for buckets
-    updated on the device (an offloaded bucket's flag is computed on the host and copied)."""
-    flag = torch.zeros((), dtype=torch.float32, device=state.mesh.device)
-    for p in updated.values():
-        flag = torch.maximum(flag, nonfinite(p).to(flag))
-    return flag
+    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
+    0: the minimum and maximum of each bucket (`torch.aminmax`, one read each, as
+    `unit.nonfinite`: NaN if any element is, ±inf if one is, no overflow), all checked at once;
+    no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
+    computed on the host and copied)."""
+    dev = state.mesh.device
+    ends = [e.to(dev) for p in updated.values() if p.numel() for e in torch.aminmax(p.detach().reshape(-1))]
+    if not ends:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
