@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterator
@@ -416,6 +418,7 @@ class StepPlan(NamedTuple):
         None where that order is the layout's, else a CPU index `[Σ L_u]`.
       bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
       unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
+      offloaded: whether some trainable bucket's update runs on a host tier (`HostUpdate`).
     """
 
     trainable: tuple[int, ...]
@@ -423,6 +426,7 @@ class StepPlan(NamedTuple):
     leaf_order: torch.Tensor | None
     bucket_order: tuple[int, ...] | None
     unused: dict[str, torch.Tensor]
+    offloaded: bool
 
 
 _STEP_PLANS: dict = {}
@@ -438,10 +442,12 @@ def _step_plan(info: StateInfo) -> StepPlan:
     programs = unit_programs(layout, info.mesh, info.stage, info.precision)
     leaves = [i for p in programs for i in p.leaves]
     buckets = [b.index for p in programs for b in p.buckets]
-    return StepPlan(tuple(b.index for b in layout.buckets if not b.group.frozen), is_flat_dict(layout),
+    trainable = tuple(b.index for b in layout.buckets if not b.group.frozen)
+    return StepPlan(trainable, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
-                    {p.name: torch.zeros(len(p.leaves)) for p in programs})
+                    {p.name: torch.zeros(len(p.leaves)) for p in programs},
+                    any(info.host_tier(b) is not None for b in trainable))
 
 
 _PROBES: dict = {}
@@ -501,7 +507,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
-    inflight = Inflight(early=early) if config.engine == "autograd" else None
+    inflight = Chained(early=early) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
@@ -534,6 +540,38 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+
+
+class Chained(Inflight):
+    """`unit.Inflight` where a bucket's reduction is more than one collective (stage 0: the
+    reduce-scatter, then the all-gather of the reduced shard): each bucket's next collective
+    starts as soon as the next bucket's reduction has started -- it waits for the bucket's own
+    reduce-scatter (`Flight.advance`), which has had a unit's backward to run -- so the gradient
+    all-gathers run during the rest of the backward, not after it; `step.reduce` advances the
+    last one. Which flight is advanced depends only on the order the flights start in, which
+    `Inflight` fixes (`early`, from the last bucket): every rank issues
+    `RS(k_1), RS(k_2), AG(k_1), RS(k_3), AG(k_2), ...`, the same calls on the same tensors as
+    `reduce`'s (the same bits). For a one-collective reduction (stage 1) `advance` is a no-op."""
+
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
+        super().__init__(depth, early)
+        self._last: int | None = None  # the bucket whose flight started last
+
+    def begin(self, b: int, start: Callable[[], Any]) -> None:
+        super().begin(b, self._then_advance(b, start))
+
+    def rest(self, zeros: Callable[[int], Callable[[], Any]]) -> dict[int, Any]:
+        return super().rest(lambda b: self._then_advance(b, zeros(b)))
+
+    def _then_advance(self, b: int, start: Callable[[], Flight]) -> Callable[[], Flight]:
+        def run() -> Flight:
+            flight = start()
+            last, self._last = self._last, b
+            if last is not None:
+                self.started[last] = self.started[last].advance()
+            return flight
+
+        return run
 
 
 def _zeros_reduction(state: ZeroState, b: int) -> Callable[[], Flight]:
@@ -634,6 +672,7 @@ def overlaps(tensors: Any) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_TENSOR = functools.partial(operator.is_not, None)
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -822,9 +861,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
-    overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
+    overlap = overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
     plan = plan_of(state.info)
-    host = HostUpdate(state.info, reduced)  # offloaded buckets: gradients start for the host now
+    # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
+    host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {})
     for b, g in reduced.items():
         g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
         ctx = plan[b].context(step, used, leaf_sum)
