@@ -11,7 +11,8 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
 2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
    any is waited for -- with the autograd engine and `accumulate="each"`, stages 0-1 start theirs
    in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's all-gather
-   follows after backward); the reduced gradient is `Σ_r fl(1/N) g_r`;
+   of each bucket starts once the next bucket's reduction has, `Chained`); the reduced gradient
+   is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
@@ -553,9 +554,14 @@ class Chained(Inflight):
     `RS(k_1), RS(k_2), AG(k_1), RS(k_3), AG(k_2), ...`, the same calls on the same tensors as
     `reduce`'s (the same bits). For a one-collective reduction (stage 1) `advance` is a no-op."""
 
+    # how many flights start after a bucket's before its next collective does (a wait for its
+    # reduce-scatter that stalls the backward is less likely the larger it is; 1 and 2 did not
+    # differ beyond noise on a loaded 2-core CPU over gloo)
+    LAG = 1
+
     def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
         super().__init__(depth, early)
-        self._last: int | None = None  # the bucket whose flight started last
+        self._order: list[int] = []  # the buckets in the order their flights started
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:
         super().begin(b, self._then_advance(b, start))
@@ -566,9 +572,10 @@ class Chained(Inflight):
     def _then_advance(self, b: int, start: Callable[[], Flight]) -> Callable[[], Flight]:
         def run() -> Flight:
             flight = start()
-            last, self._last = self._last, b
-            if last is not None:
-                self.started[last] = self.started[last].advance()
+            self._order.append(b)
+            if len(self._order) > self.LAG:
+                k = self._order[-1 - self.LAG]
+                self.started[k] = self.started[k].advance()
             return flight
 
         return run
@@ -649,7 +656,8 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     Every bucket's collectives are started before the first is waited for (`Stage` pieces'
     `start`), or were started in its unit's backward (`started`: stages 0-1); on DistMesh they run
     concurrently; the calls and their order per bucket are those of the blocking form, so the bits
-    are too. Stage 0's all-gathers start after every reduce-scatter has been started, in bucket order."""
+    are too. Stage 0's all-gathers not started in backward (`Chained`) start after every
+    reduce-scatter has been started, in bucket order."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     started = started or {}
     grads = {b: g if g is not None else
