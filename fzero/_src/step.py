@@ -420,6 +420,9 @@ class StepPlan(NamedTuple):
       bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
       unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
       offloaded: whether some trainable bucket's update runs on a host tier (`HostUpdate`).
+      held: per bucket, whether the step differentiates the held tensor itself, with no full
+        buffer beside it (`offload.differentiated` is then `(held, None)`: no offload of the
+        bucket, and a stage that does not differentiate a shard of the full buffer).
     """
 
     trainable: tuple[int, ...]
@@ -428,6 +431,7 @@ class StepPlan(NamedTuple):
     bucket_order: tuple[int, ...] | None
     unused: dict[str, torch.Tensor]
     offloaded: bool
+    held: tuple[bool, ...]
 
 
 _STEP_PLANS: dict = {}
@@ -448,16 +452,24 @@ def _step_plan(info: StateInfo) -> StepPlan:
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
-                    any(info.host_tier(b) is not None for b in trainable))
+                    any(info.host_tier(b) is not None for b in trainable),
+                    tuple(info.offload.params is None and info.host_tier(b.index) is None and not
+                          (info.stage.sharded("grads") and not info.stage.sharded("params")) for b in layout.buckets))
 
 
 _PROBES: dict = {}
 
 
-def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...]) -> dict[str, Probe]:
-    """Each unit's `Probe` (zeros on the device of its first bucket's differentiated tensor), built
-    once per `StateInfo` and devices: no step writes them (`_autograd` differentiates aliases)."""
-    return remembered(_PROBES, info, devices, lambda: {p.name: Probe.of(p, d) for p, d in zip(programs, devices)})
+def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...], grad: bool) -> dict[str, Probe]:
+    """Each unit's `Probe` (zeros on the device of its first bucket's differentiated tensor; leaves
+    that require grad for the autograd engine, `grad`), built once per `StateInfo`, devices and
+    engine: no step writes them, and `torch.autograd.grad` returns their gradients without
+    accumulating any."""
+    def build() -> dict[str, Probe]:
+        probes = {p.name: Probe.of(p, d) for p, d in zip(programs, devices)}
+        return {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()} if grad else probes
+
+    return remembered(_PROBES, info, (devices, grad), build)
 
 
 class BucketPlan(NamedTuple):
@@ -510,10 +522,15 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     inflight = Chained(early=early) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
-    pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
-    xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
+    if all(plan.held):
+        xs, fulls = list(state.params), [None] * len(state.params)
+    else:
+        pairs = [(p, None) if held else differentiated(state.info, b, p, m, mesh.device)
+                 for b, (p, m, held) in enumerate(zip(state.params, state.master, plan.held))]
+        xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     s = loss_scale_of(state)
-    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs))
+    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs),
+                     config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and plan.flat)
 
@@ -609,7 +626,6 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
     train = tuple(x.detach().requires_grad_() for x in train)
-    probes = {u: Probe(*(t.detach().requires_grad_() for t in p)) for u, p in probes.items()}  # fresh leaves
     with torch.enable_grad():
         loss, count = loss_of(train, probes)
     inputs = [*train, *(t for p in probes.values() for t in p)]
