@@ -63,14 +63,15 @@ DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 
 @examples(30)
 @given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=5), offsets=st.lists(st.integers(0, 9), min_size=5,
-       max_size=5), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]), seed=st.integers(0, 2**16))
+       max_size=5), dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]), min_size=5,
+       max_size=5), seed=st.integers(0, 2**16))
 @pytest.mark.parametrize("device", DEVICES, ids=str)
-def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, dtype, seed):
+def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, dtypes, seed):
     """`agree`'s one multi-tensor norm over a rank's shards: each shard's `ν²` must not depend on
     where the shard sits (stage 0: slices of full buffers at any offset; stages 1-3: tensors of
     their own) nor on the other shards in the call; `sum_of_squares` is their sum in shard order."""
     g = torch.Generator().manual_seed(seed)
-    bigs = [torch.randn(o + n + 3, generator=g).to(device, dtype) for n, o in zip(sizes, offsets)]
+    bigs = [torch.randn(o + n + 3, generator=g).to(device, d) for n, o, d in zip(sizes, offsets, dtypes)]
     views = [big[o : o + n] for big, n, o in zip(bigs, sizes, offsets)]
     got = shard_squares(views, device)
     assert torch.equal(got, shard_squares([v.clone() for v in views], device))

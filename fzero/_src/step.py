@@ -787,13 +787,13 @@ def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Ten
     """
     if not shards:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    groups: dict[tuple[torch.device, bool], list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # CUDA's one kernel: one device and dtype
     for k, x in enumerate(shards):
-        groups.setdefault((x.device, x.dtype == torch.float64), []).append(k)
+        groups.setdefault((x.device, x.dtype), []).append(k)
     norms: list[torch.Tensor | None] = [None] * len(shards)
-    for (where, wide), ks in groups.items():
+    for (where, dtype), ks in groups.items():
         xs = [_placed(shards[k].detach().reshape(-1)) for k in ks]  # read as numbers: not differentiated
-        for k, nu in zip(ks, _norms(xs, torch.float64 if wide else torch.float32)):
+        for k, nu in zip(ks, _norms(xs, torch.float64 if dtype == torch.float64 else torch.float32)):
             norms[k] = nu if where == device else nu.to(device)
     return torch.stack(norms).to(torch.float64).square()
 
