@@ -280,9 +280,9 @@ def _no_vmap_over_steps() -> Iterator[None]:
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     """One step (the module docstring). After the agreement the host does only what decides the
     update before launching it (`update`); the metrics' tensors are made after it."""
-    with record_function("fzero.step/backward"):  # named ranges for profiles (benchmarks/gaps.py)
+    with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
-    with record_function("fzero.step/agree"):
+    with _named("fzero.step/agree"):
         verdict = agree(state, loss, report, reduced, count)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
@@ -299,7 +299,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, _metrics(*seen, skipped=True)
     reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
-    with record_function("fzero.step/update"):
+    with _named("fzero.step/update"):
         new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
@@ -311,6 +311,13 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
                              f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); the state is unchanged. "
                              f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
     return state, _metrics(*seen, skipped=True)
+
+
+def _named(name: str) -> contextlib.AbstractContextManager:
+    """A named range for profiles (`record_function`; benchmarks/gaps.py reads them) while a torch
+    profiler runs, else nothing: entering and leaving one costs a dozen Python calls, on the
+    host path between the agreement and the first update kernel too."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _metrics(loss: float, norm: float, step: int, loss_scale: float | None, skipped: bool) -> Metrics:
