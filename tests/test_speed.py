@@ -25,7 +25,7 @@ from hypothesis import given
 import fzero
 from fzero import optim
 from fzero._src.stages import Wire, reduce_grad
-from fzero._src.step import exact_sum_of_squares, in_order, shard_squares, sum_of_squares
+from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.unit import Bucket, _assemble, nonfinite
 from fzero.layout import plan
 from fzero.testing import examples
@@ -69,7 +69,7 @@ DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
 def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, dtypes, seed):
     """`agree`'s one multi-tensor norm over a rank's shards: each shard's `ν²` must not depend on
     where the shard sits (stage 0: slices of full buffers at any offset; stages 1-3: tensors of
-    their own) nor on the other shards in the call; `sum_of_squares` is their sum in shard order."""
+    their own) nor on the other shards in the call; nor may `sum_of_squares`, their sum."""
     g = torch.Generator().manual_seed(seed)
     bigs = [torch.randn(o + n + 3, generator=g).to(device, d) for n, o, d in zip(sizes, offsets, dtypes)]
     views = [big[o : o + n] for big, n, o in zip(bigs, sizes, offsets)]
@@ -77,7 +77,7 @@ def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, d
     assert torch.equal(got, shard_squares([v.clone() for v in views], device))
     for k, v in enumerate(views):
         assert torch.equal(got[k], shard_squares([v.clone()], device)[0])
-    assert float(sum_of_squares(views, device)) == in_order(got.tolist())
+    assert torch.equal(sum_of_squares(views, device), sum_of_squares([v.clone() for v in views], device))
 
 
 @examples(30)

@@ -711,14 +711,13 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 
 def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
           count: torch.Tensor) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ν²[T], count, broken]` (float64)
+    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
     from every rank, read on the host once (`tolist`): the step's one host synchronisation.
 
-    `ν²[T]` are `shard_squares` of the rank's shards of the *reduced* gradient, one per trainable
-    bucket (stage 0 takes its rank's shard of the full buffer, so every stage computes them from
-    the same tensor values); each rank's `‖g_shard‖²` is their sum in bucket order and the ranks'
-    parts and losses are then summed in rank order, on the host (`in_order`: Python floats,
-    float64 adds, the additions the device made before). `broken` is the state's `pending` flag
+    `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
+    takes its rank's shard of the full buffer, so every stage computes it from the same tensor
+    values); ranks' parts and losses are then summed in rank order on the host (`in_order`:
+    Python floats, float64 adds). `broken` is the state's `pending` flag
     (0 without one): whether the donating update that made the state left a NaN or inf on this
     rank. Where some rank's part is not finite -- a NaN or inf, or a float32 norm that overflowed
     -- every rank (all see the same rows) recomputes its part exactly in float64
@@ -728,16 +727,16 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
-    num, nb, nt = len(layout.leaves), len(layout.buckets), len(reduced)
+    num, nb = len(layout.leaves), len(layout.buckets)
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
-    squares = shard_squares(shards, dev)
+    sq = sum_of_squares(shards, dev)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
-              else squares.new_zeros(1))
+              else sq.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
-                     report.bad.to(dev, torch.float64), squares, host[num:], broken])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + nt + 3).tolist()
+                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
+    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
     return _verdict(state, rows, shards, reduced)
 
 
@@ -747,10 +746,8 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
     columns, no tensor op but on the rare paths."""
     layout, mesh = state.layout, state.mesh
     n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
-    at = 1 + num + nb  # the first ν² column
-    losses, counts = [r[0] for r in rows], [r[-2] for r in rows]
-    sqs = [in_order(r[at:-2]) for r in rows]
-    bad_rows = [r[1 + num : at] for r in rows]
+    losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
+    bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly
         exact = exact_sum_of_squares(shards, mesh.device).reshape(1)
         sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
@@ -764,8 +761,7 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
 
 
 def in_order(values: list[float]) -> float:
-    """`((0 + v_0) + v_1) + ...` in float64 (Python floats): a sum in a fixed order, the one the
-    step uses over buckets and over ranks (rank order)."""
+    """`((0 + v_0) + v_1) + ...` in float64 (Python floats): the sum over ranks, in rank order."""
     total = 0.0
     for v in values:
         total += v
@@ -784,8 +780,8 @@ def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Ten
     whose order of additions does not depend on the address (`tests/test_speed.py`); on CUDA the
     multi-tensor kernel takes a vectorised path for a tensor whose address is a multiple of 16
     bytes and a scalar path otherwise, which add in different orders, so a shard that is not so
-    placed (stage 0's slice of the full buffer at N > 1, where `N * S` elements are not a
-    multiple of 16 bytes) is copied first, to a fresh (aligned) tensor as stages 1-3 hold.
+    placed (stage 0's slice of the full buffer at N > 1, where `S * itemsize` is not a multiple
+    of 16 bytes) is copied first, to a fresh (aligned) tensor as stages 1-3 hold.
     Relative error of `ν_k²` against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the
     shard's length: S squares and additions in any order, one square root and its rounding to
     float32), the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and
@@ -820,10 +816,12 @@ def _placed(x: torch.Tensor) -> torch.Tensor:
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`Σ_k ν_k²` in float64 (0-d, on `device`), added in shard order (`in_order`): a rank's
-    `‖g_shard‖²` as `agree` computes it (`shard_squares`, summed on the host there). Error bound
-    per shard as `shard_squares`'s, plus the float64 additions (proofs/stages.md §3)."""
-    return torch.tensor(in_order(shard_squares(shards, device).tolist()), dtype=torch.float64, device=device)
+    """`Σ_k ν_k²` in float64 (0-d, on `device`): one `torch.sum` of `shard_squares` (a fresh
+    tensor, the same values in the same order in every stage, so the same bits; its order of
+    additions depends on K and the device only). Relative error against the exact `Σ x²`: at
+    most `γ_{S+1} + 2u` per shard (`shard_squares`), and `γ_{K-1}` in float64 for the sum of the
+    K non-negative terms (proofs/stages.md §3)."""
+    return shard_squares(shards, device).sum()
 
 
 SQ_CHUNK = 1 << 22  # elements per float64 chunk of `exact_sum_of_squares`: a 32 MiB scratch buffer
