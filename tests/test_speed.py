@@ -25,7 +25,7 @@ from hypothesis import given
 import fzero
 from fzero import optim
 from fzero._src.stages import Wire, reduce_grad
-from fzero._src.step import exact_sum_of_squares, sum_of_squares
+from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.unit import Bucket, _assemble, nonfinite
 from fzero.layout import plan
 from fzero.testing import examples
@@ -56,6 +56,28 @@ def test_sums_of_squares_of_a_slice_equal_those_of_its_copy(n, offset, chunk, se
     assert torch.equal(sum_of_squares([view], CPU), sum_of_squares([view.clone()], CPU))
     assert torch.equal(exact_sum_of_squares([view], CPU, chunk=chunk),
                        exact_sum_of_squares([view.clone()], CPU, chunk=chunk))
+
+
+DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+@examples(30)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=5), offsets=st.lists(st.integers(0, 9), min_size=5,
+       max_size=5), dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]), min_size=5,
+       max_size=5), seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, dtypes, seed):
+    """`agree`'s one multi-tensor norm over a rank's shards: each shard's `ν²` must not depend on
+    where the shard sits (stage 0: slices of full buffers at any offset; stages 1-3: tensors of
+    their own) nor on the other shards in the call; nor may `sum_of_squares`, their sum."""
+    g = torch.Generator().manual_seed(seed)
+    bigs = [torch.randn(o + n + 3, generator=g).to(device, d) for n, o, d in zip(sizes, offsets, dtypes)]
+    views = [big[o : o + n] for big, n, o in zip(bigs, sizes, offsets)]
+    got = shard_squares(views, device)
+    assert torch.equal(got, shard_squares([v.clone() for v in views], device))
+    for k, v in enumerate(views):
+        assert torch.equal(got[k], shard_squares([v.clone()], device)[0])
+    assert torch.equal(sum_of_squares(views, device), sum_of_squares([v.clone() for v in views], device))
 
 
 @examples(30)

@@ -176,9 +176,10 @@ def test_one_host_read_per_donating_step(stage, donate, monkeypatch):
 def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage):
     """With the autograd engine and accumulate="each", stages 0-1 start each bucket's
     reduce-scatter in its unit's backward (as stages 2-3), so they come in backward order (the
-    loss reads a, b, c: backward reaches c first); stage 0's gradient all-gathers follow, in
-    bucket order, after every reduce-scatter. With accumulate="once" (the sum is reduced after
-    the last micro-batch) they come after backward, in bucket order. The bits are the same:
+    loss reads a, b, c: backward reaches c first); stage 0 starts each bucket's gradient
+    all-gather once the next bucket's reduce-scatter has started (`step.Chained`), the last after
+    backward. With accumulate="once" (the sum is reduced after the last micro-batch) they come
+    after backward, in bucket order, each all-gather after every reduce-scatter. The bits are the same:
     tests/test_stages.py holds stages 0-1 bitwise equal to stages 2-3, and tests/test_ddp.py
     to torch DDP over gloo."""
     mesh = fzero.SimMesh(2)
@@ -201,6 +202,7 @@ def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage):
         assert out[0] == out[1]
         return out[0]
 
-    gathers = [("all_gather", u) for u in "abc"] if stage == 0 else []
-    assert order("each") == [("reduce_scatter", u) for u in "cba"] + gathers
-    assert order("once") == [("reduce_scatter", u) for u in "abc"] + gathers
+    rs, ag = ("reduce_scatter",), ("all_gather",)
+    chained = [rs + ("c",), rs + ("b",), ag + ("c",), rs + ("a",), ag + ("b",), ag + ("a",)]
+    assert order("each") == (chained if stage == 0 else [rs + (u,) for u in "cba"])
+    assert order("once") == [rs + (u,) for u in "abc"] + ([ag + (u,) for u in "abc"] if stage == 0 else [])

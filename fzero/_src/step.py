@@ -11,7 +11,8 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
 2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
    any is waited for -- with the autograd engine and `accumulate="each"`, stages 0-1 start theirs
    in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's all-gather
-   follows after backward); the reduced gradient is `Σ_r fl(1/N) g_r`;
+   of each bucket starts once the next bucket's reduction has, `Chained`); the reduced gradient
+   is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
 import operator
 from collections.abc import Callable, Iterator
@@ -52,7 +55,7 @@ from .offload import HostUpdate, differentiated
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
-from .unit import Inflight, Probe, nonfinite, remembered, unit_programs
+from .unit import Inflight, Probe, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -277,9 +280,9 @@ def _no_vmap_over_steps() -> Iterator[None]:
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     """One step (the module docstring). After the agreement the host does only what decides the
     update before launching it (`update`); the metrics' tensors are made after it."""
-    with record_function("fzero.step/backward"):  # named ranges for profiles (benchmarks/gaps.py)
+    with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
-    with record_function("fzero.step/agree"):
+    with _named("fzero.step/agree"):
         verdict = agree(state, loss, report, reduced, count)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
@@ -296,7 +299,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, _metrics(*seen, skipped=True)
     reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
-    with record_function("fzero.step/update"):
+    with _named("fzero.step/update"):
         new, broken = update(state, reduced, verdict.used, config.donate)
     if config.donate:
         consume(state)
@@ -308,6 +311,13 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
                              f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); the state is unchanged. "
                              f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
     return state, _metrics(*seen, skipped=True)
+
+
+def _named(name: str) -> contextlib.AbstractContextManager:
+    """A named range for profiles (`record_function`; benchmarks/gaps.py reads them) while a torch
+    profiler runs, else nothing: entering and leaving one costs a dozen Python calls, on the
+    host path between the agreement and the first update kernel too."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _metrics(loss: float, norm: float, step: int, loss_scale: float | None, skipped: bool) -> Metrics:
@@ -401,7 +411,72 @@ def _rescale(reduced: dict[int, torch.Tensor], factor: float) -> dict[int, torch
 
 
 def _trainable(state: ZeroState) -> list[int]:
-    return [b.index for b in state.layout.buckets if not b.group.frozen]
+    return list(step_plan(state.info).trainable)
+
+
+class StepPlan(NamedTuple):
+    """What `backward` and `_report` read of a state's `StateInfo` that never changes between
+    steps, built once per `StateInfo` (`step_plan`): a step's prologue reads it, so the per-step
+    setup is the step's own (its `Inflight`, the unit programs that carry it, the tensors).
+
+    Attributes:
+      trainable: the trainable buckets, in layout order.
+      flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
+      leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
+        None where that order is the layout's, else a CPU index `[Σ L_u]`.
+      bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
+      unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
+      offloaded: whether some trainable bucket's update runs on a host tier (`HostUpdate`).
+      held: per bucket, whether the step differentiates the held tensor itself, with no full
+        buffer beside it (`offload.differentiated` is then `(held, None)`: no offload of the
+        bucket, and a stage that does not differentiate a shard of the full buffer).
+    """
+
+    trainable: tuple[int, ...]
+    flat: bool
+    leaf_order: torch.Tensor | None
+    bucket_order: tuple[int, ...] | None
+    unused: dict[str, torch.Tensor]
+    offloaded: bool
+    held: tuple[bool, ...]
+
+
+_STEP_PLANS: dict = {}
+
+
+def step_plan(info: StateInfo) -> StepPlan:
+    """`StepPlan` of `info`, built once per `StateInfo` (`unit.remembered`)."""
+    return remembered(_STEP_PLANS, info, None, lambda: _step_plan(info))
+
+
+def _step_plan(info: StateInfo) -> StepPlan:
+    layout = info.layout
+    programs = unit_programs(layout, info.mesh, info.stage, info.precision)
+    leaves = [i for p in programs for i in p.leaves]
+    buckets = [b.index for p in programs for b in p.buckets]
+    trainable = tuple(b.index for b in layout.buckets if not b.group.frozen)
+    return StepPlan(trainable, is_flat_dict(layout),
+                    None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
+                    None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
+                    {p.name: torch.zeros(len(p.leaves)) for p in programs},
+                    any(info.host_tier(b) is not None for b in trainable),
+                    tuple(info.offload.params is None and info.host_tier(b.index) is None and not
+                          (info.stage.sharded("grads") and not info.stage.sharded("params")) for b in layout.buckets))
+
+
+_PROBES: dict = {}
+
+
+def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...], grad: bool) -> dict[str, Probe]:
+    """Each unit's `Probe` (zeros on the device of its first bucket's differentiated tensor; leaves
+    that require grad for the autograd engine, `grad`), built once per `StateInfo`, devices and
+    engine: no step writes them, and `torch.autograd.grad` returns their gradients without
+    accumulating any."""
+    def build() -> dict[str, Probe]:
+        probes = {p.name: Probe.of(p, d) for p, d in zip(programs, devices)}
+        return {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()} if grad else probes
+
+    return remembered(_PROBES, info, (devices, grad), build)
 
 
 class BucketPlan(NamedTuple):
@@ -448,17 +523,23 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
     tensor, so the same bits)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    plan = step_plan(state.info)
+    trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
-    early = tuple(_trainable(state)) if config.accumulate == "each" and stage.reduces_after_leave else ()
-    inflight = Inflight(early=early) if config.engine == "autograd" else None
+    early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
+    inflight = Chained(early=early) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
-    pairs = [differentiated(state.info, b, p, m, mesh.device) for b, (p, m) in enumerate(zip(state.params, state.master))]
-    xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
-    trainable = _trainable(state)
+    if all(plan.held):
+        xs, fulls = list(state.params), [None] * len(state.params)
+    else:
+        pairs = [(p, None) if held else differentiated(state.info, b, p, m, mesh.device)
+                 for b, (p, m, held) in enumerate(zip(state.params, state.master, plan.held))]
+        xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     s = loss_scale_of(state)
-    probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
+    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs),
+                     config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
-                  and is_flat_dict(layout))
+                  and plan.flat)
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
@@ -484,6 +565,44 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+
+
+class Chained(Inflight):
+    """`unit.Inflight` where a bucket's reduction is more than one collective (stage 0: the
+    reduce-scatter, then the all-gather of the reduced shard): each bucket's next collective
+    starts as soon as the next bucket's reduction has started -- it waits for the bucket's own
+    reduce-scatter (`Flight.advance`), which has had a unit's backward to run -- so the gradient
+    all-gathers run during the rest of the backward, not after it; `step.reduce` advances the
+    last one. Which flight is advanced depends only on the order the flights start in, which
+    `Inflight` fixes (`early`, from the last bucket): every rank issues
+    `RS(k_1), RS(k_2), AG(k_1), RS(k_3), AG(k_2), ...`, the same calls on the same tensors as
+    `reduce`'s (the same bits). For a one-collective reduction (stage 1) `advance` is a no-op."""
+
+    # how many flights start after a bucket's before its next collective does (a wait for its
+    # reduce-scatter that stalls the backward is less likely the larger it is; 1 and 2 did not
+    # differ beyond noise on a loaded 2-core CPU over gloo)
+    LAG = 1
+
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
+        super().__init__(depth, early)
+        self._order: list[int] = []  # the buckets in the order their flights started
+
+    def begin(self, b: int, start: Callable[[], Any]) -> None:
+        super().begin(b, self._then_advance(b, start))
+
+    def rest(self, zeros: Callable[[int], Callable[[], Any]]) -> dict[int, Any]:
+        return super().rest(lambda b: self._then_advance(b, zeros(b)))
+
+    def _then_advance(self, b: int, start: Callable[[], Flight]) -> Callable[[], Flight]:
+        def run() -> Flight:
+            flight = start()
+            self._order.append(b)
+            if len(self._order) > self.LAG:
+                k = self._order[-1 - self.LAG]
+                self.started[k] = self.started[k].advance()
+            return flight
+
+        return run
 
 
 def _zeros_reduction(state: ZeroState, b: int) -> Callable[[], Flight]:
@@ -514,7 +633,6 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
     train = tuple(x.detach().requires_grad_() for x in train)
-    probes = {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()}
     with torch.enable_grad():
         loss, count = loss_of(train, probes)
     inputs = [*train, *(t for p in probes.values() for t in p)]
@@ -527,20 +645,28 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
 
 
 def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Report:
-    """The probes' gradients as one `Report`. `bad` is assembled on the device from 0-d views
-    (`torch.stack`): indexing a device tensor with a Python list copies the index host-to-device,
-    and a blocking copy synchronises the stream, once per unit."""
-    layout, dev = state.layout, state.mesh.device
-    used = torch.zeros(len(layout.leaves))
-    bad: list[torch.Tensor | None] = [None] * len(layout.buckets)
-    for program in programs:
-        g = g_probes[program.name]
-        if g.used is not None:
-            used[list(program.leaves)] = g.used
-        for k, b in enumerate(program.buckets):
-            bad[b.index] = g.bad[k].to(dev) if g.bad is not None else None
-    zero = torch.zeros((), device=dev)
-    return Report(used, torch.stack([zero if x is None else x for x in bad]) if bad else zero.new_zeros(0))
+    """The probes' gradients as one `Report`: the units' `used[L_u]` concatenated (CPU) and their
+    `bad[B_u]` concatenated on the mesh device, each put in layout order by one index where the
+    units' order is not the layout's (`StepPlan`); a unit whose probe got no gradient reports
+    zeros. No per-bucket op: indexing a device tensor with a Python list would copy the index
+    host-to-device, and a blocking copy synchronises the stream."""
+    plan, dev = step_plan(state.info), state.mesh.device
+    gs = [g_probes[p.name] for p in programs]
+    used = torch.cat([plan.unused[p.name] if g.used is None else g.used for p, g in zip(programs, gs)] or
+                     [torch.zeros(0)])
+    if plan.leaf_order is not None:
+        used = torch.zeros(len(state.layout.leaves)).index_copy_(0, plan.leaf_order, used)
+    parts = [g.bad.to(dev) for g in gs if g.bad is not None]
+    if not parts:
+        return Report(used, torch.zeros(len(state.layout.buckets), device=dev))
+    if len(parts) < len(gs):  # some unit's probe got no gradient: zeros for its buckets
+        parts = [g.bad.to(dev) if g.bad is not None else torch.zeros(len(p.buckets), device=dev)
+                 for p, g in zip(programs, gs)]
+    bad = torch.cat(parts)
+    if plan.bucket_order is not None:
+        at = {b: k for k, b in enumerate(plan.bucket_order)}
+        bad = torch.stack([bad[at[b]] if b in at else bad.new_zeros(()) for b in range(len(state.layout.buckets))])
+    return Report(used, bad)
 
 
 # -- 2. reduce ---------------------------------------------------------------------------------
@@ -553,7 +679,8 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     Every bucket's collectives are started before the first is waited for (`Stage` pieces'
     `start`), or were started in its unit's backward (`started`: stages 0-1); on DistMesh they run
     concurrently; the calls and their order per bucket are those of the blocking form, so the bits
-    are too. Stage 0's all-gathers start after every reduce-scatter has been started, in bucket order."""
+    are too. Stage 0's all-gathers not started in backward (`Chained`) start after every
+    reduce-scatter has been started, in bucket order."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     started = started or {}
     grads = {b: g if g is not None else
@@ -576,6 +703,7 @@ def overlaps(tensors: Any) -> bool:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_TENSOR = functools.partial(operator.is_not, None)
 
 
 # -- 3. agree ---------------------------------------------------------------------------------
@@ -586,16 +714,16 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
     from every rank, read on the host once (`tolist`): the step's one host synchronisation.
 
-    `‖g_shard‖²` is `sum_of_squares` of the rank's shard of the *reduced* gradient (stage 0
+    `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
-    values); ranks' parts and losses are then summed in rank order (Python floats: float64 adds,
-    as before). `broken` is the state's `pending` flag (0 without one): whether the donating
-    update that made the state left a NaN or inf on this rank. Where some rank's part is not
-    finite -- a NaN or inf, or a float32 norm that overflowed -- every rank (all see the same rows)
-    recomputes its part exactly in float64 (`exact_sum_of_squares`) and the parts are gathered
-    again: the rare path decides finiteness exactly. At N = 1 the units skip their local
-    non-finite check (`bad` is 0): a non-finite `‖g‖²` then names the buckets from the reduced
-    gradient, which is the local one.
+    values); ranks' parts and losses are then summed in rank order on the host (`in_order`:
+    Python floats, float64 adds). `broken` is the state's `pending` flag
+    (0 without one): whether the donating update that made the state left a NaN or inf on this
+    rank. Where some rank's part is not finite -- a NaN or inf, or a float32 norm that overflowed
+    -- every rank (all see the same rows) recomputes its part exactly in float64
+    (`exact_sum_of_squares`) and the parts are gathered again: the rare path decides finiteness
+    exactly. At N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite
+    `‖g‖²` then names the buckets from the reduced gradient, which is the local one.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
@@ -609,42 +737,91 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
                      report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
     rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
+    return _verdict(state, rows, shards, reduced)
+
+
+def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
+             reduced: dict[int, torch.Tensor]) -> Verdict:
+    """The agreed rows (one per rank, `agree`'s layout) -> `Verdict`: Python over ranks and
+    columns, no tensor op but on the rare paths."""
+    layout, mesh = state.layout, state.mesh
+    n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
     losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
     bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly
-        exact = exact_sum_of_squares(shards, dev).reshape(1)
+        exact = exact_sum_of_squares(shards, mesh.device).reshape(1)
         sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
     bad_ranks = {r: [layout.buckets[b].tag for b, x in enumerate(bad_rows[r]) if x > 0]
-                 for r in range(n) if not math.isfinite(losses[r]) or any(x > 0 for x in bad_rows[r])}
+                 for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
-    total_loss, total_sq, total_count = 0.0, 0.0, 0.0
-    for r in range(n):  # rank order
-        total_loss += losses[r]
-        total_sq += sqs[r]
-        total_count += counts[r]
-    used = [any(r[1 + i] > 0 for r in rows) for i in range(num)]
-    return Verdict(used, bad_ranks, total_loss, total_sq, total_count, tuple(r for r in range(n) if rows[r][-1] != 0))
+    used = [max(col) > 0 for col in zip(*(r[1 : 1 + num] for r in rows))] if num else []
+    broken = tuple(r for r in range(n) if rows[r][-1] != 0)
+    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+
+
+def in_order(values: list[float]) -> float:
+    """`((0 + v_0) + v_1) + ...` in float64 (Python floats): the sum over ranks, in rank order."""
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
+def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`ν²[K]` in float64 (on `device`), `ν_k = ‖x_k‖₂` of shard k: one `torch._foreach_norm`
+    per (device, dtype) of the shards (a single read of each, no transient; accumulated in
+    float32, or float64 for float64 shards: 16-bit shards are widened to float32 in the
+    kernel), then one stack, cast and square. `ν_k²` is exact in float64.
+
+    The value of `ν_k` depends only on the shard's values and length, never on where it sits in
+    memory (a slice of stage 0's full buffer, or a tensor of its own in stages 1-3), so every
+    stage gets the same bits: on the CPU the kernel is `torch.linalg.vector_norm` per tensor,
+    whose order of additions does not depend on the address (`tests/test_speed.py`); on CUDA the
+    multi-tensor kernel takes a vectorised path for a tensor whose address is a multiple of 16
+    bytes and a scalar path otherwise, which add in different orders, so a shard that is not so
+    placed (stage 0's slice of the full buffer at N > 1, where `S * itemsize` is not a multiple
+    of 16 bytes) is copied first, to a fresh (aligned) tensor as stages 1-3 hold.
+    Relative error of `ν_k²` against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the
+    shard's length: S squares and additions in any order, one square root and its rounding to
+    float32), the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and
+    inf propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves
+    exactly.
+    """
+    if not shards:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # CUDA's one kernel: one device and dtype
+    for k, x in enumerate(shards):
+        groups.setdefault((x.device, x.dtype), []).append(k)
+    norms: list[torch.Tensor | None] = [None] * len(shards)
+    for (where, dtype), ks in groups.items():
+        xs = [_placed(shards[k].detach().reshape(-1)) for k in ks]  # read as numbers: not differentiated
+        for k, nu in zip(ks, _norms(xs, torch.float64 if dtype == torch.float64 else torch.float32)):
+            norms[k] = nu if where == device else nu.to(device)
+    return torch.stack(norms).to(torch.float64).square()
+
+
+def _norms(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    """`‖x‖₂` of each 1-d `x` (one device and dtype), accumulated in `acc`: one `_foreach_norm`;
+    under a torch.func transform, which has no rule for it, one `vector_norm` each (on the CPU the
+    kernel `_foreach_norm` runs per tensor: the same bits)."""
+    if func_level() is None:
+        return list(torch._foreach_norm(xs, 2, dtype=acc))
+    return [torch.linalg.vector_norm(x, 2, dtype=None if x.dtype == acc else acc) for x in xs]
+
+
+def _placed(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or on CUDA a copy of it where its address is not a multiple of 16 bytes (`shard_squares`)."""
+    return x.clone() if x.device.type == "cuda" and func_level() is None and x.data_ptr() % 16 else x
 
 
 def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """`Σ_k ν_k²` in float64 (0-d, on `device`), `ν_k = ‖x_k‖₂` of shard k by one
-    `torch.linalg.vector_norm` (a single read, no transient; accumulated in float32, or float64 for
-    float64 shards; 16-bit shards are widened to float32 first), added in shard order. `ν_k²` is
-    exact in float64. The value depends only on the shard's values and length: the kernel's
-    order of additions does not depend on where the shard sits in memory (a slice of stage 0's
-    full buffer or a tensor of its own: `tests/test_speed.py`), so every stage gets the same bits.
-    Relative error against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the shard's
-    length: S squares and additions in any order, one square root and its rounding to float32),
-    the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and inf
-    propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves exactly.
-    """
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for x in shards:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        nu = torch.linalg.vector_norm(x.reshape(-1), 2, dtype=None if x.dtype == acc else acc)
-        total = total + nu.to(device=device, dtype=torch.float64).square()
-    return total
+    """`Σ_k ν_k²` in float64 (0-d, on `device`): one `torch.sum` of `shard_squares` (a fresh
+    tensor, the same values in the same order in every stage, so the same bits; its order of
+    additions depends on K and the device only). Relative error against the exact `Σ x²`: at
+    most `γ_{S+1} + 2u` per shard (`shard_squares`), and `γ_{K-1}` in float64 for the sum of the
+    K non-negative terms (proofs/stages.md §3)."""
+    return shard_squares(shards, device).sum()
 
 
 SQ_CHUNK = 1 << 22  # elements per float64 chunk of `exact_sum_of_squares`: a 32 MiB scratch buffer
@@ -713,9 +890,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
-    overlap = overlaps([*reduced.values(), *(p for p in state.params if p is not None)])
+    overlap = overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
     plan = plan_of(state.info)
-    host = HostUpdate(state.info, reduced)  # offloaded buckets: gradients start for the host now
+    # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
+    host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {})
     for b, g in reduced.items():
         g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
         ctx = plan[b].context(step, used, leaf_sum)
@@ -745,13 +923,16 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
-    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf
-    (`unit.nonfinite` per bucket, one read each), else 0; no host synchronisation for buckets
-    updated on the device (an offloaded bucket's flag is computed on the host and copied)."""
-    flag = torch.zeros((), dtype=torch.float32, device=state.mesh.device)
-    for p in updated.values():
-        flag = torch.maximum(flag, nonfinite(p).to(flag))
-    return flag
+    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
+    0: the minimum and maximum of each bucket (`torch.aminmax`, one read each, as
+    `unit.nonfinite`: NaN if any element is, ±inf if one is, no overflow), all checked at once;
+    no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
+    computed on the host and copied)."""
+    dev = state.mesh.device
+    ends = [e.to(dev) for p in updated.values() if p.numel() for e in torch.aminmax(p.detach().reshape(-1))]
+    if not ends:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
