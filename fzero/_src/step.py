@@ -51,7 +51,7 @@ from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
-from .offload import HostUpdate, differentiated
+from .offload import HostUpdate, differentiated, early_copies
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
@@ -298,9 +298,12 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
         if config.on_nonfinite == "raise":
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, _metrics(*seen, skipped=True)
-    reduced = _rescale(reduced, scale * _clip_coefficient(config, norm) / s)
+    factor = scale * _clip_coefficient(config, norm) / s
+    on_host = (frozenset(b for b in reduced if state.info.host_tier(b) is not None) if step_plan(state.info).offloaded
+               else frozenset())
+    reduced = _rescale(reduced, factor, keep=on_host)  # offloaded buckets: rescaled on the host, in `update`
     with _named("fzero.step/update"):
-        new, broken = update(state, reduced, verdict.used, config.donate)
+        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
@@ -399,12 +402,14 @@ def _clip_coefficient(config: StepConfig, norm: float) -> float:
     return min(1.0, config.clip_norm / (norm + CLIP_EPS))
 
 
-def _rescale(reduced: dict[int, torch.Tensor], factor: float) -> dict[int, torch.Tensor]:
+def _rescale(reduced: dict[int, torch.Tensor], factor: float, keep: frozenset[int] = frozenset()
+             ) -> dict[int, torch.Tensor]:
     """Each reduced gradient times `factor` (element-wise, rounded to the gradient's dtype: the same
-    bits for a shard and for the full buffer), or unchanged where the factor is 1."""
+    bits for a shard and for the full buffer), or unchanged where the factor is 1 or the bucket is
+    in `keep` (offloaded: `update` multiplies its host copy, `HostUpdate`'s `factor`)."""
     if factor == 1.0:
         return reduced
-    return {b: g * factor for b, g in reduced.items()}
+    return {b: g if b in keep else g * factor for b, g in reduced.items()}
 
 
 # -- 1. forward and backward -----------------------------------------------------------------
@@ -527,7 +532,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
-    inflight = Chained(early=early) if config.engine == "autograd" else None
+    copies = early_copies(state.info, config.micro_batches) if plan.offloaded else None  # offload: grads to the host
+    inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
     programs = unit_programs(layout, mesh, stage, state.precision, inflight)
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
@@ -583,8 +589,9 @@ class Chained(Inflight):
     # differ beyond noise on a loaded 2-core CPU over gloo)
     LAG = 1
 
-    def __init__(self, depth: int = 1, early: tuple[int, ...] = ()) -> None:
-        super().__init__(depth, early)
+    def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
+                 host: Callable[[torch.Tensor, int | None], None] | None = None) -> None:
+        super().__init__(depth, early, host)
         self._order: list[int] = []  # the buckets in the order their flights started
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:
@@ -867,8 +874,8 @@ def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> li
 # -- 4. update ---------------------------------------------------------------------------------
 
 
-def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False
-           ) -> tuple[ZeroState, list[str]]:
+def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
+           host_factor: float = 1.0) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
     without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
     made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
@@ -893,7 +900,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     overlap = overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
     plan = plan_of(state.info)
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
-    host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {})
+    host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
     for b, g in reduced.items():
         g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
         ctx = plan[b].context(step, used, leaf_sum)

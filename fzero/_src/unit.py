@@ -255,7 +255,8 @@ class Probe(NamedTuple):
         so a new autograd leaf, on the same storage; no allocation and no fill kernel per step).
         Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
-        each step's tensors are its own (their `requires_grad`, their place in that step's graph)."""
+        each call's tensors are their own autograd leaves (two units never share one; the step keeps
+        one `Probe` per unit for all of a state's steps, `step._probes`)."""
         used = sum(len(b.leaves) for b in program.buckets)  # len(program.leaves), without building them first
         return Probe(_zeros((used,), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
 
@@ -383,7 +384,7 @@ class _Unit(torch.autograd.Function):
             flat = _assemble(bucket, gs, _assembled_dtype(bucket.wire, leave), device)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
-                result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat)))
+                result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat), bucket.index))
             elif early:  # the step's own reduction of what it would get (`flat.to(dtype)`), started in turn
                 inflight.begin(bucket.index, functools.partial(program.stage.after_backward.start, program.mesh,
                                                                bucket.wire, flat.to(dtype)))
