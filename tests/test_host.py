@@ -157,6 +157,53 @@ def test_a_forward_that_raises_inside_a_unit_leaves_the_placeholders_and_the_nex
     assert _equal(got, (want_params, want_losses[1:]))
 
 
+def test_a_root_unit_whose_read_raises_leaves_the_placeholders(monkeypatch):
+    """Two units bound at the root (their home is the root module): where reading the second
+    raises (here: its gather), the first, already bound, is put back too -- every slot of the
+    copy holds its meta placeholder -- and the next step gives the bits of a step that never
+    saw the error."""
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.randn(4, 4) / 2), nn.Parameter(torch.randn(4, 4) / 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x @ self.a @ self.b).square().mean()
+
+    torch.manual_seed(0)
+    model = Root()
+    params, apply, info = from_module(model, units=lambda path: path)
+    mesh = fzero.SimMesh(1)
+    failing = {"on": False}
+    read = gathering_module.Gathering.read
+
+    def reading(self, unit):
+        if failing["on"] and unit == "b":
+            raise RuntimeError("read failed")
+        return read(self, unit)
+
+    monkeypatch.setattr(gathering_module.Gathering, "read", reading)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+
+    def rank(fail):
+        step = fzero.train_step(lambda p, b: apply(p, b))
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        if fail:
+            failing["on"] = True
+            with pytest.raises(RuntimeError, match="read failed"):
+                step(state, x)
+            failing["on"] = False
+            (skel,) = _copies(apply)
+            assert {b.unit for b in skel.plan.root} == {"a", "b"}
+            slots = [p for m in skel.module.modules() for p in m._parameters.values() if p is not None]
+            assert len(slots) == 2 and all(p.is_meta for p in slots)  # "a" was bound before "b" raised
+        state, metrics = step(state, x)
+        return fzero.gather(state), [metrics.loss]
+
+    assert _equal(mesh.run(rank, [(True,)])[0], mesh.run(rank, [(False,)])[0])
+
+
 def test_a_state_with_other_units_rebuilds_the_plan_and_gives_the_eager_bits():
     torch.manual_seed(0)
     model = Net()

@@ -345,6 +345,27 @@ def test_max_live_bytes_frees_persistent_units_early_and_refuses_what_cannot_fit
         run(100)
 
 
+def test_max_live_bytes_at_n1_counts_nothing_for_units_that_read_their_held_shard():
+    """At N = 1 stage 3's units read their held shards (nothing is gathered, nothing freed), so
+    they hold no gathered bytes: a cap of two blocks lets a step over six blocks run -- as it did
+    when N = 1 gathered copies and freed them -- with the uncapped step's bits."""
+    k, d = 6, 8
+    params, apply, info = _module(k, d)
+    loss = lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
+    block = (d * d + d) * 4
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn(cap):
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss, max_live_bytes=cap)
+        for _ in range(2):
+            state, m = step(state, _batch(0, d))
+        return fzero.gather(state), m.loss
+
+    (pf, lf), (pc, lc) = mesh.run(rank_fn, [(None,)])[0], mesh.run(rank_fn, [(2 * block + 200,)])[0]
+    assert torch.equal(lf, lc) and all(torch.equal(pf[name], pc[name]) for name in pf)
+
+
 def test_persist_and_cap_reject_bad_settings():
     for bad in (-1, 1.5, True):
         with pytest.raises(fzero.ConfigError, match="persist_bytes must be an int >= 0"):

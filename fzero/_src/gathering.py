@@ -222,9 +222,10 @@ class Gathering:
     @property
     def live(self) -> dict[str, int]:
         """`{unit: gathered bytes}` of the units gathered now (read and not released, or with a
-        prefetched gather in flight), in read order, then start order."""
-        held = [u for u in self._leaves if u not in self._released] + [u for u in self._ahead if u not in self._leaves
-                                                                         or u in self._released]
+        prefetched gather in flight), in read order, then start order. A read unit without gathered
+        storage (N = 1: each bucket reads its held tensor itself, `_run`) holds none: not listed."""
+        held = [u for u in self._leaves if u not in self._released and self._storages.get(u) != []] + [
+            u for u in self._ahead if u not in self._leaves or u in self._released]
         return {u: self._programs[u].gathered_bytes for u in held}
 
     def _make_room(self, unit: str) -> None:

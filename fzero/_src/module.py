@@ -324,16 +324,19 @@ class _Skeleton:
 
     def __call__(self, params: LazyParams, args: tuple, kwargs: dict) -> Any:
         plan = self.plan_for(params.unit_map)
-        for binding in plan.root:  # nothing is read before the plan is ready: the reads launch back to back
-            binding.bind(params.unit(binding.unit))
-        self.call = _Call(params, plan, [])
+        roots: list[_UnitBinding] = []
         try:
+            for binding in plan.root:  # nothing is read before the plan is ready: the reads launch back to back
+                binding.bind(params.unit(binding.unit))
+                roots.append(binding)  # bound: put back below, also where a later root unit's read raises
+            self.call = _Call(params, plan, [])
             return self.module(*args, **kwargs)
         finally:
-            bound, self.call = self.call.bound, None
+            call, self.call = self.call, None
+            bound = call.bound if call is not None else []
             while bound:  # a forward that raised inside a unit: put the placeholders back
                 bound.pop().unbind()
-            for binding in plan.root:
+            for binding in roots:
                 binding.unbind()
             for module, attr, buffer in self._buffers:  # as functional_call: a reassigned buffer is put back
                 module._buffers[attr] = buffer

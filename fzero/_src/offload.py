@@ -481,9 +481,11 @@ def early_copies(info: Any, micro_batches: int) -> Any:
 
     Only where the copy is the tensor the update reads: one micro-batch (with k > 1 the update
     reads the sum over micro-batches, which exists only after the last backward: the update
-    copies it then), and a tensor the update reads unchanged (clipping that clips, a loss scale or
-    `normalize="tokens"` rescale the shard out of place after the agreement: the update then
-    copies the rescaled tensor, and the early copy is dropped with the shard). `bucket`: the
+    copies it then). A rescale after the agreement (clipping that clips, a loss scale,
+    `normalize="tokens"`) leaves an offloaded bucket's shard as it is: the host multiplies its
+    copy (`HostUpdate`'s `factor`), so the early copy is still the one the update takes; a shard
+    the update does not read (another dtype after accumulation) is never taken, and its early
+    copy is dropped with it (`HostTier.start_early`). `bucket`: the
     bucket's index, so that buckets `ratio` keeps on the device are not copied; where the caller
     does not know it (None), the shard is copied only if every trainable bucket is offloaded."""
     tier = info.tier
