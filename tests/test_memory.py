@@ -459,3 +459,27 @@ def test_held_bytes_split_by_tier_from_the_layout(tmp_path, where, params, ratio
     assert held.grads == sum(4 * S[b] for b in train)
     assert d.total + h.total + f.total == held.total + h.grads
     assert held_bytes(state).tiers.host.optimizer_leaf is None  # without the optimizer: not split off
+
+
+def test_held_bytes_count_a_params_tensor_that_is_the_master_once():
+    """Params offloaded without a narrower compute dtype (fp32 params, no policy): a trainable
+    bucket's host shard is both `params[b]` and `master[b]` (one tensor). It counts once, as the
+    master (4 S_b on the host), in `held_bytes` and in its tiers, as `estimate`'s host counts it;
+    the frozen bucket's shard (no master) counts as params."""
+    from fzero._src.accounting import held_bytes
+
+    tree = {f"l{i}.w": torch.randn(6, 5) for i in range(3)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),)
+    mesh = fzero.SimMesh(2)
+    opt = optim.adamw(1e-2)
+    state = mesh.run(lambda: fzero.init(tree, opt, stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                                        groups=frozen, offload=fzero.Offload(optimizer="cpu", params="cpu")))[0]
+    S = {b.index: b.shard_numel for b in state.layout.buckets}
+    fz = [b.index for b in state.layout.buckets if b.group.frozen]
+    train = [b for b in S if b not in fz]
+    assert len(fz) == 1 and all(state.params[b] is state.master[b] for b in train)
+    held = held_bytes(state, opt)
+    assert (held.params, held.master) == (sum(4 * S[b] for b in fz), sum(4 * S[b] for b in train))
+    d, h, f = held.tiers
+    assert (d.params, h.params, h.master) == (0, held.params, held.master)
+    assert d.total + h.total + f.total == held.total + h.grads

@@ -106,7 +106,9 @@ def grad_bytes(layout: Layout, stage: int | Stage) -> int:
 def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     """`ZeroState -> HeldBytes` of this rank, from the tensors the state holds.
 
-    params: Σ nbytes of `state.params` (`flat[N * S]` in stages 0-2, `shard[S]` in stage 3);
+    params: Σ nbytes of `state.params` (`flat[N * S]` in stages 0-2, `shard[S]` in stage 3), but
+    for a bucket whose params tensor is its master (params offloaded without a narrower compute
+    dtype: one host tensor), which counts once, as master;
     optimizer_state: Σ nbytes of every tensor in `state.opt_state`; grads: `grad_bytes`.
     With `optimizer` (the `fzero.optim` triple the state was made with), its `spec` splits off
     the replicated fields (every kind but "shard") into `optimizer_leaf`.
@@ -125,13 +127,18 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
                 if kind != "shard":  # replicated: "leaf", "rows", "cols"
                     leaf += _nbytes(field)
     return HeldBytes(
-        params=_nbytes(state.params),
+        params=_nbytes(_own_params(state)),
         grads=grad_bytes(state.layout, state.stage),
         optimizer_state=_nbytes(state.opt_state),
         master=_nbytes(state.master),
         optimizer_leaf=leaf,
         tiers=tier_split(state, optimizer),
     )
+
+
+def _own_params(state: Any) -> list[Any]:
+    """`state.params` without the buckets whose params tensor is their master (counted there)."""
+    return [p for p, m in zip(state.params, state.master) if p is not m]
 
 
 def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
@@ -147,7 +154,8 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     sharded = state.stage.sharded("grads")
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
-        acc["host" if params_off else "device"]["params"] += _nbytes(state.params[b])
+        if state.params[b] is not state.master[b]:  # one tensor (params offload, no policy): counted as master
+            acc["host" if params_off else "device"]["params"] += _nbytes(state.params[b])
         if spec.group.frozen:
             continue
         acc["device"]["grads"] += (spec.shard_numel if sharded else spec.padded_numel) * spec.dtype.itemsize
