@@ -63,6 +63,13 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
 
 
+def _net():
+    """`(Net(), params, apply, info)` from seed 0, one unit per block."""
+    torch.manual_seed(0)
+    model = Net()
+    return (model, *from_module(model, units=units_by_prefix(model, "blocks")))
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g)
@@ -126,9 +133,7 @@ def test_hooks_are_registered_once_and_the_plan_is_cached(stage):
 
 
 def test_a_forward_that_raises_inside_a_unit_leaves_the_placeholders_and_the_next_step_works():
-    torch.manual_seed(0)
-    model = Net()
-    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    model, params, apply, info = _net()
     mesh = fzero.SimMesh(1)
     failing = {"on": False}
 
@@ -205,9 +210,7 @@ def test_a_root_unit_whose_read_raises_leaves_the_placeholders(monkeypatch):
 
 
 def test_a_state_with_other_units_rebuilds_the_plan_and_gives_the_eager_bits():
-    torch.manual_seed(0)
-    model = Net()
-    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    model, params, apply, info = _net()
     coarse = lambda path: "blocks" if path.startswith("blocks.") else "rest"  # noqa: E731
     mesh = fzero.SimMesh(1)
 
@@ -238,9 +241,7 @@ def test_a_state_with_other_units_rebuilds_the_plan_and_gives_the_eager_bits():
 
 
 def test_a_loss_that_runs_the_module_twice_runs_each_unit_once(monkeypatch):
-    torch.manual_seed(0)
-    model = Net()
-    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    model, params, apply, info = _net()
     mesh = fzero.SimMesh(1)
     runs = []
     run_unit = gathering_module.run_unit
@@ -263,9 +264,7 @@ def test_a_loss_that_runs_the_module_twice_runs_each_unit_once(monkeypatch):
 
 
 def test_apply_inside_apply_binds_a_second_copy():
-    torch.manual_seed(0)
-    model = Net()
-    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    model, params, apply, info = _net()
     mesh = fzero.SimMesh(1)
     results = []
 
