@@ -161,8 +161,8 @@ class Inflight:
         rank with `zeros(b)`, its reduction of zeros), and return every bucket's flight."""
         while self.early:
             k = self.early.pop()
-            self.started[k] = self._ready.pop(k, None) or zeros(k)
-            self.started[k] = self.started[k]()
+            start = self._ready.pop(k, None) or zeros(k)
+            self.started[k] = start()
         return self.started
 
     def _close(self, flight: Any, bucket: int | None, copied: bool) -> None:
@@ -400,6 +400,7 @@ class _Unit(torch.autograd.Function):
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
 
 def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
     """The storages of the unit's entered buffers: a bucket's leaves are views of one buffer, so
