@@ -349,10 +349,10 @@ def gather(state: ZeroState) -> Any:
     leaves: list[Any] = [None] * len(layout.leaves)
     with torch.no_grad():
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
-            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b) for b in program.buckets]
-            clones = [t.clone() for t in gather_leaves(program, xs, cast=False)]  # one unit gathered at a time
-            for i, t in zip(program.leaves, clones):
-                leaves[i] = t
+            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b)
+                  for b in program.buckets]
+            for i, t in zip(program.leaves, gather_leaves(program, xs, cast=False)):  # one unit gathered at a time
+                leaves[i] = t.clone()
     return unflatten(layout.treespec, leaves)
 
 
