@@ -257,8 +257,7 @@ class Probe(NamedTuple):
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each call's tensors are their own autograd leaves (two units never share one; the step keeps
         one `Probe` per unit for all of a state's steps, `step._probes`)."""
-        used = sum(len(b.leaves) for b in program.buckets)  # len(program.leaves), without building them first
-        return Probe(_zeros((used,), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
+        return Probe(_zeros((len(program.leaves),), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
 
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
