@@ -26,8 +26,8 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 _compiling = torch.compiler.is_compiling
-_callback = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-_callback = getattr(_callback, "get_eval_frame_callback", None)
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_callback = getattr(_eval_frame, "get_eval_frame_callback", None)
 
 
 def eager(fn: F) -> F:

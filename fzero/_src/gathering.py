@@ -196,9 +196,8 @@ class Gathering:
         self._anchors.append(anchor)
         leaves = dict(zip(program.leaves, outs))
         if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
-            held = {b: self._xs[b] if self._fulls[b] is None else self._fulls[b] for b in ids}
             firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()
-                      and leaves[b.leaves[0]].untyped_storage()._cdata != held[b.index].untyped_storage()._cdata]
+                      and leaves[b.leaves[0]].untyped_storage()._cdata != self._held(b.index).untyped_storage()._cdata]
             self._storages[unit] = [(b, t.untyped_storage(), t.untyped_storage().nbytes()) for b, t in firsts]
             self._owner.update({s._cdata: unit for _, s, _ in self._storages[unit]})
         return {self.layout.leaves[i].path: t for i, t in leaves.items()}
@@ -284,9 +283,13 @@ class Gathering:
         (a refill): only the buckets that own a storage (`_storages`), as `refill` fills them."""
         program = self._programs[unit]
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
-        held = [self._xs[b.index] if self._fulls[b.index] is None else self._fulls[b.index] for b in buckets]  # offload
-        return [program.stage.enter.start(program.mesh, b.wire, x.detach().to(b.wire.compute))
-                for b, x in zip(buckets, held)]
+        return [program.stage.enter.start(program.mesh, b.wire, self._held(b.index).detach().to(b.wire.compute))
+                for b in buckets]
+
+    def _held(self, b: int) -> torch.Tensor:
+        """Bucket b's held tensor as the unit reads it: the full buffer beside its differentiated
+        tensor where there is one (`fulls[b]`), else that tensor (`xs[b]`)."""
+        return self._xs[b] if self._fulls[b] is None else self._fulls[b]
 
     def _after(self, unit: str, order: Sequence[str]) -> list[str]:
         """The `prefetch` units that follow `unit` in the predicted `order` (none if it is not in it)."""

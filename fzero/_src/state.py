@@ -350,6 +350,8 @@ def gather(state: ZeroState) -> Any:
     with torch.no_grad():
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
             xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b) for b in program.buckets]
+            # clone in a comprehension: a `for` over the views would leave its variable holding the last
+            # one, and so this unit's gathered buffer alive while the next unit gathers
             clones = [t.clone() for t in gather_leaves(program, xs, cast=False)]  # one unit gathered at a time
             for i, t in zip(program.leaves, clones):
                 leaves[i] = t

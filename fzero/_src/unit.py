@@ -161,8 +161,8 @@ class Inflight:
         rank with `zeros(b)`, its reduction of zeros), and return every bucket's flight."""
         while self.early:
             k = self.early.pop()
-            self.started[k] = self._ready.pop(k, None) or zeros(k)
-            self.started[k] = self.started[k]()
+            start = self._ready.pop(k, None) or zeros(k)
+            self.started[k] = start()
         return self.started
 
     def _close(self, flight: Any, bucket: int | None, copied: bool) -> None:
@@ -257,8 +257,7 @@ class Probe(NamedTuple):
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each call's tensors are their own autograd leaves (two units never share one; the step keeps
         one `Probe` per unit for all of a state's steps, `step._probes`)."""
-        used = sum(len(b.leaves) for b in program.buckets)  # len(program.leaves), without building them first
-        return Probe(_zeros((used,), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
+        return Probe(_zeros((len(program.leaves),), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
 
 
 _ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -400,6 +399,7 @@ class _Unit(torch.autograd.Function):
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
 
 def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
     """The storages of the unit's entered buffers: a bucket's leaves are views of one buffer, so
