@@ -119,18 +119,13 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     """
     tiers = tier_split(state, optimizer)
     return HeldBytes(
-        params=_nbytes(_own_params(state)),
+        params=sum(t.params for t in tiers),
         grads=grad_bytes(state.layout, state.stage),
         optimizer_state=_nbytes(state.opt_state),
         master=_nbytes(state.master),
         optimizer_leaf=None if optimizer is None else sum(t.optimizer_leaf for t in tiers),
         tiers=tiers,
     )
-
-
-def _own_params(state: Any) -> list[Any]:
-    """`state.params` without the buckets whose params tensor is their master (counted there)."""
-    return [p for p, m in zip(state.params, state.master) if p is not m]
 
 
 def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
