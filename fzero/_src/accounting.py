@@ -117,28 +117,15 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     (`TierSplit`) says how much of each is on the device, in host memory and in files (compare
     `estimate(..., offload=...)`'s `host` and `nvme`).
     """
-    leaf = None
-    if optimizer is not None:
-        leaf = 0
-        for s in state.opt_state:
-            if s is None:
-                continue
-            for field, kind in zip(s, spec_of(optimizer, s)):
-                if kind != "shard":  # replicated: "leaf", "rows", "cols"
-                    leaf += _nbytes(field)
+    tiers = tier_split(state, optimizer)
     return HeldBytes(
-        params=_nbytes(_own_params(state)),
+        params=sum(t.params for t in tiers),
         grads=grad_bytes(state.layout, state.stage),
         optimizer_state=_nbytes(state.opt_state),
         master=_nbytes(state.master),
-        optimizer_leaf=leaf,
-        tiers=tier_split(state, optimizer),
+        optimizer_leaf=None if optimizer is None else sum(t.optimizer_leaf for t in tiers),
+        tiers=tiers,
     )
-
-
-def _own_params(state: Any) -> list[Any]:
-    """`state.params` without the buckets whose params tensor is their master (counted there)."""
-    return [p for p, m in zip(state.params, state.master) if p is not m]
 
 
 def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
@@ -151,14 +138,13 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     params_off = offload is not None and offload.params is not None
     tiers = ("device", "host", "nvme")
     acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
-    sharded = state.stage.sharded("grads")
+    acc["device"]["grads"] = grad_bytes(state.layout, state.stage)
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
         if state.params[b] is not state.master[b]:  # one tensor (params offload, no policy): counted as master
             acc["host" if params_off else "device"]["params"] += _nbytes(state.params[b])
         if spec.group.frozen:
             continue
-        acc["device"]["grads"] += (spec.shard_numel if sharded else spec.padded_numel) * spec.dtype.itemsize
         if tier is not None:
             acc["host"]["grads"] += spec.shard_numel * spec.dtype.itemsize  # the update's copy of the shard
         acc["device" if tier is None else "host"]["master"] += _nbytes(state.master[b])

@@ -320,28 +320,30 @@ class NvmeTier(HostTier):
     def make(device: torch.device, offload: Offload, shapes: dict[int, Any]) -> "NvmeTier":
         """The tier for `{bucket: optimizer state}` (their "shard" fields get files, sized and
         typed as those tensors; the tensors themselves are not read)."""
-        from .nvme import SwapFiles
-
         fields, entries = {}, {}
         for b, (opt, spec) in shapes.items():
             named = tuple((k, f"b{b}/{field}") for k, (field, kind) in enumerate(zip(opt._fields, spec))
                           if kind == "shard")
             fields[b] = named
             entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
-        depth = 2 * max((len(f) for f in fields.values()), default=1)  # this bucket's fields and the next's
-        files = SwapFiles(offload.nvme_path, entries or {"none": (0, torch.float32)},
-                          pin=device.type == "cuda" and offload.pin, buffers=max(depth, 1), direct=offload.direct)
-        return NvmeTier(device, offload.pin, files, fields, offload.nvme_path, offload.direct)
+        return NvmeTier._open(device, offload.pin, offload.nvme_path, offload.direct, fields,
+                              entries or {"none": (0, torch.float32)})
 
     def renewed(self) -> "NvmeTier":
         """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
+        entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
+        return NvmeTier._open(self.device, self.pin, self.directory, self.direct, self.fields, entries)
+
+    @staticmethod
+    def _open(device: torch.device, pin: bool, directory: str, direct: bool, fields: Any,
+              entries: dict[str, tuple[int, torch.dtype]]) -> "NvmeTier":
+        """The tier of fresh swap files `entries` in `directory`, with read and staging buffers for
+        two buckets' `fields` (this bucket's and the next's)."""
         from .nvme import SwapFiles
 
-        entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
-        depth = 2 * max((len(f) for f in self.fields.values()), default=1)
-        files = SwapFiles(self.directory, entries, pin=self.cuda and self.pin, buffers=max(depth, 1),
-                          direct=self.direct)
-        return NvmeTier(self.device, self.pin, files, self.fields, self.directory, self.direct)
+        depth = 2 * max((len(f) for f in fields.values()), default=1)
+        files = SwapFiles(directory, entries, pin=device.type == "cuda" and pin, buffers=max(depth, 1), direct=direct)
+        return NvmeTier(device, pin, files, fields, directory, direct)
 
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)

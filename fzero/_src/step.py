@@ -299,9 +299,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
         return state, _metrics(*seen, skipped=True)
     factor = scale * _clip_coefficient(config, norm) / s
-    on_host = (frozenset(b for b in reduced if state.info.host_tier(b) is not None) if step_plan(state.info).offloaded
-               else frozenset())
-    reduced = _rescale(reduced, factor, keep=on_host)  # offloaded buckets: rescaled on the host, in `update`
+    reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
     with _named("fzero.step/update"):
         new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor)
     if config.donate:
@@ -431,7 +429,7 @@ class StepPlan(NamedTuple):
         None where that order is the layout's, else a CPU index `[Σ L_u]`.
       bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
       unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
-      offloaded: whether some trainable bucket's update runs on a host tier (`HostUpdate`).
+      on_host: the trainable buckets whose update runs on a host tier (`HostUpdate`).
       held: per bucket, whether the step differentiates the held tensor itself, with no full
         buffer beside it (`offload.differentiated` is then `(held, None)`: no offload of the
         bucket, and a stage that does not differentiate a shard of the full buffer).
@@ -442,8 +440,13 @@ class StepPlan(NamedTuple):
     leaf_order: torch.Tensor | None
     bucket_order: tuple[int, ...] | None
     unused: dict[str, torch.Tensor]
-    offloaded: bool
+    on_host: frozenset[int]
     held: tuple[bool, ...]
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some trainable bucket's update runs on a host tier."""
+        return bool(self.on_host)
 
 
 _STEP_PLANS: dict = {}
@@ -464,7 +467,7 @@ def _step_plan(info: StateInfo) -> StepPlan:
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
-                    any(info.host_tier(b) is not None for b in trainable),
+                    frozenset(b for b in trainable if info.host_tier(b) is not None),
                     tuple(info.offload.params is None and info.host_tier(b.index) is None and not
                           (info.stage.sharded("grads") and not info.stage.sharded("params")) for b in layout.buckets))
 
@@ -615,8 +618,13 @@ class Chained(Inflight):
 def _zeros_reduction(state: ZeroState, b: int) -> Callable[[], Flight]:
     """Where no unit backward reached bucket `b` on this rank: its reduction of zeros, as `reduce`
     does for a missing gradient (every rank must reduce every bucket)."""
-    x = state.stage.differentiated(state.layout, b, state.params[b], state.rank, state.master[b])[0]
-    return lambda: state.stage.after_backward.start(state.mesh, plan_of(state.info)[b].wire, torch.zeros_like(x))
+    return lambda: state.stage.after_backward.start(state.mesh, plan_of(state.info)[b].wire, _zero_grad(state, b))
+
+
+def _zero_grad(state: ZeroState, b: int) -> torch.Tensor:
+    """Zeros like the tensor the step differentiates for bucket `b` (`offload.differentiated`): the
+    gradient of a bucket no unit backward reached on this rank."""
+    return torch.zeros_like(differentiated(state.info, b, state.params[b], state.master[b], state.mesh.device)[0])
 
 
 def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
@@ -688,11 +696,9 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     concurrently; the calls and their order per bucket are those of the blocking form, so the bits
     are too. Stage 0's all-gathers not started in backward (`Chained`) start after every
     reduce-scatter has been started, in bucket order."""
-    layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
+    stage, mesh = state.stage, state.mesh
     started = started or {}
-    grads = {b: g if g is not None else
-             torch.zeros_like(differentiated(state.info, b, state.params[b], state.master[b], mesh.device)[0])
-             for b, g in grads.items() if b not in started}
+    grads = {b: g if g is not None else _zero_grad(state, b) for b, g in grads.items() if b not in started}
     plan = plan_of(state.info)
     if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
         return {b: stage.after_backward.run(mesh, plan[b].wire, g) for b, g in grads.items()}
