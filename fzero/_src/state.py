@@ -410,13 +410,19 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     layout, stage, rank = state.layout, state.stage, state.rank
     updated = {b.index: stage.optimizer_params(layout, b.index, state.params[b.index], rank, state.master[b.index])
                for b in layout.buckets if not b.group.frozen}
-    leaves = nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
+    leaves = updated_nonfinite_leaves(state, updated)
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
         f"inf on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in "
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
         f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+
+
+def updated_nonfinite_leaves(state: ZeroState, updated: dict[int, torch.Tensor]) -> list[str]:
+    """`nonfinite_leaves` of what this rank's optimizer updated per bucket (`Stage.optimizer_params`:
+    its shard, or stage 0's whole buffer), each leaf piece where `Stage.segments` puts it."""
+    return nonfinite_leaves(state, updated, mine=lambda b, p: p, where=state.stage.segments)
 
 
 def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Any = None, where: Any = None

@@ -54,7 +54,8 @@ from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
-from .state import StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves
+from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
+                    updated_nonfinite_leaves)
 from .unit import Inflight, Probe, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
@@ -924,7 +925,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
-        return state, nonfinite_leaves(state, updated, mine=lambda b, p: p, where=stage.segments)
+        return state, updated_nonfinite_leaves(state, updated)
     if not overlap:  # differentiated through: the blocking, differentiable finish
         gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in back.items()}
     for b, p_new in updated.items():
