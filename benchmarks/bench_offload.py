@@ -103,10 +103,10 @@ WIDTHS = ((1.5, 2048), (8.0, 4096), (16.0, 5120), (40.0, 6144))
 HOST_SLACK = 1.3
 
 
-def host_bytes_per_param(mode: str) -> tuple[float, int]:
+def host_bytes_per_param(mode: str, slack: float = HOST_SLACK) -> tuple[float, int]:
     """(host, NVMe) bytes per parameter a mode is expected to hold at N = 1, for the sweep's
     guard. fzero: from `fzero.accounting.estimate` (bf16 params, fp32 master, Adam; the gradient
-    copy in the fp32 reduce dtype), times `HOST_SLACK`. DeepSpeed: fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for
+    copy in the fp32 reduce dtype), times `slack` (`--host-slack`). DeepSpeed: fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for
     offloaded bf16 params), the moments and master on NVMe for nvme. FSDP2: fp32 sharded params 4
     + fp32 gradients 4 + moments 8, all on the host. Plus the model's fp32 copy where it is built on
     the host (DeepSpeed)."""
@@ -118,7 +118,7 @@ def host_bytes_per_param(mode: str) -> tuple[float, int]:
                      offload_params=params)
         # params offloaded: the bf16 copy the units read (HostTier.host_cast), two of them across
         # an update (the new one is made before the old state goes), which the estimate omits
-        return HOST_SLACK * (int(e.host.total) + (4 if params else 0)), int(e.nvme.total)
+        return slack * (int(e.host.total) + (4 if params else 0)), int(e.nvme.total)
     if mode in DS_MODES:
         where, params = DS_MODES[mode]
         return (4 + (2 if params else 0) + (0 if where == "nvme" else 12) + 4, 12 if where == "nvme" else 0)
@@ -507,7 +507,7 @@ def _drop_stale_locks() -> None:
 
 
 def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
-    host_pp, nvme_pp = host_bytes_per_param(mode)  # (imports fzero and torch into the driver once: seconds)
+    host_pp, nvme_pp = host_bytes_per_param(mode, a.host_slack)  # (imports fzero and torch into the driver once: seconds)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
     largest, why, last = None, "the ladder ended", None
     for width, depth in a.ladder:
@@ -543,16 +543,16 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
 
 
 def search(mode: str, a, deadline: float, modes_left: int) -> None:
-    """The largest of `a.sizes` that trains, in few attempts: sizes from the largest down, each
+    """The largest of the mode's sizes (`--mode-sizes`, else `--sizes`) that trains, in few attempts: sizes from the largest down, each
     attempt in its own child with a time limit, stopping at the first that trains (`--steps`
     timed steps after one warm-up). A size predicted not to fit in 85% of the host's available
     memory or the NVMe folder's free space is skipped without an attempt (a "train" row with
     `skipped`); a failed attempt (oom, timeout, an error) moves to the next smaller size. The
     mode's share of the time left is `(deadline - now) / modes_left`; each attempt gets what is
     left of it, at most `--run-timeout`."""
-    host_pp, nvme_pp = host_bytes_per_param(mode)
+    host_pp, nvme_pp = host_bytes_per_param(mode, a.host_slack)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
-    sizes = sorted({parse_size(x, a.vocab, a.seq) for x in a.sizes},
+    sizes = sorted({parse_size(x, a.vocab, a.seq) for x in a.mode_sizes.get(mode, a.sizes)},
                    key=lambda wd: gpt_params(*wd, a.vocab, a.seq), reverse=True)
     found, why, attempts = None, "every size failed or was skipped", 0
     for width, depth in sizes:
@@ -594,7 +594,8 @@ def driver(a) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/torch_extensions_bench_offload")  # every child's op cache
     start = time.perf_counter()
     os.makedirs(a.nvme_path, exist_ok=True)
-    emit(dict(bench="job", modes=a.modes, ladder=a.ladder, sizes=a.sizes, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
+    emit(dict(bench="job", modes=a.modes, ladder=a.ladder, sizes=a.sizes, mode_sizes=a.mode_sizes,
+              host_slack=a.host_slack, aio_root=a.aio_root, total_s=a.total, smoke=a.smoke, nvme_path=a.nvme_path,
               nvme_free_GiB=round(shutil.disk_usage(a.nvme_path).free / GIB, 1), nvme_fs=filesystem(a.nvme_path),
               host_available_GiB=round(mem_available() / GIB, 1), cpus=os.cpu_count()), a.out)
     reserve = a.mode_floor * len(a.modes)  # the sweeps' share, kept from the fixed phases
@@ -622,8 +623,29 @@ def driver(a) -> None:
         if status:
             emit(dict(bench="cpu_adam", error=status, wall_s=round(wall, 1)), a.out)
     for i, mode in enumerate(a.modes):
-        (search if a.sizes else sweep)(mode, a, deadline, len(a.modes) - i)
+        (search if a.sizes or mode in a.mode_sizes else sweep)(mode, a, deadline, len(a.modes) - i)
     emit(dict(bench="done", wall_s=round(time.perf_counter() - start, 1)), a.out)
+
+
+def _mode_sizes(text: str) -> tuple[str, list[str]]:
+    mode, _, sizes = text.partition("=")
+    if mode not in MODES or not sizes:
+        raise SystemExit(f"--mode-sizes {text!r}: expected MODE=S1,S2 with MODE one of {', '.join(MODES)}")
+    return mode, sizes.split(",")
+
+
+def _use_libaio(root: str) -> None:
+    """Put an unpacked libaio's headers and library on the compiler's, the linker's and the
+    loader's paths (this process's environment, which every child inherits): DeepSpeed's
+    `AsyncIOBuilder.is_compatible` compiles a test against CFLAGS/LDFLAGS, its JIT build's g++
+    reads CPATH/LIBRARY_PATH, and the op's `libaio.so.1` is found through LD_LIBRARY_PATH."""
+    include, lib = os.path.join(root, "usr", "include"), os.path.join(root, "usr", "lib", "x86_64-linux-gnu")
+    if not os.path.exists(os.path.join(include, "libaio.h")):
+        raise SystemExit(f"--aio-root {root}: no usr/include/libaio.h there (unpack libaio-dev into it)")
+    for name, flag, value in (("CFLAGS", "-I", include), ("LDFLAGS", "-L", lib)):
+        os.environ[name] = " ".join(filter(None, (os.environ.get(name), flag + value)))
+    for name, value in (("CPATH", include), ("LIBRARY_PATH", lib), ("LD_LIBRARY_PATH", lib)):
+        os.environ[name] = ":".join(filter(None, (value, os.environ.get(name))))
 
 
 def main() -> None:
@@ -640,6 +662,15 @@ def main() -> None:
                     help="find the largest that trains per mode instead of growing along LADDER: sizes as WxD "
                          "(width x depth) or params in billions (e.g. 12.8 8 5.1 2.7), tried from the largest down, "
                          "stopping at the first that trains (search)")
+    ap.add_argument("--mode-sizes", nargs="+", default=[], metavar="MODE=S1,S2",
+                    help="a search's sizes for one mode (e.g. fzero-cpu-params=4096x19,4096x16), in place of --sizes")
+    ap.add_argument("--host-slack", type=float, default=HOST_SLACK,
+                    help="fzero's measured host RSS over the estimate's host bytes, for the guard that skips sizes "
+                         f"predicted not to fit (default {HOST_SLACK})")
+    ap.add_argument("--aio-root", default=None,
+                    help="a folder holding an unpacked libaio (`dpkg -x libaio1_*.deb DIR; dpkg -x libaio-dev_*.deb "
+                         "DIR`) for DeepSpeed's async I/O op (ZeRO-Infinity) where the system has none: its include "
+                         "and lib folders go on every child's CFLAGS/LDFLAGS/CPATH/LIBRARY_PATH/LD_LIBRARY_PATH")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--nvme-path", default="/tmp/fzero-bench-nvme", help="folder for fzero's and DeepSpeed's swap files")
     ap.add_argument("--vocab", type=int, default=32000)
@@ -665,6 +696,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.mode_sizes = dict(_mode_sizes(x) for x in a.mode_sizes)
+    if a.aio_root:
+        _use_libaio(a.aio_root)
     if a.child == "pcie":
         emit(bench_pcie(a), None)
         return
