@@ -9,6 +9,10 @@ once, ~1-2 minutes, cached in $TORCH_EXTENSIONS_DIR for the machine's later call
     python3 benchmarks/bench_offload.py --smoke                                # first call: builds, then < 2 min
     python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl                # second call: < 9 min
 Larger sizes in a further call: `--skip-pcie --skip-adam --start 2 --modes fzero-cpu ds-cpu ...`.
+ZeRO-Infinity (`ds-nvme`) needs DeepSpeed's async I/O op, which needs libaio: where the system has
+none, unpack Debian's libaio1 and libaio-dev (`apt-get download`, then `dpkg -x FILE DIR`) and pass
+`--aio-root DIR`; where TORCH_CUDA_ARCH_LIST names an arch with a suffix ("9.0a"), DeepSpeed
+0.19.8's JIT builder fails to parse it: `export TORCH_CUDA_ARCH_LIST=9.0` first.
 Smoke (every mode on a tiny model, < 2 minutes once DeepSpeed's ops are built, which a cold cache
 adds first: minutes; also on a CPU-only machine, where the CUDA-only rows say so):
     PYTHONPATH=$PWD python3 benchmarks/bench_offload.py --smoke
