@@ -255,9 +255,11 @@ class HostTier:
     def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
         device: a new buffer. On CUDA `non_blocking` from pinned memory, queued on the current
-        stream before whatever reads it (a collective, the loss)."""
+        stream before whatever reads it (a collective, the loss). The cast writes the pinned
+        buffer itself (`host_cast`): casting to a fresh pageable tensor and pinning a copy of it
+        made one more pass over the shard and faulted in a new pageable buffer every step."""
         if self.cuda:
-            return self.pinned(x.to(dtype)).to(self.device, non_blocking=True)
+            return self.pinned(self.host_cast(x, dtype)).to(self.device, non_blocking=True)
         return x.to(device=self.device, dtype=dtype, copy=True)
 
     # -- where a bucket's optimizer state lives between steps (the NVMe seam) --------------------
