@@ -409,3 +409,128 @@ def test_entered_names_each_bucket_storage_once():
     outs = [v for b, f in zip(program.buckets, flats) for v in b.views(f)] + [torch.zeros(())]
     want = frozenset(t.untyped_storage()._cdata for t in outs[:-1])
     assert unit_module._entered(program, outs) == want and len(want) == 2
+
+
+# -- the update prepared before the agreement's read (`step.prepare`, `Optimizer.prepare_`) ------
+
+from fzero import optim  # noqa: E402
+from fzero._src import step as step_module  # noqa: E402
+from fzero._src.layout import ParamGroup, Segment  # noqa: E402
+
+PREPARED = {
+    "adamw": lambda impl: optim.adamw(1e-2, impl=impl),
+    "adam_amsgrad_l2": lambda impl: optim.adam(1e-2, weight_decay=0.1, amsgrad=True, maximize=True, impl=impl),
+    "sgd_nesterov": lambda impl: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1, impl=impl),
+    "sgd_plain": lambda impl: optim.sgd(0.1, impl=impl),
+}
+
+
+@pytest.mark.parametrize("name", PREPARED)
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+@given(used=st.lists(st.booleans(), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_prepare_writes_nothing_and_its_launch_is_update_(name, impl, used, seed):
+    """`prepare_(s, p, ctx)` leaves param and state as they were (a skipped step keeps them), and
+    its `launch(g)` gives `update_(g, s', p', ctx)`'s bits on copies (the same kernels on the same
+    views), over two steps so that step counts and momentum buffers differ by leaf."""
+    opt = PREPARED[name](impl)
+    g = torch.Generator().manual_seed(seed)
+    segments = (Segment(0, 0, 0, 4), Segment(1, 0, 4, 12), Segment(2, 0, 12, 15))  # element 15: padding
+    param = torch.randn(16, generator=g)
+    state = opt.init(param, 3)
+    for t, mask in enumerate((used, [True] * 3)):
+        ctx = optim.UpdateContext(t, ParamGroup(), segments, (0, 1, 2), tuple(mask), leaf_numels=(4, 8, 3))
+        grad = torch.randn(16, generator=g)
+        p_ref, s_ref = param.clone(), type(state)(*(x.clone() for x in state))
+        want = opt.update_(grad, s_ref, p_ref, ctx)
+        before = param.clone(), [x.clone() for x in state]
+        launch = opt.prepare_(state, param, ctx)
+        assert torch.equal(param, before[0]) and all(torch.equal(x, y) for x, y in zip(state, before[1]))
+        state = launch(grad)
+        assert torch.equal(param, p_ref) and all(torch.equal(x, y) for x, y in zip(state, want))
+
+
+def test_a_launch_checks_the_grad_before_it_writes():
+    opt = optim.adamw(1e-2)
+    param = torch.randn(8)
+    state = opt.init(param, 1)
+    ctx = optim.UpdateContext(0, ParamGroup(), (Segment(0, 0, 0, 8),), (0,), (True,))
+    launch = opt.prepare_(state, param, ctx)
+    before = param.clone()
+    with pytest.raises(optim.OptimizerError, match=r"grad shard is torch.float64 on cpu but param shard is "
+                                                   r"torch.float32"):
+        launch(torch.randn(8, dtype=torch.float64))
+    assert torch.equal(param, before)
+
+
+def _counting(monkeypatch, opt):
+    """`opt` whose `prepare_` and `update_` note their calls, and the agreement's read noted among them."""
+    calls: list[str] = []
+    agree = step_module.agree
+
+    def prepare_(*args):
+        calls.append("prepare_")
+        return opt.prepare_(*args)
+
+    def update_(*args):
+        calls.append("update_")
+        return opt.update_(*args)
+
+    def read(*args):
+        calls.append("read")
+        return agree(*args)
+
+    monkeypatch.setattr(step_module, "agree", read)
+    return opt._replace(prepare_=prepare_, update_=update_), calls
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_donating_step_prepares_its_update_before_the_agreements_read(stage, monkeypatch):
+    """Every bucket is prepared before the read and only launched after it where every leaf was
+    used; a step where a leaf got no gradient runs `update_` for each bucket instead (its
+    prepared launches are dropped). The bits are the pure step's either way."""
+    opt, calls = _counting(monkeypatch, optim.adamw(1e-2))
+    params = {"a": torch.randn(6), "b": torch.randn(5)}
+    mesh = fzero.SimMesh(1)
+
+    def loss(p, batch):
+        x, use_b = batch
+        return (p["a"][:5] * x).sum() + ((p["b"] * x).square().sum() if use_b else 0)
+
+    def run(donate, xs):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path)
+        step = fzero.train_step(loss, donate=donate)
+        for x in xs:
+            state, _ = step(state, x)
+        return fzero.gather(state)
+
+    xs = [(torch.ones(5), True), (-torch.ones(5), False)]  # the second step: b gets no gradient
+    (donated,) = mesh.run(lambda: run(True, xs))
+    assert calls == ["prepare_", "prepare_", "read", "prepare_", "prepare_", "read", "update_", "update_"]
+    calls.clear()
+    (pure,) = mesh.run(lambda: run(False, xs))
+    assert calls == ["read", "read"]  # the pure step prepares nothing
+    assert all(torch.equal(donated[k], pure[k]) for k in params)
+
+
+def test_a_prepare_that_raises_raises_after_the_verdict(monkeypatch):
+    """A schedule that fails at step 1 raises in `prepare_`; the step defers it to `update_`,
+    after the verdict: a non-finite step 1 that is skipped raises nothing, and a finite one
+    raises the schedule's error (as without `prepare_`)."""
+    def lr(step):
+        if step == 1:
+            raise optim.OptimizerError("no lr at step 1")
+        return 0.1
+
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.randn(4)}
+
+    def rank_fn(x1):
+        state = fzero.init(params, optim.sgd(lr), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, x: (p["a"] * x).sum(), donate=True, on_nonfinite="skip")
+        state, _ = step(state, torch.ones(4))
+        state, m = step(state, x1)
+        return m.skipped
+
+    assert mesh.run(lambda: rank_fn(torch.full((4,), math.nan))) == [True]
+    with pytest.raises(optim.OptimizerError, match="no lr at step 1"):
+        mesh.run(lambda: rank_fn(torch.ones(4)))

@@ -56,7 +56,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
-from .unit import Inflight, Probe, remembered, unit_programs
+from .unit import Inflight, Probe, UnitProgram, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -284,7 +284,9 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     with _named("fzero.step/agree"):
-        verdict = agree(state, loss, report, reduced, count)
+        rows, shards = agreement(state, loss, report, reduced, count)
+        ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
+        verdict = agree(state, rows, shards, reduced)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
     step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
@@ -302,7 +304,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     factor = scale * _clip_coefficient(config, norm) / s
     reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
     with _named("fzero.step/update"):
-        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor)
+        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor, ready=ready)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
@@ -421,9 +423,10 @@ def _trainable(state: ZeroState) -> list[int]:
 class StepPlan(NamedTuple):
     """What `backward` and `_report` read of a state's `StateInfo` that never changes between
     steps, built once per `StateInfo` (`step_plan`): a step's prologue reads it, so the per-step
-    setup is the step's own (its `Inflight`, the unit programs that carry it, the tensors).
+    setup is the step's own (its `Inflight`, handed to the units at call time, and the tensors).
 
     Attributes:
+      programs: the units' `UnitProgram`s, in the layout's unit order.
       trainable: the trainable buckets, in layout order.
       flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
       leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
@@ -436,6 +439,7 @@ class StepPlan(NamedTuple):
         bucket, and a stage that does not differentiate a shard of the full buffer).
     """
 
+    programs: tuple[UnitProgram, ...]
     trainable: tuple[int, ...]
     flat: bool
     leaf_order: torch.Tensor | None
@@ -460,11 +464,11 @@ def step_plan(info: StateInfo) -> StepPlan:
 
 def _step_plan(info: StateInfo) -> StepPlan:
     layout = info.layout
-    programs = unit_programs(layout, info.mesh, info.stage, info.precision)
+    programs = tuple(unit_programs(layout, info.mesh, info.stage, info.precision))
     leaves = [i for p in programs for i in p.leaves]
     buckets = [b.index for p in programs for b in p.buckets]
     trainable = tuple(b.index for b in layout.buckets if not b.group.frozen)
-    return StepPlan(trainable, is_flat_dict(layout),
+    return StepPlan(programs, trainable, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
@@ -502,10 +506,12 @@ class BucketPlan(NamedTuple):
     numels: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
 
-    def context(self, step: int, used: list[bool], leaf_sum: Callable | None = None) -> UpdateContext:
-        """`leaf_sum`: where the optimizer's per-leaf sums run elsewhere (an offloaded bucket's, on the host)."""
-        return UpdateContext(step, self.group, self.segments, self.leaves, tuple(map(used.__getitem__, self.leaves)),
-                             leaf_sum or self.leaf_sum, self.numels, self.shapes)
+    def context(self, step: int, used: list[bool] | None, leaf_sum: Callable | None = None) -> UpdateContext:
+        """`used`: the step's used flags over all leaves (None: every leaf used); `leaf_sum`: where
+        the optimizer's per-leaf sums run elsewhere (an offloaded bucket's, on the host)."""
+        mine = (True,) * len(self.leaves) if used is None else tuple(map(used.__getitem__, self.leaves))
+        return UpdateContext(step, self.group, self.segments, self.leaves, mine, leaf_sum or self.leaf_sum,
+                             self.numels, self.shapes)
 
 
 _PLANS: dict = {}
@@ -538,7 +544,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     copies = early_copies(state.info, config.micro_batches) if plan.offloaded else None  # offload: grads to the host
     inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
-    programs = unit_programs(layout, mesh, stage, state.precision, inflight)
+    programs = plan.programs
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
     else:
@@ -563,7 +569,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes, config.prefetch).loss(objective, batch)
+                         config.max_live_bytes, config.prefetch, inflight).loss(objective, batch)
         return loss, counts[0]
 
     train = tuple(xs[b] for b in trainable)
@@ -723,10 +729,12 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 # -- 3. agree ---------------------------------------------------------------------------------
 
 
-def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
-          count: torch.Tensor) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
-    from every rank, read on the host once (`tolist`): the step's one host synchronisation.
+def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
+              count: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The one agreement collective: `(rows[N, L + B + 4], the rank's gradient shards)`, the rows
+    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64) from every rank, gathered on
+    the device and not read yet: `agree` reads them on the host (the step's one host
+    synchronisation), and what the host can do before that read runs before it (`prepare`).
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
@@ -750,8 +758,14 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
               else sq.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
                      report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
-    return _verdict(state, rows, shards, reduced)
+    return all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4), shards
+
+
+def agree(state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor], reduced: dict[int, torch.Tensor]
+          ) -> Verdict:
+    """`agreement`'s rows read on the host once (`tolist`: the step's one synchronisation), as the
+    `Verdict` every rank agrees on (`_verdict`)."""
+    return _verdict(state, rows.tolist(), shards, reduced)
 
 
 def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
@@ -769,7 +783,7 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
                  for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
-    used = [max(col) > 0 for col in zip(*(r[1 : 1 + num] for r in rows))] if num else []
+    used = [m > 0 for m in map(max, zip(*(r[1 : 1 + num] for r in rows)))] if num else []
     broken = tuple(r for r in range(n) if rows[r][-1] != 0)
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
 
@@ -881,8 +895,45 @@ def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> li
 # -- 4. update ---------------------------------------------------------------------------------
 
 
+class Ready(NamedTuple):
+    """A donating update's host work done before the agreement's read (`prepare`): per bucket
+    updated on the device, the params its optimizer writes (`Stage.optimizer_params`) and the
+    optimizer's `launch` (`Optimizer.prepare_`), built for a step that uses every leaf. After the
+    read `update` only launches them -- where the verdict says every leaf was used; otherwise
+    (and for a bucket missing here) it runs the general `update_`."""
+
+    params: dict[int, torch.Tensor]
+    launches: dict[int, Callable[[torch.Tensor], Any]]
+
+
+def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
+    """`Ready` for a donating step whose optimizer has a `prepare_` (None otherwise): for every
+    trainable bucket updated on the device, what `update` would build before its kernels. It
+    writes nothing (a skipped step leaves the state as it was) and reads no device value, so it
+    runs while the device still computes what the agreement gathers. A bucket whose `prepare_`
+    raises is left out: `update` calls `update_`, which raises the same error after the verdict,
+    where it always did."""
+    optimizer = state.optimizer
+    if not donate or optimizer.prepare_ is None:
+        return None
+    layout, stage, rank = state.layout, state.stage, state.rank
+    plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
+    params, launches = {}, {}
+    for b in reduced:
+        if b in on_host:
+            continue
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
+        try:
+            launches[b] = optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, None))
+        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict
+            continue
+        params[b] = p
+    return Ready(params, launches)
+
+
+
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
-           host_factor: float = 1.0) -> tuple[ZeroState, list[str]]:
+           host_factor: float = 1.0, ready: Ready | None = None) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
     without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
     made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
@@ -895,7 +946,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
     Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
     update is done, so it runs while the next bucket is updated; all are waited for after the
-    finite check (and discarded if it fails). Nothing writes an updated shard before its wait."""
+    finite check (and discarded if it fails). Nothing writes an updated shard before its wait.
+
+    `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
+    its `launch` on the gradient, the same kernels on the same views as `update_`'s."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -908,16 +962,23 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     plan = plan_of(state.info)
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
+    launches = ready.launches if ready is not None and donate and all(used) else {}
     for b, g in reduced.items():
-        g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
-        ctx = plan[b].context(step, used, leaf_sum)
-        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
-        g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
-        if donate:
-            updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+        launch = launches.get(b)
+        if launch is not None:  # prepared before the agreement's read: only the kernels are left
+            p = ready.params[b]
+            updated[b], new_opt[b] = p, launch(g.to(p.dtype))
+            back[b] = p
         else:
-            updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-        back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
+            g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
+            ctx = plan[b].context(step, used, leaf_sum)
+            p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
+            g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
+            if donate:
+                updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+            else:
+                updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+            back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
         if overlap:
             flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
     host.done()
