@@ -437,6 +437,9 @@ class StepPlan(NamedTuple):
       held: per bucket, whether the step differentiates the held tensor itself, with no full
         buffer beside it (`offload.differentiated` is then `(held, None)`: no offload of the
         bucket, and a stage that does not differentiate a shard of the full buffer).
+      beside: per bucket, whether, where a master is kept, the step differentiates it with the
+        held buffer beside it (`offload.differentiated` is then `(master, held)`: no offload of
+        the bucket, and a stage that says so -- stage 2 -- asked once with stand-ins).
     """
 
     programs: tuple[UnitProgram, ...]
@@ -447,6 +450,7 @@ class StepPlan(NamedTuple):
     unused: dict[str, torch.Tensor]
     on_host: frozenset[int]
     held: tuple[bool, ...]
+    beside: tuple[bool, ...]
 
     @property
     def offloaded(self) -> bool:
@@ -468,13 +472,26 @@ def _step_plan(info: StateInfo) -> StepPlan:
     leaves = [i for p in programs for i in p.leaves]
     buckets = [b.index for p in programs for b in p.buckets]
     trainable = tuple(b.index for b in layout.buckets if not b.group.frozen)
+
+    def on_device(b: int) -> bool:  # neither the params nor the bucket's master and state offloaded
+        return info.offload.params is None and info.host_tier(b) is None
+
     return StepPlan(programs, trainable, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
                     frozenset(b for b in trainable if info.host_tier(b) is not None),
-                    tuple(info.offload.params is None and info.host_tier(b.index) is None and not
-                          (info.stage.sharded("grads") and not info.stage.sharded("params")) for b in layout.buckets))
+                    tuple(on_device(b.index) and not (info.stage.sharded("grads") and not info.stage.sharded("params"))
+                          for b in layout.buckets),
+                    tuple(on_device(b.index) and _beside(info, b.index) for b in layout.buckets))
+
+
+def _beside(info: StateInfo, b: int) -> bool:
+    """Whether the stage differentiates bucket b's master with its held buffer beside it: its
+    `differentiated` asked with stand-ins (no tensor is read where a master is given)."""
+    held, master = object(), object()
+    x, full = info.stage.differentiated(info.layout, b, held, info.rank, master)
+    return x is master and full is held
 
 
 _PROBES: dict = {}
@@ -548,11 +565,12 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
     else:
-        pairs = [(p, None) if held else differentiated(state.info, b, p, m, mesh.device)
-                 for b, (p, m, held) in enumerate(zip(state.params, state.master, plan.held))]
+        pairs = [(p, None) if held else (m, p) if beside and m is not None else
+                 differentiated(state.info, b, p, m, mesh.device)
+                 for b, (p, m, held, beside) in enumerate(zip(state.params, state.master, plan.held, plan.beside))]
         xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     s = loss_scale_of(state)
-    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs),
+    probes = _probes(state.info, programs, tuple([xs[p.buckets[0].index].device for p in programs]),
                      config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and plan.flat)
@@ -572,7 +590,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
                          config.max_live_bytes, config.prefetch, inflight).loss(objective, batch)
         return loss, counts[0]
 
-    train = tuple(xs[b] for b in trainable)
+    train = tuple([xs[b] for b in trainable])
     if config.engine == "func":
         (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
             train, probes)
@@ -654,10 +672,10 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
-    train = tuple(x.detach().requires_grad_() for x in train)
+    train = tuple([x.detach().requires_grad_() for x in train])
     with torch.enable_grad():
         loss, count = loss_of(train, probes)
-    inputs = [*train, *(t for p in probes.values() for t in p)]
+    inputs = [*train, *[t for p in probes.values() for t in p]]
     if not loss.requires_grad:
         grads = [None] * len(inputs)
     else:
