@@ -534,3 +534,13 @@ def test_a_prepare_that_raises_raises_after_the_verdict(monkeypatch):
     assert mesh.run(lambda: rank_fn(torch.full((4,), math.nan))) == [True]
     with pytest.raises(optim.OptimizerError, match="no lr at step 1"):
         mesh.run(lambda: rank_fn(torch.ones(4)))
+
+
+@given(rows=st.integers(1, 4).flatmap(lambda n: st.integers(0, 5).flatmap(lambda num: st.lists(
+    st.lists(st.sampled_from([0.0, 1.0]), min_size=num + 4, max_size=num + 4), min_size=n, max_size=n).map(
+        lambda r: (r, num)))))
+def test_used_is_the_or_over_ranks_of_each_leafs_column(rows):
+    """`_used`'s shortcut (every rank used every leaf) and its general path give the definition:
+    leaf i is used iff some rank's column 1 + i is > 0."""
+    rows, num = rows
+    assert step_module._used(rows, num) == [any(r[1 + i] > 0 for r in rows) for i in range(num)]

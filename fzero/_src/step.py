@@ -801,9 +801,21 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
                  for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
-    used = [m > 0 for m in map(max, zip(*(r[1 : 1 + num] for r in rows)))] if num else []
+    used = _used(rows, num)
     broken = tuple(r for r in range(n) if rows[r][-1] != 0)
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+
+
+def _used(rows: list[list[float]], num: int) -> list[bool]:
+    """Per leaf, whether some rank's row says it got a gradient (`used[L]`, columns 1 to L): where
+    every rank used every leaf (the common case) one pass of C-level `min`s says so, without a
+    Python step per leaf."""
+    if not num:
+        return []
+    cols = [r[1 : 1 + num] for r in rows]
+    if min(map(min, cols)) > 0:
+        return [True] * num
+    return [m > 0 for m in map(max, zip(*cols))]
 
 
 def in_order(values: list[float]) -> float:
@@ -922,6 +934,7 @@ class Ready(NamedTuple):
 
     params: dict[int, torch.Tensor]
     launches: dict[int, Callable[[torch.Tensor], Any]]
+    overlap: bool  # `overlaps` of the step's gradients and params, which the verdict does not change
 
 
 def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
@@ -946,7 +959,7 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
         except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict
             continue
         params[b] = p
-    return Ready(params, launches)
+    return Ready(params, launches, _overlap(state, reduced))
 
 
 
@@ -976,7 +989,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
-    overlap = overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
+    overlap = ready.overlap if ready is not None else _overlap(state, reduced)
     plan = plan_of(state.info)
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
@@ -1013,6 +1026,12 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
+    """Whether the update may start its finish without waiting (`overlaps` of the reduced
+    gradients and the state's params; `_rescale` keeps `requires_grad`)."""
+    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
 
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
