@@ -544,3 +544,35 @@ def test_used_is_the_or_over_ranks_of_each_leafs_column(rows):
     leaf i is used iff some rank's column 1 + i is > 0."""
     rows, num = rows
     assert step_module._used(rows, num) == [any(r[1 + i] > 0 for r in rows) for i in range(num)]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_units_apply_directly_outside_transforms_with_the_bits_of_function_apply(stage, monkeypatch):
+    """Outside torch.func transforms the unit Function is applied through its C-level apply
+    (`unit._DIRECT`, once per unit and step), under `engine="func"` through `Function.apply`;
+    each gives the bits of a step that always takes `Function.apply`."""
+    assert unit_module._DIRECT is not None  # torch 2.11 and 2.13 have the pieces
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    mesh = fzero.SimMesh(1)
+    direct = unit_module._DIRECT
+    calls = []
+
+    def run(engine):
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(lambda p, b: apply(p, *b), engine=engine, donate=True)
+            for _ in range(2):
+                state, m = step(state, batch)
+            return fzero.gather(state), m.loss, len(state.layout.units)
+
+        return mesh.run(rank_fn)[0]
+
+    monkeypatch.setattr(unit_module, "_DIRECT", lambda *a: calls.append(1) or direct(*a))
+    (*fast, units), (*fast_func, _) = run("autograd"), run("func")
+    assert len(calls) == 2 * units  # the autograd engine's two steps only
+    monkeypatch.setattr(unit_module, "_DIRECT", None)
+    for (p1, l1), (p2, l2, _) in ((fast, run("autograd")), (fast_func, run("func"))):
+        assert torch.equal(l1, l2) and all(torch.equal(p1[k], p2[k]) for k in p1)

@@ -302,7 +302,7 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
     same order on every rank, after every node made later).
     """
     after = weakref.WeakMethod(after_backward) if after_backward is not None else None
-    *leaves, anchor = _Unit.apply(program, after, inflight, len(xs), *xs, *fulls, *probe)
+    *leaves, anchor = _apply(program, after, inflight, len(xs), *xs, *fulls, *probe)
     return leaves, anchor
 
 
@@ -399,6 +399,33 @@ class _Unit(torch.autograd.Function):
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
+
+def _direct_apply() -> Callable[..., Any] | None:
+    """`_Unit`'s C-level apply (`torch._C._FunctionBase.apply` bound to `_Unit`: what
+    `Function.apply` ends in where no torch.func transform is active), or None where this torch
+    lacks the pieces (`_FunctionBase`, `_are_functorch_transforms_active`; both in torch since 2.0
+    and unchanged through 2.13)."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    if base is None or not hasattr(torch._C, "_are_functorch_transforms_active") or not issubclass(_Unit, base):
+        return None
+    return super(torch.autograd.Function, _Unit).apply
+
+
+_DIRECT = _direct_apply()
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _apply(*args: Any) -> tuple[torch.Tensor, ...]:
+    """`_Unit.apply(*args)`. Where no torch.func transform is active, `Function.apply` binds the
+    arguments to `forward`'s signature (the identity for its one variadic parameter: no
+    defaults to fill), unwraps dead functorch wrappers among them (none can be here: the inputs
+    are the step's own tensors, made outside any transform, and a transform alive now takes the
+    other path), then calls the C-level apply: this calls that apply directly, a third of a
+    unit's host calls in the forward. Under a transform (or without `_DIRECT`) `_Unit.apply`."""
+    if _DIRECT is not None and not _transforms_active():
+        return _DIRECT(*args)
+    return _Unit.apply(*args)
 
 
 def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
