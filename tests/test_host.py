@@ -576,3 +576,25 @@ def test_units_apply_directly_outside_transforms_with_the_bits_of_function_apply
     monkeypatch.setattr(unit_module, "_DIRECT", None)
     for (p1, l1), (p2, l2, _) in ((fast, run("autograd")), (fast_func, run("func"))):
         assert torch.equal(l1, l2) and all(torch.equal(p1[k], p2[k]) for k in p1)
+
+
+@pytest.mark.parametrize("n, policy, hooked", [(1, "fp32", False), (1, "bf16", True), (2, "fp32", True)])
+def test_stage3_frees_and_regathers_only_where_a_unit_has_gathered_storage(n, policy, hooked, monkeypatch):
+    """Stage 3 installs its saved-tensor hooks (free after use, gather again in backward) only
+    where some unit holds storage of its own: not at N = 1 with each held shard in its compute
+    dtype (every unit reads its held tensor itself), but with a bf16 compute copy, or at N = 2."""
+    made = []
+    unpacking = gathering_module._Unpacking
+    monkeypatch.setattr(gathering_module, "_Unpacking", lambda g: made.append(1) or unpacking(g))
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    precision = fzero.Precision(torch.bfloat16, torch.float32) if policy == "bf16" else fzero.Precision()
+    batch = (torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=precision)
+        fzero.train_step(lambda p, b: apply(p, *b), donate=True)(state, batch)
+
+    mesh.run(rank_fn)
+    assert len(made) == (n if hooked else 0)
