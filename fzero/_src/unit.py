@@ -89,6 +89,11 @@ class Bucket:
         return tuple(tuple(math.prod(max(n, 1) for n in s[d + 1 :]) for d in range(len(s))) for s in self.shapes)
 
     @functools.cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Each leaf's number of elements."""
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @functools.cached_property
     def _pieces(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`(sizes, pick)`: `flat[N * S]` split by `sizes` (each leaf, and each gap before one and
         after the last) has leaf k's elements in piece `pick[k]`."""
@@ -492,13 +497,12 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
     end = 0  # the end of the last slice written
-    for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
+    for o, s, st, n, g in zip(bucket.offsets, bucket.shapes, bucket._strides, bucket.numels, grads):
         if g is None:
             continue
-        n = math.prod(s)
         if o > end:
             flat[end:o].zero_()
-        flat[o : o + n].view(s).copy_(g)
+        flat.as_strided(s, st, o).copy_(g)  # the leaf's slice in its shape: one view op, as `Bucket.views`
         end = o + n
     if bucket.size > end:
         flat[end:].zero_()
