@@ -14,7 +14,10 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    of each bucket starts once the next bucket's reduction has, `Chained`); the reduced gradient
    is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
-   which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
+   which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`
+   (`agreement` gathers it on the device; a donating step's update is prepared on the host --
+   `prepare`, the optimizer's checks, views and step counts -- before `agree` reads it, so the
+   host does that while the device still runs the backward);
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
    `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
@@ -279,8 +282,9 @@ def _no_vmap_over_steps() -> Iterator[None]:
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    """One step (the module docstring). After the agreement the host does only what decides the
-    update before launching it (`update`); the metrics' tensors are made after it."""
+    """One step (the module docstring). What the update needs but the agreed values is prepared
+    before the agreement's read (`prepare`); after it the host does only what decides the update
+    before launching it (`update`); the metrics' tensors are made after it."""
     with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     with _named("fzero.step/agree"):
