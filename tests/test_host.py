@@ -8,7 +8,12 @@
 - a loss that runs the module twice on one `LazyParams` runs each unit's Function once per
   step (stage 3: the second forward gathers released units again) and gives the bits of
   `gather="eager"`;
-- `apply` inside a module's forward binds into a second copy, not the running one.
+- `apply` inside a module's forward binds into a second copy, not the running one;
+- a donating step prepares its update before the agreement's host read (`Optimizer.prepare_`,
+  which writes nothing; its `launch` gives `update_`'s bits) and launches it after the read
+  where every leaf was used (else `update_`); an error of `prepare_` is raised after the verdict;
+- the unit Function's direct C-level apply outside transforms gives `Function.apply`'s bits;
+- stage 3 frees and re-gathers only where a unit has gathered storage of its own.
 """
 
 from __future__ import annotations

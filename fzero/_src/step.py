@@ -955,8 +955,9 @@ class Ready(NamedTuple):
 def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
     """`Ready` for a donating step whose optimizer has a `prepare_` (None otherwise): for every
     trainable bucket updated on the device, what `update` would build before its kernels. It
-    writes nothing (a skipped step leaves the state as it was) and reads no device value, so it
-    runs while the device still computes what the agreement gathers. A bucket whose `prepare_`
+    writes nothing (a skipped step leaves the state as it was) and reads no device value (but
+    `fused.elementwise`'s probe, once per kernel configuration, as `update_` would), so it runs
+    while the device still computes what the agreement gathers. A bucket whose `prepare_`
     raises is left out: `update` calls `update_`, which raises the same error after the verdict,
     where it always did."""
     optimizer = state.optimizer
