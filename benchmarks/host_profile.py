@@ -7,9 +7,9 @@ what the host spends, not what a busy machine's other processes take from it), m
 `--steps` steps after `--warmup`, per stage:
 
 - `step_us`: median time of one step;
-- `gap_us`: median time from the agreement's return (`step.agree`) to the first optimizer call
-  (`Optimizer.update_`), the host Python between the step's one synchronisation and its first
-  update kernel;
+- `gap_us`: median time from the agreement's return (`step.agree`) to the first optimizer
+  kernel (a `torch._foreach_*` call), the host Python between the step's one synchronisation
+  and its first update kernel;
 - `update_us`: median time of `step.update`;
 - `gap_calls`: the Python and C function calls in that gap, in one step (`sys.setprofile`):
   the same on every run, where the times depend on how busy the machine is;
@@ -27,7 +27,10 @@ foreach, measured before and after the fzero rows):
   excess over plain torch's forward per unit, `(forward_us - plain forward_us) / units`;
 - `step_us`: one whole step; plain torch's row has the same fields (its prologue: from the
   start of its step to its first embedding);
-- `prologue_calls`, `forward_calls`, `step_calls`, `forward_calls_per_unit`: the same spans in
+- `gap_us`: from the agreement's host read (the `tolist` of the gathered rows) to the first
+  optimizer kernel (a `torch._foreach_*` / `torch._fused_*` call): host time during which the
+  GPU, drained by that read, is idle (0 for plain torch);
+- `prologue_calls`, `forward_calls`, `step_calls`, `gap_calls`, `forward_calls_per_unit`: the same spans in
   Python and C function calls, counted in one more step (`sys.setprofile`): the same on every
   run, so they compare two versions where the times, on a busy machine, do not. On the CPU the
   bf16 rows' forward times include bf16's slower CPU kernels (plain torch runs fp32).
@@ -60,9 +63,34 @@ import fzero  # noqa: E402
 from fzero._src import step as step_module  # noqa: E402
 
 
+KERNEL_HOOKS: list = []  # called at every optimizer kernel (`optimizer_kernels`)
+
+
+def optimizer_kernels() -> None:
+    """Wrap torch's `_foreach_*` and `_fused_*` functions (module attributes, looked up at call
+    time) but the agreement's `_foreach_norm`, so that each call first calls `KERNEL_HOOKS`: the
+    first after the agreement is the optimizer's first kernel, whatever form of the update
+    (`update_`, or a prepared one) runs it."""
+
+    def wrapped(fn):
+        def call(*args, **kwargs):
+            for hook in KERNEL_HOOKS:
+                hook()
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in dir(torch):
+        if (name.startswith("_foreach_") or name.startswith("_fused_")) and name != "_foreach_norm":
+            setattr(torch, name, wrapped(getattr(torch, name)))
+
+
+optimizer_kernels()
+
+
 class Clock:
-    """Wraps `step.agree` and `step.update` (module attributes `run_step` looks up) and the
-    optimizer's `update_` to time the gap between the agreement and the first update."""
+    """Wraps `step.agree` and `step.update` (module attributes `run_step` looks up) and hooks the
+    optimizer kernels to time the gap between the agreement and the first update kernel."""
 
     def __init__(self) -> None:
         self.gaps: list[float] = []
@@ -88,6 +116,7 @@ class Clock:
             return out
 
         step_module.agree, step_module.update = timed_agree, timed_update
+        KERNEL_HOOKS[:] = [self.first_kernel]
 
     def _count(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -99,17 +128,7 @@ class Clock:
             self._agreed = None
             if self.count_calls:
                 sys.setprofile(None)
-                self.calls.append(self._calls - 1)  # less this function's own call
-
-
-def optimizer(clock: Clock) -> fzero.optim.Optimizer:
-    opt = fzero.optim.adamw(1e-4, impl="foreach")
-
-    def update_(*args):
-        clock.first_kernel()
-        return opt.update_(*args)
-
-    return opt._replace(update_=update_)
+                self.calls.append(self._calls - 2)  # less this function's and the hook's own call
 
 
 class FirstKernel:
@@ -134,6 +153,33 @@ class FirstKernel:
             return forward(module, *args, **kwargs)
 
         torch.nn.Embedding.forward = timed
+        self._wrap_gap()
+
+    def _wrap_gap(self) -> None:
+        """The gap from the agreement's host read (the `tolist` of a 2-d float64 tensor: the gathered
+        rows) to the first optimizer kernel (a `torch._foreach_*` or `torch._fused_*` call other than
+        the agreement's `_foreach_norm`): `torch.Tensor.tolist` and those functions are wrapped."""
+        self.read_at: float | None = None
+        self.gap: float | None = None
+        self.gap_marks: list[int] = []
+        tolist = torch.Tensor.tolist
+
+        def read(t, *args, **kwargs):
+            out = tolist(t, *args, **kwargs)
+            if self.armed_at is not None and self.read_at is None and t.dim() == 2 and t.dtype == torch.float64:
+                self.read_at = time.thread_time()
+                if self.counting:
+                    self.gap_marks.append(self.calls)
+            return out
+
+        torch.Tensor.tolist = read
+        KERNEL_HOOKS[:] = [self._first_kernel]
+
+    def _first_kernel(self) -> None:
+        if self.read_at is not None and self.gap is None:
+            self.gap = time.thread_time() - self.read_at
+            if self.counting:
+                self.gap_marks.append(self.calls)
 
     def _count(self, frame, event, arg) -> None:
         if event in ("call", "c_call"):
@@ -145,6 +191,7 @@ class FirstKernel:
 
     def arm(self, count: bool = False) -> None:
         self.first, self.loss_done = None, None
+        self.read_at, self.gap, self.gap_marks = None, None, []
         self.counting, self.calls, self.marks = count, 0, []
         self.armed_at = time.thread_time()
         if count:
@@ -159,20 +206,23 @@ class FirstKernel:
 
         return timed
 
-    def times(self, done: float) -> tuple[float, float, float]:
-        """`(prologue, forward, step)` seconds of the step armed last, which ended at `done`."""
-        return self.first - self.armed_at, self.loss_done - self.first, done - self.armed_at
+    def times(self, done: float) -> tuple[float, float, float, float]:
+        """`(prologue, forward, step, gap)` seconds of the step armed last, which ended at `done`
+        (gap: 0 for plain torch, which has no agreement)."""
+        return self.first - self.armed_at, self.loss_done - self.first, done - self.armed_at, self.gap or 0.0
 
     def counts(self) -> dict[str, int]:
         """The calls of the step armed last with `count=True`: prologue, forward, whole step."""
         sys.setprofile(None)
         first, loss = self.marks
-        return {"prologue_calls": first, "forward_calls": loss - first, "step_calls": self.calls}
+        read, kernel = self.gap_marks if len(self.gap_marks) == 2 else (0, 0)
+        return {"prologue_calls": first, "forward_calls": loss - first, "step_calls": self.calls,
+                "gap_calls": kernel - read}
 
 
-def _medians(rows: list[tuple[float, float, float]]) -> dict[str, float]:
+def _medians(rows: list[tuple[float, float, float, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[i] for r in rows) * 1e6, 1)
-            for i, k in enumerate(("prologue_us", "forward_us", "step_us"))}
+            for i, k in enumerate(("prologue_us", "forward_us", "step_us", "gap_us"))}
 
 
 def gpt_model(a) -> torch.nn.Module:
@@ -272,7 +322,7 @@ def main() -> None:
         step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
 
         def rank_fn():
-            state = fzero.init(params, optimizer(clock), stage=stage, mesh=mesh, units=info.units)
+            state = fzero.init(params, fzero.optim.adamw(1e-4, impl="foreach"), stage=stage, mesh=mesh, units=info.units)
             for _ in range(a.warmup):
                 state, _ = step(state, (x, y))
             clock.gaps.clear()

@@ -8,7 +8,12 @@
 - a loss that runs the module twice on one `LazyParams` runs each unit's Function once per
   step (stage 3: the second forward gathers released units again) and gives the bits of
   `gather="eager"`;
-- `apply` inside a module's forward binds into a second copy, not the running one.
+- `apply` inside a module's forward binds into a second copy, not the running one;
+- a donating step prepares its update before the agreement's host read (`Optimizer.prepare_`,
+  which writes nothing; its `launch` gives `update_`'s bits) and launches it after the read
+  where every leaf was used (else `update_`); an error of `prepare_` is raised after the verdict;
+- the unit Function's direct C-level apply outside transforms gives `Function.apply`'s bits;
+- stage 3 frees and re-gathers only where a unit has gathered storage of its own.
 """
 
 from __future__ import annotations
@@ -409,3 +414,197 @@ def test_entered_names_each_bucket_storage_once():
     outs = [v for b, f in zip(program.buckets, flats) for v in b.views(f)] + [torch.zeros(())]
     want = frozenset(t.untyped_storage()._cdata for t in outs[:-1])
     assert unit_module._entered(program, outs) == want and len(want) == 2
+
+
+# -- the update prepared before the agreement's read (`step.prepare`, `Optimizer.prepare_`) ------
+
+from fzero import optim  # noqa: E402
+from fzero._src import step as step_module  # noqa: E402
+from fzero._src.layout import ParamGroup, Segment  # noqa: E402
+
+PREPARED = {
+    "adamw": lambda impl: optim.adamw(1e-2, impl=impl),
+    "adam_amsgrad_l2": lambda impl: optim.adam(1e-2, weight_decay=0.1, amsgrad=True, maximize=True, impl=impl),
+    "sgd_nesterov": lambda impl: optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1, impl=impl),
+    "sgd_plain": lambda impl: optim.sgd(0.1, impl=impl),
+}
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", PREPARED)
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+@given(used=st.lists(st.booleans(), min_size=3, max_size=3), seed=st.integers(0, 2**16))
+def test_prepare_writes_nothing_and_its_launch_is_update_(device, name, impl, used, seed):
+    """`prepare_(s, p, ctx)` leaves param and state as they were (a skipped step keeps them), and
+    its `launch(g)` gives `update_(g, s', p', ctx)`'s bits on copies (the same kernels on the same
+    views), over two steps so that step counts and momentum buffers differ by leaf. Leaves of 4
+    and 8 elements at 16-byte aligned offsets, so that "fused" runs on CUDA whatever its kernel."""
+    opt = PREPARED[name](impl)
+    g = torch.Generator().manual_seed(seed)
+    segments = (Segment(0, 0, 0, 4), Segment(1, 0, 4, 12), Segment(2, 0, 12, 16))
+    param = torch.randn(16, generator=g).to(device)
+    state = opt.init(param, 3)
+    for t, mask in enumerate((used, [True] * 3)):
+        ctx = optim.UpdateContext(t, ParamGroup(), segments, (0, 1, 2), tuple(mask), leaf_numels=(4, 8, 4))
+        grad = torch.randn(16, generator=g).to(device)
+        p_ref, s_ref = param.clone(), type(state)(*(x.clone() for x in state))
+        want = opt.update_(grad, s_ref, p_ref, ctx)
+        before = param.clone(), [x.clone() for x in state]
+        launch = opt.prepare_(state, param, ctx)
+        assert torch.equal(param, before[0]) and all(torch.equal(x, y) for x, y in zip(state, before[1]))
+        state = launch(grad)
+        assert torch.equal(param, p_ref) and all(torch.equal(x, y) for x, y in zip(state, want))
+
+
+def test_a_launch_checks_the_grad_before_it_writes():
+    opt = optim.adamw(1e-2)
+    param = torch.randn(8)
+    state = opt.init(param, 1)
+    ctx = optim.UpdateContext(0, ParamGroup(), (Segment(0, 0, 0, 8),), (0,), (True,))
+    launch = opt.prepare_(state, param, ctx)
+    before = param.clone()
+    with pytest.raises(optim.OptimizerError, match=r"grad shard is torch.float64 on cpu but param shard is "
+                                                   r"torch.float32"):
+        launch(torch.randn(8, dtype=torch.float64))
+    assert torch.equal(param, before)
+
+
+def _counting(monkeypatch, opt):
+    """`opt` whose `prepare_` and `update_` note their calls, and the agreement's read noted among them."""
+    calls: list[str] = []
+    agree = step_module.agree
+
+    def prepare_(*args):
+        calls.append("prepare_")
+        return opt.prepare_(*args)
+
+    def update_(*args):
+        calls.append("update_")
+        return opt.update_(*args)
+
+    def read(*args):
+        calls.append("read")
+        return agree(*args)
+
+    monkeypatch.setattr(step_module, "agree", read)
+    return opt._replace(prepare_=prepare_, update_=update_), calls
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_donating_step_prepares_its_update_before_the_agreements_read(stage, monkeypatch):
+    """Every bucket is prepared before the read and only launched after it where every leaf was
+    used; a step where a leaf got no gradient runs `update_` for each bucket instead (its
+    prepared launches are dropped). The bits are the pure step's either way."""
+    opt, calls = _counting(monkeypatch, optim.adamw(1e-2))
+    params = {"a": torch.randn(6), "b": torch.randn(5)}
+    mesh = fzero.SimMesh(1)
+
+    def loss(p, batch):
+        x, use_b = batch
+        return (p["a"][:5] * x).sum() + ((p["b"] * x).square().sum() if use_b else 0)
+
+    def run(donate, xs):
+        state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path)
+        step = fzero.train_step(loss, donate=donate)
+        for x in xs:
+            state, _ = step(state, x)
+        return fzero.gather(state)
+
+    xs = [(torch.ones(5), True), (-torch.ones(5), False)]  # the second step: b gets no gradient
+    (donated,) = mesh.run(lambda: run(True, xs))
+    assert calls == ["prepare_", "prepare_", "read", "prepare_", "prepare_", "read", "update_", "update_"]
+    calls.clear()
+    (pure,) = mesh.run(lambda: run(False, xs))
+    assert calls == ["read", "read"]  # the pure step prepares nothing
+    assert all(torch.equal(donated[k], pure[k]) for k in params)
+
+
+def test_a_prepare_that_raises_raises_after_the_verdict(monkeypatch):
+    """A schedule that fails at step 1 raises in `prepare_`; the step defers it to `update_`,
+    after the verdict: a non-finite step 1 that is skipped raises nothing, and a finite one
+    raises the schedule's error (as without `prepare_`)."""
+    def lr(step):
+        if step == 1:
+            raise optim.OptimizerError("no lr at step 1")
+        return 0.1
+
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.randn(4)}
+
+    def rank_fn(x1):
+        state = fzero.init(params, optim.sgd(lr), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, x: (p["a"] * x).sum(), donate=True, on_nonfinite="skip")
+        state, _ = step(state, torch.ones(4))
+        state, m = step(state, x1)
+        return m.skipped
+
+    assert mesh.run(lambda: rank_fn(torch.full((4,), math.nan))) == [True]
+    with pytest.raises(optim.OptimizerError, match="no lr at step 1"):
+        mesh.run(lambda: rank_fn(torch.ones(4)))
+
+
+@given(rows=st.integers(1, 4).flatmap(lambda n: st.integers(0, 5).flatmap(lambda num: st.lists(
+    st.lists(st.sampled_from([0.0, 1.0]), min_size=num + 4, max_size=num + 4), min_size=n, max_size=n).map(
+        lambda r: (r, num)))))
+def test_used_is_the_or_over_ranks_of_each_leafs_column(rows):
+    """`_used`'s shortcut (every rank used every leaf) and its general path give the definition:
+    leaf i is used iff some rank's column 1 + i is > 0."""
+    rows, num = rows
+    assert step_module._used(rows, num) == [any(r[1 + i] > 0 for r in rows) for i in range(num)]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_units_apply_directly_outside_transforms_with_the_bits_of_function_apply(stage, monkeypatch):
+    """Outside torch.func transforms the unit Function is applied through its C-level apply
+    (`unit._DIRECT`, once per unit and step), under `engine="func"` through `Function.apply`;
+    each gives the bits of a step that always takes `Function.apply`."""
+    assert unit_module._DIRECT is not None  # torch 2.11 and 2.13 have the pieces
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 5), generator=g))
+    mesh = fzero.SimMesh(1)
+    direct = unit_module._DIRECT
+    calls = []
+
+    def run(engine):
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(lambda p, b: apply(p, *b), engine=engine, donate=True)
+            for _ in range(2):
+                state, m = step(state, batch)
+            return fzero.gather(state), m.loss, len(state.layout.units)
+
+        return mesh.run(rank_fn)[0]
+
+    monkeypatch.setattr(unit_module, "_DIRECT", lambda *a: calls.append(1) or direct(*a))
+    (*fast, units), (*fast_func, _) = run("autograd"), run("func")
+    assert len(calls) == 2 * units  # the autograd engine's two steps only
+    monkeypatch.setattr(unit_module, "_DIRECT", None)
+    for (p1, l1), (p2, l2, _) in ((fast, run("autograd")), (fast_func, run("func"))):
+        assert torch.equal(l1, l2) and all(torch.equal(p1[k], p2[k]) for k in p1)
+
+
+@pytest.mark.parametrize("n, policy, hooked", [(1, "fp32", False), (1, "bf16", True), (2, "fp32", True)])
+def test_stage3_frees_and_regathers_only_where_a_unit_has_gathered_storage(n, policy, hooked, monkeypatch):
+    """Stage 3 installs its saved-tensor hooks (free after use, gather again in backward) only
+    where some unit holds storage of its own: not at N = 1 with each held shard in its compute
+    dtype (every unit reads its held tensor itself), but with a bf16 compute copy, or at N = 2."""
+    made = []
+    unpacking = gathering_module._Unpacking
+    monkeypatch.setattr(gathering_module, "_Unpacking", lambda g: made.append(1) or unpacking(g))
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    precision = fzero.Precision(torch.bfloat16, torch.float32) if policy == "bf16" else fzero.Precision()
+    batch = (torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=precision)
+        fzero.train_step(lambda p, b: apply(p, *b), donate=True)(state, batch)
+
+    mesh.run(rank_fn)
+    assert len(made) == (n if hooked else 0)

@@ -69,7 +69,7 @@ from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .stages import Flight, Piece
 from .tree import NAMESPACE, unflatten
-from .unit import Bucket, Probe, UnitProgram, remembered, run_unit
+from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
 
 GATHERS = ("on_use", "eager")
 
@@ -144,12 +144,14 @@ class Gathering:
       prefetch: how many units ahead to start gathering (0: each unit is gathered when read);
         see the module docstring. Only stages that gather params (stage 3) have gathers to
         start; elsewhere it changes nothing.
+      inflight: the step's `unit.Inflight` (reductions the units' backward starts), handed to
+        every unit's Function (`run_unit`); None: each backward waits for its own.
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
                  releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None,
-                 prefetch: int = 0) -> None:
+                 prefetch: int = 0, inflight: Inflight | None = None) -> None:
         if max_live_bytes is not None and not releasable:
             raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
                               f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
@@ -158,7 +160,7 @@ class Gathering:
         self.persist_bytes, self.max_live_bytes = persist_bytes, max_live_bytes
         self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._programs = {p.name: p for p in programs}
-        self._xs, self._fulls, self._probes = xs, fulls, probes
+        self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
         self._anchors: list[torch.Tensor] = []
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
@@ -192,7 +194,7 @@ class Gathering:
         ids = [b.index for b in program.buckets]
         after = self.after_backward if self.releasable else None
         outs, anchor = run_unit(program, [self._xs[b] for b in ids], [self._fulls[b] for b in ids],
-                                self._probes[unit], after)
+                                self._probes[unit], after, self._inflight)
         self._anchors.append(anchor)
         leaves = dict(zip(program.leaves, outs))
         if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself

@@ -14,7 +14,10 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    of each bucket starts once the next bucket's reduction has, `Chained`); the reduced gradient
    is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
-   which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`;
+   which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`
+   (`agreement` gathers it on the device; a donating step's update is prepared on the host --
+   `prepare`, the optimizer's checks, views and step counts -- before `agree` reads it, so the
+   host does that while the device still runs the backward);
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
    `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
@@ -56,7 +59,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
-from .unit import Inflight, Probe, remembered, unit_programs
+from .unit import Inflight, Probe, UnitProgram, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -279,12 +282,15 @@ def _no_vmap_over_steps() -> Iterator[None]:
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    """One step (the module docstring). After the agreement the host does only what decides the
-    update before launching it (`update`); the metrics' tensors are made after it."""
+    """One step (the module docstring). What the update needs but the agreed values is prepared
+    before the agreement's read (`prepare`); after it the host does only what decides the update
+    before launching it (`update`); the metrics' tensors are made after it."""
     with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
     with _named("fzero.step/agree"):
-        verdict = agree(state, loss, report, reduced, count)
+        rows, shards = agreement(state, loss, report, reduced, count)
+        ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
+        verdict = agree(state, rows, shards, reduced)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
     step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
@@ -302,7 +308,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     factor = scale * _clip_coefficient(config, norm) / s
     reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
     with _named("fzero.step/update"):
-        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor)
+        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor, ready=ready)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
@@ -421,9 +427,10 @@ def _trainable(state: ZeroState) -> list[int]:
 class StepPlan(NamedTuple):
     """What `backward` and `_report` read of a state's `StateInfo` that never changes between
     steps, built once per `StateInfo` (`step_plan`): a step's prologue reads it, so the per-step
-    setup is the step's own (its `Inflight`, the unit programs that carry it, the tensors).
+    setup is the step's own (its `Inflight`, handed to the units at call time, and the tensors).
 
     Attributes:
+      programs: the units' `UnitProgram`s, in the layout's unit order.
       trainable: the trainable buckets, in layout order.
       flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
       leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
@@ -434,8 +441,12 @@ class StepPlan(NamedTuple):
       held: per bucket, whether the step differentiates the held tensor itself, with no full
         buffer beside it (`offload.differentiated` is then `(held, None)`: no offload of the
         bucket, and a stage that does not differentiate a shard of the full buffer).
+      beside: per bucket, whether, where a master is kept, the step differentiates it with the
+        held buffer beside it (`offload.differentiated` is then `(master, held)`: no offload of
+        the bucket, and a stage that says so -- stage 2 -- asked once with stand-ins).
     """
 
+    programs: tuple[UnitProgram, ...]
     trainable: tuple[int, ...]
     flat: bool
     leaf_order: torch.Tensor | None
@@ -443,6 +454,7 @@ class StepPlan(NamedTuple):
     unused: dict[str, torch.Tensor]
     on_host: frozenset[int]
     held: tuple[bool, ...]
+    beside: tuple[bool, ...]
 
     @property
     def offloaded(self) -> bool:
@@ -460,17 +472,30 @@ def step_plan(info: StateInfo) -> StepPlan:
 
 def _step_plan(info: StateInfo) -> StepPlan:
     layout = info.layout
-    programs = unit_programs(layout, info.mesh, info.stage, info.precision)
+    programs = tuple(unit_programs(layout, info.mesh, info.stage, info.precision))
     leaves = [i for p in programs for i in p.leaves]
     buckets = [b.index for p in programs for b in p.buckets]
     trainable = tuple(b.index for b in layout.buckets if not b.group.frozen)
-    return StepPlan(trainable, is_flat_dict(layout),
+
+    def on_device(b: int) -> bool:  # neither the params nor the bucket's master and state offloaded
+        return info.offload.params is None and info.host_tier(b) is None
+
+    return StepPlan(programs, trainable, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
                     frozenset(b for b in trainable if info.host_tier(b) is not None),
-                    tuple(info.offload.params is None and info.host_tier(b.index) is None and not
-                          (info.stage.sharded("grads") and not info.stage.sharded("params")) for b in layout.buckets))
+                    tuple(on_device(b.index) and not (info.stage.sharded("grads") and not info.stage.sharded("params"))
+                          for b in layout.buckets),
+                    tuple(on_device(b.index) and _beside(info, b.index) for b in layout.buckets))
+
+
+def _beside(info: StateInfo, b: int) -> bool:
+    """Whether the stage differentiates bucket b's master with its held buffer beside it: its
+    `differentiated` asked with stand-ins (no tensor is read where a master is given)."""
+    held, master = object(), object()
+    x, full = info.stage.differentiated(info.layout, b, held, info.rank, master)
+    return x is master and full is held
 
 
 _PROBES: dict = {}
@@ -502,10 +527,12 @@ class BucketPlan(NamedTuple):
     numels: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
 
-    def context(self, step: int, used: list[bool], leaf_sum: Callable | None = None) -> UpdateContext:
-        """`leaf_sum`: where the optimizer's per-leaf sums run elsewhere (an offloaded bucket's, on the host)."""
-        return UpdateContext(step, self.group, self.segments, self.leaves, tuple(map(used.__getitem__, self.leaves)),
-                             leaf_sum or self.leaf_sum, self.numels, self.shapes)
+    def context(self, step: int, used: list[bool] | None, leaf_sum: Callable | None = None) -> UpdateContext:
+        """`used`: the step's used flags over all leaves (None: every leaf used); `leaf_sum`: where
+        the optimizer's per-leaf sums run elsewhere (an offloaded bucket's, on the host)."""
+        mine = (True,) * len(self.leaves) if used is None else tuple(map(used.__getitem__, self.leaves))
+        return UpdateContext(step, self.group, self.segments, self.leaves, mine, leaf_sum or self.leaf_sum,
+                             self.numels, self.shapes)
 
 
 _PLANS: dict = {}
@@ -538,18 +565,19 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     copies = early_copies(state.info, config.micro_batches) if plan.offloaded else None  # offload: grads to the host
     inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
-    programs = unit_programs(layout, mesh, stage, state.precision, inflight)
+    programs = plan.programs
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
     else:
-        pairs = [(p, None) if held else differentiated(state.info, b, p, m, mesh.device)
-                 for b, (p, m, held) in enumerate(zip(state.params, state.master, plan.held))]
+        pairs = [(p, None) if held else (m, p) if beside and m is not None else
+                 differentiated(state.info, b, p, m, mesh.device)
+                 for b, (p, m, held, beside) in enumerate(zip(state.params, state.master, plan.held, plan.beside))]
         xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     s = loss_scale_of(state)
-    probes = _probes(state.info, programs, tuple(xs[p.buckets[0].index].device for p in programs),
+    probes = _probes(state.info, programs, tuple([xs[p.buckets[0].index].device for p in programs]),
                      config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
-                  and plan.flat)
+                  and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs)))
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
@@ -563,10 +591,10 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes, config.prefetch).loss(objective, batch)
+                         config.max_live_bytes, config.prefetch, inflight).loss(objective, batch)
         return loss, counts[0]
 
-    train = tuple(xs[b] for b in trainable)
+    train = tuple([xs[b] for b in trainable])
     if config.engine == "func":
         (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
             train, probes)
@@ -575,6 +603,17 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+
+
+def _reads_held(state: ZeroState, xs: list[torch.Tensor]) -> bool:
+    """Whether every unit reads its held tensors themselves, so that no gathered storage exists
+    to free and gather again (`Gathering`'s `releasable` would do nothing but run a saved-tensor
+    hook per saved tensor): at N = 1 with the params on the device (the enter's gather is then
+    `Mesh.solo`'s, which returns its input), each bucket's held tensor already in its compute
+    dtype (the enter's cast returns it too)."""
+    if state.mesh.world_size != 1 or state.info.offload.params is not None:
+        return False
+    return all([xs[b.index].dtype == b.wire.compute for p in step_plan(state.info).programs for b in p.buckets])
 
 
 class Chained(Inflight):
@@ -648,10 +687,10 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
-    train = tuple(x.detach().requires_grad_() for x in train)
+    train = tuple([x.detach().requires_grad_() for x in train])
     with torch.enable_grad():
         loss, count = loss_of(train, probes)
-    inputs = [*train, *(t for p in probes.values() for t in p)]
+    inputs = [*train, *[t for p in probes.values() for t in p]]
     if not loss.requires_grad:
         grads = [None] * len(inputs)
     else:
@@ -723,10 +762,12 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 # -- 3. agree ---------------------------------------------------------------------------------
 
 
-def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
-          count: torch.Tensor) -> Verdict:
-    """The one agreement collective: `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64)
-    from every rank, read on the host once (`tolist`): the step's one host synchronisation.
+def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
+              count: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The one agreement collective: `(rows[N, L + B + 4], the rank's gradient shards)`, the rows
+    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64) from every rank, gathered on
+    the device and not read yet: `agree` reads them on the host (the step's one host
+    synchronisation), and what the host can do before that read runs before it (`prepare`).
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
@@ -750,8 +791,14 @@ def agree(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[in
               else sq.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
                      report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
-    rows = all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4).tolist()
-    return _verdict(state, rows, shards, reduced)
+    return all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4), shards
+
+
+def agree(state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor], reduced: dict[int, torch.Tensor]
+          ) -> Verdict:
+    """`agreement`'s rows read on the host once (`tolist`: the step's one synchronisation), as the
+    `Verdict` every rank agrees on (`_verdict`)."""
+    return _verdict(state, rows.tolist(), shards, reduced)
 
 
 def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
@@ -769,9 +816,21 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
                  for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, reduced)
-    used = [max(col) > 0 for col in zip(*(r[1 : 1 + num] for r in rows))] if num else []
+    used = _used(rows, num)
     broken = tuple(r for r in range(n) if rows[r][-1] != 0)
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+
+
+def _used(rows: list[list[float]], num: int) -> list[bool]:
+    """Per leaf, whether some rank's row says it got a gradient (`used[L]`, columns 1 to L): where
+    every rank used every leaf (the common case) one pass of C-level `min`s says so, without a
+    Python step per leaf."""
+    if not num:
+        return []
+    cols = [r[1 : 1 + num] for r in rows]
+    if min(map(min, cols)) > 0:
+        return [True] * num
+    return [m > 0 for m in map(max, zip(*cols))]
 
 
 def in_order(values: list[float]) -> float:
@@ -881,8 +940,47 @@ def _nonfinite_buckets(state: ZeroState, reduced: dict[int, torch.Tensor]) -> li
 # -- 4. update ---------------------------------------------------------------------------------
 
 
+class Ready(NamedTuple):
+    """A donating update's host work done before the agreement's read (`prepare`): per bucket
+    updated on the device, the params its optimizer writes (`Stage.optimizer_params`) and the
+    optimizer's `launch` (`Optimizer.prepare_`), built for a step that uses every leaf. After the
+    read `update` only launches them -- where the verdict says every leaf was used; otherwise
+    (and for a bucket missing here) it runs the general `update_`."""
+
+    params: dict[int, torch.Tensor]
+    launches: dict[int, Callable[[torch.Tensor], Any]]
+    overlap: bool  # `overlaps` of the step's gradients and params, which the verdict does not change
+
+
+def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
+    """`Ready` for a donating step whose optimizer has a `prepare_` (None otherwise): for every
+    trainable bucket updated on the device, what `update` would build before its kernels. It
+    writes nothing (a skipped step leaves the state as it was) and reads no device value (but
+    `fused.elementwise`'s probe, once per kernel configuration, as `update_` would), so it runs
+    while the device still computes what the agreement gathers. A bucket whose `prepare_`
+    raises is left out: `update` calls `update_`, which raises the same error after the verdict,
+    where it always did."""
+    optimizer = state.optimizer
+    if not donate or optimizer.prepare_ is None:
+        return None
+    layout, stage, rank = state.layout, state.stage, state.rank
+    plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
+    params, launches = {}, {}
+    for b in reduced:
+        if b in on_host:
+            continue
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
+        try:
+            launches[b] = optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, None))
+        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict
+            continue
+        params[b] = p
+    return Ready(params, launches, _overlap(state, reduced))
+
+
+
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
-           host_factor: float = 1.0) -> tuple[ZeroState, list[str]]:
+           host_factor: float = 1.0, ready: Ready | None = None) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
     without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
     made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
@@ -895,7 +993,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
     Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
     update is done, so it runs while the next bucket is updated; all are waited for after the
-    finite check (and discarded if it fails). Nothing writes an updated shard before its wait."""
+    finite check (and discarded if it fails). Nothing writes an updated shard before its wait.
+
+    `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
+    its `launch` on the gradient, the same kernels on the same views as `update_`'s."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -904,20 +1005,27 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
     flights, back = {}, {}
-    overlap = overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
+    overlap = ready.overlap if ready is not None else _overlap(state, reduced)
     plan = plan_of(state.info)
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
+    launches = ready.launches if ready is not None and donate and all(used) else {}
     for b, g in reduced.items():
-        g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
-        ctx = plan[b].context(step, used, leaf_sum)
-        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
-        g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
-        if donate:
-            updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+        launch = launches.get(b)
+        if launch is not None:  # prepared before the agreement's read: only the kernels are left
+            p = ready.params[b]
+            updated[b], new_opt[b] = p, launch(g.to(p.dtype))
+            back[b] = p
         else:
-            updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-        back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
+            g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
+            ctx = plan[b].context(step, used, leaf_sum)
+            p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
+            g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
+            if donate:
+                updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+            else:
+                updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+            back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
         if overlap:
             flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
     host.done()
@@ -934,6 +1042,12 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = p_new
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
+    """Whether the update may start its finish without waiting (`overlaps` of the reduced
+    gradients and the state's params; `_rescale` keeps `requires_grad`)."""
+    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
 
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:

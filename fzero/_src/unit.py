@@ -89,6 +89,11 @@ class Bucket:
         return tuple(tuple(math.prod(max(n, 1) for n in s[d + 1 :]) for d in range(len(s))) for s in self.shapes)
 
     @functools.cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Each leaf's number of elements."""
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @functools.cached_property
     def _pieces(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """`(sizes, pick)`: `flat[N * S]` split by `sizes` (each leaf, and each gap before one and
         after the last) has leaf k's elements in piece `pick[k]`."""
@@ -193,14 +198,14 @@ class Inflight:
 
 @dataclasses.dataclass(frozen=True)
 class UnitProgram:
-    """The static description of one unit under one stage (not a pytree node); `inflight`: where
-    its backward leaves started reductions (None: it waits for each)."""
+    """The static description of one unit under one stage (not a pytree node): made once per
+    state's `StateInfo` (`step.step_plan`); what is a step's own (its `Inflight`) is passed to
+    `run_unit` at each call."""
 
     name: str
     mesh: Mesh
     stage: Stage
     buckets: tuple[Bucket, ...]
-    inflight: Inflight | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def leaves(self) -> tuple[int, ...]:
@@ -214,10 +219,9 @@ class UnitProgram:
         return sum(b.size * b.wire.compute.itemsize for b in self.buckets)
 
 
-def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL,
-                  inflight: Inflight | None = None) -> list[UnitProgram]:
+def unit_programs(layout: Layout, mesh: Mesh, stage: Stage, precision: Precision = FULL) -> list[UnitProgram]:
     buckets = _unit_buckets(layout, precision)
-    return [UnitProgram(unit, mesh, stage, buckets[unit], inflight) for unit in layout.units]
+    return [UnitProgram(unit, mesh, stage, buckets[unit]) for unit in layout.units]
 
 
 def remembered(cache: dict, owner: Any, extra: Any, build: Callable[[], Any]) -> Any:
@@ -287,7 +291,7 @@ def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool =
 
 
 def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None],
-             probe: Probe, after_backward: Callable[[str], None] | None = None
+             probe: Probe, after_backward: Callable[[str], None] | None = None, inflight: Inflight | None = None
              ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """`([leaf tensors] in bucket order, anchor)` for one unit.
 
@@ -295,24 +299,25 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
     buffer the unit reads beside it, or None. `after_backward(unit)` runs when the backward of
     every use of the unit's leaves is done, at the start of the Function's own backward, before
     its gradients are assembled and reduced: nothing reads the unit's params after that point
-    (held weakly: the step's gathering object must not live in the graph).
+    (held weakly: the step's gathering object must not live in the graph). `inflight`: the step's
+    reductions in flight, where the unit's backward starts its own (None: it waits for each).
     The anchor is a 0-d zero the step adds to the loss times 0: it makes the unit's backward run
     on every rank, also where no leaf of the unit reached this rank's loss, so every rank calls
     the unit's reduce-scatter in the same order (the engine runs the unit nodes, all made in the
     same order on every rank, after every node made later).
     """
     after = weakref.WeakMethod(after_backward) if after_backward is not None else None
-    *leaves, anchor = _Unit.apply(program, after, len(xs), *xs, *fulls, *probe)
+    *leaves, anchor = _apply(program, after, inflight, len(xs), *xs, *fulls, *probe)
     return leaves, anchor
 
 
 class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(*inputs: Any) -> tuple[torch.Tensor, ...]:
-        """`inputs = (program, after, k, *xs[k], *fulls[k], *probe)` (one variadic parameter:
-        `Function.apply` binds its arguments to this signature on every call, and binding one
-        parameter costs about half of binding four)."""
-        program, k, tensors = inputs[0], inputs[2], inputs[3:]
+        """`inputs = (program, after, inflight, k, *xs[k], *fulls[k], *probe)` (one variadic
+        parameter: `Function.apply` binds its arguments to this signature on every call, and
+        binding one parameter costs about half of binding five)."""
+        program, k, tensors = inputs[0], inputs[3], inputs[4:]
         xs, fulls = tensors[:k], tensors[k : 2 * k]
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
@@ -321,9 +326,9 @@ class _Unit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.program, ctx.after, ctx.k = inputs[0], inputs[1], inputs[2]
-        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[3 : 3 + ctx.k]]
-        ctx.beside = [full is not None for full in inputs[3 + ctx.k : 3 + 2 * ctx.k]]
+        ctx.program, ctx.after, ctx.inflight, ctx.k = inputs[0], inputs[1], inputs[2], inputs[3]
+        ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[4 : 4 + ctx.k]]
+        ctx.beside = [full is not None for full in inputs[4 + ctx.k : 4 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
         releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
         ctx.entered = _entered(inputs[0], output) if releases else frozenset()
@@ -333,7 +338,7 @@ class _Unit(torch.autograd.Function):
         """Tangents of the leaves: the forward on the tangents of what it read (the full buffer's
         where one is read beside x; else x's, entered as x is), and a zero anchor."""
         program, k = ctx.program, ctx.k
-        xs_t, fulls_t = tangents[3 : 3 + k], tangents[3 + k : 3 + 2 * k]
+        xs_t, fulls_t = tangents[4 : 4 + k], tangents[4 + k : 4 + 2 * k]
         leaves: list[torch.Tensor] = []
         for bucket, x_t, full_t, beside, (shape, dtype, device) in zip(program.buckets, xs_t, fulls_t, ctx.beside,
                                                                       ctx.like):
@@ -347,14 +352,14 @@ class _Unit(torch.autograd.Function):
         return (*leaves, torch.zeros((), dtype=torch.float32, device=ctx.like[0][2]))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, program: UnitProgram, after: Any, k: int, *tensors: torch.Tensor | None
-             ) -> tuple:
-        if any(d is not None for d in in_dims[3:]):
+    def vmap(info: Any, in_dims: tuple, program: UnitProgram, after: Any, inflight: Any, k: int,
+             *tensors: torch.Tensor | None) -> tuple:
+        if any(d is not None for d in in_dims[4:]):
             raise ConfigError(
                 f"vmap over a step: unit {program.name!r}'s params are batched (a vmap over states). A step "
                 f"decides on Python numbers every rank agrees on (the loss, the gradient norm, whether to skip), "
                 f"which vmap cannot batch; vmap inside the loss instead, or loop over states (docs/func.md)")
-        outs = _Unit.apply(program, after, k, *tensors)  # a unit first read inside a vmapped loss
+        outs = _Unit.apply(program, after, inflight, k, *tensors)  # a unit first read inside a vmapped loss
         return outs, (None,) * len(outs)
 
     @staticmethod
@@ -365,7 +370,7 @@ class _Unit(torch.autograd.Function):
         released = after is not None and not _reads_entered(ctx, grads)
         if released:  # every use of the unit's leaves is differentiated: its params go before its gradient is built
             after(program.name)
-        leave, inflight = program.stage.leave, program.inflight
+        leave, inflight = program.stage.leave, ctx.inflight
         started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
         early = inflight is not None and bool(inflight.early) and leave.start is None and not torch.is_grad_enabled()
         result: list[torch.Tensor | None] = []
@@ -393,12 +398,39 @@ class _Unit(torch.autograd.Function):
         if after is not None and not released:
             after(program.name)
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
-        return (None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
+        return (None, None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
 
 
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
 # of microseconds of host time per unit per step); inspect reads a cached `__signature__` instead.
 _Unit.forward.__signature__ = inspect.signature(_Unit.forward)
+
+
+def _direct_apply() -> Callable[..., Any] | None:
+    """`_Unit`'s C-level apply (`torch._C._FunctionBase.apply` bound to `_Unit`: what
+    `Function.apply` ends in where no torch.func transform is active), or None where this torch
+    lacks the pieces (`_FunctionBase`, `_are_functorch_transforms_active`; both in torch since 2.0
+    and unchanged through 2.13)."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    if base is None or not hasattr(torch._C, "_are_functorch_transforms_active") or not issubclass(_Unit, base):
+        return None
+    return super(torch.autograd.Function, _Unit).apply
+
+
+_DIRECT = _direct_apply()
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def _apply(*args: Any) -> tuple[torch.Tensor, ...]:
+    """`_Unit.apply(*args)`. Where no torch.func transform is active, `Function.apply` binds the
+    arguments to `forward`'s signature (the identity for its one variadic parameter: no
+    defaults to fill), unwraps dead functorch wrappers among them (none can be here: the inputs
+    are the step's own tensors, made outside any transform, and a transform alive now takes the
+    other path), then calls the C-level apply: this calls that apply directly, a third of a
+    unit's host calls in the forward. Under a transform (or without `_DIRECT`) `_Unit.apply`."""
+    if _DIRECT is not None and not _transforms_active():
+        return _DIRECT(*args)
+    return _Unit.apply(*args)
 
 
 def _entered(program: UnitProgram, output: Sequence[torch.Tensor]) -> frozenset[int]:
@@ -465,13 +497,12 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
     end = 0  # the end of the last slice written
-    for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
+    for o, s, st, n, g in zip(bucket.offsets, bucket.shapes, bucket._strides, bucket.numels, grads):
         if g is None:
             continue
-        n = math.prod(s)
         if o > end:
             flat[end:o].zero_()
-        flat[o : o + n].view(s).copy_(g)
+        flat.as_strided(s, st, o).copy_(g)  # the leaf's slice in its shape: one view op, as `Bucket.views`
         end = o + n
     if bucket.size > end:
         flat[end:].zero_()

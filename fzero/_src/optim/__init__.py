@@ -15,6 +15,7 @@ from .base import (
     check_hyper as check_hyper,
     check_impl as check_impl,
     check_placement as check_placement,
+    check_grad as check_grad,
     check_shards as check_shards,
     field_numel as field_numel,
     field_shapes as field_shapes,
@@ -26,6 +27,7 @@ from .base import (
     pure as pure,
     resolve_impl as resolve_impl,
     runs as runs,
+    two_phase as two_phase,
     used_pieces as used_pieces,
 )
 from .lamb import LambState as LambState, lamb as lamb

@@ -18,11 +18,13 @@ from .base import (
     bumped,
     check_hyper,
     check_impl,
+    check_grad,
     check_placement,
     check_shards,
     group_lr,
     in_place,
     resolve_impl,
+    two_phase,
     used_pieces,
 )
 
@@ -62,22 +64,32 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
     def spec(state):
         return State("leaf", *["shard"] * (len(State._fields) - 1))
 
-    def update_(grad, state, param, ctx: UpdateContext):
-        check_shards(name, grad, param, state, spec(state), ctx)
+    def prepare_(state, param, ctx: UpdateContext):
+        """Everything but the kernels (`Optimizer.prepare_`): the checks, the step counts (a host
+        read of the "leaf" field), the pieces, the views of param and state, the new step field
+        (and the fused kernel's step tensors); `launch(grad)` views the grad and runs the kernel."""
+        check_shards(name, None, param, state, spec(state), ctx)
         hyper = dict(beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx), eps=eps, maximize=maximize,
                      weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
-        operands = (param, grad, *state[1:])
         how, per_leaf = resolve_impl(name, impl, param, lambda: _fused_elementwise(hyper, amsgrad, param))
-        if per_leaf:
-            check_placement(name, ctx, operands)
         steps = bumped(state.step.tolist(), ctx.used)
         pieces = used_pieces(ctx, steps, per_segment=per_leaf)
-        lists = [[t[a:b] for a, b, _ in pieces] for t in operands] + ([] if amsgrad else [[]])
-        KERNELS[how](*lists, [k for _, _, k in pieces], **hyper)
-        step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
-        return State(step_t, *state[1:])
+        spans = [(a, b) for a, b, _ in pieces]
+        lists = [[t[a:b] for a, b in spans] for t in (param, *state[1:])] + ([] if amsgrad else [[]])
+        keys = [k for _, _, k in pieces]
+        keys = fused_counts(keys, param.device) if how == "fused" else keys
+        new = State(torch.tensor(steps, dtype=state.step.dtype, device=state.step.device), *state[1:])
 
-    return in_place(init, update_, spec)
+        def launch(grad):
+            check_grad(name, grad, param)
+            if per_leaf:
+                check_placement(name, ctx, (param, grad, *state[1:]))
+            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], keys, **hyper)
+            return new
+
+        return launch
+
+    return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_)
 
 
 # The three kernels take per-piece lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
@@ -154,15 +166,21 @@ def _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, be
 def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
            maximize, decoupled) -> None:
     """torch/optim/adam.py `_fused_adam`: one `torch._fused_adam_` / `_fused_adamw_` call; each
-    piece's step count is a float32 0-d tensor on the shard's device (torch's `state["step"]`
-    under `fused=True`, incremented before the call), lr a Python float."""
+    piece's step count is a float32 0-d tensor on the shard's device (`fused_counts`: torch's
+    `state["step"]` under `fused=True`, incremented before the call), lr a Python float."""
     if not params:
         return
-    counts = {s: torch.full((), s, dtype=torch.float32, device=params[0].device) for s in set(steps)}
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, [counts[s] for s in steps],
+    fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
        amsgrad=bool(max_exp_avg_sqs), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
        maximize=maximize, grad_scale=None, found_inf=None)
+
+
+def fused_counts(steps: list[float], device: torch.device) -> list[torch.Tensor]:
+    """Per piece, its step count (after the increment) as the float32 0-d tensor on `device` the
+    fused kernel reads: one tensor per distinct count, shared by the pieces that have it."""
+    counts = {s: torch.full((), s, dtype=torch.float32, device=device) for s in set(steps)}
+    return [counts[s] for s in steps]
 
 
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
@@ -172,7 +190,8 @@ def _fused_elementwise(hyper: dict, amsgrad: bool, param: torch.Tensor) -> bool:
     """`fused.elementwise` for this configuration (the lr of the first call probes it)."""
 
     def launch(ts):
-        _fused([ts[0]], [ts[1]], [ts[2]], [ts[3]], [ts[4]] if amsgrad else [], [3.0], **hyper)
+        _fused([ts[0]], [ts[1]], [ts[2]], [ts[3]], [ts[4]] if amsgrad else [], fused_counts([3.0], ts[0].device),
+               **hyper)
 
     key = ("adam", amsgrad, *sorted((k, v) for k, v in hyper.items() if k != "lr"))
     return fused.elementwise(key, launch, 5 if amsgrad else 4, (3, 4) if amsgrad else (3,), param.dtype, param.device)

@@ -93,6 +93,16 @@ class Optimizer(NamedTuple):
         `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
         optimizer with no in-place form.
 
+      prepare_: `(state, param shard[S], ctx) -> launch`, `launch(grad shard[S]) -> new state`:
+        `update_` in two parts, for a caller that knows everything but the gradient's values
+        before it knows them (the step, before its agreement's host read): `prepare_` makes the
+        checks, reads the host-side state and builds the kernels' arguments, writing nothing;
+        `launch` checks the grad shard and runs the kernels. `update_(g, s, p, ctx)` is
+        `prepare_(s, p, ctx)(g)` bit for bit (`two_phase` builds it so). A `launch` is called at
+        most once, with `s`, `p` and `ctx` unchanged since `prepare_`. `None` where the optimizer
+        has no such form (the step then calls `update_`); an optimizer whose `update_` is
+        replaced (`_replace(update_=...)`) must drop its `prepare_` too.
+
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).
     """
@@ -102,6 +112,7 @@ class Optimizer(NamedTuple):
     spec: Callable[[Any], Any]
     update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
     shaped: bool = False
+    prepare_: Callable[[Any, torch.Tensor, UpdateContext], Callable[[torch.Tensor], Any]] | None = None
 
 
 def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> Any:
@@ -124,9 +135,23 @@ def pure(update_: Callable, spec: Callable) -> Callable:
     return update
 
 
-def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = False) -> Optimizer:
-    """`Optimizer(init, pure(update_, spec), spec, update_, shaped)`: both forms from the in-place one."""
-    return Optimizer(init, pure(update_, spec), spec, update_, shaped)
+def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = False,
+             prepare_: Callable | None = None) -> Optimizer:
+    """`Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_)`: both forms from the
+    in-place one."""
+    return Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_)
+
+
+def two_phase(name: str, prepare_: Callable) -> Callable:
+    """The `update_` of a two-phase `prepare_` (`Optimizer.prepare_`): the grad shard checked
+    first (so a bad grad raises before anything else, as `check_shards` orders its checks), then
+    prepared and launched at once."""
+
+    def update_(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext) -> Any:
+        check_grad(name, grad, param)
+        return prepare_(state, param, ctx)(grad)
+
+    return update_
 
 
 class EmptyState(NamedTuple):
@@ -189,8 +214,8 @@ def group_lr(schedule: Schedule, ctx: UpdateContext) -> float:
     return schedule(ctx.step) * ctx.group.lr_scale
 
 
-def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any, spec: Any, ctx: UpdateContext) -> None:
-    """Shapes and dtypes of one update's inputs, with messages that name them."""
+def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
+    """The grad shard is the param shard's: one 1-d `shard[S]`, one dtype, one device."""
     if grad.dim() != 1 or param.dim() != 1 or grad.shape != param.shape:
         raise OptimizerError(
             f"{name}: grad shard {list(grad.shape)} and param shard {list(param.shape)} must be the same "
@@ -200,6 +225,17 @@ def check_shards(name: str, grad: torch.Tensor, param: torch.Tensor, state: Any,
         raise OptimizerError(
             f"{name}: grad shard is {grad.dtype} on {grad.device} but param shard is {param.dtype} on {param.device}"
         )
+
+
+def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, state: Any, spec: Any,
+                 ctx: UpdateContext) -> None:
+    """Shapes and dtypes of one update's inputs, with messages that name them; `grad` None: all
+    but the grad shard (`prepare_`, whose `launch` checks it, `check_grad`)."""
+    if grad is not None:
+        check_grad(name, grad, param)
+    elif param.dim() != 1:
+        raise OptimizerError(f"{name}: param shard {list(param.shape)} must be a 1-d shard[S] of one bucket (pass "
+                             f"layout.local_shards(...) entries, not leaves)")
     if ctx.group.frozen:
         raise OptimizerError(
             f"{name}: parameter group {ctx.group.name!r} is frozen; frozen buckets have no optimizer state "

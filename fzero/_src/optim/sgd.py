@@ -19,11 +19,13 @@ from .base import (
     bumped,
     check_hyper,
     check_impl,
+    check_grad,
     check_placement,
     check_shards,
     group_lr,
     in_place,
     resolve_impl,
+    two_phase,
     used_pieces,
 )
 
@@ -101,24 +103,34 @@ def sgd(
     def spec(state):
         return EmptyState() if momentum == 0 else SgdMomentumState("leaf", "shard")
 
-    def update_(grad, state, param, ctx: UpdateContext):
-        check_shards("sgd", grad, param, state, spec(state), ctx)
+    def prepare_(state, param, ctx: UpdateContext):
+        """Everything but the kernels (`Optimizer.prepare_`): the checks, the momentum counts (a
+        host read of the "leaf" field), the pieces, the views of param and buffer, the new count;
+        `launch(grad)` views the grad and runs the kernel."""
+        check_shards("sgd", None, param, state, spec(state), ctx)
         hyper = dict(lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
                      momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
-        operands = (param, grad) if momentum == 0 else (param, grad, state.momentum_buffer)
+        held = (param,) if momentum == 0 else (param, state.momentum_buffer)
         how, per_leaf = resolve_impl("sgd", impl, param, lambda: _fused_elementwise(hyper, param))
-        if per_leaf:
-            check_placement("sgd", ctx, operands)
         counts = state.count.tolist() if momentum != 0 else [0.0] * len(ctx.leaves)
         pieces = used_pieces(ctx, [c == 0 for c in counts], per_segment=per_leaf)
-        lists = [[t[a:b] for a, b, _ in pieces] for t in operands] + ([[]] if momentum == 0 else [])
-        KERNELS[how](*lists, [k for _, _, k in pieces], **hyper)
-        if momentum == 0:
-            return state
-        count = torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device)
-        return SgdMomentumState(count, state.momentum_buffer)
+        spans = [(a, b) for a, b, _ in pieces]
+        lists = [[t[a:b] for a, b in spans] for t in held] + ([[]] if momentum == 0 else [])
+        first = [k for _, _, k in pieces]
+        new = state if momentum == 0 else SgdMomentumState(
+            torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device),
+            state.momentum_buffer)
 
-    return in_place(init, update_, spec)
+        def launch(grad):
+            check_grad("sgd", grad, param)
+            if per_leaf:
+                check_placement("sgd", ctx, (param, grad, *held[1:]))
+            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], first, **hyper)
+            return new
+
+        return launch
+
+    return in_place(init, two_phase("sgd", prepare_), spec, prepare_=prepare_)
 
 
 # The three kernels take per-piece lists (params, grads, momentum buffers ([] without momentum))
