@@ -108,6 +108,21 @@ class Mesh(abc.ABC):
     def rank(self) -> int:
         """The rank whose code is running now."""
 
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """Whether a sum `all_reduce(x)` of `x[N * S]` has, on every rank, exactly the bits of
+        `all_gather(reduce_scatter(x))` on this mesh, for every float dtype and every input.
+
+        The base claim is N <= 2, for any backend: over one rank both are `x`; over two, each
+        element is one correctly rounded addition of the same two values, and `a + b == b + a`
+        exactly, so the order the backend adds in cannot matter. SimMesh (any N: both reduce
+        through one accumulator in rank order) and DistMesh over gloo (any N: gloo's
+        reduce-scatter is its all-reduce of the whole buffer, then this rank's chunk) say more.
+        Where it holds, stage 0 reduces each bucket with one all-reduce instead of a
+        reduce-scatter and an all-gather: the same bits, one collective (proofs/communication.md,
+        "One all-reduce for stage 0")."""
+        return self.world_size <= 2
+
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         """Run `fn(*args_r)` on every rank r this process runs (all N on SimMesh, its own on
@@ -287,6 +302,13 @@ class SimMesh(Mesh):
 
     def __repr__(self) -> str:
         return f"SimMesh({self.world_size}, id={self.id})"
+
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """True at every N: `_combine` sums an all-reduce and a reduce-scatter through the same
+        accumulator in rank order, and a reduce-scatter's chunks of it, gathered back in rank
+        order, are that accumulator."""
+        return True
 
     @property
     def rank(self) -> int:
@@ -666,6 +688,14 @@ class DistMesh(Mesh):
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """gloo at any N (torch's gloo reduce-scatter clones the input, all-reduces the whole
+        clone and copies out this rank's chunk: the all-reduce of the same buffer, so the same
+        bits); any backend at N <= 2 (`Mesh.all_reduce_is_reduce_scatter_gather`). NCCL at
+        N > 2 may add in other orders in the two (ring, tree): not claimed."""
+        return self.backend == "gloo" or super().all_reduce_is_reduce_scatter_gather
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
         super()._validate(op, x, arg, tag)
