@@ -55,6 +55,7 @@ def _check_forms(out: list[dict], xs: list[torch.Tensor]) -> None:
         for form in ("blocking", "started"):
             assert _same_bits(o[form]["all_reduce"], o[form]["rs_ag"]), (r, form)
             assert _same_bits(o[form]["all_reduce"], want), (r, form)
+        assert _same_bits(o["started"]["donated"], want), r  # `donate=True`: the same bits
     if n < 3:
         return
     orders = cases.every_order(xs)
@@ -70,7 +71,9 @@ def test_gloo_n3_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype
     """gloo's reduce-scatter is its all-reduce of the whole buffer, then this rank's chunk (torch's
     ProcessGroupGloo): the same bits, here at N = 3 where the orders disagree."""
     xs = cases.order_sensitive(3, s, dtype, seed=s)
-    _check_forms(dist3.run(cases.reduce_forms, [(x,) for x in xs]), xs)
+    out = dist3.run(cases.reduce_forms, [(x,) for x in xs])
+    _check_forms(out, xs)
+    assert all(o["in_place"] for o in out)  # a donated all-reduce sums in the caller's buffer: no copy
 
 
 @pytest.mark.dist

@@ -173,13 +173,19 @@ class Mesh(abc.ABC):
         return x
 
     @eager
-    def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
+    def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None,
+              donate: bool = False) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
         runs it on its own stream, gloo on its own threads); SimMesh completes it before
         returning. Every rank must start the same collectives in the same order and wait for each
-        before reading its result; between start and wait, `x` must not be written."""
-        return self._start(*self._enter(op, x, arg, tag))
+        before reading its result; between start and wait, `x` must not be written.
+
+        `donate`: the caller hands `x` over and never reads it again, so an all-reduce or a
+        broadcast may run in `x`'s own storage and return it (DistMesh: no copy of `x`); the
+        bits are the same."""
+        call, data = self._enter(op, x, arg, tag)
+        return self._start(call, data, donate=donate)
 
     def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> tuple[_Call, torch.Tensor]:
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
@@ -192,8 +198,9 @@ class Mesh(abc.ABC):
                                         elements, elements * x.element_size(), tag))
         return call, x.detach().contiguous()
 
-    def _start(self, call: _Call, x: torch.Tensor) -> "Pending":
-        """Backend primitive of `start`: by default the blocking `_exchange`, already complete."""
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> "Pending":
+        """Backend primitive of `start`: by default the blocking `_exchange`, already complete
+        (which never writes `x`, donated or not)."""
         return Pending(self._exchange(call, x))
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
@@ -791,27 +798,28 @@ class DistMesh(Mesh):
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         return self._start(call, x).wait()
 
-    def _start(self, call: _Call, x: torch.Tensor) -> Pending:
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> Pending:
         self._check_usable()
         if self.verify:
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
         try:
-            out, work = self._move(call, x)
+            out, work = self._move(call, x, donate)
         except RuntimeError as e:
             raise self._lost(e, what, started) from e
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
-    def _move(self, call: _Call, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Issue `call` asynchronously: `(its result, once waited for; the work handle)`."""
+    def _move(self, call: _Call, x: torch.Tensor, donate: bool = False) -> tuple[torch.Tensor, Any]:
+        """Issue `call` asynchronously: `(its result, once waited for; the work handle)`. An
+        all-reduce or broadcast runs in place on a copy of `x`, or on `x` itself where donated."""
         dist, n = torch.distributed, self.world_size
         if call.op == "all_reduce":
-            out = x.clone()
+            out = x if donate else x.clone()
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM if call.arg == "sum" else dist.ReduceOp.MAX,
                                    group=self.group, async_op=True)
         elif call.op == "broadcast":
-            out = x.clone()
+            out = x if donate else x.clone()
             work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
                                   group=self.group, async_op=True)
         elif call.op == "all_gather":

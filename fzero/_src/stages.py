@@ -228,12 +228,13 @@ def _start_reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flig
 
 
 def _start_all_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
-    """`_all_reduce_grad` without waiting (on a detached gradient; the multiply in place, as in
-    `_start_reduce`: the caller hands over a fresh buffer it does not read again)."""
+    """`_all_reduce_grad` without waiting (on a detached gradient). The multiply is in place and
+    the buffer is donated to the all-reduce (summed in its own storage, no copy), as `_start_reduce`
+    multiplies in place: the caller hands over a fresh buffer it does not read again."""
     x = grad.detach().to(wire.reduce)
     if mesh.world_size == 1:
         return Flight(Pending(mesh.solo("all_reduce", x, arg="sum", tag=wire.tag)))
-    return Flight(mesh.start("all_reduce", x.mul_(1.0 / mesh.world_size), arg="sum", tag=wire.tag))
+    return Flight(mesh.start("all_reduce", x.mul_(1.0 / mesh.world_size), arg="sum", tag=wire.tag, donate=True))
 
 
 def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
