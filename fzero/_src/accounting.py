@@ -474,7 +474,7 @@ def expected_comm(
     all-reduce); None: the reduce-scatter + all-gather form. Its world size must be `world_size`.
 
     With k = `accumulation` micro-batches per step, what happens in forward and backward happens
-    k times; with `accumulate="each"` the reductions too (stage 0: k·(RS + AG), stages 1-2:
+    k times; with `accumulate="each"` the reductions too (stage 0: k·(RS + AG) or k·AR, stages 1-2:
     k·RS + AG, stage 3: k·(AG + [AG] + RS)); with "once" (stages 0-1) the reduction runs once
     after the last micro-batch (stage 0: RS + AG, stage 1: RS + AG).
     """
