@@ -115,10 +115,11 @@ class Mesh(abc.ABC):
 
         The base claim is N <= 2, for any backend: over one rank both are `x`; over two, each
         element is one correctly rounded addition of the same two values, and `a + b == b + a`
-        exactly, so the order the backend adds in cannot matter. SimMesh (any N: both reduce
-        through one accumulator in rank order) and DistMesh over gloo (any N: gloo's
-        reduce-scatter is its all-reduce of the whole buffer, then this rank's chunk) say more.
-        Where it holds, stage 0 reduces each bucket with one all-reduce instead of a
+        exactly, so the order the backend adds in cannot matter (a NaN's payload aside, which only
+        a non-finite term makes; a step never uses the reduced gradient of a non-finite one).
+        SimMesh (any N: both reduce through one accumulator in rank order) and DistMesh over gloo
+        (any N: gloo's reduce-scatter is its all-reduce of the whole buffer, then this rank's
+        chunk) say more. Where it holds, stage 0 reduces each bucket with one all-reduce instead of a
         reduce-scatter and an all-gather: the same bits, one collective (proofs/communication.md,
         "One all-reduce for stage 0")."""
         return self.world_size <= 2

@@ -22,9 +22,9 @@ Every stage reduces with the same primitive (reduce-scatter of fl(1/N) * g, summ
 mesh's rank order) over the same buffers, so the reduced gradient has the same bits in every
 stage; stage 0 all-gathers it back, which copies bits -- or, on a mesh whose all-reduce has
 exactly the bits of that reduce-scatter and all-gather (`Mesh.all_reduce_is_reduce_scatter_gather`:
-SimMesh, gloo, any backend at N <= 2), issues the one all-reduce instead, as DDP does. The optimizer is element-wise or uses
-exact per-leaf sums, so updating a shard equals updating the full buffer. Hence stages 1-3
-equal stage 0 bit for bit (proofs/stages.md).
+SimMesh, gloo, any backend at N <= 2), issues the one all-reduce instead, as DDP does. The
+optimizer is element-wise or uses exact per-leaf sums, so updating a shard equals updating the
+full buffer. Hence stages 1-3 equal stage 0 bit for bit (proofs/stages.md).
 
 Nothing outside this module compares a stage's level: the state, the step, the memory
 estimate and the communication formulas ask the `Stage`.
