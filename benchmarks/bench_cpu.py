@@ -14,6 +14,12 @@ reductions of a unit's buckets are then in flight together)
 Overlap check:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,1 --once-stages 0,1
 (adds `fzero-stage<s>-once` rows: `accumulate="once"`, which at one micro-batch reduces after the
 whole backward, as stages 0-1 did before they started each unit's reduce-scatter in its backward)
+Stage 0's one all-reduce against its reduce-scatter + all-gather (the same bits; gloo's
+reduce-scatter is an all-reduce plus a chunk, so the pair moves about 1.5x what DDP moves):
+        torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0 --split-stages 0 --rounds 2
+(adds `fzero-stage0-split` rows, on a mesh that claims nothing about its all-reduce,
+`Mesh.all_reduce_is_reduce_scatter_gather`; `--rounds R` times every mode R times in turn, DDP
+included, each row's ratio to its own round's DDP)
 Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
         --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
 """
@@ -32,6 +38,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fzero
+
+
+class SplitMesh(fzero.DistMesh):
+    """A DistMesh that claims nothing about its all-reduce: stage 0 reduces each bucket with a
+    reduce-scatter, then an all-gather (what it did before it used gloo's all-reduce)."""
+
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        return False
 
 
 class Block(nn.Module):
@@ -74,47 +89,55 @@ def main() -> None:
                          "e.g. none,1048576,4194304,16777216")
     ap.add_argument("--once-stages", default="",
                     help="comma list of stages (0, 1) to time also with accumulate='once' (reduce after backward)")
+    ap.add_argument("--split-stages", default="",
+                    help="comma list of stages to time also on a mesh that claims nothing about its all-reduce "
+                         "(stage 0: reduce-scatter + all-gather instead of one all-reduce)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
+    split = SplitMesh(verify=False) if a.split_stages else None
     rank = mesh.rank
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(a.batch, a.dim, generator=g), torch.randn(a.batch, a.dim, generator=g)
 
     model = model_of(a)
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def ddp_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
-
-    rows = [("ddp", timed(ddp_step, a))]
-    del ddp, opt
     caps = [None if c == "none" else int(c) for c in a.bucket_bytes.split(",")]
     once = {int(s) for s in a.once_stages.split(",") if s}
-    runs = [(int(s), cap, "each") for s in a.stages.split(",") for cap in caps]
-    runs += [(s, caps[0], "once") for s in sorted(once)]
-    for stage, cap, accumulate in runs:
-        params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
-        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units,
-                           bucket_bytes=cap)
-        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True, accumulate=accumulate)
-        box = [state]
+    runs = [(int(s), cap, "each", mesh) for s in a.stages.split(",") for cap in caps]
+    runs += [(s, caps[0], "once", mesh) for s in sorted(once)]
+    runs += [(int(s), caps[0], "each", split) for s in a.split_stages.split(",") if s]
+    for r in range(a.rounds):
+        ddp = DDP(model_of(a))  # a fresh model per round: the same initial values as every fzero mode's
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-        def fzero_step() -> None:
-            box[0], _ = step(box[0], (x, y))
+        def ddp_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
 
-        mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
-                + ("" if accumulate == "each" else "-once"))
-        rows.append((mode, timed(fzero_step, a)))
-        del box, state
-    if rank == 0:
-        base = rows[0][1]
-        for mode, t in rows:
-            print(json.dumps({"mode": mode, "world": mesh.world_size, "step_s_median": round(t, 4),
-                              "vs_ddp": round(t / base, 3), "torch": torch.__version__,
-                              "threads": torch.get_num_threads()}), flush=True)
+        rows = [("ddp", timed(ddp_step, a))]
+        del ddp, opt
+        for stage, cap, accumulate, on in runs:
+            params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
+            state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
+                               bucket_bytes=cap)
+            step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
+                                    accumulate=accumulate)
+            box = [state]
+
+            def fzero_step() -> None:
+                box[0], _ = step(box[0], (x, y))
+
+            mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
+                    + ("" if accumulate == "each" else "-once") + ("-split" if on is split else ""))
+            rows.append((mode, timed(fzero_step, a)))
+            del box, state
+        if rank == 0:
+            base = rows[0][1]
+            for mode, t in rows:
+                print(json.dumps({"mode": mode, "round": r, "world": mesh.world_size, "step_s_median": round(t, 4),
+                                  "vs_ddp": round(t / base, 3), "torch": torch.__version__,
+                                  "threads": torch.get_num_threads()}), flush=True)
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 census, peak live bytes by a dispatch mode, and recorded collectives against `expected_comm`
 (proofs/communication.md, proofs/memory.md)."""
 
+import re
 from fractions import Fraction
 
 import optree
@@ -183,7 +184,7 @@ def test_recorded_collectives_equal_expected_comm(params, n, stage, unit_spec, g
     out, records = _run(params, opt, stage, n, unit_spec, group_spec, steps=steps)
     layout = out[0][0].layout
     got = comm_volume(records, n, steps=steps)
-    want = expected_comm(layout, n, stage)
+    want = expected_comm(layout, n, stage, mesh=out[0][0].mesh)
     assert got.data == want.data
     # the control collectives per step: the float64 agreement all-gather, and where anything is
     # trainable the one-element float64 all-reduce that agrees the update left the params finite
@@ -198,6 +199,8 @@ def test_recorded_collectives_equal_expected_comm(params, n, stage, unit_spec, g
     counts = {op: t.count for op, t in got.data.items()}
     if stage == 3:
         assert counts == {op: c for op, c in (("all_gather", len(buckets)), ("reduce_scatter", len(trainable))) if c}
+    elif stage == 0:  # SimMesh's all-reduce has the bits of its reduce-scatter + all-gather: one per bucket
+        assert counts == ({"all_reduce": len(trainable)} if trainable else {})
     else:
         assert counts == ({"all_gather": len(trainable), "reduce_scatter": len(trainable)} if trainable else {})
     # every rank recorded the same sequence (comm_volume checks it) and per-rank views agree
@@ -223,6 +226,11 @@ def test_expected_comm_closed_forms(psi, n):
     mixed = expected_comm(psi, n, 3, regather=True, param_dtype=torch.bfloat16, grad_dtype=torch.float32)
     assert mixed.bytes == (2 + 2 + 4) * psi == expected_comm(psi, n, 0).bytes
     assert mixed.wire_bytes == expected_comm(psi, n, 0).wire_bytes
+    # stage 0 as one all-reduce (a mesh whose all-reduce has the bits of RS + AG): one collective
+    # over the Ψ-element buffer, and on the wire exactly what RS + AG send, 2(N - 1)/N per byte
+    one = expected_comm(psi, n, 0, mesh=fzero.SimMesh(n))
+    assert one.data == {"all_reduce": OpTotal(1, psi, 4 * psi, 4 * psi * 2 * ring)}
+    assert one.wire_bytes == expected_comm(psi, n, 0).wire_bytes
 
 
 def test_expected_comm_asks_the_stage():
@@ -240,6 +248,15 @@ def test_expected_comm_asks_the_stage():
     assert v.data["all_gather"].count == 2 + 1 and v.data["reduce_scatter"].count == 1  # "f": forward only
     assert v.data["all_gather"].elements == 10 + 10 + 6
     assert expected_comm(layout, 2, 1).data["all_gather"].elements == 10  # frozen: never gathered
+    # where the mesh's all-reduce has the bits of its reduce-scatter + all-gather, stage 0 issues it
+    # instead (and only stage 0: the other stages' collectives do not depend on the mesh)
+    mesh = fzero.SimMesh(2)
+    on_mesh = {s.level: [(m.op, m.what) for m in s.moves(True, True, mesh)] for s in fzero.STAGES}
+    assert on_mesh == {**ops, 0: [("all_reduce", "grads")]}
+    assert [m.op for m in fzero.STAGES[0].moves(False, True, mesh)] == []  # a frozen bucket: nothing
+    assert expected_comm(layout, 2, 0, mesh=mesh).data["all_reduce"] == OpTotal(1, 10, 40, Fraction(40))
+    with pytest.raises(fzero.ConfigError, match="world size 2"):
+        expected_comm(layout, 4, 0, mesh=mesh)
 
 
 def test_comm_volume_rejects_disagreeing_ranks():
@@ -273,7 +290,9 @@ def test_lamb_leaf_sums_are_control():
 def test_cli_trace(capsys, stage):
     assert main(["trace", "--world-size", "3", "--stage", str(stage), "--steps", "2"]) == 0
     text = capsys.readouterr().out
-    assert "reduce_scatter" in text and "all_gather" in text
+    # stage 0 on SimMesh: one all-reduce per bucket (its bits are those of reduce-scatter + all-gather)
+    data_ops = {"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"}
+    assert set(re.findall(r"^(\w+) +\d", text, re.MULTILINE)) == data_ops  # the data rows (not "(control)")
     assert "matches the formula" in text and "MISMATCH" not in text
 
 

@@ -210,9 +210,9 @@ def test_recorded_collectives_equal_expected_comm(stage, mode):
     out = mesh.run(rank_fn, [(b,) for b in batches])
     log, layout = out[0]
     got = comm_volume(log, n)
-    assert got.data == expected_comm(layout, n, stage, accumulation=k, accumulate=mode).data
-    if stage == 0:  # "each" reduces (RS + AG) every micro-batch, "once" after the last
-        assert got.data["reduce_scatter"].count == len(layout.buckets) * (k if mode == "each" else 1)
+    assert got.data == expected_comm(layout, n, stage, accumulation=k, accumulate=mode, mesh=mesh).data
+    if stage == 0:  # "each" reduces (one all-reduce on SimMesh) every micro-batch, "once" after the last
+        assert got.data["all_reduce"].count == len(layout.buckets) * (k if mode == "each" else 1)
 
 
 def test_bad_input():

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ConfigError
 from .layout import Layout, check_world_size
+from .mesh import Mesh
 from .optim.base import spec_of
 from .stages import Stage, get_stage
 
@@ -444,6 +445,7 @@ def expected_comm(
     regather: bool | Iterable[str] = False,
     accumulation: int = 1,
     accumulate: str = "each",
+    mesh: Mesh | None = None,
 ) -> CommVolume:
     """Data collectives of one rank in one optimizer step (control collectives excluded).
 
@@ -453,7 +455,9 @@ def expected_comm(
     otherwise. The collectives per buffer are the stage's (`Stage.moves`); per trainable buffer
     of E elements:
 
-        stage 0:  RS(E) + AG(E)          reduce, then gather the reduced gradient back (DDP)
+        stage 0:  RS(E) + AG(E)          reduce, then gather the reduced gradient back; or
+                  AR(E)                  one all-reduce on a `mesh` whose all-reduce has their bits
+                                         (`Mesh.all_reduce_is_reduce_scatter_gather`), as DDP
         stage 1:  RS(E) + AG(E)          reduce; gather the updated params
         stage 2:  RS(E) + AG(E)          same collectives, reduced per unit during backward
         stage 3:  AG(E) + [AG(E)] + RS(E)  forward gather, backward re-gather if `regather`
@@ -463,10 +467,14 @@ def expected_comm(
     backward: with `gather="on_use"`, the autograd engine and `from_module`, the units with a
     home submodule (every unit but one spread over the root) are freed after their forward and
     gathered again in backward; with `gather="eager"` none is. In elements, stages 0-2 move 2Ψ,
-    stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md).
+    stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md); stage 0's one
+    all-reduce counts Ψ elements (its buffer) and sends the wire bytes of RS + AG, 2(N-1)/N per byte.
+
+    `mesh`: the mesh the steps run on, where it decides which collectives a stage issues (stage 0's
+    all-reduce); None: the reduce-scatter + all-gather form. Its world size must be `world_size`.
 
     With k = `accumulation` micro-batches per step, what happens in forward and backward happens
-    k times; with `accumulate="each"` the reductions too (stage 0: k·(RS + AG), stages 1-2:
+    k times; with `accumulate="each"` the reductions too (stage 0: k·(RS + AG) or k·AR, stages 1-2:
     k·RS + AG, stage 3: k·(AG + [AG] + RS)); with "once" (stages 0-1) the reduction runs once
     after the last micro-batch (stage 0: RS + AG, stage 1: RS + AG).
     """
@@ -475,13 +483,16 @@ def expected_comm(
         raise ConfigError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
     if accumulate not in ("each", "once"):
         raise ConfigError(f"accumulate must be 'each' or 'once', got {accumulate!r}")
+    if mesh is not None and mesh.world_size != world_size:
+        raise ConfigError(f"expected_comm: world_size={world_size} but mesh {mesh!r} has world size "
+                          f"{mesh.world_size}; pass mesh.world_size, or leave mesh out")
     per_micro = ("forward", "regather", "backward") if accumulate == "each" else ("forward", "regather")
     again = (lambda u: regather) if isinstance(regather, bool) else frozenset(regather).__contains__
     items: list[tuple[str, int, int]] = []
     for b in _bufs(model, world_size):
         sizes = {"params": param_dtype.itemsize if param_dtype is not None else b.itemsize,
                  "grads": grad_dtype.itemsize if grad_dtype is not None else b.itemsize}
-        for move in st.moves(b.trainable, again(b.unit)):
+        for move in st.moves(b.trainable, again(b.unit), mesh):
             items += [(move.op, b.elements, b.elements * sizes[move.what])] * (
                 accumulation if move.when in per_micro else 1)
     return CommVolume(world_size, _totals(items, world_size), {})

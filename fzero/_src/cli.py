@@ -304,7 +304,7 @@ def _run_trace(args: argparse.Namespace) -> int:
     batches = [(torch.randn(args.batch, d, generator=gen),) for _ in range(n)]
     layout = mesh.run(rank_fn, batches)[0]
     got = acc.comm_volume(logs[0], n, steps=args.steps)
-    want = acc.expected_comm(layout, n, args.stage)
+    want = acc.expected_comm(layout, n, args.stage, mesh=mesh)
     psi = sum(b.numel for b in layout.buckets)
     print(f"model: {k}-block MLP, width {d}, {psi} parameters in {len(layout.buckets)} buckets; SimMesh({n}), "
           f"stage {args.stage}, adam, {args.steps} steps")

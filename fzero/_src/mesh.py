@@ -108,6 +108,22 @@ class Mesh(abc.ABC):
     def rank(self) -> int:
         """The rank whose code is running now."""
 
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """Whether a sum `all_reduce(x)` of `x[N * S]` has, on every rank, exactly the bits of
+        `all_gather(reduce_scatter(x))` on this mesh, for every float dtype and every input.
+
+        The base claim is N <= 2, for any backend: over one rank both are `x`; over two, each
+        element is one correctly rounded addition of the same two values, and `a + b == b + a`
+        exactly, so the order the backend adds in cannot matter (a NaN's payload aside, which only
+        a non-finite term makes; a step never uses the reduced gradient of a non-finite one).
+        SimMesh (any N: both reduce through one accumulator in rank order) and DistMesh over gloo
+        (any N: gloo's reduce-scatter is its all-reduce of the whole buffer, then this rank's
+        chunk) say more. Where it holds, stage 0 reduces each bucket with one all-reduce instead of a
+        reduce-scatter and an all-gather: the same bits, one collective (proofs/communication.md,
+        "One all-reduce for stage 0")."""
+        return self.world_size <= 2
+
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         """Run `fn(*args_r)` on every rank r this process runs (all N on SimMesh, its own on
@@ -158,13 +174,19 @@ class Mesh(abc.ABC):
         return x
 
     @eager
-    def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> "Pending":
+    def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None,
+              donate: bool = False) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
         runs it on its own stream, gloo on its own threads); SimMesh completes it before
         returning. Every rank must start the same collectives in the same order and wait for each
-        before reading its result; between start and wait, `x` must not be written."""
-        return self._start(*self._enter(op, x, arg, tag))
+        before reading its result; between start and wait, `x` must not be written.
+
+        `donate`: the caller hands `x` over and never reads it again, so an all-reduce or a
+        broadcast may run in `x`'s own storage and return it (DistMesh: no copy of `x`); the
+        bits are the same."""
+        call, data = self._enter(op, x, arg, tag)
+        return self._start(call, data, donate=donate)
 
     def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> tuple[_Call, torch.Tensor]:
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
@@ -177,8 +199,9 @@ class Mesh(abc.ABC):
                                         elements, elements * x.element_size(), tag))
         return call, x.detach().contiguous()
 
-    def _start(self, call: _Call, x: torch.Tensor) -> "Pending":
-        """Backend primitive of `start`: by default the blocking `_exchange`, already complete."""
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> "Pending":
+        """Backend primitive of `start`: by default the blocking `_exchange`, already complete
+        (which never writes `x`, donated or not)."""
         return Pending(self._exchange(call, x))
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
@@ -287,6 +310,13 @@ class SimMesh(Mesh):
 
     def __repr__(self) -> str:
         return f"SimMesh({self.world_size}, id={self.id})"
+
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """True at every N: `_combine` sums an all-reduce and a reduce-scatter through the same
+        accumulator in rank order, and a reduce-scatter's chunks of it, gathered back in rank
+        order, are that accumulator."""
+        return True
 
     @property
     def rank(self) -> int:
@@ -667,6 +697,14 @@ class DistMesh(Mesh):
     def rank(self) -> int:
         return self._rank
 
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        """gloo at any N (torch's gloo reduce-scatter clones the input, all-reduces the whole
+        clone and copies out this rank's chunk: the all-reduce of the same buffer, so the same
+        bits); any backend at N <= 2 (`Mesh.all_reduce_is_reduce_scatter_gather`). NCCL at
+        N > 2 may add in other orders in the two (ring, tree): not claimed."""
+        return self.backend == "gloo" or super().all_reduce_is_reduce_scatter_gather
+
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
         super()._validate(op, x, arg, tag)
         if self.backend in BACKENDS and x.device.type != self.device.type:
@@ -761,27 +799,28 @@ class DistMesh(Mesh):
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         return self._start(call, x).wait()
 
-    def _start(self, call: _Call, x: torch.Tensor) -> Pending:
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> Pending:
         self._check_usable()
         if self.verify:
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
         try:
-            out, work = self._move(call, x)
+            out, work = self._move(call, x, donate)
         except RuntimeError as e:
             raise self._lost(e, what, started) from e
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
-    def _move(self, call: _Call, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Issue `call` asynchronously: `(its result, once waited for; the work handle)`."""
+    def _move(self, call: _Call, x: torch.Tensor, donate: bool = False) -> tuple[torch.Tensor, Any]:
+        """Issue `call` asynchronously: `(its result, once waited for; the work handle)`. An
+        all-reduce or broadcast runs in place on a copy of `x`, or on `x` itself where donated."""
         dist, n = torch.distributed, self.world_size
         if call.op == "all_reduce":
-            out = x.clone()
+            out = x if donate else x.clone()
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM if call.arg == "sum" else dist.ReduceOp.MAX,
                                    group=self.group, async_op=True)
         elif call.op == "broadcast":
-            out = x.clone()
+            out = x if donate else x.clone()
             work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
                                   group=self.group, async_op=True)
         elif call.op == "all_gather":

@@ -10,7 +10,8 @@ swaps one piece of the step for another. Every stage is the composition of four 
 |                | backward (started in the unit's      |                                              |
 |                | backward where the step overlaps)    |                                              |
 | optimizer      | update `flat[N * S]` (grad gathered  | update this rank's `shard[S]`                |
-| state + master | back: RS then AG of the gradient)    | (then all-gather params unless sharded)      |
+| state + master | back: RS then AG of the gradient, or | (then all-gather params unless sharded)      |
+|                | the one all-reduce with their bits)  |                                              |
 
     stage 0  shards {}                                   (DDP)
     stage 1  shards {optimizer_state, master}
@@ -19,9 +20,11 @@ swaps one piece of the step for another. Every stage is the composition of four 
 
 Every stage reduces with the same primitive (reduce-scatter of fl(1/N) * g, summed in the
 mesh's rank order) over the same buffers, so the reduced gradient has the same bits in every
-stage; stage 0 all-gathers it back, which copies bits. The optimizer is element-wise or uses
-exact per-leaf sums, so updating a shard equals updating the full buffer. Hence stages 1-3
-equal stage 0 bit for bit (proofs/stages.md).
+stage; stage 0 all-gathers it back, which copies bits -- or, on a mesh whose all-reduce has
+exactly the bits of that reduce-scatter and all-gather (`Mesh.all_reduce_is_reduce_scatter_gather`:
+SimMesh, gloo, any backend at N <= 2), issues the one all-reduce instead, as DDP does. The
+optimizer is element-wise or uses exact per-leaf sums, so updating a shard equals updating the
+full buffer. Hence stages 1-3 equal stage 0 bit for bit (proofs/stages.md).
 
 Nothing outside this module compares a stage's level: the state, the step, the memory
 estimate and the communication formulas ask the `Stage`.
@@ -104,6 +107,18 @@ class Piece:
     moves: tuple[Move, ...] = ()
     frozen_moves: tuple[Move, ...] = ()
     start: StartFn | None = None
+    # what `run` and `start` issue instead of `moves` on a mesh whose all-reduce has the bits of its
+    # reduce-scatter + all-gather (`Mesh.all_reduce_is_reduce_scatter_gather`); None: `moves` everywhere
+    moves_by_all_reduce: tuple[Move, ...] | None = None
+
+    def issued(self, trainable: bool, mesh: Mesh | None = None) -> tuple[Move, ...]:
+        """The collectives this piece issues per bucket on `mesh` (None: a mesh that does not
+        claim `all_reduce_is_reduce_scatter_gather`)."""
+        if not trainable:
+            return self.frozen_moves
+        if self.moves_by_all_reduce is not None and mesh is not None and mesh.all_reduce_is_reduce_scatter_gather:
+            return self.moves_by_all_reduce
+        return self.moves
 
 
 def _identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +174,25 @@ def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
-    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0;
-    at N = 1 neither moves anything)."""
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r` (stage 0): reduce-scatter, then all-gather;
+    or one all-reduce where the mesh's has exactly their bits (`_all_reduce_grad`). At N = 1
+    nothing moves."""
+    if mesh.all_reduce_is_reduce_scatter_gather:
+        return _all_reduce_grad(mesh, wire, grad)
     reduced = reduce_grad(mesh, wire, grad)
     if mesh.world_size == 1:
         return mesh.solo("all_gather", reduced, tag=wire.tag)
     return all_gather(reduced, mesh, tag=wire.tag)
+
+
+def _all_reduce_grad(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r` by one sum all-reduce (differentiable: its
+    adjoint is an all-reduce, with the bits of the reduce-scatter + all-gather adjoint on such a
+    mesh). fl(1/N) multiplies before the sum, as in `reduce_grad`. At N = 1 `g.to(reduce)` itself
+    (`Mesh.solo`, as `reduce_grad`)."""
+    if mesh.world_size == 1:
+        return mesh.solo("all_reduce", grad.to(wire.reduce), arg="sum", tag=wire.tag)
+    return all_reduce(grad.to(wire.reduce) * (1.0 / mesh.world_size), mesh, "sum", tag=wire.tag)
 
 
 def _gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
@@ -190,10 +218,23 @@ def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
 
 
 def _start_reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
-    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r`: reduce-scatter, then all-gather (stage 0;
-    at N = 1 neither moves anything)."""
+    """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r` (stage 0), in flight: reduce-scatter,
+    then all-gather (a Flight of two phases); or the one all-reduce (one phase, so `advance` is a
+    no-op) where the mesh's has exactly their bits. At N = 1 nothing moves."""
+    if mesh.all_reduce_is_reduce_scatter_gather:
+        return _start_all_reduce(mesh, wire, grad)
     reduced = _start_reduce(mesh, wire, grad)
     return Flight(reduced.pending, (lambda x: _start_gather(mesh, wire, x),))
+
+
+def _start_all_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
+    """`_all_reduce_grad` without waiting (on a detached gradient). The multiply is in place and
+    the buffer is donated to the all-reduce (summed in its own storage, no copy), as `_start_reduce`
+    multiplies in place: the caller hands over a fresh buffer it does not read again."""
+    x = grad.detach().to(wire.reduce)
+    if mesh.world_size == 1:
+        return Flight(Pending(mesh.solo("all_reduce", x, arg="sum", tag=wire.tag)))
+    return Flight(mesh.start("all_reduce", x.mul_(1.0 / mesh.world_size), arg="sum", tag=wire.tag, donate=True))
 
 
 def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
@@ -223,7 +264,8 @@ LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce)
 AFTER_NONE = Piece(_identity, start=_start_identity)
 AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,), start=_start_reduce)
 AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")),
-                            start=_start_reduce_and_gather)
+                            start=_start_reduce_and_gather,
+                            moves_by_all_reduce=(Move("all_reduce", "grads", "backward"),))
 FINISH_KEEP = Piece(_identity, start=_start_identity)
 FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),), start=_start_gather_params)
 
@@ -318,11 +360,13 @@ class Stage:
 
     # -- what the step communicates ---------------------------------------------------------
 
-    def moves(self, trainable: bool, regather: bool) -> tuple[Move, ...]:
-        """The collectives one bucket sees in one step, in order (`regather`: whether a stage that
-        gathers params in forward gathers them again in backward)."""
+    def moves(self, trainable: bool, regather: bool, mesh: Mesh | None = None) -> tuple[Move, ...]:
+        """The collectives one bucket sees in one step on `mesh`, in order (`regather`: whether a
+        stage that gathers params in forward gathers them again in backward; `mesh` None: one
+        that does not claim `all_reduce_is_reduce_scatter_gather`, where stage 0 reduces by
+        reduce-scatter + all-gather)."""
         pieces = (self.enter, self.leave, self.after_backward, self.finish)
-        out = [m for p in pieces for m in (p.moves if trainable else p.frozen_moves)]
+        out = [m for p in pieces for m in p.issued(trainable, mesh)]
         return tuple(m for m in out if regather or m.when != "regather")
 
 

@@ -1,0 +1,107 @@
+"""Helpers of tests/test_allreduce.py: functions the torchrun workers of `fzero.testing.Pool` run
+(as `fn(mesh, *args)`, the mesh first, so a test runs the same function on a `SimMesh` too), the
+order-sensitive values, and a SimMesh that does not claim its all-reduce has the bits of its
+reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import fzero
+from fzero import optim
+
+# p: the significand's digits; u = 2^-p is half an ulp of 1, so fl(1 + u) = 1 (a tie, to even)
+# while fl(u + u) = 2u and fl(1 + 2u) = 1 + 2u exactly
+DIGITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+
+
+class SplitSimMesh(fzero.SimMesh):
+    """A SimMesh that claims nothing about its all-reduce: stage 0 reduces each bucket with a
+    reduce-scatter, then an all-gather (started in backward: `step.Chained`), as on NCCL at N > 2."""
+
+    @property
+    def all_reduce_is_reduce_scatter_gather(self) -> bool:
+        return False
+
+
+def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Per rank r, `x_r[n * s]` whose sum over ranks depends on the order of the additions.
+
+    The first half of every chunk of `s` (the part one rank's reduce-scatter keeps) holds, at
+    each element, 1 on one rank (cycling over the ranks) and u = 2^-p on the others, times one
+    random power of two and sign per element (which scales every sum exactly): adding the ranks
+    left to right gives 1 + (n - 1)u rounded where the 1 comes last, and 1 wherever it comes
+    earlier, so at n >= 3 orders that end on different ranks disagree on every such element. The
+    rest are random normals with random exponents in [-10, 10]."""
+    g = torch.Generator().manual_seed(seed)
+    u = 2.0 ** -DIGITS[dtype]
+    x = torch.randn(n, n * s, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-10, 11, (n, n * s), generator=g).double())
+    half = max(1, s // 2)
+    for c in range(n):
+        for j in range(c * s, c * s + half):
+            scale = 2.0 ** int(torch.randint(-8, 9, (), generator=g)) * (1 if torch.rand((), generator=g) < 0.5 else -1)
+            x[:, j] = u * scale
+            x[j % n, j] = scale
+    return [x[r].to(dtype) for r in range(n)]
+
+
+def left_to_right(xs: list[torch.Tensor], order: tuple[int, ...]) -> torch.Tensor:
+    """`((x_{o0} + x_{o1}) + x_{o2}) + ...`: one summation order over ranks."""
+    acc = xs[order[0]].clone()
+    for r in order[1:]:
+        acc.add_(xs[r])
+    return acc
+
+
+def every_order(xs: list[torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
+    return {o: left_to_right(xs, o) for o in itertools.permutations(range(len(xs)))}
+
+
+def reduce_forms(mesh, x):
+    """A sum over ranks of `x[N * S]` in both forms, blocking and started: `all_reduce(x)` and
+    `all_gather(reduce_scatter(x))`; and the mesh's claim."""
+    blocking = {"all_reduce": mesh.collective("all_reduce", x, arg="sum"),
+                "rs_ag": mesh.collective("all_gather", mesh.collective("reduce_scatter", x))}
+    ar = mesh.start("all_reduce", x, arg="sum")
+    rs = mesh.start("reduce_scatter", x)
+    started = {"all_reduce": ar.wait(), "rs_ag": mesh.start("all_gather", rs.wait()).wait()}
+    mine = x.clone()
+    donated = mesh.start("all_reduce", mine, arg="sum", donate=True).wait()  # DistMesh: summed in `mine` itself
+    started["donated"] = donated
+    return {"blocking": blocking, "started": started, "claim": mesh.all_reduce_is_reduce_scatter_gather,
+            "in_place": donated.data_ptr() == mine.data_ptr()}
+
+
+WIDTH = 12
+
+
+def params() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {f"l{i}": {"w": torch.randn(WIDTH, WIDTH, generator=g) / WIDTH**0.5, "b": torch.randn(WIDTH, generator=g)}
+            for i in range(3)}
+
+
+def loss(p, x):
+    for i in range(3):
+        x = torch.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return x.square().mean()
+
+
+def stage_steps(mesh, stage, engine="autograd", steps=2):
+    """`steps` AdamW steps of a 3-layer MLP (one unit per layer) at `stage` on `mesh`, a different
+    batch per rank: `(gathered params after each step, the data collectives' ops, in order)`."""
+    state = fzero.init(params(), optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh,
+                       units=lambda path: path.split(".")[0])
+    step = fzero.train_step(loss, engine=engine)
+    g = torch.Generator().manual_seed(100 + mesh.rank)
+    trace = []
+    with mesh.record() as log:
+        for _ in range(steps):
+            state, _ = step(state, torch.randn(8, WIDTH, generator=g))
+            trace.append(fzero.gather(state))
+    ops = [c.op for c in log if c.rank == mesh.rank and c.tag is not None and not c.tag.startswith("fzero.")
+           and not c.tag.endswith("/leaf_sum")]
+    return trace, ops

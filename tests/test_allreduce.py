@@ -1,0 +1,152 @@
+"""`Mesh.all_reduce_is_reduce_scatter_gather`: where a mesh says its sum all-reduce has exactly the
+bits of all-gather(reduce-scatter), it does -- over real gloo processes at N = 2 and N = 3 on
+values whose sum depends on the order of the additions (and the test shows that it does), on
+SimMesh at every N -- and stage 0, which then reduces each bucket with one all-reduce, still gives
+the bits of stages 1-3 and of the two-collective path it replaces (proofs/communication.md,
+"One all-reduce for stage 0")."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fzero
+from fzero._src.mesh import Mesh
+from fzero._src.tree import flatten_with_paths
+from fzero.testing import examples
+
+from . import allreduce_cases as cases
+from .conftest import LazyPool
+from .stage_harness import assert_equal_leaves
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def dist3():
+    """3 torchrun gloo workers for this module (N = 3: the smallest N where the order of a sum over
+    ranks can change its bits)."""
+    pool = LazyPool(3)
+    yield pool
+    pool.close()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _check_forms(out: list[dict], xs: list[torch.Tensor]) -> None:
+    """Every rank: all_reduce == all_gather(reduce_scatter) bit for bit, blocking and started, the
+    same on every rank; and the check has power: on each rank's chunk, some left-to-right order of
+    the ranks gives other bits than the collective did (so a reduce-scatter that summed in another
+    order than the all-reduce would show)."""
+    n = len(xs)
+    want = out[0]["blocking"]["all_reduce"]
+    for r, o in enumerate(out):
+        assert o["claim"] is True, r
+        for form in ("blocking", "started"):
+            assert _same_bits(o[form]["all_reduce"], o[form]["rs_ag"]), (r, form)
+            assert _same_bits(o[form]["all_reduce"], want), (r, form)
+        assert _same_bits(o["started"]["donated"], want), r  # `donate=True`: the same bits
+    if n < 3:
+        return
+    orders = cases.every_order(xs)
+    for c, got in enumerate(want.chunk(n)):
+        assert any(not _same_bits(s.chunk(n)[c], got) for s in orders.values()), c
+    assert len({_bits(s).numpy().tobytes() for s in orders.values()}) > 1  # the values are order-sensitive
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", [1, 6, 4099])
+def test_gloo_n3_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype, s):
+    """gloo's reduce-scatter is its all-reduce of the whole buffer, then this rank's chunk (torch's
+    ProcessGroupGloo): the same bits, here at N = 3 where the orders disagree."""
+    xs = cases.order_sensitive(3, s, dtype, seed=s)
+    out = dist3.run(cases.reduce_forms, [(x,) for x in xs])
+    _check_forms(out, xs)
+    assert all(o["in_place"] for o in out)  # a donated all-reduce sums in the caller's buffer: no copy
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gloo_n2_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist2, dtype):
+    xs = cases.order_sensitive(2, 257, dtype, seed=2)
+    _check_forms(dist2.run(cases.reduce_forms, [(x,) for x in xs]), xs)
+
+
+@examples(10)
+@given(n=st.integers(1, 6), s=st.integers(1, 9), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_sim_mesh_all_reduce_is_all_gather_of_reduce_scatter_bitwise(n, s, dtype, seed):
+    """SimMesh sums both through one accumulator in rank order, so at every N (and that order is
+    the left-to-right one, which the other orders do not all share)."""
+    xs = cases.order_sensitive(n, s, dtype, seed)
+    mesh = fzero.SimMesh(n)
+    out = mesh.run(functools.partial(cases.reduce_forms, mesh), [(x,) for x in xs])
+    _check_forms(out, xs)
+    assert _same_bits(out[0]["blocking"]["all_reduce"], cases.left_to_right(xs, tuple(range(n))))
+
+
+class _Bare(Mesh):
+    """A mesh of no backend: what the base class claims (any backend)."""
+
+    rank = 0
+
+    def run(self, fn, per_rank_args=()):
+        raise NotImplementedError
+
+    def _exchange(self, call, x):
+        raise NotImplementedError
+
+
+def test_the_claim_per_mesh():
+    """Any backend: N <= 2 (one or two terms: a + b == b + a). SimMesh: every N. gloo: every N (the
+    workers' DistMesh, above); NCCL at N > 2 claims nothing (the base rule)."""
+    assert [_Bare(n).all_reduce_is_reduce_scatter_gather for n in (1, 2, 3, 8)] == [True, True, False, False]
+    assert all(fzero.SimMesh(n).all_reduce_is_reduce_scatter_gather for n in (1, 2, 3, 8))
+    assert not cases.SplitSimMesh(3).all_reduce_is_reduce_scatter_gather
+
+
+def _run(mesh, stage, engine="autograd"):
+    return mesh.run(functools.partial(cases.stage_steps, mesh, stage, engine))
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_stage0_all_reduce_equals_its_two_collective_path_and_stage1(n, engine):
+    """Stage 0 on SimMesh (one all-reduce per bucket) gives the bits of stage 0 on a mesh that
+    claims nothing (reduce-scatter, then all-gather: with the autograd engine the all-gather of
+    each bucket starts in backward, `step.Chained`) and of stage 1, on every rank after every step."""
+    fused, split, one = _run(fzero.SimMesh(n), 0, engine), _run(cases.SplitSimMesh(n), 0, engine), \
+        _run(fzero.SimMesh(n), 1, engine)
+    for r in range(n):
+        for t, (a, b, c) in enumerate(zip(fused[r][0], split[r][0], one[r][0])):
+            assert_equal_leaves(a, b, f"stage 0, all-reduce vs RS + AG, rank {r}, step {t}")
+            assert_equal_leaves(a, c, f"stage 0 vs stage 1, rank {r}, step {t}")
+    # 3 units of one fp32 bucket each (w and b), 2 steps: one all-reduce per bucket and step, or two
+    assert fused[0][1] == ["all_reduce"] * 6
+    assert sorted(split[0][1]) == ["all_gather"] * 6 + ["reduce_scatter"] * 6
+
+
+@pytest.mark.dist
+def test_gloo_n3_stage0_all_reduce_equals_stages_1_to_3(dist3):
+    """Over real gloo at N = 3 (where the order of a sum can change its bits), stage 0's one
+    all-reduce per bucket and stages 1-3's reduce-scatters give the same params, bit for bit; and
+    those bits are gloo's, not SimMesh's rank-order sum (which differs somewhere)."""
+    runs = {s: dist3.run(cases.stage_steps, [(s,)] * 3) for s in range(4)}
+    assert runs[0][0][1] == ["all_reduce"] * 6
+    for s in (1, 2, 3):
+        for r in range(3):
+            for t, (a, b) in enumerate(zip(runs[0][r][0], runs[s][r][0])):
+                assert_equal_leaves(b, a, f"gloo, stage {s} vs stage 0, rank {r}, step {t}")
+    sim = flatten_with_paths(_run(fzero.SimMesh(3), 0)[0][0][-1])[1]
+    gloo = flatten_with_paths(runs[0][0][0][-1])[1]
+    assert not all(torch.equal(a, b) for a, b in zip(sim, gloo))  # the order of the sums matters here
