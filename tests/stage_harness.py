@@ -238,7 +238,7 @@ class PeakAtBackward(fzero.SimMesh):
             self.forward_peak = self.census.peak
         return super().collective(op, x, arg=arg, tag=tag)
 
-    def start(self, op, x, *, arg=None, tag=None):  # the step starts backward's reductions without waiting
+    def start(self, op, x, **kw):  # the step starts backward's reductions without waiting
         if op == "reduce_scatter" and self.forward_peak is None:
             self.forward_peak = self.census.peak
-        return super().start(op, x, arg=arg, tag=tag)
+        return super().start(op, x, **kw)

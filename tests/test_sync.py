@@ -30,6 +30,7 @@ from fzero._src import step as step_module
 from fzero._src.optim.base import spec_of
 
 from . import sync_cases
+from .allreduce_cases import SplitSimMesh
 
 
 def _check_broken(out: dict, rank: int, stage: int) -> None:
@@ -172,17 +173,22 @@ def test_one_host_read_per_donating_step(stage, donate, monkeypatch):
 # -- stages 0-1 start their reduction in backward ---------------------------------------------
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage):
+def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage, split):
     """With the autograd engine and accumulate="each", stages 0-1 start each bucket's
     reduce-scatter in its unit's backward (as stages 2-3), so they come in backward order (the
     loss reads a, b, c: backward reaches c first); stage 0 starts each bucket's gradient
     all-gather once the next bucket's reduce-scatter has started (`step.Chained`), the last after
     backward. With accumulate="once" (the sum is reduced after the last micro-batch) they come
-    after backward, in bucket order, each all-gather after every reduce-scatter. The bits are the same:
-    tests/test_stages.py holds stages 0-1 bitwise equal to stages 2-3, and tests/test_ddp.py
-    to torch DDP over gloo."""
-    mesh = fzero.SimMesh(2)
+    after backward, in bucket order, each all-gather after every reduce-scatter. On a mesh whose
+    all-reduce has the bits of its reduce-scatter + all-gather
+    (`Mesh.all_reduce_is_reduce_scatter_gather`: SimMesh, gloo) stage 0 issues one all-reduce per
+    bucket instead, in the reduce-scatter's place; `SplitSimMesh` claims nothing, so stage 0 takes
+    the two-collective path there. The bits are the same: tests/test_stages.py holds stages 0-1
+    bitwise equal to stages 2-3, tests/test_allreduce.py the one all-reduce equal to the two
+    collectives, and tests/test_ddp.py both to torch DDP over gloo."""
+    mesh = (SplitSimMesh if split else fzero.SimMesh)(2)
     params = {"a": torch.randn(6), "b": torch.randn(5), "c": torch.randn(4)}
 
     def loss(p, x):
@@ -202,7 +208,11 @@ def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage):
         assert out[0] == out[1]
         return out[0]
 
-    rs, ag = ("reduce_scatter",), ("all_gather",)
+    rs, ag, ar = ("reduce_scatter",), ("all_gather",), ("all_reduce",)
+    if stage == 0 and not split:
+        assert order("each") == [ar + (u,) for u in "cba"]
+        assert order("once") == [ar + (u,) for u in "abc"]
+        return
     chained = [rs + ("c",), rs + ("b",), ag + ("c",), rs + ("a",), ag + ("b",), ag + ("a",)]
     assert order("each") == (chained if stage == 0 else [rs + (u,) for u in "cba"])
     assert order("once") == [rs + (u,) for u in "abc"] + ([ag + (u,) for u in "abc"] if stage == 0 else [])

@@ -10,8 +10,10 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    which leaves got a gradient and which local gradients were non-finite;
 2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
    any is waited for -- with the autograd engine and `accumulate="each"`, stages 0-1 start theirs
-   in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's all-gather
-   of each bucket starts once the next bucket's reduction has, `Chained`); the reduced gradient
+   in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's reduction is
+   one all-reduce where the mesh's has the bits of reduce-scatter + all-gather,
+   `Mesh.all_reduce_is_reduce_scatter_gather`; elsewhere each bucket's all-gather starts once the
+   next bucket's reduction has, `Chained`); the reduced gradient
    is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`
@@ -734,8 +736,10 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     Every bucket's collectives are started before the first is waited for (`Stage` pieces'
     `start`), or were started in its unit's backward (`started`: stages 0-1); on DistMesh they run
     concurrently; the calls and their order per bucket are those of the blocking form, so the bits
-    are too. Stage 0's all-gathers not started in backward (`Chained`) start after every
-    reduce-scatter has been started, in bucket order."""
+    are too. Where stage 0 reduces by reduce-scatter + all-gather (a mesh without
+    `all_reduce_is_reduce_scatter_gather`), its all-gathers not started in backward (`Chained`)
+    start after every reduce-scatter has been started, in bucket order; elsewhere its reduction is
+    one all-reduce."""
     stage, mesh = state.stage, state.mesh
     started = started or {}
     grads = {b: g if g is not None else _zero_grad(state, b) for b, g in grads.items() if b not in started}
