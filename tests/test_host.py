@@ -12,6 +12,7 @@
 - a donating step prepares its update before the agreement's host read (`Optimizer.prepare_`,
   which writes nothing; its `launch` gives `update_`'s bits) and launches it after the read
   where every leaf was used (else `update_`); an error of `prepare_` is raised after the verdict;
+  `_replace(update_=...)` drops `prepare_`, so a wrapper's `update_` runs;
 - the unit Function's direct C-level apply outside transforms gives `Function.apply`'s bits;
 - stage 3 frees and re-gathers only where a unit has gathered storage of its own.
 """
@@ -608,3 +609,30 @@ def test_stage3_frees_and_regathers_only_where_a_unit_has_gathered_storage(n, po
 
     mesh.run(rank_fn)
     assert len(made) == (n if hooked else 0)
+
+
+def test_an_optimizer_whose_update_is_replaced_drops_its_prepare():
+    """`_replace(update_=...)` (a wrapper of the in-place update) drops `prepare_`, whose launch
+    would run the old update's kernels: a donating step then runs the new `update_` and returns
+    its bits. A replacement that names both keeps the given `prepare_`; other fields keep it."""
+    base = optim.sgd(0.1)
+    calls = []
+
+    def doubled(g, s, p, ctx):
+        calls.append(1)
+        return base.update_(2 * g, s, p, ctx)
+
+    wrapped = base._replace(update_=doubled)
+    assert wrapped.prepare_ is None and base._replace(shaped=False).prepare_ is base.prepare_
+    assert base._replace(update_=doubled, prepare_=base.prepare_).prepare_ is base.prepare_
+    mesh = fzero.SimMesh(1)
+    a = torch.randn(4)
+
+    def rank_fn():
+        state = fzero.init({"a": a}, wrapped, stage=0, mesh=mesh)
+        state, _ = fzero.train_step(lambda p, x: (p["a"] * x).sum(), donate=True)(state, torch.ones(4))
+        return fzero.gather(state)["a"]
+
+    (got,) = mesh.run(rank_fn)
+    assert calls == [1] and torch.equal(got, a.clone().add_(torch.full((4,), 2.0), alpha=-0.1))
+
