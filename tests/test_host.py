@@ -14,7 +14,8 @@
   where every leaf was used (else `update_`); an error of `prepare_` is raised after the verdict;
   `_replace(update_=...)` drops `prepare_`, so a wrapper's `update_` runs;
 - the unit Function's direct C-level apply outside transforms gives `Function.apply`'s bits;
-- stage 3 frees and re-gathers only where a unit has gathered storage of its own.
+- stage 3 frees and re-gathers only where a unit has gathered storage of its own (not at N = 1
+  with the optimizer offloaded and the held device shard in the compute dtype).
 """
 
 from __future__ import annotations
@@ -636,3 +637,26 @@ def test_an_optimizer_whose_update_is_replaced_drops_its_prepare():
     (got,) = mesh.run(rank_fn)
     assert calls == [1] and torch.equal(got, a.clone().add_(torch.full((4,), 2.0), alpha=-0.1))
 
+
+
+def test_stage3_at_n1_with_the_optimizer_offloaded_reads_its_held_shards_without_hooks(monkeypatch):
+    """With the optimizer offloaded (bf16 compute, fp32 master on the host) the step
+    differentiates a stand-in of the master and each unit reads the held device shard beside
+    it, already in the compute dtype: at N = 1 no unit has gathered storage, so no saved-tensor
+    hooks (`step._reads_held` asks the tensor the unit reads, not the stand-in)."""
+    made = []
+    unpacking = gathering_module._Unpacking
+    monkeypatch.setattr(gathering_module, "_Unpacking", lambda g: made.append(1) or unpacking(g))
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    batch = (torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units,
+                           precision=fzero.Precision(torch.bfloat16, torch.float32),
+                           offload=fzero.Offload(optimizer="cpu"))
+        fzero.train_step(lambda p, b: apply(p, *b), donate=True)(state, batch)
+
+    mesh.run(rank_fn)
+    assert made == []
