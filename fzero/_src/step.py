@@ -981,7 +981,6 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
     return Ready(params, launches, _overlap(state, reduced))
 
 
-
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
            host_factor: float = 1.0, ready: Ready | None = None) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
