@@ -12,8 +12,10 @@
 - a donating step prepares its update before the agreement's host read (`Optimizer.prepare_`,
   which writes nothing; its `launch` gives `update_`'s bits) and launches it after the read
   where every leaf was used (else `update_`); an error of `prepare_` is raised after the verdict;
+  `_replace(update_=...)` drops `prepare_`, so a wrapper's `update_` runs;
 - the unit Function's direct C-level apply outside transforms gives `Function.apply`'s bits;
-- stage 3 frees and re-gathers only where a unit has gathered storage of its own.
+- stage 3 frees and re-gathers only where a unit has gathered storage of its own (not at N = 1
+  with the optimizer offloaded and the held device shard in the compute dtype).
 """
 
 from __future__ import annotations
@@ -608,3 +610,53 @@ def test_stage3_frees_and_regathers_only_where_a_unit_has_gathered_storage(n, po
 
     mesh.run(rank_fn)
     assert len(made) == (n if hooked else 0)
+
+
+def test_an_optimizer_whose_update_is_replaced_drops_its_prepare():
+    """`_replace(update_=...)` (a wrapper of the in-place update) drops `prepare_`, whose launch
+    would run the old update's kernels: a donating step then runs the new `update_` and returns
+    its bits. A replacement that names both keeps the given `prepare_`; other fields keep it."""
+    base = optim.sgd(0.1)
+    calls = []
+
+    def doubled(g, s, p, ctx):
+        calls.append(1)
+        return base.update_(2 * g, s, p, ctx)
+
+    wrapped = base._replace(update_=doubled)
+    assert wrapped.prepare_ is None and base._replace(shaped=False).prepare_ is base.prepare_
+    assert base._replace(update_=doubled, prepare_=base.prepare_).prepare_ is base.prepare_
+    mesh = fzero.SimMesh(1)
+    a = torch.randn(4)
+
+    def rank_fn():
+        state = fzero.init({"a": a}, wrapped, stage=0, mesh=mesh)
+        state, _ = fzero.train_step(lambda p, x: (p["a"] * x).sum(), donate=True)(state, torch.ones(4))
+        return fzero.gather(state)["a"]
+
+    (got,) = mesh.run(rank_fn)
+    assert calls == [1] and torch.equal(got, a.clone().add_(torch.full((4,), 2.0), alpha=-0.1))
+
+
+
+def test_stage3_at_n1_with_the_optimizer_offloaded_reads_its_held_shards_without_hooks(monkeypatch):
+    """With the optimizer offloaded (bf16 compute, fp32 master on the host) the step
+    differentiates a stand-in of the master and each unit reads the held device shard beside
+    it, already in the compute dtype: at N = 1 no unit has gathered storage, so no saved-tensor
+    hooks (`step._reads_held` asks the tensor the unit reads, not the stand-in)."""
+    made = []
+    unpacking = gathering_module._Unpacking
+    monkeypatch.setattr(gathering_module, "_Unpacking", lambda g: made.append(1) or unpacking(g))
+    model = Net()
+    params, apply, info = from_module(model, units=units_by_prefix(model, "blocks"))
+    batch = (torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5)))
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units,
+                           precision=fzero.Precision(torch.bfloat16, torch.float32),
+                           offload=fzero.Offload(optimizer="cpu"))
+        fzero.train_step(lambda p, b: apply(p, *b), donate=True)(state, batch)
+
+    mesh.run(rank_fn)
+    assert made == []

@@ -579,7 +579,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     probes = _probes(state.info, programs, tuple([xs[p.buckets[0].index].device for p in programs]),
                      config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
-                  and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs)))
+                  and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs, fulls)))
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
@@ -607,15 +607,18 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 
 
-def _reads_held(state: ZeroState, xs: list[torch.Tensor]) -> bool:
+def _reads_held(state: ZeroState, xs: list[torch.Tensor], fulls: list[torch.Tensor | None]) -> bool:
     """Whether every unit reads its held tensors themselves, so that no gathered storage exists
     to free and gather again (`Gathering`'s `releasable` would do nothing but run a saved-tensor
     hook per saved tensor): at N = 1 with the params on the device (the enter's gather is then
-    `Mesh.solo`'s, which returns its input), each bucket's held tensor already in its compute
-    dtype (the enter's cast returns it too)."""
+    `Mesh.solo`'s, which returns its input), each bucket's held tensor -- what the unit enters:
+    the full buffer beside the differentiated tensor where there is one (`fulls[b]`, an
+    offloaded master's stand-in beside it), else that tensor -- already in its compute dtype
+    (the enter's cast returns it too)."""
     if state.mesh.world_size != 1 or state.info.offload.params is not None:
         return False
-    return all([xs[b.index].dtype == b.wire.compute for p in step_plan(state.info).programs for b in p.buckets])
+    return all([(xs[b.index] if fulls[b.index] is None else fulls[b.index]).dtype == b.wire.compute
+                for p in step_plan(state.info).programs for b in p.buckets])
 
 
 class Chained(Inflight):
@@ -980,7 +983,6 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
             continue
         params[b] = p
     return Ready(params, launches, _overlap(state, reduced))
-
 
 
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,

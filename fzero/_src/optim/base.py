@@ -100,8 +100,8 @@ class Optimizer(NamedTuple):
         `launch` checks the grad shard and runs the kernels. `update_(g, s, p, ctx)` is
         `prepare_(s, p, ctx)(g)` bit for bit (`two_phase` builds it so). A `launch` is called at
         most once, with `s`, `p` and `ctx` unchanged since `prepare_`. `None` where the optimizer
-        has no such form (the step then calls `update_`); an optimizer whose `update_` is
-        replaced (`_replace(update_=...)`) must drop its `prepare_` too.
+        has no such form (the step then calls `update_`). `_replace(update_=...)` without a
+        `prepare_` drops it (a wrapper of `update_` must not launch the old kernels).
 
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).
@@ -113,6 +113,21 @@ class Optimizer(NamedTuple):
     update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
     shaped: bool = False
     prepare_: Callable[[Any, torch.Tensor, UpdateContext], Callable[[torch.Tensor], Any]] | None = None
+
+
+_fields_replaced = Optimizer._replace
+
+
+def _replace(self: Optimizer, **fields: Any) -> Optimizer:
+    """namedtuple's `_replace`, except that a new `update_` given without a `prepare_` drops the
+    old `prepare_` (its `launch` runs the old update's kernels): a wrapper of `update_` is safe by
+    construction. (A NamedTuple's body may not define `_replace`, hence the assignment.)"""
+    if "update_" in fields and "prepare_" not in fields:
+        fields["prepare_"] = None
+    return _fields_replaced(self, **fields)
+
+
+Optimizer._replace = _replace  # type: ignore[method-assign]
 
 
 def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> Any:
