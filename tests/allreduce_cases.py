@@ -75,6 +75,20 @@ def reduce_forms(mesh, x):
             "in_place": donated.data_ptr() == mine.data_ptr()}
 
 
+
+def broadcast_forms(mesh, x, src):
+    """`broadcast(x, src)` blocking and started, and started with `donate=True` (DistMesh: in
+    `x`'s own storage): `(blocking, started, donated, whether donated is x's storage, x untouched
+    by the undonated ones)`."""
+    before = x.clone()
+    blocking = mesh.collective("broadcast", x, arg=src)
+    started = mesh.start("broadcast", x, arg=src).wait()
+    untouched = torch.equal(x, before)
+    mine = x.clone()
+    donated = mesh.start("broadcast", mine, arg=src, donate=True).wait()
+    return blocking, started, donated, donated.data_ptr() == mine.data_ptr(), untouched
+
+
 WIDTH = 12
 
 

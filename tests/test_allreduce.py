@@ -115,6 +115,34 @@ def test_the_claim_per_mesh():
     assert not cases.SplitSimMesh(3).all_reduce_is_reduce_scatter_gather
 
 
+
+def _dist_mesh(backend: str, n: int) -> fzero.DistMesh:
+    """A DistMesh of `backend` over `n` ranks without a process group: the claim reads only these."""
+    mesh = object.__new__(fzero.DistMesh)
+    Mesh.__init__(mesh, n)
+    mesh.backend = backend
+    return mesh
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "mpi"])
+def test_the_dist_mesh_claim_is_its_backend_and_world_size(backend):
+    """DistMesh claims by its backend and N alone (the same on every rank of a group): gloo at every
+    N (reduce-scatter is its all-reduce plus a chunk); NCCL and any other backend only at N <= 2,
+    where a sum of two terms cannot depend on the order (proofs/communication.md)."""
+    got = [_dist_mesh(backend, n).all_reduce_is_reduce_scatter_gather for n in (1, 2, 3, 8)]
+    assert got == ([True] * 4 if backend == "gloo" else [True, True, False, False])
+
+
+@pytest.mark.dist
+def test_gloo_donated_broadcast_has_the_bits_in_the_callers_buffer(dist3):
+    """`Mesh.start("broadcast", x, donate=True)` over gloo: the source's bits on every rank, in the
+    caller's own buffer (no copy); without `donate` the caller's `x` is left as it was."""
+    xs = cases.order_sensitive(3, 5, torch.float32, seed=7)
+    for blocking, started, donated, in_place, untouched in dist3.run(cases.broadcast_forms, [(x, 1) for x in xs]):
+        assert all(_same_bits(t, xs[1]) for t in (blocking, started, donated))
+        assert in_place and untouched
+
+
 def _run(mesh, stage, engine="autograd"):
     return mesh.run(functools.partial(cases.stage_steps, mesh, stage, engine))
 
