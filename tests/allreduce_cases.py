@@ -48,6 +48,17 @@ def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch
     return [x[r].to(dtype) for r in range(n)]
 
 
+
+def wide(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Per rank r, `x_r[n * s]` of random normals times 2^k, k uniform in [-12, 12], with no loop
+    per element (large buffers): sums of terms this far apart in size round differently in
+    different orders on a few percent of the elements at n >= 3."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n * s, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-12, 13, (n, n * s), generator=g).double())
+    return [x[r].to(dtype) for r in range(n)]
+
+
 def left_to_right(xs: list[torch.Tensor], order: tuple[int, ...]) -> torch.Tensor:
     """`((x_{o0} + x_{o1}) + x_{o2}) + ...`: one summation order over ranks."""
     acc = xs[order[0]].clone()
