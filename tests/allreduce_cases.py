@@ -1,7 +1,8 @@
 """Helpers of tests/test_allreduce.py: functions the torchrun workers of `fzero.testing.Pool` run
 (as `fn(mesh, *args)`, the mesh first, so a test runs the same function on a `SimMesh` too), the
-order-sensitive values, and a SimMesh that does not claim its all-reduce has the bits of its
-reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2)."""
+order-sensitive values, a SimMesh that does not claim its all-reduce has the bits of its
+reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2), and
+one whose donated all-reduce sums in the caller's buffer, as DistMesh's does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import fzero
 from fzero import optim
+from fzero._src.mesh import Pending
 
 # p: the significand's digits; u = 2^-p is half an ulp of 1, so fl(1 + u) = 1 (a tie, to even)
 # while fl(u + u) = 2u and fl(1 + 2u) = 1 + 2u exactly
@@ -24,6 +26,24 @@ class SplitSimMesh(fzero.SimMesh):
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:
         return False
+
+
+
+class DonatedSimMesh(fzero.SimMesh):
+    """A SimMesh whose donated all-reduce (and broadcast) returns its result in the caller's own
+    buffer, as DistMesh's does: a caller that read a buffer after donating it would read the sum,
+    not what it gave (SimMesh itself never writes a donated buffer)."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.donated: list[str | None] = []  # the tags of the donated collectives, every rank's
+
+    def _start(self, call, x, donate=False):
+        pending = super()._start(call, x, donate)
+        if donate and call.op in ("all_reduce", "broadcast"):
+            self.donated.append(call.tag)
+            return Pending(x.copy_(pending.wait()))
+        return pending
 
 
 def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -130,3 +150,31 @@ def stage_steps(mesh, stage, engine="autograd", steps=2):
     ops = [c.op for c in log if c.rank == mesh.rank and c.tag is not None and not c.tag.startswith("fzero.")
            and not c.tag.endswith("/leaf_sum")]
     return trace, ops
+
+
+def loss_some_ranks(p, x):
+    """`loss` plus a frozen leaf's term, plus leaf `extra.v` only where the batch says so
+    (`x[0, 0] > 50`: some ranks' batches only, so the other ranks reduce zeros for its bucket)."""
+    out = loss(p, x) + (x[:, :WIDTH] * p["frz"]["f"]).mean()
+    if float(x[0, 0]) > 50:
+        out = out + (p["extra"]["v"] * x).mean()
+    return out
+
+
+def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
+    """`steps` AdamW steps at `stage` of `loss_some_ranks` (one unit per layer, a frozen group, a
+    leaf rank 0 alone uses) with `micro` micro-batches: the gathered params after each step."""
+    p = {**params(), "extra": {"v": torch.linspace(-1, 1, WIDTH)}, "frz": {"f": torch.linspace(2, 3, WIDTH)}}
+    state = fzero.init(p, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh,
+                       units=lambda path: path.split(".")[0],
+                       groups=[fzero.ParamGroup("frozen", match=lambda q: q.startswith("frz"), frozen=True)])
+    step = fzero.train_step(loss_some_ranks, engine=engine, micro_batches=micro, accumulate=accumulate)
+    g = torch.Generator().manual_seed(200 + mesh.rank)
+    trace = []
+    for _ in range(steps):
+        xs = [torch.randn(8, WIDTH, generator=g) for _ in range(micro)]
+        if mesh.rank == 0:
+            xs[0][0, 0] = 100.0
+        state, _ = step(state, xs if micro > 1 else xs[0])
+        trace.append(fzero.gather(state))
+    return trace

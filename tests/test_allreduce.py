@@ -175,6 +175,28 @@ def test_stage0_all_reduce_equals_its_two_collective_path_and_stage1(n, engine):
     assert sorted(split[0][1]) == ["all_gather"] * 6 + ["reduce_scatter"] * 6
 
 
+
+@pytest.mark.parametrize("engine,micro,accumulate", [("autograd", 1, "each"), ("func", 1, "each"),
+                                                      ("autograd", 2, "each"), ("autograd", 2, "once"),
+                                                      ("func", 2, "once")])
+def test_stage0_reads_no_gradient_buffer_it_donated(engine, micro, accumulate):
+    """Stage 0 donates each bucket's gradient buffer to its all-reduce (`_start_all_reduce`), which
+    on DistMesh sums in it. On a SimMesh that does the same (`DonatedSimMesh`), stage 0 still gives
+    stage 1's bits at N = 3 after every step with both engines, micro-batches reduced each or once,
+    a frozen group and a bucket only rank 0 differentiates (the others reduce fresh zeros): no
+    buffer is read, or reused, after it was donated."""
+    n, out, donated = 3, {}, {}
+    for stage in (0, 1):
+        mesh = cases.DonatedSimMesh(n)
+        out[stage] = mesh.run(functools.partial(cases.donation_steps, mesh, stage, engine, micro, accumulate))
+        donated[stage] = len(mesh.donated)
+    # 2 steps, 4 trainable buckets (l0-l2, extra), every rank: one donation per reduction
+    assert donated == {0: 2 * 4 * n * (micro if accumulate == "each" else 1), 1: 0}
+    for r in range(n):
+        for t, (a, b) in enumerate(zip(out[0][r], out[1][r])):
+            assert_equal_leaves(a, b, f"stage 0 (donated all-reduce) vs stage 1, rank {r}, step {t}")
+
+
 @pytest.mark.dist
 def test_gloo_n3_stage0_all_reduce_equals_stages_1_to_3(dist3):
     """Over real gloo at N = 3 (where the order of a sum can change its bits), stage 0's one
