@@ -72,10 +72,12 @@ def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch
 def wide(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     """Per rank r, `x_r[n * s]` of random normals times 2^k, k uniform in [-12, 12], with no loop
     per element (large buffers): sums of terms this far apart in size round differently in
-    different orders on a few percent of the elements at n >= 3."""
+    different orders on a few percent of the elements at n >= 3. Every 997th element is +inf on
+    rank 0 and -inf on rank n - 1 (a NaN sum), every 1009th NaN on rank n - 1."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, n * s, generator=g, dtype=torch.float64) * torch.exp2(
         torch.randint(-12, 13, (n, n * s), generator=g).double())
+    x[0, ::997], x[n - 1, ::997], x[n - 1, 5::1009] = float("inf"), float("-inf"), float("nan")
     return [x[r].to(dtype) for r in range(n)]
 
 

@@ -82,7 +82,8 @@ def test_gloo_n3_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype
 def test_gloo_n3_large_buffer_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype):
     """The same over a buffer of 3 (2^19 + 5) elements (1.5-12 MiB, a hundred times the buffers
     above: whatever pieces gloo cuts a large buffer into, both forms cut the same buffer), chunk
-    boundaries off any power of two, on every rank; some order of the ranks differs in every chunk."""
+    boundaries off any power of two, with infinities and NaNs among the values, on every rank;
+    some order of the ranks differs in every chunk."""
     xs = cases.wide(3, 2**19 + 5, dtype, seed=3)
     _check_forms(dist3.run(cases.reduce_forms, [(x,) for x in xs]), xs)
 
