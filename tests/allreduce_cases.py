@@ -1,7 +1,8 @@
 """Helpers of tests/test_allreduce.py: functions the torchrun workers of `fzero.testing.Pool` run
 (as `fn(mesh, *args)`, the mesh first, so a test runs the same function on a `SimMesh` too), the
-order-sensitive values, and a SimMesh that does not claim its all-reduce has the bits of its
-reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2)."""
+order-sensitive values, a SimMesh that does not claim its all-reduce has the bits of its
+reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2), and
+one whose donated all-reduce sums in the caller's buffer, as DistMesh's does."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import fzero
 from fzero import optim
+from fzero._src.mesh import Pending
 
 # p: the significand's digits; u = 2^-p is half an ulp of 1, so fl(1 + u) = 1 (a tie, to even)
 # while fl(u + u) = 2u and fl(1 + 2u) = 1 + 2u exactly
@@ -24,6 +26,24 @@ class SplitSimMesh(fzero.SimMesh):
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:
         return False
+
+
+
+class DonatedSimMesh(fzero.SimMesh):
+    """A SimMesh whose donated all-reduce (and broadcast) returns its result in the caller's own
+    buffer, as DistMesh's does: a caller that read a buffer after donating it would read the sum,
+    not what it gave (SimMesh itself never writes a donated buffer)."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.donated: list[str | None] = []  # the tags of the donated collectives, every rank's
+
+    def _start(self, call, x, donate=False):
+        pending = super()._start(call, x, donate)
+        if donate and call.op in ("all_reduce", "broadcast"):
+            self.donated.append(call.tag)
+            return Pending(x.copy_(pending.wait()))
+        return pending
 
 
 def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -45,6 +65,19 @@ def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch
             scale = 2.0 ** int(torch.randint(-8, 9, (), generator=g)) * (1 if torch.rand((), generator=g) < 0.5 else -1)
             x[:, j] = u * scale
             x[j % n, j] = scale
+    return [x[r].to(dtype) for r in range(n)]
+
+
+
+def wide(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Per rank r, `x_r[n * s]` of random normals times 2^k, k uniform in [-12, 12], with no loop
+    per element (large buffers): sums of terms this far apart in size round differently in
+    different orders on a few percent of the elements at n >= 3. Every 997th element is +inf on
+    rank 0 and -inf on rank n - 1 (a NaN sum), every 1009th NaN on rank n - 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n * s, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-12, 13, (n, n * s), generator=g).double())
+    x[0, ::997], x[n - 1, ::997], x[n - 1, 5::1009] = float("inf"), float("-inf"), float("nan")
     return [x[r].to(dtype) for r in range(n)]
 
 
@@ -73,6 +106,20 @@ def reduce_forms(mesh, x):
     started["donated"] = donated
     return {"blocking": blocking, "started": started, "claim": mesh.all_reduce_is_reduce_scatter_gather,
             "in_place": donated.data_ptr() == mine.data_ptr()}
+
+
+
+def broadcast_forms(mesh, x, src):
+    """`broadcast(x, src)` blocking and started, and started with `donate=True` (DistMesh: in
+    `x`'s own storage): `(blocking, started, donated, whether donated is x's storage, x untouched
+    by the undonated ones)`."""
+    before = x.clone()
+    blocking = mesh.collective("broadcast", x, arg=src)
+    started = mesh.start("broadcast", x, arg=src).wait()
+    untouched = torch.equal(x, before)
+    mine = x.clone()
+    donated = mesh.start("broadcast", mine, arg=src, donate=True).wait()
+    return blocking, started, donated, donated.data_ptr() == mine.data_ptr(), untouched
 
 
 WIDTH = 12
@@ -105,3 +152,31 @@ def stage_steps(mesh, stage, engine="autograd", steps=2):
     ops = [c.op for c in log if c.rank == mesh.rank and c.tag is not None and not c.tag.startswith("fzero.")
            and not c.tag.endswith("/leaf_sum")]
     return trace, ops
+
+
+def loss_some_ranks(p, x):
+    """`loss` plus a frozen leaf's term, plus leaf `extra.v` only where the batch says so
+    (`x[0, 0] > 50`: some ranks' batches only, so the other ranks reduce zeros for its bucket)."""
+    out = loss(p, x) + (x[:, :WIDTH] * p["frz"]["f"]).mean()
+    if float(x[0, 0]) > 50:
+        out = out + (p["extra"]["v"] * x).mean()
+    return out
+
+
+def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
+    """`steps` AdamW steps at `stage` of `loss_some_ranks` (one unit per layer, a frozen group, a
+    leaf rank 0 alone uses) with `micro` micro-batches: the gathered params after each step."""
+    p = {**params(), "extra": {"v": torch.linspace(-1, 1, WIDTH)}, "frz": {"f": torch.linspace(2, 3, WIDTH)}}
+    state = fzero.init(p, optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh,
+                       units=lambda path: path.split(".")[0],
+                       groups=[fzero.ParamGroup("frozen", match=lambda q: q.startswith("frz"), frozen=True)])
+    step = fzero.train_step(loss_some_ranks, engine=engine, micro_batches=micro, accumulate=accumulate)
+    g = torch.Generator().manual_seed(200 + mesh.rank)
+    trace = []
+    for _ in range(steps):
+        xs = [torch.randn(8, WIDTH, generator=g) for _ in range(micro)]
+        if mesh.rank == 0:
+            xs[0][0, 0] = 100.0
+        state, _ = step(state, xs if micro > 1 else xs[0])
+        trace.append(fzero.gather(state))
+    return trace

@@ -76,6 +76,18 @@ def test_gloo_n3_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype
     assert all(o["in_place"] for o in out)  # a donated all-reduce sums in the caller's buffer: no copy
 
 
+
+@pytest.mark.dist
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gloo_n3_large_buffer_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist3, dtype):
+    """The same over a buffer of 3 (2^19 + 5) elements (1.5-12 MiB, a hundred times the buffers
+    above: whatever pieces gloo cuts a large buffer into, both forms cut the same buffer), chunk
+    boundaries off any power of two, with infinities and NaNs among the values, on every rank;
+    some order of the ranks differs in every chunk."""
+    xs = cases.wide(3, 2**19 + 5, dtype, seed=3)
+    _check_forms(dist3.run(cases.reduce_forms, [(x,) for x in xs]), xs)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gloo_n2_all_reduce_is_all_gather_of_reduce_scatter_bitwise(dist2, dtype):
@@ -115,6 +127,34 @@ def test_the_claim_per_mesh():
     assert not cases.SplitSimMesh(3).all_reduce_is_reduce_scatter_gather
 
 
+
+def _dist_mesh(backend: str, n: int) -> fzero.DistMesh:
+    """A DistMesh of `backend` over `n` ranks without a process group: the claim reads only these."""
+    mesh = object.__new__(fzero.DistMesh)
+    Mesh.__init__(mesh, n)
+    mesh.backend = backend
+    return mesh
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "mpi"])
+def test_the_dist_mesh_claim_is_its_backend_and_world_size(backend):
+    """DistMesh claims by its backend and N alone (the same on every rank of a group): gloo at every
+    N (reduce-scatter is its all-reduce plus a chunk); NCCL and any other backend only at N <= 2,
+    where a sum of two terms cannot depend on the order (proofs/communication.md)."""
+    got = [_dist_mesh(backend, n).all_reduce_is_reduce_scatter_gather for n in (1, 2, 3, 8)]
+    assert got == ([True] * 4 if backend == "gloo" else [True, True, False, False])
+
+
+@pytest.mark.dist
+def test_gloo_donated_broadcast_has_the_bits_in_the_callers_buffer(dist3):
+    """`Mesh.start("broadcast", x, donate=True)` over gloo: the source's bits on every rank, in the
+    caller's own buffer (no copy); without `donate` the caller's `x` is left as it was."""
+    xs = cases.order_sensitive(3, 5, torch.float32, seed=7)
+    for blocking, started, donated, in_place, untouched in dist3.run(cases.broadcast_forms, [(x, 1) for x in xs]):
+        assert all(_same_bits(t, xs[1]) for t in (blocking, started, donated))
+        assert in_place and untouched
+
+
 def _run(mesh, stage, engine="autograd"):
     return mesh.run(functools.partial(cases.stage_steps, mesh, stage, engine))
 
@@ -134,6 +174,28 @@ def test_stage0_all_reduce_equals_its_two_collective_path_and_stage1(n, engine):
     # 3 units of one fp32 bucket each (w and b), 2 steps: one all-reduce per bucket and step, or two
     assert fused[0][1] == ["all_reduce"] * 6
     assert sorted(split[0][1]) == ["all_gather"] * 6 + ["reduce_scatter"] * 6
+
+
+
+@pytest.mark.parametrize("engine,micro,accumulate", [("autograd", 1, "each"), ("func", 1, "each"),
+                                                      ("autograd", 2, "each"), ("autograd", 2, "once"),
+                                                      ("func", 2, "once")])
+def test_stage0_reads_no_gradient_buffer_it_donated(engine, micro, accumulate):
+    """Stage 0 donates each bucket's gradient buffer to its all-reduce (`_start_all_reduce`), which
+    on DistMesh sums in it. On a SimMesh that does the same (`DonatedSimMesh`), stage 0 still gives
+    stage 1's bits at N = 3 after every step with both engines, micro-batches reduced each or once,
+    a frozen group and a bucket only rank 0 differentiates (the others reduce fresh zeros): no
+    buffer is read, or reused, after it was donated."""
+    n, out, donated = 3, {}, {}
+    for stage in (0, 1):
+        mesh = cases.DonatedSimMesh(n)
+        out[stage] = mesh.run(functools.partial(cases.donation_steps, mesh, stage, engine, micro, accumulate))
+        donated[stage] = len(mesh.donated)
+    # 2 steps, 4 trainable buckets (l0-l2, extra), every rank: one donation per reduction
+    assert donated == {0: 2 * 4 * n * (micro if accumulate == "each" else 1), 1: 0}
+    for r in range(n):
+        for t, (a, b) in enumerate(zip(out[0][r], out[1][r])):
+            assert_equal_leaves(a, b, f"stage 0 (donated all-reduce) vs stage 1, rank {r}, step {t}")
 
 
 @pytest.mark.dist
