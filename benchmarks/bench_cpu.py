@@ -20,6 +20,10 @@ reduce-scatter is an all-reduce plus a chunk, so the pair moves about 1.5x what 
 (adds `fzero-stage0-split` rows, on a mesh that claims nothing about its all-reduce,
 `Mesh.all_reduce_is_reduce_scatter_gather`; `--rounds R` times every mode R times in turn, DDP
 included, each row's ratio to its own round's DDP)
+Stage 3 keeping every gathered unit until the backward (`gather="eager"`: no re-gather, so it
+moves 2Ψ per step as DDP does, against 3Ψ):
+        torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 3 --eager-stages 3 --rounds 2
+(adds `fzero-stage3-eager` rows)
 Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
         --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
 """
@@ -92,6 +96,8 @@ def main() -> None:
     ap.add_argument("--split-stages", default="",
                     help="comma list of stages to time also on a mesh that claims nothing about its all-reduce "
                          "(stage 0: reduce-scatter + all-gather instead of one all-reduce)")
+    ap.add_argument("--eager-stages", default="",
+                    help='also time these stages with gather="eager" (every unit gathered before the loss)')
     ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
@@ -103,9 +109,10 @@ def main() -> None:
     model = model_of(a)
     caps = [None if c == "none" else int(c) for c in a.bucket_bytes.split(",")]
     once = {int(s) for s in a.once_stages.split(",") if s}
-    runs = [(int(s), cap, "each", mesh) for s in a.stages.split(",") for cap in caps]
-    runs += [(s, caps[0], "once", mesh) for s in sorted(once)]
-    runs += [(int(s), caps[0], "each", split) for s in a.split_stages.split(",") if s]
+    runs = [(int(s), cap, "each", mesh, "on_use") for s in a.stages.split(",") for cap in caps]
+    runs += [(s, caps[0], "once", mesh, "on_use") for s in sorted(once)]
+    runs += [(int(s), caps[0], "each", split, "on_use") for s in a.split_stages.split(",") if s]
+    runs += [(int(s), caps[0], "each", mesh, "eager") for s in a.eager_stages.split(",") if s]
     for r in range(a.rounds):
         ddp = DDP(model_of(a))  # a fresh model per round: the same initial values as every fzero mode's
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
@@ -117,19 +124,20 @@ def main() -> None:
 
         rows = [("ddp", timed(ddp_step, a))]
         del ddp, opt
-        for stage, cap, accumulate, on in runs:
+        for stage, cap, accumulate, on, gather in runs:
             params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
             state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
                                bucket_bytes=cap)
             step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
-                                    accumulate=accumulate)
+                                    accumulate=accumulate, gather=gather)
             box = [state]
 
             def fzero_step() -> None:
                 box[0], _ = step(box[0], (x, y))
 
             mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
-                    + ("" if accumulate == "each" else "-once") + ("-split" if on is split else ""))
+                    + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
+                    + ("" if gather == "on_use" else f"-{gather}"))
             rows.append((mode, timed(fzero_step, a)))
             del box, state
         if rank == 0:
