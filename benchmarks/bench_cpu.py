@@ -98,6 +98,7 @@ def main() -> None:
                          "(stage 0: reduce-scatter + all-gather instead of one all-reduce)")
     ap.add_argument("--eager-stages", default="",
                     help='also time these stages with gather="eager" (every unit gathered before the loss)')
+    ap.add_argument("--prefetch", type=int, default=0, help="train_step(prefetch=k) for every fzero mode")
     ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
@@ -129,7 +130,7 @@ def main() -> None:
             state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
                                bucket_bytes=cap)
             step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
-                                    accumulate=accumulate, gather=gather)
+                                    accumulate=accumulate, gather=gather, prefetch=a.prefetch)
             box = [state]
 
             def fzero_step() -> None:
