@@ -12,7 +12,6 @@ import torch
 
 import fzero
 from fzero import optim
-from fzero._src.mesh import Pending
 
 # p: the significand's digits; u = 2^-p is half an ulp of 1, so fl(1 + u) = 1 (a tie, to even)
 # while fl(u + u) = 2u and fl(1 + 2u) = 1 + 2u exactly
@@ -30,9 +29,9 @@ class SplitSimMesh(fzero.SimMesh):
 
 
 class DonatedSimMesh(fzero.SimMesh):
-    """A SimMesh whose donated all-reduce (and broadcast) returns its result in the caller's own
-    buffer, as DistMesh's does: a caller that read a buffer after donating it would read the sum,
-    not what it gave (SimMesh itself never writes a donated buffer)."""
+    """A SimMesh that counts its donated all-reduces (and broadcasts). Like DistMesh's, SimMesh's
+    return their result in the caller's own buffer (`Mesh._start`): a caller that read a buffer
+    after donating it would read the sum, not what it gave."""
 
     def __init__(self, world_size: int) -> None:
         super().__init__(world_size)
@@ -42,7 +41,7 @@ class DonatedSimMesh(fzero.SimMesh):
         pending = super()._start(call, x, donate)
         if donate and call.op in ("all_reduce", "broadcast"):
             self.donated.append(call.tag)
-            return Pending(x.copy_(pending.wait()))
+            assert pending.wait().data_ptr() == x.data_ptr()  # the result is in the donated buffer
         return pending
 
 

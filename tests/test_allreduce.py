@@ -182,7 +182,7 @@ def test_stage0_all_reduce_equals_its_two_collective_path_and_stage1(n, engine):
                                                       ("func", 2, "once")])
 def test_stage0_reads_no_gradient_buffer_it_donated(engine, micro, accumulate):
     """Stage 0 donates each bucket's gradient buffer to its all-reduce (`_start_all_reduce`), which
-    on DistMesh sums in it. On a SimMesh that does the same (`DonatedSimMesh`), stage 0 still gives
+    on DistMesh and SimMesh sums in it. On SimMesh (`DonatedSimMesh` counts the donations), stage 0 still gives
     stage 1's bits at N = 3 after every step with both engines, micro-batches reduced each or once,
     a frozen group and a bucket only rank 0 differentiates (the others reduce fresh zeros): no
     buffer is read, or reused, after it was donated."""

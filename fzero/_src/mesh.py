@@ -200,9 +200,14 @@ class Mesh(abc.ABC):
         return call, x.detach().contiguous()
 
     def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> "Pending":
-        """Backend primitive of `start`: by default the blocking `_exchange`, already complete
-        (which never writes `x`, donated or not)."""
-        return Pending(self._exchange(call, x))
+        """Backend primitive of `start`: by default the blocking `_exchange`, already complete. A
+        donated all-reduce or broadcast returns its result in `x`'s own storage, as DistMesh's
+        does, so a caller that read a buffer after donating it reads the result here too (SimMesh
+        is where the tests run)."""
+        out = self._exchange(call, x)
+        if donate and call.op in ("all_reduce", "broadcast"):
+            return Pending(x.copy_(out))
+        return Pending(out)
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
         where = f" (tag {tag!r})" if tag else ""
