@@ -183,8 +183,8 @@ class Mesh(abc.ABC):
         before reading its result; between start and wait, `x` must not be written.
 
         `donate`: the caller hands `x` over and never reads it again, so an all-reduce or a
-        broadcast may run in `x`'s own storage and return it (DistMesh: no copy of `x`); the
-        bits are the same."""
+        broadcast runs in `x`'s own storage and returns it (DistMesh: no copy of `x`; SimMesh: the
+        result copied into `x`); the bits are the same."""
         call, data = self._enter(op, x, arg, tag)
         return self._start(call, data, donate=donate)
 
