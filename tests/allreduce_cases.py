@@ -2,7 +2,8 @@
 (as `fn(mesh, *args)`, the mesh first, so a test runs the same function on a `SimMesh` too), the
 order-sensitive values, a SimMesh that does not claim its all-reduce has the bits of its
 reduce-scatter + all-gather (so stage 0 takes the two-collective path NCCL takes at N > 2), and
-one whose donated all-reduce sums in the caller's buffer, as DistMesh's does."""
+one that counts its donated all-reduces (SimMesh, as DistMesh, sums a donated one in the caller's
+buffer)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ class SplitSimMesh(fzero.SimMesh):
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:
         return False
-
 
 
 class DonatedSimMesh(fzero.SimMesh):
@@ -67,7 +67,6 @@ def order_sensitive(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch
     return [x[r].to(dtype) for r in range(n)]
 
 
-
 def wide(n: int, s: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     """Per rank r, `x_r[n * s]` of random normals times 2^k, k uniform in [-12, 12], with no loop
     per element (large buffers): sums of terms this far apart in size round differently in
@@ -105,7 +104,6 @@ def reduce_forms(mesh, x):
     started["donated"] = donated
     return {"blocking": blocking, "started": started, "claim": mesh.all_reduce_is_reduce_scatter_gather,
             "in_place": donated.data_ptr() == mine.data_ptr()}
-
 
 
 def broadcast_forms(mesh, x, src):
