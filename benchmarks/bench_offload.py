@@ -510,6 +510,18 @@ def _drop_stale_locks() -> None:
             os.remove(os.path.join(folder, "lock"))
 
 
+def train_child(mode: str, a, width: int, depth: int, timeout: float) -> tuple[list[dict], float, str | None]:
+    """One training attempt of `mode` at (width, depth) in its own child (`child`'s result); the
+    swap files a killed run leaves in `--nvme-path` are removed after it."""
+    args = ["--child", "train", "--mode", mode, "--host-impl", a.host_impl, "--width", str(width), "--depth",
+            str(depth), "--vocab", str(a.vocab), "--seq", str(a.seq), "--micro", str(a.micro), "--heads",
+            str(a.heads), "--steps", str(a.steps), "--nvme-path", a.nvme_path]
+    out = child(args, timeout)
+    shutil.rmtree(os.path.join(a.nvme_path, "fzero"), ignore_errors=True)
+    shutil.rmtree(os.path.join(a.nvme_path, "deepspeed"), ignore_errors=True)
+    return out
+
+
 def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
     host_pp, nvme_pp = host_bytes_per_param(mode, a.host_slack)  # (imports fzero and torch into the driver once: seconds)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
@@ -526,17 +538,12 @@ def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
         if nvme_pp and nvme_pp * n > 0.85 * shutil.disk_usage(a.nvme_path).free:
             why = f"{n / 1e9:.3g}B needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its free space"
             break
-        args = ["--child", "train", "--mode", mode, "--host-impl", a.host_impl, "--width", str(width), "--depth", str(depth), "--vocab",
-                str(a.vocab), "--seq", str(a.seq), "--micro", str(a.micro), "--heads", str(a.heads), "--steps",
-                str(a.steps), "--nvme-path", a.nvme_path]
-        rows, wall, status = child(args, min(left, a.run_timeout))
+        rows, wall, status = train_child(mode, a, width, depth, min(left, a.run_timeout))
         row = rows[0] if rows else dict(bench="train", mode=mode, width=width, depth=depth,
                                          params_M=round(n / 1e6, 1), error=status.split(";")[0], detail=status)
         row.update(wall_s=round(wall, 1), host_pred_GiB=round(host_pp * n / GIB, 1),
                    nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
         emit(row, a.out)
-        shutil.rmtree(os.path.join(a.nvme_path, "fzero"), ignore_errors=True)  # a killed run's swap files
-        shutil.rmtree(os.path.join(a.nvme_path, "deepspeed"), ignore_errors=True)
         if "error" in row:
             why = f"{row['params_M'] / 1e3:.3g}B failed: {row['error']}"
             break
@@ -575,16 +582,11 @@ def search(mode: str, a, deadline: float, modes_left: int) -> None:
             emit(dict(base, skipped=f"needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its "
                                     f"free space"), a.out)
             continue
-        args = ["--child", "train", "--mode", mode, "--host-impl", a.host_impl, "--width", str(width), "--depth",
-                str(depth), "--vocab", str(a.vocab), "--seq", str(a.seq), "--micro", str(a.micro), "--heads",
-                str(a.heads), "--steps", str(a.steps), "--nvme-path", a.nvme_path]
-        rows, wall, status = child(args, min(left, a.run_timeout))
+        rows, wall, status = train_child(mode, a, width, depth, min(left, a.run_timeout))
         attempts += 1
         row = dict(base, **rows[0]) if rows else dict(base, error=status.split(";")[0], detail=status)
         row.update(wall_s=round(wall, 1), attempt=attempts)
         emit(row, a.out)
-        shutil.rmtree(os.path.join(a.nvme_path, "fzero"), ignore_errors=True)  # a killed run's swap files
-        shutil.rmtree(os.path.join(a.nvme_path, "deepspeed"), ignore_errors=True)
         if "error" not in row:
             found, why = row, f"the largest size that trained, after {attempts} attempt(s)"
             break

@@ -71,13 +71,14 @@ def kernel_rows(device: torch.device, n: int, out: str | None) -> None:
             # proofs/offload.md §2, corrected: where each kernel rounds beta to float32 (kappa, tau)
             k1, k2 = beta1 / (1 - beta1), beta2 / (1 - beta2)
             tau1, tau2 = t * beta1**t / (1 - beta1**t), t * beta2**t / (1 - beta2**t)
-            row = {"ratio_p": ratio(host_p, dev_p, U * (6 * p1.abs() + (27 + k1 + tau1 + (k2 + tau2) / 2) * r)),
+            c = 27 + k1 + tau1 + (k2 + tau2) / 2  # the corrected bound's coefficient of R
+            row = {"ratio_p": ratio(host_p, dev_p, U * (6 * p1.abs() + c * r)),
                    "ratio_m": ratio(host_s.exp_avg, dev_s.exp_avg, (6 + k1) * U * big_m),
                    "ratio_v": ratio(host_s.exp_avg_sq, dev_s.exp_avg_sq, (6 + k2) * U * v1),
                    "ratio_p_first_bound": ratio(host_p, dev_p, U * (6 * p1.abs() + 27 * r))}
             worst = {k: max(worst[k], row[k]) for k in worst}
             emit({"row": "kernel", "opt": "adamw", "t": t, "lr": lr, "wd": wd, "device": str(device), **row,
-                  "p_coefficient_of_R": 27 + k1 + tau1 + (k2 + tau2) / 2,
+                  "p_coefficient_of_R": c,
                   "equal_p": float((host_p == dev_p).double().mean())}, out)
     # the verdict over every (t, lr, wd): the corrected bound of proofs/offload.md section 2 holds
     # iff every ratio is <= 1 (ratio_p_first_bound: the refuted first bound, for the record)

@@ -121,7 +121,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     tiers = tier_split(state, optimizer)
     return HeldBytes(
         params=sum(t.params for t in tiers),
-        grads=grad_bytes(state.layout, state.stage),
+        grads=tiers.device.grads,  # grad_bytes
         optimizer_state=_nbytes(state.opt_state),
         master=_nbytes(state.master),
         optimizer_leaf=None if optimizer is None else sum(t.optimizer_leaf for t in tiers),
@@ -135,8 +135,7 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     `opt_state[b]` are on the host where b has a host tier (`StateInfo.host_tier`), else on the
     device -- but an NVMe tier's file-backed fields (`NvmeTier.fields`) are in files."""
     info = state.info
-    offload = getattr(info, "offload", None)
-    params_off = offload is not None and offload.params is not None
+    params_off = info.offload.params is not None
     tiers = ("device", "host", "nvme")
     acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
     acc["device"]["grads"] = grad_bytes(state.layout, state.stage)
