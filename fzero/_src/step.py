@@ -54,7 +54,7 @@ from torch.profiler import record_function
 
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
-from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
+from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies
 from .optim.base import UpdateContext
@@ -619,7 +619,7 @@ def _reads_held(state: ZeroState, xs: list[torch.Tensor], fulls: list[torch.Tens
     (the enter's cast returns it too)."""
     if state.mesh.world_size != 1 or state.info.offload.params is not None:
         return False
-    return all([(xs[b.index] if fulls[b.index] is None else fulls[b.index]).dtype == b.wire.compute
+    return all([held_tensor(xs, fulls, b.index).dtype == b.wire.compute
                 for p in step_plan(state.info).programs for b in p.buckets])
 
 
