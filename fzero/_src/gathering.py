@@ -289,9 +289,7 @@ class Gathering:
                 for b in buckets]
 
     def _held(self, b: int) -> torch.Tensor:
-        """Bucket b's held tensor as the unit reads it: the full buffer beside its differentiated
-        tensor where there is one (`fulls[b]`), else that tensor (`xs[b]`)."""
-        return self._xs[b] if self._fulls[b] is None else self._fulls[b]
+        return held_tensor(self._xs, self._fulls, b)
 
     def _after(self, unit: str, order: Sequence[str]) -> list[str]:
         """The `prefetch` units that follow `unit` in the predicted `order` (none if it is not in it)."""
@@ -371,6 +369,12 @@ def check_prefetch(prefetch: Any) -> None:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError(f"prefetch must be an int >= 0 (how many units ahead stage 3 starts gathering; 0: gather "
                           f"each unit when it is read), got {prefetch!r}")
+
+
+def held_tensor(xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None], b: int) -> torch.Tensor:
+    """Bucket b's held tensor as its unit reads it: the full buffer beside its differentiated
+    tensor where there is one (`fulls[b]`), else that tensor (`xs[b]`)."""
+    return xs[b] if fulls[b] is None else fulls[b]
 
 
 def _gathers(programs: Sequence[UnitProgram]) -> bool:

@@ -54,7 +54,7 @@ from torch.profiler import record_function
 
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
-from .gathering import GATHERS, Gathering, check_prefetch, is_flat_dict, same_paths
+from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies
 from .optim.base import UpdateContext
@@ -437,7 +437,8 @@ class StepPlan(NamedTuple):
       flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
       leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
         None where that order is the layout's, else a CPU index `[Σ L_u]`.
-      bucket_order: the same for `bad[B_u]` into `bad[B]`: None, or a list of bucket indices.
+      bucket_at: the same for `bad[B_u]` into `bad[B]`: None, or per bucket its place in the
+        concatenated `bad` (None: no unit holds it, it reports 0).
       unused: per unit, the zeros a unit whose probe got no gradient reports (`[L_u]`, CPU).
       on_host: the trainable buckets whose update runs on a host tier (`HostUpdate`).
       held: per bucket, whether the step differentiates the held tensor itself, with no full
@@ -452,7 +453,7 @@ class StepPlan(NamedTuple):
     trainable: tuple[int, ...]
     flat: bool
     leaf_order: torch.Tensor | None
-    bucket_order: tuple[int, ...] | None
+    bucket_at: tuple[int | None, ...] | None
     unused: dict[str, torch.Tensor]
     on_host: frozenset[int]
     held: tuple[bool, ...]
@@ -484,7 +485,8 @@ def _step_plan(info: StateInfo) -> StepPlan:
 
     return StepPlan(programs, trainable, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
-                    None if buckets == list(range(len(layout.buckets))) else tuple(buckets),
+                    None if buckets == list(range(len(layout.buckets))) else
+                    tuple({b: k for k, b in enumerate(buckets)}.get(b) for b in range(len(layout.buckets))),
                     {p.name: torch.zeros(len(p.leaves)) for p in programs},
                     frozenset(b for b in trainable if info.host_tier(b) is not None),
                     tuple(on_device(b.index) and not (info.stage.sharded("grads") and not info.stage.sharded("params"))
@@ -617,7 +619,7 @@ def _reads_held(state: ZeroState, xs: list[torch.Tensor], fulls: list[torch.Tens
     (the enter's cast returns it too)."""
     if state.mesh.world_size != 1 or state.info.offload.params is not None:
         return False
-    return all([(xs[b.index] if fulls[b.index] is None else fulls[b.index]).dtype == b.wire.compute
+    return all([held_tensor(xs, fulls, b.index).dtype == b.wire.compute
                 for p in step_plan(state.info).programs for b in p.buckets])
 
 
@@ -723,9 +725,8 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
         parts = [g.bad.to(dev) if g.bad is not None else torch.zeros(len(p.buckets), device=dev)
                  for p, g in zip(programs, gs)]
     bad = torch.cat(parts)
-    if plan.bucket_order is not None:
-        at = {b: k for k, b in enumerate(plan.bucket_order)}
-        bad = torch.stack([bad[at[b]] if b in at else bad.new_zeros(()) for b in range(len(state.layout.buckets))])
+    if plan.bucket_at is not None:
+        bad = torch.stack([bad.new_zeros(()) if k is None else bad[k] for k in plan.bucket_at])
     return Report(used, bad)
 
 

@@ -100,12 +100,12 @@ class Bucket:
         sizes: list[int] = []
         pick: list[int] = []
         end = 0
-        for o, s in zip(self.offsets, self.shapes):
+        for o, n in zip(self.offsets, self.numels):
             if o > end:
                 sizes.append(o - end)
             pick.append(len(sizes))
-            sizes.append(math.prod(s))
-            end = o + sizes[-1]
+            sizes.append(n)
+            end = o + n
         if self.size > end:
             sizes.append(self.size - end)
         return tuple(sizes), tuple(pick)
@@ -513,8 +513,7 @@ def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: t
                   device: torch.device) -> torch.Tensor:
     """`_assemble` out of place: the per-leaf gradients (zeros where None) and the padding, joined."""
     parts, end = [], 0
-    for o, s, g in zip(bucket.offsets, bucket.shapes, grads):
-        n = math.prod(s)
+    for o, n, g in zip(bucket.offsets, bucket.numels, grads):
         parts.append(g.reshape(-1).to(dtype) if g is not None else torch.zeros(n, dtype=dtype, device=device))
         end = o + n
     parts.append(torch.zeros(bucket.size - end, dtype=dtype, device=device))
