@@ -487,7 +487,7 @@ def test_early_copies_skip_buckets_kept_on_the_device(monkeypatch):
     host = [b for b in range(3) if state.info.host_tier(b) is not None]
     assert host == [1, 2]
     started = []
-    monkeypatch.setattr(HostTier, "start_early", lambda self, x: started.append(x))
+    monkeypatch.setattr(HostTier, "start_early", lambda self, x, norm=None: started.append(x))
     shards = [torch.randn(36) for _ in range(3)]
     for bucket in (None, 0, 1, 2):
         inflight = Inflight(host=early_copies(state.info, 1))

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 import weakref
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -183,7 +184,7 @@ class HostTier:
     pin: bool = True
     in_place = False  # whether a step writes the stored optimizer state in place (NVMe: its files)
     # the device -> host copies started during the backward (`start_early`): id(device tensor) ->
-    # (a weak reference to it, its Transfer); an entry goes with its tensor
+    # (a weak reference to it, its Transfer, its norm or None); an entry goes with its tensor
     early: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
@@ -237,20 +238,47 @@ class HostTier:
             return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
         return x.to(dtype)
 
-    def start_early(self, x: torch.Tensor) -> None:
+    def start_early(self, x: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Start `start_host(x)` now, for a later `start_host(x)` of the same tensor (the update's)
         to take: the backward hands each offloaded bucket's reduced shard here as soon as it
         exists (`unit.Inflight`'s `host`, `early_copies`), so the copy overlaps the rest of the
         backward. The copy is of the tensor's values now: whoever calls this promises that nothing
         writes `x` before the update reads it (a tensor the update does not read, e.g. one later
-        rescaled out of place, is never taken: its entry goes with it)."""
+        rescaled out of place, is never taken: its entry goes with it).
+
+        With `norm` (the step's `‖x‖₂`, `step.shard_norm`), `x` is *shed*: its norm is taken now,
+        on the device (`early_norm` returns it to the agreement), and then `x`'s device memory is
+        freed (`shed`): the tensor object stays, for autograd to hand back, with no storage. Whoever
+        passes `norm` promises that nothing reads `x` on the device after this but through
+        `early_norm` and `readable`."""
         key = id(x)
         hit = self.early.get(key)
         if hit is not None and hit[0]() is x:
             return
+        nu = norm(x) if norm is not None and sheddable(x) else None  # queued before the memory can be reused
         transfer = self.start_host(x)
         early = self.early
-        self.early[key] = (weakref.ref(x, lambda _: early.pop(key, None)), transfer)
+        self.early[key] = (weakref.ref(x, lambda _: early.pop(key, None)), transfer, nu)
+        if nu is not None:
+            shed(x)
+
+    def _early(self, x: torch.Tensor) -> tuple[Any, Transfer, torch.Tensor | None] | None:
+        hit = self.early.get(id(x))
+        return hit if hit is not None and hit[0]() is x else None
+
+    def early_norm(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The norm `start_early(x, norm)` took before shedding `x` (None: `x` was not shed)."""
+        hit = self._early(x)
+        return None if hit is None else hit[2]
+
+    def readable(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, or where it was shed, a device tensor of the values it had (its host copy, waited for
+        and copied back): for the rare paths that read a gradient after the agreement (the
+        exact norm, naming non-finite leaves)."""
+        hit = self._early(x)
+        if hit is None or hit[2] is None:
+            return x
+        return hit[1].wait().to(self.device, copy=True)
 
     def to_device(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x` (host) cast to `dtype` on the host (a bf16 copy moves half the bytes), then on the
@@ -477,7 +505,8 @@ def _twin(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=x.dtype, device=device).expand(x.shape)
 
 
-def early_copies(info: Any, micro_batches: int) -> Any:
+def early_copies(info: Any, micro_batches: int, norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 accum_dtype: torch.dtype | None = None) -> Any:
     """The `host` of a step's `unit.Inflight` (None: no early copies): `copy(shard, bucket)` starts
     the device -> host copy of an offloaded bucket's reduced gradient shard as soon as the unit's
     backward has it (`HostTier.start_early`), so that `HostUpdate` finds the copy done instead of
@@ -491,7 +520,14 @@ def early_copies(info: Any, micro_batches: int) -> Any:
     the update does not read (another dtype after accumulation) is never taken, and its early
     copy is dropped with it (`HostTier.start_early`). `bucket`: the
     bucket's index, so that buckets `ratio` keeps on the device are not copied; where the caller
-    does not know it (None), the shard is copied only if every trainable bucket is offloaded."""
+    does not know it (None), the shard is copied only if every trainable bucket is offloaded.
+
+    Shedding (`norm`, the step's shard norm, and `accum_dtype`): where nothing reads the shard on
+    the device after its copy but the agreement's norm -- its dtype is the accumulation's and the
+    bucket's (`step.accumulate`'s casts are then no-ops) and its bucket index is known -- the norm
+    is taken at the copy and the shard's device memory freed (`HostTier.start_early`). The
+    device then holds one bucket's reduced gradient at a time instead of the whole shard
+    (4 bytes per trainable element for fp32 gradients): what ZeRO-Offload keeps on the GPU."""
     tier = info.tier
     if tier is None or micro_batches != 1:
         return None
@@ -502,9 +538,44 @@ def early_copies(info: Any, micro_batches: int) -> Any:
 
     def copy(shard: torch.Tensor, bucket: int | None) -> None:
         if bucket in host or bucket is None and every:
-            tier.start_early(shard)
+            sheds = norm is not None and bucket is not None and shard.dtype == accum_dtype == layout.buckets[bucket].dtype
+            tier.start_early(shard, norm if sheds else None)
 
     return copy
+
+
+def sheddable(x: torch.Tensor) -> bool:
+    """Whether freeing `x`'s storage frees exactly `x` (a contiguous tensor that is its storage's
+    only content: no other view can lose its values)."""
+    return (x.layout == torch.strided and x.is_contiguous() and x.storage_offset() == 0
+            and x.untyped_storage().nbytes() == x.numel() * x.element_size())
+
+
+def shed(x: torch.Tensor) -> None:
+    """Free `x`'s device memory now, keeping the tensor object (its sizes and dtype; a read of its
+    values then fails loudly: its storage holds 0 bytes). A copy still reading it on another
+    stream is safe: `start_host` told the caching allocator that the side stream uses it
+    (`record_stream`), so the memory is reused only after that copy."""
+    x.untyped_storage().resize_(0)
+
+
+def early_norms(info: Any, shards: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """`{k: ‖shards[k]‖₂}` for the shards shed in the backward (`early_copies`): the agreement's
+    norms of them, taken before their memory went."""
+    tier = info.tier
+    if tier is None or not tier.early:
+        return {}
+    known = {k: tier.early_norm(x) for k, x in enumerate(shards)}
+    return {k: nu for k, nu in known.items() if nu is not None}
+
+
+def readable(info: Any, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """`tensors` with every shed one replaced by a device copy of its values (`HostTier.readable`):
+    for the rare paths that read reduced gradients after the agreement."""
+    tier = info.tier
+    if tier is None or not tier.early:
+        return tensors
+    return {b: tier.readable(x) for b, x in tensors.items()}
 
 
 def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:

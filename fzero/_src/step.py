@@ -56,7 +56,7 @@ from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
-from .offload import HostUpdate, differentiated, early_copies
+from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
@@ -305,7 +305,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
             return state.replace(loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
-            raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, reduced)))
+            raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, readable(state.info, reduced))))
         return state, _metrics(*seen, skipped=True)
     factor = scale * _clip_coefficient(config, norm) / s
     reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
@@ -567,7 +567,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
-    copies = early_copies(state.info, config.micro_batches) if plan.offloaded else None  # offload: grads to the host
+    copies = (early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype)  # offload: grads to the host
+              if plan.offloaded else None)
     inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
     programs = plan.programs
     if all(plan.held):
@@ -792,7 +793,7 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     n, dev = mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
-    sq = sum_of_squares(shards, dev)
+    sq = sum_of_squares(shards, dev, early_norms(state.info, shards))
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
@@ -817,13 +818,14 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
     n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
     losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
     bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
-    if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly
+    if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly (shed shards: their host copies)
+        shards = list(readable(state.info, dict(enumerate(shards))).values())
         exact = exact_sum_of_squares(shards, mesh.device).reshape(1)
         sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
     bad_ranks = {r: [layout.buckets[b].tag for b, x in enumerate(bad_rows[r]) if x > 0]
                  for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
-        bad_ranks[0] = _nonfinite_buckets(state, reduced)
+        bad_ranks[0] = _nonfinite_buckets(state, readable(state.info, reduced))
     used = _used(rows, num)
     broken = tuple(r for r in range(n) if rows[r][-1] != 0)
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
@@ -849,7 +851,8 @@ def in_order(values: list[float]) -> float:
     return total
 
 
-def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def shard_squares(shards: list[torch.Tensor], device: torch.device,
+                  known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """`ν²[K]` in float64 (on `device`), `ν_k = ‖x_k‖₂` of shard k: one `torch._foreach_norm`
     per (device, dtype) of the shards (a single read of each, no transient; accumulated in
     float32, or float64 for float64 shards: 16-bit shards are widened to float32 in the
@@ -867,19 +870,33 @@ def shard_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Ten
     shard's length: S squares and additions in any order, one square root and its rounding to
     float32), the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and
     inf propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves
-    exactly.
+    exactly. `known`: `{k: ν_k}` taken already (`shard_norm`, of shards whose memory is gone:
+    `offload.early_copies`), used instead of reading shard k.
     """
     if not shards:
         return torch.zeros(0, dtype=torch.float64, device=device)
+    known = known or {}
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # CUDA's one kernel: one device and dtype
     for k, x in enumerate(shards):
-        groups.setdefault((x.device, x.dtype), []).append(k)
-    norms: list[torch.Tensor | None] = [None] * len(shards)
+        if k not in known:
+            groups.setdefault((x.device, x.dtype), []).append(k)
+    norms: list[torch.Tensor | None] = [known.get(k) for k in range(len(shards))]
     for (where, dtype), ks in groups.items():
         xs = [_placed(shards[k].detach().reshape(-1)) for k in ks]  # read as numbers: not differentiated
-        for k, nu in zip(ks, _norms(xs, torch.float64 if dtype == torch.float64 else torch.float32)):
-            norms[k] = nu if where == device else nu.to(device)
-    return torch.stack(norms).to(torch.float64).square()
+        for k, nu in zip(ks, _norms(xs, _norm_dtype(dtype))):
+            norms[k] = nu
+    return torch.stack([nu if nu.device == device else nu.to(device) for nu in norms]).to(torch.float64).square()
+
+
+def shard_norm(x: torch.Tensor) -> torch.Tensor:
+    """`ν = ‖x‖₂` of one shard, as `shard_squares` takes it (the same kernel on the same values:
+    `_foreach_norm` gives each tensor of its list the value it gives that tensor alone), before
+    the square: for a shard whose memory goes before the agreement (`offload.early_copies`)."""
+    return _norms([_placed(x.detach().reshape(-1))], _norm_dtype(x.dtype))[0]
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _norms(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
@@ -896,13 +913,14 @@ def _placed(x: torch.Tensor) -> torch.Tensor:
     return x.clone() if x.device.type == "cuda" and func_level() is None and x.data_ptr() % 16 else x
 
 
-def sum_of_squares(shards: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def sum_of_squares(shards: list[torch.Tensor], device: torch.device,
+                   known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """`Σ_k ν_k²` in float64 (0-d, on `device`): one `torch.sum` of `shard_squares` (a fresh
     tensor, the same values in the same order in every stage, so the same bits; its order of
     additions depends on K and the device only). Relative error against the exact `Σ x²`: at
     most `γ_{S+1} + 2u` per shard (`shard_squares`), and `γ_{K-1}` in float64 for the sum of the
-    K non-negative terms (proofs/stages.md §3)."""
-    return shard_squares(shards, device).sum()
+    K non-negative terms (proofs/stages.md §3). `known`: `shard_squares`'s."""
+    return shard_squares(shards, device, known).sum()
 
 
 SQ_CHUNK = 1 << 22  # elements per float64 chunk of `exact_sum_of_squares`: a 32 MiB scratch buffer

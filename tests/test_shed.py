@@ -1,0 +1,187 @@
+"""Shedding: an offloaded bucket's reduced gradient shard leaves the device in the backward.
+
+With optimizer offload and one micro-batch, each offloaded bucket's reduced shard is copied to
+the host as soon as its unit's backward has it (`offload.early_copies`); where nothing reads it
+on the device afterwards but the agreement's norm, the norm is taken then (`step.shard_norm`)
+and the shard's memory freed (`offload.shed`), so the device holds one bucket's gradient at a
+time. These tests check, on SimMesh (the CPU standing in for the device, the same code):
+- every offloaded shard is shed, and its storage holds 0 bytes after the step;
+- the run is bitwise the run without offload (params, loss, gradient norm), with and without a
+  precision policy and clipping;
+- where the shard is read again on the device (accumulation over micro-batches; a 16-bit
+  gradient added in float32) nothing is shed, and the bits are the same;
+- the rare paths that read gradients after the agreement read the shed shards' values (their
+  host copies): a NaN raises the same `NonFiniteError`, or is skipped, as without offload, and a
+  float32 norm that overflows is decided by the exact float64 path on the same values.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given
+
+import fzero
+from fzero import optim
+from fzero._src import offload as offload_mod
+from fzero._src.step import shard_norm, shard_squares, sum_of_squares
+from fzero.testing import examples
+
+from .stage_harness import assert_equal_leaves
+
+POLICIES = {"none": fzero.Precision(), "bf16/fp32": fzero.Precision(torch.bfloat16, torch.float32)}
+
+
+def _tree(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    return {f"l{i}.w": (torch.randn(6, 6, generator=gen) / 3).to(dtype) for i in range(3)}
+
+
+def _tanh_loss(p, x):
+    for i in range(3):
+        x = torch.tanh(x @ p[f"l{i}.w"])
+    return x.float().square().mean()
+
+
+def _run(monkeypatch, n, stage, params, off, *, policy="none", micro=1, clip=None, loss=_tanh_loss,
+         dtype=torch.float32, batch_scale=1.0, on_nonfinite="raise", steps=2):
+    """Two steps of stage `stage` at world size `n`, with `off` (an Offload or None); returns per
+    rank (gathered params, losses, grad norms, skipped flags) and the shed tensors per rank: each
+    as (numel, storage bytes after the step)."""
+    tree = _tree(dtype)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 6, generator=gen) * batch_scale for _ in range(n)]
+    mesh = fzero.SimMesh(n)
+    shed_log: dict[int, list[torch.Tensor]] = {}
+    original = offload_mod.shed
+
+    def spy(x):
+        shed_log.setdefault(threading.get_ident(), []).append(x)
+        return original(x)
+
+    def rank_fn(x):
+        state = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=POLICIES[policy], offload=off)
+        step = fzero.train_step(loss, micro_batches=micro, clip_norm=clip, donate=True, on_nonfinite=on_nonfinite)
+        seen = []
+        for t in range(steps):
+            batch = (x + t).to(POLICIES[policy].param_dtype or dtype)
+            state, met = step(state, batch if micro == 1 else [batch, batch.flip(0)])
+            seen.append((met.loss, met.grad_norm, met.skipped))
+        return fzero.gather(state), seen, threading.get_ident()
+
+    with monkeypatch.context() as m:  # set once, here: monkeypatch is not thread-safe
+        m.setattr(offload_mod, "shed", spy)
+        out = mesh.run(rank_fn, [(x,) for x in xs])
+    return [(p, seen, [(t.numel(), t.untyped_storage().nbytes()) for t in shed_log.get(ident, [])])
+            for p, seen, ident in out]
+
+
+def _assert_same(got, want, what):
+    for (gp, gs, _), (wp, ws, _) in zip(got, want):
+        assert_equal_leaves(gp, wp, what)
+        for (gl, gn, gk), (wl, wn, wk) in zip(gs, ws):
+            assert _same(gl, wl) and _same(gn, wn) and gk == wk, (what, gl, wl, gn, wn)
+
+
+def _same(a, b):
+    """Equal, or both NaN (a skipped step's metrics)."""
+    return torch.equal(a, b) or bool(a.isnan() and b.isnan())
+
+
+CASES = [(2, None), (3, None), (3, "cpu")]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage, params", CASES)
+@pytest.mark.parametrize("policy, clip", [("none", None), ("bf16/fp32", None), ("none", 1e-3)])
+def test_every_offloaded_shard_is_shed_and_the_bits_are_unchanged(monkeypatch, n, stage, params, policy, clip):
+    """3 buckets (one per unit), 2 steps: 6 shards shed per rank, each holding no memory after the
+    step; bitwise the run without offload (clipping that clips: the host rescales its copy)."""
+    off = fzero.Offload(optimizer="cpu", params=params)
+    got = _run(monkeypatch, n, stage, params, off, policy=policy, clip=clip)
+    want = _run(monkeypatch, n, stage, None, None, policy=policy, clip=clip)
+    _assert_same(got, want, f"stage {stage} n={n} params={params} {policy} clip={clip}")
+    for _, _, shed in got:
+        assert len(shed) == 6 and all(numel == 36 // n and nbytes == 0 for numel, nbytes in shed), shed
+    assert all(not shed for _, _, shed in want)
+
+
+@pytest.mark.parametrize("what", ["micro", "bf16 grads"])
+def test_nothing_is_shed_where_the_device_reads_the_shard_again(monkeypatch, what):
+    """Two micro-batches (no early copy: the update reads their sum), or bfloat16 params without a
+    policy (the bf16 shard is added in float32 by `accumulate`, a device read): nothing is shed,
+    and the run is bitwise the run without offload."""
+    kw = dict(micro=2) if what == "micro" else dict(dtype=torch.bfloat16)
+    got = _run(monkeypatch, 2, 3, None, fzero.Offload(optimizer="cpu"), **kw)
+    want = _run(monkeypatch, 2, 3, None, None, **kw)
+    _assert_same(got, want, what)
+    assert all(not shed for _, _, shed in got)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage, params", CASES)
+def test_a_nan_in_shed_shards_raises_as_without_offload(monkeypatch, n, stage, params):
+    """A NaN in the batch: the step raises the same NonFiniteError (naming the same leaves) as
+    without offload; the shards it names were shed (their values come from the host copies)."""
+    nan = float("nan")
+    errors = []
+    for off in (fzero.Offload(optimizer="cpu", params=params), None):
+        with pytest.raises(fzero.NonFiniteError) as info:
+            _run(monkeypatch, n, stage, params, off, batch_scale=nan, steps=1)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    assert "l0.w" in errors[0]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_skipped_nan_step_with_shed_shards(monkeypatch, n):
+    """on_nonfinite="skip": the NaN step is skipped, as without offload, bitwise."""
+    off = fzero.Offload(optimizer="cpu")
+    got = _run(monkeypatch, n, 3, None, off, batch_scale=float("nan"), on_nonfinite="skip")
+    want = _run(monkeypatch, n, 3, None, None, batch_scale=float("nan"), on_nonfinite="skip")
+    _assert_same(got, want, "skip")
+    assert all(all(k for _, _, k in seen) for _, seen, _ in got)
+    assert all(len(shed) == 6 for _, _, shed in got)
+
+
+def _huge_loss(p, x):
+    """Gradient 1e20 per element of every leaf (the loss is linear in them, and finite): a float32
+    norm of each 36-element bucket, sqrt(36 * 1e40), overflows (1e40 > 3.4e38 already squared),
+    so the agreement takes the exact float64 path."""
+    return sum((p[f"l{i}.w"].float() * 1e20).sum() for i in range(3)) + 0 * x.sum()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_overflowing_norm_of_shed_shards_is_decided_exactly(monkeypatch, n):
+    """The exact path reads the shed shards' values (host copies copied back): a finite norm, the
+    same bits as without offload."""
+    off = fzero.Offload(optimizer="cpu")
+    got = _run(monkeypatch, n, 3, None, off, loss=_huge_loss)
+    want = _run(monkeypatch, n, 3, None, None, loss=_huge_loss)
+    _assert_same(got, want, "overflow")
+    norm = got[0][1][0][1]
+    assert torch.isfinite(norm) and norm > 1e20
+    assert all(len(shed) == 6 for _, _, shed in got)
+
+
+DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+
+
+@examples(20)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=5),
+       dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float64]), min_size=5, max_size=5),
+       known=st.sets(st.integers(0, 4)), seed=st.integers(0, 2**16))
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_a_norm_taken_at_the_copy_is_the_agreements(device, sizes, dtypes, known, seed):
+    """`shard_norm(x)` (taken in the backward, before `x` is shed) is the norm `shard_squares`
+    takes of `x` among the other shards, so `sum_of_squares` with some norms known is bitwise
+    the one that reads every shard."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g).to(device, d) for n, d in zip(sizes, dtypes)]
+    taken = {k: shard_norm(xs[k]) for k in known if k < len(xs)}
+    assert torch.equal(sum_of_squares(xs, device, taken), sum_of_squares(xs, device))
+    assert torch.equal(shard_squares(xs, device, taken), shard_squares(xs, device))
