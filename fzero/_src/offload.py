@@ -538,7 +538,7 @@ def early_copies(info: Any, micro_batches: int, norm: Callable[[torch.Tensor], t
 
     def copy(shard: torch.Tensor, bucket: int | None) -> None:
         if bucket in host or bucket is None and every:
-            sheds = norm is not None and bucket is not None and shard.dtype == accum_dtype == layout.buckets[bucket].dtype
+            sheds = bucket is not None and shard.dtype == accum_dtype == layout.buckets[bucket].dtype
             tier.start_early(shard, norm if sheds else None)
 
     return copy
@@ -552,10 +552,11 @@ def sheddable(x: torch.Tensor) -> bool:
 
 
 def shed(x: torch.Tensor) -> None:
-    """Free `x`'s device memory now, keeping the tensor object (its sizes and dtype; a read of its
-    values then fails loudly: its storage holds 0 bytes). A copy still reading it on another
-    stream is safe: `start_host` told the caching allocator that the side stream uses it
-    (`record_stream`), so the memory is reused only after that copy."""
+    """Free `x`'s device memory now, keeping the tensor object (its sizes and dtype) with a storage
+    of 0 bytes, as FSDP frees its unsharded params: nothing may read its values after this
+    (fzero reads them only through `HostTier.early_norm` and `readable`). A copy still reading it
+    on another stream is safe: `start_host` told the caching allocator that the side stream uses
+    it (`record_stream`), so the memory is reused only after that copy."""
     x.untyped_storage().resize_(0)
 
 

@@ -305,7 +305,8 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
             return state.replace(loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
-            raise NonFiniteError(_nonfinite_message(step, verdict, nonfinite_leaves(state, readable(state.info, reduced))))
+            leaves = nonfinite_leaves(state, readable(state.info, reduced))  # shed shards: their host copies
+            raise NonFiniteError(_nonfinite_message(step, verdict, leaves))
         return state, _metrics(*seen, skipped=True)
     factor = scale * _clip_coefficient(config, norm) / s
     reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
@@ -567,8 +568,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     trainable = plan.trainable
     # func: every reduction waited in place; "once": stages 0-1 reduce the sum of the micro-batches
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
-    copies = (early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype)  # offload: grads to the host
-              if plan.offloaded else None)
+    # offload: gradient shards to the host in the backward, shed where nothing reads them after
+    copies = early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype) if plan.offloaded else None
     inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
     programs = plan.programs
     if all(plan.held):
