@@ -50,6 +50,8 @@ def offload_problems(draw, n: int):
               donate=draw(st.booleans()),
               params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
     pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
+    # NVMe (master and moments in swap files) writes in place: donating steps only
+    pb["tier"] = draw(st.sampled_from(["cpu", "nvme"])) if pb["donate"] else "cpu"
     return pb
 
 
@@ -90,13 +92,33 @@ def assert_same_runs(got, want, what):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_offloaded_equals_not_offloaded(n):
+def test_offloaded_equals_not_offloaded(n, tmp_path):
+    """Every offload setting -- optimizer "cpu" or "nvme" (the master shard and the optimizer
+    state's shard fields in swap files), params None or "cpu", ratio -- against the same stage
+    without offload, bitwise (the optimizer state read back through the tier)."""
     @settings(max_examples=example_count(25))
     @given(offload_problems(n))
     def prop(pb):
         want = run(pb, None)
-        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"], ratio=pb["ratio"]))
-        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['params']}")
+        path = str(tmp_path) if pb["tier"] == "nvme" else None
+        got = run(pb, fzero.Offload(optimizer=pb["tier"], params=pb["params"], ratio=pb["ratio"], nvme_path=path),
+                  snapshot=True)
+        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['tier']}/{pb['params']}")
+
+    prop()
+
+
+def test_nvme_offloaded_equals_not_offloaded(tmp_path):
+    """The property above with every example on NVMe (donating steps; N = 2): the master shard
+    and the optimizer state's shard fields live in swap files, read and written around each
+    bucket's update, and the run is bitwise the one without offload."""
+    @settings(max_examples=example_count(12))
+    @given(offload_problems(2).map(lambda pb: {**pb, "donate": True, "tier": "nvme"}))
+    def prop(pb):
+        want = run(pb, None)
+        got = run(pb, fzero.Offload(optimizer="nvme", params=pb["params"], ratio=pb["ratio"],
+                                    nvme_path=str(tmp_path)), snapshot=True)
+        assert_same_runs(got, want, f"stage {pb['stage']} nvme/{pb['params']}")
 
     prop()
 
@@ -300,22 +322,28 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
     assert_same_runs(nvme, want, "nvme")
 
 
-def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
-    """The state keeps a no-memory stand-in for each file-backed field; a checkpoint of an NVMe
-    state reads the files and loads into plain and NVMe targets bit for bit."""
+@pytest.mark.parametrize("stage, params, policy", [(1, None, "bf16"), (2, None, "none"), (3, None, "bf16"),
+                                                   (3, "cpu", "none"), (3, "cpu", "bf16")])
+def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, stage, params, policy):
+    """The state keeps a no-memory stand-in for each file-backed tensor (the moments and the
+    master shard); a checkpoint of an NVMe state reads the files and loads into plain and NVMe
+    targets (the master then written to the target's fresh files) bit for bit; training on from
+    either is bitwise training on without the checkpoint."""
     tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
     loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
     mesh = fzero.SimMesh(2)
-    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "swap"))
+    nvme = fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path / "swap"))
     (tmp_path / "swap").mkdir()
 
     def rank_fn(x):
         def make(off):
-            return fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p, offload=off)
+            return fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p, offload=off,
+                              precision=POLICIES[policy])
 
         step = fzero.train_step(loss, donate=True)
         state, _ = step(make(nvme), x)
         assert all(f.stride() == (0,) for s in state.opt_state for f in s[1:])  # exp_avg, exp_avg_sq: stand-ins
+        assert all(m.stride() == (0,) and p.stride() != (0,) for p, m in zip(state.params, state.master))
         path = fzero.checkpoint.save(state, tmp_path / "ckpt")
         out = []
         for off in (None, nvme):
@@ -332,6 +360,99 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
         for pb_, lb in others:
             assert_equal_leaves(pa, pb_, "after load")
             assert torch.equal(la, lb)
+
+
+def test_nvme_master_lives_in_its_file_and_readers_read_it_there(tmp_path):
+    """With optimizer="nvme" each trainable bucket's master shard is a swap file: the state holds
+    a stand-in (zeros, stride 0, no memory; `held_bytes` puts its bytes in the "nvme" tier, none in
+    host memory) and every reader outside the step reads the file (`state.master_values`, which
+    `fzero.gather` and `fzero.checkpoint.save` use): the values equal the "cpu" tier's host master
+    after the same steps, and they are not the stand-in's zeros."""
+    from fzero._src.accounting import held_bytes
+    from fzero._src.state import master_values
+
+    tree = {"a": torch.randn(6, 4), "b": torch.randn(9)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    opt = optim.adamw(1e-2)
+
+    def rank_fn(x):
+        out = []
+        for off in (fzero.Offload(optimizer="cpu"), fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))):
+            state = fzero.init(tree, opt, stage=3, mesh=mesh, units=lambda p: p, offload=off,
+                               precision=fzero.Precision(torch.bfloat16))
+            for t in range(2):
+                state, _ = fzero.train_step(loss, donate=True)(state, x + t)
+            out.append((state, [master_values(state, b).clone() for b in range(len(state.master))],
+                        fzero.gather(state), held_bytes(state, opt).tiers))
+        return out
+
+    for (cpu, cpu_masters, cpu_full, cpu_tiers), (disk, masters, full, tiers) in mesh.run(
+            rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        for b, (m, want) in enumerate(zip(masters, cpu_masters)):
+            assert cpu.master[b].stride() == (1,) and disk.master[b].stride() == (0,)
+            assert torch.equal(m, want) and torch.equal(m, cpu.master[b]) and m.abs().sum() > 0
+            assert not torch.equal(disk.master[b], m)  # the stand-in is no copy of the values
+        assert_equal_leaves(full, cpu_full, "gather")
+        assert (tiers.host.master, tiers.nvme.master) == (0, cpu_tiers.host.master) and cpu_tiers.host.master > 0
+
+
+def test_nvme_broken_update_names_the_leaf_read_from_the_master_file(tmp_path):
+    """The rare path after a donating NVMe update made the params inf (fp16 params and adamw's
+    eps = 1e-8, which underflows: a division by zero, as tests/test_misuse.py): the next reader
+    finds the leaf by reading the master from its file (a stand-in would read zeros: finite, no
+    leaf named)."""
+    mesh = fzero.SimMesh(2)
+    params = {"w": torch.linspace(-1, 1, 64).half()}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-3), stage=3, mesh=mesh,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        new, _ = fzero.train_step(lambda p, x: (p["w"] * x).sum(), donate=True)(state, torch.full((64,), 1e-3))
+        fzero.gather(new)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"update of a donating step .* in 'w' "):
+        mesh.run(rank_fn)
+
+
+def test_nvme_finite_check_reads_each_master_before_its_buffer_is_reused(tmp_path):
+    """The donating update's finite check runs after every bucket's update, when bucket 0's read
+    buffers already hold bucket 2's files (the pool keeps two buckets'): it reads the ends each
+    master had before it went back to its file. Bucket "a" (fp16, adamw's eps underflows: inf) is
+    updated first, "b", "c", "d" (fp32) stay finite; the broken update is found, naming "a"."""
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.linspace(-1, 1, 16).half(), **{k: torch.linspace(-1, 1, 16) for k in "bcd"}}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-3), stage=1, mesh=mesh, units=lambda p: p,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        assert [state.layout.buckets[b].leaves for b in state.info.tier.masters] == [(0,), (1,), (2,), (3,)]
+        loss = lambda p, x: sum((p[k].float() * x).sum() for k in "abcd")  # noqa: E731
+        new, _ = fzero.train_step(loss, donate=True)(state, torch.full((16,), 1e-3))
+        fzero.gather(new)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"update of a donating step .* in 'a' "):
+        mesh.run(rank_fn)
+
+
+def test_nvme_init_reserves_the_master_files_before_training(tmp_path, monkeypatch):
+    """The preflight counts the master's files: AdamW on 10 fp32 elements (N = 1, one bucket) needs
+    m, v and the master, 3 · 40 = 120 bytes; a disk with 119 free fails at `fzero.init` naming
+    both numbers, and 120 is enough."""
+    import shutil
+
+    real = shutil.disk_usage
+    mesh = fzero.SimMesh(1)
+
+    def make(free):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+        return mesh.run(lambda: fzero.init({"w": torch.ones(10)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))))[0]
+
+    with pytest.raises(fzero.OffloadError, match=r"has 119 bytes free, the swap files need 120 bytes \(1 more\)"):
+        make(119)
+    state = make(120)
+    assert sorted(state.info.tier.files.entries) == ["b0/exp_avg", "b0/exp_avg_sq", "b0/master"]
 
 
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):
@@ -594,7 +715,7 @@ def test_host_update_rescales_the_host_copy_as_the_device_would():
     factor = 0.3  # not a power of two: the product rounds
     host = HostUpdate(state.info, reduced, factor)
     for b, g in reduced.items():
-        got, _, _ = host.inputs(b, g, state.opt_state[b], None)
+        got, _, _, _ = host.inputs(b, g, state.opt_state[b], state.master[b], None)
         if state.info.host_tier(b) is None:
             assert got is g
         else:

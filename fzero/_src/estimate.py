@@ -331,27 +331,32 @@ def _offloaded(
     buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting
 ) -> tuple[TierBytes, TierBytes]:
     """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions`. For each host
-    shard the host holds its master (the fp32 master where the params are narrower, else a copy
-    of the param shard: m or p bytes), the copy of its reduced gradient (all buckets' copies are
-    started at once in `update`), and its optimizer state ("cpu"), or the state is in swap files
-    ("nvme": one fp32 file per bucket and state field; host buffers `nvme.buffer_bytes` with
-    twice a bucket's fields as buffers; not counted for a bare count, whose buckets are unknown).
-    With params offloaded, frozen shards live on the host in the params' dtype, and so does a copy of
-    each trainable shard where the master is wider (what a unit moves to the device: p bytes)."""
+    shard the host holds the copy of its reduced gradient (all buckets' copies are started at once
+    in `update`) and, with "cpu", its master (the fp32 master where the params are narrower, else a
+    copy of the param shard: m or p bytes) and its optimizer state. With "nvme" the master and the
+    optimizer state's fp32 arrays are in swap files (one file per bucket and tensor: Adam's m, v
+    and the master), and the host keeps the files' buffers, `nvme.buffer_bytes` with twice a
+    bucket's files as buffers (`NvmeTier._open`; not counted for a bare count, whose buckets are
+    unknown). With params offloaded, frozen shards live on the host in the params' dtype, and so
+    does a copy of each trainable shard where the master is wider or in a file (what a unit moves
+    to the device: p bytes)."""
     on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
     frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
+    master = (bpp.master or bpp.params) * on_host  # the master's bytes per element: m, else p (the params are it)
+    nvme_ = off.optimizer == "nvme"
     fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
-    files = [4 * f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f] * fields
+    shards = [f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f]
+    files = [4 * s for s in shards] * fields + [(bpp.master or bpp.params) * s for s in shards]
     host = TierBytes(
-        # with params offloaded and a wider master, the host also keeps the shard in the params' dtype
-        params=bpp.params * frozen + (bpp.params * on_host if off.params is not None and bpp.master else 0),
+        # with params offloaded and a wider master (or one in a file), the host keeps the shard in the params' dtype
+        params=bpp.params * frozen + (bpp.params * on_host if off.params is not None and (bpp.master or nvme_) else 0),
         grads=bpp.grads * on_host,
-        optimizer_state=state if off.optimizer == "cpu" else Fraction(0),
-        master=(bpp.master or bpp.params) * on_host,
-        buffers=Fraction(nvme.buffer_bytes(files, buffers=2 * fields)) if off.optimizer == "nvme" else Fraction(0),
+        optimizer_state=Fraction(0) if nvme_ else state,
+        master=Fraction(0) if nvme_ else master,
+        buffers=Fraction(nvme.buffer_bytes(files, buffers=2 * (fields + 1))) if nvme_ else Fraction(0),
     )
-    disk = TierBytes(optimizer_state=state) if off.optimizer == "nvme" else TierBytes()
+    disk = TierBytes(optimizer_state=state, master=master) if nvme_ else TierBytes()
     return host, disk
 
 
