@@ -360,6 +360,8 @@ def test_offload_14b_on_2_gpus_by_hand():
     the bf16 copy of its shard that the units move, 2·E = 14 GB: 112 GB. NVMe: the moments and the
     fp32 master move to the disk, 56 + 28 = 84 GB; the host keeps the gradient copy, 14 GB (and the
     swap buffers, not counted for a bare count).
+    + params="nvme": the bf16 copy 14 GB moves to the disk too (98 GB there), the GPU keeps the
+    gradient shard, 14 GB, and the host the gradient copy, 14 GB.
     Stages 1 and 2 keep their full params (2·Ψ = 28 GB) and full / sharded gradients."""
     kw = dict(optimizer="adam-mixed")
     plain = estimate(14e9, 2, stage=3, **kw)
@@ -375,6 +377,10 @@ def test_offload_14b_on_2_gpus_by_hand():
     assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 14, 84)
     assert disk.host.optimizer_state == disk.host.master == 0
     assert (disk.nvme.optimizer_state, disk.nvme.master) == (56 * GB, 28 * GB)
+    # + params="nvme": the bf16 shard's copy, 14 GB, in files too; the GPU keeps the gradient shard
+    files = estimate(14e9, 2, stage=3, offload_optimizer="nvme", offload_params="nvme", **kw)
+    assert (_gb(files.total), _gb(files.host.total), _gb(files.nvme.total)) == (14, 14, 98)
+    assert files.nvme == disk.nvme._replace(params=Fraction(14 * GB))
     s1, s2, s3 = estimate(14e9, 2, offload_optimizer="cpu", **kw)  # stage 0 has no shard: not listed
     assert [_gb(e.total) for e in (s1, s2, s3)] == [28 + 28, 28 + 14, 14 + 14]
     assert s1.host == s2.host == s3.host
@@ -398,7 +404,7 @@ def test_offload_ratio_by_hand():
     split_units=st.booleans(),
     optimizer=st.sampled_from(["adam-mixed", "adam", "sgd-momentum", "sgd"]),
     where=st.sampled_from(["cpu", "nvme"]),
-    params=st.sampled_from([None, "cpu"]),
+    params=st.sampled_from([None, "cpu", "nvme"]),
     ratio=st.sampled_from([1, Fraction(1, 2), Fraction(1, 3)]),
 )
 def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer, where, params, ratio):
@@ -412,6 +418,8 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
     at most (1 - r)·E; the next one did not fit), H = E at r = 1."""
     if params is not None and ratio != 1:
         ratio = 1  # params offload keeps the whole shard on the host (a ConfigError otherwise)
+    if params == "nvme" and where != "nvme":
+        params = "cpu"  # params="nvme" needs the NVMe tier (a ConfigError otherwise)
     units = (lambda path: path.split(".")[0]) if split_units else None
     bpp = bytes_per_param(optimizer)
     kw = dict(optimizer=optimizer, units=units)
@@ -428,8 +436,9 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
         assert (e.master, e.host.grads) == (bpp.master * (shard - on_host), bpp.grads * on_host)
         assert (e.params, e.grads) == ((0 if params else plain.params), plain.grads)
         # every bucket of these trees trains: host params only as params offload's compute copy beside a master
-        # that is wider or in a file
-        assert e.host.params == (bpp.params * on_host if params and (bpp.master or where == "nvme") else 0)
+        # that is wider or in a file; params="nvme": that copy in a file
+        copy = bpp.params * on_host if params and (bpp.master or where == "nvme") else 0
+        assert (e.host.params, e.nvme.params) == ((0, copy) if params == "nvme" else (copy, 0))
         assert e.stage >= (3 if params else 1)
 
 
@@ -488,6 +497,8 @@ def test_offload_settings_refused():
             estimate(100, 2, stage=stage, offload_optimizer="cpu", offload_params="cpu")
     with pytest.raises(ConfigError, match="offload the optimizer too"):
         estimate(100, 2, stage=3, offload_params="cpu")
+    with pytest.raises(ConfigError, match=r"params='nvme'.*optimizer to 'nvme' too, or use params='cpu'"):
+        estimate(100, 2, stage=3, offload_optimizer="cpu", offload_params="nvme")
     for bad in (0, 1.5, float("nan"), True, "1"):
         with pytest.raises(ConfigError, match=r"ratio .*\(0, 1\]"):
             estimate(100, 2, stage=3, offload_optimizer="cpu", offload_ratio=bad)

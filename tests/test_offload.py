@@ -42,16 +42,19 @@ POLICIES = {"none": fzero.Precision(), "bf16": fzero.Precision(torch.bfloat16),
 
 
 @st.composite
-def offload_problems(draw, n: int):
+def offload_problems(draw, n: int, nvme: bool = False):
+    """A stage-equivalence problem with an offload setting: `tier` "cpu" or "nvme" (`nvme`: always;
+    NVMe writes its files in place, so donating steps only) and `params` None / "cpu" (stage 3),
+    or "nvme" with the NVMe tier."""
     pb = draw(problems(n))
     stage = pb["stage"]
     pb.update(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), policy=draw(st.sampled_from(sorted(POLICIES))),
               micro=draw(st.sampled_from([1, 2])), clip=draw(st.sampled_from([None, 0.05])),
-              donate=draw(st.booleans()),
-              params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
+              donate=nvme or draw(st.booleans()))
+    pb["tier"] = "nvme" if nvme else draw(st.sampled_from(["cpu", "nvme"])) if pb["donate"] else "cpu"
+    on = [None, "cpu"] + (["nvme"] if pb["tier"] == "nvme" else [])
+    pb["params"] = draw(st.sampled_from(on)) if stage == 3 else None
     pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
-    # NVMe (master and moments in swap files) writes in place: donating steps only
-    pb["tier"] = draw(st.sampled_from(["cpu", "nvme"])) if pb["donate"] else "cpu"
     return pb
 
 
@@ -111,9 +114,10 @@ def test_offloaded_equals_not_offloaded(n, tmp_path):
 def test_nvme_offloaded_equals_not_offloaded(tmp_path):
     """The property above with every example on NVMe (donating steps; N = 2): the master shard
     and the optimizer state's shard fields live in swap files, read and written around each
-    bucket's update, and the run is bitwise the one without offload."""
+    bucket's update (stage 3 with params="nvme": the compute-dtype shards too, read as each
+    unit's gather starts), and the run is bitwise the one without offload."""
     @settings(max_examples=example_count(12))
-    @given(offload_problems(2).map(lambda pb: {**pb, "donate": True, "tier": "nvme"}))
+    @given(offload_problems(2, nvme=True))
     def prop(pb):
         want = run(pb, None)
         got = run(pb, fzero.Offload(optimizer="nvme", params=pb["params"], ratio=pb["ratio"],
@@ -168,7 +172,10 @@ def test_tensors_live_where_offload_says():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="gpu"), "Offload.optimizer must be one of"),
-    (dict(params="nvme", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="disk", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="nvme", optimizer="cpu"), r"params='nvme'.*Offload\(optimizer='nvme', params='nvme', nvme_path=.*or "
+                                           r"params='cpu'"),
+    (dict(params="nvme", optimizer="cpu", nvme_path="/tmp"), r"params='nvme'.*optimizer='nvme'"),
     (dict(params="cpu"), "offload the optimizer too"),
     (dict(optimizer="nvme"), "needs nvme_path"),
     (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
@@ -186,6 +193,7 @@ def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
 @pytest.mark.parametrize("stage, off, match", [
     (0, fzero.Offload(optimizer="cpu"), "stage 0 replicates them .*use stage 1, 2 or 3"),
     (2, fzero.Offload(optimizer="cpu", params="cpu"), "stage 2 holds the full params .*use stage=3"),
+    (2, fzero.Offload(optimizer="nvme", params="nvme", nvme_path="/tmp"), "stage 2 holds the full params .*stage=3"),
     (1, "cpu", "offload must be None or a fzero.Offload"),
 ])
 def test_offload_that_does_not_fit_the_stage_is_refused_at_init(stage, off, match):
@@ -260,19 +268,27 @@ def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, st
             assert torch.equal(loss_next, first[3])
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("policy", ["none", "bf16"])
-def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefetch, policy):
+@pytest.mark.parametrize("where, per_unit", [("cpu", 1), ("nvme", 1), ("nvme", 2)])
+def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(tmp_path, prefetch, policy, where,
+                                                                           per_unit):
     """Flat-dict params (units freed after their forward, gathered again in backward) with
     `prefetch=k`: the host shards come to the device inside the prefetched flights and the
-    backward's refills, and the run equals stage 3 without offload bit for bit."""
+    backward's refills, and the run equals stage 3 without offload bit for bit. With
+    params="nvme" each trainable shard is read from its file as its flight starts, into a buffer
+    of its own: prefetch 3 holds more reads at once than the tier's pool has read buffers, and a
+    unit holds one or two buckets (`per_unit`), and nothing waits on a buffer."""
     gen = torch.Generator().manual_seed(3)
     tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(4)}
-    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),)
+    tree |= {f"l{i}.b": torch.randn(6, generator=gen) / 3 for i in range(4)} if per_unit == 2 else {}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),
+              *((fzero.ParamGroup("nowd", match=lambda p: p.endswith(".b"), weight_decay=0.0),) if per_unit == 2
+                else ()))
 
     def loss(p, x):
         for i in range(4):
-            x = torch.tanh(x @ p[f"l{i}.w"])
+            x = torch.tanh(x @ p[f"l{i}.w"] + (p[f"l{i}.b"] if per_unit == 2 else 0))
             p.release(f"l{i}")  # freed now, gathered again when backward reads it (as from_module's apply)
         return x.float().square().mean()
 
@@ -292,7 +308,7 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
     gen_state = gen.get_state()
     want = run(None)
     gen.set_state(gen_state)
-    got = run(fzero.Offload(optimizer="cpu", params="cpu"))
+    got = run(fzero.Offload(optimizer=where, params=where, nvme_path=str(tmp_path) if where == "nvme" else None))
     for (gp, gl, gn), (wp, wl, wn) in zip(got, want):
         assert_equal_leaves(gp, wp, "params")
         assert torch.equal(gl, wl) and torch.equal(gn, wn)
@@ -305,6 +321,7 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
     (1, "adamw", "bf16", None, 1.0, False), (2, "lamb", "none", None, 0.6, False),
     (2, "adafactor", "bf16/fp32", None, 1.0, False), (3, "sgd", "bf16", None, 1.0, False),
     (3, "adamw", "bf16", "cpu", 1.0, False), (2, "adamw", "bf16", None, 1.0, True),
+    (3, "adamw", "bf16", "nvme", 1.0, False), (3, "lamb", "none", "nvme", 1.0, True),
 ])
 def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio, direct):
     """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
@@ -315,7 +332,7 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
               engine="autograd", gather="on_use", seed=11, n=2, policy=policy, micro=2, clip=0.05, donate=True,
               params=params, ratio=ratio)
     want = run(pb, None)
-    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
+    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params and "cpu", ratio=ratio))
     nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio,
                                  direct=direct), snapshot=True)  # direct: O_DIRECT (this machine's ext4 takes it)
     assert_same_runs(cpu, want, "cpu")
@@ -323,10 +340,11 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
 
 
 @pytest.mark.parametrize("stage, params, policy", [(1, None, "bf16"), (2, None, "none"), (3, None, "bf16"),
-                                                   (3, "cpu", "none"), (3, "cpu", "bf16")])
+                                                   (3, "cpu", "none"), (3, "cpu", "bf16"), (3, "nvme", "none"),
+                                                   (3, "nvme", "bf16")])
 def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, stage, params, policy):
-    """The state keeps a no-memory stand-in for each file-backed tensor (the moments and the
-    master shard); a checkpoint of an NVMe state reads the files and loads into plain and NVMe
+    """The state keeps a no-memory stand-in for each file-backed tensor (the moments, the master
+    shard and, params="nvme", the compute-dtype shard); a checkpoint of an NVMe state reads the files and loads into plain and NVMe
     targets (the master then written to the target's fresh files) bit for bit; training on from
     either is bitwise training on without the checkpoint."""
     tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
@@ -343,7 +361,8 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, 
         step = fzero.train_step(loss, donate=True)
         state, _ = step(make(nvme), x)
         assert all(f.stride() == (0,) for s in state.opt_state for f in s[1:])  # exp_avg, exp_avg_sq: stand-ins
-        assert all(m.stride() == (0,) and p.stride() != (0,) for p, m in zip(state.params, state.master))
+        assert all(m.stride() == (0,) and (p.stride() == (0,)) == (params == "nvme")  # params="nvme": in files
+                   for p, m in zip(state.params, state.master))
         path = fzero.checkpoint.save(state, tmp_path / "ckpt")
         out = []
         for off in (None, nvme):
@@ -470,9 +489,10 @@ def test_nvme_needs_donate_and_a_usable_path(tmp_path):
         mesh.run(undonated)
 
 
-def test_evaluate_reads_offloaded_states():
+def test_evaluate_reads_offloaded_states(tmp_path):
     """`fzero.evaluate` (a forward through the units, prefetching) gives the same output for an
-    offloaded state as for the plain one after the same step."""
+    offloaded state (host memory, or NVMe: the master and, params="nvme", the shards in files) as
+    for the plain one after the same step."""
     gen = torch.Generator().manual_seed(5)
     tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(3)}
 
@@ -485,16 +505,17 @@ def test_evaluate_reads_offloaded_states():
 
     def rank_fn(x):
         out = []
-        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (3, None),
-                           (3, fzero.Offload(optimizer="cpu", params="cpu"))):
+        nvme = dict(optimizer="nvme", nvme_path=str(tmp_path))
+        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (2, fzero.Offload(**nvme)), (3, None),
+                           (3, fzero.Offload(optimizer="cpu", params="cpu")), (3, fzero.Offload(**nvme, params="nvme"))):
             s = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
                            precision=fzero.Precision(torch.bfloat16), offload=off)
-            s, _ = fzero.train_step(loss)(s, x)
+            s, _ = fzero.train_step(loss, donate=True)(s, x)
             out.append(fzero.evaluate(loss, prefetch=1)(s, x))
         return out
 
     for outs in mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen).bfloat16(),) for _ in range(2)]):
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+        assert all(torch.equal(outs[0], o) for o in outs[1:3]) and all(torch.equal(outs[3], o) for o in outs[4:])
 
 
 @pytest.mark.parametrize("offload", [None, fzero.Offload(optimizer="cpu")])

@@ -45,7 +45,7 @@ from .errors import ConfigError
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
-PARAM_TIERS = (None, "cpu")
+PARAM_TIERS = (None, "cpu", "nvme")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +57,12 @@ class Offload:
         memory; the update runs on the host) or "nvme" (as "cpu", with the fp32 master shard and
         the optimizer state's "shard" fields in swap files under `nvme_path`, `NvmeTier`: host
         memory keeps only their read and staging buffers; needs `donate=True`). Stages 1-3.
-      params: None or "cpu": stage 3's param shards in host memory, brought to the device per
-        unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
-        the host updates, as FSDP2's `CPUOffloadPolicy`).
+      params: None, "cpu" or "nvme": stage 3's param shards in host memory, brought to the
+        device per unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is
+        the master the host updates, as FSDP2's `CPUOffloadPolicy`). "nvme" (needs
+        `optimizer="nvme"`): each trainable bucket's compute-dtype copy of its shard is a swap
+        file too, read when its unit's gather starts (prefetched with it); frozen buckets keep
+        their shard in host memory (see `stage_of`).
       nvme_path: the directory of the swap files (`optimizer="nvme"`).
       ratio: the fraction of the trainable elements whose optimizer state is offloaded
         (DeepSpeed's `ratio`), in whole buckets: the first trainable buckets in layout order stay
@@ -86,6 +89,10 @@ class Offload:
             raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
                               f"master copy the optimizer updates: offload the optimizer too, "
                               f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
+        if self.params == "nvme" and self.optimizer != "nvme":
+            raise ConfigError(f"Offload(params='nvme') keeps stage 3's shards in the swap files of the NVMe tier, "
+                              f"which holds the master and optimizer state: use Offload(optimizer='nvme', "
+                              f"params='nvme', nvme_path=...), or params='cpu' (got optimizer={self.optimizer!r})")
         if self.optimizer == "nvme" and not self.nvme_path:
             raise ConfigError("Offload(optimizer='nvme') needs nvme_path=<a directory on the NVMe drive> for the "
                               "optimizer state's swap files; or use optimizer='cpu'")
@@ -306,6 +313,17 @@ class HostTier:
         checkpoint's save, the rare path's non-finite report): the state's own tensor."""
         return master
 
+    # -- where stage 3's compute-dtype shard lives between steps (params offloaded) ----------------
+
+    def keep_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s fresh compute-dtype host shard (params offloaded):
+        the tensor itself."""
+        return shard
+
+    def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s new compute-dtype host shard: the tensor itself."""
+        return shard
+
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
@@ -338,6 +356,8 @@ class NvmeTier(HostTier):
     directory: str = ""
     direct: bool = False
     masters: Any = None  # {bucket: file name} of the trainable host buckets' master shards
+    shards: Any = None  # params="nvme": {bucket: file name} of their compute-dtype shards
+    tags: Any = None  # params="nvme": {bucket tag: file name}, for `enter` (which knows the tag)
     in_place = True
     # each tier owns its own files: equal only to itself (HostTier's generated __eq__ compares
     # device and pin, which two NVMe tiers with different files share)
@@ -346,11 +366,17 @@ class NvmeTier(HostTier):
 
     @staticmethod
     def make(device: torch.device, offload: Offload, shapes: dict[int, Any],
-             masters: dict[int, torch.Tensor] | None = None) -> "NvmeTier":
-        """The tier for `{bucket: (optimizer state, its spec)}` and `{bucket: master shard}`: the
-        "shard" fields and the masters get files, sized and typed as those tensors (the tensors
+             masters: dict[int, torch.Tensor] | None = None,
+             shards: dict[int, tuple[str, torch.Tensor]] | None = None) -> "NvmeTier":
+        """The tier for `{bucket: (optimizer state, its spec)}`, `{bucket: master shard}` and
+        (params="nvme") `{bucket: (its tag, compute-dtype shard)}`: the "shard" fields, the
+        masters and the shards get files, sized and typed as those tensors (the tensors
         themselves are not read: meta tensors do)."""
         fields, entries, names = {}, {}, {}
+        params, tags = {}, {}
+        for b, (tag, x) in (shards or {}).items():
+            params[b] = tags[tag] = f"b{b}/params"
+            entries[params[b]] = (x.numel(), x.dtype)
         for b, (opt, spec) in shapes.items():
             named = tuple((k, f"b{b}/{field}") for k, (field, kind) in enumerate(zip(opt._fields, spec))
                           if kind == "shard")
@@ -360,23 +386,25 @@ class NvmeTier(HostTier):
             names[b] = f"b{b}/master"
             entries[names[b]] = (m.numel(), m.dtype)
         return NvmeTier._open(device, offload.pin, offload.nvme_path, offload.direct, fields,
-                              entries or {"none": (0, torch.float32)}, names)
+                              entries or {"none": (0, torch.float32)}, names, params, tags)
 
     def renewed(self) -> "NvmeTier":
         """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
         entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
-        return NvmeTier._open(self.device, self.pin, self.directory, self.direct, self.fields, entries, self.masters)
+        return NvmeTier._open(self.device, self.pin, self.directory, self.direct, self.fields, entries, self.masters,
+                              self.shards, self.tags)
 
     @staticmethod
     def _open(device: torch.device, pin: bool, directory: str, direct: bool, fields: Any,
-              entries: dict[str, tuple[int, torch.dtype]], masters: Any) -> "NvmeTier":
+              entries: dict[str, tuple[int, torch.dtype]], masters: Any, shards: Any = None,
+              tags: Any = None) -> "NvmeTier":
         """The tier of fresh swap files `entries` in `directory`, with read and staging buffers for
         two buckets' files (this bucket's fields and master, and the next's: `depth`)."""
         from .nvme import SwapFiles
 
         depth = 2 * max((len(fields.get(b, ())) + (b in masters) for b in {*fields, *masters}), default=1)
         files = SwapFiles(directory, entries, pin=device.type == "cuda" and pin, buffers=max(depth, 1), direct=direct)
-        return NvmeTier(device, pin, files, fields, directory, direct, masters)
+        return NvmeTier(device, pin, files, fields, directory, direct, masters, shards or {}, tags or {})
 
     def host_cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`HostTier.host_cast`, but always a new buffer: the master the update hands over is a
@@ -446,8 +474,48 @@ class NvmeTier(HostTier):
         self.files.release(self.masters[b])
         return values
 
+    def keep_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        if b not in self.shards:
+            return shard
+        self.files.write(self.shards[b], shard)
+        self.files.flush()
+        return stand_in(shard)
+
+    def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        if b not in self.shards:
+            return shard
+        self.files.write(self.shards[b], shard)  # copies into a staging buffer: `shard` may go
+        return stand_in(shard)
+
+    def start_shard(self, tag: str) -> "Loading":
+        """Start reading the compute-dtype shard of the bucket tagged `tag` (`SwapFiles.start_load`:
+        a buffer of its own, so that any number of prefetched units may hold one)."""
+        name = self.tags[tag]
+        return Loading(self, name, self.files.start_load(name))
+
     def flush(self) -> None:
         self.files.flush()
+
+
+class Loading:
+    """A shard's read from its swap file in flight (`NvmeTier.start_shard`): `wait()` waits for
+    it and returns the shard on the device (a copy: on CUDA non-blocking from the read's own
+    pinned buffer, which the caching host allocator keeps until the copy is done)."""
+
+    def __init__(self, tier: NvmeTier, name: str, future: Any) -> None:
+        self.tier, self.name, self.future = tier, name, future
+
+    def wait(self) -> torch.Tensor:
+        host = self.tier.files.loaded(self.name, self.future)
+        if self.tier.cuda:
+            return host.to(self.tier.device, non_blocking=True)
+        return host.to(device=self.tier.device, copy=True)
+
+
+def is_stand_in(x: torch.Tensor) -> bool:
+    """Whether `x` is a stand-in (`stand_in`): not empty, every stride 0. fzero's real shards are
+    contiguous, so a real shard of one element has stride 1."""
+    return x.numel() > 0 and x.dim() > 0 and all(s == 0 for s in x.stride())
 
 
 def stand_in(x: torch.Tensor) -> torch.Tensor:
@@ -457,23 +525,34 @@ def stand_in(x: torch.Tensor) -> torch.Tensor:
 
 
 def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None,
-            masters: dict[int, torch.Tensor] | None = None) -> HostTier | None:
+            masters: dict[int, torch.Tensor] | None = None,
+            shards: dict[int, tuple[str, torch.Tensor]] | None = None) -> HostTier | None:
     """The tier an offloaded state's host buckets use (None without offload); NVMe needs the
-    buckets' optimizer states and master shards (`NvmeTier.make`)."""
+    buckets' optimizer states, master shards and (params="nvme") compute-dtype shards
+    (`NvmeTier.make`)."""
     if not offload.active:
         return None
     if offload.optimizer == "nvme" and shapes is not None:
-        return NvmeTier.make(torch.device(device), offload, shapes, masters)
+        return NvmeTier.make(torch.device(device), offload, shapes, masters, shards)
     return HostTier(torch.device(device), offload.pin)
 
 
-# -- the stage's pieces with the param shards on the host (stage 3, params="cpu") -----------------
+# -- the stage's pieces with the param shards off the device (stage 3, params="cpu" | "nvme") -----
 
 
 def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     """`stage`, or, with params offloaded, stage 3 whose `enter` first copies the host shard to the
     device (inside the flight `Gathering` prefetches), then all-gathers it: the stage's collectives,
-    in its order, on the same bits."""
+    in its order, on the same bits.
+
+    With params="nvme" a trainable bucket's shard is a stand-in (`is_stand_in`) and the tier's
+    file of its tag holds the values: `start` begins that file's read (`NvmeTier.start_shard`),
+    so the read runs while the units before it compute, and the flight's first phase waits for
+    it, copies the shard to the device and starts the all-gather (`_Phase`); the blocking `run`
+    does the same at once. A real tensor (a frozen bucket's host shard, `fzero.gather`'s master
+    values) is copied as with params="cpu". Frozen buckets stay in host memory: the units and
+    `fzero.gather` cast a frozen shard to another dtype before `enter` where a policy says so
+    (`gather_leaves`), and a cast of a stand-in would be zeros, not a stand-in."""
     if offload.params is None:
         return stage
     assert tier is not None and stage.enter is ENTER_GATHER
@@ -481,14 +560,30 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     def fetch(x: torch.Tensor) -> torch.Tensor:
         return tier.to_device(x, x.dtype)
 
+    def on_file(wire: Wire, shard: torch.Tensor) -> bool:
+        return is_stand_in(shard) and wire.tag in (getattr(tier, "tags", None) or {})
+
     def enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
-        return ENTER_GATHER.run(mesh, wire, fetch(shard))
+        x = tier.start_shard(wire.tag).wait() if on_file(wire, shard) else fetch(shard)
+        return ENTER_GATHER.run(mesh, wire, x)
 
     def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
-        return ENTER_GATHER.start(mesh, wire, fetch(shard))
+        if not on_file(wire, shard):
+            return ENTER_GATHER.start(mesh, wire, fetch(shard))
+        return Flight(tier.start_shard(wire.tag), (lambda x: _Phase(ENTER_GATHER.start(mesh, wire, x)),))
 
     return dataclasses.replace(stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves,
                                                   start=start_enter))
+
+
+class _Phase:
+    """A `Flight` as one phase of another (`Flight.then` returns what has `wait()`)."""
+
+    def __init__(self, flight: Flight) -> None:
+        self.flight = flight
+
+    def wait(self) -> torch.Tensor:
+        return self.flight.wait()
 
 
 # -- what init (and a checkpoint's load) holds where --------------------------------------------
@@ -503,15 +598,15 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     anyway; the step differentiates a stand-in of the master, `differentiated`); with params
     offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard moves to
     the host. The tier keeps the master (`HostTier.keep_master`: NVMe writes it to its file and
-    the state holds a stand-in; `params` is then a host tensor of its own). Without offload,
-    unchanged."""
+    the state holds a stand-in; `params` is then a host tensor of its own) and, params="nvme",
+    the compute-dtype shard (`keep_params`: its file). Without offload, unchanged."""
     if tier is None:
         return held, master
     if layout.buckets[b].group.frozen:
         return (tier.host(held) if offload.params is not None else held), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
     if offload.params is not None:  # what the units read: the compute-dtype copy, made here and by each update
-        return tier.host_cast(on_host, compute), tier.keep_master(b, on_host)
+        return tier.keep_params(b, tier.host_cast(on_host, compute)), tier.keep_master(b, on_host)
     return (held.to(compute) if stage.sharded("params") else held), tier.keep_master(b, on_host)
 
 
@@ -663,7 +758,10 @@ class HostUpdate:
         if tier is None:
             return Stored(master, opt_state, master, master)
         params = self.info.offload.params is not None  # the host copy the units read, cast once per step here
-        back = tier.host_cast(master, held_dtype) if params else tier.to_device(master, held_dtype)
+        if params:  # params="nvme": written to its file, the state keeps a stand-in
+            back = tier.store_params(b, tier.host_cast(master, held_dtype))
+        else:
+            back = tier.to_device(master, held_dtype)
         checked = _ends(master) if tier.in_place else master
         return Stored(back, tier.store(b, opt_state), tier.store_master(b, master), checked)
 

@@ -72,7 +72,9 @@ class StateInfo:
         """This info for a new state that must not share storage with this one's (a checkpoint's
         load): with NVMe offload, a fresh set of swap files; otherwise itself."""
         tier = self.tier.renewed() if self.tier is not None else None
-        return self if tier is self.tier else dataclasses.replace(self, tier=tier)
+        if tier is self.tier:
+            return self
+        return dataclasses.replace(self, tier=tier, stage=stage_of(get_stage(self.stage.level), self.offload, tier))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +204,10 @@ def init(
         bits where the host's kernels are the device's (docs/offload.md).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
-        st = get_stage(stage)
+        st = get_stage(stage)  # the stage's own pieces; its enter reads the final tier (`stage_of`, below)
         off = check_offload(offload)
         off.check_stage(st)
         tier = tier_of(off, mesh.device)
-        st = stage_of(st, off, tier)
         _check_optimizer(optimizer)
         if not isinstance(precision, Precision):
             raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
@@ -247,13 +248,17 @@ def init(
         if off.optimizer == "nvme":  # the files' sizes from states made on the meta device (no memory)
             metas = {b: opt_init(b, "meta") for b in trainable if b in on_host}
             tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()},
-                           {b: master[b] for b in metas})
+                           {b: master[b] for b in metas},
+                           {b: (layout.buckets[b].tag, held[b]) for b in metas} if off.params == "nvme" else None)
             tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
         opt_state = tuple(place_opt_state(tiers[b], b, opt_init(b)) if b in trainable else None
                           for b in range(len(layout.buckets)))
         if off.optimizer == "nvme":  # the masters to their files, once the optimizer states are made from them
             master = tuple(tiers[b].keep_master(b, m) if b in trainable and tiers[b] is not None else m
                            for b, m in enumerate(master))
+            held = tuple(tiers[b].keep_params(b, p) if b in trainable and tiers[b] is not None else p
+                         for b, p in enumerate(held))  # params="nvme": the compute-dtype shards too
+        st = stage_of(st, off, tier)
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
                      StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier))
