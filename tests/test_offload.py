@@ -344,9 +344,9 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
                                                    (3, "nvme", "bf16")])
 def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, stage, params, policy):
     """The state keeps a no-memory stand-in for each file-backed tensor (the moments, the master
-    shard and, params="nvme", the compute-dtype shard); a checkpoint of an NVMe state reads the files and loads into plain and NVMe
-    targets (the master then written to the target's fresh files) bit for bit; training on from
-    either is bitwise training on without the checkpoint."""
+    shard and, params="nvme", the compute-dtype shard); a checkpoint of an NVMe state reads the
+    files and loads into plain and NVMe targets (the master then written to the target's fresh
+    files) bit for bit; training on from either is bitwise training on without the checkpoint."""
     tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
     loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
     mesh = fzero.SimMesh(2)
@@ -507,7 +507,8 @@ def test_evaluate_reads_offloaded_states(tmp_path):
         out = []
         nvme = dict(optimizer="nvme", nvme_path=str(tmp_path))
         for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (2, fzero.Offload(**nvme)), (3, None),
-                           (3, fzero.Offload(optimizer="cpu", params="cpu")), (3, fzero.Offload(**nvme, params="nvme"))):
+                           (3, fzero.Offload(optimizer="cpu", params="cpu")),
+                           (3, fzero.Offload(**nvme, params="nvme"))):
             s = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
                            precision=fzero.Precision(torch.bfloat16), offload=off)
             s, _ = fzero.train_step(loss, donate=True)(s, x)

@@ -366,8 +366,9 @@ def _offloaded(
         master=Fraction(0) if nvme_ else master,
         buffers=Fraction(buffers_ + reads) if nvme_ else Fraction(0),
     )
-    disk = TierBytes(params=copy if in_file else Fraction(0), optimizer_state=state, master=master) if nvme_ else TierBytes()
-    return host, disk
+    if not nvme_:
+        return host, TierBytes()
+    return host, TierBytes(params=copy if in_file else Fraction(0), optimizer_state=state, master=master)
 
 
 @overload

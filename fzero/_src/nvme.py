@@ -359,7 +359,8 @@ class SwapFiles:
         try:
             return future.result()
         except OSError as e:
-            raise OffloadError(f"SwapFiles.start_load({name!r}) from {self.entries[name].path!r}: {_describe(e)}") from e
+            path = self.entries[name].path
+            raise OffloadError(f"SwapFiles.start_load({name!r}) from {path!r}: {_describe(e)}") from e
 
     def release(self, name: str) -> None:
         """Give entry `name`'s read buffer back (waits for its read if it is still running)."""
