@@ -540,6 +540,12 @@ def test_cli_offload(capsys):
     assert "offload: optimizer cpu, params on the device, ratio 1" in out
     row = [line.split() for line in out.splitlines() if line.startswith("3 ")][-1]
     assert row[:7] == ["3", "28", "GB", "98", "GB", "0", "B"]  # device, host, NVMe
+    argv = ["estimate", "--params", "14e9", "-n", "2", "--stage", "3", "--offload-optimizer", "nvme"]
+    assert main(argv + ["--offload-params", "nvme"]) == 0
+    row = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("3 ")][-1]
+    assert row[:7] == ["3", "14", "GB", "14", "GB", "98", "GB"]  # the bf16 shard, master and moments on the disk
+    assert main(argv[:-1] + ["cpu", "--offload-params", "nvme"]) == 2
+    assert "params='nvme'" in capsys.readouterr().err
     assert main(["estimate", "--params", "14e9", "-n", "2", "--offload-optimizer", "nvme"]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")] == ["1", "2", "3"] * 2
