@@ -9,6 +9,13 @@ once, ~1-2 minutes, cached in $TORCH_EXTENSIONS_DIR for the machine's later call
     python3 benchmarks/bench_offload.py --smoke                                # first call: builds, then < 2 min
     python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl                # second call: < 9 min
 Larger sizes in a further call: `--skip-pcie --skip-adam --start 2 --modes fzero-cpu ds-cpu ...`.
+fzero's NVMe modes alone, 3 steps each (warm-up + `--steps 2`), at 0.54B and then the largest of
+a list the guard allows (it skips, at no cost, what would not fit 85% of the disk's free space):
+    python3 benchmarks/bench_offload.py --skip-pcie --skip-adam --steps 2 --modes fzero-nvme \
+        fzero-nvme-params --sizes 2048x8 --total 100 --out $OUT/nvme-small.jsonl
+    python3 benchmarks/bench_offload.py --skip-pcie --skip-adam --steps 2 --modes fzero-nvme \
+        fzero-nvme-params --mode-sizes fzero-nvme=4096x24,4096x19,4096x16,4096x12 \
+        fzero-nvme-params=4096x19,4096x16,4096x12 --total 300 --run-timeout 200 --out $OUT/nvme-large.jsonl
 ZeRO-Infinity (`ds-nvme`) needs DeepSpeed's async I/O op, which needs libaio: where the system has
 none, unpack Debian's libaio1 and libaio-dev (`apt-get download`, then `dpkg -x FILE DIR`) and pass
 `--aio-root DIR`; where TORCH_CUDA_ARCH_LIST names an arch with a suffix ("9.0a"), DeepSpeed

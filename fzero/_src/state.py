@@ -197,11 +197,12 @@ def init(
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`). Only where some bucket computes in fp16.
-      offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu", nvme_path=,
-        ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme": the master
-        shard and the state's per-element fields in swap files under `nvme_path`; `ratio` < 1
-        keeps whole buckets on the device) and stage 3's param shards in host memory, the update on the host; the same
-        bits where the host's kernels are the device's (docs/offload.md).
+      offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu" | "nvme",
+        nvme_path=, ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme":
+        the master shard and the state's per-element fields in swap files under `nvme_path`;
+        `ratio` < 1 keeps whole buckets on the device) and stage 3's param shards in host memory
+        (params "nvme": in swap files too), the update on the host; the same bits where the
+        host's kernels are the device's (docs/offload.md).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)  # the stage's own pieces; its enter reads the final tier (`stage_of`, below)
