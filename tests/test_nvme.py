@@ -157,6 +157,17 @@ def test_loads_bypass_the_pool_and_order_with_writes(tmp_path, monkeypatch):
         assert torch.equal(files.loaded("a", files.start_load("a")), old)
 
 
+def test_holds_names_the_read_buffers_views(tmp_path):
+    """`holds(x)`: true for what `read` returns (a view of a pooled read buffer, refilled after its
+    release), false for a copy of it and for a `start_load`'s own buffer."""
+    with SwapFiles(tmp_path, {"a": (8, torch.float32)}) as files:
+        files.write("a", torch.arange(8.0))
+        x = files.read("a")
+        assert files.holds(x) and files.holds(x[2:]) and not files.holds(x.clone())
+        files.release("a")
+        assert not files.holds(files.loaded("a", files.start_load("a"))) and not files.holds(torch.ones(8))
+
+
 def test_writes_of_one_entry_land_in_order(tmp_path, monkeypatch):
     """Two writes of one entry in a row: the second wins even when the first is slow (two writer
     threads would otherwise let the second finish first)."""

@@ -416,6 +416,26 @@ def test_nvme_master_lives_in_its_file_and_readers_read_it_there(tmp_path):
         assert (tiers.host.master, tiers.nvme.master) == (0, cpu_tiers.host.master) and cpu_tiers.host.master > 0
 
 
+def test_nvme_update_hands_out_no_read_buffer(tmp_path):
+    """What a step's state keeps besides the stand-ins -- with params="cpu" and fp32 params the
+    host shard the units read, the update's cast of the master being a no-op -- is a buffer of
+    its own, never a view of a swap read buffer (which the next bucket's prefetch refills)."""
+    tree = {f"l{i}": torch.randn(6) for i in range(4)}
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p,
+                           offload=fzero.Offload(optimizer="nvme", params="cpu", nvme_path=str(tmp_path)))
+        state, _ = fzero.train_step(lambda p, x: sum((v * x).sum() for v in p.values()), donate=True)(
+            state, torch.tensor(2.0))
+        return state
+
+    state = mesh.run(rank_fn)[0]
+    pool = {b.untyped_storage().data_ptr() for b in state.info.tier.files._read_free}  # all free after the step
+    assert len(pool) == 6 and all(p.stride() == (1,) and p.untyped_storage().data_ptr() not in pool
+                                  for p in state.params)
+
+
 def test_nvme_broken_update_names_the_leaf_read_from_the_master_file(tmp_path):
     """The rare path after a donating NVMe update made the params inf (fp16 params and adamw's
     eps = 1e-8, which underflows: a division by zero, as tests/test_misuse.py): the next reader

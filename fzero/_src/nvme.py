@@ -209,6 +209,7 @@ class SwapFiles:
         max_bytes = max(e.stored for e in self.entries.values())
         read, staging = ([_buffer(max_bytes, pin, align) for _ in range(buffers)] for _ in "rs")
         self.host_bytes = sum(b.numel() for b in read + staging)  # buffer_bytes(stored bytes, buffers)
+        self._read_storages = frozenset(b.untyped_storage().data_ptr() for b in read)
         self._read_free = read
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for b in staging:
@@ -361,6 +362,11 @@ class SwapFiles:
         except OSError as e:
             path = self.entries[name].path
             raise OffloadError(f"SwapFiles.start_load({name!r}) from {path!r}: {_describe(e)}") from e
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether `x` is a view of one of the read buffers (what `read` returns: valid only until
+        its `release`, after which a prefetch may refill it)."""
+        return x.device.type == "cpu" and x.untyped_storage().data_ptr() in self._read_storages
 
     def release(self, name: str) -> None:
         """Give entry `name`'s read buffer back (waits for its read if it is still running)."""

@@ -407,11 +407,12 @@ class NvmeTier(HostTier):
         return NvmeTier(device, pin, files, fields, directory, direct, masters, shards or {}, tags or {})
 
     def host_cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`HostTier.host_cast`, but always a new buffer: the master the update hands over is a
-        view of a read buffer that the next bucket's prefetch refills once `store_master` released
-        it, so neither the device copy `to_device` queues (non-blocking on CUDA) nor a host copy
-        the units read (params offloaded) may read that buffer itself."""
-        if x.dtype != dtype:
+        """`HostTier.host_cast`, but a new buffer where `x` is a read buffer's view
+        (`SwapFiles.holds`): the master the update hands over is one, which the next bucket's
+        prefetch refills once `store_master` released it, so neither the device copy `to_device`
+        queues (non-blocking on CUDA) nor a host copy the units read (params offloaded) may read
+        that buffer itself. Any other tensor (a unit's host shard, params="cpu") as there."""
+        if x.dtype != dtype or not self.files.holds(x):
             return super().host_cast(x, dtype)
         if self.cuda:
             return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
