@@ -9,6 +9,13 @@ once, ~1-2 minutes, cached in $TORCH_EXTENSIONS_DIR for the machine's later call
     python3 benchmarks/bench_offload.py --smoke                                # first call: builds, then < 2 min
     python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl                # second call: < 9 min
 Larger sizes in a further call: `--skip-pcie --skip-adam --start 2 --modes fzero-cpu ds-cpu ...`.
+fzero's NVMe modes alone, 3 steps each (warm-up + `--steps 2`), at 0.54B and then the largest of
+a list the guard allows (it skips, at no cost, what would not fit 85% of the disk's free space):
+    python3 benchmarks/bench_offload.py --skip-pcie --skip-adam --steps 2 --modes fzero-nvme \
+        fzero-nvme-params --sizes 2048x8 --total 100 --out $OUT/nvme-small.jsonl
+    python3 benchmarks/bench_offload.py --skip-pcie --skip-adam --steps 2 --modes fzero-nvme \
+        fzero-nvme-params --mode-sizes fzero-nvme=4096x24,4096x19,4096x16,4096x12 \
+        fzero-nvme-params=4096x19,4096x16,4096x12 --total 300 --run-timeout 200 --out $OUT/nvme-large.jsonl
 ZeRO-Infinity (`ds-nvme`) needs DeepSpeed's async I/O op, which needs libaio: where the system has
 none, unpack Debian's libaio1 and libaio-dev (`apt-get download`, then `dpkg -x FILE DIR`) and pass
 `--aio-root DIR`; where TORCH_CUDA_ARCH_LIST names an arch with a suffix ("9.0a"), DeepSpeed
@@ -37,7 +44,8 @@ the host update: fzero's adamw with `--host-impl` (fused by default), DeepSpeedC
 DeepSpeed, torch.optim.AdamW's default (foreach) on FSDP2's host shards):
   fzero-cpu         fzero.Offload(optimizer="cpu")                  (params on the GPU, bf16)
   fzero-cpu-params  fzero.Offload(optimizer="cpu", params="cpu")
-  fzero-nvme        fzero.Offload(optimizer="nvme", nvme_path=...)
+  fzero-nvme        fzero.Offload(optimizer="nvme", nvme_path=...)  (master and moments in files)
+  fzero-nvme-params fzero.Offload(optimizer="nvme", params="nvme", nvme_path=...)  (+ the bf16 shards)
   ds-cpu            DeepSpeed ZeRO-3, offload_optimizer cpu          (ZeRO-Offload)
   ds-cpu-params     + offload_param cpu
   ds-nvme           offload_optimizer nvme                           (ZeRO-Infinity)
@@ -49,7 +57,7 @@ predicted not to fit the host memory or the NVMe folder are skipped without an a
 Without it, a sweep grows the model along `LADDER` (width, depth) and stops at the first failure, or when
 the next size is predicted (last run's time x the size ratio) to overrun the mode's share of the
 time left, or would not fit in 85% of the host's available memory / the NVMe folder's free space
-(predicted from fzero.accounting.estimate for fzero, from their byte counts for the peers).
+(`predicted`: from fzero.accounting.estimate for fzero, from their byte counts for the peers).
 """
 
 from __future__ import annotations
@@ -68,7 +76,8 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
-FZERO_MODES = {"fzero-cpu": ("cpu", None), "fzero-cpu-params": ("cpu", "cpu"), "fzero-nvme": ("nvme", None)}
+FZERO_MODES = {"fzero-cpu": ("cpu", None), "fzero-cpu-params": ("cpu", "cpu"), "fzero-nvme": ("nvme", None),
+               "fzero-nvme-params": ("nvme", "nvme")}
 DS_MODES = {"ds-cpu": ("cpu", None), "ds-cpu-params": ("cpu", "cpu"), "ds-nvme": ("nvme", None)}
 MODES = (*FZERO_MODES, *DS_MODES, "fsdp2-cpu")
 # (width, depth): 0.54B, 1.34B (the peers' model), 2.69B, 5.1B, 7.5B, 12.8B params at vocab 32000
@@ -107,28 +116,36 @@ WIDTHS = ((1.5, 2048), (8.0, 4096), (16.0, 5120), (40.0, 6144))
 HOST_SLACK = 1.3
 
 
-def host_bytes_per_param(mode: str, slack: float = HOST_SLACK) -> tuple[float, int]:
-    """(host, NVMe) bytes per parameter a mode is expected to hold at N = 1, for the sweep's
-    guard. fzero: from `fzero.accounting.estimate` (bf16 params, fp32 master, Adam; the gradient
-    copy in the fp32 reduce dtype), times `slack` (`--host-slack`). DeepSpeed: fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for
-    offloaded bf16 params), the moments and master on NVMe for nvme. FSDP2: fp32 sharded params 4
-    + fp32 gradients 4 + moments 8, all on the host. Plus the model's fp32 copy where it is built on
-    the host (DeepSpeed)."""
+def predicted(mode: str, width: int, depth: int, vocab: int, seq: int, slack: float = HOST_SLACK
+              ) -> tuple[float, int]:
+    """(host, NVMe) bytes a mode is expected to hold at N = 1 for the GPT of (width, depth), for
+    the sweep's guard. fzero: `fzero.accounting.estimate` of the model's buckets (one per block,
+    `units_by_prefix(model, "blocks")`, and one for the rest: embeddings, head, final LayerNorm;
+    bf16 params, fp32 master, Adam, the gradient copy in the fp32 reduce dtype), so the NVMe
+    swap buffers, sized by the largest bucket, count; times `slack` (`--host-slack`). DeepSpeed:
+    fp32 master 4 + moments 8 + fp32 gradient 4 (+ 2 for offloaded bf16 params), the moments and
+    master on NVMe for nvme. FSDP2: fp32 sharded params 4 + fp32 gradients 4 + moments 8, all on
+    the host. Plus the model's fp32 copy where it is built on the host (DeepSpeed)."""
+    n = gpt_params(width, depth, vocab, seq)
     if mode in FZERO_MODES:
+        import torch
+
         from fzero._src.estimate import estimate
 
         where, params = FZERO_MODES[mode]
-        e = estimate(1, 1, stage=3, optimizer="adam-mixed", grad_dtype="fp32", offload_optimizer=where,
-                     offload_params=params)
-        # params offloaded: 4 more bytes per param, beside the one bf16 copy the estimate counts
+        tree = {f"blocks.{i}": torch.empty(12 * width * width + 4 * width, device="meta") for i in range(depth)}
+        tree["rest"] = torch.empty(n - depth * (12 * width * width + 4 * width), device="meta")
+        e = estimate(tree, 1, stage=3, optimizer="adam-mixed", grad_dtype="fp32", offload_optimizer=where,
+                     offload_params=params, units=lambda path: path)  # one bucket per leaf
+        # params="cpu": 4 more bytes per param, beside the one bf16 copy the estimate counts
         # (HostTier.host_cast; a second exists across an update, the new one made before the old
         # goes): one copy more than can exist, kept because the guard was checked with it -- at
         # 4.09B and --host-slack 1.2 it predicted 100.6 GiB against a measured 101.5 GiB RSS
-        return slack * (int(e.host.total) + (4 if params else 0)), int(e.nvme.total)
+        return slack * (int(e.host.total) + (4 * n if params == "cpu" else 0)), int(e.nvme.total)
     if mode in DS_MODES:
         where, params = DS_MODES[mode]
-        return (4 + (2 if params else 0) + (0 if where == "nvme" else 12) + 4, 12 if where == "nvme" else 0)
-    return 16 + 4, 0
+        return (4 + (2 if params else 0) + (0 if where == "nvme" else 12) + 4) * n, (12 if where == "nvme" else 0) * n
+    return (16 + 4) * n, 0
 
 
 def mem_available() -> int:
@@ -525,26 +542,26 @@ def train_child(mode: str, a, width: int, depth: int, timeout: float) -> tuple[l
 
 
 def sweep(mode: str, a, deadline: float, modes_left: int) -> None:
-    host_pp, nvme_pp = host_bytes_per_param(mode, a.host_slack)  # (imports fzero and torch into the driver once: seconds)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
     largest, why, last = None, "the ladder ended", None
     for width, depth in a.ladder:
         n = gpt_params(width, depth, a.vocab, a.seq)
+        host_b, nvme_b = predicted(mode, width, depth, a.vocab, a.seq, a.host_slack)  # (imports fzero, torch: once)
         left = budget_end - time.perf_counter()
         if last is not None and last[1] * n / last[0] * 1.2 > left:
             why = f"the next size ({n / 1e9:.3g}B) is predicted to take longer than the {left:.0f} s left to this mode"
             break
-        if host_pp * n > 0.85 * mem_available():
-            why = f"{n / 1e9:.3g}B needs ~{host_pp * n / GIB:.0f} GiB of host memory, more than 85% of what is available"
+        if host_b > 0.85 * mem_available():
+            why = f"{n / 1e9:.3g}B needs ~{host_b / GIB:.0f} GiB of host memory, more than 85% of what is available"
             break
-        if nvme_pp and nvme_pp * n > 0.85 * shutil.disk_usage(a.nvme_path).free:
-            why = f"{n / 1e9:.3g}B needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its free space"
+        if nvme_b and nvme_b > 0.85 * shutil.disk_usage(a.nvme_path).free:
+            why = f"{n / 1e9:.3g}B needs ~{nvme_b / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its free space"
             break
         rows, wall, status = train_child(mode, a, width, depth, min(left, a.run_timeout))
         row = rows[0] if rows else dict(bench="train", mode=mode, width=width, depth=depth,
                                          params_M=round(n / 1e6, 1), error=status.split(";")[0], detail=status)
-        row.update(wall_s=round(wall, 1), host_pred_GiB=round(host_pp * n / GIB, 1),
-                   nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
+        row.update(wall_s=round(wall, 1), host_pred_GiB=round(host_b / GIB, 1),
+                   nvme_pred_GiB=round(nvme_b / GIB, 1))
         emit(row, a.out)
         if "error" in row:
             why = f"{row['params_M'] / 1e3:.3g}B failed: {row['error']}"
@@ -563,25 +580,25 @@ def search(mode: str, a, deadline: float, modes_left: int) -> None:
     `skipped`); a failed attempt (oom, timeout, an error) moves to the next smaller size. The
     mode's share of the time left is `(deadline - now) / modes_left`; each attempt gets what is
     left of it, at most `--run-timeout`."""
-    host_pp, nvme_pp = host_bytes_per_param(mode, a.host_slack)
     budget_end = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
     sizes = sorted({parse_size(x, a.vocab, a.seq) for x in a.mode_sizes.get(mode, a.sizes)},
                    key=lambda wd: gpt_params(*wd, a.vocab, a.seq), reverse=True)
     found, why, attempts = None, "every size failed or was skipped", 0
     for width, depth in sizes:
         n = gpt_params(width, depth, a.vocab, a.seq)
+        host_b, nvme_b = predicted(mode, width, depth, a.vocab, a.seq, a.host_slack)
         base = dict(bench="train", mode=mode, width=width, depth=depth, params_M=round(n / 1e6, 1),
-                    host_pred_GiB=round(host_pp * n / GIB, 1), nvme_pred_GiB=round(nvme_pp * n / GIB, 1))
+                    host_pred_GiB=round(host_b / GIB, 1), nvme_pred_GiB=round(nvme_b / GIB, 1))
         left = budget_end - time.perf_counter()
         if left < 5:
             why = f"the mode's time ran out before {n / 1e9:.3g}B"
             break
-        if host_pp * n > 0.85 * mem_available():
-            emit(dict(base, skipped=f"needs ~{host_pp * n / GIB:.0f} GiB of host memory, more than 85% of the "
+        if host_b > 0.85 * mem_available():
+            emit(dict(base, skipped=f"needs ~{host_b / GIB:.0f} GiB of host memory, more than 85% of the "
                                     f"{mem_available() / GIB:.0f} GiB available"), a.out)
             continue
-        if nvme_pp and nvme_pp * n > 0.85 * shutil.disk_usage(a.nvme_path).free:
-            emit(dict(base, skipped=f"needs ~{nvme_pp * n / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its "
+        if nvme_b and nvme_b > 0.85 * shutil.disk_usage(a.nvme_path).free:
+            emit(dict(base, skipped=f"needs ~{nvme_b / GIB:.0f} GiB in {a.nvme_path}, more than 85% of its "
                                     f"free space"), a.out)
             continue
         rows, wall, status = train_child(mode, a, width, depth, min(left, a.run_timeout))

@@ -14,12 +14,15 @@ Rows (one JSON line each, also appended to `--out` if given):
           (6 + k2)uv'), and the fraction of elements that are bitwise equal. On the CPU both
           sides are the CPU (ratio 0).
   kernel_bound  the largest of each ratio over the kernel rows, and `corrected_bound_holds`.
-  step    per stage (1, 2, 3, 3 + params offload), a 4-block MLP (`--width`, bf16 compute,
+  step    per stage and tier (optimizer "cpu" at 1, 2, 3, 3 + params "cpu"; "nvme" at 1, 2, 3,
+          3 + params "nvme", in `--nvme-path`), a 4-block MLP (`--width`, bf16 compute,
           `--reduce-dtype` reduction (fp32: bench_offload's), AdamW, donate): offloaded vs plain
           from the same init, the first step's loss and gradient norm (`first_equal`: expected
           bitwise), the largest |difference| of the final
           params, the median step time (`ms`, ms_plain) and the peak device memory
-          (`peak_gib`, peak_gib_plain; CUDA only).
+          (`peak_gib`, peak_gib_plain; CUDA only); an NVMe row's `equal_to_cpu_tier`: whether
+          its params equal the "cpu" tier's bit for bit (expected: the same host kernels on the
+          same values; on CUDA this checks the non-blocking copies out of the swap buffers).
 
 Time limit: `--budget` seconds overall (rows stop when it is spent).
 """
@@ -110,7 +113,7 @@ def loss_fn(p, x):
 
 
 def step_rows(mesh: fzero.Mesh, width: int, steps: int, out: str | None, deadline: float,
-              reduce_dtype: torch.dtype = torch.float32) -> None:
+              reduce_dtype: torch.dtype = torch.float32, nvme_path: str = "/tmp") -> None:
     device = mesh.device
     params = {k: {n: t.to(device) for n, t in v.items()} for k, v in mlp(width).items()}
     batch = torch.randn(32, width, generator=torch.Generator().manual_seed(2)).to(device)
@@ -136,22 +139,33 @@ def step_rows(mesh: fzero.Mesh, width: int, steps: int, out: str | None, deadlin
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return fzero.gather(state), first, statistics.median(times), peak
 
-    for stage, params_tier in ((1, None), (2, None), (3, None), (3, "cpu")):
+    cpu_runs = {}  # (stage, params offloaded): the "cpu" tier's run, which an NVMe run must equal bitwise
+    for stage, where, params_tier in ((1, "cpu", None), (2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"),
+                                      (1, "nvme", None), (2, "nvme", None), (3, "nvme", None), (3, "nvme", "nvme")):
         if time.monotonic() > deadline:
-            emit({"row": "step", "stage": stage, "skipped": "budget spent"}, out)
+            emit({"row": "step", "stage": stage, "optimizer": where, "params": params_tier,
+                  "skipped": "budget spent"}, out)
             continue
         try:
             plain = run(stage, None)
-            offl = run(stage, fzero.Offload(optimizer="cpu", params=params_tier))
+            nvme = dict(nvme_path=nvme_path) if where == "nvme" else {}
+            offl = run(stage, fzero.Offload(optimizer=where, params=params_tier, **nvme))
+            if where == "cpu":
+                cpu_runs[stage, params_tier is not None] = offl
         except Exception as e:  # one row says why; the next stage still runs
-            emit({"row": "step", "stage": stage, "params": params_tier, "error": f"{type(e).__name__}: {e}"[:500]},
-                 out)
+            emit({"row": "step", "stage": stage, "optimizer": where, "params": params_tier,
+                  "error": f"{type(e).__name__}: {e}"[:500]}, out)
             continue
         diff = max(float((a - b).abs().max()) for k in plain[0] for a, b in
                    zip(plain[0][k].values(), offl[0][k].values()))
-        emit({"row": "step", "stage": stage, "params": params_tier, "device": str(device), "width": width,
-              "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
+        cpu = cpu_runs.get((stage, params_tier is not None)) if where == "nvme" else None
+        emit({"row": "step", "stage": stage, "optimizer": where, "params": params_tier, "device": str(device),
+              "width": width, "reduce_dtype": str(reduce_dtype).removeprefix("torch."),
               "first_equal": bool(torch.equal(plain[1][0], offl[1][0]) and torch.equal(plain[1][1], offl[1][1])),
+              # NVMe against the "cpu" tier: the same host kernels on the same values, so every param bitwise
+              # (expected True; False would be a copy that read a swap buffer being refilled)
+              "equal_to_cpu_tier": None if cpu is None else all(
+                  torch.equal(a, b) for k in cpu[0] for a, b in zip(cpu[0][k].values(), offl[0][k].values())),
               "max_abs_diff": diff, "ms": offl[2], "ms_plain": plain[2], "peak_gib": offl[3],
               "peak_gib_plain": plain[3]}, out)
 
@@ -163,6 +177,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--budget", type=float, default=300.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--nvme-path", default="/tmp", help="folder for the NVMe rows' swap files (removed after)")
     ap.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
                     help="the step rows' reduce dtype (compute is bf16)")
     args = ap.parse_args()
@@ -174,9 +189,9 @@ def main() -> None:
         mesh = fzero.SimMesh(1)
     kernel_rows(mesh.device, args.elements, args.out)
     if isinstance(mesh, fzero.SimMesh):
-        mesh.run(lambda: step_rows(mesh, args.width, args.steps, args.out, deadline, reduce_dtype))
+        mesh.run(lambda: step_rows(mesh, args.width, args.steps, args.out, deadline, reduce_dtype, args.nvme_path))
     else:
-        step_rows(mesh, args.width, args.steps, args.out, deadline, reduce_dtype)
+        step_rows(mesh, args.width, args.steps, args.out, deadline, reduce_dtype, args.nvme_path)
 
 
 if __name__ == "__main__":

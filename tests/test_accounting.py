@@ -334,3 +334,36 @@ def test_gather_on_use_moves_the_regather_formula(n):
     again = blocks - {"blocks.0"} if n > 1 else set()
     assert got.data == expected_comm(layout, n, 3, regather=again).data
     assert got.data != expected_comm(layout, n, 3, regather=not again).data
+
+
+def test_nvme_params_tier_split_is_the_estimate(tmp_path):
+    """Stage 3, Offload(optimizer="nvme", params="nvme"), bf16 policy, AdamW, N = 2, one frozen
+    bucket (S_b: bucket b's shard): the swap files hold each trainable bucket's bf16 shard 2 S_b,
+    fp32 master 4 S_b and moments 8 S_b -- `held_bytes`' "nvme" tier, and `estimate`'s `nvme`
+    for the same tree (adam-mixed); the host keeps the frozen bucket's fp32 shard 4 S_f, the step
+    counts and the gradient copies 4 S_b (fp32, as the estimate's grad_dtype="fp32"). The
+    estimate's swap buffers are the tier's pool (`SwapFiles.host_bytes`) plus two reads of the
+    largest bf16 shard in flight."""
+    from fzero._src.accounting import held_bytes
+
+    tree = {f"l{i}.w": torch.randn(6, 5) for i in range(3)} | {"l3.w": torch.randn(4, 5)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l1.w", frozen=True),)
+    units = lambda p: p.split(".")[0]  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    opt = optim.adamw(1e-2)
+    off = fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path))
+    state = mesh.run(lambda: fzero.init(tree, opt, stage=3, mesh=mesh, units=units, groups=frozen,
+                                        precision=fzero.Precision(torch.bfloat16), offload=off))[0]
+    S = {b.index: b.shard_numel for b in state.layout.buckets}
+    fz = [b.index for b in state.layout.buckets if b.group.frozen]
+    train = [b for b in S if b not in fz]
+    assert len(fz) == 1 and all(state.params[b].stride() == (0,) for b in train)
+    d, h, f = held_bytes(state, opt).tiers
+    assert (f.params, f.master, f.optimizer_state) == tuple(sum(k * S[b] for b in train) for k in (2, 4, 8))
+    assert (d.params, h.params, h.master) == (0, 4 * S[fz[0]], 0)
+    assert h.grads == sum(4 * S[b] for b in train)
+    e = estimate(tree, 2, stage=3, optimizer="adam-mixed", grad_dtype="fp32", units=units, groups=frozen,
+                 offload=off)
+    assert (e.nvme.params, e.nvme.master, e.nvme.optimizer_state) == (f.params, f.master, f.optimizer_state)
+    assert e.host.grads == h.grads  # (its host.params counts the frozen shard in bf16, the estimate's param dtype)
+    assert e.host.buffers == state.info.tier.files.host_bytes + 2 * 2 * max(S[b] for b in train)

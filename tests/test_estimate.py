@@ -266,10 +266,10 @@ def test_cli_module(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_units_size_the_swap_buffers(tmp_path, monkeypatch, capsys):
-    """--units-prefix makes one bucket per block: the NVMe swap buffers (2 · 4 buffers of the
-    largest fp32 field, Adam's two fields per bucket) shrink from the whole model's 4·(3·100 +
-    2·10) = 1280 B field, 10240 B, to the largest bucket's: a block's 4·100 = 400 B, 3200 B
-    (the head's 4·20 = 80 B, the rest unit, is smaller)."""
+    """--units-prefix makes one bucket per block: the NVMe swap buffers (2 · 6 buffers of the
+    largest fp32 file, a bucket's three: Adam's two fields and the master) shrink from the whole
+    model's 4·(3·100 + 2·10) = 1280 B file, 15360 B, to the largest bucket's: a block's 4·100 =
+    400 B, 4800 B (the head's 4·20 = 80 B, the rest unit, is smaller)."""
     (tmp_path / "fzero_cli_blocks.py").write_text(
         textwrap.dedent(
             """
@@ -288,8 +288,8 @@ def test_cli_units_size_the_swap_buffers(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0
         return [line.split()[-2:] for line in capsys.readouterr().out.splitlines() if line.startswith("3 ")][-1]
 
-    assert swap_buffers(base) == ["10.2", "kB"]
-    assert swap_buffers(base + ["--units-prefix", "blocks"]) == ["3.2", "kB"]
+    assert swap_buffers(base) == ["15.4", "kB"]
+    assert swap_buffers(base + ["--units-prefix", "blocks"]) == ["4.8", "kB"]
     assert main(base + ["--units-prefix", "nope"]) == 2
     assert "no submodule 'nope'" in capsys.readouterr().err
     assert main(["estimate", "--params", "10", "-n", "1", "--units-prefix", "blocks"]) == 2
@@ -357,7 +357,11 @@ def test_offload_14b_on_2_gpus_by_hand():
     gradient shard, (2 + 2)·E = 28 GB; the host holds the gradient shard's copy 2·E = 14 GB, Adam's
     moments 8·E = 56 GB and the fp32 master 4·E = 28 GB, 98 GB. + params offload: the GPU keeps
     only the gradient shard, 14 GB (the gathered units are transient), the host those 98 GB and
-    the bf16 copy of its shard that the units move, 2·E = 14 GB: 112 GB. NVMe: the moments move to the disk, 56 GB, the host keeps 14 + 28 = 42 GB.
+    the bf16 copy of its shard that the units move, 2·E = 14 GB: 112 GB. NVMe: the moments and the
+    fp32 master move to the disk, 56 + 28 = 84 GB; the host keeps the gradient copy, 14 GB (and the
+    swap buffers, not counted for a bare count).
+    + params="nvme": the bf16 copy 14 GB moves to the disk too (98 GB there), the GPU keeps the
+    gradient shard, 14 GB, and the host the gradient copy, 14 GB.
     Stages 1 and 2 keep their full params (2·Ψ = 28 GB) and full / sharded gradients."""
     kw = dict(optimizer="adam-mixed")
     plain = estimate(14e9, 2, stage=3, **kw)
@@ -370,8 +374,13 @@ def test_offload_14b_on_2_gpus_by_hand():
     assert (_gb(cpu.total), _gb(cpu.host.total), cpu.nvme.total) == (28, 98, 0)
     assert (both.params, _gb(both.grads), both.host) == (0, 14, cpu.host._replace(params=Fraction(14 * GB)))
     assert _gb(both.host.total) == 112
-    assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 42, 56)
-    assert disk.host.optimizer_state == 0 and disk.nvme.optimizer_state == 56 * GB
+    assert (_gb(disk.total), _gb(disk.host.total), _gb(disk.nvme.total)) == (28, 14, 84)
+    assert disk.host.optimizer_state == disk.host.master == 0
+    assert (disk.nvme.optimizer_state, disk.nvme.master) == (56 * GB, 28 * GB)
+    # + params="nvme": the bf16 shard's copy, 14 GB, in files too; the GPU keeps the gradient shard
+    files = estimate(14e9, 2, stage=3, offload_optimizer="nvme", offload_params="nvme", **kw)
+    assert (_gb(files.total), _gb(files.host.total), _gb(files.nvme.total)) == (14, 14, 98)
+    assert files.nvme == disk.nvme._replace(params=Fraction(14 * GB))
     s1, s2, s3 = estimate(14e9, 2, offload_optimizer="cpu", **kw)  # stage 0 has no shard: not listed
     assert [_gb(e.total) for e in (s1, s2, s3)] == [28 + 28, 28 + 14, 14 + 14]
     assert s1.host == s2.host == s3.host
@@ -395,19 +404,22 @@ def test_offload_ratio_by_hand():
     split_units=st.booleans(),
     optimizer=st.sampled_from(["adam-mixed", "adam", "sgd-momentum", "sgd"]),
     where=st.sampled_from(["cpu", "nvme"]),
-    params=st.sampled_from([None, "cpu"]),
+    params=st.sampled_from([None, "cpu", "nvme"]),
     ratio=st.sampled_from([1, Fraction(1, 2), Fraction(1, 3)]),
 )
 def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer, where, params, ratio):
     """For every stage that accepts the setting, with E = Σ_b S_b the rank's shard and H the
     elements of it on the host: the optimizer state is split s·(E - H) on the device + s·H on the
-    host or NVMe, nothing lost or duplicated; the host's master is 4·H (fp32: the master, or the
-    fp32 param shard) and its gradient copy g·H; the device's master is m·(E - H), its params
-    and grads those of the stage without offload (no params with params offload). H is whole
+    host or NVMe, nothing lost or duplicated; the host's master ("cpu") or the file's ("nvme") is
+    4·H (fp32: the master, or the fp32 param shard) and the host's gradient copy g·H; the device's
+    master is m·(E - H), its params and grads those of the stage without offload (no params with
+    params offload). H is whole
     buckets: r·E <= H < r·E + max_b S_b (the device keeps the longest prefix of buckets holding
     at most (1 - r)·E; the next one did not fit), H = E at r = 1."""
     if params is not None and ratio != 1:
         ratio = 1  # params offload keeps the whole shard on the host (a ConfigError otherwise)
+    if params == "nvme" and where != "nvme":
+        params = "cpu"  # params="nvme" needs the NVMe tier (a ConfigError otherwise)
     units = (lambda path: path.split(".")[0]) if split_units else None
     bpp = bytes_per_param(optimizer)
     kw = dict(optimizer=optimizer, units=units)
@@ -416,14 +428,17 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
     r = Fraction(ratio)
     for e in estimate(tree, n, offload_optimizer=where, offload_params=params, offload_ratio=ratio, **kw):
         plain = estimate(tree, n, stage=e.stage, **kw)
-        on_host = e.host.master / 4  # H
+        on_host = (e.host.master if where == "cpu" else e.nvme.master) / 4  # H
+        assert (e.nvme.master if where == "cpu" else e.host.master) == 0
         assert r * shard <= on_host and (on_host < r * shard + largest if r < 1 else on_host == shard)
         assert e.optimizer_state + e.host.optimizer_state + e.nvme.optimizer_state == plain.optimizer_state
         assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == bpp.optimizer_state * on_host
         assert (e.master, e.host.grads) == (bpp.master * (shard - on_host), bpp.grads * on_host)
         assert (e.params, e.grads) == ((0 if params else plain.params), plain.grads)
         # every bucket of these trees trains: host params only as params offload's compute copy beside a master
-        assert e.host.params == (bpp.params * on_host if params and bpp.master else 0)
+        # that is wider or in a file; params="nvme": that copy in a file
+        copy = bpp.params * on_host if params and (bpp.master or where == "nvme") else 0
+        assert (e.host.params, e.nvme.params) == ((0, copy) if params == "nvme" else (copy, 0))
         assert e.stage >= (3 if params else 1)
 
 
@@ -455,19 +470,22 @@ def test_offload_ratio_keeps_whole_buckets():
 
 def test_nvme_estimate_is_what_swap_files_hold(tmp_path):
     """The NVMe bytes and host swap buffers of the estimate are those of a `SwapFiles` made as the
-    NVMe tier makes it: one fp32 entry per bucket and Adam field (m, v), and twice a bucket's
-    fields as buffers (this bucket's and the next one's): files and buffers as built."""
+    NVMe tier makes it: one fp32 entry per bucket and tensor (Adam's m, v and the fp32 master),
+    and twice a bucket's files as buffers (this bucket's and the next one's): files and buffers as
+    built."""
     tree = {"a": torch.empty(10, 3, device="meta"), "b": torch.empty(7, device="meta")}
     units = lambda path: path  # noqa: E731 -- two buckets, of 30 and 7 elements
     n = 3
     e = estimate(tree, n, stage=3, optimizer="adam", units=units, offload_optimizer="nvme")
     layout = plan(tree, n, units=units)
-    entries = {f"{b.tag}/{field}": (b.shard_numel, torch.float32) for b in layout.buckets for field in ("m", "v")}
-    with nvme.SwapFiles(tmp_path, entries, buffers=4) as files:
+    entries = {f"{b.tag}/{field}": (b.shard_numel, torch.float32) for b in layout.buckets
+               for field in ("m", "v", "master")}
+    with nvme.SwapFiles(tmp_path, entries, buffers=6) as files:
         on_disk = sum(os.path.getsize(x.path) for x in files.entries.values())
         host = files.host_bytes
-    assert e.nvme.total == e.nvme.optimizer_state == on_disk == 8 * (10 + 3)
-    assert e.host.buffers == host == nvme.buffer_bytes([40, 12], buffers=4) == 2 * 4 * 40
+    assert e.nvme.total == e.nvme.optimizer_state + e.nvme.master == on_disk == 12 * (10 + 3)
+    assert e.nvme.master == 4 * (10 + 3)
+    assert e.host.buffers == host == nvme.buffer_bytes([40, 12], buffers=6) == 2 * 6 * 40
     assert estimate(37, n, stage=3, optimizer="adam", offload_optimizer="nvme").host.buffers == 0  # bare count
 
 
@@ -479,6 +497,8 @@ def test_offload_settings_refused():
             estimate(100, 2, stage=stage, offload_optimizer="cpu", offload_params="cpu")
     with pytest.raises(ConfigError, match="offload the optimizer too"):
         estimate(100, 2, stage=3, offload_params="cpu")
+    with pytest.raises(ConfigError, match=r"params='nvme'.*optimizer to 'nvme' too, or use params='cpu'"):
+        estimate(100, 2, stage=3, offload_optimizer="cpu", offload_params="nvme")
     for bad in (0, 1.5, float("nan"), True, "1"):
         with pytest.raises(ConfigError, match=r"ratio .*\(0, 1\]"):
             estimate(100, 2, stage=3, offload_optimizer="cpu", offload_ratio=bad)
@@ -520,6 +540,12 @@ def test_cli_offload(capsys):
     assert "offload: optimizer cpu, params on the device, ratio 1" in out
     row = [line.split() for line in out.splitlines() if line.startswith("3 ")][-1]
     assert row[:7] == ["3", "28", "GB", "98", "GB", "0", "B"]  # device, host, NVMe
+    argv = ["estimate", "--params", "14e9", "-n", "2", "--stage", "3", "--offload-optimizer", "nvme"]
+    assert main(argv + ["--offload-params", "nvme"]) == 0
+    row = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("3 ")][-1]
+    assert row[:7] == ["3", "14", "GB", "14", "GB", "98", "GB"]  # the bf16 shard, master and moments on the disk
+    assert main(argv[:-1] + ["cpu", "--offload-params", "nvme"]) == 2
+    assert "params='nvme'" in capsys.readouterr().err
     assert main(["estimate", "--params", "14e9", "-n", "2", "--offload-optimizer", "nvme"]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")] == ["1", "2", "3"] * 2

@@ -424,7 +424,8 @@ def test_held_bytes_split_by_tier_from_the_layout(tmp_path, where, params, ratio
     bucket, S_b bucket b's shard; H: the trainable buckets with a host tier, D: the others. Each
     term from the layout, not from the tensors: params 2 S_b (bf16) for b in H, 4 S_b (fp32: the
     plain stage 3's shard is the master) for b in D and the frozen bucket, on the host with params
-    offloaded, else on the device; masters 4 S_b for b in H on the host (D keeps none); moments 8
+    offloaded, else on the device; masters 4 S_b for b in H on the host (in files for NVMe; D keeps
+    none); moments 8
     S_b and step counts where the bucket's tier is (the moments in files for NVMe); gradients 4
     S_b for every trainable b on the device, and the update's copy of it for b in H on the host.
     The total is the one `held_bytes` always had; the tiers add up to it plus the host copies."""
@@ -450,7 +451,8 @@ def test_held_bytes_split_by_tier_from_the_layout(tmp_path, where, params, ratio
     moments, steps = (lambda bs: sum(8 * S[b] for b in bs)), (lambda bs: sum(4 * leaves[b] for b in bs))
     d, h, f = held.tiers
     assert (d.params, h.params, f.params) == ((0, params_bytes, 0) if params else (params_bytes, 0, 0))
-    assert (d.master, h.master, f.master) == (0, sum(4 * S[b] for b in host), 0)
+    masters = sum(4 * S[b] for b in host)  # on the host, or in files for NVMe
+    assert (d.master, h.master, f.master) == ((0, 0, masters) if where == "nvme" else (0, masters, 0))
     assert d.optimizer_state == moments(dev) + steps(dev)
     assert h.optimizer_state == (moments(host) if where == "cpu" else 0) + steps(host)
     assert f.optimizer_state == (moments(host) if where == "nvme" else 0)

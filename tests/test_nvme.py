@@ -129,6 +129,45 @@ def test_write_waits_for_the_entry_read(tmp_path, monkeypatch):
         assert torch.equal(files.read("a"), new)
 
 
+def test_loads_bypass_the_pool_and_order_with_writes(tmp_path, monkeypatch):
+    """`start_load`: five loads of an entry in flight at once through a pool of one read buffer
+    (each into a buffer of its own, the caller's to keep: changing one changes no other); a load
+    started while a write is in flight returns the new bytes, a write issued while a load is in
+    flight does not change what that load returns (each sleeps first, so an unordered one would
+    see the other's bytes); an entry never written is refused."""
+    old, new = torch.zeros(1000), torch.arange(1000.0)
+    with SwapFiles(tmp_path, {"a": (1000, torch.float32), "b": (3, torch.bfloat16)}, buffers=1) as files:
+        with pytest.raises(OffloadError, match="'b' was never written"):
+            files.start_load("b")
+        files.write("a", old)
+        files.flush()
+        loads = [files.start_load("a") for _ in range(5)]
+        got = [files.loaded("a", f) for f in loads]
+        got[0].add_(1)
+        assert all(torch.equal(g, old) for g in got[1:]) and torch.equal(got[0], old + 1)
+        assert files._read_free and len(files._read_free) == 1  # the pool was never touched
+        monkeypatch.setattr(nvme, "_pwrite_all", slowed(nvme._pwrite_all, 0.3, []))
+        files.write("a", new)
+        assert torch.equal(files.loaded("a", files.start_load("a")), new)
+        monkeypatch.setattr(nvme, "_pread_all", slowed(nvme._pread_all, 0.3, []))
+        pending = files.start_load("a")
+        files.write("a", old)
+        assert torch.equal(files.loaded("a", pending), new)
+        files.flush()
+        assert torch.equal(files.loaded("a", files.start_load("a")), old)
+
+
+def test_holds_names_the_read_buffers_views(tmp_path):
+    """`holds(x)`: true for what `read` returns (a view of a pooled read buffer, refilled after its
+    release), false for a copy of it and for a `start_load`'s own buffer."""
+    with SwapFiles(tmp_path, {"a": (8, torch.float32)}) as files:
+        files.write("a", torch.arange(8.0))
+        x = files.read("a")
+        assert files.holds(x) and files.holds(x[2:]) and not files.holds(x.clone())
+        files.release("a")
+        assert not files.holds(files.loaded("a", files.start_load("a"))) and not files.holds(torch.ones(8))
+
+
 def test_writes_of_one_entry_land_in_order(tmp_path, monkeypatch):
     """Two writes of one entry in a row: the second wins even when the first is slow (two writer
     threads would otherwise let the second finish first)."""

@@ -42,13 +42,18 @@ POLICIES = {"none": fzero.Precision(), "bf16": fzero.Precision(torch.bfloat16),
 
 
 @st.composite
-def offload_problems(draw, n: int):
+def offload_problems(draw, n: int, nvme: bool = False):
+    """A stage-equivalence problem with an offload setting: `tier` "cpu" or "nvme" (`nvme`: always;
+    NVMe writes its files in place, so donating steps only) and `params` None / "cpu" (stage 3),
+    or "nvme" with the NVMe tier."""
     pb = draw(problems(n))
     stage = pb["stage"]
     pb.update(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), policy=draw(st.sampled_from(sorted(POLICIES))),
               micro=draw(st.sampled_from([1, 2])), clip=draw(st.sampled_from([None, 0.05])),
-              donate=draw(st.booleans()),
-              params=draw(st.sampled_from([None, "cpu"])) if stage == 3 else None)
+              donate=nvme or draw(st.booleans()))
+    pb["tier"] = "nvme" if nvme else draw(st.sampled_from(["cpu", "nvme"])) if pb["donate"] else "cpu"
+    on = [None, "cpu"] + (["nvme"] if pb["tier"] == "nvme" else [])
+    pb["params"] = draw(st.sampled_from(on)) if stage == 3 else None
     pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
     return pb
 
@@ -90,13 +95,34 @@ def assert_same_runs(got, want, what):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_offloaded_equals_not_offloaded(n):
+def test_offloaded_equals_not_offloaded(n, tmp_path):
+    """Every offload setting -- optimizer "cpu" or "nvme" (the master shard and the optimizer
+    state's shard fields in swap files), params None or "cpu", ratio -- against the same stage
+    without offload, bitwise (the optimizer state read back through the tier)."""
     @settings(max_examples=example_count(25))
     @given(offload_problems(n))
     def prop(pb):
         want = run(pb, None)
-        got = run(pb, fzero.Offload(optimizer="cpu", params=pb["params"], ratio=pb["ratio"]))
-        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['params']}")
+        path = str(tmp_path) if pb["tier"] == "nvme" else None
+        got = run(pb, fzero.Offload(optimizer=pb["tier"], params=pb["params"], ratio=pb["ratio"], nvme_path=path),
+                  snapshot=True)
+        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['tier']}/{pb['params']}")
+
+    prop()
+
+
+def test_nvme_offloaded_equals_not_offloaded(tmp_path):
+    """The property above with every example on NVMe (donating steps; N = 2): the master shard
+    and the optimizer state's shard fields live in swap files, read and written around each
+    bucket's update (stage 3 with params="nvme": the compute-dtype shards too, read as each
+    unit's gather starts), and the run is bitwise the one without offload."""
+    @settings(max_examples=example_count(12))
+    @given(offload_problems(2, nvme=True))
+    def prop(pb):
+        want = run(pb, None)
+        got = run(pb, fzero.Offload(optimizer="nvme", params=pb["params"], ratio=pb["ratio"],
+                                    nvme_path=str(tmp_path)), snapshot=True)
+        assert_same_runs(got, want, f"stage {pb['stage']} nvme/{pb['params']}")
 
     prop()
 
@@ -146,7 +172,10 @@ def test_tensors_live_where_offload_says():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="gpu"), "Offload.optimizer must be one of"),
-    (dict(params="nvme", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="disk", optimizer="cpu"), "Offload.params must be one of"),
+    (dict(params="nvme", optimizer="cpu"), r"params='nvme'.*Offload\(optimizer='nvme', params='nvme', nvme_path=.*or "
+                                           r"params='cpu'"),
+    (dict(params="nvme", optimizer="cpu", nvme_path="/tmp"), r"params='nvme'.*optimizer='nvme'"),
     (dict(params="cpu"), "offload the optimizer too"),
     (dict(optimizer="nvme"), "needs nvme_path"),
     (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
@@ -164,6 +193,7 @@ def test_bad_settings_name_the_setting_and_the_way_out(kwargs, match):
 @pytest.mark.parametrize("stage, off, match", [
     (0, fzero.Offload(optimizer="cpu"), "stage 0 replicates them .*use stage 1, 2 or 3"),
     (2, fzero.Offload(optimizer="cpu", params="cpu"), "stage 2 holds the full params .*use stage=3"),
+    (2, fzero.Offload(optimizer="nvme", params="nvme", nvme_path="/tmp"), "stage 2 holds the full params .*stage=3"),
     (1, "cpu", "offload must be None or a fzero.Offload"),
 ])
 def test_offload_that_does_not_fit_the_stage_is_refused_at_init(stage, off, match):
@@ -238,19 +268,27 @@ def test_checkpoint_of_an_offloaded_state_loads_into_either_bitwise(tmp_path, st
             assert torch.equal(loss_next, first[3])
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("policy", ["none", "bf16"])
-def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefetch, policy):
+@pytest.mark.parametrize("where, per_unit", [("cpu", 1), ("nvme", 1), ("nvme", 2)])
+def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(tmp_path, prefetch, policy, where,
+                                                                           per_unit):
     """Flat-dict params (units freed after their forward, gathered again in backward) with
     `prefetch=k`: the host shards come to the device inside the prefetched flights and the
-    backward's refills, and the run equals stage 3 without offload bit for bit."""
+    backward's refills, and the run equals stage 3 without offload bit for bit. With
+    params="nvme" each trainable shard is read from its file as its flight starts, into a buffer
+    of its own: prefetch 3 holds more reads at once than the tier's pool has read buffers, and a
+    unit holds one or two buckets (`per_unit`), and nothing waits on a buffer."""
     gen = torch.Generator().manual_seed(3)
     tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(4)}
-    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),)
+    tree |= {f"l{i}.b": torch.randn(6, generator=gen) / 3 for i in range(4)} if per_unit == 2 else {}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "l2.w", frozen=True),
+              *((fzero.ParamGroup("nowd", match=lambda p: p.endswith(".b"), weight_decay=0.0),) if per_unit == 2
+                else ()))
 
     def loss(p, x):
         for i in range(4):
-            x = torch.tanh(x @ p[f"l{i}.w"])
+            x = torch.tanh(x @ p[f"l{i}.w"] + (p[f"l{i}.b"] if per_unit == 2 else 0))
             p.release(f"l{i}")  # freed now, gathered again when backward reads it (as from_module's apply)
         return x.float().square().mean()
 
@@ -270,7 +308,7 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
     gen_state = gen.get_state()
     want = run(None)
     gen.set_state(gen_state)
-    got = run(fzero.Offload(optimizer="cpu", params="cpu"))
+    got = run(fzero.Offload(optimizer=where, params=where, nvme_path=str(tmp_path) if where == "nvme" else None))
     for (gp, gl, gn), (wp, wl, wn) in zip(got, want):
         assert_equal_leaves(gp, wp, "params")
         assert torch.equal(gl, wl) and torch.equal(gn, wn)
@@ -283,6 +321,7 @@ def test_stage3_params_offload_with_release_refill_and_prefetch_is_bitwise(prefe
     (1, "adamw", "bf16", None, 1.0, False), (2, "lamb", "none", None, 0.6, False),
     (2, "adafactor", "bf16/fp32", None, 1.0, False), (3, "sgd", "bf16", None, 1.0, False),
     (3, "adamw", "bf16", "cpu", 1.0, False), (2, "adamw", "bf16", None, 1.0, True),
+    (3, "adamw", "bf16", "nvme", 1.0, False), (3, "lamb", "none", "nvme", 1.0, True),
 ])
 def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, ratio, direct):
     """`optimizer="nvme"` (double-buffered swap files per bucket and field, donate=True) gives the
@@ -293,29 +332,37 @@ def test_nvme_equals_cpu_offload_bitwise(tmp_path, stage, opt, policy, params, r
               engine="autograd", gather="on_use", seed=11, n=2, policy=policy, micro=2, clip=0.05, donate=True,
               params=params, ratio=ratio)
     want = run(pb, None)
-    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params, ratio=ratio))
+    cpu = run(pb, fzero.Offload(optimizer="cpu", params=params and "cpu", ratio=ratio))
     nvme = run(pb, fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path), ratio=ratio,
                                  direct=direct), snapshot=True)  # direct: O_DIRECT (this machine's ext4 takes it)
     assert_same_runs(cpu, want, "cpu")
     assert_same_runs(nvme, want, "nvme")
 
 
-def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
-    """The state keeps a no-memory stand-in for each file-backed field; a checkpoint of an NVMe
-    state reads the files and loads into plain and NVMe targets bit for bit."""
+@pytest.mark.parametrize("stage, params, policy", [(1, None, "bf16"), (2, None, "none"), (3, None, "bf16"),
+                                                   (3, "cpu", "none"), (3, "cpu", "bf16"), (3, "nvme", "none"),
+                                                   (3, "nvme", "bf16")])
+def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, stage, params, policy):
+    """The state keeps a no-memory stand-in for each file-backed tensor (the moments, the master
+    shard and, params="nvme", the compute-dtype shard); a checkpoint of an NVMe state reads the
+    files and loads into plain and NVMe targets (the master then written to the target's fresh
+    files) bit for bit; training on from either is bitwise training on without the checkpoint."""
     tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
     loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
     mesh = fzero.SimMesh(2)
-    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path / "swap"))
+    nvme = fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path / "swap"))
     (tmp_path / "swap").mkdir()
 
     def rank_fn(x):
         def make(off):
-            return fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda p: p, offload=off)
+            return fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p, offload=off,
+                              precision=POLICIES[policy])
 
         step = fzero.train_step(loss, donate=True)
         state, _ = step(make(nvme), x)
         assert all(f.stride() == (0,) for s in state.opt_state for f in s[1:])  # exp_avg, exp_avg_sq: stand-ins
+        assert all(m.stride() == (0,) and (p.stride() == (0,)) == (params == "nvme")  # params="nvme": in files
+                   for p, m in zip(state.params, state.master))
         path = fzero.checkpoint.save(state, tmp_path / "ckpt")
         out = []
         for off in (None, nvme):
@@ -334,6 +381,119 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path):
             assert torch.equal(la, lb)
 
 
+def test_nvme_master_lives_in_its_file_and_readers_read_it_there(tmp_path):
+    """With optimizer="nvme" each trainable bucket's master shard is a swap file: the state holds
+    a stand-in (zeros, stride 0, no memory; `held_bytes` puts its bytes in the "nvme" tier, none in
+    host memory) and every reader outside the step reads the file (`state.master_values`, which
+    `fzero.gather` and `fzero.checkpoint.save` use): the values equal the "cpu" tier's host master
+    after the same steps, and they are not the stand-in's zeros."""
+    from fzero._src.accounting import held_bytes
+    from fzero._src.state import master_values
+
+    tree = {"a": torch.randn(6, 4), "b": torch.randn(9)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    opt = optim.adamw(1e-2)
+
+    def rank_fn(x):
+        out = []
+        for off in (fzero.Offload(optimizer="cpu"), fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))):
+            state = fzero.init(tree, opt, stage=3, mesh=mesh, units=lambda p: p, offload=off,
+                               precision=fzero.Precision(torch.bfloat16))
+            for t in range(2):
+                state, _ = fzero.train_step(loss, donate=True)(state, x + t)
+            out.append((state, [master_values(state, b).clone() for b in range(len(state.master))],
+                        fzero.gather(state), held_bytes(state, opt).tiers))
+        return out
+
+    for (cpu, cpu_masters, cpu_full, cpu_tiers), (disk, masters, full, tiers) in mesh.run(
+            rank_fn, [(torch.tensor(1.0),), (torch.tensor(2.0),)]):
+        for b, (m, want) in enumerate(zip(masters, cpu_masters)):
+            assert cpu.master[b].stride() == (1,) and disk.master[b].stride() == (0,)
+            assert torch.equal(m, want) and torch.equal(m, cpu.master[b]) and m.abs().sum() > 0
+            assert not torch.equal(disk.master[b], m)  # the stand-in is no copy of the values
+        assert_equal_leaves(full, cpu_full, "gather")
+        assert (tiers.host.master, tiers.nvme.master) == (0, cpu_tiers.host.master) and cpu_tiers.host.master > 0
+
+
+def test_nvme_update_hands_out_no_read_buffer(tmp_path):
+    """What a step's state keeps besides the stand-ins -- with params="cpu" and fp32 params the
+    host shard the units read, the update's cast of the master being a no-op -- is a buffer of
+    its own, never a view of a swap read buffer (which the next bucket's prefetch refills)."""
+    tree = {f"l{i}": torch.randn(6) for i in range(4)}
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p,
+                           offload=fzero.Offload(optimizer="nvme", params="cpu", nvme_path=str(tmp_path)))
+        state, _ = fzero.train_step(lambda p, x: sum((v * x).sum() for v in p.values()), donate=True)(
+            state, torch.tensor(2.0))
+        return state
+
+    state = mesh.run(rank_fn)[0]
+    pool = {b.untyped_storage().data_ptr() for b in state.info.tier.files._read_free}  # all free after the step
+    assert len(pool) == 6 and all(p.stride() == (1,) and p.untyped_storage().data_ptr() not in pool
+                                  for p in state.params)
+
+
+def test_nvme_broken_update_names_the_leaf_read_from_the_master_file(tmp_path):
+    """The rare path after a donating NVMe update made the params inf (fp16 params and adamw's
+    eps = 1e-8, which underflows: a division by zero, as tests/test_misuse.py): the next reader
+    finds the leaf by reading the master from its file (a stand-in would read zeros: finite, no
+    leaf named)."""
+    mesh = fzero.SimMesh(2)
+    params = {"w": torch.linspace(-1, 1, 64).half()}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-3), stage=3, mesh=mesh,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        new, _ = fzero.train_step(lambda p, x: (p["w"] * x).sum(), donate=True)(state, torch.full((64,), 1e-3))
+        fzero.gather(new)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"update of a donating step .* in 'w' "):
+        mesh.run(rank_fn)
+
+
+def test_nvme_finite_check_reads_each_master_before_its_buffer_is_reused(tmp_path):
+    """The donating update's finite check runs after every bucket's update, when bucket 0's read
+    buffers already hold bucket 2's files (the pool keeps two buckets'): it reads the ends each
+    master had before it went back to its file. Bucket "a" (fp16, adamw's eps underflows: inf) is
+    updated first, "b", "c", "d" (fp32) stay finite; the broken update is found, naming "a"."""
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.linspace(-1, 1, 16).half(), **{k: torch.linspace(-1, 1, 16) for k in "bcd"}}
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-3), stage=1, mesh=mesh, units=lambda p: p,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        assert [state.layout.buckets[b].leaves for b in state.info.tier.masters] == [(0,), (1,), (2,), (3,)]
+        loss = lambda p, x: sum((p[k].float() * x).sum() for k in "abcd")  # noqa: E731
+        new, _ = fzero.train_step(loss, donate=True)(state, torch.full((16,), 1e-3))
+        fzero.gather(new)
+
+    with pytest.raises(fzero.NonFiniteError, match=r"update of a donating step .* in 'a' "):
+        mesh.run(rank_fn)
+
+
+def test_nvme_init_reserves_the_master_files_before_training(tmp_path, monkeypatch):
+    """The preflight counts the master's files: AdamW on 10 fp32 elements (N = 1, one bucket) needs
+    m, v and the master, 3 · 40 = 120 bytes; a disk with 119 free fails at `fzero.init` naming
+    both numbers, and 120 is enough."""
+    import shutil
+
+    real = shutil.disk_usage
+    mesh = fzero.SimMesh(1)
+
+    def make(free):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+        return mesh.run(lambda: fzero.init({"w": torch.ones(10)}, optim.adamw(0.1), stage=1, mesh=mesh,
+                                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))))[0]
+
+    with pytest.raises(fzero.OffloadError, match=r"has 119 bytes free, the swap files need 120 bytes \(1 more\)"):
+        make(119)
+    state = make(120)
+    assert sorted(state.info.tier.files.entries) == ["b0/exp_avg", "b0/exp_avg_sq", "b0/master"]
+
+
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):
     mesh = fzero.SimMesh(1)
     with pytest.raises(fzero.OffloadError, match="does not exist"):
@@ -349,9 +509,10 @@ def test_nvme_needs_donate_and_a_usable_path(tmp_path):
         mesh.run(undonated)
 
 
-def test_evaluate_reads_offloaded_states():
+def test_evaluate_reads_offloaded_states(tmp_path):
     """`fzero.evaluate` (a forward through the units, prefetching) gives the same output for an
-    offloaded state as for the plain one after the same step."""
+    offloaded state (host memory, or NVMe: the master and, params="nvme", the shards in files) as
+    for the plain one after the same step."""
     gen = torch.Generator().manual_seed(5)
     tree = {f"l{i}.w": torch.randn(6, 6, generator=gen) / 3 for i in range(3)}
 
@@ -364,16 +525,18 @@ def test_evaluate_reads_offloaded_states():
 
     def rank_fn(x):
         out = []
-        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (3, None),
-                           (3, fzero.Offload(optimizer="cpu", params="cpu"))):
+        nvme = dict(optimizer="nvme", nvme_path=str(tmp_path))
+        for stage, off in ((2, None), (2, fzero.Offload(optimizer="cpu")), (2, fzero.Offload(**nvme)), (3, None),
+                           (3, fzero.Offload(optimizer="cpu", params="cpu")),
+                           (3, fzero.Offload(**nvme, params="nvme"))):
             s = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
                            precision=fzero.Precision(torch.bfloat16), offload=off)
-            s, _ = fzero.train_step(loss)(s, x)
+            s, _ = fzero.train_step(loss, donate=True)(s, x)
             out.append(fzero.evaluate(loss, prefetch=1)(s, x))
         return out
 
     for outs in mesh.run(rank_fn, [(torch.randn(3, 6, generator=gen).bfloat16(),) for _ in range(2)]):
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+        assert all(torch.equal(outs[0], o) for o in outs[1:3]) and all(torch.equal(outs[3], o) for o in outs[4:])
 
 
 @pytest.mark.parametrize("offload", [None, fzero.Offload(optimizer="cpu")])
@@ -594,7 +757,7 @@ def test_host_update_rescales_the_host_copy_as_the_device_would():
     factor = 0.3  # not a power of two: the product rounds
     host = HostUpdate(state.info, reduced, factor)
     for b, g in reduced.items():
-        got, _, _ = host.inputs(b, g, state.opt_state[b], None)
+        got, _, _, _ = host.inputs(b, g, state.opt_state[b], state.master[b], None)
         if state.info.host_tier(b) is None:
             assert got is g
         else:

@@ -133,7 +133,9 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     """`TierSplit` of a state's bytes (see there). Per bucket b: `params[b]` is on the host where
     params are offloaded (every bucket, frozen ones too), else on the device; `master[b]` and
     `opt_state[b]` are on the host where b has a host tier (`StateInfo.host_tier`), else on the
-    device -- but an NVMe tier's file-backed fields (`NvmeTier.fields`) are in files."""
+    device -- but an NVMe tier's file-backed fields (`NvmeTier.fields`), master shards
+    (`NvmeTier.masters`) and, params="nvme", compute-dtype shards (`NvmeTier.shards`) are in
+    files."""
     info = state.info
     params_off = info.offload.params is not None
     tiers = ("device", "host", "nvme")
@@ -142,12 +144,14 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
         if state.params[b] is not state.master[b]:  # one tensor (params offload, no policy): counted as master
-            acc["host" if params_off else "device"]["params"] += _nbytes(state.params[b])
+            in_file = b in (getattr(info.tier, "shards", None) or {})  # params="nvme": the shard's swap file
+            acc["nvme" if in_file else "host" if params_off else "device"]["params"] += _nbytes(state.params[b])
         if spec.group.frozen:
             continue
         if tier is not None:
             acc["host"]["grads"] += spec.shard_numel * spec.dtype.itemsize  # the update's copy of the shard
-        acc["device" if tier is None else "host"]["master"] += _nbytes(state.master[b])
+        on_file = b in (getattr(tier, "masters", None) or {})  # NVMe: the master shard's swap file
+        acc["device" if tier is None else "nvme" if on_file else "host"]["master"] += _nbytes(state.master[b])
         opt = state.opt_state[b]
         if opt is None:
             continue

@@ -78,7 +78,7 @@ from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
-from .state import ZeroState, check_state, describe
+from .state import ZeroState, check_state, describe, master_values
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -187,7 +187,7 @@ def sources(state: ZeroState) -> list[Source]:
     if kept, else the params as the stage holds them) and each optimizer field, by its spec."""
     out = []
     for b in range(len(state.layout.buckets)):
-        master = state.master[b]
+        master = None if state.master[b] is None else master_values(state, b)  # NVMe: read from its file
         x, sharded = (master, True) if master is not None else (state.params[b], state.stage.sharded("params"))
         out.append(Source("params", "shard", b, x, sharded))
         opt, tier = state.opt_state[b], state.info.host_tier(b)

@@ -238,8 +238,9 @@ def _add_estimate(sub: Any) -> None:
                    help="one unit per child of this container, e.g. transformer.h (module/config only; default: one "
                         "unit): the buckets NVMe swap buffers are sized by")
     p.add_argument("--offload-optimizer", choices=("cpu", "nvme"),
-                   help="the optimizer's shard (master, state) in host memory, or its state in NVMe swap files")
-    p.add_argument("--offload-params", choices=("cpu",), help="stage 3's param shards in host memory")
+                   help="the optimizer's shard (master, state) in host memory, or both in NVMe swap files")
+    p.add_argument("--offload-params", choices=("cpu", "nvme"),
+                   help="stage 3's param shards in host memory, or (nvme, with --offload-optimizer nvme) in swap files")
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="the fraction r of the trainable elements whose optimizer state is offloaded, in whole "
                         "buckets (default 1; DeepSpeed's ratio)")

@@ -69,7 +69,7 @@ from .stages import STAGES, Stage, get_stage
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
 OFFLOAD_OPTIMIZER = (None, "cpu", "nvme")
-OFFLOAD_PARAMS = (None, "cpu")
+OFFLOAD_PARAMS = (None, "cpu", "nvme")
 
 
 # fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none,
@@ -266,6 +266,9 @@ def offload_setting(
     if params is not None and optimizer is None:
         raise ConfigError(f"offload params={params!r} keeps stage 3's shards on the host as the master copy the "
                           f"host's optimizer updates: offload the optimizer too (optimizer='cpu')")
+    if params == "nvme" and optimizer != "nvme":
+        raise ConfigError(f"offload params='nvme' keeps stage 3's shards in the NVMe tier's swap files: offload the "
+                          f"optimizer to 'nvme' too, or use params='cpu' (got optimizer={optimizer!r})")
     r = _ratio(ratio)
     if r != 1 and (optimizer is None or params is not None):
         raise ConfigError(f"offload ratio {ratio} splits the optimizer's shard between device and host: it needs the "
@@ -331,28 +334,41 @@ def _offloaded(
     buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting
 ) -> tuple[TierBytes, TierBytes]:
     """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions`. For each host
-    shard the host holds its master (the fp32 master where the params are narrower, else a copy
-    of the param shard: m or p bytes), the copy of its reduced gradient (all buckets' copies are
-    started at once in `update`), and its optimizer state ("cpu"), or the state is in swap files
-    ("nvme": one fp32 file per bucket and state field; host buffers `nvme.buffer_bytes` with
-    twice a bucket's fields as buffers; not counted for a bare count, whose buckets are unknown).
-    With params offloaded, frozen shards live on the host in the params' dtype, and so does a copy of
-    each trainable shard where the master is wider (what a unit moves to the device: p bytes)."""
+    shard the host holds the copy of its reduced gradient (all buckets' copies are started at once
+    in `update`) and, with "cpu", its master (the fp32 master where the params are narrower, else a
+    copy of the param shard: m or p bytes) and its optimizer state. With "nvme" the master and the
+    optimizer state's fp32 arrays are in swap files (one file per bucket and tensor: Adam's m, v
+    and the master), and the host keeps the files' buffers, `nvme.buffer_bytes` with twice a
+    bucket's files as buffers (`NvmeTier._open`; not counted for a bare count, whose buckets are
+    unknown). With params offloaded, frozen shards live on the host in the params' dtype, and so
+    does a copy of each trainable shard where the master is wider or in a file (what a unit moves
+    to the device: p bytes) -- with params="nvme" that copy is a swap file too (p bytes on the
+    disk), and the host keeps, besides the pool, the reads of the shards in flight: counted as two
+    of the largest (`SwapFiles.start_load`: one unit read ahead while one is copied, one bucket
+    per unit; each further prefetched unit or bucket adds one)."""
     on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
     frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
+    master = (bpp.master or bpp.params) * on_host  # the master's bytes per element: m, else p (the params are it)
+    nvme_ = off.optimizer == "nvme"
     fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
-    files = [4 * f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f] * fields
+    shards = [f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f]
+    files = [4 * s for s in shards] * fields + [(bpp.master or bpp.params) * s for s in shards]
+    copy = bpp.params * on_host if off.params is not None and (bpp.master or nvme_) else Fraction(0)
+    in_file = off.params == "nvme"  # the compute-dtype copy in swap files, read per unit into buffers of its own
+    reads = 2 * bpp.params * max(shards, default=0) if in_file else 0
+    buffers_ = nvme.buffer_bytes(files + [bpp.params * s for s in shards] * in_file, buffers=2 * (fields + 1))
     host = TierBytes(
-        # with params offloaded and a wider master, the host also keeps the shard in the params' dtype
-        params=bpp.params * frozen + (bpp.params * on_host if off.params is not None and bpp.master else 0),
+        # with params offloaded and a wider master (or one in a file), the host keeps the shard in the params' dtype
+        params=bpp.params * frozen + (Fraction(0) if in_file else copy),
         grads=bpp.grads * on_host,
-        optimizer_state=state if off.optimizer == "cpu" else Fraction(0),
-        master=(bpp.master or bpp.params) * on_host,
-        buffers=Fraction(nvme.buffer_bytes(files, buffers=2 * fields)) if off.optimizer == "nvme" else Fraction(0),
+        optimizer_state=Fraction(0) if nvme_ else state,
+        master=Fraction(0) if nvme_ else master,
+        buffers=Fraction(buffers_ + reads) if nvme_ else Fraction(0),
     )
-    disk = TierBytes(optimizer_state=state) if off.optimizer == "nvme" else TierBytes()
-    return host, disk
+    if not nvme_:
+        return host, TierBytes()
+    return host, TierBytes(params=copy if in_file else Fraction(0), optimizer_state=state, master=master)
 
 
 @overload

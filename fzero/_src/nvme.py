@@ -209,12 +209,15 @@ class SwapFiles:
         max_bytes = max(e.stored for e in self.entries.values())
         read, staging = ([_buffer(max_bytes, pin, align) for _ in range(buffers)] for _ in "rs")
         self.host_bytes = sum(b.numel() for b in read + staging)  # buffer_bytes(stored bytes, buffers)
+        self._read_storages = frozenset(b.untyped_storage().data_ptr() for b in read)
         self._read_free = read
         self._staging: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for b in staging:
             self._staging.put(b)
         self._readers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-read")
         self._writers = cf.ThreadPoolExecutor(threads, thread_name_prefix="fzero-swap-write")
+        self._pin, self._align = pin, align
+        self._loads: dict[str, list[cf.Future[torch.Tensor]]] = {}  # `start_load`s a write must wait for
         self._writes: dict[str, cf.Future[None]] = {}  # the last write of each entry
         self._reads: dict[str, tuple[torch.Tensor, cf.Future[None]]] = {}  # buffer and read, until release
         self._valid: set[str] = set()  # entries whose last write completed
@@ -272,6 +275,14 @@ class SwapFiles:
         entry = self.entries[name]
         _pread_all(self._fds[name], _bytes_of(buffer)[: entry.stored], 0, entry.path)
 
+    def _load_task(self, name: str, after: cf.Future[None] | None) -> torch.Tensor:
+        if after is not None:
+            after.result()  # the entry's last write; its error is the load's error
+        entry = self.entries[name]
+        out = _buffer(entry.stored, self._pin, self._align)
+        _pread_all(self._fds[name], _bytes_of(out), 0, entry.path)
+        return out[: entry.nbytes].view(entry.dtype)
+
     def _check_written(self, name: str) -> None:
         if name in self._writes or name in self._valid:
             return
@@ -297,7 +308,8 @@ class SwapFiles:
         except BaseException:
             self._staging.put(staging)
             raise
-        after = [f for f in (self._writes.get(name), self._reads.get(name, (None, None))[1]) if f is not None]
+        loads = [f for f in self._loads.pop(name, ()) if not f.done()]
+        after = [f for f in (self._writes.get(name), self._reads.get(name, (None, None))[1]) if f is not None] + loads
         self._valid.discard(name)
         self._failed.discard(name)
         self._writes[name] = self._writers.submit(self._write_task, name, staging, after)
@@ -329,6 +341,32 @@ class SwapFiles:
         except OSError as e:
             raise OffloadError(f"SwapFiles.read({name!r}) from {entry.path!r}: {_describe(e)}") from e
         return buffer[: entry.nbytes].view(entry.dtype)
+
+    def start_load(self, name: str) -> cf.Future[torch.Tensor]:
+        """Start reading entry `name` into a new host buffer of its own (pinned with `pin`;
+        aligned with O_DIRECT), outside the read-buffer pool: the future's result is `[numel]` of
+        the entry's dtype holding what was last written, the caller's to keep. Never waits for a
+        buffer, so any number may be in flight (each holds its entry's bytes until dropped); a
+        later `write` of the entry waits for the loads in flight. For reads whose consumer may
+        hold several at once in an order the pool cannot know (stage 3's prefetched units)."""
+        self._entry(name)
+        self._check_written(name)
+        future = self._readers.submit(self._load_task, name, self._writes.get(name))
+        self._loads[name] = [f for f in self._loads.get(name, ()) if not f.done()] + [future]
+        return future
+
+    def loaded(self, name: str, future: cf.Future[torch.Tensor]) -> torch.Tensor:
+        """The result of `start_load(name)`: waits for it; an I/O error is an `OffloadError`."""
+        try:
+            return future.result()
+        except OSError as e:
+            path = self.entries[name].path
+            raise OffloadError(f"SwapFiles.start_load({name!r}) from {path!r}: {_describe(e)}") from e
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether `x` is a view of one of the read buffers (what `read` returns: valid only until
+        its `release`, after which a prefetch may refill it)."""
+        return x.device.type == "cpu" and x.untyped_storage().data_ptr() in self._read_storages
 
     def release(self, name: str) -> None:
         """Give entry `name`'s read buffer back (waits for its read if it is still running)."""

@@ -23,9 +23,10 @@ offload (tests/test_offload.py); on CUDA the CPU optimizer kernel stands in for 
 (proofs/offload.md says what is then bitwise and bounds AdamW's difference).
 
 `HostTier` is the seam a tier plugs into: copies to and from the host (`host`, `start_host`,
-`to_device`) and, per bucket, where its optimizer state lives between steps (`restore`,
-`prefetch`, `fetch`, `store`, `snapshot`, `flush`: in host memory, the identity; `NvmeTier`
-reads and writes swap files, `fzero._src.nvme.SwapFiles`).
+`to_device`) and, per bucket, where its optimizer state and master shard live between steps
+(`restore`, `prefetch`, `fetch`, `store`, `snapshot`; `keep_master`, `fetch_master`,
+`store_master`, `read_master`; `flush`: in host memory, the identity; `NvmeTier` reads and
+writes swap files, `fzero._src.nvme.SwapFiles`, and the state holds stand-ins).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import math
 import weakref
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -45,7 +46,7 @@ from .errors import ConfigError
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
-PARAM_TIERS = (None, "cpu")
+PARAM_TIERS = (None, "cpu", "nvme")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +55,15 @@ class Offload:
 
     Attributes:
       optimizer: None (on the device), "cpu" (the master shard and optimizer state in host
-        memory; the update runs on the host) or "nvme" (as "cpu", with the optimizer state's
-        "shard" fields in swap files under `nvme_path`, `NvmeTier`; needs `donate=True`).
-        Stages 1-3.
-      params: None or "cpu": stage 3's param shards in host memory, brought to the device per
-        unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is the master
-        the host updates, as FSDP2's `CPUOffloadPolicy`).
+        memory; the update runs on the host) or "nvme" (as "cpu", with the fp32 master shard and
+        the optimizer state's "shard" fields in swap files under `nvme_path`, `NvmeTier`: host
+        memory keeps only their read and staging buffers; needs `donate=True`). Stages 1-3.
+      params: None, "cpu" or "nvme": stage 3's param shards in host memory, brought to the
+        device per unit ahead of its all-gather. Needs `optimizer` offloaded (the host shard is
+        the master the host updates, as FSDP2's `CPUOffloadPolicy`). "nvme" (needs
+        `optimizer="nvme"`): each trainable bucket's compute-dtype copy of its shard is a swap
+        file too, read when its unit's gather starts (prefetched with it); frozen buckets keep
+        their shard in host memory (see `stage_of`).
       nvme_path: the directory of the swap files (`optimizer="nvme"`).
       ratio: the fraction of the trainable elements whose optimizer state is offloaded
         (DeepSpeed's `ratio`), in whole buckets: the first trainable buckets in layout order stay
@@ -86,6 +90,10 @@ class Offload:
             raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
                               f"master copy the optimizer updates: offload the optimizer too, "
                               f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
+        if self.params == "nvme" and self.optimizer != "nvme":
+            raise ConfigError(f"Offload(params='nvme') keeps stage 3's shards in the swap files of the NVMe tier, "
+                              f"which holds the master and optimizer state: use Offload(optimizer='nvme', "
+                              f"params='nvme', nvme_path=...), or params='cpu' (got optimizer={self.optimizer!r})")
         if self.optimizer == "nvme" and not self.nvme_path:
             raise ConfigError("Offload(optimizer='nvme') needs nvme_path=<a directory on the NVMe drive> for the "
                               "optimizer state's swap files; or use optimizer='cpu'")
@@ -312,6 +320,38 @@ class HostTier:
         """Bucket `b`'s optimizer state as tensors to read (a checkpoint's save): the state's own."""
         return opt_state
 
+    # -- where a trainable bucket's master shard lives between steps (NVMe: a swap file too) -------
+
+    def keep_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s fresh host master `shard[S]` (`init`, a checkpoint's
+        load): the tensor itself (`host` pinned it already)."""
+        return master
+
+    def fetch_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        """Bucket `b`'s master `shard[S]` for the update (read with the optimizer state, after
+        `prefetch(b)`): in host memory already, the state's own tensor."""
+        return master
+
+    def store_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s new master: the tensor itself."""
+        return master
+
+    def read_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        """Bucket `b`'s master values as a tensor to read outside a step (`fzero.gather`, a
+        checkpoint's save, the rare path's non-finite report): the state's own tensor."""
+        return master
+
+    # -- where stage 3's compute-dtype shard lives between steps (params offloaded) ----------------
+
+    def keep_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s fresh compute-dtype host shard (params offloaded):
+        the tensor itself."""
+        return shard
+
+    def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """What the state keeps of bucket `b`'s new compute-dtype host shard: the tensor itself."""
+        return shard
+
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
@@ -323,23 +363,29 @@ class HostTier:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NvmeTier(HostTier):
-    """The host tier whose buckets keep their optimizer state's "shard" fields in swap files
-    (`fzero._src.nvme.SwapFiles`, one file per bucket and field); the master shard and the
-    replicated fields stay in (pinned) host memory. The state holds a stand-in for each
-    file-backed field: an `expand`ed 0-d zero of the field's shape and dtype (no memory; read the
-    values through `snapshot`, as `fzero.checkpoint.save` does).
+    """The host tier whose buckets keep their fp32 master shard and their optimizer state's
+    "shard" fields in swap files (`fzero._src.nvme.SwapFiles`, one file per bucket and tensor:
+    `b<i>/master`, `b<i>/<field>`); only the replicated fields stay in (pinned) host memory. The
+    state holds a stand-in for each file-backed tensor: an `expand`ed 0-d zero of its shape and
+    dtype (no memory). Whoever reads the values outside a step goes through the tier:
+    `snapshot` (the optimizer state) and `read_master` (`fzero.gather`, `fzero.checkpoint.save`,
+    the non-finite report), each a fresh host copy.
 
     A step's update is double-buffered: `prefetch(b')` starts reading the next bucket's files
-    while bucket b is updated in the read buffers (`fetch`: views, written in place by a donating
-    update), `store` copies the new values into staging buffers, writes them in the background and
-    frees the read buffers, and `flush` waits for every write at the end of the update (an error
-    names the file). The files are written in place: a step consumes its input state
-    (`train_step(..., donate=True)` is required)."""
+    while bucket b is updated in the read buffers (`fetch`, `fetch_master`: views, written in
+    place by a donating update), `store` / `store_master` copy the new values into staging
+    buffers, write them in the background and free the read buffers, and `flush` waits for every
+    write at the end of the update (an error names the file). The pool holds two buckets' files
+    (`_open`: `2 * (fields + 1)` read and as many staging buffers). The files are written in
+    place: a step consumes its input state (`train_step(..., donate=True)` is required)."""
 
     files: Any = None
     fields: Any = None  # {bucket: ((field index, file name), ...)} of its file-backed fields
     directory: str = ""
     direct: bool = False
+    masters: Any = None  # {bucket: file name} of the trainable host buckets' master shards
+    shards: Any = None  # params="nvme": {bucket: file name} of their compute-dtype shards
+    tags: Any = None  # params="nvme": {bucket tag: file name}, for `enter` (which knows the tag)
     in_place = True
     # each tier owns its own files: equal only to itself (HostTier's generated __eq__ compares
     # device and pin, which two NVMe tiers with different files share)
@@ -347,38 +393,63 @@ class NvmeTier(HostTier):
     __hash__ = object.__hash__
 
     @staticmethod
-    def make(device: torch.device, offload: Offload, shapes: dict[int, Any]) -> "NvmeTier":
-        """The tier for `{bucket: optimizer state}` (their "shard" fields get files, sized and
-        typed as those tensors; the tensors themselves are not read)."""
-        fields, entries = {}, {}
+    def make(device: torch.device, offload: Offload, shapes: dict[int, Any],
+             masters: dict[int, torch.Tensor] | None = None,
+             shards: dict[int, tuple[str, torch.Tensor]] | None = None) -> "NvmeTier":
+        """The tier for `{bucket: (optimizer state, its spec)}`, `{bucket: master shard}` and
+        (params="nvme") `{bucket: (its tag, compute-dtype shard)}`: the "shard" fields, the
+        masters and the shards get files, sized and typed as those tensors (the tensors
+        themselves are not read: meta tensors do)."""
+        fields, entries, names = {}, {}, {}
+        params, tags = {}, {}
+        for b, (tag, x) in (shards or {}).items():
+            params[b] = tags[tag] = f"b{b}/params"
+            entries[params[b]] = (x.numel(), x.dtype)
         for b, (opt, spec) in shapes.items():
             named = tuple((k, f"b{b}/{field}") for k, (field, kind) in enumerate(zip(opt._fields, spec))
                           if kind == "shard")
             fields[b] = named
             entries.update({name: (opt[k].numel(), opt[k].dtype) for k, name in named})
+        for b, m in (masters or {}).items():
+            names[b] = f"b{b}/master"
+            entries[names[b]] = (m.numel(), m.dtype)
         return NvmeTier._open(device, offload.pin, offload.nvme_path, offload.direct, fields,
-                              entries or {"none": (0, torch.float32)})
+                              entries or {"none": (0, torch.float32)}, names, params, tags)
 
     def renewed(self) -> "NvmeTier":
         """The same files' layout in a fresh folder of the same directory (nothing written yet)."""
         entries = {name: (e.numel, e.dtype) for name, e in self.files.entries.items()}
-        return NvmeTier._open(self.device, self.pin, self.directory, self.direct, self.fields, entries)
+        return NvmeTier._open(self.device, self.pin, self.directory, self.direct, self.fields, entries, self.masters,
+                              self.shards, self.tags)
 
     @staticmethod
     def _open(device: torch.device, pin: bool, directory: str, direct: bool, fields: Any,
-              entries: dict[str, tuple[int, torch.dtype]]) -> "NvmeTier":
+              entries: dict[str, tuple[int, torch.dtype]], masters: Any, shards: Any = None,
+              tags: Any = None) -> "NvmeTier":
         """The tier of fresh swap files `entries` in `directory`, with read and staging buffers for
-        two buckets' `fields` (this bucket's and the next's)."""
+        two buckets' files (this bucket's fields and master, and the next's: `depth`)."""
         from .nvme import SwapFiles
 
-        depth = 2 * max((len(f) for f in fields.values()), default=1)
+        depth = 2 * max((len(fields.get(b, ())) + (b in masters) for b in {*fields, *masters}), default=1)
         files = SwapFiles(directory, entries, pin=device.type == "cuda" and pin, buffers=max(depth, 1), direct=direct)
-        return NvmeTier(device, pin, files, fields, directory, direct)
+        return NvmeTier(device, pin, files, fields, directory, direct, masters, shards or {}, tags or {})
+
+    def host_cast(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`HostTier.host_cast`, but a new buffer where `x` is a read buffer's view
+        (`SwapFiles.holds`): the master the update hands over is one, which the next bucket's
+        prefetch refills once `store_master` released it, so neither the device copy `to_device`
+        queues (non-blocking on CUDA) nor a host copy the units read (params offloaded) may read
+        that buffer itself. Any other tensor (a unit's host shard, params="cpu") as there."""
+        if x.dtype != dtype or not self.files.holds(x):
+            return super().host_cast(x, dtype)
+        if self.cuda:
+            return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
+        return x.clone()
 
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)
         for k, _ in self.fields[b]:
-            values[k] = torch.zeros((), dtype=values[k].dtype).expand(values[k].shape)
+            values[k] = stand_in(values[k])
         return type(opt_state)(*values)
 
     def restore(self, b: int, opt_state: Any) -> Any:
@@ -392,6 +463,8 @@ class NvmeTier(HostTier):
     def prefetch(self, b: int) -> None:
         for _, name in self.fields.get(b, ()):
             self.files.prefetch(name)
+        if b in self.masters:
+            self.files.prefetch(self.masters[b])
 
     def fetch(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)
@@ -412,27 +485,103 @@ class NvmeTier(HostTier):
             self.files.release(name)
         return type(opt_state)(*values)
 
+    def keep_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        self.files.write(self.masters[b], master)
+        self.files.flush()
+        return stand_in(master)
+
+    def fetch_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        return self.files.read(self.masters[b]).view(master.shape)
+
+    def store_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        self.files.write(self.masters[b], master)  # copies first: `master` is the read buffer
+        self.files.release(self.masters[b])
+        return stand_in(master)
+
+    def read_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
+        values = self.files.read(self.masters[b]).clone().view(master.shape)
+        self.files.release(self.masters[b])
+        return values
+
+    def keep_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        if b not in self.shards:
+            return shard
+        self.files.write(self.shards[b], shard)
+        self.files.flush()
+        return stand_in(shard)
+
+    def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        if b not in self.shards:
+            return shard
+        self.files.write(self.shards[b], shard)  # copies into a staging buffer: `shard` may go
+        return stand_in(shard)
+
+    def start_shard(self, tag: str) -> "Loading":
+        """Start reading the compute-dtype shard of the bucket tagged `tag` (`SwapFiles.start_load`:
+        a buffer of its own, so that any number of prefetched units may hold one)."""
+        name = self.tags[tag]
+        return Loading(self, name, self.files.start_load(name))
+
     def flush(self) -> None:
         self.files.flush()
 
 
-def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None) -> HostTier | None:
+class Loading:
+    """A shard's read from its swap file in flight (`NvmeTier.start_shard`): `wait()` waits for
+    it and returns the shard on the device (a copy: on CUDA non-blocking from the read's own
+    pinned buffer, which the caching host allocator keeps until the copy is done)."""
+
+    def __init__(self, tier: NvmeTier, name: str, future: Any) -> None:
+        self.tier, self.name, self.future = tier, name, future
+
+    def wait(self) -> torch.Tensor:
+        host = self.tier.files.loaded(self.name, self.future)
+        if self.tier.cuda:
+            return host.to(self.tier.device, non_blocking=True)
+        return host.to(device=self.tier.device, copy=True)
+
+
+def is_stand_in(x: torch.Tensor) -> bool:
+    """Whether `x` is a stand-in (`stand_in`): not empty, every stride 0. fzero's real shards are
+    contiguous, so a real shard of one element has stride 1."""
+    return x.numel() > 0 and x.dim() > 0 and all(s == 0 for s in x.stride())
+
+
+def stand_in(x: torch.Tensor) -> torch.Tensor:
+    """What a state holds for a tensor kept in a swap file: a zero-cost tensor of `x`'s shape and
+    dtype on the host (an `expand` of a 0-d zero; stride 0), never read for its values."""
+    return torch.zeros((), dtype=x.dtype).expand(x.shape)
+
+
+def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None,
+            masters: dict[int, torch.Tensor] | None = None,
+            shards: dict[int, tuple[str, torch.Tensor]] | None = None) -> HostTier | None:
     """The tier an offloaded state's host buckets use (None without offload); NVMe needs the
-    buckets' optimizer states (`NvmeTier.make`)."""
+    buckets' optimizer states, master shards and (params="nvme") compute-dtype shards
+    (`NvmeTier.make`)."""
     if not offload.active:
         return None
     if offload.optimizer == "nvme" and shapes is not None:
-        return NvmeTier.make(torch.device(device), offload, shapes)
+        return NvmeTier.make(torch.device(device), offload, shapes, masters, shards)
     return HostTier(torch.device(device), offload.pin)
 
 
-# -- the stage's pieces with the param shards on the host (stage 3, params="cpu") -----------------
+# -- the stage's pieces with the param shards off the device (stage 3, params="cpu" | "nvme") -----
 
 
 def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     """`stage`, or, with params offloaded, stage 3 whose `enter` first copies the host shard to the
     device (inside the flight `Gathering` prefetches), then all-gathers it: the stage's collectives,
-    in its order, on the same bits."""
+    in its order, on the same bits.
+
+    With params="nvme" a trainable bucket's shard is a stand-in (`is_stand_in`) and the tier's
+    file of its tag holds the values: `start` begins that file's read (`NvmeTier.start_shard`),
+    so the read runs while the units before it compute, and the flight's first phase waits for
+    it, copies the shard to the device and starts the all-gather (`_Phase`); the blocking `run`
+    does the same at once. A real tensor (a frozen bucket's host shard, `fzero.gather`'s master
+    values) is copied as with params="cpu". Frozen buckets stay in host memory: the units and
+    `fzero.gather` cast a frozen shard to another dtype before `enter` where a policy says so
+    (`gather_leaves`), and a cast of a stand-in would be zeros, not a stand-in."""
     if offload.params is None:
         return stage
     assert tier is not None and stage.enter is ENTER_GATHER
@@ -440,14 +589,30 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     def fetch(x: torch.Tensor) -> torch.Tensor:
         return tier.to_device(x, x.dtype)
 
+    def on_file(wire: Wire, shard: torch.Tensor) -> bool:
+        return is_stand_in(shard) and wire.tag in (getattr(tier, "tags", None) or {})
+
     def enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> torch.Tensor:
-        return ENTER_GATHER.run(mesh, wire, fetch(shard))
+        x = tier.start_shard(wire.tag).wait() if on_file(wire, shard) else fetch(shard)
+        return ENTER_GATHER.run(mesh, wire, x)
 
     def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
-        return ENTER_GATHER.start(mesh, wire, fetch(shard))
+        if not on_file(wire, shard):
+            return ENTER_GATHER.start(mesh, wire, fetch(shard))
+        return Flight(tier.start_shard(wire.tag), (lambda x: _Phase(ENTER_GATHER.start(mesh, wire, x)),))
 
     return dataclasses.replace(stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves,
                                                   start=start_enter))
+
+
+class _Phase:
+    """A `Flight` as one phase of another (`Flight.then` returns what has `wait()`)."""
+
+    def __init__(self, flight: Flight) -> None:
+        self.flight = flight
+
+    def wait(self) -> torch.Tensor:
+        return self.flight.wait()
 
 
 # -- what init (and a checkpoint's load) holds where --------------------------------------------
@@ -461,15 +626,17 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     3's device shard is then kept in the `compute` dtype (the unit casts to it before the gather
     anyway; the step differentiates a stand-in of the master, `differentiated`); with params
     offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard moves to
-    the host. Without offload, unchanged."""
+    the host. The tier keeps the master (`HostTier.keep_master`: NVMe writes it to its file and
+    the state holds a stand-in; `params` is then a host tensor of its own) and, params="nvme",
+    the compute-dtype shard (`keep_params`: its file). Without offload, unchanged."""
     if tier is None:
         return held, master
     if layout.buckets[b].group.frozen:
         return (tier.host(held) if offload.params is not None else held), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
     if offload.params is not None:  # what the units read: the compute-dtype copy, made here and by each update
-        return tier.host_cast(on_host, compute), on_host
-    return (held.to(compute) if stage.sharded("params") else held), on_host
+        return tier.keep_params(b, tier.host_cast(on_host, compute)), tier.keep_master(b, on_host)
+    return (held.to(compute) if stage.sharded("params") else held), tier.keep_master(b, on_host)
 
 
 def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:
@@ -585,6 +752,32 @@ def host_leaf_sum(leaf_sum: Any, device: torch.device) -> Any:
     return lambda x: leaf_sum(x.to(device)).to(x.device)
 
 
+class Stored(NamedTuple):
+    """What `HostUpdate.outputs` returns of one bucket's update.
+
+    Attributes:
+      back: the new master as the stage's `finish` reads it (on the device in the dtype the state
+        holds there, or, with params offloaded, the host copy the units read).
+      opt_state: what the state keeps of the new optimizer state (NVMe: stand-ins).
+      master: what the state keeps of the new master (NVMe: a stand-in).
+      checked: what the update's finite check reads (`step._nonfinite_flag`): the new master, or,
+        where it went back to its file, its `[min, max]` taken before (`_ends`).
+    """
+
+    back: torch.Tensor
+    opt_state: Any
+    master: torch.Tensor
+    checked: torch.Tensor
+
+
+def _ends(x: torch.Tensor) -> torch.Tensor:
+    """`[min, max]` of `x` (`torch.aminmax`: NaN if an element is, ±inf if one is), a new tensor
+    whose own ends are those -- so the finite check reads it as it would read `x`; `x`'s copy
+    where it is empty (no ends)."""
+    flat = x.detach().reshape(-1)
+    return torch.stack(torch.aminmax(flat)) if flat.numel() else flat.clone()
+
+
 class HostUpdate:
     """One update's traffic between the device and the host tier, around the optimizer call of
     each offloaded bucket (`step.update`); buckets on the device pass through unchanged.
@@ -592,10 +785,11 @@ class HostUpdate:
     At construction every offloaded bucket's reduced gradient shard starts for the host (CUDA: a
     side stream, one event each) and the first bucket's optimizer state starts coming in (NVMe).
     `inputs(b, ...)` waits for bucket b's gradient, starts the next bucket's state, and returns the
-    host gradient, the host state and the per-leaf sum that runs on the device; `outputs(b, ...)`
-    stores the new state and returns the new master shard as the stage's `finish` reads it (on the
-    device in the dtype the state holds there, or, with params offloaded, the host shard itself,
-    which is the params); `done()` waits for the tier's writes (NVMe).
+    host gradient, the host state and master and the per-leaf sum that runs on the device;
+    `outputs(b, ...)` stores the new state and master and returns them with the new master shard
+    as the stage's `finish` reads it (on the device in the dtype the state holds there, or, with
+    params offloaded, the host copy, which is the params: `Stored`); `done()` waits for the
+    tier's writes (NVMe).
 
     `factor` (default 1): the step's rescale of the reduced gradient (clipping, a loss scale,
     `normalize="tokens"`) where the step leaves it to the host for the offloaded buckets, whose
@@ -613,25 +807,36 @@ class HostUpdate:
         if order:
             self.tiers[order[0]].prefetch(order[0])
 
-    def inputs(self, b: int, grad: torch.Tensor, opt_state: Any, leaf_sum: Any) -> tuple[torch.Tensor, Any, Any]:
+    def inputs(self, b: int, grad: torch.Tensor, opt_state: Any, master: torch.Tensor | None, leaf_sum: Any
+               ) -> tuple[torch.Tensor, Any, torch.Tensor | None, Any]:
+        """`(gradient, optimizer state, master, leaf_sum)` of bucket b for its update: on a host
+        tier the host copies (NVMe: the read buffers of its files, `fetch` / `fetch_master`);
+        else the inputs themselves."""
         tier = self.tiers.get(b)
         if tier is None:
-            return grad, opt_state, leaf_sum
+            return grad, opt_state, master, leaf_sum
         if b in self.following:  # NVMe: the next bucket's state is read while this one updates
             tier.prefetch(self.following[b])
         g = self.grads.pop(b).wait()
         if self.factor != 1.0:
             g = g * self.factor
-        return g, tier.fetch(b, opt_state), host_leaf_sum(leaf_sum, self.device)
+        return g, tier.fetch(b, opt_state), tier.fetch_master(b, master), host_leaf_sum(leaf_sum, self.device)
 
-    def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype
-                ) -> tuple[torch.Tensor, Any]:
+    def outputs(self, b: int, master: torch.Tensor, opt_state: Any, held_dtype: torch.dtype) -> "Stored":
+        """`Stored` of bucket b's update (`master`: the new master shard, `opt_state` the new
+        state). The copy the stage's `finish` reads is made first -- from the read buffer, which
+        `store_master` then frees (`NvmeTier.host_cast` makes it a buffer of its own) -- and so
+        are the ends the finite check reads of a master going back to its file."""
         tier = self.tiers.get(b)
         if tier is None:
-            return master, opt_state
+            return Stored(master, opt_state, master, master)
         params = self.info.offload.params is not None  # the host copy the units read, cast once per step here
-        back = tier.host_cast(master, held_dtype) if params else tier.to_device(master, held_dtype)
-        return back, tier.store(b, opt_state)
+        if params:  # params="nvme": written to its file, the state keeps a stand-in
+            back = tier.store_params(b, tier.host_cast(master, held_dtype))
+        else:
+            back = tier.to_device(master, held_dtype)
+        checked = _ends(master) if tier.in_place else master
+        return Stored(back, tier.store(b, opt_state), tier.store_master(b, master), checked)
 
     def done(self) -> None:
         for tier in {id(t): t for t in self.tiers.values()}.values():

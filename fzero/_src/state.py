@@ -72,7 +72,9 @@ class StateInfo:
         """This info for a new state that must not share storage with this one's (a checkpoint's
         load): with NVMe offload, a fresh set of swap files; otherwise itself."""
         tier = self.tier.renewed() if self.tier is not None else None
-        return self if tier is self.tier else dataclasses.replace(self, tier=tier)
+        if tier is self.tier:
+            return self
+        return dataclasses.replace(self, tier=tier, stage=stage_of(get_stage(self.stage.level), self.offload, tier))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +87,9 @@ class ZeroState:
         the stage shards optimizer state; None for frozen buckets.
       master: per bucket, this rank's master `shard[S]` where the stage keeps one apart from
         `params` (stages 1-2 under a precision policy: `params` is then the full buffer in the
-        compute dtype; and every trainable bucket under optimizer offload, in host memory); else
-        None (`params` holds the master values).
+        compute dtype; and every trainable bucket under optimizer offload, in host memory -- or,
+        with optimizer="nvme", in a swap file, the state holding a stand-in: read it with
+        `master_values`); else None (`params` holds the master values).
       loss_scale: the loss scaler's `LossScaleState` (0-d tensors), or None without a scaler.
       step: int64 0-d (CPU): the number of updates applied so far (`int(state.step)`).
       info: static `StateInfo`; `layout`, `stage`, `mesh`, `rank`, `optimizer` read it.
@@ -194,18 +197,18 @@ def init(
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`). Only where some bucket computes in fp16.
-      offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu", nvme_path=,
-        ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme": the state's
-        per-element fields in swap files under `nvme_path`; `ratio` < 1 keeps whole buckets on
-        the device) and stage 3's param shards in host memory, the update on the host; the same
-        bits where the host's kernels are the device's (docs/offload.md).
+      offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu" | "nvme",
+        nvme_path=, ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme":
+        the master shard and the state's per-element fields in swap files under `nvme_path`;
+        `ratio` < 1 keeps whole buckets on the device) and stage 3's param shards in host memory
+        (params "nvme": in swap files too), the update on the host; the same bits where the
+        host's kernels are the device's (docs/offload.md).
     """
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
-        st = get_stage(stage)
+        st = get_stage(stage)  # the stage's own pieces; its enter reads the final tier (`stage_of`, below)
         off = check_offload(offload)
         off.check_stage(st)
         tier = tier_of(off, mesh.device)
-        st = stage_of(st, off, tier)
         _check_optimizer(optimizer)
         if not isinstance(precision, Precision):
             raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
@@ -245,10 +248,18 @@ def init(
         trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
         if off.optimizer == "nvme":  # the files' sizes from states made on the meta device (no memory)
             metas = {b: opt_init(b, "meta") for b in trainable if b in on_host}
-            tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()})
+            tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()},
+                           {b: master[b] for b in metas},
+                           {b: (layout.buckets[b].tag, held[b]) for b in metas} if off.params == "nvme" else None)
             tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
         opt_state = tuple(place_opt_state(tiers[b], b, opt_init(b)) if b in trainable else None
                           for b in range(len(layout.buckets)))
+        if off.optimizer == "nvme":  # the masters to their files, once the optimizer states are made from them
+            master = tuple(tiers[b].keep_master(b, m) if b in trainable and tiers[b] is not None else m
+                           for b, m in enumerate(master))
+            held = tuple(tiers[b].keep_params(b, p) if b in trainable and tiers[b] is not None else p
+                         for b, p in enumerate(held))  # params="nvme": the compute-dtype shards too
+        st = stage_of(st, off, tier)
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
                      StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier))
@@ -362,8 +373,16 @@ def _master_input(state: ZeroState, b: Any) -> torch.Tensor:
     """What `gather_leaves` reads for bucket b's master values: where the stage shards params its
     `enter` gathers the master shard itself (an offloaded stage 3); else the master shard is
     all-gathered here into the full buffer the stage's `enter` passes through."""
-    master = state.master[b.index].to(state.mesh.device)
+    master = master_values(state, b.index).to(state.mesh.device)
     return master if state.stage.sharded("params") else all_gather(master, state.mesh, tag=b.tag)
+
+
+def master_values(state: ZeroState, b: int) -> torch.Tensor:
+    """Bucket b's master shard as a tensor to read: the state's own, or, where its tier keeps it
+    in a file (NVMe), a fresh host copy read from there (`HostTier.read_master`) -- the state's
+    stand-in holds zeros, never the values."""
+    tier = state.info.host_tier(b)
+    return state.master[b] if tier is None else tier.read_master(b, state.master[b])
 
 
 def consume(state: ZeroState) -> None:
@@ -408,8 +427,9 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     """The error for a state whose donating update left a NaN or inf on `ranks` (every rank calls
     it: the leaves are found by `nonfinite_leaves` over what each rank updated, one all-reduce)."""
     layout, stage, rank = state.layout, state.stage, state.rank
-    updated = {b.index: stage.optimizer_params(layout, b.index, state.params[b.index], rank, state.master[b.index])
-               for b in layout.buckets if not b.group.frozen}
+    updated = _Updated(lambda b: stage.optimizer_params(layout, b, state.params[b], rank,
+                                                        None if state.master[b] is None else master_values(state, b)),
+                       [b.index for b in layout.buckets if not b.group.frozen])
     leaves = updated_nonfinite_leaves(state, updated)
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return NonFiniteError(
@@ -417,6 +437,17 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
         f"inf on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in "
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
         f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+
+
+class _Updated:
+    """`{bucket: what its optimizer updated}` read one bucket at a time (`items`), so a master kept
+    in files is copied to the host per bucket while it is checked, never all at once."""
+
+    def __init__(self, read: Any, buckets: Sequence[int]) -> None:
+        self.read, self.buckets = read, buckets
+
+    def items(self) -> Any:
+        return ((b, self.read(b)) for b in self.buckets)
 
 
 def updated_nonfinite_leaves(state: ZeroState, updated: dict[int, torch.Tensor]) -> list[str]:

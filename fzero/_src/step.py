@@ -1030,6 +1030,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
+    kept, checked = {}, {}  # per bucket: the master the new state keeps, what the finite check reads
     flights, back = {}, {}
     overlap = ready.overlap if ready is not None else _overlap(state, reduced)
     plan = plan_of(state.info)
@@ -1041,31 +1042,33 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         if launch is not None:  # prepared before the agreement's read: only the kernels are left
             p = ready.params[b]
             updated[b], new_opt[b] = p, launch(g.to(p.dtype))
-            back[b] = p
+            back[b] = kept[b] = checked[b] = p
         else:
-            g, opt, leaf_sum = host.inputs(b, g, state.opt_state[b], plan[b].leaf_sum)
+            # offloaded: the host copies (NVMe: the master and state read from their files)
+            g, opt, master, leaf_sum = host.inputs(b, g, state.opt_state[b], state.master[b], plan[b].leaf_sum)
             ctx = plan[b].context(step, used, leaf_sum)
-            p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])  # offloaded: the host master
+            p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
             g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
             if donate:
                 updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
             else:
                 updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-            back[b], new_opt[b] = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)
+            out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
+            back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
         if overlap:
             flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
     host.done()
-    flag = _nonfinite_flag(state, updated)
+    flag = _nonfinite_flag(state, checked)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
         return state, updated_nonfinite_leaves(state, updated)
     if not overlap:  # differentiated through: the blocking, differentiable finish
         gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in back.items()}
-    for b, p_new in updated.items():
+    for b in updated:
         new_params[b] = gathered[b]
         if state.master[b] is not None:
-            new_master[b] = p_new
+            new_master[b] = kept[b]
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
 
