@@ -23,6 +23,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fzero
 from fzero import optim
@@ -33,6 +34,51 @@ from fzero.testing import examples
 from .stage_harness import assert_equal_leaves
 
 POLICIES = {"none": fzero.Precision(), "bf16/fp32": fzero.Precision(torch.bfloat16, torch.float32)}
+
+
+class NoShedReads(TorchDispatchMode):
+    """Raise at the first op that reads or writes the values of a shed tensor (a tensor of
+    `numel > 0` whose storage holds fewer bytes than its first element needs): on the CPU such a
+    read is a segmentation fault that kills the test process, on CUDA a silent read of freed
+    memory. Ops that read no values are allowed: views, `detach`, `record_stream`, and the
+    factories that read only sizes and dtype (`*_like`, `new_*`)."""
+
+    ALLOWED = frozenset([torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+                         torch.ops.aten.record_stream.default])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func not in self.ALLOWED and not func.is_view and not name.endswith("_like") and not name.startswith("new_"):
+            gone = [tuple(t.shape) for t in _tensors((*args, *kwargs.values())) if _shed(t)]
+            if gone:
+                raise AssertionError(f"{func} reads a shed tensor of shape {gone}")
+        return func(*args, **kwargs)
+
+
+def _tensors(values):
+    """The tensors among an op's arguments, also inside lists (the foreach ops')."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def _shed(t):
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() > 0
+            and t.untyped_storage().nbytes() < (t.storage_offset() + 1) * t.element_size())
+
+
+def test_the_detector_catches_a_read_of_a_shed_tensor():
+    """`NoShedReads` flags a value read of a shed tensor, and lets views and metadata through."""
+    x = torch.randn(5)
+    offload_mod.shed(x)
+    with NoShedReads():
+        assert x.view(5, 1).shape == (5, 1) and torch.zeros_like(x).shape == (5,) and x.detach().numel() == 5
+        for read in (lambda: x + 1, lambda: x.to(torch.float64), lambda: torch._foreach_norm([x])):
+            with pytest.raises(AssertionError, match="reads a shed tensor"):
+                read()
 
 
 def _tree(dtype=torch.float32):
@@ -47,11 +93,14 @@ def _tanh_loss(p, x):
 
 
 def _run(monkeypatch, n, stage, params, off, *, policy="none", micro=1, clip=None, loss=_tanh_loss,
-         dtype=torch.float32, batch_scale=1.0, on_nonfinite="raise", steps=2):
+         dtype=torch.float32, batch_scale=1.0, on_nonfinite="raise", steps=2, tree=None, init=None, step=None,
+         after=None):
     """Two steps of stage `stage` at world size `n`, with `off` (an Offload or None); returns per
     rank (gathered params, losses, grad norms, skipped flags) and the shed tensors per rank: each
-    as (numel, storage bytes after the step)."""
-    tree = _tree(dtype)
+    as (numel, storage bytes after the step). Every rank runs under `NoShedReads`. `tree`, `init`,
+    `step`: other params, and more keywords for `fzero.init` and `fzero.train_step`; `after(rank,
+    t, state)` runs after step t."""
+    tree = _tree(dtype) if tree is None else tree
     gen = torch.Generator().manual_seed(3)
     xs = [torch.randn(4, 6, generator=gen) * batch_scale for _ in range(n)]
     mesh = fzero.SimMesh(n)
@@ -63,15 +112,19 @@ def _run(monkeypatch, n, stage, params, off, *, policy="none", micro=1, clip=Non
         return original(x)
 
     def rank_fn(x):
-        state = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
-                           precision=POLICIES[policy], offload=off)
-        step = fzero.train_step(loss, micro_batches=micro, clip_norm=clip, donate=True, on_nonfinite=on_nonfinite)
-        seen = []
-        for t in range(steps):
-            batch = (x + t).to(POLICIES[policy].param_dtype or dtype)
-            state, met = step(state, batch if micro == 1 else [batch, batch.flip(0)])
-            seen.append((met.loss, met.grad_norm, met.skipped))
-        return fzero.gather(state), seen, threading.get_ident()
+        with NoShedReads():
+            state = fzero.init(tree, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                               precision=POLICIES[policy], offload=off, **(init or {}))
+            train = fzero.train_step(loss, micro_batches=micro, clip_norm=clip, on_nonfinite=on_nonfinite,
+                                     **{"donate": True, **(step or {})})
+            seen = []
+            for t in range(steps):
+                batch = (x + t).to(POLICIES[policy].param_dtype or dtype)
+                state, met = train(state, batch if micro == 1 else [batch, batch.flip(0)])
+                seen.append((met.loss, met.grad_norm, met.skipped))
+                if after is not None:
+                    after(mesh.rank, t, state)
+            return fzero.gather(state), seen, threading.get_ident()
 
     with monkeypatch.context() as m:  # set once, here: monkeypatch is not thread-safe
         m.setattr(offload_mod, "shed", spy)
