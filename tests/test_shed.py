@@ -238,3 +238,72 @@ def test_a_norm_taken_at_the_copy_is_the_agreements(device, sizes, dtypes, known
     taken = {k: shard_norm(xs[k]) for k in known if k < len(xs)}
     assert torch.equal(sum_of_squares(xs, device, taken), sum_of_squares(xs, device))
     assert torch.equal(shard_squares(xs, device, taken), shard_squares(xs, device))
+
+
+# -- the configurations shedding meets ----------------------------------------------------------
+
+POLICIES["fp16/fp32"] = fzero.Precision(torch.float16, torch.float32)
+
+
+def _tokens_loss(p, x):
+    """`normalize="tokens"`: the summed loss and this micro-batch's token count (its rows)."""
+    for i in range(3):
+        x = torch.tanh(x @ p[f"l{i}.w"])
+    return x.float().square().sum(), x.shape[0]
+
+
+def _extras_tree():
+    """`_tree` with an unused leaf in unit l1 (its bucket's slice gets no gradient) and a frozen
+    leaf in unit l2 (its own bucket, never shed)."""
+    gen = torch.Generator().manual_seed(11)
+    return {**_tree(), "l1.unused": torch.randn(5, generator=gen), "l2.frozen": torch.randn(4, generator=gen)}
+
+
+FROZEN = (fzero.ParamGroup("frozen", match=lambda p: p.endswith("frozen"), frozen=True),)
+
+
+def _frozen_loss(p, x):
+    return _tanh_loss(p, x) + p["l2.frozen"].sum() * 0
+
+
+def _saved(root):
+    def save(rank, t, state):  # right after the step, while the shed shards may still be alive
+        fzero.checkpoint.save(state, root / f"r{rank}-t{t}")
+
+    return save
+
+
+# (name, world size, stage, params offload, Offload keywords, _run keywords, shed per rank per step)
+CONFIGS = [
+    ("nvme", 2, 3, None, dict(optimizer="nvme"), {}, 3),
+    ("ratio 0.5: the first bucket stays on the device", 2, 3, None, dict(ratio=0.5), {}, 2),
+    ("tokens + clip", 2, 3, None, {}, dict(loss=_tokens_loss, clip=1e-3, step=dict(normalize="tokens")), 3),
+    ("donate=False", 2, 3, None, {}, dict(step=dict(donate=False)), 3),
+    ("eager gather", 2, 3, None, {}, dict(step=dict(gather="eager")), 3),
+    ("prefetch", 2, 3, "cpu", {}, dict(step=dict(prefetch=1)), 3),
+    ("frozen + unused leaves", 2, 3, "cpu", {}, dict(tree=_extras_tree(), loss=_frozen_loss,
+                                                     init=dict(groups=FROZEN)), 3),
+    ("fp16/fp32, a scale that overflows first", 2, 3, None, {},
+     dict(policy="fp16/fp32", init=dict(loss_scale=fzero.DynamicLossScale(init_scale=2.0**100, hysteresis=1))), 3),
+    ("bf16 params, accumulated in bf16: 16-bit shards", 2, 3, None, {},
+     dict(dtype=torch.bfloat16, step=dict(accum_dtype=torch.bfloat16)), 3),
+    ("stage 2, N=3, tokens", 3, 2, None, {}, dict(loss=_tokens_loss, step=dict(normalize="tokens")), 3),
+    ("two buckets in unit l1 (bucket_bytes)", 3, 3, None, {},
+     dict(tree=_extras_tree(), loss=_frozen_loss, init=dict(groups=FROZEN, bucket_bytes=64)), 4),
+]
+
+
+@pytest.mark.parametrize("name, n, stage, params, extra, kw, per_step", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_shedding_in_each_configuration(monkeypatch, tmp_path, name, n, stage, params, extra, kw, per_step):
+    """Each configuration: every offloaded trainable bucket's shard is shed in each step (and no
+    other), no op reads a shed tensor (`NoShedReads`), and the run is bitwise the run without
+    offload -- a checkpoint saved right after each step included (the state holds no gradient)."""
+    extra = {**extra, "nvme_path": str(tmp_path)} if extra.get("optimizer") == "nvme" else extra
+    off = fzero.Offload(**{"optimizer": "cpu", "params": params, **extra})
+    got = _run(monkeypatch, n, stage, params, off, after=_saved(tmp_path / "got"), **kw)
+    want = _run(monkeypatch, n, stage, None, None, after=_saved(tmp_path / "want"), **kw)
+    _assert_same(got, want, name)
+    for _, _, shed in got:
+        assert len(shed) == 2 * per_step and all(nbytes == 0 for _, nbytes in shed), (name, shed)
+    if "loss_scale" in kw.get("init", {}):  # the overflow was seen: the first step skipped
+        assert got[0][1][0][2], "the first step's scaled gradient overflows fp16: skipped"
