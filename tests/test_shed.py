@@ -307,3 +307,46 @@ def test_shedding_in_each_configuration(monkeypatch, tmp_path, name, n, stage, p
         assert len(shed) == 2 * per_step and all(nbytes == 0 for _, nbytes in shed), (name, shed)
     if "loss_scale" in kw.get("init", {}):  # the overflow was seen: the first step skipped
         assert got[0][1][0][2], "the first step's scaled gradient overflows fp16: skipped"
+
+
+# -- gloo: the shards are shed after a real asynchronous reduce-scatter --------------------------
+
+
+def gloo_steps(mesh, stage, params, policy, offloaded):
+    """Two steps on `mesh` (a gloo DistMesh in a worker, or SimMesh), under `NoShedReads`: the
+    gathered params, the metrics, and the storage bytes of each shed tensor after the steps.
+    On DistMesh a unit's reduce-scatter is still in flight when the next unit's backward starts,
+    so the shard is copied and shed when its flight is closed (`Inflight.make_room`, `wait`)."""
+    shed, original = [], offload_mod.shed
+    offload_mod.shed = lambda x: (shed.append(x), original(x))[1]  # a worker's module: put back below
+    try:
+        with NoShedReads():
+            off = fzero.Offload(optimizer="cpu", params=params) if offloaded else None
+            state = fzero.init(_tree(), optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                               precision=POLICIES[policy], offload=off)
+            step = fzero.train_step(_tanh_loss, clip_norm=1e-3, donate=True)
+            seen = []
+            for t in range(2):
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * mesh.rank + t))
+                state, met = step(state, x.to(POLICIES[policy].param_dtype or torch.float32))
+                seen.append((met.loss, met.grad_norm))
+            return fzero.gather(state), seen, [t.untyped_storage().nbytes() for t in shed]
+    finally:
+        offload_mod.shed = original
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage, params, policy", [(2, None, "none"), (3, "cpu", "bf16/fp32")])
+def test_shedding_on_gloo_is_the_simmesh_run(dist2, stage, params, policy):
+    """gloo, 2 ranks: 6 shards shed per rank (3 buckets, 2 steps), no read of one, and bitwise the
+    SimMesh run and the run without offload (clipping that clips: the host rescales)."""
+    args = [(stage, params, policy, True)] * 2
+    got = dist2.run(gloo_steps, args)
+    sim = fzero.SimMesh(2)
+    want = sim.run(lambda *a: gloo_steps(sim, *a), args)
+    plain = dist2.run(gloo_steps, [(stage, params, policy, False)] * 2)
+    for (gp, gs, shed), (wp, ws, _), (pp, ps, none) in zip(got, want, plain):
+        assert_equal_leaves(gp, wp, "gloo vs SimMesh")
+        assert_equal_leaves(gp, pp, "gloo: offload vs none")
+        assert all(torch.equal(a, b) and torch.equal(a, c) for g, w, p in zip(gs, ws, ps) for a, b, c in zip(g, w, p))
+        assert shed == [0] * 6 and none == []
