@@ -394,3 +394,73 @@ def test_the_bf16_policy_sheds_its_cast_shards(monkeypatch, n):
     want = _run(monkeypatch, n, 3, None, None, policy="bf16", clip=1e-3)
     _assert_same(got, want, "bf16")
     assert all(len(shed) == 6 for _, _, shed in got), [len(shed) for _, _, shed in got]
+
+
+# -- CUDA: the caching allocator and the side stream (run on a GPU) ------------------------------
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cuda_steps(mesh):
+    """Three steps of stage 3 + optimizer offload (bf16/fp32, 4 units of 1 MiB fp32 buckets) on one
+    GPU, every device -> host copy queued behind ~1 ms of sleep on the side stream, so the
+    memory a shed shard freed is asked for again (the next unit's gradient, of the same size)
+    while its copy has not run yet."""
+    gen = torch.Generator().manual_seed(5)
+    tree = {f"u{i}.w": torch.randn(512, 512, generator=gen) / 23 for i in range(4)}
+
+    def loss(p, x):
+        for i in range(4):
+            x = torch.tanh(x @ p[f"u{i}.w"])
+        return x.float().square().mean()
+
+    with NoShedReads():
+        state = fzero.init(tree, optim.adamw(1e-3), stage=3, mesh=mesh, units=lambda p: p.split(".")[0],
+                           precision=POLICIES["bf16/fp32"], offload=fzero.Offload(optimizer="cpu"))
+        step = fzero.train_step(loss, donate=True, clip_norm=1e-2)
+        norms = []
+        for t in range(3):
+            x = torch.randn(64, 512, generator=torch.Generator().manual_seed(t)).to(mesh.device, torch.bfloat16)
+            state, met = step(state, x)
+            norms.append(met.grad_norm)
+        return fzero.gather(state), norms
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator and CUDA streams: needs a GPU")
+def test_shedding_on_cuda_is_bitwise_the_run_that_keeps_the_shards(monkeypatch):
+    """Freeing a shard right after its side-stream copy was queued is safe: `record_stream` makes
+    the caching allocator hand the memory out again only after that copy ran, and the norm, on
+    the compute stream, precedes every later use of it there. With every copy delayed, a
+    premature reuse would overwrite a shard before its copy reads it and change the update's
+    bits: the run that sheds is bitwise the run that keeps the shards, and its shards hold no
+    memory after the steps."""
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    mesh = fzero.DistMesh(backend="nccl")
+    original, shed = offload_mod.HostTier.start_host, []
+
+    def delayed(self, x):
+        if self.cuda and x.device.type == "cuda":
+            with torch.cuda.stream(offload_mod._side_stream(x.device)):
+                torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: the copy runs after the next allocation
+        return original(self, x)
+
+    try:
+        monkeypatch.setattr(offload_mod.HostTier, "start_host", delayed)
+        monkeypatch.setattr(offload_mod, "shed", lambda x: (shed.append(x), x.untyped_storage().resize_(0)))
+        got = _cuda_steps(mesh)
+        kept = len(shed)
+        monkeypatch.setattr(offload_mod, "sheddable", lambda x: False)
+        want = _cuda_steps(mesh)  # the same early copies, nothing freed
+    finally:
+        torch.distributed.destroy_process_group()
+    assert_equal_leaves(got[0], want[0], "cuda: shed vs kept")
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert kept == 12 == len(shed) and all(t.untyped_storage().nbytes() == 0 for t in shed)
