@@ -382,9 +382,6 @@ def test_a_step_after_a_caught_nonfinite_error(n):
 POLICIES["bf16"] = fzero.Precision(torch.bfloat16)  # reduced in bf16, the fp32 master's gradient a cast of it
 
 
-@pytest.mark.xfail(strict=True, reason="issue #16 review: a unit whose reduce dtype is not its gradient's (the bf16 "
-                   "policy) reduces in the blocking form and never hands the cast shard to `Inflight.host`, so it "
-                   "is neither copied early nor shed (the fix: unit.py, `_Unit.backward`, in the review's report)")
 @pytest.mark.parametrize("n", [1, 2])
 def test_the_bf16_policy_sheds_its_cast_shards(monkeypatch, n):
     """Precision(bf16): the shard is reduced in bf16 and cast to the fp32 master's dtype in the

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, OffloadError
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
@@ -219,6 +219,9 @@ class HostTier:
         hit = self.early.pop(id(x), None)
         if hit is not None and hit[0]() is x:
             return hit[1]
+        if x.numel() and x.untyped_storage().nbytes() == 0:
+            raise OffloadError(f"a shed gradient shard {list(x.shape)} {x.dtype} has no early copy to take "
+                               f"(HostTier.start_early): its values are gone; report this as a bug")
         if not self.cuda:
             return Transfer(self.host(x))
         if x.device.type == "cpu":  # already on the host: nothing to copy

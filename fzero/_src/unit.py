@@ -133,8 +133,10 @@ class Inflight:
     `host` (offload, `fzero._src.offload.early_copies`): `host(shard, bucket)` is called with each
     flight's reduced `shard[S]` as soon as it exists -- when the flight is closed (`make_room`,
     `add` past `depth`, `wait`), or at `add` where the reduction completed when started (N = 1,
-    SimMesh) -- so that its device -> host copy runs during the rest of the backward instead of at
-    the update. `bucket` is the index `add` was given, or None.
+    SimMesh); and, where the unit reduces in another dtype than its gradient's (a bf16 policy's
+    fp32 master: the blocking reduction, then the cast), with the cast shard -- so that its
+    device -> host copy runs during the rest of the backward instead of at the update. `bucket`
+    is the index `add` was given, or None.
 
     With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
     the step passes where it reduces each micro-batch), the unit's backward hands autograd no
@@ -393,6 +395,10 @@ class _Unit(torch.autograd.Function):
                 inflight.begin(bucket.index, functools.partial(program.stage.after_backward.start, program.mesh,
                                                                bucket.wire, flat.to(dtype)))
                 result.append(None)
+            elif started and inflight.host is not None:  # reduced in another dtype: blocking, then x's dtype
+                g = leave.run(program.mesh, bucket.wire, flat).to(dtype)
+                inflight.host(g, bucket.index)  # offload: the cast shard is the tensor the update reads
+                result.append(g)
             else:
                 result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
         if after is not None and not released:
