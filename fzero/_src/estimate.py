@@ -25,11 +25,14 @@ offload, else the buckets after a device-kept prefix of at most (1 - r) of them,
 `host_fractions`) and K = E - H those kept on the device:
 
     device:  params as the stage holds them (none with params offload, stage 3), grads as the
-             stage holds them, optimizer state s·K, master m·K
-    host:    grads g·H (the shards' device -> host copies), master m'·H (m' = m, or p where
-             there is no master: the host always keeps one, fp32 for fp32 params),
+             stage holds them (an upper bound: with one micro-batch stages 2-3 free each host
+             bucket's gradient shard in the backward as it is copied, `offload.early_copies`),
+             optimizer state s·K, master m·K
+    host:    grads g·H (the shards' device -> host copies), master m'·H ("cpu"; m' = m, or p
+             where there is no master: the host always keeps one, fp32 for fp32 params),
              optimizer state s·H ("cpu"), swap buffers ("nvme")
-    NVMe:    optimizer state s·H ("nvme")
+    NVMe:    optimizer state s·H and master m'·H ("nvme"), and with params "nvme" the
+             compute-dtype shards p·E
 
 proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps where.
 
