@@ -177,3 +177,23 @@ def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
         state, _ = step(state, xs if micro > 1 else xs[0])
         trace.append(fzero.gather(state))
     return trace
+
+
+def reduce_scatter_vs_torch(mesh, x):
+    """`x[2 * S]`'s reduce-scatter on a gloo DistMesh at N = 2 (one exchange of halves, one
+    addition: `mesh._reduce_scatter_by_exchange`), blocking and started, beside torch's own gloo
+    reduce-scatter of the same buffer (an all-reduce of a clone, then this rank's chunk), and
+    whether the exchange (an all-to-all) is what ran."""
+    from fzero._src import mesh as mesh_mod
+
+    ran = []
+    original = mesh_mod._reduce_scatter_by_exchange
+    mesh_mod._reduce_scatter_by_exchange = lambda *a: ran.append(1) or original(*a)
+    try:
+        blocking = mesh.collective("reduce_scatter", x)
+        started = mesh.start("reduce_scatter", x).wait()
+    finally:
+        mesh_mod._reduce_scatter_by_exchange = original
+    theirs = x.new_empty(x.shape[0] // 2)
+    mesh_mod._reduce_scatter_into(theirs, x.clone(), mesh.group)  # torch's, under either torch's name
+    return blocking, started, theirs, len(ran)

@@ -503,6 +503,40 @@ def _reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_o
     return fn(out, x, group=group, async_op=async_op)
 
 
+# the dtypes whose N = 2 gloo reduce-scatter is `_reduce_scatter_by_exchange`: those whose sums
+# (and NaNs) come out bit for bit as gloo's own; bfloat16 differs in the sign and payload of NaNs
+# (inf + -inf, x + NaN), so it keeps gloo's reduce-scatter
+_EXCHANGED = (torch.float32, torch.float64, torch.float16)
+
+
+class _ThenAdd:
+    """A work handle whose `wait()` waits for `work`, then writes `out = a + b` (one addition)."""
+
+    def __init__(self, work: Any, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.work, self.out, self.a, self.b = work, out, a, b
+
+    def wait(self) -> None:
+        self.work.wait()
+        torch.add(self.a, self.b, out=self.out)
+
+
+def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, _ThenAdd]:
+    """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange of halves and
+    one addition: `all_to_all_single` sends this rank's half for the other rank and receives the
+    other rank's half for this one, then `out = recv[:S] + recv[S:]` (rank order). Each element
+    is one correctly rounded addition of the same two terms -- a + b = b + a exactly in IEEE
+    arithmetic, and a 16-bit sum computed in float32 and rounded once more is still correctly
+    rounded (float32 has more than 2p + 2 bits for p = 8, 11) -- so the bits are those of gloo's
+    own reduce-scatter, which all-reduces a clone of the whole buffer and keeps this rank's
+    chunk: that moves `x` twice around the ring where this moves half of it once. For float32,
+    float64 and float16 (`_EXCHANGED`) the NaNs come out the same too; bfloat16's NaNs may differ
+    in sign and payload from gloo's, so bfloat16 keeps gloo's reduce-scatter."""
+    s = x.shape[0] // 2
+    recv, out = torch.empty_like(x), x.new_empty((s, *x.shape[1:]))
+    work = torch.distributed.all_to_all_single(recv, x.contiguous(), group=group, async_op=True)
+    return out, _ThenAdd(work, out, recv[:s], recv[s:])
+
+
 # -- choosing a backend and device -------------------------------------------------------------
 
 BACKENDS = ("gloo", "nccl")
@@ -704,10 +738,12 @@ class DistMesh(Mesh):
 
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:
-        """gloo at any N (torch's gloo reduce-scatter clones the input, all-reduces the whole
-        clone and copies out this rank's chunk: the all-reduce of the same buffer, so the same
-        bits); any backend at N <= 2 (`Mesh.all_reduce_is_reduce_scatter_gather`). NCCL at
-        N > 2 may add in other orders in the two (ring, tree): not claimed."""
+        """gloo at any N (at N > 2 torch's gloo reduce-scatter clones the input, all-reduces the
+        whole clone and copies out this rank's chunk: the all-reduce of the same buffer, so the
+        same bits; at N = 2 DistMesh reduce-scatters by one exchange and one addition,
+        `_reduce_scatter_by_exchange`, the N <= 2 case); any backend at N <= 2
+        (`Mesh.all_reduce_is_reduce_scatter_gather`). NCCL at N > 2 may add in other orders in
+        the two (ring, tree): not claimed."""
         return self.backend == "gloo" or super().all_reduce_is_reduce_scatter_gather
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
@@ -831,6 +867,8 @@ class DistMesh(Mesh):
         elif call.op == "all_gather":
             out = x.new_empty((n * x.shape[0], *x.shape[1:]))
             work = _all_gather_into(out, x, self.group, async_op=True)
+        elif self.backend == "gloo" and n == 2 and x.dtype in _EXCHANGED:
+            out, work = _reduce_scatter_by_exchange(x, self.group)
         else:
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
             work = _reduce_scatter_into(out, x, self.group, async_op=True)
