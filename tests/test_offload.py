@@ -494,6 +494,34 @@ def test_nvme_init_reserves_the_master_files_before_training(tmp_path, monkeypat
     assert sorted(state.info.tier.files.entries) == ["b0/exp_avg", "b0/exp_avg_sq", "b0/master"]
 
 
+def test_nvme_params_init_reserves_the_master_and_shard_files_before_training(tmp_path, monkeypatch):
+    """params="nvme" (stage 3, the bf16 policy) adds each trainable bucket's compute-dtype shard
+    file to the preflight's count, and a frozen bucket (its shard in host memory) adds none: AdamW
+    on 10 trainable fp32 elements (N = 1) needs m, v and the master, 3 · 40 bytes, and the bf16
+    shard, 2 · 10 = 20 bytes: 140; a disk with 139 free fails at `fzero.init`, 140 is enough."""
+    import shutil
+
+    real = shutil.disk_usage
+    mesh = fzero.SimMesh(1)
+    tree = {"w": torch.ones(10), "f": torch.ones(6)}
+    frozen = (fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True),)
+
+    def make(free):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=free))
+        return mesh.run(lambda: fzero.init(tree, optim.adamw(0.1), stage=3, mesh=mesh, groups=frozen,
+                                           units=lambda p: p, precision=fzero.Precision(torch.bfloat16),
+                                           offload=fzero.Offload(optimizer="nvme", params="nvme",
+                                                                 nvme_path=str(tmp_path))))[0]
+
+    with pytest.raises(fzero.OffloadError, match=r"has 139 bytes free, the swap files need 140 bytes \(1 more\)"):
+        make(139)
+    state = make(140)
+    (b,) = [b for b, spec in enumerate(state.layout.buckets) if not spec.group.frozen]
+    assert {n: (e.numel, e.dtype) for n, e in state.info.tier.files.entries.items()} == {
+        f"b{b}/{f}": (10, d) for f, d in [("exp_avg", torch.float32), ("exp_avg_sq", torch.float32),
+                                          ("master", torch.float32), ("params", torch.bfloat16)]}
+
+
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):
     mesh = fzero.SimMesh(1)
     with pytest.raises(fzero.OffloadError, match="does not exist"):
