@@ -550,6 +550,38 @@ def test_nvme_params_init_reserves_the_master_and_shard_files_before_training(tm
                                           ("master", torch.float32), ("params", torch.bfloat16)]}
 
 
+@pytest.mark.parametrize("params", [None, "nvme"])
+def test_nvme_refuses_a_copy_of_its_state(tmp_path, params):
+    """A pytree copy of an NVMe state (`optree.tree_map(torch.clone, state)`, an independent
+    snapshot of any other state) shares the swap files with the original and holds zeros where
+    they hold the values: stepping it updated the files' newer values and, params="nvme", ran
+    the units on those zeros (loss 0.0). The step and every reader refuse it
+    (`NvmeTier.check_holds`), naming the bucket, the file and the way out; a map that keeps the
+    tensors (the identity) is the state itself, and the state the step returned trains on."""
+    import optree
+
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(tree, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p,
+                           offload=fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path)))
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(state, torch.tensor(1.0))
+        copy = optree.tree_map(torch.clone, state, namespace="fzero")
+        for use in (lambda s: step(s, torch.tensor(2.0)), fzero.gather,
+                    lambda s: fzero.checkpoint.save(s, tmp_path / "ckpt")):
+            with pytest.raises(fzero.OffloadError, match=r"master shard of bucket \d \(\['[ab]'\]\) is not the NVMe "
+                                                         r"tier's stand-in.*fzero.checkpoint.save"):
+                use(copy)
+        same = optree.tree_map(lambda x: x, state, namespace="fzero")
+        state, m = step(same, torch.tensor(2.0))
+        return m.loss
+
+    assert mesh.run(rank_fn)[0] > 0
+
+
 def test_nvme_needs_donate_and_a_usable_path(tmp_path):
     mesh = fzero.SimMesh(1)
     with pytest.raises(fzero.OffloadError, match="does not exist"):
