@@ -358,6 +358,10 @@ class HostTier:
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
+    def check_holds(self, state: Any) -> None:
+        """Whether `state` holds the values this tier keeps for it: in host memory they are the
+        state's own tensors, so always."""
+
     def renewed(self) -> "HostTier":
         """A tier for a new state that shares no stored state with this one's: host memory is the
         state's own tensors, so this tier itself."""
@@ -389,6 +393,9 @@ class NvmeTier(HostTier):
     masters: Any = None  # {bucket: file name} of the trainable host buckets' master shards
     shards: Any = None  # params="nvme": {bucket: file name} of their compute-dtype shards
     tags: Any = None  # params="nvme": {bucket tag: file name}, for `enter` (which knows the tag)
+    # file name -> the stand-in of the state whose values the file holds (the last `init`, load or
+    # step made it): `check_holds` refuses a state that holds another tensor there
+    held: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
     in_place = True
     # each tier owns its own files: equal only to itself (HostTier's generated __eq__ compares
     # device and pin, which two NVMe tiers with different files share)
@@ -449,11 +456,42 @@ class NvmeTier(HostTier):
             return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
         return x.clone()
 
+    def _hold(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The stand-in of `x` for the state whose values file `name` now holds (`check_holds`)."""
+        self.held[name] = out = stand_in(x)
+        return out
+
     def _stand_in(self, b: int, opt_state: Any) -> Any:
         values = list(opt_state)
-        for k, _ in self.fields[b]:
-            values[k] = stand_in(values[k])
+        for k, name in self.fields[b]:
+            values[k] = self._hold(name, values[k])
         return type(opt_state)(*values)
+
+    def check_holds(self, state: Any) -> None:
+        """`OffloadError` unless each file-backed tensor of `state` is the stand-in the tier made
+        for the values its file holds now (the last `fzero.init`, checkpoint load or step of this
+        tier). The files are not the state's own tensors: a copy of the state (a pytree map that
+        clones, `copy.deepcopy`) shares them with the original and holds zeros where they hold
+        the values -- stepping it would update the files' newer values, and with
+        params="nvme" its units would read those zeros as the params -- and an older state
+        (stepped already) shares files that a later step rewrote."""
+        layout = state.layout
+        named = [(state.master, b, name, "master shard") for b, name in self.masters.items()]
+        named += [(state.params, b, name, "compute-dtype shard") for b, name in self.shards.items()]
+        for b, fields in self.fields.items():
+            opt = state.opt_state[b]
+            named += [(opt, k, name, f"optimizer field {opt._fields[k]!r}") for k, name in fields]
+        for xs, i, name, what in named:
+            if xs[i] is not self.held.get(name):
+                b = int(name.split("/")[0][1:])
+                paths = [leaf.path for leaf in layout.leaves if leaf.bucket == b]
+                raise OffloadError(
+                    f"this state's {what} of bucket {b} ({paths[:4]}{' ...' if len(paths) > 4 else ''}) is not the "
+                    f"NVMe tier's stand-in for it: its swap file {self.files.entries[name].path!r} holds the values of "
+                    f"another state (this one is a copy, e.g. a pytree map that clones it, or an older state). A "
+                    f"state on optimizer='nvme' is its files, never copied with it: use the state the last step (or "
+                    f"fzero.init, fzero.checkpoint.load) returned, and keep copies as checkpoints "
+                    f"(fzero.checkpoint.save)")
 
     def restore(self, b: int, opt_state: Any) -> Any:
         for k, name in self.fields[b]:
@@ -491,7 +529,7 @@ class NvmeTier(HostTier):
     def keep_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
         self.files.write(self.masters[b], master)
         self.files.flush()
-        return stand_in(master)
+        return self._hold(self.masters[b], master)
 
     def fetch_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
         return self.files.read(self.masters[b]).view(master.shape)
@@ -499,7 +537,7 @@ class NvmeTier(HostTier):
     def store_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
         self.files.write(self.masters[b], master)  # copies first: `master` is the read buffer
         self.files.release(self.masters[b])
-        return stand_in(master)
+        return self._hold(self.masters[b], master)
 
     def read_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
         values = self.files.read(self.masters[b]).clone().view(master.shape)
@@ -511,13 +549,13 @@ class NvmeTier(HostTier):
             return shard
         self.files.write(self.shards[b], shard)
         self.files.flush()
-        return stand_in(shard)
+        return self._hold(self.shards[b], shard)
 
     def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
         if b not in self.shards:
             return shard
         self.files.write(self.shards[b], shard)  # copies into a staging buffer: `shard` may go
-        return stand_in(shard)
+        return self._hold(self.shards[b], shard)
 
     def start_shard(self, tag: str) -> "Loading":
         """Start reading the compute-dtype shard of the bucket tagged `tag` (`SwapFiles.start_load`:

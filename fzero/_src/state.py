@@ -406,6 +406,8 @@ def check_state(state: Any, *, pending: bool = True) -> None:
     if state.rank != mesh.rank:
         raise FzeroError(f"this state belongs to rank {state.rank} of {mesh!r} but runs on rank {mesh.rank}; "
                          f"hand each rank the state fzero.init made on it")
+    if state.info.tier is not None:
+        state.info.tier.check_holds(state)  # NVMe: the state is the one whose values its files hold
     if pending:
         check_pending(state)
 
