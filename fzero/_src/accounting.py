@@ -141,17 +141,18 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     tiers = ("device", "host", "nvme")
     acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
     acc["device"]["grads"] = grad_bytes(state.layout, state.stage)
+    shard_files = getattr(info.tier, "shards", None) or {}  # params="nvme": the shards' swap files
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
         if state.params[b] is not state.master[b]:  # one tensor (params offload, no policy): counted as master
-            in_file = b in (getattr(info.tier, "shards", None) or {})  # params="nvme": the shard's swap file
-            acc["nvme" if in_file else "host" if params_off else "device"]["params"] += _nbytes(state.params[b])
+            where = "nvme" if b in shard_files else "host" if params_off else "device"
+            acc[where]["params"] += _nbytes(state.params[b])
         if spec.group.frozen:
             continue
         if tier is not None:
             acc["host"]["grads"] += spec.shard_numel * spec.dtype.itemsize  # the update's copy of the shard
-        on_file = b in (getattr(tier, "masters", None) or {})  # NVMe: the master shard's swap file
-        acc["device" if tier is None else "nvme" if on_file else "host"]["master"] += _nbytes(state.master[b])
+        master_in_file = b in (getattr(tier, "masters", None) or {})  # NVMe: the master shard's swap file
+        acc["device" if tier is None else "nvme" if master_in_file else "host"]["master"] += _nbytes(state.master[b])
         opt = state.opt_state[b]
         if opt is None:
             continue

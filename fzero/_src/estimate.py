@@ -352,24 +352,25 @@ def _offloaded(
     on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
     frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
-    master = (bpp.master or bpp.params) * on_host  # the master's bytes per element: m, else p (the params are it)
-    nvme_ = off.optimizer == "nvme"
+    m_prime = bpp.master or bpp.params  # the master's bytes per element: m, else p (the params are it)
+    master = m_prime * on_host
+    on_nvme = off.optimizer == "nvme"
     fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
     shards = [f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f]
-    files = [4 * s for s in shards] * fields + [(bpp.master or bpp.params) * s for s in shards]
-    copy = bpp.params * on_host if off.params is not None and (bpp.master or nvme_) else Fraction(0)
+    files = [4 * s for s in shards] * fields + [m_prime * s for s in shards]
+    copy = bpp.params * on_host if off.params is not None and (bpp.master or on_nvme) else Fraction(0)
     in_file = off.params == "nvme"  # the compute-dtype copy in swap files, read per unit into buffers of its own
     reads = 2 * bpp.params * max(shards, default=0) if in_file else 0
-    buffers_ = nvme.buffer_bytes(files + [bpp.params * s for s in shards] * in_file, buffers=2 * (fields + 1))
+    pool = nvme.buffer_bytes(files + [bpp.params * s for s in shards] * in_file, buffers=2 * (fields + 1))
     host = TierBytes(
         # with params offloaded and a wider master (or one in a file), the host keeps the shard in the params' dtype
         params=bpp.params * frozen + (Fraction(0) if in_file else copy),
         grads=bpp.grads * on_host,
-        optimizer_state=Fraction(0) if nvme_ else state,
-        master=Fraction(0) if nvme_ else master,
-        buffers=Fraction(buffers_ + reads) if nvme_ else Fraction(0),
+        optimizer_state=Fraction(0) if on_nvme else state,
+        master=Fraction(0) if on_nvme else master,
+        buffers=Fraction(pool + reads) if on_nvme else Fraction(0),
     )
-    if not nvme_:
+    if not on_nvme:
         return host, TierBytes()
     return host, TierBytes(params=copy if in_file else Fraction(0), optimizer_state=state, master=master)
 

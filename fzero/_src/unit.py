@@ -395,12 +395,11 @@ class _Unit(torch.autograd.Function):
                 inflight.begin(bucket.index, functools.partial(program.stage.after_backward.start, program.mesh,
                                                                bucket.wire, flat.to(dtype)))
                 result.append(None)
-            elif started and inflight.host is not None:  # reduced in another dtype: blocking, then x's dtype
-                g = leave.run(program.mesh, bucket.wire, flat).to(dtype)
-                inflight.host(g, bucket.index)  # offload: the cast shard is the tensor the update reads
-                result.append(g)
             else:
-                result.append(leave.run(program.mesh, bucket.wire, flat).to(dtype))  # x's dtype
+                g = leave.run(program.mesh, bucket.wire, flat).to(dtype)  # x's dtype
+                if started and inflight.host is not None:  # offload, reduced in another dtype: the cast
+                    inflight.host(g, bucket.index)  # shard is the tensor the update reads
+                result.append(g)
         if after is not None and not released:
             after(program.name)
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
