@@ -262,10 +262,9 @@ class HostTier:
         freed (`shed`): the tensor object stays, for autograd to hand back, with no storage. Whoever
         passes `norm` promises that nothing reads `x` on the device after this but through
         `early_norm` and `readable`."""
-        key = id(x)
-        hit = self.early.get(key)
-        if hit is not None and hit[0]() is x:
+        if self._early(x) is not None:
             return
+        key = id(x)
         nu = norm(x) if norm is not None and sheddable(x) else None  # queued before the memory can be reused
         transfer = self.start_host(x)
         early = self.early
