@@ -749,7 +749,7 @@ def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple
         else:
             held, m = stage.hold(layout, b, flat, rank, target.precision.wire(spec).compute)
         held, m = place(stage, target.info.offload, tier, layout, b, held, m, rank,  # offloaded: master to the host
-                        target.precision.wire(spec).compute)
+                        target.precision.wire(spec).compute, target.mesh.device)
         params.append(held)
         master.append(m)
         opt = target.opt_state[b]

@@ -659,7 +659,8 @@ class _Phase:
 
 
 def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b: int, held: torch.Tensor,
-          master: torch.Tensor | None, rank: int, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+          master: torch.Tensor | None, rank: int, compute: torch.dtype, device: torch.device
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(params, master)` of bucket `b` as an offloaded state holds them, from what `Stage.hold`
     keeps (`held` on the device, `master` or None): a trainable bucket's master `shard[S]` -- the
     kept master, else the shard the optimizer would update in place -- copied to the host. Stage
@@ -668,15 +669,16 @@ def place(stage: Stage, offload: Offload, tier: HostTier | None, layout: Any, b:
     offloaded the host shard is also `params` (one tensor), and a frozen bucket's shard moves to
     the host. The tier keeps the master (`HostTier.keep_master`: NVMe writes it to its file and
     the state holds a stand-in; `params` is then a host tensor of its own) and, params="nvme",
-    the compute-dtype shard (`keep_params`: its file). Without offload, unchanged."""
+    the compute-dtype shard (`keep_params`: its file). Without offload, unchanged. What stays on the
+    device goes to `device` (the mesh's; a no-op where it is there already)."""
     if tier is None:
-        return held, master
+        return held.to(device), (None if master is None else master.to(device))
     if layout.buckets[b].group.frozen:
-        return (tier.host(held) if offload.params is not None else held), None
+        return (tier.host(held) if offload.params is not None else held.to(device)), None
     on_host = tier.host(master if master is not None else stage.optimizer_params(layout, b, held, rank, None))
     if offload.params is not None:  # what the units read: the compute-dtype copy, made here and by each update
         return tier.keep_params(b, tier.host_cast(on_host, compute)), tier.keep_master(b, on_host)
-    return (held.to(compute) if stage.sharded("params") else held), tier.keep_master(b, on_host)
+    return (held.to(device, compute) if stage.sharded("params") else held.to(device)), tier.keep_master(b, on_host)
 
 
 def place_opt_state(tier: HostTier | None, b: int, opt_state: Any) -> Any:

@@ -186,7 +186,10 @@ def init(
     `sync`, rank 0's values are broadcast, as DDP does at construction.
 
     Args:
-      params: a pytree of floating tensors (see `fzero.layout.plan`); read, never modified.
+      params: a pytree of floating tensors (see `fzero.layout.plan`); read, never modified. They
+        may live on another device than the mesh's (e.g. a model built on the CPU for a CUDA
+        mesh): what the state keeps on the device is copied to `mesh.device`, what it offloads
+        stays in (or goes to) host memory.
       optimizer: a `fzero.optim` optimizer; the state remembers it, and `train_step` uses it.
       stage: the ZeRO stage, 0-3.
       mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
@@ -228,14 +231,21 @@ def init(
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, b.leaves) for b in layout.buckets])
         flats = tuple(f.detach().clone() for f in pack(layout, params))
-        if sync and mesh.world_size > 1:
-            flats = tuple(broadcast(f, mesh, 0, tag=b.tag) for f, b in zip(flats, layout.buckets))
         rank = mesh.rank
         on_host = off.host_buckets(layout)
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
         computes = [precision.wire(spec).compute for spec in layout.buckets]
-        kept = [place(st, off, tiers[b], layout, b, *st.hold(layout, b, f, rank, computes[b]), rank, computes[b])
-                for b, f in enumerate(flats)]
+
+        def keep(b: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            """Bucket b's `(held, master)`, one bucket at a time: with `sync`, rank 0's values (as
+            DDP broadcasts at construction, on the mesh's device); what stays on the device is
+            put on `mesh.device` (params may come from the host: a model built on the CPU)."""
+            if sync and mesh.world_size > 1:
+                flat = broadcast(flat.to(mesh.device), mesh, 0, tag=layout.buckets[b].tag)
+            return place(st, off, tiers[b], layout, b, *st.hold(layout, b, flat, rank, computes[b]), rank,
+                         computes[b], mesh.device)
+
+        kept = [keep(b, f) for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 
         def opt_init(b: int, device: Any = None) -> Any:
