@@ -1,9 +1,11 @@
 """The per-step passes fzero adds to a step, timed one by one on the GPU (what each full pass over
 the gradient costs, and its transient memory): the float64 sum of squares three ways, the
-non-finite check, x * 1.0, torch.cat of per-leaf gradients, a world-size-1 NCCL all-gather and
-reduce-scatter. One JSON line per probe.
+non-finite check, x * 1.0, torch.cat of per-leaf gradients, the assembly of per-leaf bf16
+gradients into fp32 flat slices (one copy per leaf, or one `_foreach_copy_`), a world-size-1 NCCL
+all-gather and reduce-scatter. One JSON line per probe (`GBps`: the fp32 buffer's bytes per second).
 
 Run (one GPU):  torchrun --nproc-per-node 1 benchmarks/bench_kernels.py --numel 1343000000
+                (`--only assemble,copy`: those probes alone)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=1_343_000_000)
     ap.add_argument("--leaves", type=int, default=200)
+    ap.add_argument("--only", default="", help="comma-separated probe names (prefixes) to run; default all")
     a = ap.parse_args()
     dist.init_process_group("nccl")
     torch.cuda.set_device(0)
@@ -44,6 +47,12 @@ def main() -> None:
     g = torch.randn(n, device="cuda")
     chunk = 1 << 24
     parts = list(g.split(n // a.leaves))
+    half = torch.randn(n, device="cuda", dtype=torch.bfloat16)  # per-leaf bf16 gradients -> fp32 flat slices
+    half_parts, flat_parts = list(half.split(n // a.leaves)), list(g.split(n // a.leaves))
+
+    def per_leaf():
+        for d, s in zip(flat_parts, half_parts):
+            d.copy_(s)
 
     def chunked():
         acc = torch.zeros((), dtype=torch.float64, device="cuda")
@@ -64,12 +73,16 @@ def main() -> None:
         "mul_one": lambda: g * 1.0,
         "copy": lambda: g.clone(),
         "cat_leaves": lambda: torch.cat(parts),
+        "assemble_bf16_per_leaf": per_leaf,  # fzero's gradient assembly before the seventh session
+        "assemble_bf16_foreach": lambda: torch._foreach_copy_(flat_parts, half_parts),  # unit.copy_all
         "nccl_all_gather_n1": lambda: dist.all_gather_into_tensor(torch.empty_like(g), g),
         "nccl_reduce_scatter_n1": lambda: dist.reduce_scatter_tensor(torch.empty_like(g), g),
     }
     exact = g.to(torch.float64).square().sum()
     # is a fused fp32 reduction the same bits on a shard that is an (unaligned) view and on a copy?
-    for off in (0, 1, 2, 4, 1024):
+    only = tuple(x for x in a.only.split(",") if x)
+    probes = {k: f for k, f in probes.items() if not only or k.startswith(only)}
+    for off in (() if only else (0, 1, 2, 4, 1024)):
         view = g[off : off + n // 2]
         same = {k: bool(torch.equal(f(view), f(view.clone()))) for k, f in
                 (("vector_norm", lambda t: torch.linalg.vector_norm(t, 2)), ("dot", lambda t: torch.dot(t, t)),

@@ -501,17 +501,33 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
-    end = 0  # the end of the last slice written
+    end, slices, given = 0, [], []  # end: the end of the last slice written
     for o, s, st, n, g in zip(bucket.offsets, bucket.shapes, bucket._strides, bucket.numels, grads):
         if g is None:
             continue
         if o > end:
             flat[end:o].zero_()
-        flat.as_strided(s, st, o).copy_(g)  # the leaf's slice in its shape: one view op, as `Bucket.views`
+        slices.append(flat.as_strided(s, st, o))  # the leaf's slice in its shape: one view op, as `Bucket.views`
+        given.append(g)
         end = o + n
     if bucket.size > end:
         flat[end:].zero_()
+    copy_all(slices, given)
     return flat
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for every i (casting to dst's dtype; exact where it widens): one
+    multi-tensor kernel (`torch._foreach_copy_`) where autograd records nothing, per-tensor copies
+    where it does (a backward with `create_graph`). The same values either way, but on CUDA a
+    per-tensor copy that casts (bf16 -> fp32) runs torch's dynamic-cast loop, at about a third of
+    the memory bandwidth, one launch per leaf; the multi-tensor copy is vectorised, one launch
+    per bucket (BENCHMARKS.md, the seventh session's kernel probe)."""
+    if torch.is_grad_enabled():
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    elif dst:
+        torch._foreach_copy_(dst, src)
 
 
 def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
