@@ -179,6 +179,30 @@ def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
     return trace
 
 
+def all_gather_vs_torch(mesh, x):
+    """`x[S, ...]`'s all-gather on a gloo DistMesh at N = 2 (one send and one receive:
+    `mesh._all_gather_by_exchange`), blocking and started, and several started at once, beside
+    torch's own gloo all-gather of the same tensors, and how often the exchange ran."""
+    from fzero._src import mesh as mesh_mod
+
+    ran = []
+    original = mesh_mod._all_gather_by_exchange
+    mesh_mod._all_gather_by_exchange = lambda *a: ran.append(1) or original(*a)
+    try:
+        blocking = mesh.collective("all_gather", x)
+        started = mesh.start("all_gather", x).wait()
+        parts = [x[: k + 1] for k in range(4)]
+        together = [p.wait() for p in [mesh.start("all_gather", p) for p in parts]]
+    finally:
+        mesh_mod._all_gather_by_exchange = original
+    theirs = []
+    for t in [x, x, *parts]:  # blocking and started gather x
+        out = t.new_empty((2 * t.shape[0], *t.shape[1:]))
+        mesh_mod._all_gather_into(out, t.contiguous(), mesh.group)  # torch's, under either torch's name
+        theirs.append(out)
+    return [blocking, started, *together], theirs, len(ran)
+
+
 def reduce_scatter_vs_torch(mesh, x):
     """`x[2 * S]`'s reduce-scatter on a gloo DistMesh at N = 2 (one exchange of halves, one
     addition: `mesh._reduce_scatter_by_exchange`), blocking and started, beside torch's own gloo

@@ -537,6 +537,34 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any) -> tuple[torch.Tens
     return out, _ThenAdd(work, out, recv[:s], recv[s:])
 
 
+class _Works:
+    """Work handles waited for together: `wait()` waits for each, in order."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple[torch.Tensor, _Works]:
+    """gloo's all-gather at N = 2, `x[S, ...] -> [2 * S, ...]` (rank order), as one exchange: this
+    rank's `x` is copied into its half of the output and sent to the other rank, whose `x` is
+    received straight into the other half (one `isend` and one `irecv`, gloo's point-to-point
+    pairs, in flight together). Only bits move, so every dtype comes out as gloo's own all-gather,
+    which gathers into a staging buffer of its own and then copies each rank's chunk into the
+    output: one copy of `x` here where gloo makes a copy of the whole `[2 * S]`."""
+    dist, s = torch.distributed, x.shape[0]
+    out = x.new_empty((2 * s, *x.shape[1:]))
+    out[rank * s : (rank + 1) * s].copy_(x)
+    peer = 1 - rank
+    to = dist.get_global_rank(group, peer) if group is not None else peer
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
+           dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], to, group)]
+    return out, _Works(dist.batch_isend_irecv(ops))
+
+
 # -- choosing a backend and device -------------------------------------------------------------
 
 BACKENDS = ("gloo", "nccl")
@@ -864,6 +892,8 @@ class DistMesh(Mesh):
             out = x if donate else x.clone()
             work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
                                   group=self.group, async_op=True)
+        elif call.op == "all_gather" and self.backend == "gloo" and n == 2:
+            out, work = _all_gather_by_exchange(x, self.group, self._rank)
         elif call.op == "all_gather":
             out = x.new_empty((n * x.shape[0], *x.shape[1:]))
             work = _all_gather_into(out, x, self.group, async_op=True)
