@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import timed as timed_and_peak  # noqa: E402  (median ms and peak GiB, with events)
 
-def timed(fn, reps: int = 5) -> float:
-    """Median ms of fn() measured with events on the current stream (after one warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+
+def timed(fn) -> float:
+    return timed_and_peak(fn)[0]
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ buffer)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -179,22 +180,28 @@ def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
     return trace
 
 
+@contextlib.contextmanager
+def _counted(module, name):
+    """`module.name` wrapped to append to the yielded list at each call, restored after."""
+    ran, original = [], getattr(module, name)
+    setattr(module, name, lambda *a: ran.append(1) or original(*a))
+    try:
+        yield ran
+    finally:
+        setattr(module, name, original)
+
+
 def all_gather_vs_torch(mesh, x):
     """`x[S, ...]`'s all-gather on a gloo DistMesh at N = 2 (one send and one receive:
     `mesh._all_gather_by_exchange`), blocking and started, and several started at once, beside
     torch's own gloo all-gather of the same tensors, and how often the exchange ran."""
     from fzero._src import mesh as mesh_mod
 
-    ran = []
-    original = mesh_mod._all_gather_by_exchange
-    mesh_mod._all_gather_by_exchange = lambda *a: ran.append(1) or original(*a)
-    try:
+    with _counted(mesh_mod, "_all_gather_by_exchange") as ran:
         blocking = mesh.collective("all_gather", x)
         started = mesh.start("all_gather", x).wait()
         parts = [x[: k + 1] for k in range(4)]
         together = [p.wait() for p in [mesh.start("all_gather", p) for p in parts]]
-    finally:
-        mesh_mod._all_gather_by_exchange = original
     theirs = []
     for t in [x, x, *parts]:  # blocking and started gather x
         out = t.new_empty((2 * t.shape[0], *t.shape[1:]))
@@ -210,14 +217,9 @@ def reduce_scatter_vs_torch(mesh, x):
     whether the exchange (an all-to-all) is what ran."""
     from fzero._src import mesh as mesh_mod
 
-    ran = []
-    original = mesh_mod._reduce_scatter_by_exchange
-    mesh_mod._reduce_scatter_by_exchange = lambda *a: ran.append(1) or original(*a)
-    try:
+    with _counted(mesh_mod, "_reduce_scatter_by_exchange") as ran:
         blocking = mesh.collective("reduce_scatter", x)
         started = mesh.start("reduce_scatter", x).wait()
-    finally:
-        mesh_mod._reduce_scatter_by_exchange = original
     theirs = x.new_empty(x.shape[0] // 2)
     mesh_mod._reduce_scatter_into(theirs, x.clone(), mesh.group)  # torch's, under either torch's name
     return blocking, started, theirs, len(ran)
