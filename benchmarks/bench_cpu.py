@@ -98,7 +98,8 @@ def main() -> None:
                          "(stage 0: reduce-scatter + all-gather instead of one all-reduce)")
     ap.add_argument("--eager-stages", default="",
                     help='also time these stages with gather="eager" (every unit gathered before the loss)')
-    ap.add_argument("--prefetch", type=int, default=0, help="train_step(prefetch=k) for every fzero mode")
+    ap.add_argument("--prefetch", type=lambda v: None if v == "default" else int(v), default=None,
+                    help="train_step(prefetch=k) for every fzero mode (default: the library's, 1 on DistMesh)")
     ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)

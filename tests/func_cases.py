@@ -40,9 +40,9 @@ def data(n: int, seed: int = 0):
     return params, batches, ints(8 + (-8) % n)
 
 
-def step_of(state, engine: str = "func"):
+def step_of(state, engine: str = "func", prefetch: int | None = None):
     """The step as a function of the state's params: `params (per bucket) -> new params`."""
-    step = fzero.train_step(quadratic, engine=engine)
+    step = fzero.train_step(quadratic, engine=engine, prefetch=prefetch)
 
     def f(params, batch):
         new, _ = step(state.replace(params=params), batch)
@@ -64,10 +64,10 @@ def step_jvp(mesh, stage: int, params, batch, t_full):
     return new_t[0]
 
 
-def step_jacfwd(mesh, stage: int, params, batch):
+def step_jacfwd(mesh, stage: int, params, batch, prefetch: int | None = None):
     """`torch.func.jacfwd` of the step's new params (rank's part) w.r.t. the rank's held params."""
     state = init(mesh, stage, params)
-    return torch.func.jacfwd(lambda x: step_of(state)((x,), batch)[0])(state.params[0])
+    return torch.func.jacfwd(lambda x: step_of(state, prefetch=prefetch)((x,), batch)[0])(state.params[0])
 
 
 def collective_jvps(mesh, x, t, y, u):

@@ -125,3 +125,17 @@ class GatherCensusMesh(fzero.SimMesh):
             return super()._exchange(call, x)
         finally:
             self._flag.on = False
+
+
+def default_prefetch(mesh):
+    """On a pool worker: `(mesh.asynchronous, the default depth, an explicit 2, the default under
+    torch.func.grad)` for a stage-3 state's unit programs."""
+    from fzero._src.gathering import prefetch_of
+    from fzero._src.stages import STAGES
+    from fzero._src.unit import unit_programs
+
+    state = fzero.init({"a": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh)
+    progs = unit_programs(state.layout, mesh, STAGES[3])
+    under = []
+    torch.func.grad(lambda x: under.append(prefetch_of(None, progs)) or x.sum())(torch.ones(2))
+    return mesh.asynchronous, prefetch_of(None, progs), prefetch_of(2, progs), under[0]

@@ -268,12 +268,15 @@ def test_a_grad_of_the_lazy_params_mapping_inside_the_loss_is_a_clear_error():
     assert all(torch.isfinite(l) for l in mesh.run(lambda: rank_fn(True)))
 
 
-def test_jacfwd_of_a_stage_3_step_is_the_unsharded_jacobian_seen_by_every_rank(dist2):
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_jacfwd_of_a_stage_3_step_is_the_unsharded_jacobian_seen_by_every_rank(dist2, prefetch):
     """jacfwd = vmap of jvp: column i pushes tangent e_i into every rank's shard at once, so rank
-    r's column i is its shard of `E_i - lr H̄ E_i`, `E_i = Σ_s e_{s S + i}` (docs/func.md)."""
+    r's column i is its shard of `E_i - lr H̄ E_i`, `E_i = Σ_s e_{s S + i}` (docs/func.md). Over
+    gloo with the default prefetch (1 on DistMesh) and an explicit one: under a transform every
+    gather runs in place (a started gather under jvp stopped the step with a StopIteration)."""
     params, batches, _ = cases.data(2, seed=8)
     n, s = 2, 4  # flat[8] in two shards
-    got = dist2.run(cases.step_jacfwd, [(3, params, b) for b in batches])
+    got = dist2.run(cases.step_jacfwd, [(3, params, b, prefetch) for b in batches])
     for r, jac in enumerate(got):
         for i in range(s):
             e = torch.zeros(n * s, dtype=torch.float64)

@@ -157,17 +157,18 @@ def test_the_cap_counts_prefetched_units():
 
 def test_prefetch_rejects_bad_settings():
     for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(fzero.ConfigError, match="prefetch must be an int >= 0"):
+        with pytest.raises(fzero.ConfigError, match="prefetch must be None or an int >= 0"):
             fzero.train_step(lambda p, b: 0, prefetch=bad)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, None])
 def test_prefetch_over_gloo_equals_simmesh(dist2, k):
     """DistMesh (gloo, 2 workers): `Mesh.start` issues the gathers asynchronously; the params
-    and losses equal SimMesh's, without prefetch, bit for bit. The SimMesh reference runs in
-    the workers too: their kernels (another intra-op thread count) may round a matmul
-    differently from this process's, which no mesh choice explains."""
+    and losses equal SimMesh's, without prefetch, bit for bit (k None: the default, one unit
+    ahead on DistMesh). The SimMesh reference runs in the workers too: their kernels (another
+    intra-op thread count) may round a matmul differently from this process's, which no mesh
+    choice explains."""
     d, hidden = 8, (8, 12, 16)
     got = dist2.run(cases.train_with_prefetch, [(3, d, hidden, 2, None, k)] * 2)
     want = dist2.run(cases.sim_train_with_prefetch, [(3, d, hidden, 2, None, 0)] * 2)
@@ -213,3 +214,13 @@ def test_ranks_that_take_different_paths_still_stop_with_divergent_paths(orders,
 
     with pytest.raises(fzero.DivergentPaths, match="ranks took different paths"):
         mesh.run(rank_fn)
+
+
+def test_the_default_prefetch_is_one_unit_where_gathers_overlap_compute(dist2):
+    """`train_step(prefetch=None)` (the default) prefetches one unit on a mesh whose `start`
+    returns before the gather is done (DistMesh over N > 1), none on SimMesh (which completes a
+    gather in `start`) or under a torch.func transform; an explicit depth is kept, but not
+    under a transform (there every gather runs in place)."""
+    sim = fzero.SimMesh(2)
+    assert sim.run(lambda: cases.default_prefetch(sim)) == [(False, 0, 2, 0)] * 2
+    assert dist2.run(cases.default_prefetch) == [(True, 1, 2, 0)] * 2

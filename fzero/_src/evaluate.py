@@ -30,7 +30,7 @@ from .state import ZeroState, check_state
 from .unit import Probe, unit_programs
 
 
-def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch: int = 0
+def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch: int | None = None
              ) -> Callable[[ZeroState, Any], Any]:
     """Build `evaluate(state, batch) -> fn(params, batch)` for one rank (call it on every rank).
 
@@ -42,7 +42,8 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
         with flat-dict params, freed after its submodule's forward) or "eager" (every unit
         before `fn`). The same bits either way.
       prefetch: stage 3, on use: start the gathers of the next `prefetch` units of the layout's
-        order before the current one computes, as `train_step(..., prefetch=k)`. Same bits.
+        order before the current one computes, as `train_step(..., prefetch=k)` (None, the
+        default: 1 on a mesh that overlaps collectives with compute, else 0). Same bits.
 
     Every rank must read the same units in the same order with "on_use" (as in the step): a rank
     that takes another path through the model stops every rank with `DivergentPaths`.
@@ -69,7 +70,8 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
     return run
 
 
-def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any, prefetch: int = 0) -> Any:
+def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any,
+            prefetch: int | None = None) -> Any:
     """`fn(params, batch)` through the state's unit Functions, under `torch.no_grad()`."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     programs = unit_programs(layout, mesh, stage, state.precision)

@@ -45,7 +45,8 @@ A unit read out of prediction is gathered on demand; a prefetched unit the forwa
 (or whose backward never reads it) is waited for and dropped. Prefetched units count against
 `max_live_bytes` (a prefetch that does not fit waits until it does; a demand read drops
 prefetches before it raises). All-gathers copy bits, so the values are those of k = 0
-(proofs/stage3.md, section 5).
+(proofs/stage3.md, section 5). The default (`prefetch=None`) is k = 1 where the mesh overlaps a
+started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1), else k = 0.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ class Gathering:
         steps only): before a unit is gathered, kept units whose use is done are freed, oldest
         first, to make room; a unit larger than the cap, or units still in use that leave no
         room, raise `ConfigError` naming them.
-      prefetch: how many units ahead to start gathering (0: each unit is gathered when read);
-        see the module docstring. Only stages that gather params (stage 3) have gathers to
+      prefetch: how many units ahead to start gathering (0: each unit is gathered when read;
+        None: `prefetch_of`'s default); see the module docstring. Only stages that gather params (stage 3) have gathers to
         start; elsewhere it changes nothing.
       inflight: the step's `unit.Inflight` (reductions the units' backward starts), handed to
         every unit's Function (`run_unit`); None: each backward waits for its own.
@@ -151,7 +152,7 @@ class Gathering:
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
                  releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None,
-                 prefetch: int = 0, inflight: Inflight | None = None) -> None:
+                 prefetch: int | None = 0, inflight: Inflight | None = None) -> None:
         if max_live_bytes is not None and not releasable:
             raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
                               f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
@@ -166,6 +167,7 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
+        prefetch = prefetch_of(prefetch, programs)
         self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
@@ -366,9 +368,28 @@ _PATHS: dict = {}  # layout -> {path: unit}, what LazyParams reads (one object p
 
 
 def check_prefetch(prefetch: Any) -> None:
+    if prefetch is None:
+        return
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ConfigError(f"prefetch must be an int >= 0 (how many units ahead stage 3 starts gathering; 0: gather "
-                          f"each unit when it is read), got {prefetch!r}")
+        raise ConfigError(f"prefetch must be None or an int >= 0 (how many units ahead stage 3 starts gathering; "
+                          f"0: gather each unit when it is read; None: 1 where the mesh overlaps collectives "
+                          f"with compute, else 0), got {prefetch!r}")
+
+
+def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram]) -> int:
+    """The prefetch depth a step or an evaluation uses: 0 under a torch.func transform (a step
+    differentiated through, docs/func.md: every gather runs in place, differentiably, as the
+    step's reductions do, `step.overlaps`); else `prefetch` itself, or for None (the default)
+    one unit ahead where the mesh's `start` returns before the gather is done
+    (`Mesh.asynchronous`: DistMesh over more than one rank), so that the next unit's gather
+    overlaps this one's compute, as DeepSpeed and FSDP2 prefetch by default, and 0 elsewhere
+    (on SimMesh or over one rank a prefetch only holds a gathered unit longer). The bits are
+    the same at every depth."""
+    if func_level() is not None:
+        return 0
+    if prefetch is not None:
+        return prefetch
+    return 1 if programs and programs[0].mesh.asynchronous else 0
 
 
 def held_tensor(xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None], b: int) -> torch.Tensor:

@@ -124,6 +124,14 @@ class Mesh(abc.ABC):
         "One all-reduce for stage 0")."""
         return self.world_size <= 2
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `start` returns before its collective is done, so that work issued between
+        `start` and `wait` overlaps it (DistMesh over more than one rank; SimMesh completes a
+        collective before `start` returns, and over one rank nothing moves). Stage 3's default
+        prefetch reads it (`train_step(prefetch=None)`)."""
+        return False
+
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         """Run `fn(*args_r)` on every rank r this process runs (all N on SimMesh, its own on
@@ -763,6 +771,10 @@ class DistMesh(Mesh):
     @property
     def rank(self) -> int:
         return self._rank
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.world_size > 1
 
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:

@@ -108,7 +108,7 @@ class StepConfig:
     donate: bool = False
     persist_bytes: int = 0
     max_live_bytes: int | None = None
-    prefetch: int = 0
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -177,7 +177,7 @@ def train_step(
     donate: bool = False,
     persist_bytes: int = 0,
     max_live_bytes: int | None = None,
-    prefetch: int = 0,
+    prefetch: int | None = None,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -235,8 +235,10 @@ def train_step(
         units in use that leave no room, raise `ConfigError`. Same bits (proofs/stage3.md).
       prefetch: stage 3, on use: how many units ahead to start gathering (forward: the layout's
         unit order; backward: the reverse of the forward's read order), through `Mesh.start`
-        (asynchronous on DistMesh). 0 (default): gather when read. Same bits; prefetched units
-        count against `max_live_bytes` (see `fzero._src.gathering`).
+        (asynchronous on DistMesh). 0: gather when read. None (default): 1 where the mesh
+        overlaps a started gather with compute (`Mesh.asynchronous`: DistMesh over N > 1, as
+        DeepSpeed and FSDP2 prefetch by default), else 0. Same bits; prefetched units count
+        against `max_live_bytes` (see `fzero._src.gathering`).
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
                         clip_norm, donate, persist_bytes, max_live_bytes, prefetch)
