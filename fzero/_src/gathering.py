@@ -143,8 +143,8 @@ class Gathering:
         first, to make room; a unit larger than the cap, or units still in use that leave no
         room, raise `ConfigError` naming them.
       prefetch: how many units ahead to start gathering (0: each unit is gathered when read;
-        None: `prefetch_of`'s default); see the module docstring. Only stages that gather params (stage 3) have gathers to
-        start; elsewhere it changes nothing.
+        None: `prefetch_of`'s default); see the module docstring. Only stages that gather params
+        (stage 3) have gathers to start; elsewhere it changes nothing.
       inflight: the step's `unit.Inflight` (reductions the units' backward starts), handed to
         every unit's Function (`run_unit`); None: each backward waits for its own.
     """
