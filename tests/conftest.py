@@ -68,3 +68,24 @@ def dist4():
     pool = LazyPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def nccl_mesh(monkeypatch):
+    """A one-rank NCCL `DistMesh` in this process (the CUDA tests: pinned buffers, streams, the
+    caching allocator), its process group destroyed after the test. Skips without a GPU."""
+    import torch
+
+    import fzero
+    from fzero.testing.pool import _free_port
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    mesh = fzero.DistMesh(backend="nccl")
+    try:
+        yield mesh
+    finally:
+        torch.distributed.destroy_process_group()

@@ -650,14 +650,6 @@ def test_gather_of_a_stage3_master_all_gathers_each_bucket_once(offload):
         assert sorted(gathers) == sorted(sizes.items())
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cuda_steps(mesh, stage, offload, policy):
     """Three donating steps of `stage` on one GPU (4 units of one 256 x 256 fp32 bucket each,
     AdamW, stage 3 prefetching 2 units): `(gathered params, [grad norm per step])`."""
@@ -683,7 +675,8 @@ def _cuda_steps(mesh, stage, offload, policy):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host buffers and CUDA streams: needs a GPU")
 @pytest.mark.parametrize("stage, params, policy", [(2, None, "none"), (3, None, "none"), (3, "nvme", "none"),
                                                    (3, "nvme", "bf16")])
-def test_nvme_on_cuda_with_every_copy_delayed_is_bitwise_the_cpu_tier(tmp_path, monkeypatch, stage, params, policy):
+def test_nvme_on_cuda_with_every_copy_delayed_is_bitwise_the_cpu_tier(tmp_path, monkeypatch, nccl_mesh, stage, params,
+                                                                      policy):
     """On CUDA every host buffer an asynchronous copy reads outlives that copy, and none is written
     before it ran: each host -> device copy (`HostTier.to_device`, `Loading.wait`) and each
     device -> host copy (`start_host`) is queued behind ~10 ms of `torch.cuda._sleep`, so the host
@@ -695,10 +688,7 @@ def test_nvme_on_cuda_with_every_copy_delayed_is_bitwise_the_cpu_tier(tmp_path, 
     the gradient norms, and the delayed copies did run."""
     from fzero._src import offload as offload_mod
 
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    mesh = fzero.DistMesh(backend="nccl")
+    mesh = nccl_mesh
     sleep = 20_000_000  # GPU cycles: ~10 ms at 2 GHz, far longer than a 256 KiB file read on the host
     tier, loading = offload_mod.HostTier, offload_mod.Loading
     to_device, wait, start_host = tier.to_device, loading.wait, tier.start_host
@@ -710,18 +700,15 @@ def test_nvme_on_cuda_with_every_copy_delayed_is_bitwise_the_cpu_tier(tmp_path, 
                 torch.cuda._sleep(sleep)
             delayed.append(stream is None)
 
-    try:
-        want = _cuda_steps(mesh, stage, fzero.Offload(optimizer="cpu", params=params and "cpu"), policy)
-        monkeypatch.setattr(tier, "to_device", lambda self, x, d: (late(self), to_device(self, x, d))[1])
-        monkeypatch.setattr(loading, "wait", lambda self: (late(self.tier), wait(self))[1])
-        monkeypatch.setattr(tier, "start_host", lambda self, x: (
-            late(self, offload_mod._side_stream(x.device)) if x.device.type == "cuda" else None,
-            start_host(self, x))[1])
-        nvme = fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path))
-        got = _cuda_steps(mesh, stage, nvme, policy)
-        torch.cuda.synchronize()
-    finally:
-        torch.distributed.destroy_process_group()
+    want = _cuda_steps(mesh, stage, fzero.Offload(optimizer="cpu", params=params and "cpu"), policy)
+    monkeypatch.setattr(tier, "to_device", lambda self, x, d: (late(self), to_device(self, x, d))[1])
+    monkeypatch.setattr(loading, "wait", lambda self: (late(self.tier), wait(self))[1])
+    monkeypatch.setattr(tier, "start_host", lambda self, x: (
+        late(self, offload_mod._side_stream(x.device)) if x.device.type == "cuda" else None,
+        start_host(self, x))[1])
+    nvme = fzero.Offload(optimizer="nvme", params=params, nvme_path=str(tmp_path))
+    got = _cuda_steps(mesh, stage, nvme, policy)
+    torch.cuda.synchronize()
     assert_equal_leaves(got[0], want[0], f"cuda, stage {stage}, params={params}: nvme (delayed) vs cpu")
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert delayed.count(True) >= 12 and delayed.count(False) >= 12  # host -> device, device -> host: 4 buckets x 3

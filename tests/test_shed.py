@@ -396,14 +396,6 @@ def test_the_bf16_policy_sheds_its_cast_shards(monkeypatch, n):
 # -- CUDA: the caching allocator and the side stream (run on a GPU) ------------------------------
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cuda_steps(mesh):
     """Three steps of stage 3 + optimizer offload (bf16/fp32, 4 units of 1 MiB fp32 buckets) on one
     GPU, every device -> host copy queued behind ~1 ms of sleep on the side stream, so the
@@ -430,17 +422,14 @@ def _cuda_steps(mesh):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the caching allocator and CUDA streams: needs a GPU")
-def test_shedding_on_cuda_is_bitwise_the_run_that_keeps_the_shards(monkeypatch):
+def test_shedding_on_cuda_is_bitwise_the_run_that_keeps_the_shards(monkeypatch, nccl_mesh):
     """Freeing a shard right after its side-stream copy was queued is safe: `record_stream` makes
     the caching allocator hand the memory out again only after that copy ran, and the norm, on
     the compute stream, precedes every later use of it there. With every copy delayed, a
     premature reuse would overwrite a shard before its copy reads it and change the update's
     bits: the run that sheds is bitwise the run that keeps the shards, and its shards hold no
     memory after the steps."""
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    mesh = fzero.DistMesh(backend="nccl")
+    mesh = nccl_mesh
     original, shed = offload_mod.HostTier.start_host, []
 
     def delayed(self, x):
@@ -449,15 +438,12 @@ def test_shedding_on_cuda_is_bitwise_the_run_that_keeps_the_shards(monkeypatch):
                 torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: the copy runs after the next allocation
         return original(self, x)
 
-    try:
-        monkeypatch.setattr(offload_mod.HostTier, "start_host", delayed)
-        monkeypatch.setattr(offload_mod, "shed", lambda x: (shed.append(x), x.untyped_storage().resize_(0)))
-        got = _cuda_steps(mesh)
-        kept = len(shed)
-        monkeypatch.setattr(offload_mod, "sheddable", lambda x: False)
-        want = _cuda_steps(mesh)  # the same early copies, nothing freed
-    finally:
-        torch.distributed.destroy_process_group()
+    monkeypatch.setattr(offload_mod.HostTier, "start_host", delayed)
+    monkeypatch.setattr(offload_mod, "shed", lambda x: (shed.append(x), x.untyped_storage().resize_(0)))
+    got = _cuda_steps(mesh)
+    kept = len(shed)
+    monkeypatch.setattr(offload_mod, "sheddable", lambda x: False)
+    want = _cuda_steps(mesh)  # the same early copies, nothing freed
     assert_equal_leaves(got[0], want[0], "cuda: shed vs kept")
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     assert kept == 12 == len(shed) and all(t.untyped_storage().nbytes() == 0 for t in shed)

@@ -100,25 +100,14 @@ def test_tree_map_over_a_state_sees_tensors_only_and_keeps_its_info(stage, libra
         assert len(got) == len(want) and all(torch.equal(y, x + 1) for x, y in zip(want, got))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh: needs a GPU")
-def test_params_on_the_host_for_a_cuda_mesh_are_placed_on_its_device(monkeypatch):
+def test_params_on_the_host_for_a_cuda_mesh_are_placed_on_its_device(nccl_mesh):
     """A model built on the CPU, trained on a CUDA mesh: `init` copies what the state keeps on the
     device to `mesh.device` (and what it offloads stays on the host), in every stage, with and
     without optimizer offload, so the steps run and give the bits of the same params handed over
     on the GPU. (Before, the state kept the host tensors and the first step failed deep inside:
     a device mismatch in the loss, or the stage-3 gather's MeshError.)"""
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    mesh = fzero.DistMesh(backend="nccl")
+    mesh = nccl_mesh
     gen = torch.Generator().manual_seed(3)
     tree = {f"u{i}.w": torch.randn(64, 64, generator=gen) / 8 for i in range(3)}
 
@@ -137,13 +126,10 @@ def test_params_on_the_host_for_a_cuda_mesh_are_placed_on_its_device(monkeypatch
             state, _ = step(state, x.to(policy.param_dtype or torch.float32))
         return placed, fzero.gather(state)
 
-    try:
-        for stage in range(4):
-            for offload in [None] + ([fzero.Offload(optimizer="cpu")] if stage else []):
-                for policy in (fzero.Precision(), fzero.Precision(torch.bfloat16, torch.float32)):
-                    placed, got = run(tree, stage, offload, policy)
-                    _, want = run({k: v.to(mesh.device) for k, v in tree.items()}, stage, offload, policy)
-                    assert placed == ["cuda"] * 3, (stage, offload, policy)
-                    assert all(torch.equal(got[k], want[k]) for k in tree), (stage, offload, policy)
-    finally:
-        torch.distributed.destroy_process_group()
+    for stage in range(4):
+        for offload in [None] + ([fzero.Offload(optimizer="cpu")] if stage else []):
+            for policy in (fzero.Precision(), fzero.Precision(torch.bfloat16, torch.float32)):
+                placed, got = run(tree, stage, offload, policy)
+                _, want = run({k: v.to(mesh.device) for k, v in tree.items()}, stage, offload, policy)
+                assert placed == ["cuda"] * 3, (stage, offload, policy)
+                assert all(torch.equal(got[k], want[k]) for k in tree), (stage, offload, policy)
