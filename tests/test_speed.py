@@ -12,9 +12,13 @@
   step returns never shares storage between params, master and optimizer state, a pure step
   leaves its input untouched, and stage 3's released gathers never reach the held shard.
 - At N = 1 a non-finite gradient still names the rank and the bucket (found on the rare path).
+- At N = 1 the agreement's shard norms are taken in the backward (`EarlyNorms`), for every shard,
+  with the bits of the norms taken after it; a shard written since is read again.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import hypothesis.strategies as st
 import optree
@@ -24,6 +28,7 @@ from hypothesis import given
 
 import fzero
 from fzero import optim
+from fzero._src import step as step_module
 from fzero._src.stages import Wire, reduce_grad
 from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.unit import Bucket, _assemble, nonfinite
@@ -293,3 +298,135 @@ def test_nonfinite_is_true_iff_an_element_is(bad, dtype):
         x[6] = bad
     assert bool(nonfinite(x)) == (bad is not None)
     assert not bool(nonfinite(x[:0]))
+
+
+# -- EarlyNorms: the agreement's shard norms taken in the backward ------------------------------
+
+
+def _early_norm_run(mesh, stage, precision, donate):
+    """Three clipped steps (the norm decides the update) on three units; `(params, grad norms,
+    [(shard norms taken early, shards)] per step)`."""
+    gen = torch.Generator().manual_seed(stage)
+    tree = {f"u{i}": {"w": torch.randn(16, 16, generator=gen) / 4, "b": torch.randn(16, generator=gen)}
+            for i in range(3)}
+    tree = optree.tree_map(lambda t: t.to(mesh.device), tree)
+
+    def loss(p, x):
+        for i in range(3):
+            w = p[f"u{i}"]["w"]
+            x = torch.tanh(x.to(w.dtype) @ w + p[f"u{i}"]["b"])
+        return x.float().square().mean()
+
+    seen = []
+    known = step_module.EarlyNorms.known
+
+    def counted(self, shards):
+        out = known(self, shards)
+        seen.append((len(out), len(shards)))
+        return out
+
+    kw = {} if precision is None else {"precision": precision}
+    state = fzero.init(tree, optim.adamw(0.1), stage=stage, mesh=mesh, units=lambda path: path.split("/")[0], **kw)
+    step = fzero.train_step(loss, donate=donate, clip_norm=0.05)
+    norms = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_module.EarlyNorms, "known", counted)
+        for t in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + t)).to(mesh.device)
+            state, m = step(state, x)
+            norms.append(m.grad_norm)
+    return fzero.gather(state), norms, seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_early_norms_are_taken_for_every_shard_and_keep_the_bits(stage, precision, donate, monkeypatch):
+    """At N = 1 each bucket's reduced gradient exists in its unit's backward: the step takes its
+    norm there (`EarlyNorms`, on CUDA a side stream; here, with the CPU allowed, in line), and the
+    agreement reads every shard's norm from it instead of reading the gradient again. Every
+    shard's norm is found (6 of 6: 3 units of 2 buckets), and params and clipped norms are
+    bitwise those of the step that takes no early norm."""
+    mesh = fzero.SimMesh(1)
+    prec = fzero.Precision(torch.bfloat16, torch.float32) if precision else None
+    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+    want = mesh.run(lambda: _early_norm_run(mesh, stage, prec, donate))[0]
+    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cpu",))
+    got = mesh.run(lambda: _early_norm_run(mesh, stage, prec, donate))[0]
+    assert want[2] == [] and got[2] == [(6, 6)] * 3
+    assert got[1] == want[1]
+    assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
+
+
+def test_an_early_norm_is_not_used_for_a_shard_written_since():
+    """`EarlyNorms.known` matches a shard to the norm taken of the same tensor only while nothing
+    has written it (`_version`): a write after `take` makes the agreement read the shard."""
+    early = step_module.EarlyNorms(CPU)
+    x, y = torch.ones(10), torch.ones(10)
+    early.take(x)
+    early.take(y)
+    assert set(early.known([x, y])) == {0, 1}
+    assert torch.equal(early.known([x])[0], step_module.shard_norm(x))
+    y.mul_(2)
+    assert set(early.known([x, y])) == {0}
+    assert early.known([torch.ones(10)]) == {}  # same values, another tensor
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_early_norms_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monkeypatch):
+    """On CUDA the early norms run on a side stream beside the backward, joined before the
+    agreement: every shard's norm is found and the clipped steps are bitwise those without."""
+    for precision in (None, fzero.Precision(torch.bfloat16, torch.float32)):
+        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+        want = _early_norm_run(nccl_mesh, stage, precision, True)
+        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+        got = _early_norm_run(nccl_mesh, stage, precision, True)
+        assert got[2] == [(6, 6)] * 3 and got[1] == want[1], (stage, precision)
+        assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
+
+
+def _update_check_flags(mesh, stage, lr, side):
+    """One donating SGD step of lr `lr` and the next: `(the new state's flag, the buckets whose
+    check `Ends` took)`, with the check taken bucket by bucket (`side`) or after the update."""
+    tree = {"u0": {"w": torch.ones(64, 8)}, "u1": {"w": torch.ones(8, 4)}}
+    taken = []
+    take = step_module.Ends.take
+
+    def counted(self, b, p):
+        taken.append(b)
+        return take(self, b, p)
+
+    state = fzero.init(optree.tree_map(lambda t: t.to(mesh.device), tree), optim.sgd(lr), stage=stage, mesh=mesh,
+                       units=lambda path: path.split("/")[0])
+    step = fzero.train_step(lambda p, x: (x @ p["u0"]["w"] @ p["u1"]["w"]).sum(), donate=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_module.Ends, "take", counted)
+        mp.setattr(step_module.Ends, "DEVICES", (mesh.device.type,) if side else ())
+        state, _ = step(state, torch.ones(2, 64, device=mesh.device))
+        flag = float(state.pending)
+        with pytest.raises(fzero.NonFiniteError, match="made the params NaN or inf") if flag else contextlib.nullcontext():
+            step(state, torch.ones(2, 64, device=mesh.device))
+    return flag, taken
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_update_check_taken_per_bucket_flags_what_the_update_made_nonfinite(stage):
+    """A donating update's finite check taken bucket by bucket as each is updated (`Ends`; on CUDA
+    on a side stream, here in line) gives the flag the check after the update gives: 0 after a
+    finite update, 1 where an update of finite gradients overflowed the params (SGD, lr 3e38),
+    and the next step names the broken update (after a finite one, the next step is taken too).
+    Both buckets are taken at each update."""
+    mesh = fzero.SimMesh(1)
+    for lr, flag, taken in ((1e-3, 0.0, [0, 1, 0, 1]), (3e38, 1.0, [0, 1])):
+        assert mesh.run(lambda: _update_check_flags(mesh, stage, lr, True))[0] == (flag, taken)
+        assert mesh.run(lambda: _update_check_flags(mesh, stage, lr, False))[0] == (flag, [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_update_check_on_a_cuda_side_stream_flags_what_the_update_made_nonfinite(stage, nccl_mesh):
+    """As above, with the checks on a CUDA side stream joined before the flag is made."""
+    for lr, flag, taken in ((1e-3, 0.0, [0, 1, 0, 1]), (3e38, 1.0, [0, 1])):
+        assert _update_check_flags(nccl_mesh, stage, lr, True) == (flag, taken)
+        assert _update_check_flags(nccl_mesh, stage, lr, False) == (flag, [])

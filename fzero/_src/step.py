@@ -289,10 +289,11 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     """One step (the module docstring). What the update needs but the agreed values is prepared
     before the agreement's read (`prepare`); after it the host does only what decides the update
     before launching it (`update`); the metrics' tensors are made after it."""
+    norms = EarlyNorms.of(config, state)
     with _named("fzero.step/backward"):
-        reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch))
+        reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms)
     with _named("fzero.step/agree"):
-        rows, shards = agreement(state, loss, report, reduced, count)
+        rows, shards = agreement(state, loss, report, reduced, count, norms)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
         verdict = agree(state, rows, shards, reduced)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
@@ -355,20 +356,21 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
     return list(batch)
 
 
-def accumulate(config: StepConfig, state: ZeroState, micro: list[Any]
+def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None
                ) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
     summed over micro-batches, Report (OR over micro-batches), token count summed)`.
 
     "each": `Σ_i reduce(g_i)` (added in `accum_dtype`); "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
+    `norms`: `backward`'s.
     """
     once = config.accumulate == "once"
     acc: dict[int, torch.Tensor | None] = {b: None for b in _trainable(state)}
     loss = count = None
     used = bad = None
     for mb in micro:
-        grads, l_i, report, c_i, started = backward(config, state, mb)
+        grads, l_i, report, c_i, started = backward(config, state, mb, norms)
         parts = grads if once else reduce(state, grads, started)
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
@@ -557,14 +559,15 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
         for spec in layout.buckets if not spec.group.frozen})
 
 
-def backward(config: StepConfig, state: ZeroState, batch: Any
+def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms | None = None
              ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor, dict[int, Flight]]:
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode), {bucket: its reduction in
     flight})`. With the autograd engine and `accumulate="each"`, stages 0-1 start each bucket's
     reduction (`Stage.after_backward`) in its unit's backward, as stages 2-3 start theirs: the
     bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
-    tensor, so the same bits)."""
+    tensor, so the same bits). `norms` (`EarlyNorms`) takes the norm of each reduction's result
+    that exists in the unit's backward (N = 1)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     plan = step_plan(state.info)
     trainable = plan.trainable
@@ -572,7 +575,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     # offload: gradient shards to the host in the backward, shed where nothing reads them after
     copies = early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype) if plan.offloaded else None
-    inflight = Chained(early=early, host=copies) if config.engine == "autograd" else None
+    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take)
+                if config.engine == "autograd" else None)
     programs = plan.programs
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
@@ -644,8 +648,9 @@ class Chained(Inflight):
     LAG = 1
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
-                 host: Callable[[torch.Tensor, int | None], None] | None = None) -> None:
-        super().__init__(depth, early, host)
+                 host: Callable[[torch.Tensor, int | None], None] | None = None,
+                 done: Callable[[torch.Tensor], None] | None = None) -> None:
+        super().__init__(depth, early, host, done)
         self._order: list[int] = []  # the buckets in the order their flights started
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:
@@ -775,7 +780,7 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 
 
 def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
-              count: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              count: torch.Tensor, norms: EarlyNorms | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The one agreement collective: `(rows[N, L + B + 4], the rank's gradient shards)`, the rows
     of `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64) from every rank, gathered on
     the device and not read yet: `agree` reads them on the host (the step's one host
@@ -790,13 +795,15 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     -- every rank (all see the same rows) recomputes its part exactly in float64
     (`exact_sum_of_squares`) and the parts are gathered again: the rare path decides finiteness
     exactly. At N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite
-    `‖g‖²` then names the buckets from the reduced gradient, which is the local one.
+    `‖g‖²` then names the buckets from the reduced gradient, which is the local one. `norms`
+    (`EarlyNorms`): the shard norms already taken in the backward, the same bits.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     n, dev = mesh.world_size, mesh.device
     num, nb = len(layout.leaves), len(layout.buckets)
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
-    sq = sum_of_squares(shards, dev, early_norms(state.info, shards))
+    known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
+    sq = sum_of_squares(shards, dev, known)
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
@@ -896,6 +903,73 @@ def shard_norm(x: torch.Tensor) -> torch.Tensor:
     `_foreach_norm` gives each tensor of its list the value it gives that tensor alone), before
     the square: for a shard whose memory goes before the agreement (`offload.early_copies`)."""
     return _norms([_placed(x.detach().reshape(-1))], _norm_dtype(x.dtype))[0]
+
+
+class EarlyNorms:
+    """The shard norms of a step's reduced gradients taken as each exists in the backward, on a
+    side stream on CUDA, so that the agreement's pass over the gradient runs beside the rest of
+    the backward instead of after it: at N = 1 each unit's reduction returns its input, which is
+    then the bucket's reduced gradient and, where nothing else adds to it, the shard the
+    agreement reads (`of` says where).
+
+    `take(x)` starts `shard_norm(x)` (the side stream first waits for what the step's stream has
+    queued, which made `x`); `known(shards)` joins the side stream to the step's and returns
+    `{k: ν_k}` for the shards taken: the same tensor (address, length, dtype, contiguous) with
+    no write since (`_version`). `x` is kept until then, so no other tensor takes its address.
+    The same kernel on the same values, so the same bits (`shard_norm`); a shard not taken, or
+    written since, is read by the agreement as before."""
+
+    DEVICES = ("cuda",)  # where a step takes them (a side stream runs beside the backward)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.taken: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def of(config: StepConfig, state: ZeroState) -> EarlyNorms | None:
+        """For a step whose reductions return the bucket's gradient in the backward and whose
+        agreement reads it unchanged: one rank, the autograd engine, one micro-batch, no
+        offload tier (which takes its own, `offload.early_norms`), nothing differentiating
+        through the step, on a device of `DEVICES`; else None."""
+        mesh = state.mesh
+        if (mesh.world_size != 1 or mesh.device.type not in EarlyNorms.DEVICES or config.engine != "autograd"
+                or config.micro_batches != 1 or state.info.tier is not None or func_level() is not None):
+            return None
+        return EarlyNorms(mesh.device)
+
+    def take(self, x: torch.Tensor) -> None:
+        if x.requires_grad or not x.is_contiguous() or x.device != self.device:
+            return
+        if self.stream is None:
+            nu = shard_norm(x)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                nu = shard_norm(x)
+        self.taken[_norm_key(x)] = (x, nu)
+
+    def known(self, shards: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        if self.stream is not None and self.taken:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        hits = {k: self.taken.get(_norm_key(x)) for k, x in enumerate(shards) if x.is_contiguous()}
+        return {k: hit[1] for k, hit in hits.items() if hit is not None}
+
+
+def _norm_key(x: torch.Tensor) -> tuple:
+    return (x.data_ptr(), x.numel(), x.dtype, x._version)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per CUDA device, made once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -1039,6 +1113,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
     launches = ready.launches if ready is not None and donate and all(used) else {}
+    ends = Ends.of(state, donate)
     for b, g in reduced.items():
         launch = launches.get(b)
         if launch is not None:  # prepared before the agreement's read: only the kernels are left
@@ -1057,10 +1132,12 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
             out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
             back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
+        if ends is not None:
+            ends.take(b, checked[b])
         if overlap:
             flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
     host.done()
-    flag = _nonfinite_flag(state, checked)
+    flag = _nonfinite_flag(state, checked, ends)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
@@ -1081,17 +1158,59 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
 
 
-def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor]) -> torch.Tensor:
+def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | None = None
+                    ) -> torch.Tensor:
     """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
     0: the minimum and maximum of each bucket (`torch.aminmax`, one read each, as
     `unit.nonfinite`: NaN if any element is, ±inf if one is, no overflow), all checked at once;
     no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
-    computed on the host and copied)."""
+    computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream."""
     dev = state.mesh.device
-    ends = [e.to(dev) for p in updated.values() if p.numel() for e in torch.aminmax(p.detach().reshape(-1))]
+    known = {} if taken is None else taken.joined()
+    ends = [e.to(dev) for b, p in updated.items() if p.numel()
+            for e in (known[b] if b in known else torch.aminmax(p.detach().reshape(-1)))]
     if not ends:
         return torch.zeros((), dtype=torch.float32, device=dev)
     return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
+
+
+class Ends:
+    """A donating update's finite check taken bucket by bucket on a side stream (CUDA): each
+    bucket's `aminmax` starts as soon as its update is queued (the side stream first waits for
+    the step's stream), so that it reads the bucket while the next buckets are updated instead
+    of after the last; `joined()` makes the step's stream wait for them and returns
+    `{bucket: (min, max)}`. Minimum and maximum are exact, so the flag is the one `aminmax` after
+    the update gives. The next step's in-place update of a bucket is queued after the join."""
+
+    DEVICES = ("cuda",)  # where a step takes them (elsewhere, in line: the same work as after the loop)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def of(state: ZeroState, donate: bool) -> Ends | None:
+        """Where the update writes in place on a mesh device of `DEVICES` and nothing
+        differentiates through it."""
+        dev = state.mesh.device
+        return Ends(dev) if donate and dev.type in Ends.DEVICES and func_level() is None else None
+
+    def take(self, b: int, p: torch.Tensor) -> None:
+        if p.device != self.device or not p.numel():
+            return
+        if self.stream is None:
+            self.taken[b] = torch.aminmax(p.detach().reshape(-1))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        p.record_stream(self.stream)  # freed before the join (an NVMe tier's temporary): not reused before it is read
+        with torch.cuda.stream(self.stream):
+            self.taken[b] = torch.aminmax(p.detach().reshape(-1))
+
+    def joined(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if self.stream is not None and self.taken:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return self.taken
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:

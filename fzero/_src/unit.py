@@ -145,14 +145,19 @@ class Inflight:
     start in one order on every rank, as DDP launches its buckets: the buckets of `early` from the
     last, each once it and every later one are ready -- ranks whose backward reaches the units in
     another order (a unit some rank skipped) still call the same collectives in the same order.
-    They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway."""
+    They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway.
+
+    `done(result)` (`step.EarlyNorms.take`) is called with each reduction's result that exists
+    when it starts (N = 1: the reduction returns its input), as soon as it does."""
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
-                 host: Callable[[torch.Tensor, int | None], None] | None = None) -> None:
+                 host: Callable[[torch.Tensor, int | None], None] | None = None,
+                 done: Callable[[torch.Tensor], None] | None = None) -> None:
         self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
         self.host = host
+        self.done = done  # called with a reduction's result where it completed when started (N = 1)
         self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
         self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
 
@@ -161,7 +166,13 @@ class Inflight:
         self._ready[b] = start
         while self.early and self.early[-1] in self._ready:
             k = self.early.pop()
-            self.started[k] = self._ready.pop(k)()
+            self.started[k] = self._seen(self._ready.pop(k)())
+
+    def _seen(self, flight: Any) -> Any:
+        """`flight`, after handing its result to `done` where it completed when started."""
+        if self.done is not None and not flight.then and flight.pending.done:
+            self.done(flight.pending.result)
+        return flight
 
     def rest(self, zeros: Callable[[int], Callable[[], Any]]) -> dict[int, Any]:
         """After the backward: start the rest in turn (a bucket no unit backward reached on this
@@ -187,7 +198,7 @@ class Inflight:
         done = self.host is not None and not flight.then and flight.pending.done  # N = 1: the shard exists
         if done:
             self.host(flight.pending.result, bucket)
-        self._flights.append((flight, bucket, done))
+        self._flights.append((self._seen(flight), bucket, done))
         while len(self._flights) > self.depth:
             self._close(*self._flights.pop(0))
         return flight.pending.result
