@@ -60,6 +60,31 @@ def count_syncs(run_step) -> dict:
     return {"count": count, "sites": sites, "state": state}
 
 
+def _side_checks(step, state, batch):
+    """One more step, counting what the side-stream checks took: `(state, {"early_norms": [shards
+    whose norm the backward took, shards], "update_checks": buckets checked as updated})`."""
+    from fzero._src.step import EarlyNorms, Ends
+
+    seen, taken = [], []
+    known, take = EarlyNorms.known, Ends.take
+
+    def counted_known(self, shards):
+        out = known(self, shards)
+        seen.append([len(out), len(shards)])
+        return out
+
+    def counted_take(self, b, p):
+        taken.append(b)
+        return take(self, b, p)
+
+    EarlyNorms.known, Ends.take = counted_known, counted_take
+    try:
+        state, _ = step(state, batch)
+    finally:
+        EarlyNorms.known, Ends.take = known, take
+    return state, {"early_norms": seen[0] if seen else None, "update_checks": len(taken)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
@@ -77,6 +102,9 @@ def main() -> None:
     ap.add_argument("--gather", default="on_use", choices=["eager", "on_use"])
     ap.add_argument("--syncs", type=int, default=0, help="count the host synchronisations of one extra step (CUDA)")
     ap.add_argument("--donate", type=int, default=1, help="train_step(donate=...): update the state in place")
+    ap.add_argument("--side", type=int, default=1,
+                    help="0: take the agreement's norms and the update's finite check on the step's stream, after "
+                         "the backward and the update (what fzero did before its side-stream checks), for an A/B")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
@@ -96,6 +124,10 @@ def main() -> None:
             return apply(p, idx, tgt)
 
     opt = optim.adamw(lr=1e-4)
+    if not a.side:
+        from fzero._src.step import EarlyNorms, Ends
+
+        EarlyNorms.DEVICES = Ends.DEVICES = ()
     policy = fzero.Precision(torch.bfloat16, torch.float32) if a.precision == "bf16" else fzero.Precision()
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units, precision=policy)
     del params
@@ -133,11 +165,12 @@ def main() -> None:
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
                 if dev.type == "cuda":  # where the GPU waited, and for which host work (benchmarks/gaps.py)
                     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-                    from gaps import gpu_gaps
+                    from gaps import gpu_gaps, kernel_time
 
-                    found = gpu_gaps(prof)
+                    found = gpu_gaps(prof) | {"kernels_ms": kernel_time(prof)}
                     f.write("# GPU idle gaps: " + json.dumps(found) + "\n")
                     print(json.dumps({"mode": f"fzero-stage{a.stage}-{a.precision}-gaps"} | found), flush=True)
+    state, side = _side_checks(step, state, (idx, tgt))
     syncs = count_syncs(lambda: step(state, (idx, tgt))) if a.syncs and dev.type == "cuda" else None
     if syncs is not None:
         state = syncs.pop("state")
@@ -151,11 +184,12 @@ def main() -> None:
         print(json.dumps({
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
-            + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else ""),
+            + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else "")
+            + ("" if a.side else "-noside"),
             "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
-            "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4),
+            "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4), **side,
             "torch": torch.__version__,
         } | ({} if syncs is None else {"host_syncs": syncs["count"], "sync_sites": syncs["sites"]})), flush=True)
     dist.destroy_process_group()

@@ -8,11 +8,15 @@ the CPU ops the host was in during the gap (`host`: the innermost ops covering m
 phase). So a gap before the first `_fused_adamw_` is the host's work between the agreement and the
 update; the time before the first kernel is the step's host prologue. Kernels that overlap (several streams) count once in the busy time.
 
-Used by `bench_stages.py --profile`; runs wherever the profiler records CUDA kernels.
+`kernel_time(prof)` sums the kernels' time by kind (matrix products, attention, the optimizer,
+copies and casts, reductions, the rest), to set two libraries' steps side by side.
+
+Used by `bench_stages.py --profile` and `peers/bench_peers.py --profile`; runs wherever the profiler records CUDA kernels.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -61,3 +65,25 @@ def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
         g["host"] = _host_during(cpu, *g.pop("g"))
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
             "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "gaps": gaps}
+
+
+_KINDS = (  # the first pattern a kernel's name matches names its kind
+    ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|cublas", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|efficient", re.I)),
+    ("optimizer", re.compile(r"adam|sgd|multi_tensor_apply", re.I)),
+    ("copy_cast", re.compile(r"copy|cast|Memcpy|Memset|cat_|CatArray", re.I)),
+    ("reduce", re.compile(r"reduce|norm|aminmax|sum|max|min", re.I)),
+    ("collective", re.compile(r"nccl", re.I)),
+)
+
+
+def kernel_time(prof: Any) -> dict[str, float]:
+    """{kind: ms} of the CUDA kernels in `prof`, by `_KINDS` ("other" for the rest; layer norms
+    count as "reduce"), with "total"; overlapping kernels each count in full."""
+    ks, _ = _intervals(prof)
+    out: dict[str, float] = {}
+    for s, e, name in ks:
+        kind = next((k for k, pat in _KINDS if pat.search(name)), "other")
+        out[kind] = out.get(kind, 0.0) + (e - s) / 1e3
+    out["total"] = sum(out.values())
+    return {k: round(v, 3) for k, v in sorted(out.items())}

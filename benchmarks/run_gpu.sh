@@ -3,7 +3,7 @@
 # (the peer script), fzero stages 0-3 (fp32 params, bf16 autocast), fzero with the bf16 policy
 # (stages 2-3), all on the same model, one torchrun job each, one JSON line each, appended to
 # ${OUT:-.}/bench.jsonl; then (PROFILE=1) a profiler table of one fzero step per PROFILE_STAGES
-# (${OUT}/profile-stage<s>.txt) and (CENSUS=1, one GPU) benchmarks/census.py's passes per step.
+# (${OUT}/profile-stage<s>.txt) and of one step per PROFILE_PEERS (profile-<mode>.txt) and (CENSUS=1, one GPU) benchmarks/census.py's passes per step.
 # Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode)
 # An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
 set -u
@@ -24,6 +24,9 @@ for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --sta
 if [ "${PROFILE:-1}" = 1 ]; then
   for s in ${PROFILE_STAGES-2}; do
     run "fzero$s-profile" "$here/bench_stages.py" --stage "$s" --steps 2 --warmup 2 --profile "$o/profile-stage$s.txt"
+  done
+  for m in ${PROFILE_PEERS-}; do
+    run "$m-profile" "$here/peers/bench_peers.py" --mode "$m" --steps 2 --warmup 2 --profile "$o/profile-$m.txt"
   done
 fi
 if [ "${CENSUS:-1}" = 1 ] && [ "$ngpu" = 1 ] && python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
