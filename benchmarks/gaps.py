@@ -68,8 +68,8 @@ def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
 
 
 _KINDS = (  # the first pattern a kernel's name matches names its kind
+    ("attention", re.compile(r"flash|fmha|attention|efficient|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|sm90_|nvjet|cublas", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|efficient", re.I)),
     ("optimizer", re.compile(r"adam|sgd|multi_tensor_apply", re.I)),
     ("copy_cast", re.compile(r"copy|cast|Memcpy|Memset|cat_|CatArray", re.I)),
     ("reduce", re.compile(r"reduce|norm|aminmax|sum|max|min", re.I)),
