@@ -165,9 +165,10 @@ def main() -> None:
                 f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
                 if dev.type == "cuda":  # where the GPU waited, and for which host work (benchmarks/gaps.py)
                     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-                    from gaps import gpu_gaps, kernel_time
+                    from gaps import gpu_gaps, kernel_table, kernel_time
 
                     found = gpu_gaps(prof) | {"kernels_ms": kernel_time(prof)}
+                    f.write("# kernels by total time\n" + kernel_table(prof) + "\n")
                     f.write("# GPU idle gaps: " + json.dumps(found) + "\n")
                     print(json.dumps({"mode": f"fzero-stage{a.stage}-{a.precision}-gaps"} | found), flush=True)
     state, side = _side_checks(step, state, (idx, tgt))

@@ -9,7 +9,8 @@ phase). So a gap before the first `_fused_adamw_` is the host's work between the
 update; the time before the first kernel is the step's host prologue. Kernels that overlap (several streams) count once in the busy time.
 
 `kernel_time(prof)` sums the kernels' time by kind (matrix products, attention, the optimizer,
-copies and casts, reductions, the rest), to set two libraries' steps side by side.
+copies and casts, reductions, the rest), to set two libraries' steps side by side;
+`kernel_table(prof)` lists the kernels themselves, by total time, with their kind.
 
 Used by `bench_stages.py --profile` and `peers/bench_peers.py --profile`; runs wherever the profiler records CUDA kernels.
 """
@@ -77,13 +78,28 @@ _KINDS = (  # the first pattern a kernel's name matches names its kind
 )
 
 
+def _kind(name: str) -> str:
+    return next((k for k, pat in _KINDS if pat.search(name)), "other")
+
+
+def kernel_table(prof: Any, top: int = 40) -> str:
+    """The `top` CUDA kernels of `prof` by total time: `ms  calls  kind  name` per line."""
+    totals: dict[str, list[float]] = {}
+    for s, e, name in _intervals(prof)[0]:
+        row = totals.setdefault(name, [0.0, 0])
+        row[0] += (e - s) / 1e3
+        row[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return "\n".join(f"{ms:9.3f} ms {n:5d}  {_kind(name):10s} {name[:110]}" for name, (ms, n) in rows)
+
+
 def kernel_time(prof: Any) -> dict[str, float]:
     """{kind: ms} of the CUDA kernels in `prof`, by `_KINDS` ("other" for the rest; layer norms
     count as "reduce"), with "total"; overlapping kernels each count in full."""
     ks, _ = _intervals(prof)
     out: dict[str, float] = {}
     for s, e, name in ks:
-        kind = next((k for k, pat in _KINDS if pat.search(name)), "other")
+        kind = _kind(name)
         out[kind] = out.get(kind, 0.0) + (e - s) / 1e3
     out["total"] = sum(out.values())
     return {k: round(v, 3) for k, v in sorted(out.items())}

@@ -380,3 +380,50 @@ def test_persist_and_cap_reject_bad_settings():
 
     with pytest.raises(fzero.ConfigError, match="only stage 3 with gather='on_use', engine='autograd'"):
         mesh.run(eager)
+
+
+# -- refill at N = 1: the cast written into the released storage ---------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_refill_at_one_rank_casts_into_the_storage_and_changes_no_bit(prefetch):
+    """Stage 3 at N = 1 under a bf16 policy releases each block after its forward (its held fp32
+    shard is not the bf16 tensor the unit reads) and refills it in backward. Its gather is the
+    cast of the held shard (`Mesh.solo` returns its input), so the refill writes the cast into
+    the released storage by one `copy_` (`Gathering._fill`) instead of casting into a new tensor
+    and copying that: the same params, losses and recorded collectives bit for bit as the
+    refill that copies, and every block is refilled in place (4 per step, without prefetch; a
+    block prefetched ahead takes the copying path)."""
+    from fzero._src.gathering import Gathering
+
+    params, apply, info = _module()
+    mesh = fzero.SimMesh(1)
+    policy = fzero.Precision(torch.bfloat16, torch.float32)
+    fill = Gathering._fill
+
+    def run(in_place):
+        filled = []
+
+        def counted(self, unit):
+            done = fill(self, unit) if in_place else False
+            filled.append(done)
+            return done
+
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=policy)
+            step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0].bfloat16()).float(), b[1]),
+                                    donate=True, prefetch=prefetch)
+            losses = []
+            with pytest.MonkeyPatch.context() as mp, mesh.record() as log:
+                mp.setattr(Gathering, "_fill", counted)
+                for t in range(3):
+                    state, m = step(state, _batch(t))
+                    losses.append(m.loss)
+            return fzero.gather(state), losses, [(r.op, r.dtype, r.elements, r.tag) for r in log], filled
+
+        return mesh.run(rank_fn)[0]
+
+    got, want = run(True), run(False)
+    assert got[1] == want[1] and got[2] == want[2]
+    assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
+    assert not any(want[3]) and (sum(got[3]) == 12 if prefetch == 0 else 0 < sum(got[3]) < 12)

@@ -68,7 +68,7 @@ from .collectives import func_level
 from .eager import eager
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .stages import Flight, Piece
+from .stages import ENTER_GATHER, Flight, Piece
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
 
@@ -254,21 +254,46 @@ class Gathering:
     def refill(self, unit: str, backward: bool = False) -> None:
         """Gather a released unit again, into the same storage (the same bits: all-gather copies).
         In backward (`_Unpacking`) the refills of the next `prefetch` units backward will need are
-        started first."""
+        started first. At N = 1, where the gather is the held shard cast to the compute dtype
+        (`Mesh.solo`), the cast is written into the storage itself (`_fill`), not into a new
+        tensor copied there."""
         if unit not in self._released:
             return
+        filled = False
         if unit not in self._ahead:
             self._make_room(unit)
-            self._ahead[unit] = self._start(unit)
+            filled = self._fill(unit)
+            if not filled:
+                self._ahead[unit] = self._start(unit)
         if backward:
             self._prefetch(self._after(unit, tuple(reversed(self.gathered))), backward=True)
-        pending = self._ahead.pop(unit)
-        with torch.no_grad():
-            for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
-                full = gathered.wait()
-                storage.resize_(nbytes)
-                full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
+        if not filled:
+            pending = self._ahead.pop(unit)
+            with torch.no_grad():
+                for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
+                    full = gathered.wait()
+                    storage.resize_(nbytes)
+                    full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
         self._released.discard(unit)
+
+    def _fill(self, unit: str) -> bool:
+        """`refill` at N = 1, where the stage's enter is the plain gather (`ENTER_GATHER`: at
+        N = 1 `Mesh.solo`, which returns its input) and every held shard is on its storage's
+        device: each bucket's held shard cast into its storage by one `copy_` (the kernel `.to`
+        runs into a new tensor, so the same bits), then the enter of it, recorded as `_start`
+        records it. False (nothing done) elsewhere: `refill` gathers and copies."""
+        program = self._programs[unit]
+        if program.mesh.world_size != 1 or program.stage.enter is not ENTER_GATHER or any(
+                self._held(b.index).device != storage.device for b, storage, _ in self._storages[unit]):
+            return False
+        with torch.no_grad():
+            for bucket, storage, nbytes in self._storages[unit]:
+                held = self._held(bucket.index).detach()
+                storage.resize_(nbytes)
+                view = held.new_empty(0, dtype=bucket.wire.compute).set_(storage, 0, held.shape)  # own version counter
+                view.copy_(held)
+                program.stage.enter.start(program.mesh, bucket.wire, view).wait()
+        return True
 
     def after_backward(self, unit: str) -> None:
         """Called by the unit's Function when its backward is done: a refill prefetched for it and
