@@ -38,8 +38,8 @@ class DonatedSimMesh(fzero.SimMesh):
         super().__init__(world_size)
         self.donated: list[str | None] = []  # the tags of the donated collectives, every rank's
 
-    def _start(self, call, x, donate=False):
-        pending = super()._start(call, x, donate)
+    def _start(self, call, x, donate=False, out=None):
+        pending = super()._start(call, x, donate, out)
         if donate and call.op in ("all_reduce", "broadcast"):
             self.donated.append(call.tag)
             assert pending.wait().data_ptr() == x.data_ptr()  # the result is in the donated buffer
@@ -202,12 +202,15 @@ def all_gather_vs_torch(mesh, x):
         started = mesh.start("all_gather", x).wait()
         parts = [x[: k + 1] for k in range(4)]
         together = [p.wait() for p in [mesh.start("all_gather", p) for p in parts]]
+        out = torch.full((2 * x.shape[0], *x.shape[1:]), 7, dtype=x.dtype)
+        into = mesh.start("all_gather", x, out=out).wait()  # gathered into the caller's tensor
+        assert into is out
     theirs = []
-    for t in [x, x, *parts]:  # blocking and started gather x
+    for t in [x, x, *parts, x]:  # blocking, started and into gather x
         out = t.new_empty((2 * t.shape[0], *t.shape[1:]))
         mesh_mod._all_gather_into(out, t.contiguous(), mesh.group)  # torch's, under either torch's name
         theirs.append(out)
-    return [blocking, started, *together], theirs, len(ran)
+    return [blocking, started, *together, into], theirs, len(ran)
 
 
 def reduce_scatter_vs_torch(mesh, x):

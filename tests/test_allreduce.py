@@ -234,13 +234,14 @@ def test_gloo_n2_all_gather_is_gloos_own_bitwise(dist2, dtype):
     """At N = 2 DistMesh all-gathers over gloo by one send and one receive (gloo's own all-gather
     stages the result and copies it out: a copy of the whole output more): the bits of gloo's own
     all-gather, every dtype (only bits move: NaN payloads too), for a [2^19 + 5] buffer with
-    infinities and NaNs and a [S, 3] one, blocking, started, and four started before any is waited
-    for (matched in order on the pair)."""
+    infinities and NaNs and a [S, 3] one, blocking, started, four started before any is waited
+    for (matched in order on the pair), and one into the caller's tensor (`Mesh.start`'s `out`,
+    a stage-3 refill's storage)."""
     xs = cases.wide(2, 2**19 + 5, dtype, seed=6)
     halves = [x[: 2**19 + 5] for x in xs]
     for shaped in (False, True):
         args = [(h.reshape(-1, 1).expand(-1, 3).contiguous() if shaped else h,) for h in halves]
         for ours, theirs, ran in dist2.run(cases.all_gather_vs_torch, args):
-            assert ran == 6  # the exchange ran, for every gather
-            assert len(ours) == len(theirs) == 6
+            assert ran == 7  # the exchange ran, for every gather
+            assert len(ours) == len(theirs) == 7
             assert all(_same_bits(a, b) for a, b in zip(ours, theirs))

@@ -397,3 +397,31 @@ def test_record_logs_every_collective_including_backward():
     del f32
     mesh.run(lambda: fzero.collectives.all_reduce(torch.ones(1), mesh))
     assert len(log) == 6 * n  # closed
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_an_all_gather_into_out_writes_the_result_there(n):
+    """`Mesh.start("all_gather", x, out=out)` returns `out` itself holding the bits the plain
+    gather returns, records the same collective, and refuses an `out` of the wrong shape, dtype
+    or layout, or an `out` for another collective, naming what it needs and the world size."""
+    mesh = fzero.SimMesh(n)
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+
+    def rank_fn(x):
+        with mesh.record() as log:
+            plain = mesh.start("all_gather", x, tag="t").wait()
+            out = torch.full((n * 4, 3), float("nan"))
+            into = mesh.start("all_gather", x, tag="t", out=out).wait()
+        return plain, into is out, into, [(r.op, r.elements, r.tag) for r in log]
+
+    for plain, same, into, log in mesh.run(rank_fn, [(x,) for x in xs]):
+        assert same and torch.equal(into, plain) and torch.equal(plain, torch.cat(xs))
+        assert len(log) >= 2 and set(log) == {("all_gather", n * 12, "t")}  # recorded as the plain gather
+    bad = [(torch.empty(n * 4 + 1, 3), r"out must be a contiguous \[%d, 3\] torch.float32" % (n * 4)),
+           (torch.empty(n * 4, 3, dtype=torch.float64), "got .* torch.float64"),
+           (torch.empty(3, n * 4).t(), "not contiguous")]
+    for out, match in bad:
+        with pytest.raises(fzero.MeshError, match=match):
+            mesh.run(lambda x: mesh.start("all_gather", x, out=out), [(x,) for x in xs])
+    with pytest.raises(fzero.MeshError, match="out= is for all_gather only"):
+        mesh.run(lambda x: mesh.start("all_reduce", x, arg="sum", out=x.clone()), [(x,) for x in xs])

@@ -84,9 +84,9 @@ def test_live_gathered_bytes_stay_within_persistent_plus_1_plus_k_largest_units(
     embedding, final norm, head; read first, freed only after its backward, so persistent for
     the step), the unit in use and at most k prefetched ones: `P + (1 + k) * L` with L the
     largest block. Over the N ranks, add one unit for the only transient: SimMesh builds each
-    gather's result as a concatenation before copying it to every rank, and a backward refill
-    holds the gathered copy while it fills the freed storage (one rank runs at a time, so one
-    such transient exists at once). Lower bound, so the census is not vacuous: the forward holds
+    gather's result as a concatenation before copying it to every rank (a backward refill
+    gathers into the freed storage itself; one rank runs at a time, so one such transient
+    exists at once). Lower bound, so the census is not vacuous: the forward holds
     min(1 + k, depth) blocks at once on every rank. At N = 1 there is nothing to gather: each unit
     reads its held shard itself (no gathered copy, nothing freed or gathered again)."""
     depth, d, widths = model

@@ -427,3 +427,51 @@ def test_refill_at_one_rank_casts_into_the_storage_and_changes_no_bit(prefetch):
     assert got[1] == want[1] and got[2] == want[2]
     assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
     assert not any(want[3]) and (sum(got[3]) == 12 if prefetch == 0 else 0 < sum(got[3]) < 12)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_refill_at_several_ranks_gathers_into_the_storage_and_changes_no_bit(n, prefetch, policy):
+    """At N > 1 a released block's refill all-gathers straight into its released storage
+    (`Mesh.start`'s `out`; `Gathering._start`) instead of into a new tensor copied there: the
+    same params, losses and recorded collectives bit for bit as the refill that copies, with
+    and without a prefetched refill (a prefetch never read frees the storage again), fp32 and
+    under a bf16 policy."""
+    from fzero._src.gathering import Gathering
+
+    params, apply, info = _module()
+    mesh = fzero.SimMesh(n)
+    prec = fzero.Precision(torch.bfloat16, torch.float32) if policy else fzero.Precision()
+    into = Gathering._into_storage
+
+    def run(direct):
+        used = []
+
+        def counted(self, unit):
+            ok = into(self, unit) if direct else False
+            used.append(ok)
+            return ok
+
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=prec)
+            cast = (lambda x: x.bfloat16()) if policy else (lambda x: x)
+            step = fzero.train_step(
+                lambda p, b: torch.nn.functional.cross_entropy(apply(p, cast(b[0])).float(), b[1]),
+                donate=True, prefetch=prefetch)
+            losses = []
+            with mesh.record() as log:
+                for t in range(3):
+                    state, m = step(state, _batch(mesh.rank + 10 * t))
+                    losses.append(m.loss)
+            return fzero.gather(state), losses, sorted((r.rank, r.op, r.elements, r.tag) for r in log), used
+
+        with pytest.MonkeyPatch.context() as mp:  # patched once, outside the rank threads
+            mp.setattr(Gathering, "_into_storage", counted)
+            return mesh.run(rank_fn)
+
+    got, want = run(True), run(False)
+    for r in range(n):
+        assert got[r][1] == want[r][1] and got[r][2] == want[r][2]
+        assert all(torch.equal(got[r][0][k], want[r][0][k]) for k in want[r][0])
+        assert any(got[r][3]) and not any(want[r][3])

@@ -68,7 +68,7 @@ from .collectives import func_level
 from .eager import eager
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .stages import ENTER_GATHER, Flight, Piece
+from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
 
@@ -272,6 +272,8 @@ class Gathering:
             with torch.no_grad():
                 for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
                     full = gathered.wait()
+                    if full.untyped_storage()._cdata == storage._cdata:  # gathered into it (`_start`)
+                        continue
                     storage.resize_(nbytes)
                     full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
         self._released.discard(unit)
@@ -311,9 +313,27 @@ class Gathering:
         shard cast to the compute dtype, all-gathered; frozen buckets too). For a released unit
         (a refill): only the buckets that own a storage (`_storages`), as `refill` fills them."""
         program = self._programs[unit]
+        if unit in self._released and self._into_storage(unit):
+            mesh, n = program.mesh, program.mesh.world_size
+            flights = []
+            for b, storage, nbytes in self._storages[unit]:
+                shard = self._held(b.index).detach().to(b.wire.compute)
+                storage.resize_(nbytes)
+                out = shard.new_empty(0).set_(storage, 0, (n * shard.shape[0], *shard.shape[1:]))  # own version counter
+                flights.append(start_enter_into(mesh, b.wire, shard, out))
+            return flights
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
         return [program.stage.enter.start(program.mesh, b.wire, self._held(b.index).detach().to(b.wire.compute))
                 for b in buckets]
+
+    def _into_storage(self, unit: str) -> bool:
+        """Whether a refill of `unit` all-gathers straight into its released storages: N > 1, the
+        stage's enter is the plain gather (`ENTER_GATHER`), and every held shard is on its
+        storage's device (an offload tier's enter copies to the device first: it gathers into a
+        new tensor, which `refill` copies)."""
+        program = self._programs[unit]
+        return (program.mesh.world_size > 1 and program.stage.enter is ENTER_GATHER
+                and all(self._held(b.index).device == storage.device for b, storage, _ in self._storages[unit]))
 
     def _held(self, b: int) -> torch.Tensor:
         return held_tensor(self._xs, self._fulls, b)
@@ -340,9 +360,13 @@ class Gathering:
             self._ahead[unit] = self._start(unit)
 
     def _drop(self, unit: str) -> None:
-        """Wait for a prefetched gather nobody will read, and free it (NCCL may still be writing)."""
+        """Wait for a prefetched gather nobody will read, and free it (NCCL may still be writing);
+        a refill gathered into the released storage frees that storage again."""
         for pending in self._ahead.pop(unit):
             pending.wait()
+        if unit in self._released:
+            for _, storage, _ in self._storages[unit]:
+                storage.resize_(0)
 
     def drain(self) -> None:
         """Drop every forward prefetch still in flight (the forward is over: those units were not

@@ -183,7 +183,7 @@ class Mesh(abc.ABC):
 
     @eager
     def start(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None,
-              donate: bool = False) -> "Pending":
+              donate: bool = False, out: torch.Tensor | None = None) -> "Pending":
         """`collective` without waiting, where the backend allows: `start(...).wait()` is
         `collective(...)`, the same bits. DistMesh issues the operation and returns at once (NCCL
         runs it on its own stream, gloo on its own threads); SimMesh completes it before
@@ -192,9 +192,25 @@ class Mesh(abc.ABC):
 
         `donate`: the caller hands `x` over and never reads it again, so an all-reduce or a
         broadcast runs in `x`'s own storage and returns it (DistMesh: no copy of `x`; SimMesh: the
-        result copied into `x`); the bits are the same."""
+        result copied into `x`); the bits are the same.
+
+        `out` (all-gather only): a contiguous `[N * S, ...]` tensor of `x`'s dtype and device that
+        the result is written into and returned as (DistMesh gathers into it, no copy; SimMesh
+        copies the result there); nothing may read it before the wait."""
         call, data = self._enter(op, x, arg, tag)
-        return self._start(call, data, donate=donate)
+        if out is not None:
+            self._check_out(op, data, out, tag)
+        return self._start(call, data, donate=donate, out=out)
+
+    def _check_out(self, op: str, x: torch.Tensor, out: torch.Tensor, tag: str | None) -> None:
+        where = f" (tag {tag!r})" if tag else ""
+        want = (self.world_size * x.shape[0], *x.shape[1:])
+        if op != "all_gather":
+            raise MeshError(f"{op}{where}: out= is for all_gather only")
+        if tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+            raise MeshError(f"all_gather{where}: out must be a contiguous {list(want)} {x.dtype} tensor on {x.device} "
+                            f"(world size {self.world_size}), got {list(out.shape)} {out.dtype} on {out.device}"
+                            f"{'' if out.is_contiguous() else ', not contiguous'}")
 
     def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> tuple[_Call, torch.Tensor]:
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
@@ -207,15 +223,16 @@ class Mesh(abc.ABC):
                                         elements, elements * x.element_size(), tag))
         return call, x.detach().contiguous()
 
-    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> "Pending":
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False,
+               out: torch.Tensor | None = None) -> "Pending":
         """Backend primitive of `start`: by default the blocking `_exchange`, already complete. A
         donated all-reduce or broadcast returns its result in `x`'s own storage, as DistMesh's
         does, so a caller that read a buffer after donating it reads the result here too (SimMesh
-        is where the tests run)."""
-        out = self._exchange(call, x)
+        is where the tests run); an all-gather with `out` returns the result copied into it."""
+        result = self._exchange(call, x)
         if donate and call.op in ("all_reduce", "broadcast"):
-            return Pending(x.copy_(out))
-        return Pending(out)
+            return Pending(x.copy_(result))
+        return Pending(result if out is None else out.copy_(result))
 
     def _validate(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> None:
         where = f" (tag {tag!r})" if tag else ""
@@ -282,11 +299,13 @@ def _per_rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: in
 # SimMesh
 
 
-def _combine(call: _Call, xs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """The serial meaning of each collective, reducing in rank order 0, 1, ..., N-1."""
+def _combine(call: _Call, xs: list[torch.Tensor], n: int,
+             into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """The serial meaning of each collective, reducing in rank order 0, 1, ..., N-1. `into`: per
+    rank, the tensor an all-gather writes that rank's result into (`Mesh.start`'s `out`), or None."""
     if call.op == "all_gather":
         out = torch.cat(xs)
-        return [out.clone() for _ in range(n)]
+        return [out.clone() if o is None else o.copy_(out) for o in (into or [None] * n)]
     if call.op == "broadcast":
         return [xs[call.arg].clone() for _ in range(n)]
     acc = xs[0].clone()  # one accumulator, updated in place: the same bits as acc = acc + x
@@ -368,6 +387,19 @@ class SimMesh(Mesh):
         """Ranks that deposited into the current, incomplete round."""
         return [s for s, slot in enumerate(self._slots) if slot is not None]
 
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False,
+               out: torch.Tensor | None = None) -> "Pending":
+        """An all-gather with `out` writes each rank's result into its `out` in the round itself
+        (`_combine`), with no per-rank copy between: what DistMesh's gather into `out` holds."""
+        if out is None:
+            return super()._start(call, x, donate)
+        r = self.rank
+        self._into[r] = out
+        try:
+            return Pending(self._exchange(call, x))
+        finally:
+            self._into[r] = None
+
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         with self._cond:
             r = self.rank
@@ -400,7 +432,7 @@ class SimMesh(Mesh):
                 f"{self!r}: ranks called different collectives at collective #{self._round}:\n{lines}\n"
                 f"every rank must call the same op with the same dtype, shape and tag"))
         else:
-            self._results = _combine(calls[0], [x for _, x in self._slots], self.world_size)
+            self._results = _combine(calls[0], [x for _, x in self._slots], self.world_size, self._into)
         self._slots = [None] * self.world_size
         self._round += 1
 
@@ -419,6 +451,7 @@ class SimMesh(Mesh):
         self._status = ["run"] * n
         self._slots: list[Any] = [None] * n
         self._results: list[Any] = [None] * n
+        self._into: list[torch.Tensor | None] = [None] * n  # per rank, an all-gather's `out` (`_start`)
         self._error: MeshError | None = None
         self._round = 0
         self._turn: int | None = 0
@@ -556,15 +589,17 @@ class _Works:
             w.wait()
 
 
-def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple[torch.Tensor, _Works]:
+def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int,
+                            into: torch.Tensor | None = None) -> tuple[torch.Tensor, _Works]:
     """gloo's all-gather at N = 2, `x[S, ...] -> [2 * S, ...]` (rank order), as one exchange: this
     rank's `x` is copied into its half of the output and sent to the other rank, whose `x` is
     received straight into the other half (one `isend` and one `irecv`, gloo's point-to-point
     pairs, in flight together). Only bits move, so every dtype comes out as gloo's own all-gather,
     which gathers into a staging buffer of its own and then copies each rank's chunk into the
-    output: one copy of `x` here where gloo makes a copy of the whole `[2 * S]`."""
+    output: one copy of `x` here where gloo makes a copy of the whole `[2 * S]`. `into`: the
+    output, where the caller has one (`Mesh.start`'s `out`)."""
     dist, s = torch.distributed, x.shape[0]
-    out = x.new_empty((2 * s, *x.shape[1:]))
+    out = x.new_empty((2 * s, *x.shape[1:])) if into is None else into
     out[rank * s : (rank + 1) * s].copy_(x)
     peer = 1 - rank
     to = dist.get_global_rank(group, peer) if group is not None else peer
@@ -880,21 +915,23 @@ class DistMesh(Mesh):
     def _exchange(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         return self._start(call, x).wait()
 
-    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False) -> Pending:
+    def _start(self, call: _Call, x: torch.Tensor, donate: bool = False, out: torch.Tensor | None = None) -> Pending:
         self._check_usable()
         if self.verify:
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
         try:
-            out, work = self._move(call, x, donate)
+            out, work = self._move(call, x, donate, out)
         except RuntimeError as e:
             raise self._lost(e, what, started) from e
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
-    def _move(self, call: _Call, x: torch.Tensor, donate: bool = False) -> tuple[torch.Tensor, Any]:
+    def _move(self, call: _Call, x: torch.Tensor, donate: bool = False,
+              into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """Issue `call` asynchronously: `(its result, once waited for; the work handle)`. An
-        all-reduce or broadcast runs in place on a copy of `x`, or on `x` itself where donated."""
+        all-reduce or broadcast runs in place on a copy of `x`, or on `x` itself where donated;
+        an all-gather into `into` where given."""
         dist, n = torch.distributed, self.world_size
         if call.op == "all_reduce":
             out = x if donate else x.clone()
@@ -905,9 +942,9 @@ class DistMesh(Mesh):
             work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
                                   group=self.group, async_op=True)
         elif call.op == "all_gather" and self.backend == "gloo" and n == 2:
-            out, work = _all_gather_by_exchange(x, self.group, self._rank)
+            out, work = _all_gather_by_exchange(x, self.group, self._rank, into)
         elif call.op == "all_gather":
-            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+            out = x.new_empty((n * x.shape[0], *x.shape[1:])) if into is None else into
             work = _all_gather_into(out, x, self.group, async_op=True)
         elif self.backend == "gloo" and n == 2 and x.dtype in _EXCHANGED:
             out, work = _reduce_scatter_by_exchange(x, self.group)

@@ -217,6 +217,13 @@ def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
     return mesh.start("all_gather", shard, tag=wire.tag)
 
 
+def start_enter_into(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor) -> Flight:
+    """`ENTER_GATHER`'s start with its result written into `out` (`[N * S]`, N > 1): the same
+    all-gather, recorded alike (`Mesh.start`'s `out`), for a stage-3 refill into the storage
+    its unit's saved tensors read."""
+    return Flight(mesh.start("all_gather", shard, tag=wire.tag, out=out))
+
+
 def _start_reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
     """`flat[N * S] -> flat[N * S]` of `Σ_r fl(1/N) * g_r` (stage 0), in flight: reduce-scatter,
     then all-gather (a Flight of two phases); or the one all-reduce (one phase, so `advance` is a
