@@ -922,8 +922,7 @@ class EarlyNorms:
     DEVICES = ("cuda",)  # where a step takes them (a side stream runs beside the backward)
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.device, self.side = device, Side(device)
         self.taken: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -941,23 +940,38 @@ class EarlyNorms:
     def take(self, x: torch.Tensor) -> None:
         if x.requires_grad or not x.is_contiguous() or x.device != self.device:
             return
-        if self.stream is None:
-            nu = shard_norm(x)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                nu = shard_norm(x)
-        self.taken[_norm_key(x)] = (x, nu)
+        self.taken[_norm_key(x)] = (x, self.side.run(shard_norm, x))
 
     def known(self, shards: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        if self.stream is not None and self.taken:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.side.join()
         hits = {k: self.taken.get(_norm_key(x)) for k, x in enumerate(shards) if x.is_contiguous()}
         return {k: hit[1] for k, hit in hits.items() if hit is not None}
 
 
 def _norm_key(x: torch.Tensor) -> tuple:
     return (x.data_ptr(), x.numel(), x.dtype, x._version)
+
+
+class Side:
+    """Work queued beside the step's stream: on CUDA on the device's side stream, after what the
+    step's stream has queued so far (`run`), until `join` makes the step's stream wait for it;
+    elsewhere run in line."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.used = device, False
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+
+    def run(self, fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+        if self.stream is None:
+            return fn(x)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.used = True
+        with torch.cuda.stream(self.stream):
+            return fn(x)
+
+    def join(self) -> None:
+        if self.used:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -1167,8 +1181,7 @@ def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: E
     computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream."""
     dev = state.mesh.device
     known = {} if taken is None else taken.joined()
-    ends = [e.to(dev) for b, p in updated.items() if p.numel()
-            for e in (known[b] if b in known else torch.aminmax(p.detach().reshape(-1)))]
+    ends = [e.to(dev) for b, p in updated.items() if p.numel() for e in (known[b] if b in known else _ends(p))]
     if not ends:
         return torch.zeros((), dtype=torch.float32, device=dev)
     return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
@@ -1185,8 +1198,7 @@ class Ends:
     DEVICES = ("cuda",)  # where a step takes them (elsewhere, in line: the same work as after the loop)
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.device, self.side = device, Side(device)
         self.taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -1199,18 +1211,17 @@ class Ends:
     def take(self, b: int, p: torch.Tensor) -> None:
         if p.device != self.device or not p.numel():
             return
-        if self.stream is None:
-            self.taken[b] = torch.aminmax(p.detach().reshape(-1))
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        p.record_stream(self.stream)  # freed before the join (an NVMe tier's temporary): not reused before it is read
-        with torch.cuda.stream(self.stream):
-            self.taken[b] = torch.aminmax(p.detach().reshape(-1))
+        if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
+            p.record_stream(self.side.stream)
+        self.taken[b] = self.side.run(_ends, p)
 
     def joined(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        if self.stream is not None and self.taken:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.side.join()
         return self.taken
+
+
+def _ends(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.aminmax(p.detach().reshape(-1))
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
