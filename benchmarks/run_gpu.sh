@@ -4,7 +4,8 @@
 # (stages 2-3), all on the same model, one torchrun job each, one JSON line each, appended to
 # ${OUT:-.}/bench.jsonl; then (PROFILE=1) a profiler table of one fzero step per PROFILE_STAGES
 # (${OUT}/profile-stage<s>.txt) and of one step per PROFILE_PEERS (profile-<mode>.txt) and (CENSUS=1, one GPU) benchmarks/census.py's passes per step.
-# Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode)
+# Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode;
+#      ROUNDS=R to run the modes R times in turn)
 # An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,10 +18,14 @@ run() {  # name, script, args...
   timeout ${MODE_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" "$@" ${ARGS:-} > "$o/$name.log" 2>&1
   grep '^{' "$o/$name.log" | tee -a "$out" || { echo "{\"mode\": \"$name\", \"error\": true}" | tee -a "$out"; tail -5 "$o/$name.log"; }
 }
-for m in ${PEERS-ddp fsdp2 fsdp2-noreshard}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
-for s in ${STAGES-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
-for s in ${EAGER_STAGES:-}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
-for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+# ROUNDS=R runs every mode above R times in turn (peers, then fzero, R times over): the ratios of
+# one round come from neighbouring runs, and R rounds show the spread on one machine
+for round in $(seq "${ROUNDS:-1}"); do
+  for m in ${PEERS-ddp fsdp2 fsdp2-noreshard}; do run "$m" "$here/peers/bench_peers.py" --mode "$m"; done
+  for s in ${STAGES-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
+  for s in ${EAGER_STAGES:-}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
+  for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+done
 if [ "${PROFILE:-1}" = 1 ]; then
   for s in ${PROFILE_STAGES-2}; do
     run "fzero$s-profile" "$here/bench_stages.py" --stage "$s" --steps 2 --warmup 2 --profile "$o/profile-stage$s.txt"
