@@ -382,7 +382,42 @@ def test_persist_and_cap_reject_bad_settings():
         mesh.run(eager)
 
 
-# -- refill at N = 1: the cast written into the released storage ---------------------------------
+# -- refills written into the released storage -------------------------------------------------
+
+
+def _refill_runs(mesh, method, direct, precision, prefetch, batch_of):
+    """Three stage-3 steps of `_module`'s model on `mesh` with `Gathering.<method>` (`_fill` or
+    `_into_storage`) counted, and answering False (the refill that copies) unless `direct`: per
+    rank `(gathered params, losses, the recorded collectives, the method's answers)`. Patched
+    once, outside the rank threads."""
+    from fzero._src.gathering import Gathering
+
+    params, apply, info = _module()
+    real = getattr(Gathering, method)
+    answers = []
+
+    def counted(self, unit):
+        ok = real(self, unit) if direct else False
+        answers.append(ok)
+        return ok
+
+    bf16 = precision.param_dtype == torch.bfloat16
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=precision)
+        step = fzero.train_step(
+            lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0].bfloat16() if bf16 else b[0]).float(), b[1]),
+            donate=True, prefetch=prefetch)
+        losses = []
+        with mesh.record() as log:
+            for t in range(3):
+                state, m = step(state, batch_of(mesh.rank, t))
+                losses.append(m.loss)
+        return fzero.gather(state), losses, list(log), answers
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Gathering, method, counted)
+        return mesh.run(rank_fn)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -394,37 +429,12 @@ def test_refill_at_one_rank_casts_into_the_storage_and_changes_no_bit(prefetch):
     and copying that: the same params, losses and recorded collectives bit for bit as the
     refill that copies, and every block is refilled in place (4 per step, without prefetch; a
     block prefetched ahead takes the copying path)."""
-    from fzero._src.gathering import Gathering
-
-    params, apply, info = _module()
     mesh = fzero.SimMesh(1)
     policy = fzero.Precision(torch.bfloat16, torch.float32)
-    fill = Gathering._fill
-
-    def run(in_place):
-        filled = []
-
-        def counted(self, unit):
-            done = fill(self, unit) if in_place else False
-            filled.append(done)
-            return done
-
-        def rank_fn():
-            state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=policy)
-            step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0].bfloat16()).float(), b[1]),
-                                    donate=True, prefetch=prefetch)
-            losses = []
-            with pytest.MonkeyPatch.context() as mp, mesh.record() as log:
-                mp.setattr(Gathering, "_fill", counted)
-                for t in range(3):
-                    state, m = step(state, _batch(t))
-                    losses.append(m.loss)
-            return fzero.gather(state), losses, [(r.op, r.dtype, r.elements, r.tag) for r in log], filled
-
-        return mesh.run(rank_fn)[0]
-
-    got, want = run(True), run(False)
-    assert got[1] == want[1] and got[2] == want[2]
+    got, want = (_refill_runs(mesh, "_fill", direct, policy, prefetch, lambda r, t: _batch(t))[0]
+                 for direct in (True, False))
+    logs = [[(r.op, r.dtype, r.elements, r.tag) for r in run[2]] for run in (got, want)]
+    assert got[1] == want[1] and logs[0] == logs[1]
     assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
     assert not any(want[3]) and (sum(got[3]) == 12 if prefetch == 0 else 0 < sum(got[3]) < 12)
 
@@ -438,40 +448,12 @@ def test_refill_at_several_ranks_gathers_into_the_storage_and_changes_no_bit(n, 
     same params, losses and recorded collectives bit for bit as the refill that copies, with
     and without a prefetched refill (a prefetch never read frees the storage again), fp32 and
     under a bf16 policy."""
-    from fzero._src.gathering import Gathering
-
-    params, apply, info = _module()
     mesh = fzero.SimMesh(n)
     prec = fzero.Precision(torch.bfloat16, torch.float32) if policy else fzero.Precision()
-    into = Gathering._into_storage
-
-    def run(direct):
-        used = []
-
-        def counted(self, unit):
-            ok = into(self, unit) if direct else False
-            used.append(ok)
-            return ok
-
-        def rank_fn():
-            state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, precision=prec)
-            cast = (lambda x: x.bfloat16()) if policy else (lambda x: x)
-            step = fzero.train_step(
-                lambda p, b: torch.nn.functional.cross_entropy(apply(p, cast(b[0])).float(), b[1]),
-                donate=True, prefetch=prefetch)
-            losses = []
-            with mesh.record() as log:
-                for t in range(3):
-                    state, m = step(state, _batch(mesh.rank + 10 * t))
-                    losses.append(m.loss)
-            return fzero.gather(state), losses, sorted((r.rank, r.op, r.elements, r.tag) for r in log), used
-
-        with pytest.MonkeyPatch.context() as mp:  # patched once, outside the rank threads
-            mp.setattr(Gathering, "_into_storage", counted)
-            return mesh.run(rank_fn)
-
-    got, want = run(True), run(False)
+    got, want = (_refill_runs(mesh, "_into_storage", direct, prec, prefetch, lambda r, t: _batch(r + 10 * t))
+                 for direct in (True, False))
     for r in range(n):
-        assert got[r][1] == want[r][1] and got[r][2] == want[r][2]
+        logs = [sorted((x.rank, x.op, x.elements, x.tag) for x in run[r][2]) for run in (got, want)]
+        assert got[r][1] == want[r][1] and logs[0] == logs[1]
         assert all(torch.equal(got[r][0][k], want[r][0][k]) for k in want[r][0])
         assert any(got[r][3]) and not any(want[r][3])

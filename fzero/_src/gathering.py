@@ -272,10 +272,8 @@ class Gathering:
             with torch.no_grad():
                 for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
                     full = gathered.wait()
-                    if full.untyped_storage()._cdata == storage._cdata:  # gathered into it (`_start`)
-                        continue
-                    storage.resize_(nbytes)
-                    full.new_empty(0).set_(storage, 0, full.shape).copy_(full)  # own version counter
+                    if full.untyped_storage()._cdata != storage._cdata:  # else gathered into it (`_start`)
+                        _regrown(storage, nbytes, full, full.dtype, full.shape).copy_(full)
         self._released.discard(unit)
 
     def _fill(self, unit: str) -> bool:
@@ -285,14 +283,12 @@ class Gathering:
         runs into a new tensor, so the same bits), then the enter of it, recorded as `_start`
         records it. False (nothing done) elsewhere: `refill` gathers and copies."""
         program = self._programs[unit]
-        if program.mesh.world_size != 1 or program.stage.enter is not ENTER_GATHER or any(
-                self._held(b.index).device != storage.device for b, storage, _ in self._storages[unit]):
+        if program.mesh.world_size != 1 or not self._direct(unit):
             return False
         with torch.no_grad():
             for bucket, storage, nbytes in self._storages[unit]:
                 held = self._held(bucket.index).detach()
-                storage.resize_(nbytes)
-                view = held.new_empty(0, dtype=bucket.wire.compute).set_(storage, 0, held.shape)  # own version counter
+                view = _regrown(storage, nbytes, held, bucket.wire.compute, held.shape)
                 view.copy_(held)
                 program.stage.enter.start(program.mesh, bucket.wire, view).wait()
         return True
@@ -318,8 +314,7 @@ class Gathering:
             flights = []
             for b, storage, nbytes in self._storages[unit]:
                 shard = self._held(b.index).detach().to(b.wire.compute)
-                storage.resize_(nbytes)
-                out = shard.new_empty(0).set_(storage, 0, (n * shard.shape[0], *shard.shape[1:]))  # own version counter
+                out = _regrown(storage, nbytes, shard, shard.dtype, (n * shard.shape[0], *shard.shape[1:]))
                 flights.append(start_enter_into(mesh, b.wire, shard, out))
             return flights
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
@@ -327,13 +322,17 @@ class Gathering:
                 for b in buckets]
 
     def _into_storage(self, unit: str) -> bool:
-        """Whether a refill of `unit` all-gathers straight into its released storages: N > 1, the
-        stage's enter is the plain gather (`ENTER_GATHER`), and every held shard is on its
+        """Whether a refill of `unit` all-gathers straight into its released storages: N > 1 and
+        `_direct`."""
+        return self._programs[unit].mesh.world_size > 1 and self._direct(unit)
+
+    def _direct(self, unit: str) -> bool:
+        """Whether a refill of `unit` may write its storages itself (`_fill`, `_into_storage`):
+        the stage's enter is the plain gather (`ENTER_GATHER`) and every held shard is on its
         storage's device (an offload tier's enter copies to the device first: it gathers into a
         new tensor, which `refill` copies)."""
-        program = self._programs[unit]
-        return (program.mesh.world_size > 1 and program.stage.enter is ENTER_GATHER
-                and all(self._held(b.index).device == storage.device for b, storage, _ in self._storages[unit]))
+        return self._programs[unit].stage.enter is ENTER_GATHER and all(
+            self._held(b.index).device == storage.device for b, storage, _ in self._storages[unit])
 
     def _held(self, b: int) -> torch.Tensor:
         return held_tensor(self._xs, self._fulls, b)
@@ -465,6 +464,14 @@ def _entering(program: UnitProgram, gathered: Sequence[Flight]) -> UnitProgram:
     stage = program.stage
     return dataclasses.replace(program, stage=dataclasses.replace(
         stage, enter=Piece(enter, stage.enter.moves, stage.enter.frozen_moves)))
+
+
+def _regrown(storage: torch.UntypedStorage, nbytes: int, like: torch.Tensor, dtype: torch.dtype,
+             shape: tuple[int, ...]) -> torch.Tensor:
+    """A released unit's `storage` grown back to `nbytes`, as a `shape` tensor of `dtype` (on
+    `like`'s device) with a version counter of its own, not that of the tensors saved from it."""
+    storage.resize_(nbytes)
+    return like.new_empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 _FLAT: dict = {}

@@ -922,7 +922,7 @@ class EarlyNorms:
     DEVICES = ("cuda",)  # where a step takes them (a side stream runs beside the backward)
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.side = device, Side(device)
+        self.side = Side(device)
         self.taken: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -938,7 +938,7 @@ class EarlyNorms:
         return EarlyNorms(mesh.device)
 
     def take(self, x: torch.Tensor) -> None:
-        if x.requires_grad or not x.is_contiguous() or x.device != self.device:
+        if x.requires_grad or not x.is_contiguous() or x.device != self.side.device:
             return
         self.taken[_norm_key(x)] = (x, self.side.run(shard_norm, x))
 
@@ -1198,7 +1198,7 @@ class Ends:
     DEVICES = ("cuda",)  # where a step takes them (elsewhere, in line: the same work as after the loop)
 
     def __init__(self, device: torch.device) -> None:
-        self.device, self.side = device, Side(device)
+        self.side = Side(device)
         self.taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
@@ -1209,7 +1209,7 @@ class Ends:
         return Ends(dev) if donate and dev.type in Ends.DEVICES and func_level() is None else None
 
     def take(self, b: int, p: torch.Tensor) -> None:
-        if p.device != self.device or not p.numel():
+        if p.device != self.side.device or not p.numel():
             return
         if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
             p.record_stream(self.side.stream)

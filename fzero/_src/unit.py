@@ -170,7 +170,7 @@ class Inflight:
 
     def _seen(self, flight: Any) -> Any:
         """`flight`, after handing its result to `done` where it completed when started."""
-        if self.done is not None and not flight.then and flight.pending.done:
+        if self.done is not None and _complete(flight):
             self.done(flight.pending.result)
         return flight
 
@@ -195,7 +195,7 @@ class Inflight:
 
     def add(self, flight: Any, bucket: int | None = None) -> torch.Tensor:
         """Keep `flight` (bucket `bucket`'s reduction) open; its result, for autograd, unread."""
-        done = self.host is not None and not flight.then and flight.pending.done  # N = 1: the shard exists
+        done = self.host is not None and _complete(flight)  # N = 1: the shard exists
         if done:
             self.host(flight.pending.result, bucket)
         self._flights.append((self._seen(flight), bucket, done))
@@ -207,6 +207,11 @@ class Inflight:
         flights, self._flights = self._flights, []
         for f in flights:
             self._close(*f)
+
+
+def _complete(flight: Any) -> bool:
+    """Whether a flight's result exists already: one phase, completed when started (N = 1)."""
+    return not flight.then and flight.pending.done
 
 
 @dataclasses.dataclass(frozen=True)
