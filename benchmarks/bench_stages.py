@@ -62,11 +62,13 @@ def count_syncs(run_step) -> dict:
 
 def _side_checks(step, state, batch):
     """One more step, counting what the side-stream checks took: `(state, {"early_norms": [shards
-    whose norm the backward took, shards], "update_checks": buckets checked as updated})`."""
+    whose norm the backward took, shards], "update_checks": buckets checked as updated,
+    "early_update": whether the update was launched before the agreement's read})`."""
+    from fzero._src import step as step_module
     from fzero._src.step import EarlyNorms, Ends
 
-    seen, taken = [], []
-    known, take = EarlyNorms.known, Ends.take
+    seen, taken, early = [], [], []
+    known, take, skip = EarlyNorms.known, Ends.take, step_module.early_skip
 
     def counted_known(self, shards):
         out = known(self, shards)
@@ -77,12 +79,18 @@ def _side_checks(step, state, batch):
         taken.append(b)
         return take(self, b, p)
 
-    EarlyNorms.known, Ends.take = counted_known, counted_take
+    def counted_skip(*args):
+        flag = skip(*args)
+        early.append(flag is not None)
+        return flag
+
+    EarlyNorms.known, Ends.take, step_module.early_skip = counted_known, counted_take, counted_skip
     try:
         state, _ = step(state, batch)
     finally:
-        EarlyNorms.known, Ends.take = known, take
-    return state, {"early_norms": seen[0] if seen else None, "update_checks": len(taken)}
+        EarlyNorms.known, Ends.take, step_module.early_skip = known, take, skip
+    return state, {"early_norms": seen[0] if seen else None, "update_checks": len(taken),
+                   "early_update": early == [True]}
 
 
 def main() -> None:
@@ -105,6 +113,9 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=1,
                     help="0: take the agreement's norms and the update's finite check on the step's stream, after "
                          "the backward and the update (what fzero did before its side-stream checks), for an A/B")
+    ap.add_argument("--early", type=int, default=1,
+                    help="0: launch the update after the agreement's host read, never before it (what fzero did "
+                         "before step.agree_launching), for an A/B")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
@@ -128,6 +139,10 @@ def main() -> None:
         from fzero._src.step import EarlyNorms, Ends
 
         EarlyNorms.DEVICES = Ends.DEVICES = ()
+    if not a.early:
+        from fzero._src import step as step_module
+
+        step_module.early_skip = lambda *args: None
     policy = fzero.Precision(torch.bfloat16, torch.float32) if a.precision == "bf16" else fzero.Precision()
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units, precision=policy)
     del params
@@ -186,7 +201,7 @@ def main() -> None:
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
             + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else "")
-            + ("" if a.side else "-noside"),
+            + ("" if a.side else "-noside") + ("" if a.early else "-noearly"),
             "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),

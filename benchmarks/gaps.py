@@ -90,7 +90,15 @@ def kernel_table(prof: Any, top: int = 40) -> str:
         row[0] += (e - s) / 1e3
         row[1] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return "\n".join(f"{ms:9.3f} ms {n:5d}  {_kind(name):10s} {name[:110]}" for name, (ms, n) in rows)
+    return "\n".join(f"{ms:9.3f} ms {n:5d}  {_kind(name):10s} {_short(name)[:160]}" for name, (ms, n) in rows)
+
+
+def _short(name: str) -> str:
+    """A kernel's name without the namespaces that every ATen kernel repeats, so that the part
+    that tells two multi-tensor kernels apart (their functor) fits on the line."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::"):
+        name = name.replace(noise, "")
+    return name
 
 
 def kernel_time(prof: Any) -> dict[str, float]:

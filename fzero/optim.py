@@ -11,6 +11,7 @@ from fzero._src.optim import (
     AmsgradState as AmsgradState,
     EmptyState as EmptyState,
     Impl as Impl,
+    Launch as Launch,
     LambState as LambState,
     Optimizer as Optimizer,
     OptimizerError as OptimizerError,

@@ -548,6 +548,187 @@ def test_a_prepare_that_raises_raises_after_the_verdict(monkeypatch):
         mesh.run(lambda: rank_fn(torch.ones(4)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", PREPARED)
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+@given(seed=st.integers(0, 2**16))
+def test_a_fused_launch_skips_on_its_flag_and_no_other_takes_one(device, name, impl, seed):
+    """`Launch.skips` only for "fused": given `found_inf` 0, its launch gives the bits of the
+    launch without one; given 1 it writes nothing (param and every state field as they were).
+    "single" and "foreach" refuse a flag before they write. Over two steps, so that the second
+    has momentum buffers and step counts to keep."""
+    opt = PREPARED[name](impl)
+    g = torch.Generator().manual_seed(seed)
+    segments = (Segment(0, 0, 0, 4), Segment(1, 0, 4, 12), Segment(2, 0, 12, 16))
+    ctx = optim.UpdateContext(0, ParamGroup(), segments, (0, 1, 2), (True,) * 3, leaf_numels=(4, 8, 4))
+    param = torch.randn(16, generator=g).to(device)
+    state = opt.init(param, 3)
+    for _ in range(2):
+        grad = torch.randn(16, generator=g).to(device)
+        launch = opt.prepare_(state, param, ctx)
+        assert launch.skips == (impl == "fused")
+        before = param.clone(), [x.clone() for x in state]
+        flag = torch.ones((), device=device)
+        if impl != "fused":
+            with pytest.raises(optim.OptimizerError, match="only torch's fused kernels"):
+                launch(grad, flag)
+        else:
+            launch(grad, flag)
+        assert torch.equal(param, before[0]) and all(torch.equal(x, y) for x, y in zip(state, before[1]))
+        p_ref, s_ref = param.clone(), type(state)(*(x.clone() for x in state))
+        want = opt.prepare_(s_ref, p_ref, ctx)(grad)
+        state = opt.prepare_(state, param, ctx)(grad, torch.zeros((), device=device) if impl == "fused" else None)
+        assert torch.equal(param, p_ref) and all(torch.equal(x, y) for x, y in zip(state, want))
+
+
+def test_a_launch_whose_check_fails_is_not_launched_early_and_raises_after_the_verdict():
+    """CPU "fused" at N = 2, stage 1: the shard cuts a leaf, which the launch's placement check
+    refuses (`Launch.check`). Nothing is launched before the read: a NaN step is skipped and
+    raises nothing; a finite one raises the check's error, as without the early launch."""
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.randn(6)}
+
+    def rank_fn(x):
+        state = fzero.init(params, optim.adamw(1e-2, impl="fused"), stage=1, mesh=mesh)
+        state, m = fzero.train_step(lambda p, x: (p["a"] * x).sum(), donate=True, on_nonfinite="skip")(state, x)
+        return m.skipped
+
+    assert mesh.run(lambda: rank_fn(torch.full((6,), math.nan))) == [True, True]
+    with pytest.raises(optim.OptimizerError, match="is cut by the shard"):
+        mesh.run(lambda: rank_fn(torch.ones(6)))
+
+
+_ROW_VALUES = st.sampled_from([0.0, 1.0, -2.5, 1e300, math.inf, -math.inf, math.nan])
+
+
+@given(st.integers(1, 4).flatmap(lambda n: st.tuples(st.integers(0, 3), st.integers(0, 3)).flatmap(
+    lambda sizes: st.tuples(st.just(sizes), st.lists(st.tuples(
+        _ROW_VALUES, st.lists(st.sampled_from([0.0, 1.0]), min_size=sizes[0], max_size=sizes[0]),
+        st.lists(st.sampled_from([0.0, 1.0]), min_size=sizes[1], max_size=sizes[1]), _ROW_VALUES,
+        _ROW_VALUES, st.sampled_from([0.0, 1.0])), min_size=n, max_size=n)))))
+def test_the_skip_flag_is_set_by_every_way_a_verdict_is_not_finite(case):
+    """`skip_flag` over `agreement`'s rows `[loss, used[L], bad[B], ‖g‖², count, broken]`: 1 iff
+    some rank's loss or ‖g‖² is not finite, a bucket is bad or the previous update broke (the
+    count never matters), read from the device tensor the kernels read."""
+    (num, nb), parts = case
+    rows = [[loss, *used, *bad, sq, count, broken] for loss, used, bad, sq, count, broken in parts]
+    want = any(not math.isfinite(r[0]) or not math.isfinite(r[1 + num + nb]) or any(x > 0 for x in r[1 + num : 1 + num + nb])
+               or r[-1] != 0 for r in rows)
+    flag = step_module.skip_flag(torch.tensor(rows, dtype=torch.float64), num, nb)
+    assert flag.dtype == torch.float32 and flag.shape == () and flag.item() == float(want)
+
+
+def _taken(calls: list[str], n: int) -> list[str] | None:
+    """The notes so far, cleared (one rank: N = 1), or None (N > 1: the rank threads share them)."""
+    if n != 1:
+        return None
+    taken = calls[:]
+    calls.clear()
+    return taken
+
+
+def _launch_counting(monkeypatch, opt):
+    """`_counting`'s notes, a launch noted "launch" (or "launch?" with a skip flag), the early
+    read ("read") too."""
+    opt, calls = _counting(monkeypatch, opt)
+    prepare_, values = opt.prepare_, step_module.HostRead.values
+
+    def counted(*args):
+        launch = prepare_(*args)
+
+        def run(grad, found_inf):
+            calls.append("launch" if found_inf is None else "launch?")
+            return launch.run(grad, found_inf)
+
+        return optim.Launch(run, launch.check, launch.skips)
+
+    def read(self):
+        calls.append("read")
+        return values(self)
+
+    monkeypatch.setattr(step_module.HostRead, "values", read)
+    return opt._replace(prepare_=counted, update_=opt.update_), calls
+
+
+_ONE = torch.ones(5)
+_EARLY_BATCHES = [(_ONE, _ONE), (torch.full((5,), math.nan), _ONE), (torch.full((5,), 1e20), _ONE), (_ONE, None),
+                  (-_ONE, 2 * _ONE)]  # finite; NaN; float32 ‖g‖² overflows, exact ‖g‖² finite; b unused; finite
+_EARLY = ["prepare_", "prepare_", "launch?", "launch?", "read"]  # both buckets launched, flagged, then read
+_EARLY_CALLS = [_EARLY, _EARLY,  # finite, then the raising NaN step (as after each step)
+                _EARLY, _EARLY,  # NaN, skipped
+                [*_EARLY, "update_", "update_"], _EARLY,  # overflow: flag 1, nothing written; update_ after the read
+                ["prepare_", "prepare_", "read", "update_", "update_"], _EARLY,  # b unused: nothing early
+                _EARLY, _EARLY]  # finite
+
+
+def _early_run(mesh, stage, opt, calls, donate, precision=None):
+    """`_EARLY_BATCHES` through `opt`, each step followed by a NaN step that raises: `(gathered
+    params, [(loss, grad_norm, skipped)], the notes of each step and each raising step)`."""
+    n, dev = mesh.world_size, mesh.device
+
+    def loss(p, batch):
+        x, y = batch
+        return (p["a"][:5] * x.to(dev)).sum() + ((p["b"] * y.to(dev)).sum() if y is not None else 0)
+
+    g = torch.Generator().manual_seed(5)
+    params = {"a": torch.randn(6, generator=g).to(dev), "b": torch.randn(5, generator=g).to(dev)}
+    state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path,
+                       precision=precision or fzero.Precision())
+    step = fzero.train_step(loss, donate=donate, on_nonfinite="skip")
+    raising = fzero.train_step(loss, donate=donate)
+    seen, per_step = [], []
+    for batch in _EARLY_BATCHES:
+        state, m = step(state, batch)
+        seen.append((float(m.loss), float(m.grad_norm), m.skipped))
+        per_step.append(_taken(calls, n))
+        with pytest.raises(fzero.NonFiniteError, match="non-finite values"):  # leaves the state as it was
+            raising(state, (_EARLY_BATCHES[1][0], _ONE))
+        per_step.append(_taken(calls, n))
+    return fzero.gather(state), seen, per_step
+
+
+def _same_early_runs(donated, pure):
+    for (got, seen, _), (want, seen_pure, _) in zip(donated, pure):
+        assert repr(seen) == repr(seen_pure) and [s for _, _, s in seen] == [False, True, False, False, False]
+        assert set(got) == {"a", "b"} and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage, n", [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2)])  # CPU "fused": leaves whole in the shard
+def test_a_fused_donating_step_launches_its_update_before_the_read(stage, n, policy, monkeypatch):
+    """With kernels that skip on a device flag ("fused") and nothing else for the verdict to decide,
+    the donating step launches every bucket's update before the agreement's read, flagged: a
+    finite step keeps what they wrote; a NaN step (skipped) keeps the state, as does one that
+    raises; a step whose float32 ‖g‖² overflowed (flag 1: nothing written) but whose exact ‖g‖² is
+    finite updates after the read through `update_`; a step where a leaf got no gradient launches
+    nothing early. Every step's bits, metrics and skips are the pure step's. fp32 params, or bf16
+    params with fp32 masters (the kernels update the masters)."""
+    opt, calls = _launch_counting(monkeypatch, optim.adamw(1e-2, impl="fused"))
+    mesh = fzero.SimMesh(n)
+    precision = fzero.Precision(torch.bfloat16, torch.float32) if policy == "bf16" else None
+    donated = mesh.run(lambda: _early_run(mesh, stage, opt, calls, True, precision))
+    if n == 2:  # the ranks' notes interleave: count them (4 early steps and 5 raising ones, 2 buckets, 2 ranks)
+        assert calls.count("launch?") == 36 and calls.count("update_") == 8, calls
+        calls.clear()
+    else:
+        assert donated[0][2] == _EARLY_CALLS
+    pure = mesh.run(lambda: _early_run(mesh, stage, opt, calls, False, precision))
+    assert "launch?" not in calls and all("launch?" not in c for c in pure[0][2] if c is not None)
+    _same_early_runs(donated, pure)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_donating_cuda_step_launches_its_update_before_the_read(stage, nccl_mesh, monkeypatch):
+    """As above on CUDA with the default optimizer ("fused" there, element-wise: any shard), the
+    read from pinned memory behind an event (`HostRead`) while the update runs."""
+    opt, calls = _launch_counting(monkeypatch, optim.adamw(1e-2))
+    donated = _early_run(nccl_mesh, stage, opt, calls, True)
+    assert donated[2] == _EARLY_CALLS
+    pure = _early_run(nccl_mesh, stage, opt, calls, False)
+    assert all("launch?" not in c for c in pure[2])
+    _same_early_runs([donated], [pure])
+
+
 @given(rows=st.integers(1, 4).flatmap(lambda n: st.integers(0, 5).flatmap(lambda num: st.lists(
     st.lists(st.sampled_from([0.0, 1.0]), min_size=num + 4, max_size=num + 4), min_size=n, max_size=n).map(
         lambda r: (r, num)))))

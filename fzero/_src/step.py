@@ -19,7 +19,9 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`
    (`agreement` gathers it on the device; a donating step's update is prepared on the host --
    `prepare`, the optimizer's checks, views and step counts -- before `agree` reads it, so the
-   host does that while the device still runs the backward);
+   host does that while the device still runs the backward; where the verdict can decide only
+   whether the update runs, its fused kernels are launched before the read too, skipped on the
+   device where the gathered rows are not finite, `agree_launching`);
 4. a non-finite step raises on every rank or is skipped (`on_nonfinite`), leaving the state as
    it was; otherwise `update` applies the optimizer to what the rank owns and the stage's
    `finish` (stages 1-2: all-gather the new params, each bucket's started as its update ends).
@@ -295,7 +297,7 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     with _named("fzero.step/agree"):
         rows, shards = agreement(state, loss, report, reduced, count, norms)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
-        verdict = agree(state, rows, shards, reduced)
+        verdict, ready, launched = agree_launching(config, state, rows, shards, reduced, report, ready)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
     step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
@@ -314,7 +316,8 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     factor = scale * _clip_coefficient(config, norm) / s
     reduced = _rescale(reduced, factor, keep=step_plan(state.info).on_host)  # offloaded buckets: rescaled on the host, in `update`
     with _named("fzero.step/update"):
-        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor, ready=ready)
+        new, broken = update(state, reduced, verdict.used, config.donate, host_factor=factor, ready=ready,
+                             launched=launched)
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
@@ -820,6 +823,96 @@ def agree(state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor], redu
     return _verdict(state, rows.tolist(), shards, reduced)
 
 
+def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor],
+                    reduced: dict[int, torch.Tensor], report: Report, ready: Ready | None
+                    ) -> tuple[Verdict, Ready | None, dict[int, Any] | None]:
+    """`agree`, with the update launched before the read where nothing the verdict decides but
+    whether it runs changes its kernels (`early_skip`): `(verdict, ready, launched)`.
+
+    The rows' copy to the host is queued first (`HostRead`), then every prepared bucket's kernels
+    with the device flag that skips them (`Launch.skips`), then the host reads: the device goes
+    from the agreement to the update without waiting for the host, as DDP's optimizer follows its
+    backward. `launched`: per bucket, the new optimizer state its launch returned, where the flag
+    was 0 (the kernels ran; the verdict is then finite and every leaf used); None otherwise. Where
+    the flag was 1 the kernels wrote nothing and the prepared launches are spent (`ready` None):
+    a verdict that is finite all the same (a float32 ‖g‖² that overflowed but whose exact value
+    is finite, `_verdict`) updates through `update_`."""
+    skip = early_skip(config, state, rows, reduced, report, ready)
+    grads = None if skip is None else _checked(ready, reduced)
+    if grads is None:
+        return agree(state, rows, shards, reduced), ready, None
+    read = HostRead(rows, skip)
+    launched = {b: ready.launches[b].run(g, skip) for b, g in grads.items()}
+    got, skipped = read.values()
+    verdict = _verdict(state, got, shards, reduced)
+    if skipped:
+        return verdict, None, None
+    assert verdict.finite and all(verdict.used) and not verdict.broken_ranks, "the device flag and the verdict disagree"
+    return verdict, ready, launched
+
+
+def _checked(ready: Ready, reduced: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    """Each bucket's gradient in its param's dtype, checked by its launch (`Launch.check`), or None
+    where some check fails: nothing is launched early then, and the error is raised after the
+    verdict, where a step that is skipped raises none (as without the early launch)."""
+    grads = {b: g.to(ready.params[b].dtype) for b, g in reduced.items()}
+    try:
+        for b, g in grads.items():
+            ready.launches[b].check(g)
+    except Exception:  # noqa: BLE001 -- `update` launches it again after the verdict, and it raises there
+        return None
+    return grads
+
+
+def early_skip(config: StepConfig, state: ZeroState, rows: torch.Tensor, reduced: dict[int, torch.Tensor],
+               report: Report, ready: Ready | None) -> torch.Tensor | None:
+    """The flag an update launched before the agreement's read gives its kernels (float32 0-d on
+    the mesh device: 1 where some rank's row has a non-finite loss or ‖g‖², a non-finite local
+    gradient, or a broken previous update -- every way a verdict is not finite), or None where
+    the update may not be launched then: it must be a donating step's (`ready`, nothing
+    differentiates through it) whose every bucket is prepared with kernels that skip on the flag
+    (`Launch.skips`: torch's fused kernels), and the verdict must decide nothing else about it --
+    no clipping and no loss scaler (no factor from the norm), "mean" normalizing (none from the
+    count), every leaf used on this rank (so in every rank's OR too, `_used`)."""
+    if (ready is None or not ready.overlap or config.clip_norm is not None or state.info.scaler is not None
+            or config.normalize != "mean"):
+        return None
+    if not all(b in ready.launches and ready.launches[b].skips for b in reduced) or not reduced:
+        return None
+    if not bool((report.used > 0).all()):  # a host tensor: no synchronisation
+        return None
+    return skip_flag(rows, len(state.layout.leaves), len(state.layout.buckets))
+
+
+def skip_flag(rows: torch.Tensor, num: int, nb: int) -> torch.Tensor:
+    """float32 0-d, on the rows' device: 1 where some row of `agreement`'s `[loss, used[num],
+    bad[nb], ‖g‖², count, broken]` has a non-finite loss or ‖g‖², a bad bucket (> 0) or a broken
+    flag (≠ 0), else 0. Where it is 0, `_verdict` of the same rows is finite and names no broken
+    rank."""
+    loss, bad, sq, broken = rows[:, 0], rows[:, 1 + num : 1 + num + nb], rows[:, 1 + num + nb], rows[:, -1]
+    clean = torch.isfinite(loss).all() & torch.isfinite(sq).all() & (bad <= 0).all() & (broken == 0).all()
+    return clean.logical_not().to(torch.float32)
+
+
+class HostRead:
+    """Tensors' values for the host, their copy queued now and read later (`values`): on CUDA into
+    pinned memory behind an event, so that work queued after it on the stream does not delay the
+    read; elsewhere `tolist` when read."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors, self.done = tensors, None
+        if tensors and tensors[0].device.type == "cuda":
+            self.tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                 for t in tensors)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def values(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return [t.tolist() for t in self.tensors]
+
+
 def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
              reduced: dict[int, torch.Tensor]) -> Verdict:
     """The agreed rows (one per rank, `agree`'s layout) -> `Verdict`: Python over ranks and
@@ -1096,7 +1189,8 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
 
 
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
-           host_factor: float = 1.0, ready: Ready | None = None) -> tuple[ZeroState, list[str]]:
+           host_factor: float = 1.0, ready: Ready | None = None, launched: dict[int, Any] | None = None
+           ) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
     without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
     made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
@@ -1112,7 +1206,9 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     finite check (and discarded if it fails). Nothing writes an updated shard before its wait.
 
     `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
-    its `launch` on the gradient, the same kernels on the same views as `update_`'s."""
+    its `launch` on the gradient, the same kernels on the same views as `update_`'s; `launched`
+    (`agree_launching`): the buckets whose launch already ran, and the new optimizer state each
+    returned."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -1127,12 +1223,13 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
     launches = ready.launches if ready is not None and donate and all(used) else {}
+    launched = launched or {}
     ends = Ends.of(state, donate)
     for b, g in reduced.items():
         launch = launches.get(b)
-        if launch is not None:  # prepared before the agreement's read: only the kernels are left
+        if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
             p = ready.params[b]
-            updated[b], new_opt[b] = p, launch(g.to(p.dtype))
+            updated[b], new_opt[b] = p, launched[b] if b in launched else launch(g.to(p.dtype))
             back[b] = kept[b] = checked[b] = p
         else:
             # offloaded: the host copies (NVMe: the master and state read from their files)

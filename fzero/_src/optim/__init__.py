@@ -8,6 +8,7 @@ from .base import (
     SPECS as SPECS,
     EmptyState as EmptyState,
     Impl as Impl,
+    Launch as Launch,
     Optimizer as Optimizer,
     OptimizerError as OptimizerError,
     UpdateContext as UpdateContext,

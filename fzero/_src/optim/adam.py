@@ -10,6 +10,7 @@ import torch
 from . import fused
 from .base import (
     Impl,
+    Launch,
     LearningRate,
     Optimizer,
     OptimizerError,
@@ -67,7 +68,8 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
     def prepare_(state, param, ctx: UpdateContext):
         """Everything but the kernels (`Optimizer.prepare_`): the checks, the step counts (a host
         read of the "leaf" field), the pieces, the views of param and state, the new step field
-        (and the fused kernel's step tensors); `launch(grad)` views the grad and runs the kernel."""
+        (and the fused kernel's step tensors); `launch(grad)` views the grad and runs the kernel
+        ("fused": `launch(grad, found_inf)` too, `Launch.skips`)."""
         check_shards(name, None, param, state, spec(state), ctx)
         hyper = dict(beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx), eps=eps, maximize=maximize,
                      weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
@@ -80,14 +82,17 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
         keys = fused_counts(keys, param.device) if how == "fused" else keys
         new = State(torch.tensor(steps, dtype=state.step.dtype, device=state.step.device), *state[1:])
 
-        def launch(grad):
+        def check(grad):
             check_grad(name, grad, param)
             if per_leaf:
                 check_placement(name, ctx, (param, grad, *state[1:]))
-            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], keys, **hyper)
+
+        def run(grad, found_inf):
+            skip = {} if found_inf is None else {"found_inf": found_inf}
+            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], keys, **hyper, **skip)
             return new
 
-        return launch
+        return Launch(run, check, skips=how == "fused")
 
     return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_)
 
@@ -95,8 +100,9 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
 # The three kernels take per-piece lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
 # ([] without amsgrad)) of views of the shard, the pieces' step counts (Python floats, after the
 # increment) and torch's scalars, and update the views in place. Each is the body of the torch
-# 2.13 function it names (not capturable, not differentiable, real tensors, grad_scale and
-# found_inf None), applied to the pieces as torch applies it to its parameters.
+# 2.13 function it names (not capturable, not differentiable, real tensors, grad_scale None,
+# found_inf None but where the fused kernel is given one), applied to the pieces as torch
+# applies it to its parameters.
 
 
 def _single(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
@@ -164,16 +170,17 @@ def _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, be
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
-           maximize, decoupled) -> None:
+           maximize, decoupled, found_inf=None) -> None:
     """torch/optim/adam.py `_fused_adam`: one `torch._fused_adam_` / `_fused_adamw_` call; each
     piece's step count is a float32 0-d tensor on the shard's device (`fused_counts`: torch's
-    `state["step"]` under `fused=True`, incremented before the call), lr a Python float."""
+    `state["step"]` under `fused=True`, incremented before the call), lr a Python float.
+    `found_inf` (`Launch.skips`): where it is 1 the kernel returns before writing."""
     if not params:
         return
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
     fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
        amsgrad=bool(max_exp_avg_sqs), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-       maximize=maximize, grad_scale=None, found_inf=None)
+       maximize=maximize, grad_scale=None, found_inf=found_inf)
 
 
 def fused_counts(steps: list[float], device: torch.device) -> list[torch.Tensor]:

@@ -75,6 +75,26 @@ class UpdateContext(NamedTuple):
     leaf_shapes: tuple[tuple[int, ...], ...] = ()
 
 
+class Launch(NamedTuple):
+    """A prepared update (`Optimizer.prepare_`): `launch(grad)` checks the grad shard (`check`,
+    which raises before anything is written), runs the kernels (`run(grad, found_inf)`) and
+    returns the new state. `skips`: whether the kernels take torch's `found_inf`, a float32 0-d
+    flag on the shard's device that, where it is 1, makes them write nothing and, where it is 0,
+    changes no bit (torch's fused kernels read it before any write) -- so a caller may launch the
+    update before it knows whether the step is taken, without waiting to find out."""
+
+    run: Callable[[torch.Tensor, torch.Tensor | None], Any]
+    check: Callable[[torch.Tensor], None]
+    skips: bool = False
+
+    def __call__(self, grad: torch.Tensor, found_inf: torch.Tensor | None = None) -> Any:
+        if found_inf is not None and not self.skips:
+            raise OptimizerError("this update's kernels cannot skip on a device flag (found_inf): only torch's "
+                                 "fused kernels can (impl='fused'); launch it without one")
+        self.check(grad)
+        return self.run(grad, found_inf)
+
+
 class Optimizer(NamedTuple):
     """An optimizer over flat shards (optax's `GradientTransformation`, praxis's spec).
 
@@ -93,15 +113,17 @@ class Optimizer(NamedTuple):
         `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
         optimizer with no in-place form.
 
-      prepare_: `(state, param shard[S], ctx) -> launch`, `launch(grad shard[S]) -> new state`:
-        `update_` in two parts, for a caller that knows everything but the gradient's values
-        before it knows them (the step, before its agreement's host read): `prepare_` makes the
-        checks, reads the host-side state and builds the kernels' arguments, writing nothing;
-        `launch` checks the grad shard and runs the kernels. `update_(g, s, p, ctx)` is
-        `prepare_(s, p, ctx)(g)` bit for bit (`two_phase` builds it so). A `launch` is called at
-        most once, with `s`, `p` and `ctx` unchanged since `prepare_`. `None` where the optimizer
-        has no such form (the step then calls `update_`). `_replace(update_=...)` without a
-        `prepare_` drops it (a wrapper of `update_` must not launch the old kernels).
+      prepare_: `(state, param shard[S], ctx) -> launch` (a `Launch`), `launch(grad shard[S])
+        -> new state`: `update_` in two parts, for a caller that knows everything but the
+        gradient's values before it knows them (the step, before its agreement's host read):
+        `prepare_` makes the checks, reads the host-side state and builds the kernels' arguments,
+        writing nothing; `launch` checks the grad shard and runs the kernels. `update_(g, s, p,
+        ctx)` is `prepare_(s, p, ctx)(g)` bit for bit (`two_phase` builds it so). A `launch` is
+        called at most once, with `s`, `p` and `ctx` unchanged since `prepare_`; where its kernels
+        can skip on a device flag (`Launch.skips`), `launch(g, found_inf)` with a flag of 0 gives
+        the same bits and with 1 writes nothing. `None` where the optimizer has no such form (the
+        step then calls `update_`). `_replace(update_=...)` without a `prepare_` drops it (a
+        wrapper of `update_` must not launch the old kernels).
 
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).
@@ -112,7 +134,7 @@ class Optimizer(NamedTuple):
     spec: Callable[[Any], Any]
     update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
     shaped: bool = False
-    prepare_: Callable[[Any, torch.Tensor, UpdateContext], Callable[[torch.Tensor], Any]] | None = None
+    prepare_: Callable[[Any, torch.Tensor, UpdateContext], Launch] | None = None
 
 
 _fields_replaced = Optimizer._replace

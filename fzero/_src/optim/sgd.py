@@ -11,6 +11,7 @@ from . import fused
 from .base import (
     EmptyState,
     Impl,
+    Launch,
     LearningRate,
     Optimizer,
     OptimizerError,
@@ -106,7 +107,8 @@ def sgd(
     def prepare_(state, param, ctx: UpdateContext):
         """Everything but the kernels (`Optimizer.prepare_`): the checks, the momentum counts (a
         host read of the "leaf" field), the pieces, the views of param and buffer, the new count;
-        `launch(grad)` views the grad and runs the kernel."""
+        `launch(grad)` views the grad and runs the kernel ("fused": `launch(grad, found_inf)` too,
+        `Launch.skips`)."""
         check_shards("sgd", None, param, state, spec(state), ctx)
         hyper = dict(lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
                      momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
@@ -121,14 +123,17 @@ def sgd(
             torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device),
             state.momentum_buffer)
 
-        def launch(grad):
+        def check(grad):
             check_grad("sgd", grad, param)
             if per_leaf:
                 check_placement("sgd", ctx, (param, grad, *held[1:]))
-            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], first, **hyper)
+
+        def run(grad, found_inf):
+            skip = {} if found_inf is None else {"found_inf": found_inf}
+            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], first, **hyper, **skip)
             return new
 
-        return launch
+        return Launch(run, check, skips=how == "fused")
 
     return in_place(init, two_phase("sgd", prepare_), spec, prepare_=prepare_)
 
@@ -136,7 +141,8 @@ def sgd(
 # The three kernels take per-piece lists (params, grads, momentum buffers ([] without momentum))
 # of views of the shard, and per piece whether it is the leaf's first momentum update (torch:
 # `momentum_buffer is None`), and update the views in place. Each is the body of the torch 2.13
-# function it names (grad_scale and found_inf None, dense grads, lr a Python float).
+# function it names (grad_scale None, found_inf None but where the fused kernel is given one,
+# dense grads, lr a Python float).
 
 
 def _single(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
@@ -194,16 +200,18 @@ def _foreach(params, grads, bufs, first, *, lr, weight_decay, momentum, dampenin
     torch._foreach_add_(params, grads, alpha=-lr)
 
 
-def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
+def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize,
+           found_inf=None) -> None:
     """torch/optim/sgd.py `_fused_sgd`: `torch._fused_sgd_` with `is_first_step` (torch: every
     buffer of the group is None; the kernel then sets `b = g`). torch raises on a group that
     mixes leaves with and without a buffer; fzero then makes one call per kind, which gives
-    each leaf what torch gives it in a group of its own."""
+    each leaf what torch gives it in a group of its own. `found_inf` (`Launch.skips`): where it is
+    1 each call returns before writing."""
     if momentum == 0:
         if params:
             torch._fused_sgd_(params, grads, [], weight_decay=weight_decay, momentum=momentum, lr=lr,
                               dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=False,
-                              grad_scale=None, found_inf=None)
+                              grad_scale=None, found_inf=found_inf)
         return
     for kind in (True, False):
         sel = [i for i, f in enumerate(first) if f == kind]
@@ -211,7 +219,7 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
             torch._fused_sgd_([params[i] for i in sel], [grads[i] for i in sel], [bufs[i] for i in sel],
                               weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                               nesterov=nesterov, maximize=maximize, is_first_step=kind, grad_scale=None,
-                              found_inf=None)
+                              found_inf=found_inf)
 
 
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
