@@ -651,8 +651,11 @@ def _launch_counting(monkeypatch, opt):
 
 
 _ONE = torch.ones(5)
-_EARLY_BATCHES = [(_ONE, _ONE), (torch.full((5,), math.nan), _ONE), (torch.full((5,), 1e20), _ONE), (_ONE, None),
+_EARLY_BATCHES = [(_ONE, _ONE), (torch.full((5,), math.nan), _ONE), (torch.full((5,), 1.5e19), _ONE), (_ONE, None),
                   (-_ONE, 2 * _ONE)]  # finite; NaN; float32 ‖g‖² overflows, exact ‖g‖² finite; b unused; finite
+# 1.5e19: a shard of 3 or 5 such elements has a float32 ‖g‖² beyond 3.4e38 while g² (2.25e38) stays finite, as
+# torch's CUDA AdamW kernel needs: at g = 1e20 it left exp_avg_sq and the params NaN (torch 2.11, H200), where the
+# CPU kernel's exp_avg_sq was 1e37 (torch 2.13); the step then does what it does for any update that breaks params
 _EARLY = ["prepare_", "prepare_", "launch?", "launch?", "read"]  # both buckets launched, flagged, then read
 _EARLY_CALLS = [_EARLY, _EARLY,  # finite, then the raising NaN step (as after each step)
                 _EARLY, _EARLY,  # NaN, skipped
