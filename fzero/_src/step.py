@@ -823,17 +823,27 @@ def agree(state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor], redu
     return _verdict(state, rows.tolist(), shards, reduced)
 
 
+class Early(NamedTuple):
+    """An update launched before the agreement's read whose kernels ran (`agree_launching`): per
+    bucket the new optimizer state its launch returned, and the finite check already taken of
+    each bucket after its kernels (`Ends`; None off CUDA), as `update` takes it."""
+
+    states: dict[int, Any]
+    ends: Ends | None
+
+
 def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor],
                     reduced: dict[int, torch.Tensor], report: Report, ready: Ready | None
-                    ) -> tuple[Verdict, Ready | None, dict[int, Any] | None]:
+                    ) -> tuple[Verdict, Ready | None, Early | None]:
     """`agree`, with the update launched before the read where nothing the verdict decides but
     whether it runs changes its kernels (`early_skip`): `(verdict, ready, launched)`.
 
     The rows' copy to the host is queued first (`HostRead`), then every prepared bucket's kernels
     with the device flag that skips them (`Launch.skips`), then the host reads: the device goes
     from the agreement to the update without waiting for the host, as DDP's optimizer follows its
-    backward. `launched`: per bucket, the new optimizer state its launch returned, where the flag
-    was 0 (the kernels ran; the verdict is then finite and every leaf used); None otherwise. Where
+    backward; each bucket's finite check follows its kernels (`Ends`), as in `update`. `launched`
+    (`Early`): where the flag was 0 (the kernels ran; the verdict is then finite and every leaf
+    used); None otherwise. Where
     the flag was 1 the kernels wrote nothing and the prepared launches are spent (`ready` None):
     a verdict that is finite all the same (a float32 ‖g‖² that overflowed but whose exact value
     is finite, `_verdict`) updates through `update_`."""
@@ -842,13 +852,17 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     if grads is None:
         return agree(state, rows, shards, reduced), ready, None
     read = HostRead(rows, skip)
-    launched = {b: ready.launches[b].run(g, skip) for b, g in grads.items()}
+    ends, states = Ends.of(state, True), {}
+    for b, g in grads.items():
+        states[b] = ready.launches[b].run(g, skip)
+        if ends is not None:
+            ends.take(b, ready.params[b])
     got, skipped = read.values()
     verdict = _verdict(state, got, shards, reduced)
     if skipped:
         return verdict, None, None
     assert verdict.finite and all(verdict.used) and not verdict.broken_ranks, "the device flag and the verdict disagree"
-    return verdict, ready, launched
+    return verdict, ready, Early(states, ends)
 
 
 def _checked(ready: Ready, reduced: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:
@@ -1189,7 +1203,7 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
 
 
 def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
-           host_factor: float = 1.0, ready: Ready | None = None, launched: dict[int, Any] | None = None
+           host_factor: float = 1.0, ready: Ready | None = None, launched: Early | None = None
            ) -> tuple[ZeroState, list[str]]:
     """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
     without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
@@ -1207,8 +1221,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
 
     `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
     its `launch` on the gradient, the same kernels on the same views as `update_`'s; `launched`
-    (`agree_launching`): the buckets whose launch already ran, and the new optimizer state each
-    returned."""
+    (`agree_launching`): the buckets whose launch already ran, the new optimizer state each
+    returned and their finite checks."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -1223,13 +1237,13 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
     host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
     launches = ready.launches if ready is not None and donate and all(used) else {}
-    launched = launched or {}
-    ends = Ends.of(state, donate)
+    early = launched.states if launched is not None else {}
+    ends = launched.ends if launched is not None else Ends.of(state, donate)
     for b, g in reduced.items():
         launch = launches.get(b)
         if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
             p = ready.params[b]
-            updated[b], new_opt[b] = p, launched[b] if b in launched else launch(g.to(p.dtype))
+            updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
             back[b] = kept[b] = checked[b] = p
         else:
             # offloaded: the host copies (NVMe: the master and state read from their files)
@@ -1243,7 +1257,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
             out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
             back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
-        if ends is not None:
+        if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
             ends.take(b, checked[b])
         if overlap:
             flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
