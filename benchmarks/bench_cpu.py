@@ -4,7 +4,8 @@ The model: `--blocks` residual blocks `x + W2 GELU(W1 x)` (dim -> hidden -> dim;
 512 -> 2048 -> 512, 16.8M parameters), batch `--batch` per rank, AdamW (torch: AdamW's default,
 which on the CPU is its single-tensor loop, `foreach=False`; fzero: `impl=None`, foreach on
 CPU). Every mode runs in the same processes, one after the other: median step time of `--steps`
-steps after `--warmup`; one JSON line per mode on rank 0, with the ratio to DDP's median. On a CPU only ratios mean anything.
+steps after `--warmup`; one JSON line per mode on rank 0, with the ratio to DDP's median. On a
+CPU only ratios mean anything.
 
 Run:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py
 Bucket-size sweep:  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,2,3 \
