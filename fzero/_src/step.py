@@ -841,12 +841,13 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     The rows' copy to the host is queued first (`HostRead`), then every prepared bucket's kernels
     with the device flag that skips them (`Launch.skips`), then the host reads: the device goes
     from the agreement to the update without waiting for the host, as DDP's optimizer follows its
-    backward; each bucket's finite check follows its kernels (`Ends`), as in `update`. `launched`
-    (`Early`): where the flag was 0 (the kernels ran; the verdict is then finite and every leaf
-    used); None otherwise. Where
-    the flag was 1 the kernels wrote nothing and the prepared launches are spent (`ready` None):
-    a verdict that is finite all the same (a float32 ‖g‖² that overflowed but whose exact value
-    is finite, `_verdict`) updates through `update_`."""
+    backward; each bucket's finite check follows its kernels (`Ends`), as in `update`.
+    `launched` (`Early`): where the flag was 0 (the kernels ran; the verdict is then finite and
+    every leaf used); None otherwise. Where the flag was 1 the kernels wrote nothing and the
+    prepared launches are spent (`ready` None): a verdict that is finite all the same (a float32
+    ‖g‖² that overflowed but whose exact value is finite, `_verdict`) updates through `update_`.
+    Ranks may differ in whether they launch early (a check that fails on one rank only): the
+    launches are local, and every rank makes the same collectives after the read."""
     skip = early_skip(config, state, rows, reduced, report, ready)
     grads = None if skip is None else _checked(ready, reduced)
     if grads is None:
