@@ -24,14 +24,30 @@ def _loss(p, x):
 GROUPS = [fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True)]
 
 
+MAKE = {"adamw": lambda impl: optim.adamw(1e-2, weight_decay=0.1, impl=impl),
+        "sgd-momentum": lambda impl: optim.sgd(0.1, momentum=0.9, nesterov=True, impl=impl),
+        "adam-amsgrad": lambda impl: optim.adam(1e-2, amsgrad=True, impl=impl)}
+
+
 @pytest.mark.parametrize("opt", ["adamw", "sgd-momentum", "adam-amsgrad"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_donating_step_equals_the_pure_step(stage, opt):
-    make = {"adamw": lambda: optim.adamw(1e-2, weight_decay=0.1),
-            "sgd-momentum": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
-            "adam-amsgrad": lambda: optim.adam(1e-2, amsgrad=True)}[opt]
-    mesh = fzero.SimMesh(3)
-    xs = [torch.randn(5, generator=torch.Generator().manual_seed(10 + r)) for r in range(3)]
+    _same_as_pure(fzero.SimMesh(3), stage, lambda: MAKE[opt](None))
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd-momentum", "adam-amsgrad"])
+@pytest.mark.parametrize("stage, n", [(0, 1), (1, 1), (2, 1), (3, 1), (0, 3)])  # CPU "fused": leaves whole in the shard
+def test_a_fused_donating_step_equals_the_pure_step(stage, n, opt):
+    """As above with torch's fused kernels, which the donating step launches before the
+    agreement's read (`step.agree_launching`), a frozen group beside them."""
+    _same_as_pure(fzero.SimMesh(n), stage, lambda: MAKE[opt]("fused"))
+
+
+def _same_as_pure(mesh, stage, make):
+    """Three steps, pure and donating, on `mesh`: every step's params, optimizer state, loss and
+    gradient norm equal, on every rank."""
+    n = mesh.world_size
+    xs = [torch.randn(5, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
 
     def rank_fn(x, donate):
         state = fzero.init(_params(), make(), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0], groups=GROUPS)
@@ -45,7 +61,7 @@ def test_donating_step_equals_the_pure_step(stage, opt):
 
     pure = mesh.run(lambda x: rank_fn(x, False), [(x,) for x in xs])
     donated = mesh.run(lambda x: rank_fn(x, True), [(x,) for x in xs])
-    for r in range(3):
+    for r in range(n):
         for (p0, s0, m0), (p1, s1, m1) in zip(pure[r], donated[r]):
             assert torch.equal(m0.loss, m1.loss) and torch.equal(m0.grad_norm, m1.grad_norm)
             assert torch.equal(p0["a"], p1["a"]) and torch.equal(p0["b"]["w"], p1["b"]["w"])
