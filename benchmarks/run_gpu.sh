@@ -7,6 +7,7 @@
 # Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode;
 #      ROUNDS=R to run the modes R times in turn)
 # An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
+# NOEARLY_STAGES / NOEARLY_BF16_STAGES add `--early 0` rows (the update launched after the read).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,6 +26,11 @@ for round in $(seq "${ROUNDS:-1}"); do
   for s in ${STAGES-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
   for s in ${EAGER_STAGES:-}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
   for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+  # the same-job A/B of the update launched before the agreement's read (ninth session)
+  for s in ${NOEARLY_STAGES:-}; do run "fzero$s-noearly" "$here/bench_stages.py" --stage "$s" --early 0; done
+  for s in ${NOEARLY_BF16_STAGES:-}; do
+    run "fzero$s-bf16-noearly" "$here/bench_stages.py" --stage "$s" --precision bf16 --early 0
+  done
 done
 if [ "${PROFILE:-1}" = 1 ]; then
   for s in ${PROFILE_STAGES-2}; do
