@@ -4,12 +4,18 @@ used again; and the update holds no second copy of the optimizer state."""
 
 from __future__ import annotations
 
+import math
+
+import optree
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import fzero
 from fzero import optim
 from fzero.accounting import LiveStorages
+from fzero.testing import assert_trees_equal, examples, groups, pytrees, units
 
 
 def _params():
@@ -41,6 +47,34 @@ def test_a_fused_donating_step_equals_the_pure_step(stage, n, opt):
     """As above with torch's fused kernels, which the donating step launches before the
     agreement's read (`step.agree_launching`), a frozen group beside them."""
     _same_as_pure(fzero.SimMesh(n), stage, lambda: MAKE[opt]("fused"))
+
+
+@examples(40)
+@given(tree=pytrees(dtypes=[torch.float32], max_leaves=6), unit_map=units(), group_list=groups(),
+       stage=st.integers(0, 3), opt=st.sampled_from(sorted(MAKE)), nan_at=st.integers(0, 3))
+def test_a_fused_donating_step_equals_the_pure_step_on_any_tree(tree, unit_map, group_list, stage, opt, nan_at):
+    """Any float32 pytree, unit map and groups (frozen ones too), N = 1, torch's fused kernels
+    (launched before the agreement's read by the donating step): three steps, one of them NaN
+    where `nan_at` < 3 (skipped, the flag making the early kernels write nothing): the donating
+    step's params, skips and metrics are the pure step's, bit for bit."""
+    assume(optree.tree_leaves(tree))
+    mesh = fzero.SimMesh(1)
+
+    def loss(p, t):
+        return sum((x.sin() * t).sum() for x in optree.tree_leaves(p))
+
+    def rank_fn(donate):
+        state = fzero.init(tree, MAKE[opt]("fused"), stage=stage, mesh=mesh, units=unit_map, groups=group_list)
+        step = fzero.train_step(loss, donate=donate, on_nonfinite="skip")
+        seen = []
+        for t in range(3):
+            state, m = step(state, torch.tensor(math.nan if t == nan_at else 0.5 + t))
+            seen.append(repr((m.skipped, float(m.loss), float(m.grad_norm))))
+        return fzero.gather(state), seen
+
+    (pure,), (donated,) = mesh.run(lambda: rank_fn(False)), mesh.run(lambda: rank_fn(True))
+    assert donated[1] == pure[1]
+    assert_trees_equal(donated[0], pure[0], bitwise=True)
 
 
 def _same_as_pure(mesh, stage, make):
