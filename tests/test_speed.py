@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import hypothesis.strategies as st
 import optree
@@ -29,6 +30,7 @@ from hypothesis import given
 import fzero
 from fzero import optim
 from fzero._src import step as step_module
+from fzero._src import unit as unit_module
 from fzero._src.stages import Wire, reduce_grad
 from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.unit import Bucket, _assemble, nonfinite
@@ -303,9 +305,9 @@ def test_nonfinite_is_true_iff_an_element_is(bad, dtype):
 # -- EarlyNorms: the agreement's shard norms taken in the backward ------------------------------
 
 
-def _early_norm_run(mesh, stage, precision, donate):
-    """Three clipped steps (the norm decides the update) on three units; `(params, grad norms,
-    [(shard norms taken early, shards)] per step)`."""
+def _early_norm_run(mesh, stage, precision, donate, clip=0.05):
+    """Three steps clipped at `clip` (the norm decides the update; None: not clipped) on three
+    units; `(params, grad norms, [(shard norms taken early, shards)] per step)`."""
     gen = torch.Generator().manual_seed(stage)
     tree = {f"u{i}": {"w": torch.randn(16, 16, generator=gen) / 4, "b": torch.randn(16, generator=gen)}
             for i in range(3)}
@@ -327,7 +329,7 @@ def _early_norm_run(mesh, stage, precision, donate):
 
     kw = {} if precision is None else {"precision": precision}
     state = fzero.init(tree, optim.adamw(0.1), stage=stage, mesh=mesh, units=lambda path: path.split("/")[0], **kw)
-    step = fzero.train_step(loss, donate=donate, clip_norm=0.05)
+    step = fzero.train_step(loss, donate=donate, clip_norm=clip)
     norms = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(step_module.EarlyNorms, "known", counted)
@@ -384,6 +386,39 @@ def test_early_norms_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monke
         got = _early_norm_run(nccl_mesh, stage, precision, True)
         assert got[2] == [(6, 6)] * 3 and got[1] == want[1], (stage, precision)
         assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monkeypatch):
+    """At N = 1 on CUDA each unit's gradient is assembled on the side stream, beside the backward
+    of the units below (`unit._assemble`), and the step joins it before reading any gradient.
+    Each assembly is held back on the side stream (`torch.cuda._sleep` before its writes), so a
+    read that did not wait for the join, or a per-leaf gradient whose memory the allocator gave
+    to a later tensor before the copy read it, would read other values. Clipped (the update after
+    the agreement's read) and not (launched before it), params and norms are bitwise those of the
+    step that assembles in line, and every bucket (6 a step) was assembled on the side stream:
+    fp32, and the bf16 policy's at stages 2-3, which widen into the reduce dtype as they copy (at
+    stages 0-1 it assembles in bf16, and the step casts: in line)."""
+    write, beside = unit_module._write, []
+
+    def held_back(bucket, grads, flat):
+        beside.append(torch.cuda.current_stream() != torch.cuda.default_stream())
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds on the side stream
+        write(bucket, grads, flat)
+
+    for precision, clip in itertools.product((None, fzero.Precision(torch.bfloat16, torch.float32)), (0.05, None)):
+        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+        want = _early_norm_run(nccl_mesh, stage, precision, True, clip)
+        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+        monkeypatch.setattr(unit_module, "_write", held_back)
+        beside.clear()
+        got = _early_norm_run(nccl_mesh, stage, precision, True, clip)
+        monkeypatch.setattr(unit_module, "_write", write)
+        assert got[1] == want[1], (stage, precision, clip)
+        assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
+        if precision is None or stage >= 2:  # bf16 at stages 0-1: assembled in bf16, cast by the step
+            assert beside == [True] * 18, (stage, precision, clip, beside)
 
 
 def _update_check_flags(mesh, stage, lr, side):

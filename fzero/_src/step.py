@@ -578,7 +578,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     # offload: gradient shards to the host in the backward, shed where nothing reads them after
     copies = early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype) if plan.offloaded else None
-    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take)
+    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take,
+                        side=norms.assembly(state) if norms is not None else None)
                 if config.engine == "autograd" else None)
     programs = plan.programs
     if all(plan.held):
@@ -616,6 +617,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
+        if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
+            inflight.side.join()
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 
@@ -652,8 +655,8 @@ class Chained(Inflight):
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None) -> None:
-        super().__init__(depth, early, host, done)
+                 done: Callable[[torch.Tensor], None] | None = None, side: Side | None = None) -> None:
+        super().__init__(depth, early, host, done, side)
         self._order: list[int] = []  # the buckets in the order their flights started
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:
@@ -1020,6 +1023,10 @@ class EarlyNorms:
     then the bucket's reduced gradient and, where nothing else adds to it, the shard the
     agreement reads (`of` says where).
 
+    The same side stream assembles those gradients (`assembly`, `unit._assemble`): at N = 1 a
+    unit's backward reads its assembled gradient only through the identity, so its copy runs
+    beside the backward of the units below, and the norm after it, in stream order.
+
     `take(x)` starts `shard_norm(x)` (the side stream first waits for what the step's stream has
     queued, which made `x`); `known(shards)` joins the side stream to the step's and returns
     `{k: ν_k}` for the shards taken: the same tensor (address, length, dtype, contiguous) with
@@ -1044,6 +1051,12 @@ class EarlyNorms:
                 or config.micro_batches != 1 or state.info.tier is not None or func_level() is not None):
             return None
         return EarlyNorms(mesh.device)
+
+    def assembly(self, state: ZeroState) -> Side | None:
+        """The side stream the units' backward assembles the gradients on (`Inflight.side`), or
+        None: CUDA (a stream to run beside), and the params on the device (an offloaded unit's
+        gathered storage is freed after its backward, which the assembly may still read)."""
+        return self.side if self.side.stream is not None and state.info.offload.params is None else None
 
     def take(self, x: torch.Tensor) -> None:
         if x.requires_grad or not x.is_contiguous() or x.device != self.side.device:

@@ -148,16 +148,22 @@ class Inflight:
     They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway.
 
     `done(result)` (`step.EarlyNorms.take`) is called with each reduction's result that exists
-    when it starts (N = 1: the reduction returns its input), as soon as it does."""
+    when it starts (N = 1: the reduction returns its input), as soon as it does.
+
+    `side` (`step.Side`, N = 1 on CUDA): where the unit's backward reads its assembled gradient
+    only through the identity (a reduction over one rank, no cast), the gradient is assembled on
+    that side stream (`_assemble`), beside the backward of the units below instead of in its
+    path; the step joins the side stream to its own before it reads any gradient."""
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None) -> None:
+                 done: Callable[[torch.Tensor], None] | None = None, side: Any = None) -> None:
         self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
         self.host = host
         self.done = done  # called with a reduction's result where it completed when started (N = 1)
+        self.side = side
         self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
         self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
 
@@ -403,7 +409,9 @@ class _Unit(torch.autograd.Function):
                 continue
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
-            flat = _assemble(bucket, gs, _assembled_dtype(bucket.wire, leave), device)
+            into = _assembled_dtype(bucket.wire, leave)
+            beside = inflight.side if inflight is not None and into == bucket.wire.reduce == dtype else None
+            flat = _assemble(bucket, gs, into, device, beside)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat), bucket.index))
@@ -506,17 +514,36 @@ def _assembled_dtype(wire: Wire, leave: Any) -> torch.dtype:
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+              device: torch.device, side: Any = None) -> torch.Tensor:
     """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
 
     One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
     buffer (cast to `dtype` on the way), and only what no gradient covers -- unused leaves and
     the padding -- is zero-filled, in one fill per gap. Under a torch.func transform the buffer
     is concatenated out of place instead (the same values): a vmapped gradient cannot be written
-    into an unbatched buffer, and a transform must see every op on its tensors."""
+    into an unbatched buffer, and a transform must see every op on its tensors.
+
+    `side` (`Inflight.side`, a CUDA side stream; nothing records a graph): the writes are queued
+    there, after what the step's stream has queued (which made the gradients), and the caller
+    joins it before reading `flat`. The buffer is allocated on the step's stream, where it is
+    freed after that join; each gradient is marked used by the side stream (`record_stream`), so
+    the allocator gives its memory to no other tensor before the side stream has read it. The
+    same kernels on the same tensors: the same bits."""
     if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
+    if side is not None and side.stream is not None and not torch.is_grad_enabled():
+        for g in grads:
+            if g is not None:
+                g.record_stream(side.stream)
+        side.run(functools.partial(_write, bucket, grads), flat)
+        return flat
+    _write(bucket, grads, flat)
+    return flat
+
+
+def _write(bucket: Bucket, grads: Sequence[torch.Tensor | None], flat: torch.Tensor) -> None:
+    """`_assemble`'s writes into `flat`: each gradient into its slice, zeros in the gaps."""
     end, slices, given = 0, [], []  # end: the end of the last slice written
     for o, s, st, n, g in zip(bucket.offsets, bucket.shapes, bucket._strides, bucket.numels, grads):
         if g is None:
@@ -529,7 +556,6 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     if bucket.size > end:
         flat[end:].zero_()
     copy_all(slices, given)
-    return flat
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
