@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--early", type=int, default=1,
                     help="0: launch the update after the agreement's host read, never before it (what fzero did "
                          "before step.agree_launching), for an A/B")
+    ap.add_argument("--side-assembly", type=int, default=1,
+                    help="0: assemble each unit's gradient on the step's stream, not beside the backward on the side "
+                         "stream (what fzero did before the tenth session), for an A/B")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
@@ -139,6 +142,10 @@ def main() -> None:
         from fzero._src.step import EarlyNorms, Ends
 
         EarlyNorms.DEVICES = Ends.DEVICES = ()
+    if not a.side_assembly:
+        from fzero._src.step import EarlyNorms
+
+        EarlyNorms.assembly = lambda self, state: None
     if not a.early:
         from fzero._src import step as step_module
 
@@ -201,7 +208,8 @@ def main() -> None:
             "mode": f"fzero-stage{a.stage}" + ("" if a.engine == "autograd" else f"-{a.engine}")
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
             + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else "")
-            + ("" if a.side else "-noside") + ("" if a.early else "-noearly"),
+            + ("" if a.side else "-noside") + ("" if a.early else "-noearly")
+            + ("" if a.side_assembly else "-noasm"),
             "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),

@@ -7,7 +7,8 @@
 # Use: bash benchmarks/run_gpu.sh        (ARGS="--layers 4" to shrink the model; MODE_TIMEOUT s per mode;
 #      ROUNDS=R to run the modes R times in turn)
 # An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
-# NOEARLY_STAGES / NOEARLY_BF16_STAGES add `--early 0` rows (the update launched after the read).
+# NOEARLY_STAGES / NOEARLY_BF16_STAGES add `--early 0` rows (the update launched after the read);
+# NOASM_STAGES / NOASM_BF16_STAGES `--side-assembly 0` rows (the gradients assembled on the step's stream).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -28,6 +29,11 @@ for round in $(seq "${ROUNDS:-1}"); do
   for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
   # the same-job A/B of the update launched before the agreement's read (ninth session)
   for s in ${NOEARLY_STAGES:-}; do run "fzero$s-noearly" "$here/bench_stages.py" --stage "$s" --early 0; done
+  # the same-job A/B of the gradients assembled beside the backward (tenth session)
+  for s in ${NOASM_STAGES:-}; do run "fzero$s-noasm" "$here/bench_stages.py" --stage "$s" --side-assembly 0; done
+  for s in ${NOASM_BF16_STAGES:-}; do
+    run "fzero$s-bf16-noasm" "$here/bench_stages.py" --stage "$s" --precision bf16 --side-assembly 0
+  done
   for s in ${NOEARLY_BF16_STAGES:-}; do
     run "fzero$s-bf16-noearly" "$here/bench_stages.py" --stage "$s" --precision bf16 --early 0
   done
