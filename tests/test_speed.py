@@ -421,6 +421,53 @@ def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mes
             assert beside == [True] * 18, (stage, precision, clip, beside)
 
 
+def _shared_gradient_run(mesh, stage):
+    """Two steps of a loss that differentiates a sum of two units' leaves (`a + b`: autograd hands
+    the same gradient tensor to both units' backward) and uses `b` once more, before `a`'s unit
+    is entered, so that the engine runs `a`'s unit backward first and then adds `b`'s second
+    gradient to the tensor it holds for `b` -- in place, where nothing else holds it; the params
+    after them."""
+    gen = torch.Generator().manual_seed(stage)
+    tree = {"u0": {"a": torch.randn(32, 32, generator=gen) / 8}, "u1": {"b": torch.randn(32, 32, generator=gen) / 8}}
+    tree = optree.tree_map(lambda t: t.to(mesh.device), tree)
+
+    def loss(p, x):
+        b = p["u1"]["b"]  # u1 is entered first
+        y2 = x @ b
+        y = x @ (p["u0"]["a"] + b)
+        return y.square().mean() + y2.tanh().mean()
+
+    state = fzero.init(tree, optim.adamw(0.1), stage=stage, mesh=mesh, units=lambda path: path.split("/")[0])
+    step = fzero.train_step(loss, donate=True)
+    for t in range(2):
+        state, _ = step(state, torch.randn(64, 32, generator=torch.Generator().manual_seed(t)).to(mesh.device))
+    return fzero.gather(state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_gradient_two_units_share_is_not_written_before_the_side_stream_reads_it(stage, nccl_mesh, monkeypatch):
+    """The same gradient tensor reaches two units' backward (`_shared_gradient_run`); the first
+    unit's assembly reads it on the side stream, held back, while the engine goes on to add the
+    second gradient of the other unit's leaf. The assembly keeps the tensor referenced until the
+    side stream has read it (`unit.Assembly`), so the engine adds out of place: the params are
+    bitwise those of the step that assembles in line, both units assembled on the side stream."""
+    write, beside = unit_module._write, []
+
+    def held_back(bucket, grads, flat):
+        beside.append(torch.cuda.current_stream() != torch.cuda.default_stream())
+        torch.cuda._sleep(20_000_000)
+        write(bucket, grads, flat)
+
+    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+    want = _shared_gradient_run(nccl_mesh, stage)
+    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+    monkeypatch.setattr(unit_module, "_write", held_back)
+    got = _shared_gradient_run(nccl_mesh, stage)
+    assert beside == [True] * 4
+    assert all(torch.equal(got[u][k], want[u][k]) for u in want for k in want[u])
+
+
 def _update_check_flags(mesh, stage, lr, side):
     """One donating SGD step of lr `lr` and the next: `(the new state's flag, the buckets whose
     check `Ends` took, in the checks a flag was made of)`, with the check taken bucket by bucket

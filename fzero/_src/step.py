@@ -63,7 +63,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
-from .unit import Inflight, Probe, UnitProgram, remembered, unit_programs
+from .unit import Assembly, Inflight, Probe, UnitProgram, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -655,7 +655,7 @@ class Chained(Inflight):
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None, side: Side | None = None) -> None:
+                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None) -> None:
         super().__init__(depth, early, host, done, side)
         self._order: list[int] = []  # the buckets in the order their flights started
 
@@ -1052,11 +1052,11 @@ class EarlyNorms:
             return None
         return EarlyNorms(mesh.device)
 
-    def assembly(self, state: ZeroState) -> Side | None:
-        """The side stream the units' backward assembles the gradients on (`Inflight.side`), or
-        None: CUDA (a stream to run beside), and the params on the device (an offloaded unit's
-        gathered storage is freed after its backward, which the assembly may still read)."""
-        return self.side if self.side.stream is not None and state.info.offload.params is None else None
+    def assembly(self, state: ZeroState) -> Assembly | None:
+        """The units' gradient assembly on this side stream (`Inflight.side`), or None: CUDA (a
+        stream to run beside), and the params on the device (an offloaded unit's gathered storage
+        is freed after its backward, which the assembly may still read)."""
+        return Assembly(self.side) if self.side.stream is not None and state.info.offload.params is None else None
 
     def take(self, x: torch.Tensor) -> None:
         if x.requires_grad or not x.is_contiguous() or x.device != self.side.device:

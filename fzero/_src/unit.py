@@ -27,6 +27,7 @@ batched params (a vmap over states) raise `ConfigError`, as a vmap over a step m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -150,10 +151,10 @@ class Inflight:
     `done(result)` (`step.EarlyNorms.take`) is called with each reduction's result that exists
     when it starts (N = 1: the reduction returns its input), as soon as it does.
 
-    `side` (`step.Side`, N = 1 on CUDA): where the unit's backward reads its assembled gradient
+    `side` (`Assembly`, N = 1 on CUDA): where the unit's backward reads its assembled gradient
     only through the identity (a reduction over one rank, no cast), the gradient is assembled on
-    that side stream (`_assemble`), beside the backward of the units below instead of in its
-    path; the step joins the side stream to its own before it reads any gradient."""
+    its side stream (`_assemble`), beside the backward of the units below instead of in its
+    path; the step joins it (`Assembly.join`) before it reads any gradient."""
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
@@ -410,7 +411,10 @@ class _Unit(torch.autograd.Function):
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
             into = _assembled_dtype(bucket.wire, leave)
-            beside = inflight.side if inflight is not None and into == bucket.wire.reduce == dtype else None
+            # beside the backward where nothing here reads `flat` (an identity, no cast) and no
+            # gradient shares storage the release below frees (`_reads_entered`)
+            beside = (inflight.side if inflight is not None and into == bucket.wire.reduce == dtype
+                      and (after is None or released) else None)
             flat = _assemble(bucket, gs, into, device, beside)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
@@ -523,23 +527,49 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     is concatenated out of place instead (the same values): a vmapped gradient cannot be written
     into an unbatched buffer, and a transform must see every op on its tensors.
 
-    `side` (`Inflight.side`, a CUDA side stream; nothing records a graph): the writes are queued
-    there, after what the step's stream has queued (which made the gradients), and the caller
-    joins it before reading `flat`. The buffer is allocated on the step's stream, where it is
-    freed after that join; each gradient is marked used by the side stream (`record_stream`), so
-    the allocator gives its memory to no other tensor before the side stream has read it. The
+    `side` (`Inflight.side`, an `Assembly`; nothing records a graph): the writes are queued on
+    its CUDA side stream, and the caller joins it before reading `flat` (`Assembly.join`). The
     same kernels on the same tensors: the same bits."""
     if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
     flat = torch.empty(bucket.size, dtype=dtype, device=device)
-    if side is not None and side.stream is not None and not torch.is_grad_enabled():
-        for g in grads:
-            if g is not None:
-                g.record_stream(side.stream)
-        side.run(functools.partial(_write, bucket, grads), flat)
-        return flat
-    _write(bucket, grads, flat)
+    if side is not None and not torch.is_grad_enabled():
+        side.write(bucket, grads, flat)
+    else:
+        _write(bucket, grads, flat)
     return flat
+
+
+class Assembly:
+    """The units' gradient assembly on a CUDA side stream (`step.Side`), beside the backward of
+    the units below (`Inflight.side`, N = 1).
+
+    `write(bucket, grads, flat)` queues `_write` on the side stream after what the step's stream
+    has queued (which made the gradients). `flat` is allocated on the step's stream, which frees
+    it only after `join`. Each gradient is kept referenced until the side stream has read it (an
+    event after its copies, polled at the next `write`; all at `join`): so the caching allocator
+    does not give its memory to a later tensor, and the autograd engine, which accumulates a
+    gradient into the tensor it holds only where it holds the last reference (its input
+    buffers' `add_`, AccumulateGrad's steal), writes no tensor the side stream has yet to read --
+    the same tensor reaches two units' backward where a sum of their leaves is differentiated.
+    Such a gradient is summed out of place instead: the same values. `join()` makes the step's
+    stream wait for every write."""
+
+    def __init__(self, side: Any) -> None:
+        self.side = side
+        self.held: collections.deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = collections.deque()
+
+    def write(self, bucket: Bucket, grads: Sequence[torch.Tensor | None], flat: torch.Tensor) -> None:
+        while self.held and self.held[0][0].query():  # read already: let them go
+            self.held.popleft()
+        self.side.run(functools.partial(_write, bucket, grads), flat)
+        read = torch.cuda.Event()
+        read.record(self.side.stream)
+        self.held.append((read, [g for g in grads if g is not None]))
+
+    def join(self) -> None:
+        self.side.join()  # later work on the step's stream, a reuse of these tensors' memory too, comes after
+        self.held.clear()
 
 
 def _write(bucket: Bucket, grads: Sequence[torch.Tensor | None], flat: torch.Tensor) -> None:
