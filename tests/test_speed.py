@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 
 import hypothesis.strategies as st
@@ -466,6 +467,57 @@ def test_a_gradient_two_units_share_is_not_written_before_the_side_stream_reads_
     got = _shared_gradient_run(nccl_mesh, stage)
     assert beside == [True] * 4
     assert all(torch.equal(got[u][k], want[u][k]) for u in want for k in want[u])
+
+
+class _RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("raised in the backward")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+def test_a_buffer_freed_by_a_step_that_raises_takes_no_side_stream_write_later(nccl_mesh, monkeypatch):
+    """A step whose backward raises after a unit above queued its assembly on the side stream
+    (held back): the gradient buffer is freed as the exception unwinds, before the side stream
+    has written it. The buffer was marked used by the side stream (`unit.Assembly`), so the
+    tensors made next on the step's stream do not take its memory: filled right after, they
+    hold their values once the side stream is done."""
+    write = unit_module._write
+
+    def held_back(bucket, grads, flat):
+        torch.cuda._sleep(1_000_000_000)  # about half a second: longer than the unwinding and the collection below
+        write(bucket, grads, flat)
+
+    gen = torch.Generator().manual_seed(0)
+    tree = {"u0": {"w": torch.randn(256, 256, generator=gen)}, "u1": {"w": torch.randn(256, 256, generator=gen)}}
+    tree = optree.tree_map(lambda t: t.to(nccl_mesh.device), tree)
+
+    def loss(p, x):
+        h = _RaisesInBackward.apply(x @ p["u0"]["w"])  # u0's backward, and this one's, run after u1's
+        return (h @ p["u1"]["w"]).square().mean()
+
+    state = fzero.init(tree, optim.adamw(0.1), stage=0, mesh=nccl_mesh, units=lambda path: path.split("/")[0])
+    step = fzero.train_step(loss, donate=True)
+    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+    monkeypatch.setattr(unit_module, "_write", held_back)
+    x = torch.randn(8, 256, device=nccl_mesh.device)
+
+    def error_of_step() -> str:  # the message only: no traceback keeps the step's frames (and buffers) alive
+        try:
+            step(state, x)
+        except RuntimeError as e:
+            return str(e)
+        return ""
+
+    assert "raised in the backward" in error_of_step()
+    gc.collect()
+    made = [torch.full((n,), 7.0, device=nccl_mesh.device) for n in (256 * 256, 256 * 256, 65 * 1024) * 4]
+    torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in made)
 
 
 def _update_check_flags(mesh, stage, lr, side):

@@ -545,8 +545,10 @@ class Assembly:
     the units below (`Inflight.side`, N = 1).
 
     `write(bucket, grads, flat)` queues `_write` on the side stream after what the step's stream
-    has queued (which made the gradients). `flat` is allocated on the step's stream, which frees
-    it only after `join`. Each gradient is kept referenced until the side stream has read it (an
+    has queued (which made the gradients). `flat` is allocated on the step's stream and marked
+    used by the side stream (`record_stream`): freed early -- a step that raises before its join
+    -- its memory goes to no other tensor before the side stream's writes are done. Each
+    gradient is kept referenced until the side stream has read it (an
     event after its copies, polled at the next `write`; all at `join`): so the caching allocator
     does not give its memory to a later tensor, and the autograd engine, which accumulates a
     gradient into the tensor it holds only where it holds the last reference (its input
@@ -562,6 +564,7 @@ class Assembly:
     def write(self, bucket: Bucket, grads: Sequence[torch.Tensor | None], flat: torch.Tensor) -> None:
         while self.held and self.held[0][0].query():  # read already: let them go
             self.held.popleft()
+        flat.record_stream(self.side.stream)
         self.side.run(functools.partial(_write, bucket, grads), flat)
         read = torch.cuda.Event()
         read.record(self.side.stream)
