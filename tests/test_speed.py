@@ -389,6 +389,20 @@ def test_early_norms_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monke
         assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
 
 
+def _held_back_writes(cycles: int) -> tuple:
+    """`(write, beside)`: a stand-in for `unit._write` that first sleeps `cycles` GPU cycles on the
+    stream it is queued on (the side stream, where the assembly runs beside the backward), and
+    the list it appends to per call: whether that stream was not the default one."""
+    write, beside = unit_module._write, []
+
+    def held_back(bucket, grads, flat):
+        beside.append(torch.cuda.current_stream() != torch.cuda.default_stream())
+        torch.cuda._sleep(cycles)
+        write(bucket, grads, flat)
+
+    return held_back, beside
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monkeypatch):
@@ -401,13 +415,8 @@ def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mes
     step that assembles in line, and every bucket (6 a step) was assembled on the side stream:
     fp32, and the bf16 policy's at stages 2-3, which widen into the reduce dtype as they copy (at
     stages 0-1 it assembles in bf16, and the step casts: in line)."""
-    write, beside = unit_module._write, []
-
-    def held_back(bucket, grads, flat):
-        beside.append(torch.cuda.current_stream() != torch.cuda.default_stream())
-        torch.cuda._sleep(20_000_000)  # tens of milliseconds on the side stream
-        write(bucket, grads, flat)
-
+    write = unit_module._write
+    held_back, beside = _held_back_writes(20_000_000)  # tens of milliseconds on the side stream
     for precision, clip in itertools.product((None, fzero.Precision(torch.bfloat16, torch.float32)), (0.05, None)):
         monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
         want = _early_norm_run(nccl_mesh, stage, precision, True, clip)
@@ -453,13 +462,7 @@ def test_a_gradient_two_units_share_is_not_written_before_the_side_stream_reads_
     second gradient of the other unit's leaf. The assembly keeps the tensor referenced until the
     side stream has read it (`unit.Assembly`), so the engine adds out of place: the params are
     bitwise those of the step that assembles in line, both units assembled on the side stream."""
-    write, beside = unit_module._write, []
-
-    def held_back(bucket, grads, flat):
-        beside.append(torch.cuda.current_stream() != torch.cuda.default_stream())
-        torch.cuda._sleep(20_000_000)
-        write(bucket, grads, flat)
-
+    held_back, beside = _held_back_writes(20_000_000)
     monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
     want = _shared_gradient_run(nccl_mesh, stage)
     monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
@@ -486,12 +489,7 @@ def test_a_buffer_freed_by_a_step_that_raises_takes_no_side_stream_write_later(n
     has written it. The buffer was marked used by the side stream (`unit.Assembly`), so the
     tensors made next on the step's stream do not take its memory: filled right after, they
     hold their values once the side stream is done."""
-    write = unit_module._write
-
-    def held_back(bucket, grads, flat):
-        torch.cuda._sleep(1_000_000_000)  # about half a second: longer than the unwinding and the collection below
-        write(bucket, grads, flat)
-
+    held_back, _ = _held_back_writes(1_000_000_000)  # about half a second: longer than the unwinding and collection below
     gen = torch.Generator().manual_seed(0)
     tree = {"u0": {"w": torch.randn(256, 256, generator=gen)}, "u1": {"w": torch.randn(256, 256, generator=gen)}}
     tree = optree.tree_map(lambda t: t.to(nccl_mesh.device), tree)

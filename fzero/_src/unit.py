@@ -158,7 +158,7 @@ class Inflight:
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None, side: Any = None) -> None:
+                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None) -> None:
         self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
@@ -518,7 +518,7 @@ def _assembled_dtype(wire: Wire, leave: Any) -> torch.dtype:
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
-              device: torch.device, side: Any = None) -> torch.Tensor:
+              device: torch.device, side: Assembly | None = None) -> torch.Tensor:
     """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
 
     One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
