@@ -8,6 +8,7 @@ the batches and ships rank r its own.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -382,3 +383,59 @@ def bf16_reduction_against_ddp(mesh, batch) -> dict[str, bool]:
     (flat,) = rec.grads  # one bucket, stage 0: the whole reduced gradient, as the fp32 optimizer sees it
     got = fzero.layout.unpack(state.layout, [flat])
     return {n: bool(torch.equal(got[n], ddp_grad[n])) for n in ddp_grad}
+
+
+# --- autocast: cast_ahead against DDP ----------------------------------------------------------
+
+def autocast_trajectory(mesh, name: str, stage: int | None, cast_ahead: bool, batches: list
+                        ) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """AdamW steps with the loss under CPU bf16 autocast: `(params after every step, leaves the
+    last step cast ahead)`; `stage=None` is DDP."""
+    model, prefix = build(name)
+
+    def under_autocast(fn, *args):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(*args)
+
+    opt, make = optimizers("adamw")
+    out = []
+    if stage is None:
+        ddp = DDP(model, find_unused_parameters=name == "mlp")
+        torch_opt = make([p for p in model.parameters() if p.requires_grad])
+        for batch in batches:
+            torch_opt.zero_grad(set_to_none=True)
+            under_autocast(lambda: loss_of(name, forward(name, ddp, batch), batch)).backward()
+            torch_opt.step()
+            out.append({k: v.detach().clone() for k, v in model.named_parameters()})
+        return out, 0
+    params, apply, info = from_module(model, units=units_by_prefix(model, prefix))
+    del model
+    state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+    step = fzero.train_step(lambda p, b: under_autocast(lambda: loss_of(name, forward(name, apply, b, p), b)),
+                            cast_ahead=cast_ahead, donate=True)
+    for batch in batches:
+        broadcast_buffers(info, mesh)
+        state, _ = step(state, batch)
+        out.append(dict(fzero.gather(state)))
+    slot = config_of(step).ahead.of(state.info) if cast_ahead else None
+    return out, slot.learned.count if slot is not None and slot.learned is not None else 0
+
+
+def config_of(step):
+    """The `StepConfig` a `fzero.train_step` closes over (for tests that read what it learned)."""
+    return next(c.cell_contents for c in step.__closure__ if type(c.cell_contents).__name__ == "StepConfig")
+
+
+def compare_autocast_with_ddp(mesh, name: str, batches: list) -> dict[str, Any]:
+    """`{"stage <s> cast <c>": [first differences from DDP]}` and `{"cast count stage <s>": n}`."""
+    ref, _ = autocast_trajectory(mesh, name, None, False, batches)
+    report: dict[str, Any] = {}
+    for stage in STAGES:
+        for cast in (False, True):
+            got, count = autocast_trajectory(mesh, name, stage, cast, batches)
+            report[f"stage {stage} cast {cast}"] = [
+                f"step {t}: {k} max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+                for t, (a, b) in enumerate(zip(ref, got)) for k in a if not torch.equal(a[k], b[k])][:6]
+            if cast:
+                report[f"cast count stage {stage}"] = count
+    return report

@@ -64,6 +64,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .casting import casting
 from .collectives import func_level
 from .eager import eager
 from .errors import CollectiveMismatch, ConfigError, FzeroError
@@ -147,12 +148,14 @@ class Gathering:
         (stage 3) have gathers to start; elsewhere it changes nothing.
       inflight: the step's `unit.Inflight` (reductions the units' backward starts), handed to
         every unit's Function (`run_unit`); None: each backward waits for its own.
+      casts: None, or per unit the dtype each leaf is handed in (`fzero._src.casting`).
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
                  releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None,
-                 prefetch: int | None = 0, inflight: Inflight | None = None) -> None:
+                 prefetch: int | None = 0, inflight: Inflight | None = None,
+                 casts: Mapping[str, tuple] | None = None) -> None:
         if max_live_bytes is not None and not releasable:
             raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
                               f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
@@ -162,6 +165,7 @@ class Gathering:
         self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
+        self._casts = casts or {}
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
         self._anchors: list[torch.Tensor] = []
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
@@ -190,7 +194,7 @@ class Gathering:
         return self._leaves[unit]
 
     def _run(self, unit: str, gathered: list[Flight] | None = None) -> dict[str, torch.Tensor]:
-        program = self._programs[unit]
+        program = casting(self._programs[unit], self._casts.get(unit))
         if gathered is not None:
             program = _entering(program, gathered)
         ids = [b.index for b in program.buckets]

@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
+from .casting import CastAhead, Slot
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
@@ -111,6 +112,8 @@ class StepConfig:
     persist_bytes: int = 0
     max_live_bytes: int | None = None
     prefetch: int | None = None
+    cast_ahead: bool = False
+    ahead: CastAhead = dataclasses.field(default_factory=CastAhead, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -130,6 +133,8 @@ class StepConfig:
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
         if not isinstance(self.donate, bool):
             raise ConfigError(f"donate must be a bool, got {self.donate!r}")
+        if not isinstance(self.cast_ahead, bool):
+            raise ConfigError(f"cast_ahead must be a bool, got {self.cast_ahead!r}")
         p, cap = self.persist_bytes, self.max_live_bytes
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ConfigError(f"persist_bytes must be an int >= 0 (units of at most this many gathered bytes stay "
@@ -180,6 +185,7 @@ def train_step(
     persist_bytes: int = 0,
     max_live_bytes: int | None = None,
     prefetch: int | None = None,
+    cast_ahead: bool = False,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
 
@@ -241,9 +247,17 @@ def train_step(
         overlaps a started gather with compute (`Mesh.asynchronous`: DistMesh over N > 1, as
         DeepSpeed and FSDP2 prefetch by default), else 0. Same bits; prefetched units count
         against `max_live_bytes` (see `fzero._src.gathering`).
+      cast_ahead: for a loss under `torch.autocast`: hand it, already cast to the autocast dtype,
+        each param whose one use the first step's autograd graph shows to be autocast's cast
+        (a matrix product's weight), and widen its gradient into the fp32 bucket in the unit's
+        backward -- the same bits, without torch's per-leaf casts (on CUDA its backward cast is
+        an unvectorised kernel per leaf). Every later step checks its graph and runs its forward
+        again without casts where a param's use changed (docs/precision.md). Only with the
+        autograd engine, where the forward calls no collective (stages 0-2; stage 3 at N = 1),
+        frees nothing and offloads nothing; elsewhere it casts nothing. Default False.
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
-                        clip_norm, donate, persist_bytes, max_live_bytes, prefetch)
+                        clip_norm, donate, persist_bytes, max_live_bytes, prefetch, cast_ahead)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         return eager_step(config, state, batch)
@@ -594,8 +608,11 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
                      config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs, fulls)))
+    casting = (config.cast_ahead and config.engine == "autograd" and func_level() is None and not releasable
+               and not plan.offloaded and (mesh.world_size == 1 or not stage.sharded("params")))
 
-    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe],
+                casts: dict[str, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
         for b, x in zip(trainable, train):
             merged[b] = x
@@ -607,7 +624,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes, config.prefetch, inflight).loss(objective, batch)
+                         config.max_live_bytes, config.prefetch, inflight, casts).loss(objective, batch)
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
@@ -615,7 +632,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
             train, probes)
     else:
-        g_train, g_probes, loss, count = _autograd(loss_of, train, probes)
+        g_train, g_probes, loss, count = _autograd(loss_of, train, probes,
+                                                   config.ahead.of(state.info) if casting else None)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
         if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
             inflight.side.join()
@@ -708,10 +726,18 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
 
 
-def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe]):
+def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: Slot | None = None):
+    """`torch.autograd.grad` of `loss_of`'s loss. `ahead` (the state's `casting.Slot`): the
+    forward hands the casts it learned, and runs again without them where its graph does not
+    hold them (`fzero._src.casting`)."""
     train = tuple([x.detach().requires_grad_() for x in train])
     with torch.enable_grad():
-        loss, count = loss_of(train, probes)
+        casts = ahead.casts if ahead is not None else None
+        loss, count = loss_of(train, probes, casts)
+        if ahead is not None and not ahead.seen(loss, casts):  # a cast param's use changed: this graph goes
+            del loss, count
+            loss, count = loss_of(train, probes)
+            ahead.seen(loss, None)
     inputs = [*train, *[t for p in probes.values() for t in p]]
     if not loss.requires_grad:
         grads = [None] * len(inputs)

@@ -77,6 +77,27 @@ class Bucket:
         at = flat.storage_offset()
         return [flat.as_strided(s, st, at + o) for o, s, st in zip(self.offsets, self.shapes, self._strides)]
 
+    def cast_views(self, flat: torch.Tensor, views: list[torch.Tensor], casts: Sequence[torch.dtype | None]
+                   ) -> list[torch.Tensor]:
+        """`views` with leaf k replaced by its cast to `casts[k]` where that is not None
+        (`fzero._src.casting`): each run of neighbouring leaves cast to one dtype is cast by one
+        `to` of its span of `flat` (on CUDA torch's vectorised cast kernel), and its leaves are
+        views of that."""
+        out, k = list(views), 0
+        while k < len(casts):
+            dtype, j = casts[k], k
+            if dtype is None:
+                k += 1
+                continue
+            while j + 1 < len(casts) and casts[j + 1] == dtype:
+                j += 1
+            lo = self.offsets[k]
+            run = flat[lo : self.offsets[j] + self.numels[j]].to(dtype)
+            for i in range(k, j + 1):
+                out[i] = run.as_strided(self.shapes[i], self._strides[i], self.offsets[i] - lo)
+            k = j + 1
+        return out
+
     def split_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`views` by one split of `flat` into leaves, gaps and padding, then a view to the leaf's
         shape where it is not 1-d: ops with batching rules, for tangents that `jacfwd` batches."""
@@ -225,12 +246,14 @@ def _complete(flight: Any) -> bool:
 class UnitProgram:
     """The static description of one unit under one stage (not a pytree node): made once per
     state's `StateInfo` (`step.step_plan`); what is a step's own (its `Inflight`) is passed to
-    `run_unit` at each call."""
+    `run_unit` at each call. `casts`: per leaf (`leaves` order), the dtype its forward hands
+    it in, or None as it is (`casting.casting`: the leaves an autocast region would cast)."""
 
     name: str
     mesh: Mesh
     stage: Stage
     buckets: tuple[Bucket, ...]
+    casts: tuple[torch.dtype | None, ...] | None = None
 
     @functools.cached_property
     def leaves(self) -> tuple[int, ...]:
@@ -308,11 +331,17 @@ def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
     """The unit's leaves from the full buffer (or the held tensor) of each bucket, cast to the
-    compute dtype first (once per unit, before any gather): the Function's forward, and
-    `fzero.gather` outside autograd (`cast=False`: the master dtype)."""
-    mesh, enter = program.mesh, program.stage.enter.run
-    return [v for bucket, x in zip(program.buckets, xs)
-            for v in bucket.views(enter(mesh, bucket.wire, x.to(bucket.wire.compute) if cast else x))]
+    compute dtype first (once per unit, before any gather), and those of `program.casts` then
+    cast on (`Bucket.cast_views`): the Function's forward, and `fzero.gather` outside autograd
+    (`cast=False`: the master dtype, no casts)."""
+    mesh, enter, casts, at = program.mesh, program.stage.enter.run, program.casts if cast else None, 0
+    leaves: list[torch.Tensor] = []
+    for bucket, x in zip(program.buckets, xs):
+        flat = enter(mesh, bucket.wire, x.to(bucket.wire.compute) if cast else x)
+        views = bucket.views(flat)
+        leaves += views if casts is None else bucket.cast_views(flat, views, casts[at : at + len(views)])
+        at += len(views)
+    return leaves
 
 
 def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None],
@@ -601,8 +630,14 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     if torch.is_grad_enabled():
         for d, s in zip(dst, src):
             d.copy_(s)
-    elif dst:
+        return
+    dtypes = dict.fromkeys(s.dtype for s in src)
+    if len(dtypes) == 1:
         torch._foreach_copy_(dst, src)
+    else:  # cast-ahead leaves' gradients beside full-width ones: one multi-tensor copy per source dtype
+        for dtype in dtypes:
+            ks = [k for k, s in enumerate(src) if s.dtype == dtype]
+            torch._foreach_copy_([dst[k] for k in ks], [src[k] for k in ks])
 
 
 def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
