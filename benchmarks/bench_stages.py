@@ -93,6 +93,13 @@ def _side_checks(step, state, batch):
                    "early_update": early == [True]}
 
 
+def _cast_leaves(step) -> int:
+    """How many leaves the step's forward hands cast (`cast_ahead`; 0 where it casts nothing)."""
+    config = next(c.cell_contents for c in step.__closure__ if type(c.cell_contents).__name__ == "StepConfig")
+    learned = config.ahead.last
+    return learned.count if learned is not None else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
@@ -119,6 +126,9 @@ def main() -> None:
     ap.add_argument("--side-assembly", type=int, default=1,
                     help="0: assemble each unit's gradient on the step's stream, not beside the backward on the side "
                          "stream (what fzero did before the tenth session), for an A/B")
+    ap.add_argument("--cast-ahead", type=int, default=0,
+                    help="1: train_step(cast_ahead=True): the params autocast casts handed to the loss cast, "
+                         "their gradients widened in the unit's backward (same bits; fzero/_src/casting.py)")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
@@ -153,7 +163,8 @@ def main() -> None:
     policy = fzero.Precision(torch.bfloat16, torch.float32) if a.precision == "bf16" else fzero.Precision()
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units, precision=policy)
     del params
-    step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather, donate=bool(a.donate))
+    step = fzero.train_step(loss_fn, engine=a.engine, gather=a.gather, donate=bool(a.donate),
+                            cast_ahead=bool(a.cast_ahead))
     g = torch.Generator(device="cpu").manual_seed(1 + rank)
     idx = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
     tgt = torch.randint(0, a.vocab, (a.micro, a.seq), generator=g).to(dev)
@@ -209,11 +220,12 @@ def main() -> None:
             + ("" if a.gather == "on_use" else f"-{a.gather}") + ("" if a.donate else "-pure")
             + ("" if a.precision == "autocast" else f"-{a.precision}") + ("-profiled" if a.profile else "")
             + ("" if a.side else "-noside") + ("" if a.early else "-noearly")
-            + ("" if a.side_assembly else "-noasm"),
+            + ("" if a.side_assembly else "-noasm") + ("-cast" if a.cast_ahead else ""),
             "world": world, "params_M": round(nparams / 1e6, 1),
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4), **side,
+            "cast_leaves": _cast_leaves(step),
             "torch": torch.__version__,
         } | ({} if syncs is None else {"host_syncs": syncs["count"], "sync_sites": syncs["sites"]})), flush=True)
     dist.destroy_process_group()

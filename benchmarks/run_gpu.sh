@@ -8,7 +8,8 @@
 #      ROUNDS=R to run the modes R times in turn)
 # An empty list skips its modes (PEERS= STAGES= ...); PROFILE=0 / CENSUS=0 skip the profile / census.
 # NOEARLY_STAGES / NOEARLY_BF16_STAGES add `--early 0` rows (the update launched after the read);
-# NOASM_STAGES / NOASM_BF16_STAGES `--side-assembly 0` rows (the gradients assembled on the step's stream).
+# NOASM_STAGES / NOASM_BF16_STAGES `--side-assembly 0` rows (the gradients assembled on the step's stream);
+# CAST_STAGES `--cast-ahead 1` rows (train_step(cast_ahead=True): the params autocast casts, handed cast).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -27,6 +28,8 @@ for round in $(seq "${ROUNDS:-1}"); do
   for s in ${STAGES-0 1 2 3}; do run "fzero$s" "$here/bench_stages.py" --stage "$s"; done
   for s in ${EAGER_STAGES:-}; do run "fzero$s-eager" "$here/bench_stages.py" --stage "$s" --gather eager; done
   for s in ${BF16_STAGES-2 3}; do run "fzero$s-bf16" "$here/bench_stages.py" --stage "$s" --precision bf16; done
+  # the same-job A/B of casting ahead (eleventh session)
+  for s in ${CAST_STAGES:-}; do run "fzero$s-cast" "$here/bench_stages.py" --stage "$s" --cast-ahead 1; done
   # the same-job A/B of the update launched before the agreement's read (ninth session)
   for s in ${NOEARLY_STAGES:-}; do run "fzero$s-noearly" "$here/bench_stages.py" --stage "$s" --early 0; done
   # the same-job A/B of the gradients assembled beside the backward (tenth session)
