@@ -431,6 +431,47 @@ def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mes
             assert beside == [True] * 18, (stage, precision, clip, beside)
 
 
+def _accumulated_run(mesh, stage, accumulate):
+    """Two steps of k = 3 micro-batches on three units (`accumulate` "each" or "once"); the
+    params after them."""
+    gen = torch.Generator().manual_seed(stage)
+    tree = {f"u{i}": {"w": torch.randn(16, 16, generator=gen) / 4, "b": torch.randn(16, generator=gen)}
+            for i in range(3)}
+    tree = optree.tree_map(lambda t: t.to(mesh.device), tree)
+
+    def loss(p, x):
+        for i in range(3):
+            x = torch.tanh(x @ p[f"u{i}"]["w"] + p[f"u{i}"]["b"])
+        return x.square().mean()
+
+    state = fzero.init(tree, optim.adamw(0.1), stage=stage, mesh=mesh, units=lambda path: path.split("/")[0])
+    step = fzero.train_step(loss, donate=True, micro_batches=3, accumulate=accumulate)
+    for t in range(2):
+        g = torch.Generator().manual_seed(10 + t)
+        state, _ = step(state, [torch.randn(8, 16, generator=g).to(mesh.device) for _ in range(3)])
+    return fzero.gather(state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_of_several_micro_batches_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh):
+    """k = 3 micro-batches at N = 1 on CUDA: each micro-batch's units assemble their gradients
+    on the side stream (held back there, as above), and the step joins it at the end of that
+    micro-batch's backward, before it adds the micro-batch's gradient to the sum ("each") or
+    the local sum ("once", stages 0-1). The params are bitwise those of the step that assembles
+    in line, and every bucket of every micro-batch (3 x 3 a step) was assembled beside."""
+    for accumulate in ("each", "once") if stage < 2 else ("each",):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(step_module.EarlyNorms, "DEVICES", ())
+            want = _accumulated_run(nccl_mesh, stage, accumulate)
+        held_back, beside = _held_back_writes(20_000_000)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(unit_module, "_write", held_back)
+            got = _accumulated_run(nccl_mesh, stage, accumulate)
+        assert beside == [True] * 18, (stage, accumulate, beside)
+        assert all(torch.equal(got[u][k], want[u][k]) for u in want for k in want[u]), (stage, accumulate)
+
+
 def _shared_gradient_run(mesh, stage):
     """Two steps of a loss that differentiates a sum of two units' leaves (`a + b`: autograd hands
     the same gradient tensor to both units' backward) and uses `b` once more, before `a`'s unit

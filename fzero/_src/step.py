@@ -592,8 +592,9 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     early = trainable if config.accumulate == "each" and stage.reduces_after_leave else ()
     # offload: gradient shards to the host in the backward, shed where nothing reads them after
     copies = early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype) if plan.offloaded else None
-    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take,
-                        side=norms.assembly(state) if norms is not None else None)
+    side = (norms.assembly(state) if norms is not None  # else k > 1 micro-batches: the assembly beside alone
+            else side_assembly(Side(mesh.device), state) if beside_backward(config, state) else None)
+    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take, side=side)
                 if config.engine == "autograd" else None)
     programs = plan.programs
     if all(plan.held):
@@ -1069,20 +1070,13 @@ class EarlyNorms:
     @staticmethod
     def of(config: StepConfig, state: ZeroState) -> EarlyNorms | None:
         """For a step whose reductions return the bucket's gradient in the backward and whose
-        agreement reads it unchanged: one rank, the autograd engine, one micro-batch, no
-        offload tier (which takes its own, `offload.early_norms`), nothing differentiating
-        through the step, on a device of `DEVICES`; else None."""
-        mesh = state.mesh
-        if (mesh.world_size != 1 or mesh.device.type not in EarlyNorms.DEVICES or config.engine != "autograd"
-                or config.micro_batches != 1 or state.info.tier is not None or func_level() is not None):
-            return None
-        return EarlyNorms(mesh.device)
+        agreement reads it unchanged: `beside_backward`, and one micro-batch (with more, the
+        agreement reads their sum); else None."""
+        return EarlyNorms(state.mesh.device) if config.micro_batches == 1 and beside_backward(config, state) else None
 
     def assembly(self, state: ZeroState) -> Assembly | None:
-        """The units' gradient assembly on this side stream (`Inflight.side`), or None: CUDA (a
-        stream to run beside), and the params on the device (an offloaded unit's gathered storage
-        is freed after its backward, which the assembly may still read)."""
-        return Assembly(self.side) if self.side.stream is not None and state.info.offload.params is None else None
+        """The units' gradient assembly on this side stream (`Inflight.side`; `side_assembly`)."""
+        return side_assembly(self.side, state)
 
     def take(self, x: torch.Tensor) -> None:
         if x.requires_grad or not x.is_contiguous() or x.device != self.side.device:
@@ -1093,6 +1087,25 @@ class EarlyNorms:
         self.side.join()
         hits = {k: self.taken.get(_norm_key(x)) for k, x in enumerate(shards) if x.is_contiguous()}
         return {k: hit[1] for k, hit in hits.items() if hit is not None}
+
+
+def beside_backward(config: StepConfig, state: ZeroState) -> bool:
+    """Whether each unit's reduction returns its input in the backward and work may run beside
+    the backward on a side stream: one rank, a device of `EarlyNorms.DEVICES`, the autograd engine,
+    no offload tier (whose early host copies read the reduced gradient in the backward, on the
+    step's stream; it takes its own norms, `offload.early_norms`), nothing differentiating
+    through the step."""
+    mesh = state.mesh
+    return (mesh.world_size == 1 and mesh.device.type in EarlyNorms.DEVICES and config.engine == "autograd"
+            and state.info.tier is None and func_level() is None)
+
+
+def side_assembly(side: Side, state: ZeroState) -> Assembly | None:
+    """The units' gradient assembly on `side` (`Inflight.side`), or None: CUDA (a stream to run
+    beside), and the params on the device (an offloaded unit's gathered storage is freed after its
+    backward, which the assembly may still read). The step joins it at the end of each
+    micro-batch's backward, before any gradient is read or added to the micro-batches' sum."""
+    return Assembly(side) if side.stream is not None and state.info.offload.params is None else None
 
 
 def _norm_key(x: torch.Tensor) -> tuple:
