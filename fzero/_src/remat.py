@@ -74,6 +74,9 @@ class Autocast:
         return stack
 
 
+TENSOR = object()  # in `_Plan.consts`: a tensor goes here (not None, which an argument may be)
+
+
 @dataclasses.dataclass(eq=False)
 class _Plan:
     """The static half of one checkpointed call: how to rebuild `(params, args, kwargs)` from
@@ -83,7 +86,7 @@ class _Plan:
     forward: Callable[..., Any]
     names: tuple[str, ...]
     spec: Any  # the treespec of (args, kwargs) with tensors taken out
-    consts: tuple[Any, ...]  # its non-tensor leaves, by position (None where a tensor goes)
+    consts: tuple[Any, ...]  # its non-tensor leaves, by position (`TENSOR` where a tensor goes)
     rng: RngState
     autocast: Autocast
     out: list  # [output treespec], filled by the forward
@@ -93,7 +96,7 @@ class _Plan:
         as a flat tuple of output tensors."""
         k = len(self.names)
         params, rest = dict(zip(self.names, tensors[:k])), iter(tensors[k:])
-        leaves = [next(rest) if c is None else c for c in self.consts]
+        leaves = [next(rest) if c is TENSOR else c for c in self.consts]
         args, kwargs = tree_unflatten(leaves, self.spec)
         flat, spec = tree_flatten(self.forward(params, *args, **kwargs))
         if not self.out:
@@ -111,7 +114,7 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
         return forward(dict(params), *args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    consts = tuple(None if isinstance(x, torch.Tensor) else x for x in leaves)
+    consts = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
     names = tuple(params)
     inputs = [*(params[n] for n in names), *tensors]
     plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [])
