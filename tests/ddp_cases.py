@@ -385,22 +385,23 @@ def bf16_reduction_against_ddp(mesh, batch) -> dict[str, bool]:
     return {n: bool(torch.equal(got[n], ddp_grad[n])) for n in ddp_grad}
 
 
-# --- autocast: cast_ahead against DDP ----------------------------------------------------------
+# --- autocast: fzero (and cast_ahead) against DDP / the plain model ---------------------------
 
 def autocast_trajectory(mesh, name: str, stage: int | None, cast_ahead: bool, batches: list
                         ) -> tuple[list[dict[str, torch.Tensor]], int]:
     """AdamW steps with the loss under CPU bf16 autocast: `(params after every step, leaves the
-    last step cast ahead)`; `stage=None` is DDP."""
+    step casts ahead)`; `stage=None` is torch: DDP where a process group of more than one rank
+    runs, else the plain model."""
     model, prefix = build(name)
 
-    def under_autocast(fn, *args):
+    def under_autocast(fn):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return fn(*args)
+            return fn()
 
     opt, make = optimizers("adamw")
     out = []
     if stage is None:
-        ddp = DDP(model, find_unused_parameters=name == "mlp")
+        ddp = DDP(model, find_unused_parameters=name == "mlp") if mesh.world_size > 1 else model
         torch_opt = make([p for p in model.parameters() if p.requires_grad])
         for batch in batches:
             torch_opt.zero_grad(set_to_none=True)
@@ -417,8 +418,8 @@ def autocast_trajectory(mesh, name: str, stage: int | None, cast_ahead: bool, ba
         broadcast_buffers(info, mesh)
         state, _ = step(state, batch)
         out.append(dict(fzero.gather(state)))
-    slot = config_of(step).ahead.of(state.info) if cast_ahead else None
-    return out, slot.learned.count if slot is not None and slot.learned is not None else 0
+    learned = config_of(step).ahead.of(state.info).learned if cast_ahead else None
+    return out, learned.count if learned is not None else 0
 
 
 def config_of(step):
@@ -426,16 +427,15 @@ def config_of(step):
     return next(c.cell_contents for c in step.__closure__ if type(c.cell_contents).__name__ == "StepConfig")
 
 
-def compare_autocast_with_ddp(mesh, name: str, batches: list) -> dict[str, Any]:
-    """`{"stage <s> cast <c>": [first differences from DDP]}` and `{"cast count stage <s>": n}`."""
+def compare_autocast(mesh, name: str, runs: list[tuple[int, bool]], batches: list) -> dict[str, Any]:
+    """`{"stage <s> cast <c>": [first differences from torch], "cast count stage <s> cast <c>": n}`
+    for each `(stage, cast_ahead)` of `runs`."""
     ref, _ = autocast_trajectory(mesh, name, None, False, batches)
     report: dict[str, Any] = {}
-    for stage in STAGES:
-        for cast in (False, True):
-            got, count = autocast_trajectory(mesh, name, stage, cast, batches)
-            report[f"stage {stage} cast {cast}"] = [
-                f"step {t}: {k} max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
-                for t, (a, b) in enumerate(zip(ref, got)) for k in a if not torch.equal(a[k], b[k])][:6]
-            if cast:
-                report[f"cast count stage {stage}"] = count
+    for stage, cast in runs:
+        got, count = autocast_trajectory(mesh, name, stage, cast, batches)
+        report[f"stage {stage} cast {cast}"] = [
+            f"step {t}: {k} max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
+            for t, (a, b) in enumerate(zip(ref, got)) for k in a if not torch.equal(a[k], b[k])][:6]
+        report[f"cast count stage {stage} cast {cast}"] = count
     return report

@@ -2,74 +2,90 @@
 
 Under `torch.autocast` a matrix product reads each fp32 param through a cast to the autocast
 dtype (`aten._to_copy`), and its backward casts the param's gradient back (`ToCopyBackward0`: on
-CUDA one launch of torch's dynamic-cast loop per leaf, unvectorised). Where a leaf's one use in
-the loss is that cast, handing the loss the cast itself gives the same bits:
+CUDA one launch of torch's dynamic-cast loop per leaf, unvectorised). Where a leaf's one read in
+the loss is such a product, handing the loss the cast itself gives the same bits:
 
 - forward: fzero's cast of the leaf (`Bucket.cast_views`: one `to` per run of neighbouring cast
   leaves in the flat buffer) rounds each element as autocast's `_to_copy` does (to nearest even),
-  and autocast hands a tensor already in its dtype to the op as it is, so every op after the
-  cast reads the same tensor values;
-- backward: the cast's gradient is what autograd adds up over the cast's uses, in the autocast
-  dtype, in the same order either way; `ToCopyBackward0` would widen it to fp32, which is exact,
-  and the unit's backward widens it instead on its way into the fp32 bucket (`unit._write`, one
-  multi-tensor copy per dtype).
+  and autocast hands a tensor already in its dtype to the op as it is, so the op reads the same
+  values;
+- backward: the cast's gradient is what the op sends it, in the autocast dtype; `ToCopyBackward0`
+  would widen it to fp32, which is exact, and the unit's backward widens it instead on its way
+  into the fp32 bucket (`unit._write`, one multi-tensor copy per dtype).
 
-Which leaves (`learn`): in the autograd graph of a step that casts nothing, a unit output with
-exactly one consumer, a `ToCopyBackward0` whose output is a narrower floating dtype of the same
-shape. A leaf cast twice (two uses, each cast apart) is not one: its two widened gradients are
-added in fp32, not in the autocast dtype.
+Which leaves (`Slot.learned`): the first step hands every fp32 leaf as it is, as a `Watched`
+tensor, which reports every torch function, tensor method and tensor attribute read that takes
+it (`Reads`). A leaf is cast from the next step on where its reads were exactly
+one function of `CASTING` (matrix products and convolutions, whose every floating input autocast
+casts to its lower-precision dtype) with autocast on for the leaf's device in a narrower float
+dtype, besides reads of attributes the cast shares (`SAME`: its shape, device, ...); and where
+the step's autograd graph agrees -- the leaf's one consumer is a `ToCopyBackward0` to that dtype.
 
-Every later step that casts checks its own graph (`holds`): each cast leaf is consumed as the
-learned cast's output was -- the same consumer nodes, by type and output dtypes, and the nodes
-consuming those -- or not at all (a leaf the step did not use gets no gradient either way). Where
-one is not, the step drops the graph, runs its forward again without casts, and learns from that
-graph: a loss whose use of a param changes costs one more forward that step, never other bits.
-What the graph cannot show is autocast switched off around an op that reads the cast the same
-way (the same consumer types and dtypes): proofs/precision.md, "Casting ahead", on what that can
-and cannot do to a matrix product.
+Every later step watches the cast leaves the same way and raises `ConfigError` at the first
+read that is not such a product under autocast in the leaf's cast dtype, or a second one: a loss
+whose reads of a param change is refused, not run with other bits. The step's state is
+untouched (the error comes from the forward). What `__torch_function__` does not see -- a C++
+extension's reads, `untyped_storage` tricks -- is not checked.
 
-Only where the forward issues no collective (stages 0-2, or stage 3 at N = 1: a second forward on
-one rank must not call collectives the others do not), nothing is freed and gathered again in
-backward, nothing is offloaded, and no torch.func transform runs the step (`step.backward`).
+Only at N = 1 (an error on one rank must not leave the others in a collective), with the
+autograd engine, where nothing is freed and gathered again in backward (stage 3 at N = 1 reads
+its held shard), nothing is offloaded, and no torch.func transform runs the step (`step.backward`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from .errors import ConfigError
 from .unit import UnitProgram, _Unit, remembered
+from .watched import Watched
 
 NARROW = (torch.bfloat16, torch.float16)  # the autocast dtypes a cast may narrow to
+
+# the functions whose every floating input autocast casts to its lower-precision dtype, on CUDA
+# and on the CPU (torch's autocast op lists)
+CASTING = frozenset([F.linear, F.conv1d, F.conv2d, F.conv3d, torch.matmul, torch.mm, torch.addmm, torch.bmm,
+                     torch.baddbmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+                     torch.Tensor.mm, torch.Tensor.addmm, torch.Tensor.bmm, torch.Tensor.baddbmm])
+
+# attributes and methods whose answer is the same for the cast as for the leaf
+SAME = frozenset(["shape", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_cpu", "is_meta",
+                  "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "size", "dim", "numel", "nelement",
+                  "stride", "is_contiguous", "is_floating_point", "is_complex", "get_device"])
 
 Casts = Mapping[str, tuple]  # unit -> per output leaf (`UnitProgram.leaves` order): its cast dtype, or None
 
 
-def casting(program: UnitProgram, casts: tuple | None) -> UnitProgram:
-    """`program` whose forward hands each leaf in `casts`' dtype (None: as it is), made once."""
+def casting(program: UnitProgram, casts: tuple | None, watch: bool = False) -> UnitProgram:
+    """`program` whose forward hands each leaf in `casts`' dtype (None: as it is) and, with
+    `watch`, the leaves whose reads are watched as `Watched`; made once."""
     if not casts or not any(c is not None for c in casts):
+        casts = None
+    if casts is None and not watch:
         return program
-    return remembered(_PROGRAMS, program, casts, lambda: dataclasses.replace(program, casts=casts))
+    return remembered(_PROGRAMS, program, (casts, watch),
+                      lambda: dataclasses.replace(program, casts=casts, watch=watch))
 
 
 _PROGRAMS: dict = {}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Learned:
-    """What one state's steps learned: `casts` (unit -> per leaf dtype or None) and, per cast
-    leaf `(unit, k)`, how the cast's output was consumed (`_uses`)."""
+    """What one state's first step learned: unit -> per leaf its cast dtype or None."""
 
     casts: dict[str, tuple]
-    uses: dict[tuple[str, int], tuple]
 
     @property
     def count(self) -> int:
         """How many leaves are cast."""
-        return len(self.uses)
+        return sum(c is not None for cs in self.casts.values() for c in cs)
 
 
 class CastAhead:
@@ -84,7 +100,7 @@ class CastAhead:
 
 
 class Slot:
-    """What one state's steps learned (`learned`, None before the first forward)."""
+    """One state's casting: `learned` (None before the first forward)."""
 
     def __init__(self, owner: CastAhead) -> None:
         self.owner, self.learned = owner, None
@@ -94,24 +110,93 @@ class Slot:
         """The casts to hand this step's forward, or None (nothing learned yet, or nothing to cast)."""
         return self.learned.casts if self.learned is not None and self.learned.count else None
 
-    def seen(self, loss: torch.Tensor, casts: Casts | None) -> bool:
-        """After a forward that handed `casts`: whether its graph holds them (True where it handed
-        none, after learning from it if nothing was learned yet). False: the learned casts are
-        dropped; run the forward again without casts."""
-        if loss.grad_fn is None or not has_metadata(loss.grad_fn) or casts is None and self.learned is not None:
-            return True
-        consumers = _consumers(loss.grad_fn)
-        if casts is None:
-            self.learned = self.owner.last = learn(consumers)
-            return True
-        if holds(self.learned, consumers):
-            return True
-        self.learned = None
-        return False
+    def reads(self, step: Any) -> Reads | None:
+        """The `Reads` of this step's forward: learning (nothing learned yet), checking (leaves
+        to cast), or None (nothing to cast)."""
+        if self.learned is None:
+            return Reads(step, learning=True)
+        return Reads(step, learning=False) if self.learned.count else None
+
+    def seen(self, loss: torch.Tensor, reads: Reads | None) -> None:
+        """After the forward: learn from a learning step's reads and graph."""
+        if reads is None or not reads.learning:
+            return
+        graph = _narrowing_casts(loss.grad_fn) if loss.grad_fn is not None and _has_metadata(loss.grad_fn) else {}
+        casts: dict[str, list] = {}
+        for key, (program, k) in reads.leaves.items():
+            dtype = _cast_only(reads.uses.get(key, []))
+            if dtype is not None and graph.get(key) == dtype:
+                casts.setdefault(program.name, [None] * len(program.leaves))[k] = dtype
+        self.learned = self.owner.last = Learned({u: tuple(c) for u, c in casts.items()})
 
 
-def _consumers(root: Any) -> dict[tuple[Any, int], list[Any]]:
-    """`{(node, output index): [nodes that read that output]}` over the graph below `root`."""
+class Reads:
+    """The reads of the watched unit leaves during one forward: the Gathering hands it each
+    unit's outputs (`watch`), and each `Watched` leaf reports every torch call that takes it
+    (`read`). Learning: every fp32 leaf is watched and its reads recorded (`uses`). Checking:
+    the cast leaves are watched, and a read that is not one `CASTING` call under autocast in the
+    leaf's dtype raises `ConfigError`. After the forward (`close`) reads are no longer taken."""
+
+    def __init__(self, step: Any, learning: bool) -> None:
+        self.step, self.learning, self.open = step, learning, True
+        self.leaves: dict[tuple[str, int], tuple[UnitProgram, int]] = {}
+        self.uses: dict[tuple[str, int], list[tuple]] = {}
+        self._paths: dict[tuple[str, int], str] = {}
+
+    def watch(self, program: UnitProgram, outs: list[torch.Tensor], paths: list[str]) -> None:
+        for k, (t, path) in enumerate(zip(outs, paths)):
+            if type(t) is Watched:
+                key = (program.name, k)
+                t.reader = functools.partial(self.read, key)
+                self.leaves[key], self._paths[key] = (program, k), path
+
+    def close(self) -> None:
+        self.open = False
+
+    def read(self, key: tuple[str, int], t: torch.Tensor, func: Any) -> None:
+        if not self.open:
+            return
+        use = _use(func, t)
+        if use[0] == "same":
+            return
+        uses = self.uses.setdefault(key, [])
+        uses.append(use)
+        if not self.learning and (use != ("cast", t.dtype) or len(uses) > 1):
+            raise ConfigError(
+                f"cast_ahead: step {int(self.step)}: the loss read param {self._paths[key]!r} (unit {key[0]!r}) "
+                f"{_said(use)}{' a second time' if len(uses) > 1 else ''}; the first step read it once, through a "
+                f"matrix product under autocast, so fzero hands it cast to {t.dtype}, which this read would see "
+                f"instead of the fp32 param. A loss whose reads of a param change needs train_step(cast_ahead=False)")
+
+
+def _use(func: Any, t: torch.Tensor) -> tuple:
+    """A read by kind: ("same",) where the cast answers as the leaf would, ("cast", dtype) for a
+    `CASTING` call under autocast on the leaf's device, else ("other", name)."""
+    name = getattr(func, "__name__", repr(func))
+    if name == "__get__":  # an attribute read
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name in SAME:
+        return ("same",)
+    if func in CASTING:
+        device = t.device.type
+        if torch.is_autocast_enabled(device):
+            return ("cast", torch.get_autocast_dtype(device))
+        return ("other", f"{name} with autocast off")
+    return ("other", name)
+
+
+def _said(use: tuple) -> str:
+    return f"through {use[1]}" if use[0] == "other" else f"through a matrix product under autocast in {use[1]}"
+
+
+def _cast_only(uses: list[tuple]) -> torch.dtype | None:
+    """The dtype where a leaf's reads were one `CASTING` call under autocast in a narrower float dtype."""
+    return uses[0][1] if len(uses) == 1 and uses[0][0] == "cast" and uses[0][1] in NARROW else None
+
+
+def _narrowing_casts(root: Any) -> dict[tuple[str, int], torch.dtype]:
+    """`{(unit, leaf): dtype}` for each unit leaf whose one consumer in the graph below `root` is
+    a `ToCopyBackward0` to a narrower dtype of the same shape."""
     consumers: dict[tuple[Any, int], list[Any]] = {}
     seen, stack = {root}, [root]
     while stack:
@@ -123,62 +208,19 @@ def _consumers(root: Any) -> dict[tuple[Any, int], list[Any]]:
             if below not in seen:
                 seen.add(below)
                 stack.append(below)
-    return consumers
-
-
-def _unit_outputs(consumers: Mapping[tuple[Any, int], list[Any]]) -> Iterable[tuple[Any, int, list[Any]]]:
-    """`(unit node, leaf index, its consumers)` for every unit leaf the graph reads."""
+    out = {}
     for (node, k), users in consumers.items():
-        if isinstance(node, _Unit._backward_cls) and k < len(node.program.leaves):
-            yield node, k, users
-
-
-def _kind(node: Any) -> tuple:
-    """A node by its type and the dtypes of its outputs."""
-    return type(node).__name__, tuple(str(m.dtype) for m in node._input_metadata)
-
-
-def _uses(users: Sequence[Any], consumers: Mapping[tuple[Any, int], list[Any]]) -> tuple:
-    """How a tensor is consumed: each consumer's kind with the kinds of the nodes reading it, sorted."""
-    return tuple(sorted((_kind(u), tuple(sorted(_kind(v) for k in range(len(u._input_metadata))
-                                                for v in consumers.get((u, k), ()))))
-                        for u in users))
-
-
-def learn(consumers: Mapping[tuple[Any, int], list[Any]]) -> Learned:
-    """The casts a graph with no casts of fzero's shows (see the module docstring)."""
-    casts: dict[str, list] = {}
-    uses: dict[tuple[str, int], tuple] = {}
-    for node, k, users in _unit_outputs(consumers):
-        if len(users) != 1 or type(users[0]).__name__ != "ToCopyBackward0":
+        if not isinstance(node, _Unit._backward_cls) or k >= len(node.program.leaves) or len(users) != 1:
             continue
-        program, out = node.program, users[0]._input_metadata[0]
-        leaf = _leaf_metadata(node, k)
-        if leaf is None or out.dtype not in NARROW or out.dtype.itemsize >= leaf.dtype.itemsize \
-                or not leaf.dtype.is_floating_point or tuple(out.shape) != tuple(leaf.shape) or out.device != leaf.device:
+        if type(users[0]).__name__ != "ToCopyBackward0":
             continue
-        casts.setdefault(program.name, [None] * len(program.leaves))[k] = out.dtype
-        uses[(program.name, k)] = _uses(consumers.get((users[0], 0), ()), consumers)
-    return Learned({u: tuple(c) for u, c in casts.items()}, uses)
+        leaf, cast = node._input_metadata[k], users[0]._input_metadata[0]
+        if cast.dtype.itemsize < leaf.dtype.itemsize and tuple(cast.shape) == tuple(leaf.shape):
+            out[(node.program.name, k)] = cast.dtype
+    return out
 
 
-def _leaf_metadata(node: Any, k: int) -> Any:
-    """The unit node's output k's metadata (shape, dtype, device), or None where torch has none."""
-    meta = getattr(node, "_input_metadata", None)
-    return meta[k] if meta is not None and k < len(meta) else None
-
-
-def holds(learned: Learned, consumers: Mapping[tuple[Any, int], list[Any]]) -> bool:
-    """Whether a graph that handed `learned.casts` consumed every cast leaf as learned (or not at all)."""
-    for node, k, users in _unit_outputs(consumers):
-        casts = node.program.casts
-        if casts is not None and casts[k] is not None and _uses(users, consumers) != learned.uses.get(
-                (node.program.name, k)):
-            return False
-    return True
-
-
-def has_metadata(node: Any) -> bool:
-    """Whether this torch's autograd nodes carry their outputs' metadata (`_input_metadata`,
-    which `learn` and `holds` read); where not, nothing is cast."""
+def _has_metadata(node: Any) -> bool:
+    """Whether this torch's autograd nodes carry their outputs' metadata (`_input_metadata`);
+    where not, nothing is cast."""
     return hasattr(node, "_input_metadata")

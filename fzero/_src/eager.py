@@ -18,6 +18,7 @@ torch since 2.1; where it is missing every call goes through `torch.compiler.dis
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -28,6 +29,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 _compiling = torch.compiler.is_compiling
 _eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _callback = getattr(_eval_frame, "get_eval_frame_callback", None)
+_state = threading.local()
+
+
+def from_compiled() -> bool:
+    """Whether the `eager` function running now was called by compiled code or while dynamo
+    traces (False where this torch lacks the callback's reader: unknown)."""
+    return getattr(_state, "compiled", False)
 
 
 def eager(fn: F) -> F:
@@ -40,7 +48,11 @@ def eager(fn: F) -> F:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if _compiling() or _callback() is not None:
-            return disabled(*args, **kwargs)
+            outer, _state.compiled = from_compiled(), True
+            try:
+                return disabled(*args, **kwargs)
+            finally:
+                _state.compiled = outer
         return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]

@@ -64,9 +64,9 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .casting import casting
+from .casting import Reads, casting
 from .collectives import func_level
-from .eager import eager
+from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
@@ -149,13 +149,15 @@ class Gathering:
       inflight: the step's `unit.Inflight` (reductions the units' backward starts), handed to
         every unit's Function (`run_unit`); None: each backward waits for its own.
       casts: None, or per unit the dtype each leaf is handed in (`fzero._src.casting`).
+      reads: None, or the step's `casting.Reads`: each unit's Function hands the leaves it
+        watches as `Watched`, which are handed to its `watch` as they are made.
     """
 
     def __init__(self, layout: Layout, programs: Sequence[UnitProgram], xs: Sequence[torch.Tensor],
                  fulls: Sequence[torch.Tensor | None], probes: Mapping[str, Probe], mode: str,
                  releasable: bool, persist_bytes: int = 0, max_live_bytes: int | None = None,
                  prefetch: int | None = 0, inflight: Inflight | None = None,
-                 casts: Mapping[str, tuple] | None = None) -> None:
+                 casts: Mapping[str, tuple] | None = None, reads: Reads | None = None) -> None:
         if max_live_bytes is not None and not releasable:
             raise ConfigError(f"max_live_bytes={max_live_bytes} caps the gathered units a step holds by freeing "
                               f"them after use, which only stage 3 with gather='on_use', engine='autograd' and "
@@ -165,7 +167,7 @@ class Gathering:
         self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
-        self._casts = casts or {}
+        self._casts, self._reads = casts or {}, reads
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
         self._anchors: list[torch.Tensor] = []
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
@@ -194,7 +196,12 @@ class Gathering:
         return self._leaves[unit]
 
     def _run(self, unit: str, gathered: list[Flight] | None = None) -> dict[str, torch.Tensor]:
-        program = casting(self._programs[unit], self._casts.get(unit))
+        casts, reads = self._casts.get(unit), self._reads
+        if reads is not None and from_compiled():
+            raise ConfigError(f"cast_ahead=True: the loss reads unit {unit!r} from compiled code (torch.compile), "
+                              f"which cannot take the watched leaves cast_ahead hands it (docs/compile.md); use "
+                              f"train_step(cast_ahead=False) with a compiled loss")
+        program = casting(self._programs[unit], casts, watch=reads is not None and (reads.learning or casts is not None))
         if gathered is not None:
             program = _entering(program, gathered)
         ids = [b.index for b in program.buckets]
@@ -202,6 +209,8 @@ class Gathering:
         outs, anchor = run_unit(program, [self._xs[b] for b in ids], [self._fulls[b] for b in ids],
                                 self._probes[unit], after, self._inflight)
         self._anchors.append(anchor)
+        if self._reads is not None:
+            self._reads.watch(program, outs, [self.layout.leaves[i].path for i in program.leaves])
         leaves = dict(zip(program.leaves, outs))
         if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
             firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()

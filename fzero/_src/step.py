@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-from .casting import CastAhead, Slot
+from .casting import CastAhead, Reads, Slot
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
@@ -247,14 +247,14 @@ def train_step(
         overlaps a started gather with compute (`Mesh.asynchronous`: DistMesh over N > 1, as
         DeepSpeed and FSDP2 prefetch by default), else 0. Same bits; prefetched units count
         against `max_live_bytes` (see `fzero._src.gathering`).
-      cast_ahead: for a loss under `torch.autocast`: hand it, already cast to the autocast dtype,
-        each param whose one use the first step's autograd graph shows to be autocast's cast
-        (a matrix product's weight), and widen its gradient into the fp32 bucket in the unit's
-        backward -- the same bits, without torch's per-leaf casts (on CUDA its backward cast is
-        an unvectorised kernel per leaf). Every later step checks its graph and runs its forward
-        again without casts where a param's use changed (docs/precision.md). Only with the
-        autograd engine, where the forward calls no collective (stages 0-2; stage 3 at N = 1),
-        frees nothing and offloads nothing; elsewhere it casts nothing. Default False.
+      cast_ahead: for a loss under `torch.autocast` at N = 1: hand it, already cast to the
+        autocast dtype, each param the first step saw read exactly once, by a matrix product under
+        autocast (a layer's weight), and widen its gradient into the fp32 bucket in the unit's
+        backward -- the same bits, without torch's per-leaf casts (on CUDA its backward cast is an
+        unvectorised kernel per leaf). Later steps watch those params' reads and raise
+        `ConfigError` at any other (proofs/precision.md, "Casting ahead"). Only with the autograd
+        engine, where nothing is freed and gathered again and nothing is offloaded; elsewhere it
+        casts nothing. Default False.
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
                         clip_norm, donate, persist_bytes, max_live_bytes, prefetch, cast_ahead)
@@ -609,11 +609,11 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
                      config.engine == "autograd")
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs, fulls)))
-    casting = (config.cast_ahead and config.engine == "autograd" and func_level() is None and not releasable
-               and not plan.offloaded and (mesh.world_size == 1 or not stage.sharded("params")))
+    casting = (config.cast_ahead and mesh.world_size == 1 and config.engine == "autograd" and func_level() is None
+               and not releasable and not plan.offloaded)
 
-    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe],
-                casts: dict[str, tuple] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe], casts: dict[str, tuple] | None = None,
+                reads: Reads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
         for b, x in zip(trainable, train):
             merged[b] = x
@@ -625,7 +625,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
         loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes, config.prefetch, inflight, casts).loss(objective, batch)
+                         config.max_live_bytes, config.prefetch, inflight, casts, reads).loss(objective, batch)
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
@@ -634,7 +634,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             train, probes)
     else:
         g_train, g_probes, loss, count = _autograd(loss_of, train, probes,
-                                                   config.ahead.of(state.info) if casting else None)
+                                                   config.ahead.of(state.info) if casting else None, state.step)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
         if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
             inflight.side.join()
@@ -727,18 +727,21 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
 
 
-def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: Slot | None = None):
+def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: Slot | None = None,
+              step: Any = None):
     """`torch.autograd.grad` of `loss_of`'s loss. `ahead` (the state's `casting.Slot`): the
-    forward hands the casts it learned, and runs again without them where its graph does not
-    hold them (`fzero._src.casting`)."""
+    forward hands the casts it learned, and its `Reads` learns (the first step) or checks the
+    reads of the watched leaves (`fzero._src.casting`); `step` names the step in its errors."""
     train = tuple([x.detach().requires_grad_() for x in train])
     with torch.enable_grad():
-        casts = ahead.casts if ahead is not None else None
-        loss, count = loss_of(train, probes, casts)
-        if ahead is not None and not ahead.seen(loss, casts):  # a cast param's use changed: this graph goes
-            del loss, count
-            loss, count = loss_of(train, probes)
-            ahead.seen(loss, None)
+        reads = ahead.reads(step) if ahead is not None else None
+        try:
+            loss, count = loss_of(train, probes, ahead.casts if ahead is not None else None, reads)
+        finally:
+            if reads is not None:
+                reads.close()
+        if ahead is not None:
+            ahead.seen(loss, reads)
     inputs = [*train, *[t for p in probes.values() for t in p]]
     if not loss.requires_grad:
         grads = [None] * len(inputs)

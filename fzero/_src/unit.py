@@ -44,6 +44,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
 from .stages import ENTER_GATHER, Stage, Wire
+from .watched import Watched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,13 +248,16 @@ class UnitProgram:
     """The static description of one unit under one stage (not a pytree node): made once per
     state's `StateInfo` (`step.step_plan`); what is a step's own (its `Inflight`) is passed to
     `run_unit` at each call. `casts`: per leaf (`leaves` order), the dtype its forward hands
-    it in, or None as it is (`casting.casting`: the leaves an autocast region would cast)."""
+    it in, or None as it is (`casting.casting`: the leaves an autocast region would cast);
+    `watch`: the forward hands the leaves whose reads the step watches as `Watched` (the cast
+    ones, or, with no casts, every fp32 one)."""
 
     name: str
     mesh: Mesh
     stage: Stage
     buckets: tuple[Bucket, ...]
     casts: tuple[torch.dtype | None, ...] | None = None
+    watch: bool = False
 
     @functools.cached_property
     def leaves(self) -> tuple[int, ...]:
@@ -341,6 +345,9 @@ def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool =
         views = bucket.views(flat)
         leaves += views if casts is None else bucket.cast_views(flat, views, casts[at : at + len(views)])
         at += len(views)
+    if cast and program.watch:
+        leaves = [t.as_subclass(Watched) if (t.dtype == torch.float32 if casts is None else casts[k] is not None)
+                  else t for k, t in enumerate(leaves)]
     return leaves
 
 
