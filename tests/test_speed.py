@@ -306,13 +306,18 @@ def test_nonfinite_is_true_iff_an_element_is(bad, dtype):
 # -- EarlyNorms: the agreement's shard norms taken in the backward ------------------------------
 
 
-def _early_norm_run(mesh, stage, precision, donate, clip=0.05):
-    """Three steps clipped at `clip` (the norm decides the update; None: not clipped) on three
-    units; `(params, grad norms, [(shard norms taken early, shards)] per step)`."""
+def _three_units(mesh, stage):
+    """`{u0, u1, u2: {w[16, 16], b[16]}}` on the mesh's device, drawn from `stage`."""
     gen = torch.Generator().manual_seed(stage)
     tree = {f"u{i}": {"w": torch.randn(16, 16, generator=gen) / 4, "b": torch.randn(16, generator=gen)}
             for i in range(3)}
-    tree = optree.tree_map(lambda t: t.to(mesh.device), tree)
+    return optree.tree_map(lambda t: t.to(mesh.device), tree)
+
+
+def _early_norm_run(mesh, stage, precision, donate, clip=0.05):
+    """Three steps clipped at `clip` (the norm decides the update; None: not clipped) on three
+    units; `(params, grad norms, [(shard norms taken early, shards)] per step)`."""
+    tree = _three_units(mesh, stage)
 
     def loss(p, x):
         for i in range(3):
@@ -434,10 +439,7 @@ def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mes
 def _accumulated_run(mesh, stage, accumulate):
     """Two steps of k = 3 micro-batches on three units (`accumulate` "each" or "once"); the
     params after them."""
-    gen = torch.Generator().manual_seed(stage)
-    tree = {f"u{i}": {"w": torch.randn(16, 16, generator=gen) / 4, "b": torch.randn(16, generator=gen)}
-            for i in range(3)}
-    tree = optree.tree_map(lambda t: t.to(mesh.device), tree)
+    tree = _three_units(mesh, stage)
 
     def loss(p, x):
         for i in range(3):
@@ -459,7 +461,7 @@ def test_gradients_of_several_micro_batches_assembled_on_a_cuda_side_stream_keep
     on the side stream (held back there, as above), and the step joins it at the end of that
     micro-batch's backward, before it adds the micro-batch's gradient to the sum ("each") or
     the local sum ("once", stages 0-1). The params are bitwise those of the step that assembles
-    in line, and every bucket of every micro-batch (3 x 3 a step) was assembled beside."""
+    in line, and every bucket of every micro-batch (6 x 3 a step) was assembled beside."""
     for accumulate in ("each", "once") if stage < 2 else ("each",):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(step_module.EarlyNorms, "DEVICES", ())
@@ -468,7 +470,7 @@ def test_gradients_of_several_micro_batches_assembled_on_a_cuda_side_stream_keep
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(unit_module, "_write", held_back)
             got = _accumulated_run(nccl_mesh, stage, accumulate)
-        assert beside == [True] * 18, (stage, accumulate, beside)
+        assert beside == [True] * 36, (stage, accumulate, beside)
         assert all(torch.equal(got[u][k], want[u][k]) for u in want for k in want[u]), (stage, accumulate)
 
 
