@@ -85,10 +85,10 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, extra: bool, extra_fn=None) -> torch.Tensor:
         g = self.b(F.gelu(self.a(self.ln(h))))
         h = h + (self.b(g) if self.twice else g)
-        if extra:  # the weight read once more, in fp32 (a penalty term's way)
+        if extra and extra_fn is None:  # the weight read once more, in fp32 (a penalty term's way)
             h = h + self.a.weight.float().sum() * 1e-3
-        if extra_fn is not None:  # another read of the weight, at every step
-            h = h + extra_fn(self.a.weight)
+        if extra_fn is not None:  # another read of the weight (`extra`: this step is one of `extra_at`)
+            h = h + extra_fn(self.a.weight, extra, h)
         return h
 
 
@@ -192,8 +192,8 @@ def test_a_read_that_changes_after_the_first_step_raises_and_names_the_param():
 def test_what_the_first_step_sees_decides_what_is_cast(read, cast):
     """Besides its matrix product, `a.weight` is read once more at every step, through `read`:
     only a read whose answer the cast shares keeps it cast; the bits equal the uncast run's."""
-    extra = {"detach": lambda w: w.detach().sum() * 0, "gt": lambda w: (w > 0).sum() * 0,
-             "dtype": lambda w: float(w.dtype == torch.float32) * 0, "shape": lambda w: w.shape[0] * 0}[read]
+    extra = {"detach": lambda w, *_: w.detach().sum() * 0, "gt": lambda w, *_: (w > 0).sum() * 0,
+             "dtype": lambda w, *_: float(w.dtype == torch.float32) * 0, "shape": lambda w, *_: w.shape[0] * 0}[read]
     plain, _, _ = _train(False, extra_fn=extra)
     got, _, learned = _train(True, extra_fn=extra)
     assert all(torch.equal(plain[k], got[k]) for k in plain)
@@ -275,3 +275,51 @@ def test_checkpointed_blocks_are_not_cast_and_keep_the_bits():
     cast, _, learned = _train(True, remat=True)
     assert all(torch.equal(plain[k], checkpointed[k]) and torch.equal(plain[k], cast[k]) for k in plain)
     assert not any(c is not None for k, c in learned.items() if k.startswith("blocks"))
+
+
+def test_a_refused_read_the_loss_catches_still_fails_the_step():
+    """At step 2 the loss reads the cast `a.weight` through `detach()` and catches the
+    `ConfigError` that read raises: the step raises it again after the forward, so no step
+    completes with a read the cast changed."""
+
+    def swallowing(w, extra, h):
+        if not extra:
+            return 0.0
+        try:
+            return float(w.detach().abs().mean()) * 0
+        except ConfigError:
+            return 0.0
+
+    with pytest.raises(ConfigError, match=r"step 2: the loss read param 'blocks.0.a.weight' .*through detach"):
+        _train(True, extra_at=frozenset({2}), extra_fn=swallowing)
+
+
+def test_a_cast_param_kept_past_its_step_raises_when_read():
+    """A loss that keeps the (cast) `a.weight` it was handed and reads it at the next step: the
+    read raises, naming the param and the step it was handed to."""
+    kept = []
+
+    def keeping(w, extra, h):
+        if extra and not kept:  # step 1, block 0
+            kept.append(w)
+        if kept and not extra:  # step 2
+            return kept[0].sum() * 0
+        return 0.0
+
+    with pytest.raises(ConfigError, match=r"'blocks.0.a.weight' handed cast to step 1's loss was read after that"):
+        _train(True, extra_at=frozenset({1}), extra_fn=keeping)
+
+
+def test_a_read_in_the_backward_keeps_the_param_uncast_and_the_bits():
+    """A gradient hook reads `a.weight` during the backward at every step: the first step's
+    reads run through its backward, so `a.weight` is not cast, and the bits are the uncast run's."""
+
+    def hooked(w, extra, h):
+        h2 = h * 1  # a zero added to the block's output, whose gradient passes the hook
+        h2.register_hook(lambda g: g + (w.float().sum() * 0).to(g.dtype))
+        return h2 - h
+
+    plain, _, _ = _train(False, extra_fn=hooked)
+    got, _, learned = _train(True, extra_fn=hooked)
+    assert all(torch.equal(plain[k], got[k]) for k in plain)
+    assert learned["blocks.0.a.weight"] is None and learned["blocks.0.a.bias"] is not None

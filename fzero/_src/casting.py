@@ -21,11 +21,15 @@ casts to its lower-precision dtype) with autocast on for the leaf's device in a 
 dtype, besides reads of attributes the cast shares (`SAME`: its shape, device, ...); and where
 the step's autograd graph agrees -- the leaf's one consumer is a `ToCopyBackward0` to that dtype.
 
-Every later step watches the cast leaves the same way and raises `ConfigError` at the first
-read that is not such a product under autocast in the leaf's cast dtype, or a second one: a loss
-whose reads of a param change is refused, not run with other bits. The step's state is
-untouched (the error comes from the forward). What `__torch_function__` does not see -- a C++
-extension's reads, `untyped_storage` tricks -- is not checked.
+Every later step watches the cast leaves the same way, through its forward and its backward
+(a hook may read a param), and raises `ConfigError` at the first read that is not such a product
+under autocast in the leaf's cast dtype, or a second one -- again after the forward and after the
+backward, should the loss catch it: a loss whose reads of a param change is refused, not run
+with other bits. The step's state is untouched (the error comes before the update). A cast leaf
+kept past its step raises at any later read. A call that another tensor subclass takes part in
+counts as another read (and is left to that subclass); a compiled function reading a watched
+leaf raises. Not seen, so not checked: reads that bypass `__torch_function__` -- `torch.tensor(t)`,
+`t.as_subclass(...)`, DLPack, `set_`, nested tensors, C++ extensions.
 
 Only at N = 1 (an error on one rank must not leave the others in a collective), with the
 autograd engine, where nothing is freed and gathered again in backward (stage 3 at N = 1 reads
@@ -117,30 +121,34 @@ class Slot:
             return Reads(step, learning=True)
         return Reads(step, learning=False) if self.learned.count else None
 
-    def seen(self, loss: torch.Tensor, reads: Reads | None) -> None:
-        """After the forward: learn from a learning step's reads and graph."""
+    def seen(self, reads: Reads | None) -> None:
+        """After the step's backward: learn from a learning step's reads and graph."""
         if reads is None or not reads.learning:
             return
-        graph = _narrowing_casts(loss.grad_fn) if loss.grad_fn is not None and _has_metadata(loss.grad_fn) else {}
         casts: dict[str, list] = {}
         for key, (program, k) in reads.leaves.items():
             dtype = _cast_only(reads.uses.get(key, []))
-            if dtype is not None and graph.get(key) == dtype:
+            if dtype is not None and reads.graph.get(key) == dtype:
                 casts.setdefault(program.name, [None] * len(program.leaves))[k] = dtype
         self.learned = self.owner.last = Learned({u: tuple(c) for u, c in casts.items()})
 
 
 class Reads:
-    """The reads of the watched unit leaves during one forward: the Gathering hands it each
-    unit's outputs (`watch`), and each `Watched` leaf reports every torch call that takes it
-    (`read`). Learning: every fp32 leaf is watched and its reads recorded (`uses`). Checking:
+    """The reads of the watched unit leaves during one step's forward and backward: the
+    Gathering hands it each unit's outputs (`watch`), and each `Watched` leaf reports every torch
+    call that takes it (`read`). Learning: every fp32 leaf is watched and its reads recorded
+    (`uses`), and the forward's graph (`graph`, taken before the backward frees it). Checking:
     the cast leaves are watched, and a read that is not one `CASTING` call under autocast in the
-    leaf's dtype raises `ConfigError`. After the forward (`close`) reads are no longer taken."""
+    leaf's dtype raises `ConfigError` -- again after the forward and after the backward
+    (`check`), should the loss have caught it. After the step (`close`), a cast leaf someone kept
+    raises at any read; an uncast one is a view of the params, read as it would be anyway."""
 
     def __init__(self, step: Any, learning: bool) -> None:
         self.step, self.learning, self.open = step, learning, True
         self.leaves: dict[tuple[str, int], tuple[UnitProgram, int]] = {}
         self.uses: dict[tuple[str, int], list[tuple]] = {}
+        self.graph: dict[tuple[str, int], torch.dtype] = {}
+        self.refused: ConfigError | None = None
         self._paths: dict[tuple[str, int], str] = {}
 
     def watch(self, program: UnitProgram, outs: list[torch.Tensor], paths: list[str]) -> None:
@@ -150,11 +158,25 @@ class Reads:
                 t.reader = functools.partial(self.read, key)
                 self.leaves[key], self._paths[key] = (program, k), path
 
+    def forward_done(self, loss: torch.Tensor) -> None:
+        """After the forward: the graph's casts (learning), and a refusal the loss caught (checking)."""
+        if self.learning and loss.grad_fn is not None and _has_metadata(loss.grad_fn):
+            self.graph = _narrowing_casts(loss.grad_fn)
+        self.check()
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise self.refused
+
     def close(self) -> None:
         self.open = False
 
     def read(self, key: tuple[str, int], t: torch.Tensor, func: Any) -> None:
         if not self.open:
+            if not self.learning:
+                raise ConfigError(f"cast_ahead: the param {self._paths[key]!r} handed cast to step "
+                                  f"{int(self.step)}'s loss was read after that step; keep no params past a step "
+                                  f"(or use train_step(cast_ahead=False))")
             return
         use = _use(func, t)
         if use[0] == "same":
@@ -162,11 +184,12 @@ class Reads:
         uses = self.uses.setdefault(key, [])
         uses.append(use)
         if not self.learning and (use != ("cast", t.dtype) or len(uses) > 1):
-            raise ConfigError(
+            self.refused = self.refused or ConfigError(
                 f"cast_ahead: step {int(self.step)}: the loss read param {self._paths[key]!r} (unit {key[0]!r}) "
                 f"{_said(use)}{' a second time' if len(uses) > 1 else ''}; the first step read it once, through a "
                 f"matrix product under autocast, so fzero hands it cast to {t.dtype}, which this read would see "
                 f"instead of the fp32 param. A loss whose reads of a param change needs train_step(cast_ahead=False)")
+            raise self.refused
 
 
 def _use(func: Any, t: torch.Tensor) -> tuple:

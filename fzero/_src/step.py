@@ -731,22 +731,27 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: 
               step: Any = None):
     """`torch.autograd.grad` of `loss_of`'s loss. `ahead` (the state's `casting.Slot`): the
     forward hands the casts it learned, and its `Reads` learns (the first step) or checks the
-    reads of the watched leaves (`fzero._src.casting`); `step` names the step in its errors."""
+    reads of the watched leaves through the forward and the backward (`fzero._src.casting`);
+    `step` names the step in its errors."""
     train = tuple([x.detach().requires_grad_() for x in train])
-    with torch.enable_grad():
-        reads = ahead.reads(step) if ahead is not None else None
-        try:
+    reads = ahead.reads(step) if ahead is not None else None
+    try:
+        with torch.enable_grad():
             loss, count = loss_of(train, probes, ahead.casts if ahead is not None else None, reads)
-        finally:
-            if reads is not None:
-                reads.close()
-        if ahead is not None:
-            ahead.seen(loss, reads)
-    inputs = [*train, *[t for p in probes.values() for t in p]]
-    if not loss.requires_grad:
-        grads = [None] * len(inputs)
-    else:
-        grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+        if reads is not None:
+            reads.forward_done(loss)
+        inputs = [*train, *[t for p in probes.values() for t in p]]
+        if not loss.requires_grad:
+            grads = [None] * len(inputs)
+        else:
+            grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
+        if reads is not None:
+            reads.check()  # a read in the backward (a hook) the engine swallowed is not: raise it
+    finally:
+        if reads is not None:
+            reads.close()
+    if ahead is not None:
+        ahead.seen(reads)
     g_probes = {u: Probe(*grads[len(train) + 2 * k : len(train) + 2 * k + 2]) for k, u in enumerate(probes)}
     return grads[: len(train)], g_probes, loss, count
 
