@@ -7,7 +7,9 @@
   and casts.
 - What is cast: a weight read by one matrix product under autocast, not a LayerNorm weight, an
   embedding, a tied weight, a weight read twice, or a weight also read any other way the first
-  step sees (`detach`, a comparison, its dtype); a read that changes later raises, naming it.
+  step sees (`detach`, a comparison, its dtype, a backward hook); a read that changes later
+  raises, naming it, also where the loss catches the error; a cast param kept past its step
+  raises when read; a compiled loss raises.
 - On CUDA: against `torch.autocast` with fused AdamW, stages 0 and 3.
 """
 
