@@ -93,10 +93,9 @@ def _side_checks(step, state, batch):
                    "early_update": early == [True]}
 
 
-def _cast_leaves(step) -> int:
+def _cast_leaves(step, state) -> int:
     """How many leaves the step's forward hands cast (`cast_ahead`; 0 where it casts nothing)."""
-    config = next(c.cell_contents for c in step.__closure__ if type(c.cell_contents).__name__ == "StepConfig")
-    learned = config.ahead.last
+    learned = step.config.ahead.of(state.info).learned
     return learned.count if learned is not None else 0
 
 
@@ -225,7 +224,7 @@ def main() -> None:
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4), **side,
-            "cast_leaves": _cast_leaves(step),
+            "cast_leaves": _cast_leaves(step, state),
             "torch": torch.__version__,
         } | ({} if syncs is None else {"host_syncs": syncs["count"], "sync_sites": syncs["sites"]})), flush=True)
     dist.destroy_process_group()

@@ -418,13 +418,8 @@ def autocast_trajectory(mesh, name: str, stage: int | None, cast_ahead: bool, ba
         broadcast_buffers(info, mesh)
         state, _ = step(state, batch)
         out.append(dict(fzero.gather(state)))
-    learned = config_of(step).ahead.of(state.info).learned if cast_ahead else None
+    learned = step.config.ahead.of(state.info).learned if cast_ahead else None
     return out, learned.count if learned is not None else 0
-
-
-def config_of(step):
-    """The `StepConfig` a `fzero.train_step` closes over (for tests that read what it learned)."""
-    return next(c.cell_contents for c in step.__closure__ if type(c.cell_contents).__name__ == "StepConfig")
 
 
 def compare_autocast(mesh, name: str, runs: list[tuple[int, bool]], batches: list) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def _train(cast_ahead: bool, extra_at: frozenset = frozenset(), steps: int = 4, 
         k = step_args.get("micro_batches", 1)
         for t, b in enumerate(batches):
             state, _ = step(state, (b, t in extra_at) if k == 1 else [(b, t in extra_at)] * k)
-        slot = cases.config_of(step).ahead.of(state.info)
+        slot = step.config.ahead.of(state.info)
         named = {}
         if slot.learned is not None:
             layout = state.layout

@@ -97,17 +97,16 @@ class CastAhead:
 
     def __init__(self) -> None:
         self._slots: dict = {}
-        self.last: Learned | None = None  # what the last slot learned, for reports (benchmarks)
 
     def of(self, info: Any) -> Slot:
-        return remembered(self._slots, info, None, lambda: Slot(self))
+        return remembered(self._slots, info, None, Slot)
 
 
 class Slot:
     """One state's casting: `learned` (None before the first forward)."""
 
-    def __init__(self, owner: CastAhead) -> None:
-        self.owner, self.learned = owner, None
+    def __init__(self) -> None:
+        self.learned: Learned | None = None
 
     @property
     def casts(self) -> Casts | None:
@@ -130,7 +129,7 @@ class Slot:
             dtype = _cast_only(reads.uses.get(key, []))
             if dtype is not None and reads.graph.get(key) == dtype:
                 casts.setdefault(program.name, [None] * len(program.leaves))[k] = dtype
-        self.learned = self.owner.last = Learned({u: tuple(c) for u, c in casts.items()})
+        self.learned = Learned({u: tuple(c) for u, c in casts.items()})
 
 
 class Reads:

@@ -187,7 +187,8 @@ def train_step(
     prefetch: int | None = None,
     cast_ahead: bool = False,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
-    """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring).
+    """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring);
+    `step.config` is its `StepConfig` (with what `cast_ahead` learned, `config.ahead`).
 
     The stage, the mesh and the optimizer are the state's (`fzero.init`'s).
 
@@ -262,6 +263,7 @@ def train_step(
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         return eager_step(config, state, batch)
 
+    step.config = config  # type: ignore[attr-defined]  # its settings, and what `cast_ahead` learned
     return step
 
 
