@@ -10,7 +10,9 @@ clones; a census bounds `update_`'s temporaries.
 
 from __future__ import annotations
 
+import importlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ import fzero.optim as fo
 from fzero._src import layout as L
 from fzero._src.accounting import LiveStorages
 from fzero._src.layout import ParamGroup
-from fzero._src.optim import exact, fused
+from fzero._src.optim import base as optim_base, exact, fused
 
 try:  # the shared example-count helper, once it exists
     from fzero.testing import examples as _examples  # type: ignore[attr-defined]
@@ -315,6 +317,21 @@ def test_bitwise_equal_to_torch_optim(kind, device, prob, impl, data):
     "fused" where torch's kernel rounds by placement (CPU always; on CUDA some configurations,
     see `fused.elementwise`) runs per leaf and must refuse exactly the layouts that cut or
     misalign a used leaf (`misplaced`); on CPU it runs with N = 1, so that it compares."""
+    _against_torch(kind, device, prob, impl, data)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@examples(40)
+@given(prob=problems(), impl=st.sampled_from(["single", "foreach"]), block=st.integers(1, 9), data=st.data())
+def test_cpu_blocks_keep_torchs_bits(kind, prob, impl, block, data):
+    """On the CPU "single" and "foreach" run block by block (`base.in_blocks`, a cache-sized
+    `CPU_BLOCK` elements per thread): with blocks of 1-9 elements per thread, which cut the
+    pieces anywhere, every step still has torch.optim's bits."""
+    with mock.patch.object(optim_base, "CPU_BLOCK", block):
+        _against_torch(kind, "cpu", prob, impl, data)
+
+
+def _against_torch(kind, device, prob, impl, data):
     if impl == "fused" and device == "cpu":
         prob = {**prob, "world": 1}
     hp = data.draw(SGD_HP if kind == "sgd" else ADAM_HP)
@@ -665,3 +682,36 @@ def test_in_place_census(kind, impl):
         assert census.peak <= work + small, (census.peak, work, small)
         assert p.data_ptr() == ptr
         assert all(a is b for a, b in zip([t for t, k in zip(state, opt.spec(state)) if k == "shard"], shard_fields))
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_cpu_blocks_run_the_kernel_per_block(kind, impl):
+    """A 1000-element shard of three leaves, two steps, with blocks of 7 elements per thread:
+    the kernel runs once per block, never over more than a block, and params and state have the
+    bits of one call over the whole shard."""
+    sizes, starts, S = (300, 1, 699), (0, 300, 301), 1000
+    segs = tuple(L.Segment(leaf, 0, a, a + n) for leaf, (a, n) in enumerate(zip(starts, sizes)))
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(S, generator=gen), torch.randn(S, generator=gen)
+    kernels = importlib.import_module(f"fzero._src.optim.{'sgd' if kind == 'sgd' else 'adam'}").KERNELS
+    real, results, calls = kernels[impl], [], []
+
+    def spy(params, *args, **hyper):
+        calls.append(sum(t.numel() for t in params))
+        real(params, *args, **hyper)
+
+    for block in (1 << 40, 7):
+        opt = FACTORIES[kind](**WORST_HP[kind], impl=impl)
+        q, state = p.clone(), opt.init(p, len(sizes))
+        calls.clear()
+        with mock.patch.object(optim_base, "CPU_BLOCK", block), mock.patch.dict(kernels, {impl: spy}):
+            for step in range(2):
+                ctx = fo.UpdateContext(step, ParamGroup(), segs, (0, 1, 2), (True,) * 3, leaf_numels=sizes)
+                state = opt.update_(g, state, q, ctx)
+        results.append((q, state, list(calls)))
+    (q0, s0, c0), (q1, s1, c1) = results
+    per = 7 * torch.get_num_threads()
+    assert c0 == [S, S] and len(c1) == 2 * math.ceil(S / per) and max(c1) <= per, (c0, c1)
+    assert torch.equal(q0, q1)
+    assert all(torch.equal(a, b) for a, b in zip(s0, s1))

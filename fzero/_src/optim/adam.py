@@ -23,6 +23,7 @@ from .base import (
     check_placement,
     check_shards,
     group_lr,
+    in_blocks,
     in_place,
     resolve_impl,
     two_phase,
@@ -89,7 +90,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
 
         def run(grad, found_inf):
             skip = {} if found_inf is None else {"found_inf": found_inf}
-            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], keys, **hyper, **skip)
+            in_blocks(KERNELS[how], how, [lists[0], [grad[a:b] for a, b in spans], *lists[1:]], keys, **hyper, **skip)
             return new
 
         return Launch(run, check, skips=how == "fused")
@@ -108,7 +109,8 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
 def _single(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,
             maximize, decoupled) -> None:
     """torch/optim/adam.py `_single_tensor_adam`, with its temporaries (`-grad`, `grad + wd p`,
-    `denom`) written into one shard-sized buffer: the same kernels, `out=` another tensor."""
+    `denom`) written into one shard-sized buffer (on the CPU one block's, `base.in_blocks`): the
+    same kernels, `out=` another tensor."""
     work = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device) if params else None
     at = 0
     for i, param in enumerate(params):
@@ -234,7 +236,8 @@ def adam(
     and aligned in the shard. None: "fused" on CUDA where element-wise, else "foreach"
     (`base.resolve_impl`). `update_` writes
     `param`, `exp_avg`, `exp_avg_sq` (and `max_exp_avg_sq`) in place and returns a new `step`;
-    it allocates one shard-sized buffer ("single", "foreach") or none ("fused").
+    it allocates one shard-sized buffer ("single", "foreach"; on the CPU one block's: `base.in_blocks`)
+    or none ("fused").
     """
     return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, False, impl)
 

@@ -490,6 +490,52 @@ def runs(ctx: UpdateContext, key: Sequence[Any]) -> list[tuple[int, int, Any]]:
     return out
 
 
+CPU_BLOCK = 1 << 17
+"""Elements per thread in one block of a CPU update (`in_blocks`): 512 KiB of each fp32 operand
+per thread, so that a block's operands (param, grad, two moments, the work buffer) stay in a
+core's L2 cache through the kernel's passes over them."""
+
+
+def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch.Tensor]], keys: list,
+              **hyper: Any) -> None:
+    """`kernel(*lists, keys, **hyper)` (one of an optimizer's `KERNELS`: per-piece lists of 1-d
+    views, `[]` for an absent operand, and per-piece keys), on the CPU block by block.
+
+    torch's "single" and "foreach" updates make one pass over all their elements per op (eight
+    for AdamW); over a shard larger than the cache each pass reads memory. On the CPU the
+    pieces are cut into consecutive blocks of `CPU_BLOCK` elements per thread, and the kernel
+    runs over one block at a time, every op of it while the block is in cache. Each op is
+    element-wise, so the bits are the same as one call over the pieces, as for any cut of a
+    shard (proofs/optimizers.md, "Blocks on the CPU"); the work buffer is one block. "fused" and
+    other devices: one call (torch's fused kernels and CUDA's multi-tensor kernels make one
+    pass)."""
+    first = lists[0]
+    block = CPU_BLOCK * max(1, torch.get_num_threads())
+    if how == "fused" or not first or first[0].device.type != "cpu" or sum(t.numel() for t in first) <= block:
+        kernel(*lists, keys, **hyper)
+        return
+    for group in _blocks([t.numel() for t in first], block):
+        kernel(*([op[i][a:b] for i, a, b in group] if op else [] for op in lists), [keys[i] for i, _, _ in group],
+               **hyper)
+
+
+def _blocks(numels: Sequence[int], block: int) -> list[list[tuple[int, int, int]]]:
+    """Pieces of lengths `numels` cut into groups of `(piece, start, stop)` that cover `block`
+    consecutive elements each (the last fewer), in order."""
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    room = block
+    for i, n in enumerate(numels):
+        at = 0
+        while at < n:
+            take = min(n - at, room)
+            groups[-1].append((i, at, at + take))
+            at, room = at + take, room - take
+            if room == 0:
+                groups.append([])
+                room = block
+    return [g for g in groups if g]
+
+
 def bumped(counts: list[float], used: Sequence[bool]) -> list[float]:
     """Per-leaf step counts after one update: +1 where used (exact in float32 up to 2**24)."""
     return [c + 1.0 if u else c for c, u in zip(counts, used)]

@@ -24,6 +24,7 @@ from .base import (
     check_placement,
     check_shards,
     group_lr,
+    in_blocks,
     in_place,
     resolve_impl,
     two_phase,
@@ -73,7 +74,7 @@ def sgd(
     Returns:
       An `Optimizer`; its state is `EmptyState()` without momentum, else `SgdMomentumState`.
       `update_` writes `param` and `momentum_buffer` in place and returns a new `count`; it
-      allocates at most one shard-sized buffer ("fused": none).
+      allocates at most one shard-sized buffer (on the CPU one block's: `base.in_blocks`; "fused": none).
 
     Example:
       >>> import torch, fzero.optim as fo
@@ -130,7 +131,7 @@ def sgd(
 
         def run(grad, found_inf):
             skip = {} if found_inf is None else {"found_inf": found_inf}
-            KERNELS[how](lists[0], [grad[a:b] for a, b in spans], *lists[1:], first, **hyper, **skip)
+            in_blocks(KERNELS[how], how, [lists[0], [grad[a:b] for a, b in spans], *lists[1:]], first, **hyper, **skip)
             return new
 
         return Launch(run, check, skips=how == "fused")
@@ -147,7 +148,8 @@ def sgd(
 
 def _single(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
     """torch/optim/sgd.py `_single_tensor_sgd`, its temporaries (`-grad`, `grad + wd p`,
-    `grad + mu b`) written into one shard-sized buffer (the same kernels, `out=` it)."""
+    `grad + mu b`) written into one shard-sized buffer (on the CPU one block's, `base.in_blocks`; the
+    same kernels, `out=` it)."""
     need = params and (maximize or weight_decay != 0 or nesterov)
     work = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device) if need else None
     at = 0
