@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import math
 
 import hypothesis.strategies as st
 import optree
@@ -34,7 +35,7 @@ from fzero._src import step as step_module
 from fzero._src import unit as unit_module
 from fzero._src.stages import Wire, reduce_grad
 from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
-from fzero._src.unit import Bucket, _assemble, nonfinite
+from fzero._src.unit import Bucket, _assemble, finite_witness, nonfinite
 from fzero.layout import plan
 from fzero.testing import examples
 
@@ -301,6 +302,27 @@ def test_nonfinite_is_true_iff_an_element_is(bad, dtype):
         x[6] = bad
     assert bool(nonfinite(x)) == (bad is not None)
     assert not bool(nonfinite(x[:0]))
+
+
+@examples(60)
+@given(n=st.integers(1, 3000), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       big=st.lists(st.tuples(st.integers(0, 2999), st.sampled_from([1.0, -1.0])), max_size=4),
+       bad=st.lists(st.tuples(st.integers(0, 2999), st.sampled_from([math.nan, math.inf, -math.inf])), max_size=2),
+       seed=st.integers(0, 2**31 - 1))
+def test_finite_witness_is_finite_iff_every_element_is(n, dtype, big, bad, seed):
+    """`finite_witness` (the CPU's sum where it is finite, else the minimum and maximum): its
+    values are all finite exactly when every element is -- with NaN and infinities planted
+    anywhere, and finite values at the top of the range whose sum overflows."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    for i, sign in big:
+        x[i % n] = sign * torch.finfo(dtype).max
+    for i, v in bad:
+        x[i % n] = v
+    witness = finite_witness(x)
+    assert bool(torch.isfinite(torch.stack(witness)).all()) == bool(torch.isfinite(x).all())
+    assert bool(nonfinite(x)) == (not bool(torch.isfinite(x).all()))
+    if not big and not bad and dtype != torch.bfloat16:  # the sum alone decided
+        assert len(witness) == 1
 
 
 # -- EarlyNorms: the agreement's shard norms taken in the backward ------------------------------

@@ -64,7 +64,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
-from .unit import Assembly, Inflight, Probe, UnitProgram, remembered, unit_programs
+from .unit import Assembly, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -1349,8 +1349,8 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | None = None
                     ) -> torch.Tensor:
     """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
-    0: the minimum and maximum of each bucket (`torch.aminmax`, one read each, as
-    `unit.nonfinite`: NaN if any element is, ±inf if one is, no overflow), all checked at once;
+    0: each bucket's `unit.finite_witness` (its minimum and maximum, NaN if any element is, ±inf
+    if one is, no overflow; on the CPU its sum where that is finite), all checked at once;
     no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
     computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream."""
     dev = state.mesh.device
@@ -1363,7 +1363,7 @@ def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: E
 
 class Ends:
     """A donating update's finite check taken bucket by bucket on a side stream (CUDA): each
-    bucket's `aminmax` starts as soon as its update is queued (the side stream first waits for
+    bucket's `finite_witness` starts as soon as its update is queued (the side stream first waits for
     the step's stream), so that it reads the bucket while the next buckets are updated instead
     of after the last; `joined()` makes the step's stream wait for them and returns
     `{bucket: (min, max)}`. Minimum and maximum are exact, so the flag is the one `aminmax` after
@@ -1373,7 +1373,7 @@ class Ends:
 
     def __init__(self, device: torch.device) -> None:
         self.side = Side(device)
-        self.taken: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @staticmethod
     def of(state: ZeroState, donate: bool) -> Ends | None:
@@ -1389,13 +1389,13 @@ class Ends:
             p.record_stream(self.side.stream)
         self.taken[b] = self.side.run(_ends, p)
 
-    def joined(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
         self.side.join()
         return self.taken
 
 
-def _ends(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.aminmax(p.detach().reshape(-1))
+def _ends(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return finite_witness(p)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:

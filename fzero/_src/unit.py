@@ -659,12 +659,29 @@ def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: t
 
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """0-d bool: does `x` hold a NaN or inf? One read of `x`, no transient, no rounding: its
-    minimum and maximum (`torch.aminmax`), which are NaN if any element is and ±inf if one is,
-    and which, unlike a sum, cannot overflow. At N = 1 the units skip it (the reduced gradient is
-    the local one, and the step's `‖g‖²` finds a NaN or inf; `step.agree` names the buckets on
-    that rare path)."""
+    """0-d bool: does `x` hold a NaN or inf? Decided by `finite_witness` (one read of `x` where it
+    is finite, no transient, no rounding that could hide one). At N = 1 the units skip it (the
+    reduced gradient is the local one, and the step's `‖g‖²` finds a NaN or inf; `step.agree`
+    names the buckets on that rare path)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
-    lo, hi = torch.aminmax(x.detach().reshape(-1))  # a flag, not differentiated (aminmax has no forward AD)
-    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+    return ~torch.isfinite(torch.stack(finite_witness(x))).all()
+
+
+def finite_witness(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """0-d tensors, all finite if and only if every element of `x` (not empty) is; a flag, not
+    differentiated.
+
+    Anywhere: `x`'s minimum and maximum (`torch.aminmax`, one read), which are NaN if any
+    element is and ±inf if one is, and cannot overflow. On the CPU, for float32 / float64 and
+    outside torch.func transforms, first `x`'s sum, a faster read (`benchmarks/bench_checks.py`):
+    a sum is NaN or ±inf where some element is (NaN and ±inf absorb finite terms; inf - inf is
+    NaN), so a finite sum says that every element is finite. A sum of finite elements can
+    overflow too, so where it is not finite the minimum and maximum decide (a second read on that
+    path only); reading a CPU sum on the host waits for nothing."""
+    flat = x.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64) and func_level() is None:
+        total = flat.sum()
+        if bool(torch.isfinite(total)):
+            return (total,)
+    return torch.aminmax(flat)  # aminmax has no forward AD: detached
