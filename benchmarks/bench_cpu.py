@@ -25,6 +25,8 @@ Stage 3 keeping every gathered unit until the backward (`gather="eager"`: no re-
 moves 2Ψ per step as DDP does, against 3Ψ):
         torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 3 --eager-stages 3 --rounds 2
 (adds `fzero-stage3-eager` rows)
+The update in cache-sized blocks against one pass per op (the same bits; `optim.base.in_blocks`):
+        torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,1,2,3 --block-stages 0,1,2,3 --rounds 2
 Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
         --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
 """
@@ -43,6 +45,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fzero
+from fzero._src.optim import base as optim_base
+
+BLOCK = optim_base.CPU_BLOCK
 
 
 class SplitMesh(fzero.DistMesh):
@@ -102,6 +107,9 @@ def main() -> None:
     ap.add_argument("--prefetch", type=lambda v: None if v == "default" else int(v), default=None,
                     help="train_step(prefetch=k) for every fzero mode (default: the library's, 1 on DistMesh)")
     ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
+    ap.add_argument("--block-stages", default="",
+                    help="comma list of stages to time also with the update in one pass per op over the shard "
+                         "(`fzero-stage<s>-noblock` rows: no cache-sized blocks, what fzero did before them)")
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
     split = SplitMesh(verify=False) if a.split_stages else None
@@ -116,6 +124,7 @@ def main() -> None:
     runs += [(s, caps[0], "once", mesh, "on_use") for s in sorted(once)]
     runs += [(int(s), caps[0], "each", split, "on_use") for s in a.split_stages.split(",") if s]
     runs += [(int(s), caps[0], "each", mesh, "eager") for s in a.eager_stages.split(",") if s]
+    runs += [(int(s), caps[0], "each", mesh, "noblock") for s in a.block_stages.split(",") if s]
     for r in range(a.rounds):
         ddp = DDP(model_of(a))  # a fresh model per round: the same initial values as every fzero mode's
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
@@ -131,6 +140,8 @@ def main() -> None:
             params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
             state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
                                bucket_bytes=cap)
+            noblock, gather = gather == "noblock", "on_use" if gather == "noblock" else gather
+            optim_base.CPU_BLOCK = 1 << 40 if noblock else BLOCK
             step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
                                     accumulate=accumulate, gather=gather, prefetch=a.prefetch)
             box = [state]
@@ -140,7 +151,7 @@ def main() -> None:
 
             mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
                     + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
-                    + ("" if gather == "on_use" else f"-{gather}"))
+                    + ("" if gather == "on_use" else f"-{gather}") + ("-noblock" if noblock else ""))
             rows.append((mode, timed(fzero_step, a)))
             del box, state
         if rank == 0:

@@ -46,7 +46,8 @@ def _host_during(cpu: list[tuple[float, float, str]], g0: float, g1: float, k: i
 def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
     """{span_ms, busy_ms, idle_ms, prologue_ms, gaps: [{at_ms, us, before, after, launched_by}]}:
     span from the first CPU op to the last kernel's end; `prologue_ms` the time before the first
-    kernel starts (host work at the step's start while the GPU has nothing)."""
+    kernel starts (host work at the step's start while the GPU has nothing), `prologue_host` the
+    longest host ops in it."""
     ks, cpu = _intervals(prof)
     lo = min((s for s, _, _ in cpu), default=ks[0][0] if ks else 0.0)
     if not ks:
@@ -65,7 +66,14 @@ def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
     for g in gaps:
         g["host"] = _host_during(cpu, *g.pop("g"))
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
-            "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "gaps": gaps}
+            "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "prologue_host": _within(cpu, lo, ks[0][0]), "gaps": gaps}
+
+
+def _within(cpu: list[tuple[float, float, str]], t0: float, t1: float, top: int = 12) -> list[str]:
+    """The longest CPU ops that start in [t0, t1] (the prologue: what the host did before the
+    GPU had its first kernel), as "name ms" (the part inside the span)."""
+    inside = sorted(((min(e, t1) - s, name) for s, e, name in cpu if t0 <= s < t1), reverse=True)[:top]
+    return [f"{name[:60]} {us / 1e3:.3f}" for us, name in inside]
 
 
 _KINDS = (  # the first pattern a kernel's name matches names its kind
