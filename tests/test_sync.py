@@ -28,6 +28,7 @@ import fzero
 from fzero import optim
 from fzero._src import step as step_module
 from fzero._src.optim.base import spec_of
+from fzero._src.unit import finite_witness
 
 from . import sync_cases
 from .allreduce_cases import SplitSimMesh
@@ -167,7 +168,16 @@ def test_one_host_read_per_donating_step(stage, donate, monkeypatch):
     want = {"agree.tolist": steps} | ({} if donate else {"_agreed_nonfinite.item": steps})
     assert len(reads.counts) == n
     for counts in reads.counts.values():
-        assert dict(counts) == want
+        # the CPU's finite checks read their CPU sum (`unit.finite_witness`): a CPU value waits
+        # for no device; on any other device they read nothing (next test)
+        assert {k: v for k, v in counts.items() if not k.startswith("finite_witness.")} == want
+
+
+def test_finite_witness_reads_nothing_on_the_host_off_the_cpu():
+    """Off the CPU `finite_witness` is the minimum and maximum, read by nobody in the step: on
+    the meta device, where any host read raises, it returns the two 0-d tensors."""
+    lo_hi = finite_witness(torch.empty(1000, device="meta"))
+    assert len(lo_hi) == 2 and all(t.device.type == "meta" and t.dim() == 0 for t in lo_hi)
 
 
 # -- stages 0-1 start their reduction in backward ---------------------------------------------
