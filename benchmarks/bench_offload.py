@@ -8,6 +8,10 @@ once, ~1-2 minutes, cached in $TORCH_EXTENSIONS_DIR for the machine's later call
     export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions_bench_offload
     python3 benchmarks/bench_offload.py --smoke                                # first call: builds, then < 2 min
     python3 benchmarks/bench_offload.py --out $OUT/offload.jsonl                # second call: < 9 min
+The host AdamW in cache-sized blocks against one pass per op (fzero's foreach / single on the CPU,
+`fzero._src.optim.base.in_blocks`), no DeepSpeed needed (its rows then say it is missing):
+    python3 benchmarks/bench_offload.py --child cpu_adam --adam-elements 1e8              (blocks)
+    python3 benchmarks/bench_offload.py --child cpu_adam --adam-elements 1e8 --cpu-block 1099511627776
 Larger sizes in a further call: `--skip-pcie --skip-adam --start 2 --modes fzero-cpu ds-cpu ...`.
 fzero's NVMe modes alone, 3 steps each (warm-up + `--steps 2`), at 0.54B and then the largest of
 a list the guard allows (it skips, at no cost, what would not fit 85% of the disk's free space):
@@ -259,9 +263,14 @@ def bench_cpu_adam(a) -> None:
     sys.path.insert(0, HERE)
     from bench_optim import HP, context
 
+    from fzero._src.optim import base as optim_base
+
+    if a.cpu_block is not None:
+        optim_base.CPU_BLOCK = a.cpu_block
     rows = _Printer()
     for e in (int(x) for x in a.adam_elements):
-        base = dict(bench="cpu_adam", elements=e, threads=torch.get_num_threads(), torch=torch.__version__)
+        base = dict(bench="cpu_adam", elements=e, threads=torch.get_num_threads(), cpu_block=optim_base.CPU_BLOCK,
+                    torch=torch.__version__)
         p, g = torch.empty(e).uniform_(-1, 1), torch.empty(e).uniform_(-1e-3, 1e-3)
         for impl in optim.IMPLS:
             if impl != "fused" and e > a.adam_slow_max:
@@ -641,7 +650,7 @@ def driver(a) -> None:
             emit(row, a.out)
     if not a.skip_adam:
         args = ["--child", "cpu_adam", "--adam-iters", str(a.adam_iters), "--adam-slow-max", str(a.adam_slow_max),
-                "--adam-elements", *map(str, a.adam_elements)]
+                "--adam-elements", *map(str, a.adam_elements)] + ([] if a.cpu_block is None else ["--cpu-block", str(a.cpu_block)])
         rows, wall, status = child(args, cap(a.adam_timeout))
         for row in rows:
             emit(row, a.out)
@@ -710,6 +719,9 @@ def main() -> None:
     ap.add_argument("--adam-elements", type=float, nargs="+", default=[1e8, 1e9])
     ap.add_argument("--adam-iters", type=int, default=3)
     ap.add_argument("--adam-slow-max", type=float, default=1e8, help="largest E for fzero's foreach / single impls")
+    ap.add_argument("--cpu-block", type=int, default=None,
+                    help="fzero.optim's CPU_BLOCK for the cpu_adam rows (elements per thread of one block of a CPU "
+                         "foreach / single update; 1099511627776: one pass per op, as before the blocks)")
     ap.add_argument("--adam-timeout", type=float, default=120)
     ap.add_argument("--skip-pcie", action="store_true")
     ap.add_argument("--skip-adam", action="store_true")
