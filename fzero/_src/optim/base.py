@@ -502,21 +502,26 @@ def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch
     views, `[]` for an absent operand, and per-piece keys), on the CPU block by block.
 
     torch's "single" and "foreach" updates make one pass over all their elements per op (eight
-    for AdamW); over a shard larger than the cache each pass reads memory. On the CPU the
-    pieces are cut into consecutive blocks of `CPU_BLOCK` elements per thread, and the kernel
-    runs over one block at a time, every op of it while the block is in cache. Each op is
-    element-wise, so the bits are the same as one call over the pieces, as for any cut of a
-    shard (proofs/optimizers.md, "Blocks on the CPU"); the work buffer is one block. "fused" and
-    other devices: one call (torch's fused kernels and CUDA's multi-tensor kernels make one
-    pass)."""
+    for AdamW); over a shard larger than the cache each pass reads memory. On the CPU, for
+    float32 and float64, the pieces are cut into consecutive blocks of `CPU_BLOCK` elements per
+    thread, and the kernel runs over one block at a time, every op of it while the block is in
+    cache. Each op is element-wise, so the bits are the same as one call over the pieces, as for
+    any cut of a shard (proofs/optimizers.md, "Blocks on the CPU"); the work buffer is one block.
+    Not for bfloat16 / float16, whose CPU `add_(..., alpha=)` rounds an element by where it falls
+    in the call (vectorised body or tail): one call, as before. "fused" and other devices: one
+    call (torch's fused kernels and CUDA's multi-tensor kernels make one pass)."""
     first = lists[0]
     block = CPU_BLOCK * max(1, torch.get_num_threads())
-    if how == "fused" or not first or first[0].device.type != "cpu" or sum(t.numel() for t in first) <= block:
+    if (how == "fused" or not first or first[0].device.type != "cpu" or first[0].dtype not in _BLOCKED
+            or sum(t.numel() for t in first) <= block):
         kernel(*lists, keys, **hyper)
         return
     for group in _blocks([t.numel() for t in first], block):
         kernel(*([op[i][a:b] for i, a, b in group] if op else [] for op in lists), [keys[i] for i, _, _ in group],
                **hyper)
+
+
+_BLOCKED = (torch.float32, torch.float64)  # the dtypes whose CPU update ops round an element alike anywhere
 
 
 def _blocks(numels: Sequence[int], block: int) -> list[list[tuple[int, int, int]]]:
