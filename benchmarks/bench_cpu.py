@@ -85,8 +85,8 @@ def timed(step, a) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def workload_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, batch, step counts and stages every CPU benchmark here takes."""
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--blocks", type=int, default=8)
@@ -94,6 +94,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--stages", default="0,1,2,3")
+    return ap
+
+
+def main() -> None:
+    ap = workload_args(argparse.ArgumentParser())
     ap.add_argument("--bucket-bytes", default="none",
                     help="comma list of fzero.init(bucket_bytes=...) to sweep ('none': one bucket per unit), "
                          "e.g. none,1048576,4194304,16777216")

@@ -34,7 +34,7 @@ from fzero._src import step as step_module
 from fzero._src import unit as unit_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import model_of  # noqa: E402
+from bench_cpu import model_of, workload_args  # noqa: E402
 
 SPENT: dict[str, list[float]] = {}
 
@@ -54,15 +54,7 @@ def _timed(owner, name: str, key: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--stages", default="0,1,2,3")
-    a = ap.parse_args()
+    a = workload_args(argparse.ArgumentParser()).parse_args()
     for name in ("accumulate", "agreement", "update"):
         _timed(step_module, name, name)
     _timed(unit_module, "_assemble", "assemble")
