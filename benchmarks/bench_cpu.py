@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fzero
 from fzero._src.optim import base as optim_base
 
-BLOCK = optim_base.CPU_BLOCK
+BLOCK, ONE_PASS = optim_base.CPU_BLOCK, 1 << 40  # the update's blocks, and one pass per op (`--block-stages`)
 
 
 class SplitMesh(fzero.DistMesh):
@@ -125,11 +125,12 @@ def main() -> None:
     model = model_of(a)
     caps = [None if c == "none" else int(c) for c in a.bucket_bytes.split(",")]
     once = {int(s) for s in a.once_stages.split(",") if s}
-    runs = [(int(s), cap, "each", mesh, "on_use") for s in a.stages.split(",") for cap in caps]
-    runs += [(s, caps[0], "once", mesh, "on_use") for s in sorted(once)]
-    runs += [(int(s), caps[0], "each", split, "on_use") for s in a.split_stages.split(",") if s]
-    runs += [(int(s), caps[0], "each", mesh, "eager") for s in a.eager_stages.split(",") if s]
-    runs += [(int(s), caps[0], "each", mesh, "noblock") for s in a.block_stages.split(",") if s]
+    # (stage, bucket cap, accumulate, mesh, gather, CPU_BLOCK of the update)
+    runs = [(int(s), cap, "each", mesh, "on_use", BLOCK) for s in a.stages.split(",") for cap in caps]
+    runs += [(s, caps[0], "once", mesh, "on_use", BLOCK) for s in sorted(once)]
+    runs += [(int(s), caps[0], "each", split, "on_use", BLOCK) for s in a.split_stages.split(",") if s]
+    runs += [(int(s), caps[0], "each", mesh, "eager", BLOCK) for s in a.eager_stages.split(",") if s]
+    runs += [(int(s), caps[0], "each", mesh, "on_use", ONE_PASS) for s in a.block_stages.split(",") if s]
     for r in range(a.rounds):
         ddp = DDP(model_of(a))  # a fresh model per round: the same initial values as every fzero mode's
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
@@ -141,12 +142,11 @@ def main() -> None:
 
         rows = [("ddp", timed(ddp_step, a))]
         del ddp, opt
-        for stage, cap, accumulate, on, gather in runs:
+        for stage, cap, accumulate, on, gather, block in runs:
             params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
             state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
                                bucket_bytes=cap)
-            noblock, gather = gather == "noblock", "on_use" if gather == "noblock" else gather
-            optim_base.CPU_BLOCK = 1 << 40 if noblock else BLOCK
+            optim_base.CPU_BLOCK = block
             step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
                                     accumulate=accumulate, gather=gather, prefetch=a.prefetch)
             box = [state]
@@ -156,7 +156,7 @@ def main() -> None:
 
             mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
                     + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
-                    + ("" if gather == "on_use" else f"-{gather}") + ("-noblock" if noblock else ""))
+                    + ("" if gather == "on_use" else f"-{gather}") + ("-noblock" if block == ONE_PASS else ""))
             rows.append((mode, timed(fzero_step, a)))
             del box, state
         if rank == 0:

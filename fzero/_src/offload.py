@@ -44,6 +44,7 @@ import torch
 
 from .errors import ConfigError, OffloadError
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
+from .unit import finite_witness
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
 PARAM_TIERS = (None, "cpu", "nvme")
@@ -803,7 +804,7 @@ class Stored(NamedTuple):
       opt_state: what the state keeps of the new optimizer state (NVMe: stand-ins).
       master: what the state keeps of the new master (NVMe: a stand-in).
       checked: what the update's finite check reads (`step._nonfinite_flag`): the new master, or,
-        where it went back to its file, its `[min, max]` taken before (`_ends`).
+        where it went back to its file, its finite witness taken before (`_ends`).
     """
 
     back: torch.Tensor
@@ -813,11 +814,11 @@ class Stored(NamedTuple):
 
 
 def _ends(x: torch.Tensor) -> torch.Tensor:
-    """`[min, max]` of `x` (`torch.aminmax`: NaN if an element is, ±inf if one is), a new tensor
-    whose own ends are those -- so the finite check reads it as it would read `x`; `x`'s copy
-    where it is empty (no ends)."""
+    """`x`'s `unit.finite_witness` as a new tensor (the minimum and maximum, or on the CPU the sum
+    where it is finite), finite exactly where `x` is -- so the finite check, which reads the
+    witness of what it is given, decides as it would on `x`; `x`'s copy where it is empty."""
     flat = x.detach().reshape(-1)
-    return torch.stack(torch.aminmax(flat)) if flat.numel() else flat.clone()
+    return torch.stack(finite_witness(flat)) if flat.numel() else flat.clone()
 
 
 class HostUpdate:

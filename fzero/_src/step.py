@@ -1355,7 +1355,7 @@ def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: E
     computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream."""
     dev = state.mesh.device
     known = {} if taken is None else taken.joined()
-    ends = [e.to(dev) for b, p in updated.items() if p.numel() for e in (known[b] if b in known else _ends(p))]
+    ends = [e.to(dev) for b, p in updated.items() if p.numel() for e in (known[b] if b in known else finite_witness(p))]
     if not ends:
         return torch.zeros((), dtype=torch.float32, device=dev)
     return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
@@ -1365,9 +1365,8 @@ class Ends:
     """A donating update's finite check taken bucket by bucket on a side stream (CUDA): each
     bucket's `finite_witness` starts as soon as its update is queued (the side stream first waits for
     the step's stream), so that it reads the bucket while the next buckets are updated instead
-    of after the last; `joined()` makes the step's stream wait for them and returns
-    `{bucket: (min, max)}`. Minimum and maximum are exact, so the flag is the one `aminmax` after
-    the update gives. The next step's in-place update of a bucket is queued after the join."""
+    of after the last; `joined()` makes the step's stream wait for them and returns `{bucket:
+    witness}`. The witness is exact, so the flag is the one it gives after the update. The next step's in-place update of a bucket is queued after the join."""
 
     DEVICES = ("cuda",)  # where a step takes them (elsewhere, in line: the same work as after the loop)
 
@@ -1387,15 +1386,11 @@ class Ends:
             return
         if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
             p.record_stream(self.side.stream)
-        self.taken[b] = self.side.run(_ends, p)
+        self.taken[b] = self.side.run(finite_witness, p)
 
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
         self.side.join()
         return self.taken
-
-
-def _ends(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return finite_witness(p)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:

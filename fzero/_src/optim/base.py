@@ -494,6 +494,7 @@ CPU_BLOCK = 1 << 17
 """Elements per thread in one block of a CPU update (`in_blocks`): 512 KiB of each fp32 operand
 per thread, so that a block's operands (param, grad, two moments, the work buffer) stay in a
 core's L2 cache through the kernel's passes over them."""
+_BLOCKED = (torch.float32, torch.float64)  # the dtypes whose CPU update ops round an element alike anywhere
 
 
 def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch.Tensor]], keys: list,
@@ -519,9 +520,6 @@ def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch
     for group in _blocks([t.numel() for t in first], block):
         kernel(*([op[i][a:b] for i, a, b in group] if op else [] for op in lists), [keys[i] for i, _, _ in group],
                **hyper)
-
-
-_BLOCKED = (torch.float32, torch.float64)  # the dtypes whose CPU update ops round an element alike anywhere
 
 
 def _blocks(numels: Sequence[int], block: int) -> list[list[tuple[int, int, int]]]:
