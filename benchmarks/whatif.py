@@ -6,6 +6,11 @@ Runs `bench_stages.py` with a pass removed by a patch, so the numbers it trains 
                      assembling its gradient (no copy, no zero fill);
   WHATIF=noends      no finite check of the updated params (the state's pending flag is 0);
   WHATIF=both        both.
+  WHATIF=overlap     noends, and the update launched before the agreement's read runs on its own
+                     stream, bucket by bucket in bucket order, each bucket's end an event that the
+                     next step's forward waits for when it reads the bucket's unit (a probe of
+                     running the update under the next forward; the grads, flags and step tensors
+                     its kernels read are kept until the next step).
 Run beside the real modes in one job, e.g. (1 GPU):
   WHATIF=noassemble torchrun --nproc-per-node 1 benchmarks/whatif.py --stage 0 --steps 20
 """
@@ -39,8 +44,50 @@ if WHAT in ("noassemble", "both"):
 if WHAT in ("noends", "both"):
     step.Ends.of = staticmethod(lambda state, donate: None)
     step._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
-if WHAT not in ("", "noassemble", "noends", "both"):
-    sys.exit(f"WHATIF={WHAT!r}: expected noassemble, noends or both")
+if WHAT == "overlap":
+    from fzero._src import gathering
+
+    step._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
+    EVENTS, KEEP, STREAM = {}, [], []
+
+    def agree_launching(config, state, rows, shards, reduced, report, ready):
+        skip = step.early_skip(config, state, rows, reduced, report, ready)
+        grads = None if skip is None else step._checked(ready, reduced)
+        if grads is None:
+            return step.agree(state, rows, shards, reduced), ready, None
+        read = step.HostRead(rows, skip)
+        if not STREAM:
+            STREAM.append(torch.cuda.Stream())
+        u, main = STREAM[0], torch.cuda.current_stream()
+        u.wait_stream(main)
+        KEEP.clear()
+        KEEP.append((grads, skip, ready))
+        states = {}
+        with torch.cuda.stream(u):
+            for b in sorted(grads):
+                states[b] = ready.launches[b].run(grads[b], skip)
+                ev = torch.cuda.Event()
+                ev.record(u)
+                EVENTS[b] = ev
+        got, skipped = read.values()
+        verdict = step._verdict(state, got, shards, reduced)
+        if skipped:
+            return verdict, None, None
+        return verdict, ready, step.Early(states, None)
+
+    step.agree_launching = agree_launching
+    _read = gathering.Gathering.read
+
+    def read(self, unit):
+        for b in self._programs[unit].buckets:
+            ev = EVENTS.pop(b.index, None)
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)
+        return _read(self, unit)
+
+    gathering.Gathering.read = read
+elif WHAT not in ("", "noassemble", "noends", "both"):
+    sys.exit(f"WHATIF={WHAT!r}: expected noassemble, noends, both or overlap")
 
 import bench_stages  # noqa: E402
 
