@@ -129,8 +129,7 @@ def main() -> None:
                     help="1: train_step(cast_ahead=True): the params autocast casts handed to the loss cast, "
                          "their gradients widened in the unit's backward (same bits; fzero/_src/casting.py)")
     ap.add_argument("--prefetch", type=int, default=-1,
-                    help="train_step(prefetch=...): units gathered ahead (-1: None, fzero's default; at N = 1 on CUDA "
-                         "with the bf16 policy, 1 unit ahead, its cast on the gather stream)")
+                    help="train_step(prefetch=...): stage 3's units gathered ahead (-1: None, fzero's default)")
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")

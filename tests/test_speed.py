@@ -31,7 +31,6 @@ from hypothesis import given
 
 import fzero
 from fzero import optim
-from fzero._src import gathering as gathering_module
 from fzero._src import step as step_module
 from fzero._src import unit as unit_module
 from fzero._src.stages import Wire, reduce_grad
@@ -546,57 +545,6 @@ class _RaisesInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         raise RuntimeError("raised in the backward")
-
-
-def _stack_run(mesh, prefetch, steps=3, units=4):
-    """`steps` donating AdamW steps of stage 3 with the bf16 policy on a stack of `units` tanh
-    layers (`from_module`: flat-dict params, so units are freed after use and gathered again in
-    backward), with `prefetch`; the gathered params and the losses."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(units)]).to(mesh.device)
-    params, apply, info = fzero.from_module(model, units=lambda path: path.split(".")[0])
-
-    def loss(p, x):
-        return apply(p, x.to(torch.bfloat16)).float().square().mean()
-
-    state = fzero.init(params, optim.adamw(0.1), stage=3, mesh=mesh, units=info.units,
-                       precision=fzero.Precision(torch.bfloat16, torch.float32))
-    step = fzero.train_step(loss, donate=True, prefetch=prefetch)
-    losses = []
-    for t in range(steps):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + t)).to(mesh.device)
-        state, m = step(state, x)
-        losses.append(float(m.loss))
-    return fzero.gather(state), losses
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a gather stream: needs a GPU")
-def test_stage3_casts_prefetched_units_on_a_cuda_gather_stream_and_keeps_the_bits(nccl_mesh, monkeypatch):
-    """At N = 1 on CUDA, stage 3's gather of a unit under the bf16 policy is its fp32 master cast
-    to bf16; by default (`prefetch=None`: one unit ahead) the cast of the next unit is queued on
-    the gather stream (`gathering.cast_beside`) and the unit's Function makes the step's stream
-    wait for it. Each cast is held back there (`torch.cuda._sleep` before it), so a read that did
-    not wait, or a storage whose memory another tensor took before the cast wrote it, would give
-    other values: the params and losses are bitwise those of `prefetch=0` (every cast in line).
-    Per step of U = 4 units: U casts beside in the forward (each unit's gather, the first too, is
-    started through the prefetch path) and U - 1 in the backward (the last unit of the forward is
-    gathered again in line when its backward starts, then each next refill is prefetched)."""
-    want = _stack_run(nccl_mesh, prefetch=0)
-    cast, beside = gathering_module.cast_beside, []
-
-    def held_back(x, out):
-        stream = gathering_module._gather_stream(x.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(20_000_000)  # tens of milliseconds on the gather stream
-        beside.append((x.dtype, out.dtype))
-        return cast(x, out)
-
-    monkeypatch.setattr(gathering_module, "cast_beside", held_back)
-    got = _stack_run(nccl_mesh, prefetch=None)
-    assert got[1] == want[1]
-    assert got[0].keys() == want[0].keys() and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
-    assert beside == [(torch.float32, torch.bfloat16)] * (3 * (4 + 3)), beside
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream: needs a GPU")

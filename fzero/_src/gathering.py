@@ -45,12 +45,8 @@ A unit read out of prediction is gathered on demand; a prefetched unit the forwa
 (or whose backward never reads it) is waited for and dropped. Prefetched units count against
 `max_live_bytes` (a prefetch that does not fit waits until it does; a demand read drops
 prefetches before it raises). All-gathers copy bits, so the values are those of k = 0
-(proofs/stage3.md, section 5). At N = 1 on CUDA, where a unit's gather is its held master
-cast to the compute dtype (a precision policy), a prefetch queues that cast on a gather stream
-of its own (`cast_beside`), so that it runs beside the current unit's compute instead of before
-the next unit's, as NCCL's all-gather does at N > 1; the same kernel, the same bits. The default
-(`prefetch=None`) is k = 1 where a started gather overlaps what follows (`Mesh.asynchronous`:
-DistMesh over N > 1; or such a cast at N = 1 on CUDA), else k = 0.
+(proofs/stage3.md, section 5). The default (`prefetch=None`) is k = 1 where the mesh overlaps a
+started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1), else k = 0.
 """
 
 from __future__ import annotations
@@ -73,7 +69,6 @@ from .collectives import func_level
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .mesh import Pending
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
@@ -178,7 +173,7 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
-        prefetch = prefetch_of(prefetch, programs, beside=any(self._casts_beside(p.name) for p in programs))
+        prefetch = prefetch_of(prefetch, programs)
         self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
@@ -335,38 +330,9 @@ class Gathering:
                 out = _regrown(storage, nbytes, shard, shard.dtype, (n * shard.shape[0], *shard.shape[1:]))
                 flights.append(start_enter_into(mesh, b.wire, shard, out))
             return flights
-        if unit in self._released and self._beside(unit):  # N = 1: cast into the storage on the gather stream
-            return [self._cast_beside(program, b, _regrown(storage, nbytes, self._held(b.index), b.wire.compute,
-                                                           self._held(b.index).shape))
-                    for b, storage, nbytes in self._storages[unit]]
         buckets = [b for b, _, _ in self._storages[unit]] if unit in self._released else program.buckets
-        beside = unit not in self._released and self._beside(unit)
-        return [self._cast_beside(program, b, torch.empty_like(self._held(b.index), dtype=b.wire.compute))
-                if beside and self._held(b.index).dtype != b.wire.compute else
-                program.stage.enter.start(program.mesh, b.wire, self._held(b.index).detach().to(b.wire.compute))
+        return [program.stage.enter.start(program.mesh, b.wire, self._held(b.index).detach().to(b.wire.compute))
                 for b in buckets]
-
-    def _beside(self, unit: str) -> bool:
-        """Whether `_start` casts `unit`'s buckets on the gather stream (`cast_beside`) instead of on
-        the current stream: N = 1 (the gather is the held shard cast to the compute dtype,
-        `Mesh.solo`), the plain gather (`ENTER_GATHER`) and every held shard on a CUDA device,
-        nothing differentiating through the step."""
-        program = self._programs[unit]
-        return (program.mesh.world_size == 1 and program.stage.enter is ENTER_GATHER and func_level() is None
-                and all(self._held(b.index).device.type == "cuda" for b in program.buckets))
-
-    def _casts_beside(self, unit: str) -> bool:
-        """Whether `_start` would cast some bucket of `unit` on the gather stream (`_beside`, and a
-        held shard not in its compute dtype: a precision policy's master)."""
-        return self._beside(unit) and any(self._held(b.index).dtype != b.wire.compute
-                                          for b in self._programs[unit].buckets)
-
-    def _cast_beside(self, program: UnitProgram, b: Bucket, out: torch.Tensor) -> Flight:
-        """Bucket `b`'s enter at N = 1 with its cast into `out` queued on the gather stream: the
-        flight's `wait()` makes the current stream wait for the copy (the host does not), then is
-        the enter's result, `out` (recorded as `_fill` records it)."""
-        queued = cast_beside(self._held(b.index).detach(), out)
-        return Flight(Pending(program.stage.enter.start(program.mesh, b.wire, out).wait(), work=queued))
 
     def _into_storage(self, unit: str) -> bool:
         """Whether a refill of `unit` all-gathers straight into its released storages: N > 1 and
@@ -471,60 +437,20 @@ def check_prefetch(prefetch: Any) -> None:
                           f"with compute, else 0), got {prefetch!r}")
 
 
-def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram], beside: bool = False) -> int:
+def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram]) -> int:
     """The prefetch depth a step or an evaluation uses: 0 under a torch.func transform (a step
     differentiated through, docs/func.md: every gather runs in place, differentiably, as the
     step's reductions do, `step.overlaps`); else `prefetch` itself, or for None (the default)
-    one unit ahead where a started gather runs beside the current unit's compute -- the mesh's
-    `start` returns before the gather is done (`Mesh.asynchronous`: DistMesh over more than one
-    rank), as DeepSpeed and FSDP2 prefetch by default, or (`beside`) at N = 1 on CUDA the gather
-    is a cast that `cast_beside` queues on the gather stream -- and 0 elsewhere (on SimMesh, or
-    over one rank without a cast, a prefetch only holds a gathered unit longer). The bits are
+    one unit ahead where the mesh's `start` returns before the gather is done
+    (`Mesh.asynchronous`: DistMesh over more than one rank), so that the next unit's gather
+    overlaps this one's compute, as DeepSpeed and FSDP2 prefetch by default, and 0 elsewhere
+    (on SimMesh or over one rank a prefetch only holds a gathered unit longer). The bits are
     the same at every depth."""
     if func_level() is not None:
         return 0
     if prefetch is not None:
         return prefetch
-    return 1 if programs and (programs[0].mesh.asynchronous or beside) else 0
-
-
-class _Queued:
-    """A copy queued on a CUDA stream, as a collective's work handle: `wait()` makes the current
-    stream wait for it (as NCCL's `Work.wait` does); the host does not wait."""
-
-    def __init__(self, done: torch.cuda.Event, device: torch.device) -> None:
-        self.done, self.device = done, device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.done)
-
-
-def cast_beside(x: torch.Tensor, out: torch.Tensor) -> _Queued:
-    """`out.copy_(x)` (a CUDA cast, the kernel `x.to(out.dtype)` runs, so the same bits) queued on
-    the device's gather stream after everything the current stream has queued so far (which made
-    `x` and may still use `out`'s memory): what stage 3 at N = 1 runs for a prefetched unit, beside
-    the current unit's compute, as NCCL runs a prefetched all-gather on its own stream at N > 1.
-    Nothing may read `out` before `wait()`; `out` is allocated on the current stream, so its
-    memory is reused only after work that stream queues after the wait."""
-    stream = _gather_stream(x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
-        out.copy_(x)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return _Queued(done, x.device)
-
-
-def _gather_stream(device: torch.device) -> torch.cuda.Stream:
-    """One gather stream per CUDA device, made once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _GATHER_STREAMS.get(index)
-    if stream is None:
-        stream = _GATHER_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
-
-
-_GATHER_STREAMS: dict[int, torch.cuda.Stream] = {}
+    return 1 if programs and programs[0].mesh.asynchronous else 0
 
 
 def held_tensor(xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None], b: int) -> torch.Tensor:
