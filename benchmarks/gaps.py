@@ -43,20 +43,29 @@ def _host_during(cpu: list[tuple[float, float, str]], g0: float, g1: float, k: i
     return names[:k]
 
 
-def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
+def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8, window_ms: float = 10.0) -> dict:
     """{span_ms, busy_ms, idle_ms, prologue_ms, gaps: [{at_ms, us, before, after, launched_by}]}:
     span from the first CPU op to the last kernel's end; `prologue_ms` the time before the first
     kernel starts (host work at the step's start while the GPU has nothing), `prologue_host` the
-    longest host ops in it."""
+    longest host ops in it. `small_gaps`: how many gaps between kernels were shorter than
+    `min_us` and their total (ms); `idle_ms_by_window`: the idle time after the first kernel,
+    every gap, per `window_ms` of the step (so where the GPU waits: at the forward's start, in
+    the backward, at the update)."""
     ks, cpu = _intervals(prof)
     lo = min((s for s, _, _ in cpu), default=ks[0][0] if ks else 0.0)
     if not ks:
         return {"error": "no CUDA kernels in the trace"}
     busy, gaps, end, last = 0.0, [], ks[0][0], None  # `end`: the latest end so far, `last` its kernel
+    windows: dict[int, float] = {}  # idle us per `window_ms` window from the first kernel (every gap)
+    small = [0, 0.0]  # gaps under `min_us`: how many, how long in all (us)
     for s, e, name in ks:
-        if s > end and last is not None and s - end >= min_us:
-            gaps.append({"at_ms": round((end - lo) / 1e3, 3), "us": round(s - end, 1), "before": last[:60],
-                         "after": name[:60], "g": (end, s)})
+        if s > end and last is not None:
+            _spread(windows, end - ks[0][0], s - ks[0][0], window_ms * 1e3)
+            if s - end >= min_us:
+                gaps.append({"at_ms": round((end - lo) / 1e3, 3), "us": round(s - end, 1), "before": last[:60],
+                             "after": name[:60], "g": (end, s)})
+            else:
+                small[0], small[1] = small[0] + 1, small[1] + s - end
         busy += max(0.0, e - max(s, end))
         if e > end:
             end, last = e, name
@@ -65,8 +74,20 @@ def gpu_gaps(prof: Any, min_us: float = 20.0, top: int = 8) -> dict:
     gaps = gaps[:top]
     for g in gaps:
         g["host"] = _host_during(cpu, *g.pop("g"))
+    last_window = int((end - ks[0][0]) // (window_ms * 1e3))
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
-            "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "prologue_host": _within(cpu, lo, ks[0][0]), "gaps": gaps}
+            "prologue_ms": round((ks[0][0] - lo) / 1e3, 3), "prologue_host": _within(cpu, lo, ks[0][0]), "gaps": gaps,
+            "small_gaps": [small[0], round(small[1] / 1e3, 3)], "window_ms": window_ms,
+            "idle_ms_by_window": [round(windows.get(i, 0.0) / 1e3, 3) for i in range(last_window + 1)]}
+
+
+def _spread(windows: dict[int, float], t0: float, t1: float, width: float) -> None:
+    """Add the interval [t0, t1) (us) to the windows of `width` us it covers, part by part."""
+    while t0 < t1:
+        i = int(t0 // width)
+        cut = min(t1, (i + 1) * width)
+        windows[i] = windows.get(i, 0.0) + cut - t0
+        t0 = cut
 
 
 def _within(cpu: list[tuple[float, float, str]], t0: float, t1: float, top: int = 12) -> list[str]:

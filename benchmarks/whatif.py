@@ -11,6 +11,11 @@ Runs `bench_stages.py` with a pass removed by a patch, so the numbers it trains 
                      next step's forward waits for when it reads the bucket's unit (a probe of
                      running the update under the next forward; the grads, flags and step tensors
                      its kernels read are kept until the next step).
+  WHATIF=tailgap     nothing changed: CUDA events at the step's start, where the host returns from
+                     the backward (`step.accumulate`) and where it queues the agreement's host read
+                     (`step.HostRead`), so that the GPU time between them (the agreement's kernels,
+                     and the GPU's wait for the host's work after the backward) is printed, median
+                     over the steps, as a JSON line at exit.
 Run beside the real modes in one job, e.g. (1 GPU):
   WHATIF=noassemble torchrun --nproc-per-node 1 benchmarks/whatif.py --stage 0 --steps 20
 """
@@ -86,8 +91,49 @@ if WHAT == "overlap":
         return _read(self, unit)
 
     gathering.Gathering.read = read
+elif WHAT == "tailgap":
+    import atexit
+    import json
+    import statistics
+
+    marks: dict = {}
+    spans: dict = {"backward_to_read_ms": [], "start_to_backward_end_ms": []}
+    accumulate, host_read, eager_step = step.accumulate, step.HostRead.__init__, step.eager_step
+
+    def _event(name):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks[name] = e
+
+    def timed_step(*args, **kwargs):
+        marks.clear()
+        _event("start")
+        out = eager_step(*args, **kwargs)
+        if "read" in marks:
+            marks["read"].synchronize()
+            spans["backward_to_read_ms"].append(marks["backward"].elapsed_time(marks["read"]))
+            spans["start_to_backward_end_ms"].append(marks["start"].elapsed_time(marks["backward"]))
+        return out
+
+    def timed_accumulate(*args, **kwargs):
+        out = accumulate(*args, **kwargs)
+        _event("backward")
+        return out
+
+    def timed_read(self, *args, **kwargs):
+        if "backward" in marks and "read" not in marks:
+            _event("read")
+        host_read(self, *args, **kwargs)
+
+    step.eager_step, step.accumulate, step.HostRead.__init__ = timed_step, timed_accumulate, timed_read  # by name
+
+    @atexit.register
+    def _report():
+        if spans["backward_to_read_ms"] and int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"whatif": "tailgap"} | {k: round(statistics.median(v), 3) for k, v in spans.items()}
+                             | {"steps": len(spans["backward_to_read_ms"])}), flush=True)
 elif WHAT not in ("", "noassemble", "noends", "both"):
-    sys.exit(f"WHATIF={WHAT!r}: expected noassemble, noends, both or overlap")
+    sys.exit(f"WHATIF={WHAT!r}: expected noassemble, noends, both, overlap or tailgap")
 
 import bench_stages  # noqa: E402
 
