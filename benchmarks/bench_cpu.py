@@ -27,6 +27,9 @@ moves 2Ψ per step as DDP does, against 3Ψ):
 (adds `fzero-stage3-eager` rows)
 The update in cache-sized blocks against one pass per op (the same bits; `optim.base.in_blocks`):
         torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,1,2,3 --block-stages 0,1,2,3 --rounds 2
+Paired, interleaved (every mode built at once, one step of each in rotating order, `--steps`
+times; `paired_vs_ddp` is the median over those rounds of the mode's step / DDP's):
+        torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --steps 30 --interleave
 Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
         --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
 """
@@ -37,6 +40,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,6 +89,70 @@ def timed(step, a) -> float:
     return statistics.median(times)
 
 
+def interleaved(modes: list[tuple[str, Callable[[], Callable[[], None]]]], a
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """Every mode's state built at once, each warmed up, then `--steps` rounds of one step per
+    mode, the order rotated each round: `({mode: median step time}, {mode: median over rounds
+    of its step time / DDP's in the same round})`. The modes share the machine's state over
+    time (its load, the process's heap), so drift cancels out of the ratios."""
+    steps = {mode: make() for mode, make in modes}
+    for _ in range(a.warmup):
+        for step in steps.values():
+            step()
+    names, times = list(steps), {mode: [] for mode in steps}
+    for i in range(a.steps):
+        for mode in names[i % len(names):] + names[: i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[mode]()
+            times[mode].append(time.perf_counter() - t0)
+    base = times[names[0]]
+    return ({m: statistics.median(t) for m, t in times.items()},
+            {m: round(statistics.median(x / d for x, d in zip(t, base)), 3) for m, t in times.items()})
+
+
+def ddp_stepper(a, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Callable[[], None]]:
+    """A maker of DDP's step: a fresh model (the same initial values as every fzero mode's)."""
+
+    def make() -> Callable[[], None]:
+        ddp = DDP(model_of(a))
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+        def ddp_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+
+        return ddp_step
+
+    return make
+
+
+def fzero_stepper(a, run: tuple, model: nn.Module, split, x: torch.Tensor, y: torch.Tensor
+                  ) -> tuple[str, Callable[[], Callable[[], None]]]:
+    """`(mode name, maker of its step)` for one fzero run `(stage, bucket cap, accumulate, mesh,
+    gather, CPU_BLOCK of the update)`."""
+    stage, cap, accumulate, on, gather, block = run
+    mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
+            + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
+            + ("" if gather == "on_use" else f"-{gather}") + ("-noblock" if block == ONE_PASS else ""))
+
+    def make() -> Callable[[], None]:
+        params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
+        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units, bucket_bytes=cap)
+        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
+                                accumulate=accumulate, gather=gather, prefetch=a.prefetch)
+        box = [state]
+
+        def fzero_step() -> None:
+            optim_base.CPU_BLOCK = block  # read by the update (the modes may differ)
+            box[0], _ = step(box[0], (x, y))
+
+        return fzero_step
+
+    return mode, make
+
+
 def workload_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The model, batch, step counts and stages every CPU benchmark here takes."""
     ap.add_argument("--dim", type=int, default=512)
@@ -112,6 +180,9 @@ def main() -> None:
     ap.add_argument("--prefetch", type=lambda v: None if v == "default" else int(v), default=None,
                     help="train_step(prefetch=k) for every fzero mode (default: the library's, 1 on DistMesh)")
     ap.add_argument("--rounds", type=int, default=1, help="time every mode this many times, in turn")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every mode at once and time them step by step in rotating order (paired ratios: "
+                         "`paired_vs_ddp`, the median over rounds of the mode's step / DDP's in the same round)")
     ap.add_argument("--block-stages", default="",
                     help="comma list of stages to time also with the update in one pass per op over the shard "
                          "(`fzero-stage<s>-noblock` rows: no cache-sized blocks, what fzero did before them)")
@@ -132,38 +203,19 @@ def main() -> None:
     runs += [(int(s), caps[0], "each", mesh, "eager", BLOCK) for s in a.eager_stages.split(",") if s]
     runs += [(int(s), caps[0], "each", mesh, "on_use", ONE_PASS) for s in a.block_stages.split(",") if s]
     for r in range(a.rounds):
-        ddp = DDP(model_of(a))  # a fresh model per round: the same initial values as every fzero mode's
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-
-        def ddp_step() -> None:
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(ddp(x), y).backward()
-            opt.step()
-
-        rows = [("ddp", timed(ddp_step, a))]
-        del ddp, opt
-        for stage, cap, accumulate, on, gather, block in runs:
-            params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
-            state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units,
-                               bucket_bytes=cap)
-            optim_base.CPU_BLOCK = block
-            step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
-                                    accumulate=accumulate, gather=gather, prefetch=a.prefetch)
-            box = [state]
-
-            def fzero_step() -> None:
-                box[0], _ = step(box[0], (x, y))
-
-            mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
-                    + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
-                    + ("" if gather == "on_use" else f"-{gather}") + ("-noblock" if block == ONE_PASS else ""))
-            rows.append((mode, timed(fzero_step, a)))
-            del box, state
+        modes = [("ddp", ddp_stepper(a, x, y))] + [fzero_stepper(a, run, model, split, x, y) for run in runs]
+        if a.interleave:
+            medians, paired = interleaved(modes, a)
+        else:
+            medians, paired = {}, {}
+            for mode, make in modes:  # one mode at a time, its state freed before the next is built
+                medians[mode] = timed(make(), a)
         if rank == 0:
-            base = rows[0][1]
-            for mode, t in rows:
+            base = medians["ddp"]
+            for mode, t in medians.items():
                 print(json.dumps({"mode": mode, "round": r, "world": mesh.world_size, "step_s_median": round(t, 4),
-                                  "vs_ddp": round(t / base, 3), "torch": torch.__version__,
+                                  "vs_ddp": round(t / base, 3), **({"paired_vs_ddp": paired[mode]} if paired else {}),
+                                  "interleaved": a.interleave, "torch": torch.__version__,
                                   "threads": torch.get_num_threads()}), flush=True)
     dist.destroy_process_group()
 
