@@ -128,10 +128,10 @@ def ddp_stepper(a, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Callable[[]
     return make
 
 
-def fzero_stepper(a, run: tuple, model: nn.Module, split, x: torch.Tensor, y: torch.Tensor
-                  ) -> tuple[str, Callable[[], Callable[[], None]]]:
+def fzero_stepper(a, run: tuple, model: nn.Module, split, x: torch.Tensor, y: torch.Tensor,
+                  prefetch: int | None = None) -> tuple[str, Callable[[], Callable[[], None]]]:
     """`(mode name, maker of its step)` for one fzero run `(stage, bucket cap, accumulate, mesh,
-    gather, CPU_BLOCK of the update)`."""
+    gather, CPU_BLOCK of the update)`, with `train_step(prefetch=prefetch)`."""
     stage, cap, accumulate, on, gather, block = run
     mode = (f"fzero-stage{stage}" + ("" if cap is None else f"-bucket{cap}")
             + ("" if accumulate == "each" else "-once") + ("-split" if on is split else "")
@@ -141,7 +141,7 @@ def fzero_stepper(a, run: tuple, model: nn.Module, split, x: torch.Tensor, y: to
         params, apply, info = fzero.from_module(model_of(a), units=fzero.units_by_prefix(model, ""))
         state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=on, units=info.units, bucket_bytes=cap)
         step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True,
-                                accumulate=accumulate, gather=gather, prefetch=a.prefetch)
+                                accumulate=accumulate, gather=gather, prefetch=prefetch)
         box = [state]
 
         def fzero_step() -> None:
@@ -203,7 +203,8 @@ def main() -> None:
     runs += [(int(s), caps[0], "each", mesh, "eager", BLOCK) for s in a.eager_stages.split(",") if s]
     runs += [(int(s), caps[0], "each", mesh, "on_use", ONE_PASS) for s in a.block_stages.split(",") if s]
     for r in range(a.rounds):
-        modes = [("ddp", ddp_stepper(a, x, y))] + [fzero_stepper(a, run, model, split, x, y) for run in runs]
+        modes = [("ddp", ddp_stepper(a, x, y))] + [fzero_stepper(a, run, model, split, x, y, a.prefetch)
+                                                   for run in runs]
         if a.interleave:
             medians, paired = interleaved(modes, a)
         else:

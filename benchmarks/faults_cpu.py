@@ -22,11 +22,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fzero
-from bench_cpu import model_of
+from bench_cpu import BLOCK, ddp_stepper, fzero_stepper, model_of
 
 
 def measured(step, steps: int = 6, warmup: int = 3) -> tuple[float, float]:
@@ -56,30 +54,15 @@ def main() -> None:
     mesh = fzero.DistMesh(backend="gloo", verify=False)
     g = torch.Generator().manual_seed(mesh.rank)
     x, y = torch.randn(a.batch, a.dim, generator=g), torch.randn(a.batch, a.dim, generator=g)
-    ddp = DDP(model_of(a))
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-
-    def ddp_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
+    ddp_step = ddp_stepper(a, x, y)()
 
     def built(stage: int):
-        model = model_of(a)
-        params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
-        state = fzero.init(params, fzero.optim.adamw(1e-4), stage=stage, mesh=mesh, units=info.units)
-        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]), donate=True)
-        box = [state]
-
-        def fzero_step() -> None:
-            box[0], _ = step(box[0], (x, y))
-
-        return fzero_step
+        return fzero_stepper(a, (stage, None, "each", mesh, "on_use", BLOCK), model_of(a), None, x, y)[1]()
 
     stages = [int(s) for s in a.stages.split(",")]
     steps = {s: built(s) for s in stages} if a.build_first else {}
     rows = [("ddp", *measured(ddp_step))]
-    del ddp, opt
+    del ddp_step
     for stage in stages:
         rows.append((f"fzero-stage{stage}", *measured(steps.pop(stage, None) or built(stage))))
     if mesh.rank == 0:

@@ -46,13 +46,12 @@ def _cached_zeros() -> object:
 
 if WHAT in ("noassemble", "both"):
     unit._assemble = _cached_zeros()
-if WHAT in ("noends", "both"):
+if WHAT in ("noends", "both", "overlap"):
     step.Ends.of = staticmethod(lambda state, donate: None)
     step._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
 if WHAT == "overlap":
     from fzero._src import gathering
 
-    step._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
     EVENTS, KEEP, STREAM = {}, [], []
 
     def agree_launching(config, state, rows, shards, reduced, report, ready):
