@@ -21,12 +21,14 @@ import functools
 import sys
 import threading
 
+import optree
 import pytest
 import torch
 
 import fzero
 from fzero import optim
 from fzero._src import step as step_module
+from fzero._src.mesh import Pending
 from fzero._src.optim.base import spec_of
 from fzero._src.unit import finite_witness
 
@@ -226,3 +228,69 @@ def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage, split
     chained = [rs + ("c",), rs + ("b",), ag + ("c",), rs + ("a",), ag + ("b",), ag + ("a",)]
     assert order("each") == (chained if stage == 0 else [rs + (u,) for u in "cba"])
     assert order("once") == [rs + (u,) for u in "abc"] + ([ag + (u,) for u in "abc"] if stage == 0 else [])
+
+
+class _HeldSimMesh(fzero.SimMesh):
+    """A SimMesh whose started collectives stay open until waited, holding their input beside
+    their result where the result is not written into it -- as DistMesh's reduce-scatter holds the
+    local gradient (and gloo's staging): `events` notes, per rank, each start and each wait of a
+    collective with a tag."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self.events: dict[int, list[tuple[str, str, str]]] = collections.defaultdict(list)
+
+    def _start(self, call, x, donate=False, out=None):
+        done = super()._start(call, x, donate, out)
+        log = self.events[self.rank]
+        log.append(("start", call.op, call.tag))
+
+        class Work:
+            def wait(self):
+                log.append(("wait", call.op, call.tag))
+
+        return Pending(done.wait(), Work(), keep=x)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stage_1_waits_each_reduce_scatter_once_the_next_has_started(stage):
+    """Stage 1's reduce-scatter holds the unit's local gradient `flat[N * S]` (and, over gloo, a
+    staging copy of it) until waited: `step.Chained` waits each one once the next bucket's has
+    started (`Flight.advance` of a last phase that `Pending.holds_more`), so a step holds one or
+    two of them at a time, not every unit's until the backward ends. Stage 0's all-reduce runs in
+    its donated buffer (the result is the input: nothing more held), so it is waited after the
+    backward, as before. The bits are the same either way: the state after two steps equals the
+    plain SimMesh's (every collective completes before returning there)."""
+    n, units = 2, "abcd"
+    params = {u: torch.randn(8, generator=torch.Generator().manual_seed(i)) for i, u in enumerate(units)}
+
+    def loss(p, x):
+        h = x
+        for u in units:
+            h = torch.tanh(p[u] * h)
+        return h.sum()
+
+    def run(mesh):
+        def rank_fn():
+            state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda path: path)
+            tags = {b.tag: b.unit for b in state.layout.buckets}
+            step = fzero.train_step(loss)
+            for t in range(2):
+                state, _ = step(state, torch.full((8,), float(t + mesh.rank + 1)))
+            return fzero.gather(state), tags
+
+        return mesh.run(rank_fn)
+
+    held = _HeldSimMesh(n)
+    out, plain = run(held), run(fzero.SimMesh(n))
+    tags = out[0][1]
+    for r in range(n):
+        for a, b in zip(optree.tree_leaves(out[r][0]), optree.tree_leaves(plain[r][0])):
+            assert torch.equal(a, b)
+        step1 = held.events[r][: len(held.events[r]) // 2]
+        got = [(what, tags[tag]) for what, op, tag in step1 if tag in tags and op != "all_gather"]
+        if stage == 1:  # backward reaches d first; d's wait follows c's start, ..., a's after backward
+            assert got == [("start", "d"), ("start", "c"), ("wait", "d"), ("start", "b"), ("wait", "c"),
+                           ("start", "a"), ("wait", "b"), ("wait", "a")], got
+        else:
+            assert got == [("start", u) for u in "dcba"] + [("wait", u) for u in "abcd"], got

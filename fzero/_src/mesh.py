@@ -268,6 +268,12 @@ class Pending:
         return self._out
 
     @property
+    def holds_more(self) -> bool:
+        """Whether, until waited, this keeps a tensor besides its result (the collective's input,
+        where the result is not written into it): what `wait()` lets go."""
+        return self._keep is not None and self._keep is not self._out
+
+    @property
     def done(self) -> bool:
         """Whether `wait()` has returned (or the collective completed when started)."""
         return self._work is None

@@ -72,7 +72,9 @@ BucketFn = Callable[[Mesh, Wire, torch.Tensor], torch.Tensor]  # (mesh, how the 
 class Flight:
     """One bucket's collectives in flight: `pending`, and the collectives still to start on its
     result (`then`: result -> Pending), in order. `advance()` waits for `pending` and starts the
-    next; `wait()` runs every phase and returns the last result. A step starts every bucket's
+    next; on the last phase it only waits, and only where the collective holds more than its
+    result (`Pending.holds_more`: a reduce-scatter's input and staging, released then, not at
+    `wait()`); `wait()` runs every phase and returns the last result. A step starts every bucket's
     first collective, then advances each (stage 0: each reduce-scatter's all-gather), then waits:
     the same calls, the same bits, as the blocking pieces, with many in flight at once."""
 
@@ -80,7 +82,9 @@ class Flight:
         self.pending, self.then = pending, then
 
     def advance(self) -> "Flight":
-        if not self.then:
+        if not self.then:  # the last phase: where it holds more than its result, wait, and let that go now
+            if self.pending.holds_more:
+                self.pending.wait()
             return self
         return Flight(self.then[0](self.pending.wait()), self.then[1:])
 

@@ -667,7 +667,12 @@ class Chained(Inflight):
     last one. Which flight is advanced depends only on the order the flights start in, which
     `Inflight` fixes (`early`, from the last bucket): every rank issues
     `RS(k_1), RS(k_2), AG(k_1), RS(k_3), AG(k_2), ...`, the same calls on the same tensors as
-    `reduce`'s (the same bits). For a one-collective reduction (stage 1) `advance` is a no-op."""
+    `reduce`'s (the same bits). A one-collective reduction that holds its input (stage 1's
+    reduce-scatter, not stage 0's all-reduce in place) is waited for there instead (`Flight.advance`
+    of its last phase): stage 1's local gradient
+    `flat[N * S]` and the backend's staging are then released one bucket after its reduction
+    starts, not all together after the backward -- a step that holds one or two of them at a
+    time instead of every unit's reuses freed memory instead of asking the system for fresh pages."""
 
     # how many flights start after a bucket's before its next collective does (a wait for its
     # reduce-scatter that stalls the backward is less likely the larger it is; 1 and 2 did not

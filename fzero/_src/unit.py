@@ -168,7 +168,8 @@ class Inflight:
     start in one order on every rank, as DDP launches its buckets: the buckets of `early` from the
     last, each once it and every later one are ready -- ranks whose backward reaches the units in
     another order (a unit some rank skipped) still call the same collectives in the same order.
-    They are not bounded by `depth`: stages 0-1 hold every unit's gradient after backward anyway.
+    They are not bounded by `depth`: stage 0 holds every unit's reduced gradient after backward
+    anyway, and `step.Chained` waits each of stage 1's once the next has started.
 
     `done(result)` (`step.EarlyNorms.take`) is called with each reduction's result that exists
     when it starts (N = 1: the reduction returns its input), as soon as it does.
