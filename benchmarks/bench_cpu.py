@@ -28,7 +28,8 @@ moves 2Ψ per step as DDP does, against 3Ψ):
 The update in cache-sized blocks against one pass per op (the same bits; `optim.base.in_blocks`):
         torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --stages 0,1,2,3 --block-stages 0,1,2,3 --rounds 2
 Paired, interleaved (every mode built at once, one step of each in rotating order, `--steps`
-times; `paired_vs_ddp` is the median over those rounds of the mode's step / DDP's):
+times; `paired_vs_ddp` is the median over those rounds of the mode's step / DDP's,
+`faults_per_step_mean` the process's minor page faults around each of its steps, averaged):
         torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --steps 30 --interleave
 Tiny check (numbers mean nothing):  torchrun --nproc-per-node 2 benchmarks/bench_cpu.py --dim 64 \
         --hidden 128 --blocks 4 --batch 8 --warmup 1 --steps 3 --once-stages 0
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -90,25 +92,29 @@ def timed(step, a) -> float:
 
 
 def interleaved(modes: list[tuple[str, Callable[[], Callable[[], None]]]], a
-                ) -> tuple[dict[str, float], dict[str, float]]:
+                ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Every mode's state built at once, each warmed up, then `--steps` rounds of one step per
     mode, the order rotated each round: `({mode: median step time}, {mode: median over rounds
-    of its step time / DDP's in the same round})`. The modes share the machine's state over
-    time (its load, the process's heap), so drift cancels out of the ratios."""
+    of its step time / DDP's in the same round}, {mode: mean minor page faults per step})`. The
+    modes share the machine's state over time (its load, the process's heap), so drift cancels
+    out of the ratios; the faults (the process's, `getrusage`, counted around each step: pages
+    the kernel hands it anew) show which modes ask for fresh memory each step."""
     steps = {mode: make() for mode, make in modes}
     for _ in range(a.warmup):
         for step in steps.values():
             step()
-    names, times = list(steps), {mode: [] for mode in steps}
+    names, times, faults = list(steps), {mode: [] for mode in steps}, {mode: [] for mode in steps}
     for i in range(a.steps):
         for mode in names[i % len(names):] + names[: i % len(names)]:
             dist.barrier()
-            t0 = time.perf_counter()
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             steps[mode]()
             times[mode].append(time.perf_counter() - t0)
+            faults[mode].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     base = times[names[0]]
     return ({m: statistics.median(t) for m, t in times.items()},
-            {m: round(statistics.median(x / d for x, d in zip(t, base)), 3) for m, t in times.items()})
+            {m: round(statistics.median(x / d for x, d in zip(t, base)), 3) for m, t in times.items()},
+            {m: round(statistics.mean(f)) for m, f in faults.items()})
 
 
 def ddp_stepper(a, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Callable[[], None]]:
@@ -206,16 +212,16 @@ def main() -> None:
         modes = [("ddp", ddp_stepper(a, x, y))] + [fzero_stepper(a, run, model, split, x, y, a.prefetch)
                                                    for run in runs]
         if a.interleave:
-            medians, paired = interleaved(modes, a)
+            medians, paired, faults = interleaved(modes, a)
         else:
-            medians, paired = {}, {}
+            medians, paired, faults = {}, {}, {}
             for mode, make in modes:  # one mode at a time, its state freed before the next is built
                 medians[mode] = timed(make(), a)
         if rank == 0:
             base = medians["ddp"]
             for mode, t in medians.items():
                 print(json.dumps({"mode": mode, "round": r, "world": mesh.world_size, "step_s_median": round(t, 4),
-                                  "vs_ddp": round(t / base, 3), **({"paired_vs_ddp": paired[mode]} if paired else {}),
+                                  "vs_ddp": round(t / base, 3), **({"paired_vs_ddp": paired[mode], "faults_per_step_mean": faults[mode]} if paired else {}),
                                   "interleaved": a.interleave, "torch": torch.__version__,
                                   "threads": torch.get_num_threads()}), flush=True)
     dist.destroy_process_group()
