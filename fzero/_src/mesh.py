@@ -567,21 +567,27 @@ class _ThenAdd:
         torch.add(self.a, self.b, out=self.out)
 
 
-def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any) -> tuple[torch.Tensor, _ThenAdd]:
-    """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange of halves and
-    one addition: `all_to_all_single` sends this rank's half for the other rank and receives the
-    other rank's half for this one, then `out = recv[:S] + recv[S:]` (rank order). Each element
-    is one correctly rounded addition of the same two terms -- a + b = b + a exactly in IEEE
-    arithmetic, and a 16-bit sum computed in float32 and rounded once more is still correctly
-    rounded (float32 has more than 2p + 2 bits for p = 8, 11) -- so the bits are those of gloo's
-    own reduce-scatter, which all-reduces a clone of the whole buffer and keeps this rank's
-    chunk: that moves `x` twice around the ring where this moves half of it once. For float32,
-    float64 and float16 (`_EXCHANGED`) the NaNs come out the same too; bfloat16's NaNs may differ
-    in sign and payload from gloo's, so bfloat16 keeps gloo's reduce-scatter."""
-    s = x.shape[0] // 2
-    recv, out = torch.empty_like(x), x.new_empty((s, *x.shape[1:]))
-    work = torch.distributed.all_to_all_single(recv, x.contiguous(), group=group, async_op=True)
-    return out, _ThenAdd(work, out, recv[:s], recv[s:])
+def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple[torch.Tensor, _ThenAdd]:
+    """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange and one addition:
+    this rank sends the other rank's half of `x` and receives the other rank's half for this one
+    into `out` (one `isend` and one `irecv`, gloo's point-to-point pairs, matched in the order both
+    ranks issue them), then `out = x0 + x1` in rank order, in place: `out = mine + out` on rank 0,
+    `out + mine` on rank 1. Each element is one correctly rounded addition of the same two terms in
+    the same order -- a + b = b + a exactly in IEEE arithmetic anyway, and a 16-bit sum computed in
+    float32 and rounded once more is still correctly rounded (float32 has more than 2p + 2 bits for
+    p = 8, 11) -- so the bits are those of gloo's own reduce-scatter, which all-reduces a clone of
+    the whole buffer and keeps this rank's chunk: that moves `x` twice around the ring where this
+    moves half of it once, and the only new memory is `out`. For float32, float64 and float16
+    (`_EXCHANGED`) the NaNs come out the same too; bfloat16's NaNs may differ in sign and payload
+    from gloo's, so bfloat16 keeps gloo's reduce-scatter."""
+    dist, s, x = torch.distributed, x.shape[0] // 2, x.contiguous()
+    peer = 1 - rank
+    to = dist.get_global_rank(group, peer) if group is not None else peer
+    out = x.new_empty((s, *x.shape[1:]))
+    mine = x[rank * s : (rank + 1) * s]
+    ops = [dist.P2POp(dist.isend, x[peer * s : (peer + 1) * s], to, group), dist.P2POp(dist.irecv, out, to, group)]
+    a, b = (mine, out) if rank == 0 else (out, mine)
+    return out, _ThenAdd(_Works(dist.batch_isend_irecv(ops)), out, a, b)
 
 
 class _Works:
@@ -953,7 +959,7 @@ class DistMesh(Mesh):
             out = x.new_empty((n * x.shape[0], *x.shape[1:])) if into is None else into
             work = _all_gather_into(out, x, self.group, async_op=True)
         elif self.backend == "gloo" and n == 2 and x.dtype in _EXCHANGED:
-            out, work = _reduce_scatter_by_exchange(x, self.group)
+            out, work = _reduce_scatter_by_exchange(x, self.group, self._rank)
         else:
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
             work = _reduce_scatter_into(out, x, self.group, async_op=True)
