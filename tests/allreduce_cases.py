@@ -216,13 +216,27 @@ def all_gather_vs_torch(mesh, x):
 def reduce_scatter_vs_torch(mesh, x):
     """`x[2 * S]`'s reduce-scatter on a gloo DistMesh at N = 2 (one exchange of halves, one
     addition: `mesh._reduce_scatter_by_exchange`), blocking and started, beside torch's own gloo
-    reduce-scatter of the same buffer (an all-reduce of a clone, then this rank's chunk), and
-    whether the exchange (an all-to-all) is what ran."""
+    reduce-scatter of the same buffer (an all-reduce of a clone, then this rank's chunk); then four
+    of several sizes started before any is waited for, an all-gather started among them; and how
+    often the exchange ran."""
     from fzero._src import mesh as mesh_mod
 
     with _counted(mesh_mod, "_reduce_scatter_by_exchange") as ran:
         blocking = mesh.collective("reduce_scatter", x)
         started = mesh.start("reduce_scatter", x).wait()
-    theirs = x.new_empty(x.shape[0] // 2)
-    mesh_mod._reduce_scatter_into(theirs, x.clone(), mesh.group)  # torch's, under either torch's name
-    return blocking, started, theirs, len(ran)
+        # several in flight at once, an all-gather (the other point-to-point exchange) among them,
+        # waited for in reverse: each receive must match its own send on the pair
+        parts = [x[: 2 * (k + 1)] for k in range(3)] + [x]
+        flights = [mesh.start("reduce_scatter", p) for p in parts[:2]]
+        gather = mesh.start("all_gather", x[:5])
+        flights += [mesh.start("reduce_scatter", p) for p in parts[2:]]
+        together = [f.wait() for f in reversed(flights)][::-1]
+        gathered = gather.wait()
+    theirs = []
+    for t in [x, x, *parts]:
+        out = t.new_empty(t.shape[0] // 2)
+        mesh_mod._reduce_scatter_into(out, t.clone(), mesh.group)  # torch's, under either torch's name
+        theirs.append(out)
+    their_gather = x.new_empty(10)
+    mesh_mod._all_gather_into(their_gather, x[:5].contiguous(), mesh.group)
+    return [blocking, started, *together, gathered], [*theirs, their_gather], len(ran)

@@ -217,15 +217,17 @@ def test_gloo_n3_stage0_all_reduce_equals_stages_1_to_3(dist3):
 @pytest.mark.dist
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gloo_n2_reduce_scatter_is_gloos_own_bitwise(dist2, dtype):
-    """At N = 2 DistMesh reduce-scatters over gloo by one all-to-all of halves and one addition
+    """At N = 2 DistMesh reduce-scatters over gloo by one send and one receive of halves and one addition
     (half the traffic of gloo's reduce-scatter, which all-reduces the whole buffer): the bits of
     gloo's own reduce-scatter, over 2 (2^19 + 5) elements with infinities and NaNs among values of
     every magnitude (each element is one correctly rounded addition of the same two terms).
     bfloat16 keeps gloo's own reduce-scatter: its NaNs would differ in sign and payload."""
     xs = cases.wide(2, 2**19 + 5, dtype, seed=5)
-    for blocking, started, theirs, ran in dist2.run(cases.reduce_scatter_vs_torch, [(x,) for x in xs]):
-        assert ran == (0 if dtype == torch.bfloat16 else 2)  # the exchange ran, blocking and started
-        assert _same_bits(blocking, theirs) and _same_bits(started, theirs)
+    for ours, theirs, ran in dist2.run(cases.reduce_scatter_vs_torch, [(x,) for x in xs]):
+        assert ran == (0 if dtype == torch.bfloat16 else 6)  # the exchange ran for each reduce-scatter
+        assert len(ours) == len(theirs) == 7
+        for k, (a, b) in enumerate(zip(ours, theirs)):
+            assert _same_bits(a, b), f"collective {k} of 7 (blocking, started, 4 in flight together, all-gather)"
 
 
 @pytest.mark.dist
