@@ -73,7 +73,7 @@ class Flight:
     """One bucket's collectives in flight: `pending`, and the collectives still to start on its
     result (`then`: result -> Pending), in order. `advance()` waits for `pending` and starts the
     next; on the last phase it only waits, and only where the collective holds more than its
-    result (`Pending.holds_more`: a reduce-scatter's input and staging, released then, not at
+    result (`Pending.holds_more`: a reduce-scatter's input, released then, not at
     `wait()`); `wait()` runs every phase and returns the last result. A step starts every bucket's
     first collective, then advances each (stage 0: each reduce-scatter's all-gather), then waits:
     the same calls, the same bits, as the blocking pieces, with many in flight at once."""

@@ -670,7 +670,7 @@ class Chained(Inflight):
     `reduce`'s (the same bits). A one-collective reduction that holds its input (stage 1's
     reduce-scatter, not stage 0's all-reduce in place) is waited for there instead (`Flight.advance`
     of its last phase): stage 1's local gradient
-    `flat[N * S]` and the backend's staging are then released one bucket after its reduction
+    `flat[N * S]` is then released one bucket after its reduction
     starts, not all together after the backward -- a step that holds one or two of them at a
     time instead of every unit's reuses freed memory instead of asking the system for fresh pages."""
 
