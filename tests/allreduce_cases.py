@@ -180,6 +180,27 @@ def donation_steps(mesh, stage, engine, micro, accumulate, steps=2):
     return trace
 
 
+def params_gathered_in_place(mesh, stage, bf16):
+    """Two AdamW steps of `loss` at `stage` (1 or 2), each taken once by the pure step and once by
+    a donating one from the same state, a different batch per rank (`bf16`: the bf16 policy, whose
+    master shard is cast into the params): per step, whether the donating step's new state holds
+    each params buffer the input held (the all-gather after the update written into it, not into
+    a new buffer), and the pure and donated gathered params."""
+    policy = {"precision": fzero.Precision(torch.bfloat16)} if bf16 else {}
+    state = fzero.init(params(), optim.adamw(1e-2, weight_decay=0.1), stage=stage, mesh=mesh,
+                       units=lambda path: path.split(".")[0], **policy)
+    pure, donating = fzero.train_step(loss), fzero.train_step(loss, donate=True)
+    g = torch.Generator().manual_seed(300 + mesh.rank)
+    out = []
+    for _ in range(2):
+        x = torch.randn(8, WIDTH, generator=g).to(torch.bfloat16 if bf16 else torch.float32)
+        want, _ = pure(state, x)
+        held = [p.data_ptr() for p in state.params]
+        state, _ = donating(state, x)
+        out.append(([p.data_ptr() for p in state.params] == held, fzero.gather(want), fzero.gather(state)))
+    return out
+
+
 @contextlib.contextmanager
 def _counted(module, name):
     """`module.name` wrapped to append to the yielded list at each call, restored after."""

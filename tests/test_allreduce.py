@@ -198,6 +198,39 @@ def test_stage0_reads_no_gradient_buffer_it_donated(engine, micro, accumulate):
             assert_equal_leaves(a, b, f"stage 0 (donated all-reduce) vs stage 1, rank {r}, step {t}")
 
 
+def _check_in_place(runs, what):
+    for r, steps in enumerate(runs):
+        for t, (same, want, got) in enumerate(steps):
+            assert same, f"{what}, rank {r}, step {t}: the donating step's params are a new buffer"
+            assert_equal_leaves(got, want, f"{what}, rank {r}, step {t}: donated vs pure")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_donating_stage_1_2_step_gathers_the_params_into_the_buffer_it_held(n, stage, bf16):
+    """A donating step of stages 1-2 (params replicated, updated in shards) all-gathers the new
+    params into the params buffer its input held -- each rank's own chunk already written there by
+    the update, or the master's cast copied in -- so it never holds two copies of them; the bits
+    are the pure step's, which gathers into a new buffer and leaves its input as it was."""
+    mesh = fzero.SimMesh(n)
+    _check_in_place(mesh.run(functools.partial(cases.params_gathered_in_place, mesh, stage, bf16)),
+                    f"SimMesh({n}), stage {stage}, bf16 {bf16}")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gloo_donating_stage_1_2_steps_gather_the_params_in_place(dist2, dist3, stage, bf16):
+    """Over real gloo, at N = 2 (the all-gather by one exchange, `into` the held params, whose own
+    half the update wrote) and N = 3 (gloo's all-gather, given a copy of the chunk it would
+    otherwise read from the buffer it writes): the donating step's params stay in the buffer the
+    input held, with the pure step's bits."""
+    for pool, n in ((dist2, 2), (dist3, 3)):
+        runs = pool.run(cases.params_gathered_in_place, [(stage, bf16)] * n)
+        _check_in_place(runs, f"gloo N = {n}, stage {stage}, bf16 {bf16}")
+
+
 @pytest.mark.dist
 def test_gloo_n3_stage0_all_reduce_equals_stages_1_to_3(dist3):
     """Over real gloo at N = 3 (where the order of a sum can change its bits), stage 0's one

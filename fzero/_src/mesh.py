@@ -590,6 +590,12 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple
     return out, _ThenAdd(_Works(dist.batch_isend_irecv(ops)), out, a, b)
 
 
+def _overlaps(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `x`'s elements lie in `out`'s storage range (contiguous tensors)."""
+    a, b = x.data_ptr(), out.data_ptr()
+    return a < b + out.numel() * out.element_size() and b < a + x.numel() * x.element_size()
+
+
 class _Works:
     """Work handles waited for together: `wait()` waits for each, in order."""
 
@@ -957,6 +963,8 @@ class DistMesh(Mesh):
             out, work = _all_gather_by_exchange(x, self.group, self._rank, into)
         elif call.op == "all_gather":
             out = x.new_empty((n * x.shape[0], *x.shape[1:])) if into is None else into
+            if into is not None and self.backend != "nccl" and _overlaps(x, into):
+                x = x.clone()  # NCCL gathers in place (its chunk of `into`); gloo copies it in with memcpy
             work = _all_gather_into(out, x, self.group, async_op=True)
         elif self.backend == "gloo" and n == 2 and x.dtype in _EXCHANGED:
             out, work = _reduce_scatter_by_exchange(x, self.group, self._rank)

@@ -111,9 +111,20 @@ class Piece:
     moves: tuple[Move, ...] = ()
     frozen_moves: tuple[Move, ...] = ()
     start: StartFn | None = None
+    # `start` with the result written into a buffer the caller hands over (a donating step's own
+    # params: `Piece.begin`); None: `start` makes its result
+    start_into: Callable[[Mesh, Wire, torch.Tensor, torch.Tensor], Flight] | None = None
     # what `run` and `start` issue instead of `moves` on a mesh whose all-reduce has the bits of its
     # reduce-scatter + all-gather (`Mesh.all_reduce_is_reduce_scatter_gather`); None: `moves` everywhere
     moves_by_all_reduce: tuple[Move, ...] | None = None
+
+    def begin(self, mesh: Mesh, wire: Wire, x: torch.Tensor, into: torch.Tensor | None = None) -> Flight:
+        """`start(mesh, wire, x)`, or, where `into` is given and this piece writes a result of its
+        shape (`start_into`: stages 1-2's parameter all-gather), that result written into `into`,
+        which the caller hands over: the same collectives, the same bits, no new buffer."""
+        if into is not None and self.start_into is not None:
+            return self.start_into(mesh, wire, x, into)
+        return self.start(mesh, wire, x)
 
     def issued(self, trainable: bool, mesh: Mesh | None = None) -> tuple[Move, ...]:
         """The collectives this piece issues per bucket on `mesh` (None: a mesh that does not
@@ -258,6 +269,15 @@ def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
     return Flight(_start_gather(mesh, wire, shard.to(wire.compute)))
 
 
+def _start_gather_params_into(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor) -> Flight:
+    """`_start_gather_params` with its result written into `out` (`flat[N * S]` in the compute
+    dtype: a donating step's params, whose own chunk the update has just written where `shard`
+    is a view of it, so only the other ranks' chunks move in). At N = 1, `_start_gather_params`."""
+    if mesh.world_size == 1:
+        return _start_gather_params(mesh, wire, shard)
+    return Flight(mesh.start("all_gather", shard.to(wire.compute), tag=wire.tag, out=out))
+
+
 def _start_identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> Flight:
     return Flight(Pending(x))
 
@@ -278,7 +298,8 @@ AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "g
                             start=_start_reduce_and_gather,
                             moves_by_all_reduce=(Move("all_reduce", "grads", "backward"),))
 FINISH_KEEP = Piece(_identity, start=_start_identity)
-FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),), start=_start_gather_params)
+FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),), start=_start_gather_params,
+                      start_into=_start_gather_params_into)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -222,8 +222,9 @@ def train_step(
         coefficient `min(1, clip_norm / (norm + 1e-6))`; the norm is `Metrics.grad_norm`
         (before clipping), computed from shards the same way in every stage.
       donate: the step may consume its input state (JAX's `donate_argnums`): the optimizer
-        updates the state's params and optimizer state in place (`Optimizer.update_`), so a step
-        does not hold a second copy of them; the same bits as the pure step. The input state is
+        updates the state's params and optimizer state in place (`Optimizer.update_`; stages 1-2
+        all-gather the new params into the params buffer the input held), so a step does not hold
+        a second copy of them; the same bits as the pure step. The input state is
         then marked consumed and raises if used again. A step skipped for a non-finite gradient
         leaves it intact. The step's only host synchronisation is its agreement: whether the
         update itself made params NaN or inf (which cannot be undone in place) is computed on the
@@ -1286,6 +1287,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
     update is done, so it runs while the next bucket is updated; all are waited for after the
     finite check (and discarded if it fails). Nothing writes an updated shard before its wait.
+    With `donate` the all-gather writes into the params buffer the state held (`Piece.begin`),
+    whose own chunk the update has just written: no second copy of the params.
 
     `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
     its `launch` on the gradient, the same kernels on the same views as `update_`'s; `launched`
@@ -1327,8 +1330,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
         if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
             ends.take(b, checked[b])
-        if overlap:
-            flights[b] = stage.finish.start(mesh, plan[b].wire, back[b])  # overlaps the next update
+        if overlap:  # overlaps the next update; a donating step gathers into the params it held
+            flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
     host.done()
     flag = _nonfinite_flag(state, checked, ends)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
