@@ -5,6 +5,7 @@ used again; and the update holds no second copy of the optimizer state."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import optree
 import pytest
@@ -162,3 +163,103 @@ def test_donation_saves_a_copy_of_the_optimizer_state():
 
     (pure, elements), (donated, _) = peak(False), peak(True)
     assert pure - donated >= n * elements * 4
+
+
+def _free_buffers(step):
+    """The data pointers of the gradient buffers a donating CPU step function holds for its next
+    step on this thread (`unit.HostBuffers`)."""
+    return sorted(t.data_ptr() for ts in step.config.buffers._mine().free.values() for t in ts)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_donating_cpu_step_assembles_into_the_buffers_of_the_step_before(stage):
+    """A donating step on the CPU keeps its units' gradient buffers for the next step (new memory
+    each step is memory the system hands out afresh, page by page): after every step the step
+    function holds the same buffers -- one step function shared by SimMesh's rank threads, each
+    with its own -- and the params are the pure step's, bit for bit."""
+    mesh = fzero.SimMesh(2)
+    pure = fzero.train_step(_loss)
+    donating = fzero.train_step(_loss, donate=True)
+
+    def rank_fn(x):
+        state, want = (fzero.init(_params(), optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                                  groups=GROUPS) for _ in range(2))
+        held = []
+        for t in range(3):
+            want, _ = pure(want, x * (t + 1))
+            state, _ = donating(state, x * (t + 1))
+            held.append(_free_buffers(donating))
+        return held, fzero.gather(state), fzero.gather(want)
+
+    xs = [(torch.randn(5, generator=torch.Generator().manual_seed(20 + r)),) for r in range(2)]
+    out = mesh.run(rank_fn, xs)
+    assert set(out[0][0][0]).isdisjoint(out[1][0][0])  # each rank thread its own buffers
+    for held, got, want in out:
+        assert held[0] and held[0] == held[1] == held[2]
+        assert_trees_equal(got, want, bitwise=True)
+
+
+def test_a_step_that_raises_lets_its_buffers_go_and_the_next_is_right():
+    """A donating step that raises (a non-finite loss) gives back none of the buffers it lent --
+    here every one the step before left: the traceback may still reach them -- and the next steps
+    assemble into new ones, then keep those, with the pure steps' bits."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        pure, donating = fzero.train_step(_loss), fzero.train_step(_loss, donate=True)
+        state, want = (fzero.init(_params(), optim.adamw(1e-2), stage=1, mesh=mesh) for _ in range(2))
+        state, _ = donating(state, torch.ones(5))
+        want, _ = pure(want, torch.ones(5))
+        assert _free_buffers(donating)
+        with pytest.raises(fzero.NonFiniteError):
+            donating(state, torch.full((5,), math.inf))
+        assert _free_buffers(donating) == []
+        for t in range(2):
+            state, _ = donating(state, torch.full((5,), 2.0 + t))
+            want, _ = pure(want, torch.full((5,), 2.0 + t))
+            assert _free_buffers(donating)
+        return fzero.gather(state), fzero.gather(want)
+
+    [(got, want)] = mesh.run(rank_fn)
+    assert_trees_equal(got, want, bitwise=True)
+
+
+class _KeptState(NamedTuple):
+    last: torch.Tensor  # the gradient of the step before: the very tensor the update was handed
+
+
+def _keeping_optimizer():
+    """p <- p - 0.1 (g + g_prev), whose state is the gradient it was given, not a copy."""
+
+    def init(param, num_leaves):
+        return _KeptState(torch.zeros_like(param))
+
+    def update(grad, state, param, ctx):
+        return param - 0.1 * (grad + state.last), _KeptState(grad)
+
+    def update_(grad, state, param, ctx):
+        param.sub_(0.1 * (grad + state.last))
+        return _KeptState(grad)
+
+    return optim.Optimizer(init, update, lambda s: _KeptState("shard"), update_=update_)
+
+
+def test_a_gradient_the_optimizer_keeps_is_not_assembled_into_again():
+    """An optimizer whose state keeps the gradient it was handed (stage 0: the reduced gradient
+    is the buffer the step assembled) still sees it whole at the next step: a donating step does
+    not lend a buffer the state it returned holds. The bits are the pure step's."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(x):
+        pure, donating = fzero.train_step(_loss), fzero.train_step(_loss, donate=True)
+        state, want = (fzero.init(_params(), _keeping_optimizer(), stage=0, mesh=mesh) for _ in range(2))
+        for t in range(3):
+            want, _ = pure(want, x * (t + 1))
+            state, _ = donating(state, x * (t + 1))
+            kept = {o.last.untyped_storage().data_ptr() for o in state.opt_state if o is not None}
+            assert kept.isdisjoint(_free_buffers(donating))
+        return fzero.gather(state), fzero.gather(want)
+
+    xs = [(torch.randn(5, generator=torch.Generator().manual_seed(30 + r)),) for r in range(2)]
+    for got, want in mesh.run(rank_fn, xs):
+        assert_trees_equal(got, want, bitwise=True)

@@ -51,6 +51,7 @@ import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch.profiler import record_function
 
@@ -64,7 +65,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
-from .unit import Assembly, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
+from .unit import Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -114,6 +115,7 @@ class StepConfig:
     prefetch: int | None = None
     cast_ahead: bool = False
     ahead: CastAhead = dataclasses.field(default_factory=CastAhead, compare=False, repr=False)
+    buffers: HostBuffers = dataclasses.field(default_factory=HostBuffers, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -305,12 +307,39 @@ def _no_vmap_over_steps() -> Iterator[None]:
 
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    """One step (the module docstring). What the update needs but the agreed values is prepared
-    before the agreement's read (`prepare`); after it the host does only what decides the update
-    before launching it (`update`); the metrics' tensors are made after it."""
+    """One step (the module docstring), assembling its gradients into `config.buffers` where it
+    donates on the CPU (`_lends`): given back when it returns, let go when it raises."""
+    lends = _lends(config, state) and config.buffers.open()
+    try:
+        out = _run_step(config, state, batch, config.buffers if lends else None)
+    except BaseException:
+        if lends:
+            config.buffers.close(kept=False)
+        raise
+    if lends:
+        state_out = out[0]
+        config.buffers.close(kept=True, holding=[t for t in optree.tree_leaves(
+            (state_out.params, state_out.opt_state, state_out.master), none_is_leaf=False) if isinstance(t, torch.Tensor)])
+    return out
+
+
+def _lends(config: StepConfig, state: ZeroState) -> bool:
+    """Whether a step keeps its gradient buffers for the next (`unit.HostBuffers`): a donating
+    step, whose results hold no gradient, on a CPU mesh (CUDA's caching allocator keeps freed
+    memory), with the autograd engine, not offloaded, under no torch.func transform."""
+    return (config.donate and state.mesh.device.type == "cpu" and config.engine == "autograd"
+            and not step_plan(state.info).offloaded and func_level() is None)
+
+
+def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuffers | None
+              ) -> tuple[ZeroState, Metrics]:
+    """What the update needs but the agreed values is prepared before the agreement's read
+    (`prepare`); after it the host does only what decides the update before launching it
+    (`update`); the metrics' tensors are made after it."""
     norms = EarlyNorms.of(config, state)
     with _named("fzero.step/backward"):
-        reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms)
+        reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms,
+                                                  buffers)
     with _named("fzero.step/agree"):
         rows, shards = agreement(state, loss, report, reduced, count, norms)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
@@ -376,21 +405,21 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
     return list(batch)
 
 
-def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None
-               ) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
+def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
+               buffers: HostBuffers | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
     summed over micro-batches, Report (OR over micro-batches), token count summed)`.
 
     "each": `Σ_i reduce(g_i)` (added in `accum_dtype`); "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
-    `norms`: `backward`'s.
+    `norms`, `buffers`: `backward`'s.
     """
     once = config.accumulate == "once"
     acc: dict[int, torch.Tensor | None] = {b: None for b in _trainable(state)}
     loss = count = None
     used = bad = None
     for mb in micro:
-        grads, l_i, report, c_i, started = backward(config, state, mb, norms)
+        grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers)
         parts = grads if once else reduce(state, grads, started)
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
@@ -579,7 +608,8 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
         for spec in layout.buckets if not spec.group.frozen})
 
 
-def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms | None = None
+def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms | None = None,
+             buffers: HostBuffers | None = None
              ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor, dict[int, Flight]]:
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode), {bucket: its reduction in
@@ -587,7 +617,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     reduction (`Stage.after_backward`) in its unit's backward, as stages 2-3 start theirs: the
     bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
     tensor, so the same bits). `norms` (`EarlyNorms`) takes the norm of each reduction's result
-    that exists in the unit's backward (N = 1)."""
+    that exists in the unit's backward (N = 1); `buffers` (`HostBuffers`) where the units assemble
+    their gradients (`Inflight.buffers`)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     plan = step_plan(state.info)
     trainable = plan.trainable
@@ -597,8 +628,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     copies = early_copies(state.info, config.micro_batches, shard_norm, config.accum_dtype) if plan.offloaded else None
     side = (norms.assembly(state) if norms is not None  # else k > 1 micro-batches: the assembly beside alone
             else side_assembly(Side(mesh.device), state) if beside_backward(config, state) else None)
-    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take, side=side)
-                if config.engine == "autograd" else None)
+    inflight = (Chained(early=early, host=copies, done=None if norms is None else norms.take, side=side,
+                        buffers=buffers) if config.engine == "autograd" else None)
     programs = plan.programs
     if all(plan.held):
         xs, fulls = list(state.params), [None] * len(state.params)
@@ -682,8 +713,9 @@ class Chained(Inflight):
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None) -> None:
-        super().__init__(depth, early, host, done, side)
+                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None,
+                 buffers: HostBuffers | None = None) -> None:
+        super().__init__(depth, early, host, done, side, buffers)
         self._order: list[int] = []  # the buckets in the order their flights started
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -177,12 +178,17 @@ class Inflight:
     `side` (`Assembly`, N = 1 on CUDA): where the unit's backward reads its assembled gradient
     only through the identity (a reduction over one rank, no cast), the gradient is assembled on
     its side stream (`_assemble`), beside the backward of the units below instead of in its
-    path; the step joins it (`Assembly.join`) before it reads any gradient."""
+    path; the step joins it (`Assembly.join`) before it reads any gradient.
+
+    `buffers` (`HostBuffers`, a donating step on the CPU): the assembled gradients' buffers, taken
+    from what the step function's previous step left (`_assemble`)."""
 
     def __init__(self, depth: int = 1, early: tuple[int, ...] = (),
                  host: Callable[[torch.Tensor, int | None], None] | None = None,
-                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None) -> None:
+                 done: Callable[[torch.Tensor], None] | None = None, side: Assembly | None = None,
+                 buffers: HostBuffers | None = None) -> None:
         self._flights: list[tuple[Any, int | None, bool]] = []  # (flight, bucket, copied at add)
+        self.buffers = buffers  # a donating CPU step's: where `_assemble` takes its `flat[N * S]`
         self.depth = depth
         self.early = list(early)  # stages 0-1: the buckets whose reduction starts in backward, last first
         self.host = host
@@ -452,7 +458,7 @@ class _Unit(torch.autograd.Function):
             # gradient shares storage the release below frees (`_reads_entered`)
             beside = (inflight.side if inflight is not None and into == bucket.wire.reduce == dtype
                       and (after is None or released) else None)
-            flat = _assemble(bucket, gs, into, device, beside)
+            flat = _assemble(bucket, gs, into, device, beside, inflight.buffers if inflight is not None else None)
             bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat), bucket.index))
@@ -555,7 +561,8 @@ def _assembled_dtype(wire: Wire, leave: Any) -> torch.dtype:
 
 
 def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch.dtype,
-              device: torch.device, side: Assembly | None = None) -> torch.Tensor:
+              device: torch.device, side: Assembly | None = None, buffers: HostBuffers | None = None
+              ) -> torch.Tensor:
     """Per-leaf gradients (None: unused) -> this rank's full local gradient `flat[N * S]`.
 
     One write per element: each gradient is copied into its slice `[o, o + n)` of an empty
@@ -566,15 +573,71 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
 
     `side` (`Inflight.side`, an `Assembly`; nothing records a graph): the writes are queued on
     its CUDA side stream, and the caller joins it before reading `flat` (`Assembly.join`). The
-    same kernels on the same tensors: the same bits."""
+    same kernels on the same tensors: the same bits.
+
+    `buffers` (`HostBuffers`; a CPU buffer, no graph recorded): `flat` is one the step function's
+    previous step assembled into, not new memory -- every element is written either way."""
     if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
-    flat = torch.empty(bucket.size, dtype=dtype, device=device)
+    if buffers is not None and device.type == "cpu" and not torch.is_grad_enabled():
+        flat = buffers.take(bucket.size, dtype)
+    else:
+        flat = torch.empty(bucket.size, dtype=dtype, device=device)
     if side is not None and not torch.is_grad_enabled():
         side.write(bucket, grads, flat)
     else:
         _write(bucket, grads, flat)
     return flat
+
+
+class HostBuffers:
+    """The CPU buffers a donating step function assembles its units' local gradients into, kept
+    from one step to the next (as DDP keeps its buckets): glibc hands freed memory this large back
+    to the kernel, and a step that asks for it again faults in every page afresh, which on a small
+    machine costs a few percent of the step (BENCHMARKS.md, the fifteenth session).
+
+    `take(numel, dtype)` lends a buffer the previous step lent and gave back, or a new one; `open()`
+    starts a step and `close(kept, holding)` ends it: with `kept` (the step returned) every buffer
+    it lent is given back but one whose storage a tensor of `holding` (the state it returned) shares
+    -- an optimizer that kept the gradient it was handed (fzero's copy what they keep; as with
+    torch's `.grad`, which the next backward writes in place, an optimizer must not keep a
+    reference to the gradient past its update); else (it raised) they are let go. Stage 0's
+    gradient is reduced in place and read by the update; the other stages reduce into new
+    tensors: when a step returns, nothing else reads what it lent. Per thread (SimMesh's ranks are
+    threads); a step that runs inside another's on the same thread takes new buffers."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _mine(self) -> Any:
+        mine = self._local
+        if not hasattr(mine, "free"):
+            mine.free, mine.lent, mine.open = collections.defaultdict(list), [], False
+        return mine
+
+    def open(self) -> bool:
+        """Start a step: True where this one lends (none is open on this thread)."""
+        mine = self._mine()
+        if mine.open:
+            return False
+        mine.open = True
+        return True
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        mine = self._mine()
+        free = mine.free[(numel, dtype)]
+        flat = free.pop() if free else torch.empty(numel, dtype=dtype)
+        mine.lent.append(flat)
+        return flat
+
+    def close(self, kept: bool, holding: Sequence[torch.Tensor] = ()) -> None:
+        mine = self._mine()
+        if kept:
+            held = {t.untyped_storage().data_ptr() for t in holding}
+            for flat in mine.lent:
+                if flat.untyped_storage().data_ptr() not in held:
+                    mine.free[(flat.numel(), flat.dtype)].append(flat)
+        mine.lent, mine.open = [], False
 
 
 class Assembly:

@@ -107,7 +107,9 @@ class Optimizer(NamedTuple):
       update_: `(grad shard[S], state, param shard[S], ctx) -> new state`, the same update in
         place: `param` and every "shard" field of `state` are overwritten with their new values
         (the new state holds those very tensors); other fields are replaced by new tensors (the
-        input's are not written); `grad` is never written. Afterwards the input `state` must not
+        input's are not written); `grad` is never written (a donating step on the CPU assembles a
+        later step's gradient into its buffer, `unit.HostBuffers`, unless the returned state holds
+        it). Afterwards the input `state` must not
         be used (its replicated fields are stale). Errors of the checks (`check_shards`,
         `check_placement`) come before any write; an error raised later (a failing
         `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
