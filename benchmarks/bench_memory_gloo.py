@@ -264,7 +264,7 @@ def main() -> None:
                 "ratio_to_stage0": round(r["peak_bytes"] / base["peak_bytes"], 3),
                 "baseline_mib": round(r["baseline_peak_bytes"] / 2**20, 1), "above_baseline_mib": round(above / 2**20, 1),
                 "ratio_above_baseline": round(above / above0, 3) if above0 > 0 else None,
-                "held_mib": {k: round(v / 2**20, 1) for k, v in r["held"].items() if v is not None},
+                "held_mib": {k: round(v / 2**20, 1) for k, v in r["held"].items() if isinstance(v, (int, float))},
                 "step_s": r["step_s"], "loss": r["loss"], "mmap_threshold": a.mmap_threshold}
         if a.timeline:
             line["timeline_mib"] = [{ph: [round(v[k] / 2**20, 1) for k in ("rss", "hwm", "maxrss")]

@@ -591,8 +591,9 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
 
 
 class HostBuffers:
-    """The CPU buffers a donating step function assembles its units' local gradients into, kept
-    from one step to the next (as DDP keeps its buckets): glibc hands freed memory this large back
+    """The CPU buffers a donating stage-0 step function assembles its units' local gradients into
+    (`step._lends`), kept from one step to the next (as DDP keeps its buckets): stage 0 holds them
+    all until its update anyway, and glibc hands freed memory this large back
     to the kernel, and a step that asks for it again faults in every page afresh, which on a small
     machine costs a few percent of the step (BENCHMARKS.md, the fifteenth session).
 
