@@ -111,12 +111,12 @@ class Piece:
     moves: tuple[Move, ...] = ()
     frozen_moves: tuple[Move, ...] = ()
     start: StartFn | None = None
-    # `start` with the result written into a buffer the caller hands over (a donating step's own
-    # params: `Piece.begin`); None: `start` makes its result
-    start_into: Callable[[Mesh, Wire, torch.Tensor, torch.Tensor], Flight] | None = None
     # what `run` and `start` issue instead of `moves` on a mesh whose all-reduce has the bits of its
     # reduce-scatter + all-gather (`Mesh.all_reduce_is_reduce_scatter_gather`); None: `moves` everywhere
     moves_by_all_reduce: tuple[Move, ...] | None = None
+    # `start` with the result written into a buffer the caller hands over (a donating step's own
+    # params: `Piece.begin`); None: `start` makes its result
+    start_into: Callable[[Mesh, Wire, torch.Tensor, torch.Tensor], Flight] | None = None
 
     def begin(self, mesh: Mesh, wire: Wire, x: torch.Tensor, into: torch.Tensor | None = None) -> Flight:
         """`start(mesh, wire, x)`, or, where `into` is given and this piece writes a result of its
