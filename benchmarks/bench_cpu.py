@@ -220,8 +220,9 @@ def main() -> None:
         if rank == 0:
             base = medians["ddp"]
             for mode, t in medians.items():
+                pair = {"paired_vs_ddp": paired[mode], "faults_per_step_mean": faults[mode]} if paired else {}
                 print(json.dumps({"mode": mode, "round": r, "world": mesh.world_size, "step_s_median": round(t, 4),
-                                  "vs_ddp": round(t / base, 3), **({"paired_vs_ddp": paired[mode], "faults_per_step_mean": faults[mode]} if paired else {}),
+                                  "vs_ddp": round(t / base, 3), **pair,
                                   "interleaved": a.interleave, "torch": torch.__version__,
                                   "threads": torch.get_num_threads()}), flush=True)
     dist.destroy_process_group()

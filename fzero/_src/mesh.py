@@ -567,6 +567,12 @@ class _ThenAdd:
         torch.add(self.a, self.b, out=self.out)
 
 
+def _peer(group: Any, rank: int) -> tuple[int, int]:
+    """At N = 2: the other rank, in `group` and as the global rank point-to-point calls address."""
+    peer = 1 - rank
+    return peer, (torch.distributed.get_global_rank(group, peer) if group is not None else peer)
+
+
 def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple[torch.Tensor, _ThenAdd]:
     """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange and one addition:
     this rank sends the other rank's half of `x` and receives the other rank's half for this one
@@ -581,8 +587,7 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple
     (`_EXCHANGED`) the NaNs come out the same too; bfloat16's NaNs may differ in sign and payload
     from gloo's, so bfloat16 keeps gloo's reduce-scatter."""
     dist, s, x = torch.distributed, x.shape[0] // 2, x.contiguous()
-    peer = 1 - rank
-    to = dist.get_global_rank(group, peer) if group is not None else peer
+    peer, to = _peer(group, rank)
     out = x.new_empty((s, *x.shape[1:]))
     mine = x[rank * s : (rank + 1) * s]
     ops = [dist.P2POp(dist.isend, x[peer * s : (peer + 1) * s], to, group), dist.P2POp(dist.irecv, out, to, group)]
@@ -619,8 +624,7 @@ def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int,
     dist, s = torch.distributed, x.shape[0]
     out = x.new_empty((2 * s, *x.shape[1:])) if into is None else into
     out[rank * s : (rank + 1) * s].copy_(x)
-    peer = 1 - rank
-    to = dist.get_global_rank(group, peer) if group is not None else peer
+    peer, to = _peer(group, rank)
     ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
            dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], to, group)]
     return out, _Works(dist.batch_isend_irecv(ops))

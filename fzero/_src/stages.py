@@ -225,18 +225,19 @@ def _start_enter(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
     return Flight(_start_gather(mesh, wire, shard))
 
 
-def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Pending:
-    """`shard[S] -> flat[N * S]` in flight; at N = 1 the shard itself (`Mesh.solo`)."""
+def _start_gather(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+    """`shard[S] -> flat[N * S]` in flight, written into `out` where given (`Mesh.start`'s `out`);
+    at N = 1 the shard itself (`Mesh.solo`)."""
     if mesh.world_size == 1:
         return Pending(mesh.solo("all_gather", shard, tag=wire.tag))
-    return mesh.start("all_gather", shard, tag=wire.tag)
+    return mesh.start("all_gather", shard, tag=wire.tag, out=out)
 
 
 def start_enter_into(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor) -> Flight:
     """`ENTER_GATHER`'s start with its result written into `out` (`[N * S]`, N > 1): the same
     all-gather, recorded alike (`Mesh.start`'s `out`), for a stage-3 refill into the storage
     its unit's saved tensors read."""
-    return Flight(mesh.start("all_gather", shard, tag=wire.tag, out=out))
+    return Flight(_start_gather(mesh, wire, shard, out))
 
 
 def _start_reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
@@ -259,23 +260,16 @@ def _start_all_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
     return Flight(mesh.start("all_reduce", x.mul_(1.0 / mesh.world_size), arg="sum", tag=wire.tag, donate=True))
 
 
-def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor) -> Flight:
-    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`.
+def _start_gather_params(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor | None = None) -> Flight:
+    """The updated (master) shard, cast to the compute dtype, on every rank: `flat[N * S]`, written
+    into `out` where given (`Piece.begin`: a donating step's params, whose own chunk the update
+    has just written where `shard` is a view of it, so only the other ranks' chunks move in).
 
     At N = 1 the shard is the whole buffer and nothing is moved (`Mesh.solo`): the result is
     `shard` itself where no cast is needed. That aliasing is safe: stages 1-2 hold that buffer as
     their params, and where they keep a separate master the cast makes a fresh tensor (compute !=
     master dtype). `shard` must not be written until the flight is waited (the next step's update)."""
-    return Flight(_start_gather(mesh, wire, shard.to(wire.compute)))
-
-
-def _start_gather_params_into(mesh: Mesh, wire: Wire, shard: torch.Tensor, out: torch.Tensor) -> Flight:
-    """`_start_gather_params` with its result written into `out` (`flat[N * S]` in the compute
-    dtype: a donating step's params, whose own chunk the update has just written where `shard`
-    is a view of it, so only the other ranks' chunks move in). At N = 1, `_start_gather_params`."""
-    if mesh.world_size == 1:
-        return _start_gather_params(mesh, wire, shard)
-    return Flight(mesh.start("all_gather", shard.to(wire.compute), tag=wire.tag, out=out))
+    return Flight(_start_gather(mesh, wire, shard.to(wire.compute), out))
 
 
 def _start_identity(mesh: Mesh, wire: Wire, x: torch.Tensor) -> Flight:
@@ -299,7 +293,7 @@ AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "g
                             moves_by_all_reduce=(Move("all_reduce", "grads", "backward"),))
 FINISH_KEEP = Piece(_identity, start=_start_identity)
 FINISH_GATHER = Piece(_gather_params, (Move("all_gather", "params", "update"),), start=_start_gather_params,
-                      start_into=_start_gather_params_into)
+                      start_into=_start_gather_params)
 
 
 @dataclasses.dataclass(frozen=True)

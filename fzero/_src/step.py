@@ -51,7 +51,6 @@ import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.profiler import record_function
 
@@ -65,6 +64,7 @@ from .optim.base import UpdateContext
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
+from .tree import flatten
 from .unit import Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
 
 ENGINES = ("autograd", "func")
@@ -317,9 +317,8 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
             config.buffers.close(kept=False)
         raise
     if lends:
-        state_out = out[0]
-        config.buffers.close(kept=True, holding=[t for t in optree.tree_leaves(
-            (state_out.params, state_out.opt_state, state_out.master), none_is_leaf=False) if isinstance(t, torch.Tensor)])
+        new = out[0]
+        config.buffers.close(kept=True, holding=flatten((new.params, new.opt_state, new.master))[0])
     return out
 
 

@@ -599,7 +599,8 @@ class HostBuffers:
 
     `take(numel, dtype)` lends a buffer the previous step lent and gave back, or a new one; `open()`
     starts a step and `close(kept, holding)` ends it: with `kept` (the step returned) every buffer
-    it lent is given back but one whose storage a tensor of `holding` (the state it returned) shares
+    it lent is given back but one whose storage a tensor of `holding` (the leaves of the state it
+    returned) shares
     -- an optimizer that kept the gradient it was handed (fzero's copy what they keep; as with
     torch's `.grad`, which the next backward writes in place, an optimizer must not keep a
     reference to the gradient past its update); else (it raised) they are let go. Stage 0's
@@ -631,10 +632,10 @@ class HostBuffers:
         mine.lent.append(flat)
         return flat
 
-    def close(self, kept: bool, holding: Sequence[torch.Tensor] = ()) -> None:
+    def close(self, kept: bool, holding: Sequence[Any] = ()) -> None:
         mine = self._mine()
         if kept:
-            held = {t.untyped_storage().data_ptr() for t in holding}
+            held = {t.untyped_storage().data_ptr() for t in holding if isinstance(t, torch.Tensor)}
             for flat in mine.lent:
                 if flat.untyped_storage().data_ptr() not in held:
                     mine.free[(flat.numel(), flat.dtype)].append(flat)
