@@ -324,13 +324,14 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
 
 def _lends(config: StepConfig, state: ZeroState) -> bool:
     """Whether a step keeps its gradient buffers for the next (`unit.HostBuffers`): a donating
-    step, whose results hold no gradient, of a stage that shards nothing (stage 0 holds every
-    unit's full gradient until its update, so the buffers it keeps between steps are those it
-    held in the step, as DDP keeps its buckets; stages 1-3 hold one or two at a time, and keeping
-    every unit's would hold a full gradient they never hold), on a CPU mesh (CUDA's caching
-    allocator keeps freed memory), with the autograd engine, not offloaded, under no torch.func
-    transform."""
-    return (config.donate and not state.stage.shards and state.mesh.device.type == "cpu"
+    step, whose results hold no gradient, on a CPU mesh (CUDA's caching allocator keeps freed
+    memory), with the autograd engine, not offloaded, under no torch.func transform. Stage 0
+    holds every unit's full gradient until its update, so the buffers it keeps between steps are
+    those it held in the step, as DDP keeps its buckets; stages 1-3 hold those whose reduction is
+    in flight, and keep as many, where a step can reuse a buffer within itself
+    (`HostBuffers.recycles`) -- else keeping every unit's would hold a full gradient they never
+    hold at once."""
+    return (config.donate and (not state.stage.shards or HostBuffers.recycles) and state.mesh.device.type == "cpu"
             and config.engine == "autograd" and not step_plan(state.info).offloaded and func_level() is None)
 
 
