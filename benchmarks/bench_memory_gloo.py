@@ -121,9 +121,9 @@ def _watch(events: list, fzero) -> None:
     unit_mod._Unit.backward = staticmethod(unit_backward)
     start = mesh_mod.DistMesh._start
 
-    def started(self, call, x):
+    def started(self, call, x, **kwargs):
         note(f"start< {call.op} {call.tag}")
-        out = start(self, call, x)
+        out = start(self, call, x, **kwargs)
         note(f"start> {call.op} {call.tag}")
         return out
 

@@ -169,15 +169,17 @@ def test_donation_saves_a_copy_of_the_optimizer_state():
 def _free_buffers(step):
     """The data pointers of the gradient buffers a donating CPU step function holds for its next
     step on this thread (`unit.HostBuffers`)."""
-    return sorted(t.data_ptr() for ts in step.config.buffers._mine().free.values() for t in ts)
+    return sorted(t.data_ptr() for t in step.config.buffers._mine().free)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_donating_cpu_step_assembles_into_the_buffers_of_the_step_before(stage):
-    """A donating step on the CPU keeps its units' gradient buffers for the next step (new memory
-    each step is memory the system hands out afresh, page by page): after every step the step
-    function holds the same buffers -- one step function shared by SimMesh's rank threads, each
-    with its own. The params are the pure step's, bit for bit."""
+    """A donating stage 0-1 step on the CPU keeps its units' gradient buffers for the next step
+    (new memory each step is memory the system hands out afresh, page by page): after every step
+    the step function holds the same buffers -- one step function shared by SimMesh's rank
+    threads, each with its own. Stages 2-3, which shard gradients, keep none (a unit's full
+    gradient kept through the update would raise their peak). The params are the pure step's, bit
+    for bit."""
     mesh = fzero.SimMesh(2)
     pure = fzero.train_step(_loss)
     donating = fzero.train_step(_loss, donate=True)
@@ -194,9 +196,10 @@ def test_a_donating_cpu_step_assembles_into_the_buffers_of_the_step_before(stage
 
     xs = [(torch.randn(5, generator=torch.Generator().manual_seed(20 + r)),) for r in range(2)]
     out = mesh.run(rank_fn, xs)
-    assert set(out[0][0][0]).isdisjoint(out[1][0][0])  # each rank thread its own buffers
+    if stage < 2:
+        assert set(out[0][0][0]).isdisjoint(out[1][0][0])  # each rank thread its own buffers
     for held, got, want in out:
-        assert held[0] and held[0] == held[1] == held[2]
+        assert (held[0] and held[0] == held[1] == held[2]) if stage < 2 else held == [[], [], []]
         assert_trees_equal(got, want, bitwise=True)
 
 
@@ -216,34 +219,49 @@ def _chain_loss(p, x):
 def test_stages_1_3_assemble_a_unit_into_the_buffer_of_one_whose_reduction_is_done(stage, n):
     """Four units of one size: a donating CPU step lends a new buffer only where none it lent is
     free of every other holder (`unit._sole`). Stage 0 holds every unit's gradient until its
-    update: four buffers. At N = 2 stages 1-3 hold those whose reduce-scatter is in flight, fewer
-    than four, and keep as many between steps: not the full gradient stage 0 keeps. At N = 1 the
-    reduction over one rank is its input, held until the update: four, as stage 0. The params are
-    the pure step's, bit for bit."""
+    update: four buffers, kept between steps. At N = 2 stages 1-3 hold those whose reduce-scatter
+    is in flight: fewer than four (stage 1 keeps them between steps, stages 2-3 none, so those
+    are new each step). At N = 1 the reduction over one rank is its input, held until the update:
+    four. The params are the pure step's, bit for bit."""
     mesh = fzero.SimMesh(n)
     pure, donating = fzero.train_step(_chain_loss), fzero.train_step(_chain_loss, donate=True)
+    buffers = donating.config.buffers
+    take = buffers.take
+
+    def recorded(numel, dtype):
+        flat = take(numel, dtype)
+        buffers._local.taken.add(flat.data_ptr())
+        return flat
+
+    buffers.take = recorded
 
     def rank_fn(x):
         state, want = (fzero.init(_chain_params(), optim.adamw(1e-2), stage=stage, mesh=mesh,
                                   units=lambda p: p) for _ in range(2))
-        held = []
+        lent, held = [], []
         for t in range(3):
+            buffers._local.taken = set()
             want, _ = pure(want, x * (t + 1))
             state, _ = donating(state, x * (t + 1))
+            lent.append(len(buffers._local.taken))
             held.append(_free_buffers(donating))
-        return held, fzero.gather(state), fzero.gather(want)
+        return lent, held, fzero.gather(state), fzero.gather(want)
 
     xs = [(torch.randn(8, generator=torch.Generator().manual_seed(40 + r)),) for r in range(n)]
-    for held, got, want in mesh.run(rank_fn, xs):
-        assert held[0] and held[0] == held[1] == held[2]
-        assert len(held[0]) == 4 if stage == 0 or n == 1 else 1 <= len(held[0]) < 4
+    for lent, held, got, want in mesh.run(rank_fn, xs):
+        assert all(k == 4 for k in lent) if stage == 0 or n == 1 else all(1 <= k < 4 for k in lent)
+        if stage < 2:
+            assert held[0] == held[1] == held[2] and len(held[0]) == lent[0]
+        else:
+            assert held == [[], [], []]
         assert_trees_equal(got, want, bitwise=True)
 
 
 def test_host_buffers_lend_again_only_what_nothing_else_holds():
     """`HostBuffers.take` within a step: a buffer that the tensor it lent, or a view of it, still
-    holds is not lent again; once both are gone it is; and `close` keeps for the next step only
-    the buffers nothing else holds."""
+    holds is not lent again; once both are gone it is, for its size or a smaller one of its dtype
+    (the smallest that fits); and `close` keeps for the next step only the buffers nothing else
+    holds, or none where the step raised."""
     buffers = unit.HostBuffers()
     assert buffers.open()
     first = buffers.take(16, torch.float32)
@@ -253,13 +271,29 @@ def test_host_buffers_lend_again_only_what_nothing_else_holds():
     second = buffers.take(16, torch.float32)  # `view` holds the first
     assert second.data_ptr() != at
     del view
-    third = buffers.take(16, torch.float32)
-    assert third.data_ptr() == at
-    other = buffers.take(8, torch.float32)  # another size: lent for its own size only
-    assert buffers.take(8, torch.float32).data_ptr() != other.data_ptr()  # `other` still holds its buffer
-    del third, other
+    small = buffers.take(8, torch.float32)  # the first, the one free buffer that fits
+    assert (small.data_ptr(), small.numel()) == (at, 8)
+    assert buffers.take(8, torch.float64).data_ptr() != at  # another dtype: never
+    assert buffers.take(32, torch.float32).data_ptr() != at  # too small: never
+    del small
+    big = buffers.take(32, torch.float32)  # the 32 made above is free again, and fits
+    again = buffers.take(16, torch.float32)  # the smallest that fits: the first, not the 32
+    assert again.data_ptr() == at and big.numel() == 32
+    del big, again
     buffers.close(kept=True)  # `second` is still held: not kept
-    free = buffers._mine().free
-    assert [t.data_ptr() for t in free[(16, torch.float32)]] == [at]
-    assert len(free[(8, torch.float32)]) == 2
-    assert second.data_ptr() not in {t.data_ptr() for ts in free.values() for t in ts}
+    free = {(t.data_ptr(), t.numel(), t.dtype) for t in buffers._mine().free}
+    assert len(free) == 3 and (at, 16, torch.float32) in free
+    assert second.data_ptr() not in {p for p, _, _ in free}
+    assert buffers.open()
+    taken = buffers.take(16, torch.float32)
+    assert taken.data_ptr() == at
+    buffers.close(kept=False)
+    assert buffers._mine().free == []
+    assert buffers.open()
+    small = buffers.take(8, torch.float32)
+    del small
+    wide = buffers.take(8, torch.float64)
+    large = buffers.take(24, torch.float32)  # the 8 done with is too small: let go first, as a free would
+    assert [(t.numel(), t.dtype) for t in buffers._mine().lent] == [(8, torch.float64), (24, torch.float32)]
+    del wide, large
+    buffers.close(kept=True)

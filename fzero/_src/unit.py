@@ -610,18 +610,22 @@ class HostBuffers:
     afresh, which on a small machine costs a few percent of the step (BENCHMARKS.md, the
     fifteenth and sixteenth sessions).
 
-    `take(numel, dtype)` lends a buffer the previous step lent and gave back, or one this step
-    lent whose reduction is done (`_sole`: nothing but the lending record holds it any more), or a
-    new one; so a step lends as many buffers as it holds at once -- stage 0 every unit's (its
-    reduced gradient is its local one, read by the update), stages 1-3 those whose reduction is
-    in flight (N = 1: every unit's, the reduction over one rank returns its input).
+    `take(numel, dtype)` lends the smallest buffer of that dtype and at least that size that the
+    previous step lent and gave back, or that this step lent and whose reduction is done (`_sole`:
+    nothing but the lending record holds it any more), or else a new one; so a step lends as many
+    buffers as it holds at once -- stage 0 every unit's (its reduced gradient is its local one,
+    read by the update), stages 1-3 those whose reduction is in flight (N = 1: every unit's, the
+    reduction over one rank returns its input) -- and a unit may be assembled in the buffer of a
+    larger one (the first `numel` elements, every one written); where those done with are all too
+    small they are let go first, as freeing them would.
     `open()` starts a step and `close(kept, holding)` ends it: with `kept` (the step returned)
-    every buffer it lent is given back but one whose storage a tensor of `holding` (the leaves of
+    the buffers it lent are those the next step may take, but one whose storage a tensor of `holding` (the leaves of
     the state it returned) or anything else still holds -- an optimizer that kept the gradient
     it was handed (fzero's copy what they keep; as with torch's `.grad`, which the next backward
     writes in place, an optimizer must not keep a reference to the gradient past its update);
-    else (it raised) they are let go. Per thread (SimMesh's ranks are threads); a step that runs
-    inside another's on the same thread takes new buffers."""
+    else (it raised, or the stage keeps none: `step._keeps`) they are let go. Per thread
+    (SimMesh's ranks are threads); a step that runs inside another's on the same thread takes
+    new buffers."""
 
     recycles = _USE_COUNT is not None  # whether a step can reuse a buffer it lent (`_sole`)
 
@@ -631,7 +635,7 @@ class HostBuffers:
     def _mine(self) -> Any:
         mine = self._local
         if not hasattr(mine, "free"):
-            mine.free, mine.lent, mine.open = collections.defaultdict(list), [], False
+            mine.free, mine.lent, mine.open = [], [], False
         return mine
 
     def open(self) -> bool:
@@ -644,29 +648,39 @@ class HostBuffers:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         mine = self._mine()
-        free = mine.free[(numel, dtype)]
-        flat = free.pop() if free else _done_with(mine.lent, numel, dtype)
+        flat = _fitting(mine.free, numel, dtype, lambda f: True)
         if flat is None:
+            flat = _fitting(mine.lent, numel, dtype, _sole)
+        if flat is None:  # those of this dtype done with are too small: let them go before the new one
+            mine.lent = [f for f in mine.lent if f.dtype != dtype or not _sole(f)]
             flat = torch.empty(numel, dtype=dtype)
         mine.lent.append(flat)
-        return flat.view(numel)  # a tensor of its own: whoever holds it holds the storage (`_sole`)
+        return flat[:numel]  # a tensor of its own: whoever holds it holds the storage (`_sole`)
+
+    def drop(self) -> None:
+        """Let go of every buffer lent so far this step (the step goes on; a later `take` lends
+        new ones): their memory goes as soon as nothing else holds it."""
+        self._mine().lent = []
 
     def close(self, kept: bool, holding: Sequence[Any] = ()) -> None:
         mine = self._mine()
         if kept:
             held = {t.untyped_storage().data_ptr() for t in holding if isinstance(t, torch.Tensor)}
-            for flat in mine.lent:
-                if flat.untyped_storage().data_ptr() not in held and (_USE_COUNT is None or _sole(flat)):
-                    mine.free[(flat.numel(), flat.dtype)].append(flat)
+            mine.free = [f for f in mine.lent
+                         if f.untyped_storage().data_ptr() not in held and (_USE_COUNT is None or _sole(f))]
+        else:
+            mine.free = []
         mine.lent, mine.open = [], False
 
 
-def _done_with(lent: list[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """A buffer of `lent` of this size and dtype that nothing else holds now (`_sole`), taken out
-    of `lent`; None if there is none."""
-    for i, flat in enumerate(lent):
-        if flat.numel() == numel and flat.dtype == dtype and _sole(flat):
-            return lent.pop(i)
+def _fitting(pool: list[torch.Tensor], numel: int, dtype: torch.dtype, ready: Callable[[torch.Tensor], bool]
+             ) -> torch.Tensor | None:
+    """The smallest buffer of `pool` of `dtype` with at least `numel` elements for which `ready`
+    holds, taken out of `pool`; None if there is none."""
+    fits = [i for i, f in enumerate(pool) if f.dtype == dtype and f.numel() >= numel]
+    for i in sorted(fits, key=lambda i: pool[i].numel()):
+        if ready(pool[i]):
+            return pool.pop(i)
     return None
 
 
