@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 import fzero
 from fzero import optim
-from fzero._src import unit
 from fzero.accounting import LiveStorages
 from fzero.testing import assert_trees_equal, examples, groups, pytrees, units
 
@@ -169,17 +168,17 @@ def test_donation_saves_a_copy_of_the_optimizer_state():
 def _free_buffers(step):
     """The data pointers of the gradient buffers a donating CPU step function holds for its next
     step on this thread (`unit.HostBuffers`)."""
-    return sorted(t.data_ptr() for t in step.config.buffers._mine().free)
+    return sorted(t.data_ptr() for ts in step.config.buffers._mine().free.values() for t in ts)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_donating_cpu_step_assembles_into_the_buffers_of_the_step_before(stage):
-    """A donating stage 0-1 step on the CPU keeps its units' gradient buffers for the next step
-    (new memory each step is memory the system hands out afresh, page by page): after every step
-    the step function holds the same buffers -- one step function shared by SimMesh's rank
-    threads, each with its own. Stages 2-3, which shard gradients, keep none (a unit's full
-    gradient kept through the update would raise their peak). The params are the pure step's, bit
-    for bit."""
+    """A donating stage-0 step on the CPU keeps its units' gradient buffers for the next step (new
+    memory each step is memory the system hands out afresh, page by page): after every step the
+    step function holds the same buffers -- one step function shared by SimMesh's rank threads,
+    each with its own. Stages 1-3, which hold one or two units' full gradients at a time, keep
+    none (keeping every unit's would hold a full gradient between steps). The params are the pure
+    step's, bit for bit."""
     mesh = fzero.SimMesh(2)
     pure = fzero.train_step(_loss)
     donating = fzero.train_step(_loss, donate=True)
@@ -196,104 +195,73 @@ def test_a_donating_cpu_step_assembles_into_the_buffers_of_the_step_before(stage
 
     xs = [(torch.randn(5, generator=torch.Generator().manual_seed(20 + r)),) for r in range(2)]
     out = mesh.run(rank_fn, xs)
-    if stage < 2:
-        assert set(out[0][0][0]).isdisjoint(out[1][0][0])  # each rank thread its own buffers
+    assert set(out[0][0][0]).isdisjoint(out[1][0][0])  # each rank thread its own buffers
     for held, got, want in out:
-        assert (held[0] and held[0] == held[1] == held[2]) if stage < 2 else held == [[], [], []]
+        assert (held[0] and held[0] == held[1] == held[2]) if stage == 0 else held == [[], [], []]
         assert_trees_equal(got, want, bitwise=True)
 
 
-def _chain_params():
-    g = torch.Generator().manual_seed(3)
-    return {f"l{i}": torch.randn(8, generator=g) for i in range(4)}
+def test_a_step_that_raises_lets_its_buffers_go_and_the_next_is_right():
+    """A donating step that raises (a non-finite loss) gives back none of the buffers it lent --
+    here every one the step before left: the traceback may still reach them -- and the next steps
+    assemble into new ones, then keep those, with the pure steps' bits."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        pure, donating = fzero.train_step(_loss), fzero.train_step(_loss, donate=True)
+        state, want = (fzero.init(_params(), optim.adamw(1e-2), stage=0, mesh=mesh) for _ in range(2))
+        state, _ = donating(state, torch.ones(5))
+        want, _ = pure(want, torch.ones(5))
+        assert _free_buffers(donating)
+        with pytest.raises(fzero.NonFiniteError):
+            donating(state, torch.full((5,), math.inf))
+        assert _free_buffers(donating) == []
+        for t in range(2):
+            state, _ = donating(state, torch.full((5,), 2.0 + t))
+            want, _ = pure(want, torch.full((5,), 2.0 + t))
+            assert _free_buffers(donating)
+        return fzero.gather(state), fzero.gather(want)
+
+    [(got, want)] = mesh.run(rank_fn)
+    assert_trees_equal(got, want, bitwise=True)
 
 
-def _chain_loss(p, x):
-    for i in range(4):
-        x = torch.tanh(p[f"l{i}"] * x)
-    return x.square().sum()
+class _KeptState(NamedTuple):
+    last: torch.Tensor  # the gradient of the step before: the very tensor the update was handed
 
 
-@pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_stages_1_3_assemble_a_unit_into_the_buffer_of_one_whose_reduction_is_done(stage, n):
-    """Four units of one size: a donating CPU step lends a new buffer only where none it lent is
-    free of every other holder (`unit._sole`). Stage 0 holds every unit's gradient until its
-    update: four buffers, kept between steps. At N = 2 stages 1-3 hold those whose reduce-scatter
-    is in flight: fewer than four (stage 1 keeps them between steps, stages 2-3 none, so those
-    are new each step). At N = 1 the reduction over one rank is its input, held until the update:
-    four. The params are the pure step's, bit for bit."""
-    mesh = fzero.SimMesh(n)
-    pure, donating = fzero.train_step(_chain_loss), fzero.train_step(_chain_loss, donate=True)
-    buffers = donating.config.buffers
-    take = buffers.take
+def _keeping_optimizer():
+    """p <- p - 0.1 (g + g_prev), whose state is the gradient it was given, not a copy."""
 
-    def recorded(numel, dtype):
-        flat = take(numel, dtype)
-        buffers._local.taken.add(flat.data_ptr())
-        return flat
+    def init(param, num_leaves):
+        return _KeptState(torch.zeros_like(param))
 
-    buffers.take = recorded
+    def update(grad, state, param, ctx):
+        return param - 0.1 * (grad + state.last), _KeptState(grad)
+
+    def update_(grad, state, param, ctx):
+        param.sub_(0.1 * (grad + state.last))
+        return _KeptState(grad)
+
+    return optim.Optimizer(init, update, lambda s: _KeptState("shard"), update_=update_)
+
+
+def test_a_gradient_the_optimizer_keeps_is_not_assembled_into_again():
+    """An optimizer whose state keeps the gradient it was handed (stage 0: the reduced gradient
+    is the buffer the step assembled) still sees it whole at the next step: a donating step does
+    not lend a buffer the state it returned holds. The bits are the pure step's."""
+    mesh = fzero.SimMesh(2)
 
     def rank_fn(x):
-        state, want = (fzero.init(_chain_params(), optim.adamw(1e-2), stage=stage, mesh=mesh,
-                                  units=lambda p: p) for _ in range(2))
-        lent, held = [], []
+        pure, donating = fzero.train_step(_loss), fzero.train_step(_loss, donate=True)
+        state, want = (fzero.init(_params(), _keeping_optimizer(), stage=0, mesh=mesh) for _ in range(2))
         for t in range(3):
-            buffers._local.taken = set()
             want, _ = pure(want, x * (t + 1))
             state, _ = donating(state, x * (t + 1))
-            lent.append(len(buffers._local.taken))
-            held.append(_free_buffers(donating))
-        return lent, held, fzero.gather(state), fzero.gather(want)
+            kept = {o.last.untyped_storage().data_ptr() for o in state.opt_state if o is not None}
+            assert kept.isdisjoint(_free_buffers(donating))
+        return fzero.gather(state), fzero.gather(want)
 
-    xs = [(torch.randn(8, generator=torch.Generator().manual_seed(40 + r)),) for r in range(n)]
-    for lent, held, got, want in mesh.run(rank_fn, xs):
-        assert all(k == 4 for k in lent) if stage == 0 or n == 1 else all(1 <= k < 4 for k in lent)
-        if stage < 2:
-            assert held[0] == held[1] == held[2] and len(held[0]) == lent[0]
-        else:
-            assert held == [[], [], []]
+    xs = [(torch.randn(5, generator=torch.Generator().manual_seed(30 + r)),) for r in range(2)]
+    for got, want in mesh.run(rank_fn, xs):
         assert_trees_equal(got, want, bitwise=True)
-
-
-def test_host_buffers_lend_again_only_what_nothing_else_holds():
-    """`HostBuffers.take` within a step: a buffer that the tensor it lent, or a view of it, still
-    holds is not lent again; once both are gone it is, for its size or a smaller one of its dtype
-    (the smallest that fits); and `close` keeps for the next step only the buffers nothing else
-    holds, or none where the step raised."""
-    buffers = unit.HostBuffers()
-    assert buffers.open()
-    first = buffers.take(16, torch.float32)
-    at = first.data_ptr()
-    view = first[4:]
-    del first
-    second = buffers.take(16, torch.float32)  # `view` holds the first
-    assert second.data_ptr() != at
-    del view
-    small = buffers.take(8, torch.float32)  # the first, the one free buffer that fits
-    assert (small.data_ptr(), small.numel()) == (at, 8)
-    assert buffers.take(8, torch.float64).data_ptr() != at  # another dtype: never
-    assert buffers.take(32, torch.float32).data_ptr() != at  # too small: never
-    del small
-    big = buffers.take(32, torch.float32)  # the 32 made above is free again, and fits
-    again = buffers.take(16, torch.float32)  # the smallest that fits: the first, not the 32
-    assert again.data_ptr() == at and big.numel() == 32
-    del big, again
-    buffers.close(kept=True)  # `second` is still held: not kept
-    free = {(t.data_ptr(), t.numel(), t.dtype) for t in buffers._mine().free}
-    assert len(free) == 3 and (at, 16, torch.float32) in free
-    assert second.data_ptr() not in {p for p, _, _ in free}
-    assert buffers.open()
-    taken = buffers.take(16, torch.float32)
-    assert taken.data_ptr() == at
-    buffers.close(kept=False)
-    assert buffers._mine().free == []
-    assert buffers.open()
-    small = buffers.take(8, torch.float32)
-    del small
-    wide = buffers.take(8, torch.float64)
-    large = buffers.take(24, torch.float32)  # the 8 done with is too small: let go first, as a free would
-    assert [(t.numel(), t.dtype) for t in buffers._mine().lent] == [(8, torch.float64), (24, torch.float32)]
-    del wide, large
-    buffers.close(kept=True)

@@ -308,8 +308,7 @@ def _no_vmap_over_steps() -> Iterator[None]:
 
 def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     """One step (the module docstring), assembling its gradients into `config.buffers` where it
-    donates on the CPU (`_lends`): kept for the next step when it returns (`_keeps`), let go when
-    it raises or the stage does not keep them."""
+    donates on the CPU (`_lends`): given back when it returns, let go when it raises."""
     lends = _lends(config, state) and config.buffers.open()
     try:
         out = _run_step(config, state, batch, config.buffers if lends else None)
@@ -319,27 +318,20 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
         raise
     if lends:
         new = out[0]
-        config.buffers.close(kept=_keeps(state), holding=flatten((new.params, new.opt_state, new.master))[0])
+        config.buffers.close(kept=True, holding=flatten((new.params, new.opt_state, new.master))[0])
     return out
 
 
 def _lends(config: StepConfig, state: ZeroState) -> bool:
-    """Whether a step assembles its units' gradients into buffers it lends itself
-    (`unit.HostBuffers`: one whose reduction is done is lent again within the step): a donating
-    step, whose results hold no gradient, on a CPU mesh (CUDA's caching allocator keeps freed
-    memory), with the autograd engine, not offloaded, under no torch.func transform."""
-    return (config.donate and state.mesh.device.type == "cpu" and config.engine == "autograd"
-            and not step_plan(state.info).offloaded and func_level() is None)
-
-
-def _keeps(state: ZeroState) -> bool:
-    """Whether a lending step keeps its buffers for the next step: where the stage does not shard
-    gradients. Stages 0-1 hold a full gradient (stage 0 every unit's until its update, as DDP
-    keeps its buckets; `accounting` counts Ψ of gradients for both), so what they keep is memory
-    they are counted for; stages 2-3 hold a gradient shard, and one unit's full local gradient
-    kept through the update would raise their peak by that unit (BENCHMARKS.md, the sixteenth
-    session)."""
-    return not state.stage.sharded("grads")
+    """Whether a step keeps its gradient buffers for the next (`unit.HostBuffers`): a donating
+    step, whose results hold no gradient, of a stage that shards nothing (stage 0 holds every
+    unit's full gradient until its update, so the buffers it keeps between steps are those it
+    held in the step, as DDP keeps its buckets; stages 1-3 hold one or two at a time, and keeping
+    every unit's would hold a full gradient they never hold), on a CPU mesh (CUDA's caching
+    allocator keeps freed memory), with the autograd engine, not offloaded, under no torch.func
+    transform."""
+    return (config.donate and not state.stage.shards and state.mesh.device.type == "cpu"
+            and config.engine == "autograd" and not step_plan(state.info).offloaded and func_level() is None)
 
 
 def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuffers | None
@@ -351,8 +343,6 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms,
                                                   buffers)
-    if buffers is not None and not _keeps(state):  # not held through the update: its peak is no higher
-        buffers.drop()
     with _named("fzero.step/agree"):
         rows, shards = agreement(state, loss, report, reduced, count, norms)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward

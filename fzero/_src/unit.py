@@ -590,44 +590,23 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     return flat
 
 
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # torch's own count of a storage's holders
-
-
-def _sole(flat: torch.Tensor) -> bool:
-    """Whether `flat` is the only tensor that holds its storage -- no view, no collective's
-    input, no autograd record, no state reads or writes it -- by torch's count of the storage's
-    holders (`torch._C._storage_Use_Count`, which torch's CUDA graph trees read the same way): the
-    tensor and the storage object made to ask. False where this torch lacks the count. It counts
-    tensors, not Python references to one tensor: `HostBuffers.take` lends a view, never `flat`
-    itself."""
-    return _USE_COUNT is not None and _USE_COUNT(flat.untyped_storage()._cdata) <= 2
-
-
 class HostBuffers:
-    """The CPU buffers a donating step function assembles its units' local gradients into
-    (`step._lends`), kept from one step to the next (as DDP keeps its buckets): glibc hands freed
-    memory this large back to the kernel, and a step that asks for it again faults in every page
-    afresh, which on a small machine costs a few percent of the step (BENCHMARKS.md, the
-    fifteenth and sixteenth sessions).
+    """The CPU buffers a donating stage-0 step function assembles its units' local gradients into
+    (`step._lends`), kept from one step to the next (as DDP keeps its buckets): stage 0 holds them
+    all until its update anyway, and glibc hands freed memory this large back
+    to the kernel, and a step that asks for it again faults in every page afresh, which on a small
+    machine costs a few percent of the step (BENCHMARKS.md, the fifteenth session).
 
-    `take(numel, dtype)` lends the smallest buffer of that dtype and at least that size that the
-    previous step lent and gave back, or that this step lent and whose reduction is done (`_sole`:
-    nothing but the lending record holds it any more), or else a new one; so a step lends as many
-    buffers as it holds at once -- stage 0 every unit's (its reduced gradient is its local one,
-    read by the update), stages 1-3 those whose reduction is in flight (N = 1: every unit's, the
-    reduction over one rank returns its input) -- and a unit may be assembled in the buffer of a
-    larger one (the first `numel` elements, every one written); where those done with are all too
-    small they are let go first, as freeing them would.
-    `open()` starts a step and `close(kept, holding)` ends it: with `kept` (the step returned)
-    the buffers it lent are those the next step may take, but one whose storage a tensor of `holding` (the leaves of
-    the state it returned) or anything else still holds -- an optimizer that kept the gradient
-    it was handed (fzero's copy what they keep; as with torch's `.grad`, which the next backward
-    writes in place, an optimizer must not keep a reference to the gradient past its update);
-    else (it raised, or the stage keeps none: `step._keeps`) they are let go. Per thread
-    (SimMesh's ranks are threads); a step that runs inside another's on the same thread takes
-    new buffers."""
-
-    recycles = _USE_COUNT is not None  # whether a step can reuse a buffer it lent (`_sole`)
+    `take(numel, dtype)` lends a buffer the previous step lent and gave back, or a new one; `open()`
+    starts a step and `close(kept, holding)` ends it: with `kept` (the step returned) every buffer
+    it lent is given back but one whose storage a tensor of `holding` (the leaves of the state it
+    returned) shares
+    -- an optimizer that kept the gradient it was handed (fzero's copy what they keep; as with
+    torch's `.grad`, which the next backward writes in place, an optimizer must not keep a
+    reference to the gradient past its update); else (it raised) they are let go. Stage 0's
+    gradient is reduced in place and read by the update; the other stages reduce into new
+    tensors: when a step returns, nothing else reads what it lent. Per thread (SimMesh's ranks are
+    threads); a step that runs inside another's on the same thread takes new buffers."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -635,7 +614,7 @@ class HostBuffers:
     def _mine(self) -> Any:
         mine = self._local
         if not hasattr(mine, "free"):
-            mine.free, mine.lent, mine.open = [], [], False
+            mine.free, mine.lent, mine.open = collections.defaultdict(list), [], False
         return mine
 
     def open(self) -> bool:
@@ -648,40 +627,19 @@ class HostBuffers:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         mine = self._mine()
-        flat = _fitting(mine.free, numel, dtype, lambda f: True)
-        if flat is None:
-            flat = _fitting(mine.lent, numel, dtype, _sole)
-        if flat is None:  # those of this dtype done with are too small: let them go before the new one
-            mine.lent = [f for f in mine.lent if f.dtype != dtype or not _sole(f)]
-            flat = torch.empty(numel, dtype=dtype)
+        free = mine.free[(numel, dtype)]
+        flat = free.pop() if free else torch.empty(numel, dtype=dtype)
         mine.lent.append(flat)
-        return flat[:numel]  # a tensor of its own: whoever holds it holds the storage (`_sole`)
-
-    def drop(self) -> None:
-        """Let go of every buffer lent so far this step (the step goes on; a later `take` lends
-        new ones): their memory goes as soon as nothing else holds it."""
-        self._mine().lent = []
+        return flat
 
     def close(self, kept: bool, holding: Sequence[Any] = ()) -> None:
         mine = self._mine()
         if kept:
             held = {t.untyped_storage().data_ptr() for t in holding if isinstance(t, torch.Tensor)}
-            mine.free = [f for f in mine.lent
-                         if f.untyped_storage().data_ptr() not in held and (_USE_COUNT is None or _sole(f))]
-        else:
-            mine.free = []
+            for flat in mine.lent:
+                if flat.untyped_storage().data_ptr() not in held:
+                    mine.free[(flat.numel(), flat.dtype)].append(flat)
         mine.lent, mine.open = [], False
-
-
-def _fitting(pool: list[torch.Tensor], numel: int, dtype: torch.dtype, ready: Callable[[torch.Tensor], bool]
-             ) -> torch.Tensor | None:
-    """The smallest buffer of `pool` of `dtype` with at least `numel` elements for which `ready`
-    holds, taken out of `pool`; None if there is none."""
-    fits = [i for i, f in enumerate(pool) if f.dtype == dtype and f.numel() >= numel]
-    for i in sorted(fits, key=lambda i: pool[i].numel()):
-        if ready(pool[i]):
-            return pool.pop(i)
-    return None
 
 
 class Assembly:
