@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import sys
 import threading
+from unittest import mock
 
 import optree
 import pytest
@@ -29,6 +31,7 @@ import fzero
 from fzero import optim
 from fzero._src import step as step_module
 from fzero._src.mesh import Pending
+from fzero._src.optim import base as optim_base
 from fzero._src.optim.base import spec_of
 from fzero._src.unit import finite_witness
 
@@ -55,6 +58,58 @@ def test_a_broken_donated_update_raises_at_the_next_read_on_every_rank(stage, tm
     outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
     for r, out in enumerate(outs):
         _check_broken(out, r, stage)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_broken_donated_update_is_found_from_the_sums_of_its_blocks(stage, tmp_path):
+    """The same, with the CPU update cut into blocks of a few elements (`optim.base.CPU_BLOCK`):
+    the flag comes from the sums the update took of each block just after writing it
+    (`step.BlockEnds`), which a spy sees taken."""
+    mesh, real, seen = fzero.SimMesh(2), step_module._block_witness, []
+
+    def spy(p, sums):
+        seen.append(len(sums))
+        return real(p, sums)
+
+    with mock.patch.object(optim_base, "CPU_BLOCK", 1), mock.patch.object(step_module, "_block_witness", spy):
+        outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
+    assert seen and max(seen) > 1
+    for r, out in enumerate(outs):
+        _check_broken(out, r, stage)
+
+
+def _witness_finite(w) -> bool:
+    return bool(torch.isfinite(torch.stack([t.reshape(-1) for t in w]).reshape(-1)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_block_witness_is_finite_exactly_where_every_element_is(dtype):
+    """`step._block_witness` from the sums of blocks of a buffer (gaps between them, where the
+    update wrote nothing, read afresh): finite where every element is; not where a NaN or inf is
+    in a block or a gap; finite where a block's elements are finite but their sum overflows (the
+    minimum and maximum decide); and `finite_witness` itself where a view is not of the buffer."""
+    big = torch.finfo(dtype).max
+
+    def witness(p, blocks):
+        return step_module._block_witness(p, [(p[a:b], p[a:b].sum()) for a, b in blocks])
+
+    blocks = [(2, 5), (5, 9), (12, 16)]  # gaps: [0, 2), [9, 12), [16, 20)
+    p = torch.randn(20, dtype=dtype)
+    assert _witness_finite(witness(p, blocks))
+    for at in (0, 3, 10, 19):
+        for bad in (math.nan, math.inf, -math.inf):
+            q = p.clone()
+            q[at] = bad
+            assert not _witness_finite(witness(q, blocks)), (at, bad)
+    q = p.clone()
+    q[5:9] = big  # finite elements, a sum that overflows
+    assert not torch.isfinite(q[5:9].sum()) and _witness_finite(witness(q, blocks))
+    other = torch.randn(20, dtype=dtype)
+    q = p.clone()
+    q[10] = math.inf
+    w = step_module._block_witness(q, [(other[2:5], other[2:5].sum())])
+    assert [t.tolist() for t in w] == [t.tolist() for t in finite_witness(q)]
+    assert not _witness_finite(w)
 
 
 @pytest.mark.dist

@@ -60,7 +60,7 @@ from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
-from .optim.base import UpdateContext
+from .optim.base import UpdateContext, block_sums
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
                     updated_nonfinite_leaves)
@@ -936,7 +936,8 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     read = HostRead(rows, skip)
     ends, states = Ends.of(state, True), {}
     for b, g in grads.items():
-        states[b] = ready.launches[b].run(g, skip)
+        with ends.updating() if ends is not None else contextlib.nullcontext():
+            states[b] = ready.launches[b].run(g, skip)
         if ends is not None:
             ends.take(b, ready.params[b])
     got, skipped = read.values()
@@ -1347,9 +1348,11 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     ends = launched.ends if launched is not None else Ends.of(state, donate)
     for b, g in reduced.items():
         launch = launches.get(b)
+        updating = ends.updating() if ends is not None and b not in early else contextlib.nullcontext()
         if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
             p = ready.params[b]
-            updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
+            with updating:
+                updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
             back[b] = kept[b] = checked[b] = p
         else:
             # offloaded: the host copies (NVMe: the master and state read from their files)
@@ -1358,7 +1361,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
             g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
             if donate:
-                updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                with updating:
+                    updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
             else:
                 updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
             out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
@@ -1418,11 +1422,17 @@ class Ends:
         self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @staticmethod
-    def of(state: ZeroState, donate: bool) -> Ends | None:
+    def of(state: ZeroState, donate: bool) -> Ends | BlockEnds | None:
         """Where the update writes in place on a mesh device of `DEVICES` and nothing
-        differentiates through it."""
+        differentiates through it; on a CPU mesh, `BlockEnds`."""
         dev = state.mesh.device
-        return Ends(dev) if donate and dev.type in Ends.DEVICES and func_level() is None else None
+        if not donate or func_level() is not None:
+            return None
+        return Ends(dev) if dev.type in Ends.DEVICES else BlockEnds() if dev.type == "cpu" else None
+
+    def updating(self) -> contextlib.AbstractContextManager:
+        """Around one bucket's update, before its `take`: nothing to collect here."""
+        return contextlib.nullcontext()
 
     def take(self, b: int, p: torch.Tensor) -> None:
         if p.device != self.side.device or not p.numel():
@@ -1434,6 +1444,64 @@ class Ends:
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
         self.side.join()
         return self.taken
+
+
+class BlockEnds:
+    """A donating update's finite check on the CPU from the sums the blocked update takes of each
+    block of params just after writing it, while the block is in cache (`optim.base.block_sums`),
+    instead of a second read of every bucket from memory after the update (`finite_witness`'s
+    sum). `updating()` wraps one bucket's update; `take(b, p)` then gives its witness
+    (`_block_witness`); `joined()` returns them, as `Ends` does."""
+
+    def __init__(self) -> None:
+        self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        with block_sums() as sums:
+            yield
+        self._sums = sums
+
+    def take(self, b: int, p: torch.Tensor) -> None:
+        if p.numel():
+            self.taken[b] = _block_witness(p, self._sums)
+        self._sums = []
+
+    def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        return self.taken
+
+
+def _block_witness(p: torch.Tensor, sums: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """`p`'s finite witness (`unit.finite_witness`: finite if and only if every element is) from
+    `sums`, `(view, its sum)` of views of `p` that do not overlap: the given sums and the sum of
+    every stretch of `p` no view covers (padding, leaves the update skipped) where all of them are
+    finite, for a finite sum says each of its elements is finite; else, as a sum of finite elements
+    can overflow, `p`'s minimum and maximum. `finite_witness(p)` itself where a view is not a
+    contiguous 1-d stretch of `p`'s storage inside it, or there are no sums."""
+    flat = p.detach().reshape(-1)
+    if not sums or not flat.is_contiguous():
+        return finite_witness(flat)
+    base, size, storage = flat.data_ptr(), flat.element_size(), flat.untyped_storage().data_ptr()
+    spans = []
+    for v, total in sums:
+        start, rest = divmod(v.data_ptr() - base, size)
+        if (v.dim() != 1 or not v.is_contiguous() or v.dtype != flat.dtype or rest
+                or v.untyped_storage().data_ptr() != storage or start < 0 or start + v.numel() > flat.numel()):
+            return finite_witness(flat)
+        spans.append((start, v.numel(), total))
+    parts, at = [], 0
+    for start, n, total in sorted(spans, key=lambda s: s[0]):
+        if start < at:  # overlapping views: not the blocks of one update
+            return finite_witness(flat)
+        if start > at:
+            parts.append(flat[at:start].sum())
+        parts.append(total)
+        at = start + n
+    if at < flat.numel():
+        parts.append(flat[at:].sum())
+    witness = torch.stack(parts)
+    return (witness,) if bool(torch.isfinite(witness).all()) else torch.aminmax(flat)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:

@@ -27,8 +27,10 @@ so checkpointing and resharding read the spec, never the optimizer's class.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
 import torch
@@ -512,16 +514,38 @@ def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch
     any cut of a shard (proofs/optimizers.md, "Blocks on the CPU"); the work buffer is one block.
     Not for bfloat16 / float16, whose CPU `add_(..., alpha=)` rounds an element by where it falls
     in the call (vectorised body or tail): one call, as before. "fused" and other devices: one
-    call (torch's fused kernels and CUDA's multi-tensor kernels make one pass)."""
+    call (torch's fused kernels and CUDA's multi-tensor kernels make one pass). Inside
+    `block_sums`, each block's params are summed as soon as the kernel has written them.
+    `lists[0]` is the params in every caller."""
     first = lists[0]
     block = CPU_BLOCK * max(1, torch.get_num_threads())
     if (how == "fused" or not first or first[0].device.type != "cpu" or first[0].dtype not in _BLOCKED
             or sum(t.numel() for t in first) <= block):
         kernel(*lists, keys, **hyper)
         return
+    sums = getattr(_SUMS, "into", None)
     for group in _blocks([t.numel() for t in first], block):
-        kernel(*([op[i][a:b] for i, a, b in group] if op else [] for op in lists), [keys[i] for i, _, _ in group],
-               **hyper)
+        views = [[op[i][a:b] for i, a, b in group] if op else [] for op in lists]
+        kernel(*views, [keys[i] for i, _, _ in group], **hyper)
+        if sums is not None:  # the block's params, just written, read while in cache
+            sums.extend((v, v.sum()) for v in views[0])
+
+
+_SUMS = threading.local()  # `block_sums`' list on this thread, or none
+
+
+@contextlib.contextmanager
+def block_sums() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Within it, `in_blocks` appends to the list it yields, for every block it runs on the CPU,
+    `(view, view.sum())` of each view of the first operand (the params) just after the kernel
+    wrote it: a sum of every element the update wrote, read while the block is in cache
+    (`step.BlockEnds`, the update's finite check). Nothing where `in_blocks` makes one call."""
+    before = getattr(_SUMS, "into", None)
+    _SUMS.into = taken = []
+    try:
+        yield taken
+    finally:
+        _SUMS.into = before
 
 
 def _blocks(numels: Sequence[int], block: int) -> list[list[tuple[int, int, int]]]:
