@@ -71,8 +71,13 @@ def test_a_broken_donated_update_is_found_from_the_sums_of_its_blocks(stage, tmp
         seen.append(len(sums))
         return real(p, sums)
 
-    with mock.patch.object(optim_base, "CPU_BLOCK", 1), mock.patch.object(step_module, "_block_witness", spy):
-        outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
+    threads = torch.get_num_threads()  # a block is CPU_BLOCK elements per thread: one thread, blocks of one
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.object(optim_base, "CPU_BLOCK", 1), mock.patch.object(step_module, "_block_witness", spy):
+            outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
+    finally:
+        torch.set_num_threads(threads)
     assert seen and max(seen) > 1
     for r, out in enumerate(outs):
         _check_broken(out, r, stage)
