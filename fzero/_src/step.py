@@ -936,7 +936,7 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     read = HostRead(rows, skip)
     ends, states = Ends.of(state, True), {}
     for b, g in grads.items():
-        with ends.updating() if ends is not None else contextlib.nullcontext():
+        with _updating(ends):
             states[b] = ready.launches[b].run(g, skip)
         if ends is not None:
             ends.take(b, ready.params[b])
@@ -1348,7 +1348,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     ends = launched.ends if launched is not None else Ends.of(state, donate)
     for b, g in reduced.items():
         launch = launches.get(b)
-        updating = ends.updating() if ends is not None and b not in early else contextlib.nullcontext()
+        updating = _updating(ends if b not in early else None)
         if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
             p = ready.params[b]
             with updating:
@@ -1415,7 +1415,7 @@ class Ends:
     of after the last; `joined()` makes the step's stream wait for them and returns `{bucket:
     witness}`. The witness is exact, so the flag is the one it gives after the update. The next step's in-place update of a bucket is queued after the join."""
 
-    DEVICES = ("cuda",)  # where a step takes them (elsewhere, in line: the same work as after the loop)
+    DEVICES = ("cuda",)  # where a step takes them on a side stream (the CPU: `BlockEnds`; elsewhere after the loop)
 
     def __init__(self, device: torch.device) -> None:
         self.side = Side(device)
@@ -1444,6 +1444,11 @@ class Ends:
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
         self.side.join()
         return self.taken
+
+
+def _updating(ends: Ends | BlockEnds | None) -> contextlib.AbstractContextManager:
+    """What wraps one bucket's update: `ends.updating()`, or nothing without `ends`."""
+    return ends.updating() if ends is not None else contextlib.nullcontext()
 
 
 class BlockEnds:
