@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "peers"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_peers import GPT  # noqa: E402
+from phase_clock import PhaseClock  # noqa: E402
 
 import fzero  # noqa: E402
 from fzero import optim  # noqa: E402
@@ -133,6 +135,8 @@ def main() -> None:
     ap.add_argument("--precision", default="autocast", choices=["autocast", "bf16"],
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
+    ap.add_argument("--phases", type=int, default=0,
+                    help="1: CUDA events at the forward's start and end of each timed step (benchmarks/phase_clock.py)")
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
@@ -143,10 +147,15 @@ def main() -> None:
     del model  # apply keeps a parameter-free skeleton
     nparams = sum(p.numel() for p in params.values())
 
+    clock = PhaseClock(bool(a.phases))
+
     def loss_fn(p, batch):
         idx, tgt = batch
+        clock.mark("forward")
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda" and a.precision == "autocast"):
-            return apply(p, idx, tgt)
+            loss = apply(p, idx, tgt)
+        clock.mark("loss")
+        return loss
 
     opt = optim.adamw(lr=1e-4)
     if not a.side:
@@ -179,10 +188,14 @@ def main() -> None:
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
+        clock.begin()
         state, m = step(state, (idx, tgt))
+        clock.mark("end")
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    phases = clock.summary()
+    clock.enabled = False
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -227,7 +240,7 @@ def main() -> None:
             "step_s_median": round(med, 4), "tok_s_per_gpu": round(tok / med, 1),
             "mfu": round(tok / med * flops_per_tok / a.peak, 4),
             "peak_mem_GiB_per_rank": [round(p, 2) for p in peaks], "loss": round(float(m.loss), 4), **side,
-            "cast_leaves": _cast_leaves(step, state),
+            "cast_leaves": _cast_leaves(step, state), **phases,
             "torch": torch.__version__,
         } | ({} if syncs is None else {"host_syncs": syncs["count"], "sync_sites": syncs["sites"]})), flush=True)
     dist.destroy_process_group()
