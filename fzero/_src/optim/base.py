@@ -496,8 +496,11 @@ def runs(ctx: UpdateContext, key: Sequence[Any]) -> list[tuple[int, int, Any]]:
 
 CPU_BLOCK = 1 << 17
 """Elements per thread in one block of a CPU update (`in_blocks`): 512 KiB of each fp32 operand
-per thread, so that a block's operands (param, grad, two moments, the work buffer) stay in a
-core's L2 cache through the kernel's passes over them."""
+per thread, a block's five operands (param, grad, two moments, the work buffer) 2.5 MiB, about
+a core's L2 (2 MiB on the team's VM), so that the kernel's passes after the first read them from
+cache rather than memory. A performance setting only (each op is element-wise: any cut gives the
+same bits); on that VM blocks of 2^17 to 2^22 elements ran alike (BENCHMARKS.md, seventeenth
+session)."""
 _BLOCKED = (torch.float32, torch.float64)  # the dtypes whose CPU update ops round an element alike anywhere
 
 
