@@ -136,7 +136,8 @@ def main() -> None:
                     help="autocast: fp32 params under bf16 autocast (as DDP here); bf16: fzero.Precision(bf16, fp32), "
                          "no autocast (as FSDP2's MixedPrecisionPolicy)")
     ap.add_argument("--phases", type=int, default=0,
-                    help="1: CUDA events at the forward's start and end of each timed step (benchmarks/phase_clock.py)")
+                    help="1: CUDA events at the forward's start and end of each timed step, and the GPU's energy per step "
+                         "where NVML is (benchmarks/phase_clock.py)")
     a = ap.parse_args()
 
     mesh = fzero.DistMesh(verify=False)
