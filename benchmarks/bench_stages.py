@@ -4,6 +4,8 @@ Run (2 GPUs):  torchrun --nproc-per-node 2 benchmarks/bench_stages.py --stage 3
 Profile:       torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --profile prof-stage2.txt
 Host syncs:    torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 0 --syncs 1 (CUDA: one extra step
                under torch.cuda.set_sync_debug_mode("warn"); "host_syncs" counts the step's synchronising calls)
+Phases:        torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 3 --precision bf16 --phases 1 (CUDA:
+               GPU time before the loss, in the forward and after it, and the energy per step; phase_clock.py)
 CPU check:     torchrun --nproc-per-node 1 benchmarks/bench_stages.py --stage 2 --dim 64 --layers 2 --heads 2
                --seq 32 --vocab 128 --micro 2 --warmup 1 --steps 2 (gloo; the numbers mean nothing)
 The model, data, batch, bf16 autocast, AdamW and timing rule are those of
