@@ -123,7 +123,8 @@ def main() -> None:
         finals[stage] = final
         if first:
             mb = {k: v / 2**20 for k, v in held.items()}
-            print(f"stage {stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f} | per rank: params "
+            print(f"stage {stage}: losses {' '.join(f'{x:.4f}' for x in losses)} (a fresh random batch each step) | "
+                  f"per rank: params "
                   f"{held['params']:,} B ({mb['params']:.1f} MiB), grads {held['grads']:,} B, optimizer "
                   f"{held['optimizer']:,} B = formula {FORMULAS[stage]} (padding {padded - psi} elements)")
     for stage in (1, 2, 3):
