@@ -162,7 +162,7 @@ def worker(a) -> None:
             x = x + layer(p, f"blocks.{i}.fc2", h)  # (B, dim)
         return F.mse_loss(x, y)
 
-    step = fzero.train_step(loss_fn, gather="on_use", donate=True)
+    step = fzero.train_step(loss_fn, gather="on_use", donate=True, prefetch=a.prefetch)
     g = torch.Generator().manual_seed(100 + mesh.rank)
     batch = (torch.randn(a.batch, a.dim, generator=g), torch.randn(a.batch, a.dim, generator=g))
     reset = _reset_peak()  # the training peak: from here (state built, params dict freed) to the end
@@ -207,6 +207,7 @@ def run_stage(a, stage: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
            __file__, "--worker", "--stage", str(stage), "--dim", str(a.dim), "--hidden", str(a.hidden),
            "--blocks", str(a.blocks), "--batch", str(a.batch), "--steps", str(a.steps), "--threads", str(a.threads)] + (
+           [] if a.prefetch is None else ["--prefetch", str(a.prefetch)]) + (
            ["--events", "--events-prefix", a.events_prefix] if a.events else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     if a.mmap_threshold > 0:  # glibc: buffers of at least this many bytes are mmapped, returned to the OS on free
@@ -242,6 +243,9 @@ def main() -> None:
                          "keeps freed buffers below 32 MiB in the heap, so RSS counts them after they are freed)")
     ap.add_argument("--events-prefix", default="/tmp/fzero-memory-events-stage",
                     help="with --events: stage s's rank r's event lines go to PREFIX{s}-rank{r}.jsonl")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="train_step(prefetch=k) (default None: the library's, 1 unit on DistMesh): stage 3's units "
+                         "gathered ahead, each one unit's params more at the peak")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
