@@ -50,14 +50,17 @@ class PhaseClock:
             self.mark("start")
 
     def mark(self, name: str) -> None:
-        if self.enabled and self.steps:
+        """An event named `name` in the current step (the first such mark only)."""
+        if self.enabled and self.steps and name not in self.steps[-1]:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.steps[-1].setdefault(name, event)
+            self.steps[-1][name] = event
 
     def summary(self) -> dict[str, float]:
+        """The medians and energy (above); the clock then stops, so later steps mark nothing."""
         if not self.enabled:
             return {}
+        self.enabled = False
         torch.cuda.synchronize()
         out: dict[str, float] = {}
         if self._energy is not None and self.steps:
