@@ -177,15 +177,23 @@ def serial_reference(pb):
 
 
 def assert_equal_leaves(a, b, what):
-    la, lb = flatten_with_paths(a)[1], flatten_with_paths(b)[1]
+    (pa, la, sa), (pb_, lb, sb) = flatten_with_paths(a), flatten_with_paths(b)
+    assert pa == pb_ and sa == sb, f"{what}: trees differ: {pa} vs {pb_}"
     for i, (x, y) in enumerate(zip(la, lb)):
         assert x.dtype == y.dtype and x.shape == y.shape, f"{what}: leaf {i} {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
         assert torch.equal(x, y), f"{what}: leaf {i} differs: max |diff| {(x - y).abs().max().item()}"
 
 
 def full_opt_state(states_per_rank, stage0_state):
-    """Stage s's optimizer state per bucket, shards concatenated in rank order, "leaf" fields as is."""
+    """Stage s's optimizer state per bucket, shards concatenated in rank order, "leaf" fields as is.
+    Asserts first that every rank's state has stage 0's buckets, None where stage 0's is, and
+    stage 0's fields per bucket: nothing a stage adds or drops goes uncompared."""
     out = []
+    for r, st in enumerate(states_per_rank):
+        assert len(st) == len(stage0_state), f"rank {r}: {len(st)} optimizer buckets, stage 0 {len(stage0_state)}"
+        for b, s0 in enumerate(stage0_state):
+            assert (st[b] is None) == (s0 is None), f"rank {r} bucket {b}: {st[b]!r} where stage 0 has {s0!r}"
+            assert s0 is None or len(st[b]) == len(s0), f"rank {r} bucket {b}: {len(st[b])} fields, stage 0 {len(s0)}"
     for b, s0 in enumerate(stage0_state):
         if s0 is None:
             out.append(None)
@@ -193,7 +201,12 @@ def full_opt_state(states_per_rank, stage0_state):
         fields = []
         for k, field in enumerate(s0):
             parts = [st[b][k] for st in states_per_rank]
-            fields.append(torch.cat(parts) if field.numel() > 0 and parts[0].shape != field.shape else parts[0])
+            if field.numel() > 0 and parts[0].shape != field.shape:
+                fields.append(torch.cat(parts))
+                continue
+            for r, part in enumerate(parts[1:], 1):  # a field every rank holds whole: the same on each
+                assert torch.equal(part, parts[0]), f"bucket {b} field {k}: rank {r}'s copy differs from rank 0's"
+            fields.append(parts[0])
         out.append(fields)
     return out
 
@@ -216,11 +229,9 @@ def check(pb):
             z_params_r = zero[r][0][t][0]
             assert_equal_leaves(z_params_r, z_params, f"stage 0 rank {r} vs rank 0, step {t}")
         merged = full_opt_state([other[r][0][t][1] for r in range(n)], z_opt)
-        for b, (mo, zo) in enumerate(zip(merged, z_opt)):
-            if zo is None:
-                assert mo is None
-                continue
-            for k, (x, y) in enumerate(zip(mo, zo)):
+        for b, (mo, zo) in enumerate(zip(merged, z_opt)):  # full_opt_state checked the structure
+            for k, (x, y) in enumerate(zip(mo or (), zo or ())):
+                assert x.dtype == y.dtype and x.shape == y.shape, f"optimizer state bucket {b} field {k} at step {t}"
                 assert torch.equal(x, y), f"optimizer state bucket {b} field {k} differs at step {t}"
 
 

@@ -104,19 +104,21 @@ def _run(stage, engine, loss_fn, compile_step, gather="on_use"):
     return mesh.run(rank_fn, [tuple(b[r] for b in batches) for r in range(N)])
 
 
-def _assert_same(a, b, what):
-    """Runs `a` and `b` (per rank: gathered params, optimizer state, losses) hold the same bits;
-    `b` is stage 0 or the same stage as `a`, and `a`'s shards, concatenated in rank order, are
-    compared with `b`'s full state (`full_opt_state`)."""
-    for r, ((pa, _, la), (pb, _, lb)) in enumerate(zip(a, b)):
+def _assert_same(a, b, what, same_stage=False):
+    """Runs `a` and `b` (per rank: gathered params, optimizer state, losses) hold the same bits.
+    `b` is stage 0, and `a`'s shards, concatenated in rank order, are compared with `b`'s full
+    state (`full_opt_state`); or (`same_stage`) `b` ran `a`'s stage, and each rank's optimizer
+    state is compared with the same rank's."""
+    assert len(a) == len(b) == N
+    for r, ((pa, sa, la), (pb, sb, lb)) in enumerate(zip(a, b)):
         assert_equal_leaves(pa, pb, f"{what}, rank {r}: params")
-        assert all(torch.equal(x, y) for x, y in zip(la, lb)), f"{what}, rank {r}: losses {la} vs {lb}"
-    full_a = full_opt_state([x[1] for x in a], b[0][1])
-    full_b = full_opt_state([x[1] for x in b], b[0][1])
-    for k, (sa, sb) in enumerate(zip(full_a, full_b)):
-        assert (sa is None) == (sb is None)
-        if sa is not None:
-            assert all(torch.equal(x, y) for x, y in zip(sa, sb)), f"{what}: optimizer state of bucket {k}"
+        assert len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb)), f"{what}, rank {r}: losses {la} vs {lb}"
+        if same_stage:
+            assert_equal_leaves(sa, sb, f"{what}, rank {r}: optimizer state")
+    if not same_stage:
+        full_a = full_opt_state([x[1] for x in a], b[0][1])
+        for k, (fa, fb) in enumerate(zip(full_a, b[0][1])):  # full_opt_state checked the structure
+            assert all(torch.equal(x, y) for x, y in zip(fa or (), fb or ())), f"{what}: optimizer state of bucket {k}"
 
 
 @pytest.mark.parametrize("engine", ["autograd", "func"])
@@ -127,7 +129,7 @@ def test_compiled_step_is_the_eager_step(engine):
     every bit of params, AdamW state and loss equals the eager step's (stage 3: gathers, frees,
     reduce-scatters and the sharded update all run under it)."""
     loss = _reading(_math)
-    _assert_same(_run(3, engine, loss, True), _run(3, engine, loss, False), f"stage 3, {engine}")
+    _assert_same(_run(3, engine, loss, True), _run(3, engine, loss, False), f"stage 3, {engine}", same_stage=True)
 
 
 @pytest.mark.parametrize("engine,gather", [("autograd", "on_use"), ("func", "eager")])
