@@ -32,6 +32,12 @@ every DCP file. Crash safety: ranks write into `root/.tmp-step-<n>-<token>`, the
 barrier), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
 `os.rename`. A folder named `step-<n>` with a valid manifest is therefore complete; `latest`
 only ever returns such a folder.
+
+Agreement. Every rank checks its own arguments, then the ranks agree (`_agree`: one all-gather of
+a row per rank) before anything is written or read, so every rank raises or none does: `save`
+agrees that every rank was given the same folder (and step) and that every rank sees the folder
+rank 0 created; `load` agrees that every rank read the same checkpoint (its manifest's step and
+sha256) and that every rank found it fit.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -78,7 +84,7 @@ from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
-from .state import ZeroState, check_state, describe, master_values
+from .state import ZeroState, check_pending, check_state, describe, master_values
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -431,6 +437,100 @@ def _dcp_load(path: str, metadata: Metadata, wanted: dict[str, tuple[tuple[int, 
         dcp.load(dests, storage_reader=_reader(path), planner=planner, no_dist=True)
 
 
+# -- arguments, and agreement across ranks ---------------------------------------------------------
+
+
+def _fspath(x: Any, what: str) -> str:
+    """`x` (a str or an `os.PathLike` of one) as a str, or a `CheckpointError` naming the argument."""
+    if isinstance(x, (str, os.PathLike)):
+        p = os.fspath(x)
+        if isinstance(p, str):
+            return p
+    raise CheckpointError(f"{what} must be a str or os.PathLike, got {type(x).__name__} {_short(x)}")
+
+
+def _short(x: Any, n: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _error_text(e: BaseException, n: int = 600) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_KEY = 3  # the int64 words of the key a rank brings to an agreement
+
+
+def _int64(text: str | bytes) -> int:
+    """The first 8 bytes of the sha256 of `text` as a signed int64 (an entry of an agreement row)."""
+    return int.from_bytes(hashlib.sha256(text.encode() if isinstance(text, str) else text).digest()[:8], "little",
+                          signed=True)
+
+
+def _hex(word: int) -> str:
+    return f"{word & (2**64 - 1):016x}"
+
+
+def _rows(mesh: Mesh, row: list[int], tag: str) -> list[list[int]]:
+    """Every rank's `row` (int64, one length on every rank) in rank order: one all-gather."""
+    if mesh.world_size == 1:
+        return [row]
+    mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+    return mesh.collective("all_gather", mine, tag=tag).view(mesh.world_size, len(row)).tolist()
+
+
+def _texts(mesh: Mesh, text: str, tag: str) -> list[str]:
+    """Every rank's `text` in rank order: two all-gathers (the lengths, then the padded UTF-8 bytes)."""
+    if mesh.world_size == 1:
+        return [text]
+    data = text.encode()
+    lengths = [k for k, in _rows(mesh, [len(data)], f"{tag}/lengths")]
+    width = max(1, *lengths)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = mesh.collective("all_gather", buf.to(mesh.device), tag=f"{tag}/text").view(mesh.world_size, width)
+    return [bytes(row[:k]).decode(errors="replace") for row, k in zip(rows.tolist(), lengths)]
+
+
+def _agree(mesh: Mesh, tag: str, error: BaseException | None, key: Sequence[int] | None, shown: str, *,
+           same: Callable[[list[list[int]]], bool], differ: Callable[[list[list[int]], list[str]], str],
+           failed: Callable[[list[tuple[int, str]]], str]) -> None:
+    """The ranks agree before a checkpoint is written or read: every rank raises, or none does.
+
+    One all-gather of `[failed, has key, *key]` per rank: whether this rank's checks raised
+    (`error`), and `key` (`_KEY` words naming what the rank works on: the checkpoint it read, the
+    folder it was given; None where its checks stopped before it). Every rank sees the same rows,
+    so every rank takes the same branch: it returns where no rank failed and the keys are `same`;
+    otherwise the ranks exchange `shown` (what each was given) and their errors' text, and raise:
+    where the keys differ `CheckpointError(differ(rows, shown per rank))` on every rank (a rank's
+    own error added as a note); else a rank that failed its own error, the others
+    `CheckpointError(failed([(rank, its error's text), ...]))`. A rank whose checks raise
+    something unexpected still reaches the all-gather (its caller catches every `Exception`), so
+    no rank waits for it."""
+    row = [int(error is not None), int(key is not None), *(list(key) if key is not None else [0] * _KEY)]
+    rows = _rows(mesh, row, tag)
+    keyed = [r[2:] for r in rows if r[1]]
+    bad = [s for s, r in enumerate(rows) if r[0]]
+    if not bad and same(keyed):
+        return
+    texts = _texts(mesh, shown + "\0" + ("" if error is None else _error_text(error)), tag)
+    given = [t.partition("\0")[0] for t in texts]
+    if not same(keyed):
+        out = CheckpointError(differ(rows, given))
+        if error is not None:
+            out.add_note(f"rank {mesh.rank} also raised {_error_text(error)}")
+        raise out
+    if error is not None:
+        raise error
+    raise CheckpointError(failed([(s, texts[s].partition("\0")[2]) for s in bad]))
+
+
+def _listed(failures: list[tuple[int, str]]) -> str:
+    return "".join(f"\n  rank {s}: {text}" for s, text in failures)
+
+
 # -- saving --------------------------------------------------------------------------------------
 
 
@@ -514,6 +614,21 @@ def _dcp_save(sd: dict[str, Canonical], tmp: str, mesh: Mesh, crash: Callable[[]
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, no_dist=True)
 
 
+def _same_folder(keys: list[list[int]]) -> bool:
+    """The ranks name one folder: the same absolute path, or the same path with links resolved."""
+    return any(len({k[i] for k in keys}) <= 1 for i in (0, 1))
+
+
+def _folder_key(final: str) -> tuple[int, int, int]:
+    return _int64(os.path.abspath(final)), _int64(os.path.realpath(final)), 0
+
+
+def _visible(path: str) -> bool:
+    """Whether this rank sees the folder `path` (one place, so a test can stand in for a rank
+    whose file system is not the others')."""
+    return os.path.isdir(path)
+
+
 def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
@@ -522,24 +637,72 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
     into place. With `keep=K`, rank 0 then deletes the oldest complete checkpoints beyond the
     newest K.
 
-    Raises `CheckpointError` if `root/step-<n>` exists already (on every rank, before writing).
+    Before anything is written the ranks agree (`_agree`), so every rank raises `CheckpointError`
+    or none does: where the ranks were given different folders (`root/step-<n>`: another root,
+    e.g. a per-rank mkdtemp or timestamp, or another step), naming each rank's; where
+    `root/step-<n>` exists already, or an argument is wrong, on some rank. Then rank 0 creates
+    the temporary folder and every rank checks it sees it (one file system shared by every rank),
+    else `CheckpointError` on every rank naming the ranks that do not.
     """
-    check_state(state)
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise CheckpointError(f"keep must be None or an int >= 1 (how many checkpoints to keep), got {keep!r}")
-    if _fail_at is not None and _fail_at not in CRASH_POINTS:
-        raise CheckpointError(f"_fail_at must be one of {CRASH_POINTS}, got {_fail_at!r}")
-    mesh, rank, n = state.mesh, state.rank, int(state.step)
-    root = os.fspath(root)
-    final = os.path.join(root, f"step-{n}")
+    if not isinstance(state, ZeroState):
+        raise CheckpointError(f"checkpoint.save: state must be the ZeroState made by fzero.init, got "
+                              f"{type(state).__name__}")
+    mesh = state.mesh
     with mesh.guard():
-        if os.path.exists(final):
-            raise CheckpointError(f"checkpoint {final!r} exists already (step {n}); save each step once, or "
-                                  f"delete it first")
+        error, key, final = None, None, None
+        shown = _short(root, 300)
+        try:
+            check_state(state, pending=False)  # this rank's checks; the pending flag's (a collective) after
+            if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+                raise CheckpointError(f"keep must be None or an int >= 1 (how many checkpoints to keep), got {keep!r}")
+            if _fail_at is not None and _fail_at not in CRASH_POINTS:
+                raise CheckpointError(f"_fail_at must be one of {CRASH_POINTS}, got {_fail_at!r}")
+            root = _fspath(root, "checkpoint.save: root (the folder that holds the step-<n> checkpoints)")
+            final = os.path.join(root, f"step-{int(state.step)}")
+            shown, key = repr(final), _folder_key(final)
+            if os.path.exists(final):
+                raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
+                                      f"once, or delete it first")
+        except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
+            error = e
+        _agree(mesh, "fzero.checkpoint/save", error, key, shown, same=_same_folder,
+               differ=lambda rows, given: (
+                   f"the ranks of {mesh!r} passed different folders to checkpoint.save:"
+                   + "".join(f"\n  rank {s}: {given[s]}" for s in range(len(rows)))
+                   + "\nevery rank must save the same step into the same root, one folder on a file system every "
+                   "rank shares (not a per-rank tempfile.mkdtemp() or timestamp: choose it once and pass it to "
+                   "every rank); nothing was written"),
+               failed=lambda failures: (
+                   f"checkpoint.save into {shown}: {len(failures)} other rank(s) of {mesh!r} refused it; nothing "
+                   f"was written:{_listed(failures)}"))
+        assert final is not None
+        check_pending(state)
+        rank, n = state.rank, int(state.step)
         tmp = os.path.join(root, f".tmp-step-{n}-{_token(state):012x}")
+
+        def unusable(failures: list[tuple[int, str]]) -> str:
+            return (f"checkpoint.save into {root!r}: {len(failures)} other rank(s) of {mesh!r} cannot use the folder "
+                    f"{tmp!r}; nothing was saved:{_listed(failures)}")
+
+        error = None
         if rank == 0:
-            os.makedirs(tmp)
-        _barrier(mesh, "fzero.checkpoint/mkdir")
+            try:
+                os.makedirs(tmp)
+            except OSError as e:
+                error = e
+        _agree(mesh, "fzero.checkpoint/mkdir", error, None, repr(tmp), same=lambda keys: True,
+               differ=lambda rows, given: "", failed=unusable)
+        try:  # the folder exists: every rank checks it sees it
+            error = None if _visible(tmp) else CheckpointError(
+                f"rank {rank} of {mesh!r} does not see {tmp!r}, the folder rank 0 created for the checkpoint: "
+                f"root {root!r} must be one folder on a file system every rank shares (the same path on every "
+                f"host), not a folder of each host's own disk")
+            _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), same=lambda keys: True,
+                   differ=lambda rows, given: "", failed=unusable)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if _fail_at == "before_data":
             raise _Crash("simulated crash before any data was written")
         sd = state_dict(state)
@@ -568,12 +731,19 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of the checkpoint at `path`, or a `CheckpointError` naming what is wrong."""
-    path = os.fspath(path)
+    """The manifest of the checkpoint at `path`, or a `CheckpointError` naming what is wrong (the
+    file, or the field of it that is missing or of the wrong type)."""
+    return _read_manifest(_fspath(path, "path (a checkpoint folder, root/step-<n>)"))[0]
+
+
+def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
+    """`(manifest, the sha256 of its bytes)`: what `read_manifest` checks, and what the ranks of a
+    `load` compare (the manifest lists every file's sha256, so its own names the checkpoint)."""
     name = os.path.join(path, MANIFEST)
     try:
-        with open(name) as f:
-            manifest = json.load(f)
+        with open(name, "rb") as f:
+            data = f.read()
+        manifest = json.loads(data)
     except FileNotFoundError:
         raise CheckpointError(f"{name!r} does not exist: {path!r} is not a complete fzero checkpoint (a save "
                               f"that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))") from None
@@ -586,7 +756,47 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
                               f"with the fzero that wrote it and save it again")
     if not isinstance(manifest, dict) or any(k not in manifest for k in keys) or manifest["format"] != FORMAT:
         raise CheckpointError(f"{name!r} is not a format-{FORMAT} fzero manifest (needs the keys {keys})")
-    return manifest
+    _check_manifest(name, manifest)
+    return manifest, hashlib.sha256(data).digest()
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    """The floating torch dtype a manifest names ("float32", "bfloat16", ...), or None."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _check_manifest(name: str, m: dict[str, Any]) -> None:
+    """The fields fzero reads are of their types, else a `CheckpointError` naming the field."""
+
+    def bad(field: str, want: str, got: Any) -> CheckpointError:
+        return CheckpointError(f"{name!r}: field {field!r} must be {want}, got {type(got).__name__} {_short(got)}; "
+                               f"the manifest was edited or damaged: load another checkpoint "
+                               f"(fzero.checkpoint.complete(root) lists them)")
+
+    def count(x: Any, lo: int) -> bool:  # an int64 (the step rides in the ranks' agreement row)
+        return isinstance(x, int) and not isinstance(x, bool) and lo <= x < 2**63
+
+    for field, lo in (("step", 0), ("stage", 0), ("world_size", 1)):
+        if not count(m[field], lo):
+            raise bad(field, f"an int >= {lo}", m[field])
+    if not isinstance(m["leaves"], list):
+        raise bad("leaves", "a list of leaf records {path, shape, dtype, frozen}", m["leaves"])
+    for i, ls in enumerate(m["leaves"]):
+        if not isinstance(ls, dict):
+            raise bad(f"leaves[{i}]", "a leaf record {path, shape, dtype, frozen}", ls)
+        for k, want, ok in (("path", "a str", lambda v: isinstance(v, str)),
+                            ("shape", "a list of ints >= 0",
+                             lambda v: isinstance(v, list) and all(count(d, 0) for d in v)),
+                            ("dtype", "a floating torch dtype's name", lambda v: _dtype(v) is not None),
+                            ("frozen", "a bool", lambda v: isinstance(v, bool))):
+            if k not in ls or not ok(ls[k]):
+                raise bad(f"leaves[{i}].{k}", want, ls.get(k))
+    if not isinstance(m["files"], dict):
+        raise bad("files", "a dict {file: {sha256, bytes}}", m["files"])
+    for f, meta in m["files"].items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) or not count(meta.get("bytes"), 0):
+            raise bad(f"files[{f!r}]", "a dict {sha256: str, bytes: int}", meta)
 
 
 def _files_present(path: str, manifest: dict[str, Any]) -> bool:
@@ -596,7 +806,7 @@ def _files_present(path: str, manifest: dict[str, Any]) -> bool:
 
 def complete(root: str | os.PathLike) -> list[str]:
     """The complete checkpoints under `root` (a valid manifest, every file of its size), oldest first."""
-    root = os.fspath(root)
+    root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
     if not os.path.isdir(root):
         return []
     found = []
@@ -636,12 +846,129 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
                               f"state made by fzero.init from the same params pytree")
     want = _jsonable(describe(target.optimizer))
     if manifest["optimizer"] != want:
-        raise CheckpointError(f"{path!r} was saved with another optimizer:\n  checkpoint: "
-                              f"{str(manifest['optimizer'])[:300]}\n  target:     {str(want)[:300]}\nmake the target "
-                              f"with the optimizer the checkpoint was saved with")
+        raise CheckpointError(_other_optimizer(path, manifest["optimizer"], target.optimizer, want))
     if (manifest.get("scaler") is None) != (target.info.scaler is None):
         raise CheckpointError(f"{path!r} has loss scaler {manifest.get('scaler')!r}, the target "
                               f"{target.info.scaler!r}; make the target with loss_scale set as when it was saved")
+
+
+class _Fn(NamedTuple):
+    """A function as `state.describe` sees it, with names: its qualname and, per closure value
+    `describe` keeps, `(variable name, value)` (a repr, or a nested `_Fn`)."""
+
+    qualname: str
+    items: tuple[tuple[str, Any], ...]
+
+
+def _named(x: Any, depth: int = 0) -> Any:
+    """`state.describe(x)` with each value named: a tuple (an `Optimizer`) as `((field, node), ...)`
+    in a list, a function as `_Fn` (its closure variables' names from `co_freevars`), anything
+    else as `describe` writes it. Kept values follow `describe`'s rule exactly (`_unnamed` of it
+    is `describe(x)`; `_other_optimizer` checks)."""
+    if isinstance(x, tuple):
+        names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
+        return [(n, _named(v, depth)) for n, v in zip(names, x)]
+    if not callable(x):
+        return describe(x)
+    cells = getattr(x, "__closure__", None) or ()
+    names = getattr(getattr(x, "__code__", None), "co_freevars", ()) or [str(i) for i in range(len(cells))]
+    items = []
+    for name, cell in zip(names, cells):
+        v = cell.cell_contents
+        if isinstance(v, (int, float, str, bool, type(None))):
+            items.append((name, repr(v)))
+        elif isinstance(v, tuple) and all(isinstance(e, (int, float, str, bool)) for e in v):
+            items.append((name, repr(v)))
+        elif callable(v) and not isinstance(v, type) and depth < 3:
+            items.append((name, _named(v, depth + 1)))
+    return _Fn(getattr(x, "__qualname__", type(x).__qualname__), tuple(items))
+
+
+def _unnamed(node: Any) -> Any:
+    if isinstance(node, _Fn):
+        return [node.qualname, [_unnamed(v) for _, v in node.items]]
+    if isinstance(node, list):
+        return [_unnamed(v) for _, v in node]
+    return node
+
+
+def _setting_diffs(theirs: Any, node: Any, where: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any, Any]]:
+    """Where the checkpoint's optimizer description `theirs` differs from the target's (`node`,
+    `_named`): `(names down to the value, checkpoint's, target's)`; a function of another name,
+    or of other closure values, is one difference at `where`. Inside `as_schedule` (the lr) the
+    names restart at "lr"."""
+    if isinstance(node, _Fn):
+        if node.qualname.startswith("as_schedule."):
+            where = ("lr",)
+        if not (isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == node.qualname
+                and isinstance(theirs[1], list) and len(theirs[1]) == len(node.items)):
+            return [(where, theirs, _unnamed(node))]
+        return [d for (name, v), t in zip(node.items, theirs[1]) for d in _setting_diffs(t, v, where + (name,))]
+    if isinstance(node, list):
+        if not (isinstance(theirs, list) and len(theirs) == len(node)):
+            return [(where, theirs, _unnamed(node))]
+        return [d for (name, v), t in zip(node, theirs) for d in _setting_diffs(t, v, where + (name,))]
+    return [] if theirs == node else [(where, theirs, node)]
+
+
+def _setting_name(where: tuple[str, ...]) -> str:
+    if where[:1] == ("lr",):
+        rest = [w for w in where[1:] if w != "value"]
+        return "lr" + (f" (schedule {'.'.join(rest)})" if rest else "")
+    return where[-1] if where else "optimizer"
+
+
+def _fn_nodes(desc: Any) -> Iterator[list]:
+    """The function nodes `[qualname, [values]]` of a JSON optimizer description, depth first."""
+    if isinstance(desc, list):
+        if len(desc) == 2 and isinstance(desc[0], str) and isinstance(desc[1], list):
+            yield desc
+            desc = desc[1]
+        for v in desc:
+            yield from _fn_nodes(v)
+
+
+def optimizer_name(desc: Any) -> str:
+    """A readable name of the optimizer a manifest describes (`manifest["optimizer"]`, the JSON of
+    `state.describe(optimizer)`): the name `two_phase` keeps ("adamw", "sgd"), else the function
+    that makes the state ("lamb" of `lamb.<locals>.init`), else its qualname."""
+    for node in _fn_nodes(desc):
+        first = node[1][0] if node[1] else None
+        if node[0] == "two_phase.<locals>.update_" and isinstance(first, str) and re.fullmatch(r"'\w+'", first):
+            return first[1:-1]
+    init = desc[0][0] if isinstance(desc, list) and desc and isinstance(desc[0], list) and desc[0] else None
+    if isinstance(init, str):
+        return init.split(".<locals>.")[0].lstrip("_") or init
+    return _short(desc, 120)
+
+
+def _constant_lr(desc: Any) -> str | None:
+    """The constant lr a JSON optimizer description holds (`as_schedule` of a float), or None."""
+    for node in _fn_nodes(desc):
+        if node[0] == "as_schedule.<locals>.<lambda>" and len(node[1]) == 1 and isinstance(node[1][0], str):
+            return node[1][0]
+    return None
+
+
+def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
+    """The message for a checkpoint saved with another optimizer, or the same one with other
+    settings: which (by name), or which settings differ, the checkpoint's value and the target's."""
+    fix = "make the target with the optimizer and settings the checkpoint was saved with"
+    names = optimizer_name(theirs), optimizer_name(want)
+    if names[0] != names[1]:
+        return f"{path!r} was saved with another optimizer: checkpoint {names[0]}, target {names[1]}; {fix}"
+    named = _named(optimizer)
+    diffs = _setting_diffs(theirs, named, ()) if _jsonable(_unnamed(named)) == want else []
+    shown: dict[str, None] = {}
+    for where, a, b in diffs:
+        if not (isinstance(a, str) and isinstance(b, str)):
+            shown = {}
+            break
+        shown[f"{_setting_name(where)}: checkpoint {a}, target {b}"] = None
+    if shown:
+        return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}")
+    return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "
+            f"{str(theirs)[:300]}\n  target:     {str(want)[:300]}\n{fix}")
 
 
 def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = None) -> None:
@@ -653,7 +980,10 @@ def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = Non
         name = os.path.join(path, f)
         if not os.path.isfile(name):
             raise CheckpointError(f"{name!r} is missing from the checkpoint (the manifest lists it)")
-        size, digest = os.path.getsize(name), _sha256(name)
+        try:
+            size, digest = os.path.getsize(name), _sha256(name)
+        except OSError as e:
+            raise CheckpointError(f"{name!r} cannot be read: {e}") from None
         if size != meta["bytes"] or digest != meta["sha256"]:
             raise CheckpointError(f"{name!r} is corrupted: {size} bytes with sha256 {digest[:16]}..., the manifest "
                                   f"recorded {meta['bytes']} bytes with sha256 {meta['sha256'][:16]}...; load an "
@@ -725,18 +1055,6 @@ def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted
     return _Wanted(ranges, buffers, scalars, rng)
 
 
-def _agree(mesh: Mesh, path: str, error: CheckpointError | None) -> None:
-    """Every rank learns whether any rank found the checkpoint unfit (ranks check the files they
-    read, which differ), so all raise before any reads, or none does."""
-    bad = mesh.collective("all_reduce", torch.tensor(int(error is not None), device=mesh.device), arg="sum",
-                          tag="fzero.checkpoint/checked")
-    if error is not None:
-        raise error
-    if int(bad):
-        raise CheckpointError(f"{path!r}: {int(bad)} other rank(s) of {mesh!r} found the checkpoint unfit (their "
-                              f"errors name the file and the mismatch); nothing was loaded")
-
-
 def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
     layout, stage, rank = target.layout, target.stage, target.rank
@@ -757,35 +1075,58 @@ def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple
     return tuple(params), tuple(master), tuple(opt_state)
 
 
+def _same_checkpoint(keys: list[list[int]]) -> bool:
+    return len({tuple(k) for k in keys}) <= 1
+
+
 def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True) -> ZeroState:
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
-    Every rank calls it. Before anything is read, the manifest is checked against `target`
-    (leaves, optimizer, scaler), this rank's read plan is made (`read_plan`: only the saved
-    chunks that overlap what the rank holds) and every file it touches is checked against its
-    sha256; the ranks agree on the checks (`CheckpointError` naming the file and the mismatch on
-    every rank). Then `dcp.load` fills fresh buffers: each bucket's master values, held as
-    `fzero.init` holds them (`Stage.hold`: the shard, the master shard beside the compute copy
-    `flat.to(compute)`, or the whole buffer); each optimizer field per its spec; the step counter
-    and loss scale as saved. With `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA
-    where saved and initialised) are set to the ones saved by the same rank.
+    Every rank calls it, with the same checkpoint. Before anything is read, the manifest is
+    checked against `target` (leaves, optimizer, scaler), this rank's read plan is made
+    (`read_plan`: only the saved chunks that overlap what the rank holds) and every file it
+    touches is checked against its sha256; the ranks agree on the checks and on the checkpoint
+    they read (the manifest's step and sha256: ranks that were given different checkpoints, e.g.
+    each from its own `latest(root)` while a save ran, raise naming each rank's path and step),
+    so a `CheckpointError` is raised on every rank or on none. Then `dcp.load` fills fresh
+    buffers: each bucket's master values, held as `fzero.init` holds them (`Stage.hold`: the
+    shard, the master shard beside the compute copy `flat.to(compute)`, or the whole buffer);
+    each optimizer field per its spec; the step counter and loss scale as saved. With
+    `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA where saved and initialised)
+    are set to the ones saved by the same rank.
     """
-    check_state(target, pending=False)  # load overwrites it: a broken donated target is what it restores
-    path = os.fspath(path)
+    if not isinstance(target, ZeroState):
+        raise CheckpointError(f"checkpoint.load: target must be a ZeroState made by fzero.init (the state to load "
+                              f"into), got {type(target).__name__}")
     mesh = target.mesh
     with mesh.guard():
-        manifest = read_manifest(path)
-        check_fits(path, manifest, target)
-        error = None
+        error, key, shown = None, None, _short(path, 300)
         try:
+            check_state(target, pending=False)  # load overwrites it: a broken donated target is what it restores
+            path = _fspath(path, "checkpoint.load: path (a checkpoint folder, root/step-<n>)")
+            shown = repr(path)
+            manifest, digest = _read_manifest(path)
+            key = (manifest["step"], _int64(digest), 0)
+            check_fits(path, manifest, target)
             metadata = _metadata(path, manifest)
             w = _wanted(target, metadata, restore_rng and manifest["world_size"] == mesh.world_size)
             items = read_plan(path, metadata, w.ranges)
             check_files(path, manifest, only=files_read(metadata, items))
-        except CheckpointError as e:
+        except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
-        _agree(mesh, path, error)
+        _agree(mesh, "fzero.checkpoint/checked", error, key, shown, same=_same_checkpoint,
+               differ=lambda rows, given: (
+                   f"the ranks of {mesh!r} passed different checkpoints to checkpoint.load:"
+                   + "".join(f"\n  rank {s}: {given[s]} " + (f"(step {r[2]}, manifest sha256 {_hex(r[3])}...)"
+                                                              if r[1] else "(no manifest read)")
+                             for s, r in enumerate(rows))
+                   + "\nevery rank must load the same checkpoint: choose it once and pass it to every rank (each "
+                   "rank calling fzero.checkpoint.latest(root) while a save runs may pick another step; e.g. choose "
+                   "on rank 0 and send it with torch.distributed.broadcast_object_list); nothing was loaded"),
+               failed=lambda failures: (
+                   f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint unfit; nothing was "
+                   f"loaded:{_listed(failures)}"))
         _dcp_load(path, metadata, w.ranges, items, mesh)
         info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
         params, master, opt_state = _held(target, w, info)
@@ -799,8 +1140,8 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
 
 # -- export, offline ----------------------------------------------------------------------------
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
+_SAFETENSORS = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -811,12 +1152,12 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
     takes (buffers are not part of a checkpoint: `strict=False`, or add them). Files are checked
     against their sha256 first."""
-    path = os.fspath(path)
+    path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
     manifest = read_manifest(path)
     check_files(path, manifest)
     metadata = _read_metadata(path)
     leaves = manifest["leaves"]
-    flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_DTYPES[ls["dtype"]]) for ls in leaves}
+    flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_dtype(ls["dtype"])) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
@@ -863,18 +1204,20 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
 def summary(path: str | os.PathLike) -> str:
     """What `fzero inspect` prints: step, world size, stage, optimizer, precision, scaler, and each
     leaf's path, shape, dtype and bytes."""
+    path = _fspath(path, "checkpoint.summary: path (a checkpoint folder, root/step-<n>)")
     m = read_manifest(path)
-    opt = m["optimizer"][1][0] if isinstance(m["optimizer"], list) and len(m["optimizer"]) > 1 else m["optimizer"]
-    lines = [f"{os.fspath(path)}: step {m['step']}, saved by {m['world_size']} rank(s) at stage {m['stage']}",
-             f"optimizer: {str(opt)[:120]}", f"precision: {m.get('precision')}, loss scaler: {m.get('scaler')}"]
+    lr = _constant_lr(m["optimizer"])
+    lines = [f"{path}: step {m['step']}, saved by {m['world_size']} rank(s) at stage {m['stage']}",
+             f"optimizer: {optimizer_name(m['optimizer'])}" + (f", lr {lr}" if lr is not None else ""),
+             f"precision: {m.get('precision')}, loss scaler: {m.get('scaler')}"]
     total = 0
     for ls in m["leaves"]:
-        nbytes = math.prod(ls["shape"]) * _DTYPES[ls["dtype"]].itemsize
+        nbytes = math.prod(ls["shape"]) * _dtype(ls["dtype"]).itemsize
         total += nbytes
         lines.append(f"  {ls['path']:40s} {ls['dtype']:9s} {str(ls['shape']):20s} {nbytes:>12,} B"
                      + (" (frozen)" if ls["frozen"] else ""))
     files = sum(meta["bytes"] for meta in m["files"].values())
-    md = _read_metadata(os.fspath(path)).state_dict_metadata
+    md = _read_metadata(path).state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
     lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(md)} DCP tensors in {chunks} chunks; "
                  f"{len(m['files'])} files, {files:,} B on disk")

@@ -364,7 +364,10 @@ def _run_export(args: argparse.Namespace) -> int:
     except ckpt.CheckpointError as e:
         raise CliError(str(e)) from None
     manifest = ckpt.read_manifest(args.checkpoint)
-    ckpt.save_safetensors(tensors, args.out, {"format": "pt", "fzero_step": str(manifest["step"])})
+    try:
+        ckpt.save_safetensors(tensors, args.out, {"format": "pt", "fzero_step": str(manifest["step"])})
+    except OSError as e:
+        raise CliError(f"cannot write {args.out!r}: {e}") from None
     print(f"wrote {args.out}: {len(tensors)} tensors, step {manifest['step']}")
     return 0
 
