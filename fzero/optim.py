@@ -56,6 +56,7 @@ __all__ = [
     "AmsgradState",
     "EmptyState",
     "Impl",
+    "Launch",
     "LambState",
     "Optimizer",
     "OptimizerError",

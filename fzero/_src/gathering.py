@@ -107,7 +107,9 @@ def same_paths(layout: Layout) -> Iterator[None]:
             f"ranks took different paths through the model: {parts}. With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
-            f"rank in declaration order. The mesh said: {e}") from e
+            f"rank in declaration order. Ranks whose train_step settings differ (micro_batches, accumulate, gather, "
+            f"persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: {e}"
+        ) from e
 
 
 def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
@@ -619,7 +621,23 @@ class FirstUse(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         flat, spec = tree_flatten((args, kwargs or {}))
         if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
+            _not_from_compiled(self._paths, flat)
             flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
                     for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **(kwargs or {}))
+
+
+@eager
+def _not_from_compiled(paths: dict[int, str], flat: list[Any]) -> None:
+    """Raise `ConfigError` where compiled code (torch.compile) hands `FirstUse` a placeholder.
+    Dynamo cannot trace the swap (on torch 2.13 it stopped inside it with
+    InternalTorchDynamoError, NameError: '___tuple_iterator_getitem'); traced, this call is a
+    graph break, and run by the compiled code it raises (`from_compiled`). A plain eager call
+    returns at once."""
+    if from_compiled():
+        named = [paths[id(a)] for a in flat if isinstance(a, torch.Tensor) and id(a) in paths]
+        raise ConfigError(f"gather='on_use' with params that are not a flat dict: compiled code (torch.compile) "
+                          f"reads the placeholder of {named}, which fzero swaps for the gathered leaf at its "
+                          f"first use, outside dynamo; use gather='eager' with a compiled loss, or flat-dict params "
+                          f"read outside the compiled code (docs/compile.md)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -39,9 +40,10 @@ class ParamGroup:
 
     Attributes:
       name: shown in bucket tags and errors.
-      match: `path -> bool`; `None` matches every leaf. The first group that matches wins, except
-        that a frozen group wins wherever it stands.
-      weight_decay: False masks weight decay off (torch: a param group with weight_decay=0).
+      match: a callable `path -> bool`; `None` matches every leaf. The first group that matches
+        wins, except that a frozen group wins wherever it stands.
+      weight_decay: False masks weight decay off (torch: a param group with weight_decay=0; a 0
+        given here is taken as False). The amount is the optimizer's.
       lr_scale: the group's learning rate is `fl(lr * lr_scale)`.
       frozen: no optimizer state, no gradient reduction (torch: `requires_grad=False`).
     """
@@ -53,8 +55,36 @@ class ParamGroup:
     frozen: bool = False
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.lr_scale) or self.lr_scale < 0:
-            raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be finite and >= 0, got {self.lr_scale}")
+        if not isinstance(self.name, str):
+            raise LayoutError(f"ParamGroup name must be a str (it names the group's buckets), got "
+                              f"{type(self.name).__name__} {self.name!r}")
+        if self.match is not None and not callable(self.match):
+            hint = (f"; e.g. match=lambda path: path == {self.match!r} (or fnmatch.fnmatch(path, {self.match!r}) for "
+                    f"a glob)" if isinstance(self.match, str) else "")
+            raise LayoutError(f"ParamGroup {self.name!r}: match must be None (every leaf) or a callable path -> bool, "
+                              f"got {type(self.match).__name__} {self.match!r}{hint}")
+        wd = self.weight_decay
+        if not isinstance(wd, bool) and isinstance(wd, (int, float)) and wd == 0:
+            object.__setattr__(self, "weight_decay", False)  # torch's spelling of "no decay": weight_decay=0
+        elif not isinstance(wd, bool):
+            raise LayoutError(f"ParamGroup {self.name!r}: weight_decay must be a bool (whether the optimizer's weight "
+                              f"decay applies to the group; 0 is taken as False), got {type(wd).__name__} {wd!r}; a "
+                              f"group has no decay amount of its own: set it on the optimizer, e.g. "
+                              f"fzero.optim.adamw(lr, weight_decay=0.01)")
+        if not isinstance(self.frozen, bool):
+            raise LayoutError(f"ParamGroup {self.name!r}: frozen must be a bool, got {type(self.frozen).__name__} "
+                              f"{self.frozen!r}")
+        scale = self.lr_scale
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # numpy's floats too
+            raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be a Python float (finite, >= 0), got "
+                              f"{type(scale).__name__} {scale!r}")
+        try:
+            scale = float(scale)
+        except OverflowError:  # an int beyond float's range
+            scale = math.inf
+        if not math.isfinite(scale) or scale < 0:
+            raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be finite and >= 0, got {scale}")
+        object.__setattr__(self, "lr_scale", scale)  # a float, as group_lr's product with the lr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +210,30 @@ def _unit_of(units: UnitSpec) -> Callable[[str], str]:
         return lambda path: str(units(path))
     if isinstance(units, Mapping):
         table = list(units.items())
+        for name, pred in table:
+            if not callable(pred):
+                raise LayoutError(f"units[{name!r}] must be a callable path -> bool (the unit's leaves), got "
+                                  f"{type(pred).__name__} {pred!r}")
         return lambda path: next((name for name, pred in table if pred(path)), DEFAULT_UNIT)
     raise LayoutError(f"units must be None, a callable path -> name, or a mapping name -> predicate; got {units!r}")
 
 
 NO_GRAD = ParamGroup("requires_grad=False", frozen=True)
+
+
+def check_groups(groups: Any) -> tuple[ParamGroup, ...]:
+    """`groups` as a tuple of `ParamGroup`s, or a `LayoutError` naming what was given."""
+    if isinstance(groups, ParamGroup):
+        raise LayoutError(f"groups must be a list of fzero.ParamGroup, got one ParamGroup {groups.name!r}; "
+                          f"pass groups=[...] around it")
+    if groups is None or isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise LayoutError(f"groups must be a list (or tuple) of fzero.ParamGroup, () for none, got "
+                          f"{type(groups).__name__} {groups!r}"[:300])
+    for k, g in enumerate(groups):
+        if not isinstance(g, ParamGroup):
+            raise LayoutError(f"groups[{k}] must be a fzero.ParamGroup(name, match=..., ...), got "
+                              f"{type(g).__name__} {g!r}"[:300])
+    return tuple(groups)
 
 
 def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], ParamGroup]:
@@ -258,7 +307,7 @@ def plan(
         raise LayoutError(f"bucket_bytes must be None or an int >= 1 (the most bytes of leaves per bucket), "
                           f"got {bucket_bytes!r}")
     paths, leaves, spec = flatten_with_paths(params)
-    unit_of, group_of = _unit_of(units), _group_of(groups)
+    unit_of, group_of = _unit_of(units), _group_of(check_groups(groups))
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         leaf = _check_leaf(path, leaf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,10 @@ class StateInfo:
       offload: the `fzero.Offload` settings (what lives in host memory; `fzero._src.offload`).
       tier: the host tier of the offloaded buckets (`HostTier`, or `NvmeTier` with its swap
         files), or None.
+      serial: which `fzero.init` on this mesh made the state (1, 2, ... per rank; `init` is
+        collective, so the states of one call have the same serial on every rank): the step's
+        agreement compares it, so ranks stepping states of different `init`s raise. Not compared
+        by `==` (infos of equal meaning share the step's caches).
     """
 
     layout: Layout
@@ -58,6 +63,7 @@ class StateInfo:
     scaler: LossScale | None = None
     offload: Offload = NO_OFFLOAD
     tier: HostTier | None = None
+    serial: int = dataclasses.field(default=0, compare=False)
 
     @functools.cached_property
     def _host_buckets(self) -> frozenset[int]:
@@ -213,6 +219,9 @@ def init(
         off.check_stage(st)
         tier = tier_of(off, mesh.device)
         _check_optimizer(optimizer)
+        if not isinstance(sync, bool):  # `sync="no"` read as True broadcast where the user meant not to
+            raise ConfigError(f"sync must be a bool (broadcast rank 0's values to every rank), got "
+                              f"{type(sync).__name__} {sync!r}")
         if not isinstance(precision, Precision):
             raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
         if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
@@ -220,8 +229,8 @@ def init(
                               f"got {type(loss_scale).__name__} {loss_scale!r}")
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
-        _check_distinct(params)
         _check_real(params)
+        _check_distinct(params)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
@@ -242,6 +251,8 @@ def init(
             put on `mesh.device` (params may come from the host: a model built on the CPU)."""
             if sync and mesh.world_size > 1:
                 flat = broadcast(flat.to(mesh.device), mesh, 0, tag=layout.buckets[b].tag)
+            if not layout.buckets[b].group.frozen:
+                _check_finite(layout, b, flat, mesh, sync)
             return place(st, off, tiers[b], layout, b, *st.hold(layout, b, flat, rank, computes[b]), rank,
                          computes[b], mesh.device)
 
@@ -270,9 +281,21 @@ def init(
             held = tuple(tiers[b].keep_params(b, p) if b in trainable and tiers[b] is not None else p
                          for b, p in enumerate(held))  # params="nvme": the compute-dtype shards too
         st = stage_of(st, off, tier)
+        serial = _next_serial(mesh)
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
-                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier))
+                     StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier, serial))
+
+
+def _next_serial(mesh: Mesh) -> int:
+    """This `init`'s number on `mesh` (`StateInfo.serial`), the same on every rank: one more than
+    the largest any rank made before (an all-reduce, max: a rank stopped inside an earlier `init`
+    by another rank's error counted one fewer). Kept per rank, as SimMesh's ranks are threads
+    sharing one mesh."""
+    counts = mesh.__dict__.setdefault("_fzero_inits", {})
+    mine = torch.tensor([counts.get(mesh.rank, 0) + 1], dtype=torch.int64, device=mesh.device)
+    counts[mesh.rank] = int(all_reduce(mine, mesh, "max", tag="fzero.init/serial").item())
+    return counts[mesh.rank]
 
 
 def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> None:
@@ -288,7 +311,9 @@ def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> 
 
 
 def _check_distinct(params: Any) -> None:
-    """One tensor at two paths would be two leaves updated apart (silently untied)."""
+    """One tensor at two paths, or two leaves whose memory overlaps (views of one tensor: `W` and
+    `W.t()`, overlapping slices), would be two leaves updated apart (silently untied). Views of
+    one buffer that share no element (disjoint slices, interleaved columns) are allowed."""
     paths, leaves, _ = flatten_with_paths(params)
     first: dict[int, str] = {}
     for path, leaf in zip(paths, leaves):
@@ -296,6 +321,103 @@ def _check_distinct(params: Any) -> None:
         if other != path:
             raise LayoutError(f"params leaves {other!r} and {path!r} are the same tensor; keep one leaf and use it "
                               f"twice in the loss (fzero.from_module does this for tied module weights)")
+    shared = _overlapping(leaves)
+    if shared is not None:
+        (i, j) = shared
+        show = lambda k: f"{paths[k]!r} ({str(leaves[k].dtype).removeprefix('torch.')}{list(leaves[k].shape)}, "\
+                         f"stride {list(leaves[k].stride())}, storage offset {leaves[k].storage_offset()})"  # noqa: E731
+        raise LayoutError(f"params leaves {show(i)} and {show(j)} share memory (views of one tensor, e.g. W and "
+                          f"W.t() or overlapping slices): fzero would update them apart and silently untie them; keep "
+                          f"one leaf and use it at both places in the loss (e.g. p['emb'].t() for a tied head; "
+                          f"fzero.from_module does this for tied module weights), or pass a .clone() to train them "
+                          f"apart")
+
+
+def _extent(t: torch.Tensor) -> tuple[Any, int, int, bool] | None:
+    """`(device, first byte, end byte, dense)` of the memory a strided tensor's elements span
+    (`dense`: its elements fill that span exactly, once each, as a contiguous tensor or a
+    transpose do), or None for a tensor with no memory (no elements, meta, not strided)."""
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    try:
+        lo = t.data_ptr()
+    except RuntimeError:  # a tensor subclass without storage
+        return None
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    expected, dense = 1, True
+    for st, n in dims:
+        dense &= st == expected
+        expected *= n
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.device, lo, lo + span * t.element_size(), dense
+
+
+def _overlapping(leaves: Sequence[Any]) -> tuple[int, int] | None:
+    """The indices of two leaves that share a byte of memory, or None. Leaves are sorted by their
+    first byte per device; runs of overlapping spans are clusters. Where every member of a cluster
+    is dense, overlapping spans are shared memory; otherwise (strided views that may interleave)
+    the cluster's elements are marked in a scratch buffer over its span (rare)."""
+    spans = sorted((e[0].type, e[0].index or 0, e[1], e[2], e[3], k) for k, t in enumerate(leaves)
+                   if isinstance(t, torch.Tensor) and (e := _extent(t)) is not None)
+    cluster: list[tuple] = []
+    for span in spans + [None]:  # a sentinel closes the last cluster
+        if cluster and span is not None and span[:2] == cluster[0][:2] and span[2] < max(c[3] for c in cluster):
+            if all(c[4] for c in cluster) and span[4]:  # dense: the spans' overlap is shared memory
+                widest = max(cluster, key=lambda c: c[3])
+                return widest[5], span[5]
+            cluster.append(span)
+            continue
+        if len(cluster) > 1:
+            hit = _marked_overlap([leaves[c[5]] for c in cluster], [c[2] for c in cluster])
+            if hit is not None:
+                return cluster[hit[0]][5], cluster[hit[1]][5]
+        cluster = [span]
+    return None
+
+
+def _marked_overlap(ts: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[int, int] | None:
+    """Mark each tensor's elements in a scratch buffer over the tensors' joint span (in units of
+    the largest byte count dividing every item size and offset), each with its own number; the
+    first tensor to find another's mark shares memory with it: `(earlier, later)` positions."""
+    base = min(starts)
+    unit = 0
+    for t, lo in zip(ts, starts):
+        unit = math.gcd(unit, t.element_size(), lo - base)
+    ends = [lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+            for t, lo in zip(ts, starts)]
+    marks = torch.zeros((max(ends) - base) // unit, dtype=torch.int32)
+    for k, (t, lo) in enumerate(zip(ts, starts)):
+        per = t.element_size() // unit
+        view = marks.as_strided(tuple(t.shape) + (per,), tuple(st * per for st in t.stride()) + (1,),
+                                (lo - base) // unit)
+        seen = view[view != 0]
+        if seen.numel():
+            return int(seen[0]) - 1, k
+        view.fill_(k + 1)
+    return None
+
+
+def _check_finite(layout: Layout, b: int, flat: torch.Tensor, mesh: Mesh, sync: bool) -> None:
+    """A trainable bucket's initial values (after the broadcast, what the state keeps) are finite:
+    a NaN or inf there could never take a step (the step's check of its update covers whole
+    buckets), so it is named here, with its leaf and count. One read of the bucket; the leaves
+    are found only where it fails."""
+    if bool(torch.isfinite(flat).all()):
+        return
+    bad = []
+    for seg in layout.flat_segments(b):
+        count = int((~torch.isfinite(flat[seg.start : seg.stop])).sum())
+        if count:
+            ls = layout.leaves[seg.leaf]
+            bad.append(f"{ls.path!r} ({str(ls.dtype).removeprefix('torch.')}{list(ls.shape)}: {count} of {ls.numel} "
+                       f"elements NaN or inf)")
+    whose = "rank 0's values (broadcast to every rank: sync=True)" if sync and mesh.world_size > 1 else (
+        f"rank {mesh.rank}'s values")
+    raise NonFiniteError(f"params leaves {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} hold NaN or inf in "
+                         f"{whose} ({mesh!r}); a trainable leaf must start finite (every update of its bucket would "
+                         f"be NaN or inf): initialise it (a torch.empty / to_empty tensor never initialised?), or "
+                         f"freeze it with a ParamGroup(..., frozen=True) if it is a constant such as a mask. To restore "
+                         f"a checkpoint, init from any finite values, then fzero.checkpoint.load")
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -321,7 +443,10 @@ def _check_real(params: Any) -> None:
 def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
     """A process-independent description of an optimizer (or any function): qualified names and
     the plain values (numbers, strings, bools) its closures hold, for comparing settings across
-    ranks. Two optimizers that print alike behave alike; the converse is not claimed."""
+    ranks. Two optimizers that print alike behave alike; the converse is not claimed: what a
+    function holds otherwise -- a `functools.partial`'s arguments, a callable object's attributes,
+    a dict or a global it reads -- is not described (docs/bad-input.md, "What fzero does not
+    compare"). `checkpoint._named` follows the same rule."""
     if isinstance(fn_or_tuple, tuple):
         return tuple(describe(f, depth) for f in fn_or_tuple)
     if not callable(fn_or_tuple):
@@ -340,23 +465,24 @@ def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
     return (getattr(fn_or_tuple, "__qualname__", type(fn_or_tuple).__qualname__), tuple(values))
 
 
-def check_same_settings(mesh: Mesh, **settings: Any) -> None:
-    """Raise on every rank unless every rank passed the same settings (stage, optimizer, buckets:
-    units and groups, align, sync), naming the first that differs and each rank's value."""
+def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -> None:
+    """Raise on every rank unless every rank passed the same settings (`fzero.init`'s: stage,
+    optimizer, buckets: units and groups, align, sync; or a `train_step`'s), naming the first that
+    differs and each rank's value."""
     n = mesh.world_size
     if n == 1:
         return
     names = sorted(settings)
     mine = torch.tensor([_crc(settings[k]) for k in names], dtype=torch.int64, device=mesh.device)
-    table = all_gather(mine, mesh, tag="fzero.init/settings").view(n, len(names))
+    table = all_gather(mine, mesh, tag=f"{what}/settings").view(n, len(names))
     differ = (table != table[:1]).any(dim=0).nonzero().flatten().tolist()
     if differ:
         name = names[differ[0]]
         ranks = [r for r in range(n) if table[r, differ[0]] != table[0, differ[0]]]
-        shown = repr(settings[name])
-        raise ConfigError(f"fzero.init settings differ across ranks (world size {n}): {name!r} on rank {mesh.rank} is "
+        shown, listed = repr(settings[name]), " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+        raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name!r} on rank {mesh.rank} is "
                           f"{shown[:200]}, and rank(s) {ranks} differ from rank 0; every rank must pass the same "
-                          f"stage, optimizer, units, groups, align and sync")
+                          f"{listed}")
 
 
 def gather(state: ZeroState) -> Any:
@@ -502,15 +628,32 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
         counts = ", ".join(f"rank {r}: {row[0]} leaves" for r, row in enumerate(rows))
         raise LayoutError(f"params differ across ranks (world size {n}): {counts}; every rank must pass the "
                           f"same pytree structure")
-    sig = torch.tensor([[_crc((ls.path, ls.dtype, ls.shape)), ls.numel] for ls in layout.leaves] or [[0, 0]],
-                       dtype=torch.int64, device=mesh.device).view(-1)
-    table = all_gather(sig, mesh, tag="fzero.init/leaves").view(n, -1, 2)
+    # per leaf: its path, dtype and shape (each a checksum, so the message can say which differs) and numel
+    sig = torch.tensor([[_crc(ls.path), _crc(str(ls.dtype)), _crc(ls.shape), ls.numel] for ls in layout.leaves]
+                       or [[0, 0, 0, 0]], dtype=torch.int64, device=mesh.device).view(-1)
+    table = all_gather(sig, mesh, tag="fzero.init/leaves").view(n, -1, 4)
     differ = (table != table[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if differ or any(row[1] != rows[0][1] for row in rows):
-        i = differ[0] if differ else 0
-        ls = layout.leaves[i] if layout.leaves else None
-        sizes = ", ".join(f"rank {r}: {table[r, i, 1].item()} elements" for r in range(n))
-        sizes += " (same count, other shape or dtype)" if len({table[r, i, 1].item() for r in range(n)}) == 1 else ""
-        where = f"leaf {ls.path!r} ({ls.dtype}{list(ls.shape)} on rank {mesh.rank})" if ls else "the structure"
+        if not differ:  # every leaf alike: the containers differ (a list on one rank, a tuple on another, ...)
+            raise LayoutError(f"params differ across ranks (world size {n}): the leaves' paths, shapes and dtypes "
+                              f"agree but the pytree structure does not (rank {mesh.rank}: {layout.treespec}); every "
+                              f"rank must pass the same containers")
+        i = differ[0]
+        ls = layout.leaves[i]
+        col = table[:, i, :]
+
+        def ranks_differing(c: int) -> list[int]:
+            return [r for r in range(n) if col[r, c].item() != col[0, c].item()]
+
+        sizes = ", ".join(f"rank {r}: {col[r, 3].item()} elements" for r in range(n))
+        if ranks_differing(0):
+            sizes += (f" (the paths differ: rank(s) {ranks_differing(0)} have another path than rank 0's at leaf "
+                      f"{i} in flatten order)")
+        elif len({col[r, 3].item() for r in range(n)}) == 1:
+            what = [name for c, name in ((1, "dtype"), (2, "shape")) if ranks_differing(c)]
+            sizes += (f" (same count, other shape or dtype: the {' and '.join(what)} "
+                      f"{'differ' if len(what) > 1 else 'differs'} on rank(s) "
+                      f"{sorted(set(ranks_differing(1) + ranks_differing(2)))} from rank 0's)")
+        where = f"leaf {ls.path!r} ({ls.dtype}{list(ls.shape)} on rank {mesh.rank})"
         raise LayoutError(f"params differ across ranks (world size {n}) at {where}: {sizes}; every rank must "
                           f"pass the same paths, shapes and dtypes")

@@ -62,8 +62,8 @@ from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
 from .stages import Flight, Wire
-from .state import (StateInfo, ZeroState, broken_update, check_state, consume, nonfinite_leaves,
-                    updated_nonfinite_leaves)
+from .state import (StateInfo, ZeroState, _crc, broken_update, check_same_settings, check_state, consume,
+                    nonfinite_leaves, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
 
@@ -116,6 +116,19 @@ class StepConfig:
     cast_ahead: bool = False
     ahead: CastAhead = dataclasses.field(default_factory=CastAhead, compare=False, repr=False)
     buffers: HostBuffers = dataclasses.field(default_factory=HostBuffers, compare=False, repr=False)
+
+    @property
+    def shared(self) -> dict[str, Any]:
+        """The settings every rank's step must share (all but `loss_fn`, which is compared by
+        nothing: each rank's closure may hold its own data): the step's agreement row carries
+        their fingerprint (`fingerprint`), and ranks that differ raise `ConfigError` on every rank
+        (`_check_same_steps`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare and f.name != "loss_fn"}
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """`shared`'s CRC-32 (31 bits: exact in the agreement's float64 row)."""
+        return _crc(self.shared)
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -344,11 +357,12 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms,
                                                   buffers)
     with _named("fzero.step/agree"):
-        rows, shards = agreement(state, loss, report, reduced, count, norms)
+        rows, shards = agreement(state, loss, report, reduced, count, norms, config.fingerprint)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
         verdict, ready, launched = agree_launching(config, state, rows, shards, reduced, report, ready)
     if verdict.broken_ranks:  # the donating step before this one broke the state in place
         raise broken_update(state, verdict.broken_ranks)
+    _check_some_leaf_used(state, verdict)
     step, s, scaler, finite = int(state.step), loss_scale_of(state), state.info.scaler, verdict.finite
     scale = _normalizer(config, state, verdict)
     norm = math.sqrt(verdict.norm_sq) * scale / s if math.isfinite(verdict.norm_sq) else verdict.norm_sq
@@ -784,7 +798,7 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: 
         if reads is not None:
             reads.forward_done(loss)
         inputs = [*train, *[t for p in probes.values() for t in p]]
-        if not loss.requires_grad:
+        if not loss.requires_grad or not inputs:  # nothing reaches a param, or there is none (params `{}`)
             grads = [None] * len(inputs)
         else:
             grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
@@ -863,12 +877,35 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 # -- 3. agree ---------------------------------------------------------------------------------
 
 
+class Row(NamedTuple):
+    """The columns of `agreement`'s row, `[loss, used[L], bad[B], ‖g_shard‖², count, broken,
+    settings, step, serial]`, for L leaves and B buckets: loss at 0, used at `1 : 1 + L`, bad at
+    `1 + L : sq`, then one column each."""
+
+    sq: int
+    count: int
+    broken: int
+    settings: int
+    step: int
+    serial: int
+    width: int
+
+    @staticmethod
+    def of(num: int, nb: int) -> "Row":
+        sq = 1 + num + nb
+        return Row(*range(sq, sq + 7))
+
+
 def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
-              count: torch.Tensor, norms: EarlyNorms | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The one agreement collective: `(rows[N, L + B + 4], the rank's gradient shards)`, the rows
-    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken]` (float64) from every rank, gathered on
-    the device and not read yet: `agree` reads them on the host (the step's one host
-    synchronisation), and what the host can do before that read runs before it (`prepare`).
+              count: torch.Tensor, norms: EarlyNorms | None, settings: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The one agreement collective: `(rows[N, L + B + 7], the rank's gradient shards)`, the rows
+    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken, settings, step, serial]` (float64,
+    `Row`) from every rank, gathered on the device and not read yet: `agree` reads them on the
+    host (the step's one host synchronisation), and what the host can do before that read runs
+    before it (`prepare`). `settings` is the fingerprint of the step's settings
+    (`StepConfig.fingerprint`), `step` the state's step counter and `serial` which `init` made it
+    (`StateInfo.serial`): ranks whose steps differ in any raise `ConfigError` on every rank,
+    before anything is updated (`_check_same_steps`).
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
@@ -888,20 +925,21 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
-    host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1)])  # one copy to the device
+    checks = torch.tensor([settings, int(state.step), state.info.serial], dtype=torch.float64)
+    host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1), checks])  # one copy to the device
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
               else sq.new_zeros(1))
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
-                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num:], broken])
-    return all_gather(row, mesh, tag="fzero.step/agree").view(n, num + nb + 4), shards
+                     report.bad.to(dev, torch.float64), sq.reshape(1), host[num : num + 1], broken, host[num + 1 :]])
+    return all_gather(row, mesh, tag="fzero.step/agree").view(n, Row.of(num, nb).width), shards
 
 
-def agree(state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor], reduced: dict[int, torch.Tensor]
-          ) -> Verdict:
+def agree(config: StepConfig, state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor],
+          reduced: dict[int, torch.Tensor]) -> Verdict:
     """`agreement`'s rows read on the host once (`tolist`: the step's one synchronisation), as the
     `Verdict` every rank agrees on (`_verdict`)."""
-    return _verdict(state, rows.tolist(), shards, reduced)
+    return _verdict(config, state, rows.tolist(), shards, reduced)
 
 
 class Early(NamedTuple):
@@ -932,7 +970,7 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     skip = early_skip(config, state, rows, reduced, report, ready)
     grads = None if skip is None else _checked(ready, reduced)
     if grads is None:
-        return agree(state, rows, shards, reduced), ready, None
+        return agree(config, state, rows, shards, reduced), ready, None
     read = HostRead(rows, skip)
     ends, states = Ends.of(state, True), {}
     for b, g in grads.items():
@@ -941,7 +979,7 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
         if ends is not None:
             ends.take(b, ready.params[b])
     got, skipped = read.values()
-    verdict = _verdict(state, got, shards, reduced)
+    verdict = _verdict(config, state, got, shards, reduced)
     if skipped:
         return verdict, None, None
     assert verdict.finite and all(verdict.used) and not verdict.broken_ranks, "the device flag and the verdict disagree"
@@ -982,12 +1020,15 @@ def early_skip(config: StepConfig, state: ZeroState, rows: torch.Tensor, reduced
 
 
 def skip_flag(rows: torch.Tensor, num: int, nb: int) -> torch.Tensor:
-    """float32 0-d, on the rows' device: 1 where some row of `agreement`'s `[loss, used[num],
-    bad[nb], ‖g‖², count, broken]` has a non-finite loss or ‖g‖², a bad bucket (> 0) or a broken
-    flag (≠ 0), else 0. Where it is 0, `_verdict` of the same rows is finite and names no broken
-    rank."""
-    loss, bad, sq, broken = rows[:, 0], rows[:, 1 + num : 1 + num + nb], rows[:, 1 + num + nb], rows[:, -1]
-    clean = torch.isfinite(loss).all() & torch.isfinite(sq).all() & (bad <= 0).all() & (broken == 0).all()
+    """float32 0-d, on the rows' device: 1 where some row of `agreement`'s (`Row`) has a
+    non-finite loss or ‖g‖², a bad bucket (> 0) or a broken flag (≠ 0), or where the rows' step
+    settings or step counters differ, else 0. Where it is 0, `_verdict` of the same rows is
+    finite, names no broken rank and raises no `ConfigError`."""
+    c = Row.of(num, nb)
+    loss, bad, sq, broken = rows[:, 0], rows[:, 1 + num : c.sq], rows[:, c.sq], rows[:, c.broken]
+    checks = rows[:, c.settings : c.width]
+    clean = (torch.isfinite(loss).all() & torch.isfinite(sq).all() & (bad <= 0).all() & (broken == 0).all()
+             & (checks == checks[:1]).all())
     return clean.logical_not().to(torch.float32)
 
 
@@ -1010,14 +1051,16 @@ class HostRead:
         return [t.tolist() for t in self.tensors]
 
 
-def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
+def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shards: list[torch.Tensor],
              reduced: dict[int, torch.Tensor]) -> Verdict:
     """The agreed rows (one per rank, `agree`'s layout) -> `Verdict`: Python over ranks and
     columns, no tensor op but on the rare paths."""
     layout, mesh = state.layout, state.mesh
     n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
-    losses, sqs, counts = [r[0] for r in rows], [r[-3] for r in rows], [r[-2] for r in rows]
-    bad_rows = [r[1 + num : 1 + num + nb] for r in rows]
+    c = Row.of(num, nb)
+    _check_same_steps(config, state, rows)
+    losses, sqs, counts = [r[0] for r in rows], [r[c.sq] for r in rows], [r[c.count] for r in rows]
+    bad_rows = [r[1 + num : c.sq] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly (shed shards: their host copies)
         shards = list(readable(state.info, dict(enumerate(shards))).values())
         exact = exact_sum_of_squares(shards, mesh.device).reshape(1)
@@ -1027,8 +1070,47 @@ def _verdict(state: ZeroState, rows: list[list[float]], shards: list[torch.Tenso
     if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
         bad_ranks[0] = _nonfinite_buckets(state, readable(state.info, reduced))
     used = _used(rows, num)
-    broken = tuple(r for r in range(n) if rows[r][-1] != 0)
+    broken = tuple(r for r in range(n) if rows[r][c.broken] != 0)
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+
+
+def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[float]]) -> None:
+    """Raise `ConfigError` on every rank (all read the same rows) where the ranks' steps differ in
+    their settings (`StepConfig.shared`; one more all-gather, of each setting's fingerprint, names
+    the first that differs: `state.check_same_settings`), in the `init` that made their states
+    (`StateInfo.serial`) or in their state's step counter (a rank that stepped an older state)."""
+    c = Row.of(len(state.layout.leaves), len(state.layout.buckets))
+    if any(r[c.settings] != rows[0][c.settings] for r in rows):
+        check_same_settings(state.mesh, "fzero.train_step", **config.shared)
+        raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
+                          f"each setting alone agrees: rank {state.mesh.rank}'s are {config.shared}")
+    for col, what, fix in ((c.serial, "the state of its init #{}", "the state the same fzero.init made (and its "
+                            "steps returned)"),
+                           (c.step, "step {}", "the state its previous step returned (a rank kept an older state, "
+                            "or restored another checkpoint)")):
+        values = [int(r[col]) for r in rows]
+        if any(v != values[0] for v in values):
+            said = ", ".join(f"rank {r}: " + what.format(v) for r, v in enumerate(values))
+            raise ConfigError(f"ranks stepped different states ({said}; world size {len(values)}): every rank must "
+                              f"step {fix}. Nothing was updated")
+
+
+_TRAINABLE: dict = {}  # layout -> the indices of its trainable leaves with elements (`remembered`)
+
+
+def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:
+    """Raise `ConfigError` on every rank (the verdict is agreed) where no rank's loss reached any
+    trainable leaf that has elements: the loss has no autograd graph to the params (made under
+    `torch.no_grad()`, detached, or from other tensors), so the step would train nothing and
+    report a zero gradient norm, where torch's `loss.backward()` raises."""
+    layout = state.layout
+    trainable = remembered(_TRAINABLE, layout, None, lambda: [ls.index for ls in layout.leaves
+                                                              if not ls.group.frozen and ls.numel > 0])
+    if trainable and not any(verdict.used[i] for i in trainable):  # stops at the first used one
+        raise ConfigError(f"step {int(state.step)}: no rank's loss depends on any trainable param ({len(trainable)} "
+                          f"leaves, e.g. {layout.leaves[trainable[0]].path!r}; world size {state.mesh.world_size}): loss_fn returned a "
+                          f"loss with no autograd graph to the params (computed under torch.no_grad(), detached, "
+                          f"or from copies of them), so the step would train nothing. Nothing was updated")
 
 
 def _used(rows: list[list[float]], num: int) -> list[bool]:

@@ -25,6 +25,7 @@ from .base import (
     UpdateContext,
     as_schedule,
     bumped,
+    check_flag,
     check_hyper,
     check_shards,
     factored,
@@ -129,10 +130,12 @@ def adafactor(
         raise OptimizerError(f"adafactor: eps must be a pair (eps1 or None, eps2), got {eps!r}")
     eps1 = None if eps[0] is None else check_hyper("eps[0]", eps[0])
     eps2 = check_hyper("eps[1]", eps[1])
-    d = check_hyper("d", d)
+    d = check_hyper("d", d, allow_inf=True)  # inf: no update clipping
     if d == 0:
         raise OptimizerError("adafactor: d (the update clipping threshold) must be > 0, got 0.0")
     weight_decay = check_hyper("weight_decay", weight_decay)
+    relative_step = check_flag("relative_step", relative_step)
+    scale_parameter = check_flag("scale_parameter", scale_parameter)
 
     def init(param: torch.Tensor, leaf_shapes: tuple[tuple[int, ...], ...]) -> AdafactorState:
         if param.dtype == torch.float64:

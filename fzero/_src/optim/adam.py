@@ -18,6 +18,7 @@ from .base import (
     as_schedule,
     bumped,
     check_grad,
+    check_flag,
     check_hyper,
     check_impl,
     check_placement,
@@ -57,6 +58,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
     eps = check_hyper("eps", eps)
     weight_decay = check_hyper("weight_decay", weight_decay)
     impl = check_impl(name, impl)
+    amsgrad, maximize = check_flag("amsgrad", amsgrad), check_flag("maximize", maximize)
     State = AmsgradState if amsgrad else AdamState
 
     def init(param: torch.Tensor, num_leaves: int):

@@ -203,15 +203,32 @@ Schedule = Callable[[int], float]
 LearningRate = Union[float, Schedule, Sequence[float]]
 
 
-def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False) -> float:
-    """`value` as a Python float, or an `OptimizerError` naming it and the valid range."""
+def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
+                allow_inf: bool = False) -> float:
+    """`value` as a Python float, or an `OptimizerError` naming it and the valid range. It must be
+    finite (an inf learning rate or decay makes every update NaN or inf, which the step would then
+    blame on the update) unless `allow_inf` (a threshold where inf means "off")."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise OptimizerError(f"{name} must be a Python float, got {type(value).__name__} {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise OptimizerError(f"{name} must be a finite float in [{lo}, {hi}], got an int of {len(str(abs(value)))} "
+                             f"digits (beyond float's range)") from None
     ok = lo <= value and (value < hi if hi_open else value <= hi)
     if not ok or math.isnan(value):
         bracket = ")" if hi_open else "]"
         raise OptimizerError(f"{name} must be in [{lo}, {hi}{bracket}, got {value}")
+    if math.isinf(value) and not allow_inf:
+        raise OptimizerError(f"{name} must be finite, got {value} (every update would make the params NaN or inf)")
+    return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """`value` if it is a bool, else an `OptimizerError` naming it (a truthy string or number would
+    silently switch a behaviour on: `maximize="no"` maximizes)."""
+    if not isinstance(value, bool):
+        raise OptimizerError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
     return value
 
 

@@ -19,6 +19,7 @@ from .base import (
     as_schedule,
     bumped,
     check_grad,
+    check_flag,
     check_hyper,
     check_impl,
     check_placement,
@@ -91,6 +92,7 @@ def sgd(
     dampening = check_hyper("dampening", dampening)
     weight_decay = check_hyper("weight_decay", weight_decay)
     impl = check_impl("sgd", impl)
+    nesterov, maximize = check_flag("nesterov", nesterov), check_flag("maximize", maximize)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise OptimizerError(
             f"Nesterov momentum requires a momentum > 0 and zero dampening, got momentum={momentum}, "

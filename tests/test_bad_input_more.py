@@ -1,0 +1,194 @@
+"""More bad input for `fzero.init`, `ParamGroup` and the optimizers (docs/bad-input.md): memory
+shared between leaves, NaN / inf initial params, params that differ across ranks by path, wrong
+types given for `groups` / `ParamGroup` fields, and non-finite hyper-parameters."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+
+
+def _init(params, *, n: int = 2, stage: int = 1, opt=None, **kw):
+    mesh = fzero.SimMesh(n)
+    return mesh.run(lambda: fzero.init(params, opt or optim.sgd(0.1), stage=stage, mesh=mesh, **kw))
+
+
+# --- leaves that share memory (item 7) ----------------------------------------------------------
+
+def test_leaves_sharing_memory_are_refused_naming_both_paths():
+    w = torch.arange(12.0).reshape(4, 3)
+    base = torch.arange(10.0)
+    bad = {
+        "transpose": ({"emb": w, "head": w.t()}, ("'emb'", "'head'")),
+        "reshape": ({"a": base, "b": base.view(2, 5)}, ("'a'", "'b'")),
+        "overlapping slices": ({"a": base[:3], "b": base[1:]}, ("'a'", "'b'")),
+        "strided, one shared element": ({"a": base[0::2], "b": base[4::3]}, ("'a'", "'b'")),  # both hold base[4]
+        "expanded": ({"a": base[:1].expand(4), "b": base[:2]}, ("'a'", "'b'")),
+        "another dtype": ({"a": base[:4], "b": base[2:6].view(torch.bfloat16)}, ("'a'", "'b'")),
+    }
+    arr = np.arange(8, dtype=np.float32)  # two tensors over two storages of one numpy buffer
+    bad["numpy views"] = ({"a": torch.from_numpy(arr[:5]), "b": torch.from_numpy(arr[4:])}, ("'a'", "'b'"))
+    for name, (params, paths) in bad.items():
+        with pytest.raises(fzero.LayoutError, match="share memory") as info:
+            _init(params, stage=0)
+        assert all(p in str(info.value) for p in paths), (name, info.value)
+
+
+def test_views_of_one_buffer_that_share_no_element_are_allowed():
+    base = torch.arange(12.0)
+    m = torch.arange(12.0).reshape(3, 4)
+    ok = [
+        {"a": base[:6], "b": base[6:]},  # disjoint slices
+        {"c0": m[:, 0], "c1": m[:, 1], "c2": m[:, 2:]},  # interleaved columns: spans overlap, elements do not
+        {"even": base[0::2], "odd": base[1::2]},
+        {"a": base[:4].view(2, 2), "e": torch.empty(0), "f": base[:0]},  # zero-size leaves own no memory
+    ]
+    for params in ok:
+        states = _init(params, stage=0)
+        assert len(states) == 2
+
+
+# --- NaN / inf initial params (item 9) ---------------------------------------------------------
+
+def test_nonfinite_trainable_initial_params_are_refused_naming_leaf_shape_and_count():
+    params = {"w": torch.ones(4), "bad": torch.tensor([[1.0, math.nan], [math.inf, 2.0]])}
+    with pytest.raises(fzero.NonFiniteError, match=r"'bad' \(float32\[2, 2\]: 2 of 4 elements NaN or inf\)") as info:
+        _init(params, stage=1)
+    assert "'w'" not in str(info.value)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_only_the_values_kept_are_checked(sync):
+    """With sync, rank 0's values are broadcast: a NaN on rank 1 only is overwritten, not refused;
+    without sync rank 1 keeps its own values and is refused, naming its rank."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(w):
+        return fzero.init({"w": w}, optim.sgd(0.1), stage=2, mesh=mesh, sync=sync)
+
+    args = [(torch.ones(3),), (torch.tensor([1.0, math.nan, 1.0]),)]
+    if sync:
+        assert len(mesh.run(rank_fn, args)) == 2
+    else:
+        with pytest.raises(fzero.NonFiniteError, match="rank 1's values"):
+            mesh.run(rank_fn, args)
+
+
+def test_frozen_leaves_may_hold_inf():
+    mesh = fzero.SimMesh(2)
+    params = {"w": torch.ones(3), "mask": torch.tensor([0.0, -math.inf, 0.0])}
+    groups = [fzero.ParamGroup("mask", match=lambda p: p == "mask", frozen=True)]
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, groups=groups)
+        state, _ = fzero.train_step(lambda p, x: (p["w"] ** 2).sum())(state, None)
+        return fzero.gather(state)
+
+    out = mesh.run(rank_fn)[0]
+    assert torch.equal(out["mask"], params["mask"]) and torch.allclose(out["w"], torch.full((3,), 0.8))
+
+
+# --- params differing across ranks by path (item 10b) -------------------------------------------
+
+def test_params_whose_paths_differ_across_ranks_say_so():
+    mesh = fzero.SimMesh(2)
+    with pytest.raises(fzero.LayoutError, match=r"the paths differ: rank\(s\) \[1\]") as info:
+        mesh.run(lambda key: fzero.init({key: torch.ones(3)}, optim.sgd(0.1), stage=1, mesh=mesh), [("v",), ("u",)])
+    assert "same count" not in str(info.value)
+    with pytest.raises(fzero.LayoutError, match=r"same count, other shape or dtype: the dtype differs on rank\(s\) \[1\]"):
+        mesh.run(lambda d: fzero.init({"w": torch.ones(3, dtype=d)}, optim.sgd(0.1), stage=1, mesh=mesh),
+                 [(torch.float32,), (torch.float64,)])
+    with pytest.raises(fzero.LayoutError, match="pytree structure does not"):
+        mesh.run(lambda p: fzero.init(p, optim.sgd(0.1), stage=1, mesh=mesh), [([torch.ones(3)],), ((torch.ones(3),),)])
+
+
+# --- wrong types (item 11) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_params_without_tensor_leaves_train_nothing_with_either_engine(engine):
+    """Params with no tensor leaves make a state with nothing to train (the accounting tests draw
+    them): a step computes the loss and updates nothing, with either engine (the autograd
+    engine raised torch's "`inputs` argument to `grad()` cannot be empty")."""
+    for params in ({}, [], {"a": {}}):
+        mesh = fzero.SimMesh(1)
+
+        def rank_fn():
+            state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh)
+            new, m = fzero.train_step(lambda p, x: x.sum(), engine=engine)(state, torch.ones(2, requires_grad=True))
+            return m.loss.item(), m.grad_norm.item(), int(new.step)
+
+        assert mesh.run(rank_fn) == [(2.0, 0.0, 1)]
+
+
+def test_wrong_groups_name_the_argument_and_the_value():
+    params = {"w": torch.ones(3)}
+    cases = [
+        (None, r"groups must be a list .*got NoneType None"),
+        ([3], r"groups\[0\] must be a fzero.ParamGroup.*got int 3"),
+        ("nowd", r"groups must be a list .*got str 'nowd'"),
+        (fzero.ParamGroup("g"), r"got one ParamGroup 'g'; pass groups=\[\.\.\.\]"),
+    ]
+    for groups, match in cases:
+        with pytest.raises(fzero.LayoutError, match=match):
+            _init(params, groups=groups)
+    with pytest.raises(fzero.LayoutError, match=r"units\['a'\] must be a callable"):
+        _init(params, units={"a": "w"})
+
+
+def test_paramgroup_fields_are_checked_by_type():
+    cases = [
+        (dict(lr_scale="2"), r"lr_scale must be a Python float .*got str '2'"),
+        (dict(lr_scale=True), r"lr_scale must be a Python float"),
+        (dict(lr_scale=10**400), r"lr_scale must be finite"),
+        (dict(match="w"), r"match must be None \(every leaf\) or a callable path -> bool, got str 'w'"),
+        (dict(weight_decay=0.01), r"weight_decay must be a bool .*got float 0.01; a group has no decay amount"),
+        (dict(frozen="yes"), r"frozen must be a bool"),
+        (dict(name=3), r"name must be a str"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(fzero.LayoutError, match=match):
+            fzero.ParamGroup(**{"name": "g", **kw})
+    assert fzero.ParamGroup("g", weight_decay=0.0).weight_decay is False  # torch's spelling of "no decay"
+    assert fzero.ParamGroup("g", lr_scale=2).lr_scale == 2.0 and isinstance(fzero.ParamGroup("g", lr_scale=2).lr_scale, float)
+
+
+# --- hyper-parameters (lesser) ------------------------------------------------------------------
+
+def test_nonfinite_or_negative_hyperparameters_are_refused_at_construction():
+    inf, nan = math.inf, math.nan
+    cases = [
+        (lambda: optim.sgd(inf), "lr must be finite"),
+        (lambda: optim.sgd(nan), r"lr must be in"),
+        (lambda: optim.sgd(-1.0), r"lr must be in"),
+        (lambda: optim.sgd(0.1, momentum=inf), "momentum must be finite"),
+        (lambda: optim.sgd(0.1, weight_decay=inf), "weight_decay must be finite"),
+        (lambda: optim.sgd(0.1, maximize="no"), "maximize must be a bool"),
+        (lambda: optim.sgd(0.1, momentum=0.9, nesterov=1), "nesterov must be a bool"),
+        (lambda: optim.adamw(inf), "lr must be finite"),
+        (lambda: optim.adam(1e-3, eps=inf), "eps must be finite"),
+        (lambda: optim.adam(1e-3, amsgrad="true"), "amsgrad must be a bool"),
+        (lambda: optim.lamb(1e-3, weight_decay=inf), "weight_decay must be finite"),
+        (lambda: optim.adafactor(inf), "lr must be finite"),
+        (lambda: optim.adafactor(1e-2, relative_step=1), "relative_step must be a bool"),
+        (lambda: optim.sgd([0.1, inf]), r"lr\[1\] must be finite"),
+        (lambda: optim.sgd(10**400), "beyond float's range"),
+        (lambda: optim.cosine(inf, 10), "peak must be finite"),
+    ]
+    for make, match in cases:
+        with pytest.raises(optim.OptimizerError, match=match):
+            make()
+    with pytest.raises(optim.OptimizerError, match="lr at step 1 must be finite"):
+        optim.as_schedule(lambda t: 0.1 if t == 0 else inf)(1)
+    optim.adafactor(1e-2, d=inf)  # inf switches update clipping off: allowed
+
+
+def test_sync_must_be_a_bool():
+    for sync in ("no", 0, None):
+        with pytest.raises(fzero.ConfigError, match=r"sync must be a bool .*got"):
+            _init({"w": torch.ones(3)}, sync=sync)

@@ -1,0 +1,167 @@
+"""Ranks whose steps differ are stopped on every rank, before anything is updated.
+
+The step's one agreement row carries the fingerprint of the rank's step settings
+(`StepConfig.shared`: every `train_step` setting but the loss) and its state's step counter
+(`step.Row`). Ranks that differ in either raise `ConfigError` on every rank, naming the setting
+(or each rank's step count); a donating step's update launched before the agreement's read is
+skipped on the device, so the state is left as it was. Without this, a setting that changes no
+collective (`clip_norm`, `normalize`, `accum_dtype`, `on_nonfinite`) or a rank stepping an older
+state gave a silently mixed state: stage 0's replicas diverged, stage 3's shards were updated
+with different rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+
+N = 2
+
+
+def _params():
+    return {"w": torch.arange(1.0, 5.0), "b": torch.linspace(-1.0, 1.0, 3)}
+
+
+def _loss(p, x):
+    return (p["w"] * x).square().sum() + p["b"].sum()
+
+
+def _errors(run):
+    """`run(rank)` on every rank of a SimMesh(2): each rank's exception (or None)."""
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        try:
+            run(mesh)
+        except fzero.FzeroError as e:
+            return e
+        return None
+
+    return mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("setting, values", [("clip_norm", (None, 1.0)), ("on_nonfinite", ("raise", "skip")),
+                                             ("accum_dtype", (torch.float32, torch.float64))])
+def test_ranks_with_different_step_settings_raise_on_every_rank(stage, setting, values):
+
+    def run(mesh):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh)
+        step = fzero.train_step(_loss, **{setting: values[mesh.rank]})
+        step(state, torch.ones(4))
+
+    errors = _errors(run)
+    for r, e in enumerate(errors):
+        assert isinstance(e, fzero.ConfigError), f"rank {r}: {e!r}"
+        assert "fzero.train_step settings differ" in str(e) and repr(setting) in str(e), str(e)
+
+
+@pytest.mark.parametrize("impl", ["single", "fused"])
+def test_a_donating_step_launched_early_updates_nothing_where_settings_differ(impl):
+    """Rank 0 (no clipping, fused kernels) launches its update before the agreement's read; the
+    device flag from the rows skips it, so both ranks' states still hold the initial params."""
+    finals = {}
+
+    def run(mesh):
+        state = fzero.init(_params(), optim.adamw(0.1, impl=impl), stage=1, mesh=mesh)
+        step = fzero.train_step(_loss, donate=True, clip_norm=None if mesh.rank == 0 else 1.0)
+        try:
+            step(state, torch.ones(4))
+        finally:
+            finals[mesh.rank] = fzero.gather(state)  # not consumed: the step raised before its update
+
+    errors = _errors(run)
+    assert all(isinstance(e, fzero.ConfigError) and "'clip_norm'" in str(e) for e in errors), errors
+    for r in range(N):
+        for k, v in _params().items():
+            assert torch.equal(finals[r][k], v), (r, k)
+
+
+def test_a_rank_stepping_an_older_state_raises_on_every_rank():
+    def run(mesh):
+        step = fzero.train_step(_loss)
+        s0 = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh)
+        s1, _ = step(s0, torch.ones(4))
+        step(s1 if mesh.rank == 0 else s0, torch.ones(4))  # rank 1 kept the state before
+
+    errors = _errors(run)
+    for e in errors:
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "rank 0: step 1, rank 1: step 0" in str(e) and "an older state" in str(e), str(e)
+
+
+def test_ranks_with_the_same_settings_in_separate_step_functions_agree():
+    """Each rank building its own `train_step` (as under torchrun) is the normal case: same
+    fingerprint, no error, and the same bits as one shared step function."""
+    got = {}
+
+    def run(mesh):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=2, mesh=mesh)
+        for _ in range(2):
+            state, _ = fzero.train_step(_loss, clip_norm=1.0)(state, torch.ones(4))
+        got[mesh.rank] = fzero.gather(state)
+
+    assert _errors(run) == [None, None]
+    assert all(torch.equal(got[0][k], got[1][k]) for k in got[0])
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("how", ["detach", "no_grad", "constant"])
+def test_a_loss_with_no_graph_to_the_params_raises_on_every_rank(engine, stage, how):
+    """torch's `loss.backward()` raises for a loss that does not require grad; a step would train
+    nothing and report a zero norm. Each rank raises `ConfigError`, the state left as it was."""
+
+    def loss(p, x):
+        if how == "detach":
+            return _loss(p, x).detach()
+        if how == "constant":
+            return torch.tensor(3.0)
+        with torch.no_grad():
+            return _loss(p, x)
+
+    def run(mesh):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh)
+        try:
+            fzero.train_step(loss, engine=engine)(state, torch.ones(4))
+        finally:
+            assert all(torch.equal(v, _params()[k]) for k, v in fzero.gather(state).items())
+
+    for e in _errors(run):
+        assert isinstance(e, fzero.ConfigError) and "no rank's loss depends on any trainable param" in str(e), repr(e)
+
+
+def test_a_loss_one_rank_computes_without_the_params_still_trains_from_the_others():
+    """Only where no rank's loss reaches a param: a rank whose loss is a constant adds a zero
+    gradient, as a rank whose loss leaves some leaves unused does (`gather="eager"`: with on-use
+    gathering every rank must reach the same units, `gathering.DivergentPaths`)."""
+    def run(mesh):
+        state = fzero.init(_params(), optim.sgd(0.1), stage=2, mesh=mesh)
+        loss = _loss if mesh.rank == 0 else (lambda p, x: torch.tensor(0.5))
+        new, m = fzero.train_step(loss, gather="eager")(state, torch.ones(4))
+        assert not torch.equal(fzero.gather(new)["w"], _params()["w"]) and m.grad_norm > 0
+
+    assert _errors(run) == [None, None]
+
+
+def test_ranks_stepping_states_of_different_inits_raise_on_every_rank():
+    """Two `init`s of the same layout (each collective, so every rank made both): rank 0 steps
+    the first, rank 1 the second. Before, stage 3 trained a mix of the two (each rank's shard of
+    its own state)."""
+    finals = {}
+
+    def run(mesh):
+        a = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh)
+        b = fzero.init({k: torch.zeros_like(v) for k, v in _params().items()}, optim.sgd(0.1), stage=3, mesh=mesh)
+        try:
+            fzero.train_step(_loss)(a if mesh.rank == 0 else b, torch.ones(4))
+        finally:
+            finals[mesh.rank] = fzero.gather(a)
+
+    for e in _errors(run):
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "rank 0: the state of its init #1, rank 1: the state of its init #2" in str(e), str(e)
+    assert all(torch.equal(finals[r][k], v) for r in range(N) for k, v in _params().items())
