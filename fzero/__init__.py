@@ -1,9 +1,10 @@
 """fzero: ZeRO stages 0-3 as pure functions on PyTorch, equal to DDP bit for bit.
 
-This namespace is the run API (meshes, `init`, `train_step`, `gather`, `from_module`, the state
-and step types, loss scalers, errors), re-exported from the private `fzero._src` modules. The
-layers below it are namespaces of their own: `fzero.layout`, `fzero.collectives`,
-`fzero.accounting`, `fzero.optim`, `fzero.testing` (docs/architecture.md).
+This namespace is the run API (meshes, `init`, `train_step`, `gather`, `evaluate`,
+`from_module`, the state and step types, loss scalers, errors), re-exported from the private
+`fzero._src` modules. The other layers are namespaces of their own: `fzero.layout`,
+`fzero.collectives`, `fzero.optim`, `fzero.accounting`, `fzero.checkpoint` (each imported with
+`fzero`) and `fzero.testing` (import it yourself); docs/architecture.md.
 """
 
 from fzero._src.errors import CollectiveMismatch as CollectiveMismatch

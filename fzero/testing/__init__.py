@@ -4,23 +4,52 @@
   `units`, `groups`; `examples(n)` (n examples in the "ci" profile, 10 n in "local").
 - `assert_trees_equal`: structure, dict key order, dtypes and values, naming the first difference.
 - `Pool`: a persistent group of torchrun workers on a gloo process group (`fzero.testing.pool`).
+
+`Pool` and its errors need only torch. The other names live in `fzero.testing.strategies`, which
+imports hypothesis (the `[test]` extra): it is imported on the first read of one of them, so
+`import fzero.testing` works without hypothesis.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from fzero.testing.pool import Pool as Pool
 from fzero.testing.pool import PoolError as PoolError
 from fzero.testing.pool import RemoteError as RemoteError
 from fzero.testing.pool import WorkerError as WorkerError
-from fzero.testing.strategies import FLOAT_DTYPES as FLOAT_DTYPES
-from fzero.testing.strategies import assert_trees_equal as assert_trees_equal
-from fzero.testing.strategies import example_count as example_count
-from fzero.testing.strategies import examples as examples
-from fzero.testing.strategies import float_tensors as float_tensors
-from fzero.testing.strategies import groups as groups
-from fzero.testing.strategies import integer_valued as integer_valued
-from fzero.testing.strategies import pytrees as pytrees
-from fzero.testing.strategies import shapes as shapes
-from fzero.testing.strategies import units as units
-from fzero.testing.strategies import world_sizes as world_sizes
+
+if TYPE_CHECKING:
+    from fzero.testing.strategies import FLOAT_DTYPES as FLOAT_DTYPES
+    from fzero.testing.strategies import assert_trees_equal as assert_trees_equal
+    from fzero.testing.strategies import example_count as example_count
+    from fzero.testing.strategies import examples as examples
+    from fzero.testing.strategies import float_tensors as float_tensors
+    from fzero.testing.strategies import groups as groups
+    from fzero.testing.strategies import integer_valued as integer_valued
+    from fzero.testing.strategies import pytrees as pytrees
+    from fzero.testing.strategies import seed_per_case as seed_per_case
+    from fzero.testing.strategies import shapes as shapes
+    from fzero.testing.strategies import units as units
+    from fzero.testing.strategies import world_sizes as world_sizes
+
+_STRATEGIES = ("FLOAT_DTYPES", "assert_trees_equal", "example_count", "examples", "float_tensors", "groups",
+               "integer_valued", "pytrees", "seed_per_case", "shapes", "units", "world_sizes")
+
+
+def __getattr__(name: str) -> Any:
+    """The names of `fzero.testing.strategies`, imported (with hypothesis) on first use."""
+    if name in _STRATEGIES:
+        value = getattr(importlib.import_module("fzero.testing.strategies"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_STRATEGIES))
+
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -35,6 +64,7 @@ __all__ = [
     "groups",
     "integer_valued",
     "pytrees",
+    "seed_per_case",
     "shapes",
     "units",
     "world_sizes",
