@@ -188,8 +188,10 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
     """One step at stage 0 with a recording optimizer, against DDP's `p.grad` and a float64 sum.
 
     Returns, per parameter, the max of |g − exact| / bound for fzero and for DDP (must be <= 1),
-    whether the two reduced gradients are bitwise equal, and whether torch.optim stepped with
-    fzero's reduced gradient gives fzero's params bitwise, for every stage.
+    and whether torch.optim stepped with fzero's reduced gradient gives fzero's params bitwise,
+    for every stage. (Whether fzero's and DDP's reduced gradients are bitwise equal is not
+    returned: at N > 2 the backend's order of the sum decides, and bitwise equality is not
+    claimed, proofs/stages.md §3.)
     """
     n = mesh.world_size
     model, prefix = build(name)
@@ -216,7 +218,7 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
     ddp_grad = {k: p.grad.detach().clone() for k, p in ddp_model.named_parameters() if k in names}
 
     fz_opt, make = optimizers(kind)
-    results = {"ratio_fzero": {}, "ratio_ddp": {}, "equal_to_ddp": True, "optimizer_bitwise": {}}
+    results = {"ratio_fzero": {}, "ratio_ddp": {}, "optimizer_bitwise": {}}
     final = {}
     for stage in STAGES:
         m, _ = build(name)
@@ -238,7 +240,6 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
                 ref = exact[k].reshape(fz_grad[k].shape)
                 results["ratio_fzero"][k] = ((fz_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
                 results["ratio_ddp"][k] = ((ddp_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
-                results["equal_to_ddp"] &= torch.equal(fz_grad[k], ddp_grad[k])
             # torch.optim on fzero's reduced gradient must give fzero's params bit for bit
             tm, _ = build(name)
             topt = make([p for p in tm.parameters() if p.requires_grad])

@@ -8,12 +8,13 @@ import tempfile
 import optree
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fzero
 import fzero.checkpoint as ck
 from fzero._src.checkpoint import CRASH_POINTS, _Crash
+from fzero.testing.strategies import examples
 
 OPTIMIZERS = {
     "sgd-momentum": lambda: fzero.optim.sgd(0.1, momentum=0.9),
@@ -105,7 +106,7 @@ def load_on(path, m, stage, opt, precision=fzero.Precision()):
     return mesh.run(rank_fn)
 
 
-@settings(max_examples=40)
+@examples(40)
 @given(n=st.integers(1, 4), m=st.integers(1, 4), s=st.integers(0, 3), t=st.integers(0, 3),
        opt=st.sampled_from(sorted(OPTIMIZERS)), policy=st.booleans())
 def test_reshard_is_exact(n, m, s, t, opt, policy):

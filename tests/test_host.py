@@ -432,7 +432,7 @@ PREPARED = {
 }
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -182,17 +182,28 @@ def test_grad_norm_equals_an_independent_value():
 def test_lamb_moves_zero_initialised_leaves():
     """Mutation gap: a trust ratio of 0 where ‖p‖ = 0 (it must be 1, as in LAMB's reference) would
     never train a zero-initialised bias; the tests drew only non-zero params. With ‖p‖ = 0 the
-    update is the Adam direction times lr: after one step from zeros every element moved by
-    -lr·sign(g) (Adam's first step is ±lr per element where g ≠ 0, up to eps)."""
+    update is the Adam direction times lr. The reduced gradient of `b` is 1 (fl(1·½) + fl(1·½)),
+    and the first step is computed here with LAMB's own ops on it (fzero/_src/optim/lamb.py:
+    `lerp_`, `mul_`/`addcmul_`, `sqrt`, `div_`, `add_`, then `p.add_(r, alpha=-(lr·ratio))` with
+    ratio 1): m = 0.1, v = 0.001, r = (m / 0.1) / (√v / √0.001 + 1e-6) ≈ 1 / (1 + 1e-6), so
+    b = -0.1·r ≈ -0.1 + 1e-7 in every element, bit for bit (a ratio of 0 leaves b = 0)."""
     mesh = fzero.SimMesh(2)
+    lr, beta1, beta2, eps = 0.1, 0.9, 0.999, 1e-6  # optim.lamb's defaults but lr
 
     def rank_fn():
-        state = fzero.init({"b": torch.zeros(6), "w": torch.ones(6)}, optim.lamb(0.1), stage=2, mesh=mesh)
+        state = fzero.init({"b": torch.zeros(6), "w": torch.ones(6)}, optim.lamb(lr), stage=2, mesh=mesh)
         state, _ = fzero.train_step(lambda p, x: (p["b"] * x).sum() + (p["w"] * x).sum())(state, torch.ones(6))
         return fzero.gather(state)["b"]
 
+    g = torch.ones(6)
+    m = torch.zeros(6).lerp_(g, 1 - beta1)
+    v = torch.zeros(6).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = v.sqrt().div_((1 - beta2**1) ** 0.5).add_(eps)
+    r = torch.div(m, 1 - beta1**1).div_(denom)
+    want = torch.zeros(6).add_(r, alpha=-(lr * 1.0))
+    assert bool((want < 0).all())  # it moved
     for b in mesh.run(rank_fn):
-        assert torch.allclose(b, torch.full((6,), -0.1), rtol=0, atol=1e-6)  # eps = 1e-6 in the denominator
+        assert torch.equal(b, want)
 
 
 def test_a_misspelled_state_spec_is_an_error():

@@ -17,12 +17,13 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fzero._src import nvme
 from fzero._src.errors import FzeroError, OffloadError
 from fzero._src.nvme import SwapFiles
+from fzero.testing.strategies import examples
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -39,7 +40,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-@settings(max_examples=15)
+@examples(15)
 @given(
     specs=st.lists(st.tuples(st.integers(0, 300), st.sampled_from(DTYPES)), min_size=1, max_size=5),
     buffers=st.integers(1, 3),

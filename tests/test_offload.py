@@ -20,16 +20,16 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, seed, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fzero
 from fzero import optim
 from fzero._src.offload import HostTier
-from fzero.testing.strategies import example_count
+from fzero.testing.strategies import example_count, seed_per_case
 
 from . import dist_cases
-from .stage_harness import assert_equal_leaves, build, make_loss, problems
+from .stage_harness import assert_equal_leaves, build, make_loss, problems, reaches_nothing
 
 OPTIMIZERS = {
     "sgd": lambda lr, wd: optim.sgd(lr, momentum=0.9, weight_decay=wd),
@@ -56,15 +56,6 @@ def offload_problems(draw, n: int, nvme: bool = False, params: str | None = None
     pb["params"] = params if params is not None else draw(st.sampled_from(on)) if stage == 3 else None
     pb["ratio"] = draw(st.sampled_from([1.0, 0.6])) if pb["params"] is None else 1.0
     return pb
-
-
-def per_n(n: int):
-    """A seed of N's own for a property run at several N (ci profile only). The ci profile is
-    derandomized: hypothesis seeds a property from its source, so the one `prop` run at N = 1, 2
-    and 3 made the same choices at each N (the same stages, optimizers, policies and offload
-    settings, recorded from its draws): three runs of one set of examples. The local profile
-    keeps its random seeds."""
-    return seed(n) if settings.default.derandomize else (lambda f: f)
 
 
 def run(pb, offload, snapshot=False):
@@ -103,20 +94,31 @@ def assert_same_runs(got, want, what):
                     assert u.dtype == v.dtype and torch.equal(u, v), f"{what}: opt bucket {b} field {k}, step {t}"
 
 
+def compare(pb, offload, what):
+    """`pb` run with `offload` (its optimizer state read through the tier) equals `pb` without it.
+    A problem whose loss reaches no trainable param is refused (`ConfigError`) with and without
+    offload, as in stage_harness.check."""
+    if reaches_nothing(pb):
+        for off in (None, offload):
+            with pytest.raises(fzero.ConfigError, match="no rank's loss depends on any trainable param"):
+                run(pb, off)
+        return
+    want = run(pb, None)
+    assert_same_runs(run(pb, offload, snapshot=True), want, what)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_offloaded_equals_not_offloaded(n, tmp_path):
     """Every offload setting -- optimizer "cpu" or "nvme" (the master shard and the optimizer
     state's shard fields in swap files), params None or "cpu", ratio -- against the same stage
     without offload, bitwise (the optimizer state read back through the tier)."""
-    @per_n(n)
+    @seed_per_case(n)  # derandomized, each N draws its own examples
     @settings(max_examples=example_count(25))
     @given(offload_problems(n))
     def prop(pb):
-        want = run(pb, None)
         path = str(tmp_path) if pb["tier"] == "nvme" else None
-        got = run(pb, fzero.Offload(optimizer=pb["tier"], params=pb["params"], ratio=pb["ratio"], nvme_path=path),
-                  snapshot=True)
-        assert_same_runs(got, want, f"stage {pb['stage']} offload={pb['tier']}/{pb['params']}")
+        compare(pb, fzero.Offload(optimizer=pb["tier"], params=pb["params"], ratio=pb["ratio"], nvme_path=path),
+                f"stage {pb['stage']} offload={pb['tier']}/{pb['params']}")
 
     prop()
 
@@ -129,10 +131,8 @@ def test_nvme_offloaded_equals_not_offloaded(tmp_path):
     @settings(max_examples=example_count(12))
     @given(offload_problems(2, nvme=True))
     def prop(pb):
-        want = run(pb, None)
-        got = run(pb, fzero.Offload(optimizer="nvme", params=pb["params"], ratio=pb["ratio"],
-                                    nvme_path=str(tmp_path)), snapshot=True)
-        assert_same_runs(got, want, f"stage {pb['stage']} nvme/{pb['params']}")
+        compare(pb, fzero.Offload(optimizer="nvme", params=pb["params"], ratio=pb["ratio"], nvme_path=str(tmp_path)),
+                f"stage {pb['stage']} nvme/{pb['params']}")
 
     prop()
 
@@ -142,15 +142,14 @@ def test_nvme_params_offloaded_equals_not_offloaded(n, tmp_path):
     """The property with every example stage 3 on params="nvme" (the master, the optimizer
     state's shard fields and the compute-dtype shards in swap files, the shards read as each
     unit's gather starts), at N = 1, 2 and 3: bitwise the run without offload. The properties
-    above draw params="nvme" in 1 of 25 examples (N = 1, 2, 3) and 2 of 12 (N = 2) in the ci
-    profile, too few for the setting with the most new code."""
-    @per_n(n)
+    above draw params="nvme" in few examples (it needs stage 3, a donating step and the NVMe
+    tier: 0-2 of 25 or 12 in the ci profile), too few for the setting with the most new code."""
+    @seed_per_case(n)  # derandomized, each N draws its own examples
     @settings(max_examples=example_count(6))
     @given(offload_problems(n, nvme=True, params="nvme"))
     def prop(pb):
-        want = run(pb, None)
-        got = run(pb, fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path)), snapshot=True)
-        assert_same_runs(got, want, f"stage 3 nvme/nvme, N = {n}")
+        compare(pb, fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path)),
+                f"stage 3 nvme/nvme, N = {n}")
 
     prop()
 

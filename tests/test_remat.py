@@ -10,13 +10,14 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import fzero
 from fzero._src import remat as remat_module
 from fzero.accounting import LiveStorages
 from fzero.testing import examples
+from fzero.testing.strategies import seed_per_case
 
 from . import prefetch_cases as cases
 from .test_prefetch import _equal
@@ -46,14 +47,32 @@ def test_remat_in_every_stage_equals_stage_0_without_it(stage, engine, dropout):
     _equal(_stage_0(2, d, hidden, dropout), _run(2, stage, d, hidden, dropout=dropout, remat=True, engine=engine))
 
 
-@examples(4)
-@given(st.integers(1, 4), st.sampled_from([4, 8]), st.integers(0, 2), st.integers(1, 3), st.data())
-def test_remat_with_prefetch_on_random_models_equals_stage_0(depth, d, k, n, data):
-    """Random depth and width, a random subset of blocks checkpointed, stage 3 with prefetch k,
-    dropout 0.2: the same bits as stage 0 without checkpointing."""
-    hidden = tuple(data.draw(st.lists(st.sampled_from([4, 8, 12]), min_size=depth, max_size=depth)))
-    chosen = data.draw(st.sets(st.sampled_from([f"blocks.{i}" for i in range(depth)])))
-    _equal(_stage_0(n, d, hidden, 0.2), _run(n, 3, d, hidden, dropout=0.2, remat=chosen or False, prefetch=k))
+@st.composite
+def _remat_models(draw):
+    """`(N, d, hidden, checkpointed blocks)`: N = 2 or 3 (at N = 1 nothing is gathered, so nothing
+    is prefetched), depth 1-4, a non-empty subset of the blocks."""
+    n, d, depth = draw(st.integers(2, 3)), draw(st.sampled_from([4, 8])), draw(st.integers(1, 4))
+    hidden = tuple(draw(st.lists(st.sampled_from([4, 8, 12]), min_size=depth, max_size=depth)))
+    mask = draw(st.integers(1, 2**depth - 1))
+    return n, d, hidden, frozenset(f"blocks.{i}" for i in range(depth) if mask >> i & 1)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_remat_with_prefetch_on_random_models_equals_stage_0(k):
+    """Random depth and width, a random non-empty subset of blocks checkpointed (and explicitly
+    a middle block only, between plain ones), stage 3 with prefetch k >= 1 (prefetch 0, SimMesh's
+    default: test_remat_in_every_stage_equals_stage_0_without_it), dropout 0.2: the same bits as
+    stage 0 without checkpointing. Each k draws its own models."""
+
+    @seed_per_case(k)
+    @examples(2)
+    @given(_remat_models())
+    @example((2, 8, (8, 12, 4), frozenset({"blocks.1"})))
+    def prop(model):
+        n, d, hidden, chosen = model
+        _equal(_stage_0(n, d, hidden, 0.2), _run(n, 3, d, hidden, dropout=0.2, remat=set(chosen), prefetch=k))
+
+    prop()
 
 
 def test_without_the_rng_replay_dropout_would_differ(monkeypatch):

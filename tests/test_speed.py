@@ -67,7 +67,8 @@ def test_sums_of_squares_of_a_slice_equal_those_of_its_copy(n, offset, chunk, se
                        exact_sum_of_squares([view.clone()], CPU, chunk=chunk))
 
 
-DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+DEVICES = [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs a GPU"))]
 
 
 @examples(30)
