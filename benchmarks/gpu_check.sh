@@ -20,7 +20,7 @@ fi
 # the tests CPU CI skips (a `cuda` case, "needs a GPU"), with the GPU visible; one process (the
 # suite's gloo pools would pick NCCL where CUDA is visible)
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
-  timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rs -k "cuda or gpu or GPU or CUDA" \
+  timeout ${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rs -k "cuda or CUDA" \
     tests > "$out/tests-cuda-torch211.log" 2>&1; echo "cuda pytest exit $?"; tail -12 "$out/tests-cuda-torch211.log"
 fi
 NGPU=1 PEERS=${PEERS-"ddp fsdp2 fsdp2-noreshard"} STAGES=${STAGES-"0 1 2 3"} EAGER_STAGES=${EAGER_STAGES-} \
