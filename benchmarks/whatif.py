@@ -58,7 +58,7 @@ if WHAT == "overlap":
         skip = step.early_skip(config, state, rows, reduced, report, ready)
         grads = None if skip is None else step._checked(ready, reduced)
         if grads is None:
-            return step.agree(state, rows, shards, reduced), ready, None
+            return step.agree(config, state, rows, shards, reduced), ready, None
         read = step.HostRead(rows, skip)
         if not STREAM:
             STREAM.append(torch.cuda.Stream())
@@ -74,7 +74,7 @@ if WHAT == "overlap":
                 ev.record(u)
                 EVENTS[b] = ev
         got, skipped = read.values()
-        verdict = step._verdict(state, got, shards, reduced)
+        verdict = step._verdict(config, state, got, shards, reduced)
         if skipped:
             return verdict, None, None
         return verdict, ready, step.Early(states, None)

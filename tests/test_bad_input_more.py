@@ -66,7 +66,8 @@ def test_nonfinite_trainable_initial_params_are_refused_naming_leaf_shape_and_co
 @pytest.mark.parametrize("sync", [True, False])
 def test_only_the_values_kept_are_checked(sync):
     """With sync, rank 0's values are broadcast: a NaN on rank 1 only is overwritten, not refused;
-    without sync rank 1 keeps its own values and is refused, naming its rank."""
+    without sync rank 1 keeps its own values and every rank raises, naming rank 1 (the flag rides
+    init's serial all-gather: rank 0 does not wait in a collective rank 1 left)."""
     mesh = fzero.SimMesh(2)
 
     def rank_fn(w):
@@ -76,8 +77,12 @@ def test_only_the_values_kept_are_checked(sync):
     if sync:
         assert len(mesh.run(rank_fn, args)) == 2
     else:
-        with pytest.raises(fzero.NonFiniteError, match="rank 1's values"):
-            mesh.run(rank_fn, args)
+        def caught(w):
+            with pytest.raises(fzero.NonFiniteError, match=r"the values of rank\(s\) \[1\]"):
+                rank_fn(w)
+            return True
+
+        assert mesh.run(caught, args) == [True, True]
 
 
 def test_frozen_leaves_may_hold_inf():
@@ -169,13 +174,13 @@ def test_nonfinite_or_negative_hyperparameters_are_refused_at_construction():
         (lambda: optim.sgd(0.1, momentum=inf), "momentum must be finite"),
         (lambda: optim.sgd(0.1, weight_decay=inf), "weight_decay must be finite"),
         (lambda: optim.sgd(0.1, maximize="no"), "maximize must be a bool"),
-        (lambda: optim.sgd(0.1, momentum=0.9, nesterov=1), "nesterov must be a bool"),
+        (lambda: optim.sgd(0.1, momentum=0.9, nesterov=2), "nesterov must be a bool"),
         (lambda: optim.adamw(inf), "lr must be finite"),
         (lambda: optim.adam(1e-3, eps=inf), "eps must be finite"),
         (lambda: optim.adam(1e-3, amsgrad="true"), "amsgrad must be a bool"),
         (lambda: optim.lamb(1e-3, weight_decay=inf), "weight_decay must be finite"),
         (lambda: optim.adafactor(inf), "lr must be finite"),
-        (lambda: optim.adafactor(1e-2, relative_step=1), "relative_step must be a bool"),
+        (lambda: optim.adafactor(1e-2, relative_step=2), "relative_step must be a bool"),
         (lambda: optim.sgd([0.1, inf]), r"lr\[1\] must be finite"),
         (lambda: optim.sgd(10**400), "beyond float's range"),
         (lambda: optim.cosine(inf, 10), "peak must be finite"),
@@ -192,3 +197,37 @@ def test_sync_must_be_a_bool():
     for sync in ("no", 0, None):
         with pytest.raises(fzero.ConfigError, match=r"sync must be a bool .*got"):
             _init({"w": torch.ones(3)}, sync=sync)
+
+
+def test_frozen_leaves_may_share_memory_with_each_other_not_with_trainable_ones():
+    """Frozen leaves are never updated, so two frozen views of one tensor stay tied (a frozen
+    embedding and its transposed head); a trainable leaf overlapping a frozen one would drift
+    from it, and is refused."""
+    w = torch.randn(3, 4)
+    frozen = [fzero.ParamGroup("tied", match=lambda p: p in ("emb", "head"), frozen=True)]
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"emb": w, "head": w.t(), "x": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh,
+                           groups=frozen)
+        return fzero.gather(state)
+
+    (got,) = mesh.run(rank_fn)
+    assert torch.equal(got["head"], w.t()) and torch.equal(got["emb"], w)
+    half = [fzero.ParamGroup("emb", match=lambda p: p == "emb", frozen=True)]
+    with pytest.raises(fzero.LayoutError, match="share memory"):
+        _init({"emb": w, "head": w.t()}, groups=half, n=1)
+
+
+def test_flags_take_numpy_bools_and_0_or_1_as_torch_does():
+    """torch's flags take `amsgrad=0` or a numpy bool; so do fzero's (`layout.as_flag`); strings
+    and other numbers are refused."""
+    assert fzero.ParamGroup("g", frozen=np.True_).frozen is True
+    assert fzero.ParamGroup("g", weight_decay=np.False_).weight_decay is False
+    assert fzero.ParamGroup("g", weight_decay=1).weight_decay is True
+    optim.adamw(0.1, amsgrad=0)
+    optim.sgd(0.1, nesterov=np.False_)
+    with pytest.raises(optim.OptimizerError, match="maximize must be a bool"):
+        optim.sgd(0.1, maximize="no")
+    with pytest.raises(fzero.LayoutError, match="frozen must be a bool"):
+        fzero.ParamGroup("g", frozen=2)

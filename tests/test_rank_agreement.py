@@ -165,3 +165,14 @@ def test_ranks_stepping_states_of_different_inits_raise_on_every_rank():
         assert isinstance(e, fzero.ConfigError), repr(e)
         assert "rank 0: the state of its init #1, rank 1: the state of its init #2" in str(e), str(e)
     assert all(torch.equal(finals[r][k], v) for r in range(N) for k, v in _params().items())
+
+
+def test_the_shared_settings_are_plain_values_and_equal_numbers_agree():
+    """The fingerprint is of the settings' reprs: each must be a plain value (no object whose repr
+    holds an address), and `clip_norm` 1, 1.0 and np.float64(1.0) are one setting."""
+    import numpy as np
+
+    config = fzero.train_step(_loss, clip_norm=np.float64(1.0)).config
+    assert all(isinstance(v, (str, int, float, bool, type(None), torch.dtype)) for v in config.shared.values())
+    prints = {fzero.train_step(_loss, clip_norm=c).config.fingerprint for c in (1, 1.0, np.float64(1.0))}
+    assert len(prints) == 1

@@ -64,16 +64,19 @@ class ParamGroup:
             raise LayoutError(f"ParamGroup {self.name!r}: match must be None (every leaf) or a callable path -> bool, "
                               f"got {type(self.match).__name__} {self.match!r}{hint}")
         wd = self.weight_decay
-        if not isinstance(wd, bool) and isinstance(wd, (int, float)) and wd == 0:
-            object.__setattr__(self, "weight_decay", False)  # torch's spelling of "no decay": weight_decay=0
-        elif not isinstance(wd, bool):
+        if as_flag(wd) is not None:
+            object.__setattr__(self, "weight_decay", as_flag(wd))
+        elif isinstance(wd, (int, float)) and wd == 0:
+            object.__setattr__(self, "weight_decay", False)  # torch's spelling of "no decay": weight_decay=0.0
+        else:
             raise LayoutError(f"ParamGroup {self.name!r}: weight_decay must be a bool (whether the optimizer's weight "
                               f"decay applies to the group; 0 is taken as False), got {type(wd).__name__} {wd!r}; a "
                               f"group has no decay amount of its own: set it on the optimizer, e.g. "
                               f"fzero.optim.adamw(lr, weight_decay=0.01)")
-        if not isinstance(self.frozen, bool):
-            raise LayoutError(f"ParamGroup {self.name!r}: frozen must be a bool, got {type(self.frozen).__name__} "
+        if as_flag(self.frozen) is None:
+            raise LayoutError(f"ParamGroup {self.name!r}: frozen must be a bool, got {type_name(self.frozen)} "
                               f"{self.frozen!r}")
+        object.__setattr__(self, "frozen", as_flag(self.frozen))
         scale = self.lr_scale
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # numpy's floats too
             raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be a Python float (finite, >= 0), got "
@@ -85,6 +88,23 @@ class ParamGroup:
         if not math.isfinite(scale) or scale < 0:
             raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be finite and >= 0, got {scale}")
         object.__setattr__(self, "lr_scale", scale)  # a float, as group_lr's product with the lr
+
+
+def as_flag(value: Any) -> bool | None:
+    """`value` as a bool where it is one: a bool, a numpy bool, or the int 0 or 1 (torch takes
+    these for its flags); None for anything else -- a string or another number would switch a
+    behaviour on silently (`maximize="no"` maximizes)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    return None
+
+
+def type_name(value: Any) -> str:
+    """`value`'s type with its module where not a builtin (numpy's bool prints as `bool`)."""
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import optree
@@ -230,7 +231,7 @@ def init(
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
         _check_real(params)
-        _check_distinct(params)
+        _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
@@ -252,10 +253,11 @@ def init(
             if sync and mesh.world_size > 1:
                 flat = broadcast(flat.to(mesh.device), mesh, 0, tag=layout.buckets[b].tag)
             if not layout.buckets[b].group.frozen:
-                _check_finite(layout, b, flat, mesh, sync)
+                nonfinite.extend(_nonfinite_leaves(layout, b, flat))
             return place(st, off, tiers[b], layout, b, *st.hold(layout, b, flat, rank, computes[b]), rank,
                          computes[b], mesh.device)
 
+        nonfinite: list[str] = []  # trainable leaves whose kept values hold a NaN or inf (`_agreed_serial` raises)
         kept = [keep(b, f) for b, f in enumerate(flats)]
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 
@@ -281,20 +283,37 @@ def init(
             held = tuple(tiers[b].keep_params(b, p) if b in trainable and tiers[b] is not None else p
                          for b, p in enumerate(held))  # params="nvme": the compute-dtype shards too
         st = stage_of(st, off, tier)
-        serial = _next_serial(mesh)
+        serial = _agreed_serial(mesh, nonfinite, sync)
     return ZeroState(held, opt_state, torch.zeros((), dtype=torch.int64), master,
                      None if loss_scale is None else loss_scale.init(),
                      StateInfo(layout, st, mesh, rank, optimizer, precision, loss_scale, off, tier, serial))
 
 
-def _next_serial(mesh: Mesh) -> int:
+_INITS: "weakref.WeakKeyDictionary[Mesh, dict[int, int]]" = weakref.WeakKeyDictionary()  # mesh -> rank -> inits
+
+
+def _agreed_serial(mesh: Mesh, nonfinite: list[str], sync: bool) -> int:
     """This `init`'s number on `mesh` (`StateInfo.serial`), the same on every rank: one more than
-    the largest any rank made before (an all-reduce, max: a rank stopped inside an earlier `init`
-    by another rank's error counted one fewer). Kept per rank, as SimMesh's ranks are threads
-    sharing one mesh."""
-    counts = mesh.__dict__.setdefault("_fzero_inits", {})
-    mine = torch.tensor([counts.get(mesh.rank, 0) + 1], dtype=torch.int64, device=mesh.device)
-    counts[mesh.rank] = int(all_reduce(mine, mesh, "max", tag="fzero.init/serial").item())
+    the largest any rank made before (a rank stopped inside an earlier `init` by another rank's
+    error counted one fewer). The same all-gather carries whether the rank's trainable values hold
+    a NaN or inf (`nonfinite`, `_nonfinite_leaves`; under `sync=False` each rank keeps its own), so
+    every rank raises `NonFiniteError` where one does. Counted per rank, as SimMesh's ranks are
+    threads sharing one mesh."""
+    counts = _INITS.setdefault(mesh, {})
+    mine = torch.tensor([counts.get(mesh.rank, 0) + 1, len(nonfinite)], dtype=torch.int64, device=mesh.device)
+    rows = all_gather(mine, mesh, tag="fzero.init/serial").view(mesh.world_size, 2).tolist()
+    bad = [r for r, (_, k) in enumerate(rows) if k]
+    if bad:
+        whose = "rank 0's values (broadcast to every rank: sync=True)" if sync and mesh.world_size > 1 else (
+            f"the values of rank(s) {bad}")
+        mine_said = (f": params leaves {', '.join(nonfinite[:8])}{' ...' if len(nonfinite) > 8 else ''} on rank "
+                     f"{mesh.rank}") if nonfinite else ""
+        raise NonFiniteError(f"trainable params hold NaN or inf in {whose} ({mesh!r}){mine_said}; a trainable leaf "
+                             f"must start finite (every update of its bucket would be NaN or inf): initialise it (a "
+                             f"torch.empty / to_empty tensor never initialised?), or freeze it with a "
+                             f"ParamGroup(..., frozen=True) if it is a constant such as a mask. To restore a "
+                             f"checkpoint, init from any finite values, then fzero.checkpoint.load")
+    counts[mesh.rank] = max(n for n, _ in rows)
     return counts[mesh.rank]
 
 
@@ -310,10 +329,11 @@ def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> 
                           f"drop loss_scale, or compute in fp16 with precision=fzero.Precision(torch.float16, ...)")
 
 
-def _check_distinct(params: Any) -> None:
+def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
     """One tensor at two paths, or two leaves whose memory overlaps (views of one tensor: `W` and
     `W.t()`, overlapping slices), would be two leaves updated apart (silently untied). Views of
-    one buffer that share no element (disjoint slices, interleaved columns) are allowed."""
+    one buffer that share no element (disjoint slices, interleaved columns), and frozen leaves
+    (paths in `frozen`, never updated) that overlap only each other, are allowed."""
     paths, leaves, _ = flatten_with_paths(params)
     first: dict[int, str] = {}
     for path, leaf in zip(paths, leaves):
@@ -321,9 +341,12 @@ def _check_distinct(params: Any) -> None:
         if other != path:
             raise LayoutError(f"params leaves {other!r} and {path!r} are the same tensor; keep one leaf and use it "
                               f"twice in the loss (fzero.from_module does this for tied module weights)")
-    shared = _overlapping(leaves)
+    shared, left = _overlapping(leaves), list(range(len(leaves)))
+    while shared is not None and paths[left[shared[0]]] in frozen and paths[left[shared[1]]] in frozen:
+        del left[shared[1]]  # two frozen views of one tensor: look again without the second
+        shared = _overlapping([leaves[k] for k in left])
     if shared is not None:
-        (i, j) = shared
+        (i, j) = left[shared[0]], left[shared[1]]
         show = lambda k: f"{paths[k]!r} ({str(leaves[k].dtype).removeprefix('torch.')}{list(leaves[k].shape)}, "\
                          f"stride {list(leaves[k].stride())}, storage offset {leaves[k].storage_offset()})"  # noqa: E731
         raise LayoutError(f"params leaves {show(i)} and {show(j)} share memory (views of one tensor, e.g. W and "
@@ -397,13 +420,13 @@ def _marked_overlap(ts: Sequence[torch.Tensor], starts: Sequence[int]) -> tuple[
     return None
 
 
-def _check_finite(layout: Layout, b: int, flat: torch.Tensor, mesh: Mesh, sync: bool) -> None:
-    """A trainable bucket's initial values (after the broadcast, what the state keeps) are finite:
-    a NaN or inf there could never take a step (the step's check of its update covers whole
-    buckets), so it is named here, with its leaf and count. One read of the bucket; the leaves
-    are found only where it fails."""
-    if bool(torch.isfinite(flat).all()):
-        return
+def _nonfinite_leaves(layout: Layout, b: int, flat: torch.Tensor) -> list[str]:
+    """The leaves of bucket `b` whose values in `flat` hold a NaN or inf, each as `'path'
+    (dtype[shape]: k of n elements NaN or inf)`; none where `flat`'s minimum and maximum are
+    finite (NaN propagates through both; no tensor of `flat`'s size is made). One read of the
+    bucket and one host read; the leaf by leaf count only where some element is not finite."""
+    if not flat.numel() or bool(torch.isfinite(torch.stack([flat.amin(), flat.amax()])).all()):
+        return []
     bad = []
     for seg in layout.flat_segments(b):
         count = int((~torch.isfinite(flat[seg.start : seg.stop])).sum())
@@ -411,13 +434,7 @@ def _check_finite(layout: Layout, b: int, flat: torch.Tensor, mesh: Mesh, sync: 
             ls = layout.leaves[seg.leaf]
             bad.append(f"{ls.path!r} ({str(ls.dtype).removeprefix('torch.')}{list(ls.shape)}: {count} of {ls.numel} "
                        f"elements NaN or inf)")
-    whose = "rank 0's values (broadcast to every rank: sync=True)" if sync and mesh.world_size > 1 else (
-        f"rank {mesh.rank}'s values")
-    raise NonFiniteError(f"params leaves {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} hold NaN or inf in "
-                         f"{whose} ({mesh!r}); a trainable leaf must start finite (every update of its bucket would "
-                         f"be NaN or inf): initialise it (a torch.empty / to_empty tensor never initialised?), or "
-                         f"freeze it with a ParamGroup(..., frozen=True) if it is a constant such as a mask. To restore "
-                         f"a checkpoint, init from any finite values, then fzero.checkpoint.load")
+    return bad
 
 
 def _check_optimizer(optimizer: Any) -> None:

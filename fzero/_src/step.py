@@ -119,10 +119,11 @@ class StepConfig:
 
     @property
     def shared(self) -> dict[str, Any]:
-        """The settings every rank's step must share (all but `loss_fn`, which is compared by
-        nothing: each rank's closure may hold its own data): the step's agreement row carries
-        their fingerprint (`fingerprint`), and ranks that differ raise `ConfigError` on every rank
-        (`_check_same_steps`)."""
+        """The settings every rank's step must share, each a plain value (str, int, float, bool,
+        None or a dtype: their reprs hold no address): all but `loss_fn`, which is compared by
+        nothing (each rank's closure may hold its own data), and what the step learns (`ahead`,
+        `buffers`). The step's agreement row carries their fingerprint (`fingerprint`), and ranks
+        that differ raise `ConfigError` on every rank (`_check_same_steps`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare and f.name != "loss_fn"}
 
     @functools.cached_property
@@ -146,6 +147,8 @@ class StepConfig:
         c = self.clip_norm
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
+        if c is not None:  # 1, 1.0 and np.float64(1.0) alike: the fingerprint ranks compare is of the value
+            object.__setattr__(self, "clip_norm", float(c))
         if not isinstance(self.donate, bool):
             raise ConfigError(f"donate must be a bool, got {self.donate!r}")
         if not isinstance(self.cast_ahead, bool):
@@ -883,7 +886,7 @@ class Row(NamedTuple):
     `1 + L : sq`, then one column each."""
 
     sq: int
-    count: int
+    tokens: int
     broken: int
     settings: int
     step: int
@@ -1059,7 +1062,7 @@ def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shar
     n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
     c = Row.of(num, nb)
     _check_same_steps(config, state, rows)
-    losses, sqs, counts = [r[0] for r in rows], [r[c.sq] for r in rows], [r[c.count] for r in rows]
+    losses, sqs, counts = [r[0] for r in rows], [r[c.sq] for r in rows], [r[c.tokens] for r in rows]
     bad_rows = [r[1 + num : c.sq] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly (shed shards: their host copies)
         shards = list(readable(state.info, dict(enumerate(shards))).values())
@@ -1102,7 +1105,9 @@ def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:
     """Raise `ConfigError` on every rank (the verdict is agreed) where no rank's loss reached any
     trainable leaf that has elements: the loss has no autograd graph to the params (made under
     `torch.no_grad()`, detached, or from other tensors), so the step would train nothing and
-    report a zero gradient norm, where torch's `loss.backward()` raises."""
+    report a zero gradient norm. (torch's `loss.backward()` raises for such a loss where it needs
+    no grad at all; one that needs grad through some other tensor it accepts, and its optimizer
+    step does nothing: fzero raises for both.)"""
     layout = state.layout
     trainable = remembered(_TRAINABLE, layout, None, lambda: [ls.index for ls in layout.leaves
                                                               if not ls.group.frozen and ls.numel > 0])

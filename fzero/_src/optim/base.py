@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple, Union
 import torch
 
 from ..errors import FzeroError
-from ..layout import ParamGroup, Segment
+from ..layout import ParamGroup, Segment, as_flag, type_name
 
 
 class OptimizerError(FzeroError, ValueError):
@@ -225,11 +225,13 @@ def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi
 
 
 def check_flag(name: str, value: Any) -> bool:
-    """`value` if it is a bool, else an `OptimizerError` naming it (a truthy string or number would
-    silently switch a behaviour on: `maximize="no"` maximizes)."""
-    if not isinstance(value, bool):
-        raise OptimizerError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
-    return value
+    """`value` as a bool (`layout.as_flag`: a bool, a numpy bool, 0 or 1), else an `OptimizerError`
+    naming it (a truthy string or number would silently switch a behaviour on: `maximize="no"`
+    maximizes)."""
+    flag = as_flag(value)
+    if flag is None:
+        raise OptimizerError(f"{name} must be a bool (True or False), got {type_name(value)} {value!r}")
+    return flag
 
 
 def as_schedule(lr: LearningRate) -> Schedule:
