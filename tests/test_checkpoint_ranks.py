@@ -105,7 +105,7 @@ def test_save_into_different_roots_raises_on_every_rank_before_writing(tmp_path)
             return str(e)
 
     for text in mesh.run(rank_fn, [(root,) for root in roots]):
-        assert "passed different folders to checkpoint.save" in text and "nothing was written" in text, text
+        assert "passed different folders or states to checkpoint.save" in text and "nothing was written" in text, text
         assert all(f"rank {r}: {os.path.join(roots[r], 'step-0')!r}" in text for r in range(2)), text
     assert not any(os.path.exists(root) for root in roots)  # not even the temporary folder
 
@@ -242,7 +242,24 @@ def dist_disagree(mesh, base):
 def test_different_roots_and_checkpoints_on_gloo(dist2, tmp_path):
     for r, (texts, listed, step) in enumerate(dist2.run(dist_disagree, [(str(tmp_path),)] * 2)):
         assert len(texts) == 2, texts
-        assert "passed different folders to checkpoint.save" in texts[0], texts[0]
+        assert "passed different folders or states to checkpoint.save" in texts[0], texts[0]
         assert f"rank 1: {str(tmp_path / 'r1' / 'step-0')!r}" in texts[0], texts[0]
         assert "passed different checkpoints to checkpoint.load" in texts[1] and "(step 2, manifest" in texts[1]
         assert listed == ["same"] and step == 2
+
+
+def test_ranks_saving_states_of_different_inits_raise_on_every_rank(tmp_path):
+    """The folder's agreement also compares which state each rank saves (its init, and whether it
+    carries an unchecked donated update, whose check is collective): ranks passing states of
+    different inits raise before any other collective of the save, nothing written."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        a = fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+        b = fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+        with pytest.raises(ck.CheckpointError, match=r"the state of init #1\)\n  rank 1: .*the state of init #2\)"):
+            fzero.checkpoint.save(a if mesh.rank == 0 else b, tmp_path)
+        return True
+
+    assert mesh.run(rank_fn) == [True, True]
+    assert not list(tmp_path.iterdir())

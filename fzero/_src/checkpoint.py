@@ -623,6 +623,23 @@ def _folder_key(final: str) -> tuple[int, int, int]:
     return _int64(os.path.abspath(final)), _int64(os.path.realpath(final)), 0
 
 
+def _state_key(state: ZeroState) -> int:
+    """Which state a rank saves, as far as the ranks must agree before any collective of the save:
+    the `init` that made it (`StateInfo.serial`) and whether it carries a donated update not yet
+    checked (`pending`: `check_pending` is collective only then)."""
+    return 2 * state.info.serial + (state.pending is not None)
+
+
+def _what_saved(final: str, state: ZeroState) -> str:
+    pending = ", its last donated update not yet checked" if state.pending is not None else ""
+    return f"{final!r} (the state of init #{state.info.serial}{pending})"
+
+
+def _same_save(keys: list[list[int]]) -> bool:
+    """One folder (`_same_folder`) and one state (`_state_key`) on every rank."""
+    return _same_folder(keys) and len({k[2] for k in keys}) <= 1
+
+
 def _visible(path: str) -> bool:
     """Whether this rank sees the folder `path` (one place, so a test can stand in for a rank
     whose file system is not the others')."""
@@ -659,19 +676,19 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
                 raise CheckpointError(f"_fail_at must be one of {CRASH_POINTS}, got {_fail_at!r}")
             root = _fspath(root, "checkpoint.save: root (the folder that holds the step-<n> checkpoints)")
             final = os.path.join(root, f"step-{int(state.step)}")
-            shown, key = repr(final), _folder_key(final)
+            shown, key = _what_saved(final, state), (*_folder_key(final)[:2], _state_key(state))
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
                                       f"once, or delete it first")
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
-        _agree(mesh, "fzero.checkpoint/save", error, key, shown, same=_same_folder,
+        _agree(mesh, "fzero.checkpoint/save", error, key, shown, same=_same_save,
                differ=lambda rows, given: (
-                   f"the ranks of {mesh!r} passed different folders to checkpoint.save:"
+                   f"the ranks of {mesh!r} passed different folders or states to checkpoint.save:"
                    + "".join(f"\n  rank {s}: {given[s]}" for s in range(len(rows)))
-                   + "\nevery rank must save the same step into the same root, one folder on a file system every "
-                   "rank shares (not a per-rank tempfile.mkdtemp() or timestamp: choose it once and pass it to "
-                   "every rank); nothing was written"),
+                   + "\nevery rank must save the same step of the same state into the same root, one folder on a "
+                   "file system every rank shares (not a per-rank tempfile.mkdtemp() or timestamp: choose it once "
+                   "and pass it to every rank); nothing was written"),
                failed=lambda failures: (
                    f"checkpoint.save into {shown}: {len(failures)} other rank(s) of {mesh!r} refused it; nothing "
                    f"was written:{_listed(failures)}"))
