@@ -449,14 +449,17 @@ def _fspath(x: Any, what: str) -> str:
     raise CheckpointError(f"{what} must be a str or os.PathLike, got {type(x).__name__} {_short(x)}")
 
 
-def _short(x: Any, n: int = 80) -> str:
-    text = repr(x)
+def _clipped(text: str, n: int) -> str:
+    """`text`, cut to `n` characters with "..." where longer."""
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _short(x: Any, n: int = 80) -> str:
+    return _clipped(repr(x), n)
 
 
 def _error_text(e: BaseException, n: int = 600) -> str:
-    text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= n else text[: n - 3] + "..."
+    return _clipped(f"{type(e).__name__}: {e}", n)
 
 
 _KEY = 3  # the int64 words of the key a rank brings to an agreement

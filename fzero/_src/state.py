@@ -347,13 +347,17 @@ def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
         shared = _overlapping([leaves[k] for k in left])
     if shared is not None:
         (i, j) = left[shared[0]], left[shared[1]]
-        show = lambda k: f"{paths[k]!r} ({str(leaves[k].dtype).removeprefix('torch.')}{list(leaves[k].shape)}, "\
-                         f"stride {list(leaves[k].stride())}, storage offset {leaves[k].storage_offset()})"  # noqa: E731
-        raise LayoutError(f"params leaves {show(i)} and {show(j)} share memory (views of one tensor, e.g. W and "
+        raise LayoutError(f"params leaves {_placed(paths[i], leaves[i])} and {_placed(paths[j], leaves[j])} share memory (views of one tensor, e.g. W and "
                           f"W.t() or overlapping slices): fzero would update them apart and silently untie them; keep "
                           f"one leaf and use it at both places in the loss (e.g. p['emb'].t() for a tied head; "
                           f"fzero.from_module does this for tied module weights), or pass a .clone() to train them "
                           f"apart")
+
+
+def _placed(path: str, t: torch.Tensor) -> str:
+    """A leaf and where its elements sit: path, dtype, shape, stride, storage offset."""
+    return (f"{path!r} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}, stride {list(t.stride())}, "
+            f"storage offset {t.storage_offset()})")
 
 
 def _extent(t: torch.Tensor) -> tuple[Any, int, int, bool] | None:
@@ -490,7 +494,7 @@ def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -
     if n == 1:
         return
     names = sorted(settings)
-    mine = torch.tensor([_crc(settings[k]) for k in names], dtype=torch.int64, device=mesh.device)
+    mine = torch.tensor([settings_crc(settings[k]) for k in names], dtype=torch.int64, device=mesh.device)
     table = all_gather(mine, mesh, tag=f"{what}/settings").view(n, len(names))
     differ = (table != table[:1]).any(dim=0).nonzero().flatten().tolist()
     if differ:
@@ -630,7 +634,8 @@ def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: A
     return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]
 
 
-def _crc(x: Any) -> int:
+def settings_crc(x: Any) -> int:
+    """CRC-32 of `x`'s repr, 31 bits (exact in an int64 or float64 row): how ranks compare settings."""
     return zlib.crc32(repr(x).encode()) & 0x7FFFFFFF
 
 
@@ -639,14 +644,14 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
     n = mesh.world_size
     if n == 1:
         return
-    me = torch.tensor([len(layout.leaves), _crc(str(layout.treespec))], dtype=torch.int64, device=mesh.device)
+    me = torch.tensor([len(layout.leaves), settings_crc(str(layout.treespec))], dtype=torch.int64, device=mesh.device)
     rows = all_gather(me, mesh, tag="fzero.init/structure").view(n, 2).tolist()
     if any(row[0] != rows[0][0] for row in rows):
         counts = ", ".join(f"rank {r}: {row[0]} leaves" for r, row in enumerate(rows))
         raise LayoutError(f"params differ across ranks (world size {n}): {counts}; every rank must pass the "
                           f"same pytree structure")
     # per leaf: its path, dtype and shape (each a checksum, so the message can say which differs) and numel
-    sig = torch.tensor([[_crc(ls.path), _crc(str(ls.dtype)), _crc(ls.shape), ls.numel] for ls in layout.leaves]
+    sig = torch.tensor([[settings_crc(ls.path), settings_crc(str(ls.dtype)), settings_crc(ls.shape), ls.numel] for ls in layout.leaves]
                        or [[0, 0, 0, 0]], dtype=torch.int64, device=mesh.device).view(-1)
     table = all_gather(sig, mesh, tag="fzero.init/leaves").view(n, -1, 4)
     differ = (table != table[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()

@@ -62,8 +62,8 @@ from .layout import ParamGroup, Segment
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
 from .stages import Flight, Wire
-from .state import (StateInfo, ZeroState, _crc, broken_update, check_same_settings, check_state, consume,
-                    nonfinite_leaves, updated_nonfinite_leaves)
+from .state import (StateInfo, ZeroState, broken_update, check_same_settings, check_state, consume,
+                    nonfinite_leaves, settings_crc, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
 
@@ -129,7 +129,7 @@ class StepConfig:
     @functools.cached_property
     def fingerprint(self) -> int:
         """`shared`'s CRC-32 (31 bits: exact in the agreement's float64 row)."""
-        return _crc(self.shared)
+        return settings_crc(self.shared)
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
@@ -508,6 +508,8 @@ class StepPlan(NamedTuple):
     Attributes:
       programs: the units' `UnitProgram`s, in the layout's unit order.
       trainable: the trainable buckets, in layout order.
+      trained_leaves: the trainable leaves with elements, in layout order: some rank's loss must
+        reach one (`_check_some_leaf_used`).
       flat: whether the params pytree is a flat `{path: tensor}` dict (`gathering.is_flat_dict`).
       leaf_order: where the units' `used[L_u]`, concatenated in unit order, go in `used[L]`:
         None where that order is the layout's, else a CPU index `[Σ L_u]`.
@@ -525,6 +527,7 @@ class StepPlan(NamedTuple):
 
     programs: tuple[UnitProgram, ...]
     trainable: tuple[int, ...]
+    trained_leaves: tuple[int, ...]
     flat: bool
     leaf_order: torch.Tensor | None
     bucket_at: tuple[int | None, ...] | None
@@ -557,7 +560,8 @@ def _step_plan(info: StateInfo) -> StepPlan:
     def on_device(b: int) -> bool:  # neither the params nor the bucket's master and state offloaded
         return info.offload.params is None and info.host_tier(b) is None
 
-    return StepPlan(programs, trainable, is_flat_dict(layout),
+    trained_leaves = tuple(ls.index for ls in layout.leaves if not ls.group.frozen and ls.numel > 0)
+    return StepPlan(programs, trainable, trained_leaves, is_flat_dict(layout),
                     None if leaves == list(range(len(layout.leaves))) else torch.tensor(leaves, dtype=torch.long),
                     None if buckets == list(range(len(layout.buckets))) else
                     tuple({b: k for k, b in enumerate(buckets)}.get(b) for b in range(len(layout.buckets))),
@@ -1061,7 +1065,7 @@ def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shar
     layout, mesh = state.layout, state.mesh
     n, num, nb = mesh.world_size, len(layout.leaves), len(layout.buckets)
     c = Row.of(num, nb)
-    _check_same_steps(config, state, rows)
+    _check_same_steps(config, state, rows, c)
     losses, sqs, counts = [r[0] for r in rows], [r[c.sq] for r in rows], [r[c.tokens] for r in rows]
     bad_rows = [r[1 + num : c.sq] for r in rows]
     if not all(math.isfinite(q) for q in sqs):  # the rare path: decide exactly (shed shards: their host copies)
@@ -1077,12 +1081,11 @@ def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shar
     return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
 
 
-def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[float]]) -> None:
+def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[float]], c: Row) -> None:
     """Raise `ConfigError` on every rank (all read the same rows) where the ranks' steps differ in
     their settings (`StepConfig.shared`; one more all-gather, of each setting's fingerprint, names
     the first that differs: `state.check_same_settings`), in the `init` that made their states
     (`StateInfo.serial`) or in their state's step counter (a rank that stepped an older state)."""
-    c = Row.of(len(state.layout.leaves), len(state.layout.buckets))
     if any(r[c.settings] != rows[0][c.settings] for r in rows):
         check_same_settings(state.mesh, "fzero.train_step", **config.shared)
         raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
@@ -1098,9 +1101,6 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
                               f"step {fix}. Nothing was updated")
 
 
-_TRAINABLE: dict = {}  # layout -> the indices of its trainable leaves with elements (`remembered`)
-
-
 def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:
     """Raise `ConfigError` on every rank (the verdict is agreed) where no rank's loss reached any
     trainable leaf that has elements: the loss has no autograd graph to the params (made under
@@ -1108,9 +1108,7 @@ def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:
     report a zero gradient norm. (torch's `loss.backward()` raises for such a loss where it needs
     no grad at all; one that needs grad through some other tensor it accepts, and its optimizer
     step does nothing: fzero raises for both.)"""
-    layout = state.layout
-    trainable = remembered(_TRAINABLE, layout, None, lambda: [ls.index for ls in layout.leaves
-                                                              if not ls.group.frozen and ls.numel > 0])
+    layout, trainable = state.layout, step_plan(state.info).trained_leaves
     if trainable and not any(verdict.used[i] for i in trainable):  # stops at the first used one
         raise ConfigError(f"step {int(state.step)}: no rank's loss depends on any trainable param ({len(trainable)} "
                           f"leaves, e.g. {layout.leaves[trainable[0]].path!r}; world size {state.mesh.world_size}): loss_fn returned a "
