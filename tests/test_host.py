@@ -385,9 +385,10 @@ def test_probes_share_zeros_but_each_is_its_own_autograd_leaf():
     layout = fzero.layout.plan({"a": torch.zeros(3), "b": torch.zeros(2, 2)}, 1, units=lambda p: p)
     mesh = fzero.SimMesh(1)
     programs = unit_module.unit_programs(layout, mesh, get_stage(0))
-    p, q = (unit_module.Probe.of(programs[0], torch.device("cpu")) for _ in range(2))
+    p, q = (unit_module.Probe.of(programs[0], torch.device("cpu"), locate=True) for _ in range(2))
     assert p.used is not q.used and p.used.untyped_storage().data_ptr() == q.used.untyped_storage().data_ptr()
     assert torch.equal(p.used, torch.zeros(1)) and torch.equal(p.bad, torch.zeros(1))
+    assert unit_module.Probe.of(programs[0], torch.device("cpu")).bad.shape == (0,)  # unlocated: no local check
     p.used.requires_grad_()
     assert not q.used.requires_grad
     q.used.requires_grad_()
@@ -396,14 +397,14 @@ def test_probes_share_zeros_but_each_is_its_own_autograd_leaf():
 
 
 def test_zeros_first_made_under_inference_mode_serve_a_training_step():
-    unit_module._ZEROS.clear()
+    unit_module._SHARED_ZEROS.clear()
     with torch.inference_mode():
-        made = unit_module._zeros((5,), torch.device("cpu"))
+        made = unit_module.shared_zeros((5,), torch.device("cpu"))
     assert not made.is_inference()
-    t = unit_module._zeros((5,), torch.device("cpu")).detach().requires_grad_()
+    t = unit_module.shared_zeros((5,), torch.device("cpu")).detach().requires_grad_()
     (g,) = torch.autograd.grad((t * 2).sum(), [t])
     assert torch.equal(g, torch.full((5,), 2.0))
-    unit_module._ZEROS.clear()
+    unit_module._SHARED_ZEROS.clear()
 
 
 def test_entered_names_each_bucket_storage_once():

@@ -136,11 +136,12 @@ def test_reduced_gradient_overflow_is_caught():
     def run(on_nonfinite):
         def rank_fn():
             state = fzero.init(params, optim.sgd(1e-9), stage=2, mesh=mesh)
-            new, m = fzero.train_step(_sum_loss, on_nonfinite=on_nonfinite)(state, torch.full((4,), 65504.0))
+            step = fzero.train_step(_sum_loss, on_nonfinite=on_nonfinite, locate_nonfinite=True)
+            new, m = step(state, torch.full((4,), 65504.0))
             return state, new, m
         return mesh.run(rank_fn)
 
-    with pytest.raises(fzero.NonFiniteError, match="the sum over ranks overflowed"):
+    with pytest.raises(fzero.NonFiniteError, match="local gradient are finite but .* the sum over ranks overflowed"):
         run("raise")
     for old, new, m in run("skip"):
         assert new is old and m.skipped

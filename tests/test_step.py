@@ -1,9 +1,11 @@
 """`train_step`'s non-finite path and its step counter, on SimMesh.
 
 - A NaN or inf in one rank's local gradient or loss stops every rank with `NonFiniteError`,
-  naming the rank(s), the bucket(s) and the leaves whose reduced gradient is non-finite
+  naming the leaves whose reduced gradient is non-finite and the rank(s) of a non-finite loss,
+  and with `locate_nonfinite=True` the rank(s) and bucket(s) of a non-finite local gradient
   (`on_nonfinite="raise"`, the default); with `on_nonfinite="skip"` the step returns the input
-  state itself, unchanged, and `Metrics.skipped`.
+  state itself, unchanged, and `Metrics.skipped`. Without `locate_nonfinite` the units read no
+  local gradient for it: the reduced gradient's `‖g‖²` finds the step (proofs/stages.md §1.3).
 - A loss that raises on one rank stops every rank (the others are told which rank failed).
 - `state.step` is an int64 0-d tensor counting the updates applied: each non-skipped step adds
   one, a skipped step none; `Metrics.step` is the input state's count (0 for the first step).
@@ -18,17 +20,17 @@ import fzero
 from fzero import optim
 
 
-def _nan_setup(stage, on_nonfinite):
+def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None):
     params = {"a": torch.ones(5), "b": torch.ones(3)}
     mesh = fzero.SimMesh(3)
     opt = optim.adamw(0.1)
 
-    def loss_fn(p, c):
+    def sum_loss(p, c):
         return (p["a"] * c).sum() + p["b"].sum()
 
     def rank_fn(c):
         state = fzero.init(params, opt, stage=stage, mesh=mesh)
-        step = fzero.train_step(loss_fn, on_nonfinite=on_nonfinite)
+        step = fzero.train_step(loss_fn or sum_loss, on_nonfinite=on_nonfinite, locate_nonfinite=locate)
         new, m = step(state, c)
         return state, new, m
 
@@ -45,13 +47,39 @@ def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage):
         mesh.run(rank_fn, [(c,) for c in batches])
 
 
+def _first_term(p, c):
+    """A finite loss whose gradient is NaN where `c` is: d/da of `(a * c)[0]` is `c * [1, 0, ...]`,
+    and `NaN * 0` is NaN."""
+    return (p["a"] * c)[0] + p["b"].sum()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_nonfinite_step_skipped_leaves_state_unchanged(stage):
-    mesh, rank_fn, batches = _nan_setup(stage, "skip")
-    for before, after, m in mesh.run(rank_fn, [(c,) for c in batches]):
-        assert m.skipped and after.step == before.step == 0
-        assert all(torch.equal(x, y) for x, y in zip(before.params, after.params))
-        assert after is before
+def test_nonfinite_gradient_is_found_in_the_reduced_norm(stage):
+    """Rank 1's loss is finite and its local gradient holds a NaN. Unlocated (the default), no
+    unit reads a local gradient for it: the reduced gradient's ‖g‖² finds the step on every rank,
+    and the error names the leaf and says the ranks were not checked; located, it names rank 1 and
+    its bucket."""
+    mesh, rank_fn, batches = _nan_setup(stage, "raise", locate=False, loss_fn=_first_term)
+    match = (r"step 0: every rank's loss is finite but the reduced gradient is not \(sum of squares nan; the reduced "
+             r"gradient is non-finite in 'a'\): some rank's local gradient held a NaN or inf, or the sum over ranks "
+             r"overflowed \(local gradients were not checked: train_step\(locate_nonfinite=True\)")
+    with pytest.raises(fzero.NonFiniteError, match=match):
+        mesh.run(rank_fn, [(c,) for c in batches])
+    mesh, rank_fn, batches = _nan_setup(stage, "raise", locate=True, loss_fn=_first_term)
+    match = r"rank\(s\) \[1\] \(rank 1: non-finite local gradient in bucket\(s\) \['default/float32/default'\]\); "
+    with pytest.raises(fzero.NonFiniteError, match=match):
+        mesh.run(rank_fn, [(c,) for c in batches])
+
+
+@pytest.mark.parametrize("locate", [True, False])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nonfinite_step_skipped_leaves_state_unchanged(stage, locate):
+    for loss_fn in (None, _first_term):
+        mesh, rank_fn, batches = _nan_setup(stage, "skip", locate, loss_fn)
+        for before, after, m in mesh.run(rank_fn, [(c,) for c in batches]):
+            assert m.skipped and after.step == before.step == 0
+            assert all(torch.equal(x, y) for x, y in zip(before.params, after.params))
+            assert after is before
 
 
 def test_nonfinite_loss_on_one_rank_raises_everywhere():

@@ -7,7 +7,7 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    taken (`torch.autograd.grad`, or `torch.func.grad_and_value` with `engine="func"`); stages
    that shard gradients reduce-scatter each unit inside its backward (with the autograd engine
    started there and waited for when the backward is done, `unit.Inflight`). The units' probes report
-   which leaves got a gradient and which local gradients were non-finite;
+   which leaves got a gradient and (`locate_nonfinite`) which local gradients were non-finite;
 2. `reduce`: the stage's `after_backward` per bucket, every bucket's collectives started before
    any is waited for -- with the autograd engine and `accumulate="each"`, stages 0-1 start theirs
    in the unit's backward, as DDP overlaps its all-reduce with backward (stage 0's reduction is
@@ -65,7 +65,8 @@ from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_same_settings, check_state, consume,
                     nonfinite_leaves, settings_crc, updated_nonfinite_leaves)
 from .tree import flatten
-from .unit import Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, unit_programs
+from .unit import (Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, shared_zeros,
+                   unit_programs)
 
 ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
@@ -114,6 +115,7 @@ class StepConfig:
     max_live_bytes: int | None = None
     prefetch: int | None = None
     cast_ahead: bool = False
+    locate_nonfinite: bool = False
     ahead: CastAhead = dataclasses.field(default_factory=CastAhead, compare=False, repr=False)
     buffers: HostBuffers = dataclasses.field(default_factory=HostBuffers, compare=False, repr=False)
 
@@ -151,8 +153,9 @@ class StepConfig:
             object.__setattr__(self, "clip_norm", float(c))
         if not isinstance(self.donate, bool):
             raise ConfigError(f"donate must be a bool, got {self.donate!r}")
-        if not isinstance(self.cast_ahead, bool):
-            raise ConfigError(f"cast_ahead must be a bool, got {self.cast_ahead!r}")
+        for name in ("cast_ahead", "locate_nonfinite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         p, cap = self.persist_bytes, self.max_live_bytes
         if isinstance(p, bool) or not isinstance(p, int) or p < 0:
             raise ConfigError(f"persist_bytes must be an int >= 0 (units of at most this many gathered bytes stay "
@@ -173,8 +176,10 @@ class Report(NamedTuple):
 
 class Verdict(NamedTuple):
     """What every rank agreed on: used leaves, ranks with non-finite values, the loss (summed over
-    ranks in rank order), ‖g‖², the total token count (`normalize="tokens"`), and the ranks whose
-    previous, donating update left a NaN or inf in the state (`ZeroState.pending`)."""
+    ranks in rank order), ‖g‖², the total token count (`normalize="tokens"`), the ranks whose
+    previous, donating update left a NaN or inf in the state (`ZeroState.pending`), and whether
+    `bad_ranks` names the ranks of non-finite local gradients (`located`: at N = 1, or with
+    `locate_nonfinite`), or only those of non-finite losses."""
 
     used: list[bool]
     bad_ranks: dict[int, list[str]]
@@ -182,6 +187,7 @@ class Verdict(NamedTuple):
     norm_sq: float
     count: float
     broken_ranks: tuple[int, ...] = ()
+    located: bool = True
 
     @property
     def finite(self) -> bool:
@@ -204,6 +210,7 @@ def train_step(
     max_live_bytes: int | None = None,
     prefetch: int | None = None,
     cast_ahead: bool = False,
+    locate_nonfinite: bool = False,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
     """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring);
     `step.config` is its `StepConfig` (with what `cast_ahead` learned, `config.ahead`).
@@ -216,7 +223,8 @@ def train_step(
       engine: "autograd" (`torch.autograd.grad` over the unit Functions; lower peak memory:
         `torch.func.grad` held 11-15 GiB more at peak on a 1.34B GPT, proofs/memory.md) or "func"
         (`torch.func.grad_and_value`; composes with other transforms).
-      on_nonfinite: "raise" (NonFiniteError on every rank, naming ranks and leaves) or "skip".
+      on_nonfinite: "raise" (NonFiniteError on every rank, naming the leaves, and the ranks whose
+        loss -- or, with `locate_nonfinite`, local gradient -- is non-finite) or "skip".
       gather: "on_use" (default: each unit is gathered when the loss first uses it, its
         gradient reduced as soon as its backward is done, and, in stage 3 with the autograd
         engine and flat-dict params, freed after use and gathered again in backward) or "eager"
@@ -275,9 +283,16 @@ def train_step(
         `ConfigError` at any other (proofs/precision.md, "Casting ahead"). Only with the autograd
         engine, where nothing is freed and gathered again and nothing is offloaded; elsewhere it
         casts nothing. Default False.
+      locate_nonfinite: at N > 1, also check each rank's local gradient for a NaN or inf before
+        it is reduced (one more read of it per step), so that a non-finite step's `NonFiniteError`
+        names the ranks it came from. Without it (default) the step finds every NaN or inf all the
+        same, in the *reduced* gradient's `‖g‖²` (a sum with a NaN or inf term is not finite:
+        proofs/stages.md §1, step 3, "Finding a non-finite gradient"), and the error names the leaves and
+        the ranks whose loss is non-finite; the verdict, and so what is updated or skipped, is
+        the same either way.
     """
     config = StepConfig(loss_fn, engine, on_nonfinite, gather, micro_batches, accumulate, accum_dtype, normalize,
-                        clip_norm, donate, persist_bytes, max_live_bytes, prefetch, cast_ahead)
+                        clip_norm, donate, persist_bytes, max_live_bytes, prefetch, cast_ahead, locate_nonfinite)
 
     def step(state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
         return eager_step(config, state, batch)
@@ -583,16 +598,17 @@ def _beside(info: StateInfo, b: int) -> bool:
 _PROBES: dict = {}
 
 
-def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...], grad: bool) -> dict[str, Probe]:
+def _probes(info: StateInfo, programs: list, devices: tuple[torch.device, ...], grad: bool, locate: bool
+            ) -> dict[str, Probe]:
     """Each unit's `Probe` (zeros on the device of its first bucket's differentiated tensor; leaves
-    that require grad for the autograd engine, `grad`), built once per `StateInfo`, devices and
-    engine: no step writes them, and `torch.autograd.grad` returns their gradients without
-    accumulating any."""
+    that require grad for the autograd engine, `grad`; `locate`: the units check each local
+    gradient), built once per `StateInfo`, devices, engine and `locate`: no step writes them, and
+    `torch.autograd.grad` returns their gradients without accumulating any."""
     def build() -> dict[str, Probe]:
-        probes = {p.name: Probe.of(p, d) for p, d in zip(programs, devices)}
+        probes = {p.name: Probe.of(p, d, locate) for p, d in zip(programs, devices)}
         return {u: Probe(*(t.requires_grad_() for t in p)) for u, p in probes.items()} if grad else probes
 
-    return remembered(_PROBES, info, (devices, grad), build)
+    return remembered(_PROBES, info, (devices, grad, locate), build)
 
 
 class BucketPlan(NamedTuple):
@@ -664,7 +680,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     s = loss_scale_of(state)
     probes = _probes(state.info, programs, tuple([xs[p.buckets[0].index].device for p in programs]),
-                     config.engine == "autograd")
+                     config.engine == "autograd", config.locate_nonfinite and mesh.world_size > 1)
     releasable = (config.gather == "on_use" and config.engine == "autograd" and stage.sharded("params")
                   and plan.flat and not (config.max_live_bytes is None and _reads_held(state, xs, fulls)))
     casting = (config.cast_ahead and mesh.world_size == 1 and config.engine == "autograd" and func_level() is None
@@ -832,12 +848,11 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
                      [torch.zeros(0)])
     if plan.leaf_order is not None:
         used = torch.zeros(len(state.layout.leaves)).index_copy_(0, plan.leaf_order, used)
-    parts = [g.bad.to(dev) for g in gs if g.bad is not None]
-    if not parts:
-        return Report(used, torch.zeros(len(state.layout.buckets), device=dev))
-    if len(parts) < len(gs):  # some unit's probe got no gradient: zeros for its buckets
-        parts = [g.bad.to(dev) if g.bad is not None else torch.zeros(len(p.buckets), device=dev)
-                 for p, g in zip(programs, gs)]
+    got = [g.bad is not None and g.bad.numel() == len(p.buckets) for p, g in zip(programs, gs)]  # not: unlocated
+    if not any(got):  # zeros made once (read only: the step only reads and copies them)
+        return Report(used, shared_zeros((len(state.layout.buckets),), dev))
+    parts = [g.bad.to(dev) if ok else torch.zeros(len(p.buckets), device=dev)  # zeros where a probe got none
+             for p, g, ok in zip(programs, gs, got)]
     bad = torch.cat(parts)
     if plan.bucket_at is not None:
         bad = torch.stack([bad.new_zeros(()) if k is None else bad[k] for k in plan.bucket_at])
@@ -922,8 +937,10 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     rank. Where some rank's part is not finite -- a NaN or inf, or a float32 norm that overflowed
     -- every rank (all see the same rows) recomputes its part exactly in float64
     (`exact_sum_of_squares`) and the parts are gathered again: the rare path decides finiteness
-    exactly. At N = 1 the units skip their local non-finite check (`bad` is 0): a non-finite
-    `‖g‖²` then names the buckets from the reduced gradient, which is the local one. `norms`
+    exactly. The units check their local gradients only with `locate_nonfinite` at N > 1 (else
+    `bad` is 0): a NaN or inf in any rank's local gradient makes the reduced gradient's `‖g‖²`
+    NaN or inf all the same (proofs/stages.md §1, step 3), and at N = 1 the rare path then names
+    the buckets from the reduced gradient, which is the local one. `norms`
     (`EarlyNorms`): the shard norms already taken in the backward, the same bits.
     """
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
@@ -1074,11 +1091,12 @@ def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shar
         sqs = all_gather(exact, mesh, tag="fzero.step/agree_exact").tolist()
     bad_ranks = {r: [layout.buckets[b].tag for b, x in enumerate(bad_rows[r]) if x > 0]
                  for r in range(n) if not math.isfinite(losses[r]) or max(bad_rows[r], default=0.0) > 0}
-    if n == 1 and not math.isfinite(sqs[0]):  # the rare path of the skipped local check (unit.py)
+    if n == 1 and not math.isfinite(sqs[0]):  # the rare path without a local check: the reduced is the local
         bad_ranks[0] = _nonfinite_buckets(state, readable(state.info, reduced))
     used = _used(rows, num)
     broken = tuple(r for r in range(n) if rows[r][c.broken] != 0)
-    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken)
+    located = n == 1 or config.locate_nonfinite
+    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken, located)
 
 
 def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[float]], c: Row) -> None:
@@ -1606,11 +1624,18 @@ def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
 def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     where = f"; the reduced gradient is non-finite in {named}" if leaves else ""
-    if not verdict.bad_ranks:
+    unchecked = ("local gradients were not checked: train_step(locate_nonfinite=True) names the ranks whose local "
+                 "gradient is non-finite, at one more read of it per step")
+    if not verdict.bad_ranks and verdict.located:
         return (f"step {step}: every rank's loss and local gradient are finite but the reduced gradient is not "
                 f"(sum of squares {verdict.norm_sq}{where}): the sum over ranks overflowed. The state is unchanged; "
                 f"lower the learning rate or loss scale, or use on_nonfinite='skip'")
+    if not verdict.bad_ranks:
+        return (f"step {step}: every rank's loss is finite but the reduced gradient is not (sum of squares "
+                f"{verdict.norm_sq}{where}): some rank's local gradient held a NaN or inf, or the sum over ranks "
+                f"overflowed ({unchecked}). The state is unchanged; use on_nonfinite='skip' to skip such steps")
     parts = [f"rank {r}: non-finite " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
              for r, tags in verdict.bad_ranks.items()]
-    return (f"step {step}: non-finite values on rank(s) {list(verdict.bad_ranks)} ({'; '.join(parts)}){where}. "
-            f"The state is unchanged; use on_nonfinite='skip' to skip such steps")
+    also = "" if verdict.located else f" ({unchecked})"
+    return (f"step {step}: non-finite values on rank(s) {list(verdict.bad_ranks)} ({'; '.join(parts)}){where}"
+            f"{also}. The state is unchanged; use on_nonfinite='skip' to skip such steps")

@@ -14,9 +14,10 @@ arrive as `None` (`set_materialize_grads(False)`).
 
 What backward learns comes back as data, through autograd itself: the Function takes a `Probe`
 (two zero tensors) as inputs and returns as their "gradients" which leaves got a gradient
-(`used[L_u]`, float32 on the CPU: Python bools, no device copy) and whether each bucket's local
-gradient held a NaN or inf (`bad[B_u]`, float32 on the gradient's device: no host sync in
-backward). The step differentiates with respect to the probes too. Works under
+(`used[L_u]`, float32 on the CPU: Python bools, no device copy) and, where the step locates
+non-finite gradients (`train_step(locate_nonfinite=True)` at N > 1: the probe's `bad` is not
+empty), whether each bucket's local gradient held a NaN or inf (`bad[B_u]`, float32 on the
+gradient's device: no host sync in backward). The step differentiates with respect to the probes too. Works under
 `torch.func.grad` / `grad_and_value` and plain `torch.autograd.grad`.
 
 Under other transforms (docs/func.md): `jvp` is the Function's forward on the tangents (the
@@ -307,36 +308,39 @@ def _unit_buckets(layout: Layout, precision: Precision) -> dict[str, tuple[Bucke
 
 class Probe(NamedTuple):
     """Zero inputs whose gradients carry what a unit's backward saw: `used[L_u]` (1 where the
-    leaf got a gradient; CPU) and `bad[B_u]` (1 where the bucket's local gradient is non-finite)."""
+    leaf got a gradient; CPU) and `bad[B_u]` (1 where the bucket's local gradient is non-finite;
+    empty, and its gradient None, where the step does not locate non-finite gradients: the unit
+    then reads no local gradient for it)."""
 
     used: torch.Tensor
     bad: torch.Tensor
 
     @staticmethod
-    def of(program: UnitProgram, device: torch.device) -> "Probe":
+    def of(program: UnitProgram, device: torch.device, locate: bool = False) -> "Probe":
         """Fresh tensors over zeros made once per shape and device (`detach()`: a new tensor, and
         so a new autograd leaf, on the same storage; no allocation and no fill kernel per step).
         Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each call's tensors are their own autograd leaves (two units never share one; the step keeps
         one `Probe` per unit for all of a state's steps, `step._probes`)."""
-        return Probe(_zeros((len(program.leaves),), _CPU).detach(), _zeros((len(program.buckets),), device).detach())
+        return Probe(shared_zeros((len(program.leaves),), _CPU).detach(),
+                     shared_zeros((len(program.buckets) if locate else 0,), device).detach())
 
 
-_ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_SHARED_ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 _CPU = torch.device("cpu")
 
 
-def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def shared_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """float32 zeros of `shape` on `device`, made once (read only: callers take views or detached
     aliases, and nothing writes them)."""
-    z = _ZEROS.get((shape, device))
+    z = _SHARED_ZEROS.get((shape, device))
     if z is None:
         with torch.inference_mode(False):  # a tensor autograd may use later, also if made under inference_mode
             z = torch.zeros(shape, device=device)
         if type(z) is not torch.Tensor:  # made under a mode that returns subclasses (fake tensors): not kept
             return z
-        z = _ZEROS.setdefault((shape, device), z)
+        z = _SHARED_ZEROS.setdefault((shape, device), z)
     return z
 
 
@@ -390,7 +394,7 @@ class _Unit(torch.autograd.Function):
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
-        return (*gather_leaves(program, held), _zeros((), xs[0].device).view(()))  # + the anchor: a view, no kernel
+        return (*gather_leaves(program, held), shared_zeros((), xs[0].device).view(()))  # + the anchor: a view, no kernel
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -398,6 +402,7 @@ class _Unit(torch.autograd.Function):
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[4 : 4 + ctx.k]]
         ctx.beside = [full is not None for full in inputs[4 + ctx.k : 4 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
+        ctx.locate = inputs[-1].numel() > 0  # the probe's `bad`: check each local gradient (`Probe`)
         releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
         ctx.entered = _entered(inputs[0], output) if releases else frozenset()
 
@@ -449,7 +454,8 @@ class _Unit(torch.autograd.Function):
             at += len(bucket.leaves)
             if bucket.frozen:
                 result.append(None)
-                bad.append(torch.zeros((), device=device))
+                if ctx.locate:
+                    bad.append(torch.zeros((), device=device))
                 continue
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
@@ -459,7 +465,8 @@ class _Unit(torch.autograd.Function):
             beside = (inflight.side if inflight is not None and into == bucket.wire.reduce == dtype
                       and (after is None or released) else None)
             flat = _assemble(bucket, gs, into, device, beside, inflight.buffers if inflight is not None else None)
-            bad.append(nonfinite(flat).float() if program.mesh.world_size > 1 else torch.zeros((), device=device))
+            if ctx.locate:
+                bad.append(nonfinite(flat).float())
             if started and bucket.wire.reduce == dtype:  # in flight; the step waits before reading it
                 result.append(inflight.add(leave.start(program.mesh, bucket.wire, flat), bucket.index))
             elif early:  # the step's own reduction of what it would get (`flat.to(dtype)`), started in turn
@@ -474,7 +481,7 @@ class _Unit(torch.autograd.Function):
         if after is not None and not released:
             after(program.name)
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
-        return (None, None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad))
+        return (None, None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad) if ctx.locate else None)
 
 
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
@@ -726,9 +733,10 @@ def _concatenated(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: t
 
 def nonfinite(x: torch.Tensor) -> torch.Tensor:
     """0-d bool: does `x` hold a NaN or inf? Decided by `finite_witness` (one read of `x` where it
-    is finite, no transient, no rounding that could hide one). At N = 1 the units skip it (the
-    reduced gradient is the local one, and the step's `‖g‖²` finds a NaN or inf; `step.agree`
-    names the buckets on that rare path)."""
+    is finite, no transient, no rounding that could hide one). The units take it of each local
+    gradient only where the step locates non-finite gradients (`Probe`): elsewhere the step's
+    `‖g‖²` of the *reduced* gradient finds a NaN or inf of any rank's local one (a sum with a NaN
+    or inf term is not finite), and `step.agree` names the leaves on that rare path."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
     return ~torch.isfinite(torch.stack(finite_witness(x))).all()
