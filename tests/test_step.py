@@ -13,11 +13,16 @@
 
 from __future__ import annotations
 
+import math
+
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given
 
 import fzero
 from fzero import optim
+from fzero.testing import examples
 
 
 def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None):
@@ -146,3 +151,37 @@ def test_step_counts_updates_and_metrics_report_the_input_count(stage):
         assert [c.item() for c in counts] == [0, 1, 1, 2]
         assert reported == [0, 1, 1] and all(type(s) is int for s in reported)
         assert skipped == [False, True, False]
+
+
+@examples(40)
+@given(stage=st.integers(0, 3), n=st.integers(2, 4), rank=st.data(), where=st.integers(0, 4),
+       value=st.sampled_from([float("nan"), float("inf"), float("-inf")]), clean=st.booleans())
+def test_locating_changes_only_the_message(stage, n, rank, where, value, clean):
+    """Property: the verdict is decided by the reduced gradient, so `locate_nonfinite` changes
+    nothing but the error's words. One rank's batch holds a NaN or ±inf at a drawn place (its loss
+    finite, its local gradient not: `_first_term`), or no rank's does (`clean`); with and without
+    locating, the step is skipped (state unchanged) or taken alike, to the bit."""
+    bad = rank.draw(st.integers(0, n - 1))
+    params = {"a": torch.linspace(-1, 1, 5), "b": torch.ones(3)}
+    mesh = fzero.SimMesh(n)
+
+    def batch(r):
+        c = torch.arange(1.0, 6.0) + r
+        if not clean and r == bad:
+            c[where] = value
+        return c
+
+    def run(locate):
+        def rank_fn(c):
+            state = fzero.init(params, optim.adamw(0.1), stage=stage, mesh=mesh)
+            new, m = fzero.train_step(_first_term, on_nonfinite="skip", locate_nonfinite=locate)(state, c)
+            return m.skipped, new is state, fzero.gather(new), m.loss, m.grad_norm
+        return mesh.run(rank_fn, [(batch(r),) for r in range(n)])
+
+    located, unlocated = run(True), run(False)
+    # d/da of (a * c)[0] is c * [1, 0, 0, 0, 0]: NaN at `where` > 0 (NaN or ±inf times 0), and at
+    # where == 0 the value itself (the loss then non-finite too): every drawn place breaks the step
+    for (s1, same1, p1, l1, g1), (s2, same2, p2, l2, g2) in zip(located, unlocated):
+        assert s1 == s2 == (not clean) and same1 == same2 == (not clean)
+        assert all(torch.equal(p1[k], p2[k]) for k in p1)
+        assert (l1 == l2 or math.isnan(l1) and math.isnan(l2)) and (g1 == g2 or math.isnan(g1) and math.isnan(g2))
