@@ -160,3 +160,22 @@ def offload_nvme_steps(mesh, stage):
 
     with tempfile.TemporaryDirectory() as d:
         return offload_steps(mesh, stage, "nvme", None, nvme_path=d)
+
+
+def loss_writes_on(mesh, stage, bad):
+    """`mesh.run` of one step whose loss writes a param in place (after using it, under
+    `torch.no_grad()`) on rank `bad` only."""
+
+    def fn():
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(3)}, fzero.optim.sgd(0.1), stage=stage, mesh=mesh)
+
+        def loss(p, c):
+            out = (p["a"] * c).sum() + p["b"].sum()
+            if mesh.rank == bad:
+                with torch.no_grad():
+                    p["b"].clamp_(max=0.5)
+            return out
+
+        return fzero.train_step(loss)(state, torch.ones(4))[1].loss
+
+    return mesh.run(fn)

@@ -231,3 +231,49 @@ def test_flags_take_numpy_bools_and_0_or_1_as_torch_does():
         optim.sgd(0.1, maximize="no")
     with pytest.raises(fzero.LayoutError, match="frozen must be a bool"):
         fzero.ParamGroup("g", frozen=2)
+
+
+# --- a loss that writes a param in place ----------------------------------------------------------
+
+def _writes(p, c):
+    """Uses its params, then clamps one in place under no_grad (what a user's constraint looks like)."""
+    out = (p["a"] * c).sum() + p["b"].sum()
+    with torch.no_grad():
+        p["b"].clamp_(max=0.5)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_loss_writing_a_param_in_place_raises_naming_its_unit(stage, n):
+    """Before: the write reached the input state where the stage holds the params whole (stages
+    0-2, stage 3 at N = 1) and was lost at stage 3, N > 1: the stages differed, silently. Now
+    `ConfigError` in every stage, naming the unit and its leaves (views of one buffer share one
+    version counter, so the message cannot say which leaf). The same for `fzero.evaluate`."""
+    mesh = fzero.SimMesh(n)
+    params = {"a": torch.ones(4), "b": torch.ones(3)}
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+        with pytest.raises(fzero.ConfigError, match=r"the loss wrote a param in place, in unit\(s\) \['default'\]: "
+                                                    r"one or more of 'a', 'b' "):
+            fzero.train_step(_writes)(state, torch.ones(4))
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+        with pytest.raises(fzero.ConfigError, match="wrote a param in place"):
+            fzero.evaluate(_writes)(state, torch.ones(4))
+        # reading, and writing a new tensor, are fine
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+        _, m = fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].clamp(max=0.5).sum())(state, torch.ones(4))
+        return m.loss
+
+    assert mesh.run(rank_fn) == [4 + 1.5] * n
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_loss_writing_in_place_on_one_gloo_rank_stops_every_rank(dist2, stage):
+    from . import dist_cases  # the pool's workers import it as tests.dist_cases
+
+    out = dist2.run(dist_cases.loss_writes_on, [(stage, 1)] * 2, return_exceptions=True)
+    assert isinstance(out[1].exception, fzero.ConfigError) and "wrote a param in place" in out[1].message, out[1]
+    assert isinstance(out[0].exception, fzero.RankFailed) and "rank(s) [1] raised" in out[0].message, out[0]
+    assert [float(r[0]) for r in dist2.run(dist_cases.loss_writes_on, [(stage, -1)] * 2)] == [4 + 3.0] * 2  # mesh.run's lists

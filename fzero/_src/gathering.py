@@ -179,6 +179,7 @@ class Gathering:
         self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
+        self._handed: list[tuple[str, str, torch.Tensor, int]] = []  # (unit, path, leaf, version) handed out
 
     # -- one unit -------------------------------------------------------------------------
 
@@ -214,6 +215,9 @@ class Gathering:
         if self._reads is not None:
             self._reads.watch(program, outs, [self.layout.leaves[i].path for i in program.leaves])
         leaves = dict(zip(program.leaves, outs))
+        if func_level() is None:  # (a transform's wrapped tensors keep no version of their own)
+            with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
+                self._handed.extend((unit, self.layout.leaves[i].path, t, t._version) for i, t in leaves.items())
         if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
             firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()
                       and leaves[b.leaves[0]].untyped_storage()._cdata != self._held(b.index).untyped_storage()._cdata]
@@ -409,8 +413,33 @@ class Gathering:
         params, context = self._params()
         with context:
             out = fn(params, batch)
+        self._check_unwritten()
         self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
         return out
+
+    def _check_unwritten(self) -> None:
+        """Raise `ConfigError` where `fn` wrote a leaf it was handed in place (`p["w"].clamp_(...)`
+        under `torch.no_grad()`; a view's writes bump the version its base shares): the leaves are
+        views of the state's own buffers where the stage holds the params whole (stages 0-2, and
+        stage 3 at N = 1) and of a gathered copy elsewhere, so the write would change the input
+        state in some stages and be lost in others. Raised as an error of `fn` is (on this rank;
+        a `DistMesh`'s others are told, `Mesh.guard`). Writes through `.data` or `.detach()` bump
+        no version and are not found (docs/bad-input.md)."""
+        written: dict[str, list[str]] = {}
+        with torch._C.DisableTorchFunctionSubclass():
+            for unit, path, t, version in self._handed:
+                if t._version != version:
+                    written.setdefault(unit, []).append(path)
+        if written:
+            paths = [p for ps in written.values() for p in ps]
+            named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
+            raise ConfigError(
+                f"the loss wrote a param in place, in unit(s) {list(written)}: one or more of {named} (a bucket's "
+                f"leaves are views of one buffer and share the version counter the write moved). A step's params "
+                f"are its inputs, views of the state's buffers in some stages and gathered copies in others, so "
+                f"the write would change the input state or be lost depending on the stage (where the stage holds "
+                f"the params whole, the input state holds it already); compute with a new tensor (w.clamp(...), "
+                f"not w.clamp_(...)), and apply constraints to the new state after the step")
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
