@@ -186,6 +186,14 @@ def test_wrong_types_and_an_edited_manifest_are_checkpoint_errors(saved, tmp_pat
         for kind, text in load_per_rank([path, path]):
             assert kind is ck.CheckpointError and message in text and "edited or damaged" in text, (field, text)
         assert ck.latest(str(tmp_path / str(i))) is None  # not a complete checkpoint either
+    # a step of the right type that is not the saved state's: found once the state is read
+    path = str(tmp_path / "step" / "step-1")
+    shutil.copytree(one, path)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump({**manifest, "step": manifest["step"] + 6}, f)
+    for kind, text in load_per_rank([path, path]):
+        assert kind is ck.CheckpointError, text
+        assert f"the manifest says step {manifest['step'] + 6} but the saved state holds step {manifest['step']}" in text
 
 
 def test_another_optimizer_setting_is_named(saved):

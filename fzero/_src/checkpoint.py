@@ -1148,6 +1148,11 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
                    f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint unfit; nothing was "
                    f"loaded:{_listed(failures)}"))
         _dcp_load(path, metadata, w.ranges, items, mesh)
+        saved = int(w.scalars["step"])
+        if saved != manifest["step"]:  # every rank read the same manifest and the same step: all raise
+            raise CheckpointError(f"{shown}: the manifest says step {manifest['step']} but the saved state holds "
+                                  f"step {saved}: the manifest was edited or damaged; nothing was loaded (load "
+                                  f"another checkpoint: fzero.checkpoint.complete(root) lists them)")
         info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
         params, master, opt_state = _held(target, w, info)
         if w.rng:
