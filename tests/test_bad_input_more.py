@@ -243,24 +243,50 @@ def _writes(p, c):
     return out
 
 
+def _writes_first(p, c):
+    """Clamps a param in place under no_grad, then reads it (torch's view check raises in the loss)."""
+    b = p["b"]
+    with torch.no_grad():
+        b.clamp_(max=0.5)
+    return (p["a"] * c).sum() + b.sum()
+
+
+def _writes_in_vmap(p, c):
+    """The unit is first read inside a vmap (docs/func.md), then written after use."""
+    out = torch.func.vmap(lambda ci: (p["a"] * ci).sum())(c.expand(2, 4)).sum() / 2 + p["b"].sum()
+    with torch.no_grad():
+        p["a"].mul_(0.5)
+    return out
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_loss_writing_a_param_in_place_raises_naming_its_unit(stage, n):
     """Before: the write reached the input state where the stage holds the params whole (stages
     0-2, stage 3 at N = 1) and was lost at stage 3, N > 1: the stages differed, silently. Now
     `ConfigError` in every stage, naming the unit and its leaves (views of one buffer share one
-    version counter, so the message cannot say which leaf). The same for `fzero.evaluate`."""
+    version counter, so the message cannot say which leaf): written after use or before (where
+    torch's view check raises first, chained), with either engine, a unit first read inside a
+    vmap; the same for `fzero.evaluate`, which still runs under `torch.inference_mode()`."""
     mesh = fzero.SimMesh(n)
     params = {"a": torch.ones(4), "b": torch.ones(3)}
 
     def rank_fn():
-        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
-        with pytest.raises(fzero.ConfigError, match=r"the loss wrote a param in place, in unit\(s\) \['default'\]: "
-                                                    r"one or more of 'a', 'b' "):
-            fzero.train_step(_writes)(state, torch.ones(4))
+        for engine in ("autograd", "func"):  # func: the write reaches the tensor under torch.func's wrappers
+            state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+            with pytest.raises(fzero.ConfigError, match=r"the loss wrote a param in place, in unit\(s\) "
+                                                        r"\['default'\]: one or more of 'a', 'b' "):
+                fzero.train_step(_writes, engine=engine)(state, torch.ones(4))
+        for loss_fn in (_writes_first, _writes_in_vmap):  # torch's own error, chained; a unit first read in vmap
+            state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+            with pytest.raises(fzero.ConfigError, match="wrote a param in place"):
+                fzero.train_step(loss_fn)(state, torch.ones(4))
         state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
         with pytest.raises(fzero.ConfigError, match="wrote a param in place"):
             fzero.evaluate(_writes)(state, torch.ones(4))
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)  # (the write reached the last one)
+        with torch.inference_mode():  # leaves that are inference tensors keep no version: not checked, no error
+            assert float(fzero.evaluate(lambda p, c: (p["a"] * c).sum() + p["b"].sum())(state, torch.ones(4))) == 7.0
         # reading, and writing a new tensor, are fine
         state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
         _, m = fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].clamp(max=0.5).sum())(state, torch.ones(4))

@@ -46,6 +46,16 @@ def func_level() -> int | None:
     return torch._C._functorch.maybe_current_level()
 
 
+def unwrapped(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under `x`'s torch.func wrappers (grad tracking, batched), or `x` itself
+    outside every transform: what an in-place write through `x` writes, and whose version it
+    moves. The same private module as `func_level`, in 2.11 and 2.13."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(x) or f.is_batchedtensor(x):
+        x = f.get_unwrapped(x)
+    return x
+
+
 def check_forward_mode(mesh: Mesh) -> None:
     """Raise `ForwardModeOnSimMesh` where a collective on a multi-rank SimMesh runs inside a
     forward-AD level (`torch.func.jvp`, `jacfwd`, `hessian`, `forward_ad.dual_level`).

@@ -65,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .casting import Reads, casting
-from .collectives import func_level
+from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
@@ -215,9 +215,10 @@ class Gathering:
         if self._reads is not None:
             self._reads.watch(program, outs, [self.layout.leaves[i].path for i in program.leaves])
         leaves = dict(zip(program.leaves, outs))
-        if func_level() is None:  # (a transform's wrapped tensors keep no version of their own)
-            with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
-                self._handed.extend((unit, self.layout.leaves[i].path, t, t._version) for i, t in leaves.items())
+        with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
+            plain = [(i, unwrapped(t)) for i, t in leaves.items()]  # torch.func's wrappers: the tensor written
+            self._handed.extend((unit, self.layout.leaves[i].path, t, t._version) for i, t in plain
+                                if not t.is_inference())  # (no version: nothing writes one outside inference_mode)
         if self.releasable:  # gathered storage only: at N = 1 a bucket may read its held tensor itself
             firsts = [(b, leaves[b.leaves[0]]) for b in program.buckets if b.size and leaves[b.leaves[0]].numel()
                       and leaves[b.leaves[0]].untyped_storage()._cdata != self._held(b.index).untyped_storage()._cdata]
@@ -411,20 +412,25 @@ class Gathering:
         """`fn(params, batch)` with the params in this step's mode, as it returns (no anchors:
         `fzero.evaluate` runs no backward)."""
         params, context = self._params()
-        with context:
-            out = fn(params, batch)
+        try:
+            with context:
+                out = fn(params, batch)
+        except RuntimeError as e:  # a write before a read: torch's view check raises inside `fn`
+            self._check_unwritten(e)
+            raise
         self._check_unwritten()
         self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
         return out
 
-    def _check_unwritten(self) -> None:
+    def _check_unwritten(self, cause: BaseException | None = None) -> None:
         """Raise `ConfigError` where `fn` wrote a leaf it was handed in place (`p["w"].clamp_(...)`
         under `torch.no_grad()`; a view's writes bump the version its base shares): the leaves are
         views of the state's own buffers where the stage holds the params whole (stages 0-2, and
         stage 3 at N = 1) and of a gathered copy elsewhere, so the write would change the input
         state in some stages and be lost in others. Raised as an error of `fn` is (on this rank;
         a `DistMesh`'s others are told, `Mesh.guard`). Writes through `.data` or `.detach()` bump
-        no version and are not found (docs/bad-input.md)."""
+        no version and are not found (docs/bad-input.md). `cause`: the error `fn` raised (torch's, where
+        a leaf written in place was then read: its view check), chained to this one."""
         written: dict[str, list[str]] = {}
         with torch._C.DisableTorchFunctionSubclass():
             for unit, path, t, version in self._handed:
@@ -439,7 +445,7 @@ class Gathering:
                 f"are its inputs, views of the state's buffers in some stages and gathered copies in others, so "
                 f"the write would change the input state or be lost depending on the stage (where the stage holds "
                 f"the params whole, the input state holds it already); compute with a new tensor (w.clamp(...), "
-                f"not w.clamp_(...)), and apply constraints to the new state after the step")
+                f"not w.clamp_(...)), and apply constraints to the new state after the step") from cause
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
