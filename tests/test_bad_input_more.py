@@ -303,3 +303,33 @@ def test_a_loss_writing_in_place_on_one_gloo_rank_stops_every_rank(dist2, stage)
     assert isinstance(out[1].exception, fzero.ConfigError) and "wrote a param in place" in out[1].message, out[1]
     assert isinstance(out[0].exception, fzero.RankFailed) and "rank(s) [1] raised" in out[0].message, out[0]
     assert [float(r[0]) for r in dist2.run(dist_cases.loss_writes_on, [(stage, -1)] * 2)] == [4 + 3.0] * 2  # mesh.run's lists
+
+
+# --- a unit first read under torch.no_grad() inside the loss ----------------------------------------
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_param_first_read_under_no_grad_still_trains(stage, engine):
+    """Before: a loss that first read `p["w"]` under `torch.no_grad()` (a statistic) and then used
+    it with grad got leaves made without a graph, so `w` was silently left untrained (with a unit
+    per leaf; with one unit the step raised "no rank's loss depends on any trainable param").
+    torch's params require grad however they are first touched: now every unit's leaves are made
+    in the loss's grad mode, and the step equals torch's SGD bit for bit."""
+    mesh = fzero.SimMesh(2)
+
+    def loss(p, c):
+        with torch.no_grad():
+            s = p["w"].norm()
+        return (p["w"] * c).sum() / s + p["b"].sum()
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(3), "b": torch.ones(2)}, optim.sgd(0.1), stage=stage, mesh=mesh,
+                           units=lambda path: path)
+        return fzero.gather(fzero.train_step(loss, engine=engine)(state, torch.arange(1.0, 4.0))[0])
+
+    ref = {"w": torch.nn.Parameter(torch.ones(3)), "b": torch.nn.Parameter(torch.ones(2))}
+    opt = torch.optim.SGD(ref.values(), lr=0.1)
+    loss(ref, torch.arange(1.0, 4.0)).backward()
+    opt.step()
+    for got in mesh.run(rank_fn):
+        assert all(torch.equal(got[k], ref[k].detach()) for k in ref), (got, ref)

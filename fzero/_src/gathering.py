@@ -180,6 +180,9 @@ class Gathering:
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
         self._handed: list[tuple[str, str, torch.Tensor, int]] = []  # (unit, path, leaf, version) handed out
+        # the grad mode the loss is called in: every unit's leaves are made in it, also where the loss
+        # first reads a unit under torch.no_grad() (a statistic), so the unit still gets its gradient
+        self._grad = torch.is_grad_enabled()
 
     # -- one unit -------------------------------------------------------------------------
 
@@ -194,7 +197,8 @@ class Gathering:
                     self._ahead[unit] = self._start(unit)
             if self.prefetch:
                 self._prefetch(self._after(unit, self.layout.units), backward=False)
-            self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
+            with torch.set_grad_enabled(self._grad):  # as torch's params: made once, requiring grad
+                self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
         self.refill(unit)
         return self._leaves[unit]
 
