@@ -4,7 +4,11 @@ backend's threads (gloo's loops), read from /proc/self/task/*/stat (clock ticks,
 `--steps` interleaved steps, so one tick's 10 ms is 0.5 ms a step at 20). Wall time is the mean
 per step. Linux only; timing only.
 
-Run:  torchrun --nproc-per-node 2 benchmarks/threads_cpu.py --stages 0,1,2
+`--profile K`: then K more steps of each mode under torch's profiler, and rank 0 prints the ops
+by their wall time inside the op ("self CPU" in torch's table: time the thread spent in it,
+including time another thread held the core).
+
+Run:  torchrun --nproc-per-node 2 benchmarks/threads_cpu.py --stages 0,1,2 [--profile 5]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--stages", default="0")
+    ap.add_argument("--profile", type=int, default=0)
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
     g = torch.Generator().manual_seed(mesh.rank)
@@ -80,6 +85,14 @@ def main() -> None:
               f'"main_cpu_ms": {sum(v for (t, _), v in threads.items() if t == me) / a.steps * 1e3:.1f}, '
               f'"other_threads_ms": {{{", ".join(f"{chr(34)}{n}{chr(34)}: {v / a.steps * 1e3:.1f}" for n, v in others.items())}}}}}',
               flush=True)
+    for mode, step in steps.items() if a.profile else ():
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(a.profile):
+                step()
+        if mesh.rank == 0:
+            print(f"===== {mode}, {a.profile} steps, rank 0")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=40))
     dist.destroy_process_group()
 
 
