@@ -24,7 +24,7 @@ import torch.distributed as dist
 import fzero
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cpu import BLOCK, ddp_stepper, fzero_stepper, model_of  # noqa: E402
+from bench_cpu import BLOCK, ddp_stepper, fzero_stepper, model_of, workload_args  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -45,14 +45,8 @@ def per_thread() -> dict[tuple[str, str], float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--blocks", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--stages", default="0")
+    ap = workload_args(argparse.ArgumentParser())
+    ap.set_defaults(steps=20, stages="0")
     ap.add_argument("--profile", type=int, default=0)
     a = ap.parse_args()
     mesh = fzero.DistMesh(backend="gloo", verify=False)
