@@ -274,8 +274,8 @@ def test_a_loss_writing_a_param_in_place_raises_naming_its_unit(stage, n):
     def rank_fn():
         for engine in ("autograd", "func"):  # func: the write reaches the tensor under torch.func's wrappers
             state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
-            with pytest.raises(fzero.ConfigError, match=r"the loss wrote a param in place, in unit\(s\) "
-                                                        r"\['default'\]: one or more of 'a', 'b' "):
+            with pytest.raises(fzero.ConfigError, match=r"the loss \(or evaluate function\) wrote a param in place, "
+                                                        r"in unit\(s\) \['default'\]: one or more of 'a', 'b' "):
                 fzero.train_step(_writes, engine=engine)(state, torch.ones(4))
         for loss_fn in (_writes_first, _writes_in_vmap):  # torch's own error, chained; a unit first read in vmap
             state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
@@ -307,29 +307,39 @@ def test_a_loss_writing_in_place_on_one_gloo_rank_stops_every_rank(dist2, stage)
 
 # --- a unit first read under torch.no_grad() inside the loss ----------------------------------------
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "rank 0 only"])
 @pytest.mark.parametrize("engine", ["autograd", "func"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_param_first_read_under_no_grad_still_trains(stage, engine):
+def test_a_param_first_read_under_no_grad_still_trains(stage, engine, mode):
     """Before: a loss that first read `p["w"]` under `torch.no_grad()` (a statistic) and then used
     it with grad got leaves made without a graph, so `w` was silently left untrained (with a unit
     per leaf; with one unit the step raised "no rank's loss depends on any trainable param").
     torch's params require grad however they are first touched: now every unit's leaves are made
-    in the loss's grad mode, and the step equals torch's SGD bit for bit."""
+    in the grad and inference modes the loss is called in, and the step equals torch's SGD bit for
+    bit. "rank 0 only": rank 0 alone reads `w` first under no_grad (before: stages 0-1 updated
+    `w` from rank 1's gradient alone, stages 2-3 raised `DivergentPaths`); the statistic is the
+    same number on every rank, so the loss is too."""
     mesh = fzero.SimMesh(2)
+    quiet = torch.inference_mode if mode == "inference_mode" else torch.no_grad
 
-    def loss(p, c):
-        with torch.no_grad():
-            s = p["w"].norm()
-        return (p["w"] * c).sum() / s + p["b"].sum()
+    def loss(p, c, first=True):
+        if first:
+            with quiet():
+                s = float(p["w"].norm())
+        else:
+            s = float(p["w"].detach().norm())
+        return (p["w"] ** 2 * c).sum() / s + p["b"].sum()  # (saves w for backward: no inference tensor may be it)
 
     def rank_fn():
         state = fzero.init({"w": torch.ones(3), "b": torch.ones(2)}, optim.sgd(0.1), stage=stage, mesh=mesh,
                            units=lambda path: path)
-        return fzero.gather(fzero.train_step(loss, engine=engine)(state, torch.arange(1.0, 4.0))[0])
+        first = mode != "rank 0 only" or mesh.rank == 0
+        step = fzero.train_step(lambda p, c: loss(p, c, first), engine=engine)
+        return fzero.gather(step(state, torch.arange(1.0, 4.0))[0])
 
     ref = {"w": torch.nn.Parameter(torch.ones(3)), "b": torch.nn.Parameter(torch.ones(2))}
     opt = torch.optim.SGD(ref.values(), lr=0.1)
-    loss(ref, torch.arange(1.0, 4.0)).backward()
+    loss(ref, torch.arange(1.0, 4.0), first=False).backward()
     opt.step()
     for got in mesh.run(rank_fn):
         assert all(torch.equal(got[k], ref[k].detach()) for k in ref), (got, ref)

@@ -180,9 +180,7 @@ class Gathering:
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
         self._backward_done: set[str] = set()  # units whose Function's backward has run
         self._handed: list[tuple[str, str, torch.Tensor, int]] = []  # (unit, path, leaf, version) handed out
-        # the grad mode the loss is called in: every unit's leaves are made in it, also where the loss
-        # first reads a unit under torch.no_grad() (a statistic), so the unit still gets its gradient
-        self._grad = torch.is_grad_enabled()
+        self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # `call` sets them
 
     # -- one unit -------------------------------------------------------------------------
 
@@ -197,7 +195,7 @@ class Gathering:
                     self._ahead[unit] = self._start(unit)
             if self.prefetch:
                 self._prefetch(self._after(unit, self.layout.units), backward=False)
-            with torch.set_grad_enabled(self._grad):  # as torch's params: made once, requiring grad
+            with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):  # `call`'s modes
                 self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
         self.refill(unit)
         return self._leaves[unit]
@@ -415,6 +413,10 @@ class Gathering:
     def call(self, fn: Callable[[Any, Any], Any], batch: Any) -> Any:
         """`fn(params, batch)` with the params in this step's mode, as it returns (no anchors:
         `fzero.evaluate` runs no backward)."""
+        # the modes `fn` is called in: every unit's leaves are made in them, also where `fn` first
+        # reads a unit under torch.no_grad() or inference_mode() (a statistic), so that the unit
+        # still gets its gradient, as torch's params, made once, require grad however first read
+        self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         params, context = self._params()
         try:
             with context:
@@ -444,12 +446,14 @@ class Gathering:
             paths = [p for ps in written.values() for p in ps]
             named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
             raise ConfigError(
-                f"the loss wrote a param in place, in unit(s) {list(written)}: one or more of {named} (a bucket's "
+                f"the loss (or evaluate function) wrote a param in place, in unit(s) {list(written)}: one or more "
+                f"of {named} (a bucket's "
                 f"leaves are views of one buffer and share the version counter the write moved). A step's params "
                 f"are its inputs, views of the state's buffers in some stages and gathered copies in others, so "
                 f"the write would change the input state or be lost depending on the stage (where the stage holds "
                 f"the params whole, the input state holds it already); compute with a new tensor (w.clamp(...), "
-                f"not w.clamp_(...)), and apply constraints to the new state after the step") from cause
+                f"not w.clamp_(...)), and apply constraints to the new state after the step (torch's own writers: "
+                f"nn.Embedding(max_norm=...) renormalises its weight in place)") from cause
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout

@@ -16,7 +16,8 @@ One step on one rank, each part a short function over the frozen `StepConfig`:
    next bucket's reduction has, `Chained`); the reduced gradient
    is `Σ_r fl(1/N) g_r`;
 3. `agree`: one all-gather of a small float64 vector agrees on what every rank saw: its loss,
-   which leaves it used, which local gradients were non-finite, and its part of `‖g‖²`
+   which leaves it used, which local gradients were non-finite (`locate_nonfinite`; else 0: its
+   part of `‖g‖²` finds them), and its part of `‖g‖²`
    (`agreement` gathers it on the device; a donating step's update is prepared on the host --
    `prepare`, the optimizer's checks, views and step counts -- before `agree` reads it, so the
    host does that while the device still runs the backward; where the verdict can decide only
@@ -168,7 +169,7 @@ class StepConfig:
 class Report(NamedTuple):
     """What the units' backward saw on this rank: `used[L]` (CPU float32, 1 where the leaf got a
     gradient) and `bad[B]` (float32 on the mesh device, 1 where a bucket's local gradient held a
-    NaN or inf)."""
+    NaN or inf; zeros where the units did not check, `locate_nonfinite` off or N = 1)."""
 
     used: torch.Tensor
     bad: torch.Tensor
