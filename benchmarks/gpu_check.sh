@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi -L; python3 -c 'import torch, optree; print("torch", torch.__version__, "optree", optree.__version__)'
 if [ "${TESTS:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES= timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider -p no:benchmark -n ${WORKERS:-8} \
+  CUDA_VISIBLE_DEVICES= timeout ${TEST_TIMEOUT:-400} python3 -m pytest -q -x -p no:cacheprovider -p no:benchmark -n ${WORKERS:-8} \
     > "$out/tests-torch211.log" 2>&1; echo "pytest exit $?"; tail -4 "$out/tests-torch211.log"
 fi
 # the tests CPU CI skips (a `cuda` case, "needs a GPU"), with the GPU visible; one process (the
