@@ -520,8 +520,10 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.in
 _FP_LEN = 11
 
 
-def _crc(s: Any) -> int:
-    return zlib.crc32(repr(s).encode())
+def settings_crc(x: Any) -> int:
+    """CRC-32 of `x`'s repr, 31 bits (exact in an int64 or float64 row): how ranks compare what
+    they were given -- a collective's tag here, `init`'s and a step's settings (`state`, `step`)."""
+    return zlib.crc32(repr(x).encode()) & 0x7FFFFFFF
 
 
 def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
@@ -534,7 +536,7 @@ def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
     rest = call.shape[3:]
     dims.append(-1 if not rest else int(torch.tensor(rest).prod()))
     arg = REDUCTIONS.index(call.arg) if call.op == "all_reduce" else (call.arg if call.op == "broadcast" else -1)
-    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, _crc(call.tag)]
+    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, settings_crc(call.tag)]
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 import weakref
-import zlib
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 from .collectives import all_gather, all_reduce, broadcast
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
-from .mesh import Mesh
+from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, init_state, spec_of
 from .precision import FULL, Precision
@@ -632,11 +631,6 @@ def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: A
                 flags[seg.leaf] = 1.0
     flags = all_reduce(flags, mesh, "max", tag="fzero.step/nonfinite")
     return [layout.leaves[i].path for i in (flags > 0).nonzero().flatten().tolist()]
-
-
-def settings_crc(x: Any) -> int:
-    """CRC-32 of `x`'s repr, 31 bits (exact in an int64 or float64 row): how ranks compare settings."""
-    return zlib.crc32(repr(x).encode()) & 0x7FFFFFFF
 
 
 def check_same_layout(layout: Layout, mesh: Mesh) -> None:

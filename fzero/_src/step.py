@@ -60,11 +60,12 @@ from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
+from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_same_settings, check_state, consume,
-                    nonfinite_leaves, settings_crc, updated_nonfinite_leaves)
+                    nonfinite_leaves, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import (Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, shared_zeros,
                    unit_programs)
