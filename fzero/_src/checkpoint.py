@@ -84,7 +84,7 @@ from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
-from .state import ZeroState, check_pending, check_state, describe, master_values
+from .state import ZeroState, check_pending, check_state, describe, described_cells, master_values
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -883,24 +883,14 @@ class _Fn(NamedTuple):
 def _named(x: Any, depth: int = 0) -> Any:
     """`state.describe(x)` with each value named: a tuple (an `Optimizer`) as `((field, node), ...)`
     in a list, a function as `_Fn` (its closure variables' names from `co_freevars`), anything
-    else as `describe` writes it. Kept values follow `describe`'s rule exactly (`_unnamed` of it
-    is `describe(x)`; `_other_optimizer` checks)."""
+    else as `describe` writes it. The values kept are `describe`'s (`state.described_cells`), so
+    `_unnamed` of it is `describe(x)` (`_other_optimizer` checks)."""
     if isinstance(x, tuple):
         names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
         return [(n, _named(v, depth)) for n, v in zip(names, x)]
     if not callable(x):
         return describe(x)
-    cells = getattr(x, "__closure__", None) or ()
-    names = getattr(getattr(x, "__code__", None), "co_freevars", ()) or [str(i) for i in range(len(cells))]
-    items = []
-    for name, cell in zip(names, cells):
-        v = cell.cell_contents
-        if isinstance(v, (int, float, str, bool, type(None))):
-            items.append((name, repr(v)))
-        elif isinstance(v, tuple) and all(isinstance(e, (int, float, str, bool)) for e in v):
-            items.append((name, repr(v)))
-        elif callable(v) and not isinstance(v, type) and depth < 3:
-            items.append((name, _named(v, depth + 1)))
+    items = [(name, _named(v, depth + 1) if callable(v) else repr(v)) for name, v in described_cells(x, depth)]
     return _Fn(getattr(x, "__qualname__", type(x).__qualname__), tuple(items))
 
 

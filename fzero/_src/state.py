@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import optree
@@ -472,17 +472,25 @@ def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
     if not callable(fn_or_tuple):
         return repr(fn_or_tuple) if isinstance(fn_or_tuple, (int, float, str, bool, type(None))) else type(
             fn_or_tuple).__qualname__
-    cells = getattr(fn_or_tuple, "__closure__", None) or ()
-    values = []
-    for cell in cells:
-        v = cell.cell_contents
-        if isinstance(v, (int, float, str, bool, type(None))):
-            values.append(repr(v))
-        elif isinstance(v, tuple) and all(isinstance(x, (int, float, str, bool)) for x in v):
-            values.append(repr(v))
-        elif callable(v) and not isinstance(v, type) and depth < 3:
-            values.append(describe(v, depth + 1))
+    values = [describe(v, depth + 1) if callable(v) else repr(v) for _, v in described_cells(fn_or_tuple, depth)]
     return (getattr(fn_or_tuple, "__qualname__", type(fn_or_tuple).__qualname__), tuple(values))
+
+
+def described_cells(fn: Callable, depth: int) -> list[tuple[str, Any]]:
+    """`(name, value)` of each closure variable of `fn` that `describe` describes: plain values
+    (numbers, strings, bools, None, tuples of them) and, while depth < 3, functions (not classes),
+    in closure order; a cell's name is its `co_freevars` entry (its index where there is none).
+    The one rule `describe` and `checkpoint._named` share."""
+    cells = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ()) or [str(i) for i in range(len(cells))]
+    kept = []
+    for name, cell in zip(names, cells):
+        v = cell.cell_contents
+        plain = (isinstance(v, (int, float, str, bool, type(None)))
+                 or isinstance(v, tuple) and all(isinstance(x, (int, float, str, bool)) for x in v))
+        if plain or callable(v) and not isinstance(v, type) and depth < 3:
+            kept.append((name, v))
+    return kept
 
 
 def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -> None:
