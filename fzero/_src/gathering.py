@@ -447,13 +447,12 @@ class Gathering:
             named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
             raise ConfigError(
                 f"the loss (or evaluate function) wrote a param in place, in unit(s) {list(written)}: one or more "
-                f"of {named} (a bucket's "
-                f"leaves are views of one buffer and share the version counter the write moved). A step's params "
-                f"are its inputs, views of the state's buffers in some stages and gathered copies in others, so "
-                f"the write would change the input state or be lost depending on the stage (where the stage holds "
-                f"the params whole, the input state holds it already); compute with a new tensor (w.clamp(...), "
-                f"not w.clamp_(...)), and apply constraints to the new state after the step (torch's own writers: "
-                f"nn.Embedding(max_norm=...) renormalises its weight in place)") from cause
+                f"of {named} (a bucket's leaves are views of one buffer and share the version counter the write "
+                f"moved). A step's params are its inputs, views of the state's buffers in some stages and gathered "
+                f"copies in others, so the write would change the input state or be lost depending on the stage "
+                f"(where the stage holds the params whole, the input state holds it already); compute with a new "
+                f"tensor (w.clamp(...), not w.clamp_(...)), and apply constraints to the new state after the step "
+                f"(torch's own writers: nn.Embedding(max_norm=...) renormalises its weight in place)") from cause
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout

@@ -346,11 +346,11 @@ def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
         shared = _overlapping([leaves[k] for k in left])
     if shared is not None:
         (i, j) = left[shared[0]], left[shared[1]]
-        raise LayoutError(f"params leaves {_placed(paths[i], leaves[i])} and {_placed(paths[j], leaves[j])} share memory (views of one tensor, e.g. W and "
-                          f"W.t() or overlapping slices): fzero would update them apart and silently untie them; keep "
-                          f"one leaf and use it at both places in the loss (e.g. p['emb'].t() for a tied head; "
-                          f"fzero.from_module does this for tied module weights), or pass a .clone() to train them "
-                          f"apart")
+        raise LayoutError(f"params leaves {_placed(paths[i], leaves[i])} and {_placed(paths[j], leaves[j])} share "
+                          f"memory (views of one tensor, e.g. W and W.t() or overlapping slices): fzero would "
+                          f"update them apart and silently untie them; keep one leaf and use it at both places in "
+                          f"the loss (e.g. p['emb'].t() for a tied head; fzero.from_module does this for tied module "
+                          f"weights), or pass a .clone() to train them apart")
 
 
 def _placed(path: str, t: torch.Tensor) -> str:
@@ -653,8 +653,9 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
         raise LayoutError(f"params differ across ranks (world size {n}): {counts}; every rank must pass the "
                           f"same pytree structure")
     # per leaf: its path, dtype and shape (each a checksum, so the message can say which differs) and numel
-    sig = torch.tensor([[settings_crc(ls.path), settings_crc(str(ls.dtype)), settings_crc(ls.shape), ls.numel] for ls in layout.leaves]
-                       or [[0, 0, 0, 0]], dtype=torch.int64, device=mesh.device).view(-1)
+    per_leaf = [[settings_crc(ls.path), settings_crc(str(ls.dtype)), settings_crc(ls.shape), ls.numel]
+                for ls in layout.leaves]
+    sig = torch.tensor(per_leaf or [[0, 0, 0, 0]], dtype=torch.int64, device=mesh.device).view(-1)
     table = all_gather(sig, mesh, tag="fzero.init/leaves").view(n, -1, 4)
     differ = (table != table[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if differ or any(row[1] != rows[0][1] for row in rows):

@@ -853,7 +853,7 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
     got = [g.bad is not None and g.bad.numel() == len(p.buckets) for p, g in zip(programs, gs)]  # not: unlocated
     if not any(got):  # zeros made once (read only: the step only reads and copies them)
         return Report(used, shared_zeros((len(state.layout.buckets),), dev))
-    parts = [g.bad.to(dev) if ok else torch.zeros(len(p.buckets), device=dev)  # zeros where a probe got none
+    parts = [g.bad.to(dev) if ok else shared_zeros((len(p.buckets),), dev)  # zeros where a probe got none
              for p, g, ok in zip(programs, gs, got)]
     bad = torch.cat(parts)
     if plan.bucket_at is not None:
@@ -952,7 +952,8 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
     checks = torch.tensor([settings, int(state.step), state.info.serial], dtype=torch.float64)
-    host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1), checks])  # one copy to the device
+    # one copy to the device
+    host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1), checks])
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
     broken = (state.pending.to(device=dev, dtype=torch.float64).reshape(1) if state.pending is not None
               else sq.new_zeros(1))
@@ -1131,9 +1132,10 @@ def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:
     layout, trainable = state.layout, step_plan(state.info).trained_leaves
     if trainable and not any(verdict.used[i] for i in trainable):  # stops at the first used one
         raise ConfigError(f"step {int(state.step)}: no rank's loss depends on any trainable param ({len(trainable)} "
-                          f"leaves, e.g. {layout.leaves[trainable[0]].path!r}; world size {state.mesh.world_size}): loss_fn returned a "
-                          f"loss with no autograd graph to the params (computed under torch.no_grad(), detached, "
-                          f"or from copies of them), so the step would train nothing. Nothing was updated")
+                          f"leaves, e.g. {layout.leaves[trainable[0]].path!r}; world size {state.mesh.world_size}): "
+                          f"loss_fn returned a loss with no autograd graph to the params (computed under "
+                          f"torch.no_grad(), detached, or from copies of them), so the step would train nothing. "
+                          f"Nothing was updated")
 
 
 def _used(rows: list[list[float]], num: int) -> list[bool]:

@@ -394,7 +394,8 @@ class _Unit(torch.autograd.Function):
         if program.stage.enter.moves:
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
-        return (*gather_leaves(program, held), shared_zeros((), xs[0].device).view(()))  # + the anchor: a view, no kernel
+        anchor = shared_zeros((), xs[0].device).view(())  # a view: no kernel
+        return (*gather_leaves(program, held), anchor)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -455,7 +456,7 @@ class _Unit(torch.autograd.Function):
             if bucket.frozen:
                 result.append(None)
                 if ctx.locate:
-                    bad.append(torch.zeros((), device=device))
+                    bad.append(shared_zeros((), device))  # no fill kernel per step (stack copies it)
                 continue
             if started:
                 inflight.make_room()  # the previous reduction's buffers go before this one exists
