@@ -179,3 +179,18 @@ def loss_writes_on(mesh, stage, bad):
         return fzero.train_step(loss)(state, torch.ones(4))[1].loss
 
     return mesh.run(fn)
+
+
+def donated_state_on(mesh, stage, call, bad):
+    """`call` ("step", "evaluate" or "gather") on the state a donating step consumed on rank
+    `bad` (the returned state on the others); outside `mesh.run`, whose guard would tell the
+    other ranks itself, as in a script."""
+    state = fzero.init({"a": torch.ones(4), "b": torch.ones(3)}, fzero.optim.sgd(0.1), stage=stage, mesh=mesh)
+    step = fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].sum(), donate=True)
+    new, _ = step(state, torch.ones(4))
+    use = state if mesh.rank == bad else new
+    if call == "step":
+        return float(step(use, torch.ones(4))[1].loss)
+    if call == "evaluate":
+        return float(fzero.evaluate(lambda p, c: (p["a"] * c).sum())(use, torch.ones(4)))
+    return float(fzero.gather(use)["a"].sum())

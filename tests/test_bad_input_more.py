@@ -305,6 +305,21 @@ def test_a_loss_writing_in_place_on_one_gloo_rank_stops_every_rank(dist2, stage)
     assert [float(r[0]) for r in dist2.run(dist_cases.loss_writes_on, [(stage, -1)] * 2)] == [4 + 3.0] * 2  # mesh.run's lists
 
 
+@pytest.mark.parametrize("stage, call", [(0, "step"), (3, "step"), (3, "evaluate"), (3, "gather")])
+def test_a_donated_state_reused_on_one_gloo_rank_stops_every_rank(dist2, stage, call):
+    """Rank 1 passes the state its donating step consumed: it raises the donation error, and rank
+    0 stops at once with `RankFailed` at the collective it waits in. Before, the state was checked
+    outside the mesh's guard, so rank 0 waited out DistMesh's timeout and raised a `MeshError`."""
+    from . import dist_cases
+
+    out = dist2.run(dist_cases.donated_state_on, [(stage, call, 1)] * 2, return_exceptions=True)
+    assert isinstance(out[1].exception, fzero.FzeroError) and "was donated" in out[1].message, out[1]
+    assert isinstance(out[0].exception, fzero.RankFailed) and "rank(s) [1] raised" in out[0].message, out[0]
+    want = {"step": 4 * 0.9 + 3 * 0.9, "evaluate": 4 * 0.9, "gather": 4 * 0.9}[call]
+    got = dist2.run(dist_cases.donated_state_on, [(stage, call, -1)] * 2)
+    assert got == [pytest.approx(want, rel=1e-6)] * 2, got
+
+
 # --- a unit first read under torch.no_grad() inside the loss ----------------------------------------
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "rank 0 only"])

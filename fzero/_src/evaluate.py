@@ -26,7 +26,7 @@ import torch
 from .collectives import all_gather
 from .errors import ConfigError
 from .gathering import GATHERS, DivergentPaths, Gathering, check_prefetch, is_flat_dict, same_paths
-from .state import ZeroState, check_state
+from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
 
@@ -63,8 +63,7 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
     check_prefetch(prefetch)
 
     def run(state: ZeroState, batch: Any) -> Any:
-        check_state(state)
-        with state.mesh.guard(), same_paths(state.layout), torch.no_grad():
+        with checked(state), same_paths(state.layout), torch.no_grad():
             return forward(state, fn, gather, batch, prefetch)
 
     return run

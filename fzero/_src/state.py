@@ -9,11 +9,12 @@ rebuilds a state with the same metadata.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -519,12 +520,12 @@ def gather(state: ZeroState) -> Any:
     Where the stage shards params (or keeps a master shard), each bucket is all-gathered, so every
     rank must call it. The values are the master values, in the params' own dtype.
     """
-    check_state(state)
-    layout, mesh = state.layout, state.mesh
-    leaves: list[Any] = [None] * len(layout.leaves)
-    with torch.no_grad():
+    with checked(state), torch.no_grad():
+        layout, mesh = state.layout, state.mesh
+        leaves: list[Any] = [None] * len(layout.leaves)
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
-            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b) for b in program.buckets]
+            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b)
+                  for b in program.buckets]
             # clone in a comprehension: a `for` over the views would leave its variable holding the last
             # one, and so this unit's gathered buffer alive while the next unit gathers
             clones = [t.clone() for t in gather_leaves(program, xs, cast=False)]  # one unit gathered at a time
@@ -574,6 +575,21 @@ def check_state(state: Any, *, pending: bool = True) -> None:
         state.info.tier.check_holds(state)  # NVMe: the state is the one whose values its files hold
     if pending:
         check_pending(state)
+
+
+@contextlib.contextmanager
+def checked(state: Any, *, pending: bool = True) -> Iterator[None]:
+    """`check_state(state, pending=pending)`, then the caller's work, inside the state's mesh
+    guard (`Mesh.guard`): where one rank's state is refused (donated already, another rank's, an
+    NVMe state whose files moved on) the other ranks stop with `RankFailed` at the collective
+    they wait in, instead of waiting out DistMesh's timeout. A `state` that is not a ZeroState
+    names no mesh: its `FzeroError` is raised at once, and ranks that called with a state wait
+    for that timeout (docs/bad-input.md)."""
+    if not isinstance(state, ZeroState):
+        check_state(state)
+    with state.mesh.guard():
+        check_state(state, pending=pending)
+        yield
 
 
 def check_pending(state: ZeroState) -> None:

@@ -64,7 +64,7 @@ from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
 from .stages import Flight, Wire
-from .state import (StateInfo, ZeroState, broken_update, check_same_settings, check_state, consume,
+from .state import (StateInfo, ZeroState, broken_update, check_same_settings, checked, consume,
                     nonfinite_leaves, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import (Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, shared_zeros,
@@ -305,10 +305,10 @@ def train_step(
 
 @torch.compiler.disable  # under torch.compile(step) fzero runs eager; compile the loss instead (docs/compile.md)
 def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
-    check_state(state, pending=False)  # the step's agreement carries the pending flag
-    _check_in_place_tiers(config, state)
-    with state.mesh.guard(), same_paths(state.layout), _no_vmap_over_steps():
-        return run_step(config, state, batch)
+    with checked(state, pending=False):  # the step's agreement carries the pending flag
+        _check_in_place_tiers(config, state)
+        with same_paths(state.layout), _no_vmap_over_steps():
+            return run_step(config, state, batch)
 
 
 def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
