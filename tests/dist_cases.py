@@ -194,3 +194,17 @@ def donated_state_on(mesh, stage, call, bad):
     if call == "evaluate":
         return float(fzero.evaluate(lambda p, c: (p["a"] * c).sum())(use, torch.ones(4)))
     return float(fzero.gather(use)["a"].sum())
+
+
+def failing_twice(mesh):
+    """Rank 0 passes a bad `stage` to two `fzero.init`s in a row (each error caught, no collective
+    between them), rank 1 good ones; then both a good one. What each call gave, per rank."""
+    seen = []
+    for _ in range(2):
+        try:
+            fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.1), stage=7 if mesh.rank == 0 else 1, mesh=mesh)
+            seen.append("ok")
+        except fzero.FzeroError as e:
+            seen.append(type(e).__name__)
+    state = fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+    return seen, float(fzero.gather(state)["w"].sum())

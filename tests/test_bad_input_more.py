@@ -320,6 +320,19 @@ def test_a_donated_state_reused_on_one_gloo_rank_stops_every_rank(dist2, stage, 
     assert got == [pytest.approx(want, rel=1e-6)] * 2, got
 
 
+def test_a_second_error_in_a_row_on_one_gloo_rank_still_stops_the_others(dist2):
+    """A rank that catches an error and calls again, erring again with no collective between the
+    two, tells the others both times. Before, the guard took "no collective since the last
+    announcement" for "the same failure re-raised" and stayed silent the second time: rank 1's
+    second `init` was paired with rank 0's third and the ranks went out of step (a wrong
+    `LayoutError`, or a wait for DistMesh's timeout)."""
+    from . import dist_cases
+
+    (seen0, total0), (seen1, total1) = dist2.run(dist_cases.failing_twice)
+    assert seen0 == ["ConfigError", "ConfigError"] and seen1 == ["RankFailed", "RankFailed"], (seen0, seen1)
+    assert total0 == total1 == 4.0
+
+
 # --- a unit first read under torch.no_grad() inside the loss ----------------------------------------
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "rank 0 only"])

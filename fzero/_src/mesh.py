@@ -817,7 +817,7 @@ class DistMesh(Mesh):
         self.device = dev
         self.verify = verify
         self._seq = 0
-        self._announced = -1  # the sequence number after the last failure this rank announced
+        self._announced = -1  # the sequence number after the last failure this rank announced (`_told`)
         self._broken: MeshError | None = None  # set once a collective failed: the group is unusable
         self._peers: list[tuple[int, int]] = []
         rows = self._gather(torch.tensor(_identity(), dtype=torch.int64, device=self.device),
@@ -985,12 +985,29 @@ class DistMesh(Mesh):
             yield
         except MeshError:
             raise
-        except BaseException:
-            if self.verify and self._announced != self._seq:  # once per failure, however often re-raised
+        except BaseException as e:
+            if self.verify and not self._told(e):
                 with contextlib.suppress(MeshError):
                     self._agree(_KIND_FAIL, None)
                 self._announced = self._seq
+                with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+                    e.__dict__["_fzero_told"] = True
             raise
+
+    def _told(self, e: BaseException) -> bool:
+        """Whether the other ranks were told of this failure already: an enclosing guard of this
+        mesh announced `e`, or the exception it was raised from or while handling (a guard
+        nested in another, re-raising or wrapping it), and no collective ran since. A new failure
+        right after one (a rank that caught an error and called again, with no collective in
+        between) is announced: the others wait in that call's first collective."""
+        seen: set[int] = set()
+        x: BaseException | None = e
+        while self._announced == self._seq and x is not None and id(x) not in seen:
+            if getattr(x, "__dict__", {}).get("_fzero_told"):
+                return True
+            seen.add(id(x))
+            x = x.__cause__ or x.__context__
+        return False
 
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         args = _per_rank_args(per_rank_args, self._rank, self.world_size)
