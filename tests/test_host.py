@@ -84,7 +84,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _copies(apply) -> list:
     """This thread's skeleton copies (`apply`'s per-thread state)."""
-    local = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, threading.local))
+    local = next(c.cell_contents for c in apply._call.__closure__ if isinstance(c.cell_contents, threading.local))
     return local.__dict__.get("copies", [])
 
 

@@ -49,8 +49,8 @@ def test_from_module_keeps_tied_weights_tied_and_matches_the_module():
 def test_skeleton_holds_no_parameter_storage():
     model = cases.gpt2()
     params, apply, info = from_module(model)
-    # the closure's skeleton holds meta placeholders only; the real tensors are the caller's
-    skeleton = next(c.cell_contents for c in apply.__closure__ if isinstance(c.cell_contents, nn.Module))
+    # the skeleton holds meta placeholders only; the real tensors are the caller's
+    skeleton = apply._modules[0]
     assert all(p.is_meta for p in skeleton.parameters())
     assert all(p.is_meta for _, p in skeleton.named_parameters(remove_duplicate=False))
     with pytest.raises(fzero.FzeroError, match="missing"):
@@ -129,3 +129,44 @@ def test_frozen_group_wins_wherever_it_stands():
 
     (final,) = mesh.run(rank_fn)
     assert torch.equal(final["bias"], params["bias"]) and not torch.equal(final["weight"], params["weight"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_apply_eval_switches_dropout_and_batchnorm_off_in_every_copy(stage):
+    """`model.eval()` after `from_module` does not reach the copy `apply` runs; `apply.eval()`
+    does, also in the per-rank copies a stage-3 step made before (reading units on use): the
+    evaluation is then deterministic, leaves the running statistics alone, and equals the torch
+    module's eval forward with the same values bit for bit; `apply.train()` switches back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+    params, apply, info = from_module(model, units=units_by_prefix(model, ""))
+    mesh, x = fzero.SimMesh(2), torch.randn(6, 8)
+    loss = lambda p, b: apply(p, b).square().mean()  # noqa: E731
+    assert apply.training and apply.eval() is apply and not apply.training
+
+    def rank_fn():
+        apply.train()
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+        state, _ = fzero.train_step(loss)(state, x)  # train mode: the copies are made, the stats move
+        if mesh.rank == 0:
+            apply.eval()
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)  # every rank past the switch
+        stats = {k: v.clone() for k, v in info.buffers.items()}
+        outs = [fzero.evaluate(lambda p, b: apply(p, b))(state, x) for _ in range(2)]
+        still = all(torch.equal(v, info.buffers[k]) for k, v in stats.items())
+        return outs, still, fzero.gather(state)
+
+    for outs, still, values in mesh.run(rank_fn):
+        ref = copy.deepcopy(model).eval()
+        ref.load_state_dict({**values, **info.buffers})
+        with torch.no_grad():
+            want = ref(x)
+        assert still and torch.equal(outs[0], outs[1]) and torch.equal(outs[0], want)
+    tracked = int(info.buffers["1.num_batches_tracked"])
+    apply.eval()(params, x)
+    assert int(info.buffers["1.num_batches_tracked"]) == tracked
+    assert apply.train() is apply and apply.training
+    apply(params, x)  # training again: BatchNorm counts the batch
+    assert int(info.buffers["1.num_batches_tracked"]) == tracked + 1
+    with pytest.raises(fzero.ConfigError, match="mode must be a bool"):
+        apply.train("no")

@@ -6,21 +6,27 @@
   `named_parameters()` gives it), detached (sharing storage with `model`; fzero.init copies);
 - `apply(params, *args, **kwargs)`: `model(*args, **kwargs)` computed with `params`, through
   `torch.func.functional_call` over a parameter-free skeleton (a copy of `model` whose
-  parameters are `meta` placeholders). Every alias of a tied parameter is bound to the same
-  tensor (`named_parameters(remove_duplicate=False)`), so tied weights stay tied and their
-  gradient is the sum over all uses, added locally before any reduction (as DDP does);
+  parameters are `meta` placeholders; `model.eval()` does not reach it: `apply.eval()` and
+  `apply.train()` set its training mode, `Apply`). Every alias of a tied parameter is bound to
+  the same tensor (`named_parameters(remove_duplicate=False)`), so tied weights stay tied and
+  their gradient is the sum over all uses, added locally before any reduction (as DDP does);
 - `info`: a `ModuleInfo` with the alias table, the live buffers, the suggested `units` and
   `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters).
 
 Buffers (BatchNorm running stats, ...) are per-rank state kept in the skeleton: `apply` passes
 them to `functional_call` by identity, so a training-mode forward updates them in place, exactly
-as `model(x)` would. A rank's buffers are updated from its own batches only. torch DDP
-(`broadcast_buffers=True`) instead copies rank 0's buffers to every rank before each forward;
-call `broadcast_buffers(info, mesh)` before each step to get exactly that (tested bitwise
-against DDP in tests/test_ddp.py). Without it, rank 0's buffers still equal DDP's rank 0
-buffers bit for bit (rank 0's chain of updates is the same), so evaluate or save from rank 0.
-Buffer updates happen in plain Python inside the forward: use `engine="autograd"` for models
-that update buffers (functorch rejects in-place writes to captured tensors).
+as `model(x)` would; `model`'s own buffers are left as they were (read them from
+`info.buffers`). With one process per rank (`DistMesh`), a rank's buffers are updated from its
+own batches only; on a `SimMesh` the ranks are threads of one process sharing the one skeleton's
+buffers, which every rank's forward updates in turn. torch DDP (`broadcast_buffers=True`)
+instead copies rank 0's buffers to every rank before each forward; call `broadcast_buffers(info,
+mesh)` before each step to get exactly that (tested bitwise against DDP in tests/test_ddp.py).
+Without it, rank 0's buffers still equal DDP's rank 0 buffers bit for bit (rank 0's chain of
+updates is the same), so evaluate or save from rank 0. `fzero.checkpoint.save(state, root,
+buffers=info.buffers)` keeps rank 0's buffers beside the state, and `checkpoint.load(path,
+target, buffers=info.buffers)` copies them back. Buffer updates happen in plain Python inside
+the forward: use `engine="autograd"` for models that update buffers (functorch rejects in-place
+writes to captured tensors).
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class _FrozenNames:
 
 
 def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Collection[str] = False
-                ) -> tuple[dict[str, torch.Tensor], Callable, ModuleInfo]:
+                ) -> tuple[dict[str, torch.Tensor], Apply, ModuleInfo]:
     """`module -> (params, apply, info)`; see the module docstring.
 
     Args:
@@ -155,9 +161,10 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             known = params.unit_map
             copies = per_thread.__dict__.setdefault("copies", [])
             depth = per_thread.__dict__.get("depth", 0)
-            if depth == len(copies):
-                copies.append(_Skeleton(copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()}),
-                                        alias_table, remat_units))
+            if depth == len(copies):  # a copy takes the skeleton's training flags (`Apply.train`)
+                module_copy = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
+                modules.append(module_copy)
+                copies.append(_Skeleton(module_copy, alias_table, remat_units))
             per_thread.depth = depth + 1
             try:
                 return copies[depth](params, args, kwargs)
@@ -178,8 +185,47 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         # strict: every parameter and buffer name of the skeleton is bound, so no meta tensor is left
         return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
 
+    modules = [skeleton]  # the skeleton and every thread's copy of it: what `Apply.train` sets
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
-    return params, apply, ModuleInfo(alias_table, buffers, units, groups, frozen)
+    return params, Apply(apply, modules), ModuleInfo(alias_table, buffers, units, groups, frozen)
+
+
+class Apply:
+    """`from_module`'s `apply(params, *args, **kwargs) -> module(*args, **kwargs)`, and, as an
+    `nn.Module` has, its training mode: `train(mode=True)`, `eval()` and `training`.
+
+    `apply` runs a parameter-free copy of the module made by `from_module`, so `model.eval()`
+    after `from_module` does not reach it: call `apply.eval()` (dropout off, BatchNorm reading
+    and not updating its running statistics) before evaluating, and `apply.train()` before
+    training again. Like `nn.Module.train`, it sets every submodule's flag; the flags start as
+    the module's were when `from_module` was called."""
+
+    def __init__(self, call: Callable[..., Any], modules: list[nn.Module]) -> None:
+        self._call, self._modules = call, modules
+        self.__doc__ = call.__doc__
+
+    def __call__(self, params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
+        return self._call(params, *args, **kwargs)
+
+    def train(self, mode: bool = True) -> Apply:
+        """Set the training mode of every submodule, as `nn.Module.train(mode)`; returns `self`."""
+        if not isinstance(mode, bool):
+            raise ConfigError(f"apply.train(mode): mode must be a bool, got {type(mode).__name__} {mode!r}")
+        for m in self._modules:
+            m.train(mode)
+        return self
+
+    def eval(self) -> Apply:
+        """`train(False)`, as `nn.Module.eval()`; returns `self`."""
+        return self.train(False)
+
+    @property
+    def training(self) -> bool:
+        """The root module's training flag, as `nn.Module.training`."""
+        return self._modules[0].training
+
+    def __repr__(self) -> str:
+        return f"<fzero apply of {type(self._modules[0]).__name__}, training={self.training}>"
 
 
 def _home(names: list[str]) -> str:
