@@ -650,3 +650,105 @@ def test_cli_names_a_missing_dcp_metadata(saved_root, tmp_path, capsys):
     (tmp_path / "step-1" / "manifest.json").write_text(json.dumps({**manifest, "format": 1}))
     with pytest.raises(ck.CheckpointError, match="format 1"):
         ck.export(path)
+
+
+# --- module buffers (BatchNorm's running statistics) --------------------------------------------
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+
+
+def _bn_batch(k: int, rank: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * k + rank))
+
+
+def _bn_steps(mesh, info, apply, params, stage, ks, state=None):
+    step = fzero.train_step(lambda p, x: apply(p, x).square().mean())
+    if state is None:
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+    for k in ks:
+        fzero.broadcast_buffers(info, mesh)  # DDP's broadcast_buffers: every rank starts from rank 0's
+        state, _ = step(state, _bn_batch(k, mesh.rank))
+    return state
+
+
+def test_buffers_resume_and_export(tmp_path):
+    """`save(..., buffers=info.buffers)` keeps rank 0's buffers; a run that saves after step 1,
+    loses its buffers (zeroed), loads at another stage with `buffers=` and steps again ends with
+    the params and the buffers of the run that never stopped, bit for bit; the export is a
+    state_dict the module loads strictly. Before, `save` kept no buffer: the running statistics
+    were lost on resume and `load_state_dict(export(...))` missed them. One rank: a SimMesh's
+    ranks share one set of buffers (fzero._src.module), so their order of updates would depend
+    on the stage's collectives; several ranks: `test_buffers_on_gloo_are_rank_0s`."""
+    model = _bn_model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    fresh = {k: v.clone() for k, v in info.buffers.items()}
+    sim = fzero.SimMesh(1)
+    straight = sim.run(lambda: fzero.gather(_bn_steps(sim, info, apply, params, 3, [0, 1])))[0]
+    want_buffers = {k: v.clone() for k, v in info.buffers.items()}
+
+    for k, v in info.buffers.items():
+        v.copy_(fresh[k])
+    path = sim.run(lambda: ck.save(_bn_steps(sim, info, apply, params, 3, [0]), str(tmp_path),
+                                   buffers=info.buffers))[0]
+    for v in info.buffers.values():
+        v.zero_()
+
+    def resumed():
+        target = fzero.init(params, fzero.optim.adamw(1e-2), stage=1, mesh=sim, units=info.units)
+        state = ck.load(path, target, buffers=info.buffers)
+        return fzero.gather(_bn_steps(sim, info, apply, params, 1, [1], state))
+
+    got = sim.run(resumed)[0]
+    assert all(torch.equal(got[k], straight[k]) for k in straight)
+    assert all(torch.equal(info.buffers[k], want_buffers[k]) for k in want_buffers)
+
+    exported = ck.export(path, aliases=info.aliases)
+    clone = _bn_model()
+    clone.load_state_dict(exported)  # strict: params and buffers
+    assert exported["1.num_batches_tracked"].dtype == torch.int64 and int(exported["1.num_batches_tracked"]) == 1
+    assert "module buffers (rank 0's): 1.running_mean float32[16]" in ck.summary(path)
+
+
+def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
+    model = _bn_model()
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+    state = mesh.run(lambda: _bn_steps(mesh, info, apply, params, 0, [0]))[0]
+    plain = mesh.run(lambda: ck.save(state, str(tmp_path / "plain")))[0]
+    kept = mesh.run(lambda: ck.save(state, str(tmp_path / "kept"), buffers=info.buffers))[0]
+    cases = [
+        (plain, info.buffers, "holds no module buffers"),
+        (kept, {k: v for k, v in info.buffers.items() if k != "1.running_var"}, r"in the checkpoint only \['1.running_var'\]"),
+        (kept, {**info.buffers, "1.running_mean": torch.zeros(3)}, r"buffer '1.running_mean' was saved as float32\[16\]"),
+        (kept, [1, 2], "buffers must be None or a dict"),
+        (kept, {"x": 1.0}, r"buffers\['x'\] must be a tensor"),
+    ]
+    for path, buffers, match in cases:
+        with pytest.raises(ck.CheckpointError, match=match):
+            mesh.run(lambda: ck.load(path, state, buffers=buffers))
+    with pytest.raises(ck.CheckpointError, match="buffers must be None or a dict"):
+        mesh.run(lambda: ck.save(state, str(tmp_path / "bad"), buffers=torch.zeros(2)))
+    mesh.run(lambda: ck.load(kept, state))  # without buffers=: they are left as they are
+    manifest = tmp_path / "kept" / "step-1" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"name": "1.running_mean"', '"name": 7'))
+    with pytest.raises(ck.CheckpointError, match="field 'buffers' must be null or a list of buffer records"):
+        ck.read_manifest(kept)
+
+
+def dist_buffers(mesh, root):
+    """On 2 gloo ranks each with its own buffer values: save them (rank 0's are kept), set them
+    apart again, load them back on both ranks; each rank's buffer after the load."""
+    buf = {"stat": torch.full((3,), float(mesh.rank + 1)), "count": torch.tensor(5 + mesh.rank)}
+    state = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=2, mesh=mesh, units=UNITS)
+    path = ck.save(state, root, buffers=buf)
+    buf["stat"].fill_(-1.0)
+    buf["count"].fill_(-1)
+    ck.load(path, state, buffers=buf)
+    return buf["stat"].tolist(), int(buf["count"])
+
+
+def test_buffers_on_gloo_are_rank_0s(dist2, tmp_path):
+    assert dist2.run(dist_buffers, [(str(tmp_path),)] * 2) == [([1.0, 1.0, 1.0], 5)] * 2

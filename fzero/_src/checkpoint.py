@@ -10,6 +10,8 @@ What is written does not depend on the world size or the stage. For every leaf o
   step, loss_scale/<f>  the step counter and the loss scaler's state (0-d, as the state holds them)
   rng/<r>/cpu           rank r's `torch.get_rng_state()`; `rng/<r>/cuda` too where CUDA is
                         initialised on the rank's device (`torch.cuda.get_rng_state(device)`)
+  buffer/<name>         where `save(..., buffers=)` was given module buffers: rank 0's, whole,
+                        of their own shape and dtype (listed in the manifest's "buffers")
 
 Rank r of N writes, of each canonical tensor, the elements of its shard `[r * S, (r + 1) * S)` of
 each bucket (`layout.segments(b, r)`), whatever the stage holds there (the stage-3 shard, the
@@ -51,7 +53,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -241,8 +243,9 @@ def _set_rng_states(mesh: Mesh, states: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(states["cuda"], mesh.device)
 
 
-def _scalars(state: ZeroState) -> dict[str, Canonical]:
-    out = {"step": _whole(state.step)}
+def _scalars(state: ZeroState, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, Canonical]:
+    """Rank 0's whole tensors: the step, the loss scaler's state, the module buffers given."""
+    out = {"step": _whole(state.step), **{f"buffer/{k}": _whole(t) for k, t in (buffers or {}).items()}}
     if state.loss_scale is not None:
         out.update({f"loss_scale/{f}": _whole(t) for f, t in zip(state.loss_scale._fields, state.loss_scale)})
     return out
@@ -254,24 +257,24 @@ def _merge(into: dict[str, Canonical], more: dict[str, Canonical]) -> dict[str, 
     return into
 
 
-def state_dict(state: ZeroState) -> dict[str, Canonical]:
-    """What this rank hands `dcp.save`: on DistMesh its own chunks (and rank 0 the scalars); on
-    SimMesh rank 0 every rank's, from all-gathered shards and RNG states (a collective: every
-    rank calls it), the others nothing."""
+def state_dict(state: ZeroState, buffers: dict[str, torch.Tensor] | None = None) -> dict[str, Canonical]:
+    """What this rank hands `dcp.save`: on DistMesh its own chunks (and rank 0 the scalars and
+    its `buffers`, `buffer/<name>`); on SimMesh rank 0 every rank's, from all-gathered shards and
+    RNG states (a collective: every rank calls it), the others nothing."""
     layout, mesh, rank = state.layout, state.mesh, state.rank
     srcs = sources(state)
     rng = _rng_states(mesh)
     if isinstance(mesh, DistMesh) or mesh.world_size == 1:
         out = canonical(layout, srcs, rank)
         out.update({f"rng/{rank}/{k}": _whole(t) for k, t in rng.items()})
-        return _merge(out, _scalars(state)) if rank == 0 else out
+        return _merge(out, _scalars(state, buffers)) if rank == 0 else out
     full = [s._replace(tensor=mesh.collective("all_gather", s.tensor, tag="fzero.checkpoint/gather"), sharded=False)
             if s.sharded else s for s in srcs]
     rngs = {k: mesh.collective("all_gather", t.to(mesh.device), tag="fzero.checkpoint/rng").cpu().view(
         mesh.world_size, -1) for k, t in rng.items()}
     if rank != 0:
         return {}
-    out = _scalars(state)
+    out = _scalars(state, buffers)
     for r in range(mesh.world_size):
         _merge(out, canonical(layout, full, r))
         out.update({f"rng/{r}/{k}": _whole(t[r]) for k, t in rngs.items()})
@@ -534,6 +537,44 @@ def _listed(failures: list[tuple[int, str]]) -> str:
     return "".join(f"\n  rank {s}: {text}" for s, text in failures)
 
 
+def _checked_buffers(buffers: Any, what: str) -> dict[str, torch.Tensor] | None:
+    """`buffers` as a dict `{name: tensor}` (None stays None), or a `CheckpointError` naming the
+    entry that is not a str name of a tensor."""
+    if buffers is None:
+        return None
+    if not isinstance(buffers, Mapping):
+        raise CheckpointError(f"{what}: buffers must be None or a dict {{name: tensor}} (ModuleInfo.buffers of "
+                              f"fzero.from_module), got {type(buffers).__name__} {_short(buffers)}")
+    for k, v in buffers.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor) or not k:
+            raise CheckpointError(f"{what}: buffers[{k!r}] must be a tensor under a non-empty str name, got "
+                                  f"{type(v).__name__}")
+    return dict(buffers)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_buffers_fit(path: str, manifest: dict[str, Any], buffers: dict[str, torch.Tensor]) -> None:
+    """The checkpoint saved buffers of the names, shapes and dtypes of `buffers`, else a
+    `CheckpointError` naming the first that differs."""
+    saved = manifest.get("buffers")
+    if saved is None:
+        raise CheckpointError(f"{path!r} holds no module buffers (it was saved without "
+                              f"checkpoint.save(..., buffers=...)); load it without buffers=, and keep the buffers "
+                              f"the module has")
+    theirs = {b["name"]: b for b in saved}
+    if theirs.keys() != buffers.keys():
+        missing, extra = sorted(buffers.keys() - theirs.keys()), sorted(theirs.keys() - buffers.keys())
+        raise CheckpointError(f"{path!r} saved other module buffers: not in the checkpoint {missing[:5]}, in the "
+                              f"checkpoint only {extra[:5]}; pass the buffers of the module it was saved from")
+    for k, t in buffers.items():
+        if theirs[k]["shape"] != list(t.shape) or theirs[k]["dtype"] != _dtype_name(t.dtype):
+            raise CheckpointError(f"{path!r}: buffer {k!r} was saved as {theirs[k]['dtype']}{theirs[k]['shape']}, "
+                                  f"the one given is {_dtype_name(t.dtype)}{list(t.shape)}")
+
+
 # -- saving --------------------------------------------------------------------------------------
 
 
@@ -547,8 +588,10 @@ def describe_layout(layout: Layout) -> list[dict[str, Any]]:
              "unit": ls.unit, "group": ls.group.name, "frozen": ls.group.frozen} for ls in layout.leaves]
 
 
-def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}`."""
+def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
+                buffers: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}` and,
+    where saved, module `buffers` (name, shape, dtype each; None where none were given)."""
     p = state.precision
     return {
         "format": FORMAT,
@@ -559,6 +602,8 @@ def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]]) -> dict[str,
         "optimizer": _jsonable(describe(state.optimizer)),
         "precision": [str(p.param_dtype), str(p.reduce_dtype)],
         "scaler": None if state.info.scaler is None else repr(state.info.scaler),
+        "buffers": None if buffers is None else [{"name": k, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+                                                 for k, t in buffers.items()],
         "files": files,
     }
 
@@ -649,13 +694,16 @@ def _visible(path: str) -> bool:
     return os.path.isdir(path)
 
 
-def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, _fail_at: str | None = None) -> str:
+def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
+         buffers: Mapping[str, torch.Tensor] | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
     Each rank's canonical chunks and RNG states go through `dcp.save` (module docstring), all
     ranks agree, and rank 0 writes the manifest with every file's sha256 and renames the folder
     into place. With `keep=K`, rank 0 then deletes the oldest complete checkpoints beyond the
-    newest K.
+    newest K. With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
+    BatchNorm's running statistics), rank 0's are saved too (DDP's convention: its buffers are
+    rank 0's), for `load(..., buffers=)` and `export`; the other ranks' are not read.
 
     Before anything is written the ranks agree (`_agree`), so every rank raises `CheckpointError`
     or none does: where the ranks were given different folders (`root/step-<n>`: another root,
@@ -669,10 +717,11 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
                               f"{type(state).__name__}")
     mesh = state.mesh
     with mesh.guard():
-        error, key, final = None, None, None
+        error, key, final, bufs = None, None, None, None
         shown = _short(root, 300)
         try:
             check_state(state, pending=False)  # this rank's checks; the pending flag's (a collective) after
+            bufs = _checked_buffers(buffers, "checkpoint.save")
             if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
                 raise CheckpointError(f"keep must be None or an int >= 1 (how many checkpoints to keep), got {keep!r}")
             if _fail_at is not None and _fail_at not in CRASH_POINTS:
@@ -725,7 +774,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
             raise
         if _fail_at == "before_data":
             raise _Crash("simulated crash before any data was written")
-        sd = state_dict(state)
+        sd = state_dict(state, bufs)
         _dcp_save(sd, tmp, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
         _barrier(mesh, "fzero.checkpoint/data")
         if rank == 0:
@@ -734,7 +783,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None, 
             names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
             files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
                      for f in names}
-            _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files), indent=1).encode())
+            _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, bufs), indent=1).encode())
             _fsync_dir(tmp)
             if _fail_at == "before_rename":
                 raise _Crash("simulated crash before the rename")
@@ -812,6 +861,12 @@ def _check_manifest(name: str, m: dict[str, Any]) -> None:
                             ("frozen", "a bool", lambda v: isinstance(v, bool))):
             if k not in ls or not ok(ls[k]):
                 raise bad(f"leaves[{i}].{k}", want, ls.get(k))
+    buffers = m.get("buffers")
+    if buffers is not None and not (isinstance(buffers, list) and all(
+            isinstance(b, dict) and isinstance(b.get("name"), str) and isinstance(b.get("dtype"), str)
+            and isinstance(getattr(torch, b["dtype"], None), torch.dtype)
+            and isinstance(b.get("shape"), list) and all(count(d, 0) for d in b["shape"]) for b in buffers)):
+        raise bad("buffers", "null or a list of buffer records {name, shape, dtype}", buffers)
     if not isinstance(m["files"], dict):
         raise bad("files", "a dict {file: {sha256, bytes}}", m["files"])
     for f, meta in m["files"].items():
@@ -1089,7 +1144,8 @@ def _same_checkpoint(keys: list[list[int]]) -> bool:
     return len({tuple(k) for k in keys}) <= 1
 
 
-def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True) -> ZeroState:
+def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True,
+         buffers: Mapping[str, torch.Tensor] | None = None) -> ZeroState:
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
@@ -1104,7 +1160,10 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     shard, the master shard beside the compute copy `flat.to(compute)`, or the whole buffer);
     each optimizer field per its spec; the step counter and loss scale as saved. With
     `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA where saved and initialised)
-    are set to the ones saved by the same rank.
+    are set to the ones saved by the same rank. With `buffers` (`{name: tensor}`, e.g.
+    `ModuleInfo.buffers`), the buffers `save(..., buffers=)` kept (rank 0's) are copied into
+    them in place, on every rank that passes them; the names, shapes and dtypes must be the
+    saved ones.
     """
     if not isinstance(target, ZeroState):
         raise CheckpointError(f"checkpoint.load: target must be a ZeroState made by fzero.init (the state to load "
@@ -1112,6 +1171,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     mesh = target.mesh
     with mesh.guard():
         error, key, shown = None, None, _short(path, 300)
+        read: dict[str, torch.Tensor] = {}  # the saved buffers, read into fresh tensors first
         try:
             check_state(target, pending=False)  # load overwrites it: a broken donated target is what it restores
             path = _fspath(path, "checkpoint.load: path (a checkpoint folder, root/step-<n>)")
@@ -1119,8 +1179,13 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             manifest, digest = _read_manifest(path)
             key = (manifest["step"], _int64(digest), 0)
             check_fits(path, manifest, target)
+            bufs = _checked_buffers(buffers, "checkpoint.load")
+            if bufs is not None:
+                _check_buffers_fit(path, manifest, bufs)
             metadata = _metadata(path, manifest)
             w = _wanted(target, metadata, restore_rng and manifest["world_size"] == mesh.world_size)
+            read = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in (bufs or {}).items()}  # on the host
+            w.ranges.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in read.items()})
             items = read_plan(path, metadata, w.ranges)
             check_files(path, manifest, only=files_read(metadata, items))
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
@@ -1147,6 +1212,9 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)
+        with torch.no_grad():
+            for k, t in read.items():
+                bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
     scale = None
     if target.loss_scale is not None:
         scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))
@@ -1165,8 +1233,9 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     `dtype`), read from the files alone: no process group, no mesh, any world size it was saved
     at. With `aliases` (`ModuleInfo.aliases` of `fzero.from_module`), every name of a tied weight
     gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
-    takes (buffers are not part of a checkpoint: `strict=False`, or add them). Files are checked
-    against their sha256 first."""
+    takes; the module buffers a `save(..., buffers=)` kept are in it too (else load it with
+    `strict=False`; a module with non-persistent buffers, which its `state_dict` leaves out,
+    takes them with `strict=False` as well). Files are checked against their sha256 first."""
     path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
     manifest = read_manifest(path)
     check_files(path, manifest)
@@ -1174,6 +1243,8 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     leaves = manifest["leaves"]
     flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_dtype(ls["dtype"])) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
+    saved = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in manifest.get("buffers") or ()}
+    wanted.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in saved.items()})
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
     out = {ls["path"]: flats[ls["path"]].view(ls["shape"]) for ls in leaves}
@@ -1183,7 +1254,7 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         for name, names in aliases.items():
             for alias in names:
                 out[alias] = out[name]
-    return out
+    return {**out, **saved}  # buffers keep their own dtype
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str] | None = None
@@ -1231,6 +1302,10 @@ def summary(path: str | os.PathLike) -> str:
         total += nbytes
         lines.append(f"  {ls['path']:40s} {ls['dtype']:9s} {str(ls['shape']):20s} {nbytes:>12,} B"
                      + (" (frozen)" if ls["frozen"] else ""))
+    if m.get("buffers"):
+        lines.append(f"module buffers (rank 0's): " + ", ".join(f"{b['name']} {b['dtype']}{b['shape']}"
+                                                               for b in m["buffers"][:8])
+                     + (" ..." if len(m["buffers"]) > 8 else ""))
     files = sum(meta["bytes"] for meta in m["files"].values())
     md = _read_metadata(path).state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
