@@ -199,6 +199,13 @@ def test_sync_must_be_a_bool():
             _init({"w": torch.ones(3)}, sync=sync)
 
 
+def test_mesh_must_be_a_mesh():
+    """Before: `mesh=None` (or a device, or a world size) raised an AttributeError from inside."""
+    for mesh in (None, 2, "cpu", torch.device("cpu")):
+        with pytest.raises(fzero.ConfigError, match=r"mesh must be a fzero.SimMesh\(N\) or fzero.DistMesh\(\).*got"):
+            fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=1, mesh=mesh)
+
+
 def test_frozen_leaves_may_share_memory_with_each_other_not_with_trainable_ones():
     """Frozen leaves are never updated, so two frozen views of one tensor stay tied (a frozen
     embedding and its transposed head); a trainable leaf overlapping a frozen one would drift

@@ -214,6 +214,9 @@ def init(
         (params "nvme": in swap files too), the update on the host; the same bits where the
         host's kernels are the device's (docs/offload.md).
     """
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"init: mesh must be a fzero.SimMesh(N) or fzero.DistMesh() (the ranks the state is "
+                          f"sharded over), got {type(mesh).__name__} {mesh!r:.80}")
     with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
         st = get_stage(stage)  # the stage's own pieces; its enter reads the final tier (`stage_of`, below)
         off = check_offload(offload)
