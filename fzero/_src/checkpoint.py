@@ -79,14 +79,15 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .collectives import broadcast
+from .collectives import broadcast, gather_rows, gather_texts
 from .errors import FzeroError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
 from .scale import LossScaleState
-from .state import ZeroState, check_pending, check_state, describe, described_cells, master_values
+from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
+                    setting_name, unnamed)
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -478,28 +479,6 @@ def _hex(word: int) -> str:
     return f"{word & (2**64 - 1):016x}"
 
 
-def _rows(mesh: Mesh, row: list[int], tag: str) -> list[list[int]]:
-    """Every rank's `row` (int64, one length on every rank) in rank order: one all-gather."""
-    if mesh.world_size == 1:
-        return [row]
-    mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
-    return mesh.collective("all_gather", mine, tag=tag).view(mesh.world_size, len(row)).tolist()
-
-
-def _texts(mesh: Mesh, text: str, tag: str) -> list[str]:
-    """Every rank's `text` in rank order: two all-gathers (the lengths, then the padded UTF-8 bytes)."""
-    if mesh.world_size == 1:
-        return [text]
-    data = text.encode()
-    lengths = [k for k, in _rows(mesh, [len(data)], f"{tag}/lengths")]
-    width = max(1, *lengths)
-    buf = torch.zeros(width, dtype=torch.uint8)
-    if data:
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = mesh.collective("all_gather", buf.to(mesh.device), tag=f"{tag}/text").view(mesh.world_size, width)
-    return [bytes(row[:k]).decode(errors="replace") for row, k in zip(rows.tolist(), lengths)]
-
-
 def _agree(mesh: Mesh, tag: str, error: BaseException | None, key: Sequence[int] | None, shown: str, *,
            same: Callable[[list[list[int]]], bool], differ: Callable[[list[list[int]], list[str]], str],
            failed: Callable[[list[tuple[int, str]]], str]) -> None:
@@ -516,12 +495,12 @@ def _agree(mesh: Mesh, tag: str, error: BaseException | None, key: Sequence[int]
     something unexpected still reaches the all-gather (its caller catches every `Exception`), so
     no rank waits for it."""
     row = [int(error is not None), int(key is not None), *(list(key) if key is not None else [0] * _KEY)]
-    rows = _rows(mesh, row, tag)
+    rows = gather_rows(mesh, row, tag)
     keyed = [r[2:] for r in rows if r[1]]
     bad = [s for s, r in enumerate(rows) if r[0]]
     if not bad and same(keyed):
         return
-    texts = _texts(mesh, shown + "\0" + ("" if error is None else _error_text(error)), tag)
+    texts = gather_texts(mesh, shown + "\0" + ("" if error is None else _error_text(error)), tag)
     given = [t.partition("\0")[0] for t in texts]
     if not same(keyed):
         out = CheckpointError(differ(rows, given))
@@ -927,60 +906,23 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
                               f"{target.info.scaler!r}; make the target with loss_scale set as when it was saved")
 
 
-class _Fn(NamedTuple):
-    """A function as `state.describe` sees it, with names: its qualname and, per closure value
-    `describe` keeps, `(variable name, value)` (a repr, or a nested `_Fn`)."""
-
-    qualname: str
-    items: tuple[tuple[str, Any], ...]
-
-
-def _named(x: Any, depth: int = 0) -> Any:
-    """`state.describe(x)` with each value named: a tuple (an `Optimizer`) as `((field, node), ...)`
-    in a list, a function as `_Fn` (its closure variables' names from `co_freevars`), anything
-    else as `describe` writes it. The values kept are `describe`'s (`state.described_cells`), so
-    `_unnamed` of it is `describe(x)` (`_other_optimizer` checks)."""
-    if isinstance(x, tuple):
-        names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
-        return [(n, _named(v, depth)) for n, v in zip(names, x)]
-    if not callable(x):
-        return describe(x)
-    items = [(name, _named(v, depth + 1) if callable(v) else repr(v)) for name, v in described_cells(x, depth)]
-    return _Fn(getattr(x, "__qualname__", type(x).__qualname__), tuple(items))
-
-
-def _unnamed(node: Any) -> Any:
-    if isinstance(node, _Fn):
-        return [node.qualname, [_unnamed(v) for _, v in node.items]]
-    if isinstance(node, list):
-        return [_unnamed(v) for _, v in node]
-    return node
-
-
 def _setting_diffs(theirs: Any, node: Any, where: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any, Any]]:
     """Where the checkpoint's optimizer description `theirs` differs from the target's (`node`,
     `_named`): `(names down to the value, checkpoint's, target's)`; a function of another name,
     or of other closure values, is one difference at `where`. Inside `as_schedule` (the lr) the
     names restart at "lr"."""
-    if isinstance(node, _Fn):
+    if isinstance(node, NamedFn):
         if node.qualname.startswith("as_schedule."):
             where = ("lr",)
         if not (isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == node.qualname
                 and isinstance(theirs[1], list) and len(theirs[1]) == len(node.items)):
-            return [(where, theirs, _unnamed(node))]
+            return [(where, theirs, unnamed(node))]
         return [d for (name, v), t in zip(node.items, theirs[1]) for d in _setting_diffs(t, v, where + (name,))]
     if isinstance(node, list):
         if not (isinstance(theirs, list) and len(theirs) == len(node)):
-            return [(where, theirs, _unnamed(node))]
+            return [(where, theirs, unnamed(node))]
         return [d for (name, v), t in zip(node, theirs) for d in _setting_diffs(t, v, where + (name,))]
     return [] if theirs == node else [(where, theirs, node)]
-
-
-def _setting_name(where: tuple[str, ...]) -> str:
-    if where[:1] == ("lr",):
-        rest = [w for w in where[1:] if w != "value"]
-        return "lr" + (f" (schedule {'.'.join(rest)})" if rest else "")
-    return where[-1] if where else "optimizer"
 
 
 def _fn_nodes(desc: Any) -> Iterator[list]:
@@ -1022,14 +964,14 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     names = optimizer_name(theirs), optimizer_name(want)
     if names[0] != names[1]:
         return f"{path!r} was saved with another optimizer: checkpoint {names[0]}, target {names[1]}; {fix}"
-    named = _named(optimizer)
-    diffs = _setting_diffs(theirs, named, ()) if _jsonable(_unnamed(named)) == want else []
+    node = named(optimizer)
+    diffs = _setting_diffs(theirs, node, ()) if _jsonable(unnamed(node)) == want else []
     shown: dict[str, None] = {}
     for where, a, b in diffs:
         if not (isinstance(a, str) and isinstance(b, str)):
             shown = {}
             break
-        shown[f"{_setting_name(where)}: checkpoint {a}, target {b}"] = None
+        shown[f"{setting_name(where)}: checkpoint {a}, target {b}"] = None
     if shown:
         return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}")
     return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "

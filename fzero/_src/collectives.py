@@ -246,3 +246,25 @@ class _MeanOfRanks(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, g_t: torch.Tensor, _: Any) -> torch.Tensor:
         return g_t * (1.0 / ctx.n)
+
+
+def gather_rows(mesh: Mesh, row: list[int], tag: str) -> list[list[int]]:
+    """Every rank's `row` (int64, one length on every rank) in rank order: one all-gather."""
+    if mesh.world_size == 1:
+        return [row]
+    mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+    return mesh.collective("all_gather", mine, tag=tag).view(mesh.world_size, len(row)).tolist()
+
+
+def gather_texts(mesh: Mesh, text: str, tag: str) -> list[str]:
+    """Every rank's `text` in rank order: two all-gathers (the lengths, then the padded UTF-8 bytes)."""
+    if mesh.world_size == 1:
+        return [text]
+    data = text.encode()
+    lengths = [k for k, in gather_rows(mesh, [len(data)], f"{tag}/lengths")]
+    width = max(1, *lengths)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = mesh.collective("all_gather", buf.to(mesh.device), tag=f"{tag}/text").view(mesh.world_size, width)
+    return [bytes(row[:k]).decode(errors="replace") for row, k in zip(rows.tolist(), lengths)]

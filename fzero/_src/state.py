@@ -12,17 +12,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
-from .collectives import all_gather, all_reduce, broadcast
+from .collectives import all_gather, all_reduce, broadcast, gather_texts
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
@@ -236,7 +237,7 @@ def init(
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         check_same_layout(layout, mesh)
-        check_same_settings(mesh, stage=st.level, optimizer=describe(optimizer), align=align, sync=bool(sync),
+        check_same_settings(mesh, stage=st.level, optimizer=named(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
@@ -497,6 +498,43 @@ def described_cells(fn: Callable, depth: int) -> list[tuple[str, Any]]:
     return kept
 
 
+class NamedFn(NamedTuple):
+    """A function as `describe` sees it, with names: its qualname and, per closure value
+    `describe` keeps, `(variable name, value)` (a repr, or a nested `NamedFn`)."""
+
+    qualname: str
+    items: tuple[tuple[str, Any], ...]
+
+
+def named(x: Any, depth: int = 0) -> Any:
+    """`state.describe(x)` with each value named: a tuple (an `Optimizer`) as `((field, node), ...)`
+    in a list, a function as `NamedFn` (its closure variables' names from `co_freevars`), anything
+    else as `describe` writes it. The values kept are `describe`'s (`described_cells`), so
+    `unnamed` of it is `describe(x)` (`checkpoint._other_optimizer` checks)."""
+    if isinstance(x, tuple):
+        names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
+        return [(n, named(v, depth)) for n, v in zip(names, x)]
+    if not callable(x):
+        return describe(x)
+    items = [(name, named(v, depth + 1) if callable(v) else repr(v)) for name, v in described_cells(x, depth)]
+    return NamedFn(getattr(x, "__qualname__", type(x).__qualname__), tuple(items))
+
+
+def unnamed(node: Any) -> Any:
+    if isinstance(node, NamedFn):
+        return [node.qualname, [unnamed(v) for _, v in node.items]]
+    if isinstance(node, list):
+        return [unnamed(v) for _, v in node]
+    return node
+
+
+def setting_name(where: tuple[str, ...]) -> str:
+    if where[:1] == ("lr",):
+        rest = [w for w in where[1:] if w != "value"]
+        return "lr" + (f" (schedule {'.'.join(rest)})" if rest else "")
+    return where[-1] if where else "optimizer"
+
+
 def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -> None:
     """Raise on every rank unless every rank passed the same settings (`fzero.init`'s: stage,
     optimizer, buckets: units and groups, align, sync; or a `train_step`'s), naming the first that
@@ -508,13 +546,32 @@ def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -
     mine = torch.tensor([settings_crc(settings[k]) for k in names], dtype=torch.int64, device=mesh.device)
     table = all_gather(mine, mesh, tag=f"{what}/settings").view(n, len(names))
     differ = (table != table[:1]).any(dim=0).nonzero().flatten().tolist()
-    if differ:
-        name = names[differ[0]]
-        ranks = [r for r in range(n) if table[r, differ[0]] != table[0, differ[0]]]
-        shown, listed = repr(settings[name]), " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
-        raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name!r} on rank {mesh.rank} is "
-                          f"{shown[:200]}, and rank(s) {ranks} differ from rank 0; every rank must pass the same "
-                          f"{listed}")
+    if differ:  # every rank has the same table, so every rank is here: the values in words
+        col, name = differ[0], names[differ[0]]
+        ranks = [r for r in range(n) if table[r, col] != table[0, col]]
+        value = settings[name]
+        mine = json.dumps(flat_settings(value) if name == "optimizer" else [[name, repr(value)[:300]]])  # `named`
+        rows = [dict(map(tuple, json.loads(t))) for t in gather_texts(mesh, mine, f"{what}/settings/{name}")]
+        shown = [f"{k}: " + ", ".join(f"rank {r} {rows[r].get(k, '(none)')}" for r in [0, *ranks])
+                 for k in dict.fromkeys([*rows[0], *(k for r in ranks for k in rows[r])])
+                 if any(rows[r].get(k) != rows[0].get(k) for r in ranks)]
+        listed = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+        raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name!r}, rank(s) {ranks} differ "
+                          f"from rank 0: {'; '.join(shown[:6]) or 'in what their descriptions hold'}"
+                          f"{' ...' if len(shown) > 6 else ''}; every rank must pass the same {listed}")
+
+
+def flat_settings(node: Any, where: tuple[str, ...] = ()) -> list[list[str]]:
+    """`[name, value]` of every value a `named` description holds, depth first, named as
+    `setting_name` names it (the lr inside `as_schedule`, else the closure variable or field);
+    each function as `[its name, qualname]` too, so another function differs by its name."""
+    if isinstance(node, NamedFn):
+        where = ("lr",) if node.qualname.startswith("as_schedule.") else where
+        head = [[f"{setting_name(where)} function" if where else "optimizer function", node.qualname]]
+        return head + [kv for name, v in node.items for kv in flat_settings(v, where + (name,))]
+    if isinstance(node, list):
+        return [kv for name, v in node for kv in flat_settings(v, where + (name,))]
+    return [[setting_name(where), str(node)]]
 
 
 def gather(state: ZeroState) -> Any:
