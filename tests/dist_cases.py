@@ -208,3 +208,19 @@ def failing_twice(mesh):
             seen.append(type(e).__name__)
     state = fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
     return seen, float(fzero.gather(state)["w"].sum())
+
+
+def gather_beside_a_step(mesh):
+    """Stage 3: both ranks step once, then rank 0 steps again while rank 1 calls `fzero.gather`
+    (the step's forward gathers have the gather's op, dtype, shape and tag). What each got."""
+    state = fzero.init({"a": torch.ones(4), "b": torch.ones(3)}, fzero.optim.sgd(0.1), stage=3, mesh=mesh)
+    step = fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].sum())
+    state, _ = step(state, torch.ones(4))
+    try:
+        if mesh.rank == 0:
+            step(state, torch.ones(4))
+        else:
+            fzero.gather(state)
+        return "returned"
+    except fzero.FzeroError as e:
+        return f"{type(e).__name__}: {e}"

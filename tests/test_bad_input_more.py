@@ -378,3 +378,45 @@ def test_a_param_first_read_under_no_grad_still_trains(stage, engine, mode):
     opt.step()
     for got in mesh.run(rank_fn):
         assert all(torch.equal(got[k], ref[k].detach()) for k in ref), (got, ref)
+
+
+def test_a_batch_passed_whole_with_micro_batches_is_named():
+    """`micro_batches=2` with one batch `(x, y)` reads it as the micro-batches `x` and `y`; before,
+    torch raised inside the loss (a dtype error of cross_entropy), or, where the shapes let it,
+    the loss ran on rows of x. Micro-batches whose tensors differ in dtype at one place are now a
+    `ConfigError`; shapes may differ (a shorter last micro-batch), and so may structures."""
+    mesh = fzero.SimMesh(1)
+    x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+
+    def loss(p, b):
+        if isinstance(b, dict):  # a micro-batch of another structure: fine
+            b = (b["x"], b["y"])
+        return torch.nn.functional.cross_entropy(b[0] @ p["w"], b[1])
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(3, 2)}, optim.sgd(0.1), stage=1, mesh=mesh)
+        step = fzero.train_step(loss, micro_batches=2)
+        with pytest.raises(fzero.ConfigError, match=r"micro-batch 1's tensor #0 is int64\[4\] but micro-batch 0's "
+                                                    r"is float32\[4, 3\].*reads as the micro-batches x and y"):
+            step(state, (x, y))
+        with pytest.raises(fzero.ConfigError, match=r"tensor #1 is float32\[2\] but micro-batch 0's is int64\[4\]"):
+            step(state, [(x, y), (x[:2], y[:2].float())])
+        _, m1 = step(state, [(x, y), (x[:2], y[:2])])
+        _, m2 = step(state, [(x, y), {"x": x[:2], "y": y[:2]}])
+        return float(m1.loss), float(m2.loss)
+
+    a, b = mesh.run(rank_fn)[0]
+    assert a == b
+
+
+def test_gather_on_one_gloo_rank_beside_a_step_on_the_other_is_a_mismatch(dist2):
+    """Before: rank 1's `fzero.gather` paired its all-gathers with rank 0's stage-3 forward
+    gathers (same op, dtype, shape and tag) and returned, and rank 0 was left waiting. The gather's
+    own first collective now mismatches, on both ranks: the stepping rank's forward says it as
+    `DivergentPaths` (a unit gathered on one rank, not the other), the gathering rank as a
+    `CollectiveMismatch`; both name the gather's call."""
+    from . import dist_cases
+
+    step_rank, gather_rank = dist2.run(dist_cases.gather_beside_a_step)
+    assert step_rank.startswith("DivergentPaths") and "tag='fzero.gather'" in step_rank, step_rank
+    assert gather_rank.startswith("CollectiveMismatch") and "tag='fzero.gather'" in gather_rank, gather_rank

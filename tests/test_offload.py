@@ -632,7 +632,7 @@ def test_gather_of_a_stage3_master_all_gathers_each_bucket_once(offload):
     """`fzero.gather` of a stage-3 state that keeps a master shard (a bf16 policy; optimizer
     offload) returns the params and all-gathers each bucket's `N * S` elements once: the stage's
     `enter` gathers the master shard itself (gathering it first, then entering the full buffer,
-    moved N times the bytes)."""
+    moved N times the bytes); besides them, the gather's own 1-element marker."""
     n = 2
     mesh = fzero.SimMesh(n)
     params = {"a": torch.arange(8.0), "b": torch.arange(6.0).reshape(2, 3)}
@@ -647,7 +647,7 @@ def test_gather_of_a_stage3_master_all_gathers_each_bucket_once(offload):
 
     for full, gathers, sizes in mesh.run(rank_fn):
         assert torch.equal(full["a"], params["a"]) and torch.equal(full["b"], params["b"])
-        assert sorted(gathers) == sorted(sizes.items())
+        assert sorted(gathers) == sorted([*sizes.items(), ("fzero.gather", n)])
 
 
 def _cuda_steps(mesh, stage, offload, policy):

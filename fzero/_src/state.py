@@ -577,11 +577,15 @@ def flat_settings(node: Any, where: tuple[str, ...] = ()) -> list[list[str]]:
 def gather(state: ZeroState) -> Any:
     """The full params pytree (original structure and dtypes), on every rank; fresh tensors.
 
-    Where the stage shards params (or keeps a master shard), each bucket is all-gathered, so every
-    rank must call it. The values are the master values, in the params' own dtype.
+    Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so a rank
+    that is in a step meanwhile raises `CollectiveMismatch` on every rank rather than pairing its
+    gathers with this one's); where the stage shards params (or keeps a master shard), each
+    bucket is all-gathered. The values are the master values, in the params' own dtype.
     """
     with checked(state), torch.no_grad():
         layout, mesh = state.layout, state.mesh
+        if mesh.world_size > 1:  # its own tag first: a rank still in a step (whose gathers look alike) mismatches here
+            all_gather(torch.zeros(1, device=mesh.device), mesh, tag="fzero.gather")
         leaves: list[Any] = [None] * len(layout.leaves)
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
             xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b)

@@ -49,7 +49,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -234,7 +234,8 @@ def train_step(
         gradient at peak and stage 3 every gathered unit until backward). See
         `fzero._src.gathering`.
       micro_batches: k; with k > 1, `step(state, batches)` takes a sequence of k micro-batches
-        and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
+        (`[(x0, y0), (x1, y1)]`, not one batch `(x, y)`: micro-batches whose tensors differ in
+        dtype at one place are refused) and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
         (as DDP users write `(loss / k).backward()`).
       accumulate: "each" (every stage: each micro-batch's gradient is reduced as it is made and
         the reduced parts are added, so stages 2-3 keep only an accumulation shard) or "once"
@@ -439,7 +440,30 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
             f"a {type(batch).__name__}")
         raise ConfigError(f"micro_batches={k}: step(state, batches) needs a list or tuple of {k} micro-batches, "
                           f"got {got}")
+    _check_alike(batch)
     return list(batch)
+
+
+def _check_alike(micro: Sequence[Any]) -> None:
+    """Micro-batches of one structure hold tensors of one dtype at each place (shapes may differ:
+    a shorter last micro-batch), else `ConfigError`: what a batch `(x, y)` passed with
+    `micro_batches=2` looks like, read as the two micro-batches `x` and `y`."""
+    first, spec = flatten(micro[0])
+    for i, mb in enumerate(micro[1:], 1):
+        leaves, other = flatten(mb)
+        if other != spec:
+            continue  # micro-batches of other structures (an optional key) are the loss's business
+        for j, (a, b) in enumerate(zip(first, leaves)):
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+                raise ConfigError(
+                    f"micro_batches={len(micro)}: micro-batch {i}'s tensor #{j} is {_shown(b)} but micro-batch "
+                    f"0's is {_shown(a)}; step(state, batches) takes a list of {len(micro)} micro-batches, each "
+                    f"what the loss takes ([(x0, y0), (x1, y1), ...]): a batch (x, y) passed as it is reads as the "
+                    f"micro-batches x and y")
+
+
+def _shown(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
