@@ -231,8 +231,8 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--stage", type=int, choices=LEVELS, help="print this stage only")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of params and grads")
     p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed",
-                   help="default: the ZeRO paper's mixed-precision Adam (K = 12); fzero's train_step runs 'adam' "
-                        "(fp32, K = 8) until it has a precision policy")
+                   help="default: the ZeRO paper's mixed-precision Adam (K = 12: bf16 params beside an fp32 master, as "
+                        "with a bf16 or fp16 fzero.Precision); 'adam': fp32 throughout (K = 8)")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
     p.add_argument("--units-prefix", metavar="PREFIX",
                    help="one unit per child of this container, e.g. transformer.h (module/config only; default: one "

@@ -37,9 +37,10 @@ offload, else the buckets after a device-kept prefix of at most (1 - r) of them,
 proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps where.
 
 The default optimizer is "adam": fp32 params, gradients and Adam moments (K = 8), what fzero's
-`train_step` runs today. The paper's rows use mixed-precision Adam (bf16/fp16 params and
-gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, which fzero will train once
-it has a precision policy.
+`train_step` runs without a precision policy. The paper's rows use mixed-precision Adam (bf16/fp16
+params and gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, the kind of state fzero
+keeps with `fzero.Precision(torch.bfloat16)` (or fp16) and AdamW (bf16 params beside an fp32
+master; its gradients are in the policy's reduce dtype: `grad_dtype`).
 
 Example:
   >>> e = estimate(7.5e9, 64, stage=3, optimizer="adam-mixed")   # the ZeRO paper's Table 1, N = 64

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -551,10 +552,11 @@ def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -
         ranks = [r for r in range(n) if table[r, col] != table[0, col]]
         value = settings[name]
         mine = json.dumps(flat_settings(value) if name == "optimizer" else [[name, repr(value)[:300]]])  # `named`
-        rows = [dict(map(tuple, json.loads(t))) for t in gather_texts(mesh, mine, f"{what}/settings/{name}")]
-        shown = [f"{k}: " + ", ".join(f"rank {r} {rows[r].get(k, '(none)')}" for r in [0, *ranks])
-                 for k in dict.fromkeys([*rows[0], *(k for r in ranks for k in rows[r])])
-                 if any(rows[r].get(k) != rows[0].get(k) for r in ranks)]
+        rows = [_numbered(json.loads(t)) for t in gather_texts(mesh, mine, f"{what}/settings/{name}")]
+        shown = list(dict.fromkeys(  # one line per differing name and values (the lr sits in several closures)
+            f"{_REPEAT.sub('', k)}: " + ", ".join(f"rank {r} {rows[r].get(k, '(none)')}" for r in [0, *ranks])
+            for k in dict.fromkeys([*rows[0], *(k for r in ranks for k in rows[r])])
+            if any(rows[r].get(k) != rows[0].get(k) for r in ranks)))
         listed = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
         raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name!r}, rank(s) {ranks} differ "
                           f"from rank 0: {'; '.join(shown[:6]) or 'in what their descriptions hold'}"
@@ -574,12 +576,28 @@ def flat_settings(node: Any, where: tuple[str, ...] = ()) -> list[list[str]]:
     return [[setting_name(where), str(node)]]
 
 
+_REPEAT = re.compile(r" \(\d+\)$")  # the " (k)" `_numbered` adds to a name's k-th repeat
+
+
+def _numbered(pairs: list[list[str]]) -> dict[str, str]:
+    """`{name: value}` of `flat_settings`' pairs, a name's k-th repeat as "name (k)" (two closures
+    may each hold a `beta1`), so that every occurrence is compared with its counterpart."""
+    out: dict[str, str] = {}
+    for k, v in pairs:
+        key, i = k, 1
+        while key in out:
+            i += 1
+            key = f"{k} ({i})"
+        out[key] = v
+    return out
+
+
 def gather(state: ZeroState) -> Any:
     """The full params pytree (original structure and dtypes), on every rank; fresh tensors.
 
-    Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so a rank
-    that is in a step meanwhile raises `CollectiveMismatch` on every rank rather than pairing its
-    gathers with this one's); where the stage shards params (or keeps a master shard), each
+    Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so where a
+    rank is in a step meanwhile both raise, `CollectiveMismatch` here and `DivergentPaths` or
+    `CollectiveMismatch` in the step, rather than pair the step's gathers with this one's); where the stage shards params (or keeps a master shard), each
     bucket is all-gathered. The values are the master values, in the params' own dtype.
     """
     with checked(state), torch.no_grad():
