@@ -176,3 +176,110 @@ def test_the_shared_settings_are_plain_values_and_equal_numbers_agree():
     assert all(isinstance(v, (str, int, float, bool, type(None), torch.dtype)) for v in config.shared.values())
     prints = {fzero.train_step(_loss, clip_norm=c).config.fingerprint for c in (1, 1.0, np.float64(1.0))}
     assert len(prints) == 1
+
+
+def _peak_of(peak, step):
+    return peak * 0.5 ** step
+
+
+class _Halving:
+    """A schedule object: `init` describes its class, not its `peak`."""
+
+    def __init__(self, peak):
+        self.peak = peak
+
+    def __call__(self, step):
+        return self.peak * 0.5 ** step
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("kind", ["partial", "object"])
+def test_lr_schedules_init_cannot_tell_apart_raise_at_the_first_step_they_differ(stage, kind):
+    """Rank 1's schedule differs only in a `functools.partial`'s argument or a callable object's
+    attribute, which `init` does not describe: `init` passes, and the first step raises
+    `ConfigError` on every rank naming each rank's lr, the state left as it was."""
+    import functools
+
+    def schedule(peak):
+        return functools.partial(_peak_of, peak) if kind == "partial" else _Halving(peak)
+
+    def run(mesh):
+        state = fzero.init(_params(), optim.sgd(schedule(0.1 if mesh.rank == 0 else 0.2)), stage=stage, mesh=mesh)
+        try:
+            fzero.train_step(_loss)(state, torch.ones(4))
+        finally:
+            assert all(torch.equal(v, _params()[k]) for k, v in fzero.gather(state).items())
+
+    errors = _errors(run)
+    for e in errors:
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "step 0: the optimizer's lr differs across ranks (rank 0: 0.1, rank 1: 0.2" in str(e), str(e)
+
+
+@pytest.mark.parametrize("impl", ["single", "fused"])
+def test_lr_sequences_that_part_at_a_later_step_stop_that_step_and_keep_the_state(impl):
+    """Sequences equal for two steps and different at the third: two steps run (the same bits
+    on both ranks), the third raises on every rank and its donating update, launched before the
+    agreement's read (`impl="fused"`: its kernels take the skip flag), is skipped on the device."""
+    import functools
+
+    def lrs(rank):
+        return functools.partial(_at, (0.1, 0.05, 0.02 if rank == 0 else 0.03))
+
+    finals, seconds = {}, {}
+    params = {"w": torch.arange(1.0, 5.0), "b": torch.linspace(-1.0, 1.0, 4)}  # fused on the CPU: whole leaves
+
+    def run(mesh):
+        state = fzero.init(params, optim.adamw(lrs(mesh.rank), impl=impl), stage=0, mesh=mesh)
+        step = fzero.train_step(_loss, donate=True)
+        for _ in range(2):
+            state, _ = step(state, torch.ones(4))
+        seconds[mesh.rank] = fzero.gather(state)
+        try:
+            step(state, torch.ones(4))
+        finally:
+            finals[mesh.rank] = fzero.gather(state)  # not consumed: the step raised before its update
+
+    errors = _errors(run)
+    for e in errors:
+        assert isinstance(e, fzero.ConfigError) and "step 2: the optimizer's lr differs" in str(e), repr(e)
+        assert "rank 0: 0.02, rank 1: 0.03" in str(e), str(e)
+    for r in range(N):
+        for k in seconds[0]:
+            assert torch.equal(finals[r][k], seconds[0][k]) and torch.equal(seconds[r][k], seconds[0][k]), (r, k)
+        assert not torch.equal(seconds[r]["w"], params["w"])
+
+
+def _at(values, step):
+    return values[step]
+
+
+def test_the_optimizers_lr_field_is_not_part_of_its_description():
+    """`Optimizer.lr` (what the agreement reads) is left out of `describe`: the update's closure
+    holds the same schedule, and descriptions (stored in checkpoints) stay those of the six
+    fields before it."""
+    from fzero._src.state import describe
+
+    for opt in (optim.sgd(0.1, momentum=0.9), optim.adamw(0.1), optim.lamb(0.1), optim.adafactor(0.1)):
+        assert opt.lr(3) == 0.1
+        assert describe(opt) == describe(tuple(opt)[:6])
+
+
+def test_a_schedule_that_raises_on_one_rank_only_is_named_on_every_rank():
+    """Rank 0's lr values end after one step, rank 1's go on: at step 1 both raise
+    `ConfigError` saying rank 0's schedule raised (where every rank's raises, the update raises
+    the schedule's own error, after the verdict: `test_host.py::
+    test_a_prepare_that_raises_raises_after_the_verdict`)."""
+
+    def run(mesh):
+        import functools
+
+        lr = functools.partial(_at, (0.1,) if mesh.rank == 0 else (0.1, 0.05))  # init sees no values
+        state = fzero.init(_params(), optim.sgd(lr), stage=2, mesh=mesh)
+        step = fzero.train_step(_loss)
+        state, _ = step(state, torch.ones(4))
+        step(state, torch.ones(4))
+
+    for e in _errors(run):
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "step 1: the optimizer's lr differs across ranks (rank 0: its schedule raised, rank 1: 0.05" in str(e)

@@ -471,10 +471,11 @@ def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
     the plain values (numbers, strings, bools) its closures hold, for comparing settings across
     ranks. Two optimizers that print alike behave alike; the converse is not claimed: what a
     function holds otherwise -- a `functools.partial`'s arguments, a callable object's attributes,
-    a dict or a global it reads -- is not described (docs/bad-input.md, "What fzero does not
-    compare"). `checkpoint._named` follows the same rule."""
+    a dict or a global it reads -- is not described (an lr schedule's values are compared by
+    each step instead: `Optimizer.lr`, docs/bad-input.md row 54). `checkpoint._named` follows
+    the same rule."""
     if isinstance(fn_or_tuple, tuple):
-        return tuple(describe(f, depth) for f in fn_or_tuple)
+        return tuple(describe(f, depth) for _, f in _described_fields(fn_or_tuple))
     if not callable(fn_or_tuple):
         return repr(fn_or_tuple) if isinstance(fn_or_tuple, (int, float, str, bool, type(None))) else type(
             fn_or_tuple).__qualname__
@@ -499,6 +500,14 @@ def described_cells(fn: Callable, depth: int) -> list[tuple[str, Any]]:
     return kept
 
 
+def _described_fields(x: tuple) -> list[tuple[str, Any]]:
+    """`(field name or index, value)` of each entry of a tuple that describes it: an `Optimizer`'s
+    fields but `lr`, the schedule its update's closure holds already (described there; left out
+    so that descriptions, and the checkpoints that store them, are those of before the field)."""
+    names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
+    return [(n, v) for n, v in zip(names, x) if not (isinstance(x, Optimizer) and n == "lr")]
+
+
 class NamedFn(NamedTuple):
     """A function as `describe` sees it, with names: its qualname and, per closure value
     `describe` keeps, `(variable name, value)` (a repr, or a nested `NamedFn`)."""
@@ -513,8 +522,7 @@ def named(x: Any, depth: int = 0) -> Any:
     else as `describe` writes it. The values kept are `describe`'s (`described_cells`), so
     `unnamed` of it is `describe(x)` (`checkpoint._other_optimizer` checks)."""
     if isinstance(x, tuple):
-        names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
-        return [(n, named(v, depth)) for n, v in zip(names, x)]
+        return [(n, named(v, depth)) for n, v in _described_fields(x)]
     if not callable(x):
         return describe(x)
     items = [(name, named(v, depth + 1) if callable(v) else repr(v)) for name, v in described_cells(x, depth)]

@@ -445,16 +445,17 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
 
 
 def _check_alike(micro: Sequence[Any]) -> None:
-    """Micro-batches of one structure hold tensors of one dtype at each place (shapes may differ:
-    a shorter last micro-batch), else `ConfigError`: what a batch `(x, y)` passed with
-    `micro_batches=2` looks like, read as the two micro-batches `x` and `y`."""
+    """Micro-batches of one structure hold tensors of one dtype and one number of dimensions at
+    each place (the sizes may differ: a shorter last micro-batch, another sequence length), else
+    `ConfigError`: what a batch `(x, y)` passed with `micro_batches=2` looks like, read as the two
+    micro-batches `x` and `y` (targets of x's dtype, a float regression's, have fewer dimensions)."""
     first, spec = flatten(micro[0])
     for i, mb in enumerate(micro[1:], 1):
         leaves, other = flatten(mb)
         if other != spec:
             continue  # micro-batches of other structures (an optional key) are the loss's business
         for j, (a, b) in enumerate(zip(first, leaves)):
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.dtype, a.dim()) != (b.dtype, b.dim()):
                 raise ConfigError(
                     f"micro_batches={len(micro)}: micro-batch {i}'s tensor #{j} is {_shown(b)} but micro-batch "
                     f"0's is {_shown(a)}; step(state, batches) takes a list of {len(micro)} micro-batches, each "
@@ -927,8 +928,8 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 
 class Row(NamedTuple):
     """The columns of `agreement`'s row, `[loss, used[L], bad[B], ‖g_shard‖², count, broken,
-    settings, step, serial]`, for L leaves and B buckets: loss at 0, used at `1 : 1 + L`, bad at
-    `1 + L : sq`, then one column each."""
+    settings, step, serial, lr]`, for L leaves and B buckets: loss at 0, used at `1 : 1 + L`, bad
+    at `1 + L : sq`, then one column each."""
 
     sq: int
     tokens: int
@@ -936,24 +937,26 @@ class Row(NamedTuple):
     settings: int
     step: int
     serial: int
+    lr: int
     width: int
 
     @staticmethod
     def of(num: int, nb: int) -> "Row":
         sq = 1 + num + nb
-        return Row(*range(sq, sq + 7))
+        return Row(*range(sq, sq + 8))
 
 
 def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
               count: torch.Tensor, norms: EarlyNorms | None, settings: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The one agreement collective: `(rows[N, L + B + 7], the rank's gradient shards)`, the rows
-    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken, settings, step, serial]` (float64,
+    """The one agreement collective: `(rows[N, L + B + 8], the rank's gradient shards)`, the rows
+    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken, settings, step, serial, lr]` (float64,
     `Row`) from every rank, gathered on the device and not read yet: `agree` reads them on the
     host (the step's one host synchronisation), and what the host can do before that read runs
     before it (`prepare`). `settings` is the fingerprint of the step's settings
-    (`StepConfig.fingerprint`), `step` the state's step counter and `serial` which `init` made it
-    (`StateInfo.serial`): ranks whose steps differ in any raise `ConfigError` on every rank,
-    before anything is updated (`_check_same_steps`).
+    (`StepConfig.fingerprint`), `step` the state's step counter, `serial` which `init` made it
+    (`StateInfo.serial`) and `lr` the optimizer's lr at this step (`scheduled_lr`, exact in
+    float64): ranks whose steps differ in any raise `ConfigError` on every rank, before anything
+    is updated (`_check_same_steps`).
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
@@ -975,7 +978,7 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
-    checks = torch.tensor([settings, int(state.step), state.info.serial], dtype=torch.float64)
+    checks = torch.tensor([settings, int(state.step), state.info.serial, scheduled_lr(state)], dtype=torch.float64)
     # one copy to the device
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1), checks])
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
@@ -984,6 +987,20 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     row = torch.cat([loss.to(device=dev, dtype=torch.float64).reshape(1), host[:num],
                      report.bad.to(dev, torch.float64), sq.reshape(1), host[num : num + 1], broken, host[num + 1 :]])
     return all_gather(row, mesh, tag="fzero.step/agree").view(n, Row.of(num, nb).width), shards
+
+
+def scheduled_lr(state: ZeroState) -> float:
+    """The optimizer's lr at the state's step (`Optimizer.lr`), before any group's `lr_scale`
+    (which `init` compares); 0.0 for an optimizer that does not say (`lr=None`); -1.0 where the
+    schedule raises at this step (its values are >= 0, `as_schedule`): the update raises it again
+    after the verdict, unless the step is skipped (a skipped step reads no lr, as torch's)."""
+    schedule = state.optimizer.lr
+    if schedule is None:
+        return 0.0
+    try:
+        return schedule(int(state.step))
+    except Exception:  # noqa: BLE001 -- raised again by the update, where there is one
+        return -1.0
 
 
 def agree(config: StepConfig, state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor],
@@ -1130,7 +1147,9 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
     """Raise `ConfigError` on every rank (all read the same rows) where the ranks' steps differ in
     their settings (`StepConfig.shared`; one more all-gather, of each setting's fingerprint, names
     the first that differs: `state.check_same_settings`), in the `init` that made their states
-    (`StateInfo.serial`) or in their state's step counter (a rank that stepped an older state)."""
+    (`StateInfo.serial`), in their state's step counter (a rank that stepped an older state) or
+    in their optimizer's lr at this step (schedules `init` could not tell apart: a
+    `functools.partial`'s arguments, a callable object's attributes)."""
     if any(r[c.settings] != rows[0][c.settings] for r in rows):
         check_same_settings(state.mesh, "fzero.train_step", **config.shared)
         raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
@@ -1144,6 +1163,13 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
             said = ", ".join(f"rank {r}: " + what.format(v) for r, v in enumerate(values))
             raise ConfigError(f"ranks stepped different states ({said}; world size {len(values)}): every rank must "
                               f"step {fix}. Nothing was updated")
+    lrs = [r[c.lr] for r in rows]
+    if any(v != lrs[0] for v in lrs):
+        said = ", ".join(f"rank {r}: " + ("its schedule raised" if v < 0 else repr(v)) for r, v in enumerate(lrs))
+        raise ConfigError(f"step {int(state.step)}: the optimizer's lr differs across ranks ({said}; world size "
+                          f"{len(lrs)}): every rank must pass the same lr schedule (fzero.init compares the values "
+                          f"a schedule's closure holds, not a functools.partial's arguments or a callable object's "
+                          f"attributes). Nothing was updated")
 
 
 def _check_some_leaf_used(state: ZeroState, verdict: Verdict) -> None:

@@ -197,7 +197,7 @@ def adafactor(
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
         return AdafactorState(step_t, rows, cols, state.v)
 
-    return in_place(init, update_, spec, shaped=True)
+    return in_place(init, update_, spec, shaped=True, lr=schedule)
 
 
 def _summed(ctx: UpdateContext, partial: torch.Tensor) -> torch.Tensor:

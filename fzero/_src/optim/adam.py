@@ -97,7 +97,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
 
         return Launch(run, check, skips=how == "fused")
 
-    return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_)
+    return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_, lr=schedule)
 
 
 # The three kernels take per-piece lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs

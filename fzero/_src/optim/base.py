@@ -128,6 +128,12 @@ class Optimizer(NamedTuple):
         the same bits and with 1 writes nothing. `None` where the optimizer has no such form (the
         step then calls `update_`). `_replace(update_=...)` without a `prepare_` drops it (a
         wrapper of `update_` must not launch the old kernels).
+      lr: the `step -> lr` schedule the update reads (`as_schedule`'s), or None where it is not
+        known. The step carries `lr(step)` in its agreement row, so ranks whose schedules give
+        different values at a step raise `ConfigError` on every rank before anything is updated
+        (`fzero.init` compares only what the update's closures hold: not a `functools.partial`'s
+        arguments or a callable object's attributes). Not part of the optimizer's description
+        (`state.describe`): the update's closure holds the same schedule.
 
     Frozen buckets have no state and are never updated: `update` / `update_` on a group with
     `frozen=True` raise `OptimizerError` (`check_shards`).
@@ -139,6 +145,7 @@ class Optimizer(NamedTuple):
     update_: Callable[[torch.Tensor, Any, torch.Tensor, UpdateContext], Any] | None = None
     shaped: bool = False
     prepare_: Callable[[Any, torch.Tensor, UpdateContext], Launch] | None = None
+    lr: Schedule | None = None
 
 
 _fields_replaced = Optimizer._replace
@@ -177,10 +184,10 @@ def pure(update_: Callable, spec: Callable) -> Callable:
 
 
 def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = False,
-             prepare_: Callable | None = None) -> Optimizer:
-    """`Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_)`: both forms from the
-    in-place one."""
-    return Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_)
+             prepare_: Callable | None = None, lr: Schedule | None = None) -> Optimizer:
+    """`Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_, lr)`: both forms from
+    the in-place one."""
+    return Optimizer(init, pure(update_, spec), spec, update_, shaped, prepare_, lr)
 
 
 def two_phase(name: str, prepare_: Callable) -> Callable:

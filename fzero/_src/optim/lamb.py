@@ -108,7 +108,7 @@ def lamb(
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
         return LambState(step_t, m, v)
 
-    return in_place(init, update_, spec)
+    return in_place(init, update_, spec, lr=schedule)
 
 
 def trust_ratio(param_norm: float, update_norm: float) -> float:

@@ -138,7 +138,7 @@ def sgd(
 
         return Launch(run, check, skips=how == "fused")
 
-    return in_place(init, two_phase("sgd", prepare_), spec, prepare_=prepare_)
+    return in_place(init, two_phase("sgd", prepare_), spec, prepare_=prepare_, lr=schedule)
 
 
 # The three kernels take per-piece lists (params, grads, momentum buffers ([] without momentum))
