@@ -130,7 +130,8 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
 
 def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     """Stage 3, engine="autograd", gather="on_use": a block's gathered parameters are freed after
-    its forward and gathered again when backward reaches it. The census covers the forward (its
+    its forward and gathered again when backward reaches it, but the forward's last, which stays
+    gathered for its backward (the next thing the step runs). The census covers the forward (its
     peak is read at the first reduce-scatter, the start of backward): eager gathering holds all
     K units' parameters there, on-use gathering about one. The numbers stay the same bits, and
     the step moves one more all-gather per released unit that backward reads (up to 3Ψ instead
@@ -172,9 +173,9 @@ def test_gather_on_use_releases_each_unit_after_use_and_regathers_in_backward():
     for (pe, le, ge), (pl, ll, gl) in zip(eager, lazy):
         assert torch.equal(le, ll) and all(torch.equal(pe[name], pl[name]) for name in pe)
         # forward gathers every block; backward re-gathers a block only when it reads a tensor saved
-        # from the block's storage: every block but the first, whose input needs no gradient, so
-        # its weight is not saved
-        assert ge == k and gl == 2 * k - 1
+        # from the block's storage and the block was freed: every block but the first, whose input
+        # needs no gradient, so its weight is not saved, and the last, kept from forward to backward
+        assert ge == k and gl == 2 * k - 2
     print(f"forward peak: eager {peak_eager} B, on_use {peak_lazy} B, one unit {unit_bytes} B")
     assert peak_eager >= n * k * unit_bytes  # non-vacuous: eager holds every rank's K gathered units
     assert peak_eager - peak_lazy >= n * (k - 2) * unit_bytes, (peak_eager, peak_lazy, unit_bytes)

@@ -225,3 +225,34 @@ def test_the_default_prefetch_is_one_unit_where_gathers_overlap_compute(dist2):
     sim = fzero.SimMesh(2)
     assert sim.run(lambda: cases.default_prefetch(sim)) == [(False, 0, 2, 0)] * 2
     assert dist2.run(cases.default_prefetch) == [(True, 1, 2, 0)] * 2
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_the_forwards_last_unit_stays_gathered_and_the_next_refill_starts_as_the_forward_ends(k):
+    """Stage 3, N = 2, four blocks: the last block's forward is the forward's last release, and
+    backward starts with it, so it stays gathered (FSDP2 keeps its root's params so; DeepSpeed a
+    param reused within `stage3_max_reuse_distance`): one all-gather of it a step against two of
+    each block before it (and one more each by the `fzero.gather` after the step; the root's unit
+    "default" is gathered for the whole step). With prefetch the refill of block 2, which backward reaches next, is started when
+    the forward ends: before the first reduce-scatter of the step, as when block 3 was refilled
+    and its refill started block 2's; without, only when backward reaches block 2, after block
+    3's gradient is reduced. The bits are stage 0's."""
+    n, d, hidden = 2, 8, (8, 12, 16, 4)
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        with mesh.record() as log:
+            out = cases.train(mesh, 3, d, hidden, steps=1, prefetch=k)
+        return out, [r for r in log if r.rank == mesh.rank and not r.tag.startswith("fzero.")]
+
+    got = mesh.run(rank_fn)
+    want = mesh.run(functools.partial(cases.train, mesh, 0, d, hidden, steps=1))
+    _equal(want, [g for g, _ in got])
+    for _, log in got:
+        gathers = [r.tag.split("/")[0] for r in log if r.op == "all_gather"]
+        assert {u: gathers.count(u) for u in set(gathers)} == {
+            "default": 2, "blocks.0": 3, "blocks.1": 3, "blocks.2": 3, "blocks.3": 2}, gathers
+        ops = [(r.op, r.tag.split("/")[0]) for r in log]
+        refill = [i for i, op in enumerate(ops) if op == ("all_gather", "blocks.2")][1]
+        first_reduce = next(i for i, (op, _) in enumerate(ops) if op == "reduce_scatter")
+        assert (refill < first_reduce) == (k == 1), ops

@@ -31,7 +31,9 @@ reorders units stops every rank with `DivergentPaths` (a `CollectiveMismatch`) n
 each rank gathered or reduced at that point (`same_paths`; "eager" reduces every unit on every
 rank, as DDP with `find_unused_parameters`).
 
-Where units are freed after use, two settings move frees (never values, proofs/stage3.md):
+Where units are freed after use, the forward's last unit released stays gathered for its
+backward, which comes next (`Gathering.release`; FSDP2 keeps its root's params so). Two
+settings move frees (never values, proofs/stage3.md):
 `persist_bytes` keeps units of at most that many gathered bytes for the whole step (no
 backward re-gather), and `max_live_bytes` caps the gathered bytes live at once (kept units are
 freed early to make room; what cannot fit raises).
@@ -167,6 +169,8 @@ class Gathering:
         self.layout, self.mode, self.releasable = layout, mode, releasable
         self.persist_bytes, self.max_live_bytes = persist_bytes, max_live_bytes
         self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
+        self._deferring = False  # inside the loss's forward (`loss`): the latest release waits (`release`)
+        self._deferred: str | None = None  # the unit whose release waits, kept (in `_kept`)
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._casts, self._reads = casts or {}, reads
@@ -188,6 +192,8 @@ class Gathering:
     def read(self, unit: str) -> dict[str, torch.Tensor]:
         """All leaves of `unit` by path, running its Function on the first read this step (and
         gathering it again if it was released)."""
+        if self._deferred is not None and self._deferred != unit:
+            self._release_deferred()
         if unit not in self._leaves:
             if unit not in self._ahead:  # not prefetched (or prefetch is off): gather it now
                 self._make_room(unit)
@@ -231,11 +237,20 @@ class Gathering:
     def release(self, unit: str, force: bool = False) -> None:
         """Free the unit's gathered storage until `refill` (or the next read) gathers it again;
         nothing where the step does not release. A unit of at most `persist_bytes` is kept
-        instead (unless `force`: the cap needs its room)."""
+        instead (unless `force`: the cap needs its room). In the loss's forward the latest unit
+        released waits until another is released or read: the forward's last stays gathered for
+        its backward, which comes next (FSDP2 keeps its root's params from forward to backward,
+        DeepSpeed a param reused within `stage3_max_reuse_distance`), and is freed after it."""
         if not (self.releasable and unit in self._leaves and unit not in self._released and self._storages[unit]):
             return  # (no gathered storage: every bucket reads its held tensor, N = 1)
         if not force and self._programs[unit].gathered_bytes <= self.persist_bytes:
             if unit not in self._kept:
+                self._kept.append(unit)
+            return
+        if not force and self._deferring:
+            if unit != self._deferred:
+                self._release_deferred()
+                self._deferred = unit
                 self._kept.append(unit)
             return
         if unit in self._kept:
@@ -243,6 +258,12 @@ class Gathering:
         for _, storage, _ in self._storages[unit]:
             storage.resize_(0)
         self._released.add(unit)
+
+    def _release_deferred(self) -> None:
+        """Free the unit whose release waits (`release`), unless the cap freed it already."""
+        unit, self._deferred = self._deferred, None
+        if unit is not None and unit in self._kept:
+            self.release(unit, force=True)
 
     @property
     def live(self) -> dict[str, int]:
@@ -403,8 +424,17 @@ class Gathering:
     # -- the loss -----------------------------------------------------------------------------
 
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> torch.Tensor:
-        """`loss_fn(params, batch)` in this step's mode, plus `0 * Σ anchors` (the same bits)."""
-        loss = self.call(loss_fn, batch)
+        """`loss_fn(params, batch)` in this step's mode, plus `0 * Σ anchors` (the same bits). The
+        forward's last released unit stays gathered for the backward (`release`), which starts
+        the refills of the units its backward reaches next now, as a refill would."""
+        self._deferring = self.releasable
+        try:
+            loss = self.call(loss_fn, batch)
+        finally:
+            self._deferring = False
+        last, self._deferred = self._deferred, None  # kept (`_kept`): its backward's `after_backward` frees it
+        if last is not None and self.prefetch:
+            self._prefetch(self._after(last, tuple(reversed(self.gathered))), backward=True)
         _check_loss(loss)
         if not self._anchors:  # the loss read no unit (or there is none)
             return loss
