@@ -5,7 +5,8 @@ r"""Writing a new fzero optimizer: Signum (sign-SGD with momentum) as a pure (in
 
 The recipe: state is a NamedTuple of tensors; `spec` names each field "shard" ([S], sharded like
 the params) or "leaf" ([len(ctx.leaves)], replicated); `update` clones what it changes and
-applies torch ops to the runs of segments whose leaves got a gradient (`fzero.optim.runs`).
+applies torch ops to the runs of segments whose leaves got a gradient (`fzero.optim.runs`);
+`lr=` hands the schedule to the step, which compares its value across ranks each step.
 
 The example checks the shard-wise optimizer against the same rule applied leaf by leaf, on
 N = 3 ranks' shards of a small pytree, one leaf unused.
@@ -47,7 +48,9 @@ def signum(lr=1e-3, beta: float = 0.9) -> fo.Optimizer:
                 p[start:stop].add_(torch.sign(m[start:stop]), alpha=-eta)
         return p, SignumState(m)
 
-    return fo.Optimizer(init, update, spec)
+    # lr=: the schedule, which each train step reads at its step to compare across ranks (a
+    # schedule that differs only in what fzero.init cannot describe stops the step that differs)
+    return fo.Optimizer(init, update, spec, lr=schedule)
 
 
 def main() -> None:
@@ -58,6 +61,7 @@ def main() -> None:
     world = 3
     layout = L.plan(params, world)  # one bucket: leaves b, s, w (flatten order), padded to 3 * S
     opt = signum(0.1)
+    assert opt.lr(0) == 0.1  # the schedule the step compares across ranks
     bucket = layout.buckets[0]
     used = tuple(used_leaf[layout.leaves[i].path] for i in bucket.leaves)
     p_shards = L.shard(layout, L.pack(layout, params))[0]  # (N, S)
