@@ -480,8 +480,8 @@ def _hex(word: int) -> str:
 
 
 def _agree(mesh: Mesh, tag: str, error: BaseException | None, key: Sequence[int] | None, shown: str, *,
-           same: Callable[[list[list[int]]], bool], differ: Callable[[list[list[int]], list[str]], str],
-           failed: Callable[[list[tuple[int, str]]], str]) -> None:
+           failed: Callable[[list[tuple[int, str]]], str], same: Callable[[list[list[int]]], bool] | None = None,
+           differ: Callable[[list[list[int]], list[str]], str] | None = None) -> None:
     """The ranks agree before a checkpoint is written or read: every rank raises, or none does.
 
     One all-gather of `[failed, has key, *key]` per rank: whether this rank's checks raised
@@ -491,18 +491,21 @@ def _agree(mesh: Mesh, tag: str, error: BaseException | None, key: Sequence[int]
     otherwise the ranks exchange `shown` (what each was given) and their errors' text, and raise:
     where the keys differ `CheckpointError(differ(rows, shown per rank))` on every rank (a rank's
     own error added as a note); else a rank that failed its own error, the others
-    `CheckpointError(failed([(rank, its error's text), ...]))`. A rank whose checks raise
+    `CheckpointError(failed([(rank, its error's text), ...]))`. Without `same` (and `differ`)
+    no key is compared: only whether some rank failed. A rank whose checks raise
     something unexpected still reaches the all-gather (its caller catches every `Exception`), so
     no rank waits for it."""
     row = [int(error is not None), int(key is not None), *(list(key) if key is not None else [0] * _KEY)]
     rows = gather_rows(mesh, row, tag)
     keyed = [r[2:] for r in rows if r[1]]
     bad = [s for s, r in enumerate(rows) if r[0]]
-    if not bad and same(keyed):
+    alike = same is None or same(keyed)
+    if not bad and alike:
         return
     texts = gather_texts(mesh, shown + "\0" + ("" if error is None else _error_text(error)), tag)
     given = [t.partition("\0")[0] for t in texts]
-    if not same(keyed):
+    if not alike:
+        assert differ is not None
         out = CheckpointError(differ(rows, given))
         if error is not None:
             out.add_note(f"rank {mesh.rank} also raised {_error_text(error)}")
@@ -713,16 +716,19 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
                                       f"once, or delete it first")
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
-        _agree(mesh, "fzero.checkpoint/save", error, key, shown, same=_same_save,
-               differ=lambda rows, given: (
-                   f"the ranks of {mesh!r} passed different folders or states to checkpoint.save:"
-                   + "".join(f"\n  rank {s}: {given[s]}" for s in range(len(rows)))
-                   + "\nevery rank must save the same step of the same state into the same root, one folder on a "
-                   "file system every rank shares (not a per-rank tempfile.mkdtemp() or timestamp: choose it once "
-                   "and pass it to every rank); nothing was written"),
-               failed=lambda failures: (
-                   f"checkpoint.save into {shown}: {len(failures)} other rank(s) of {mesh!r} refused it; nothing "
-                   f"was written:{_listed(failures)}"))
+
+        def different(rows: list[list[int]], given: list[str]) -> str:
+            return (f"the ranks of {mesh!r} passed different folders or states to checkpoint.save:"
+                    + "".join(f"\n  rank {s}: {given[s]}" for s in range(len(rows)))
+                    + "\nevery rank must save the same step of the same state into the same root, one folder on a "
+                    "file system every rank shares (not a per-rank tempfile.mkdtemp() or timestamp: choose it once "
+                    "and pass it to every rank); nothing was written")
+
+        def refused(failures: list[tuple[int, str]]) -> str:
+            return (f"checkpoint.save into {shown}: {len(failures)} other rank(s) of {mesh!r} refused it; nothing "
+                    f"was written:{_listed(failures)}")
+
+        _agree(mesh, "fzero.checkpoint/save", error, key, shown, failed=refused, same=_same_save, differ=different)
         assert final is not None
         check_pending(state)
         rank, n = state.rank, int(state.step)
@@ -738,15 +744,13 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
                 os.makedirs(tmp)
             except OSError as e:
                 error = e
-        _agree(mesh, "fzero.checkpoint/mkdir", error, None, repr(tmp), same=lambda keys: True,
-               differ=lambda rows, given: "", failed=unusable)
+        _agree(mesh, "fzero.checkpoint/mkdir", error, None, repr(tmp), failed=unusable)
         try:  # the folder exists: every rank checks it sees it
             error = None if _visible(tmp) else CheckpointError(
                 f"rank {rank} of {mesh!r} does not see {tmp!r}, the folder rank 0 created for the checkpoint: "
                 f"root {root!r} must be one folder on a file system every rank shares (the same path on every "
                 f"host), not a folder of each host's own disk")
-            _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), same=lambda keys: True,
-                   differ=lambda rows, given: "", failed=unusable)
+            _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), failed=unusable)
         except BaseException:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -1132,18 +1136,22 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             check_files(path, manifest, only=files_read(metadata, items))
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
-        _agree(mesh, "fzero.checkpoint/checked", error, key, shown, same=_same_checkpoint,
-               differ=lambda rows, given: (
-                   f"the ranks of {mesh!r} passed different checkpoints to checkpoint.load:"
-                   + "".join(f"\n  rank {s}: {given[s]} " + (f"(step {r[2]}, manifest sha256 {_hex(r[3])}...)"
-                                                              if r[1] else "(no manifest read)")
-                             for s, r in enumerate(rows))
-                   + "\nevery rank must load the same checkpoint: choose it once and pass it to every rank (each "
-                   "rank calling fzero.checkpoint.latest(root) while a save runs may pick another step; e.g. choose "
-                   "on rank 0 and send it with torch.distributed.broadcast_object_list); nothing was loaded"),
-               failed=lambda failures: (
-                   f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint unfit; nothing was "
-                   f"loaded:{_listed(failures)}"))
+
+        def different(rows: list[list[int]], given: list[str]) -> str:
+            return (f"the ranks of {mesh!r} passed different checkpoints to checkpoint.load:"
+                    + "".join(f"\n  rank {s}: {given[s]} " + (f"(step {r[2]}, manifest sha256 {_hex(r[3])}...)"
+                                                               if r[1] else "(no manifest read)")
+                              for s, r in enumerate(rows))
+                    + "\nevery rank must load the same checkpoint: choose it once and pass it to every rank (each "
+                    "rank calling fzero.checkpoint.latest(root) while a save runs may pick another step; e.g. choose "
+                    "on rank 0 and send it with torch.distributed.broadcast_object_list); nothing was loaded")
+
+        def unfit(failures: list[tuple[int, str]]) -> str:
+            return (f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint unfit; nothing was "
+                    f"loaded:{_listed(failures)}")
+
+        _agree(mesh, "fzero.checkpoint/checked", error, key, shown, failed=unfit, same=_same_checkpoint,
+               differ=different)
         _dcp_load(path, metadata, w.ranges, items, mesh)
         saved = int(w.scalars["step"])
         if saved != manifest["step"]:  # every rank read the same manifest and the same step: all raise
