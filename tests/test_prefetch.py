@@ -256,3 +256,74 @@ def test_the_forwards_last_unit_stays_gathered_and_the_next_refill_starts_as_the
         refill = [i for i, op in enumerate(ops) if op == ("all_gather", "blocks.2")][1]
         first_reduce = next(i for i, (op, _) in enumerate(ops) if op == "reduce_scatter")
         assert (refill < first_reduce) == (k == 1), ops
+
+
+class _EmbTwice(torch.nn.Module):
+    """An embedding read first (the inputs) and last (the targets: its backward reads no
+    weight), four blocks between."""
+
+    def __init__(self, k=4, d=8, vocab=9):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return ((x - self.emb(tgt)) ** 2).mean()
+
+
+class _ReuseUnused(torch.nn.Module):
+    """Four blocks, then block 0 called again on the output, its result unused (a probe)."""
+
+    def __init__(self, k=4, d=8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+
+    def forward(self, idx, tgt):
+        x = torch.nn.functional.one_hot(idx, 8).float()
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        self.blocks[0](x)
+        return (x - tgt.float()[:, None]).square().mean()
+
+
+@pytest.mark.parametrize("model", [_EmbTwice, _ReuseUnused])
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_last_unit_whose_backward_comes_later_is_freed_at_backwards_first_refill(model, k):
+    """Found in review: the forward's last unit, kept for its backward, stayed gathered through the
+    whole backward where backward reads other units first (an embedding read again last, whose
+    backward reads no weight; a block called again, its output unused), holding two blocks' worth
+    where a refill holds one. It is freed at backward's first refill of another unit (and gathered
+    again if its backward reads it): at each refill the units live are the refilled block and
+    the k prefetched, as before the unit was kept; the bits are stage 0's."""
+    from fzero._src.gathering import Gathering
+
+    torch.manual_seed(0)
+    module = model()
+    units = lambda p: ".".join(p.split(".")[:2]) if p.startswith("blocks") else "emb"  # noqa: E731
+    params, apply, info = fzero.from_module(module, units=units)
+    mesh, seen = fzero.SimMesh(2), []
+    real = Gathering.refill
+
+    def refill(self, unit, backward=False):
+        real(self, unit, backward)
+        if backward:
+            seen.append((unit, dict(self.live)))
+
+    def rank_fn(stage):
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        g = torch.Generator().manual_seed(mesh.rank)
+        batch = (torch.randint(0, 8, (3,), generator=g), torch.randint(0, 8, (3,), generator=g))
+        state, m = fzero.train_step(lambda p, b: apply(p, *b), prefetch=k)(state, batch)
+        return fzero.gather(state), [m.loss]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Gathering, "refill", refill)
+        got = mesh.run(lambda: rank_fn(3))
+    _equal(mesh.run(lambda: rank_fn(0)), got)
+    block = 288  # (8 * 8 + 8) float32, N = 2 divides it
+    assert seen, "backward refilled no unit"
+    for unit, live in seen:
+        assert unit in live and sum(live.values()) <= (1 + k) * block, (unit, live)

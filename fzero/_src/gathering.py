@@ -171,6 +171,7 @@ class Gathering:
         self._kept: list[str] = []  # units whose release was asked but which persist, oldest first
         self._deferring = False  # inside the loss's forward (`loss`): the latest release waits (`release`)
         self._deferred: str | None = None  # the unit whose release waits, kept (in `_kept`)
+        self._last: str | None = None  # the forward's last unit, kept for backward's first refill (`_settle_last`)
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._casts, self._reads = casts or {}, reads
@@ -300,6 +301,8 @@ class Gathering:
         started first. At N = 1, where the gather is the held shard cast to the compute dtype
         (`Mesh.solo`), the cast is written into the storage itself (`_fill`), not into a new
         tensor copied there."""
+        if backward and self._last is not None and (unit == self._last or unit in self._released):
+            self._settle_last(unit)
         if unit not in self._released:
             return
         filled = False
@@ -335,6 +338,17 @@ class Gathering:
                 view.copy_(held)
                 program.stage.enter.start(program.mesh, bucket.wire, view).wait()
         return True
+
+    def _settle_last(self, unit: str) -> None:
+        """At backward's first read of the forward's last unit, kept for it (`loss`), or of a
+        released unit, whichever comes first: the kept unit is in use where the read is its own;
+        else backward gathers another unit first, so the kept one's backward (if any) comes
+        later, and it is freed before that gather, as it was after its forward before it was kept
+        (gathered again if its backward reads it). Reads of units that were never freed (a root
+        unit held for the step) decide nothing."""
+        last, self._last = self._last, None
+        if unit != last and last in self._kept:
+            self.release(last, force=True)
 
     def after_backward(self, unit: str) -> None:
         """Called by the unit's Function when its backward is done: a refill prefetched for it and
@@ -432,7 +446,9 @@ class Gathering:
             loss = self.call(loss_fn, batch)
         finally:
             self._deferring = False
-        last, self._deferred = self._deferred, None  # kept (`_kept`): its backward's `after_backward` frees it
+        # kept (`_kept`) until its backward's `after_backward`, or backward's first refill of another unit
+        last, self._deferred = self._deferred, None
+        self._last = last
         if last is not None and self.prefetch:
             self._prefetch(self._after(last, tuple(reversed(self.gathered))), backward=True)
         _check_loss(loss)
