@@ -461,3 +461,65 @@ def test_refill_at_several_ranks_gathers_into_the_storage_and_changes_no_bit(n, 
         assert got[r][1] == want[r][1] and logs[0] == logs[1]
         assert all(torch.equal(got[r][0][k], want[r][0][k]) for k in want[r][0])
         assert any(got[r][3]) and not any(want[r][3])
+
+
+# -- modules that return their own params ----------------------------------------------------------
+
+
+class _Returns(torch.nn.Module):
+    """A module whose forward returns its param itself (`whole`) or a slice of it (a learned
+    positional embedding, `self.weight[:T]`): a view of the unit's gathered storage."""
+
+    def __init__(self, rows: int, d: int, whole: bool):
+        super().__init__()
+        self.weight, self.whole = torch.nn.Parameter(torch.randn(rows, d)), whole
+
+    def forward(self, t: int):
+        return self.weight if self.whole else self.weight[:t]
+
+
+class _UsesReturned(torch.nn.Module):
+    def __init__(self, d: int = 8, whole: bool = False):
+        super().__init__()
+        self.pos, self.lin, self.out = _Returns(5 if whole else 7, d, whole), torch.nn.Linear(d, d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # x: (B, 5, d)
+        p = self.pos(x.shape[1])
+        h = torch.tanh(self.lin(x))  # another unit read after pos's forward (pos was freed here)
+        h = h * p  # the view read by an elementwise op
+        h = self.lin(p) + h  # and as a module's input
+        return self.out(h).mean(1)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_module_that_returns_its_param_keeps_its_unit_gathered(whole, prefetch, remat):
+    """Found in review (older than the deferred release): stage 3 freed a unit after its module's
+    forward though the module returned its param (or a slice of it), so what read that output
+    next read freed memory (torch's "data is not allocated", or a crash in an elementwise op).
+    Now a unit whose module's output is a view of its gathered storage stays gathered until its
+    backward: stage 3 gives stage 0's bits over two steps, N = 2, with or without prefetch and
+    remat."""
+    d = 8
+    torch.manual_seed(0)
+    model = _UsesReturned(d, whole)
+    params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0], remat=remat)
+    mesh = fzero.SimMesh(2)
+
+    def loss(p, b):
+        return torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])
+
+    def rank_fn(stage):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss, **({"prefetch": prefetch} if stage == 3 else {}))
+        losses = []
+        for t in range(2):
+            g = torch.Generator().manual_seed(10 * t + mesh.rank)
+            state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+            losses.append(m.loss)
+        return fzero.gather(state), losses
+
+    for (p0, l0), (p3, l3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l3))
+        assert all(torch.equal(p0[k], p3[k]) for k in p0)

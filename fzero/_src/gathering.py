@@ -260,6 +260,18 @@ class Gathering:
             storage.resize_(0)
         self._released.add(unit)
 
+    def holds(self, unit: str, out: Any) -> bool:
+        """Whether a tensor of `out` (what a module that read `unit` returned) lies in the unit's
+        gathered storage: a module that returns its param or a view of it (`self.weight[:T]`, a
+        positional embedding) hands the modules after it memory that `release` would free under
+        them (before: torch's "data is not allocated", or a crash reading freed memory)."""
+        ids = {storage._cdata for _, storage, _ in self._storages.get(unit, ())}
+        if not ids or unit in self._released:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
+            return any(unwrapped(t).untyped_storage()._cdata in ids
+                       for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
     def _release_deferred(self) -> None:
         """Free the unit whose release waits (`release`), unless the cap freed it already."""
         unit, self._deferred = self._deferred, None
@@ -639,8 +651,13 @@ class LazyParams(Mapping):
         """All leaves of `unit`, gathering it now if it was not yet."""
         return self._gathering.read(unit)
 
-    def release(self, unit: str) -> None:
-        """Free the unit's gathered storage where the step allows (stage 3, autograd engine)."""
+    def release(self, unit: str, output: Any = None) -> None:
+        """Free the unit's gathered storage where the step allows (stage 3, autograd engine),
+        unless `output` (what the module that read the unit returned) holds a view of it (a
+        module returning its param or a slice of it): then the unit stays gathered until its
+        backward, since what follows reads that view."""
+        if output is not None and self._gathering.holds(unit, output):
+            return
         self._gathering.release(unit)
 
     @property

@@ -406,7 +406,8 @@ class _Skeleton:
                 if bound[k] is binding:
                     del bound[k]
                     break
-            call.params.release(binding.unit)  # frees the gathered copy where the step allows; backward re-gathers
+            call.params.release(binding.unit, _out)  # frees the gathered copy where the step allows (and `_out`
+            # holds no view of it); backward re-gathers
 
     def _forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.call
@@ -430,7 +431,7 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
             binding.unbind()
 
     out = remat_call(forward, {name: leaves[name] for name in binding.names}, args, kwargs)
-    params.release(binding.unit)
+    params.release(binding.unit, out)
     return out
 
 

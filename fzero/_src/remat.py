@@ -125,7 +125,9 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return plan.call(tensors)
+        given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
+        # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
+        return tuple(t.view_as(t) if id(t) in given else t for t in plan.call(tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
