@@ -383,9 +383,10 @@ def test_a_param_first_read_under_no_grad_still_trains(stage, engine, mode):
 def test_a_batch_passed_whole_with_micro_batches_is_named():
     """`micro_batches=2` with one batch `(x, y)` reads it as the micro-batches `x` and `y`; before,
     torch raised inside the loss (a dtype error of cross_entropy), or, where the shapes let it,
-    the loss ran on rows of x. Micro-batches whose tensors differ in dtype or number of dimensions
-    at one place are now a `ConfigError`; sizes may differ (a shorter last micro-batch), and so
-    may structures."""
+    the loss ran on rows of x. Micro-batches whose tensors differ in dtype at one place, or that
+    are bare tensors of different numbers of dimensions, are now a `ConfigError`; sizes may differ
+    (a shorter last micro-batch), and so may structures and, inside them, dimensions (review: an
+    image beside a video is a loss's business)."""
     mesh = fzero.SimMesh(1)
     x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
 
@@ -405,6 +406,9 @@ def test_a_batch_passed_whole_with_micro_batches_is_named():
         with pytest.raises(fzero.ConfigError, match=r"micro-batch 1's tensor #0 is float32\[4\] but micro-batch 0's "
                                                     r"is float32\[4, 3\]"):
             step(state, (x, y.float()))  # a float target: the same dtype, one dimension fewer
+        # structured micro-batches may differ in dimensions (an image, then a video: the loss's business)
+        _, m0 = fzero.train_step(lambda p, b: p["w"].sum() * b["x"].mean(), micro_batches=2)(
+            state, [{"x": torch.ones(2, 4)}, {"x": torch.ones(2, 3, 4)}])
         _, m1 = step(state, [(x, y), (x[:2], y[:2])])
         _, m2 = step(state, [(x, y), {"x": x[:2], "y": y[:2]}])
         return float(m1.loss), float(m2.loss)

@@ -283,3 +283,56 @@ def test_a_schedule_that_raises_on_one_rank_only_is_named_on_every_rank():
     for e in _errors(run):
         assert isinstance(e, fzero.ConfigError), repr(e)
         assert "step 1: the optimizer's lr differs across ranks (rank 0: its schedule raised, rank 1: 0.05" in str(e)
+
+
+def test_a_schedule_object_is_read_once_a_step_and_the_row_compares_what_the_update_applies():
+    """Found in review: the agreement's read of the lr was a second call of the schedule, so an
+    object that moves to its next value on each call was asked twice a step (and once more per
+    bucket: before this session too). `as_schedule` computes each step's value once: two steps
+    over two buckets call it twice, and SGD applies 0.1 then 0.2, torch's values."""
+    calls = []
+
+    class Counting:
+        def __call__(self, step):
+            calls.append(step)
+            return 0.1 * len(calls)
+
+    mesh = fzero.SimMesh(1)
+    params = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0])}
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(Counting()), stage=0, mesh=mesh, units=lambda path: path)
+        step = fzero.train_step(lambda p, x: (p["a"].sum() + p["b"].sum()) * x)
+        for _ in range(2):
+            state, _ = step(state, torch.tensor(1.0))
+        return fzero.gather(state)
+
+    out = mesh.run(rank_fn)[0]
+    assert calls == [0, 1]
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for lr in (0.1, 0.2):
+        opt.param_groups[0]["lr"] = lr
+        opt.zero_grad()
+        w.sum().backward()
+        opt.step()
+    assert torch.equal(out["a"], w.detach())
+
+
+def test_a_hand_made_optimizers_lr_must_be_a_schedule_of_floats():
+    """`Optimizer.lr` a float (not a schedule) is refused by `init`; a schedule that returns
+    something other than a finite float >= 0 stops the step with `ConfigError` (review: before,
+    a bare TypeError from the agreement's row, or a float lr not compared)."""
+    base = optim.sgd(0.1)
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn(lr):
+        state = fzero.init(_params(), base._replace(lr=lr), stage=0, mesh=mesh)
+        fzero.train_step(_loss)(state, torch.ones(4))
+
+    with pytest.raises(fzero.ConfigError, match=r"Optimizer.lr must be None or the schedule step -> lr"):
+        mesh.run(lambda: rank_fn(0.1))
+    with pytest.raises(fzero.ConfigError, match=r"step 0: Optimizer.lr returned str 'fast'; a schedule returns a "
+                                                r"finite float >= 0"):
+        mesh.run(lambda: rank_fn(lambda step: "fast"))
+    mesh.run(lambda: rank_fn(lambda step: 0.1))  # a plain callable of floats is fine

@@ -452,6 +452,9 @@ def _check_optimizer(optimizer: Any) -> None:
             f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}")
         raise ConfigError(f"optimizer must be a fzero.optim optimizer (e.g. fzero.optim.adamw(1e-3)), got {what}; "
                           f"fzero's optimizers update flat shards and are bitwise equal to torch.optim's")
+    if optimizer.lr is not None and not callable(optimizer.lr):
+        raise ConfigError(f"Optimizer.lr must be None or the schedule step -> lr the update reads (e.g. "
+                          f"fzero.optim.as_schedule(0.1)), got {type(optimizer.lr).__name__} {optimizer.lr!r}")
 
 
 def _check_real(params: Any) -> None:

@@ -445,17 +445,20 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
 
 
 def _check_alike(micro: Sequence[Any]) -> None:
-    """Micro-batches of one structure hold tensors of one dtype and one number of dimensions at
-    each place (the sizes may differ: a shorter last micro-batch, another sequence length), else
-    `ConfigError`: what a batch `(x, y)` passed with `micro_batches=2` looks like, read as the two
-    micro-batches `x` and `y` (targets of x's dtype, a float regression's, have fewer dimensions)."""
+    """Micro-batches of one structure hold tensors of one dtype at each place (shapes may differ: a
+    shorter last micro-batch, another sequence length, an image beside a video), and micro-batches
+    that are bare tensors one number of dimensions, else `ConfigError`: what a batch `(x, y)` passed
+    with `micro_batches=2` looks like, read as the two micro-batches `x` and `y` (targets of x's
+    dtype, a float regression's, have fewer dimensions)."""
     first, spec = flatten(micro[0])
+    bare = all(isinstance(mb, torch.Tensor) for mb in micro)
     for i, mb in enumerate(micro[1:], 1):
         leaves, other = flatten(mb)
         if other != spec:
             continue  # micro-batches of other structures (an optional key) are the loss's business
         for j, (a, b) in enumerate(zip(first, leaves)):
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.dtype, a.dim()) != (b.dtype, b.dim()):
+            if (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and (a.dtype != b.dtype or bare and a.dim() != b.dim())):
                 raise ConfigError(
                     f"micro_batches={len(micro)}: micro-batch {i}'s tensor #{j} is {_shown(b)} but micro-batch "
                     f"0's is {_shown(a)}; step(state, batches) takes a list of {len(micro)} micro-batches, each "
@@ -993,14 +996,19 @@ def scheduled_lr(state: ZeroState) -> float:
     """The optimizer's lr at the state's step (`Optimizer.lr`), before any group's `lr_scale`
     (which `init` compares); 0.0 for an optimizer that does not say (`lr=None`); -1.0 where the
     schedule raises at this step (its values are >= 0, `as_schedule`): the update raises it again
-    after the verdict, unless the step is skipped (a skipped step reads no lr, as torch's)."""
-    schedule = state.optimizer.lr
+    after the verdict, unless the step is skipped (a skipped step reads no lr, as torch's).
+    `as_schedule`'s schedules compute each step's value once (the update reads the same)."""
+    schedule, step = state.optimizer.lr, int(state.step)
     if schedule is None:
         return 0.0
     try:
-        return schedule(int(state.step))
+        value = schedule(step)
     except Exception:  # noqa: BLE001 -- raised again by the update, where there is one
         return -1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"step {step}: Optimizer.lr returned {type(value).__name__} {value!r}; a schedule returns "
+                          f"a finite float >= 0 (fzero.optim.as_schedule checks one)")
+    return float(value)
 
 
 def agree(config: StepConfig, state: ZeroState, rows: torch.Tensor, shards: list[torch.Tensor],

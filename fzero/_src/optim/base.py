@@ -245,7 +245,9 @@ def as_schedule(lr: LearningRate) -> Schedule:
     """A float, a callable `step -> float` or a sequence of per-step floats, as `step -> float`.
 
     The value is checked (finite, >= 0) each time it is read, so a schedule that goes negative
-    fails at the step where it does, naming the step.
+    fails at the step where it does, naming the step. A callable is called once per step (the
+    step's agreement and every bucket's update read that value), so an object that moves on at
+    each call moves once a step, as a torch scheduler's `step()` does.
     """
     if isinstance(lr, (int, float)) and not isinstance(lr, bool):
         value = check_hyper("lr", lr)
@@ -267,11 +269,20 @@ def as_schedule(lr: LearningRate) -> Schedule:
     else:
         raise OptimizerError(f"lr must be a float, a callable step -> float or a sequence of floats, got {lr!r}")
 
+    memo: list = [(None, None)]  # [(step, its value)]: each step's value computed once (the step's
+    # agreement and every bucket's update read it; a schedule object that counts its calls counts
+    # steps). A list: `state.describe` leaves it out, so descriptions do not change as steps run
+
     def checked(step: int) -> float:
+        at, value = memo[0]
+        if at == step:
+            return value
         value = fn(step)
         if isinstance(value, torch.Tensor):
             raise OptimizerError(f"the lr schedule returned a tensor at step {step}; return a Python float")
-        return check_hyper(f"lr at step {step}", value)
+        value = check_hyper(f"lr at step {step}", value)
+        memo[0] = (step, value)
+        return value
 
     return checked
 
