@@ -170,3 +170,49 @@ def test_apply_eval_switches_dropout_and_batchnorm_off_in_every_copy(stage):
     assert int(info.buffers["1.num_batches_tracked"]) == tracked + 1
     with pytest.raises(fzero.ConfigError, match="mode must be a bool"):
         apply.train("no")
+
+
+class _ParentReadsChild(torch.nn.Module):
+    """A parent that reads a child's weight outside the child's forward: a tied head
+    (`F.linear(h, self.emb.weight[:3])`), or its device for new indices."""
+
+    def __init__(self, how: str, d: int = 8):
+        super().__init__()
+        self.how, self.emb, self.mid = how, torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.emb(x))))
+        assert self.emb.weight.dtype == torch.float32 and self.emb.weight.shape == (8, 8)  # metadata: fine
+        if self.how == "device":
+            h = h + torch.arange(8, device=self.emb.weight.device)
+        w = self.emb.weight[:3] if self.how == "head" else self.mid.weight[:3].detach() * 0
+        return torch.nn.functional.linear(h, w).mean(0) + self.b
+
+
+@pytest.mark.parametrize("how", ["head", "device"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parent_reading_a_childs_param_outside_its_forward_is_a_config_error(how, stage):
+    """Found in review: with gather="on_use" a unit is bound only while its home submodule runs,
+    so a parent reading the child's weight got the meta stand-in, and torch's CPU matrix product
+    over a meta operand returned uninitialised memory: a silently wrong loss at every stage (a
+    device read gave meta indices). Now every use but reading its dtype or shape raises
+    `ConfigError` naming the parameter and its unit; `gather="eager"` binds every unit and gives
+    stage 0's bits at stage 3."""
+    torch.manual_seed(0)
+    model = _ParentReadsChild(how)
+    params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0])
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(stage, gather):
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(mesh.rank))
+        state, m = fzero.train_step(lambda p, x: apply(p, x).square().mean(), gather=gather)(state, x)
+        return fzero.gather(state), m.loss
+
+    with pytest.raises(fzero.ConfigError, match=r"parameter 'emb.weight' \(unit 'emb'\) was used \((__getitem__|"
+                                                r"\.device)\) outside the forward of the submodule"):
+        mesh.run(lambda: rank_fn(stage, "on_use"))
+    want, got = mesh.run(lambda: rank_fn(0, "eager")), mesh.run(lambda: rank_fn(stage, "eager"))
+    for (p0, l0), (p1, l1) in zip(want, got):
+        assert torch.equal(l0, l1) and all(torch.equal(p0[k], p1[k]) for k in p0)

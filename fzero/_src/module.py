@@ -134,7 +134,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     _check_units(params, units)
     remat_units = _remat_units(module, aliases, units, remat)
-    placeholders = {id(p): nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+    placeholders = {id(p): _Unbound(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     for p in module.parameters()}
     skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
@@ -244,6 +244,44 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+_RUNNING = threading.local()  # `.unbound`: {id(placeholder): (alias, unit)} of the call running on this thread
+_METADATA = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__,
+                       torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.size,
+                       torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+                       torch.Tensor.is_complex, torch.Tensor.element_size})
+
+
+class _Unbound(nn.Parameter):
+    """A skeleton's stand-in for a parameter its unit has not bound (a meta tensor): while `apply`
+    runs, a torch function on it other than reading its dtype or shape raises `ConfigError`. That
+    is code outside the forward of the submodule the unit is bound in reading the parameter (a
+    parent's tied head `F.linear(h, self.emb.weight)`, `device=self.pos.weight.device`): before,
+    it got the meta tensor, and torch's CPU matrix product over a meta operand returns
+    uninitialised memory, a silently wrong loss (found in review)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unbound = getattr(_RUNNING, "unbound", None)
+        if unbound and func not in _METADATA:
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if id(t) in unbound:
+                    alias, unit = unbound[id(t)]
+                    raise ConfigError(
+                        f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the "
+                        f"forward of the submodule its unit is bound in, where from_module's apply holds a meta "
+                        f"stand-in for it (gather='on_use' binds a unit only while its home submodule runs). Read it "
+                        f"inside that submodule, put it in a unit whose home runs around the read (units=..., e.g. "
+                        f"the parent's), or use train_step(gather='eager')")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})  # as nn.Parameter's
+
+
+def _op_name(func: Any) -> str:
+    """A torch function as a user wrote it: `.device` for an attribute read, else its name."""
+    name = getattr(func, "__name__", repr(func))
+    owner = getattr(func, "__self__", None)
+    return f".{owner.__name__}" if name == "__get__" and hasattr(owner, "__name__") else name
+
+
 class _Binding(NamedTuple):
     """One alias of a parameter in a skeleton copy: the module reads it as `owner._parameters[attr]`;
     `name` is its params name (its distinct leaf), `placeholder` the skeleton's meta Parameter
@@ -289,6 +327,7 @@ class _Plan(NamedTuple):
     root: tuple[_UnitBinding, ...]
     hooked: dict[nn.Module, tuple[_UnitBinding, ...]]
     checkpointed: dict[nn.Module, _UnitBinding]
+    unbound: dict[int, tuple[str, str]]  # id(placeholder) -> (alias, unit): what `_Unbound` names
 
 
 def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Mapping[str, str],
@@ -314,7 +353,9 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
             checkpointed[module] = binding
         else:
             hooked.setdefault(module, []).append(binding)
-    return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed)
+    unbound = {id(b.placeholder): (f"{b.name}", u.unit) for u in (*root, *(x for us in hooked.values() for x in us),
+                                                                   *checkpointed.values()) for b in u.bindings}
+    return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed, unbound)
 
 
 def _binding(skeleton: nn.Module, alias: str, name: str) -> _Binding:
@@ -376,7 +417,11 @@ class _Skeleton:
                 binding.bind(params.unit(binding.unit))
                 roots.append(binding)  # bound: put back below, also where a later root unit's read raises
             self.call = _Call(params, plan, [])
-            return self.module(*args, **kwargs)
+            outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), plan.unbound
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                _RUNNING.unbound = outer
         finally:
             call, self.call = self.call, None
             bound = call.bound if call is not None else []
