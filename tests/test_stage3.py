@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -523,3 +525,73 @@ def test_a_module_that_returns_its_param_keeps_its_unit_gathered(whole, prefetch
     for (p0, l0), (p3, l3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
         assert all(torch.equal(a, b) for a, b in zip(l0, l3))
         assert all(torch.equal(p0[k], p3[k]) for k in p0)
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+    pos: torch.Tensor
+
+
+class _PosTwice(torch.nn.Module):
+    """Returns a slice of its weight when called without input, a product with it otherwise."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(9, d))
+
+    def forward(self, x=None, t=None):
+        return self.weight[:t] if x is None else x @ self.weight[: x.shape[-1]].T
+
+
+class _PosInDataclass(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(7, d))
+
+    def forward(self, x):
+        return _Out(x, self.weight[: x.shape[1]])
+
+
+class _ReturnsLater(torch.nn.Module):
+    """`twice`: the view-returning unit called again with a plain output before the view is read;
+    else its view comes inside a dataclass (which torch's pytree does not open)."""
+
+    def __init__(self, twice: bool, d: int = 8):
+        super().__init__()
+        self.twice = twice
+        self.pos = _PosTwice(d) if twice else _PosInDataclass(d)
+        self.mid, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        if self.twice:
+            p = self.pos(t=x.shape[1])
+            h = torch.tanh(self.pos(x))  # the same unit again: a plain output
+        else:
+            o = self.pos(x)
+            h, p = o.h, o.pos
+        h = torch.tanh(self.mid(h))  # another unit read
+        return self.out(h + p).mean(1)
+
+
+@pytest.mark.parametrize("twice", [True, False])
+def test_a_returned_param_view_stays_valid_after_a_second_call_and_inside_a_dataclass(twice):
+    """Found in review of the test above's fix: a unit whose view was returned and then called
+    again with a plain output was freed by the second release; a view inside a dataclass output
+    was not seen. Both freed the storage the view reads (a crash). A unit one output held a view
+    of now stays gathered for the step's forward, and dataclass fields are searched: stage 0's
+    bits at stage 3, N = 2."""
+    d = 8
+    torch.manual_seed(0)
+    params, apply, info = fzero.from_module(_ReturnsLater(twice, d), units=lambda p: p.split(".")[0])
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(stage):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))
+        g = torch.Generator().manual_seed(mesh.rank)
+        state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+        return fzero.gather(state), m.loss
+
+    for (p0, l0), (p3, l3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
+        assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)

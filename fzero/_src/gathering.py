@@ -172,6 +172,7 @@ class Gathering:
         self._deferring = False  # inside the loss's forward (`loss`): the latest release waits (`release`)
         self._deferred: str | None = None  # the unit whose release waits, kept (in `_kept`)
         self._last: str | None = None  # the forward's last unit, kept for backward's first refill (`_settle_last`)
+        self._pinned: set[str] = set()  # units a module's output holds a view of: not freed before their backward
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._casts, self._reads = casts or {}, reads
@@ -269,8 +270,18 @@ class Gathering:
         if not ids or unit in self._released:
             return False
         with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
-            return any(unwrapped(t).untyped_storage()._cdata in ids
-                       for t in torch_pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return any(unwrapped(t).untyped_storage()._cdata in ids for t in _tensors_in(out))
+
+    def release_used(self, unit: str, out: Any) -> None:
+        """`release` after a module that read `unit` returned `out`, unless `out` holds a view of
+        the unit's storage (`holds`), or an earlier output this step did: such a unit stays
+        gathered until its backward (`after_backward`)."""
+        if unit in self._pinned:
+            return
+        if self.holds(unit, out):
+            self._pinned.add(unit)
+            return
+        self.release(unit)
 
     def _release_deferred(self) -> None:
         """Free the unit whose release waits (`release`), unless the cap freed it already."""
@@ -555,6 +566,17 @@ def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram]) -> int:
     return 1 if programs and programs[0].mesh.asynchronous else 0
 
 
+def _tensors_in(out: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a module's output: torch's pytree leaves, and the fields of dataclasses
+    (which torch's pytree takes for leaves), recursively."""
+    for leaf in torch_pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for f in dataclasses.fields(leaf):
+                yield from _tensors_in(getattr(leaf, f.name))
+
+
 def held_tensor(xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None], b: int) -> torch.Tensor:
     """Bucket b's held tensor as its unit reads it: the full buffer beside its differentiated
     tensor where there is one (`fulls[b]`), else that tensor (`xs[b]`)."""
@@ -656,9 +678,10 @@ class LazyParams(Mapping):
         unless `output` (what the module that read the unit returned) holds a view of it (a
         module returning its param or a slice of it): then the unit stays gathered until its
         backward, since what follows reads that view."""
-        if output is not None and self._gathering.holds(unit, output):
-            return
-        self._gathering.release(unit)
+        if output is None:
+            self._gathering.release(unit)
+        else:
+            self._gathering.release_used(unit, output)
 
     @property
     def gathered(self) -> tuple[str, ...]:
