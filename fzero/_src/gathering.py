@@ -272,10 +272,10 @@ class Gathering:
         with torch._C.DisableTorchFunctionSubclass():  # not a read `Watched` leaves report (cast_ahead)
             return any(unwrapped(t).untyped_storage()._cdata in ids for t in _tensors_in(out))
 
-    def release_used(self, unit: str, out: Any) -> None:
-        """`release` after a module that read `unit` returned `out`, unless `out` holds a view of
-        the unit's storage (`holds`), or an earlier output this step did: such a unit stays
-        gathered until its backward (`after_backward`)."""
+    def release_used(self, unit: str, out: Any = None) -> None:
+        """`release` after a module that read `unit` returned `out` (None: nothing seen), unless
+        `out` holds a view of the unit's storage (`holds`), or an earlier output this step did:
+        such a unit stays gathered until its backward (`after_backward`)."""
         if unit in self._pinned:
             return
         if self.holds(unit, out):
@@ -678,10 +678,7 @@ class LazyParams(Mapping):
         unless `output` (what the module that read the unit returned) holds a view of it (a
         module returning its param or a slice of it): then the unit stays gathered until its
         backward, since what follows reads that view."""
-        if output is None:
-            self._gathering.release(unit)
-        else:
-            self._gathering.release_used(unit, output)
+        self._gathering.release_used(unit, output)
 
     @property
     def gathered(self) -> tuple[str, ...]:

@@ -340,12 +340,14 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
     root: list[_UnitBinding] = []
     hooked: dict[nn.Module, list[_UnitBinding]] = {}
     checkpointed: dict[nn.Module, _UnitBinding] = {}
+    unbound: dict[int, tuple[str, str]] = {}
     for unit, names in by_unit.items():
         home = _home([alias for name in names for alias in aliases[name]])
         if home and not _runs_forward(skeleton.get_submodule(home)):
             home = ""  # e.g. a weight tied across blocks: its home is the ModuleList, which never runs
         bindings = tuple(_binding(skeleton, alias, name) for name in names for alias in aliases[name])
         binding = _UnitBinding(unit, bindings, tuple(names))
+        unbound.update({id(b.placeholder): (b.name, unit) for b in bindings})
         module = skeleton.get_submodule(home) if home else skeleton
         if not home:
             root.append(binding)
@@ -353,8 +355,6 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
             checkpointed[module] = binding
         else:
             hooked.setdefault(module, []).append(binding)
-    unbound = {id(b.placeholder): (f"{b.name}", u.unit) for u in (*root, *(x for us in hooked.values() for x in us),
-                                                                   *checkpointed.values()) for b in u.bindings}
     return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed, unbound)
 
 

@@ -508,7 +508,8 @@ def _described_fields(x: tuple) -> list[tuple[str, Any]]:
     fields but `lr`, the schedule its update's closure holds already (described there; left out
     so that descriptions, and the checkpoints that store them, are those of before the field)."""
     names = getattr(x, "_fields", None) or [str(i) for i in range(len(x))]
-    return [(n, v) for n, v in zip(names, x) if not (isinstance(x, Optimizer) and n == "lr")]
+    skipped = "lr" if isinstance(x, Optimizer) else None
+    return [(n, v) for n, v in zip(names, x) if n != skipped]
 
 
 class NamedFn(NamedTuple):
