@@ -627,17 +627,53 @@ def _check_loss(loss: Any) -> None:
                          f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}")
 
 
+class _Saved:
+    """What autograd holds for a tensor the loss saves for backward under `_Unpacking`: the tensor
+    and its version counter when saved (None where it keeps none)."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, _version(tensor)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version
+        return None
+
+
+def _unmodified(saved: _Saved) -> torch.Tensor:
+    """The saved tensor, after torch's own check that nothing wrote it in place since it was saved,
+    which torch skips for tensors packed by hooks: without it a stage-3 step that frees units
+    would train on the written values where stages 0-2 raise this error."""
+    t = saved.tensor
+    now = _version(t)
+    if saved.version is not None and now != saved.version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.dtype} {list(t.shape)}] is at version {now}; expected version {saved.version} instead. (fzero "
+            f"checks this itself where stage 3 frees units after use, since torch does not check tensors saved "
+            f"through saved-tensor hooks; the same loss raises torch's own form of this error at stages 0-2.) "
+            f"Compute with a new tensor (h = h * 2, not h.mul_(2))")
+    return t
+
+
 class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
-    """Backward needs a tensor saved from a released unit's storage: gather that unit again first."""
+    """Backward needs a tensor saved from a released unit's storage: gather that unit again first.
+    Every tensor saved inside the loss is packed as a `_Saved`, so that its version is checked
+    as torch checks it without hooks (`_unmodified`)."""
 
     def __init__(self, gathering: Gathering) -> None:
-        def unpack(t: torch.Tensor) -> torch.Tensor:
+        def unpack(saved: _Saved) -> torch.Tensor:
+            t = _unmodified(saved)
             unit = gathering._owner.get(t.untyped_storage()._cdata)
             if unit is not None:
                 gathering.refill(unit, backward=True)
             return t
 
-        super().__init__(lambda t: t, unpack)
+        super().__init__(_Saved, unpack)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
