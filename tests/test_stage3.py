@@ -649,3 +649,115 @@ def test_a_tensor_saved_for_backward_and_written_in_place_raises_at_every_stage(
                 assert "modified by an inplace operation" in want
             else:
                 assert all(torch.equal(got[k], want[k]) for k in want), stage
+
+
+class _KeepsFn(torch.autograd.Function):
+    """`x @ w.T` whose backward reads `w` from a `ctx` attribute (not `save_for_backward`)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w, None
+
+
+class _KeepingLinear(torch.nn.Linear):
+    """A linear layer whose weight something keeps past its forward, as `keep` says: a view it
+    caches goes to `put` (functions, which `from_module`'s copy of the model shares)."""
+
+    def __init__(self, keep: str, put, d: int):
+        super().__init__(d, d)
+        self.keep, self.put = keep, put
+
+    def forward(self, x):
+        w = self.weight
+        if self.keep == "slice":  # a view cached
+            self.put(w[:3])
+        elif self.keep == "transpose":  # a cached view the product below saves for backward too
+            wt = w.t()
+            self.put(wt)
+            return x @ wt + self.bias
+        elif self.keep == "ctx":
+            return _KeepsFn.apply(x, w) + self.bias
+        elif self.keep == "grad_hook":
+            out = torch.nn.functional.linear(x, w, self.bias)
+            if out.requires_grad:
+                out.register_hook(lambda g: g + 0 * w.sum())
+            return out
+        return torch.nn.functional.linear(x, w, self.bias)
+
+
+class _Kept(torch.nn.Module):
+    """`p`, `a` (a `_KeepingLinear`), `b` and `c`, each a unit (so `a`'s input requires grad, and
+    the product in `a` saves its weight); what `a` kept (`get`) is read after `b` ran, in the
+    forward; what else it keeps is read in the backward."""
+
+    def __init__(self, keep: str, put, get, d: int = 8):
+        super().__init__()
+        self.get = get
+        self.p, self.a = torch.nn.Linear(d, d), _KeepingLinear(keep, put, d)
+        self.b, self.c = torch.nn.Linear(d, d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(torch.tanh(self.p(x))))))
+        kept = self.get()
+        if kept is not None:
+            h = h + kept.sum()
+        return self.c(h)
+
+
+@pytest.mark.parametrize("keep", ["slice", "transpose", "ctx", "grad_hook", "forward_hook", "loss"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_unit_referenced_past_its_forward_stays_gathered(keep, prefetch):
+    """Found in review: a reference to a stage-3 unit's param kept past its submodule's forward
+    somewhere other than the output (a view cached, the weight kept by a forward hook, a grad
+    hook or a Function's `ctx`, a loss holding `p["a.weight"]` across `apply`) read the storage
+    stage 3 freed after that forward: torch's "data is not allocated", or a segfault (seen with
+    the cached slice and the forward hook). Now `release` frees no unit something beyond fzero
+    and autograd's saved tensors still holds (`Gathering._referenced`): stage 0's bits at stage
+    3, N = 2, over two steps, and what was kept can be read after each step (stage 3's holds
+    that step's gathered values; at stage 0 it is a view of the state's buffers, which a donated
+    update writes, so only its finiteness is compared)."""
+    d = 8
+    torch.manual_seed(0)
+    mesh = fzero.SimMesh(2)
+    held: dict[int, torch.Tensor] = {}  # per rank (SimMesh's ranks are threads): the tensor kept
+
+    def put(t):
+        held[mesh.rank] = t
+
+    model = _Kept(keep, put, lambda: held.get(mesh.rank) if keep in ("slice", "transpose") else None, d)
+    if keep == "forward_hook":  # registered before from_module's: it runs while the weight is bound
+        model.a.register_forward_hook(lambda m, i, o: put(m.weight))
+    params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0])
+
+    def loss(p, b):
+        w = p["a.weight"] if keep == "loss" else None
+        out = apply(p, b[0])
+        if w is not None:
+            out = out + w.sum()
+        if keep == "forward_hook":
+            out = out + held[mesh.rank].sum()
+        return torch.nn.functional.cross_entropy(out, b[1])
+
+    def rank_fn(stage):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss, **({"prefetch": prefetch} if stage == 3 else {}))
+        out = []
+        for t in range(2):
+            g = torch.Generator().manual_seed(10 * t + mesh.rank)
+            state, m = step(state, (torch.randn(4, d, generator=g), torch.randint(0, 3, (4,), generator=g)))
+            kept = held.get(mesh.rank)
+            out.append((m.loss, kept.sum() if kept is not None else None))  # before: a segfault or torch's error
+        held.pop(mesh.rank, None)
+        return fzero.gather(state), out
+
+    for (p0, o0), (p3, o3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
+        assert all(torch.equal(l0, l3) for (l0, _), (l3, _) in zip(o0, o3))
+        assert all(torch.equal(p0[k], p3[k]) for k in p0)
+        kept = [k for _, k in o3 if k is not None]
+        assert len(kept) == (2 if keep in ("slice", "transpose", "forward_hook") else 0)
+        assert all(torch.isfinite(k) for k in kept)

@@ -5,7 +5,9 @@
 - `read(unit)` runs the unit's Function once per step (in stage 3: all-gathers the unit's
   buckets) and returns its leaves by path;
 - `release(unit)` frees a stage-3 unit's gathered storage after its forward
-  (`untyped_storage().resize_(0)`, as FSDP2 does), where the step allows it (`releasable`);
+  (`untyped_storage().resize_(0)`, as FSDP2 does), where the step allows it (`releasable`)
+  and nothing beyond fzero and autograd's saved tensors still references it (`_referenced`: a
+  view cached on a module, a weight kept by a hook);
 - `refill(unit)` gathers a released unit again into the same storage, when backward first reads
   a tensor saved from it (a `saved_tensors_hooks` unpack), and the unit's Function releases it
   once more when its backward is done (`after_backward`);
@@ -53,9 +55,12 @@ started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1),
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import re
+import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -173,6 +178,8 @@ class Gathering:
         self._deferred: str | None = None  # the unit whose release waits, kept (in `_kept`)
         self._last: str | None = None  # the forward's last unit, kept for backward's first refill (`_settle_last`)
         self._pinned: set[str] = set()  # units a module's output holds a view of: not freed before their backward
+        self._at_read: dict[str, _Uses] = {}  # unit -> the references to it when read (`_referenced`)
+        self._saved: dict[int, weakref.WeakSet] = {}  # gathered storage -> the `_Saved` autograd holds over it
         self._programs = {p.name: p for p in programs}
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._casts, self._reads = casts or {}, reads
@@ -205,6 +212,8 @@ class Gathering:
                 self._prefetch(self._after(unit, self.layout.units), backward=False)
             with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):  # `call`'s modes
                 self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
+            if self.releasable and self._storages[unit]:
+                self._at_read[unit] = self._uses(unit)
         self.refill(unit)
         return self._leaves[unit]
 
@@ -257,9 +266,43 @@ class Gathering:
             return
         if unit in self._kept:
             self._kept.remove(unit)
+        if self._referenced(unit):  # freeing it would leave that reference reading freed memory
+            self._pinned.add(unit)
+            return
         for _, storage, _ in self._storages[unit]:
             storage.resize_(0)
         self._released.add(unit)
+
+    def _uses(self, unit: str) -> _Uses:
+        """The references to `unit`'s gathered storage and leaves that autograd's saved tensors do
+        not account for (`_Uses`)."""
+        storages = [storage for _, storage, _ in self._storages[unit]]
+        leaves = list(self._leaves[unit].values())
+        saved = collections.Counter(id(s.tensor) for storage in storages for s in self._saved.get(storage._cdata, ()))
+        return _Uses([_use_count(storage._cdata) for storage in storages],
+                     {id(t): sys.getrefcount(t) - saved[id(t)] for t in leaves}, {id(t) for t in leaves} | set(saved))
+
+    def _referenced(self, unit: str) -> bool:
+        """Whether something beyond fzero and autograd's saved tensors still holds `unit`'s storage,
+        compared with when it was read: a leaf (a forward hook or a grad hook keeping the weight, a
+        Function's `ctx.w`, a loss holding `p["a.weight"]` across the module), a view made since (a
+        slice cached on a module), or a view autograd saved that is held elsewhere too (a cached
+        `self.weight.t()` a product then saved). Such a unit is not freed: before, the reference
+        read freed memory (torch's "data is not allocated", or a segfault)."""
+        at_read = self._at_read.get(unit)
+        if at_read is None or _use_count is None:
+            return False
+        now = self._uses(unit)
+        if any(now.leaves[i] > refs for i, refs in at_read.leaves.items()):
+            return True
+        for (_, storage, _), before, uses in zip(self._storages[unit], at_read.storages, now.storages):
+            saved = self._saved.get(storage._cdata, ())  # (no list of tensors here: it would hold them too)
+            made = {id(s.tensor): s.tensor for s in saved if id(s.tensor) not in at_read.known}  # views saved since
+            if uses - len(made) > before:
+                return True
+            if made and _held_elsewhere(made, collections.Counter(id(s.tensor) for s in saved)):
+                return True
+        return False
 
     def holds(self, unit: str, out: Any) -> bool:
         """Whether a tensor of `out` (what a module that read `unit` returned) lies in the unit's
@@ -566,6 +609,31 @@ def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram]) -> int:
     return 1 if programs and programs[0].mesh.asynchronous else 0
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors (and storage objects) on a storage
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uses:
+    """A unit's references not held by autograd's saved tensors (`Gathering._uses`): per gathered
+    storage, its use count; per leaf (by id), its Python references; and the ids of the tensors
+    over its storages known then (its leaves, and those saved by then)."""
+
+    storages: list[int]
+    leaves: dict[int, int]
+    known: set[int]
+
+
+def _held_elsewhere(made: dict[int, torch.Tensor], saved: collections.Counter) -> bool:
+    """Whether a tensor of `made` has Python references beyond its `saved` count of `_Saved`:
+    measured against a tensor nothing else holds, put in `made` as its last entry, so that the
+    references this function's own frame adds cancel."""
+    made[-1] = torch.empty(0)
+    refs = {i: sys.getrefcount(t) - saved[i] for i, t in made.items()}
+    del made[-1]
+    base = refs.pop(-1)
+    return any(r > base for r in refs.values())
+
+
 def _tensors_in(out: Any) -> Iterator[torch.Tensor]:
     """The tensors of a module's output: torch's pytree leaves, and the fields of dataclasses
     (which torch's pytree takes for leaves), recursively."""
@@ -666,6 +734,13 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
     as torch checks it without hooks (`_unmodified`)."""
 
     def __init__(self, gathering: Gathering) -> None:
+        def pack(t: torch.Tensor) -> _Saved:
+            saved = _Saved(t)
+            key = t.untyped_storage()._cdata
+            if key in gathering._owner:  # a unit's: counted by `Gathering._referenced`
+                gathering._saved.setdefault(key, weakref.WeakSet()).add(saved)
+            return saved
+
         def unpack(saved: _Saved) -> torch.Tensor:
             t = _unmodified(saved)
             unit = gathering._owner.get(t.untyped_storage()._cdata)
@@ -673,7 +748,7 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
                 gathering.refill(unit, backward=True)
             return t
 
-        super().__init__(_Saved, unpack)
+        super().__init__(pack, unpack)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
