@@ -761,3 +761,30 @@ def test_a_unit_referenced_past_its_forward_stays_gathered(keep, prefetch):
         kept = [k for _, k in o3 if k is not None]
         assert len(kept) == (2 if keep in ("slice", "transpose", "forward_hook") else 0)
         assert all(torch.isfinite(k) for k in kept)
+
+
+def test_a_torch_without_storage_use_counts_frees_units_as_before(monkeypatch):
+    """`Gathering._referenced` needs `torch._C._storage_Use_Count`; where a torch build lacks it,
+    nothing is recorded at the read and units are freed after use as before (the check's
+    protection is then absent, not its cost): stage 0's bits at stage 3, N = 2, with every
+    released unit gathered again in backward."""
+    from fzero._src import gathering
+
+    monkeypatch.setattr(gathering, "_use_count", None)
+    d = 8
+    torch.manual_seed(0)
+    mesh = fzero.SimMesh(2)
+    params, apply, info = fzero.from_module(_Kept("none", None, lambda: None, d), units=lambda p: p.split(".")[0])
+
+    def rank_fn(stage):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))
+        g = torch.Generator().manual_seed(mesh.rank)
+        with mesh.record() as log:
+            state, m = step(state, (torch.randn(4, d, generator=g), torch.randint(0, 3, (4,), generator=g)))
+        gathers = sum(1 for r in log if r.op == "all_gather" and r.rank == mesh.rank)
+        return fzero.gather(state), m.loss, gathers
+
+    for (p0, l0, _), (p3, l3, g3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
+        assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)
+        assert g3 == 4 + 3  # four units read, and the three released before the last gathered again

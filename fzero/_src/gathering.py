@@ -212,7 +212,7 @@ class Gathering:
                 self._prefetch(self._after(unit, self.layout.units), backward=False)
             with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):  # `call`'s modes
                 self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
-            if self.releasable and self._storages[unit]:
+            if self.releasable and self._storages[unit] and _use_count is not None:
                 self._at_read[unit] = self._uses(unit)
         self.refill(unit)
         return self._leaves[unit]
