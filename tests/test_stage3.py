@@ -709,12 +709,13 @@ class _Kept(torch.nn.Module):
         return self.c(h)
 
 
-@pytest.mark.parametrize("keep", ["slice", "transpose", "ctx", "grad_hook", "forward_hook", "loss"])
+@pytest.mark.parametrize("keep", ["slice", "transpose", "ctx", "grad_hook", "forward_hook", "loss", "unit_dict"])
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_a_unit_referenced_past_its_forward_stays_gathered(keep, prefetch):
     """Found in review: a reference to a stage-3 unit's param kept past its submodule's forward
     somewhere other than the output (a view cached, the weight kept by a forward hook, a grad
-    hook or a Function's `ctx`, a loss holding `p["a.weight"]` across `apply`) read the storage
+    hook or a Function's `ctx`, a loss holding `p["a.weight"]`, or the dict `p.unit("a")`, across
+    `apply`) read the storage
     stage 3 freed after that forward: torch's "data is not allocated", or a segfault (seen with
     the cached slice and the forward hook). Now `release` frees no unit something beyond fzero
     and autograd's saved tensors still holds (`Gathering._referenced`): stage 0's bits at stage
@@ -735,8 +736,10 @@ def test_a_unit_referenced_past_its_forward_stays_gathered(keep, prefetch):
     params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0])
 
     def loss(p, b):
-        w = p["a.weight"] if keep == "loss" else None
+        w = p["a.weight"] if keep == "loss" else p.unit("a") if keep == "unit_dict" else None
         out = apply(p, b[0])
+        if keep == "unit_dict":
+            w = w["a.weight"]
         if w is not None:
             out = out + w.sum()
         if keep == "forward_hook":
@@ -788,3 +791,63 @@ def test_a_torch_without_storage_use_counts_frees_units_as_before(monkeypatch):
     for (p0, l0, _), (p3, l3, g3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
         assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)
         assert g3 == 4 + 3  # four units read, and the three released before the last gathered again
+
+
+class _Recurrent(torch.nn.Module):
+    def __init__(self, kind: str, d: int = 8):
+        super().__init__()
+        self.p, self.g, self.c = torch.nn.Linear(d, d), getattr(torch.nn, kind)(d, d, batch_first=True), torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # (B, T, d)
+        return self.c(self.g(torch.tanh(self.p(x)))[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN"])
+def test_a_recurrent_unit_is_freed_after_use(kind):
+    """Found in review of `Gathering._referenced`: `nn.RNNBase` keeps its weights in
+    `_flat_weights` too, which its forward refreshes and from_module's unbinding (a write to
+    `_parameters`) did not, so every recurrent unit looked referenced after its forward and stayed
+    gathered for the step and after it. Unbinding now puts the placeholders there too: the unit
+    is freed after its forward and gathered again in backward (three units read, the two freed
+    before the last gathered again), with stage 0's bits."""
+    d = 8
+    torch.manual_seed(0)
+    mesh = fzero.SimMesh(2)
+    params, apply, info = fzero.from_module(_Recurrent(kind, d), units=lambda p: p.split(".")[0])
+
+    def rank_fn(stage):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))
+        g = torch.Generator().manual_seed(mesh.rank)
+        with mesh.record() as log:
+            state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+        return fzero.gather(state), m.loss, sum(1 for r in log if r.op == "all_gather" and r.rank == mesh.rank)
+
+    for (p0, l0, _), (p3, l3, g3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
+        assert torch.equal(l0, l3) and all(torch.equal(p0[k], p3[k]) for k in p0)
+        assert g3 == 3 + 2
+
+
+def test_a_cap_that_a_referenced_unit_exceeds_says_why_it_stays_gathered():
+    """`max_live_bytes` counts a unit kept gathered because something references it (row 57): the
+    cap's error names it as such (found in review: it said only "still in use")."""
+    d = 8
+    mesh = fzero.SimMesh(2)
+    held: dict[int, torch.Tensor] = {}
+
+    def put(t):
+        held[mesh.rank] = t
+
+    params, apply, info = fzero.from_module(_Kept("slice", put, lambda: held.get(mesh.rank), d),
+                                            units=lambda p: p.split(".")[0])
+    unit = (d * d + d) * 4  # one linear layer's gathered bytes (N divides them)
+
+    def rank_fn():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]),
+                                max_live_bytes=unit * 3 // 2)  # room for one unit: `a` stays, `b` cannot come
+        g = torch.Generator().manual_seed(mesh.rank)
+        step(state, (torch.randn(4, d, generator=g), torch.randint(0, 3, (4,), generator=g)))
+
+    with pytest.raises(fzero.ConfigError, match=r"\['a'\] stay gathered because .* something else still references"):
+        mesh.run(rank_fn)

@@ -55,7 +55,6 @@ started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1),
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import re
@@ -177,7 +176,8 @@ class Gathering:
         self._deferring = False  # inside the loss's forward (`loss`): the latest release waits (`release`)
         self._deferred: str | None = None  # the unit whose release waits, kept (in `_kept`)
         self._last: str | None = None  # the forward's last unit, kept for backward's first refill (`_settle_last`)
-        self._pinned: set[str] = set()  # units a module's output holds a view of: not freed before their backward
+        self._pinned: set[str] = set()  # units a module's output holds a view of (not freed before their
+        # backward), or that something else references at a release (`_referenced`: not freed while it does)
         self._at_read: dict[str, _Uses] = {}  # unit -> the references to it when read (`_referenced`)
         self._saved: dict[int, weakref.WeakSet] = {}  # gathered storage -> the `_Saved` autograd holds over it
         self._programs = {p.name: p for p in programs}
@@ -275,34 +275,23 @@ class Gathering:
 
     def _uses(self, unit: str) -> _Uses:
         """The references to `unit`'s gathered storage and leaves that autograd's saved tensors do
-        not account for (`_Uses`)."""
+        not account for (`_Uses`): each tensor saved over a unit's storage is a detached copy that
+        only its `_Saved` holds (`_Unpacking`), one use of the storage each."""
         storages = [storage for _, storage, _ in self._storages[unit]]
-        leaves = list(self._leaves[unit].values())
-        saved = collections.Counter(id(s.tensor) for storage in storages for s in self._saved.get(storage._cdata, ()))
-        return _Uses([_use_count(storage._cdata) for storage in storages],
-                     {id(t): sys.getrefcount(t) - saved[id(t)] for t in leaves}, {id(t) for t in leaves} | set(saved))
+        return _Uses([_use_count(s._cdata) - len(self._saved.get(s._cdata, ())) for s in storages],
+                     [sys.getrefcount(t) for t in self._leaves[unit].values()])
 
     def _referenced(self, unit: str) -> bool:
         """Whether something beyond fzero and autograd's saved tensors still holds `unit`'s storage,
         compared with when it was read: a leaf (a forward hook or a grad hook keeping the weight, a
-        Function's `ctx.w`, a loss holding `p["a.weight"]` across the module), a view made since (a
-        slice cached on a module), or a view autograd saved that is held elsewhere too (a cached
-        `self.weight.t()` a product then saved). Such a unit is not freed: before, the reference
-        read freed memory (torch's "data is not allocated", or a segfault)."""
+        Function's `ctx.w`, a loss holding `p["a.weight"]` across the module), or a view made since
+        (a slice or a `self.weight.t()` cached on a module). Such a unit is not freed: before, the
+        reference read freed memory (torch's "data is not allocated", or a segfault)."""
         at_read = self._at_read.get(unit)
         if at_read is None or _use_count is None:
             return False
         now = self._uses(unit)
-        if any(now.leaves[i] > refs for i, refs in at_read.leaves.items()):
-            return True
-        for (_, storage, _), before, uses in zip(self._storages[unit], at_read.storages, now.storages):
-            saved = self._saved.get(storage._cdata, ())  # (no list of tensors here: it would hold them too)
-            made = {id(s.tensor): s.tensor for s in saved if id(s.tensor) not in at_read.known}  # views saved since
-            if uses - len(made) > before:
-                return True
-            if made and _held_elsewhere(made, collections.Counter(id(s.tensor) for s in saved)):
-                return True
-        return False
+        return any(a > b for a, b in zip(now.storages + now.leaves, at_read.storages + at_read.leaves))
 
     def holds(self, unit: str, out: Any) -> bool:
         """Whether a tensor of `out` (what a module that read `unit` returned) lies in the unit's
@@ -357,8 +346,12 @@ class Gathering:
             self._drop(next(reversed(self._ahead)))
         live = self.live
         if sum(live.values()) + need > cap:
+            pinned = [u for u in live if u in self._pinned]
+            why = (f" (of those, {pinned} stay gathered because a module's output is a view of them or something "
+                   f"else still references them: a view cached on a module, a weight kept by a hook, docs/bad-input.md "
+                   f"row 57)" if pinned else "")
             raise ConfigError(f"max_live_bytes={cap}: gathering unit {unit!r} ({need} B) while units {live} "
-                              f"({sum(live.values())} B) are still in use would exceed the cap; raise it to at "
+                              f"({sum(live.values())} B) are still in use{why} would exceed the cap; raise it to at "
                               f"least {sum(live.values()) + need}, or use finer units")
 
     def refill(self, unit: str, backward: bool = False) -> None:
@@ -615,23 +608,11 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)  # tensors (and stora
 @dataclasses.dataclass(frozen=True)
 class _Uses:
     """A unit's references not held by autograd's saved tensors (`Gathering._uses`): per gathered
-    storage, its use count; per leaf (by id), its Python references; and the ids of the tensors
-    over its storages known then (its leaves, and those saved by then)."""
+    storage, its use count less the tensors saved over it; per leaf, in read order, its Python
+    references (`sys.getrefcount`, the same frame both times)."""
 
     storages: list[int]
-    leaves: dict[int, int]
-    known: set[int]
-
-
-def _held_elsewhere(made: dict[int, torch.Tensor], saved: collections.Counter) -> bool:
-    """Whether a tensor of `made` has Python references beyond its `saved` count of `_Saved`:
-    measured against a tensor nothing else holds, put in `made` as its last entry, so that the
-    references this function's own frame adds cancel."""
-    made[-1] = torch.empty(0)
-    refs = {i: sys.getrefcount(t) - saved[i] for i, t in made.items()}
-    del made[-1]
-    base = refs.pop(-1)
-    return any(r > base for r in refs.values())
+    leaves: list[int]
 
 
 def _tensors_in(out: Any) -> Iterator[torch.Tensor]:
@@ -701,8 +682,8 @@ class _Saved:
 
     __slots__ = ("tensor", "version", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, _version(tensor)
+    def __init__(self, tensor: torch.Tensor, version: int | None) -> None:
+        self.tensor, self.version = tensor, version
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -735,10 +716,15 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, gathering: Gathering) -> None:
         def pack(t: torch.Tensor) -> _Saved:
-            saved = _Saved(t)
             key = t.untyped_storage()._cdata
-            if key in gathering._owner:  # a unit's: counted by `Gathering._referenced`
-                gathering._saved.setdefault(key, weakref.WeakSet()).add(saved)
+            if key not in gathering._owner:
+                return _Saved(t, _version(t))
+            # a unit's: a detached copy (the same storage and version counter; torch gives the
+            # unpacked tensor back its autograd metadata), one use of the storage that only this
+            # `_Saved` holds, counted by `Gathering._uses`
+            with torch._C.DisableTorchFunctionSubclass():
+                saved = _Saved(t.detach(), _version(t))
+            gathering._saved.setdefault(key, weakref.WeakSet()).add(saved)
             return saved
 
         def unpack(saved: _Saved) -> torch.Tensor:
@@ -781,8 +767,9 @@ class LazyParams(Mapping):
         return self._unit_of
 
     def unit(self, unit: str) -> dict[str, torch.Tensor]:
-        """All leaves of `unit`, gathering it now if it was not yet."""
-        return self._gathering.read(unit)
+        """All leaves of `unit`, gathering it now if it was not yet (a new dict: one kept past the
+        unit's use holds its leaves, which keeps the unit gathered, `Gathering._referenced`)."""
+        return dict(self._gathering.read(unit))
 
     def release(self, unit: str, output: Any = None) -> None:
         """Free the unit's gathered storage where the step allows (stage 3, autograd engine),
@@ -799,7 +786,7 @@ class LazyParams(Mapping):
     def __getitem__(self, path: str) -> torch.Tensor:
         if path not in self._unit_of:
             raise KeyError(f"{path!r} is not a params path; some are {list(self._unit_of)[:5]}")
-        return self.unit(self._unit_of[path])[path]
+        return self._gathering.read(self._unit_of[path])[path]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._unit_of)

@@ -294,11 +294,16 @@ class _Binding(NamedTuple):
 
 
 class _UnitBinding(NamedTuple):
-    """Every alias of one unit's parameters (`bindings`) and its distinct params `names`."""
+    """Every alias of one unit's parameters (`bindings`) and its distinct params `names`.
+    `caches`: the owners that also keep their params outside `_parameters` (`nn.RNNBase`'s
+    `_flat_weights`, which its forward refreshes and a write to `_parameters` does not): unbinding
+    refreshes it to the placeholders, else the leaves left there would keep the unit gathered
+    after its use (`Gathering._referenced`)."""
 
     unit: str
     bindings: tuple[_Binding, ...]
     names: tuple[str, ...]
+    caches: tuple[nn.Module, ...] = ()
 
     def bind(self, leaves: Mapping[str, torch.Tensor]) -> None:
         """Write each alias's leaf where the module reads it (what torch's `swap_tensor` does, minus
@@ -309,6 +314,8 @@ class _UnitBinding(NamedTuple):
     def unbind(self) -> None:
         for b in self.bindings:
             b.owner._parameters[b.attr] = b.placeholder
+        for owner in self.caches:  # (not `_init_flat_weights`, which reads the placeholders' device)
+            owner._flat_weights = [owner._parameters.get(name) for name in owner._flat_weights_names]
 
 
 class _Plan(NamedTuple):
@@ -346,7 +353,8 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
         if home and not _runs_forward(skeleton.get_submodule(home)):
             home = ""  # e.g. a weight tied across blocks: its home is the ModuleList, which never runs
         bindings = tuple(_binding(skeleton, alias, name) for name in names for alias in aliases[name])
-        binding = _UnitBinding(unit, bindings, tuple(names))
+        caches = tuple({id(b.owner): b.owner for b in bindings if isinstance(b.owner, nn.RNNBase)}.values())
+        binding = _UnitBinding(unit, bindings, tuple(names), caches)
         unbound.update({id(b.placeholder): (b.name, unit) for b in bindings})
         module = skeleton.get_submodule(home) if home else skeleton
         if not home:
@@ -466,8 +474,6 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
     """`mod`'s forward for a checkpointed unit: read the unit (gathering it), run the forward
     through `remat_call` with the unit's parameters bound inside it (each distinct leaf one
     input, so a leaf tied within the unit gets one gradient), release the unit."""
-    leaves = params.unit(binding.unit)
-
     def forward(bound: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         binding.bind(bound)
         try:
@@ -475,9 +481,13 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
         finally:
             binding.unbind()
 
-    out = remat_call(forward, {name: leaves[name] for name in binding.names}, args, kwargs)
-    params.release(binding.unit, out)
+    out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs)
+    params.release(binding.unit, out)  # (no reference to the leaves left here: it would keep them gathered)
     return out
+
+
+def _distinct(leaves: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {name: leaves[name] for name in names}
 
 
 def _remat_units(module: nn.Module, aliases: dict[str, list[str]], units: UnitSpec,
