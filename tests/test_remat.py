@@ -191,3 +191,66 @@ def test_remat_recomputes_under_the_forwards_autocast(engine):
     want = run(0, False)
     _equal(want, run(3, True))
     assert not torch.equal(want[0][1][0], run(0, False, autocast=False)[0][1][0])
+
+
+class _AttentionBlock(torch.nn.Module):
+    """`x + fc(attn(x))`, `nn.MultiheadAttention(batch_first=True)` with a causal mask: its input
+    projection is a `linear` on a transposed 3-d input, where `torch.matmul` chooses between one
+    product and a batched one by whether the weight's transpose requires grad."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn, self.fc = torch.nn.MultiheadAttention(d, 2, batch_first=True), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        return x + self.fc(self.attn(x, x, x, attn_mask=mask, need_weights=False)[0])
+
+
+class _Attending(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp, self.b, self.head = torch.nn.Linear(d, d), _AttentionBlock(d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):  # (B, T, d) -> (B, 3)
+        return self.head(self.b(torch.tanh(self.inp(x)))).mean(1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("remat", [True, False])
+def test_a_no_grad_forward_takes_the_products_a_params_would(stage, remat):
+    """Found in review: remat's forward runs without grad, where a view of a leaf that requires
+    grad still reports `requires_grad` and `torch.matmul` reads it to fold a `linear` on a
+    transposed 3-d input into one product. Stage 3's leaves were views of the gathered buffer,
+    which requires no grad (stage 2's, views of the full buffer beside its shard, likewise), so their
+    transposes did not, matmul took the batched product, and the
+    attention block's output differed from stage 0's in the last bits (the loss, then every
+    gradient after it; a tiny GPT's params by up to 6e-3 after one step). The leaves are now
+    tensors of their own (`gather_leaves(alone=True)`): under `torch.no_grad()` inside the loss a
+    leaf's transpose requires grad at every stage, as a torch param's does, and stage `stage`
+    gives stage 0's bits over two steps at N = 2, with remat of the attention block and without."""
+    d = 8
+    torch.manual_seed(0)
+    params, apply, info = fzero.from_module(_Attending(d), units=lambda p: p.split(".")[0],
+                                            remat=["b"] if remat else False)
+    mesh = fzero.SimMesh(2)
+    seen = []
+
+    def loss(p, b):
+        with torch.no_grad():
+            seen.append(p["b.fc.weight"].t().requires_grad)
+        return torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])
+
+    def rank_fn(s):
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=s, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss)
+        losses = []
+        for t in range(2):
+            g = torch.Generator().manual_seed(10 * t + mesh.rank)
+            state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+            losses.append(m.loss)
+        return fzero.gather(state), losses
+
+    for (p0, l0), (ps, ls) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(stage))):
+        assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)
+    assert seen and all(seen)

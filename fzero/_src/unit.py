@@ -344,11 +344,22 @@ def shared_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return z
 
 
-def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True) -> list[torch.Tensor]:
+def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True, alone: bool = False
+                  ) -> list[torch.Tensor]:
     """The unit's leaves from the full buffer (or the held tensor) of each bucket, cast to the
     compute dtype first (once per unit, before any gather), and those of `program.casts` then
     cast on (`Bucket.cast_views`): the Function's forward, and `fzero.gather` outside autograd
-    (`cast=False`: the master dtype, no casts)."""
+    (`cast=False`: the master dtype, no casts).
+
+    `alone` (the Function's forward): a leaf that is not a view of an `xs` that requires grad (a
+    view of a buffer gathered or cast here, or of stage 2's full buffer beside its shard) is
+    handed detached from it, a tensor of its own on the same storage and version counter. Its
+    views then behave as a param's do, as those of the leaves that are views of a differentiated
+    `xs` do: under `torch.no_grad()` a view of a tensor that requires grad still reports
+    `requires_grad`, which `torch.matmul` reads to choose between one product and a batched one
+    (a `linear` on a transposed 3-d input, as `nn.MultiheadAttention` with `batch_first` makes).
+    As views of a buffer that requires no grad, stage 2's and 3's leaves took the other product in
+    a no-grad forward (remat's), and their bits differed from stage 0's (found in review)."""
     mesh, enter, casts, at = program.mesh, program.stage.enter.run, program.casts if cast else None, 0
     leaves: list[torch.Tensor] = []
     for bucket, x in zip(program.buckets, xs):
@@ -356,6 +367,9 @@ def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool =
         views = bucket.views(flat)
         leaves += views if casts is None else bucket.cast_views(flat, views, casts[at : at + len(views)])
         at += len(views)
+    if alone:
+        given = {x.untyped_storage()._cdata for x in xs if x.requires_grad}
+        leaves = [t if t.untyped_storage()._cdata in given else t.detach() for t in leaves]
     if cast and program.watch:
         leaves = [t.as_subclass(Watched) if (t.dtype == torch.float32 if casts is None else casts[k] is not None)
                   else t for k, t in enumerate(leaves)]
@@ -395,7 +409,7 @@ class _Unit(torch.autograd.Function):
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
         anchor = shared_zeros((), xs[0].device).view(())  # a view: no kernel
-        return (*gather_leaves(program, held), anchor)
+        return (*gather_leaves(program, held, alone=True), anchor)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
