@@ -302,6 +302,29 @@ def test_a_loss_writing_a_param_in_place_raises_naming_its_unit(stage, n):
     assert mesh.run(rank_fn) == [4 + 1.5] * n
 
 
+@pytest.mark.parametrize("precision", [None, "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_param_written_in_place_in_grad_mode_is_refused_by_torch_at_every_stage(stage, precision):
+    """A write in grad mode (`p["b"].clamp_(max=0.5)` outside `torch.no_grad()`) is refused by
+    torch itself, as the write to a view a Function returned, at every stage and policy, and
+    reaches no state. Found in review of a first fix that handed stage 2-3 leaves detached from
+    their buffer: torch then let the write through, so stage 2 (whose leaves lie in its state's
+    full buffer) and stage 3 raised fzero's `ConfigError` after the loss instead, and stage 2's
+    input state held the write (`gather_leaves`, `alone`)."""
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.ones(4), "b": torch.ones(3)}
+    kw = {} if precision is None else {"precision": fzero.Precision(torch.bfloat16, torch.float32)}
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, **kw)
+        step = fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].clamp_(max=0.5).sum())
+        with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+            step(state, torch.ones(4))
+        return fzero.gather(state)["b"]
+
+    assert all(torch.equal(b, torch.ones(3)) for b in mesh.run(rank_fn))
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_loss_writing_in_place_on_one_gloo_rank_stops_every_rank(dist2, stage):
     from . import dist_cases  # the pool's workers import it as tests.dist_cases

@@ -344,36 +344,57 @@ def shared_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return z
 
 
-def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True, alone: bool = False
-                  ) -> list[torch.Tensor]:
+def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool = True,
+                  alone: Sequence[bool] = ()) -> list[torch.Tensor]:
     """The unit's leaves from the full buffer (or the held tensor) of each bucket, cast to the
     compute dtype first (once per unit, before any gather), and those of `program.casts` then
     cast on (`Bucket.cast_views`): the Function's forward, and `fzero.gather` outside autograd
     (`cast=False`: the master dtype, no casts).
 
-    `alone` (the Function's forward): a leaf that is not a view of an `xs` that requires grad (a
-    view of a buffer gathered or cast here, or of stage 2's full buffer beside its shard) is
-    handed detached from it, a tensor of its own on the same storage and version counter. Its
-    views then behave as a param's do, as those of the leaves that are views of a differentiated
-    `xs` do: under `torch.no_grad()` a view of a tensor that requires grad still reports
+    `alone` (the Function's forward): per bucket, whether its differentiated tensor requires grad
+    (not where frozen, nor under torch.func, whose wrappers track grad); in such a bucket a leaf
+    that is not a view of an `xs` that requires grad (a view of a buffer gathered or cast here,
+    or of stage 2's full buffer beside its shard) is handed as the same view of an alias of its
+    buffer that requires grad (`_of_grad_bases`), as the leaves that are views of a
+    differentiated `xs` are. Their views then behave as a param's
+    do: under `torch.no_grad()` a view of a tensor that requires grad still reports
     `requires_grad`, which `torch.matmul` reads to choose between one product and a batched one
-    (a `linear` on a transposed 3-d input, as `nn.MultiheadAttention` with `batch_first` makes).
-    As views of a buffer that requires no grad, stage 2's and 3's leaves took the other product in
-    a no-grad forward (remat's), and their bits differed from stage 0's (found in review)."""
+    (a `linear` on a transposed 3-d input, as `nn.MultiheadAttention` with `batch_first` makes);
+    as views of a buffer that requires no grad, stage 2's and 3's leaves took the other product in
+    a no-grad forward (remat's), and their bits differed from stage 0's (found in review). And an
+    in-place write to one in grad mode is refused by torch at every stage, as a view a Function
+    returned (a first fix handed them detached, which torch let stage 2 write into its state)."""
     mesh, enter, casts, at = program.mesh, program.stage.enter.run, program.casts if cast else None, 0
     leaves: list[torch.Tensor] = []
-    for bucket, x in zip(program.buckets, xs):
+    for k, (bucket, x) in enumerate(zip(program.buckets, xs)):
         flat = enter(mesh, bucket.wire, x.to(bucket.wire.compute) if cast else x)
         views = bucket.views(flat)
-        leaves += views if casts is None else bucket.cast_views(flat, views, casts[at : at + len(views)])
+        views = views if casts is None else bucket.cast_views(flat, views, casts[at : at + len(views)])
         at += len(views)
-    if alone:
-        given = {x.untyped_storage()._cdata for x in xs if x.requires_grad}
-        leaves = [t if t.untyped_storage()._cdata in given else t.detach() for t in leaves]
+        leaves += _of_grad_bases(views, x) if alone and alone[k] else views
     if cast and program.watch:
         leaves = [t.as_subclass(Watched) if (t.dtype == torch.float32 if casts is None else casts[k] is not None)
                   else t for k, t in enumerate(leaves)]
     return leaves
+
+
+def _of_grad_bases(leaves: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    """`leaves` (one bucket's) with each view of a buffer other than `x` where `x` requires grad
+    (a gathered or cast buffer, stage 2's full one) re-made as the same view of one alias of
+    that buffer (`detach`: the same storage and version counter) that requires grad
+    (`gather_leaves`, `alone`)."""
+    aliases: dict[int, torch.Tensor] = {}
+    out = []
+    for t in leaves:
+        base = t._base
+        if base is None or (x.requires_grad and t.untyped_storage()._cdata == x.untyped_storage()._cdata):
+            out.append(t)
+            continue
+        alias = aliases.get(id(base))
+        if alias is None:
+            alias = aliases[id(base)] = base.detach().requires_grad_()
+        out.append(alias.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return out
 
 
 def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None],
@@ -409,7 +430,7 @@ class _Unit(torch.autograd.Function):
             check_forward_mode(program.mesh)
         held = [x if full is None else full for x, full in zip(xs, fulls)]
         anchor = shared_zeros((), xs[0].device).view(())  # a view: no kernel
-        return (*gather_leaves(program, held, alone=True), anchor)
+        return (*gather_leaves(program, held, alone=[x.requires_grad for x in xs]), anchor)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
