@@ -254,3 +254,89 @@ def test_a_no_grad_forward_takes_the_products_a_params_would(stage, remat):
     for (p0, l0), (ps, ls) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(stage))):
         assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)
     assert seen and all(seen)
+
+
+class _SelfAttention(torch.nn.Module):
+    """An attention and a gain (a param at this level, so that the unit's home, the module remat
+    checkpoints, is this one and not the attention, which returns `(out, None)`)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn, self.gain = torch.nn.MultiheadAttention(d, 2, batch_first=True), torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, q, k, v):
+        return self.attn(q, k, v, need_weights=False)[0] * self.gain
+
+
+class _RematCase(torch.nn.Module):
+    """`emb` (an `Embedding` of token ids, checkpointed in the "embedding" case; else a linear on
+    floats), then `b` (checkpointed in the other cases) and `head`; `b` is an attention called
+    `attn(h, h, h)`, or a `TransformerEncoderLayer` with dropout (its dropouts act on strided
+    activations); "eval_attention" runs the model in eval mode (the attention's fast path runs
+    only without grad)."""
+
+    def __init__(self, case: str, d: int = 8):
+        super().__init__()
+        self.case = case
+        self.emb = torch.nn.Embedding(11, d) if case == "embedding" else torch.nn.Linear(d, d)
+        if case == "encoder_dropout":
+            self.b = torch.nn.TransformerEncoderLayer(d, 2, 16, dropout=0.1, batch_first=True)
+        else:
+            self.b = _SelfAttention(d)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.emb(x) if self.case == "embedding" else torch.tanh(self.emb(x))
+        h = self.b(h) if self.case == "encoder_dropout" else h + self.b(h, h, h)  # one tensor passed three times
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("case", ["attention_hhh", "attention_autocast", "encoder_dropout", "eval_attention",
+                                  "embedding"])
+def test_remat_gives_the_bits_of_the_run_without_it_where_the_forward_used_to_differ(case, stage):
+    """Found in review; each differed before (the first four silently, by up to 8.6e-3 in a
+    param after two steps; the last raised):
+    - `attn(h, h, h)`: the recompute got three separate tensors, so `query is key` failed and
+      the attention took its other projection; a tensor passed twice is now one input
+      (`_Plan.index`), in fp32 and under CPU bf16 autocast (whose casts made without grad also
+      took other products);
+    - a `TransformerEncoderLayer`'s dropouts: under `torch.func.vjp` the replayed dropout of a
+      strided activation drew its mask in another layout; outside transforms the recompute now
+      runs under torch's autograd, as the run without checkpointing does;
+    - an attention in eval mode: its fast path runs only without grad, and remat's forward ran
+      without grad; it now runs in grad mode, its graph dropped;
+    - an `Embedding` unit's token ids (and a bool mask): `requires_grad` on them raised in
+      backward; only floating-point inputs are differentiated now.
+    Stage `stage` with remat gives stage 0's bits without remat, N = 2, two steps."""
+    d = 8
+    mesh = fzero.SimMesh(2)
+
+    def run(stage, remat):
+        torch.manual_seed(0)
+        model = _RematCase(case, d)
+        which = ["emb"] if case == "embedding" else ["b"]
+        params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0], remat=which if remat else False)
+        if case == "eval_attention":
+            apply.eval()
+
+        def loss(p, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "attention_autocast"):
+                out = apply(p, b[0])
+            return torch.nn.functional.cross_entropy(out.float(), b[1])
+
+        def rank_fn():
+            state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(loss)
+            losses = []
+            for t in range(2):
+                g = torch.Generator().manual_seed(10 * t + mesh.rank)
+                x = torch.randint(0, 11, (2, 5), generator=g) if case == "embedding" else torch.randn(2, 5, d, generator=g)
+                state, m = step(state, (x, torch.randint(0, 3, (2,), generator=g)))
+                losses.append(m.loss)
+            return fzero.gather(state), losses
+
+        return mesh.run(rank_fn)
+
+    for (p0, l0), (ps, ls) in zip(run(0, False), run(stage, True)):
+        assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)

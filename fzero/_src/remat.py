@@ -3,16 +3,20 @@
 `remat_call(forward, params, args, kwargs)` computes `forward(params, *args, **kwargs)` (a
 unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
 
-- in forward runs `forward` without building a graph and saves only its inputs: the tensors
-  among `args` / `kwargs` (activations) and `params` (the unit's leaves: views of its gathered
-  storage, which the step frees after the forward and gathers again when backward unpacks them;
-  the Function saves no activation of its own);
+- in forward runs `forward` in grad mode (outside torch.func transforms: some ops choose their
+  kernel by grad mode or by whether an operand requires grad) and drops its graph, and saves
+  only its inputs: the distinct tensors among `args` / `kwargs` (activations; one passed twice,
+  as in `attn(h, h, h)`, is one input, the same object at both places in the recompute) and
+  `params` (the unit's leaves: views of its gathered storage, which the step frees after the
+  forward and gathers again when backward unpacks them; the Function keeps no activation of its
+  own);
 - in backward unpacks them (in stage 3: one re-gather of the unit, which then serves both the
   recompute and the unit's own backward), puts back the random-number state the forward
   started from (CPU generator, and the CUDA generator of every CUDA device among the inputs),
   recomputes `forward` under the autocast settings of the forward (as `torch.utils.checkpoint`
-  does: backward runs outside the loss's `torch.autocast` block) and takes its vector-Jacobian
-  product with `torch.func.vjp`, and restores the generators it found.
+  does: backward runs outside the loss's `torch.autocast` block) and takes the gradients of its
+  floating-point inputs: by torch's autograd outside torch.func transforms, as the run without
+  checkpointing does, by `torch.func.vjp` inside one; and restores the generators it found.
 
 The recompute runs the same ops on the same values with the same random numbers, so its
 outputs, and the vjp's gradients, are the bits of the run without checkpointing
@@ -32,6 +36,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .collectives import func_level
 
 
 class RngState(NamedTuple):
@@ -90,10 +96,14 @@ class _Plan:
     rng: RngState
     autocast: Autocast
     out: list  # [output treespec], filled by the forward
+    index: tuple[int, ...] = ()  # per position of `(*params, *arg tensors)`, its distinct tensor
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """`forward(params, *args, **kwargs)` from the flat tensors `(*params, *arg tensors)`,
+        """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
+        per distinct object among `(*params, *arg tensors)`: a tensor passed twice, as in
+        `attn(h, h, h)`, is the same object at both places again, which a module may test),
         as a flat tuple of output tensors."""
+        tensors = tuple(tensors[i] for i in self.index) if self.index else tensors
         k = len(self.names)
         params, rest = dict(zip(self.names, tensors[:k])), iter(tensors[k:])
         leaves = [next(rest) if c is TENSOR else c for c in self.consts]
@@ -117,17 +127,26 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     consts = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
     names = tuple(params)
     inputs = [*(params[n] for n in names), *tensors]
-    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [])
-    outs = _Remat.apply(plan, *inputs)
+    distinct = {id(t): t for t in inputs}
+    index = tuple(list(distinct).index(id(t)) for t in inputs)
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index)
+    outs = _Remat.apply(plan, *distinct.values())
     return tree_unflatten(list(outs), plan.out[0])
 
 
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The forward in grad mode where no torch.func transform runs, its graph dropped: some
+        ops choose their kernel by grad mode or by whether an operand requires grad (a cast
+        autocast makes, an eval-mode attention's fast path), so a forward without grad could take
+        other kernels than the run without checkpointing, and than the recompute (found in
+        review: remat against no remat differed under autocast and in eval mode)."""
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
-        return tuple(t.view_as(t) if id(t) in given else t for t in plan.call(tensors))
+        with torch.enable_grad() if func_level() is None else contextlib.nullcontext():
+            outs = plan.call(tensors)
+        return tuple(t.view_as(t) if id(t) in given else t.detach() for t in outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -142,11 +161,48 @@ class _Remat(torch.autograd.Function):
         found = RngState.now(list(tensors))
         plan.rng.put()
         try:
-            detached = tuple(t.detach() for t in tensors)
             with torch.enable_grad(), plan.autocast.context():
-                _, vjp = torch.func.vjp(lambda *ts: plan.call(ts), *detached)
-                got = vjp(tuple(grads))
+                got = _recomputed_grads(plan, tensors, grads)
         finally:
             found.put()
         needs = ctx.needs_input_grad[1:]
         return (None, *(g if need else None for g, need in zip(got, needs)))
+
+
+def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
+                      ) -> list[torch.Tensor | None]:
+    """The gradients of the distinct `tensors` (the saved inputs) from the recomputed forward and
+    the outputs' `grads`: only floating-point and complex inputs are differentiated (token ids, a
+    bool mask: before, `requires_grad` on them raised). Outside torch.func transforms by torch's
+    autograd, as the run without checkpointing computes them (under `torch.func.vjp` a dropout of
+    a strided activation drew its mask in another layout than the forward's: found in review),
+    each input differentiated through a view of it, not a leaf (autocast caches its casts of a
+    leaf that requires grad, so a weight used twice was cast once and its gradients summed in
+    bf16, where the run without checkpointing, whose params are no leaves, casts it twice);
+    inside one by `torch.func.vjp`, which composes with it."""
+    wanted = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    inputs = [t.detach() for t in tensors]
+    got: list[torch.Tensor | None] = [None] * len(tensors)
+    if func_level() is None:
+        used = list(inputs)
+        for i in wanted:  # differentiated through a view: not a leaf, whose casts autocast would cache
+            used[i] = inputs[i].requires_grad_().view_as(inputs[i])  # (the run without remat has none)
+        outs = plan.call(tuple(used))
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        if pairs:
+            found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                        allow_unused=True)
+            for i, g in zip(wanted, found):
+                got[i] = g
+        return got
+
+    def of(*ds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ts = list(inputs)
+        for i, d in zip(wanted, ds):
+            ts[i] = d
+        return plan.call(tuple(ts))
+
+    _, vjp = torch.func.vjp(of, *(inputs[i] for i in wanted))
+    for i, g in zip(wanted, vjp(tuple(grads))):
+        got[i] = g
+    return got
