@@ -4,7 +4,8 @@
 unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
 
 - in forward runs `forward` in grad mode (outside torch.func transforms: some ops choose their
-  kernel by grad mode or by whether an operand requires grad) and drops its graph, and saves
+  kernel by grad mode or by whether an operand requires grad), its graph keeping no tensor
+  (saved-tensor hooks drop them) and dropped when it returns, and saves
   only its inputs: the distinct tensors among `args` / `kwargs` (activations; one passed twice,
   as in `attn(h, h, h)`, is one input, the same object at both places in the recompute) and
   `params` (the unit's leaves: views of its gathered storage, which the step frees after the
@@ -97,6 +98,7 @@ class _Plan:
     autocast: Autocast
     out: list  # [output treespec], filled by the forward
     index: tuple[int, ...] = ()  # per position of `(*params, *arg tensors)`, its distinct tensor
+    transformed: bool = False  # called inside a torch.func transform (a Function's forward sees none)
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
@@ -129,7 +131,8 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     inputs = [*(params[n] for n in names), *tensors]
     distinct = {id(t): t for t in inputs}
     index = tuple(list(distinct).index(id(t)) for t in inputs)
-    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index)
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index,
+                 func_level() is not None)
     outs = _Remat.apply(plan, *distinct.values())
     return tree_unflatten(list(outs), plan.out[0])
 
@@ -144,7 +147,7 @@ class _Remat(torch.autograd.Function):
         review: remat against no remat differed under autocast and in eval mode)."""
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
-        with torch.enable_grad() if func_level() is None else contextlib.nullcontext():
+        with torch.enable_grad() if plan.transformed else _graph_dropped():  # (torch.func refuses hooks)
             outs = plan.call(tensors)
         return tuple(t.view_as(t) if id(t) in given else t.detach() for t in outs)
 
@@ -167,6 +170,23 @@ class _Remat(torch.autograd.Function):
             found.put()
         needs = ctx.needs_input_grad[1:]
         return (None, *(g if need else None for g, need in zip(got, needs)))
+
+
+def _graph_dropped() -> contextlib.ExitStack:
+    """Grad mode, with every tensor the graph would save dropped (packed as None): the graph is
+    never differentiated, so the forward keeps no activation even while it runs."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.enable_grad())
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_dropped, _never_read))
+    return stack
+
+
+def _dropped(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_read(_: None) -> torch.Tensor:
+    raise RuntimeError("fzero: remat's forward graph is dropped, never differentiated (a bug if seen)")
 
 
 def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
