@@ -216,3 +216,48 @@ def test_a_parent_reading_a_childs_param_outside_its_forward_is_a_config_error(h
     want, got = mesh.run(lambda: rank_fn(0, "eager")), mesh.run(lambda: rank_fn(stage, "eager"))
     for (p0, l0), (p1, l1) in zip(want, got):
         assert torch.equal(l0, l1) and all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+class _FrozenProjection(torch.nn.Module):
+    """A linear, then `nn.MultiheadAttention(batch_first=True)` whose input projection is frozen:
+    its `linear` on a transposed 3-d input is one product or a batched one as `torch.matmul` finds
+    the weight's transpose requiring grad or not."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp, self.attn, self.head = torch.nn.Linear(d, d), torch.nn.MultiheadAttention(d, 2, batch_first=True), \
+            torch.nn.Linear(d, 3)
+        self.attn.in_proj_weight.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_frozen_weight_takes_the_product_torchs_frozen_param_takes(stage):
+    """Found in review: a frozen leaf came out of the unit's Function requiring grad, so its
+    transpose did, and `torch.matmul` folded the attention's input projection into one product,
+    where torch's frozen param (no grad) takes the batched one: the logits differed from the torch
+    module's in the last bit (5.96e-08), at every stage. Frozen leaves are now marked
+    non-differentiable: the step's forward gives the module's logits bit for bit."""
+    torch.manual_seed(0)
+    model = _FrozenProjection()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2, 5, 8, generator=g), torch.randint(0, 3, (2,), generator=g)
+    want = model(x).detach()
+    params, apply, info = fzero.from_module(model, units=lambda p: p.split(".")[0])
+    mesh = fzero.SimMesh(1)
+    seen = []
+
+    def loss(p, b):
+        out = apply(p, b[0])
+        seen.append(out.detach())
+        return torch.nn.functional.cross_entropy(out, b[1])
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        fzero.train_step(loss)(state, (x, y))
+
+    mesh.run(rank_fn)
+    assert torch.equal(seen[0], want)

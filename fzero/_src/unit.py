@@ -378,6 +378,20 @@ def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool =
     return leaves
 
 
+def _frozen_leaves(program: UnitProgram, output: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The leaves of the unit's frozen buckets among the Function's `output` (leaves in bucket
+    order, then the anchor): they get no gradient, and are handed not requiring grad, as torch's
+    frozen params are (found in review: a frozen weight that required grad made `torch.matmul`
+    fold a `linear` on a transposed 3-d input where torch's does not, other bits than DDP's)."""
+    out, at = [], 0
+    for bucket in program.buckets:
+        n = len(bucket.leaves)
+        if bucket.frozen:
+            out.extend(output[at : at + n])
+        at += n
+    return out
+
+
 def _of_grad_bases(leaves: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
     """`leaves` (one bucket's) with each view of a buffer other than `x` where `x` requires grad
     (a gathered or cast buffer, stage 2's full one) re-made as the same view of one alias of
@@ -435,6 +449,9 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.program, ctx.after, ctx.inflight, ctx.k = inputs[0], inputs[1], inputs[2], inputs[3]
+        frozen = _frozen_leaves(inputs[0], output)
+        if frozen:  # as a torch param with requires_grad=False: torch.matmul reads that to choose its product
+            ctx.mark_non_differentiable(*frozen)
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[4 : 4 + ctx.k]]
         ctx.beside = [full is not None for full in inputs[4 + ctx.k : 4 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
