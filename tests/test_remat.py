@@ -268,6 +268,20 @@ class _SelfAttention(torch.nn.Module):
         return self.attn(q, k, v, need_weights=False)[0] * self.gain
 
 
+class _Penalised(torch.nn.Module):
+    """Returns the gradient of an energy of its input, taken inside its forward (a force field, a
+    gradient penalty), with the graph kept for the backward through it."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        with torch.enable_grad():
+            energy = torch.tanh(self.lin(h)).square().sum()
+            return torch.autograd.grad(energy, h, create_graph=True)[0]
+
+
 class _RematCase(torch.nn.Module):
     """`emb` (an `Embedding` of token ids, checkpointed in the "embedding" case; else a linear on
     floats), then `b` (checkpointed in the other cases) and `head`; `b` is an attention called
@@ -281,19 +295,26 @@ class _RematCase(torch.nn.Module):
         self.emb = torch.nn.Embedding(11, d) if case == "embedding" else torch.nn.Linear(d, d)
         if case == "encoder_dropout":
             self.b = torch.nn.TransformerEncoderLayer(d, 2, 16, dropout=0.1, batch_first=True)
+        elif case == "gradient_in_forward":
+            self.b = _Penalised(d)
         else:
             self.b = _SelfAttention(d)
+        if case == "frozen_projection":
+            self.b.attn.in_proj_weight.requires_grad_(False)
         self.head = torch.nn.Linear(d, 3)
 
     def forward(self, x):
         h = self.emb(x) if self.case == "embedding" else torch.tanh(self.emb(x))
-        h = self.b(h) if self.case == "encoder_dropout" else h + self.b(h, h, h)  # one tensor passed three times
+        if self.case in ("encoder_dropout", "gradient_in_forward"):
+            h = self.b(h)
+        else:
+            h = h + self.b(h, h, h)  # one tensor passed three times
         return self.head(h).mean(1)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("case", ["attention_hhh", "attention_autocast", "encoder_dropout", "eval_attention",
-                                  "embedding"])
+                                  "embedding", "frozen_projection"])
 def test_remat_gives_the_bits_of_the_run_without_it_where_the_forward_used_to_differ(case, stage):
     """Found in review; each differed before (the first four silently, by up to 8.6e-3 in a
     param after two steps; the last raised):
@@ -307,7 +328,10 @@ def test_remat_gives_the_bits_of_the_run_without_it_where_the_forward_used_to_di
     - an attention in eval mode: its fast path runs only without grad, and remat's forward ran
       without grad; it now runs in grad mode, its graph dropped;
     - an `Embedding` unit's token ids (and a bool mask): `requires_grad` on them raised in
-      backward; only floating-point inputs are differentiated now.
+      backward; only floating-point inputs are differentiated now;
+    - a frozen weight (the attention's input projection): the recompute differentiated it, so
+      it required grad there and matmul took another product than the forward's; only inputs
+      that need a gradient are differentiated now (found in a third review).
     Stage `stage` with remat gives stage 0's bits without remat, N = 2, two steps."""
     d = 8
     mesh = fzero.SimMesh(2)
@@ -339,4 +363,35 @@ def test_remat_gives_the_bits_of_the_run_without_it_where_the_forward_used_to_di
         return mesh.run(rank_fn)
 
     for (p0, l0), (ps, ls) in zip(run(0, False), run(stage, True)):
+        assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_module_may_differentiate_inside_its_forward(stage):
+    """A module that takes a gradient inside its forward (`_Penalised`, `create_graph=True`) runs
+    under remat at stages 0 and 3 (a version of remat whose forward dropped every saved tensor
+    broke it: found in review), and stage 3 gives stage 0's bits. Its gradients are NOT those of
+    the run without remat (a second-order path differs; the cause is not found yet, and the
+    difference is older than this session): docs/bad-input.md, "does not compare or check"."""
+    d = 8
+    mesh = fzero.SimMesh(2)
+
+    def run(stage, remat):
+        torch.manual_seed(0)
+        params, apply, info = fzero.from_module(_RematCase("gradient_in_forward", d), units=lambda p: p.split(".")[0],
+                                                remat=["b"] if remat else False)
+
+        def rank_fn():
+            state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))
+            losses = []
+            for t in range(2):
+                g = torch.Generator().manual_seed(10 * t + mesh.rank)
+                state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+                losses.append(m.loss)
+            return fzero.gather(state), losses
+
+        return mesh.run(rank_fn)
+
+    for (p0, l0), (ps, ls) in zip(run(0, True), run(stage, True)):
         assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)

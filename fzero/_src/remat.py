@@ -3,9 +3,8 @@
 `remat_call(forward, params, args, kwargs)` computes `forward(params, *args, **kwargs)` (a
 unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
 
-- in forward runs `forward` in grad mode (outside torch.func transforms: some ops choose their
-  kernel by grad mode or by whether an operand requires grad), its graph keeping no tensor
-  (saved-tensor hooks drop them) and dropped when it returns, and saves
+- in forward runs `forward` in grad mode (some ops choose their kernel by grad mode or by
+  whether an operand requires grad), its graph dropped when it returns, and saves
   only its inputs: the distinct tensors among `args` / `kwargs` (activations; one passed twice,
   as in `attn(h, h, h)`, is one input, the same object at both places in the recompute) and
   `params` (the unit's leaves: views of its gathered storage, which the step frees after the
@@ -16,7 +15,7 @@ unit's submodule, with its parameters bound) through one autograd Function, `_Re
   started from (CPU generator, and the CUDA generator of every CUDA device among the inputs),
   recomputes `forward` under the autocast settings of the forward (as `torch.utils.checkpoint`
   does: backward runs outside the loss's `torch.autocast` block) and takes the gradients of its
-  floating-point inputs: by torch's autograd outside torch.func transforms, as the run without
+  floating-point inputs that need one: by torch's autograd outside torch.func transforms, as the run without
   checkpointing does, by `torch.func.vjp` inside one; and restores the generators it found.
 
 The recompute runs the same ops on the same values with the same random numbers, so its
@@ -59,7 +58,6 @@ class RngState(NamedTuple):
             torch.cuda.set_rng_state(state, d)
 
 
-@dataclasses.dataclass(eq=False)
 @dataclasses.dataclass(frozen=True)
 class Autocast:
     """The autocast settings a forward runs under: per device type (CPU, and CUDA where an input
@@ -98,7 +96,6 @@ class _Plan:
     autocast: Autocast
     out: list  # [output treespec], filled by the forward
     index: tuple[int, ...] = ()  # per position of `(*params, *arg tensors)`, its distinct tensor
-    transformed: bool = False  # called inside a torch.func transform (a Function's forward sees none)
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
@@ -131,8 +128,7 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     inputs = [*(params[n] for n in names), *tensors]
     distinct = {id(t): t for t in inputs}
     index = tuple(list(distinct).index(id(t)) for t in inputs)
-    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index,
-                 func_level() is not None)
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index)
     outs = _Remat.apply(plan, *distinct.values())
     return tree_unflatten(list(outs), plan.out[0])
 
@@ -140,14 +136,16 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
 class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The forward in grad mode where no torch.func transform runs, its graph dropped: some
-        ops choose their kernel by grad mode or by whether an operand requires grad (a cast
-        autocast makes, an eval-mode attention's fast path), so a forward without grad could take
-        other kernels than the run without checkpointing, and than the recompute (found in
-        review: remat against no remat differed under autocast and in eval mode)."""
+        """The forward in grad mode, its graph dropped when it returns: some ops choose their
+        kernel by grad mode or by whether an operand requires grad (a cast autocast makes, an
+        eval-mode attention's fast path), so a forward without grad could take other kernels than
+        the run without checkpointing, and than the recompute (found in review: remat against no
+        remat differed under autocast and in eval mode). Until it returns the graph holds what the
+        unit's ops save, as the recompute in backward does (a module may also differentiate
+        inside its forward, a gradient penalty)."""
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
-        with torch.enable_grad() if plan.transformed else _graph_dropped():  # (torch.func refuses hooks)
+        with torch.enable_grad():
             outs = plan.call(tensors)
         return tuple(t.view_as(t) if id(t) in given else t.detach() for t in outs)
 
@@ -165,44 +163,31 @@ class _Remat(torch.autograd.Function):
         plan.rng.put()
         try:
             with torch.enable_grad(), plan.autocast.context():
-                got = _recomputed_grads(plan, tensors, grads)
+                got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:])
         finally:
             found.put()
         needs = ctx.needs_input_grad[1:]
         return (None, *(g if need else None for g, need in zip(got, needs)))
 
 
-def _graph_dropped() -> contextlib.ExitStack:
-    """Grad mode, with every tensor the graph would save dropped (packed as None): the graph is
-    never differentiated, so the forward keeps no activation even while it runs."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.enable_grad())
-    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_dropped, _never_read))
-    return stack
-
-
-def _dropped(t: torch.Tensor) -> None:
-    return None
-
-
-def _never_read(_: None) -> torch.Tensor:
-    raise RuntimeError("fzero: remat's forward graph is dropped, never differentiated (a bug if seen)")
-
-
-def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]
-                      ) -> list[torch.Tensor | None]:
+def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...],
+                      needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
     """The gradients of the distinct `tensors` (the saved inputs) from the recomputed forward and
-    the outputs' `grads`: only floating-point and complex inputs are differentiated (token ids, a
-    bool mask: before, `requires_grad` on them raised). Outside torch.func transforms by torch's
+    the outputs' `grads`: only the floating-point and complex inputs that `needs` a gradient are
+    differentiated; the others (token ids and bool masks, on which `requires_grad` raised before;
+    frozen leaves and activations that require no grad, which torch's ops must see so, as the
+    run without checkpointing has them: found in review) enter requiring none. Outside torch.func transforms by torch's
     autograd, as the run without checkpointing computes them (under `torch.func.vjp` a dropout of
     a strided activation drew its mask in another layout than the forward's: found in review),
     each input differentiated through a view of it, not a leaf (autocast caches its casts of a
     leaf that requires grad, so a weight used twice was cast once and its gradients summed in
     bf16, where the run without checkpointing, whose params are no leaves, casts it twice);
     inside one by `torch.func.vjp`, which composes with it."""
-    wanted = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and needs[i]]
     inputs = [t.detach() for t in tensors]
     got: list[torch.Tensor | None] = [None] * len(tensors)
+    if not wanted:
+        return got
     if func_level() is None:
         used = list(inputs)
         for i in wanted:  # differentiated through a view: not a leaf, whose casts autocast would cache
