@@ -272,3 +272,17 @@ class PeakAtBackward(fzero.SimMesh):
         if op == "reduce_scatter" and self.forward_peak is None:
             self.forward_peak = self.census.peak
         return super().start(op, x, **kw)
+
+
+def classifier_steps(mesh, params, units, loss, stage: int, d: int, steps: int = 2, **step_kw):
+    """On one rank of `mesh`: `(gathered params, [loss per step])` after `steps` AdamW(1e-2)
+    steps of `loss` at `stage`, on batches `(randn(2, 5, d), randint(0, 3, (2,)))` drawn from a
+    generator seeded by the step and the rank."""
+    state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=units)
+    step = fzero.train_step(loss, **step_kw)
+    losses = []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(10 * t + mesh.rank)
+        state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
+        losses.append(m.loss)
+    return fzero.gather(state), losses

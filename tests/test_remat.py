@@ -20,6 +20,7 @@ from fzero.testing import examples
 from fzero.testing.strategies import seed_per_case
 
 from . import prefetch_cases as cases
+from .stage_harness import classifier_steps
 from .test_prefetch import _equal
 
 
@@ -242,14 +243,7 @@ def test_a_no_grad_forward_takes_the_products_a_params_would(stage, remat):
         return torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])
 
     def rank_fn(s):
-        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=s, mesh=mesh, units=info.units)
-        step = fzero.train_step(loss)
-        losses = []
-        for t in range(2):
-            g = torch.Generator().manual_seed(10 * t + mesh.rank)
-            state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
-            losses.append(m.loss)
-        return fzero.gather(state), losses
+        return classifier_steps(mesh, params, info.units, loss, s, d)
 
     for (p0, l0), (ps, ls) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(stage))):
         assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)
@@ -381,17 +375,10 @@ def test_a_checkpointed_module_may_differentiate_inside_its_forward(stage):
         params, apply, info = fzero.from_module(_RematCase("gradient_in_forward", d), units=lambda p: p.split(".")[0],
                                                 remat=["b"] if remat else False)
 
-        def rank_fn():
-            state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
-            step = fzero.train_step(lambda p, b: torch.nn.functional.cross_entropy(apply(p, b[0]), b[1]))
-            losses = []
-            for t in range(2):
-                g = torch.Generator().manual_seed(10 * t + mesh.rank)
-                state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
-                losses.append(m.loss)
-            return fzero.gather(state), losses
+        def loss(p, b):
+            return torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])
 
-        return mesh.run(rank_fn)
+        return mesh.run(lambda: classifier_steps(mesh, params, info.units, loss, stage, d))
 
     for (p0, l0), (ps, ls) in zip(run(0, True), run(stage, True)):
         assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)

@@ -22,7 +22,7 @@ from fzero import evaluate
 from fzero import DivergentPaths
 from fzero.accounting import LiveStorages
 
-from .stage_harness import PeakAtBackward
+from .stage_harness import PeakAtBackward, classifier_steps
 
 
 class _Blocks(torch.nn.Module):
@@ -513,14 +513,7 @@ def test_a_module_that_returns_its_param_keeps_its_unit_gathered(whole, prefetch
         return torch.nn.functional.cross_entropy(apply(p, b[0]), b[1])
 
     def rank_fn(stage):
-        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
-        step = fzero.train_step(loss, **({"prefetch": prefetch} if stage == 3 else {}))
-        losses = []
-        for t in range(2):
-            g = torch.Generator().manual_seed(10 * t + mesh.rank)
-            state, m = step(state, (torch.randn(2, 5, d, generator=g), torch.randint(0, 3, (2,), generator=g)))
-            losses.append(m.loss)
-        return fzero.gather(state), losses
+        return classifier_steps(mesh, params, info.units, loss, stage, d, **({"prefetch": prefetch} if stage == 3 else {}))
 
     for (p0, l0), (p3, l3) in zip(mesh.run(lambda: rank_fn(0)), mesh.run(lambda: rank_fn(3))):
         assert all(torch.equal(a, b) for a, b in zip(l0, l3))
