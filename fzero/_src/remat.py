@@ -161,9 +161,10 @@ class _Remat(torch.autograd.Function):
         plan: _Plan = ctx.plan
         found = RngState.now(list(tensors))
         plan.rng.put()
+        second = torch.is_grad_enabled()  # backward with create_graph=True: a second derivative follows
         try:
             with torch.enable_grad(), plan.autocast.context():
-                got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:])
+                got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
         finally:
             found.put()
         needs = ctx.needs_input_grad[1:]
@@ -171,7 +172,7 @@ class _Remat(torch.autograd.Function):
 
 
 def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...],
-                      needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
+                      needs: tuple[bool, ...], second: bool = False) -> list[torch.Tensor | None]:
     """The gradients of the distinct `tensors` (the saved inputs) from the recomputed forward and
     the outputs' `grads`: only the floating-point and complex inputs that `needs` a gradient are
     differentiated; the others (token ids and bool masks, on which `requires_grad` raised before;
@@ -182,7 +183,10 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     each input differentiated through a view of it, not a leaf (autocast caches its casts of a
     leaf that requires grad, so a weight used twice was cast once and its gradients summed in
     bf16, where the run without checkpointing, whose params are no leaves, casts it twice);
-    inside one by `torch.func.vjp`, which composes with it."""
+    inside one by `torch.func.vjp`, which composes with it. `second` (a backward with
+    `create_graph=True`, as a gradient penalty over the unit takes): the recompute runs on the
+    saved tensors themselves and its gradients keep their graph, so that the second derivative
+    reaches the inputs (found in review: it was lost, other gradients than without remat)."""
     wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and needs[i]]
     inputs = [t.detach() for t in tensors]
     got: list[torch.Tensor | None] = [None] * len(tensors)
@@ -191,12 +195,14 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     if func_level() is None:
         used = list(inputs)
         for i in wanted:  # differentiated through a view: not a leaf, whose casts autocast would cache
-            used[i] = inputs[i].requires_grad_().view_as(inputs[i])  # (the run without remat has none)
+            if second:  # (the run without remat has none)
+                inputs[i] = tensors[i]
+            used[i] = (inputs[i] if second else inputs[i].requires_grad_()).view_as(inputs[i])
         outs = plan.call(tuple(used))
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if pairs:
             found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
-                                        allow_unused=True)
+                                        allow_unused=True, create_graph=second)
             for i, g in zip(wanted, found):
                 got[i] = g
         return got
