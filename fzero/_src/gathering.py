@@ -287,8 +287,8 @@ class Gathering:
         Function's `ctx.w`, a loss holding `p["a.weight"]` across the module), or a view made since
         (a slice or a `self.weight.t()` cached on a module). Such a unit is not freed: before, the
         reference read freed memory (torch's "data is not allocated", or a segfault)."""
-        at_read = self._at_read.get(unit)
-        if at_read is None or _use_count is None:
+        at_read = self._at_read.get(unit)  # (none where torch lacks `_use_count`)
+        if at_read is None:
             return False
         now = self._uses(unit)
         return any(a > b for a, b in zip(now.storages + now.leaves, at_read.storages + at_read.leaves))

@@ -167,8 +167,7 @@ class _Remat(torch.autograd.Function):
                 got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
         finally:
             found.put()
-        needs = ctx.needs_input_grad[1:]
-        return (None, *(g if need else None for g, need in zip(got, needs)))
+        return (None, *got)  # (None for every input that needs no gradient)
 
 
 def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...],
@@ -193,11 +192,11 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     if not wanted:
         return got
     if func_level() is None:
+        for i in wanted:
+            inputs[i] = tensors[i] if second else inputs[i].requires_grad_()
         used = list(inputs)
         for i in wanted:  # differentiated through a view: not a leaf, whose casts autocast would cache
-            if second:  # (the run without remat has none)
-                inputs[i] = tensors[i]
-            used[i] = (inputs[i] if second else inputs[i].requires_grad_()).view_as(inputs[i])
+            used[i] = inputs[i].view_as(inputs[i])  # (the run without remat has none)
         outs = plan.call(tuple(used))
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if pairs:
