@@ -170,3 +170,92 @@ def test_gather_on_use_weight_tied_across_blocks():
         out[gather] = mesh.run(rank_fn, [(torch.randn(2, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)])
     assert all(torch.equal(out["eager"][0][k], out["on_use"][0][k]) for k in params)
 
+
+
+class _Tripled(torch.autograd.Function):
+    """The identity forward, three times the gradient backward: its gradient tells whether the
+    leaf got the Function's (3 g) or none at all."""
+
+    @staticmethod
+    def forward(x):
+        return x * 1.0
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3.0
+
+
+_W = torch.full((3, 3), 0.5)
+
+
+class _ClosureRead(torch.autograd.Function):
+    """A forward that reads a tensor that is no input of the Function: no gradient reaches it
+    through the Function, whatever it is."""
+
+    @staticmethod
+    def forward(x, holder):
+        return x @ holder["w"]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_custom_function_given_an_on_use_placeholder_raises_where_it_would_get_no_gradient(stage):
+    """Before: with nested params and `gather="on_use"`, `Fn.apply(p["a"]["w"])` -- which does not
+    go through torch's function dispatch, so `FirstUse` never swapped the placeholder -- built the
+    Function on the placeholder: the forward's values were right (its ops swapped it), but `a.w`
+    got no gradient through it and the step updated it without that path, silently (the
+    reentrant `torch.utils.checkpoint` the same way, where eager gets torch's own error). Now the
+    forward's first use of the placeholder raises `ConfigError` naming the Function and the leaf,
+    on every rank; a view made by torch (`w.view_as(w)`), the func engine (whose Function call goes
+    through the dispatch) and a placeholder read from a closure give eager's bits."""
+    import torch.utils.checkpoint as checkpoint
+
+    params = {"a": {"w": torch.full((3, 3), 0.1), "b": torch.zeros(3)}, "h": {"w": torch.full((3, 2), 0.2)}}
+    mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
+    batches = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(r)),) for r in range(2)]
+    holder: dict = {}
+
+    def head(p, x, w):  # (B, 3) -> 0-d
+        return (torch.tanh(x @ w + p["a"]["b"]) @ p["h"]["w"]).square().mean()
+
+    losses = {
+        "apply": lambda p, x: head(p, x, _Tripled.apply(p["a"]["w"])),
+        "view": lambda p, x: head(p, x, _Tripled.apply(p["a"]["w"].view_as(p["a"]["w"]))),
+        "reentrant": lambda p, x: head(p, x, checkpoint.checkpoint(torch.mul, p["a"]["w"], 3.0,
+                                                                   use_reentrant=True)),
+        "closure": lambda p, x: head(p, _ClosureRead.apply(x, holder.update(w=p["h"]["w"][:, :1].T.expand(3, 3))
+                                                           or holder), p["a"]["w"]),
+    }
+
+    def run(name, gather, engine="autograd"):
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path.split(".")[0])
+            return fzero.gather(fzero.train_step(losses[name], gather=gather, engine=engine)(state, x)[0])
+
+        return mesh.run(rank_fn, batches)
+
+    for name in ("apply", "reentrant"):
+        with pytest.raises(fzero.ConfigError) as caught:
+            run(name, "on_use")
+        fn = "_Tripled" if name == "apply" else "CheckpointFunction"
+        assert f"Function {fn} received the placeholder of ['a.w'] as an input" in str(caught.value)
+        assert "view_as" in str(caught.value)
+    eager = run("apply", "eager")
+    losses["plain"] = lambda p, x: head(p, x, p["a"]["w"])
+    assert not torch.equal(eager[0]["a"]["w"], run("plain", "eager")[0]["a"]["w"])  # the Function's 3 g reached a.w
+    for got in (run("view", "on_use"), run("apply", "on_use", "func")):
+        for g, e in zip(got, eager):
+            fzero.testing.assert_trees_equal(g, e)
+    for g, e in zip(run("closure", "on_use"), run("closure", "eager")):
+        fzero.testing.assert_trees_equal(g, e)

@@ -835,7 +835,10 @@ class FirstUse(TorchFunctionMode):
     that receives a placeholder gets the real leaf instead -- so the unit is gathered, and its
     Function created, at its first use. Reading a placeholder's attributes through torch
     (`.shape` included) counts as a use; data read any other way (e.g. `.data_ptr()`) would see
-    the placeholder's zeros."""
+    the placeholder's zeros. A custom `torch.autograd.Function` is such a way: its `apply` does
+    not go through torch's function dispatch, so a placeholder passed to it would be the node's
+    input and the leaf would get no gradient from it; where its forward uses the placeholder,
+    that raises (`_not_into_function`)."""
 
     def __init__(self, placeholders: dict[int, str], read: Callable[[str], torch.Tensor]) -> None:
         super().__init__()
@@ -845,10 +848,43 @@ class FirstUse(TorchFunctionMode):
         flat, spec = tree_flatten((args, kwargs or {}))
         if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
             _not_from_compiled(self._paths, flat)
+            if not (torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()
+                    or torch._C._are_functorch_transforms_active()):
+                _not_into_function(self._paths, flat)  # forward grad off: what a Function's forward runs under
             flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
                     for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **(kwargs or {}))
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+def _not_into_function(paths: dict[int, str], flat: list[Any]) -> None:
+    """Raise `ConfigError` where a placeholder in `flat` is an input of a custom
+    `torch.autograd.Function` whose `apply` is running (on this thread's stack; reached only
+    where forward-mode grad is off, as in every Function's forward). Such a Function was built on
+    the placeholder, a tensor apart from the leaf's graph: the leaf would get no gradient through
+    it (without this check, with nested params and `gather="on_use"`, the update skipped that
+    path silently), and the backward would read the placeholder's zeros for what it saved. A
+    placeholder a forward reads from a closure is no input: swapped as elsewhere, it gets no
+    gradient through the Function, as the leaf would not in "eager"."""
+    here = {id(a) for a in flat if isinstance(a, torch.Tensor) and id(a) in paths}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _APPLY:
+            inputs = tree_flatten((frame.f_locals.get("args", ()), frame.f_locals.get("kwargs", {})))[0]
+            named = [paths[id(a)] for a in inputs if isinstance(a, torch.Tensor) and id(a) in here]
+            if named:
+                fn = frame.f_locals.get("cls")
+                raise ConfigError(
+                    f"gather='on_use' with params that are not a flat dict: the custom autograd.Function "
+                    f"{getattr(fn, '__qualname__', fn)} received the placeholder of {named} as an input. fzero swaps "
+                    f"a placeholder for the gathered leaf at the first torch function that receives it, but "
+                    f"Function.apply bypasses torch's function dispatch, so the Function would be built on the "
+                    f"placeholder and the leaf would get no gradient through it; pass a view of the leaf made by "
+                    f"torch (Fn.apply(w.view_as(w))), use gather='eager', or flat-dict params")
+        frame = frame.f_back
 
 
 @eager
