@@ -711,6 +711,21 @@ def test_buffers_resume_and_export(tmp_path):
     assert exported["1.num_batches_tracked"].dtype == torch.int64 and int(exported["1.num_batches_tracked"]) == 1
     assert "module buffers (rank 0's): 1.running_mean float32[16]" in ck.summary(path)
 
+    # the CLI's export writes the int64 buffer too (before: KeyError torch.int64 in
+    # save_safetensors, exit status 1, no file); a dtype safetensors lacks is a CheckpointError
+    from safetensors.torch import load_file
+
+    from fzero._src.cli import main
+
+    out = tmp_path / "bn.safetensors"
+    assert main(["export", path, str(out)]) == 0
+    back = load_file(str(out))
+    assert set(back) == set(exported) and all(torch.equal(back[k], exported[k]) for k in exported)
+    assert back["1.num_batches_tracked"].dtype == torch.int64
+    with pytest.raises(ck.CheckpointError, match=r"no dtype for \{'z': 'torch.complex64'\}.*nothing was written"):
+        ck.save_safetensors({**exported, "z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "z.safetensors")
+    assert not (tmp_path / "z.safetensors").exists()
+
 
 def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
     model = _bn_model()

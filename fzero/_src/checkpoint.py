@@ -1174,7 +1174,9 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
 # -- export, offline ----------------------------------------------------------------------------
 
 _SAFETENSORS = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
-                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.bool: "BOOL",
+                torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+                torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}  # BatchNorm's num_batches_tracked: I64
 
 
 def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -1212,6 +1214,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
     """Write `tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header
     of dtype, shape and byte offsets per name, padded to 8 bytes, then the raw little-endian data).
     A tensor reached under two names is written once (safetensors has no aliasing)."""
+    other = {name: str(t.dtype) for name, t in tensors.items() if t.dtype not in _SAFETENSORS}
+    if other:
+        raise CheckpointError(f"save_safetensors: safetensors has no dtype for {other} (it takes "
+                              f"{sorted({str(d).removeprefix('torch.') for d in _SAFETENSORS})}); nothing was written")
     seen: dict[int, str] = {}
     header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
     blobs, offset = [], 0

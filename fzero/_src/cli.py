@@ -366,6 +366,8 @@ def _run_export(args: argparse.Namespace) -> int:
     manifest = ckpt.read_manifest(args.checkpoint)
     try:
         ckpt.save_safetensors(tensors, args.out, {"format": "pt", "fzero_step": str(manifest["step"])})
+    except ckpt.CheckpointError as e:
+        raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(f"cannot write {args.out!r}: {e}") from None
     print(f"wrote {args.out}: {len(tensors)} tensors, step {manifest['step']}")
