@@ -7,7 +7,7 @@ holds, asserts that they equal ZeRO's formulas (fp32 AdamW: 4 + 4 + 8 bytes per 
 term divided by N where the stage shards it, plus the layout's padding), and finally asserts that
 all four stages end with bit-identical parameters.
 
-Run (one process, N simulated ranks; the defaults, 4 x (256 -> 1024 -> 256), peak at 0.5 GB RSS):
+Run (one process, N simulated ranks; the defaults, 4 x (256 -> 1024 -> 256), peak at 0.6 GB RSS):
     python examples/mlp_stages.py --world-size 2
     python examples/mlp_stages.py --dim 64 --hidden 256 --blocks 2        # tiny, as CI runs it
     python examples/mlp_stages.py --dim 1024 --hidden 4096 --blocks 12    # 100.7M params, ~20 GB RAM

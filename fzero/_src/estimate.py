@@ -409,7 +409,7 @@ def estimate(
       stage: 0-3, or None for all four.
       param_dtype, grad_dtype, optimizer: see `bytes_per_param`.
       offload: a `fzero.Offload(...)`, or its settings as `offload_optimizer` (None, "cpu",
-        "nvme"), `offload_params` (None, "cpu"; stage 3) and `offload_ratio` (r in (0, 1]).
+        "nvme"), `offload_params` (None, "cpu", "nvme"; stage 3) and `offload_ratio` (r in (0, 1]).
 
     Returns:
       A `MemoryEstimate` for `stage`, or a tuple of them for stages 0, 1, 2, 3 (with an offload:
