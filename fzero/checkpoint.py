@@ -1,6 +1,7 @@
 """Checkpoints in a canonical per-leaf form: save on N ranks at one stage, load on M at another,
 bit for bit; a checkpoint is visible only when complete (see `fzero._src.checkpoint`)."""
 
+from fzero._src.checkpoint import BuffersNotLoaded as BuffersNotLoaded
 from fzero._src.checkpoint import CheckpointError as CheckpointError
 from fzero._src.checkpoint import complete as complete
 from fzero._src.checkpoint import export as export
@@ -11,5 +12,5 @@ from fzero._src.checkpoint import save as save
 from fzero._src.checkpoint import save_safetensors as save_safetensors
 from fzero._src.checkpoint import summary as summary
 
-__all__ = ["CheckpointError", "complete", "export", "latest", "load", "read_manifest", "save", "save_safetensors",
+__all__ = ["BuffersNotLoaded", "CheckpointError", "complete", "export", "latest", "load", "read_manifest", "save", "save_safetensors",
            "summary"]

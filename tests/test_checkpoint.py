@@ -2,7 +2,10 @@
 uninterrupted run; crashes inside save leave the previous checkpoint the latest; bad checkpoints
 raise CheckpointError and leave the target as it was."""
 
+import dataclasses
+import json
 import os
+import shutil
 import tempfile
 
 import optree
@@ -214,7 +217,8 @@ def test_crash_inside_save_keeps_the_previous(point):
         got = load_on(ck.latest(root), 2, 2, "adamw")
         assert all(int(x.step) == 1 for x, _ in got)
         assert_same(merged_opt([x for x, _ in got]), merged_opt(one), "optimizer state")
-        assert saves(mesh, root, two) == ck.latest(root) == os.path.join(root, "step-2")  # a retry works
+        assert saves(mesh, root, two, keep=2) == ck.latest(root) == os.path.join(root, "step-2")  # a retry works
+        assert not any(name.startswith(".tmp-") for name in os.listdir(root))  # keep= clears the crashed save's
 
 
 def test_keep_and_latest():
@@ -236,6 +240,44 @@ def test_keep_and_latest():
         assert ck.latest(root) == os.path.join(root, "step-3")
         with pytest.raises(ck.CheckpointError, match="manifest.json.*does not exist"):
             load_on(os.path.join(root, "step-4"), 1, 0, "sgd-momentum")
+
+
+def test_latest_and_keep_follow_the_order_of_writing_not_of_steps():
+    """A run rolled back to step 2 (after step 4 was saved) that saves its step 3 with `keep=1`:
+    step-3 is the newest state, so `latest` names it and `keep` deletes step-4 and step-2.
+    Before, both ranked checkpoints by step: `keep=1` deleted the step-3 just written (and `save`
+    still returned its path), and `latest` named the abandoned step-4, so an auto-resume
+    restarted from it silently (found in review; a root reused by a new run the same way).
+    Manifests written before the order was recorded sort by step, before the newer ones."""
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss_fn)
+    with tempfile.TemporaryDirectory() as root:
+
+        def rank_fn():
+            state = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=mesh)
+            for k in range(4):
+                state, _ = step(state, batch(k, mesh.rank))
+                if k in (1, 3):
+                    ck.save(state, root)  # step-2, step-4
+            target = fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=mesh)
+            state, _ = step(ck.load(os.path.join(root, "step-2"), target), batch(7, mesh.rank))
+            return ck.save(state, root, keep=1), fzero.gather(state)
+
+        (path, want), _ = mesh.run(rank_fn)
+        assert path == os.path.join(root, "step-3") == ck.latest(root) and ck.complete(root) == [path]
+        got = mesh.run(lambda: fzero.gather(ck.load(ck.latest(root), fzero.init(
+            make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=mesh))))[0]
+        assert_same(flat_leaves(got), flat_leaves(want), "params")
+
+        older = os.path.join(root, "step-9")  # an older fzero's manifest, without "written"
+        shutil.copytree(path, older)
+        manifest = os.path.join(older, "manifest.json")
+        with open(manifest) as f:
+            m = json.load(f)
+        del m["written"]
+        with open(manifest, "w") as f:
+            json.dump(m, f)
+        assert ck.complete(root) == [older, path] and ck.latest(root) == path
 
 
 def test_save_refuses_an_existing_step():
@@ -355,6 +397,18 @@ def test_frozen_and_groups_reshard(stage):
         got = sim2.run(lambda: second(FROZEN))
         with pytest.raises(ck.CheckpointError, match="leaf 0 \\('bias'\\) differs in frozen"):
             sim2.run(lambda: second(FROZEN[1:]))
+        # the groups' settings change the update: other ones are refused (before, loaded silently, and the
+        # resumed run stepped as another run would; found in review), naming the setting and the groups
+        decayed = (FROZEN[0], fzero.ParamGroup("no_decay", match=lambda p: p == "scale"))
+        with pytest.raises(ck.CheckpointError, match=r"\('scale'\) differs in weight_decay: checkpoint False, target "
+                                                     r"True; make the target with the ParamGroups it was saved with "
+                                                     r"\(group 'no_decay' then, 'no_decay' now\)"):
+            sim2.run(lambda: second(decayed))
+        scaled = (FROZEN[0], dataclasses.replace(FROZEN[1], lr_scale=0.5))
+        with pytest.raises(ck.CheckpointError, match=r"\('scale'\) differs in lr_scale: checkpoint 1.0, target 0.5"):
+            sim2.run(lambda: second(scaled))
+        thawed_scale = (dataclasses.replace(FROZEN[0], lr_scale=3.0), FROZEN[1])  # a frozen leaf's group: no update
+        sim2.run(lambda: second(thawed_scale))
     assert_same(flat_leaves(got[0][1]), flat_leaves(saved[0][2]), "params")
     assert_same(merged_opt([s for s, _ in got]), merged_opt([s for s, _, _ in saved]), "optimizer state")
 
@@ -746,7 +800,16 @@ def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
             mesh.run(lambda: ck.load(path, state, buffers=buffers))
     with pytest.raises(ck.CheckpointError, match="buffers must be None or a dict"):
         mesh.run(lambda: ck.save(state, str(tmp_path / "bad"), buffers=torch.zeros(2)))
-    mesh.run(lambda: ck.load(kept, state))  # without buffers=: they are left as they are
+    before = {k: v.clone() for k, v in info.buffers.items()}
+    for v in info.buffers.values():
+        v.add_(1)
+    changed = {k: v.clone() for k, v in info.buffers.items()}
+    # without buffers=: they are left as they are, and rank 0 warns (before: silently)
+    with pytest.warns(ck.BuffersNotLoaded, match=r"holds module buffers \['1.running_mean', '1.running_var', "
+                                                 r"'1.num_batches_tracked'\].*pass buffers=info.buffers"):
+        mesh.run(lambda: ck.load(kept, state))
+    assert all(torch.equal(info.buffers[k], changed[k]) and not torch.equal(changed[k], before[k]) for k in before)
+    mesh.run(lambda: ck.load(plain, state))  # a checkpoint without buffers: nothing to warn of
     manifest = tmp_path / "kept" / "step-1" / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"name": "1.running_mean"', '"name": 7'))
     with pytest.raises(ck.CheckpointError, match="field 'buffers' must be null or a list of buffer records"):

@@ -92,11 +92,18 @@ from .state import (NamedFn, ZeroState, check_pending, check_state, describe, ma
 FORMAT = 2
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-step-\d+-[0-9a-f]+$")
+GROUP_KEYS = ("weight_decay", "lr_scale")  # a leaf record's group settings that `load` compares
 CRASH_POINTS = ("before_data", "mid_data", "before_manifest", "before_rename")
 
 
 class CheckpointError(FzeroError, ValueError):
     """A checkpoint is missing, incomplete, corrupted, or does not fit the target state."""
+
+
+class BuffersNotLoaded(UserWarning):
+    """`load` without `buffers=` of a checkpoint saved with them: the module buffers stay as
+    they are."""
 
 
 class _Crash(RuntimeError):
@@ -565,19 +572,23 @@ def _jsonable(x: Any) -> Any:
 
 
 def describe_layout(layout: Layout) -> list[dict[str, Any]]:
-    """Per leaf: path, shape, dtype, unit, group, frozen (what `load` checks: path, shape, dtype, frozen)."""
+    """Per leaf: path, shape, dtype, unit, group, frozen and the group's weight_decay and lr_scale
+    (what `load` checks: all but unit and group, the names)."""
     return [{"path": ls.path, "shape": list(ls.shape), "dtype": str(ls.dtype).removeprefix("torch."),
-             "unit": ls.unit, "group": ls.group.name, "frozen": ls.group.frozen} for ls in layout.leaves]
+             "unit": ls.unit, "group": ls.group.name, "frozen": ls.group.frozen,
+             "weight_decay": ls.group.weight_decay, "lr_scale": ls.group.lr_scale} for ls in layout.leaves]
 
 
 def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
-                buffers: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}` and,
-    where saved, module `buffers` (name, shape, dtype each; None where none were given)."""
+                buffers: dict[str, torch.Tensor] | None = None, written: int = 0) -> dict[str, Any]:
+    """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}`, where
+    saved module `buffers` (name, shape, dtype each; None where none were given), and `written`:
+    its place in the order of the root's saves (`complete`)."""
     p = state.precision
     return {
         "format": FORMAT,
         "step": int(state.step),
+        "written": written,
         "stage": state.stage.level,
         "world_size": state.mesh.world_size,
         "leaves": describe_layout(state.layout),
@@ -682,8 +693,11 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
 
     Each rank's canonical chunks and RNG states go through `dcp.save` (module docstring), all
     ranks agree, and rank 0 writes the manifest with every file's sha256 and renames the folder
-    into place. With `keep=K`, rank 0 then deletes the oldest complete checkpoints beyond the
-    newest K. With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
+    into place. With `keep=K`, rank 0 first deletes the `.tmp-step-*` folders of saves that
+    crashed, and after the rename the complete checkpoints but the K written last (`complete`:
+    in the order written, so never the one just written). A step skipped for a non-finite
+    gradient does not advance `state.step`: a save after it names the folder of the save before,
+    which raises "exists already". With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
     BatchNorm's running statistics), rank 0's are saved too (DDP's convention: its buffers are
     rank 0's), for `load(..., buffers=)` and `export`; the other ranks' are not read.
 
@@ -741,6 +755,10 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
         error = None
         if rank == 0:
             try:
+                if keep is not None:  # what saves that crashed left: room for this one (a full disk)
+                    for name in os.listdir(root):
+                        if _TMP_DIR.match(name):
+                            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
                 os.makedirs(tmp)
             except OSError as e:
                 error = e
@@ -766,14 +784,15 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
             files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
                      for f in names}
-            _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, bufs), indent=1).encode())
+            written = 1 + max([w for w, _, _ in _found(root)], default=0)
+            _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, bufs, written), indent=1).encode())
             _fsync_dir(tmp)
             if _fail_at == "before_rename":
                 raise _Crash("simulated crash before the rename")
             os.rename(tmp, final)
             _fsync_dir(root)
             if keep is not None:
-                for old in complete(root)[:-keep]:
+                for old in complete(root)[:-keep]:  # in the order written: never the one just written
                     shutil.rmtree(old)
         _barrier(mesh, "fzero.checkpoint/published")
     return final
@@ -844,6 +863,12 @@ def _check_manifest(name: str, m: dict[str, Any]) -> None:
                             ("frozen", "a bool", lambda v: isinstance(v, bool))):
             if k not in ls or not ok(ls[k]):
                 raise bad(f"leaves[{i}].{k}", want, ls.get(k))
+        for k, want, ok in (("weight_decay", "a bool", lambda v: isinstance(v, bool)),
+                            ("lr_scale", "a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))):
+            if k in ls and not ok(ls[k]):  # (absent from manifests written before the field)
+                raise bad(f"leaves[{i}].{k}", want, ls[k])
+    if "written" in m and not count(m["written"], 0):
+        raise bad("written", "an int >= 0", m["written"])
     buffers = m.get("buffers")
     if buffers is not None and not (isinstance(buffers, list) and all(
             isinstance(b, dict) and isinstance(b.get("name"), str) and isinstance(b.get("dtype"), str)
@@ -863,8 +888,17 @@ def _files_present(path: str, manifest: dict[str, Any]) -> bool:
 
 
 def complete(root: str | os.PathLike) -> list[str]:
-    """The complete checkpoints under `root` (a valid manifest, every file of its size), oldest first."""
-    root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
+    """The complete checkpoints under `root` (a valid manifest, every file of its size), in the
+    order they were written (each save's manifest records one more than the root's last,
+    `written`; by step among those of the same, as manifests from before the field): oldest
+    first. Not by step: a run rolled back to an earlier checkpoint writes lower steps after
+    higher ones, and its newest state is the one written last (as DeepSpeed's `latest` file
+    names the last save)."""
+    return [p for _, _, p in _found(_fspath(root, "root (the folder that holds the step-<n> checkpoints)"))]
+
+
+def _found(root: str) -> list[tuple[int, int, str]]:
+    """`(written, step, path)` of each complete checkpoint under `root`, sorted."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -878,27 +912,35 @@ def complete(root: str | os.PathLike) -> list[str]:
         except CheckpointError:
             continue
         if _files_present(path, manifest):
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
+            found.append((manifest.get("written", 0), int(m.group(1)), path))
+    return sorted(found)
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The complete checkpoint under `root` written last, or None."""
     done = complete(root)
     return done[-1] if done else None
 
 
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
-    """The checkpoint's leaves (path, shape, dtype, frozen), optimizer and scaler are the target's;
-    a `CheckpointError` naming the first mismatch otherwise. (Files are checked as they are read.)"""
+    """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
+    lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
+    scaler are the target's; a `CheckpointError` naming the first mismatch otherwise. (Files are
+    checked as they are read.) A group's settings change the update as the optimizer's do: a
+    resume under other groups would step on from the same state as another run (found in review:
+    silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
     keys = ("path", "shape", "dtype", "frozen")
     for i, (a, b) in enumerate(zip(theirs, mine)):
         diff = [k for k in keys if a.get(k) != b[k]]
-        if diff:
-            shown = ", ".join(f"{k}: checkpoint {a.get(k)!r}, target {b[k]!r}" for k in diff)
+        groups = [k for k in GROUP_KEYS if k in a and a[k] != b[k] and not b["frozen"]]  # (a frozen leaf: no update)
+        if diff or groups:
+            shown = ", ".join(f"{k}: checkpoint {a.get(k)!r}, target {b[k]!r}" for k in diff + groups)
+            fix = (f"make the target with the ParamGroups it was saved with (group {a.get('group')!r} then, "
+                   f"{b['group']!r} now)" if groups and not diff
+                   else "load into a state made by fzero.init from the same params pytree")
             raise CheckpointError(f"{path!r} was saved from another layout: leaf {i} ({b['path']!r}) differs in "
-                                  f"{shown}; load into a state made by fzero.init from the same params pytree")
+                                  f"{shown}; {fix}")
     if len(theirs) != len(mine):
         raise CheckpointError(f"{path!r} holds {len(theirs)} leaves, the target's layout {len(mine)}; load into a "
                               f"state made by fzero.init from the same params pytree")
@@ -1109,7 +1151,8 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     are set to the ones saved by the same rank. With `buffers` (`{name: tensor}`, e.g.
     `ModuleInfo.buffers`), the buffers `save(..., buffers=)` kept (rank 0's) are copied into
     them in place, on every rank that passes them; the names, shapes and dtypes must be the
-    saved ones.
+    saved ones. Without `buffers`, a checkpoint that holds them warns (`BuffersNotLoaded`, on
+    rank 0), where before it left them unloaded silently (found in review).
     """
     if not isinstance(target, ZeroState):
         raise CheckpointError(f"checkpoint.load: target must be a ZeroState made by fzero.init (the state to load "
@@ -1165,6 +1208,12 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         with torch.no_grad():
             for k, t in read.items():
                 bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
+        if bufs is None and manifest.get("buffers") and target.rank == 0:
+            warnings.warn(BuffersNotLoaded(
+                f"checkpoint.load: {shown} holds module buffers {[b['name'] for b in manifest['buffers']][:6]} (saved "
+                f"with buffers=), which were not loaded: pass buffers=info.buffers to load them (BatchNorm's running "
+                f"statistics: without them the resumed model is not the saved one), or silence this warning "
+                f"(fzero.checkpoint.BuffersNotLoaded) where leaving them is meant"), stacklevel=2)
     scale = None
     if target.loss_scale is not None:
         scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))
