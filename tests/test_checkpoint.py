@@ -265,6 +265,9 @@ def test_latest_and_keep_follow_the_order_of_writing_not_of_steps():
 
         (path, want), _ = mesh.run(rank_fn)
         assert path == os.path.join(root, "step-3") == ck.latest(root) and ck.complete(root) == [path]
+        fresh = os.path.join(root, "new", "run")  # keep= into a root that does not exist yet (review: it raised)
+        assert mesh.run(lambda: ck.save(fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=mesh), fresh,
+                                        keep=1))[0] == os.path.join(fresh, "step-0")
         got = mesh.run(lambda: fzero.gather(ck.load(ck.latest(root), fzero.init(
             make_params(), OPTIMIZERS["adamw"](), stage=1, mesh=mesh))))[0]
         assert_same(flat_leaves(got), flat_leaves(want), "params")
@@ -808,6 +811,12 @@ def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
     with pytest.warns(ck.BuffersNotLoaded, match=r"holds module buffers \['1.running_mean', '1.running_var', "
                                                  r"'1.num_batches_tracked'\].*pass buffers=info.buffers"):
         mesh.run(lambda: ck.load(kept, state))
+    two = fzero.SimMesh(2)  # every rank warns: under -W error each raises alike, none is left waiting
+    state2 = two.run(lambda: fzero.init(params, fzero.optim.adamw(1e-2), stage=1, mesh=two, units=info.units))
+    kept2 = two.run(lambda: ck.save(state2[two.rank], str(tmp_path / "kept2"), buffers=info.buffers))[0]
+    with pytest.warns(ck.BuffersNotLoaded) as seen:  # (warnings' filters are global: caught around both threads)
+        two.run(lambda: ck.load(kept2, state2[two.rank]))
+    assert [type(w.message) for w in seen] == [ck.BuffersNotLoaded] * 2
     assert all(torch.equal(info.buffers[k], changed[k]) and not torch.equal(changed[k], before[k]) for k in before)
     mesh.run(lambda: ck.load(plain, state))  # a checkpoint without buffers: nothing to warn of
     manifest = tmp_path / "kept" / "step-1" / "manifest.json"

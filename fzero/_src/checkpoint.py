@@ -755,7 +755,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
         error = None
         if rank == 0:
             try:
-                if keep is not None:  # what saves that crashed left: room for this one (a full disk)
+                if keep is not None and os.path.isdir(root):  # what crashed saves left: room for this one
                     for name in os.listdir(root):
                         if _TMP_DIR.match(name):
                             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -893,7 +893,8 @@ def complete(root: str | os.PathLike) -> list[str]:
     `written`; by step among those of the same, as manifests from before the field): oldest
     first. Not by step: a run rolled back to an earlier checkpoint writes lower steps after
     higher ones, and its newest state is the one written last (as DeepSpeed's `latest` file
-    names the last save)."""
+    names the last save). The counter is the manifest's: a checkpoint copied in from another
+    root keeps the place it had there."""
     return [p for _, _, p in _found(_fspath(root, "root (the folder that holds the step-<n> checkpoints)"))]
 
 
@@ -1152,7 +1153,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     `ModuleInfo.buffers`), the buffers `save(..., buffers=)` kept (rank 0's) are copied into
     them in place, on every rank that passes them; the names, shapes and dtypes must be the
     saved ones. Without `buffers`, a checkpoint that holds them warns (`BuffersNotLoaded`, on
-    rank 0), where before it left them unloaded silently (found in review).
+    every rank), where before it left them unloaded silently (found in review).
     """
     if not isinstance(target, ZeroState):
         raise CheckpointError(f"checkpoint.load: target must be a ZeroState made by fzero.init (the state to load "
@@ -1208,7 +1209,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         with torch.no_grad():
             for k, t in read.items():
                 bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
-        if bufs is None and manifest.get("buffers") and target.rank == 0:
+        if bufs is None and manifest.get("buffers"):  # on every rank: each raises alike under -W error
             warnings.warn(BuffersNotLoaded(
                 f"checkpoint.load: {shown} holds module buffers {[b['name'] for b in manifest['buffers']][:6]} (saved "
                 f"with buffers=), which were not loaded: pass buffers=info.buffers to load them (BatchNorm's running "
