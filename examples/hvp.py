@@ -74,7 +74,7 @@ def run_rank(mesh: fzero.Mesh, stage: int, args, forward: bool) -> dict:
     out = {"trained": fzero.gather(state)}
 
     state = init(optim.sgd(LR))  # 2. H̄ v through one step of plain SGD
-    step = fzero.train_step(plain, engine="func", accum_dtype=torch.float64)  # float32 by default
+    step = fzero.train_step(plain, engine="func")  # float64 params: gradients added in float64
     new = lambda p: step(state.replace(params=p), batch)[0].params  # noqa: E731
     v = tuple(torch.ones_like(p) for p in state.params)
     g = torch.func.grad(lambda p: sum((n * u).sum() for n, u in zip(new(p), v)))(state.params)

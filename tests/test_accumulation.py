@@ -263,6 +263,9 @@ def test_bad_input():
         (3, dict(accumulate="once"), batch, "accumulate='once' .* stage 3 shards gradients"),
         (1, dict(normalize="tokens", fn=_loss), batch, "normalize='tokens' needs loss_fn to return \\(loss_sum, count\\)"),
         (1, dict(normalize="tokens", fn=lambda p, b: (_loss(p, b), 0)), batch, "total token count .* is 0.0"),
+        # an empty micro-batch's (0.0, 0): before, "must return a 0-d floating tensor (this rank's mean loss)"
+        (1, dict(normalize="tokens", fn=lambda p, b: (0.0, 0)), batch,
+         "the loss_sum loss_fn returned must be a 0-d floating tensor .*torch.zeros\\(\\(\\)\\) where it has no token"),
     ]
     import re
     for stage, kw, arg, pattern in cases:
@@ -295,3 +298,31 @@ def test_micro_batches_equal_one_step_on_the_concatenated_batch(mode):
     want = -torch.cat(xs).sum(dim=0) / 8
     for a, b in zip(whole, split):
         assert torch.equal(a, b) and torch.equal(a, want)
+
+
+@pytest.mark.parametrize("stage, k, mode", [(s, k, m) for k, m in [(1, "each"), (2, "each"), (2, "once")]
+                                             for s in range(4) if m == "each" or s < 2])  # "once": stages 0-1
+def test_float64_gradients_are_added_in_float64(stage, k, mode):
+    """float64 params with the default `accum_dtype` (float32): the gradients are added in the
+    wider dtype, so one micro-batch at N = 1 gives torch's SGD step bit for bit, and k = 2 the
+    step on `(g_1 + g_2)` added in float64. Before, every gradient went through float32 even with
+    one micro-batch, where nothing is added: 1.1e-07 from torch's step (found in review)."""
+    w0 = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    xs = [torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1 + i)) for i in range(k)]
+
+    def loss(p, x):
+        return (x @ p["w"]).sin().sum()
+
+    ref = torch.nn.Parameter(w0.clone())
+    for x in xs:
+        (loss({"w": ref}, x) / k).backward()
+    torch.optim.SGD([ref], lr=1.0, foreach=False).step()
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"w": w0.clone()}, optim.sgd(1.0, impl="single"), stage=stage, mesh=mesh)
+        step = fzero.train_step(loss, micro_batches=k, accumulate=mode)
+        return fzero.gather(step(state, xs if k > 1 else xs[0])[0])["w"]
+
+    got = mesh.run(rank_fn)[0]
+    assert got.dtype == torch.float64 and torch.equal(got, ref.detach()), (got - ref).abs().max()

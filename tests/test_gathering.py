@@ -209,18 +209,54 @@ class _ClosureRead(torch.autograd.Function):
         return g, None
 
 
+class _Vmapped(_Tripled):
+    """`_Tripled` whose forward reads its input inside `torch.vmap`."""
+
+    @staticmethod
+    def forward(x):
+        return torch.vmap(lambda row: row * 1.0)(x)
+
+
+class _Inference(_Tripled):
+    """`_Tripled` whose forward reads its input under `torch.inference_mode()`."""
+
+    @staticmethod
+    def forward(x):
+        with torch.inference_mode():
+            return (x * 1.0).clone()
+
+
+class _ListArg(torch.autograd.Function):
+    """A tensor inside a list argument is no input of the Function to autograd: no gradient
+    reaches it through the Function, whatever it is."""
+
+    @staticmethod
+    def forward(x, ws):
+        return x @ ws[0][:, :1].T.expand(3, 3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_a_custom_function_given_an_on_use_placeholder_raises_where_it_would_get_no_gradient(stage):
+def test_a_custom_function_given_an_on_use_placeholder_in_grad_mode_raises(stage):
     """Before: with nested params and `gather="on_use"`, `Fn.apply(p["a"]["w"])` -- which does not
     go through torch's function dispatch, so `FirstUse` never swapped the placeholder -- built the
     Function on the placeholder: the forward's values were right (its ops swapped it), but `a.w`
-    got no gradient through it and the step updated it without that path, silently (the
-    reentrant `torch.utils.checkpoint` the same way, where eager gets torch's own error). Now the
-    forward's first use of the placeholder raises `ConfigError` naming the Function and the leaf,
-    on every rank; a view made by torch (`w.view_as(w)`), the func engine (whose Function call goes
-    through the dispatch) and a placeholder read from a closure give eager's bits."""
-    import torch.utils.checkpoint as checkpoint
-
+    got no gradient through it and the step updated it without that path, silently. Now each
+    placeholder views a 0-d root that requires grad, which the step differentiates too: a root
+    that gets a gradient raises `ConfigError` naming the leaf, on every rank, before anything is
+    updated -- also where the Function's forward reads it under `vmap` or `inference_mode`, and
+    for a frozen leaf (its backward may read what it saved: the placeholder's zeros). Where no
+    gradient is asked of the placeholder -- a Function applied under `torch.no_grad()`, to a list
+    holding it, or reading it from a closure, and `fzero.evaluate` -- it gives eager's bits, as
+    do a view made by torch (`w.view_as(w)`) and the func engine (whose Function call goes through
+    the dispatch)."""
     params = {"a": {"w": torch.full((3, 3), 0.1), "b": torch.zeros(3)}, "h": {"w": torch.full((3, 2), 0.2)}}
     mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
     batches = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(r)),) for r in range(2)]
@@ -229,33 +265,50 @@ def test_a_custom_function_given_an_on_use_placeholder_raises_where_it_would_get
     def head(p, x, w):  # (B, 3) -> 0-d
         return (torch.tanh(x @ w + p["a"]["b"]) @ p["h"]["w"]).square().mean()
 
+    def no_grad_apply(p, x):  # a statistic through the Function, then the leaf itself
+        with torch.no_grad():
+            s = _Tripled.apply(p["a"]["w"]).abs().sum()
+        return head(p, x, p["a"]["w"]) * s
+
     losses = {
         "apply": lambda p, x: head(p, x, _Tripled.apply(p["a"]["w"])),
+        "vmap inside": lambda p, x: head(p, x, _Vmapped.apply(p["a"]["w"])),
+        "inference inside": lambda p, x: head(p, x, _Inference.apply(p["a"]["w"])),
         "view": lambda p, x: head(p, x, _Tripled.apply(p["a"]["w"].view_as(p["a"]["w"]))),
-        "reentrant": lambda p, x: head(p, x, checkpoint.checkpoint(torch.mul, p["a"]["w"], 3.0,
-                                                                   use_reentrant=True)),
         "closure": lambda p, x: head(p, _ClosureRead.apply(x, holder.update(w=p["h"]["w"][:, :1].T.expand(3, 3))
                                                            or holder), p["a"]["w"]),
+        "list": lambda p, x: head(p, _ListArg.apply(x, [p["h"]["w"]]), p["a"]["w"]),
+        "no_grad": no_grad_apply,
     }
 
-    def run(name, gather, engine="autograd"):
+    def run(name, gather, engine="autograd", groups=()):
         def rank_fn(x):
-            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path.split(".")[0])
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path.split(".")[0],
+                               groups=groups)
             return fzero.gather(fzero.train_step(losses[name], gather=gather, engine=engine)(state, x)[0])
 
         return mesh.run(rank_fn, batches)
 
-    for name in ("apply", "reentrant"):
-        with pytest.raises(fzero.ConfigError) as caught:
-            run(name, "on_use")
-        fn = "_Tripled" if name == "apply" else "CheckpointFunction"
-        assert f"Function {fn} received the placeholder of ['a.w'] as an input" in str(caught.value)
-        assert "view_as" in str(caught.value)
+    frozen = (fzero.ParamGroup("frozen", match=lambda path: path == "a.w", frozen=True),)
+    for name, groups in (("apply", ()), ("vmap inside", ()), ("inference inside", ()), ("apply", frozen)):
+        with pytest.raises(fzero.ConfigError, match=r"was applied in grad mode to the placeholder of \['a.w'\].*"
+                                                    r"Fn.apply\(w.view_as\(w\)\).*Nothing was updated"):
+            run(name, "on_use", groups=groups)
     eager = run("apply", "eager")
     losses["plain"] = lambda p, x: head(p, x, p["a"]["w"])
     assert not torch.equal(eager[0]["a"]["w"], run("plain", "eager")[0]["a"]["w"])  # the Function's 3 g reached a.w
     for got in (run("view", "on_use"), run("apply", "on_use", "func")):
         for g, e in zip(got, eager):
             fzero.testing.assert_trees_equal(g, e)
-    for g, e in zip(run("closure", "on_use"), run("closure", "eager")):
-        fzero.testing.assert_trees_equal(g, e)
+    for name in ("closure", "list", "no_grad"):
+        for g, e in zip(run(name, "on_use"), run(name, "eager")):
+            fzero.testing.assert_trees_equal(g, e)
+
+    def evaluated(gather):
+        def rank_fn(x):
+            state = fzero.init(params, opt, stage=stage, mesh=mesh, units=lambda path: path.split(".")[0])
+            return fzero.evaluate(losses["apply"], gather=gather)(state, x)
+
+        return mesh.run(rank_fn, batches)
+
+    assert all(torch.equal(a, b) for a, b in zip(evaluated("on_use"), evaluated("eager")))

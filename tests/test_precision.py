@@ -248,6 +248,45 @@ def test_an_overflowed_step_changes_only_the_scaler():
     assert [m.loss_scale for *_, m, _ in out[0]] == [256.0, 256.0, 128.0, 64.0, 64.0, 64.0]
 
 
+@pytest.mark.parametrize("scaler", [fzero.DynamicLossScale(init_scale=2.0**15, hysteresis=1),
+                                    fzero.StaticLossScale(2.0**14)], ids=["dynamic", "static"])
+def test_an_fp16_loss_is_scaled_in_fp32_and_its_finite_gradients_step(scaler):
+    """A loss of ~5.6 computed in fp16 (params in fp16, as the policy computes): times 2^15 or
+    2^14 it overflows fp16, while its gradients do not. The step scales it in fp32, as
+    DeepSpeed's ZeRO optimizers scale `loss.float()`, so no step is skipped and the run equals the
+    one whose loss_fn returns `loss.float()`, bit for bit (the gradient reaching the loss is the
+    scale cast to fp16 either way). Before, every step of the static run was skipped (found in
+    review) and the dynamic run skipped two before its scale fell to 2^13."""
+    mesh, policy = fzero.SimMesh(2), fzero.Precision(torch.float16, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(8, 4, generator=g), 2.0 + torch.randn(8, 4, generator=g)) for _ in range(3)]
+            for _ in range(2)]
+
+    def loss16(p, batch):
+        x, y = batch
+        h = x.to(p["w"].dtype) @ p["w"] + p["b"]
+        return ((h - y.to(h.dtype)) ** 2).mean()
+
+    def run(loss_fn):
+        def rank_fn(batches):
+            params = {"w": torch.linspace(-0.2, 0.2, 16).reshape(4, 4), "b": torch.zeros(4)}
+            state = fzero.init(params, optim.adamw(1e-3), stage=1, mesh=mesh, precision=policy, loss_scale=scaler)
+            step, out = fzero.train_step(loss_fn), []
+            for batch in batches:
+                state, m = step(state, batch)
+                out.append(m)
+            return fzero.gather(state), out
+
+        return mesh.run(rank_fn, [(d,) for d in data])
+
+    narrow, wide = run(loss16), run(lambda p, b: loss16(p, b).float())
+    assert float(data[0][0][1].mean()) > 1 and not any(m.skipped for _, ms in narrow for m in ms)
+    assert all(m.loss_scale == float(scaler.init().scale) for _, ms in narrow for m in ms)
+    for (p16, m16), (p32, m32) in zip(narrow, wide):
+        fzero.testing.assert_trees_equal(p16, p32)
+        assert all(torch.equal(a.grad_norm, b.grad_norm) and torch.equal(a.loss, b.loss) for a, b in zip(m16, m32))
+
+
 def test_loss_scaling_needs_fp16():
     mesh = fzero.SimMesh(1)
     for prec in (fzero.Precision(), fzero.Precision(torch.bfloat16)):

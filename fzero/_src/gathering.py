@@ -194,6 +194,7 @@ class Gathering:
         self._backward_done: set[str] = set()  # units whose Function's backward has run
         self._handed: list[tuple[str, str, torch.Tensor, int]] = []  # (unit, path, leaf, version) handed out
         self._grad, self._inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()  # `call` sets them
+        self.roots: dict[str, torch.Tensor] = {}  # path -> the 0-d leaf its placeholder views (`FirstUse`)
 
     # -- one unit -------------------------------------------------------------------------
 
@@ -569,7 +570,12 @@ class Gathering:
         if is_flat_dict(layout):
             return lazy, _Unpacking(self) if self.releasable else contextlib.nullcontext()
         dev = {b.index: x.device for b, x in zip(layout.buckets, self._xs)}
-        holders = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]).expand(ls.shape) for ls in layout.leaves]
+        zeros = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]) for ls in layout.leaves]
+        if self._grad and not self._inference and func_level() is None:  # the step differentiates: see FirstUse
+            self.roots = {ls.path: z.requires_grad_() for ls, z in zip(layout.leaves, zeros)
+                          if z.is_floating_point() or z.is_complex()}
+        with torch.enable_grad():
+            holders = [z.expand(ls.shape) for ls, z in zip(layout.leaves, zeros)]
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
 
@@ -836,9 +842,12 @@ class FirstUse(TorchFunctionMode):
     Function created, at its first use. Reading a placeholder's attributes through torch
     (`.shape` included) counts as a use; data read any other way (e.g. `.data_ptr()`) would see
     the placeholder's zeros. A custom `torch.autograd.Function` is such a way: its `apply` does
-    not go through torch's function dispatch, so a placeholder passed to it would be the node's
-    input and the leaf would get no gradient from it; where its forward uses the placeholder,
-    that raises (`_not_into_function`)."""
+    not go through torch's function dispatch, so a placeholder passed to it is the node's input,
+    and the leaf would get no gradient from it. So where the step differentiates (grad mode, the
+    autograd engine, no torch.func level), each placeholder is a view of a 0-d leaf of its own
+    that requires grad (`Gathering.roots`): a Function applied to one in grad mode makes an edge
+    to that root, and the step, which differentiates the roots too, raises where any gets a
+    gradient (`step.refuse_placeholder_gradients`)."""
 
     def __init__(self, placeholders: dict[int, str], read: Callable[[str], torch.Tensor]) -> None:
         super().__init__()
@@ -848,43 +857,10 @@ class FirstUse(TorchFunctionMode):
         flat, spec = tree_flatten((args, kwargs or {}))
         if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
             _not_from_compiled(self._paths, flat)
-            if not (torch._C._is_fwd_grad_enabled() or torch.is_inference_mode_enabled()
-                    or torch._C._are_functorch_transforms_active()):
-                _not_into_function(self._paths, flat)  # forward grad off: what a Function's forward runs under
             flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
                     for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
         return func(*args, **(kwargs or {}))
-
-
-_APPLY = torch.autograd.Function.apply.__func__.__code__
-
-
-def _not_into_function(paths: dict[int, str], flat: list[Any]) -> None:
-    """Raise `ConfigError` where a placeholder in `flat` is an input of a custom
-    `torch.autograd.Function` whose `apply` is running (on this thread's stack; reached only
-    where forward-mode grad is off, as in every Function's forward). Such a Function was built on
-    the placeholder, a tensor apart from the leaf's graph: the leaf would get no gradient through
-    it (without this check, with nested params and `gather="on_use"`, the update skipped that
-    path silently), and the backward would read the placeholder's zeros for what it saved. A
-    placeholder a forward reads from a closure is no input: swapped as elsewhere, it gets no
-    gradient through the Function, as the leaf would not in "eager"."""
-    here = {id(a) for a in flat if isinstance(a, torch.Tensor) and id(a) in paths}
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _APPLY:
-            inputs = tree_flatten((frame.f_locals.get("args", ()), frame.f_locals.get("kwargs", {})))[0]
-            named = [paths[id(a)] for a in inputs if isinstance(a, torch.Tensor) and id(a) in here]
-            if named:
-                fn = frame.f_locals.get("cls")
-                raise ConfigError(
-                    f"gather='on_use' with params that are not a flat dict: the custom autograd.Function "
-                    f"{getattr(fn, '__qualname__', fn)} received the placeholder of {named} as an input. fzero swaps "
-                    f"a placeholder for the gathered leaf at the first torch function that receives it, but "
-                    f"Function.apply bypasses torch's function dispatch, so the Function would be built on the "
-                    f"placeholder and the leaf would get no gradient through it; pass a view of the leaf made by "
-                    f"torch (Fn.apply(w.view_as(w))), use gather='eager', or flat-dict params")
-        frame = frame.f_back
 
 
 @eager

@@ -49,7 +49,7 @@ import functools
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -242,8 +242,9 @@ def train_step(
         (stages 0-1: local gradients are added in micro-batch order and reduced once after the
         last, as DDP's `no_sync`). The two round differently; within a mode all stages agree
         bit for bit (proofs/accumulation.md).
-      accum_dtype: the dtype gradients are added in (fp32 by default, whatever the params' dtype);
-        the sum is cast to the params' dtype for the reduction ("once") or the optimizer.
+      accum_dtype: the dtype gradients are added in (fp32 by default), or the gradient's own where
+        that is wider (float64 params: float64); the sum is cast to the params' dtype for the
+        reduction ("once") or the optimizer.
       normalize: "mean" (loss_fn returns this rank's mean loss) or "tokens" (loss_fn returns
         `(loss_sum, count)`; the step divides the gradient and the loss by the total count over
         all micro-batches and ranks, agreed in the step's one agreement collective).
@@ -475,7 +476,8 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
     summed over micro-batches, Report (OR over micro-batches), token count summed)`.
 
-    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`); "once": `reduce(Σ_i g_i)`. The sums run
+    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`, or the gradient's dtype where wider);
+    "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
     `norms`, `buffers`: `backward`'s.
     """
@@ -498,10 +500,22 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
 
 
 def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """`acc + part` in `accum_dtype`, or in the part's dtype where that is wider: a float64
+    gradient is never rounded to float32 (before, it was, even with one micro-batch, where
+    nothing is added: found in review, 1.1e-07 from torch's SGD step on float64 params)."""
     if part is None:
         return acc
-    part = part.to(dtype)
+    part = part.to(torch.promote_types(dtype, part.dtype))
     return part if acc is None else acc + part
+
+
+def _scaled(loss: torch.Tensor, s: float) -> torch.Tensor:
+    """`loss * s` in float32 or wider, as DeepSpeed's ZeRO optimizers scale `loss.float()`: an
+    fp16 loss times the scale overflows where its gradients do not (5.6 * 2^15 > 65504), and
+    the step then skipped for the loss alone (found in review: every step under a
+    `StaticLossScale(2^14)`). The gradient reaching the loss is `s` cast to its dtype, the same
+    value as the narrow product's."""
+    return loss.to(torch.promote_types(loss.dtype, torch.float32)) * s
 
 
 def loss_scale_of(state: ZeroState) -> float:
@@ -716,6 +730,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     casting = (config.cast_ahead and mesh.world_size == 1 and config.engine == "autograd" and func_level() is None
                and not releasable and not plan.offloaded)
 
+    roots: dict[str, torch.Tensor] = {}  # the loss's placeholder roots (`gathering.FirstUse`), where it has them
+
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe], casts: dict[str, tuple] | None = None,
                 reads: Reads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         merged = list(xs)
@@ -726,10 +742,12 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         def objective(params: Any, mb: Any) -> torch.Tensor:
             loss, count = _objective(config, config.loss_fn(params, mb))
             counts.append(count)
-            return loss * s if s != 1.0 and isinstance(loss, torch.Tensor) else loss
+            return _scaled(loss, s) if s != 1.0 and isinstance(loss, torch.Tensor) else loss
 
-        loss = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable, config.persist_bytes,
-                         config.max_live_bytes, config.prefetch, inflight, casts, reads).loss(objective, batch)
+        gathering = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable,
+                              config.persist_bytes, config.max_live_bytes, config.prefetch, inflight, casts, reads)
+        loss = gathering.loss(objective, batch)
+        roots.update(gathering.roots)
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
@@ -737,11 +755,12 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
             train, probes)
     else:
-        g_train, g_probes, loss, count = _autograd(loss_of, train, probes,
-                                                   config.ahead.of(state.info) if casting else None, state.step)
+        g_train, g_probes, loss, count, g_roots = _autograd(
+            loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
         if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
             inflight.side.join()
+        refuse_placeholder_gradients(g_roots)
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 
@@ -831,6 +850,10 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
         raise ConfigError(f"normalize='tokens' needs loss_fn to return (loss_sum, count), got "
                           f"{type(out).__name__} {getattr(out, 'shape', '')}")
     loss_sum, count = out
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0 or not loss_sum.dtype.is_floating_point:
+        raise ConfigError(f"normalize='tokens': the loss_sum loss_fn returned must be a 0-d floating tensor (the sum "
+                          f"of this micro-batch's token losses; torch.zeros(()) where it has no token), got "
+                          f"{type(loss_sum).__name__} {getattr(loss_sum, 'dtype', '')} {getattr(loss_sum, 'shape', '')}")
     count = torch.as_tensor(count).detach()
     if count.numel() != 1 or count.is_floating_point() and not bool(torch.isfinite(count)) or bool(count < 0):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0, got {count}")
@@ -838,11 +861,13 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
 
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: Slot | None = None,
-              step: Any = None):
+              step: Any = None, roots: Mapping[str, torch.Tensor] | None = None):
     """`torch.autograd.grad` of `loss_of`'s loss. `ahead` (the state's `casting.Slot`): the
     forward hands the casts it learned, and its `Reads` learns (the first step) or checks the
     reads of the watched leaves through the forward and the backward (`fzero._src.casting`);
-    `step` names the step in its errors."""
+    `step` names the step in its errors. `roots`: filled by `loss_of` with its placeholders'
+    roots, differentiated too (allowed unused: the engine does nothing for one the loss does not
+    reach), `{path: gradient or None}` returned last."""
     train = tuple([x.detach().requires_grad_() for x in train])
     reads = ahead.reads(step) if ahead is not None else None
     try:
@@ -850,7 +875,8 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: 
             loss, count = loss_of(train, probes, ahead.casts if ahead is not None else None, reads)
         if reads is not None:
             reads.forward_done(loss)
-        inputs = [*train, *[t for p in probes.values() for t in p]]
+        extra = dict(roots or {})
+        inputs = [*train, *[t for p in probes.values() for t in p], *extra.values()]
         if not loss.requires_grad or not inputs:  # nothing reaches a param, or there is none (params `{}`)
             grads = [None] * len(inputs)
         else:
@@ -863,7 +889,26 @@ def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: 
     if ahead is not None:
         ahead.seen(reads)
     g_probes = {u: Probe(*grads[len(train) + 2 * k : len(train) + 2 * k + 2]) for k, u in enumerate(probes)}
-    return grads[: len(train)], g_probes, loss, count
+    g_roots = dict(zip(extra, grads[len(grads) - len(extra):]))
+    return grads[: len(train)], g_probes, loss, count, g_roots
+
+
+def refuse_placeholder_gradients(g_roots: Mapping[str, torch.Tensor | None]) -> None:
+    """Raise `ConfigError` where a placeholder's root got a gradient (`gathering.FirstUse`): a
+    custom `torch.autograd.Function` -- or another call that bypasses torch's function dispatch
+    -- was applied to the placeholder of those leaves in grad mode, so its node's edge is the
+    placeholder's, and the leaf would get no gradient through it (before, the step updated the
+    leaf without that path, silently; found in review). Every rank runs the same loss, so every
+    rank raises here, after its reductions, before anything is updated."""
+    named = [path for path, g in g_roots.items() if g is not None]
+    if named:
+        raise ConfigError(
+            f"gather='on_use' with params that are not a flat dict: a custom autograd.Function (or another call that "
+            f"bypasses torch's function dispatch) was applied in grad mode to the placeholder of {named[:8]}. fzero "
+            f"swaps a placeholder for the gathered leaf at the first torch function that receives it, but "
+            f"Function.apply is not one, so the Function was built on the placeholder and the leaf would get no "
+            f"gradient through it; pass a view of the leaf made by torch (Fn.apply(w.view_as(w))), use "
+            f"gather='eager', or flat-dict params. Nothing was updated")
 
 
 def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Report:
