@@ -312,3 +312,68 @@ def test_a_custom_function_given_an_on_use_placeholder_in_grad_mode_raises(stage
         return mesh.run(rank_fn, batches)
 
     assert all(torch.equal(a, b) for a, b in zip(evaluated("on_use"), evaluated("eager")))
+
+
+class _SavesOnly(torch.autograd.Function):
+    """`x * 2`, whose backward scales by `1 + w.sum()` of a `w` it saved and returns no gradient
+    for: its backward reads `w` after the loss returned."""
+
+    @staticmethod
+    def forward(x, w):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g * (1 + w.sum()), None
+
+
+def test_a_placeholder_read_where_the_swap_does_not_reach_raises():
+    """Outside the loss call nothing swaps an on-use placeholder for the gathered leaf, and it
+    holds zeros: a custom Function's backward reading a placeholder it saved (and gave no
+    gradient), a `torch.utils.checkpoint` recompute reading one from a closure, code that kept one
+    past the step. Before, each read the zeros silently (found in review: gradient norms 2.30
+    against eager's 4.12, and a checkpointed closure's loss off by 1e-3); now the placeholder is a
+    tensor subclass whose torch functions raise `ConfigError` there, while eager gives the bits
+    it always gave, and its repr still prints."""
+    import torch.utils.checkpoint as checkpoint
+
+    params = {"a": {"w": torch.full((3, 3), 0.1), "b": torch.zeros(3)}, "h": {"w": torch.full((3, 2), 0.2)}}
+    mesh, kept = fzero.SimMesh(1), []
+
+    def head(p, x, w):
+        return (torch.tanh(x @ w + p["a"]["b"]) @ p["h"]["w"]).square().mean()
+
+    def keeps(p, x):
+        kept.append(p["h"]["w"])
+        return head(p, x, p["a"]["w"])
+
+    losses = {
+        "saves only": lambda p, x: (torch.tanh(_SavesOnly.apply(x @ p["a"]["w"], p["a"]["w"]) + p["a"]["b"])
+                                    @ p["h"]["w"]).square().mean(),
+        "checkpointed closure": lambda p, x: checkpoint.checkpoint(lambda x: head(p, x, p["a"]["w"]), x,
+                                                                   use_reentrant=False),
+        "kept": keeps,
+    }
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+
+    def run(name, gather):
+        def rank_fn():
+            state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh, units=lambda path: path.split(".")[0])
+            return fzero.gather(fzero.train_step(losses[name], gather=gather)(state, x)[0])
+
+        return mesh.run(rank_fn)[0]
+
+    for name in ("saves only", "checkpointed closure"):
+        run(name, "eager")
+        with pytest.raises(fzero.ConfigError, match="received a placeholder leaf where fzero's swap for the gathered "
+                                                    "leaf does not reach.*w.view_as\\(w\\)"):
+            run(name, "on_use")
+    run("kept", "on_use")
+    assert repr(kept[-1]) == "<fzero on-use placeholder of shape (3, 2)>"
+    with pytest.raises(fzero.ConfigError, match="sum received a placeholder leaf"):
+        kept[-1].sum()

@@ -575,7 +575,7 @@ class Gathering:
             self.roots = {ls.path: z.requires_grad_() for ls, z in zip(layout.leaves, zeros)
                           if z.is_floating_point() or z.is_complex()}
         with torch.enable_grad():
-            holders = [z.expand(ls.shape) for ls, z in zip(layout.leaves, zeros)]
+            holders = [z.expand(ls.shape).as_subclass(Placeholder) for ls, z in zip(layout.leaves, zeros)]
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
 
@@ -835,12 +835,37 @@ torch_pytree.register_pytree_node(
     lambda leaves, keys: dict(zip(keys, leaves)), serialized_type_name="fzero.LazyParams")
 
 
+class Placeholder(torch.Tensor):
+    """A placeholder leaf (`FirstUse`): inside the loss call, the mode swaps it for the gathered
+    leaf before any torch function sees it; a torch function that receives it outside that call
+    -- a custom Function's backward reading what its forward saved, a `torch.utils.checkpoint`
+    recompute in backward, code that kept it past the step -- raises, where it would read the
+    placeholder's zeros (found in review: a checkpointed closure's recompute, silently)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # tracebacks, debuggers
+            with torch._C.DisableTorchFunctionSubclass():
+                return f"<fzero on-use placeholder of shape {tuple(args[0].shape)}>"
+        if torch.compiler.is_compiling():  # dynamo traces it: a plain tensor, for `FirstUse` to refuse at run time
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise ConfigError(
+            f"gather='on_use' with params that are not a flat dict: {getattr(func, '__name__', func)} received a "
+            f"placeholder leaf where fzero's swap for the gathered leaf does not reach (it holds zeros): outside the "
+            f"loss call -- a custom autograd.Function's backward reading a placeholder its forward saved, a "
+            f"torch.utils.checkpoint recompute reading one from a closure, a placeholder kept past the loss -- or "
+            f"inside a custom Function's forward under vmap. Pass Functions and checkpointed code the leaf's view "
+            f"made by torch (w.view_as(w)), use gather='eager', or flat-dict params")
+
+
 class FirstUse(TorchFunctionMode):
     """For params that are not a flat dict: the loss gets shape-correct placeholder leaves (a 0-d
     zero expanded to the leaf's shape: no memory), and the first torch function or tensor method
     that receives a placeholder gets the real leaf instead -- so the unit is gathered, and its
     Function created, at its first use. Reading a placeholder's attributes through torch
-    (`.shape` included) counts as a use; data read any other way (e.g. `.data_ptr()`) would see
+    (`.shape` included) counts as a use; a torch function that receives one where the mode is
+    not active raises (`Placeholder`); data read any other way (e.g. `.data_ptr()`) would see
     the placeholder's zeros. A custom `torch.autograd.Function` is such a way: its `apply` does
     not go through torch's function dispatch, so a placeholder passed to it is the node's input,
     and the leaf would get no gradient from it. So where the step differentiates (grad mode, the
