@@ -303,8 +303,8 @@ def test_micro_batches_equal_one_step_on_the_concatenated_batch(mode):
 @pytest.mark.parametrize("stage, k, mode", [(s, k, m) for k, m in [(1, "each"), (2, "each"), (2, "once")]
                                              for s in range(4) if m == "each" or s < 2])  # "once": stages 0-1
 def test_float64_gradients_are_added_in_float64(stage, k, mode):
-    """float64 params with the default `accum_dtype` (float32): the gradients are added in the
-    wider dtype, so one micro-batch at N = 1 gives torch's SGD step bit for bit, and k = 2 the
+    """float64 params with the default `accum_dtype` (None: float32, or wider): the gradients are
+    added in float64, so one micro-batch at N = 1 gives torch's SGD step bit for bit, and k = 2 the
     step on `(g_1 + g_2)` added in float64. Before, every gradient went through float32 even with
     one micro-batch, where nothing is added: 1.1e-07 from torch's step (found in review)."""
     w0 = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -326,3 +326,8 @@ def test_float64_gradients_are_added_in_float64(stage, k, mode):
 
     got = mesh.run(rank_fn)[0]
     assert got.dtype == torch.float64 and torch.equal(got, ref.detach()), (got - ref).abs().max()
+    if k == 1:  # an accum_dtype given is used as it is: the gradient rounded to float32, as the user asked
+        g = torch.func.grad(lambda w: loss({"w": w}, xs[0]))(w0)
+        narrow = mesh.run(lambda: fzero.gather(fzero.train_step(loss, accum_dtype=torch.float32)(fzero.init(
+            {"w": w0.clone()}, optim.sgd(1.0, impl="single"), stage=stage, mesh=mesh), xs[0])[0])["w"])[0]
+        assert torch.equal(narrow, w0 - g.float().double()) and not torch.equal(narrow, got)

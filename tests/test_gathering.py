@@ -251,8 +251,8 @@ def test_a_custom_function_given_an_on_use_placeholder_in_grad_mode_raises(stage
     got no gradient through it and the step updated it without that path, silently. Now each
     placeholder views a 0-d root that requires grad, which the step differentiates too: a root
     that gets a gradient raises `ConfigError` naming the leaf, on every rank, before anything is
-    updated -- also where the Function's forward reads it under `vmap` or `inference_mode`, and
-    for a frozen leaf (its backward may read what it saved: the placeholder's zeros). Where no
+    updated -- also where the Function's forward reads it under `inference_mode` (under `vmap`
+    its op raises: `Placeholder`), and for a frozen leaf (its backward may read what it saved: the placeholder's zeros). Where no
     gradient is asked of the placeholder -- a Function applied under `torch.no_grad()`, to a list
     holding it, or reading it from a closure, and `fzero.evaluate` -- it gives eager's bits, as
     do a view made by torch (`w.view_as(w)`) and the func engine (whose Function call goes through
@@ -290,10 +290,12 @@ def test_a_custom_function_given_an_on_use_placeholder_in_grad_mode_raises(stage
         return mesh.run(rank_fn, batches)
 
     frozen = (fzero.ParamGroup("frozen", match=lambda path: path == "a.w", frozen=True),)
-    for name, groups in (("apply", ()), ("vmap inside", ()), ("inference inside", ()), ("apply", frozen)):
+    for name, groups in (("apply", ()), ("inference inside", ()), ("apply", frozen)):
         with pytest.raises(fzero.ConfigError, match=r"was applied in grad mode to the placeholder of \['a.w'\].*"
                                                     r"Fn.apply\(w.view_as\(w\)\).*Nothing was updated"):
             run(name, "on_use", groups=groups)
+    with pytest.raises(fzero.ConfigError, match=r"aten.mul.Tensor received a placeholder leaf.*forward under vmap"):
+        run("vmap inside", "on_use")  # vmap wraps the placeholder past the swap: its op raises (`Placeholder`)
     eager = run("apply", "eager")
     losses["plain"] = lambda p, x: head(p, x, p["a"]["w"])
     assert not torch.equal(eager[0]["a"]["w"], run("plain", "eager")[0]["a"]["w"])  # the Function's 3 g reached a.w
@@ -374,6 +376,24 @@ def test_a_placeholder_read_where_the_swap_does_not_reach_raises():
                                                     "leaf does not reach.*w.view_as\\(w\\)"):
             run(name, "on_use")
     run("kept", "on_use")
-    assert repr(kept[-1]) == "<fzero on-use placeholder of shape (3, 2)>"
-    with pytest.raises(fzero.ConfigError, match="sum received a placeholder leaf"):
+    assert repr(kept[-1]) == "<fzero on-use placeholder of shape (3, 2)>"  # its metadata is the leaf's
+    assert (kept[-1].shape, kept[-1].dtype, kept[-1].device, kept[-1].numel(), len(kept[-1])) == (
+        (3, 2), torch.float32, torch.device("cpu"), 6, 3)
+    with pytest.raises(fzero.ConfigError, match="torch.Tensor.sum received a placeholder leaf"):
         kept[-1].sum()
+    # a torch.func transform given a placeholder as its input wraps it past the swap: its ops raise, with either
+    # engine (before: they read zeros, silently); a view made by torch passes the leaf
+    losses["vmap"] = lambda p, x: head(p, x, p["a"]["w"]) + torch.vmap(torch.sum)(p["a"]["w"]).sum()
+    losses["vmap view"] = lambda p, x: head(p, x, p["a"]["w"]) + torch.vmap(torch.sum)(p["a"]["w"].view_as(
+        p["a"]["w"])).sum()
+    for engine in ("autograd", "func"):
+        with pytest.raises(fzero.ConfigError, match="aten.sum.dim_IntList received a placeholder leaf.*vmap\\(f\\)\\(w\\)"):
+            mesh.run(lambda: fzero.train_step(losses["vmap"], engine=engine)(fzero.init(
+                params, optim.sgd(0.1), stage=0, mesh=mesh), x))
+        on_use, eager = [mesh.run(lambda: fzero.gather(fzero.train_step(losses["vmap view"], gather=g, engine=engine)(
+            fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh), x)[0]))[0] for g in ("on_use", "eager")]
+        fzero.testing.assert_trees_equal(on_use, eager)
+    # a placeholder returned as it is comes back as the leaf, as eager returns it (before: the placeholder)
+    got = mesh.run(lambda: fzero.evaluate(lambda p, x: p["a"]["w"])(fzero.init(params, optim.sgd(0.1), stage=0,
+                                                                              mesh=mesh), x))[0]
+    assert type(got) is torch.Tensor and torch.equal(got, params["a"]["w"])

@@ -527,6 +527,8 @@ class Gathering:
         try:
             with context:
                 out = fn(params, batch)
+            if isinstance(context, FirstUse):  # a placeholder `fn` returns as it is: the leaf, as eager returns
+                out = context.swapped(out)
         except RuntimeError as e:  # a write before a read: torch's view check raises inside `fn`
             self._check_unwritten(e)
             raise
@@ -570,12 +572,13 @@ class Gathering:
         if is_flat_dict(layout):
             return lazy, _Unpacking(self) if self.releasable else contextlib.nullcontext()
         dev = {b.index: x.device for b, x in zip(layout.buckets, self._xs)}
-        zeros = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]) for ls in layout.leaves]
-        if self._grad and not self._inference and func_level() is None:  # the step differentiates: see FirstUse
-            self.roots = {ls.path: z.requires_grad_() for ls, z in zip(layout.leaves, zeros)
-                          if z.is_floating_point() or z.is_complex()}
-        with torch.enable_grad():
-            holders = [z.expand(ls.shape).as_subclass(Placeholder) for ls, z in zip(layout.leaves, zeros)]
+        with torch._C._DisableFuncTorch():  # plain tensors under a torch.func level too, so `Placeholder` sees ops
+            zeros = [torch.zeros((), dtype=ls.dtype, device=dev[ls.bucket]) for ls in layout.leaves]
+            if self._grad and not self._inference and func_level() is None:  # the step differentiates: FirstUse
+                self.roots = {ls.path: z.requires_grad_() for ls, z in zip(layout.leaves, zeros)
+                              if z.is_floating_point() or z.is_complex()}
+            with torch.enable_grad():
+                holders = [z.expand(ls.shape).as_subclass(Placeholder) for ls, z in zip(layout.leaves, zeros)]
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
 
@@ -835,28 +838,49 @@ torch_pytree.register_pytree_node(
     lambda leaves, keys: dict(zip(keys, leaves)), serialized_type_name="fzero.LazyParams")
 
 
+# what a placeholder answers itself anywhere: its metadata is the leaf's (not its strides: an expanded zero's)
+_METADATA = frozenset(f"torch.Tensor.{name}" for name in (
+    "shape.__get__", "dtype.__get__", "device.__get__", "ndim.__get__", "layout.__get__", "requires_grad.__get__",
+    "is_cuda.__get__", "is_meta.__get__", "size", "dim", "numel", "nelement", "__len__", "element_size",
+    "is_floating_point", "is_complex", "__repr__", "__format__"))
+
+
 class Placeholder(torch.Tensor):
     """A placeholder leaf (`FirstUse`): inside the loss call, the mode swaps it for the gathered
-    leaf before any torch function sees it; a torch function that receives it outside that call
-    -- a custom Function's backward reading what its forward saved, a `torch.utils.checkpoint`
-    recompute in backward, code that kept it past the step -- raises, where it would read the
-    placeholder's zeros (found in review: a checkpointed closure's recompute, silently)."""
+    leaf before any torch function sees it. Elsewhere its metadata (shape, dtype, device, ...)
+    answers as the leaf's, and anything that would read its values raises, where it would read
+    the placeholder's zeros (found in review, each silent before): a torch function outside the
+    loss call (a custom Function's backward reading what its forward saved, a
+    `torch.utils.checkpoint` recompute in backward, code that kept it past the step), and below
+    torch functions, an op the dispatcher reaches with it (a torch.func transform given it as an
+    input: `vmap(f)(w)` wraps it past the mode)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__repr__ or func is torch.Tensor.__format__:  # tracebacks, debuggers
+        name = torch.overrides.resolve_name(func) or getattr(func, "__name__", repr(func))
+        if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
-                return f"<fzero on-use placeholder of shape {tuple(args[0].shape)}>"
+                if name in ("torch.Tensor.__repr__", "torch.Tensor.__format__"):  # tracebacks, debuggers
+                    return f"<fzero on-use placeholder of shape {tuple(args[0].shape)}>"
+                return func(*args, **(kwargs or {}))
         if torch.compiler.is_compiling():  # dynamo traces it: a plain tensor, for `FirstUse` to refuse at run time
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        raise ConfigError(
-            f"gather='on_use' with params that are not a flat dict: {getattr(func, '__name__', func)} received a "
-            f"placeholder leaf where fzero's swap for the gathered leaf does not reach (it holds zeros): outside the "
-            f"loss call -- a custom autograd.Function's backward reading a placeholder its forward saved, a "
-            f"torch.utils.checkpoint recompute reading one from a closure, a placeholder kept past the loss -- or "
-            f"inside a custom Function's forward under vmap. Pass Functions and checkpointed code the leaf's view "
-            f"made by torch (w.view_as(w)), use gather='eager', or flat-dict params")
+        raise _unswapped(name)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise _unswapped(str(func))
+
+
+def _unswapped(name: str) -> ConfigError:
+    return ConfigError(
+        f"gather='on_use' with params that are not a flat dict: {name} received a placeholder leaf where fzero's "
+        f"swap for the gathered leaf does not reach (it holds zeros): outside the loss call -- a custom "
+        f"autograd.Function's backward reading a placeholder its forward saved, a torch.utils.checkpoint recompute "
+        f"reading one from a closure, a placeholder kept past the loss -- or a torch.func transform given it as an "
+        f"input (vmap(f)(w)), or a custom Function's forward under vmap. Pass such code the leaf's view made by "
+        f"torch (w.view_as(w)), use gather='eager', or flat-dict params")
 
 
 class FirstUse(TorchFunctionMode):
@@ -877,6 +901,14 @@ class FirstUse(TorchFunctionMode):
     def __init__(self, placeholders: dict[int, str], read: Callable[[str], torch.Tensor]) -> None:
         super().__init__()
         self._paths, self._read = placeholders, read
+
+    def swapped(self, out: Any) -> Any:
+        """`out` with each placeholder in it the leaf it stands for."""
+        flat, spec = tree_flatten(out)
+        if not any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
+            return out
+        return tree_unflatten([self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths
+                               else a for a in flat], spec)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         flat, spec = tree_flatten((args, kwargs or {}))

@@ -43,6 +43,7 @@ import optree
 import torch
 
 from .errors import ConfigError, OffloadError
+from .precision import added_in
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 from .unit import finite_witness
 
@@ -748,7 +749,8 @@ def early_copies(info: Any, micro_batches: int, norm: Callable[[torch.Tensor], t
 
     def copy(shard: torch.Tensor, bucket: int | None) -> None:
         if bucket in host or bucket is None and every:
-            sheds = bucket is not None and shard.dtype == accum_dtype == layout.buckets[bucket].dtype
+            dtype = None if bucket is None else layout.buckets[bucket].dtype
+            sheds = dtype is not None and shard.dtype == dtype == added_in(accum_dtype, dtype)
             tier.start_early(shard, norm if sheds else None)
 
     return copy

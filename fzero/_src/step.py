@@ -63,6 +63,7 @@ from .layout import ParamGroup, Segment
 from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
+from .precision import added_in
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_same_settings, checked, consume,
                     nonfinite_leaves, updated_nonfinite_leaves)
@@ -109,7 +110,7 @@ class StepConfig:
     gather: str = "on_use"
     micro_batches: int = 1
     accumulate: str = "each"
-    accum_dtype: torch.dtype = torch.float32
+    accum_dtype: torch.dtype | None = None
     normalize: str = "mean"
     clip_norm: float | None = None
     donate: bool = False
@@ -146,8 +147,10 @@ class StepConfig:
         k = self.micro_batches
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"micro_batches must be an int >= 1 (micro-batches per optimizer step), got {k!r}")
-        if not isinstance(self.accum_dtype, torch.dtype) or not self.accum_dtype.is_floating_point:
-            raise ConfigError(f"accum_dtype must be a floating torch.dtype, got {self.accum_dtype!r}")
+        a = self.accum_dtype
+        if a is not None and (not isinstance(a, torch.dtype) or not a.is_floating_point):
+            raise ConfigError(f"accum_dtype must be None (float32, or the gradient's dtype where wider) or a floating "
+                              f"torch.dtype, got {a!r}")
         c = self.clip_norm
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
@@ -204,7 +207,7 @@ def train_step(
     gather: str = "on_use",
     micro_batches: int = 1,
     accumulate: str = "each",
-    accum_dtype: torch.dtype = torch.float32,
+    accum_dtype: torch.dtype | None = None,
     normalize: str = "mean",
     clip_norm: float | None = None,
     donate: bool = False,
@@ -242,9 +245,9 @@ def train_step(
         (stages 0-1: local gradients are added in micro-batch order and reduced once after the
         last, as DDP's `no_sync`). The two round differently; within a mode all stages agree
         bit for bit (proofs/accumulation.md).
-      accum_dtype: the dtype gradients are added in (fp32 by default), or the gradient's own where
-        that is wider (float64 params: float64); the sum is cast to the params' dtype for the
-        reduction ("once") or the optimizer.
+      accum_dtype: the dtype gradients are added in; None (the default): float32, or the
+        gradient's own dtype where that is wider (float64 params: float64); a dtype given is used
+        as it is. The sum is cast to the params' dtype for the reduction ("once") or the optimizer.
       normalize: "mean" (loss_fn returns this rank's mean loss) or "tokens" (loss_fn returns
         `(loss_sum, count)`; the step divides the gradient and the loss by the total count over
         all micro-batches and ranks, agreed in the step's one agreement collective).
@@ -476,7 +479,8 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
     summed over micro-batches, Report (OR over micro-batches), token count summed)`.
 
-    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`, or the gradient's dtype where wider);
+    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`; by default float32 or the gradient's
+    dtype where wider, `added_in`);
     "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
     `norms`, `buffers`: `backward`'s.
@@ -499,13 +503,11 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     return (reduce(state, summed) if once else summed), loss, Report(used, bad), count
 
 
-def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """`acc + part` in `accum_dtype`, or in the part's dtype where that is wider: a float64
-    gradient is never rounded to float32 (before, it was, even with one micro-batch, where
-    nothing is added: found in review, 1.1e-07 from torch's SGD step on float64 params)."""
+def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """`acc + part` in `added_in(dtype, part.dtype)`."""
     if part is None:
         return acc
-    part = part.to(torch.promote_types(dtype, part.dtype))
+    part = part.to(added_in(dtype, part.dtype))
     return part if acc is None else acc + part
 
 
