@@ -224,3 +224,20 @@ def gather_beside_a_step(mesh):
         return "returned"
     except fzero.FzeroError as e:
         return f"{type(e).__name__}: {e}"
+
+
+def mesh_where_one_rank_is_elsewhere(mesh, verify, extra_on):
+    """Every rank constructs a DistMesh with `verify[rank]`; or rank `extra_on` alone constructs
+    one while the others run a verified collective on `mesh`. The error's type and text, or
+    "made"; then one verified all-reduce on `mesh`, which every rank must still reach."""
+    try:
+        if extra_on is None:
+            fzero.DistMesh(verify=verify[mesh.rank])
+        elif mesh.rank == extra_on:
+            fzero.DistMesh()
+        else:
+            fzero.collectives.all_reduce(torch.ones(2), mesh)
+        out = "made"
+    except fzero.MeshError as e:
+        out = f"{type(e).__name__}: {e}"
+    return out, fzero.collectives.all_reduce(torch.ones(2), mesh)

@@ -451,3 +451,23 @@ def test_gather_on_one_gloo_rank_beside_a_step_on_the_other_is_a_mismatch(dist2)
     step_rank, gather_rank = dist2.run(dist_cases.gather_beside_a_step)
     assert step_rank.startswith("DivergentPaths") and "tag='fzero.gather'" in step_rank, step_rank
     assert gather_rank.startswith("CollectiveMismatch") and "tag='fzero.gather'" in gather_rank, gather_rank
+
+
+def test_leaves_whose_paths_are_one_string_or_that_fzero_cannot_shard_are_refused_at_init():
+    """Two leaves whose dotted paths are one string: before, `init` took them and every stage
+    read one as the other (the loss got `a.b`'s tensor for `a`'s `b`, a load left one unloaded),
+    silently (found in review). Sparse, nested and float8 leaves failed deep inside with torch's
+    errors (`reshape is not implemented for sparse tensors`, `"min_values_cpu" not implemented`)
+    naming no leaf. Each is now a `LayoutError` at `init` naming the leaves."""
+    mesh = fzero.SimMesh(2)
+    cases = [
+        ({"a.b": torch.ones(2), "a": {"b": torch.ones(3)}}, r"params\['a'\]\['b'\] and params\['a.b'\] have the same "
+                                                          r"path 'a.b'"),
+        ({1: torch.ones(2), "1": torch.ones(2)}, r"params\[1\] and params\['1'\] have the same path '1'"),
+        ({"a": [torch.ones(2)], "a.0": torch.ones(2)}, r"params\['a'\]\[0\] and params\['a.0'\] have the same path"),
+        ({"w": torch.eye(3).to_sparse()}, r"params leaf 'w' is a torch.sparse_coo tensor.*t.to_dense\(\)"),
+        ({"w": torch.zeros(3).to(torch.float8_e4m3fn)}, r"params leaf 'w' has dtype torch.float8_e4m3fn.*float8 is a"),
+    ]
+    for params, match in cases:
+        with pytest.raises(fzero.LayoutError, match=match):
+            mesh.run(lambda: fzero.init(params, optim.sgd(0.1), stage=1, mesh=mesh))

@@ -110,6 +110,24 @@ def test_save_into_different_roots_raises_on_every_rank_before_writing(tmp_path)
     assert not any(os.path.exists(root) for root in roots)  # not even the temporary folder
 
 
+def test_save_with_a_keep_that_differs_across_ranks_raises_on_every_rank(tmp_path):
+    """Rank 0 alone deletes old checkpoints: before, another rank's `keep` was ignored silently
+    (found in review); now the ranks agree on it with the folder, before anything is written."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(params(), optim.sgd(0.1), stage=1, mesh=mesh)
+        try:
+            ck.save(state, str(tmp_path), keep=1 + 2 * mesh.rank)
+        except ck.CheckpointError as e:
+            return str(e)
+
+    for text in mesh.run(rank_fn):
+        assert "passed different folders or states to checkpoint.save" in text and "nothing was written" in text
+        assert "rank 0: " in text and "keep=1)" in text and "keep=3)" in text, text
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_refuses_a_folder_a_rank_does_not_see(tmp_path, monkeypatch):
     """Rank 1 stands for a host whose file system is not rank 0's: every rank raises, rank 0
     removes the folder it created, nothing is published."""

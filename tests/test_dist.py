@@ -162,6 +162,23 @@ def test_a_rank_that_raises_stops_every_rank(dist2, dist4, n):
     assert all(torch.equal(t, torch.ones(n)) for t in pool.run(dist_cases.gather_shape, [((1,),)] * n))
 
 
+def test_ranks_constructing_a_mesh_apart_are_named_on_every_rank(dist2):
+    """Ranks constructing a DistMesh with different `verify`: before, the first collective's
+    fingerprint exchange (one rank) met the data exchange (the other) and both waited the whole
+    timeout, then blamed a stuck rank; now the construction exchange carries `verify` and both
+    raise at once naming each rank's. One rank constructing a mesh while the other verifies a
+    collective: before, the two exchanges' sizes differed and gloo aborted the process in C++;
+    now the construction row is fingerprint-sized and both raise `CollectiveMismatch`. The
+    workers' mesh is usable afterwards (found in review)."""
+    out = dist2.run(dist_cases.mesh_where_one_rank_is_elsewhere, [((True, False), None)] * 2)
+    for text, after in out:
+        assert "ranks constructed it with different verify: rank 0 True, rank 1 False" in text, text
+        assert torch.equal(after, torch.full((2,), 2.0))
+    (first, _), (second, _) = dist2.run(dist_cases.mesh_where_one_rank_is_elsewhere, [(None, 0)] * 2)
+    assert first.startswith("CollectiveMismatch") and "rank(s) [1] were in a collective of another mesh" in first
+    assert second.startswith("CollectiveMismatch") and "rank(s) [0] constructed a new DistMesh" in second
+
+
 def test_pool_rejects_functions_workers_cannot_import(dist2):
     with pytest.raises(ValueError, match="module-level function"):
         dist2.run(lambda mesh: None)

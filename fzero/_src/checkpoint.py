@@ -664,20 +664,22 @@ def _folder_key(final: str) -> tuple[int, int, int]:
     return _int64(os.path.abspath(final)), _int64(os.path.realpath(final)), 0
 
 
-def _state_key(state: ZeroState) -> int:
-    """Which state a rank saves, as far as the ranks must agree before any collective of the save:
-    the `init` that made it (`StateInfo.serial`) and whether it carries a donated update not yet
-    checked (`pending`: `check_pending` is collective only then)."""
-    return 2 * state.info.serial + (state.pending is not None)
+def _state_key(state: ZeroState, keep: int | None = None) -> int:
+    """Which state a rank saves, and how, as far as the ranks must agree before any collective of
+    the save: the `init` that made it (`StateInfo.serial`), whether it carries a donated update
+    not yet checked (`pending`: `check_pending` is collective only then), and `keep` (rank 0
+    alone deletes: another rank's would be ignored, found in review)."""
+    return _int64(f"{state.info.serial} {state.pending is not None} {keep}")
 
 
-def _what_saved(final: str, state: ZeroState) -> str:
+def _what_saved(final: str, state: ZeroState, keep: int | None = None) -> str:
     pending = ", its last donated update not yet checked" if state.pending is not None else ""
-    return f"{final!r} (the state of init #{state.info.serial}{pending})"
+    kept = "" if keep is None else f", keep={keep}"
+    return f"{final!r} (the state of init #{state.info.serial}{pending}{kept})"
 
 
 def _same_save(keys: list[list[int]]) -> bool:
-    """One folder (`_same_folder`) and one state (`_state_key`) on every rank."""
+    """One folder (`_same_folder`) and one state and keep (`_state_key`) on every rank."""
     return _same_folder(keys) and len({k[2] for k in keys}) <= 1
 
 
@@ -724,7 +726,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
                 raise CheckpointError(f"_fail_at must be one of {CRASH_POINTS}, got {_fail_at!r}")
             root = _fspath(root, "checkpoint.save: root (the folder that holds the step-<n> checkpoints)")
             final = os.path.join(root, f"step-{int(state.step)}")
-            shown, key = _what_saved(final, state), (*_folder_key(final)[:2], _state_key(state))
+            shown, key = _what_saved(final, state, keep), (*_folder_key(final)[:2], _state_key(state, keep))
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
                                       f"once, or delete it first")

@@ -27,7 +27,7 @@ import optree
 import torch
 
 from .errors import LayoutError
-from .tree import flatten_with_paths, unflatten
+from .tree import NAMESPACE, flatten_with_paths, unflatten
 
 DEFAULT_UNIT = "default"
 
@@ -277,15 +277,38 @@ def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], Par
     return group_of
 
 
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what an update computes in
+
+
 def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
     if not isinstance(leaf, torch.Tensor):
         raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor")
-    if not leaf.dtype.is_floating_point:
+    if leaf.is_nested or leaf.layout != torch.strided:
+        raise LayoutError(f"params leaf {path!r} is a {'nested' if leaf.is_nested else leaf.layout} tensor; fzero "
+                          f"shards dense (torch.strided) leaves only: pass its dense form (t.to_dense())")
+    if leaf.dtype not in PARAM_DTYPES:
+        more = (" (float8 is a compute or storage format: keep the params in bf16/fp32 and cast where computing)"
+                if leaf.dtype.is_floating_point else ": cast it, or keep it outside the params pytree (e.g. as a buffer)")
         raise LayoutError(
             f"params leaf {path!r} has dtype {leaf.dtype} and shape {tuple(leaf.shape)}; fzero shards "
-            f"floating-point leaves only: cast it, or keep it outside the params pytree (e.g. as a buffer)"
+            f"float16, bfloat16, float32 and float64 leaves only{more}"
         )
     return leaf
+
+
+def _check_distinct(paths: list[str], params: Any) -> None:
+    """Two leaves whose dotted paths are one string (`{"a.b": x, "a": {"b": y}}`, `{1: x, "1": y}`)
+    raise `LayoutError` naming both: everything after `plan` finds a leaf by its path (the loss's
+    mapping, a unit's Function, a checkpoint), so one would be read as the other (found in review:
+    silently, at every stage)."""
+    first: dict[str, int] = {}
+    for i, path in enumerate(paths):
+        if path in first:
+            accessors = optree.tree_flatten_with_accessor(params, none_is_leaf=False, namespace=NAMESPACE)[0]
+            raise LayoutError(
+                f"params leaves {accessors[first[path]].codify('params')} and {accessors[i].codify('params')} have "
+                f"the same path {path!r} (fzero names a leaf by its keys joined with '.'); rename one of the keys")
+        first[path] = i
 
 
 def plan(
@@ -327,6 +350,7 @@ def plan(
         raise LayoutError(f"bucket_bytes must be None or an int >= 1 (the most bytes of leaves per bucket), "
                           f"got {bucket_bytes!r}")
     paths, leaves, spec = flatten_with_paths(params)
+    _check_distinct(paths, params)
     unit_of, group_of = _unit_of(units), _group_of(check_groups(groups))
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
     for i, (path, leaf) in enumerate(zip(paths, leaves)):

@@ -23,6 +23,7 @@ accounting hooks (`Mesh.record`) and only then moves data. Every mesh has a proc
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -514,7 +515,7 @@ class SimMesh(Mesh):
 # ---------------------------------------------------------------------------------------------
 # DistMesh
 
-_KIND_CALL, _KIND_DONE, _KIND_FAIL = 1, 2, 3
+_KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
 _FP_LEN = 11
@@ -731,6 +732,17 @@ def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
 _GRACE_S = 2.0  # how long a rank whose collective broke waits for a dying peer's process to vanish
 
 
+def _destroy_started_group() -> None:
+    """At exit, the process group a DistMesh started, where the program did not destroy it: left
+    to the interpreter's teardown, gloo's threads sometimes abort the process after a run that
+    succeeded ("terminate called without an active exception", torchrun then reports SIGABRT;
+    found in review, in 2 of 8 runs, and without fzero too)."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def _identity() -> tuple[int, int]:
     """`(host key, pid)` of this process. The host key is the crc32 of the host name and the PID
     namespace: two processes with one key can see each other's process ids."""
@@ -780,6 +792,10 @@ class DistMesh(Mesh):
       timeout: a `timedelta` or seconds: how long a fingerprint exchange waits for the other
         ranks, and the timeout of a process group DistMesh starts.
 
+    A process group DistMesh starts is destroyed at exit where the program did not destroy it
+    (`torch.distributed.destroy_process_group`; left to the interpreter's teardown, gloo sometimes
+    aborted a run that had succeeded).
+
     A rank whose collective fails because a peer's process died raises `RankFailed` naming that
     rank (found among the ranks on this host; for ranks on other hosts the message says which may
     be lost); the mesh is unusable afterwards.
@@ -810,6 +826,7 @@ class DistMesh(Mesh):
                 dist.init_process_group("nccl", device_id=dev, timeout=self.timeout)
             else:
                 dist.init_process_group("gloo", timeout=self.timeout)
+            atexit.register(_destroy_started_group)
         self.group = group
         super().__init__(dist.get_world_size(group))
         self._rank = dist.get_rank(group)
@@ -820,9 +837,24 @@ class DistMesh(Mesh):
         self._announced = -1  # the sequence number after the last failure this rank announced (`_told`)
         self._broken: MeshError | None = None  # set once a collective failed: the group is unusable
         self._peers: list[tuple[int, int]] = []
-        rows = self._gather(torch.tensor(_identity(), dtype=torch.int64, device=self.device),
-                            "DistMesh construction (each rank's host and process id)")
-        self._peers = [(host, pid) for host, pid in rows.view(self.world_size, 2).tolist()]
+        # a fingerprint-sized row, so that a rank constructing a mesh where another verifies a
+        # collective is named on both (before, the two exchanges' sizes differed: gloo aborted)
+        mine = [_KIND_CONSTRUCT, 0, *_identity(), int(verify)] + [0] * (_FP_LEN - 5)
+        rows = self._gather(torch.tensor(mine, dtype=torch.int64, device=self.device),
+                            "DistMesh construction (each rank's host, process id and verify)")
+        rows = rows.view(self.world_size, _FP_LEN).tolist()
+        elsewhere = [s for s, row in enumerate(rows) if row[0] != _KIND_CONSTRUCT]
+        if elsewhere:
+            raise CollectiveMismatch(
+                f"{self!r}: rank(s) {elsewhere} were in a collective of another mesh while rank {self._rank} "
+                f"constructed this one: every rank must construct each DistMesh at the same point of its program")
+        verifies = [bool(row[4]) for row in rows]
+        if len(set(verifies)) > 1:
+            raise MeshError(f"{self!r}: ranks constructed it with different verify: "
+                            + ", ".join(f"rank {s} {v}" for s, v in enumerate(verifies))
+                            + "; every rank must pass the same verify (a verified collective exchanges a "
+                            "fingerprint first, which an unverified rank would not join)")
+        self._peers = [(row[2], row[3]) for row in rows]
 
     def __repr__(self) -> str:
         return f"DistMesh(world_size={self.world_size}, rank={self._rank}, backend={self.backend!r}, id={self.id})"
@@ -912,6 +944,12 @@ class DistMesh(Mesh):
         what = f"{call or 'the end of mesh.run'} (collective #{seq})"
         mine = torch.tensor(_fingerprint(kind, seq, call), dtype=torch.int64, device=self.device)
         rows = self._gather(mine, what).view(self.world_size, _FP_LEN).tolist()
+        constructing = [s for s, row in enumerate(rows) if row[0] == _KIND_CONSTRUCT]
+        if constructing:  # those ranks raise in their construction: no text exchange they would not join,
+            # and no sequence number taken (their own mesh took none), so this mesh goes on in step
+            raise CollectiveMismatch(f"{self!r}: rank(s) {constructing} constructed a new DistMesh where rank "
+                                     f"{self._rank} is at {what}: every rank must construct each DistMesh at the same "
+                                     f"point of its program")
         self._seq += 1
         failed = [s for s, row in enumerate(rows) if row[0] == _KIND_FAIL]
         if failed and kind != _KIND_FAIL:

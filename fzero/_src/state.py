@@ -203,7 +203,9 @@ def init(
       stage: the ZeRO stage, 0-3.
       mesh: the mesh of ranks (`fzero.SimMesh(N)` or `fzero.DistMesh()`).
       units, groups, align, bucket_bytes: as for `fzero.layout.plan`.
-      sync: broadcast rank 0's values to every rank.
+      sync: broadcast rank 0's values to every rank. False skips the broadcast: the values must
+        then be equal on every rank already (not compared; where they differ the stages differ,
+        docs/bad-input.md).
       precision: a `fzero.Precision` (compute and reduce dtypes); the master values stay in the
         params' own dtype (`fzero._src.precision`).
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
