@@ -262,6 +262,7 @@ def test_bad_input():
         (2, dict(micro_batches=2, accumulate="once"), [batch, batch], "accumulate='once' .* stage 2 shards gradients"),
         (3, dict(accumulate="once"), batch, "accumulate='once' .* stage 3 shards gradients"),
         (1, dict(normalize="tokens", fn=_loss), batch, "normalize='tokens' needs loss_fn to return \\(loss_sum, count\\)"),
+        (1, dict(normalize="tokens", fn=lambda p, b: (_loss(p, b), 1, 2)), batch, "got a tuple of 3"),
         (1, dict(normalize="tokens", fn=lambda p, b: (_loss(p, b), 0)), batch, "total token count .* is 0.0"),
         # an empty micro-batch's (0.0, 0): before, "must return a 0-d floating tensor (this rank's mean loss)"
         (1, dict(normalize="tokens", fn=lambda p, b: (0.0, 0)), batch,

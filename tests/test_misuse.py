@@ -64,6 +64,9 @@ def test_init_rejects_a_torch_optimizer_naming_it():
     ("buckets", lambda r: dict(units=None if r == 0 else (lambda p: p))),
     ("buckets", lambda r: dict(groups=[fzero.ParamGroup("nowd", match=lambda p: p == "b", weight_decay=r == 0)])),
     ("align", lambda r: dict(align=1 + 3 * r)),
+    # a leaf frozen on one rank only (an nn.Parameter with requires_grad=False there): the buckets
+    # name their leaves' paths (before, leaf indices), so the message shows which leaf it is
+    ("buckets', .*'requires_grad=False', True, True, 1.0, \\('b", lambda r: dict(frozen=r == 1)),
 ])
 def test_init_rejects_settings_that_differ_across_ranks(setting, per_rank):
     """Before: a stage, units or optimizer mismatch surfaced later as a CollectiveMismatch of some
@@ -72,8 +75,9 @@ def test_init_rejects_settings_that_differ_across_ranks(setting, per_rank):
 
     def rank_fn(r):
         kw = dict(stage=2, opt=optim.adamw(1e-3), units=None, groups=(), align=1) | per_rank(r)
-        opt = kw.pop("opt")
-        return fzero.init({"w": torch.ones(6), "b": torch.ones(3)}, opt, mesh=mesh, **kw)
+        opt, frozen = kw.pop("opt"), kw.pop("frozen", False)
+        b = torch.nn.Parameter(torch.ones(3), requires_grad=False) if frozen else torch.ones(3)
+        return fzero.init({"w": torch.ones(6), "b": b}, opt, mesh=mesh, **kw)
 
     with pytest.raises(fzero.ConfigError, match=f"settings differ across ranks.*'{setting}'"):
         mesh.run(rank_fn, [(0,), (1,)])

@@ -246,7 +246,8 @@ def init(
                             loss_scale=repr(loss_scale),
                             offload=(off.optimizer, off.params, off.ratio, off.pin, off.direct),  # not nvme_path
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
-                                      b.group.lr_scale, b.leaves) for b in layout.buckets])
+                                      b.group.lr_scale, tuple(layout.leaves[i].path for i in b.leaves))
+                                     for b in layout.buckets])  # paths, so that a difference names the leaves
         flats = tuple(f.detach().clone() for f in pack(layout, params))
         rank = mesh.rank
         on_host = off.host_buckets(layout)

@@ -849,8 +849,8 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
                               f"loss (return (loss_sum, count) with normalize='tokens')")
         return (out / k if k > 1 and isinstance(out, torch.Tensor) else out), torch.zeros((), dtype=torch.float64)
     if not isinstance(out, tuple) or len(out) != 2:
-        raise ConfigError(f"normalize='tokens' needs loss_fn to return (loss_sum, count), got "
-                          f"{type(out).__name__} {getattr(out, 'shape', '')}")
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"{type(out).__name__} {getattr(out, 'shape', '')}"
+        raise ConfigError(f"normalize='tokens' needs loss_fn to return (loss_sum, count), got {got}")
     loss_sum, count = out
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0 or not loss_sum.dtype.is_floating_point:
         raise ConfigError(f"normalize='tokens': the loss_sum loss_fn returned must be a 0-d floating tensor (the sum "
