@@ -288,8 +288,9 @@ def test_save_refuses_an_existing_step():
     states = train(mesh, 0, "lamb", 1)
     with tempfile.TemporaryDirectory() as root:
         saves(mesh, root, states)
-        with pytest.raises(ck.CheckpointError, match="step-1' exists already"):
-            saves(mesh, root, states)
+        with pytest.raises(ck.CheckpointError, match="step-1' exists already.*a step skipped for a non-finite "
+                                                     "gradient, Metrics.skipped, does not advance state.step"):
+            saves(mesh, root, states)  # (the hint: a loop saving after an fp16 overflow's skip meets this; review)
 
 
 # -- bad checkpoints: clear errors, target unchanged ----------------------------------------------

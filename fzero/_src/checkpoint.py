@@ -729,7 +729,9 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             shown, key = _what_saved(final, state, keep), (*_folder_key(final)[:2], _state_key(state, keep))
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
-                                      f"once, or delete it first")
+                                      f"once, or delete it first (a step skipped for a non-finite gradient, "
+                                      f"Metrics.skipped, does not advance state.step: save by state.step, not by "
+                                      f"the loop's count)")
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
 
