@@ -788,15 +788,16 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
             files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
                      for f in names}
-            written = 1 + max([w for w, _, _ in _found(root)], default=0)
+            before = _found(root)  # read once: the new one's place, and what `keep` deletes after it
+            written = 1 + max([w for w, _, _ in before], default=0)
             _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, bufs, written), indent=1).encode())
             _fsync_dir(tmp)
             if _fail_at == "before_rename":
                 raise _Crash("simulated crash before the rename")
             os.rename(tmp, final)
             _fsync_dir(root)
-            if keep is not None:
-                for old in complete(root)[:-keep]:  # in the order written: never the one just written
+            if keep is not None:  # in the order written: the one just written is last, never deleted
+                for _, _, old in [*before, (written, n, final)][:-keep]:
                     shutil.rmtree(old)
         _barrier(mesh, "fzero.checkpoint/published")
     return final

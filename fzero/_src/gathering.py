@@ -902,22 +902,19 @@ class FirstUse(TorchFunctionMode):
         super().__init__()
         self._paths, self._read = placeholders, read
 
-    def swapped(self, out: Any) -> Any:
-        """`out` with each placeholder in it the leaf it stands for."""
-        flat, spec = tree_flatten(out)
+    def swapped(self, tree: Any) -> Any:
+        """`tree` (a call's arguments, or what the loss returned) with each placeholder in it the
+        leaf it stands for; the same object where it holds none."""
+        flat, spec = tree_flatten(tree)
         if not any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
-            return out
+            return tree
+        _not_from_compiled(self._paths, flat)
         return tree_unflatten([self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths
                                else a for a in flat], spec)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        flat, spec = tree_flatten((args, kwargs or {}))
-        if any(isinstance(a, torch.Tensor) and id(a) in self._paths for a in flat):
-            _not_from_compiled(self._paths, flat)
-            flat = [self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths else a
-                    for a in flat]
-            args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **(kwargs or {}))
+        args, kwargs = self.swapped((args, kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @eager

@@ -53,10 +53,15 @@ class Precision:
 FULL = Precision()  # no policy: every bucket computes and reduces in its own dtype
 
 
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """float32, or `dtype` where wider (float64)."""
+    return torch.promote_types(torch.float32, dtype)
+
+
 def added_in(accum_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
     """The dtype a step adds gradients of `dtype` in (`train_step(accum_dtype=...)`):
     `accum_dtype` where given, else float32 or `dtype` where wider. By default a float64 gradient
     is not rounded to float32 (when the default was float32 itself, it was, even with one
     micro-batch, where nothing is added: found in review, 1.1e-07 from torch's SGD step on
     float64 params); a dtype given is the user's."""
-    return accum_dtype if accum_dtype is not None else torch.promote_types(torch.float32, dtype)
+    return accum_dtype if accum_dtype is not None else at_least_float32(dtype)

@@ -63,7 +63,7 @@ from .layout import ParamGroup, Segment
 from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
-from .precision import added_in
+from .precision import added_in, at_least_float32
 from .stages import Flight, Wire
 from .state import (StateInfo, ZeroState, broken_update, check_same_settings, checked, consume,
                     nonfinite_leaves, updated_nonfinite_leaves)
@@ -517,7 +517,7 @@ def _scaled(loss: torch.Tensor, s: float) -> torch.Tensor:
     the step then skipped for the loss alone (found in review: every step under a
     `StaticLossScale(2^14)`). The gradient reaching the loss is `s` cast to its dtype, the same
     value as the narrow product's."""
-    return loss.to(torch.promote_types(loss.dtype, torch.float32)) * s
+    return loss.to(at_least_float32(loss.dtype)) * s
 
 
 def loss_scale_of(state: ZeroState) -> float:
