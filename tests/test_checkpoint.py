@@ -372,6 +372,38 @@ def test_scaler_must_match(saved_root):
         mesh.run(rank_fn)
 
 
+@pytest.mark.parametrize("target, ok", [
+    (fzero.StaticLossScale(16.0), True), (fzero.StaticLossScale(8.0), False),
+    (fzero.DynamicLossScale(init_scale=16.0, window=2, hysteresis=2), False),
+    (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=2), True),
+    (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=2, min_scale=32.0), False),
+    (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=1), False)])
+def test_load_compares_the_scaler_settings(tmp_path, target, ok):
+    """A target of another scaler type or settings is refused: a `StaticLossScale(8.0)` loading a
+    `StaticLossScale(16.0)` checkpoint ran at 16 for ever, and a dynamic target with a floor
+    above the saved scale broke the scaler's `min_scale <= scale` (found in review: only whether
+    both had a scaler was compared). A dynamic scaler's `init_scale` may differ: only `init`
+    reads it, and the run goes on from the saved scale."""
+    mesh, saved = fzero.SimMesh(1), fzero.DynamicLossScale(init_scale=16.0, window=4, hysteresis=2)
+    if isinstance(target, fzero.StaticLossScale):
+        saved = fzero.StaticLossScale(16.0)
+
+    def make(scaler):
+        return fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=0, mesh=mesh,
+                          precision=fzero.Precision(torch.float16, torch.float32), loss_scale=scaler)
+
+    def rank_fn():
+        return ck.load(ck.save(make(saved), tmp_path), make(target))
+
+    if ok:
+        loaded = mesh.run(rank_fn)[0]
+        assert float(loaded.loss_scale.scale) == 16.0
+    else:
+        with pytest.raises(ck.CheckpointError, match=r"has loss scaler .*Scale\(.*the target .*; make the target "
+                                                     r"with the loss_scale it was saved with"):
+            mesh.run(rank_fn)
+
+
 FROZEN = (fzero.ParamGroup("frozen", match=lambda p: p == "bias", frozen=True),
           fzero.ParamGroup("no_decay", match=lambda p: p == "scale", weight_decay=False))
 

@@ -136,6 +136,30 @@ def test_a_skipped_donating_step_leaves_its_input_usable():
     assert all(torch.equal(a, _params()["a"]) for a in mesh.run(rank_fn))
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_donating_step_skipped_for_an_overflow_consumes_its_input(offload):
+    """A step skipped for a loss-scale overflow returns a new state (its scaler moved) that shares
+    every buffer with its input: the next donating step then wrote both, and the input, still at
+    step 0, read and saved step 1's values (found in review). With `donate=True` the input is
+    now consumed; the returned state steps on."""
+    mesh = fzero.SimMesh(2)
+    off = None if offload is None else fzero.Offload(optimizer=offload)
+
+    def rank_fn():
+        state = fzero.init(_params(), optim.adamw(1e-2), stage=3, mesh=mesh, offload=off,
+                           precision=fzero.Precision(torch.float16, torch.float32),
+                           loss_scale=fzero.DynamicLossScale(init_scale=2.0**4, hysteresis=1))
+        step = fzero.train_step(lambda p, x: _loss(p, x.half()).float(), donate=True)
+        new, m = step(state, torch.full((5,), float("inf")))
+        assert m.skipped and new is not state
+        new, m = step(new, torch.ones(5))
+        assert not m.skipped and int(new.step) == 1
+        with pytest.raises(fzero.FzeroError, match="was donated to a train_step"):
+            fzero.gather(state)
+
+    mesh.run(rank_fn)
+
+
 def test_donation_saves_a_copy_of_the_optimizer_state():
     """Peak live bytes of one step above the state (all ranks), stage 0, E elements per rank: the
     pure update makes new params and AdamW's two moments (3E floats) while the reduced gradient (E)

@@ -161,6 +161,52 @@ def test_update_that_makes_params_nonfinite_raises_or_skips():
         assert new is old and m.skipped and int(new.step) == 0
 
 
+@pytest.mark.parametrize("stage, donate, offload", [  # offload shards (stage >= 1); NVMe writes in place (donate)
+    (s, d, o) for s in range(4) for d in (False, True) for o in (None, "cpu", "nvme")
+    if (o is None or s > 0) and (o != "nvme" or d)])
+def test_an_update_past_the_compute_dtypes_range_is_caught(stage, donate, offload, tmp_path):
+    """fp16 units over an fp32 master: an SGD update takes the master of 'w' to 65000 + 1e5 *
+    (1e4 * 1e-4 * ...) past 65504, finite in fp32 and inf in the fp16 copy the next forward
+    reads. The update's finite check read the fp32 master only, so the step was kept: stages 1-2
+    held inf fp16 params, the next step failed blaming the loss, and under a loss scaler every
+    later step was skipped as an overflow (found in review). It is now a broken update, naming
+    the leaf and the range: at once without `donate`, at the next read with it. 'b' (fp16
+    copy 0.5) stays in range and is not named."""
+    mesh, policy = fzero.SimMesh(2), fzero.Precision(torch.float16, torch.float32)
+    off = {None: None, "cpu": fzero.Offload(optimizer="cpu"),
+           "nvme": fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))}[offload]
+    loss = lambda p, x: (p["w"] * x.half()).float().sum() + p["b"].float().sum()  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init({"w": torch.tensor([65000.0, 1.0]), "b": torch.full((2,), 0.5)}, optim.sgd(1e3),
+                           stage=stage, mesh=mesh, precision=policy, offload=off, units=lambda path: path)
+        step = fzero.train_step(loss, donate=donate)
+        new, _ = step(state, torch.tensor([-1.0, 0.0]))
+        step(new, torch.zeros(2))
+
+    with pytest.raises(fzero.NonFiniteError, match=r"made the params NaN or inf \(or past float16's range, the "
+                                                   r"dtype the units compute in\).* in 'w' \(SimMesh"):
+        mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("stage, donate", [(1, False), (1, True), (3, False), (3, True)])
+def test_an_update_past_bf16s_range_is_caught(stage, donate):
+    """bf16's largest value (3.3895e38) is below fp32's (3.4028e38): an fp32 master of 3.40e38 is
+    finite and rounds to inf in the bf16 copy, so it is a broken update as in fp16."""
+    mesh = fzero.SimMesh(2)
+    loss = lambda p, x: (p["w"] * x.to(p["w"].dtype)).float().sum()  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init({"w": torch.tensor([3.38e38, 1.0])}, optim.sgd(2e36), stage=stage, mesh=mesh,
+                           precision=fzero.Precision(torch.bfloat16, torch.float32))
+        step = fzero.train_step(loss, donate=donate)
+        new, _ = step(state, torch.tensor([-1.0, 0.0]))  # donate=False raises here, True at the next read
+        step(new, torch.zeros(2))
+
+    with pytest.raises(fzero.NonFiniteError, match=r"NaN or inf \(or past bfloat16's range"):
+        mesh.run(rank_fn)
+
+
 def test_reduced_gradient_overflow_is_caught():
     """Mutation gap: fp16 local gradients that are finite on every rank but overflow when summed
     (3 x fl(65504 * fl(1/3)) = 65520 rounds to inf) wrote inf params with skipped=False."""

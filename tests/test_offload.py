@@ -15,6 +15,7 @@ it compares params, optimizer state, loss and gradient norm after every step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -462,6 +463,30 @@ def test_nvme_update_hands_out_no_read_buffer(tmp_path):
     pool = {b.untyped_storage().data_ptr() for b in state.info.tier.files._read_free}  # all free after the step
     assert len(pool) == 6 and all(p.stride() == (1,) and p.untyped_storage().data_ptr() not in pool
                                   for p in state.params)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_derivative_through_an_offloaded_step_is_refused(stage):
+    """torch.func through a step whose update runs on a host tier failed at the first host copy
+    ("Cannot access storage of TensorWrapper"); past it the derivative lacked its identity term or
+    was zero (found in review). Refused before the step, naming the offload."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(4, dtype=torch.float64)}, fzero.optim.sgd(0.1), stage=stage, mesh=mesh,
+                           offload=fzero.Offload(optimizer="cpu"))
+        step = fzero.train_step(lambda p, x: (p["w"] * x).square().sum(), engine="func")
+        torch.func.grad(lambda ps: step(state.replace(params=ps), torch.ones(4, dtype=torch.float64))[0].params[0]
+                        .sum())(state.params)
+
+    with pytest.raises(fzero.ConfigError, match=r"inside a torch.func transform .* with Offload\(optimizer='cpu'"):
+        mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("path", [123, b"/tmp"])
+def test_an_nvme_path_of_another_type_is_a_config_error(path):
+    with pytest.raises(fzero.ConfigError, match="Offload.nvme_path must be a str or os.PathLike"):
+        fzero.Offload(optimizer="nvme", nvme_path=path)
 
 
 def test_nvme_broken_update_names_the_leaf_read_from_the_master_file(tmp_path):
@@ -914,3 +939,97 @@ def test_host_update_rescales_the_host_copy_as_the_device_would():
             assert got is g
         else:
             assert got is not g and torch.equal(got, g * factor) and not torch.equal(got, g)
+
+
+# -- an NVMe tier's I/O errors in a step (found in review) --------------------------------------
+
+
+def _nvme_run(tmp_path, fail, steps=3):
+    """A donating stage-2 AdamW run of `steps` steps on an NVMe tier, params and losses; `fail(k)`
+    runs before step k and may return a context (a simulated I/O error) under which that step is
+    tried first, then retried outside it."""
+    mesh = fzero.SimMesh(1)
+    tmp_path.mkdir()
+    g = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(6, generator=g), "b": torch.randn(4, 3, generator=g)}
+    xs = [torch.randn(3, generator=g) for _ in range(steps)]
+    loss = lambda p, x: (p["a"][:3] * x).tanh().sum() + (p["b"] @ x).square().sum()  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=2, mesh=mesh, units=lambda path: path,
+                           offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        step, errors = fzero.train_step(loss, donate=True), []
+        for k, x in enumerate(xs):
+            context = fail(k)
+            if context is not None:
+                with context, pytest.raises(fzero.OffloadError) as e:
+                    step(state, x)
+                errors.append(str(e.value))
+            state, _ = step(state, x)
+        return fzero.gather(state), errors
+
+    return mesh.run(rank_fn)[0]
+
+
+def test_a_step_retried_after_a_failed_swap_read_equals_the_run_without_it(tmp_path, monkeypatch):
+    """A swap-file read that fails once (EIO) kept its failed read in the pool: every later read
+    of that entry raised it again, so the state could never step or be saved (found in review).
+    The failed read now gives its buffer back, and the update gives back every read buffer it
+    holds when it raises: the retry reads the files and equals the run that never failed."""
+    import errno
+
+    from fzero._src import nvme
+
+    real = nvme._pread_all
+    left = {"n": 0}
+
+    def flaky(*args):
+        if left["n"]:
+            left["n"] -= 1
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+        return real(*args)
+
+    monkeypatch.setattr(nvme, "_pread_all", flaky)
+
+    @contextlib.contextmanager
+    def once():
+        left["n"] = 1
+        yield
+
+    want, _ = _nvme_run(tmp_path / "clean", lambda k: None)
+    got, errors = _nvme_run(tmp_path / "flaky", lambda k: once() if k == 1 else None)
+    assert len(errors) == 1 and "EIO" in errors[0] and "SwapFiles.read" in errors[0]
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_a_state_whose_swap_write_failed_is_still_a_load_target(tmp_path, monkeypatch):
+    """After a swap-file write failed in a step (ENOSPC), the input state's files hold part of
+    the next step: it cannot step again, but `checkpoint.load(path, state)` refused it as a target
+    too (found in review), though a load reads only the target's structure and gives the loaded
+    state swap files of its own. It is now taken, and the loaded state steps on."""
+    import errno
+
+    from fzero._src import nvme
+
+    mesh = fzero.SimMesh(1)
+    real = nvme._pwrite_all
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    def rank_fn():
+        state = fzero.init({"a": torch.ones(6), "b": torch.ones(4)}, fzero.optim.adamw(1e-2), stage=2, mesh=mesh,
+                           units=lambda path: path, offload=fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path)))
+        step = fzero.train_step(lambda p, x: (p["a"] * x).sum() + p["b"].square().sum(), donate=True)
+        state, _ = step(state, torch.ones(6))
+        saved = fzero.checkpoint.save(state, tmp_path / "ck")
+        monkeypatch.setattr(nvme, "_pwrite_all", full)
+        with pytest.raises(fzero.OffloadError, match="No space left"):
+            step(state, torch.ones(6))
+        monkeypatch.setattr(nvme, "_pwrite_all", real)
+        loaded = fzero.checkpoint.load(saved, state)
+        loaded, m = step(loaded, torch.ones(6))
+        return int(loaded.step), m.skipped
+
+    assert mesh.run(rank_fn)[0] == (2, False)

@@ -145,6 +145,11 @@ def test_bad_settings():
         fzero.Precision(torch.int32)
     with pytest.raises(fzero.ConfigError, match="Precision.reduce_dtype .* narrower than 16 bits"):
         fzero.Precision(torch.bfloat16, torch.float8_e4m3fn)
+    for narrow in (torch.float8_e4m3fn, torch.float8_e5m2):  # was accepted, then failed in the first reduction
+        with pytest.raises(fzero.ConfigError, match="Precision.param_dtype .* narrower than 16 bits"):
+            fzero.Precision(narrow)
+        with pytest.raises(fzero.ConfigError, match="Precision.param_dtype .* narrower than 16 bits"):
+            fzero.Precision(narrow, torch.float32)
     mesh = fzero.SimMesh(1)
     with pytest.raises(fzero.ConfigError, match="precision must be a fzero.Precision"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision="bf16"))
@@ -287,15 +292,123 @@ def test_an_fp16_loss_is_scaled_in_fp32_and_its_finite_gradients_step(scaler):
         assert all(torch.equal(a.grad_norm, b.grad_norm) and torch.equal(a.loss, b.loss) for a, b in zip(m16, m32))
 
 
-def test_loss_scaling_needs_fp16():
+@pytest.mark.parametrize("scaler", [None, fzero.StaticLossScale(1.0), fzero.DynamicLossScale(init_scale=1.0)])
+def test_fp16_micro_batch_losses_are_added_in_fp32(scaler):
+    """Two micro-batches' fp16 loss sums of 40000 (finite in fp16) add to 80000, past fp16's
+    65504. A scale other than 1 widened them (the loss is scaled in fp32); at 1 -- no scaler, a
+    `StaticLossScale(1.0)`, a dynamic scaler at its default `min_scale` -- they were added in
+    fp16 and every step was judged non-finite for the loss alone (found in review: a dynamic
+    scaler at its floor then skipped every step). Each micro-batch's loss is now widened to
+    fp32 before the sum, so the run equals the one whose loss_fn returns fp32 sums, bit for bit."""
+    mesh, policy = fzero.SimMesh(2), fzero.Precision(torch.float16, torch.float32)
+    batch = [torch.full((4,), 100.0), torch.full((4,), 100.0)]
+
+    def run(wide):
+        def loss_fn(p, b):
+            total = (b.to(p["w"].dtype) * p["w"]).sum()
+            return (total.float() if wide else total), b.numel()
+
+        def rank_fn():
+            state = fzero.init({"w": torch.full((4,), 100.0)}, optim.sgd(1e-3), stage=1, mesh=mesh,
+                               precision=policy, loss_scale=scaler)
+            step, out = fzero.train_step(loss_fn, micro_batches=2, normalize="tokens"), []
+            for _ in range(3):
+                state, m = step(state, batch)
+                out.append(m)
+            return fzero.gather(state), out
+
+        return mesh.run(rank_fn)
+
+    narrow, wide = run(False), run(True)
+    assert not any(m.skipped for _, ms in narrow for m in ms)
+    assert float(narrow[0][1][0].loss) == 10000.0
+    for (p16, m16), (p32, m32) in zip(narrow, wide):
+        fzero.testing.assert_trees_equal(p16, p32)
+        assert all(torch.equal(a.grad_norm, b.grad_norm) and torch.equal(a.loss, b.loss) for a, b in zip(m16, m32))
+
+
+def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():
+    """A NaN loss on rank 1 at every step is an overflow to the scaler: with `raise_at_min` the
+    step at the floor raises `LossScaleError` on every rank, which said only that "the gradients
+    overflowed" (found in review); it now names the rank and that its loss was non-finite."""
+    mesh = fzero.SimMesh(2)
+    scaler = fzero.DynamicLossScale(init_scale=2.0, hysteresis=1, raise_at_min=True)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(4)}, optim.sgd(0.1), stage=2, mesh=mesh, precision=FP16,
+                           loss_scale=scaler)
+        step = fzero.train_step(lambda p, x: (p["w"] * x.half()).float().sum())
+        x = torch.full((4,), float("nan") if mesh.rank == 1 else 1.0)
+        for _ in range(3):
+            state, m = step(state, x)
+            assert m.skipped
+
+    with pytest.raises(fzero.LossScaleError, match=r"^step 0: the gradients overflowed at iteration 1 .*What was "
+                                                   r"non-finite: rank 1: loss"):
+        mesh.run(rank_fn)
+
+
+def test_a_loss_of_the_wrong_shape_is_named_as_returned_under_a_loss_scale():
+    """The check saw the fp32 scaled copy and named float32 (found in review)."""
     mesh = fzero.SimMesh(1)
-    for prec in (fzero.Precision(), fzero.Precision(torch.bfloat16)):
-        with pytest.raises(fzero.ConfigError, match="guards fp16 gradients"):
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(4)}, optim.sgd(0.1), stage=0, mesh=mesh, precision=FP16,
+                           loss_scale=fzero.StaticLossScale(8.0))
+        fzero.train_step(lambda p, x: p["w"][:2] * x)(state, torch.ones(2, dtype=torch.float16))
+
+    with pytest.raises(fzero.FzeroError, match=r"got Tensor torch.float16 torch.Size\(\[2\]\)"):
+        mesh.run(rank_fn)
+
+
+def test_loss_scaling_needs_fp16():
+    """Refused where every trainable bucket computes in bf16 (fp32's range); accepted over fp32
+    params, for a loss run under fp16 autocast (next test)."""
+    mesh = fzero.SimMesh(1)
+    for prec in (fzero.Precision(torch.bfloat16), fzero.Precision(torch.bfloat16, torch.float32)):
+        with pytest.raises(fzero.ConfigError, match="guards fp16 gradients.*exponent range"):
             mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=prec,
                                         loss_scale=fzero.StaticLossScale(128.0)))
+    mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh,
+                                loss_scale=fzero.StaticLossScale(128.0)))
     with pytest.raises(fzero.ConfigError, match="loss_scale must be None"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
                                     loss_scale=1024.0))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_fp32_params_with_an_fp16_autocast_loss_take_a_loss_scale(stage):
+    """torch's AMP recipe: fp32 params, the loss under `torch.autocast(dtype=torch.float16)`, a
+    loss scale. The fp16 activations' gradients underflow unscaled (here every one: the norm is
+    0); scaled by 2^16 they do not, and the step equals a plain torch step on `grad(s * loss)`
+    multiplied by `1/s` (exact: a power of two) with `torch.optim.SGD`, bit for bit (N = 1, so the
+    mean over ranks is the gradient itself). Before, the loss scale was refused here."""
+    mesh, s = fzero.SimMesh(1), 2.0**16
+    params = {"w": torch.full((4, 4), 1e-3), "v": torch.full((4, 1), 1e-3)}
+    x = torch.ones(2, 4)
+
+    def loss_fn(p, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = (x @ p["w"]) @ p["v"]
+        return out.float().sum() * 1e-6
+
+    def run(scaler):
+        def rank_fn():
+            state = fzero.init(params, optim.sgd(1e6), stage=stage, mesh=mesh, loss_scale=scaler)
+            state, m = fzero.train_step(loss_fn)(state, x)
+            return fzero.gather(state), m
+        return mesh.run(rank_fn)[0]
+
+    assert float(run(None)[1].grad_norm) == 0.0  # underflowed in fp16
+    got, m = run(fzero.StaticLossScale(s))
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    grads = torch.autograd.grad(loss_fn(ref, x) * s, list(ref.values()))
+    for p, g in zip(ref.values(), grads):
+        p.grad = g * (1.0 / s)
+    torch.optim.SGD(ref.values(), lr=1e6, foreach=False).step()
+    assert m.grad_norm > 0 and not m.skipped
+    for k in params:
+        assert torch.equal(got[k], ref[k].detach()), k
 
 
 class _Casts(torch.utils._python_dispatch.TorchDispatchMode):

@@ -93,6 +93,43 @@ def test_a_rank_stepping_an_older_state_raises_on_every_rank():
         assert "rank 0: step 1, rank 1: step 0" in str(e) and "an older state" in str(e), str(e)
 
 
+def _fp16_run(mesh, kept, scale=1024.0):
+    """Two fp16 steps under a dynamic scaler, the first skipped (an inf in rank 1's input);
+    `kept(rank, before, after)` picks the state each rank steps next."""
+    state = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh,
+                       precision=fzero.Precision(torch.float16, torch.float32),
+                       loss_scale=fzero.DynamicLossScale(init_scale=scale, hysteresis=1))
+    step = fzero.train_step(_loss)
+    bad = torch.full((4,), float("inf") if mesh.rank == 1 else 1.0)
+    after, metrics = step(state, bad)
+    assert metrics.skipped and int(after.step) == 0
+    step(kept(mesh.rank, state, after), torch.ones(4))
+
+
+def test_a_rank_keeping_the_state_from_before_a_skipped_step_raises_on_every_rank():
+    """A skipped step leaves `state.step` as it was and halves the loss scale: a rank that kept
+    the state from before it has the same step count, so only the scaler's update count (and
+    the scale) tell it apart. Before, each rank divided the one reduced gradient by its own
+    scale, and stage 3's shards were updated with two different gradients, silently."""
+    errors = _errors(lambda mesh: _fp16_run(mesh, lambda r, before, after: after if r == 0 else before))
+    for e in errors:
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "rank 0: loss scaler update 1, rank 1: loss scaler update 0" in str(e), str(e)
+
+
+def test_ranks_with_different_loss_scales_raise_on_every_rank():
+    def run(mesh):
+        def kept(r, before, after):  # rank 1 doubles its scale back (an edited or another run's state)
+            return after if r == 0 else after.replace(loss_scale=after.loss_scale._replace(
+                scale=after.loss_scale.scale * 2))
+        _fp16_run(mesh, kept)
+
+    errors = _errors(run)
+    for e in errors:
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert "the loss scale differs across ranks (rank 0: 512.0, rank 1: 1024.0" in str(e), str(e)
+
+
 def test_ranks_with_the_same_settings_in_separate_step_functions_agree():
     """Each rank building its own `train_step` (as under torchrun) is the normal case: same
     fingerprint, no error, and the same bits as one shared step function."""

@@ -503,8 +503,9 @@ def expected_comm(
 
 
 def agreement_elements(layout: Layout) -> int:
-    """Elements (float64) of the step's one agreement all-gather: N · (L + B + 8), L leaves, B buckets
-    (loss, a used flag per leaf, a non-finite flag per bucket, the rank's part of ‖g‖², its token
-    count, its flag of a donating update not yet checked, the fingerprint of its step's settings,
-    its state's step counter, which `init` made it and its optimizer's lr at the step)."""
-    return layout.world_size * (len(layout.leaves) + len(layout.buckets) + 8)
+    """Elements (float64) of the step's one agreement all-gather: N · (L + B + 10), L leaves, B
+    buckets (loss, a used flag per leaf, a non-finite flag per bucket, the rank's part of ‖g‖², its
+    token count, its flag of a donating update not yet checked, the fingerprint of its step's
+    settings, its state's step counter, which `init` made it, its optimizer's lr at the step, its
+    loss scale and its loss scaler's update count)."""
+    return layout.world_size * (len(layout.leaves) + len(layout.buckets) + 10)

@@ -931,8 +931,8 @@ def latest(root: str | os.PathLike) -> str | None:
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
-    scaler are the target's; a `CheckpointError` naming the first mismatch otherwise. (Files are
-    checked as they are read.) A group's settings change the update as the optimizer's do: a
+    scaler settings (`_scaler_settings`) are the target's; a `CheckpointError` naming the first
+    mismatch otherwise. (Files are checked as they are read.) A group's settings change the update as the optimizer's do: a
     resume under other groups would step on from the same state as another run (found in review:
     silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
@@ -953,9 +953,20 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     want = _jsonable(describe(target.optimizer))
     if manifest["optimizer"] != want:
         raise CheckpointError(_other_optimizer(path, manifest["optimizer"], target.optimizer, want))
-    if (manifest.get("scaler") is None) != (target.info.scaler is None):
-        raise CheckpointError(f"{path!r} has loss scaler {manifest.get('scaler')!r}, the target "
-                              f"{target.info.scaler!r}; make the target with loss_scale set as when it was saved")
+    theirs_scaler, mine_scaler = manifest.get("scaler"), None if target.info.scaler is None else repr(target.info.scaler)
+    if _scaler_settings(theirs_scaler) != _scaler_settings(mine_scaler):
+        raise CheckpointError(f"{path!r} has loss scaler {theirs_scaler!s}, the target {mine_scaler!s}; make the "
+                              f"target with the loss_scale it was saved with (a DynamicLossScale's init_scale may "
+                              f"differ: the run goes on from the saved scale)")
+
+
+def _scaler_settings(text: str | None) -> str | None:
+    """A loss scaler's repr (as the manifest holds it) less a `DynamicLossScale`'s `init_scale`,
+    which only `init` reads: a resume goes on from the saved scale. Every other setting changes
+    the steps to come -- a `StaticLossScale`'s scale is its state's, a dynamic one's floor and
+    hysteresis bound the saved scale and hysteresis -- so a target with others would run as
+    another run (found in review: before, only whether both had a scaler was compared)."""
+    return None if text is None else re.sub(r"init_scale=[^,)]*(, )?", "", text)
 
 
 def _setting_diffs(theirs: Any, node: Any, where: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any, Any]]:
@@ -1168,7 +1179,9 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         error, key, shown = None, None, _short(path, 300)
         read: dict[str, torch.Tensor] = {}  # the saved buffers, read into fresh tensors first
         try:
-            check_state(target, pending=False)  # load overwrites it: a broken donated target is what it restores
+            # load overwrites it: a broken donated target is what it restores, and an NVMe target whose
+            # files another state (or a failed write) rewrote lends only its structure (found in review)
+            check_state(target, pending=False, holds=False)
             path = _fspath(path, "checkpoint.load: path (a checkpoint folder, root/step-<n>)")
             shown = repr(path)
             manifest, digest = _read_manifest(path)

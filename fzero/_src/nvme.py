@@ -338,7 +338,8 @@ class SwapFiles:
         buffer, future = self._reads[name]
         try:
             future.result()
-        except OSError as e:
+        except OSError as e:  # the failed read gives its buffer back: a retry reads the file again (found
+            self.release(name)  # in review: the failed future was kept, and every later read raised it)
             raise OffloadError(f"SwapFiles.read({name!r}) from {entry.path!r}: {_describe(e)}") from e
         return buffer[: entry.nbytes].view(entry.dtype)
 
@@ -376,6 +377,13 @@ class SwapFiles:
         buffer, future = self._reads.pop(name)
         cf.wait([future])
         self._read_free.append(buffer)
+
+    def release_all(self) -> None:
+        """Give every read buffer back, waiting for the reads in flight: after an update that
+        raised, so that a retry reads the files again, not a buffer the update had changed in
+        place before the error (found in review)."""
+        for name in list(self._reads):
+            self.release(name)
 
     def flush(self) -> None:
         """Wait for every write; `OffloadError` naming the entries whose write failed."""

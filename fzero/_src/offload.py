@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import weakref
 from collections.abc import Callable
 from fractions import Fraction
@@ -43,7 +44,7 @@ import optree
 import torch
 
 from .errors import ConfigError, OffloadError
-from .precision import added_in
+from .precision import added_in, narrower_range
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 from .unit import finite_witness
 
@@ -96,6 +97,10 @@ class Offload:
             raise ConfigError(f"Offload(params='nvme') keeps stage 3's shards in the swap files of the NVMe tier, "
                               f"which holds the master and optimizer state: use Offload(optimizer='nvme', "
                               f"params='nvme', nvme_path=...), or params='cpu' (got optimizer={self.optimizer!r})")
+        if self.nvme_path is not None and (isinstance(self.nvme_path, bytes)
+                                           or not isinstance(self.nvme_path, (str, os.PathLike))):
+            raise ConfigError(f"Offload.nvme_path must be a str or os.PathLike directory, got "
+                              f"{type(self.nvme_path).__name__} {self.nvme_path!r}")
         if self.optimizer == "nvme" and not self.nvme_path:
             raise ConfigError("Offload(optimizer='nvme') needs nvme_path=<a directory on the NVMe drive> for the "
                               "optimizer state's swap files; or use optimizer='cpu'")
@@ -359,6 +364,9 @@ class HostTier:
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
+    def abort(self) -> None:
+        """After an update that raised: nothing is held in host memory."""
+
     def check_holds(self, state: Any) -> None:
         """Whether `state` holds the values this tier keeps for it: in host memory they are the
         state's own tensors, so always."""
@@ -566,6 +574,9 @@ class NvmeTier(HostTier):
 
     def flush(self) -> None:
         self.files.flush()
+
+    def abort(self) -> None:
+        self.files.release_all()
 
 
 class Loading:
@@ -815,12 +826,13 @@ class Stored(NamedTuple):
     checked: torch.Tensor
 
 
-def _ends(x: torch.Tensor) -> torch.Tensor:
-    """`x`'s `unit.finite_witness` as a new tensor (the minimum and maximum, or on the CPU the sum
-    where it is finite), finite exactly where `x` is -- so the finite check, which reads the
-    witness of what it is given, decides as it would on `x`; `x`'s copy where it is empty."""
+def _ends(x: torch.Tensor, within: torch.dtype | None = None) -> torch.Tensor:
+    """`x`'s `unit.finite_witness` as a new tensor (the minimum and maximum -- always with
+    `within`, so that they can be cast to it -- or on the CPU the sum where it is finite), finite
+    exactly where `x` is -- so the finite check, which reads the witness of what it is given,
+    decides as it would on `x`; `x`'s copy where it is empty."""
     flat = x.detach().reshape(-1)
-    return torch.stack(finite_witness(flat)) if flat.numel() else flat.clone()
+    return torch.stack(finite_witness(flat, within is not None)) if flat.numel() else flat.clone()
 
 
 class HostUpdate:
@@ -880,9 +892,20 @@ class HostUpdate:
             back = tier.store_params(b, tier.host_cast(master, held_dtype))
         else:
             back = tier.to_device(master, held_dtype)
-        checked = _ends(master) if tier.in_place else master
+        checked = _ends(master, self.within(b)) if tier.in_place else master
         return Stored(back, tier.store(b, opt_state), tier.store_master(b, master), checked)
+
+    def within(self, b: int) -> torch.dtype | None:
+        """`precision.narrower_range` of bucket b: the dtype its finite check reads the extremes in."""
+        spec = self.info.layout.buckets[b]
+        return narrower_range(self.info.precision.wire(spec).compute, spec.dtype)
 
     def done(self) -> None:
         for tier in {id(t): t for t in self.tiers.values()}.values():
             tier.flush()  # NVMe: every file written, or OffloadError naming it
+
+    def abort(self) -> None:
+        """After an update that raised (an I/O error, an interrupt): the tiers give back what they
+        hold (NVMe: every read buffer, so a retry reads the files, not a buffer changed in place)."""
+        for tier in {id(t): t for t in self.tiers.values()}.values():
+            tier.abort()

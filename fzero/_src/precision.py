@@ -27,7 +27,8 @@ class Precision:
     """The dtypes of computation and reduction (None: the bucket's own dtype, no cast).
 
     Attributes:
-      param_dtype: what units are gathered and computed in (fp32, bf16, fp16, fp64).
+      param_dtype: what units are gathered and computed in (fp32, bf16, fp16, fp64; not
+        narrower than 16 bits).
       reduce_dtype: what gradients are reduced in; not narrower than 16 bits.
     """
 
@@ -44,6 +45,10 @@ class Precision:
         if self.reduce_dtype is not None and self.reduce_dtype.itemsize < 2:
             raise ConfigError(f"Precision.reduce_dtype {self.reduce_dtype} is narrower than 16 bits: sums of "
                               f"gradients over ranks need at least fp16 / bf16; use torch.float32 or torch.bfloat16")
+        if self.param_dtype is not None and self.param_dtype.itemsize < 2:  # also the reduce dtype where that is None
+            raise ConfigError(f"Precision.param_dtype {self.param_dtype} is narrower than 16 bits: units compute in "
+                              f"it, and torch's 8-bit floats have no arithmetic but scaled matrix products (their "
+                              f"gradients would be reduced in it too); use torch.bfloat16 or torch.float16")
 
     def wire(self, bucket: BucketSpec) -> Wire:
         """How bucket `bucket` travels under this policy."""
@@ -51,6 +56,15 @@ class Precision:
 
 
 FULL = Precision()  # no policy: every bucket computes and reduces in its own dtype
+
+
+def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | None:
+    """`compute` where its largest finite value is below `held`'s (fp16 units over fp32 or bf16
+    master values), else None: there a finite master value can still be inf in its compute copy
+    (|x| >= 65520 rounds to inf in fp16; bf16 too, above 3.3961e38, where fp32 goes on to
+    3.4028e38), so an update's finite check reads the master's extremes as the compute dtype holds
+    them (`unit.finite_witness(x, extremes=True)`, then cast)."""
+    return compute if torch.finfo(compute).max < torch.finfo(held).max else None
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:

@@ -30,7 +30,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, init_state, spec_of
-from .precision import FULL, Precision
+from .precision import FULL, Precision, narrower_range
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
@@ -326,15 +326,21 @@ def _agreed_serial(mesh: Mesh, nonfinite: list[str], sync: bool) -> int:
 
 
 def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> None:
-    """Loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 have fp32's
-    exponent range and need none."""
+    """Loss scaling keeps small fp16 gradients from flushing to zero: those of units computing in
+    fp16 (a policy), or, over fp32 or wider params, of a loss computed under
+    `torch.autocast(..., dtype=torch.float16)` -- torch's AMP recipe, which fzero cannot see from
+    here (found in review: refused before, so its gradients underflowed unscaled). Refused where
+    every trainable bucket computes in bf16, which has fp32's exponent range: a scale there is a
+    mistaken setting, not a guard."""
     if loss_scale is None:
         return
     computes = {precision.wire(b).compute for b in layout.buckets if not b.group.frozen}
-    if torch.float16 not in computes:
+    if not computes or computes <= {torch.bfloat16}:
         names = sorted(str(d).removeprefix("torch.") for d in computes) or ["nothing trainable"]
-        raise ConfigError(f"loss_scale={loss_scale!r} guards fp16 gradients, but this state computes in {names}; "
-                          f"drop loss_scale, or compute in fp16 with precision=fzero.Precision(torch.float16, ...)")
+        raise ConfigError(f"loss_scale={loss_scale!r} guards fp16 gradients, but this state computes in {names}, "
+                          f"which has fp32's exponent range; drop loss_scale, or compute in fp16 with "
+                          f"precision=fzero.Precision(torch.float16, ...) (or keep fp32 params and run the loss "
+                          f"under torch.autocast(..., dtype=torch.float16))")
 
 
 def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
@@ -652,12 +658,14 @@ def consume(state: ZeroState) -> None:
     object.__setattr__(state, "_consumed", True)
 
 
-def check_state(state: Any, *, pending: bool = True) -> None:
+def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None:
     """A `ZeroState` used on the rank and world size it was made for, not consumed, or a clear error.
 
     With `pending` (every reader but the step, which carries the flag in its agreement), a state
     made by a donating step whose update is not yet checked is checked first (`check_pending`:
-    every rank together, one small all-gather)."""
+    every rank together, one small all-gather). With `holds` (every reader but a checkpoint's load
+    target, of which only the structure is read: the loaded state gets swap files of its own), an
+    NVMe tier's state must be the one its files hold (`check_holds`)."""
     if not isinstance(state, ZeroState):
         raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
     if getattr(state, "_consumed", False):
@@ -668,7 +676,7 @@ def check_state(state: Any, *, pending: bool = True) -> None:
     if state.rank != mesh.rank:
         raise FzeroError(f"this state belongs to rank {state.rank} of {mesh!r} but runs on rank {mesh.rank}; "
                          f"hand each rank the state fzero.init made on it")
-    if state.info.tier is not None:
+    if holds and state.info.tier is not None:
         state.info.tier.check_holds(state)  # NVMe: the state is the one whose values its files hold
     if pending:
         check_pending(state)
@@ -713,9 +721,18 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
-        f"inf on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote the state in "
+        f"inf{_in_compute(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
+        f"the state in "
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
         f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+
+
+def _in_compute(state: ZeroState) -> str:
+    """Where some bucket computes in a dtype of narrower range than its master: the words saying
+    that a master value past that range counts as inf (`precision.narrower_range`)."""
+    narrow = sorted({str(w).removeprefix("torch.") for b in state.layout.buckets
+                     if (w := narrower_range(state.info.precision.wire(b).compute, b.dtype)) is not None})
+    return f" (or past {'/'.join(narrow)}'s range, the dtype the units compute in)" if narrow else ""
 
 
 class _Updated:
@@ -731,8 +748,13 @@ class _Updated:
 
 def updated_nonfinite_leaves(state: ZeroState, updated: dict[int, torch.Tensor]) -> list[str]:
     """`nonfinite_leaves` of what this rank's optimizer updated per bucket (`Stage.optimizer_params`:
-    its shard, or stage 0's whole buffer), each leaf piece where `Stage.segments` puts it."""
-    return nonfinite_leaves(state, updated, mine=lambda b, p: p, where=state.stage.segments)
+    its shard, or stage 0's whole buffer), each leaf piece where `Stage.segments` puts it; cast to
+    the bucket's compute dtype where its range is narrower (`precision.narrower_range`), as the
+    update's finite check reads it."""
+    layout, policy = state.layout, state.info.precision
+    within = {b.index: narrower_range(policy.wire(b).compute, b.dtype) for b in layout.buckets}
+    return nonfinite_leaves(state, updated, mine=lambda b, p: p if within[b] is None else p.to(within[b]),
+                            where=state.stage.segments)
 
 
 def nonfinite_leaves(state: ZeroState, tensors: dict[int, torch.Tensor], mine: Any = None, where: Any = None

@@ -57,15 +57,15 @@ from torch.profiler import record_function
 
 from .casting import CastAhead, Reads, Slot
 from .collectives import all_gather, all_reduce, func_level
-from .errors import ConfigError, NonFiniteError
+from .errors import ConfigError, LossScaleError, NonFiniteError
 from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
-from .precision import added_in, at_least_float32
+from .precision import added_in, at_least_float32, narrower_range
 from .stages import Flight, Wire
-from .state import (StateInfo, ZeroState, broken_update, check_same_settings, checked, consume,
+from .state import (StateInfo, ZeroState, _in_compute, broken_update, check_same_settings, checked, consume,
                     nonfinite_leaves, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import (Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, shared_zeros,
@@ -229,7 +229,12 @@ def train_step(
         `torch.func.grad` held 11-15 GiB more at peak on a 1.34B GPT, proofs/memory.md) or "func"
         (`torch.func.grad_and_value`; composes with other transforms).
       on_nonfinite: "raise" (NonFiniteError on every rank, naming the leaves, and the ranks whose
-        loss -- or, with `locate_nonfinite`, local gradient -- is non-finite) or "skip".
+        loss -- or, with `locate_nonfinite`, local gradient -- is non-finite) or "skip". Under a
+        loss scaler a NaN or inf loss or gradient is an overflow whatever this says: the step is
+        skipped and the scale backs off (DeepSpeed's rule), and a NaN that comes back every step
+        skips every step; `DynamicLossScale(raise_at_min=True)` raises `LossScaleError`, naming
+        what was non-finite, once the scale is at its floor. An update that makes the state
+        NaN or inf (or past the compute dtype's range) follows this setting with a scaler too.
       gather: "on_use" (default: each unit is gathered when the loss first uses it, its
         gradient reduced as soon as its backward is done, and, in stage 3 with the autograd
         engine and flat-dict params, freed after use and gathered again in backward) or "eager"
@@ -312,6 +317,7 @@ def train_step(
 def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     with checked(state, pending=False):  # the step's agreement carries the pending flag
         _check_in_place_tiers(config, state)
+        _check_no_transform_over_offload(state)
         with same_paths(state.layout), _no_vmap_over_steps():
             return run_step(config, state, batch)
 
@@ -324,6 +330,18 @@ def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
         raise ConfigError(f"Offload(optimizer={state.info.offload.optimizer!r}) writes the optimizer state's swap "
                           f"files in place, so a step consumes its input state: use train_step(..., donate=True) "
                           f"(got donate=False)")
+
+
+def _check_no_transform_over_offload(state: ZeroState) -> None:
+    """A step inside a `torch.func` transform (a meta-gradient, an HVP through the step) with
+    buckets updated on a host tier: the update runs on the host master, which the transform does
+    not see (found in review: "Cannot access storage of TensorWrapper" at the first host copy,
+    and past it a derivative missing its identity term, or zero). Refused before the step."""
+    if func_level() is not None and step_plan(state.info).offloaded:
+        raise ConfigError(f"a step inside a torch.func transform (a derivative through the step: meta-gradients, "
+                          f"HVPs) with {state.info.offload!r}: the update runs on the host copy of the master, "
+                          f"which the transform does not see; differentiate through steps of a state made with "
+                          f"offload=None")
 
 
 @contextlib.contextmanager
@@ -393,9 +411,11 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     norm = math.sqrt(verdict.norm_sq) * scale / s if math.isfinite(verdict.norm_sq) else verdict.norm_sq
     mean_loss = verdict.loss / (verdict.count if config.normalize == "tokens" else state.mesh.world_size) / s
     seen = (mean_loss, norm, step, s if scaler is not None else None)
-    next_scale = None if scaler is None else scaler.update(state.loss_scale, not finite)
+    next_scale = None if scaler is None else _scaler_update(scaler, state, verdict, step)
     if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
+            if config.donate:  # the new state shares every buffer: the next donating step writes them for
+                consume(state)  # both (found in review: the old one then read, and saved, the next step's values)
             return state.replace(loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
             leaves = nonfinite_leaves(state, readable(state.info, reduced))  # shed shards: their host copies
@@ -413,9 +433,20 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
-                             f"NaN or inf in {named} ({state.mesh!r}, {len(broken)} leaves); the state is unchanged. "
+                             f"NaN or inf{_in_compute(state)} in {named} ({state.mesh!r}, {len(broken)} leaves); the "
+                             f"state is unchanged. "
                              f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
     return state, _metrics(*seen, skipped=True)
+
+
+def _scaler_update(scaler: Any, state: ZeroState, verdict: Verdict, step: int) -> Any:
+    """The scaler's next state after this step (`update`); its `LossScaleError` at the floor
+    (`raise_at_min`) said only "the gradients overflowed": it now says what was non-finite, on
+    which ranks (a NaN loss on rank 1 every step, in review, read as an overflow)."""
+    try:
+        return scaler.update(state.loss_scale, not verdict.finite)
+    except LossScaleError as e:
+        raise LossScaleError(f"step {step}: {e}. What was non-finite: {_culprits(verdict)}") from None
 
 
 def _named(name: str) -> contextlib.AbstractContextManager:
@@ -477,7 +508,8 @@ def _shown(t: torch.Tensor) -> str:
 def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
                buffers: HostBuffers | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
-    summed over micro-batches, Report (OR over micro-batches), token count summed)`.
+    summed over micro-batches in float32 or wider, Report (OR over micro-batches), token count
+    summed)`.
 
     "each": `Σ_i reduce(g_i)` (added in `accum_dtype`; by default float32 or the gradient's
     dtype where wider, `added_in`);
@@ -494,6 +526,7 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
         parts = grads if once else reduce(state, grads, started)
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
+        l_i = l_i.to(at_least_float32(l_i.dtype))  # 2 fp16 losses of 40000 sum to inf in fp16 (review)
         loss = l_i if loss is None else loss + l_i
         count = c_i if count is None else count + c_i
         used = report.used if used is None else torch.maximum(used, report.used)
@@ -670,6 +703,7 @@ class BucketPlan(NamedTuple):
     leaf_sum: Callable[[torch.Tensor], torch.Tensor]
     numels: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
+    within: torch.dtype | None  # `precision.narrower_range`: the compute dtype the finite check reads in
 
     def context(self, step: int, used: list[bool] | None, leaf_sum: Callable | None = None) -> UpdateContext:
         """`used`: the step's used flags over all leaves (None: every leaf used); `leaf_sum`: where
@@ -690,7 +724,8 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
         spec.index: BucketPlan(spec.index, info.precision.wire(spec), spec.group,
                                stage.segments(layout, spec.index, rank), spec.leaves,
                                stage.leaf_sum(mesh, spec.tag), tuple(layout.leaves[i].numel for i in spec.leaves),
-                               tuple(layout.leaves[i].shape for i in spec.leaves))
+                               tuple(layout.leaves[i].shape for i in spec.leaves),
+                               narrower_range(info.precision.wire(spec).compute, spec.dtype))
         for spec in layout.buckets if not spec.group.frozen})
 
 
@@ -744,7 +779,9 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         def objective(params: Any, mb: Any) -> torch.Tensor:
             loss, count = _objective(config, config.loss_fn(params, mb))
             counts.append(count)
-            return _scaled(loss, s) if s != 1.0 and isinstance(loss, torch.Tensor) else loss
+            # a loss the check refuses goes to it as returned (scaled, it was named float32)
+            scalable = s != 1.0 and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
+            return _scaled(loss, s) if scalable else loss
 
         gathering = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable,
                               config.persist_bytes, config.max_live_bytes, config.prefetch, inflight, casts, reads)
@@ -978,8 +1015,8 @@ _IS_TENSOR = functools.partial(operator.is_not, None)
 
 class Row(NamedTuple):
     """The columns of `agreement`'s row, `[loss, used[L], bad[B], ‖g_shard‖², count, broken,
-    settings, step, serial, lr]`, for L leaves and B buckets: loss at 0, used at `1 : 1 + L`, bad
-    at `1 + L : sq`, then one column each."""
+    settings, step, serial, lr, scale, scaled]`, for L leaves and B buckets: loss at 0, used at
+    `1 : 1 + L`, bad at `1 + L : sq`, then one column each."""
 
     sq: int
     tokens: int
@@ -988,25 +1025,29 @@ class Row(NamedTuple):
     step: int
     serial: int
     lr: int
+    scale: int
+    scaled: int
     width: int
 
     @staticmethod
     def of(num: int, nb: int) -> "Row":
         sq = 1 + num + nb
-        return Row(*range(sq, sq + 8))
+        return Row(*range(sq, sq + 10))
 
 
 def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dict[int, torch.Tensor],
               count: torch.Tensor, norms: EarlyNorms | None, settings: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The one agreement collective: `(rows[N, L + B + 8], the rank's gradient shards)`, the rows
-    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken, settings, step, serial, lr]` (float64,
-    `Row`) from every rank, gathered on the device and not read yet: `agree` reads them on the
-    host (the step's one host synchronisation), and what the host can do before that read runs
-    before it (`prepare`). `settings` is the fingerprint of the step's settings
+    """The one agreement collective: `(rows[N, L + B + 10], the rank's gradient shards)`, the rows
+    of `[loss, used[L], bad[B], ‖g_shard‖², count, broken, settings, step, serial, lr, scale,
+    scaled]` (float64, `Row`) from every rank, gathered on the device and not read yet: `agree`
+    reads them on the host (the step's one host synchronisation), and what the host can do before
+    that read runs before it (`prepare`). `settings` is the fingerprint of the step's settings
     (`StepConfig.fingerprint`), `step` the state's step counter, `serial` which `init` made it
-    (`StateInfo.serial`) and `lr` the optimizer's lr at this step (`scheduled_lr`, exact in
-    float64): ranks whose steps differ in any raise `ConfigError` on every rank, before anything
-    is updated (`_check_same_steps`).
+    (`StateInfo.serial`), `lr` the optimizer's lr at this step (`scheduled_lr`, exact in
+    float64), `scale` the loss scale the step used and `scaled` its scaler's update count
+    (`LossScaleState.iteration`, -1 without a scaler: a skipped step leaves `step` as it was, so a
+    rank that kept the state from before a skip shows only there): ranks whose steps differ in any
+    raise `ConfigError` on every rank, before anything is updated (`_check_same_steps`).
 
     `‖g_shard‖²` is `sum_of_squares` of the rank's shards of the *reduced* gradient (stage 0
     takes its rank's shard of the full buffer, so every stage computes it from the same tensor
@@ -1028,7 +1069,9 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     shards = [stage.grad_shard(layout, b, g, rank) for b, g in reduced.items()]
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
-    checks = torch.tensor([settings, int(state.step), state.info.serial, scheduled_lr(state)], dtype=torch.float64)
+    scaled = -1 if state.loss_scale is None else int(state.loss_scale.iteration)
+    checks = torch.tensor([settings, int(state.step), state.info.serial, scheduled_lr(state), loss_scale_of(state),
+                           scaled], dtype=torch.float64)
     # one copy to the device
     host = torch.cat([report.used.to(torch.float64), count.to(torch.float64).reshape(1), checks])
     host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
@@ -1202,9 +1245,11 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
     """Raise `ConfigError` on every rank (all read the same rows) where the ranks' steps differ in
     their settings (`StepConfig.shared`; one more all-gather, of each setting's fingerprint, names
     the first that differs: `state.check_same_settings`), in the `init` that made their states
-    (`StateInfo.serial`), in their state's step counter (a rank that stepped an older state) or
-    in their optimizer's lr at this step (schedules `init` could not tell apart: a
-    `functools.partial`'s arguments, a callable object's attributes)."""
+    (`StateInfo.serial`), in their state's step counter or its loss scaler's update count (a rank
+    that stepped an older state: a skipped step moves only the latter), in the loss scale (each
+    rank would divide the one reduced gradient by its own) or in their optimizer's lr at this step
+    (schedules `init` could not tell apart: a `functools.partial`'s arguments, a callable object's
+    attributes)."""
     if any(r[c.settings] != rows[0][c.settings] for r in rows):
         check_same_settings(state.mesh, "fzero.train_step", **config.shared)
         raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
@@ -1212,12 +1257,21 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
     for col, what, fix in ((c.serial, "the state of its init #{}", "the state the same fzero.init made (and its "
                             "steps returned)"),
                            (c.step, "step {}", "the state its previous step returned (a rank kept an older state, "
-                            "or restored another checkpoint)")):
+                            "or restored another checkpoint)"),
+                           (c.scaled, "loss scaler update {}", "the state its previous step returned, skipped steps "
+                            "included (a rank kept the state from before a skipped step, or restored another "
+                            "checkpoint)")):
         values = [int(r[col]) for r in rows]
         if any(v != values[0] for v in values):
             said = ", ".join(f"rank {r}: " + what.format(v) for r, v in enumerate(values))
             raise ConfigError(f"ranks stepped different states ({said}; world size {len(values)}): every rank must "
                               f"step {fix}. Nothing was updated")
+    scales = [r[c.scale] for r in rows]
+    if any(v != scales[0] for v in scales):
+        said = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(scales))
+        raise ConfigError(f"step {int(state.step)}: the loss scale differs across ranks ({said}; world size "
+                          f"{len(scales)}): every rank must step the state its previous step returned, or load one "
+                          f"checkpoint. Nothing was updated")
     lrs = [r[c.lr] for r in rows]
     if any(v != lrs[0] for v in lrs):
         said = ", ".join(f"rank {r}: " + ("its schedule raised" if v < 0 else repr(v)) for r, v in enumerate(lrs))
@@ -1558,33 +1612,37 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     launches = ready.launches if ready is not None and donate and all(used) else {}
     early = launched.states if launched is not None else {}
     ends = launched.ends if launched is not None else Ends.of(state, donate)
-    for b, g in reduced.items():
-        launch = launches.get(b)
-        updating = _updating(ends if b not in early else None)
-        if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
-            p = ready.params[b]
-            with updating:
-                updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
-            back[b] = kept[b] = checked[b] = p
-        else:
-            # offloaded: the host copies (NVMe: the master and state read from their files)
-            g, opt, master, leaf_sum = host.inputs(b, g, state.opt_state[b], state.master[b], plan[b].leaf_sum)
-            ctx = plan[b].context(step, used, leaf_sum)
-            p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
-            g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
-            if donate:
+    try:
+        for b, g in reduced.items():
+            launch = launches.get(b)
+            updating = _updating(ends if b not in early else None)
+            if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
+                p = ready.params[b]
                 with updating:
-                    updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                    updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
+                back[b] = kept[b] = checked[b] = p
             else:
-                updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-            out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
-            back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
-        if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
-            ends.take(b, checked[b])
-        if overlap:  # overlaps the next update; a donating step gathers into the params it held
-            flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
-    host.done()
-    flag = _nonfinite_flag(state, checked, ends)
+                # offloaded: the host copies (NVMe: the master and state read from their files)
+                g, opt, master, leaf_sum = host.inputs(b, g, state.opt_state[b], state.master[b], plan[b].leaf_sum)
+                ctx = plan[b].context(step, used, leaf_sum)
+                p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
+                g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
+                if donate:
+                    with updating:
+                        updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                else:
+                    updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+                out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
+                back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
+            if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
+                ends.take(b, checked[b])
+            if overlap:  # overlaps the next update; a donating step gathers into the params it held
+                flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
+        host.done()
+    except BaseException:
+        host.abort()  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
+        raise
+    flag = _nonfinite_flag(state, checked, ends, plan)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
     gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     if broken:
@@ -1605,19 +1663,30 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
 
 
-def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | None = None
-                    ) -> torch.Tensor:
+def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | BlockEnds | None = None,
+                    plan: dict[int, BucketPlan] | None = None) -> torch.Tensor:
     """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
     0: each bucket's `unit.finite_witness` (its minimum and maximum, NaN if any element is, ±inf
     if one is, no overflow; on the CPU its sum where that is finite), all checked at once;
     no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
-    computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream."""
+    computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream.
+    Where a bucket computes in a dtype of narrower range than its master (`BucketPlan.within`:
+    fp16 units), the master's extremes as that dtype holds them: an fp32 master past 65504 is
+    inf in its fp16 copy, which the next forward would read (found in review: the state's held
+    fp16 params went inf, and every later step was skipped as an overflow)."""
     dev = state.mesh.device
     known = {} if taken is None else taken.joined()
-    ends = [e.to(dev) for b, p in updated.items() if p.numel() for e in (known[b] if b in known else finite_witness(p))]
+    plan = plan_of(state.info) if plan is None else plan
+    ends: dict[torch.dtype | None, list[torch.Tensor]] = {}  # per `within`: the extremes cast to it at once
+    for b, p in updated.items():
+        if p.numel():
+            within = plan[b].within
+            ends.setdefault(within, []).extend(
+                e.to(dev) for e in (known[b] if b in known else finite_witness(p, within is not None)))
     if not ends:
         return torch.zeros((), dtype=torch.float32, device=dev)
-    return torch.isfinite(torch.stack(ends)).all().logical_not().to(torch.float32)
+    finite = [torch.isfinite(torch.stack(e) if d is None else torch.stack(e).to(d)).all() for d, e in ends.items()]
+    return (finite[0] if len(finite) == 1 else torch.stack(finite).all()).logical_not().to(torch.float32)
 
 
 class Ends:
@@ -1629,18 +1698,20 @@ class Ends:
 
     DEVICES = ("cuda",)  # where a step takes them on a side stream (the CPU: `BlockEnds`; elsewhere after the loop)
 
-    def __init__(self, device: torch.device) -> None:
-        self.side = Side(device)
+    def __init__(self, device: torch.device, within: dict[int, torch.dtype | None]) -> None:
+        self.side, self.within = Side(device), within
         self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @staticmethod
     def of(state: ZeroState, donate: bool) -> Ends | BlockEnds | None:
         """Where the update writes in place on a mesh device of `DEVICES` and nothing
-        differentiates through it; on a CPU mesh, `BlockEnds`."""
+        differentiates through it; on a CPU mesh, `BlockEnds`. `within`: per bucket, the dtype
+        its check reads the extremes in (`BucketPlan.within`)."""
         dev = state.mesh.device
         if not donate or func_level() is not None:
             return None
-        return Ends(dev) if dev.type in Ends.DEVICES else BlockEnds() if dev.type == "cpu" else None
+        within = {b: p.within for b, p in plan_of(state.info).items()}
+        return Ends(dev, within) if dev.type in Ends.DEVICES else BlockEnds(within) if dev.type == "cpu" else None
 
     def updating(self) -> contextlib.AbstractContextManager:
         """Around one bucket's update, before its `take`: nothing to collect here."""
@@ -1651,7 +1722,8 @@ class Ends:
             return
         if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
             p.record_stream(self.side.stream)
-        self.taken[b] = self.side.run(finite_witness, p)
+        extremes = self.within.get(b) is not None
+        self.taken[b] = self.side.run(lambda x: finite_witness(x, extremes), p)
 
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
         self.side.join()
@@ -1668,9 +1740,11 @@ class BlockEnds:
     block of params just after writing it, while the block is in cache (`optim.base.block_sums`),
     instead of a second read of every bucket from memory after the update (`finite_witness`'s
     sum). `updating()` wraps one bucket's update; `take(b, p)` then gives its witness
-    (`_block_witness`); `joined()` returns them, as `Ends` does."""
+    (`_block_witness`; a bucket with a `within` dtype, `finite_witness`'s extremes: sums cannot
+    say whether a cast overflows); `joined()` returns them, as `Ends` does."""
 
-    def __init__(self) -> None:
+    def __init__(self, within: dict[int, torch.dtype | None]) -> None:
+        self.within = within
         self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -1682,7 +1756,7 @@ class BlockEnds:
 
     def take(self, b: int, p: torch.Tensor) -> None:
         if p.numel():
-            self.taken[b] = _block_witness(p, self._sums)
+            self.taken[b] = _block_witness(p, self._sums) if self.within.get(b) is None else finite_witness(p, True)
         self._sums = []
 
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -1728,6 +1802,16 @@ def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
 
 
 # -- the rare path: a non-finite step ----------------------------------------------------------
+
+
+def _culprits(verdict: Verdict) -> str:
+    """The ranks whose loss or local gradient the agreement found non-finite, or that only the
+    reduced gradient's norm is."""
+    if not verdict.bad_ranks:
+        return (f"the reduced gradient (sum of squares {verdict.norm_sq}; every rank's loss"
+                f"{' and local gradient' if verdict.located else ''} finite)")
+    return "; ".join(f"rank {r}: " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
+                     for r, tags in verdict.bad_ranks.items())
 
 
 def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:

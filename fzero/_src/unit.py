@@ -795,9 +795,13 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(torch.stack(finite_witness(x))).all()
 
 
-def finite_witness(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def finite_witness(x: torch.Tensor, extremes: bool = False) -> tuple[torch.Tensor, ...]:
     """0-d tensors, all finite if and only if every element of `x` (not empty) is; a flag, not
     differentiated.
+
+    With `extremes`, always `x`'s minimum and maximum: cast to a narrower dtype they are finite
+    exactly where every element's cast is, the cast being monotone (`precision.narrower_range`:
+    fp16 units over an fp32 master), which a finite sum cannot say (7e4 - 7e4).
 
     Anywhere: `x`'s minimum and maximum (`torch.aminmax`, one read), which are NaN if any
     element is and ±inf if one is, and cannot overflow. On the CPU, for float32 / float64 and
@@ -807,6 +811,8 @@ def finite_witness(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     overflow too, so where it is not finite the minimum and maximum decide (a second read on that
     path only); reading a CPU sum on the host waits for nothing."""
     flat = x.detach().reshape(-1)
+    if extremes:
+        return torch.aminmax(flat)
     if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64) and func_level() is None:
         total = flat.sum()
         if bool(torch.isfinite(total)):
