@@ -365,3 +365,143 @@ def test_remat_gives_the_bits_of_the_run_without_it_where_the_forward_used_to_di
     for (p0, l0), (ps, ls) in zip(run(0, False), run(stage, True)):
         assert all(map(torch.equal, l0, ls)) and all(torch.equal(p0[k], ps[k]) for k in p0)
 
+
+
+# -- what a checkpointed unit's forward may change (found in review) ---------------------------
+
+
+def _sgd_against_torch(model_fn, loss_m, batch, stage, remat, units_prefix="", steps=2, **fm):
+    """`steps` SGD steps of fzero on SimMesh(1) at `stage` against `torch.optim.SGD(foreach=False)`
+    on the module itself: (fzero's params, torch's, fzero's buffers, torch's). N = 1: the reduced
+    gradient is the local one, so every leaf's bits are torch's where the forward is."""
+    torch.manual_seed(0)
+    model, ref = model_fn(), model_fn()
+    ref.load_state_dict(model.state_dict())
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, units_prefix), remat=remat, **fm)
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units,
+                           groups=info.groups)
+        step = fzero.train_step(lambda p, b: loss_m(lambda *a, **k: apply(p, *a, **k), b))
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        return fzero.gather(state)
+
+    got = mesh.run(rank_fn)[0]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=False)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_m(ref, batch).backward()
+        opt.step()
+    return got, dict(ref.named_parameters()), info.buffers, dict(ref.named_buffers())
+
+
+def _assert_same(got, want):
+    for k, v in got.items():
+        assert torch.equal(v, want[k].detach()), k
+
+
+class _BatchNormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+class _SpectralBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 8))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(x)))
+
+
+_XY = (torch.randn(6, 4, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 1, 2, 0, 1, 2]))
+
+
+def _ce(m, b):
+    return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("model_fn", [_BatchNormBlock, _SpectralBlock], ids=["batchnorm", "spectral_norm"])
+def test_a_checkpointed_units_buffer_updates_happen_once(stage, model_fn):
+    """The recompute ran the forward's in-place buffer updates a second time: BatchNorm's running
+    statistics moved twice a step (`num_batches_tracked` 2 after one step) and spectral_norm's
+    power iteration started its recompute from the `u` the forward had already advanced, so the
+    params differed too (found in review). The recompute now starts from the buffers as the
+    forward found them and leaves them as the forward left them: params and buffers are the
+    torch module's, bit for bit. (batch_norm writes its running statistics without bumping their
+    version, so every buffer of the unit is kept, not only those whose version moved.)"""
+    got, want, buffers, want_buffers = _sgd_against_torch(model_fn, _ce, _XY, stage, remat=True)
+    _assert_same(got, want)
+    _assert_same(buffers, want_buffers)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_unit_given_a_kv_cache_is_refused_and_without_one_equals_torch(stage):
+    """transformers' GPT-2 hands each block its `DynamicCache` where `use_cache=True` (its
+    default); the recompute appended the keys a second time and the gradients were another
+    function's (0.04 off after two steps, found in review). A non-tensor argument that is not a
+    constant or a callable is now refused, naming the unit; with `use_cache=False` (what
+    transformers passes under gradient checkpointing) the step equals the module's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    make = functools.partial(transformers.GPT2LMHeadModel, config)
+    with pytest.raises(fzero.ConfigError, match=r"checkpointed unit 'transformer.h.0' .* got args\[1\] of type "
+                                                r"DynamicCache.*use_cache=False"):
+        _sgd_against_torch(make, lambda m, b: m(b, labels=b).loss, x, stage, remat=True, units_prefix="transformer.h")
+    got, want, _, _ = _sgd_against_torch(make, lambda m, b: m(b, labels=b, use_cache=False).loss, x, stage,
+                                         remat=True, units_prefix="transformer.h")
+    _assert_same(got, want)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        out, weights = self.attn(x, x, x, need_weights=False)
+        assert weights is None
+        return self.head(out.mean(1))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_unit_may_return_none_beside_tensors(stage):
+    """`nn.MultiheadAttention(need_weights=False)` returns `(out, None)`: remat raised a TypeError
+    naming no unit (found in review). Non-tensor outputs are now the forward's constants."""
+    xy = (torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 2]))
+    got, want, _, _ = _sgd_against_torch(_Attention, _ce, xy, stage, remat=True)
+    _assert_same(got, want)
+
+
+class _InPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        # two layers: the unit's home is the Sequential (the deepest submodule holding its params)
+        self.block = torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.block(self.first(x))
+
+
+def test_a_checkpointed_unit_writing_its_input_in_place_is_refused():
+    """`ReLU(inplace=True)` first in a checkpointed unit writes the activation it was given: the
+    recompute would start from the written values (it failed there with torch's leaf-view error,
+    found in review). Refused when the forward returns, naming the unit; without remat it trains."""
+    with pytest.raises(fzero.ConfigError, match=r"checkpointed unit 'block' .* wrote its input float32\[6, 4\] in "
+                                                r"place"):
+        _sgd_against_torch(_InPlace, _ce, _XY, 0, remat=True)
+    got, want, _, _ = _sgd_against_torch(_InPlace, _ce, _XY, 0, remat=False)
+    _assert_same(got, want)

@@ -18,11 +18,16 @@ them to `functional_call` by identity, so a training-mode forward updates them i
 as `model(x)` would; `model`'s own buffers are left as they were (read them from
 `info.buffers`). With one process per rank (`DistMesh`), a rank's buffers are updated from its
 own batches only; on a `SimMesh` the ranks are threads of one process sharing the one skeleton's
-buffers, which every rank's forward updates in turn. torch DDP (`broadcast_buffers=True`)
-instead copies rank 0's buffers to every rank before each forward; call `broadcast_buffers(info,
-mesh)` before each step to get exactly that (tested bitwise against DDP in tests/test_ddp.py).
-Without it, rank 0's buffers still equal DDP's rank 0 buffers bit for bit (rank 0's chain of
-updates is the same), so evaluate or save from rank 0. `fzero.checkpoint.save(state, root,
+buffers, which every rank's forward updates in turn (in an order the stage's collectives set:
+a forward that reads the buffers it updates, as spectral_norm's does, then differs between
+stages, and neither sentence below holds there: found in review). torch DDP
+(`broadcast_buffers=True`) instead copies rank 0's buffers to every rank before each forward;
+with one process per rank, call `broadcast_buffers(info, mesh)` before each step to get exactly
+that (tested bitwise against DDP on gloo in tests/test_ddp.py). Without it, rank 0's buffers
+still equal DDP's rank 0 buffers bit for bit (rank 0's chain of updates is the same), so
+evaluate or save from rank 0. A buffer the forward reassigns (`self.ema = ...`) has its new
+value copied into the buffer (`keep_reassigned`); a checkpointed unit's buffers are put back as
+its forward found them for the recompute, and as it left them after (`remat`). `fzero.checkpoint.save(state, root,
 buffers=info.buffers)` keeps rank 0's buffers beside the state, and `checkpoint.load(path,
 target, buffers=info.buffers)` copies them back. Buffer updates happen in plain Python inside
 the forward: use `engine="autograd"` for models that update buffers (functorch rejects in-place
@@ -34,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
@@ -132,15 +138,25 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         if first == name:  # a frozen parameter stays an nn.Parameter(requires_grad=False): init freezes it
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
+    _check_dense(module)
     _check_units(params, units)
     remat_units = _remat_units(module, aliases, units, remat)
     placeholders = {id(p): _Unbound(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     for p in module.parameters()}
-    skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
+    try:
+        skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
+    except RuntimeError as e:  # a tensor attribute computed from a parameter (prune, the old weight_norm)
+        raise FzeroError(f"from_module copies the module without its parameters (copy.deepcopy), which failed: {e} "
+                         f"A module holding a tensor computed from a parameter as a plain attribute "
+                         f"(torch.nn.utils.prune, torch.nn.utils.weight_norm) copies after one forward under "
+                         f"torch.no_grad(); or use torch.nn.utils.parametrize") from e
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
+    slots = buffer_slots(skeleton)  # a buffer the forward reassigns: its value kept inside functional_call
+    skeleton.register_forward_hook(lambda _m, _a, _o: keep_reassigned(slots))  # (a thread's copy: `_Skeleton`'s)
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
     per_thread = threading.local()
+    copies_made: weakref.WeakSet = weakref.WeakSet()  # every live thread's copy: what `Apply.train` sets beside the skeleton
     known: Any = None  # the last unit map whose keys were checked
 
     def apply(params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
@@ -163,7 +179,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             depth = per_thread.__dict__.get("depth", 0)
             if depth == len(copies):  # a copy takes the skeleton's training flags (`Apply.train`)
                 module_copy = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
-                modules.append(module_copy)
+                copies_made.add(module_copy)  # held weakly: a thread's copies go with it (SimMesh: each run's threads)
                 copies.append(_Skeleton(module_copy, alias_table, remat_units))
             per_thread.depth = depth + 1
             try:
@@ -171,10 +187,13 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             finally:
                 per_thread.depth = depth
         if not isinstance(params, dict) or set(params) != expected:
-            got = set(params) if isinstance(params, dict) else set()
+            got = (set(params.unit_map) if isinstance(params, LazyParams) else set(params)
+                   if isinstance(params, Mapping) else set())  # (a LazyParams was read as empty: found in review)
             missing, extra = sorted(expected - got), sorted(got - expected)
-            raise FzeroError(f"apply needs exactly the params from_module returned; missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
+            nest = (f"; to train more leaves beside the module's, nest them ({{'model': params, 'other': t}}) and "
+                    f"call apply(p['model'], ...)" if extra else "")
+            raise FzeroError(f"apply needs exactly the params from_module returned ({len(expected)} leaves); missing "
+                             f"{missing[:5]}, unexpected {extra[:5]}{nest}")
         bound: dict[str, torch.Tensor] = dict(buffers)
         for name, names in alias_table.items():
             t = params[name]
@@ -185,9 +204,49 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         # strict: every parameter and buffer name of the skeleton is bound, so no meta tensor is left
         return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
 
-    modules = [skeleton]  # the skeleton and every thread's copy of it: what `Apply.train` sets
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
-    return params, Apply(apply, modules), ModuleInfo(alias_table, buffers, units, groups, frozen)
+    return params, Apply(apply, skeleton, copies_made), ModuleInfo(alias_table, buffers, units, groups, frozen)
+
+
+def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
+    """`(submodule, attribute, buffer, dotted name)` of every buffer slot of `module`."""
+    return tuple((m, attr, b, f"{name}.{attr}" if name else attr) for name, m in module.named_modules()
+                 for attr, b in m._buffers.items() if b is not None)
+
+
+def keep_reassigned(slots: tuple[tuple[nn.Module, str, torch.Tensor, str], ...]) -> None:
+    """After a forward: a buffer the forward reassigned (`self.ema = 0.9 * self.ema + ...`, where
+    `nn.Module.__setattr__` puts the new tensor in the slot) has its new value copied into the
+    buffer `info.buffers` holds, which the slot then gets back: `functional_call` (and the
+    on-use path, as it) puts the old tensor back, and the update was lost (found in review: an
+    EMA buffer stayed zero). A new value of another shape, dtype or device, or not a tensor, is
+    refused, naming the buffer."""
+    for m, attr, buffer, name in slots:
+        new = m._buffers.get(attr)
+        if new is buffer:
+            continue
+        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (buffer.shape, buffer.dtype,
+                                                                                        buffer.device):
+            shown = (f"{str(new.dtype).removeprefix('torch.')}{list(new.shape)} on {new.device}"
+                     if isinstance(new, torch.Tensor) else type(new).__name__)
+            raise ConfigError(f"the forward reassigned buffer {name!r} ({str(buffer.dtype).removeprefix('torch.')}"
+                              f"{list(buffer.shape)} on {buffer.device}) to {shown}: fzero keeps a buffer's new "
+                              f"value by copying it into the buffer, so it must keep its shape, dtype and device")
+        with torch.no_grad():
+            buffer.copy_(new)
+        m._buffers[attr] = buffer
+
+
+def _check_dense(module: nn.Module) -> None:
+    """An `nn.Embedding` / `nn.EmbeddingBag` built with `sparse=True` makes a sparse gradient,
+    which no flat bucket holds: refused here, naming the leaf (it failed inside the backward's
+    copy with torch's "copy_() between dense and sparse Tensors", found in review)."""
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            where = f"{name}.weight" if name else "weight"
+            raise LayoutError(f"from_module: {where!r} ({type(m).__name__}{tuple(m.weight.shape)}, sparse=True) gets a "
+                              f"sparse gradient, which fzero's flat gradient buckets cannot hold; build it with "
+                              f"sparse=False (the same values, a dense gradient), or freeze it")
 
 
 class Apply:
@@ -200,8 +259,8 @@ class Apply:
     training again. Like `nn.Module.train`, it sets every submodule's flag; the flags start as
     the module's were when `from_module` was called."""
 
-    def __init__(self, call: Callable[..., Any], modules: list[nn.Module]) -> None:
-        self._call, self._modules = call, modules
+    def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet) -> None:
+        self._call, self._skeleton, self._copies = call, skeleton, copies  # copies: per thread, freed with it
         self.__doc__ = call.__doc__
 
     def __call__(self, params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
@@ -211,7 +270,7 @@ class Apply:
         """Set the training mode of every submodule, as `nn.Module.train(mode)`; returns `self`."""
         if not isinstance(mode, bool):
             raise ConfigError(f"apply.train(mode): mode must be a bool, got {type(mode).__name__} {mode!r}")
-        for m in self._modules:
+        for m in (self._skeleton, *self._copies):
             m.train(mode)
         return self
 
@@ -222,10 +281,10 @@ class Apply:
     @property
     def training(self) -> bool:
         """The root module's training flag, as `nn.Module.training`."""
-        return self._modules[0].training
+        return self._skeleton.training
 
     def __repr__(self) -> str:
-        return f"<fzero apply of {type(self._modules[0]).__name__}, training={self.training}>"
+        return f"<fzero apply of {type(self._skeleton).__name__}, training={self.training}>"
 
 
 def _home(names: list[str]) -> str:
@@ -400,7 +459,7 @@ class _Skeleton:
         self.call: _Call | None = None
         self._hooked: set[nn.Module] = set()
         self._patched: set[nn.Module] = set()
-        self._buffers = tuple((m, attr, b) for m in module.modules() for attr, b in m._buffers.items())
+        self._buffers = buffer_slots(module)
 
     def plan_for(self, unit_map: Mapping[str, str]) -> _Plan:
         plan = self.plan
@@ -408,7 +467,7 @@ class _Skeleton:
             return plan
         plan = _plan(self.module, self.aliases, unit_map, self.remat)
         for module in plan.hooked.keys() - self._hooked:
-            module.register_forward_pre_hook(self._pre)
+            module.register_forward_pre_hook(self._pre, prepend=True)  # before a user's own (prune reads the weight)
             module.register_forward_hook(self._post)
             self._hooked.add(module)
         for module in plan.checkpointed.keys() - self._patched:  # nn.Module reads `forward` before its hooks run
@@ -427,7 +486,9 @@ class _Skeleton:
             self.call = _Call(params, plan, [])
             outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), plan.unbound
             try:
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+                keep_reassigned(self._buffers)
+                return out
             finally:
                 _RUNNING.unbound = outer
         finally:
@@ -437,7 +498,7 @@ class _Skeleton:
                 bound.pop().unbind()
             for binding in roots:
                 binding.unbind()
-            for module, attr, buffer in self._buffers:  # as functional_call: a reassigned buffer is put back
+            for module, attr, buffer, _ in self._buffers:  # the buffer put back (its new value kept above)
                 module._buffers[attr] = buffer
 
     def _pre(self, module: nn.Module, _args: Any) -> None:
@@ -481,7 +542,8 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
         finally:
             binding.unbind()
 
-    out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs)
+    out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs, binding.unit,
+                     tuple(mod.buffers()))
     params.release(binding.unit, out)  # (no reference to the leaves left here: it would keep them gathered)
     return out
 

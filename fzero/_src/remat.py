@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from .collectives import func_level
+from .errors import ConfigError
 
 
 class RngState(NamedTuple):
@@ -94,8 +96,11 @@ class _Plan:
     consts: tuple[Any, ...]  # its non-tensor leaves, by position (`TENSOR` where a tensor goes)
     rng: RngState
     autocast: Autocast
-    out: list  # [output treespec], filled by the forward
+    out: list  # [output treespec, its non-tensor leaves by position (`TENSOR` where a tensor goes)], by the forward
     index: tuple[int, ...] = ()  # per position of `(*params, *arg tensors)`, its distinct tensor
+    name: str = ""  # the unit's, for messages
+    buffers: tuple[torch.Tensor, ...] = ()  # the home submodule's buffers, which its forward may write
+    before: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # their values before the forward
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
@@ -108,29 +113,57 @@ class _Plan:
         leaves = [next(rest) if c is TENSOR else c for c in self.consts]
         args, kwargs = tree_unflatten(leaves, self.spec)
         flat, spec = tree_flatten(self.forward(params, *args, **kwargs))
-        if not self.out:
-            self.out.append(spec)
-        if not all(isinstance(t, torch.Tensor) for t in flat):
-            raise TypeError(f"a checkpointed unit must return tensors only (a pytree of them); got "
-                            f"{[type(t).__name__ for t in flat]}")
-        return tuple(flat)
+        if not self.out:  # non-tensor outputs (`nn.MultiheadAttention`'s None weights) are the forward's constants
+            self.out.extend((spec, tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in flat)))
+        return tuple(t for t in flat if isinstance(t, torch.Tensor))
+
+    def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The forward's output from the Function's output tensors and its constants."""
+        rest = iter(tensors)
+        return tree_unflatten([next(rest) if c is TENSOR else c for c in self.out[1]], self.out[0])
 
 
-def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
+               name: str = "", buffers: tuple[torch.Tensor, ...] = ()) -> Any:
     """`forward(params, *args, **kwargs)`, saving only its tensor inputs for backward (see the
-    module docstring). Without grad mode on, a plain call (nothing to save)."""
+    module docstring). Without grad mode on, a plain call (nothing to save). `name`: the unit's,
+    for messages; `buffers`: the buffers the forward may write (its submodule's), put back as
+    they were for the recompute and as the forward left them after it."""
     if not torch.is_grad_enabled():
         return forward(dict(params), *args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     consts = tuple(TENSOR if isinstance(x, torch.Tensor) else x for x in leaves)
+    _check_constants(name, leaves, spec)
     names = tuple(params)
     inputs = [*(params[n] for n in names), *tensors]
     distinct = {id(t): t for t in inputs}
     index = tuple(list(distinct).index(id(t)) for t in inputs)
-    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index)
-    outs = _Remat.apply(plan, *distinct.values())
-    return tree_unflatten(list(outs), plan.out[0])
+    plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index, name,
+                 tuple(buffers))
+    return plan.output(_Remat.apply(plan, *distinct.values()))
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                   torch.memory_format, enum.Enum, type, slice, type(Ellipsis), range)
+
+
+def _check_constants(name: str, leaves: list[Any], spec: Any) -> None:
+    """The recompute calls the forward again with the same non-tensor arguments: one it may
+    change (transformers' `DynamicCache`, which each attention block appends its keys to where
+    `use_cache=True`) would be seen changed, and the gradients would be another function's
+    (found in review: GPT-2 under remat was 0.04 off after 2 steps). Constants and callables
+    (an activation function, a module) are taken; any other object is refused, naming it."""
+    for i, x in enumerate(leaves):
+        if not (isinstance(x, (torch.Tensor, *_CONSTANT_TYPES)) or callable(x)):
+            paths, _ = tree_flatten_with_path(tree_unflatten(list(range(len(leaves))), spec))
+            path = paths[i][0]
+            where = ("args" if path[0].idx == 0 else "kwargs") + keystr(path[1:])
+            raise ConfigError(
+                f"checkpointed unit {name!r} (from_module(remat=...)) got {where} of type {type(x).__name__}, "
+                f"which its forward may change: the recompute in backward would "
+                f"read it changed (a KV cache: call the model with use_cache=False, as transformers does under "
+                f"gradient checkpointing). Pass tensors and constants only, or leave the unit out of remat")
 
 
 class _Remat(torch.autograd.Function):
@@ -145,8 +178,13 @@ class _Remat(torch.autograd.Function):
         inside its forward, a gradient penalty)."""
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
+        versions = [t._version for t in tensors]
+        # every buffer as the forward found it: some kernels write one without bumping its version
+        # (batch_norm's running statistics), and comparing values would wait for the device
+        plan.before.update({i: b.clone() for i, b in enumerate(plan.buffers)})
         with torch.enable_grad():
             outs = plan.call(tensors)
+        _check_inputs_unwritten(plan, tensors, versions)
         return tuple(t.view_as(t) if id(t) in given else t.detach() for t in outs)
 
     @staticmethod
@@ -162,12 +200,34 @@ class _Remat(torch.autograd.Function):
         found = RngState.now(list(tensors))
         plan.rng.put()
         second = torch.is_grad_enabled()  # backward with create_graph=True: a second derivative follows
+        written = {i: plan.buffers[i].clone() for i in plan.before}  # as the forward left them
         try:
+            with torch.no_grad():
+                for i, before in plan.before.items():  # the recompute starts from what the forward read
+                    plan.buffers[i].copy_(before)
             with torch.enable_grad(), plan.autocast.context():
                 got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
         finally:
             found.put()
+            with torch.no_grad():
+                for i, after in written.items():  # a running statistic is updated once, as without remat
+                    plan.buffers[i].copy_(after)
         return (None, *got)  # (None for every input that needs no gradient)
+
+
+def _check_inputs_unwritten(plan: _Plan, tensors: tuple[torch.Tensor, ...], versions: list[int]) -> None:
+    """A forward that writes an activation it was given in place (`x.mul_(2)`, a leading
+    `ReLU(inplace=True)`) leaves the saved input changed: the recompute would start from the
+    written values (found in review: it failed inside the recompute with torch's leaf-view
+    error). Refused when the forward returns, naming the unit. (A write to the unit's params is
+    the loss's, refused where it returns: bad-input row 47.)"""
+    params = {plan.index[k] if plan.index else k for k in range(len(plan.names))}
+    for i, (t, v) in enumerate(zip(tensors, versions)):
+        if i not in params and t._version != v:
+            raise ConfigError(f"checkpointed unit {plan.name!r} (from_module(remat=...)) wrote its input "
+                              f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} in place in its forward: the "
+                              f"recompute in backward would read the written values. Write a new tensor "
+                              f"(x = x * 2; ReLU(inplace=False)), or leave the unit out of remat")
 
 
 def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...],
