@@ -17,7 +17,8 @@ from fzero._src.estimate import TierBytes as TierBytes
 from fzero._src.estimate import bytes_per_param as bytes_per_param
 from fzero._src.estimate import estimate as estimate
 from fzero._src.estimate import estimate_stages as estimate_stages
+from fzero._src.estimate import policy_bytes_per_param as policy_bytes_per_param
 
 __all__ = ["BytesPerParam", "CommVolume", "HeldBytes", "LiveStorages", "MemoryEstimate", "TierBytes", "TierSplit",
            "bytes_per_param", "comm_volume", "estimate", "estimate_stages", "expected_comm", "grad_bytes", "held_bytes",
-           "storage_bytes"]
+           "policy_bytes_per_param", "storage_bytes"]

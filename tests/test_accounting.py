@@ -69,7 +69,7 @@ def _run(params, opt, stage, n, unit_spec=None, group_spec=(), steps=2):
 
 @examples(40)
 @given(
-    params=pytrees(dtypes=(torch.float32,), max_leaves=6),
+    params=pytrees(dtypes=(torch.float32,), max_leaves=12),
     n=st.integers(1, 8),
     stage=st.integers(0, 3),
     opt_name=st.sampled_from(sorted(OPTIMIZERS)),
@@ -172,7 +172,7 @@ def test_stage2_peak_holds_one_unit_of_full_gradient():
 
 @examples(50)
 @given(
-    params=pytrees(dtypes=(torch.float32, torch.bfloat16), max_leaves=6),
+    params=pytrees(dtypes=(torch.float32, torch.bfloat16), max_leaves=12),
     n=st.integers(1, 8),
     stage=st.integers(0, 3),
     unit_spec=units(),
@@ -368,3 +368,44 @@ def test_nvme_params_tier_split_is_the_estimate(tmp_path):
     assert (e.nvme.params, e.nvme.master, e.nvme.optimizer_state) == (f.params, f.master, f.optimizer_state)
     assert e.host.grads == h.grads  # (its host.params counts the frozen shard in bf16, the estimate's param dtype)
     assert e.host.buffers == state.info.tier.files.host_bytes + 2 * 2 * max(S[b] for b in train)
+
+
+def test_comm_volume_and_expected_comm_check_their_arguments():
+    """Found in review: steps <= 0 gave negative counts or ZeroDivisionError, an absent rank a
+    KeyError, a world size other than the log's a silent wrong volume, and regather="u0" was read
+    as the units "u" and "0" (a str is refused: pass {"u0"})."""
+    params = {"u0": {"w": torch.randn(3, 3)}, "u1": {"w": torch.randn(3)}}
+    mesh = fzero.SimMesh(2)
+    logs = []
+
+    def rank_fn():
+        s = fzero.init(params, optim.sgd(0.1), stage=1, mesh=mesh, units=lambda p: p.split(".")[0])
+        with mesh.record() as log:
+            fzero.train_step(lambda p, x: (p["u0"]["w"].sum() + p["u1"]["w"].sum()) * x)(s, torch.tensor(1.0))
+        logs.append(log)
+        return s.layout
+
+    layout = mesh.run(rank_fn)[0]
+    log = logs[0]
+    assert comm_volume(log, 2, rank=1) == comm_volume(log, 2)
+    for kw, match in [({"steps": 0}, "steps must be an int >= 1"), ({"steps": -1}, "steps must be an int >= 1"),
+                      ({"steps": True}, "steps must be"), ({"rank": 5}, r"rank must be None or an int in \[0, 2\)")]:
+        with pytest.raises(fzero.ConfigError, match=match):
+            comm_volume(log, 2, **kw)
+    with pytest.raises(fzero.ConfigError, match=r"rank=1 recorded nothing; the records hold ranks \[0\]"):
+        comm_volume([x for x in log if x.rank == 0], 2, rank=1)
+    for n, match in [(7, "the records hold 2 ranks"), (1, r"the records hold ranks \[0, 1\]")]:
+        with pytest.raises(fzero.ConfigError, match=rf"world_size={n}, but {match}"):
+            comm_volume(log, n)
+    with pytest.raises(fzero.ConfigError, match="not a multiple of it"):  # one rank's log at a wrong N
+        comm_volume([x for x in log if x.rank == 0], 3)
+    assert comm_volume([], 2) == CommVolume(2, {}, {})
+    with pytest.raises(fzero.ConfigError, match=r"pass regather=\{'u0'\}"):
+        expected_comm(layout, 2, 3, regather="u0")
+    with pytest.raises(fzero.ConfigError, match=r"units the model does not have: \['u9'\]"):
+        expected_comm(layout, 2, 3, regather={"u9"})
+    with pytest.raises(fzero.ConfigError, match="expected_comm: world_size must be an int >= 1"):
+        expected_comm(100, 0, 3)
+    with pytest.raises(fzero.ConfigError, match="comm_volume: world_size must be an int >= 1"):
+        comm_volume(log, 0)
+    assert expected_comm(layout, 2, 3, regather={"u0"}).elements > expected_comm(layout, 2, 3).elements

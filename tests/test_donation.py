@@ -51,7 +51,7 @@ def test_a_fused_donating_step_equals_the_pure_step(stage, n, opt):
 
 
 @examples(40)
-@given(tree=pytrees(dtypes=[torch.float32], max_leaves=6), unit_map=units(), group_list=groups(),
+@given(tree=pytrees(dtypes=[torch.float32], max_leaves=12), unit_map=units(), group_list=groups(),
        stage=st.integers(0, 3), opt=st.sampled_from(sorted(MAKE)), nan_at=st.integers(0, 3))
 def test_a_fused_donating_step_equals_the_pure_step_on_any_tree(tree, unit_map, group_list, stage, opt, nan_at):
     """Any float32 pytree, unit map and groups (frozen ones too), N = 1, torch's fused kernels

@@ -575,3 +575,90 @@ def test_seed_14b_on_2_gpus_row():
                     continue
                 printed |= {round(float(x.total) / unit, 1) for x in es for unit in (10**9, 2**30)}
     assert 28.0 in printed and 26.1 in printed and not {72.0, 25.6} & printed
+
+
+# ------------------------------------------- fzero's layout under a precision policy (review, 7)
+
+
+def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
+    """`estimate(..., precision=fzero.Precision(...))` against `held_bytes` of a real `fzero.init`:
+    params, optimizer state (less the replicated per-leaf step counts) and master, on each tier,
+    at stages 0-3, with and without offload, a frozen group, fp32 and bf16 held params, and
+    optimizers whose state is per element (Adam, amsgrad, momentum SGD). Before, the only mixed
+    setting was the paper's "adam-mixed", whose bf16 copy beside an fp32 master fzero keeps at
+    stages 1-2 only (at stages 0 and 3 the fp32 params are the master: 2Ψ too few params bytes
+    and 4Ψ too many master bytes at stage 0)."""
+    import fzero
+    from fzero import optim
+    from fzero._src.accounting import held_bytes
+
+    tree32 = {f"l{i}.w": torch.randn(6, 5) for i in range(3)} | {"l3.w": torch.randn(4, 5)}
+    frozen = (ParamGroup("frozen", match=lambda p: p == "l1.w", frozen=True),)
+    units = lambda p: p.split(".")[0]  # noqa: E731
+    opts = {"adam": (lambda: optim.adam(1e-2), {}),
+            "amsgrad": (lambda: optim.adam(1e-2, amsgrad=True), {"amsgrad": True}),
+            "sgd-momentum": (lambda: optim.sgd(0.1, momentum=0.9), {})}
+    cases = [(0, None, None), (1, None, None), (2, None, None), (3, None, None), (2, "cpu", None), (3, "cpu", "cpu"),
+             (3, "nvme", "nvme")]
+    policies = [fzero.Precision(), fzero.Precision(torch.bfloat16, torch.float32), fzero.Precision(torch.float16)]
+    checked = 0
+    for name, (make, extra) in opts.items():
+        for held in (torch.float32, torch.bfloat16):
+            for precision in policies:
+                for groups in ((), frozen):
+                    for stage, where, params_where in cases:
+                        tree = {k: v.to(held) for k, v in tree32.items()}
+                        mesh, opt = fzero.SimMesh(3), make()
+                        swap = tmp_path / f"swap{checked}"
+                        swap.mkdir()
+                        off = None if where is None else fzero.Offload(
+                            optimizer=where, params=params_where, **({"nvme_path": str(swap)} if where == "nvme" else {}))
+                        kw = {} if off is None else {"offload": off}
+                        state = mesh.run(lambda: fzero.init(tree, opt, stage=stage, mesh=mesh, units=units,
+                                                            groups=groups, precision=precision, **kw))[0]
+                        hb = held_bytes(state, opt)
+                        e = estimate(tree, 3, stage=stage, optimizer="adam" if name == "amsgrad" else name,
+                                     param_dtype=held, units=units, groups=groups, precision=precision, **kw,
+                                     **extra)
+                        got = [[t.params, t.optimizer_state, t.master] for t in hb.tiers]
+                        for t in got:  # the per-leaf step counts sit with the optimizer state
+                            if t[1]:
+                                t[1] -= hb.optimizer_leaf
+                                break
+                        want = [[int(x.params), int(x.optimizer_state), int(x.master)] for x in (e, e.host, e.nvme)]
+                        assert got == want, (name, held, precision, groups, stage, where, params_where)
+                        checked += 1
+    assert checked == 3 * 2 * 3 * 2 * 7
+
+
+def test_precision_estimate_per_stage_and_the_paper_unchanged():
+    """fp32 params under Precision(bf16, fp32), Ψ = 7.5e9, N = 64: stages 0 and 3 keep the fp32
+    params alone (16Ψ and 16Ψ/N with fp32 grads), stages 1-2 a bf16 copy beside the fp32 master.
+    The paper's rows (adam-mixed, no precision) are as before."""
+    import fzero
+
+    policy = fzero.Precision(torch.bfloat16, torch.float32)
+    es = estimate_stages(7.5e9, 64, precision=policy)
+    assert [e.total for e in es] == [120 * GB, Fraction(46_406_250_000), 16_875_000_000, 1_875_000_000]
+    assert [(e.params, e.master) for e in (es[0], es[3])] == [(30 * GB, 0), (Fraction(30 * GB, 64), 0)]
+    assert (es[1].params, es[1].master) == (15 * GB, Fraction(30 * GB, 64))
+    paper = [float(e.total) / GB for e in estimate_stages(7.5e9, 64, optimizer="adam-mixed")]
+    assert [round(x, 2) for x in paper] == [120.0, 31.41, 16.64, 1.88]
+    with pytest.raises(ConfigError, match="use optimizer='adam'"):
+        estimate(10, 2, optimizer="adam-mixed", precision=policy)
+    with pytest.raises(ConfigError, match="precision must be a fzero.Precision"):
+        estimate(10, 2, precision="bf16")
+
+
+def test_amsgrad_and_bucket_bytes():
+    """amsgrad keeps a third fp32 array (max v): s = 12; `bucket_bytes` cuts buckets as `init` does
+    (before: no such arguments; an amsgrad state was 4 bytes a parameter over the estimate)."""
+    assert bytes_per_param("adam", amsgrad=True) == BytesPerParam(4, 4, 12, 0)
+    assert bytes_per_param("adam-mixed", amsgrad=True).K == 16
+    with pytest.raises(ConfigError, match="amsgrad=True is an Adam setting"):
+        bytes_per_param("sgd", amsgrad=True)
+    params = {f"w{i}": torch.randn(5) for i in range(6)}  # 6 leaves of 5 elements, one unit
+    one, cut = (estimate(params, 4, stage=3, **kw) for kw in ({}, {"bucket_bytes": 20}))
+    assert (one.params, cut.params) == (4 * 8, 6 * 4 * 2)  # one bucket of 30 -> S = 8; six of 5 -> S = 2 each
+    with pytest.raises(ConfigError, match="a bare parameter count has none"):
+        estimate(100, 4, bucket_bytes=20)

@@ -364,7 +364,7 @@ def test_a_compiled_function_calling_collectives_traces_none_of_fzero():
 
 
 @examples(60)
-@given(pytrees(max_leaves=6), world_sizes(4), st.sampled_from([1, 4]))
+@given(pytrees(max_leaves=12), world_sizes(4), st.sampled_from([1, 4]))
 def test_bucket_views_are_the_slices_of_each_leaf(tree, n, align):
     """`views` (one as_strided per leaf) and `split_views` (one split per bucket, then a view per
     multi-dimensional leaf) are the views slicing each leaf out gives (same storage offset, shape

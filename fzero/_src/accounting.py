@@ -388,27 +388,64 @@ def _totals(items: Iterable[tuple[str, int, int]], world_size: int) -> dict[str,
 def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = None, steps: int = 1) -> CommVolume:
     """`Mesh.record()` records -> one rank's `CommVolume`, per step.
 
-    `rank` picks whose records to sum (default: the lowest rank present). Every rank present
-    must have called the same sequence of (op, dtype, elements, tag), else ValueError: on a
-    correct mesh they always do. `steps` divides the totals (they must divide evenly).
+    `world_size` is the size of the mesh that recorded them. The records carry no world size, so
+    what can be checked is: every record's rank is below it, every all_gather / reduce_scatter
+    counts a multiple of it (`N * S` elements), and records of several ranks (as `SimMesh`
+    records: every rank) hold exactly `world_size` ranks; else ConfigError. `rank` picks whose
+    records to sum (default: the lowest rank present); it must be present. Every rank present
+    must have called the same sequence of (op, dtype, elements, tag), else ConfigError: on a
+    correct mesh they always do. `steps` (an int >= 1, the steps the records cover) divides the
+    totals (they must divide evenly).
     """
+    world_size = _world_size(world_size, "comm_volume")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"comm_volume: steps must be an int >= 1 (the optimizer steps the records cover), "
+                          f"got {steps!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size):
+        raise ConfigError(f"comm_volume: rank must be None or an int in [0, {world_size}) (world_size={world_size}), "
+                          f"got {rank!r}")
     by_rank: dict[int, list[Any]] = {}
     for r in records:
         by_rank.setdefault(r.rank, []).append(r)
     if not by_rank:
         return CommVolume(world_size, {}, {})
+    _check_recorded_world(by_rank, world_size)
     key = lambda r: (r.op, r.reduce, r.dtype, r.elements, r.tag)  # noqa: E731
     first = min(by_rank)
     for r, recs in by_rank.items():
         if [key(x) for x in recs] != [key(x) for x in by_rank[first]]:
             raise ConfigError(f"ranks {first} and {r} recorded different collectives; records must come from "
                              f"one mesh's complete steps")
+    if rank is not None and rank not in by_rank:
+        raise ConfigError(f"comm_volume: rank={rank} recorded nothing; the records hold ranks {sorted(by_rank)}: "
+                          f"pick one of them, or leave rank out")
     mine = by_rank[first if rank is None else rank]
     data = _totals(((x.op, x.elements, x.bytes) for x in mine if not is_control(x.tag)), world_size)
     control = _totals(((x.op, x.elements, x.bytes) for x in mine if is_control(x.tag)), world_size)
     if steps != 1:
         data, control = _per_step(data, steps), _per_step(control, steps)
     return CommVolume(world_size, data, control)
+
+
+def _world_size(world_size: Any, fn: str) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"{fn}: world_size must be an int >= 1 (the size of the mesh), got {world_size!r}")
+    return world_size
+
+
+def _check_recorded_world(by_rank: Mapping[int, Sequence[Any]], world_size: int) -> None:
+    """What records tell of the world size they were made at must agree with `world_size`."""
+    ranks = sorted(by_rank)
+    fix = "pass the world size of the mesh that recorded them"
+    if ranks[-1] >= world_size or ranks[0] < 0:
+        raise ConfigError(f"comm_volume: world_size={world_size}, but the records hold ranks {ranks}: {fix}")
+    if len(ranks) > 1 and len(ranks) != world_size:
+        raise ConfigError(f"comm_volume: world_size={world_size}, but the records hold {len(ranks)} ranks {ranks} "
+                          f"(records of several ranks, as SimMesh makes, hold every rank): {fix}")
+    for x in by_rank[ranks[0]]:
+        if x.op in ("all_gather", "reduce_scatter") and x.elements % world_size:
+            raise ConfigError(f"comm_volume: world_size={world_size}, but a recorded {x.op} (tag {x.tag!r}) counts "
+                              f"{x.elements} elements, not a multiple of it (N * S): {fix}")
 
 
 def _per_step(totals: dict[str, OpTotal], steps: int) -> dict[str, OpTotal]:
@@ -483,6 +520,7 @@ def expected_comm(
     after the last micro-batch (stage 0: RS + AG, stage 1: RS + AG).
     """
     st = get_stage(stage)
+    world_size = _world_size(world_size, "expected_comm")
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ConfigError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
     if accumulate not in ("each", "once"):
@@ -491,15 +529,33 @@ def expected_comm(
         raise ConfigError(f"expected_comm: world_size={world_size} but mesh {mesh!r} has world size "
                           f"{mesh.world_size}; pass mesh.world_size, or leave mesh out")
     per_micro = ("forward", "regather", "backward") if accumulate == "each" else ("forward", "regather")
-    again = (lambda u: regather) if isinstance(regather, bool) else frozenset(regather).__contains__
+    bufs = _bufs(model, world_size)
+    again = (lambda u: regather) if isinstance(regather, bool) else _regathered(regather, bufs).__contains__
     items: list[tuple[str, int, int]] = []
-    for b in _bufs(model, world_size):
+    for b in bufs:
         sizes = {"params": param_dtype.itemsize if param_dtype is not None else b.itemsize,
                  "grads": grad_dtype.itemsize if grad_dtype is not None else b.itemsize}
         for move in st.moves(b.trainable, again(b.unit), mesh):
             items += [(move.op, b.elements, b.elements * sizes[move.what])] * (
                 accumulation if move.when in per_micro else 1)
     return CommVolume(world_size, _totals(items, world_size), {})
+
+
+def _regathered(regather: Any, bufs: Sequence[_Buf]) -> frozenset[str]:
+    """`expected_comm`'s `regather` as a set of unit names, each a unit of the model. A str is
+    refused: iterating it would give its characters, not one unit."""
+    units = sorted({b.unit for b in bufs})
+    if isinstance(regather, str) or not isinstance(regather, Iterable):
+        raise ConfigError(f"expected_comm: regather must be a bool or a set of unit names, got {regather!r}"
+                          + (f"; for the one unit pass regather={{{regather!r}}}" if isinstance(regather, str) else ""))
+    names = frozenset(regather)
+    if any(not isinstance(u, str) for u in names):
+        raise ConfigError(f"expected_comm: regather must hold unit names (str), got {sorted(map(repr, names))}")
+    unknown = sorted(names - set(units))
+    if unknown:
+        raise ConfigError(f"expected_comm: regather names units the model does not have: {unknown}; its units: "
+                          f"{units}")
+    return names
 
 
 def agreement_elements(layout: Layout) -> int:

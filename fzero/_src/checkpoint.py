@@ -1281,7 +1281,9 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
                      ) -> None:
     """Write `tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header
     of dtype, shape and byte offsets per name, padded to 8 bytes, then the raw little-endian data).
-    A tensor reached under two names is written once (safetensors has no aliasing)."""
+    A tensor reached under two names is written once (safetensors has no aliasing). The bytes go
+    to a uniquely named temporary file beside `out`, renamed onto `out` when complete: `out` is
+    whole or untouched, and a failure (an `out` that is a folder, a full disk) leaves no file."""
     other = {name: str(t.dtype) for name, t in tensors.items() if t.dtype not in _SAFETENSORS}
     if other:
         raise CheckpointError(f"save_safetensors: safetensors has no dtype for {other} (it takes "
@@ -1300,15 +1302,23 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
         offset += len(data)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    tmp = os.fspath(out) + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    # A temporary file of a name no other writer uses, beside `out` (same file system: the rename
+    # is atomic); removed if anything fails, `out` itself then untouched (found in review: an `out`
+    # that was a folder left `out.tmp` behind).
+    tmp = f"{os.fspath(out)}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for blob in blobs:
+                f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def summary(path: str | os.PathLike) -> str:

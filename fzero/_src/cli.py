@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
@@ -81,8 +82,15 @@ def _load_module(spec: str) -> torch.nn.Module:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise CliError(f"--module {spec}: cannot load {attr!r} from {mod_name!r}: {e}") from e
-    with torch.device("meta"):
-        model = factory()
+    if not callable(factory):
+        raise CliError(f"--module {spec}: {attr!r} is a {type(factory).__name__}, not a callable returning an "
+                       f"nn.Module")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as e:  # noqa: BLE001 - the user's factory: any failure is a usage error here
+        raise CliError(f"--module {spec}: calling {attr}() (with no arguments, on the meta device) raised "
+                       f"{type(e).__name__}: {e}; pass a factory that builds the model without arguments") from e
     if not isinstance(model, torch.nn.Module):
         raise CliError(f"--module {spec}: the factory returned a {type(model).__name__}, not an nn.Module")
     return model
@@ -141,9 +149,30 @@ def _parse_count(text: str) -> float | int:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0 or value != int(value) or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"a parameter count must be a whole number >= 0, got {text!r}")
+    if not math.isfinite(value) or value < 0 or value != int(value):  # finite first: int(inf) overflows
+        raise argparse.ArgumentTypeError(f"a parameter count must be a finite whole number >= 0, got {text!r}")
     return value
+
+
+def _parse_dtype(text: str) -> torch.dtype:
+    """A floating dtype's name (bf16, fp16, fp32, ...) -> the dtype; else a usage error."""
+    try:
+        return est.as_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_precision(text: str) -> Any:
+    """`COMPUTE[,REDUCE]` (e.g. `bf16` or `bf16,fp32`) -> `fzero.Precision(COMPUTE, REDUCE)`."""
+    from .precision import Precision
+
+    parts = text.split(",")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected COMPUTE[,REDUCE] such as bf16 or bf16,fp32, got {text!r}")
+    try:
+        return Precision(*(est.as_dtype(part) for part in parts))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -165,44 +194,85 @@ def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise CliError("--plot needs matplotlib, which is not installed: pip install 'fzero[plot]'") from e
-    per_size = [est.estimate_stages(model, n, **kwargs) for n in world_sizes]
+    try:
+        per_size = [est.estimate_stages(model, n, **kwargs) for n in world_sizes]
+    except ValueError as e:
+        raise CliError(f"--plot-world-sizes {','.join(map(str, world_sizes))}: {e}") from e
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in LEVELS:
-        ax.plot(world_sizes, [float(stages[s].total) / 1e9 for stages in per_size], marker="o", label=f"stage {s}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("world size N (ranks)")
-    ax.set_ylabel("model-state memory per rank (GB = 1e9 B)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        for i, first in enumerate(per_size[0]):  # the stages estimate returned (with an offload: 1-3 or 3)
+            ax.plot(world_sizes, [float(stages[i].total) / 1e9 for stages in per_size], marker="o",
+                    label=f"stage {first.stage}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("world size N (ranks)")
+        ax.set_ylabel("model-state memory per rank on the device (GB = 1e9 B)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        try:
+            fig.savefig(path)
+        except OSError as e:
+            raise CliError(f"--plot {path}: cannot write it: {e}") from e
+    finally:
+        plt.close(fig)
+
+
+def offload_summary(off: est.OffloadSetting, precision: Any = None) -> str:
+    """The `offload:` line: what each tier keeps of the offloaded shards."""
+    master = "the master" if precision is not None else "the fp32 master"
+    host = ["the gradient shards' copies"]
+    nvme = []
+    if off.optimizer == "cpu":
+        host[:0] = [master, "the optimizer state"]
+    else:  # nvme: master and state in swap files, read through host buffers
+        nvme += [master, "the optimizer state"]
+        host.append("the swap files' buffers")
+    if off.params == "cpu":
+        host.insert(0, "the param shards")
+    elif off.params == "nvme":
+        nvme.insert(0, "the param shards")
+    tiers = f"host: {', '.join(host)}" + (f"; NVMe swap files: {', '.join(nvme)}" if nvme else "")
+    return f"offload: optimizer {off.optimizer}, params {off.params or 'on the device'}, ratio {off.ratio} ({tiers})"
+
+
+def _describe_bytes(args: argparse.Namespace, optimizer: str, estimates: Sequence[est.MemoryEstimate]) -> str:
+    """The bytes-per-parameter line: the paper's (one row for every stage), or, with --precision,
+    fzero's layout under the policy, stage by stage."""
+    head = f"world size {args.world_size}, optimizer {optimizer}"
+    if args.precision is None:
+        bpp = est.bytes_per_param(optimizer, args.dtype, args.dtype)
+        return (f"{head}: bytes per parameter: params {bpp.params}, grads {bpp.grads}, optimizer state "
+                f"{bpp.optimizer_state}, master {bpp.master} (K = {bpp.K})")
+    rows = []
+    for e in estimates:
+        bpp, _ = est.policy_bytes_per_param(optimizer, e.stage, args.precision, args.dtype, None, e.offload)
+        rows.append(f"stage {e.stage}: params {bpp.params}, grads {bpp.grads}, optimizer state {bpp.optimizer_state}, "
+                    f"master {bpp.master}")
+    return f"{head}, {args.precision} (fzero's layout): bytes per parameter: " + "; ".join(rows)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
     model, what = _model_of(args)
-    kwargs = dict(param_dtype=args.dtype, grad_dtype=args.dtype, optimizer=args.optimizer, align=args.align,
+    optimizer = args.optimizer or ("adam" if args.precision is not None else "adam-mixed")
+    grad_dtype = args.dtype if args.precision is None else None  # with a policy: its reduce dtype
+    kwargs = dict(param_dtype=args.dtype, grad_dtype=grad_dtype, optimizer=optimizer, align=args.align,
                   units=_units_of(model, args.units_prefix), offload_optimizer=args.offload_optimizer,
-                  offload_params=args.offload_params, offload_ratio=args.offload_ratio)
+                  offload_params=args.offload_params, offload_ratio=args.offload_ratio, precision=args.precision)
     try:
-        bpp = est.bytes_per_param(args.optimizer, args.dtype, args.dtype)
         if args.stage is not None:
             estimates = (est.estimate(model, args.world_size, stage=args.stage, **kwargs),)
         else:
             estimates = est.estimate_stages(model, args.world_size, **kwargs)
+        described = _describe_bytes(args, optimizer, estimates)
     except ValueError as e:
         raise CliError(str(e)) from e
     off = estimates[0].offload
     print(f"model: {what}")
-    print(
-        f"world size {args.world_size}, optimizer {args.optimizer}: bytes per parameter: params {bpp.params}, "
-        f"grads {bpp.grads}, optimizer state {bpp.optimizer_state}, master {bpp.master} (K = {bpp.K})"
-    )
+    print(described)
     if off.optimizer is not None:
-        print(f"offload: optimizer {off.optimizer}, params {off.params or 'on the device'}, ratio {off.ratio} "
-              f"(host: fp32 master, the gradient shard's copy{', optimizer state' if off.optimizer == 'cpu' else ''})")
+        print(offload_summary(off, args.precision))
     print("per rank, model states only, on the device (GB = 1e9 B; exact bytes in parentheses):")
     print(format_table(estimates))
     if off.optimizer is not None:
@@ -212,7 +282,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             print("swap buffers: not counted for a bare count (they hold the largest bucket's state: --module or "
                   "--config gives the buckets)")
     if args.plot:
-        plot(model, args.plot_world_sizes, args.plot, f"{what}, {args.optimizer}", **kwargs)
+        plot(model, args.plot_world_sizes, args.plot, f"{what}, {optimizer}", **kwargs)
         print(f"plot written to {args.plot}")
     return 0
 
@@ -229,10 +299,18 @@ def _add_estimate(sub: Any) -> None:
     model.add_argument("--config", metavar="FILE.json", help="a GPT2Config as JSON (needs transformers)")
     p.add_argument("--world-size", "-n", type=int, required=True, help="N, the data-parallel (shard) size")
     p.add_argument("--stage", type=int, choices=LEVELS, help="print this stage only")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="dtype of params and grads")
-    p.add_argument("--optimizer", choices=est.OPTIMIZERS, default="adam-mixed",
-                   help="default: the ZeRO paper's mixed-precision Adam (K = 12: bf16 params beside an fp32 master, as "
-                        "with a bf16 or fp16 fzero.Precision); 'adam': fp32 throughout (K = 8)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
+                   help="dtype of params and grads (with --precision: of the held params, default fp32)")
+    p.add_argument("--optimizer", choices=est.OPTIMIZERS,
+                   help="default: the ZeRO paper's mixed-precision Adam, 'adam-mixed' (K = 12: bf16 params beside an "
+                        "fp32 master at every stage; fzero keeps that with a bf16 or fp16 fzero.Precision at stages "
+                        "1-2 only: --precision gives its layout); 'adam': fp32 throughout (K = 8), the default with "
+                        "--precision")
+    p.add_argument("--precision", type=_parse_precision, metavar="COMPUTE[,REDUCE]",
+                   help="estimate what fzero keeps under fzero.Precision(COMPUTE, REDUCE), e.g. bf16,fp32: a "
+                        "COMPUTE copy beside the master at stages 1-2 (and with the optimizer offloaded), the held "
+                        "params alone (the master, cast when gathered) at stages 0 and 3; grads in REDUCE (default "
+                        "COMPUTE)")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
     p.add_argument("--units-prefix", metavar="PREFIX",
                    help="one unit per child of this container, e.g. transformer.h (module/config only; default: one "
@@ -279,8 +357,7 @@ def _run_trace(args: argparse.Namespace) -> int:
 
     from . import accounting as acc
 
-    if args.world_size < 1 or args.steps < 1 or args.width < 1 or args.blocks < 1:
-        raise CliError("--world-size, --steps, --width and --blocks must be >= 1")
+    _check_trace_size(args)
     n, d, k = args.world_size, args.width, args.blocks
     gen = torch.Generator().manual_seed(0)
     params = {f"block{i}": {"w": torch.randn(d, d, generator=gen) / d**0.5, "b": torch.zeros(d)} for i in range(k)}
@@ -316,6 +393,26 @@ def _run_trace(args: argparse.Namespace) -> int:
         return 0
     print("recorded data collectives: MISMATCH with the formula")
     return 1
+
+
+TRACE_MAX_ELEMENTS = 2**26  # N·(Ψ + batch·d) fp32 elements: SimMesh keeps every rank's state in this process
+
+
+def _check_trace_size(args: argparse.Namespace) -> None:
+    """Every count >= 1, and a model small enough to simulate in one process: N ranks' copies of
+    Ψ = blocks·(d² + d) params and a batch of batch·d inputs, at most `TRACE_MAX_ELEMENTS` elements
+    (each costs about 20 bytes in params, grads, Adam moments and flat buffers)."""
+    for flag, value in (("--world-size", args.world_size), ("--steps", args.steps), ("--width", args.width),
+                        ("--blocks", args.blocks), ("--batch", args.batch)):
+        if value < 1:
+            raise CliError(f"{flag} must be >= 1, got {value}")
+    psi = args.blocks * (args.width**2 + args.width)
+    elements = args.world_size * (psi + args.batch * args.width)
+    if elements > TRACE_MAX_ELEMENTS:
+        raise CliError(f"--width {args.width} --blocks {args.blocks} --batch {args.batch} -n {args.world_size}: "
+                       f"{args.world_size} simulated ranks of a {psi}-parameter MLP hold {elements} elements in this "
+                       f"process, over trace's limit of {TRACE_MAX_ELEMENTS}; trace checks the collectives of a small "
+                       f"model: use a smaller --width, --blocks, --batch or --world-size")
 
 
 def _add_trace(sub: Any) -> None:
@@ -358,9 +455,8 @@ def _add_inspect(sub: Any) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
 
-    dtype = est.as_dtype(args.dtype) if args.dtype else None
     try:
-        tensors = ckpt.export(args.checkpoint, dtype=dtype)
+        tensors = ckpt.export(args.checkpoint, dtype=args.dtype)
     except ckpt.CheckpointError as e:
         raise CliError(str(e)) from None
     manifest = ckpt.read_manifest(args.checkpoint)
@@ -369,7 +465,7 @@ def _run_export(args: argparse.Namespace) -> int:
     except ckpt.CheckpointError as e:
         raise CliError(str(e)) from None
     except OSError as e:
-        raise CliError(f"cannot write {args.out!r}: {e}") from None
+        raise CliError(f"cannot write {args.out!r}: {e.strerror or e}") from None
     print(f"wrote {args.out}: {len(tensors)} tensors, step {manifest['step']}")
     return 0
 
@@ -381,7 +477,8 @@ def _add_export(sub: Any) -> None:
                        "tensor once.")
     p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
     p.add_argument("out", help="the .safetensors file to write")
-    p.add_argument("--dtype", help="cast to this dtype (bf16, fp16, fp32); default: as saved")
+    p.add_argument("--dtype", type=_parse_dtype, help="cast to this floating dtype (bf16, fp16, fp32, fp64); "
+                   "default: as saved")
     p.set_defaults(func=_run_export)
 
 

@@ -38,9 +38,13 @@ proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps 
 
 The default optimizer is "adam": fp32 params, gradients and Adam moments (K = 8), what fzero's
 `train_step` runs without a precision policy. The paper's rows use mixed-precision Adam (bf16/fp16
-params and gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, the kind of state fzero
-keeps with `fzero.Precision(torch.bfloat16)` (or fp16) and AdamW (bf16 params beside an fp32
-master; its gradients are in the policy's reduce dtype: `grad_dtype`).
+params and gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, a bf16 copy of
+the params beside an fp32 master at every stage. fzero keeps that layout with a policy
+(`fzero.Precision(torch.bfloat16)`, or fp16) only where the stage shards the master but not the
+params (stages 1-2), or offloads the optimizer; at stages 0 and 3 without offload the fp32 params
+are the master itself (one copy, cast to bf16 when a unit is entered or gathered): no separate
+copy. `precision=fzero.Precision(...)` estimates that layout, stage by stage
+(`policy_bytes_per_param`); `precision=None` (the default) is the paper's accounting.
 
 Example:
   >>> e = estimate(7.5e9, 64, stage=3, optimizer="adam-mixed")   # the ZeRO paper's Table 1, N = 64
@@ -51,6 +55,9 @@ Example:
   >>> e = estimate(14e9, 2, stage=3, optimizer="adam-mixed", offload_optimizer="cpu")
   >>> float(e.total) / 1e9, float(e.host.total) / 1e9               # GPU: bf16 params + grads
   (28.0, 98.0)
+  >>> from fzero import Precision                                   # fzero's layout: fp32 params, bf16 compute
+  >>> [float(e.total) / 1e9 for e in estimate_stages(7.5e9, 64, precision=Precision(torch.bfloat16, torch.float32))]
+  [120.0, 46.40625, 16.875, 1.875]
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import torch
 from . import nvme
 from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
+from .precision import Precision
 from .stages import STAGES, Stage, get_stage
 
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
@@ -79,6 +87,7 @@ OFFLOAD_PARAMS = (None, "cpu", "nvme")
 # fp32 optimizer state per parameter: Adam keeps m and v, momentum SGD one buffer, SGD none,
 # fzero's adafactor v[S] (its row / column statistics are replicated, O(rows + cols) per leaf).
 _STATE_BYTES = {"adam-mixed": 8, "adam": 8, "sgd-momentum": 4, "sgd": 0, "adafactor": 4}
+_AMSGRAD = ("adam-mixed", "adam")  # amsgrad=True: one more fp32 array, max(v)
 _DEFAULT_DTYPE = {
     "adam-mixed": torch.bfloat16, "adam": torch.float32, "sgd-momentum": torch.float32, "sgd": torch.float32,
     "adafactor": torch.float32,
@@ -181,13 +190,15 @@ def bytes_per_param(
     optimizer: str = "adam",
     param_dtype: torch.dtype | str | None = None,
     grad_dtype: torch.dtype | str | None = None,
+    *,
+    amsgrad: bool = False,
 ) -> BytesPerParam:
     """Bytes per parameter in each category.
 
     `param_dtype` defaults to bf16 for "adam-mixed" and fp32 otherwise; `grad_dtype` to
-    `param_dtype`. Optimizer state is fp32 (Adam 8, momentum SGD 4, SGD 0). A 4-byte fp32 master
-    copy exists exactly when params are narrower than fp32 (mixed precision), so "adam-mixed"
-    gives the paper's K = 12 and "adam" (fp32 params) K = 8.
+    `param_dtype`. Optimizer state is fp32 (Adam 8, 12 with `amsgrad`, momentum SGD 4, SGD 0). A
+    4-byte fp32 master copy exists exactly when params are narrower than fp32 (mixed precision),
+    so "adam-mixed" gives the paper's K = 12 and "adam" (fp32 params) K = 8.
     """
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {OPTIMIZERS}")
@@ -199,7 +210,59 @@ def bytes_per_param(
             f"is {p}; use optimizer='adam' for {p} params, or param_dtype='bf16' / 'fp16'"
         )
     master = 4 if p.itemsize < 4 else 0
-    return BytesPerParam(p.itemsize, g.itemsize, _STATE_BYTES[optimizer], master)
+    return BytesPerParam(p.itemsize, g.itemsize, _state_bytes(optimizer, amsgrad), master)
+
+
+def _state_bytes(optimizer: str, amsgrad: bool) -> int:
+    """fp32 bytes of optimizer state per parameter (`amsgrad`: Adam's third array, max(v))."""
+    if not isinstance(amsgrad, bool):
+        raise ConfigError(f"amsgrad must be a bool, got {amsgrad!r}")
+    if amsgrad and optimizer not in _AMSGRAD:
+        raise ConfigError(f"amsgrad=True is an Adam setting; optimizer {optimizer!r} has none: use one of {_AMSGRAD}")
+    return _STATE_BYTES[optimizer] + 4 * amsgrad
+
+
+def policy_bytes_per_param(
+    optimizer: str,
+    stage: int | Stage,
+    precision: Precision,
+    param_dtype: torch.dtype | str | None = None,
+    grad_dtype: torch.dtype | str | None = None,
+    offload: OffloadSetting = NO_OFFLOAD,
+    *,
+    amsgrad: bool = False,
+) -> tuple[BytesPerParam, int]:
+    """Bytes per parameter of what `fzero.init(..., precision=precision)` keeps at `stage`, and
+    the bytes per parameter of a frozen bucket's params.
+
+    `param_dtype` is the dtype the params are held in (default fp32), `precision.param_dtype`
+    (default: the same) the one units compute in, and gradients are reduced in `grad_dtype`
+    (default: `precision.reduce_dtype`, else the compute dtype). A trainable bucket keeps a
+    compute-dtype copy of its params beside its master (in the held dtype) only where the two
+    differ and the stage shards the master but not the params (stages 1-2), or the optimizer is
+    offloaded (stages 1-3: the master moves off the device); elsewhere (stages 0 and 3 without
+    offload) the held params are the master, cast when a unit is entered or gathered: p = the
+    held dtype's bytes, m = 0. The optimizer state is in the master's (held) dtype: fp32 Adam 8
+    bytes, bf16 Adam 4. Frozen buckets keep their params in the held dtype.
+    """
+    if optimizer == "adam-mixed":
+        raise ConfigError("optimizer 'adam-mixed' is the ZeRO paper's accounting (a bf16 copy beside an fp32 master at "
+                          "every stage); with precision=fzero.Precision(...) the policy decides the copies: use "
+                          "optimizer='adam'")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; use one of {OPTIMIZERS}")
+    if not isinstance(precision, Precision):
+        raise ConfigError(f"precision must be a fzero.Precision (e.g. fzero.Precision(torch.bfloat16, torch.float32); "
+                          f"fzero.Precision() for no policy) or None (the paper's accounting), got {precision!r}")
+    st = stage if isinstance(stage, Stage) else get_stage(stage)
+    held = as_dtype(param_dtype) if param_dtype is not None else torch.float32
+    compute = precision.param_dtype or held
+    grads = as_dtype(grad_dtype) if grad_dtype is not None else (precision.reduce_dtype or compute)
+    state = _state_bytes(optimizer, amsgrad) // 4 * held.itemsize
+    copy = compute != held and st.sharded("master") and (offload.optimizer is not None or not st.sharded("params"))
+    bpp = BytesPerParam(compute.itemsize if copy else held.itemsize, grads.itemsize, state,
+                        held.itemsize if copy else 0)
+    return bpp, held.itemsize
 
 
 class _Buffer(NamedTuple):
@@ -232,11 +295,12 @@ def params_of(model: Any) -> Any:
     return model
 
 
-def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[ParamGroup], align: int) -> list[_Buffer]:
+def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[ParamGroup], align: int,
+             bucket_bytes: int | None = None) -> list[_Buffer]:
     if isinstance(model, Real) and not isinstance(model, bool):
         psi = _count(model)
         return [_Buffer(psi, psi / world_size, True, bucket=False)]
-    layout = plan(params_of(model), world_size, units=units, groups=groups, align=align)
+    layout = plan(params_of(model), world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
     return [_Buffer(Fraction(b.padded_numel), Fraction(b.shard_numel), not b.group.frozen) for b in layout.buckets]
 
 
@@ -291,14 +355,18 @@ def check_offload_stage(off: OffloadSetting, st: Stage) -> None:
 
 
 def _stage_estimate(
-    buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam, off: OffloadSetting = NO_OFFLOAD
+    buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam, off: OffloadSetting = NO_OFFLOAD,
+    frozen_params: int | None = None,
 ) -> MemoryEstimate:
+    """`frozen_params`: bytes per parameter of a frozen bucket's params (default `bpp.params`)."""
     st = get_stage(stage)
     check_offload_stage(off, st)
+    frozen_p = bpp.params if frozen_params is None else frozen_params
 
     def category(name: str, per_param: int, trainable_only: bool) -> Fraction:
         pick = (lambda b: b.shard) if st.sharded(name) else (lambda b: b.full)
-        return sum((per_param * pick(b) for b in buffers if b.trainable or not trainable_only), Fraction(0))
+        return sum(((per_param if b.trainable else frozen_p) * pick(b) for b in buffers
+                    if b.trainable or not trainable_only), Fraction(0))
 
     params = category("params", bpp.params, trainable_only=False)
     grads = category("grads", bpp.grads, trainable_only=True)
@@ -308,7 +376,7 @@ def _stage_estimate(
     # Offloaded (stages 1-3: state and master are sharded): h_b of bucket b's shard is on the host.
     h = host_fractions(buffers, off)
     kept = sum(((1 - f) * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
-    host, disk = _offloaded(buffers, h, bpp, off)
+    host, disk = _offloaded(buffers, h, bpp, off, frozen_p)
     if off.params is not None:
         params = Fraction(0)  # every shard is on the host; the gradients stay on the device (as the stage)
     return MemoryEstimate(stage, world_size, params, grads, bpp.optimizer_state * kept, bpp.master * kept, host, disk,
@@ -335,7 +403,8 @@ def host_fractions(buffers: Sequence[_Buffer], off: OffloadSetting) -> list[Frac
 
 
 def _offloaded(
-    buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting
+    buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting,
+    frozen_params: int | None = None,
 ) -> tuple[TierBytes, TierBytes]:
     """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions`. For each host
     shard the host holds the copy of its reduced gradient (all buckets' copies are started at once
@@ -349,7 +418,9 @@ def _offloaded(
     to the device: p bytes) -- with params="nvme" that copy is a swap file too (p bytes on the
     disk), and the host keeps, besides the pool, the reads of the shards in flight: counted as two
     of the largest (`SwapFiles.start_load`: one unit read ahead while one is copied, one bucket
-    per unit; each further prefetched unit or bucket adds one)."""
+    per unit; each further prefetched unit or bucket adds one). `frozen_params`: bytes per
+    parameter of a frozen shard (default `bpp.params`)."""
+    frozen_p = bpp.params if frozen_params is None else frozen_params
     on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
     frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
     state = bpp.optimizer_state * on_host
@@ -365,7 +436,7 @@ def _offloaded(
     pool = nvme.buffer_bytes(files + [bpp.params * s for s in shards] * in_file, buffers=2 * (fields + 1))
     host = TierBytes(
         # with params offloaded and a wider master (or one in a file), the host keeps the shard in the params' dtype
-        params=bpp.params * frozen + (Fraction(0) if in_file else copy),
+        params=frozen_p * frozen + (Fraction(0) if in_file else copy),
         grads=bpp.grads * on_host,
         optimizer_state=Fraction(0) if on_nvme else state,
         master=Fraction(0) if on_nvme else master,
@@ -395,6 +466,9 @@ def estimate(
     offload_optimizer: str | None = None,
     offload_params: str | None = None,
     offload_ratio: Real = 1,
+    precision: Precision | None = None,
+    amsgrad: bool = False,
+    bucket_bytes: int | None = None,
 ) -> MemoryEstimate | tuple[MemoryEstimate, ...]:
     """Per-rank bytes of params, grads, optimizer state and master weights.
 
@@ -402,14 +476,23 @@ def estimate(
       model: a parameter count Ψ (int, or a whole float such as `7.5e9`; no padding, Ψ/N exact),
         a params pytree of floating tensors, or an `nn.Module` (its `named_parameters()`). Only
         shapes and dtypes are read, so meta tensors work. For a pytree, `fzero.layout.plan(model,
-        world_size, units=units, groups=groups, align=align)` gives the buckets and their
-        padding; leaf dtypes only decide the bucketing, `param_dtype` the bytes. Frozen groups
-        have no grads, optimizer state or master copy.
+        world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)` gives
+        the buckets and their padding; leaf dtypes only decide the bucketing, `param_dtype` the
+        bytes. Frozen groups have no grads, optimizer state or master copy.
       world_size: N >= 1.
       stage: 0-3, or None for all four.
-      param_dtype, grad_dtype, optimizer: see `bytes_per_param`.
+      param_dtype, grad_dtype, optimizer, amsgrad: see `bytes_per_param` (with `precision`:
+        `policy_bytes_per_param`).
       offload: a `fzero.Offload(...)`, or its settings as `offload_optimizer` (None, "cpu",
         "nvme"), `offload_params` (None, "cpu", "nvme"; stage 3) and `offload_ratio` (r in (0, 1]).
+      precision: None: the ZeRO paper's accounting (`bytes_per_param`: a master copy wherever the
+        params are narrower than fp32, at every stage). A `fzero.Precision` (`fzero.Precision()`
+        for no policy): what `fzero.init(..., precision=precision)` keeps, stage by stage
+        (`policy_bytes_per_param`): with fp32 params and `Precision(torch.bfloat16)` a bf16 copy
+        beside the fp32 master at stages 1-2, and at stage 3 only with the optimizer offloaded.
+        `param_dtype` is then the held params' dtype (default fp32) and "adam-mixed" is refused
+        (use "adam").
+      bucket_bytes: `fzero.init`'s / `plan`'s cap on a bucket's bytes (pytrees and modules only).
 
     Returns:
       A `MemoryEstimate` for `stage`, or a tuple of them for stages 0, 1, 2, 3 (with an offload:
@@ -418,12 +501,26 @@ def estimate(
     world_size = check_world_size(world_size)
     if stage is not None:
         get_stage(stage)
-    bpp = bytes_per_param(optimizer, param_dtype, grad_dtype)
     off = offload_setting(offload, offload_optimizer, offload_params, offload_ratio)
-    buffers = _buffers(model, world_size, units, groups, align)
+    if precision is None:
+        bpp = bytes_per_param(optimizer, param_dtype, grad_dtype, amsgrad=amsgrad)
+        per_stage = lambda st: (bpp, bpp.params)  # noqa: E731
+    else:
+        per_stage = lambda st: policy_bytes_per_param(  # noqa: E731
+            optimizer, st, precision, param_dtype, grad_dtype, off, amsgrad=amsgrad)
+        per_stage(STAGES[0])  # check the settings before planning
+    if bucket_bytes is not None and isinstance(model, Real) and not isinstance(model, bool):
+        raise ConfigError(f"bucket_bytes={bucket_bytes!r} cuts a layout's buckets; a bare parameter count has none: "
+                          f"pass a params pytree or an nn.Module, or leave bucket_bytes out")
+    buffers = _buffers(model, world_size, units, groups, align, bucket_bytes)
+
+    def one(level: int) -> MemoryEstimate:
+        bpp, frozen = per_stage(get_stage(level))
+        return _stage_estimate(buffers, world_size, level, bpp, off, frozen)
+
     if stage is not None:
-        return _stage_estimate(buffers, world_size, stage, bpp, off)
-    return tuple(_stage_estimate(buffers, world_size, s.level, bpp, off) for s in STAGES if _accepts(s, off))
+        return one(stage)
+    return tuple(one(s.level) for s in STAGES if _accepts(s, off))
 
 
 def _accepts(st: Stage, off: OffloadSetting) -> bool:

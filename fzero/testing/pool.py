@@ -56,7 +56,8 @@ ENV_SYS_PATH = "FZERO_POOL_SYS_PATH"
 
 
 class PoolError(RuntimeError):
-    """The pool could not start, a call timed out, or a worker died; the pool is closed."""
+    """The pool could not start, or a call failed after its first message was sent (it timed out,
+    a worker died, a reply did not unpickle): the pool is closed, its workers killed."""
 
 
 @dataclasses.dataclass
@@ -108,6 +109,12 @@ class Died:
         return f"rank {self.rank} died with return code {self.returncode}\n{self.log}"
 
 
+def _check_nproc(nproc: Any, where: str) -> int:
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"{where}: nproc must be an int >= 1 (the number of worker ranks), got {nproc!r}")
+    return nproc
+
+
 def _torchrun() -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
@@ -117,13 +124,16 @@ class Pool:
     """N torchrun workers on one gloo process group, serving `run` calls until `close`.
 
     Args:
-      nproc: the world size N.
+      nproc: the world size N, an int >= 1.
       timeout: default seconds a `run` call may take before the pool is declared hung and closed.
       start_timeout: seconds to wait for all workers to connect.
     """
 
+    #: seconds between SIGTERM and SIGKILL when a failed call kills the workers
+    KILL_GRACE = 2.0
+
     def __init__(self, nproc: int, *, timeout: float = 120.0, start_timeout: float = 180.0) -> None:
-        self.nproc = nproc
+        self.nproc = _check_nproc(nproc, "Pool")
         self.timeout = timeout
         self._closed = False
         self._conns: list[Connection] = []
@@ -211,33 +221,35 @@ class Pool:
           fn: a module-level function (or "module:qualname") the workers can import.
           per_rank_args: N argument tuples (indexed by rank), a callable `rank -> tuple`, or `()`.
           timeout: seconds for the whole call (default: the pool's); on expiry the pool is
-            closed (a hung collective cannot be cancelled) and `PoolError` is raised.
+            closed at once, its workers killed (a hung collective cannot be cancelled), and
+            `PoolError` is raised.
           return_exceptions: put a `RemoteError` in place of a failed rank's result instead of
             raising `WorkerError`.
+
+        Every rank's message is pickled before any is sent: arguments that do not pickle raise
+        ValueError and leave the pool open. Any failure after the first send (a timeout, a dead
+        worker, a reply that does not unpickle) kills the workers at once and raises `PoolError`
+        (KeyboardInterrupt and SystemExit kill them too, and propagate): a rank may hold a call
+        or a reply that the next call would read, so the pool is never reused.
         """
         if not self.alive:
             raise PoolError(f"{self!r} is not running")
         ref = reference(fn)
-        args = [_per_rank_args(per_rank_args, r, self.nproc) for r in range(self.nproc)]
-        for r, conn in enumerate(self._conns):
-            conn.send_bytes(pickle.dumps(("call", ref, args[r])))
-        replies: dict[int, Any] = {}
-        pending = {conn: r for r, conn in enumerate(self._conns)}
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                ranks = sorted(pending.values())
-                self.close()
-                raise PoolError(f"{ref}: rank(s) {ranks} did not answer within the timeout; the pool "
-                                f"is closed\n{self.log_tail()}")
-            for conn in ready:
-                r = pending.pop(conn)  # type: ignore[call-overload]
-                try:
-                    replies[r] = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError) as e:
-                    self.close()
-                    raise PoolError(f"{ref}: worker {r} died ({e!r}); the pool is closed\n{self.log_tail()}") from e
+        messages = [self._message(ref, _per_rank_args(per_rank_args, r, self.nproc), r) for r in range(self.nproc)]
+        try:
+            for conn, message in zip(self._conns, messages):
+                conn.send_bytes(message)
+            replies = self._replies(ref, self.timeout if timeout is None else timeout)
+        except PoolError:
+            raise  # the pool is already closed
+        except Exception as e:
+            # Some ranks may have a call, or a reply, the next call would read: never reuse the pool.
+            self._abort()
+            raise PoolError(f"{ref}: the call failed after it was sent ({e!r}); the pool is closed (its workers "
+                            f"are killed): start a new Pool\n{self.log_tail()}") from e
+        except BaseException:
+            self._abort()  # KeyboardInterrupt, SystemExit: the workers go too
+            raise
         results, errors = [], []
         for r in range(self.nproc):
             kind, *payload = replies[r]
@@ -251,10 +263,54 @@ class Pool:
             raise WorkerError(errors)
         return results
 
+    @staticmethod
+    def _message(ref: str, args: Any, rank: int) -> bytes:
+        """Rank `rank`'s call, pickled; every rank's is pickled before any is sent, so an argument
+        that does not pickle leaves the pool as it was."""
+        try:
+            return pickle.dumps(("call", ref, args))
+        except Exception as e:
+            raise ValueError(f"pool.run({ref}): rank {rank}'s arguments cannot be pickled ({e!r}); nothing was "
+                             f"sent and the pool is still open: pass picklable values (module-level functions, "
+                             f"tensors, containers)") from e
+
+    def _replies(self, ref: str, timeout: float) -> dict[int, Any]:
+        """Every rank's unpickled reply, or PoolError (pool closed) on a timeout or a dead worker."""
+        replies: dict[int, Any] = {}
+        pending = {conn: r for r, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                ranks = sorted(pending.values())
+                self._abort()
+                raise PoolError(f"{ref}: rank(s) {ranks} did not answer within {timeout:g} s; the pool is closed "
+                                f"(its workers are killed)\n{self.log_tail()}")
+            for conn in ready:
+                r = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError) as e:
+                    self._abort()
+                    raise PoolError(f"{ref}: worker {r} died ({e!r}); the pool is closed (its workers are "
+                                    f"killed)\n{self.log_tail()}") from e
+                replies[r] = pickle.loads(data)
+        return replies
+
+    def _abort(self) -> None:
+        """Close at once after a failed call: the workers may be busy (a hung collective, a peer
+        that died), so they are not asked to leave but killed (SIGTERM, SIGKILL after `KILL_GRACE`
+        seconds). The torchrun log is kept."""
+        if self._closed:
+            return
+        self._closed = True
+        self._terminate(self.KILL_GRACE)
+        self._release(keep_log=True)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ask the workers to leave (they call destroy_process_group), then wait; escalate to
-        SIGTERM and SIGKILL of torchrun's process group if they don't."""
+        """Ask the workers to leave (they call destroy_process_group) and wait up to `timeout`
+        seconds; then SIGTERM torchrun's process group, and SIGKILL it `KILL_GRACE` seconds later.
+        The torchrun log is deleted unless torchrun failed."""
         if self._closed:
             return
         self._closed = True
@@ -266,22 +322,31 @@ class Pool:
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(self._proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    self._proc.wait(wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            self._terminate(self.KILL_GRACE)
+        self._release(keep_log=self._proc.returncode not in (0, None))
+
+    def _terminate(self, grace: float) -> None:
+        """SIGTERM torchrun's process group (torchrun and its workers), SIGKILL it after `grace` s."""
+        for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self._proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if sig == signal.SIGTERM:  # torchrun is gone; a worker that ignored SIGTERM is not
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+
+    def _release(self, *, keep_log: bool) -> None:
         for conn in self._conns:
             conn.close()
         self._listener.close()
         self._log.close()
-        with_error = self._proc.returncode not in (0, None)
-        if not with_error:
+        if not keep_log:
             os.unlink(self._log.name)
 
 
@@ -310,6 +375,7 @@ def run_job(
     still running after `timeout` seconds are killed and `PoolError` is raised: a job never hangs
     its caller. Costs a process start per rank (about 3 s for 3 ranks on 2 cores).
     """
+    _check_nproc(nproc, "run_job")
     ref = reference(fn)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="fzero-job-") as tmp:

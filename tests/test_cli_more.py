@@ -1,0 +1,163 @@
+"""`fzero` command-line usage errors and edge cases found in review: each is exit status 2 with a
+one-line `fzero <cmd>: error: ...` message and no traceback, or now works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+from fzero._src.cli import TRACE_MAX_ELEMENTS, main, offload_summary
+from fzero._src.estimate import offload_setting
+
+ROOT = Path(__file__).resolve().parents[1]  # `python -m fzero` there runs this checkout's fzero
+
+
+def _usage_error(capsys, argv, *fragments):
+    """`fzero ARGV` exits 2 (argparse's SystemExit(2) or main's return) with every fragment in
+    its one-line message."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"fzero {argv[0]}: error: "), last
+    for fragment in fragments:
+        assert fragment in last, (fragment, last)
+    return last
+
+
+@pytest.mark.parametrize("count", ["inf", "1e400", "nan"])
+def test_params_must_be_finite(capsys, count):
+    """`--params inf` / `1e400` raised OverflowError (int(inf)) before the check."""
+    _usage_error(capsys, ["estimate", "--params", count, "-n", "2"], "argument --params", "finite", repr(count))
+
+
+@pytest.mark.parametrize("spec, fragments", [
+    ("math:pi", ["--module math:pi", "'pi' is a float, not a callable"]),
+    ("torch.nn:Linear", ["--module torch.nn:Linear", "calling Linear()", "TypeError", "in_features"]),
+])
+def test_module_factory_that_fails(capsys, spec, fragments):
+    """A non-callable or a factory needing arguments gave a TypeError traceback."""
+    _usage_error(capsys, ["estimate", "--module", spec, "-n", "2"], *fragments)
+
+
+def test_plot_with_offload(tmp_path, capsys):
+    """--plot indexed the estimates by stage number: with an offload (stages 1-3) it raised IndexError."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.png"
+    argv = ["estimate", "--params", "7.5e9", "-n", "2", "--plot", str(out), "--plot-world-sizes", "1,2,4"]
+    assert main(argv + ["--offload-optimizer", "cpu"]) == 0
+    assert out.stat().st_size > 0
+    assert main(argv + ["--offload-optimizer", "cpu", "--offload-params", "cpu"]) == 0  # stage 3 only
+    capsys.readouterr()
+
+
+def test_plot_to_a_missing_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = str(tmp_path / "missing" / "p.png")
+    _usage_error(capsys, ["estimate", "--params", "7.5e9", "-n", "2", "--plot", path], f"--plot {path}: cannot write")
+
+
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--batch", "-1"), ("--blocks", "0"), ("-n", "0")])
+def test_trace_counts_must_be_positive(capsys, flag, value):
+    """--batch 0 / -1 ran and failed inside the step (a RankFailed or negative-dimension traceback)."""
+    name = "--world-size" if flag == "-n" else flag
+    _usage_error(capsys, ["trace", flag, value, "--steps", "1"], f"{name} must be >= 1, got {value}")
+
+
+def test_trace_refuses_a_model_too_large_to_simulate(capsys):
+    """--width 100000 tried to allocate 4 blocks of 10^10 floats (a RuntimeError, or the OOM killer)."""
+    _usage_error(capsys, ["trace", "--width", "100000"], "--width 100000", str(TRACE_MAX_ELEMENTS),
+                 "use a smaller --width")
+    assert main(["trace", "-n", "2", "--width", "8", "--blocks", "1", "--steps", "1"]) == 0  # small still runs
+    capsys.readouterr()
+
+
+def test_offload_summary_names_each_tier():
+    """The line said "host: fp32 master" for nvme too, where the master is in swap files."""
+    cpu = offload_summary(offload_setting(optimizer="cpu"))
+    assert "host: the fp32 master, the optimizer state, the gradient shards' copies" in cpu and "NVMe" not in cpu
+    nvme = offload_summary(offload_setting(optimizer="nvme"))
+    host, disk = nvme.split("; NVMe swap files: ")
+    assert "master" not in host and "swap files' buffers" in host
+    assert disk.startswith("the fp32 master, the optimizer state")
+    both = offload_summary(offload_setting(optimizer="nvme", params="nvme"))
+    assert "NVMe swap files: the param shards, the fp32 master" in both
+    assert "host: the param shards, the fp32 master" in offload_summary(offload_setting(optimizer="cpu", params="cpu"))
+
+
+def test_cli_prints_the_nvme_tiers(capsys):
+    assert main(["estimate", "--params", "14e9", "-n", "2", "--stage", "3", "--offload-optimizer", "nvme"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("offload:"))
+    assert "host: the gradient shards' copies, the swap files' buffers; NVMe swap files: the fp32 master" in line
+
+
+def test_cli_precision_gives_fzero_layout(capsys):
+    """--precision bf16,fp32: fzero's layout (fp32 params alone at stages 0 and 3), with adam."""
+    assert main(["estimate", "--params", "7.5e9", "-n", "64", "--precision", "bf16,fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer adam" in out and "stage 3: params 4, grads 4, optimizer state 8, master 0" in out
+    totals = {line.split()[0]: line.split()[-3:-1] for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ", "3 ")}
+    assert totals == {"0": ["GB", "(120000000000"], "1": ["GB", "(46406250000"], "2": ["GB", "(16875000000"],
+                      "3": ["GB", "(1875000000"]}
+    _usage_error(capsys, ["estimate", "--params", "10", "-n", "2", "--precision", "bf16", "--optimizer", "adam-mixed"],
+                 "use optimizer='adam'")
+    _usage_error(capsys, ["estimate", "--params", "10", "-n", "2", "--precision", "int8"], "argument --precision")
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    mesh = fzero.SimMesh(1)
+    root = tmp_path / "ckpt"
+
+    def rank():
+        s = fzero.init({"w": torch.randn(3, 3)}, optim.adam(1e-3), stage=1, mesh=mesh)
+        fzero.checkpoint.save(s, str(root))
+
+    mesh.run(rank)
+    return fzero.checkpoint.latest(str(root))
+
+
+@pytest.mark.parametrize("dtype", ["foo", "int8"])
+def test_export_dtype_is_a_usage_error(capsys, tmp_path, dtype):
+    """`export --dtype foo` raised ConfigError with a traceback."""
+    _usage_error(capsys, ["export", str(tmp_path), str(tmp_path / "o.safetensors"), "--dtype", dtype],
+                 "argument --dtype", f"unknown dtype {dtype!r}")
+
+
+def test_export_to_a_folder_leaves_no_temporary_file(checkpoint, tmp_path, capsys):
+    """The writer left OUT.tmp behind when OUT could not be replaced (a folder)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _usage_error(capsys, ["export", checkpoint, str(out)], f"cannot write {str(out)!r}")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"] and os.listdir(out) == []
+    assert main(["export", checkpoint, str(tmp_path / "m.safetensors"), "--dtype", "bf16"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "m.safetensors", "out"]
+    capsys.readouterr()
+
+
+def test_no_traceback_from_the_command_line():
+    """The same, through `python -m fzero` (a fresh interpreter: what a user runs)."""
+    script = textwrap.dedent("""
+        fzero estimate --params inf -n 2
+        fzero estimate --module math:pi -n 2
+        fzero trace --batch 0 -n 2 --steps 1
+        fzero export /nonexistent o.safetensors --dtype foo
+    """).strip().splitlines()
+    for line in script:
+        proc = subprocess.run([sys.executable, "-m", *line.split()], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (line, proc.stderr)
