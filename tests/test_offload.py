@@ -1007,7 +1007,8 @@ def test_a_state_whose_swap_write_failed_is_still_a_load_target(tmp_path, monkey
     """After a swap-file write failed in a step (ENOSPC), the input state's files hold part of
     the next step: it cannot step again, but `checkpoint.load(path, state)` refused it as a target
     too (found in review), though a load reads only the target's structure and gives the loaded
-    state swap files of its own. It is now taken, and the loaded state steps on."""
+    state swap files of its own. It is now taken, and the loaded state steps on; a step of it
+    says that its update failed and the state is lost (it blamed a copy or an older state)."""
     import errno
 
     from fzero._src import nvme
@@ -1028,6 +1029,9 @@ def test_a_state_whose_swap_write_failed_is_still_a_load_target(tmp_path, monkey
         with pytest.raises(fzero.OffloadError, match="No space left"):
             step(state, torch.ones(6))
         monkeypatch.setattr(nvme, "_pwrite_all", real)
+        with pytest.raises(fzero.OffloadError, match=r"step raised while its NVMe tier was updating it \(OffloadError: "
+                                                     r".*No space left.*the state is lost.*checkpoint.load"):
+            step(state, torch.ones(6))  # (the message blamed a copy or an older state)
         loaded = fzero.checkpoint.load(saved, state)
         loaded, m = step(loaded, torch.ones(6))
         return int(loaded.step), m.skipped

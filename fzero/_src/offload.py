@@ -364,7 +364,7 @@ class HostTier:
     def flush(self) -> None:
         """Every store is durable (nothing to wait for in host memory)."""
 
-    def abort(self) -> None:
+    def abort(self, error: BaseException) -> None:
         """After an update that raised: nothing is held in host memory."""
 
     def check_holds(self, state: Any) -> None:
@@ -405,6 +405,7 @@ class NvmeTier(HostTier):
     # file name -> the stand-in of the state whose values the file holds (the last `init`, load or
     # step made it): `check_holds` refuses a state that holds another tensor there
     held: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    interrupted: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
     in_place = True
     # each tier owns its own files: equal only to itself (HostTier's generated __eq__ compares
     # device and pin, which two NVMe tiers with different files share)
@@ -494,6 +495,13 @@ class NvmeTier(HostTier):
             if xs[i] is not self.held.get(name):
                 b = int(name.split("/")[0][1:])
                 paths = [leaf.path for leaf in layout.leaves if leaf.bucket == b]
+                if self.interrupted:  # found in review: the message blamed a copy after a failed write
+                    raise OffloadError(
+                        f"this state's step raised while its NVMe tier was updating it ({self.interrupted['error']}), "
+                        f"after some swap files (bucket {b}, {paths[:4]}{' ...' if len(paths) > 4 else ''}: "
+                        f"{self.files.entries[name].path!r}) were rewritten with the next step's values: the state "
+                        f"is lost. Restore it from a checkpoint: fzero.checkpoint.load(path, state) takes this "
+                        f"state as its target")
                 raise OffloadError(
                     f"this state's {what} of bucket {b} ({paths[:4]}{' ...' if len(paths) > 4 else ''}) is not the "
                     f"NVMe tier's stand-in for it: its swap file {self.files.entries[name].path!r} holds the values of "
@@ -572,11 +580,13 @@ class NvmeTier(HostTier):
         name = self.tags[tag]
         return Loading(self, name, self.files.start_load(name))
 
-    def flush(self) -> None:
-        self.files.flush()
-
-    def abort(self) -> None:
+    def abort(self, error: BaseException) -> None:
         self.files.release_all()
+        self.interrupted["error"] = f"{type(error).__name__}: {error}"  # `check_holds` says why
+
+    def flush(self) -> None:  # (an update's last call: its files are whole again)
+        self.files.flush()
+        self.interrupted.clear()
 
 
 class Loading:
@@ -904,8 +914,9 @@ class HostUpdate:
         for tier in {id(t): t for t in self.tiers.values()}.values():
             tier.flush()  # NVMe: every file written, or OffloadError naming it
 
-    def abort(self) -> None:
-        """After an update that raised (an I/O error, an interrupt): the tiers give back what they
-        hold (NVMe: every read buffer, so a retry reads the files, not a buffer changed in place)."""
+    def abort(self, error: BaseException) -> None:
+        """After an update that raised (`error`: an I/O error, an interrupt): the tiers give back
+        what they hold (NVMe: every read buffer, so a retry reads the files, not a buffer changed
+        in place) and remember why, for the message of a state whose files were rewritten."""
         for tier in {id(t): t for t in self.tiers.values()}.values():
-            tier.abort()
+            tier.abort(error)

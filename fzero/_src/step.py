@@ -1639,8 +1639,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             if overlap:  # overlaps the next update; a donating step gathers into the params it held
                 flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
         host.done()
-    except BaseException:
-        host.abort()  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
+    except BaseException as e:
+        host.abort(e)  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
         raise
     flag = _nonfinite_flag(state, checked, ends, plan)
     broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
