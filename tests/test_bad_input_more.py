@@ -471,3 +471,21 @@ def test_leaves_whose_paths_are_one_string_or_that_fzero_cannot_shard_are_refuse
     for params, match in cases:
         with pytest.raises(fzero.LayoutError, match=match):
             mesh.run(lambda: fzero.init(params, optim.sgd(0.1), stage=1, mesh=mesh))
+
+
+def test_two_groups_under_one_name_are_refused_naming_both():
+    """Two unnamed groups (both "default", as is the group of the leaves no group matches) gave
+    buckets of one tag in one unit and dtype; where a tag keys a bucket, one was read for all
+    (found in review: stage 3's NVMe param offload loaded one bucket's shard for every one).
+    Groups holding leaves must be named apart; one group given twice is one group."""
+    params = {"a": torch.ones(3), "b": torch.ones(4), "c": torch.ones(5)}
+    twins = [fzero.ParamGroup(match=lambda p: p == "a", weight_decay=False),
+             fzero.ParamGroup(match=lambda p: p == "b", lr_scale=0.5)]
+    with pytest.raises(fzero.LayoutError, match=r"two parameter groups hold leaves under one name 'default'"):
+        fzero.layout.plan(params, 2, groups=twins)
+    with pytest.raises(fzero.LayoutError, match=r"under one name 'default'"):  # against the unmatched leaves' group
+        fzero.layout.plan(params, 2, groups=twins[:1])
+    named = [fzero.ParamGroup("no-decay", match=lambda p: p == "a", weight_decay=False),
+             fzero.ParamGroup("half", match=lambda p: p == "b", lr_scale=0.5)]
+    layout = fzero.layout.plan(params, 2, groups=named + named[:1])
+    assert len({b.tag for b in layout.buckets}) == len(layout.buckets) == 3

@@ -80,7 +80,7 @@ def assert_bits_equal(got, want):
     assert len(got) == len(want)
     for r, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == w.dtype and g.shape == w.shape, (r, g.dtype, g.shape, w.dtype, w.shape)
-        bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+        bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731  (vmap outputs may be strided)
         assert torch.equal(bits(g), bits(w)), (r, g, w)
 
 
@@ -438,3 +438,19 @@ def test_an_all_gather_into_out_writes_the_result_there(n):
             mesh.run(lambda x: mesh.start("all_gather", x, out=out), [(x,) for x in xs])
     with pytest.raises(fzero.MeshError, match="out= is for all_gather only"):
         mesh.run(lambda x: mesh.start("all_reduce", x, arg="sum", out=x.clone()), [(x,) for x in xs])
+
+
+def test_vmap_checks_each_ranks_entry_shape_and_takes_an_empty_batch():
+    """Under vmap the batch was folded into dim 0 (`[B * S]`): ranks whose entries differed in
+    shape -- `[2 examples of 3 rows]` on one, `[3 of 2]` on the other -- passed the shape check
+    with 6 rows each and mixed each other's examples, silently; a batch of 0 could not be
+    unfolded (found in review). The batch now runs beside each entry's rows (`[S, B]`): the
+    mismatch is a `CollectiveMismatch` naming both shapes, and B = 0 gives `[0, N * S]`."""
+    mesh = fzero.SimMesh(2)
+    ag = torch.func.vmap(lambda x: fzero.collectives.all_gather(x, mesh))
+    with pytest.raises(fzero.CollectiveMismatch, match=r"rank 0: all_gather\(float32\[3, 2\]\)\n  rank 1: "
+                                                        r"all_gather\(float32\[2, 3\]\)"):
+        mesh.run(lambda: ag(torch.zeros(2, 3) if mesh.rank == 0 else torch.zeros(3, 2)))
+    assert [tuple(y.shape) for y in mesh.run(lambda: ag(torch.zeros(0, 3)))] == [(0, 6)] * 2
+    rs = torch.func.vmap(lambda y: fzero.collectives.reduce_scatter(y, mesh))
+    assert [tuple(x.shape) for x in mesh.run(lambda: rs(torch.zeros(0, 4)))] == [(0, 2)] * 2

@@ -13,7 +13,8 @@ With `L = Σ_r L_r` the sum of every rank's loss, the adjoint identity
 (proofs/collectives.md). `all_reduce(max)` has no backward.
 
 Each Function also has a `vmap` staticmethod: collectives have no batching rule, so the batch
-dim is folded into dim 0 of the buffer, moved once over the wire, and unfolded. And a `jvp`
+dim is moved beside each entry's rows (`[S, B, ...]`: the collective runs along dim 0, the whole
+batch moved once over the wire, and each rank's entry shape still checked). And a `jvp`
 staticmethod (forward mode: `torch.func.jvp`, `jacfwd`, `hessian`): each collective is linear,
 so the tangent of its output is the same collective of the input's tangent (all_reduce(max)
 has none). Forward mode across ranks needs one process per rank (`DistMesh`): torch keeps one
@@ -28,10 +29,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import einops
 import torch
 
-from .errors import FzeroError
+from .errors import FzeroError, MeshError
 from .mesh import Mesh, SimMesh
 
 
@@ -93,10 +93,15 @@ def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = No
     return _Broadcast.apply(x, mesh, src, tag)
 
 
-def _fold(x: torch.Tensor, bdim: int) -> tuple[torch.Tensor, int]:
-    """`x` with batch dim `bdim` -> `(rows[B * S, ...], B)`, batch outermost."""
-    x = x.movedim(bdim, 0)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), x.shape[0]
+def _batch_second(x: torch.Tensor, bdim: int, op: str) -> torch.Tensor:
+    """`x` with vmap's batch dim `bdim` moved to dim 1: `[S, B, ...]`, so that the collective runs
+    on each entry's rows along dim 0 with the batch beside them. (Folded into dim 0 as `[B * S]`,
+    ranks whose entries differed in shape -- `[2, 3]` on one, `[3, 2]` on the other -- passed the
+    shape check and mixed each other's examples, found in review; a batch of 0 could not be
+    unfolded.) An entry without a dim 0 is the unbatched call's `MeshError`."""
+    if x.dim() < 2:
+        raise MeshError(f"{op}: needs a tensor with a dim 0, got a 0-d tensor (per vmap entry)")
+    return x.movedim(bdim, 1)
 
 
 class _AllGather(torch.autograd.Function):
@@ -123,9 +128,7 @@ class _AllGather(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
         if in_dims[0] is None:
             return all_gather(x, mesh, tag=tag), None
-        rows, b = _fold(x, in_dims[0])  # (B * S, ...)
-        y = all_gather(rows, mesh, tag=tag)  # (N * B * S, ...)
-        return einops.rearrange(y, "(n b s) ... -> b (n s) ...", n=mesh.world_size, b=b), 0
+        return all_gather(_batch_second(x, in_dims[0], "all_gather"), mesh, tag=tag), 1  # (N * S, B, ...)
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -152,10 +155,7 @@ class _ReduceScatter(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple, y: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
         if in_dims[0] is None:
             return reduce_scatter(y, mesh, tag=tag), None
-        y = y.movedim(in_dims[0], 0)  # (B, N * S, ...)
-        rows = einops.rearrange(y, "b (n s) ... -> (n b s) ...", n=mesh.world_size)
-        x = reduce_scatter(rows, mesh, tag=tag)  # (B * S, ...)
-        return einops.rearrange(x, "(b s) ... -> b s ...", b=y.shape[0]), 0
+        return reduce_scatter(_batch_second(y, in_dims[0], "reduce_scatter"), mesh, tag=tag), 1  # (S, B, ...)
 
 
 class _AllReduce(torch.autograd.Function):

@@ -356,6 +356,7 @@ def plan(
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         leaf = _check_leaf(path, leaf)
         keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
+    _check_group_names(keys)
     specs: list[LeafSpec | None] = [None] * len(leaves)
     buckets = []
     runs = [(key, part, run) for key, members in keys.items()
@@ -369,6 +370,20 @@ def plan(
         shard = align * max(1, -(-offset // (world_size * align)))
         buckets.append(BucketSpec(b, unit, dtype, group, tuple(members), offset, shard, world_size, part))
     return Layout(spec, tuple(specs), tuple(buckets), world_size, align)  # type: ignore[arg-type]
+
+
+def _check_group_names(keys: Mapping[tuple[str, torch.dtype, ParamGroup], Any]) -> None:
+    """Two different groups that both hold leaves must have different names: a name tags its
+    buckets (`unit/dtype/group`), and two buckets of one tag were read as one where a tag keys
+    them (found in review: stage 3's NVMe param offload loaded one bucket's shard for all of
+    them). Two unnamed groups are both "default", as is the group of the leaves no group matches."""
+    seen: dict[str, ParamGroup] = {}
+    for _, _, group in keys:
+        other = seen.setdefault(group.name, group)
+        if other != group:
+            raise LayoutError(f"two parameter groups hold leaves under one name {group.name!r}: {other!r} and "
+                              f"{group!r}. A group's name tags its buckets, so name each apart, e.g. "
+                              f"ParamGroup('no-decay', ...) (the leaves no group matches are in ParamGroup('default'))")
 
 
 def _runs(members: list[int], nbytes: list[int], cap: int | None) -> list[list[int]]:
