@@ -489,3 +489,12 @@ def test_two_groups_under_one_name_are_refused_naming_both():
              fzero.ParamGroup("half", match=lambda p: p == "b", lr_scale=0.5)]
     layout = fzero.layout.plan(params, 2, groups=named + named[:1])
     assert len({b.tag for b in layout.buckets}) == len(layout.buckets) == 3
+
+
+def test_a_group_name_that_repeats_another_buckets_tag_is_refused():
+    """A group named "default#1" beside the second `bucket_bytes` part of "default" made one tag
+    twice, and stage 3's NVMe param offload read leaf y with z's values (found in review)."""
+    params = {"x": torch.ones(4), "y": torch.ones(4), "z": torch.ones(4)}
+    groups = [fzero.ParamGroup("default#1", match=lambda p: p == "z", lr_scale=0.5)]
+    with pytest.raises(fzero.LayoutError, match=r"have one tag 'default/float32/default#1'"):
+        fzero.layout.plan(params, 2, groups=groups, bucket_bytes=16)

@@ -454,3 +454,21 @@ def test_vmap_checks_each_ranks_entry_shape_and_takes_an_empty_batch():
     assert [tuple(y.shape) for y in mesh.run(lambda: ag(torch.zeros(0, 3)))] == [(0, 6)] * 2
     rs = torch.func.vmap(lambda y: fzero.collectives.reduce_scatter(y, mesh))
     assert [tuple(x.shape) for x in mesh.run(lambda: rs(torch.zeros(0, 4)))] == [(0, 2)] * 2
+
+
+def test_reverse_over_reverse_through_broadcast():
+    """F = Σ_r Σ x_src³ w_r: the HVP `grad <grad F, v>` on the source rank is 6 x (w_0 + w_1) v,
+    zero elsewhere. broadcast's backward returned `zeros_like` off the source, which cut those
+    ranks' graph: the second backward left the source waiting alone in its all_reduce (found in
+    review; the same HVP through all_reduce worked)."""
+    mesh = fzero.SimMesh(2)
+    w = [torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, 5.0], dtype=torch.float64)]
+
+    def hvp(r):
+        x, v = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+        loss = lambda p: (fzero.collectives.broadcast(p, mesh, 0) ** 3 * w[r]).sum()  # noqa: E731
+        return torch.func.grad(lambda p: (torch.func.grad(loss)(p) * v).sum())(x)
+
+    got = mesh.run(hvp, [(0,), (1,)])
+    assert torch.equal(got[0], torch.tensor([24.0, 84.0], dtype=torch.float64))
+    assert torch.equal(got[1], torch.zeros(2, dtype=torch.float64))

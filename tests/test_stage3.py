@@ -844,3 +844,44 @@ def test_a_cap_that_a_referenced_unit_exceeds_says_why_it_stays_gathered():
 
     with pytest.raises(fzero.ConfigError, match=r"\['a'\] stay gathered because .* something else still references"):
         mesh.run(rank_fn)
+
+
+# -- what evaluate hands back (found in review) --------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("n", [1, 2])
+def test_evaluate_returns_tensors_of_its_own(stage, n):
+    """A param returned as it is was a view of the state's buffer at stages 0-2 and at stage 3,
+    N = 1 (a gathered copy at stage 3, N > 1): writing it changed the state in some stages only,
+    and with `donate=True` it took the next step's values. Outputs sharing the state's memory are
+    now cloned, and a `LazyParams` returned whole (from_module's flat params, on use) comes back
+    as a dict of tensors."""
+    mesh = fzero.SimMesh(n)
+    params = {"w": torch.arange(4.0), "b": torch.ones(2)}
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.5), stage=stage, mesh=mesh)
+        w = fzero.evaluate(lambda p, b: p["w"])(state, None)
+        w.add_(100.0)
+        everything = fzero.evaluate(lambda p, b: p)(state, None)
+        state, _ = fzero.train_step(lambda p, b: (p["w"] ** 2).sum() + p["b"].sum(), donate=True)(state, None)
+        return fzero.gather(state), everything
+
+    for after, everything in mesh.run(rank_fn):
+        assert torch.equal(after["w"], params["w"] * 0.0)  # w - 0.5 * 2w: the write did not reach the state
+        assert type(everything) is dict and torch.equal(everything["w"], params["w"])  # (not the step's values)
+
+
+def test_evaluate_inside_a_torch_func_transform_is_refused():
+    """Its function runs under no_grad: stage 0 gave a zero derivative, stage 3 torch's
+    saved-tensor-hooks error (found in review)."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=0, mesh=mesh)
+        ev = fzero.evaluate(lambda p, x: (p["w"] * x).sum())
+        torch.func.grad(lambda x: ev(state, x))(torch.ones(3))
+
+    with pytest.raises(fzero.ConfigError, match="evaluate inside a torch.func transform"):
+        mesh.run(rank_fn)

@@ -202,8 +202,11 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         total = all_reduce(grad, ctx.mesh, "sum", tag=ctx.tag)
-        keep = ctx.mesh.rank == ctx.src
-        return (total if keep else torch.zeros_like(total)), None, None, None
+        keep = torch.tensor(ctx.mesh.rank == ctx.src, device=total.device)
+        # zeros off the source, still a function of `total`: a second backward (an HVP by double
+        # backward) then runs the all_reduce's adjoint on every rank (found in review: with
+        # zeros_like the other ranks' graph was cut, and the source waited alone)
+        return torch.where(keep, total, torch.zeros((), dtype=total.dtype, device=total.device)), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The forward half of a step, in every stage: each unit's parameters are gathered as the step
 gathers them (`gather`, see `fzero._src.gathering`), `fn(params, batch)` runs under
-`torch.no_grad()`, and what it returns comes back as it is (a loss, logits, a tuple of them).
+`torch.no_grad()`, and what it returns comes back (a loss, logits, a tuple of them), each tensor
+that shares the state's memory cloned and a `LazyParams` returned whole as a dict (`_owned`).
 No autograd graph is built, no gradient is made or reduced, no optimizer runs, the state is
 not changed. In stage 3 with `gather="on_use"` and flat-dict params (`from_module`), each
 unit's gathered storage is freed after its submodule's forward (as the step does before its
@@ -22,10 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
-from .collectives import all_gather
+from .collectives import all_gather, func_level
 from .errors import ConfigError
-from .gathering import GATHERS, DivergentPaths, Gathering, check_prefetch, is_flat_dict, same_paths
+from .gathering import GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict, same_paths
 from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
@@ -62,11 +64,37 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
         raise ConfigError(f"gather must be one of {GATHERS}, got {gather!r}")
     check_prefetch(prefetch)
 
+    @torch.compiler.disable  # fzero's own code runs eager; `fn` may be compiled (docs/compile.md)
     def run(state: ZeroState, batch: Any) -> Any:
+        if func_level() is not None:
+            raise ConfigError("evaluate inside a torch.func transform (grad, vjp, jacrev, ...): evaluate runs its "
+                              "function under torch.no_grad(), so a derivative through it is zero or torch's "
+                              "saved-tensor-hooks error; differentiate a train_step's loss, or fn(fzero.gather("
+                              "state), batch)")
         with checked(state), same_paths(state.layout), torch.no_grad():
-            return forward(state, fn, gather, batch, prefetch)
+            return _owned(state, forward(state, fn, gather, batch, prefetch))
 
     return run
+
+
+def _owned(state: ZeroState, out: Any) -> Any:
+    """`out` with every tensor that shares memory with the state (a param returned as it is, or a
+    view of one: stages 0-2 and stage 3 at N = 1 read the held buffers themselves) cloned, and a
+    `LazyParams` returned whole made a dict of its leaves: writing an output, or reading it after
+    a donating step, must not reach the state (found in review: at stages 0-2 a write to it
+    changed the state, under a bf16 policy its compute copy apart from its master, while at
+    stage 3, N > 1, it did not)."""
+    held = {t.untyped_storage().data_ptr() for t in (*state.params, *state.master)
+            if isinstance(t, torch.Tensor) and t.numel()}
+
+    def own(x: Any) -> Any:
+        if isinstance(x, LazyParams):
+            return {k: own(v) for k, v in dict(x).items()}
+        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() in held:
+            return x.clone()
+        return x
+
+    return tree_map(own, out, is_leaf=lambda x: isinstance(x, LazyParams))
 
 
 def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any,

@@ -369,6 +369,7 @@ def plan(
             offset += specs[i].numel
         shard = align * max(1, -(-offset // (world_size * align)))
         buckets.append(BucketSpec(b, unit, dtype, group, tuple(members), offset, shard, world_size, part))
+    _check_distinct_tags(buckets)
     return Layout(spec, tuple(specs), tuple(buckets), world_size, align)  # type: ignore[arg-type]
 
 
@@ -384,6 +385,20 @@ def _check_group_names(keys: Mapping[tuple[str, torch.dtype, ParamGroup], Any]) 
             raise LayoutError(f"two parameter groups hold leaves under one name {group.name!r}: {other!r} and "
                               f"{group!r}. A group's name tags its buckets, so name each apart, e.g. "
                               f"ParamGroup('no-decay', ...) (the leaves no group matches are in ParamGroup('default'))")
+
+
+def _check_distinct_tags(buckets: Sequence[BucketSpec]) -> None:
+    """Every bucket's tag (`unit/dtype/group`, `#k` for a `bucket_bytes` part) is its own: names
+    that make one tag twice (a group named "default#1" beside the second part of "default", a
+    "/" in a unit or group name) are refused, naming both buckets (found in review: stage 3's
+    NVMe param offload read one bucket's shard for another)."""
+    seen: dict[str, BucketSpec] = {}
+    for b in buckets:
+        other = seen.setdefault(b.tag, b)
+        if other is not b:
+            raise LayoutError(f"buckets {other.index} ({other.unit!r}, group {other.group.name!r}, part {other.part}) and "
+                              f"{b.index} ({b.unit!r}, group {b.group.name!r}, part {b.part}) have one tag {b.tag!r}: "
+                              f"rename the group (a name ending in '#<k>' or holding '/' can repeat another bucket's tag)")
 
 
 def _runs(members: list[int], nbytes: list[int], cap: int | None) -> list[list[int]]:
