@@ -750,3 +750,26 @@ def test_cpu_blocks_run_the_kernel_per_block(kind, impl):
     assert c0 == [S, S] and len(c1) == 2 * math.ceil(S / per) and max(c1) <= per, (c0, c1)
     assert torch.equal(q0, q1)
     assert all(torch.equal(a, b) for a, b in zip(s0, s1))
+
+
+@pytest.mark.parametrize("impl", ["single", "foreach", "fused"])
+def test_an_adam_step_count_past_2_24_stays_as_torchs_float32_count(impl):
+    """torch's float32 `state["step"]` stays at 2**24 (2**24 + 1 rounds to it); the single and
+    foreach kernels read 2**24 + 1 for the bias correction, 5 elements of 1000 apart from torch
+    with betas near 1 (found in review). The count is now rounded as torch's tensor holds it."""
+    from fzero._src.layout import Segment
+
+    n, s = 1000, float(2**24)
+    g = torch.Generator().manual_seed(0)
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m0, v0 = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.1
+    kw = dict(lr=1e-3, betas=(0.9999999, 0.9999999))
+    state = fo.AdamState(torch.tensor([s]), m0.clone(), v0.clone())
+    ctx = fo.UpdateContext(0, ParamGroup(), (Segment(0, 0, 0, n),), (0,), (True,), leaf_numels=(n,))
+    got, new = fo.adam(**kw, impl=impl).update(grad, state, p0, ctx)
+    p = torch.nn.Parameter(p0.clone())
+    p.grad = grad.clone()
+    ref = torch.optim.Adam([p], **kw, foreach=impl == "foreach", fused=impl == "fused")
+    ref.state[p] = {"step": torch.tensor(s), "exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
+    ref.step()
+    assert torch.equal(got, p.detach()) and float(new.step) == float(ref.state[p]["step"]) == s

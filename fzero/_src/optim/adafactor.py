@@ -155,7 +155,7 @@ def adafactor(
         e1 = torch.finfo(param.dtype).eps if eps1 is None else eps1
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
-        steps = bumped(state.step.tolist(), ctx.used)
+        steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
         shapes, num = ctx.leaf_shapes, len(ctx.leaves)
         slots = _slots(ctx, param.numel())
         nr, nc = state.rows.numel(), state.cols.numel()

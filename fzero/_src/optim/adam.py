@@ -77,7 +77,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
         hyper = dict(beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx), eps=eps, maximize=maximize,
                      weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
         how, per_leaf = resolve_impl(name, impl, param, lambda: _fused_elementwise(hyper, amsgrad, param))
-        steps = bumped(state.step.tolist(), ctx.used)
+        steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
         pieces = used_pieces(ctx, steps, per_segment=per_leaf)
         spans = [(a, b) for a, b, _ in pieces]
         lists = [[t[a:b] for a, b in spans] for t in (param, *state[1:])] + ([] if amsgrad else [[]])

@@ -605,6 +605,15 @@ def _blocks(numels: Sequence[int], block: int) -> list[list[tuple[int, int, int]
     return [g for g in groups if g]
 
 
-def bumped(counts: list[float], used: Sequence[bool]) -> list[float]:
-    """Per-leaf step counts after one update: +1 where used (exact in float32 up to 2**24)."""
-    return [c + 1.0 if u else c for c, u in zip(counts, used)]
+_FLOAT32_EXACT = float(2**24)  # every integer count up to here is a float32
+
+
+def bumped(counts: list[float], used: Sequence[bool], dtype: torch.dtype = torch.float32) -> list[float]:
+    """Per-leaf step counts after one update: +1 where used, as a count tensor of `dtype` holds
+    it (torch's `state["step"]`, float32 but where the default dtype is float64): from 2**24 on a
+    float32 count stays at 2**24, as torch's does, and the bias correction reads that (found in
+    review: Adam's single / foreach kernels read 2**24 + 1, 5 elements of 1000 apart from torch)."""
+    out = [c + 1.0 if u else c for c, u in zip(counts, used)]
+    if dtype == torch.float32 and any(c > _FLOAT32_EXACT for c in out):
+        out = [float(torch.tensor(c, dtype=torch.float32)) for c in out]
+    return out

@@ -82,7 +82,7 @@ def lamb(
         check_shards("lamb", grad, param, state, spec(state), ctx)
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
-        steps = bumped(state.step.tolist(), ctx.used)
+        steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
         m, v = state.exp_avg, state.exp_avg_sq
         r = torch.zeros_like(param)
         for start, stop, step in used_pieces(ctx, steps):
