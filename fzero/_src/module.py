@@ -151,8 +151,11 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                          f"(torch.nn.utils.prune, torch.nn.utils.weight_norm) copies after one forward under "
                          f"torch.no_grad(); or use torch.nn.utils.parametrize") from e
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
-    slots = buffer_slots(skeleton)  # a buffer the forward reassigns: its value kept inside functional_call
-    skeleton.register_forward_hook(lambda _m, _a, _o: keep_reassigned(slots))  # (a thread's copy: `_Skeleton`'s)
+    # a buffer the forward reassigns: its value kept at the end of the root's forward, inside
+    # functional_call (a thread's copy of the skeleton carries the hook and reads its own slots);
+    # the slots are read now, before a forward could put a new tensor in one
+    slots_of(skeleton)
+    skeleton.register_forward_hook(lambda root, _a, _o: keep_reassigned(slots_of(root)))
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
     per_thread = threading.local()
@@ -212,6 +215,18 @@ def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor,
     """`(submodule, attribute, buffer, dotted name)` of every buffer slot of `module`."""
     return tuple((m, attr, b, f"{name}.{attr}" if name else attr) for name, m in module.named_modules()
                  for attr, b in m._buffers.items() if b is not None)
+
+
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def slots_of(root: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
+    """`buffer_slots(root)`, made once per root module (the skeleton and each thread's copy), first
+    before any forward of it: a slot read after a reassignment would hold the new tensor."""
+    slots = _SLOTS.get(root)
+    if slots is None:
+        slots = _SLOTS[root] = buffer_slots(root)
+    return slots
 
 
 def keep_reassigned(slots: tuple[tuple[nn.Module, str, torch.Tensor, str], ...]) -> None:
@@ -459,7 +474,7 @@ class _Skeleton:
         self.call: _Call | None = None
         self._hooked: set[nn.Module] = set()
         self._patched: set[nn.Module] = set()
-        self._buffers = buffer_slots(module)
+        self._buffers = slots_of(module)
 
     def plan_for(self, unit_map: Mapping[str, str]) -> _Plan:
         plan = self.plan
@@ -486,9 +501,7 @@ class _Skeleton:
             self.call = _Call(params, plan, [])
             outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), plan.unbound
             try:
-                out = self.module(*args, **kwargs)
-                keep_reassigned(self._buffers)
-                return out
+                return self.module(*args, **kwargs)  # (its root's hook keeps a reassigned buffer's value)
             finally:
                 _RUNNING.unbound = outer
         finally:

@@ -44,7 +44,7 @@ import optree
 import torch
 
 from .errors import ConfigError, OffloadError
-from .precision import added_in, narrower_range
+from .precision import added_in
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 from .unit import finite_witness
 
@@ -902,13 +902,9 @@ class HostUpdate:
             back = tier.store_params(b, tier.host_cast(master, held_dtype))
         else:
             back = tier.to_device(master, held_dtype)
-        checked = _ends(master, self.within(b)) if tier.in_place else master
+        within = self.info.precision.within(self.info.layout.buckets[b])
+        checked = _ends(master, within) if tier.in_place else master
         return Stored(back, tier.store(b, opt_state), tier.store_master(b, master), checked)
-
-    def within(self, b: int) -> torch.dtype | None:
-        """`precision.narrower_range` of bucket b: the dtype its finite check reads the extremes in."""
-        spec = self.info.layout.buckets[b]
-        return narrower_range(self.info.precision.wire(spec).compute, spec.dtype)
 
     def done(self) -> None:
         for tier in {id(t): t for t in self.tiers.values()}.values():

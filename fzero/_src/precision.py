@@ -54,6 +54,11 @@ class Precision:
         """How bucket `bucket` travels under this policy."""
         return Wire(bucket.tag, self.param_dtype or bucket.dtype, self.reduce_dtype or self.param_dtype or bucket.dtype)
 
+    def within(self, bucket: BucketSpec) -> torch.dtype | None:
+        """`narrower_range` of the bucket's compute dtype against its own: the dtype its update's
+        finite check reads the master's extremes in, or None."""
+        return narrower_range(self.wire(bucket).compute, bucket.dtype)
+
 
 FULL = Precision()  # no policy: every bucket computes and reduces in its own dtype
 

@@ -30,7 +30,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, init_state, spec_of
-from .precision import FULL, Precision, narrower_range
+from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
@@ -721,17 +721,17 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
-        f"inf{_in_compute(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
+        f"inf{range_words(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
         f"the state in "
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
         f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
 
 
-def _in_compute(state: ZeroState) -> str:
+def range_words(state: ZeroState) -> str:
     """Where some bucket computes in a dtype of narrower range than its master: the words saying
-    that a master value past that range counts as inf (`precision.narrower_range`)."""
+    that a master value past that range counts as inf (`Precision.within`)."""
     narrow = sorted({str(w).removeprefix("torch.") for b in state.layout.buckets
-                     if (w := narrower_range(state.info.precision.wire(b).compute, b.dtype)) is not None})
+                     if (w := state.info.precision.within(b)) is not None})
     return f" (or past {'/'.join(narrow)}'s range, the dtype the units compute in)" if narrow else ""
 
 
@@ -749,10 +749,9 @@ class _Updated:
 def updated_nonfinite_leaves(state: ZeroState, updated: dict[int, torch.Tensor]) -> list[str]:
     """`nonfinite_leaves` of what this rank's optimizer updated per bucket (`Stage.optimizer_params`:
     its shard, or stage 0's whole buffer), each leaf piece where `Stage.segments` puts it; cast to
-    the bucket's compute dtype where its range is narrower (`precision.narrower_range`), as the
-    update's finite check reads it."""
-    layout, policy = state.layout, state.info.precision
-    within = {b.index: narrower_range(policy.wire(b).compute, b.dtype) for b in layout.buckets}
+    the bucket's compute dtype where its range is narrower (`Precision.within`), as the update's
+    finite check reads it."""
+    within = {b.index: state.info.precision.within(b) for b in state.layout.buckets}
     return nonfinite_leaves(state, updated, mine=lambda b, p: p if within[b] is None else p.to(within[b]),
                             where=state.stage.segments)
 

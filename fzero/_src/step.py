@@ -63,9 +63,9 @@ from .layout import ParamGroup, Segment
 from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
 from .optim.base import UpdateContext, block_sums
-from .precision import added_in, at_least_float32, narrower_range
+from .precision import added_in, at_least_float32
 from .stages import Flight, Wire
-from .state import (StateInfo, ZeroState, _in_compute, broken_update, check_same_settings, checked, consume,
+from .state import (StateInfo, ZeroState, broken_update, check_same_settings, checked, consume, range_words,
                     nonfinite_leaves, updated_nonfinite_leaves)
 from .tree import flatten
 from .unit import (Assembly, HostBuffers, Inflight, Probe, UnitProgram, finite_witness, remembered, shared_zeros,
@@ -433,7 +433,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
-                             f"NaN or inf{_in_compute(state)} in {named} ({state.mesh!r}, {len(broken)} leaves); the "
+                             f"NaN or inf{range_words(state)} in {named} ({state.mesh!r}, {len(broken)} leaves); the "
                              f"state is unchanged. "
                              f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
     return state, _metrics(*seen, skipped=True)
@@ -725,7 +725,7 @@ def plan_of(info: StateInfo) -> dict[int, BucketPlan]:
                                stage.segments(layout, spec.index, rank), spec.leaves,
                                stage.leaf_sum(mesh, spec.tag), tuple(layout.leaves[i].numel for i in spec.leaves),
                                tuple(layout.leaves[i].shape for i in spec.leaves),
-                               narrower_range(info.precision.wire(spec).compute, spec.dtype))
+                               info.precision.within(spec))
         for spec in layout.buckets if not spec.group.frozen})
 
 
@@ -1663,8 +1663,8 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
 
 
-def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | BlockEnds | None = None,
-                    plan: dict[int, BucketPlan] | None = None) -> torch.Tensor:
+def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | BlockEnds | None,
+                    plan: dict[int, BucketPlan]) -> torch.Tensor:
     """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
     0: each bucket's `unit.finite_witness` (its minimum and maximum, NaN if any element is, ±inf
     if one is, no overflow; on the CPU its sum where that is finite), all checked at once;
@@ -1676,7 +1676,6 @@ def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: E
     fp16 params went inf, and every later step was skipped as an overflow)."""
     dev = state.mesh.device
     known = {} if taken is None else taken.joined()
-    plan = plan_of(state.info) if plan is None else plan
     ends: dict[torch.dtype | None, list[torch.Tensor]] = {}  # per `within`: the extremes cast to it at once
     for b, p in updated.items():
         if p.numel():
@@ -1698,20 +1697,20 @@ class Ends:
 
     DEVICES = ("cuda",)  # where a step takes them on a side stream (the CPU: `BlockEnds`; elsewhere after the loop)
 
-    def __init__(self, device: torch.device, within: dict[int, torch.dtype | None]) -> None:
-        self.side, self.within = Side(device), within
+    def __init__(self, device: torch.device, extremes: frozenset[int]) -> None:
+        self.side, self.extremes = Side(device), extremes
         self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @staticmethod
     def of(state: ZeroState, donate: bool) -> Ends | BlockEnds | None:
         """Where the update writes in place on a mesh device of `DEVICES` and nothing
-        differentiates through it; on a CPU mesh, `BlockEnds`. `within`: per bucket, the dtype
-        its check reads the extremes in (`BucketPlan.within`)."""
+        differentiates through it; on a CPU mesh, `BlockEnds`. `extremes`: the buckets whose
+        check reads the extremes, to cast them (`BucketPlan.within`)."""
         dev = state.mesh.device
         if not donate or func_level() is not None:
             return None
-        within = {b: p.within for b, p in plan_of(state.info).items()}
-        return Ends(dev, within) if dev.type in Ends.DEVICES else BlockEnds(within) if dev.type == "cpu" else None
+        extremes = frozenset(b for b, p in plan_of(state.info).items() if p.within is not None)
+        return Ends(dev, extremes) if dev.type in Ends.DEVICES else BlockEnds(extremes) if dev.type == "cpu" else None
 
     def updating(self) -> contextlib.AbstractContextManager:
         """Around one bucket's update, before its `take`: nothing to collect here."""
@@ -1722,7 +1721,7 @@ class Ends:
             return
         if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
             p.record_stream(self.side.stream)
-        extremes = self.within.get(b) is not None
+        extremes = b in self.extremes
         self.taken[b] = self.side.run(lambda x: finite_witness(x, extremes), p)
 
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -1740,11 +1739,11 @@ class BlockEnds:
     block of params just after writing it, while the block is in cache (`optim.base.block_sums`),
     instead of a second read of every bucket from memory after the update (`finite_witness`'s
     sum). `updating()` wraps one bucket's update; `take(b, p)` then gives its witness
-    (`_block_witness`; a bucket with a `within` dtype, `finite_witness`'s extremes: sums cannot
-    say whether a cast overflows); `joined()` returns them, as `Ends` does."""
+    (`_block_witness`; a bucket of `extremes`, `finite_witness`'s extremes: sums cannot say
+    whether a cast overflows); `joined()` returns them, as `Ends` does."""
 
-    def __init__(self, within: dict[int, torch.dtype | None]) -> None:
-        self.within = within
+    def __init__(self, extremes: frozenset[int]) -> None:
+        self.extremes = extremes
         self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
         self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -1756,7 +1755,7 @@ class BlockEnds:
 
     def take(self, b: int, p: torch.Tensor) -> None:
         if p.numel():
-            self.taken[b] = _block_witness(p, self._sums) if self.within.get(b) is None else finite_witness(p, True)
+            self.taken[b] = finite_witness(p, True) if b in self.extremes else _block_witness(p, self._sums)
         self._sums = []
 
     def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
