@@ -13,11 +13,12 @@ correctly rounded, whatever N and the cuts are, and every stage gets the same bi
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
-from . import exact
+from . import exact, ops
 from .base import (
     LearningRate,
     Optimizer,
@@ -25,6 +26,7 @@ from .base import (
     UpdateContext,
     as_schedule,
     bumped,
+    check_fits,
     check_flag,
     check_hyper,
     check_shards,
@@ -122,7 +124,7 @@ def adafactor(
     `update_` writes `param` and `v` in place and returns new `step`, `rows` and `cols`.
     """
     schedule = as_schedule(lr)
-    if not isinstance(beta2_decay, (int, float)) or isinstance(beta2_decay, bool) or not -1.0 <= beta2_decay <= 0.0:
+    if not isinstance(beta2_decay, numbers.Real) or isinstance(beta2_decay, bool) or not -1.0 <= beta2_decay <= 0.0:
         raise OptimizerError(f"adafactor: beta2_decay must be a float in [-1, 0] (t**beta2_decay is 1 - beta2_t), "
                              f"got {beta2_decay!r}")
     beta2_decay = float(beta2_decay)
@@ -155,6 +157,8 @@ def adafactor(
         e1 = torch.finfo(param.dtype).eps if eps1 is None else eps1
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
+        decay = {"1 - lr * lr_scale * weight_decay": 1 - eta * wd} if wd else {}
+        check_fits("adafactor", ctx, param.dtype, {"lr * lr_scale": eta, "eps[0]**2": e1 * e1, **decay})
         steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
         shapes, num = ctx.leaf_shapes, len(ctx.leaves)
         slots = _slots(ctx, param.numel())
@@ -177,7 +181,7 @@ def adafactor(
             else:
                 state.v[s].lerp_(grad[s] * grad[s], w)
                 est = state.v[s].clone()
-            torch.mul(est.clamp_(min=e1 * e1).rsqrt_(), grad[s], out=u[s])
+            torch.mul(ops.rsqrt_(est.clamp_(min=e1 * e1)), grad[s], out=u[s])
         u_sq = exact.bins_to_sums(_summed(ctx, exact.square_bins(u, slots.leaf, num)))
         alphas = [0.0] * num  # an unused leaf is not updated (and its step count may be 0)
         for k, shape in enumerate(shapes):
@@ -187,13 +191,15 @@ def adafactor(
             rho = min(eta, 1 / math.sqrt(steps[k])) if relative_step else eta
             alpha = rho * max(eps2, math.sqrt(p_sq[k] / n)) if scale_parameter else rho
             alphas[k] = alpha / max(1.0, math.sqrt(u_sq[k] / n) / d)
+        check_fits("adafactor", ctx, param.dtype, {f"the step size of bucket leaf {leaf}": alphas[k]
+                                                   for k, leaf in enumerate(ctx.leaves) if ctx.used[k]})
         for seg in ctx.segments:
             k = pos[seg.leaf]
             if ctx.used[k]:
                 s = slice(seg.start, seg.stop)
                 if wd != 0:
                     param[s].mul_(1 - eta * wd)
-                param[s].add_(u[s], alpha=-alphas[k])
+                ops.add_(param[s], u[s], -alphas[k])
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
         return AdafactorState(step_t, rows, cols, state.v)
 

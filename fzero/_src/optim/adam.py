@@ -1,5 +1,7 @@
 """Adam and AdamW (with amsgrad), bit for bit torch.optim.Adam / AdamW with `foreach=False`,
-`foreach=True` or `fused=True` (`impl`)."""
+`foreach=True` or `fused=True` (`impl`); Adam's L2 weight decay on bfloat16 / float16 params on the
+CPU ("single", "foreach"): torch's bits but in the scalar tails of torch's own calls, and the same
+bits wherever a shard cuts (`ops`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fused
+from . import fused, ops
 from .base import (
     Impl,
     Launch,
@@ -18,6 +20,7 @@ from .base import (
     as_schedule,
     bumped,
     check_grad,
+    check_fits,
     check_flag,
     check_hyper,
     check_impl,
@@ -78,6 +81,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
                      weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
         how, per_leaf = resolve_impl(name, impl, param, lambda: _fused_elementwise(hyper, amsgrad, param))
         steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
+        check_fits(name, ctx, param.dtype, _scalars(hyper, steps, ctx.used))
         pieces = used_pieces(ctx, steps, per_segment=per_leaf)
         spans = [(a, b) for a, b, _ in pieces]
         lists = [[t[a:b] for a, b in spans] for t in (param, *state[1:])] + ([] if amsgrad else [[]])
@@ -98,6 +102,21 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
         return Launch(run, check, skips=how == "fused")
 
     return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_, lr=schedule)
+
+
+def _scalars(hyper: dict, steps: list[float], used) -> dict[str, float]:
+    """What the kernels take beyond the betas (in [0, 1]) for `base.check_fits`: the lr, eps, the
+    weight decay (AdamW: the factor `1 - lr * weight_decay`), and the largest step size
+    `lr / (1 - beta1**t)`, at the smallest step count t of a used leaf."""
+    lr, wd = hyper["lr"], hyper["weight_decay"]
+    out = {"lr * lr_scale": lr, "eps": hyper["eps"]}
+    if wd != 0:
+        out.update({"1 - lr * lr_scale * weight_decay": 1 - lr * wd} if hyper["decoupled"] else {"weight_decay": wd})
+    counts = [s for s, u in zip(steps, used) if u]
+    if counts:
+        t = min(counts)
+        out[f"the step size lr * lr_scale / (1 - beta1**t) at step count t = {t:g}"] = lr / (1 - hyper["beta1"] ** t)
+    return out
 
 
 # The three kernels take per-piece lists (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
@@ -123,7 +142,7 @@ def _single(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, bet
             if decoupled:
                 param.mul_(1 - lr * weight_decay)
             else:
-                grad = torch.add(grad, param, alpha=weight_decay, out=w)
+                grad = ops.add(grad, param, weight_decay, out=w)
         exp_avgs[i].lerp_(grad, 1 - beta1)
         exp_avg_sqs[i].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step = steps[i]
@@ -152,9 +171,9 @@ def _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, be
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
         elif maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
+            ops.foreach_add_(grads, params, weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            grads = ops.foreach_add(grads, params, weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Union
@@ -212,16 +213,19 @@ LearningRate = Union[float, Schedule, Sequence[float]]
 
 def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
                 allow_inf: bool = False) -> float:
-    """`value` as a Python float, or an `OptimizerError` naming it and the valid range. It must be
-    finite (an inf learning rate or decay makes every update NaN or inf, which the step would then
-    blame on the update) unless `allow_inf` (a threshold where inf means "off")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """`value` as a Python float, or an `OptimizerError` naming it and the valid range. Any real
+    number but a bool is taken (`numbers.Real`: a Python int or float, numpy's scalars, a
+    `Fraction`). It must be finite (an inf learning rate or decay makes every update NaN or inf,
+    which the step would then blame on the update) unless `allow_inf` (a threshold where inf
+    means "off")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OptimizerError(f"{name} must be a Python float, got {type(value).__name__} {value!r}")
     try:
         value = float(value)
-    except OverflowError:  # an int beyond float's range
-        raise OptimizerError(f"{name} must be a finite float in [{lo}, {hi}], got an int of {len(str(abs(value)))} "
-                             f"digits (beyond float's range)") from None
+    except OverflowError:  # an int (or a Fraction) beyond float's range
+        size = f"an int of {len(str(abs(value)))} digits" if isinstance(value, numbers.Integral) else repr(value)
+        raise OptimizerError(f"{name} must be a finite float in [{lo}, {hi}], got {size} (beyond float's "
+                             f"range)") from None
     ok = lo <= value and (value < hi if hi_open else value <= hi)
     if not ok or math.isnan(value):
         bracket = ")" if hi_open else "]"
@@ -249,7 +253,7 @@ def as_schedule(lr: LearningRate) -> Schedule:
     step's agreement and every bucket's update read that value), so an object that moves on at
     each call moves once a step, as a torch scheduler's `step()` does.
     """
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+    if isinstance(lr, numbers.Real) and not isinstance(lr, bool):  # numpy's scalars too
         value = check_hyper("lr", lr)
         return lambda step: value
     if callable(lr):
@@ -290,6 +294,36 @@ def as_schedule(lr: LearningRate) -> Schedule:
 def group_lr(schedule: Schedule, ctx: UpdateContext) -> float:
     """`fl(lr(step) * group.lr_scale)`: a Python float, as torch's `group["lr"]`."""
     return schedule(ctx.step) * ctx.group.lr_scale
+
+
+def check_fits(name: str, ctx: UpdateContext, dtype: torch.dtype, values: dict[str, float]) -> None:
+    """Every Python float an update takes (`values`: its formula -> its value) lies in the range
+    of the params' `dtype`, `|v| <= finfo(dtype).max`, else an `OptimizerError` naming the
+    optimizer, the formula, the value, the step, the parameter group and the way out.
+
+    torch takes a scalar for a kernel over float32, bfloat16 or float16 tensors as a float32 (as
+    the dtype itself for `add(..., alpha=)`). Past that range it raises from inside the update
+    ("value cannot be converted to type float without overflow") or turns inf, making the params
+    inf or an eps of inf silently stopping the update; an lr can be finite as a Python float and
+    still past float32's 3.4e38 (`lr=1e39`, or a `step_decay` whose gamma > 1 grows it; found in
+    review). Callers check the lr (`lr(step) * lr_scale`) and each value they hand a kernel (a
+    weight decay, eps, a bias-corrected step size, `1 - lr * weight_decay`, ...), from values every
+    rank holds alike (so every rank raises), before they write the params: a pure update (the
+    step's default) then leaves the whole state as it was. float64: only inf (a product past
+    float64's range) is refused."""
+    if not dtype.is_floating_point:
+        return
+    limit = torch.finfo(dtype).max
+    for what, value in values.items():
+        if not abs(value) <= limit:  # inf and nan too
+            kind = str(dtype).removeprefix("torch.")
+            raise OptimizerError(
+                f"{name}: {what} is {value!r} at step {ctx.step} (parameter group {ctx.group.name!r}, lr_scale "
+                f"{ctx.group.lr_scale!r}), past the range of the params' dtype {kind} (largest {limit!r}): torch's "
+                f"kernels would fail on it or make the params inf, so the update stops before writing them. Lower "
+                f"the lr (or its schedule's value at this step) or the hyper-parameter named, or keep the params in "
+                f"a wider dtype"
+            )
 
 
 def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
@@ -552,8 +586,10 @@ def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch
     thread, and the kernel runs over one block at a time, every op of it while the block is in
     cache. Each op is element-wise, so the bits are the same as one call over the pieces, as for
     any cut of a shard (proofs/optimizers.md, "Blocks on the CPU"); the work buffer is one block.
-    Not for bfloat16 / float16, whose CPU `add_(..., alpha=)` rounds an element by where it falls
-    in the call (vectorised body or tail): one call, as before. "fused" and other devices: one
+    Not for bfloat16 / float16: one call, as before (torch's CPU `add(..., alpha=)` and `rsqrt`
+    round an element of these dtypes by where it falls in a call; the optimizers compute those
+    through `ops`, which rounds alike anywhere, so blocks would give the same bits, but no test
+    holds half-precision blocks to that yet). "fused" and other devices: one
     call (torch's fused kernels and CUDA's multi-tensor kernels make one pass). Inside
     `block_sums`, each block's params are summed as soon as the kernel has written them.
     `lists[0]` is the params in every caller."""

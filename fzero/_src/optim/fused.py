@@ -103,3 +103,24 @@ def placed_as_torch(views: Sequence[torch.Tensor], numel: int) -> bool:
     if not views or views[0].device.type != "cuda" or numel % KILP != 0:
         return True
     return all(v.data_ptr() % (KILP * v.element_size()) == 0 for v in views)
+
+
+_updates: dict[tuple, bool] = {}
+UPDATE_PROBE_NUMEL = 96  # three of the CPU kernel's 32-element vectors: body and tail alike
+
+
+def updates_every_element(key: tuple, launch: Callable[[torch.Tensor, torch.Tensor], None], dtype: torch.dtype,
+                          device: torch.device) -> bool:
+    """Whether a fused kernel configuration writes the update `p - 0.5 * g` into every element of
+    a tensor of ones with gradient ones (0.5 in every floating dtype, no rounding).
+
+    `launch(p, g)` runs the kernel with lr 0.5 and no other term. Found in review: torch 2.13's
+    CPU `_fused_sgd_` in bfloat16 / float16 leaves the elements of its vectorised body as they
+    were (of 32 elements none changes), so torch.optim.SGD(fused=True) and fzero's
+    `impl="fused"`, which calls that kernel, train nothing there. Cached per `(device, dtype, key)`."""
+    full = (str(device), dtype, key)
+    if full not in _updates:
+        p = torch.ones(UPDATE_PROBE_NUMEL, dtype=dtype, device=device)
+        launch(p, torch.ones_like(p))
+        _updates[full] = bool(torch.all(p == 0.5))
+    return _updates[full]

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import exact
+from . import exact, ops
 from .base import (
     LearningRate,
     Optimizer,
@@ -16,6 +16,7 @@ from .base import (
     UpdateContext,
     as_schedule,
     bumped,
+    check_fits,
     check_hyper,
     check_shards,
     group_lr,
@@ -82,6 +83,7 @@ def lamb(
         check_shards("lamb", grad, param, state, spec(state), ctx)
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
+        check_fits("lamb", ctx, param.dtype, {"lr * lr_scale": eta, "eps": eps, "weight_decay": wd})
         steps = bumped(state.step.tolist(), ctx.used, state.step.dtype)
         m, v = state.exp_avg, state.exp_avg_sq
         r = torch.zeros_like(param)
@@ -100,11 +102,13 @@ def lamb(
             )
         sums_p, sums_r = exact.bins_to_sums(total[: exact.BINS]), exact.bins_to_sums(total[exact.BINS :])
         ratios = [trust_ratio(math.sqrt(a), math.sqrt(b)) for a, b in zip(sums_p, sums_r)]
+        check_fits("lamb", ctx, param.dtype, {f"lr * lr_scale * trust ratio of bucket leaf {leaf}": eta * ratios[k]
+                                              for k, leaf in enumerate(ctx.leaves) if ctx.used[k]})
         for seg in ctx.segments:
             k = positions[seg.leaf]
             if ctx.used[k]:
                 s = slice(seg.start, seg.stop)
-                param[s].add_(r[s], alpha=-(eta * ratios[k]))
+                ops.add_(param[s], r[s], -(eta * ratios[k]))
         step_t = torch.tensor(steps, dtype=state.step.dtype, device=state.step.device)
         return LambState(step_t, m, v)
 
@@ -126,4 +130,4 @@ def _lamb_direction(grad, param, exp_avg, exp_avg_sq, r, step, beta1, beta2, eps
     denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(eps)
     torch.div(exp_avg, bias_correction1, out=r).div_(denom)
     if weight_decay != 0:
-        r.add_(param, alpha=weight_decay)
+        ops.add_(r, param, weight_decay)

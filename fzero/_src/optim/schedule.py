@@ -10,15 +10,17 @@ sequence (`sequence`, or a plain list as `lr`).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 from .base import OptimizerError, Schedule, as_schedule, check_hyper
 
 
 def _check_steps(name: str, value: int, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    """`value` as a Python int: any integer but a bool (`numbers.Integral`: numpy's too), >= `lo`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise OptimizerError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
+    return int(value)
 
 
 def constant(value: float) -> Schedule:
@@ -56,11 +58,22 @@ def cosine(peak: float, decay_steps: int, final: float = 0.0, warmup_steps: int 
 
 
 def step_decay(init: float, step_size: int, gamma: float = 0.1) -> Schedule:
-    r"""$\eta_t = \eta\,\gamma^{\lfloor t / s \rfloor}$ (torch `StepLR` closed form)."""
+    r"""$\eta_t = \eta\,\gamma^{\lfloor t / s \rfloor}$ (torch `StepLR` closed form). With
+    $\gamma > 1$ the value grows; past float's range it is inf (Python's `**` raises there), which
+    the optimizer refuses at that step (`as_schedule`), as it refuses a value past the range of the
+    params' dtype (`base.check_fits`)."""
     init = check_hyper("init", init)
     size = _check_steps("step_size", step_size, 1)
     gamma = check_hyper("gamma", gamma)
-    return lambda step: init * gamma ** (step // size)
+
+    def fn(step: int) -> float:
+        try:
+            factor = gamma ** (step // size)
+        except OverflowError:
+            factor = math.inf
+        return init * factor if init != 0 else 0.0
+
+    return fn
 
 
 def sequence(values: Sequence[float]) -> Schedule:

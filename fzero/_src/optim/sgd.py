@@ -1,5 +1,7 @@
 """SGD with momentum, dampening, Nesterov and L2 weight decay, bit for bit torch.optim.SGD with
-`foreach=False`, `foreach=True` or `fused=True` (`impl`)."""
+`foreach=False`, `foreach=True` or `fused=True` (`impl`); for bfloat16 / float16 params on the CPU
+("single", "foreach"), torch's bits but in the scalar tails of torch's own calls, and the same bits
+wherever a shard cuts (`ops`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import fused
+from . import fused, ops
 from .base import (
     EmptyState,
     Impl,
@@ -19,6 +21,7 @@ from .base import (
     as_schedule,
     bumped,
     check_grad,
+    check_fits,
     check_flag,
     check_hyper,
     check_impl,
@@ -115,13 +118,20 @@ def sgd(
         check_shards("sgd", None, param, state, spec(state), ctx)
         hyper = dict(lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
                      momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
+        damped = {"1 - dampening": 1 - dampening} if momentum else {}  # torch reads dampening only with momentum
+        check_fits("sgd", ctx, param.dtype, {"lr * lr_scale": hyper["lr"], "weight_decay": hyper["weight_decay"],
+                                             "momentum": momentum, **damped})
         held = (param,) if momentum == 0 else (param, state.momentum_buffer)
         how, per_leaf = resolve_impl("sgd", impl, param, lambda: _fused_elementwise(hyper, param))
+        if how == "fused":
+            _check_fused_updates(param)
         counts = state.count.tolist() if momentum != 0 else [0.0] * len(ctx.leaves)
         pieces = used_pieces(ctx, [c == 0 for c in counts], per_segment=per_leaf)
         spans = [(a, b) for a, b, _ in pieces]
         lists = [[t[a:b] for a, b in spans] for t in held] + ([[]] if momentum == 0 else [])
         first = [k for _, _, k in pieces]
+        # torch's foreach branch, decided on the bucket's used leaves, not this shard's (`_foreach`)
+        branch = {"every_buffer": all(c != 0 for c, u in zip(counts, ctx.used) if u)} if how == "foreach" else {}
         new = state if momentum == 0 else SgdMomentumState(
             torch.tensor(bumped(counts, ctx.used), dtype=state.count.dtype, device=state.count.device),
             state.momentum_buffer)
@@ -133,7 +143,8 @@ def sgd(
 
         def run(grad, found_inf):
             skip = {} if found_inf is None else {"found_inf": found_inf}
-            in_blocks(KERNELS[how], how, [lists[0], [grad[a:b] for a, b in spans], *lists[1:]], first, **hyper, **skip)
+            in_blocks(KERNELS[how], how, [lists[0], [grad[a:b] for a, b in spans], *lists[1:]], first, **hyper,
+                      **branch, **skip)
             return new
 
         return Launch(run, check, skips=how == "fused")
@@ -160,21 +171,27 @@ def _single(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening
         at += param.numel()
         grad = grads[i] if not maximize else torch.neg(grads[i], out=w)
         if weight_decay != 0:
-            grad = torch.add(grad, param, alpha=weight_decay, out=w)
+            grad = ops.add(grad, param, weight_decay, out=w)
         if momentum != 0:
             buf = bufs[i]
             if first[i]:
                 buf.copy_(grad)  # torch: buf = grad.detach().clone()
             else:
-                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-            grad = torch.add(grad, buf, alpha=momentum, out=w) if nesterov else buf
-        param.add_(grad, alpha=-lr)
+                ops.add_(buf.mul_(momentum), grad, 1 - dampening)
+            grad = ops.add(grad, buf, momentum, out=w) if nesterov else buf
+        ops.add_(param, grad, -lr)
 
 
-def _foreach(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize) -> None:
-    """torch/optim/sgd.py `_multi_tensor_sgd`; torch's branch on "every buffer exists" is taken
-    on this bucket's used pieces. Where torch adds into `p.grad` itself (Nesterov, no maximize,
-    no weight decay) fzero adds out of place: the grad shard is never written."""
+def _foreach(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize,
+             every_buffer=False) -> None:
+    """torch/optim/sgd.py `_multi_tensor_sgd`. torch's branch on "every buffer exists" (in its
+    group of one dtype) is `every_buffer`, whether every used leaf of the bucket has one -- the
+    same on every rank and stage, and torch's where the param group is one bucket (one unit) --
+    never this shard's pieces: the branches scale the buffers by `momentum` differently for
+    bfloat16 / float16 (`_foreach_mul_` by `momentum` rounded to the dtype, `buf.mul_` by it in
+    float32; alike for float32 / float64), so a shard's own choice made the stages differ (found
+    with the half-precision stage test). Where torch adds into `p.grad` itself (Nesterov, no maximize, no weight decay)
+    fzero adds out of place: the grad shard is never written."""
     if not params:
         return
     given = grads
@@ -182,26 +199,26 @@ def _foreach(params, grads, bufs, first, *, lr, weight_decay, momentum, dampenin
         grads = torch._foreach_neg(grads)
     if weight_decay != 0:
         if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
+            ops.foreach_add_(grads, params, weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            grads = ops.foreach_add(grads, params, weight_decay)
     if momentum != 0:
-        if not any(first):
+        if every_buffer:  # no piece is a first update
             torch._foreach_mul_(bufs, momentum)
-            torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+            ops.foreach_add_(bufs, grads, 1 - dampening)
         else:
             for buf, g, f in zip(bufs, grads, first):
                 if f:
                     buf.copy_(g)  # torch: device_grads[i].detach().clone()
                 else:
-                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+                    ops.add_(buf.mul_(momentum), g, 1 - dampening)
         if not nesterov:
             grads = bufs
         elif grads is given:
-            grads = torch._foreach_add(grads, bufs, alpha=momentum)
+            grads = ops.foreach_add(grads, bufs, momentum)
         else:
-            torch._foreach_add_(grads, bufs, alpha=momentum)
-    torch._foreach_add_(params, grads, alpha=-lr)
+            ops.foreach_add_(grads, bufs, momentum)
+    ops.foreach_add_(params, grads, -lr)
 
 
 def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize,
@@ -227,6 +244,23 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
 
 
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
+
+
+def _check_fused_updates(param: torch.Tensor) -> None:
+    """`OptimizerError` where torch's fused SGD kernel on this device and dtype does not update
+    every element (`fused.updates_every_element`: torch 2.13's CPU kernel in bfloat16 / float16,
+    found in review; torch.optim.SGD(fused=True) trains nothing there either)."""
+
+    def launch(p, g):
+        _fused([p], [g], [], [False], lr=0.5, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
+               maximize=False)
+
+    if not fused.updates_every_element(("sgd",), launch, param.dtype, param.device):
+        raise OptimizerError(
+            f"sgd: impl='fused' on {param.dtype} shards on {param.device.type}: torch {torch.__version__}'s fused SGD "
+            f"kernel there leaves elements unchanged (an lr 0.5 step of ones by ones left some at 1.0; "
+            f"torch.optim.SGD(fused=True) trains nothing there either); use impl='foreach' or 'single' (the "
+            f"default picks 'foreach' off CUDA)")
 
 
 def _fused_elementwise(hyper: dict, param: torch.Tensor) -> bool:
