@@ -84,6 +84,16 @@ def tagged(mesh):
     return fzero.collectives.all_reduce(torch.ones(2), mesh, tag=f"t{mesh.rank}")
 
 
+def broadcast_grad_on(mesh, grad_ranks):
+    """broadcast from rank 0 of `x` that requires grad on `grad_ranks` only, then the backward
+    where the output requires grad: `x.grad`."""
+    x = torch.ones(3, requires_grad=mesh.rank in grad_ranks)
+    y = fzero.collectives.broadcast(x, mesh, 0)
+    if y.requires_grad:
+        y.sum().backward()
+    return x.grad
+
+
 def mesh_or_error(mesh, kwargs):
     """`repr(DistMesh(**kwargs))` over the workers' existing gloo group, or the MeshError's text."""
     try:

@@ -263,10 +263,10 @@ class PeakAtBackward(fzero.SimMesh):
         super().__init__(world_size)
         self.census, self.forward_peak = census, None
 
-    def collective(self, op, x, *, arg=None, tag=None):
+    def collective(self, op, x, **kw):
         if op == "reduce_scatter" and self.forward_peak is None:
             self.forward_peak = self.census.peak
-        return super().collective(op, x, arg=arg, tag=tag)
+        return super().collective(op, x, **kw)
 
     def start(self, op, x, **kw):  # the step starts backward's reductions without waiting
         if op == "reduce_scatter" and self.forward_peak is None:

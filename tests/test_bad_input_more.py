@@ -113,6 +113,24 @@ def test_params_whose_paths_differ_across_ranks_say_so():
         mesh.run(lambda p: fzero.init(p, optim.sgd(0.1), stage=1, mesh=mesh), [([torch.ones(3)],), ((torch.ones(3),),)])
 
 
+@pytest.mark.parametrize("n,shapes", [(2, [(2, 3), (3, 2)]), (3, [(4,), (4,), (5,)])])
+def test_params_whose_shapes_differ_across_ranks_name_every_ranks_shape(n, shapes):
+    """The message names the leaf's path, each rank's path, dtype and shape (before: this rank's
+    shape and each rank's element count only), the world size, the leaves after it that differ
+    too, and the way out (on SimMesh rank 0 raises it, the others stop with `RankFailed`; on
+    DistMesh every rank raises it: tests/test_ddp.py)."""
+    mesh = fzero.SimMesh(n)
+    with pytest.raises(fzero.LayoutError, match=rf"world size {n}\) at leaf 'w' \(rank 0's path; leaf 1 of 3") as info:
+        mesh.run(lambda r: fzero.init({"a": torch.ones(2), "w": torch.ones(shapes[r]), "z": torch.ones(shapes[r])},
+                                      optim.sgd(0.1), stage=1, mesh=mesh), [(r,) for r in range(n)])
+    message = str(info.value)
+    each = ", ".join(f"rank {r}: 'w' float32{list(shape)} ({math.prod(shape)} elements)"
+                     for r, shape in enumerate(shapes))
+    assert each in message, message
+    assert "1 later leaf(s) differ too" in message
+    assert "build the params the same way on every rank" in message
+
+
 # --- wrong types (item 11) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine", ["autograd", "func"])

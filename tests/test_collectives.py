@@ -456,6 +456,45 @@ def test_vmap_checks_each_ranks_entry_shape_and_takes_an_empty_batch():
     assert [tuple(x.shape) for x in mesh.run(lambda: rs(torch.zeros(0, 4)))] == [(0, 2)] * 2
 
 
+@pytest.mark.parametrize("n,grad_ranks", [(2, [0]), (2, [1]), (3, [0, 2]), (3, [1])])
+def test_a_broadcast_whose_input_requires_grad_on_some_ranks_only_raises_on_every_rank(n, grad_ranks):
+    """broadcast's backward is an all_reduce on every rank, which a rank whose input does not
+    require grad never runs (its output does not require grad either). The ranks now compare
+    whether their call has a backward with the rest of the call: a difference is a
+    `CollectiveMismatch` at the broadcast itself, on every rank, naming the ranks on each side and
+    the way out. Before, the forward passed and the error came from the backward's all_reduce
+    against the other ranks' return ("rank 1 returned from mesh.run while rank(s) [0] wait in
+    all_reduce"), or, with a collective after it, paired the all_reduce with that."""
+    mesh, seen = fzero.SimMesh(n), {}
+
+    def fn(r, grad):
+        x = torch.ones(3, requires_grad=grad)
+        try:
+            y = fzero.collectives.broadcast(x, mesh, 0)
+        except fzero.MeshError as e:
+            seen[r] = e
+            raise
+        if y.requires_grad:
+            y.sum().backward()
+        return x.grad
+
+    with pytest.raises(fzero.CollectiveMismatch) as info:
+        run_with_timeout(mesh, fn, [(r, r in grad_ranks) for r in range(n)])
+    assert sorted(seen) == list(range(n)) and all(isinstance(e, fzero.CollectiveMismatch) for e in seen.values())
+    assert {str(e) for e in seen.values()} == {str(info.value)}
+    message = str(info.value)
+    for r in range(n):
+        assert f"rank {r}: broadcast(float32[3], 0{', requires_grad' if r in grad_ranks else ''})\n" in message
+    off = [r for r in range(n) if r not in grad_ranks]
+    assert f"rank(s) {grad_ranks} differentiate through this broadcast" in message
+    assert f"rank(s) {off} do not" in message and "torch.empty_like(x).requires_grad_()" in message
+    # the way out it names: every rank's input requires grad (a receiving rank's an empty_like)
+    got = run_with_timeout(mesh, fn, [(r, True) for r in range(n)])
+    assert_bits_equal(got, [torch.full((3,), float(n))] + [torch.zeros(3)] * (n - 1))
+    # or none's: no backward anywhere
+    assert run_with_timeout(mesh, fn, [(r, False) for r in range(n)]) == [None] * n
+
+
 def test_reverse_over_reverse_through_broadcast():
     """F = Σ_r Σ x_src³ w_r: the HVP `grad <grad F, v>` on the source rank is 6 x (w_0 + w_1) v,
     zero elsewhere. broadcast's backward returned `zeros_like` off the source, which cut those

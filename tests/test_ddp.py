@@ -106,6 +106,8 @@ def test_different_shapes_across_ranks_raise_on_every_rank(dist2):
     for e in errors:
         assert e.type_name.endswith("LayoutError"), e
         assert "'w'" in e.message and "4 elements" in e.message and "5 elements" in e.message, e.message
+        assert "rank 0: 'w' float32[4] (4 elements), rank 1: 'w' float32[5] (5 elements)" in e.message, e.message
+    assert errors[0].message == errors[1].message  # every rank names every rank's shape
 
 
 @pytest.mark.parametrize("bad_rank", [0, 1])

@@ -197,6 +197,23 @@ def test_a_tag_that_differs_between_ranks_is_a_mismatch_naming_every_tag(dist2, 
     assert all(torch.equal(t, torch.ones(n)) for t in pool.run(dist_cases.gather_shape, [((1,),)] * n))
 
 
+@pytest.mark.parametrize("grad_ranks", [(0,), (1,)])
+def test_a_broadcast_whose_input_requires_grad_on_some_ranks_only_is_a_mismatch(dist2, grad_ranks):
+    """The fingerprint carries whether each rank's broadcast has a backward (its input requires
+    grad): ranks that differ raise `CollectiveMismatch` at the broadcast on every rank, naming
+    both sides. Before, the forward passed and the source's backward all_reduce met the other
+    rank's return from `mesh.run` (or its next collective: silently paired where that matched)."""
+    out = dist2.run(dist_cases.broadcast_grad_on, [(grad_ranks,)] * 2, return_exceptions=True)
+    for r, e in enumerate(out):
+        assert isinstance(e, fzero.testing.RemoteError) and isinstance(e.exception, fzero.CollectiveMismatch), (r, e)
+        other = 1 - grad_ranks[0]
+        assert f"rank {grad_ranks[0]}: broadcast(float32[3], 0, requires_grad) collective #0" in e.message, e.message
+        assert f"rank {other}: broadcast(float32[3], 0) collective #0" in e.message, e.message
+        assert f"rank(s) {list(grad_ranks)} differentiate through this broadcast" in e.message, e.message
+    src, other = dist2.run(dist_cases.broadcast_grad_on, [((0, 1),)] * 2)  # the way out: every rank's requires grad
+    assert torch.equal(src, torch.full((3,), 2.0)) and torch.equal(other, torch.zeros(3))
+
+
 def test_a_tensor_off_the_mesh_device_is_rejected(dist2):
     out = dist2.run(dist_cases.meta_tensor, return_exceptions=True)
     for e in out:

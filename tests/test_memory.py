@@ -97,10 +97,10 @@ def test_stage2_holds_at_most_one_unit_of_full_gradients(engine, model_kind):
             group=lambda t: threading.get_ident())
 
         class Probe(fzero.SimMesh):  # a rank's census runs from the end of its forward to the agreement
-            def collective(self, op, x, *, arg=None, tag=None):
-                if tag == "fzero.step/agree":
+            def collective(self, op, x, **kw):
+                if kw.get("tag") == "fzero.step/agree":
                     on.discard(threading.get_ident())
-                return super().collective(op, x, arg=arg, tag=tag)
+                return super().collective(op, x, **kw)
 
         mesh, opt = Probe(n), optim.sgd(0.1)
 

@@ -89,8 +89,20 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, op: str = "sum", *, tag: str | None 
 
 
 def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = None) -> torch.Tensor:
-    """`x[...] -> x_src` on every rank."""
-    return _Broadcast.apply(x, mesh, src, tag)
+    """`x[...] -> x_src` on every rank.
+
+    Differentiable: the backward sums every rank's cotangent onto the source (zero elsewhere),
+    an all_reduce that every rank must join. A rank runs it only where its own `x` requires grad
+    (under grad mode), even though the output does not depend on a receiving rank's `x`: so
+    every rank's `x` must require grad, or none's. On a receiving rank pass
+    `torch.empty_like(x).requires_grad_()` to differentiate through what it receives; `x.detach()`
+    on every rank where nothing is differentiated. Ranks that differ raise `CollectiveMismatch`
+    on every rank at the broadcast itself, naming the ranks on each side (DistMesh with
+    `verify=False` compares no calls: there one side's backward all_reduce meets whatever
+    collective the other side calls next, or waits until the timeout).
+    """
+    return _Broadcast.apply(x, mesh, src, tag, isinstance(x, torch.Tensor) and x.requires_grad
+                            and torch.is_grad_enabled())
 
 
 def _batch_second(x: torch.Tensor, bdim: int, op: str) -> torch.Tensor:
@@ -191,13 +203,13 @@ class _Broadcast(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: Mesh, src: int, tag: str | None) -> torch.Tensor:
+    def forward(x: torch.Tensor, mesh: Mesh, src: int, tag: str | None, grad: bool) -> torch.Tensor:
         check_forward_mode(mesh)
-        return mesh.collective("broadcast", x, arg=src, tag=tag)
+        return mesh.collective("broadcast", x, arg=src, tag=tag, grad=grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        _, ctx.mesh, ctx.src, ctx.tag = inputs
+        _, ctx.mesh, ctx.src, ctx.tag, _ = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
@@ -206,14 +218,14 @@ class _Broadcast(torch.autograd.Function):
         # zeros off the source, still a function of `total`: a second backward (an HVP by double
         # backward) then runs the all_reduce's adjoint on every rank (found in review: with
         # zeros_like the other ranks' graph was cut, and the source waited alone)
-        return torch.where(keep, total, torch.zeros((), dtype=total.dtype, device=total.device)), None, None, None
+        return torch.where(keep, total, torch.zeros((), dtype=total.dtype, device=total.device)), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
         return broadcast(x_t, ctx.mesh, ctx.src, tag=ctx.tag)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, src: int, tag: str | None) -> tuple:
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, src: int, tag: str | None, grad: bool) -> tuple:
         return broadcast(x, mesh, src, tag=tag), in_dims[0]
 
 

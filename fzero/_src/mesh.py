@@ -5,7 +5,8 @@ One interface, two backends:
 - `SimMesh(N)`: N virtual ranks in one process, as threads of which exactly one runs at a time.
   A rank runs until it calls a collective, then hands over to the next rank; the last rank to
   arrive computes the result, reducing in rank order (0, 1, ..., N-1), and rank 0 resumes. Each
-  rank has its own torch RNG state, swapped in whenever the rank resumes. Deterministic: the
+  rank has its own torch RNG state, swapped in whenever the rank resumes, and runs under the
+  caller's thread-local modes (autocast, grad mode, ...: `ThreadModes`). Deterministic: the
   same program gives the same bits on every run. CPU tensors only (on CUDA, autograd's device
   thread would run every rank's backward).
 - `DistMesh()`: one rank per process of a `torch.distributed` process group started by
@@ -73,15 +74,30 @@ class _Call:
     shape: tuple[int, ...]
     arg: str | int | None  # reduction op, or broadcast source
     tag: str | None
+    grad: bool = False  # whether this rank's call has a backward, a collective too (`collectives.broadcast`)
 
     def __str__(self) -> str:
         arg = "" if self.arg is None else f", {self.arg}"
         tag = "" if self.tag is None else f", tag={self.tag!r}"
-        return f"{self.op}({str(self.dtype).removeprefix('torch.')}{list(self.shape)}{arg}{tag})"
+        grad = ", requires_grad" if self.grad else ""
+        return f"{self.op}({str(self.dtype).removeprefix('torch.')}{list(self.shape)}{arg}{tag}{grad})"
 
 
-def _describe(op: str, x: torch.Tensor, arg: Any, tag: str | None) -> _Call:
-    return _Call(op, x.dtype, tuple(x.shape), arg, tag)
+def _describe(op: str, x: torch.Tensor, arg: Any, tag: str | None, grad: bool = False) -> _Call:
+    return _Call(op, x.dtype, tuple(x.shape), arg, tag, grad)
+
+
+def _advice(op: str, grads: list[bool] | None) -> str:
+    """The way out of a collective mismatch; `grads`: each rank's `_Call.grad` where the calls
+    differ in that alone, else None."""
+    if grads is None:
+        return "every rank must call the same op with the same dtype, shape and tag"
+    on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
+    return (f"the calls differ only in requires_grad: rank(s) {on} differentiate through this {op} (its input "
+            f"requires grad, under grad mode), rank(s) {off} do not. Its backward is a collective that every "
+            f"rank must join, and a rank whose input does not require grad never runs it: make the input "
+            f"require grad on every rank (a rank that only receives too: `torch.empty_like(x).requires_grad_()`), "
+            f"or on none (`x.detach()`)")
 
 
 def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
@@ -164,13 +180,16 @@ class Mesh(abc.ABC):
         yield
 
     @eager  # dynamo never traces a mesh (locks, condition variables, process groups)
-    def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
+    def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None,
+                   grad: bool = False) -> torch.Tensor:
         """The one entry point of every collective: validate, record, agree, move.
 
         Shapes: all_reduce / broadcast `x[...] -> [...]`; all_gather `x[S, ...] -> [N * S, ...]`;
         reduce_scatter `x[N * S, ...] -> [S, ...]` (rank r gets rows `[r * S, (r + 1) * S)`).
+        `grad`: whether this rank will run the collective's backward (a differentiable collective
+        whose input requires grad); ranks must agree on it as on the rest of the call.
         """
-        return self._exchange(*self._enter(op, x, arg, tag))
+        return self._exchange(*self._enter(op, x, arg, tag, grad))
 
     @eager
     def solo(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None) -> torch.Tensor:
@@ -213,10 +232,11 @@ class Mesh(abc.ABC):
                             f"(world size {self.world_size}), got {list(out.shape)} {out.dtype} on {out.device}"
                             f"{'' if out.is_contiguous() else ', not contiguous'}")
 
-    def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None) -> tuple[_Call, torch.Tensor]:
+    def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None,
+               grad: bool = False) -> tuple[_Call, torch.Tensor]:
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
         self._validate(op, x, arg, tag)
-        call = _describe(op, x, arg, tag)
+        call = _describe(op, x, arg, tag, grad)
         rank = self.rank
         elements = _elements(op, x, self.world_size)
         for log in self._recorders:
@@ -329,6 +349,106 @@ def _combine(call: _Call, xs: list[torch.Tensor], n: int,
 _SIM_THREAD = threading.local()  # .mesh, .rank: the SimMesh rank a thread started by SimMesh.run runs
 
 
+@dataclasses.dataclass(frozen=True)
+class ThreadModes:
+    """The thread-local torch modes of one thread: what `SimMesh.run` reads in the caller's thread
+    and enters in each rank's thread before `fn`. DistMesh runs `fn` in the caller's own thread,
+    under whatever the caller entered; a new thread starts from torch's defaults. Carried:
+
+    - grad mode (`torch.no_grad`, `enable_grad`, `set_grad_enabled`) and `torch.inference_mode`;
+    - autocast (`torch.autocast`): per device type whether it is on and its dtype, whether its
+      cast cache is on, and how many autocast regions the thread is in (torch clears the cache on
+      leaving the last: a rank's own `with torch.autocast` clears it on exit where the caller is
+      in none, and keeps it to the end of `fn` where the caller is in one);
+    - the saved-tensor hooks (`torch.autograd.graph.saved_tensors_hooks`, `save_on_cpu`): the
+      innermost pair, the one torch applies;
+    - the torch-function and torch-dispatch mode stacks (`torch.set_default_device`,
+      `FlopCounterMode`, `fzero.accounting.LiveStorages`): the same mode objects, pushed as they
+      are (not entered again), as torch's autograd engine carries them into its own threads.
+
+    Process-wide settings need nothing (`torch.set_default_dtype`, deterministic algorithms,
+    anomaly detection); forward-AD levels are process-wide too, which the ranks cannot share
+    (`collectives.check_forward_mode`).
+    """
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, on, dtype)
+    autocast_cache: bool
+    autocast_nesting: int
+    saved_tensors_hooks: tuple[Callable[..., Any], Callable[..., Any]] | None
+    function_modes: tuple[Any, ...]  # innermost last
+    dispatch_modes: tuple[Any, ...]  # innermost last
+
+    @staticmethod
+    def now() -> "ThreadModes":
+        """This thread's modes. The device types are torch's (a private list, in 2.11 and 2.13)."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return ThreadModes(
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                  for d in torch._C._autocast_supported_devices()),
+            torch.is_autocast_cache_enabled(), _autocast_nesting(),
+            torch._C._autograd._top_saved_tensors_default_hooks(True),
+            tuple(torch.overrides._get_current_function_mode_stack()),
+            tuple(_get_current_dispatch_mode_stack()))
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        """Run the body under these modes; this thread's own are back afterwards."""
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            stack.enter_context(_autocast(self.autocast, self.autocast_cache, self.autocast_nesting))
+            if self.saved_tensors_hooks is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks))
+            for mode in self.function_modes:
+                torch._C._push_on_torch_function_stack(mode)
+                stack.callback(torch._C._pop_torch_function_stack)
+            for mode in self.dispatch_modes:
+                torch._C._push_on_torch_dispatch_stack(mode)
+                stack.callback(torch._C._pop_torch_dispatch_stack, getattr(mode, "_mode_key", None))
+            yield
+
+
+def _autocast_nesting() -> int:
+    """How many autocast regions this thread is in (torch counts them to clear its cast cache on
+    leaving the last; it has no reader of the count, so this goes up one and back)."""
+    n = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return n
+
+
+@contextlib.contextmanager
+def _autocast(devices: tuple[tuple[str, bool, torch.dtype], ...], cache: bool, nesting: int) -> Iterator[None]:
+    """Autocast set to `devices` (`(device type, on, dtype)`), `cache` and `nesting` regions deep,
+    entered and left as `torch.autocast` enters and leaves its regions (the cast cache cleared on
+    leaving the last), through torch's setters: `torch.autocast` itself would warn of a device
+    type this build cannot run, as every type is set (off, where the caller's is off). With no
+    region (`nesting` 0) a region the body enters clears the cache on exit, as in the caller's
+    thread: a region entered here for the whole body would keep casts of updated weights."""
+    before = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _, _ in devices]
+    cache_before = torch.is_autocast_cache_enabled()
+    for d, on, dtype in devices:
+        torch.set_autocast_enabled(d, on)
+        torch.set_autocast_dtype(d, dtype)
+    for _ in range(nesting):
+        torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(cache)
+    try:
+        yield
+    finally:
+        for _ in range(nesting):
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+        for d, on, dtype in before:
+            torch.set_autocast_enabled(d, on)
+            torch.set_autocast_dtype(d, dtype)
+        torch.set_autocast_cache_enabled(cache_before)
+
+
 class SimMesh(Mesh):
     """N virtual ranks in one process; see the module docstring.
 
@@ -338,7 +458,10 @@ class SimMesh(Mesh):
       [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
 
     Every rank starts `run` from the caller's RNG state (as N processes seeded alike); the
-    caller's state is restored afterwards.
+    caller's state is restored afterwards. Every rank runs under the caller's thread-local torch
+    modes (`ThreadModes`: grad and inference mode, autocast, saved-tensor hooks, torch-function
+    and torch-dispatch modes), as DistMesh's rank runs `fn` in the caller's own thread: a step
+    under the caller's `torch.autocast` is autocast on both.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -435,9 +558,10 @@ class SimMesh(Mesh):
         calls = [c for c, _ in self._slots]
         if any(c != calls[0] for c in calls):
             lines = "\n".join(f"  rank {s}: {c}" for s, c in enumerate(calls))
+            alike = len({dataclasses.replace(c, grad=False) for c in calls}) == 1
             self._poison(CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{self._round}:\n{lines}\n"
-                f"every rank must call the same op with the same dtype, shape and tag"))
+                f"{_advice(calls[0].op, [c.grad for c in calls] if alike else None)}"))
         else:
             self._results = _combine(calls[0], [x for _, x in self._slots], self.world_size, self._into)
         self._slots = [None] * self.world_size
@@ -453,7 +577,7 @@ class SimMesh(Mesh):
                 raise MeshError(f"{self!r}.run is not reentrant: a rank called mesh.run inside mesh.run")
             self._running = True
         caller_rng = torch.get_rng_state()
-        grad_enabled = torch.is_grad_enabled()
+        modes = ThreadModes.now()
         self._rng = [caller_rng.clone() for _ in range(n)]
         self._status = ["run"] * n
         self._slots: list[Any] = [None] * n
@@ -470,7 +594,7 @@ class SimMesh(Mesh):
             with self._cond:
                 self._take_turn(r)
             try:
-                with torch.set_grad_enabled(grad_enabled):
+                with modes.enter():
                     outputs[r] = fn(*args[r])
             except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
                 with self._cond:
@@ -518,7 +642,7 @@ class SimMesh(Mesh):
 _KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
-_FP_LEN = 11
+_FP_LEN = 12
 
 
 def settings_crc(x: Any) -> int:
@@ -528,8 +652,9 @@ def settings_crc(x: Any) -> int:
 
 
 def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
-    """`[kind, seq, op, dtype, ndim, d0, d1, d2, d3 (product of the rest), arg, tag crc]`; arg is the
-    reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or -1."""
+    """`[kind, seq, op, dtype, ndim, d0, d1, d2, d3 (product of the rest), arg, tag crc, grad]`; arg is
+    the reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or -1; grad is
+    `_Call.grad` (last, so that `_agree` can tell calls that differ in it alone)."""
     if call is None:
         return [kind, seq] + [0] * (_FP_LEN - 2)
     dtype = _DTYPES.index(call.dtype) if call.dtype in _DTYPES else 99
@@ -537,7 +662,7 @@ def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
     rest = call.shape[3:]
     dims.append(-1 if not rest else int(torch.tensor(rest).prod()))
     arg = REDUCTIONS.index(call.arg) if call.op == "all_reduce" else (call.arg if call.op == "broadcast" else -1)
-    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, settings_crc(call.tag)]
+    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, settings_crc(call.tag), int(call.grad)]
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -959,9 +1084,10 @@ class DistMesh(Mesh):
             mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
                          f"returned from mesh.run (collective #{seq})")
             lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(self._gather_text(mine_text, what)))
+            alike = kind == _KIND_CALL and all(row[:-1] == rows[0][:-1] for row in rows)
             raise CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
-                f"every rank must call the same op with the same dtype, shape and tag")
+                f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None)}")
 
     def _gather_text(self, text: str, what: str) -> list[str]:
         """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""

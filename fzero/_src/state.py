@@ -804,7 +804,12 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
         def ranks_differing(c: int) -> list[int]:
             return [r for r in range(n) if col[r, c].item() != col[0, c].item()]
 
-        sizes = ", ".join(f"rank {r}: {col[r, 3].item()} elements" for r in range(n))
+        # every rank's path, dtype and shape of the leaf, in words (every rank is here: the table is theirs)
+        each = [json.loads(t) for t in gather_texts(
+            mesh, json.dumps([ls.path, str(ls.dtype).removeprefix("torch."), list(ls.shape), ls.numel]),
+            tag="fzero.init/leaf")]
+        sizes = ", ".join(f"rank {r}: {path!r} {dtype}{shape} ({numel} elements)"
+                          for r, (path, dtype, shape, numel) in enumerate(each))
         if ranks_differing(0):
             sizes += (f" (the paths differ: rank(s) {ranks_differing(0)} have another path than rank 0's at leaf "
                       f"{i} in flatten order)")
@@ -813,6 +818,9 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
             sizes += (f" (same count, other shape or dtype: the {' and '.join(what)} "
                       f"{'differ' if len(what) > 1 else 'differs'} on rank(s) "
                       f"{sorted(set(ranks_differing(1) + ranks_differing(2)))} from rank 0's)")
-        where = f"leaf {ls.path!r} ({ls.dtype}{list(ls.shape)} on rank {mesh.rank})"
-        raise LayoutError(f"params differ across ranks (world size {n}) at {where}: {sizes}; every rank must "
-                          f"pass the same paths, shapes and dtypes")
+        more = f"; {len(differ) - 1} later leaf(s) differ too" if len(differ) > 1 else ""
+        raise LayoutError(f"params differ across ranks (world size {n}) at leaf {each[0][0]!r} (rank 0's path; leaf "
+                          f"{i} of {len(layout.leaves)} in flatten order): {sizes}{more}. Every rank must pass the "
+                          f"same paths, shapes and dtypes: build the params the same way on every rank (the same "
+                          f"model, config and dtype, nothing sized by the rank or by its data), and make each rank's "
+                          f"part of the work its batch, not its params")
