@@ -138,20 +138,40 @@ leaves = st.tuples(shapes, st.sampled_from(DTYPES)).map(lambda sd: torch.empty(s
 trees = st.dictionaries(st.sampled_from("abcdefgh"), st.lists(leaves, min_size=1, max_size=3), min_size=1, max_size=4)
 
 
-def _expected(tree, n, align, unit_of, bpp, stage):
+FIELDS = {"adam": 2, "sgd-momentum": 1, "sgd": 0}  # per-element optimizer fields: Adam's m and v, the momentum buffer
+STEPS = {"adam": 4, "sgd-momentum": 4, "sgd": 0, "adam-mixed": 0}  # bytes per leaf: a float32 count (not the paper's)
+
+
+def _bpp(optimizer, dtype):
+    """Bytes per element of a bucket held in `dtype`: the paper's mixed-precision Adam (bf16 params
+    and grads, fp32 moments and master) for "adam-mixed"; else, as `fzero.init` keeps it without a
+    policy, everything in the bucket's own dtype and no master."""
+    if optimizer == "adam-mixed":
+        return BytesPerParam(2, 2, 8, 4)
+    k = dtype.itemsize
+    return BytesPerParam(k, k, FIELDS[optimizer] * k, 0)
+
+
+def _expected(tree, n, align, unit_of, optimizer, stage):
     """Per-rank bytes from first principles: buckets keyed by (unit, dtype), in any order;
-    S = align·⌈numel/(N·align)⌉, at least align."""
+    S = align·⌈numel/(N·align)⌉, at least align; each bucket costs what its dtype does, and every
+    rank keeps its leaves' step counts whole; and without padding (`unpadded`)."""
     paths, ls, _ = flatten_with_paths(tree)
-    numel = {}
+    numel, leaves = {}, {}
     for path, leaf in zip(paths, ls):
         key = (unit_of(path), leaf.dtype)
         numel[key] = numel.get(key, 0) + leaf.numel()
+        leaves[key] = leaves.get(key, 0) + 1
     shard = {key: align * max(1, math.ceil(m / (n * align))) for key, m in numel.items()}
-    out = {}
-    for cat, per_param in zip(CATEGORIES, bpp):
-        elems = sum(s if stage >= SHARDED_FROM[cat] else n * s for s in shard.values())
-        out[cat] = per_param * elems
-    return out, numel, shard
+    out, unpadded = {}, {}
+    for k, cat in enumerate(CATEGORIES):
+        sharded = stage >= SHARDED_FROM[cat]
+        out[cat] = sum(_bpp(optimizer, key[1])[k] * (s if sharded else n * s) for key, s in shard.items())
+        unpadded[cat] = sum(_bpp(optimizer, key[1])[k] * Fraction(m, n if sharded else 1) for key, m in numel.items())
+    steps = STEPS[optimizer] * sum(leaves.values())
+    out["optimizer_state"] += steps
+    unpadded["optimizer_state"] += steps
+    return out, unpadded, numel, shard
 
 
 @given(
@@ -164,31 +184,33 @@ def _expected(tree, n, align, unit_of, bpp, stage):
 def test_padded_estimate_is_the_sum_over_buckets(tree, n, align, split_units, optimizer):
     unit_of = (lambda path: path.split(".")[0]) if split_units else (lambda path: "default")
     units = unit_of if split_units else None
-    bpp = bytes_per_param(optimizer)
     psi = num_params(tree)
     for e in estimate(tree, n, optimizer=optimizer, align=align, units=units):
-        expected, numel, shard = _expected(tree, n, align, unit_of, bpp, e.stage)
+        expected, unpadded, numel, shard = _expected(tree, n, align, unit_of, optimizer, e.stage)
         assert sum(numel.values()) == psi
         assert {c: getattr(e, c) for c in expected} == expected
-        unpadded = estimate(psi, n, stage=e.stage, optimizer=optimizer)
-        assert e.total >= unpadded.total
         # Padding per bucket: < align elements per rank in a sharded category, < N·align in a
         # replicated one (<= when the bucket is empty: then S = align holds no element at all).
         bound = 0
-        for c, per_param in zip(CATEGORIES, bpp):
-            assert getattr(e, c) >= getattr(unpadded, c)
-            bound += per_param * len(shard) * (align if e.stage >= SHARDED_FROM[c] else n * align)
-        assert e.total <= unpadded.total + bound
+        for k, c in enumerate(CATEGORIES):
+            assert getattr(e, c) >= unpadded[c]
+            bound += sum(_bpp(optimizer, key[1])[k] * (align if e.stage >= SHARDED_FROM[c] else n * align)
+                         for key in shard)
+        total = sum(unpadded.values())
+        assert e.total <= total + bound
         if all(m > 0 for m in numel.values()) and bound > 0:
-            assert e.total < unpadded.total + bound
+            assert e.total < total + bound
+        if optimizer == "adam-mixed":  # the paper's accounting: the bare count's, padded
+            assert total == estimate(psi, n, stage=e.stage, optimizer=optimizer).total
 
 
 def test_padding_example():
-    """10 elements over N = 4: S = 3, the padded buffer is 12; replicated 12, sharded 3 per rank."""
+    """10 elements over N = 4: S = 3, the padded buffer is 12; replicated 12, sharded 3 per rank;
+    and the leaf's Adam step count (float32, 4 bytes) on every rank."""
     tree = {"w": torch.empty(10, device="meta")}
     e0, e1, e2, e3 = estimate(tree, 4, optimizer="adam")
-    assert (e0.params, e0.optimizer_state) == (4 * 12, 8 * 12)
-    assert (e1.params, e1.optimizer_state) == (4 * 12, 8 * 3)
+    assert (e0.params, e0.optimizer_state) == (4 * 12, 8 * 12 + 4)
+    assert (e1.params, e1.optimizer_state) == (4 * 12, 8 * 3 + 4)
     assert (e2.grads, e3.params) == (4 * 3, 4 * 3)
     assert estimate(10, 4, stage=3, optimizer="adam").params == Fraction(40, 4)
 
@@ -214,7 +236,7 @@ def test_tied_parameters_counted_once():
         model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     model[1].weight = model[0].weight
     assert num_params(model) == 40
-    assert estimate_stages(model, 1)[0].total == 16 * 40
+    assert estimate_stages(model, 1)[0].total == 16 * 40 + 4  # one leaf: one Adam step count
 
 
 # --------------------------------------------------------------------------------------- CLI
@@ -323,6 +345,20 @@ def test_cli_usage_errors(capsys):
     assert "whole number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("n", ["0", "-3", "2.5"])
+def test_cli_world_size_below_one_names_the_flag(capsys, n):
+    """`-n 0` reached `estimate`, whose one line named no flag ("world size must be an int >= 1");
+    now argparse refuses it as it refuses `--params inf`: exit status 2, the last line naming
+    `--world-size/-n` and the value. (A huge N is computed exactly: Fractions, nothing allocated.)"""
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--params", "10", "-n", n])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and last.startswith("fzero estimate: error: argument --world-size/-n: ")
+    assert f"int >= 1 (the number of ranks), got {n!r}" in last
+    huge = estimate(10**30, 10**40, stage=3)
+    assert huge.total == Fraction(16 * 10**30, 10**40)
+
+
 def test_python_dash_m():
     r = subprocess.run(
         [sys.executable, "-m", "fzero", "estimate", "--params", "7.5e9", "-n", "1024", "--stage", "3"],
@@ -415,16 +451,21 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
     master is m·(E - H), its params and grads those of the stage without offload (no params with
     params offload). H is whole
     buckets: r·E <= H < r·E + max_b S_b (the device keeps the longest prefix of buckets holding
-    at most (1 - r)·E; the next one did not fit), H = E at r = 1."""
+    at most (1 - r)·E; the next one did not fit), H = E at r = 1. The step counts (4 bytes a
+    leaf, every rank's; "adam" and "sgd-momentum") are kept in host memory with the buckets that
+    go there (with "nvme" too), the others' on the device. fp32 params (`param_dtype`), so that
+    every bucket costs alike; the paper's "adam-mixed" counts bf16 params."""
     if params is not None and ratio != 1:
         ratio = 1  # params offload keeps the whole shard on the host (a ConfigError otherwise)
     if params == "nvme" and where != "nvme":
         params = "cpu"  # params="nvme" needs the NVMe tier (a ConfigError otherwise)
     units = (lambda path: path.split(".")[0]) if split_units else None
     bpp = bytes_per_param(optimizer)
-    kw = dict(optimizer=optimizer, units=units)
+    kw = dict(optimizer=optimizer, units=units, param_dtype=None if optimizer == "adam-mixed" else "fp32")
     shard = estimate(tree, n, stage=3, **kw).grads / bpp.grads  # E, read off stage 3's sharded grads
-    largest = max(b.shard_numel for b in plan(tree, n, units=units).buckets)
+    layout = plan(tree, n, units=units)
+    largest = max(b.shard_numel for b in layout.buckets)
+    steps = STEPS[optimizer] * len(layout.leaves)  # every leaf's count, on the device or the host
     r = Fraction(ratio)
     for e in estimate(tree, n, offload_optimizer=where, offload_params=params, offload_ratio=ratio, **kw):
         plain = estimate(tree, n, stage=e.stage, **kw)
@@ -432,7 +473,10 @@ def test_offload_moves_state_without_losing_any(tree, n, split_units, optimizer,
         assert (e.nvme.master if where == "cpu" else e.host.master) == 0
         assert r * shard <= on_host and (on_host < r * shard + largest if r < 1 else on_host == shard)
         assert e.optimizer_state + e.host.optimizer_state + e.nvme.optimizer_state == plain.optimizer_state
-        assert (e.host.optimizer_state if where == "cpu" else e.nvme.optimizer_state) == bpp.optimizer_state * on_host
+        host_steps = e.host.optimizer_state - (bpp.optimizer_state * on_host if where == "cpu" else 0)
+        assert 0 <= host_steps <= steps and (host_steps == steps if r == 1 else host_steps % 4 == 0)
+        assert e.optimizer_state == bpp.optimizer_state * (shard - on_host) + steps - host_steps
+        assert e.nvme.optimizer_state == (bpp.optimizer_state * on_host if where == "nvme" else 0)
         assert (e.master, e.host.grads) == (bpp.master * (shard - on_host), bpp.grads * on_host)
         assert (e.params, e.grads) == ((0 if params else plain.params), plain.grads)
         # every bucket of these trees trains: host params only as params offload's compute copy beside a master
@@ -448,15 +492,15 @@ def test_offload_ratio_keeps_whole_buckets():
     host (state 8·30, master 4·30, gradient copy 4·30); r = 0.6 leaves room for 24: only the first
     stays (80 B) and 20 + 30 = 50 go (state 400 B); r = 1: all 60 go. A frozen bucket in front is
     skipped, not counted against the room. The same buckets as `fzero.Offload.host_buckets`
-    where fzero has it."""
+    where fzero has it. Each bucket's one Adam step count (4 bytes) goes with it."""
     import fzero
 
     tree = {"a": torch.empty(10, device="meta"), "b": torch.empty(20, device="meta"), "c": torch.empty(30, device="meta")}
     units = lambda path: path  # noqa: E731 -- one bucket per leaf, in this order
     kw = dict(stage=1, optimizer="adam", units=units, offload_optimizer="cpu")
-    for r, device_state, host_elements in ((0.5, 240, 30), (0.6, 80, 50), (1, 0, 60)):
+    for r, device_state, host_elements, on_host in ((0.5, 240 + 8, 30, 1), (0.6, 80 + 4, 50, 2), (1, 0, 60, 3)):
         e = estimate(tree, 1, offload_ratio=r, **kw)
-        want = TierBytes(grads=Fraction(4 * host_elements), optimizer_state=Fraction(8 * host_elements),
+        want = TierBytes(grads=Fraction(4 * host_elements), optimizer_state=Fraction(8 * host_elements + 4 * on_host),
                          master=Fraction(4 * host_elements))
         assert (e.optimizer_state, e.host) == (device_state, want)
         if hasattr(fzero, "Offload"):
@@ -465,7 +509,7 @@ def test_offload_ratio_keeps_whole_buckets():
             assert sum(layout.buckets[b].shard_numel for b in held) == host_elements
     frozen = (ParamGroup("frozen", match=lambda p: p == "f", frozen=True),)
     e = estimate({"f": torch.empty(50, device="meta"), **tree}, 1, offload_ratio=0.5, groups=frozen, **kw)
-    assert e.optimizer_state == 240 and e.host.params == 0  # the frozen 50 stay on the device (params not offloaded)
+    assert e.optimizer_state == 240 + 8 and e.host.params == 0  # the frozen 50 stay on the device (params stay)
 
 
 def test_nvme_estimate_is_what_swap_files_hold(tmp_path):
@@ -582,12 +626,13 @@ def test_seed_14b_on_2_gpus_row():
 
 def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
     """`estimate(..., precision=fzero.Precision(...))` against `held_bytes` of a real `fzero.init`:
-    params, optimizer state (less the replicated per-leaf step counts) and master, on each tier,
-    at stages 0-3, with and without offload, a frozen group, fp32 and bf16 held params, and
+    params, optimizer state (its replicated per-leaf step counts included) and master, on each
+    tier, at stages 0-3, with and without offload, a frozen group, fp32 and bf16 held params, and
     optimizers whose state is per element (Adam, amsgrad, momentum SGD). Before, the only mixed
     setting was the paper's "adam-mixed", whose bf16 copy beside an fp32 master fzero keeps at
     stages 1-2 only (at stages 0 and 3 the fp32 params are the master: 2Ψ too few params bytes
-    and 4Ψ too many master bytes at stage 0)."""
+    and 4Ψ too many master bytes at stage 0); and the step counts were left out (4 bytes a leaf
+    of every trainable bucket, on every rank)."""
     import fzero
     from fzero import optim
     from fzero._src.accounting import held_bytes
@@ -621,10 +666,7 @@ def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
                                      param_dtype=held, units=units, groups=groups, precision=precision, **kw,
                                      **extra)
                         got = [[t.params, t.optimizer_state, t.master] for t in hb.tiers]
-                        for t in got:  # the per-leaf step counts sit with the optimizer state
-                            if t[1]:
-                                t[1] -= hb.optimizer_leaf
-                                break
+                        assert hb.optimizer_leaf > 0  # the step counts: compared, not left out
                         want = [[int(x.params), int(x.optimizer_state), int(x.master)] for x in (e, e.host, e.nvme)]
                         assert got == want, (name, held, precision, groups, stage, where, params_where)
                         checked += 1
@@ -662,3 +704,57 @@ def test_amsgrad_and_bucket_bytes():
     assert (one.params, cut.params) == (4 * 8, 6 * 4 * 2)  # one bucket of 30 -> S = 8; six of 5 -> S = 2 each
     with pytest.raises(ConfigError, match="a bare parameter count has none"):
         estimate(100, 4, bucket_bytes=20)
+
+
+def test_estimate_without_precision_is_what_init_keeps_in_the_params_own_dtype(tmp_path):
+    """Without `precision=` (and without `param_dtype`), `estimate` of a params pytree against
+    `held_bytes` of `fzero.init` with no policy: params, grads, optimizer state and master on each
+    tier, and the NVMe swap files' host buffers, for fp32, bf16 and fp16 trees and one with an
+    fp32 and a bf16 bucket, each optimizer name `estimate` takes but the paper's "adam-mixed"
+    (adafactor's replicated row and column statistics, plain SGD's empty state), at stages 0-3,
+    with and without offload and a frozen group. Found in review: bf16 params were estimated
+    with an fp32 master and fp32 moments (with `param_dtype="bf16"`; without it, as fp32 params)
+    where `init` keeps neither, the per-leaf step counts were left out, and the NVMe buffers
+    counted a bf16 state's two fields as one."""
+    import fzero
+    from fzero import optim
+    from fzero._src.accounting import held_bytes
+
+    g = torch.Generator().manual_seed(0)
+    base = {f"l{i}.w": torch.randn(6, 5, generator=g) for i in range(3)} | {"l3.w": torch.randn(4, 5, generator=g)}
+    trees = {str(d).removeprefix("torch."): {k: v.to(d) for k, v in base.items()}
+             for d in (torch.float32, torch.bfloat16, torch.float16)}
+    trees["mixed"] = {k: v.to(torch.bfloat16 if k in ("l2.w", "l3.w") else torch.float32) for k, v in base.items()}
+    units = lambda p: "a" if p < "l2" else "b"  # noqa: E731 -- two units of two leaves each
+    frozen = (ParamGroup("frozen", match=lambda p: p == "l1.w", frozen=True),)
+    opts = {"adam": (lambda: optim.adam(1e-2), {}),
+            "amsgrad": (lambda: optim.adam(1e-2, amsgrad=True), {"optimizer": "adam", "amsgrad": True}),
+            "sgd-momentum": (lambda: optim.sgd(0.1, momentum=0.9), {}),
+            "sgd": (lambda: optim.sgd(0.1), {}),
+            "adafactor": (lambda: optim.adafactor(), {})}
+    cases = [(0, None, None), (1, None, None), (2, None, None), (3, None, None), (2, "cpu", None), (3, "cpu", "cpu"),
+             (2, "nvme", None), (3, "nvme", "nvme")]
+    checked = 0
+    for tree_name, tree in trees.items():
+        for name, (make, kw) in opts.items():
+            for groups in ((), frozen):
+                for stage, where, params_where in cases:
+                    mesh, opt = fzero.SimMesh(3), make()
+                    swap = tmp_path / f"swap{checked}"
+                    swap.mkdir()
+                    off = None if where is None else fzero.Offload(
+                        optimizer=where, params=params_where, **({"nvme_path": str(swap)} if where == "nvme" else {}))
+                    extra = {} if off is None else {"offload": off}
+                    state = mesh.run(lambda: fzero.init(tree, opt, stage=stage, mesh=mesh, units=units, groups=groups,
+                                                        **extra))[0]
+                    hb = held_bytes(state, opt)
+                    e = estimate(tree, 3, stage=stage, units=units, groups=groups, **{"optimizer": name, **kw}, **extra)
+                    got = [[t.params, t.grads, t.optimizer_state, t.master] for t in hb.tiers]
+                    want = [[int(x.params), int(x.grads), int(x.optimizer_state), int(x.master)]
+                            for x in (e, e.host, e.nvme)]
+                    where_ = (tree_name, name, groups, stage, where, params_where)
+                    assert got == want, where_
+                    if where == "nvme" and params_where is None:  # the swap files' buffers, as the tier made them
+                        assert e.host.buffers == state.info.tier.files.host_bytes, where_
+                    checked += 1
+    assert checked == 4 * 5 * 2 * 8

@@ -196,6 +196,21 @@ def test_pack_with_another_structure_or_shape_names_the_path():
         fzero.layout.pack(layout, {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, dtype=torch.int64)]})
 
 
+def test_pack_of_one_bucket_on_two_devices_names_the_leaves_and_devices():
+    """A bucket's leaves on two devices (here the CPU and meta; on a GPU machine, a model moved to
+    CUDA but for one tensor) raise `LayoutError` naming the bucket, each leaf's path and device,
+    and the way out (before: torch's "Tensor on device meta is not on the expected device cpu!").
+    Buckets on different devices are packed each on its own (`init` copies each to the mesh's)."""
+    params = {"a": torch.zeros(5), "h": [torch.zeros(2, 3), torch.zeros(1, device="meta")]}
+    layout = fzero.layout.plan(params, 2)
+    with pytest.raises(fzero.LayoutError, match=r"bucket 'default/float32/default'.*'a' on cpu, 'h\.1' on meta; "
+                                                r"move every params leaf to one device"):
+        fzero.layout.pack(layout, params)
+    params["h"][1] = torch.zeros(1, dtype=torch.float64, device="meta")  # a bucket of its own: packed on meta
+    flats = fzero.layout.pack(fzero.layout.plan(params, 2), params)
+    assert [f.device.type for f in flats] == ["cpu", "meta"]
+
+
 def test_paramgroup_validates_lr_scale():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(fzero.LayoutError, match="lr_scale"):

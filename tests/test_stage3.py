@@ -885,3 +885,78 @@ def test_evaluate_inside_a_torch_func_transform_is_refused():
 
     with pytest.raises(fzero.ConfigError, match="evaluate inside a torch.func transform"):
         mesh.run(rank_fn)
+
+
+@dataclasses.dataclass
+class _Returned:
+    w: torch.Tensor
+    total: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenReturned:
+    pair: list
+
+
+class _NotATree:
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("n", [1, 2])
+def test_evaluate_returns_the_leaves_a_dataclass_holds(stage, n):
+    """Found in review: with nested params on use, a param returned inside a dataclass (a leaf to
+    torch's pytree) came back as fzero's placeholder, which raised at its first use. Now a
+    dataclass's fields are walked (a copy with the real leaf, frozen and slotted ones too), and
+    cloned where they share the state's memory, as evaluate's other outputs; an object of another
+    class holding a placeholder (or a view of the state) raises `ConfigError` naming its type
+    and the way out."""
+    nested = {"w": torch.randn(5, 3, generator=torch.Generator().manual_seed(3)), "b": {"c": torch.ones(3)}}
+    mesh = fzero.SimMesh(n)
+
+    def fn(p, x):
+        return _Returned(p["w"], p["b"]["c"].sum() * x), (_FrozenReturned([p["b"]["c"], x]), 7)
+
+    def rank_fn():
+        state = fzero.init(nested, optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda path: path.split(".")[0])
+        outs = {g: evaluate(fn, gather=g)(state, torch.tensor(2.0)) for g in ("on_use", "eager")}
+        for out, (frozen, _) in outs.values():
+            out.w.add_(1.0)  # writes an output of its own: the state keeps its values
+            frozen.pair[0].add_(1.0)
+        with pytest.raises(fzero.ConfigError, match=r"returned a .*_NotATree whose attribute 'w' holds .*make "
+                                                     r"_NotATree a @dataclasses.dataclass, or register it"):
+            evaluate(lambda p, x: _NotATree(p["w"]), gather="on_use")(state, None)
+        return outs, fzero.gather(state)
+
+    for outs, after in mesh.run(rank_fn):
+        fzero.testing.assert_trees_equal(after, nested)
+        for out, (frozen, seven) in outs.values():
+            assert type(out.w) is torch.Tensor and type(frozen.pair[0]) is torch.Tensor and seven == 7
+            assert torch.equal(out.w, nested["w"] + 1) and torch.equal(out.total, torch.tensor(6.0))
+            assert torch.equal(frozen.pair[0], nested["b"]["c"] + 1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_nn_parameter_of_an_on_use_placeholder_names_it_and_the_way_out(stage):
+    """`nn.Parameter(p["w"])` inside the function, with nested params on use: torch's "Creating a
+    Parameter from an instance of type Placeholder requires that detach() returns an instance of
+    the same type" before (found in review); now `ConfigError` saying what the placeholder is,
+    that such a Parameter is cut off from the param's gradient, and the ways out, in evaluate and
+    in a step. Eager gathering hands the real leaf, and torch's Parameter of it is made."""
+    mesh = fzero.SimMesh(2)
+    units = lambda path: path.split(".")[0]  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init({"a": {"w": torch.ones(3)}}, optim.sgd(0.1), stage=stage, mesh=mesh, units=units)
+        eager = evaluate(lambda p, x: torch.nn.Parameter(p["a"]["w"]).sum(), gather="eager")(state, None)
+        for call in (lambda: evaluate(lambda p, x: torch.nn.Parameter(p["a"]["w"]).sum())(state, None),
+                     lambda: fzero.train_step(lambda p, x: (torch.nn.Parameter(p["a"]["w"]) * p["a"]["w"]).sum())(
+                         state, None)):
+            with pytest.raises(fzero.ConfigError, match=r"nn.Parameter\(w\) of a params leaf that is an on-use "
+                                                         r"placeholder.*no gradient would reach the param.*"
+                                                         r"gather='eager'"):
+                call()
+        return eager
+
+    assert [float(x) for x in mesh.run(rank_fn)] == [3.0, 3.0]

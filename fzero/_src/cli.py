@@ -175,6 +175,18 @@ def _parse_precision(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _parse_world_size(text: str) -> int:
+    """`-n N`: an int >= 1, else a usage error naming the flag and the value (before: `-n 0`
+    reached `estimate`, whose message named no flag)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (the number of ranks), got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a world size is an int >= 1 (the number of ranks), got {text!r}")
+    return n
+
+
 def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",")]
@@ -241,8 +253,8 @@ def _describe_bytes(args: argparse.Namespace, optimizer: str, estimates: Sequenc
     """The bytes-per-parameter line: the paper's (one row for every stage), or, with --precision,
     fzero's layout under the policy, stage by stage."""
     head = f"world size {args.world_size}, optimizer {optimizer}"
-    if args.precision is None:
-        bpp = est.bytes_per_param(optimizer, args.dtype, args.dtype)
+    if args.precision is None:  # the paper's for adam-mixed, else what fzero.init keeps with no policy
+        bpp = est.default_bytes_per_param(optimizer, args.dtype, args.dtype)
         return (f"{head}: bytes per parameter: params {bpp.params}, grads {bpp.grads}, optimizer state "
                 f"{bpp.optimizer_state}, master {bpp.master} (K = {bpp.K})")
     rows = []
@@ -297,7 +309,8 @@ def _add_estimate(sub: Any) -> None:
     model.add_argument("--params", type=_parse_count, help="a parameter count, e.g. 7.5e9 (no padding)")
     model.add_argument("--module", metavar="PKG.MOD:FACTORY", help="a callable returning an nn.Module (built on meta)")
     model.add_argument("--config", metavar="FILE.json", help="a GPT2Config as JSON (needs transformers)")
-    p.add_argument("--world-size", "-n", type=int, required=True, help="N, the data-parallel (shard) size")
+    p.add_argument("--world-size", "-n", type=_parse_world_size, required=True,
+                   help="N, the data-parallel (shard) size")
     p.add_argument("--stage", type=int, choices=LEVELS, help="print this stage only")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"),
                    help="dtype of params and grads (with --precision: of the held params, default fp32)")

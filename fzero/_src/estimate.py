@@ -36,15 +36,24 @@ offload, else the buckets after a device-kept prefix of at most (1 - r) of them,
 
 proofs/memory.md ("Offload") derives each entry from what fzero's offload keeps where.
 
-The default optimizer is "adam": fp32 params, gradients and Adam moments (K = 8), what fzero's
-`train_step` runs without a precision policy. The paper's rows use mixed-precision Adam (bf16/fp16
-params and gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, a bf16 copy of
-the params beside an fp32 master at every stage. fzero keeps that layout with a policy
-(`fzero.Precision(torch.bfloat16)`, or fp16) only where the stage shards the master but not the
-params (stages 1-2), or offloads the optimizer; at stages 0 and 3 without offload the fp32 params
-are the master itself (one copy, cast to bf16 when a unit is entered or gathered): no separate
-copy. `precision=fzero.Precision(...)` estimates that layout, stage by stage
-(`policy_bytes_per_param`); `precision=None` (the default) is the paper's accounting.
+The default optimizer is "adam": what fzero's `init` keeps without a precision policy -- the
+params, gradients and Adam moments all in the params' own dtype and no master copy (fp32: K = 8;
+bf16 params: K = 4, the moments in bf16 too), each bucket in its own dtype for a params pytree
+(`param_dtype` overrides it). The paper's rows use mixed-precision Adam (bf16/fp16 params and
+gradients, fp32 master and moments, K = 12): `optimizer="adam-mixed"`, the paper's accounting, a
+bf16 copy of the params beside an fp32 master at every stage. fzero keeps that layout with a
+policy (`fzero.Precision(torch.bfloat16)`, or fp16) only where the stage shards the master but
+not the params (stages 1-2), or offloads the optimizer; at stages 0 and 3 without offload the
+fp32 params are the master itself (one copy, cast to bf16 when a unit is entered or gathered):
+no separate copy. `precision=fzero.Precision(...)` estimates that layout, stage by stage
+(`policy_bytes_per_param`); `precision=None` (the default) is `fzero.Precision()`, no policy,
+but for "adam-mixed".
+
+For a params pytree or module (not a bare count) the optimizer's replicated per-leaf fields are
+counted too, as `fzero.optim` makes them (`leaf_bytes`): every rank keeps, per trainable bucket
+of L leaves, Adam's, LAMB's and adafactor's step counts (float32 `[L]`), momentum SGD's counts,
+and adafactor's row and column statistics -- in the optimizer state, on the device or with the
+bucket's offloaded shard. "adam-mixed", the paper's accounting, counts per-element bytes only.
 
 Example:
   >>> e = estimate(7.5e9, 64, stage=3, optimizer="adam-mixed")   # the ZeRO paper's Table 1, N = 64
@@ -63,6 +72,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from decimal import Decimal
@@ -72,10 +82,11 @@ from typing import Any, NamedTuple, Union, overload
 
 import torch
 
-from . import nvme
+from . import nvme, optim
 from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
-from .precision import Precision
+from .optim.base import init_state
+from .precision import FULL, Precision
 from .stages import STAGES, Stage, get_stage
 
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
@@ -267,12 +278,49 @@ def policy_bytes_per_param(
 
 class _Buffer(NamedTuple):
     """One flat buffer: `full` elements when replicated, `shard` per rank when sharded; `bucket`
-    is False for a bare count (one buffer standing for buckets whose sizes are unknown)."""
+    is False for a bare count (one buffer standing for buckets whose sizes are unknown); `dtype`
+    the bucket's own and `shapes` its leaves' (None and () for a bare count)."""
 
     full: Fraction
     shard: Fraction
     trainable: bool
     bucket: bool = True
+    dtype: torch.dtype | None = None
+    shapes: tuple[tuple[int, ...], ...] = ()
+
+
+class _Cost(NamedTuple):
+    """What one buffer costs at one stage: `bpp` per element; `frozen` bytes per element of its
+    params where it is frozen; `leaf` bytes of its replicated per-leaf optimizer fields per rank
+    (`leaf_bytes`; 0 for a frozen buffer or a bare count); `item` bytes per element of one
+    per-element optimizer field (what an NVMe swap file holds per element)."""
+
+    bpp: BytesPerParam
+    frozen: int
+    leaf: int = 0
+    item: int = 4
+
+
+def _optimizer_of(optimizer: str, amsgrad: bool) -> Any:
+    """The `fzero.optim` optimizer an estimate's optimizer name stands for (hyper-parameters do
+    not change what its state holds)."""
+    return {"adam": lambda: optim.adam(1e-3, amsgrad=amsgrad), "sgd-momentum": lambda: optim.sgd(0.1, momentum=0.9),
+            "sgd": lambda: optim.sgd(0.1), "adafactor": lambda: optim.adafactor()}[optimizer]()
+
+
+@functools.lru_cache(maxsize=4096)
+def leaf_bytes(optimizer: str, dtype: torch.dtype, shapes: tuple[tuple[int, ...], ...], amsgrad: bool = False) -> int:
+    """Bytes of the replicated fields (spec kinds "leaf", "rows", "cols") of one trainable
+    bucket's optimizer state, whose leaves have `shapes` and whose master is in `dtype`: what the
+    `fzero.optim` optimizer of that name makes (`init_state` on the meta device: no memory), so
+    what every rank keeps at every stage besides the per-element fields -- Adam's, LAMB's and
+    adafactor's step counts, momentum SGD's counts (float32 `[L]`), adafactor's row and column
+    statistics (in `dtype`). 0 for "adam-mixed" (the paper's accounting)."""
+    if optimizer == "adam-mixed":
+        return 0
+    opt = _optimizer_of(optimizer, amsgrad)
+    state = init_state(opt, torch.empty(0, dtype=dtype, device="meta"), shapes)
+    return sum(t.numel() * t.element_size() for t, kind in zip(state, opt.spec(state)) if kind != "shard")
 
 
 def _count(n: Real) -> Fraction:
@@ -301,7 +349,8 @@ def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[Pa
         psi = _count(model)
         return [_Buffer(psi, psi / world_size, True, bucket=False)]
     layout = plan(params_of(model), world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
-    return [_Buffer(Fraction(b.padded_numel), Fraction(b.shard_numel), not b.group.frozen) for b in layout.buckets]
+    return [_Buffer(Fraction(b.padded_numel), Fraction(b.shard_numel), not b.group.frozen, True, b.dtype,
+                    tuple(layout.leaves[i].shape for i in b.leaves)) for b in layout.buckets]
 
 
 def _ratio(r: Any) -> Fraction:
@@ -355,32 +404,33 @@ def check_offload_stage(off: OffloadSetting, st: Stage) -> None:
 
 
 def _stage_estimate(
-    buffers: Sequence[_Buffer], world_size: int, stage: int, bpp: BytesPerParam, off: OffloadSetting = NO_OFFLOAD,
-    frozen_params: int | None = None,
+    buffers: Sequence[_Buffer], world_size: int, stage: int, costs: Sequence[_Cost], off: OffloadSetting = NO_OFFLOAD,
 ) -> MemoryEstimate:
-    """`frozen_params`: bytes per parameter of a frozen bucket's params (default `bpp.params`)."""
+    """`costs[k]`: what buffer k costs at this stage (`_Cost`)."""
     st = get_stage(stage)
     check_offload_stage(off, st)
-    frozen_p = bpp.params if frozen_params is None else frozen_params
 
-    def category(name: str, per_param: int, trainable_only: bool) -> Fraction:
+    def category(name: str, per_param: Any, trainable_only: bool) -> Fraction:
         pick = (lambda b: b.shard) if st.sharded(name) else (lambda b: b.full)
-        return sum(((per_param if b.trainable else frozen_p) * pick(b) for b in buffers
+        return sum(((per_param(c) if b.trainable else c.frozen) * pick(b) for b, c in zip(buffers, costs)
                     if b.trainable or not trainable_only), Fraction(0))
 
-    params = category("params", bpp.params, trainable_only=False)
-    grads = category("grads", bpp.grads, trainable_only=True)
+    params = category("params", lambda c: c.bpp.params, trainable_only=False)
+    grads = category("grads", lambda c: c.bpp.grads, trainable_only=True)
+    leaf = [Fraction(c.leaf if b.trainable else 0) for b, c in zip(buffers, costs)]  # replicated: every rank's
     if off.optimizer is None:
-        state = category("optimizer_state", bpp.optimizer_state, trainable_only=True)
-        return MemoryEstimate(stage, world_size, params, grads, state, category("master", bpp.master, True))
+        state = category("optimizer_state", lambda c: c.bpp.optimizer_state, trainable_only=True) + sum(leaf)
+        return MemoryEstimate(stage, world_size, params, grads, state,
+                              category("master", lambda c: c.bpp.master, trainable_only=True))
     # Offloaded (stages 1-3: state and master are sharded): h_b of bucket b's shard is on the host.
     h = host_fractions(buffers, off)
-    kept = sum(((1 - f) * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
-    host, disk = _offloaded(buffers, h, bpp, off, frozen_p)
+    kept = [(1 - f) * b.shard if b.trainable else Fraction(0) for b, f in zip(buffers, h)]
+    host, disk = _offloaded(buffers, h, costs, off)
     if off.params is not None:
         params = Fraction(0)  # every shard is on the host; the gradients stay on the device (as the stage)
-    return MemoryEstimate(stage, world_size, params, grads, bpp.optimizer_state * kept, bpp.master * kept, host, disk,
-                          off)
+    state = sum((c.bpp.optimizer_state * k + (1 - f) * lf for c, k, f, lf in zip(costs, kept, h, leaf)), Fraction(0))
+    master = sum((c.bpp.master * k for c, k in zip(costs, kept)), Fraction(0))
+    return MemoryEstimate(stage, world_size, params, grads, state, master, host, disk, off)
 
 
 def host_fractions(buffers: Sequence[_Buffer], off: OffloadSetting) -> list[Fraction]:
@@ -403,42 +453,46 @@ def host_fractions(buffers: Sequence[_Buffer], off: OffloadSetting) -> list[Frac
 
 
 def _offloaded(
-    buffers: Sequence[_Buffer], h: Sequence[Fraction], bpp: BytesPerParam, off: OffloadSetting,
-    frozen_params: int | None = None,
+    buffers: Sequence[_Buffer], h: Sequence[Fraction], costs: Sequence[_Cost], off: OffloadSetting,
 ) -> tuple[TierBytes, TierBytes]:
-    """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions`. For each host
-    shard the host holds the copy of its reduced gradient (all buckets' copies are started at once
-    in `update`) and, with "cpu", its master (the fp32 master where the params are narrower, else a
-    copy of the param shard: m or p bytes) and its optimizer state. With "nvme" the master and the
-    optimizer state's fp32 arrays are in swap files (one file per bucket and tensor: Adam's m, v
-    and the master), and the host keeps the files' buffers, `nvme.buffer_bytes` with twice a
-    bucket's files as buffers (`NvmeTier._open`; not counted for a bare count, whose buckets are
-    unknown). With params offloaded, frozen shards live on the host in the params' dtype, and so
-    does a copy of each trainable shard where the master is wider or in a file (what a unit moves
-    to the device: p bytes) -- with params="nvme" that copy is a swap file too (p bytes on the
-    disk), and the host keeps, besides the pool, the reads of the shards in flight: counted as two
-    of the largest (`SwapFiles.start_load`: one unit read ahead while one is copied, one bucket
-    per unit; each further prefetched unit or bucket adds one). `frozen_params`: bytes per
-    parameter of a frozen shard (default `bpp.params`)."""
-    frozen_p = bpp.params if frozen_params is None else frozen_params
-    on_host = sum((f * b.shard for b, f in zip(buffers, h) if b.trainable), Fraction(0))
-    frozen = sum((f * b.shard for b, f in zip(buffers, h) if not b.trainable), Fraction(0))
-    state = bpp.optimizer_state * on_host
-    m_prime = bpp.master or bpp.params  # the master's bytes per element: m, else p (the params are it)
-    master = m_prime * on_host
+    """Host and NVMe bytes of an offloaded rank, with `h` from `host_fractions` and `costs` per
+    buffer (`_Cost`). For each host shard the host holds the copy of its reduced gradient (all
+    buckets' copies are started at once in `update`) and, with "cpu", its master (the fp32
+    master where the params are narrower, else a copy of the param shard: m or p bytes) and its
+    optimizer state; its replicated per-leaf fields (`leaf_bytes`) stay in host memory with
+    "nvme" too. With "nvme" the master and the optimizer state's per-element fields are in swap
+    files (one file per bucket and tensor: Adam's m, v and the master), and the host keeps the
+    files' buffers, `nvme.buffer_bytes` with twice a bucket's files as buffers (`NvmeTier._open`;
+    not counted for a bare count, whose buckets are unknown). With params offloaded, frozen
+    shards live on the host in the params' dtype, and so does a copy of each trainable shard
+    where the master is wider or in a file (what a unit moves to the device: p bytes) -- with
+    params="nvme" that copy is a swap file too (p bytes on the disk), and the host keeps,
+    besides the pool, the reads of the shards in flight: counted as two of the largest
+    (`SwapFiles.start_load`: one unit read ahead while one is copied, one bucket per unit; each
+    further prefetched unit or bucket adds one)."""
+    host_of = [(c, f * b.shard) for b, c, f in zip(buffers, costs, h) if b.trainable]  # (cost, elements on the host)
+    frozen = sum((c.frozen * f * b.shard for b, c, f in zip(buffers, costs, h) if not b.trainable), Fraction(0))
+    leaf = sum((f * c.leaf for b, c, f in zip(buffers, costs, h) if b.trainable), Fraction(0))
+    state = sum((c.bpp.optimizer_state * e for c, e in host_of), Fraction(0))
+    m_prime = lambda c: c.bpp.master or c.bpp.params  # noqa: E731 -- the master's bytes per element: m, else p
+    master = sum((m_prime(c) * e for c, e in host_of), Fraction(0))
     on_nvme = off.optimizer == "nvme"
-    fields = bpp.optimizer_state // 4  # fp32 arrays [S] per bucket: Adam's m and v
-    shards = [f * b.shard for b, f in zip(buffers, h) if b.trainable and b.bucket and f]
-    files = [4 * s for s in shards] * fields + [m_prime * s for s in shards]
-    copy = bpp.params * on_host if off.params is not None and (bpp.master or on_nvme) else Fraction(0)
     in_file = off.params == "nvme"  # the compute-dtype copy in swap files, read per unit into buffers of its own
-    reads = 2 * bpp.params * max(shards, default=0) if in_file else 0
-    pool = nvme.buffer_bytes(files + [bpp.params * s for s in shards] * in_file, buffers=2 * (fields + 1))
+    # per bucket on the host: its per-element fields' files (`item` bytes an element each: Adam's m and v) and
+    # its master's
+    shards = [(c, f * b.shard) for b, c, f in zip(buffers, costs, h) if b.trainable and b.bucket and f]
+    fields = [c.bpp.optimizer_state // c.item for c, _ in shards]
+    files = [n for (c, e), k in zip(shards, fields) for n in [c.item * e] * k + [m_prime(c) * e]]
+    copy = sum((c.bpp.params * e for c, e in host_of if off.params is not None and (c.bpp.master or on_nvme)),
+               Fraction(0))
+    reads = 2 * max((c.bpp.params * e for c, e in shards), default=0) if in_file else 0
+    pool = nvme.buffer_bytes(files + [c.bpp.params * e for c, e in shards] * in_file,
+                             buffers=2 * (max(fields, default=0) + 1))
     host = TierBytes(
         # with params offloaded and a wider master (or one in a file), the host keeps the shard in the params' dtype
-        params=frozen_p * frozen + (Fraction(0) if in_file else copy),
-        grads=bpp.grads * on_host,
-        optimizer_state=Fraction(0) if on_nvme else state,
+        params=frozen + (Fraction(0) if in_file else copy),
+        grads=sum((c.bpp.grads * e for c, e in host_of), Fraction(0)),
+        optimizer_state=leaf + (Fraction(0) if on_nvme else state),
         master=Fraction(0) if on_nvme else master,
         buffers=Fraction(pool + reads) if on_nvme else Fraction(0),
     )
@@ -477,21 +531,26 @@ def estimate(
         a params pytree of floating tensors, or an `nn.Module` (its `named_parameters()`). Only
         shapes and dtypes are read, so meta tensors work. For a pytree, `fzero.layout.plan(model,
         world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)` gives
-        the buckets and their padding; leaf dtypes only decide the bucketing, `param_dtype` the
-        bytes. Frozen groups have no grads, optimizer state or master copy.
+        the buckets and their padding; each bucket costs what its own dtype does, unless
+        `param_dtype` is given (or the optimizer is "adam-mixed", the paper's bf16 params). Frozen
+        groups have no grads, optimizer state or master copy. The optimizer's replicated per-leaf
+        fields (`leaf_bytes`: step counts, adafactor's row and column statistics) are counted in
+        the optimizer state, whole on every rank; a bare count has no leaves, so none.
       world_size: N >= 1.
       stage: 0-3, or None for all four.
-      param_dtype, grad_dtype, optimizer, amsgrad: see `bytes_per_param` (with `precision`:
-        `policy_bytes_per_param`).
+      param_dtype, grad_dtype, optimizer, amsgrad: see `policy_bytes_per_param` (for
+        "adam-mixed": `bytes_per_param`). `param_dtype` is the dtype the params are held in
+        (default: each bucket's own; fp32 for a bare count).
       offload: a `fzero.Offload(...)`, or its settings as `offload_optimizer` (None, "cpu",
         "nvme"), `offload_params` (None, "cpu", "nvme"; stage 3) and `offload_ratio` (r in (0, 1]).
-      precision: None: the ZeRO paper's accounting (`bytes_per_param`: a master copy wherever the
-        params are narrower than fp32, at every stage). A `fzero.Precision` (`fzero.Precision()`
-        for no policy): what `fzero.init(..., precision=precision)` keeps, stage by stage
-        (`policy_bytes_per_param`): with fp32 params and `Precision(torch.bfloat16)` a bf16 copy
-        beside the fp32 master at stages 1-2, and at stage 3 only with the optimizer offloaded.
-        `param_dtype` is then the held params' dtype (default fp32) and "adam-mixed" is refused
-        (use "adam").
+      precision: a `fzero.Precision`: what `fzero.init(..., precision=precision)` keeps, stage by
+        stage (`policy_bytes_per_param`): with fp32 params and `Precision(torch.bfloat16)` a bf16
+        copy beside the fp32 master at stages 1-2, and at stage 3 only with the optimizer
+        offloaded; "adam-mixed" is then refused (use "adam"). None (the default): what `fzero.init`
+        keeps without `precision=` (`fzero.Precision()`: no master copy, the optimizer state in
+        the params' dtype -- bf16 params keep bf16 moments, not an fp32 master), but for
+        optimizer="adam-mixed": the ZeRO paper's accounting (`bytes_per_param`: a bf16 copy beside
+        an fp32 master at every stage, per-element bytes only).
       bucket_bytes: `fzero.init`'s / `plan`'s cap on a bucket's bytes (pytrees and modules only).
 
     Returns:
@@ -502,25 +561,49 @@ def estimate(
     if stage is not None:
         get_stage(stage)
     off = offload_setting(offload, offload_optimizer, offload_params, offload_ratio)
-    if precision is None:
-        bpp = bytes_per_param(optimizer, param_dtype, grad_dtype, amsgrad=amsgrad)
-        per_stage = lambda st: (bpp, bpp.params)  # noqa: E731
-    else:
-        per_stage = lambda st: policy_bytes_per_param(  # noqa: E731
-            optimizer, st, precision, param_dtype, grad_dtype, off, amsgrad=amsgrad)
-        per_stage(STAGES[0])  # check the settings before planning
+    cost = _costs(optimizer, precision, param_dtype, grad_dtype, off, amsgrad)
+    cost(STAGES[0], _Buffer(Fraction(0), Fraction(0), True, bucket=False))  # check the settings before planning
     if bucket_bytes is not None and isinstance(model, Real) and not isinstance(model, bool):
         raise ConfigError(f"bucket_bytes={bucket_bytes!r} cuts a layout's buckets; a bare parameter count has none: "
                           f"pass a params pytree or an nn.Module, or leave bucket_bytes out")
     buffers = _buffers(model, world_size, units, groups, align, bucket_bytes)
 
     def one(level: int) -> MemoryEstimate:
-        bpp, frozen = per_stage(get_stage(level))
-        return _stage_estimate(buffers, world_size, level, bpp, off, frozen)
+        st = get_stage(level)
+        return _stage_estimate(buffers, world_size, level, [cost(st, b) for b in buffers], off)
 
     if stage is not None:
         return one(stage)
     return tuple(one(s.level) for s in STAGES if _accepts(s, off))
+
+
+def _costs(optimizer: str, precision: Precision | None, param_dtype: torch.dtype | str | None,
+           grad_dtype: torch.dtype | str | None, off: OffloadSetting, amsgrad: bool) -> Any:
+    """`(stage, buffer) -> _Cost`: the paper's bytes for "adam-mixed" without a policy
+    (`bytes_per_param`), else what `fzero.init` keeps under `precision` (None: no policy) for a
+    bucket held in `param_dtype`, or in its own dtype (`policy_bytes_per_param`, `leaf_bytes`)."""
+    if precision is None and optimizer == "adam-mixed":
+        bpp = bytes_per_param(optimizer, param_dtype, grad_dtype, amsgrad=amsgrad)
+        return lambda st, b: _Cost(bpp, bpp.params)
+    policy = FULL if precision is None else precision
+
+    def cost(st: Stage, b: _Buffer) -> _Cost:
+        held = as_dtype(param_dtype) if param_dtype is not None else b.dtype if b.dtype is not None else torch.float32
+        bpp, frozen = policy_bytes_per_param(optimizer, st, policy, held, grad_dtype, off, amsgrad=amsgrad)
+        leaf = leaf_bytes(optimizer, held, b.shapes, amsgrad) if b.bucket and b.trainable else 0
+        return _Cost(bpp, frozen, leaf, held.itemsize)
+
+    return cost
+
+
+def default_bytes_per_param(optimizer: str = "adam", param_dtype: torch.dtype | str | None = None,
+                            grad_dtype: torch.dtype | str | None = None, *, amsgrad: bool = False) -> BytesPerParam:
+    """Bytes per parameter `estimate` counts without `precision=` (the same at every stage, no
+    offload): the paper's (`bytes_per_param`) for "adam-mixed", else what `fzero.init` keeps with
+    no policy for params held in `param_dtype` (default fp32)."""
+    if optimizer == "adam-mixed":
+        return bytes_per_param(optimizer, param_dtype, grad_dtype, amsgrad=amsgrad)
+    return policy_bytes_per_param(optimizer, 0, FULL, param_dtype, grad_dtype, amsgrad=amsgrad)[0]
 
 
 def _accepts(st: Stage, off: OffloadSetting) -> bool:

@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
 from .errors import ConfigError
-from .gathering import GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict, same_paths
+from .gathering import (GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict, replaced_tensors,
+                        same_paths)
 from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
@@ -79,22 +80,18 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
 
 def _owned(state: ZeroState, out: Any) -> Any:
     """`out` with every tensor that shares memory with the state (a param returned as it is, or a
-    view of one: stages 0-2 and stage 3 at N = 1 read the held buffers themselves) cloned, and a
-    `LazyParams` returned whole made a dict of its leaves: writing an output, or reading it after
-    a donating step, must not reach the state (found in review: at stages 0-2 a write to it
-    changed the state, under a bf16 policy its compute copy apart from its master, while at
-    stage 3, N > 1, it did not)."""
+    view of one: stages 0-2 and stage 3 at N = 1 read the held buffers themselves) cloned, also
+    in a dataclass's fields (`replaced_tensors`), and a `LazyParams` returned whole made a dict of
+    its leaves: writing an output, or reading it after a donating step, must not reach the state
+    (found in review: at stages 0-2 a write to it changed the state, under a bf16 policy its
+    compute copy apart from its master, while at stage 3, N > 1, it did not)."""
     held = {t.untyped_storage().data_ptr() for t in (*state.params, *state.master)
             if isinstance(t, torch.Tensor) and t.numel()}
-
-    def own(x: Any) -> Any:
-        if isinstance(x, LazyParams):
-            return {k: own(v) for k, v in dict(x).items()}
-        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() in held:
-            return x.clone()
-        return x
-
-    return tree_map(own, out, is_leaf=lambda x: isinstance(x, LazyParams))
+    out = tree_map(lambda x: dict(x) if isinstance(x, LazyParams) else x, out,
+                   is_leaf=lambda x: isinstance(x, LazyParams))
+    return replaced_tensors(out, lambda t: bool(t.numel()) and t.untyped_storage().data_ptr() in held,
+                            torch.Tensor.clone, lambda t: f"a view of the state's own buffer ({t.dtype}"
+                                                          f"{list(t.shape)}: a param returned as it is)")
 
 
 def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any,

@@ -57,6 +57,7 @@ started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1),
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import re
 import sys
@@ -532,9 +533,10 @@ class Gathering:
             with context:
                 out = fn(params, batch)
             if isinstance(context, FirstUse):  # a placeholder `fn` returns as it is: the leaf, as eager returns
-                out = context.swapped(out)
+                out = context.returned(out)
         except RuntimeError as e:  # a write before a read: torch's view check raises inside `fn`
             self._check_unwritten(e)
+            _check_not_parameter(e)
             raise
         self._check_unwritten()
         self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
@@ -637,6 +639,67 @@ def _tensors_in(out: Any) -> Iterator[torch.Tensor]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             for f in dataclasses.fields(leaf):
                 yield from _tensors_in(getattr(leaf, f.name))
+
+
+def replaced_tensors(out: Any, hit: Callable[[torch.Tensor], bool], fn: Callable[[torch.Tensor], torch.Tensor],
+                     what: Callable[[torch.Tensor], str]) -> Any:
+    """`out` with `fn(t)` for each tensor `t` in it where `hit(t)`: through torch's pytree nodes
+    (tuples, lists, dicts, NamedTuples, registered types: rebuilt), and the fields of dataclass
+    instances, which torch's pytree takes for leaves (`_tensors_in`): a shallow copy with the
+    changed fields set, as `object.__setattr__` sets them (no `__init__` runs; frozen ones too).
+    An object of another class whose attributes (`__dict__`, `__slots__`) hold such a tensor,
+    directly or in a pytree, cannot be rebuilt: `ConfigError` naming its type, the attribute,
+    `what(t)` and the way out (found in review: evaluate returned a dataclass holding the on-use
+    placeholder of a nested params leaf, at every stage)."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x) if hit(x) else x
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            changed = {}
+            for f in dataclasses.fields(x):
+                old = getattr(x, f.name)
+                new = replaced_tensors(old, hit, fn, what)
+                if new is not old:
+                    changed[f.name] = new
+            if not changed:
+                return x
+            copied = copy.copy(x)
+            for name, value in changed.items():
+                object.__setattr__(copied, name, value)
+            return copied
+        for name, value in _attributes(x):
+            held = [t for t in torch_pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and hit(t)]
+            if held:
+                kind = type(x)
+                raise ConfigError(
+                    f"the function returned a {kind.__module__}.{kind.__qualname__} whose attribute {name!r} holds "
+                    f"{what(held[0])}, which fzero must replace before handing it back but cannot inside an object "
+                    f"of that class (it rebuilds tuples, lists, dicts, NamedTuples, dataclasses and torch pytree "
+                    f"nodes): return the tensors in one of those, make {kind.__qualname__} a @dataclasses.dataclass, "
+                    f"or register it (torch.utils._pytree.register_pytree_node)")
+        return x
+
+    if not any(hit(t) for t in _tensors_in(out)) and not any(_attributes(x) for x in torch_pytree.tree_leaves(out)):
+        return out  # nothing to replace, no object to look into: `out` itself
+    return torch_pytree.tree_map(leaf, out)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _attributes(x: Any) -> list[tuple[str, Any]]:
+    """`(name, value)` of the instance attributes (`__dict__`, `__slots__`) of an output object
+    that is neither a tensor, a dataclass instance, a plain value nor a callable (a module)."""
+    if isinstance(x, (torch.Tensor, *_PLAIN)) or callable(x) or dataclasses.is_dataclass(x):
+        return []
+    found = list(vars(x).items()) if isinstance(getattr(x, "__dict__", None), dict) else []
+    for klass in type(x).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(x, name):
+                found.append((name, getattr(x, name)))
+    return found
 
 
 def held_tensor(xs: Sequence[torch.Tensor], fulls: Sequence[torch.Tensor | None], b: int) -> torch.Tensor:
@@ -877,6 +940,21 @@ class Placeholder(torch.Tensor):
         raise _unswapped(str(func))
 
 
+def _check_not_parameter(e: RuntimeError) -> None:
+    """Raise `ConfigError` from torch's error for `nn.Parameter(w)` of a placeholder leaf:
+    `Parameter.__new__` makes a tensor subclass's Parameter by `w.detach()`, which `FirstUse`
+    answers with the gathered leaf, not a `Placeholder`, and torch then refuses the type. Read
+    on the error path only: nothing is added to a torch function's dispatch."""
+    if f"Parameter from an instance of type {Placeholder.__name__}" in str(e):
+        raise ConfigError(
+            "nn.Parameter(w) of a params leaf that is an on-use placeholder (gather='on_use' with params that are "
+            "not a flat dict: fzero hands the function placeholders it swaps for the gathered leaf at their first use, "
+            "and nn.Parameter's construction does not go through that swap). A Parameter made inside the function "
+            "is a new leaf, detached from the param: no gradient would reach the param through it, in any stage or "
+            "gather mode. Use the tensor itself (w); where an API insists on a Parameter, pass "
+            "nn.Parameter(w.detach()) knowing it is cut off, or use gather='eager' or flat-dict params") from e
+
+
 def _unswapped(name: str) -> ConfigError:
     return ConfigError(
         f"gather='on_use' with params that are not a flat dict: {name} received a placeholder leaf where fzero's "
@@ -915,6 +993,14 @@ class FirstUse(TorchFunctionMode):
         _not_from_compiled(self._paths, flat)
         return tree_unflatten([self._read(self._paths[id(a)]) if isinstance(a, torch.Tensor) and id(a) in self._paths
                                else a for a in flat], spec)
+
+    def returned(self, out: Any) -> Any:
+        """What the loss returned, each placeholder in it the leaf it stands for: in torch's pytree
+        nodes and in dataclasses' fields (`replaced_tensors`; an object of another class holding
+        one raises `ConfigError` naming its type)."""
+        return replaced_tensors(out, lambda t: id(t) in self._paths, lambda t: self._read(self._paths[id(t)]),
+                                lambda t: f"the on-use placeholder of params leaf {self._paths[id(t)]!r} "
+                                          f"(gather='on_use', params not a flat dict)")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         args, kwargs = self.swapped((args, kwargs or {}))

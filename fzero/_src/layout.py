@@ -440,15 +440,35 @@ def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
 
 
 def pack(layout: Layout, params: Any) -> tuple[torch.Tensor, ...]:
-    """`params -> (flat[N * S] per bucket)`: leaves back to back, zero padding at the end."""
+    """`params -> (flat[N * S] per bucket)`: leaves back to back, zero padding at the end.
+
+    A bucket's leaves are joined into one buffer, so they must be on one device (`LayoutError`
+    naming the bucket, its leaves and their devices otherwise); buckets may differ."""
     leaves = _leaves_of(layout, params)
     flats = []
     for b in layout.buckets:
+        _check_one_device(layout, b, leaves)
         parts = [leaves[i].reshape(-1) for i in b.leaves]
         like = leaves[b.leaves[0]]
         parts.append(like.new_zeros(b.padded_numel - b.numel))
         flats.append(torch.cat(parts))
     return tuple(flats)
+
+
+def _check_one_device(layout: Layout, b: BucketSpec, leaves: Sequence[torch.Tensor]) -> None:
+    """Every leaf of bucket `b` on the device of its first, or a `LayoutError` naming the bucket,
+    each leaf elsewhere with its device, and the way out (found in review: torch's "Tensor on
+    device meta is not on the expected device cpu!", naming no leaf)."""
+    first = leaves[b.leaves[0]].device
+    elsewhere = [i for i in b.leaves if leaves[i].device != first]
+    if elsewhere:
+        named = ", ".join(f"{layout.leaves[i].path!r} on {leaves[i].device}" for i in elsewhere[:6])
+        more = f" and {len(elsewhere) - 6} more" if len(elsewhere) > 6 else ""
+        raise LayoutError(
+            f"bucket {b.tag!r} joins its {len(b.leaves)} leaves into one flat buffer, but they are on more than one "
+            f"device: {layout.leaves[b.leaves[0]].path!r} on {first}, {named}{more}; move every params leaf to one "
+            f"device first (model.to(device), or optree.tree_map(lambda t: t.to(device), params)); fzero.init then "
+            f"copies the state to the mesh's device")
 
 
 def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat buffers") -> None:
