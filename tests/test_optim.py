@@ -934,7 +934,7 @@ def test_fused_sgd_where_torchs_kernel_skips_elements_is_refused(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torchs_cpu_fused_sgd_in_half_precision_is_the_case_refused(dtype):
     """The refusal above is not vacuous on the torch this suite runs: torch's CPU fused SGD in
-    half precision skips elements (torch 2.13 measured). Should a torch fix it, this test fails
+    half precision skips elements (torch 2.11 and 2.13: this test passed under both). Should a torch fix it, this test fails
     and says so: the refusal then lifts by itself (the probe is per device and dtype)."""
     assert not _torchs_fused_sgd_updates_every_element(dtype), (
         f"torch {torch.__version__}'s CPU fused SGD now updates every {dtype} element: drop this test")
