@@ -360,6 +360,55 @@ def test_other_optimizer(saved_root):
     assert issubclass(ck.CheckpointError, fzero.FzeroError)
 
 
+def test_load_compares_the_precision_policy(saved_root, tmp_path):
+    """A checkpoint saved under a bf16 policy does not load into a target without one (or under
+    fp16, or reducing in bf16), nor one saved without a policy into a bf16 target: the policy
+    changes the steps to come as the optimizer's settings do (found in review: it loaded
+    silently, and the resumed run was another run). A policy that gives every leaf the same
+    dtypes (`Precision(torch.float32)` over float32 leaves) is the same run, and loads bitwise."""
+    mesh = fzero.SimMesh(2)
+
+    def load(path, precision, stage=1):
+        def rank_fn():
+            target = fzero.init(make_params(seed=9), OPTIMIZERS["adamw"](), stage=stage, mesh=mesh,
+                                precision=precision)
+            return fzero.gather(ck.load(path, target))
+        return mesh.run(rank_fn)[0]
+
+    same = load(saved_root, fzero.Precision(torch.float32))
+    want = mesh.run(lambda: fzero.gather(ck.load(saved_root, fzero.init(
+        make_params(seed=9), OPTIMIZERS["adamw"](), stage=1, mesh=mesh))))[0]
+    assert_same(flat_leaves(same), flat_leaves(want), "params")
+    for precision, policy in [(fzero.Precision(), "Precision(param_dtype=None, reduce_dtype=None)"),
+                              (fzero.Precision(torch.float16, torch.float32),
+                               "Precision(param_dtype=torch.float16, reduce_dtype=torch.float32)"),
+                              (fzero.Precision(torch.bfloat16, torch.bfloat16),
+                               "Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)")]:
+        path = bf16_saved(tmp_path)
+        with pytest.raises(ck.CheckpointError) as info:
+            load(path, precision)
+        assert str(info.value).startswith(
+            f"{path!r} was saved under another precision policy: checkpoint Precision(param_dtype=torch.bfloat16, "
+            f"reduce_dtype=torch.float32), target {policy}; bucket "), str(info.value)
+        assert str(info.value).endswith("make the target with the precision it was saved with")
+    assert load_into(saved_root, make_params(), "adamw") is None  # (a target of no policy: loads)
+    with pytest.raises(ck.CheckpointError, match=r"saved under another precision policy: checkpoint "
+                                                 r"Precision\(param_dtype=None, reduce_dtype=None\), target "
+                                                 r"Precision\(param_dtype=torch.bfloat16.* would compute in "
+                                                 r"float32 and reduce in float32 as saved, in bfloat16 and float32"):
+        load(saved_root, BF16, stage=3)
+
+
+def bf16_saved(tmp_path):
+    """A checkpoint of 2 ranks at stage 1 under the bf16 policy (made once per test's tmp_path)."""
+    root = tmp_path / "bf16"
+    if not root.exists():
+        mesh = fzero.SimMesh(2)
+        states = train(mesh, 1, "adamw", 1, BF16)
+        saves(mesh, str(root), states)
+    return ck.latest(str(root))
+
+
 def test_scaler_must_match(saved_root):
     mesh = fzero.SimMesh(1)
 
@@ -719,6 +768,57 @@ def test_dcp_on_gloo_one_file_per_rank_and_own_reads(dist2, tmp_path):
         assert {n.rsplit("/", 1)[0] for n in sharded if n.startswith("opt/")} == {"opt/exp_avg", "opt/exp_avg_sq"}
         reads = {file for _, file, name, _, _ in log if name in sharded}  # "leaf" fields (AdamW's step): rank 0's
         assert reads == {f"__{r}_0.distcp"}, log
+
+
+def test_export_checks_its_dtype_and_aliases(saved_root):
+    """`export` takes a floating `dtype` and `aliases` of the model saved (`{leaf: (names,)}`,
+    the leaf itself first as `ModuleInfo.aliases` lists it), else `CheckpointError` naming the
+    argument. Before (found in review): `dtype=torch.int32` truncated every value silently, a str
+    was torch's "Invalid device string", a leaf of another model a `KeyError`, a str of names made
+    one-letter names ("t", "i", "e", "d"), and an alias naming a saved leaf replaced that leaf's
+    values with another's, silently."""
+    fix = "pass ModuleInfo.aliases of the model the checkpoint was saved from (fzero.from_module)"
+    for dtype, shown in [(torch.int32, "dtype torch.int32"), ("bf16", "str 'bf16'")]:
+        with pytest.raises(ck.CheckpointError) as info:
+            ck.export(saved_root, dtype=dtype)
+        assert str(info.value) == ("checkpoint.export: dtype must be None or a floating torch.dtype (torch.bfloat16, "
+                                   f"torch.float16, torch.float32, torch.float64), got {shown}; nothing was read")
+    for aliases, message in [
+            ({"nope": ("x",)}, f"aliases names leaf 'nope', which {saved_root!r} does not hold (its leaves: "
+                               f"['bias', 'emb', 'empty', 'head.w', 'scale']); {fix}"),
+            ([("emb", "x")], f"aliases must be None or a dict {{leaf path: (alias, ...)}}, got list "
+                             f"[('emb', 'x')]; {fix}"),
+            ({"emb": "tied"}, f"aliases['emb'] must be a tuple of str names, got str 'tied'; {fix}"),
+            ({"emb": ("emb", "bias")}, f"aliases['emb'] names 'bias', which is a leaf or buffer of {saved_root!r} "
+                                       f"itself (it would be replaced by 'emb''s values); {fix}")]:
+        with pytest.raises(ck.CheckpointError) as info:
+            ck.export(saved_root, aliases=aliases)
+        assert str(info.value) == f"checkpoint.export: {message}"
+    plain = ck.export(saved_root)
+    tied = ck.export(saved_root, aliases={"emb": ("emb", "tied.emb")}, dtype=torch.float64)
+    assert tied["tied.emb"] is tied["emb"] and tied.keys() == {*plain, "tied.emb"}
+    assert all(torch.equal(tied[k], plain[k].double()) for k in plain)
+
+
+def test_latest_skips_a_checkpoint_whose_file_vanishes(saved_root, tmp_path, monkeypatch):
+    """A file deleted while `latest` looks at it (another process's `save(..., keep=K)` removing
+    the checkpoint) makes `latest` skip that checkpoint; before, `os.path.getsize` raised
+    `FileNotFoundError` out of `latest` (found in review)."""
+    import fzero._src.checkpoint as impl
+
+    root = tmp_path / "root"
+    shutil.copytree(saved_root, root / "step-1")
+    going = str(root / "step-1" / "__0_0.distcp")
+    size = os.path.getsize
+
+    def vanishing(name):
+        if os.fspath(name) == going:
+            raise FileNotFoundError(2, "No such file or directory", going)
+        return size(name)
+
+    assert ck.latest(root) == str(root / "step-1")
+    monkeypatch.setattr(impl.os.path, "getsize", vanishing)
+    assert ck.latest(root) is None and ck.complete(root) == []
 
 
 def test_cli_names_a_missing_dcp_metadata(saved_root, tmp_path, capsys):

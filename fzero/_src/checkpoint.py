@@ -85,6 +85,7 @@ from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
+from .precision import Precision
 from .scale import LossScaleState
 from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
                     setting_name, unnamed)
@@ -888,8 +889,17 @@ def _check_manifest(name: str, m: dict[str, Any]) -> None:
 
 
 def _files_present(path: str, manifest: dict[str, Any]) -> bool:
-    return all(os.path.getsize(os.path.join(path, f)) == meta["bytes"] if os.path.isfile(os.path.join(path, f))
-               else False for f, meta in manifest["files"].items())
+    """Every file the manifest lists is there, of its size. A file that vanishes while it is
+    looked at (another process's `keep=` deleting the checkpoint) is not there: `latest` skips the
+    checkpoint (found in review: `FileNotFoundError` out of `latest`)."""
+
+    def size(f: str) -> int | None:
+        try:
+            return os.path.getsize(os.path.join(path, f)) if os.path.isfile(os.path.join(path, f)) else None
+        except OSError:
+            return None
+
+    return all(size(f) == meta["bytes"] for f, meta in manifest["files"].items())
 
 
 def complete(root: str | os.PathLike) -> list[str]:
@@ -931,9 +941,10 @@ def latest(root: str | os.PathLike) -> str | None:
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
-    scaler settings (`_scaler_settings`) are the target's; a `CheckpointError` naming the first
-    mismatch otherwise. (Files are checked as they are read.) A group's settings change the update as the optimizer's do: a
-    resume under other groups would step on from the same state as another run (found in review:
+    scaler settings (`_scaler_settings`) and precision policy (`_check_precision`) are the
+    target's; a `CheckpointError` naming the first mismatch otherwise. (Files are checked as
+    they are read.) A group's settings change the update as the optimizer's do: a resume under
+    other groups would step on from the same state as another run (found in review:
     silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
     keys = ("path", "shape", "dtype", "frozen")
@@ -958,6 +969,47 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
         raise CheckpointError(f"{path!r} has loss scaler {theirs_scaler!s}, the target {mine_scaler!s}; make the "
                               f"target with the loss_scale it was saved with (a DynamicLossScale's init_scale may "
                               f"differ: the run goes on from the saved scale)")
+    _check_precision(path, manifest, target)
+
+
+def _policy(text: Any) -> Precision | None:
+    """The `Precision` a manifest's "precision" (`[str(param_dtype), str(reduce_dtype)]`) names,
+    or None where it names none."""
+    if not (isinstance(text, list) and len(text) == 2):
+        return None
+    dtypes = [None if t == "None" else _dtype(t.removeprefix("torch.")) if isinstance(t, str) else None for t in text]
+    if any(d is None and t != "None" for d, t in zip(dtypes, text)):
+        return None
+    try:
+        return Precision(*dtypes)
+    except FzeroError:
+        return None
+
+
+def _check_precision(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
+    """The checkpoint's precision policy gives every leaf the compute and reduce dtypes the
+    target's gives it (`Precision.wire`; so `Precision(torch.float32)` over float32 leaves is no
+    policy), else a `CheckpointError` naming the leaf and both policies. A policy changes the steps
+    to come as the optimizer's settings do: a resume under another one steps on from the same
+    state as another run (found in review: it loaded silently)."""
+    if "precision" not in manifest:  # (a manifest without the field: nothing to compare)
+        return
+    theirs, mine = _policy(manifest["precision"]), target.precision
+    if theirs is None:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)!r}: field 'precision' must be [param_dtype, "
+                              f"reduce_dtype] (torch dtype names or 'None'), got {_short(manifest['precision'])}; the "
+                              f"manifest was edited or damaged: load another checkpoint "
+                              f"(fzero.checkpoint.complete(root) lists them)")
+    for spec in target.layout.buckets:
+        a, b = theirs.wire(spec), mine.wire(spec)
+        if a.compute != b.compute or (a.reduce != b.reduce and not spec.group.frozen):  # (frozen: nothing reduced)
+            ls = target.layout.leaves[spec.leaves[0]] if spec.leaves else None
+            leaf = "" if ls is None else f" (leaf {ls.path!r}, {_dtype_name(ls.dtype)})"
+            raise CheckpointError(
+                f"{path!r} was saved under another precision policy: checkpoint {theirs}, target {mine}; bucket "
+                f"{spec.tag!r}{leaf} would compute in {_dtype_name(a.compute)} and reduce in "
+                f"{_dtype_name(a.reduce)} as saved, in {_dtype_name(b.compute)} and {_dtype_name(b.reduce)} in the "
+                f"target; make the target with the precision it was saved with")
 
 
 def _scaler_settings(text: str | None) -> str | None:
@@ -1255,9 +1307,17 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
     takes; the module buffers a `save(..., buffers=)` kept are in it too (else load it with
     `strict=False`; a module with non-persistent buffers, which its `state_dict` leaves out,
-    takes them with `strict=False` as well). Files are checked against their sha256 first."""
+    takes them with `strict=False` as well). Files are checked against their sha256 first; a
+    `dtype` that is not a floating torch dtype, or `aliases` that name a leaf the checkpoint does
+    not hold or rename one it does, are a `CheckpointError` before anything is read."""
     path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointError(f"checkpoint.export: dtype must be None or a floating torch.dtype (torch.bfloat16, "
+                              f"torch.float16, torch.float32, torch.float64), got {type(dtype).__name__} "
+                              f"{_short(dtype)}; nothing was read")
     manifest = read_manifest(path)
+    _check_aliases(path, aliases, [ls["path"] for ls in manifest["leaves"]],
+                   [b["name"] for b in manifest.get("buffers") or ()])
     check_files(path, manifest)
     metadata = _read_metadata(path)
     leaves = manifest["leaves"]
@@ -1275,6 +1335,35 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
             for alias in names:
                 out[alias] = out[name]
     return {**out, **saved}  # buffers keep their own dtype
+
+
+def _check_aliases(path: str, aliases: Any, leaves: list[str], buffers: list[str]) -> None:
+    """`aliases` is None or `{saved leaf path: (other names,)}` (`ModuleInfo.aliases`) whose other
+    names are new: else a `CheckpointError` naming the entry. (Found in review: a leaf of another
+    model was a `KeyError`, a str of names was split into one-letter names, and an alias naming a
+    saved leaf replaced that leaf's tensor with another's, silently.)"""
+    if aliases is None:
+        return
+    fix = "pass ModuleInfo.aliases of the model the checkpoint was saved from (fzero.from_module)"
+    if not isinstance(aliases, Mapping):
+        raise CheckpointError(f"checkpoint.export: aliases must be None or a dict {{leaf path: (alias, ...)}}, got "
+                              f"{type(aliases).__name__} {_short(aliases)}; {fix}")
+    taken = set(leaves) | set(buffers)
+    for name, names in aliases.items():
+        if name not in leaves:
+            raise CheckpointError(f"checkpoint.export: aliases names leaf {name!r}, which {path!r} does not hold "
+                                  f"(its leaves: {_short(leaves, 200)}); {fix}")
+        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) or not all(
+                isinstance(a, str) for a in names):
+            raise CheckpointError(f"checkpoint.export: aliases[{name!r}] must be a tuple of str names, got "
+                                  f"{type(names).__name__} {_short(names)}; {fix}")
+        for alias in names:
+            if alias == name:  # (ModuleInfo.aliases lists the name itself first)
+                continue
+            if alias in taken:
+                raise CheckpointError(f"checkpoint.export: aliases[{name!r}] names {alias!r}, which is a leaf or "
+                                      f"buffer of {path!r} itself (it would be replaced by {name!r}'s values); {fix}")
+            taken.add(alias)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str] | None = None
