@@ -332,3 +332,78 @@ def test_float64_gradients_are_added_in_float64(stage, k, mode):
         narrow = mesh.run(lambda: fzero.gather(fzero.train_step(loss, accum_dtype=torch.float32)(fzero.init(
             {"w": w0.clone()}, optim.sgd(1.0, impl="single"), stage=stage, mesh=mesh), xs[0])[0])["w"])[0]
         assert torch.equal(narrow, w0 - g.float().double()) and not torch.equal(narrow, got)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_mode_adds_reduced_parts_rounded_to_the_params_dtype_in_every_stage(stage):
+    """bf16 params (no master) reduced in fp32 (`Precision(bf16, fp32)`), k = 3, "each": every
+    stage adds the parts `fl_bf16(Σ_r fl(c·fl_fp32(g_ri)))` in fp32, in micro-batch order, and
+    casts the sum to bf16: stages 2-3 get each reduced part as the gradient of a bf16 tensor,
+    which autograd casts to bf16, and stages 0-1 now cast it too. SGD(lr 1) from w = 0 moves by
+    exactly -G, compared with a serial reference. Before, stages 0-1 added the fp32 parts, and
+    differed from stages 2-3 and from this reference (found in review)."""
+    n, k = 2, 3
+    g = torch.Generator().manual_seed(5)
+    xs = [[torch.randn(4, 16, generator=g).to(torch.bfloat16) for _ in range(k)] for _ in range(n)]
+
+    def loss(p, x):  # bf16 throughout
+        return (x @ p["w"]).sin().sum()
+
+    w0 = torch.zeros(16, 3, dtype=torch.bfloat16)
+    grads = [[torch.func.grad(lambda w: loss({"w": w}, x) / k)(w0) for x in rank] for rank in xs]
+    acc = fp32_parts = None
+    for i in range(k):
+        part = None
+        for r in range(n):  # RS(fl(c · fl_q(g))), summed in rank order in fp32
+            x = grads[r][i].float() * (1.0 / n)
+            part = x if part is None else part + x
+        fp32_parts = part if fp32_parts is None else fp32_parts + part  # what stages 0-1 added before
+        part = part.to(torch.bfloat16).float()  # the part as the gradient of the bf16 bucket
+        acc = part if acc is None else acc + part
+    want = -acc.to(torch.bfloat16)
+    assert not torch.equal(want, -fp32_parts.to(torch.bfloat16))  # the data shows the per-part rounding
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn(my):
+        state = fzero.init({"w": w0.clone()}, optim.sgd(1.0), stage=stage, mesh=mesh,
+                           precision=fzero.Precision(torch.bfloat16, torch.float32))
+        state, _ = fzero.train_step(loss, micro_batches=k)(state, my)
+        return fzero.gather(state)["w"]
+
+    for got in mesh.run(rank_fn, [(x,) for x in xs]):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_accum_dtype_narrower_than_16_bits_is_refused(dtype):
+    """Before: accepted; one micro-batch's gradient was silently rounded to fp8 on its way to the
+    optimizer, and two raised torch's NotImplementedError ("add_stub" not implemented) mid-step
+    (found in review)."""
+    with pytest.raises(fzero.ConfigError) as e:
+        fzero.train_step(_loss, micro_batches=2, accum_dtype=dtype)
+    assert str(e.value) == (f"accum_dtype {dtype} is narrower than 16 bits: gradients are added and handed to the "
+                            f"optimizer in it, and torch's 8-bit floats have no addition; use None (float32) or "
+                            f"torch.bfloat16 / torch.float16")
+
+
+def test_a_python_float_token_count_is_taken_in_float64():
+    """A count returned as a Python float is the number given: T = 2^24 + 1 (not a float32), so the
+    loss is `loss_sum / T` and SGD(lr 1) from w = 0 moves by `-g · fl(1/T)` (N = 1). Before, the count went
+    through float32 (`torch.as_tensor(16777217.0)`), T was 2^24 and both were off (found in
+    review); a count that is not a number was torch's TypeError or RuntimeError, naming no count."""
+    t = 2.0**24 + 1
+    x = torch.tensor([1.0, 3.0])
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn(count):
+        state = fzero.init({"w": torch.zeros(2)}, optim.sgd(1.0), stage=0, mesh=mesh)
+        state, m = fzero.train_step(lambda p, _: ((p["w"] * x).sum() + 4.0, count), normalize="tokens")(state, None)
+        return fzero.gather(state)["w"], m
+
+    w, m = mesh.run(lambda: rank_fn(t))[0]
+    assert torch.equal(m.loss, torch.tensor(4.0 / t, dtype=torch.float64))
+    assert torch.equal(w, -(x * (1.0 / t))) and not torch.equal(w, -(x * 2.0**-24))
+    with pytest.raises(fzero.ConfigError) as e:
+        mesh.run(lambda: rank_fn(None))
+    assert str(e.value).startswith("normalize='tokens': the count loss_fn returned must be one finite number >= 0 "
+                                   "(an int, a float or a 1-element tensor), got NoneType None")

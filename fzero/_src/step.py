@@ -82,10 +82,13 @@ class Metrics(NamedTuple):
     """What a step reports, the same on every rank.
 
     Attributes:
-      loss: float64 0-d, the mean over ranks of each rank's loss (summed in rank order, / N).
+      loss: float64 0-d, the mean over ranks of each rank's loss (summed in rank order, / N; a
+        rank's loss is its micro-batches' `loss / k` summed); with `normalize="tokens"`,
+        `Σ_r loss_sum_r / T`, T the agreed token count.
       grad_norm: float64 0-d, `‖Σ_r fl(1/N) g_r‖₂` over all trainable leaves: a float32 norm per
         bucket shard, their squares summed in float64, over ranks in rank order (the same bits
-        in every stage; relative error at most γ_{S+1} + 2u, proofs/stages.md §3).
+        in every stage; relative error at most γ_{S+1} + 2u, proofs/stages.md §3); times N / T
+        with `normalize="tokens"`; before clipping.
       step: the index of this update (0 for the first): the input state's step count.
       skipped: True if the step was non-finite and left the state as it was (`on_nonfinite="skip"`,
         or an overflow under a loss scaler, which then only updates the scaler's state).
@@ -151,6 +154,11 @@ class StepConfig:
         if a is not None and (not isinstance(a, torch.dtype) or not a.is_floating_point):
             raise ConfigError(f"accum_dtype must be None (float32, or the gradient's dtype where wider) or a floating "
                               f"torch.dtype, got {a!r}")
+        if a is not None and a.itemsize < 2:  # found in review: one micro-batch's gradient silently rounded to fp8,
+            # two torch's NotImplementedError for their sum
+            raise ConfigError(f"accum_dtype {a} is narrower than 16 bits: gradients are added and handed to the "
+                              f"optimizer in it, and torch's 8-bit floats have no addition; use None (float32) or "
+                              f"torch.bfloat16 / torch.float16")
         c = self.clip_norm
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
             raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
@@ -252,7 +260,8 @@ def train_step(
         bit for bit (proofs/accumulation.md).
       accum_dtype: the dtype gradients are added in; None (the default): float32, or the
         gradient's own dtype where that is wider (float64 params: float64); a dtype given is used
-        as it is. The sum is cast to the params' dtype for the reduction ("once") or the optimizer.
+        as it is. The sum is cast to the params' dtype for the reduction ("once") or the optimizer
+        ("each", whose reduced parts are each cast to the params' dtype before they are added).
       normalize: "mean" (loss_fn returns this rank's mean loss) or "tokens" (loss_fn returns
         `(loss_sum, count)`; the step divides the gradient and the loss by the total count over
         all micro-batches and ranks, agreed in the step's one agreement collective).
@@ -511,19 +520,24 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     summed over micro-batches in float32 or wider, Report (OR over micro-batches), token count
     summed)`.
 
-    "each": `Σ_i reduce(g_i)` (added in `accum_dtype`; by default float32 or the gradient's
-    dtype where wider, `added_in`);
+    "each": `Σ_i fl_b(reduce(g_i))` (added in `accum_dtype`; by default float32 or the gradient's
+    dtype where wider, `added_in`), each reduced part first cast to its bucket's dtype `b`, as
+    stages 2-3 get it (the gradient of the bucket's tensor, which autograd casts to its dtype:
+    a reduce dtype wider than the params', bf16 params reduced in fp32, is rounded per
+    micro-batch in every stage, so every stage adds the same parts; found in review: stages 0-1
+    added the fp32 parts, and differed from stages 2-3);
     "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
     `norms`, `buffers`: `backward`'s.
     """
     once = config.accumulate == "once"
     acc: dict[int, torch.Tensor | None] = {b: None for b in _trainable(state)}
+    dtypes = {b: state.layout.buckets[b].dtype for b in acc}
     loss = count = None
     used = bad = None
     for mb in micro:
         grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers)
-        parts = grads if once else reduce(state, grads, started)
+        parts = grads if once else {b: g.to(dtypes[b]) for b, g in reduce(state, grads, started).items()}
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
         l_i = l_i.to(at_least_float32(l_i.dtype))  # 2 fp16 losses of 40000 sum to inf in fp16 (review)
@@ -531,7 +545,6 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
         count = c_i if count is None else count + c_i
         used = report.used if used is None else torch.maximum(used, report.used)
         bad = report.bad if bad is None else torch.maximum(bad, report.bad)
-    dtypes = {b: state.layout.buckets[b].dtype for b in acc}
     summed = {b: None if g is None else g.to(dtypes[b]) for b, g in acc.items()}
     return (reduce(state, summed) if once else summed), loss, Report(used, bad), count
 
@@ -893,7 +906,11 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
         raise ConfigError(f"normalize='tokens': the loss_sum loss_fn returned must be a 0-d floating tensor (the sum "
                           f"of this micro-batch's token losses; torch.zeros(()) where it has no token), got "
                           f"{type(loss_sum).__name__} {getattr(loss_sum, 'dtype', '')} {getattr(loss_sum, 'shape', '')}")
-    count = torch.as_tensor(count).detach()
+    try:  # a Python float in float64: `torch.as_tensor` made it float32, 16777217.0 -> 16777216 (found in review)
+        count = count.detach() if isinstance(count, torch.Tensor) else torch.as_tensor(count, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0 (an int, "
+                          f"a float or a 1-element tensor), got {type(count).__name__} {count!r}") from None
     if count.numel() != 1 or count.is_floating_point() and not bool(torch.isfinite(count)) or bool(count < 0):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0, got {count}")
     return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
