@@ -16,6 +16,8 @@ import math
 import pathlib
 
 import optree
+import fzero
+import fzero.optim
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -298,3 +300,24 @@ def test_bad_overflow_is_rejected(scaler, overflow):
 
 def test_errors_are_fzero_errors():
     assert issubclass(LossScaleError, FzeroError) and issubclass(LossScaleConfigError, FzeroError)
+
+
+@pytest.mark.parametrize("make", [lambda v: StaticLossScale(v), lambda v: DynamicLossScale(init_scale=v, min_scale=v),
+                                  lambda v: DynamicLossScale(min_scale=v)], ids=["static", "dynamic-init", "dynamic-min"])
+def test_a_scale_below_float32s_normal_range_is_refused(make):
+    """The step unscales by 1 / s in float32: below 2**-126 that overflows (found in review: at
+    1e-39 every step raised a NonFiniteError blaming the optimizer's update). 2**-126 itself is
+    taken, and a step under it unscales exactly (the gradient of a loss that is linear in w)."""
+    for bad in (1e-39, 2.0**-127, 5e-324):
+        with pytest.raises(LossScaleConfigError, match=r"at least float32's smallest normal number 2\*\*-126"):
+            make(bad)
+    scaler = make(2.0**-126)
+    mesh = fzero.SimMesh(1)
+
+    def rank(x):
+        state = fzero.init({"w": torch.ones(4)}, fzero.optim.sgd(0.5), stage=0, mesh=mesh, loss_scale=scaler)
+        state, metrics = fzero.train_step(lambda p, x: (p["w"] * x).sum())(state, x)
+        return fzero.gather(state)["w"], bool(metrics.skipped)
+
+    [(w, skipped)] = mesh.run(rank, [(torch.arange(4.0),)])
+    assert not skipped and torch.equal(w, torch.ones(4) - 0.5 * torch.arange(4.0))

@@ -105,6 +105,22 @@ def _positive(name: str, value: float) -> float:
     return as_float
 
 
+SMALLEST = 2.0**-126  # float32's smallest normal number: 1 / scale is finite in float32 down to it
+
+
+def _scale(name: str, value: float) -> float:
+    """A loss scale: `_positive`, and at least float32's smallest normal number, else a
+    `LossScaleConfigError` naming the setting (found in review: at 1e-39 the step's unscale
+    factor 1/s overflowed float32, and the step blamed the optimizer's update for the NaN)."""
+    as_float = _positive(name, value)
+    if as_float < SMALLEST:
+        raise LossScaleConfigError(
+            f"{name} must be at least float32's smallest normal number 2**-126 ({SMALLEST!r}), got {value!r}: the "
+            f"step unscales the gradients by 1 / scale in float32, which overflows below it (a loss scale is "
+            f"normally 1 or more)")
+    return as_float
+
+
 def _count(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LossScaleConfigError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
@@ -132,7 +148,7 @@ class StaticLossScale:
     scale: float
 
     def __post_init__(self) -> None:
-        _positive("StaticLossScale.scale", self.scale)
+        _scale("StaticLossScale.scale", self.scale)
 
     def init(self) -> LossScaleState:
         """`(scale, 1, 0, -1)`."""
@@ -180,8 +196,8 @@ class DynamicLossScale:
     raise_at_min: bool = False
 
     def __post_init__(self) -> None:
-        init = _positive("DynamicLossScale.init_scale", self.init_scale)
-        low = _positive("DynamicLossScale.min_scale", self.min_scale)
+        init = _scale("DynamicLossScale.init_scale", self.init_scale)
+        low = _scale("DynamicLossScale.min_scale", self.min_scale)
         _count("DynamicLossScale.window", self.window)
         _count("DynamicLossScale.hysteresis", self.hysteresis)
         _flag("DynamicLossScale.consecutive_hysteresis", self.consecutive_hysteresis)
