@@ -407,3 +407,8 @@ def test_a_python_float_token_count_is_taken_in_float64():
         mesh.run(lambda: rank_fn(None))
     assert str(e.value).startswith("normalize='tokens': the count loss_fn returned must be one finite number >= 0 "
                                    "(an int, a float or a 1-element tensor), got NoneType None")
+    for flag in (True, torch.tensor(True)):  # found in review: True was taken as a count of 1
+        with pytest.raises(fzero.ConfigError) as e:
+            mesh.run(lambda: rank_fn(flag))
+        assert str(e.value).startswith("normalize='tokens': the count loss_fn returned must be one finite number "
+                                       ">= 0 (an int, a float or a 1-element tensor), got ")

@@ -904,9 +904,12 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     loss_sum, count = out
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0 or not loss_sum.dtype.is_floating_point:
         raise ConfigError(f"normalize='tokens': the loss_sum loss_fn returned must be a 0-d floating tensor (the sum "
-                          f"of this micro-batch's token losses; torch.zeros(()) where it has no token), got "
+                          f"of this micro-batch's token losses; where it has no token, the model's loss summed over "
+                          f"the empty batch, a 0 that reads every param as the others do), got "
                           f"{type(loss_sum).__name__} {getattr(loss_sum, 'dtype', '')} {getattr(loss_sum, 'shape', '')}")
     try:  # a Python float in float64: `torch.as_tensor` made it float32, 16777217.0 -> 16777216 (found in review)
+        if isinstance(count, bool) or isinstance(count, torch.Tensor) and count.dtype == torch.bool:
+            raise TypeError("a bool is not a count")  # (found in review: True was taken as 1)
         count = count.detach() if isinstance(count, torch.Tensor) else torch.as_tensor(count, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0 (an int, "
