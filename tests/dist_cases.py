@@ -63,8 +63,8 @@ def warnings_seen(mesh):
     return [f"{w.category.__name__}: {w.message}" for w in seen]
 
 
-def gather_shape(mesh, shape):
-    return fzero.collectives.all_gather(torch.ones(shape), mesh)
+def gather_shape(mesh, shape, dtype=torch.float32):
+    return fzero.collectives.all_gather(torch.ones(shape, dtype=dtype), mesh)
 
 
 def raise_on(mesh, bad):
@@ -251,3 +251,41 @@ def mesh_where_one_rank_is_elsewhere(mesh, verify, extra_on):
     except fzero.MeshError as e:
         out = f"{type(e).__name__}: {e}"
     return out, fzero.collectives.all_reduce(torch.ones(2), mesh)
+
+
+
+def peer_leaves_or_stalls(timeout, verify, how):
+    """After one all_reduce, rank 1 destroys its process group and stays alive (`how="leave"`:
+    gloo fails rank 0's next collective at once), or sleeps past the timeout (`"stall"`); rank 0
+    calls an all_reduce. Returns, on rank 0, (error type, message, seconds from the call to the
+    raise); None on rank 1."""
+    mesh = fzero.DistMesh(backend="gloo", verify=verify, timeout=timeout)
+    fzero.collectives.all_reduce(torch.ones(1), mesh)
+    if mesh.rank == 1:
+        if how == "leave":
+            torch.distributed.destroy_process_group()
+        time.sleep(3 * timeout)  # alive meanwhile, so rank 0 finds no lost process on its host
+        return None
+    start = time.monotonic()
+    try:
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
+    except fzero.MeshError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "returned", "", time.monotonic() - start
+
+
+def bad_argument_on_one_rank(how):
+    """Inside `mesh.run` (DistMesh, timeout 10 s), rank 1 calls a collective with an argument its
+    own check refuses (`how`: "indivisible", a reduce_scatter of 3 rows over 2 ranks; "device", a
+    meta tensor), rank 0 a good reduce_scatter. Rank 1 stays alive afterwards, as a rank that
+    handles the error (a notebook, a retry) does. Then both run one all_reduce. Returns (the
+    error's type and text, seconds from the call to the raise, the all_reduce)."""
+    mesh = fzero.DistMesh(backend="gloo", timeout=10.0)
+    bad = {"indivisible": lambda: torch.ones(3), "device": lambda: torch.ones(4, device="meta")}[how]
+    start = time.monotonic()
+    try:
+        mesh.run(lambda: fzero.collectives.reduce_scatter(bad() if mesh.rank == 1 else torch.ones(4), mesh))
+        seen = "returned"
+    except fzero.MeshError as e:
+        seen = f"{type(e).__name__}: {e}"
+    return seen, time.monotonic() - start, fzero.collectives.all_reduce(torch.ones(1), mesh)

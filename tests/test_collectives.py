@@ -337,6 +337,32 @@ def test_a_rank_returning_early_raises_mismatch(early):
         run_with_timeout(mesh, fn, [(r,) for r in range(n)])
 
 
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_a_collective_one_rank_refuses_stops_the_others_with_rank_failed(bad):
+    """One rank's reduce_scatter of 4 rows over 3 ranks (its own check refuses it: `MeshError`),
+    the others' of 3. `run` raises that rank's error, and every other rank stops in its collective
+    with `RankFailed` naming it. Before, a rank's MeshError was taken for one every rank raised
+    together and poisoned nothing: a rank already waiting got None as its result and went on
+    (here `None.sum()`), and `run` raised that rank's AttributeError (found in review)."""
+    n, seen = 3, {}
+    mesh = fzero.SimMesh(n)
+
+    def fn(r):
+        try:
+            return fzero.collectives.reduce_scatter(torch.ones(4 if r == bad else 3), mesh).sum()
+        except fzero.RankFailed as e:
+            seen[r] = str(e)
+            raise
+
+    words = "reduce_scatter: dim 0 of \\[4\\] is not divisible by world size 3"
+    with pytest.raises(fzero.MeshError, match=words) as info:
+        run_with_timeout(mesh, fn, [(r,) for r in range(n)])
+    assert type(info.value) is fzero.MeshError
+    assert sorted(seen) == [r for r in range(n) if r != bad]
+    for text in seen.values():
+        assert f"rank {bad} raised MeshError: reduce_scatter: dim 0 of [4] is not divisible" in text, text
+
+
 def test_sim_mesh_rejects_bad_input():
     mesh = fzero.SimMesh(3)
     with pytest.raises(fzero.MeshError, match="not divisible by world size 3"):

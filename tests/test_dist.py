@@ -148,6 +148,27 @@ def test_mismatched_shapes_raise_on_every_rank(dist2, dist4, n):
     assert all(torch.equal(t, torch.ones(n)) for t in pool.run(dist_cases.gather_shape, [((1,),)] * n))
 
 
+@pytest.mark.parametrize("shapes, dtypes", [
+    (((1, 1, 1, 2, 3), (1, 1, 1, 3, 2)), (torch.float32, torch.float32)),  # dims past the third, one product
+    (((2,), (2,)), (torch.complex64, torch.complex128)),  # two dtypes outside the fingerprint's old list
+])
+def test_calls_that_differ_past_the_third_dim_or_in_another_dtype_are_mismatches(dist2, shapes, dtypes):
+    """The fingerprint carried dims 0-2 and the product of the rest, and a dtype's index in a list
+    of twelve (99 for any other): calls of shapes [1, 1, 1, 2, 3] and [1, 1, 1, 3, 2] agreed and
+    were gathered, each rank reading the other's rows in its own shape, silently (SimMesh raised);
+    complex64 against complex128 agreed, and gloo then aborted rank 0's process (SIGABRT). Now the
+    fingerprint carries a crc of the dims past the third and of the dtype's name: CollectiveMismatch
+    on both ranks, naming each call (found in review)."""
+    out = dist2.run(dist_cases.gather_shape, [(shapes[r], dtypes[r]) for r in range(2)], return_exceptions=True)
+    for r, e in enumerate(out):
+        assert isinstance(e, fzero.testing.RemoteError), (r, e)
+        assert isinstance(e.exception, fzero.CollectiveMismatch), e
+        for s in range(2):
+            name = str(dtypes[s]).removeprefix("torch.")
+            assert f"rank {s}: all_gather({name}{list(shapes[s])})" in e.message, e.message
+    assert all(torch.equal(t, torch.ones(2)) for t in dist2.run(dist_cases.gather_shape, [((1,),)] * 2))
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_rank_that_raises_stops_every_rank(dist2, dist4, n):
     pool = {2: dist2, 4: dist4}[n]
@@ -312,3 +333,53 @@ def test_a_rank_killed_mid_step_stops_every_other_rank_naming_it(victim, verify)
         assert "world size 3" in message
         assert seconds < timeout / 4, (r, seconds)
         assert again.startswith("RankFailed: ") and "unusable since an earlier collective failed" in again
+
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("how", ["leave", "stall"])
+def test_a_failure_is_called_a_timeout_only_when_the_timeout_passed(how, verify):
+    """DistMesh(timeout=1.5); rank 1 leaves the group but stays alive (gloo fails rank 0's
+    all_reduce at once), or stalls past the timeout. Before, the elapsed time was read after the
+    2 s wait for a dying peer's process to show: the failure at once was reported as "ranks did
+    not all reach ... within 2 s" (the timeout rounded too), and the stall's error came 2 s after
+    the timeout. Now the first is the failure it was, the second a timeout of 1.5 s raised at
+    1.5 s (found in review)."""
+    timeout = 1.5
+    out = run_job(2, dist_cases.peer_leaves_or_stalls, [(timeout, verify, how)] * 2, timeout=60)
+    assert not isinstance(out[0], (Died, fzero.testing.RemoteError)), str(out[0])
+    kind, message, seconds = out[0]
+    assert kind == "MeshError", (kind, message)
+    call = "all_reduce(float32[1], sum)" + (" (collective #1)" if verify else "")
+    if how == "leave":
+        assert f"{call} failed on rank 0 (world size 2)" in message, message
+        assert "did not all reach" not in message, message
+        assert seconds < 2.0 + 1.0, (seconds, message)  # gloo's error at once, then the 2 s wait for a lost process
+    else:
+        assert f"ranks did not all reach {call} within 1.5 s (world size 2)" in message, message
+        assert timeout <= seconds < timeout + 1.0, (seconds, message)
+
+
+@pytest.mark.parametrize("how, words", [
+    ("indivisible", "reduce_scatter: dim 0 of [3] is not divisible by world size 2"),
+    ("device", "reduce_scatter: DistMesh(world_size=2, rank=1, backend='gloo', id=1) moves cpu tensors but got one "
+               "on meta"),
+])
+def test_a_collective_refused_by_one_ranks_own_check_stops_the_others_at_once(how, words):
+    """A collective whose argument one rank's own check refuses (`MeshError` before any exchange)
+    inside `mesh.run`: that rank raises it, the others `RankFailed` naming it at once, and the
+    mesh goes on. Before, the guard passed every MeshError on as one every rank raised together
+    (a mismatch, a lost rank), and told no one: the others waited in their collective until the
+    timeout (blaming a stuck rank), or until the rank that raised called its next collective,
+    which they met as a mismatch, out of step (here the all_reduce; found in review)."""
+    out = run_job(2, dist_cases.bad_argument_on_one_rank, [(how,)] * 2, timeout=90)
+    for r, result in enumerate(out):
+        assert not isinstance(result, (Died, fzero.testing.RemoteError)), str(result)
+        seen, seconds, total = result
+        if r == 1:
+            assert seen.startswith("MeshError: ") and words in seen, seen
+        else:
+            assert seen.startswith("RankFailed: "), seen
+            assert "rank(s) [1] raised; rank 0 stops at reduce_scatter" in seen, seen
+        assert seconds < 5.0, (r, seconds, seen)
+        assert torch.equal(total, torch.full((1,), 2.0))

@@ -388,3 +388,25 @@ def test_a_placeholder_read_where_the_swap_does_not_reach_raises():
     got = mesh.run(lambda: fzero.evaluate(lambda p, x: p["a"]["w"])(fzero.init(params, optim.sgd(0.1), stage=0,
                                                                               mesh=mesh), x))[0]
     assert type(got) is torch.Tensor and torch.equal(got, params["a"]["w"])
+
+
+@pytest.mark.parametrize("op", ["@", "-", "/", "**"])
+def test_an_operand_torch_refuses_beside_a_placeholder_is_torchs_type_error(op):
+    """A reflected operator whose other operand torch refuses (`x @ w` with `x` a str: a batch
+    dict unpacked as `x, y = batch` on one rank). torch's Python-level reflected operators
+    (`__rmatmul__`, `__rsub__`, ...) turn the leaf's TypeError into NotImplemented, and torch then
+    asked the placeholder, whose error blamed fzero's swap ("received a placeholder leaf ... use
+    gather='eager'"); now the loss raises Python's TypeError naming the operand, as with eager
+    gathering and as torch does without fzero (found in review)."""
+    params, mesh = {"a": {"w": torch.ones(3, 3)}}, fzero.SimMesh(1)
+    loss = {"@": lambda w: "x" @ w, "-": lambda w: "x" - w, "/": lambda w: "x" / w, "**": lambda w: "x" ** w}[op]
+    with pytest.raises(TypeError) as plain:
+        loss(torch.ones(3, 3))
+    for gather in ("eager", "on_use"):
+        with pytest.raises(TypeError) as info:
+            mesh.run(lambda: fzero.train_step(lambda p, b: loss(p["a"]["w"]).sum(), gather=gather)(
+                fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh), None))
+        text = str(info.value)  # "... for ** or pow(): 'str' and ..." for **
+        assert text.startswith(f"unsupported operand type(s) for {op}") and ": 'str' and '" in text, (gather, text)
+    plain = str(plain.value)
+    assert plain.startswith(f"unsupported operand type(s) for {op}") and "'str' and 'Tensor'" in plain, plain

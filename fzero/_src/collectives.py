@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .errors import FzeroError, MeshError
-from .mesh import Mesh, SimMesh
+from .mesh import Mesh, SimMesh, found_here
 
 
 class ForwardModeOnSimMesh(FzeroError):
@@ -112,7 +112,8 @@ def _batch_second(x: torch.Tensor, bdim: int, op: str) -> torch.Tensor:
     shape check and mixed each other's examples, found in review; a batch of 0 could not be
     unfolded.) An entry without a dim 0 is the unbatched call's `MeshError`."""
     if x.dim() < 2:
-        raise MeshError(f"{op}: needs a tensor with a dim 0, got a 0-d tensor (per vmap entry)")
+        with found_here():  # this rank's own finding: a guard tells the other ranks
+            raise MeshError(f"{op}: needs a tensor with a dim 0, got a 0-d tensor (per vmap entry)")
     return x.movedim(bdim, 1)
 
 

@@ -1003,8 +1003,16 @@ class FirstUse(TorchFunctionMode):
                                           f"(gather='on_use', params not a flat dict)")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = self.swapped((args, kwargs or {}))
-        return func(*args, **kwargs)
+        given = (args, kwargs or {})
+        args, kwargs = swapped = self.swapped(given)
+        out = func(*args, **kwargs)
+        if out is NotImplemented and swapped is not given:
+            # an operator whose other operand torch refuses (`"x" @ w`, a batch unpacked wrong): the
+            # leaf said NotImplemented, and torch, which would then ask the placeholder, must not --
+            # its error would blame the swap. A TypeError here is torch's NotImplemented to Python,
+            # whose error is the plain one ("unsupported operand type(s) for @: 'str' and 'Tensor'")
+            raise TypeError(f"{torch.overrides.resolve_name(func) or func} does not take these operands")
+        return out
 
 
 @eager

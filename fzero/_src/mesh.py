@@ -176,7 +176,8 @@ class Mesh(abc.ABC):
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Wrap one rank's part of a multi-rank computation: if it raises, the other ranks are told
-        (DistMesh) so they stop with `RankFailed` instead of waiting. SimMesh.run does this itself."""
+        (DistMesh with `verify=True`) so they stop with `RankFailed` instead of waiting. SimMesh.run
+        does this itself."""
         yield
 
     @eager  # dynamo never traces a mesh (locks, condition variables, process groups)
@@ -219,7 +220,8 @@ class Mesh(abc.ABC):
         copies the result there); nothing may read it before the wait."""
         call, data = self._enter(op, x, arg, tag)
         if out is not None:
-            self._check_out(op, data, out, tag)
+            with found_here():
+                self._check_out(op, data, out, tag)
         return self._start(call, data, donate=donate, out=out)
 
     def _check_out(self, op: str, x: torch.Tensor, out: torch.Tensor, tag: str | None) -> None:
@@ -235,7 +237,8 @@ class Mesh(abc.ABC):
     def _enter(self, op: str, x: torch.Tensor, arg: Any, tag: str | None,
                grad: bool = False) -> tuple[_Call, torch.Tensor]:
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
-        self._validate(op, x, arg, tag)
+        with found_here():
+            self._validate(op, x, arg, tag)
         call = _describe(op, x, arg, tag, grad)
         rank = self.rank
         elements = _elements(op, x, self.world_size)
@@ -308,6 +311,24 @@ class Pending:
             except RuntimeError as e:
                 raise (self._lost(e) if self._lost is not None else e) from e
         return self._out
+
+
+@contextlib.contextmanager
+def found_here() -> Iterator[None]:
+    """Mark a `MeshError` raised in the body as this rank's own finding, made before any exchange
+    (a collective's bad argument): `DistMesh.guard` tells the other ranks of it, as of any
+    exception of the rank's own. A MeshError of an exchange (a mismatch, a lost rank) every rank
+    raises together, and the guard tells no one of it."""
+    try:
+        yield
+    except MeshError as e:
+        e.__dict__["_fzero_local"] = True
+        raise
+
+
+def _is_shared(e: BaseException) -> bool:
+    """Whether `e` is a MeshError every rank raised together (not marked by `found_here`)."""
+    return isinstance(e, MeshError) and not e.__dict__.get("_fzero_local", False)
 
 
 def _per_rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int, n: int) -> tuple:
@@ -600,7 +621,7 @@ class SimMesh(Mesh):
                 with self._cond:
                     failures.append((r, e))
                     self._status[r] = "fail"
-                    if not isinstance(e, MeshError):
+                    if not _is_shared(e):  # its own error (a MeshError too: a collective's argument)
                         self._poison(RankFailed(f"{self!r}: rank {r} raised {type(e).__name__}: {e}"))
                     self._pass_turn(r)
                 return
@@ -625,7 +646,7 @@ class SimMesh(Mesh):
                 self._running = False
                 self._current = None
         if failures:
-            own = [(r, e) for r, e in failures if not isinstance(e, MeshError)]
+            own = [(r, e) for r, e in failures if not _is_shared(e)]
             if own:
                 r, e = own[0]
                 e.add_note(f"raised on rank {r} of {self!r}; the other ranks stopped")
@@ -640,8 +661,6 @@ class SimMesh(Mesh):
 # DistMesh
 
 _KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
 _FP_LEN = 12
 
 
@@ -652,17 +671,20 @@ def settings_crc(x: Any) -> int:
 
 
 def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
-    """`[kind, seq, op, dtype, ndim, d0, d1, d2, d3 (product of the rest), arg, tag crc, grad]`; arg is
-    the reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or -1; grad is
-    `_Call.grad` (last, so that `_agree` can tell calls that differ in it alone)."""
+    """`[kind, seq, op, dtype crc, ndim, d0, d1, d2, crc of the dims past d2 (-1: none), arg, tag crc,
+    grad]`; arg is the reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or
+    -1; grad is `_Call.grad` (last, so that `_agree` can tell calls that differ in it alone). The
+    crcs cover every dtype and every dim (before, a dtype outside a list of twelve was 99 and the
+    dims past d2 their product: complex64 met complex128 in gloo, which aborted the process, and
+    [1, 1, 1, 2, 3] met [1, 1, 1, 3, 2], gathered silently; found in review)."""
     if call is None:
         return [kind, seq] + [0] * (_FP_LEN - 2)
-    dtype = _DTYPES.index(call.dtype) if call.dtype in _DTYPES else 99
     dims = list(call.shape[:3]) + [-1] * (3 - min(3, len(call.shape)))
     rest = call.shape[3:]
-    dims.append(-1 if not rest else int(torch.tensor(rest).prod()))
+    dims.append(-1 if not rest else settings_crc(tuple(rest)))
     arg = REDUCTIONS.index(call.arg) if call.op == "all_reduce" else (call.arg if call.op == "broadcast" else -1)
-    return [kind, seq, OPS.index(call.op), dtype, len(call.shape), *dims, arg, settings_crc(call.tag), int(call.grad)]
+    return [kind, seq, OPS.index(call.op), settings_crc(call.dtype), len(call.shape), *dims, arg,
+            settings_crc(call.tag), int(call.grad)]
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
@@ -913,7 +935,11 @@ class DistMesh(Mesh):
       verify: before each collective, all ranks exchange a fingerprint (op, dtype, shape, tag,
         sequence number) and raise on every rank if they differ or if a rank failed, instead of
         hanging or silently mixing buffers. Costs one small all-gather per collective; turn it off
-        for speed once a program is known to be right.
+        for speed once a program is known to be right. Off, nothing is compared and a rank's
+        exception is not announced (`guard`): calls that differ meet in the backend (a wait, an
+        abort, or buffers mixed silently; stages 2-3 raise no `DivergentPaths`), and the other
+        ranks of one that raised stop only when its process exits (`RankFailed`) or at the
+        timeout. The settings `init` and each step compare are compared either way.
       timeout: a `timedelta` or seconds: how long a fingerprint exchange waits for the other
         ranks, and the timeout of a process group DistMesh starts.
 
@@ -1011,11 +1037,11 @@ class DistMesh(Mesh):
 
     # -- failures: a lost peer, a timeout ---------------------------------------------------------
 
-    def _gone_peers(self) -> list[tuple[int, int]]:
-        """`(rank, pid)` of the peers on this host whose process exited, polled for up to _GRACE_S."""
+    def _gone_peers(self, grace: float = _GRACE_S) -> list[tuple[int, int]]:
+        """`(rank, pid)` of the peers on this host whose process exited, polled for up to `grace` s."""
         host = _identity()[0]
         local = [(s, pid) for s, (h, pid) in enumerate(self._peers) if h == host and s != self._rank]
-        deadline = time.monotonic() + _GRACE_S
+        deadline = time.monotonic() + grace
         while local:
             gone = [(s, pid) for s, pid in local if _process_gone(pid)]
             if gone or time.monotonic() >= deadline:
@@ -1025,17 +1051,21 @@ class DistMesh(Mesh):
 
     def _lost(self, e: BaseException, what: str, started: float) -> MeshError:
         """The error for a collective that raised `e` (or timed out) after `started`; the mesh is
-        unusable afterwards."""
-        gone, n = self._gone_peers(), self.world_size
+        unusable afterwards. Whether it timed out is read before the wait for a dying peer's process
+        to show (up to _GRACE_S), which a timeout skips (its peers had the whole timeout to die):
+        before, that wait counted as waiting, so a failure within _GRACE_S of a short timeout was
+        called a timeout, and a timeout was raised _GRACE_S late."""
+        timed_out = time.monotonic() - started >= self.timeout.total_seconds()
+        gone, n = self._gone_peers(0.0 if timed_out else _GRACE_S), self.world_size
         if gone:
             err: MeshError = RankFailed(
                 f"{self!r}: rank(s) {[s for s, _ in gone]} lost: process(es) {[p for _, p in gone]} on this "
                 f"host exited while rank {self._rank} waited in {what}. The group (world size {n}) cannot go "
                 f"on without them: restart the job (torchrun --max-restarts restarts every rank). "
                 f"{self.backend} said: {e}")
-        elif time.monotonic() - started >= self.timeout.total_seconds():
+        elif timed_out:
             err = MeshError(
-                f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():.0f} s "
+                f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():g} s "
                 f"(world size {n}); a rank is stuck or took another path (see its log): {e}")
         else:
             host = _identity()[0]
@@ -1145,12 +1175,13 @@ class DistMesh(Mesh):
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
+        """Tell the other ranks of an exception of this rank's own (any but a MeshError every rank
+        raised together, `_is_shared`: before, every MeshError passed untold, so the others waited
+        in their collective for one that a rank's own argument check refused; found in review)."""
         try:
             yield
-        except MeshError:
-            raise
         except BaseException as e:
-            if self.verify and not self._told(e):
+            if self.verify and not _is_shared(e) and not self._told(e):
                 with contextlib.suppress(MeshError):
                     self._agree(_KIND_FAIL, None)
                 self._announced = self._seq
