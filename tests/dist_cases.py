@@ -6,6 +6,7 @@ Each takes the mesh first, so a test runs the same function on a `SimMesh` too:
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -258,12 +259,21 @@ def peer_leaves_or_stalls(timeout, verify, how):
     """After one all_reduce, rank 1 destroys its process group and stays alive (`how="leave"`:
     gloo fails rank 0's next collective at once), or sleeps past the timeout (`"stall"`); rank 0
     calls an all_reduce. Returns, on rank 0, (error type, message, seconds from the call to the
-    raise); None on rank 1."""
-    mesh = fzero.DistMesh(backend="gloo", verify=verify, timeout=timeout)
+    raise); None on rank 1. The job's default group is started with a 60 s rendezvous, so that a
+    loaded machine's slow process start is not the timeout under test (found on the GPU machine
+    under `-n 8`: torch's store waited 2 s for the second client); the mesh runs over a group of
+    its own with the short timeout (its data collectives' timeout where `verify=False`)."""
+    import datetime
+
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    mesh = fzero.DistMesh(group, verify=verify, timeout=timeout)
     fzero.collectives.all_reduce(torch.ones(1), mesh)
     if mesh.rank == 1:
         if how == "leave":
-            torch.distributed.destroy_process_group()
+            torch.distributed.destroy_process_group()  # every group; the last reference to the mesh's goes
+            del mesh, group  # below, so that its connections close
+            gc.collect()
         time.sleep(3 * timeout)  # alive meanwhile, so rank 0 finds no lost process on its host
         return None
     start = time.monotonic()
