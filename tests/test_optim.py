@@ -795,6 +795,11 @@ def test_in_place_census(kind, impl):
     # small: the new "leaf" field [L] and one 0-d float32 step count per piece ("fused")
     small = 4 * len(sizes) + 4 * len(segs)
     work = 0 if impl == "fused" else 4 * S
+    # the kernel probes a fused impl runs once per process and device (`fused.updates_every_element`,
+    # 96-element tensors, cached) before the census: what is counted is the update's own (found on
+    # the GPU machine, where this test ran first in its xdist worker)
+    ctx0 = fo.UpdateContext(0, ParamGroup(), tuple(segs), tuple(range(len(sizes))), used[0], leaf_numels=sizes)
+    opt.update(torch.zeros(S), opt.init(torch.zeros(S), len(sizes)), torch.zeros(S), ctx0)
     for step, u in enumerate(used):
         g = torch.randn(S, generator=gen)
         ctx = fo.UpdateContext(step, ParamGroup(), tuple(segs), tuple(range(len(sizes))), u, leaf_numels=sizes)
