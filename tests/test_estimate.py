@@ -624,6 +624,20 @@ def test_seed_14b_on_2_gpus_row():
 # ------------------------------------------- fzero's layout under a precision policy (review, 7)
 
 
+def _held_state(tree, opt, stage, where, params_where, swap, **init_kw):
+    """`(rank 0's fzero.init state on SimMesh(3), {"offload": ...} or {})`: offloaded to `where`
+    ("cpu", "nvme" with swap files in the new folder `swap`, or None) with params at
+    `params_where`; `init_kw` (units, groups, precision) passed on."""
+    import fzero
+
+    swap.mkdir()
+    mesh = fzero.SimMesh(3)
+    off = None if where is None else fzero.Offload(
+        optimizer=where, params=params_where, **({"nvme_path": str(swap)} if where == "nvme" else {}))
+    kw = {} if off is None else {"offload": off}
+    return mesh.run(lambda: fzero.init(tree, opt, stage=stage, mesh=mesh, **init_kw, **kw))[0], kw
+
+
 def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
     """`estimate(..., precision=fzero.Precision(...))` against `held_bytes` of a real `fzero.init`:
     params, optimizer state (its replicated per-leaf step counts included) and master, on each
@@ -653,14 +667,9 @@ def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
                 for groups in ((), frozen):
                     for stage, where, params_where in cases:
                         tree = {k: v.to(held) for k, v in tree32.items()}
-                        mesh, opt = fzero.SimMesh(3), make()
-                        swap = tmp_path / f"swap{checked}"
-                        swap.mkdir()
-                        off = None if where is None else fzero.Offload(
-                            optimizer=where, params=params_where, **({"nvme_path": str(swap)} if where == "nvme" else {}))
-                        kw = {} if off is None else {"offload": off}
-                        state = mesh.run(lambda: fzero.init(tree, opt, stage=stage, mesh=mesh, units=units,
-                                                            groups=groups, precision=precision, **kw))[0]
+                        opt = make()
+                        state, kw = _held_state(tree, opt, stage, where, params_where, tmp_path / f"swap{checked}",
+                                                units=units, groups=groups, precision=precision)
                         hb = held_bytes(state, opt)
                         e = estimate(tree, 3, stage=stage, optimizer="adam" if name == "amsgrad" else name,
                                      param_dtype=held, units=units, groups=groups, precision=precision, **kw,
@@ -739,14 +748,9 @@ def test_estimate_without_precision_is_what_init_keeps_in_the_params_own_dtype(t
         for name, (make, kw) in opts.items():
             for groups in ((), frozen):
                 for stage, where, params_where in cases:
-                    mesh, opt = fzero.SimMesh(3), make()
-                    swap = tmp_path / f"swap{checked}"
-                    swap.mkdir()
-                    off = None if where is None else fzero.Offload(
-                        optimizer=where, params=params_where, **({"nvme_path": str(swap)} if where == "nvme" else {}))
-                    extra = {} if off is None else {"offload": off}
-                    state = mesh.run(lambda: fzero.init(tree, opt, stage=stage, mesh=mesh, units=units, groups=groups,
-                                                        **extra))[0]
+                    opt = make()
+                    state, extra = _held_state(tree, opt, stage, where, params_where, tmp_path / f"swap{checked}",
+                                               units=units, groups=groups)
                     hb = held_bytes(state, opt)
                     e = estimate(tree, 3, stage=stage, units=units, groups=groups, **{"optimizer": name, **kw}, **extra)
                     got = [[t.params, t.grads, t.optimizer_state, t.master] for t in hb.tiers]

@@ -452,6 +452,11 @@ def host_fractions(buffers: Sequence[_Buffer], off: OffloadSetting) -> list[Frac
     return h
 
 
+def _master_bytes(c: _Cost) -> int:
+    """A host shard's master bytes per element: m, else p (the params are the master)."""
+    return c.bpp.master or c.bpp.params
+
+
 def _offloaded(
     buffers: Sequence[_Buffer], h: Sequence[Fraction], costs: Sequence[_Cost], off: OffloadSetting,
 ) -> tuple[TierBytes, TierBytes]:
@@ -474,15 +479,14 @@ def _offloaded(
     frozen = sum((c.frozen * f * b.shard for b, c, f in zip(buffers, costs, h) if not b.trainable), Fraction(0))
     leaf = sum((f * c.leaf for b, c, f in zip(buffers, costs, h) if b.trainable), Fraction(0))
     state = sum((c.bpp.optimizer_state * e for c, e in host_of), Fraction(0))
-    m_prime = lambda c: c.bpp.master or c.bpp.params  # noqa: E731 -- the master's bytes per element: m, else p
-    master = sum((m_prime(c) * e for c, e in host_of), Fraction(0))
+    master = sum((_master_bytes(c) * e for c, e in host_of), Fraction(0))
     on_nvme = off.optimizer == "nvme"
     in_file = off.params == "nvme"  # the compute-dtype copy in swap files, read per unit into buffers of its own
     # per bucket on the host: its per-element fields' files (`item` bytes an element each: Adam's m and v) and
     # its master's
     shards = [(c, f * b.shard) for b, c, f in zip(buffers, costs, h) if b.trainable and b.bucket and f]
     fields = [c.bpp.optimizer_state // c.item for c, _ in shards]
-    files = [n for (c, e), k in zip(shards, fields) for n in [c.item * e] * k + [m_prime(c) * e]]
+    files = [n for (c, e), k in zip(shards, fields) for n in [c.item * e] * k + [_master_bytes(c) * e]]
     copy = sum((c.bpp.params * e for c, e in host_of if off.params is not None and (c.bpp.master or on_nvme)),
                Fraction(0))
     reads = 2 * max((c.bpp.params * e for c, e in shards), default=0) if in_file else 0

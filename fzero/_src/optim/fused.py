@@ -114,9 +114,9 @@ def updates_every_element(key: tuple, launch: Callable[[torch.Tensor, torch.Tens
     """Whether a fused kernel configuration writes the update `p - 0.5 * g` into every element of
     a tensor of ones with gradient ones (0.5 in every floating dtype, no rounding).
 
-    `launch(p, g)` runs the kernel with lr 0.5 and no other term. Found in review: torch 2.13's
-    CPU `_fused_sgd_` in bfloat16 / float16 leaves the elements of its vectorised body as they
-    were (of 32 elements none changes), so torch.optim.SGD(fused=True) and fzero's
+    `launch(p, g)` runs the kernel with lr 0.5 and no other term. Found in review: torch 2.11's
+    and 2.13's CPU `_fused_sgd_` in bfloat16 / float16 leaves the elements of its vectorised body
+    as they were (of 32 elements none changes), so torch.optim.SGD(fused=True) and fzero's
     `impl="fused"`, which calls that kernel, train nothing there. Cached per `(device, dtype, key)`."""
     full = (str(device), dtype, key)
     if full not in _updates:

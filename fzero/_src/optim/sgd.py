@@ -248,8 +248,8 @@ KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
 
 def _check_fused_updates(param: torch.Tensor) -> None:
     """`OptimizerError` where torch's fused SGD kernel on this device and dtype does not update
-    every element (`fused.updates_every_element`: torch 2.13's CPU kernel in bfloat16 / float16,
-    found in review; torch.optim.SGD(fused=True) trains nothing there either)."""
+    every element (`fused.updates_every_element`: torch 2.11's and 2.13's CPU kernel in bfloat16 /
+    float16, found in review; torch.optim.SGD(fused=True) trains nothing there either)."""
 
     def launch(p, g):
         _fused([p], [g], [], [False], lr=0.5, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
