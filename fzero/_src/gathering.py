@@ -77,6 +77,7 @@ from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
+from .mesh import Mesh
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
@@ -91,6 +92,18 @@ class DivergentPaths(CollectiveMismatch):
 
 _RANK_CALL = re.compile(r"rank (\d+): (.+)")
 _TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
+_MICRO_BATCH = re.compile(r"\) \[micro-batch (\d+)\]")  # `Mesh.phase`'s label in a call's words
+
+
+def in_micro_batch(mesh: Mesh, i: int, k: int) -> contextlib.AbstractContextManager:
+    """Around micro-batch `i` of `k` of a step: its collectives carry the label "micro-batch i",
+    which ranks compare with the rest of each call (`Mesh.phase`), so that a rank whose loss read
+    fewer units in an earlier micro-batch -- none, for a loss that returns a constant on an empty
+    micro-batch -- meets the others' micro-batch `i` with its `i + 1` as a mismatch (`same_paths`
+    names the micro-batches) rather than pairing its units' gathers and reductions with theirs:
+    a complete sum, added in another order, and no error (found in review). Nothing at k = 1:
+    its calls are compared as they always were. Tags and what `Mesh.record` logs are unchanged."""
+    return mesh.phase(f"micro-batch {i}") if k > 1 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -110,14 +123,38 @@ def same_paths(layout: Layout) -> Iterator[None]:
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
         if not any(unit for _, unit in said.values()):
             raise
-        parts = ", ".join(f"rank {r} {what}" for r, (what, _) in sorted(said.items()))
+        micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
+        parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
+                          for r, (what, _) in sorted(said.items()))
         raise DivergentPaths(
-            f"ranks took different paths through the model: {parts}. With "
+            f"ranks took different paths through the model: {parts}. {_micro_batch_advice(micro)}With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
             f"rank in declaration order. Ranks whose train_step settings differ (micro_batches, accumulate, gather, "
             f"persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: {e}"
         ) from e
+
+
+def _micro_batch_of(call: str) -> int | None:
+    """The micro-batch a mismatch line's call was made in (`in_micro_batch`), or None."""
+    m = _MICRO_BATCH.search(call)
+    return int(m.group(1)) if m else None
+
+
+def _micro_batch_advice(micro: Mapping[int, int | None]) -> str:
+    """Where the ranks were in different micro-batches (`in_micro_batch`; a rank past its
+    backward is in none): which rank was in which, why, and the way out; else ""."""
+    if len(set(micro.values())) < 2 or all(i is None for i in micro.values()):
+        return ""
+    where = "; ".join(f"rank(s) {[r for r in sorted(micro) if micro[r] == i]} "
+                      + ("past its last micro-batch" if i is None else f"in micro-batch {i}")
+                      for i in sorted(set(micro.values()), key=lambda i: -1 if i is None else i))
+    return (f"The ranks were in different micro-batches ({where}): a rank whose loss read fewer units in an "
+            f"earlier micro-batch -- none, where the loss returns a constant for an empty micro-batch without "
+            f"calling the model -- had its later micro-batches' gathers and reductions meet the other ranks' "
+            f"earlier ones. Make every micro-batch's loss read the same units on every rank: on an empty "
+            f"micro-batch, run the model and return a zero that depends on its output (out.sum() * 0.0; with "
+            f"normalize='tokens', the loss summed over the empty batch). ")
 
 
 def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:

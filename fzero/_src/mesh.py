@@ -75,16 +75,19 @@ class _Call:
     arg: str | int | None  # reduction op, or broadcast source
     tag: str | None
     grad: bool = False  # whether this rank's call has a backward, a collective too (`collectives.broadcast`)
+    phase: str | None = None  # the rank's `Mesh.phase` label at the call (a step's micro-batch), or None
 
     def __str__(self) -> str:
         arg = "" if self.arg is None else f", {self.arg}"
         tag = "" if self.tag is None else f", tag={self.tag!r}"
         grad = ", requires_grad" if self.grad else ""
-        return f"{self.op}({str(self.dtype).removeprefix('torch.')}{list(self.shape)}{arg}{tag}{grad})"
+        phase = "" if self.phase is None else f" [{self.phase}]"
+        return f"{self.op}({str(self.dtype).removeprefix('torch.')}{list(self.shape)}{arg}{tag}{grad}){phase}"
 
 
-def _describe(op: str, x: torch.Tensor, arg: Any, tag: str | None, grad: bool = False) -> _Call:
-    return _Call(op, x.dtype, tuple(x.shape), arg, tag, grad)
+def _describe(op: str, x: torch.Tensor, arg: Any, tag: str | None, grad: bool = False,
+              phase: str | None = None) -> _Call:
+    return _Call(op, x.dtype, tuple(x.shape), arg, tag, grad, phase)
 
 
 def _advice(op: str, grads: list[bool] | None) -> str:
@@ -119,6 +122,7 @@ class Mesh(abc.ABC):
         self.world_size = check_world_size(world_size)
         self.id = next(_MESH_IDS)
         self._recorders: list[list[CollectiveRecord]] = []
+        self._phases: dict[int, str] = {}  # rank -> its current `phase` label, where it has one
 
     @property
     @abc.abstractmethod
@@ -172,6 +176,29 @@ class Mesh(abc.ABC):
             yield log
         finally:
             self._recorders.remove(log)
+
+    @contextlib.contextmanager
+    def phase(self, label: str | None) -> Iterator[None]:
+        """Label the collectives the running rank calls inside (`label`, e.g. "micro-batch 1"; None:
+        none): ranks compare the label with the rest of the call (SimMesh: `_Call`; DistMesh: in the
+        fingerprint's tag crc) and show it in a mismatch's words (`... tag='a') [micro-batch 1]`),
+        but `record` logs the tag alone. So calls alike in all else, made in different phases --
+        a step's micro-batches, where one rank's loss read no unit in micro-batch 0 and its units
+        of micro-batch 1 would meet another rank's of micro-batch 0 -- raise `CollectiveMismatch`
+        on every rank instead of pairing. Nested phases replace the label; leaving restores it."""
+        rank = self.rank
+        before = self._phases.get(rank)
+        self._set_phase(rank, label)
+        try:
+            yield
+        finally:
+            self._set_phase(rank, before)
+
+    def _set_phase(self, rank: int, label: str | None) -> None:
+        if label is None:
+            self._phases.pop(rank, None)
+        else:
+            self._phases[rank] = label
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -239,8 +266,8 @@ class Mesh(abc.ABC):
         """Validate and record one collective: `(its description, the contiguous data to move)`."""
         with found_here():
             self._validate(op, x, arg, tag)
-        call = _describe(op, x, arg, tag, grad)
         rank = self.rank
+        call = _describe(op, x, arg, tag, grad, self._phases.get(rank))
         elements = _elements(op, x, self.world_size)
         for log in self._recorders:
             log.append(CollectiveRecord(rank, op, arg if op == "all_reduce" else None, x.dtype,
@@ -673,10 +700,12 @@ def settings_crc(x: Any) -> int:
 def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
     """`[kind, seq, op, dtype crc, ndim, d0, d1, d2, crc of the dims past d2 (-1: none), arg, tag crc,
     grad]`; arg is the reduction's index in REDUCTIONS (all_reduce), the source rank (broadcast), or
-    -1; grad is `_Call.grad` (last, so that `_agree` can tell calls that differ in it alone). The
-    crcs cover every dtype and every dim (before, a dtype outside a list of twelve was 99 and the
-    dims past d2 their product: complex64 met complex128 in gloo, which aborted the process, and
-    [1, 1, 1, 2, 3] met [1, 1, 1, 3, 2], gathered silently; found in review)."""
+    -1; the tag crc covers `_Call.phase` too where there is one (`Mesh.phase`; without one it is the
+    tag's alone, as before phases); grad is `_Call.grad` (last, so that `_agree` can tell calls that
+    differ in it alone). The crcs cover every dtype and every dim (before, a dtype outside a list of
+    twelve was 99 and the dims past d2 their product: complex64 met complex128 in gloo, which
+    aborted the process, and [1, 1, 1, 2, 3] met [1, 1, 1, 3, 2], gathered silently; found in
+    review)."""
     if call is None:
         return [kind, seq] + [0] * (_FP_LEN - 2)
     dims = list(call.shape[:3]) + [-1] * (3 - min(3, len(call.shape)))
@@ -684,7 +713,7 @@ def _fingerprint(kind: int, seq: int, call: _Call | None) -> list[int]:
     dims.append(-1 if not rest else settings_crc(tuple(rest)))
     arg = REDUCTIONS.index(call.arg) if call.op == "all_reduce" else (call.arg if call.op == "broadcast" else -1)
     return [kind, seq, OPS.index(call.op), settings_crc(call.dtype), len(call.shape), *dims, arg,
-            settings_crc(call.tag), int(call.grad)]
+            settings_crc(call.tag if call.phase is None else (call.tag, call.phase)), int(call.grad)]
 
 
 def _all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:

@@ -58,7 +58,7 @@ from torch.profiler import record_function
 from .casting import CastAhead, Reads, Slot
 from .collectives import all_gather, all_reduce, func_level
 from .errors import ConfigError, LossScaleError, NonFiniteError
-from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, is_flat_dict, same_paths
+from .gathering import GATHERS, Gathering, check_prefetch, held_tensor, in_micro_batch, is_flat_dict, same_paths
 from .layout import ParamGroup, Segment
 from .mesh import settings_crc
 from .offload import HostUpdate, differentiated, early_copies, early_norms, readable
@@ -252,7 +252,10 @@ def train_step(
       micro_batches: k; with k > 1, `step(state, batches)` takes a sequence of k micro-batches
         (`[(x0, y0), (x1, y1)]`, not one batch `(x, y)`: micro-batches whose tensors differ in
         dtype at one place are refused) and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
-        (as DDP users write `(loss / k).backward()`).
+        (as DDP users write `(loss / k).backward()`). With `gather="on_use"` at stages 2-3 every
+        rank's loss must read the same units in each micro-batch: on an empty one, run the model
+        and return a zero that depends on its output (`out.sum() * 0.0`); a rank that reads none
+        there raises `DivergentPaths`, naming the micro-batches.
       accumulate: "each" (every stage: each micro-batch's gradient is reduced as it is made and
         the reduced parts are added, so stages 2-3 keep only an accumulation shard) or "once"
         (stages 0-1: local gradients are added in micro-batch order and reduced once after the
@@ -528,16 +531,21 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     added the fp32 parts, and differed from stages 2-3);
     "once": `reduce(Σ_i g_i)`. The sums run
     in micro-batch order, `((x_1 + x_2) + x_3) + ...`, and are cast back to each bucket's dtype.
-    `norms`, `buffers`: `backward`'s.
+    `norms`, `buffers`: `backward`'s. With k > 1 each micro-batch's collectives carry its index
+    (`gathering.in_micro_batch`): where stages 2-3 gather and reduce only the units a loss reads
+    (`gather="on_use"`), a rank whose loss read no unit in micro-batch 0 would otherwise pair its
+    micro-batch 1 with the others' micro-batch 0 (a complete sum in another order, no error);
+    it raises `DivergentPaths` on every rank, naming the micro-batches.
     """
     once = config.accumulate == "once"
     acc: dict[int, torch.Tensor | None] = {b: None for b in _trainable(state)}
     dtypes = {b: state.layout.buckets[b].dtype for b in acc}
     loss = count = None
     used = bad = None
-    for mb in micro:
-        grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers)
-        parts = grads if once else {b: g.to(dtypes[b]) for b, g in reduce(state, grads, started).items()}
+    for i, mb in enumerate(micro):
+        with in_micro_batch(state.mesh, i, len(micro)):  # ranks in different micro-batches: a mismatch
+            grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers)
+            parts = grads if once else {b: g.to(dtypes[b]) for b, g in reduce(state, grads, started).items()}
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
         l_i = l_i.to(at_least_float32(l_i.dtype))  # 2 fp16 losses of 40000 sum to inf in fp16 (review)
