@@ -68,11 +68,12 @@ def _side_checks(step, state, batch):
     """One more step, counting what the side-stream checks took: `(state, {"early_norms": [shards
     whose norm the backward took, shards], "update_checks": buckets checked as updated,
     "early_update": whether the update was launched before the agreement's read})`."""
-    from fzero._src import step as step_module
-    from fzero._src.step import EarlyNorms, Ends
+    from fzero._src import agreement as agreement_module
+    from fzero._src.norms import EarlyNorms
+    from fzero._src.update import Ends
 
     seen, taken, early = [], [], []
-    known, take, skip = EarlyNorms.known, Ends.take, step_module.early_skip
+    known, take, skip = EarlyNorms.known, Ends.take, agreement_module.early_skip
 
     def counted_known(self, shards):
         out = known(self, shards)
@@ -88,11 +89,11 @@ def _side_checks(step, state, batch):
         early.append(flag is not None)
         return flag
 
-    EarlyNorms.known, Ends.take, step_module.early_skip = counted_known, counted_take, counted_skip
+    EarlyNorms.known, Ends.take, agreement_module.early_skip = counted_known, counted_take, counted_skip
     try:
         state, _ = step(state, batch)
     finally:
-        EarlyNorms.known, Ends.take, step_module.early_skip = known, take, skip
+        EarlyNorms.known, Ends.take, agreement_module.early_skip = known, take, skip
     return state, {"early_norms": seen[0] if seen else None, "update_checks": len(taken),
                    "early_update": early == [True]}
 
@@ -125,7 +126,7 @@ def main() -> None:
                          "the backward and the update (what fzero did before its side-stream checks), for an A/B")
     ap.add_argument("--early", type=int, default=1,
                     help="0: launch the update after the agreement's host read, never before it (what fzero did "
-                         "before step.agree_launching), for an A/B")
+                         "before agreement.agree_launching), for an A/B")
     ap.add_argument("--side-assembly", type=int, default=1,
                     help="0: assemble each unit's gradient on the step's stream, not beside the backward on the side "
                          "stream (what fzero did before the tenth session), for an A/B")
@@ -162,17 +163,18 @@ def main() -> None:
 
     opt = optim.adamw(lr=1e-4)
     if not a.side:
-        from fzero._src.step import EarlyNorms, Ends
+        from fzero._src.norms import EarlyNorms
+        from fzero._src.update import Ends
 
         EarlyNorms.DEVICES = Ends.DEVICES = ()
     if not a.side_assembly:
-        from fzero._src.step import EarlyNorms
+        from fzero._src.norms import EarlyNorms
 
         EarlyNorms.assembly = lambda self, state: None
     if not a.early:
-        from fzero._src import step as step_module
+        from fzero._src import agreement as agreement_module
 
-        step_module.early_skip = lambda *args: None
+        agreement_module.early_skip = lambda *args: None
     policy = fzero.Precision(torch.bfloat16, torch.float32) if a.precision == "bf16" else fzero.Precision()
     state = fzero.init(params, opt, stage=a.stage, mesh=mesh, units=info.units, precision=policy)
     del params

@@ -7,10 +7,10 @@ what the host spends, not what a busy machine's other processes take from it), m
 `--steps` steps after `--warmup`, per stage:
 
 - `step_us`: median time of one step;
-- `gap_us`: median time from the agreement's return (`step.agree`) to the first optimizer
+- `gap_us`: median time from the agreement's return (`agreement.agree`) to the first optimizer
   kernel (a `torch._foreach_*` call), the host Python between the step's one synchronisation
   and its first update kernel;
-- `update_us`: median time of `step.update`;
+- `update_us`: median time of `update.update`;
 - `gap_calls`: the Python and C function calls in that gap, in one step (`sys.setprofile`):
   the same on every run, where the times depend on how busy the machine is;
 - a cProfile of `--profile-steps` steps: the top functions by own time (`--top`), per step.
@@ -60,6 +60,7 @@ from bench_cpu import model_of  # noqa: E402
 from bench_peers import GPT  # noqa: E402
 
 import fzero  # noqa: E402
+from fzero._src import agreement as agreement_module  # noqa: E402
 from fzero._src import step as step_module  # noqa: E402
 
 
@@ -89,8 +90,9 @@ optimizer_kernels()
 
 
 class Clock:
-    """Wraps `step.agree` and `step.update` (module attributes `run_step` looks up) and hooks the
-    optimizer kernels to time the gap between the agreement and the first update kernel."""
+    """Wraps `agreement.agree` and `update.update` (the module attributes `agree_launching` and
+    `run_step` look up: `agreement.agree`, `step.update`) and hooks the optimizer kernels to time
+    the gap between the agreement and the first update kernel."""
 
     def __init__(self) -> None:
         self.gaps: list[float] = []
@@ -99,7 +101,7 @@ class Clock:
         self.count_calls = False
         self._agreed: float | None = None
         self._calls = 0
-        agree, update = step_module.agree, step_module.update
+        agree, update = agreement_module.agree, step_module.update
 
         def timed_agree(*args, **kwargs):
             out = agree(*args, **kwargs)
@@ -115,7 +117,7 @@ class Clock:
             self.updates.append(time.thread_time() - t0)
             return out
 
-        step_module.agree, step_module.update = timed_agree, timed_update
+        agreement_module.agree, step_module.update = timed_agree, timed_update
         KERNEL_HOOKS[:] = [self.first_kernel]
 
     def _count(self, frame, event, arg) -> None:

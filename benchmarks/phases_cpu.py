@@ -6,7 +6,7 @@ fzero, per stage (`--stages`): the forward (the loss function), and, summed per 
 `step.accumulate` (forward + backward + the reductions started in it), the unit gradient
 assembly (`unit._assemble`), the local finite check (`unit.nonfinite`, N > 1), the waits on
 collectives (`Pending.wait`: reductions, stage 1-2's parameter all-gather after the update,
-stage 3's gathers), the agreement, the update (`step.update`, which waits for stage 1-2's
+stage 3's gathers), the agreement, the update (`update.update`, which waits for stage 1-2's
 all-gathers) and its kernels (`adam.KERNELS["foreach"]`). The timers wrap fzero's functions (a
 few microseconds each); times overlap where one phase runs inside another. Timing only.
 

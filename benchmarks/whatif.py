@@ -13,7 +13,7 @@ Runs `bench_stages.py` with a pass removed by a patch, so the numbers it trains 
                      its kernels read are kept until the next step).
   WHATIF=tailgap     nothing changed: CUDA events at the step's start, where the host returns from
                      the backward (`step.accumulate`) and where it queues the agreement's host read
-                     (`step.HostRead`), so that the GPU time between them (the agreement's kernels,
+                     (`agreement.HostRead`), so that the GPU time between them (the agreement's kernels,
                      and the GPU's wait for the host's work after the backward) is printed, median
                      over the steps, as a JSON line at exit.
 Run beside the real modes in one job, e.g. (1 GPU):
@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fzero._src import step, unit  # noqa: E402
+from fzero._src import agreement, step, unit  # noqa: E402
+from fzero._src import update as update_module  # noqa: E402
 
 WHAT = os.environ.get("WHATIF", "")
 
@@ -47,19 +48,19 @@ def _cached_zeros() -> object:
 if WHAT in ("noassemble", "both"):
     unit._assemble = _cached_zeros()
 if WHAT in ("noends", "both", "overlap"):
-    step.Ends.of = staticmethod(lambda state, donate: None)
-    step._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
+    update_module.Ends.of = staticmethod(lambda state, donate: None)
+    update_module._nonfinite_flag = lambda state, updated, taken=None: torch.zeros((), device=state.mesh.device)
 if WHAT == "overlap":
     from fzero._src import gathering
 
     EVENTS, KEEP, STREAM = {}, [], []
 
     def agree_launching(config, state, rows, shards, reduced, report, ready):
-        skip = step.early_skip(config, state, rows, reduced, report, ready)
-        grads = None if skip is None else step._checked(ready, reduced)
+        skip = agreement.early_skip(config, state, rows, reduced, report, ready)
+        grads = None if skip is None else agreement._checked(ready, reduced)
         if grads is None:
-            return step.agree(config, state, rows, shards, reduced), ready, None
-        read = step.HostRead(rows, skip)
+            return agreement.agree(config, state, rows, shards, reduced), ready, None
+        read = agreement.HostRead(rows, skip)
         if not STREAM:
             STREAM.append(torch.cuda.Stream())
         u, main = STREAM[0], torch.cuda.current_stream()
@@ -74,10 +75,10 @@ if WHAT == "overlap":
                 ev.record(u)
                 EVENTS[b] = ev
         got, skipped = read.values()
-        verdict = step._verdict(config, state, got, shards, reduced)
+        verdict = agreement._verdict(config, state, got, shards, reduced)
         if skipped:
             return verdict, None, None
-        return verdict, ready, step.Early(states, None)
+        return verdict, ready, update_module.Early(states, None)
 
     step.agree_launching = agree_launching
     _read = gathering.Gathering.read
@@ -97,7 +98,7 @@ elif WHAT == "tailgap":
 
     marks: dict = {}
     spans: dict = {"backward_to_read_ms": [], "start_to_backward_end_ms": []}
-    accumulate, host_read, eager_step = step.accumulate, step.HostRead.__init__, step.eager_step
+    accumulate, host_read, eager_step = step.accumulate, agreement.HostRead.__init__, step.eager_step
 
     def _event(name):
         e = torch.cuda.Event(enable_timing=True)
@@ -124,7 +125,7 @@ elif WHAT == "tailgap":
             _event("read")
         host_read(self, *args, **kwargs)
 
-    step.eager_step, step.accumulate, step.HostRead.__init__ = timed_step, timed_accumulate, timed_read  # by name
+    step.eager_step, step.accumulate, agreement.HostRead.__init__ = timed_step, timed_accumulate, timed_read  # by name
 
     @atexit.register
     def _report():

@@ -37,7 +37,7 @@ from fzero._src.state import ZeroState as ZeroState
 from fzero._src.state import gather as gather
 from fzero._src.state import init as init
 from fzero._src.step import Metrics as Metrics
-from fzero._src.step import StepConfig as StepConfig
+from fzero._src.config import StepConfig as StepConfig
 from fzero._src.step import train_step as train_step
 from fzero._src.module import ModuleInfo as ModuleInfo
 from fzero._src.module import broadcast_buffers as broadcast_buffers

@@ -22,7 +22,7 @@ DIGITS = {torch.float64: 53, torch.float32: 24, torch.bfloat16: 8, torch.float16
 
 class SplitSimMesh(fzero.SimMesh):
     """A SimMesh that claims nothing about its all-reduce: stage 0 reduces each bucket with a
-    reduce-scatter, then an all-gather (started in backward: `step.Chained`), as on NCCL at N > 2."""
+    reduce-scatter, then an all-gather (started in backward: `reduce.Chained`), as on NCCL at N > 2."""
 
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:

@@ -164,7 +164,7 @@ def _run(mesh, stage, engine="autograd"):
 def test_stage0_all_reduce_equals_its_two_collective_path_and_stage1(n, engine):
     """Stage 0 on SimMesh (one all-reduce per bucket) gives the bits of stage 0 on a mesh that
     claims nothing (reduce-scatter, then all-gather: with the autograd engine the all-gather of
-    each bucket starts in backward, `step.Chained`) and of stage 1, on every rank after every step."""
+    each bucket starts in backward, `reduce.Chained`) and of stage 1, on every rank after every step."""
     fused, split, one = _run(fzero.SimMesh(n), 0, engine), _run(cases.SplitSimMesh(n), 0, engine), \
         _run(fzero.SimMesh(n), 1, engine)
     for r in range(n):

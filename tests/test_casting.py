@@ -130,7 +130,7 @@ def _train(cast_ahead: bool, extra_at: frozenset = frozenset(), steps: int = 4, 
         if slot.learned is not None:
             layout = state.layout
             for unit, casts in slot.learned.casts.items():
-                program = next(p for p in fzero._src.step.step_plan(state.info).programs if p.name == unit)
+                program = next(p for p in fzero._src.plan.step_plan(state.info).programs if p.name == unit)
                 named.update({layout.leaves[i].path: c for i, c in zip(program.leaves, casts)})
         return dict(fzero.gather(state)), len(calls), named
 

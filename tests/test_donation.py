@@ -46,7 +46,7 @@ def test_donating_step_equals_the_pure_step(stage, opt):
 @pytest.mark.parametrize("stage, n", [(0, 1), (1, 1), (2, 1), (3, 1), (0, 3)])  # CPU "fused": leaves whole in the shard
 def test_a_fused_donating_step_equals_the_pure_step(stage, n, opt):
     """As above with torch's fused kernels, which the donating step launches before the
-    agreement's read (`step.agree_launching`), a frozen group beside them."""
+    agreement's read (`agreement.agree_launching`), a frozen group beside them."""
     _same_as_pure(fzero.SimMesh(n), stage, lambda: MAKE[opt]("fused"))
 
 

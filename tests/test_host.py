@@ -422,10 +422,10 @@ def test_entered_names_each_bucket_storage_once():
     assert unit_module._entered(program, outs) == want and len(want) == 2
 
 
-# -- the update prepared before the agreement's read (`step.prepare`, `Optimizer.prepare_`) ------
+# -- the update prepared before the agreement's read (`update.prepare`, `Optimizer.prepare_`) ------
 
 from fzero import optim  # noqa: E402
-from fzero._src import step as step_module  # noqa: E402
+from fzero._src import agreement as agreement_module  # noqa: E402
 from fzero._src.layout import ParamGroup, Segment  # noqa: E402
 
 PREPARED = {
@@ -481,7 +481,7 @@ def test_a_launch_checks_the_grad_before_it_writes():
 def _counting(monkeypatch, opt):
     """`opt` whose `prepare_` and `update_` note their calls, and the agreement's read noted among them."""
     calls: list[str] = []
-    agree = step_module.agree
+    agree = agreement_module.agree
 
     def prepare_(*args):
         calls.append("prepare_")
@@ -495,7 +495,7 @@ def _counting(monkeypatch, opt):
         calls.append("read")
         return agree(*args)
 
-    monkeypatch.setattr(step_module, "agree", read)
+    monkeypatch.setattr(agreement_module, "agree", read)
     return opt._replace(prepare_=prepare_, update_=update_), calls
 
 
@@ -618,7 +618,7 @@ def test_the_skip_flag_is_set_by_every_way_a_verdict_is_not_finite(case):
     rows = [[loss, *used, *bad, sq, count, broken] for loss, used, bad, sq, count, broken in parts]
     want = any(not math.isfinite(r[0]) or not math.isfinite(r[1 + num + nb]) or any(x > 0 for x in r[1 + num : 1 + num + nb])
                or r[-1] != 0 for r in rows)
-    flag = step_module.skip_flag(torch.tensor(rows, dtype=torch.float64), num, nb)
+    flag = agreement_module.skip_flag(torch.tensor(rows, dtype=torch.float64), num, nb)
     assert flag.dtype == torch.float32 and flag.shape == () and flag.item() == float(want)
 
 
@@ -635,7 +635,7 @@ def _launch_counting(monkeypatch, opt):
     """`_counting`'s notes, a launch noted "launch" (or "launch?" with a skip flag), the early
     read ("read") too."""
     opt, calls = _counting(monkeypatch, opt)
-    prepare_, values = opt.prepare_, step_module.HostRead.values
+    prepare_, values = opt.prepare_, agreement_module.HostRead.values
 
     def counted(*args):
         launch = prepare_(*args)
@@ -650,7 +650,7 @@ def _launch_counting(monkeypatch, opt):
         calls.append("read")
         return values(self)
 
-    monkeypatch.setattr(step_module.HostRead, "values", read)
+    monkeypatch.setattr(agreement_module.HostRead, "values", read)
     return opt._replace(prepare_=counted, update_=opt.update_), calls
 
 
@@ -743,7 +743,7 @@ def test_used_is_the_or_over_ranks_of_each_leafs_column(rows):
     """`_used`'s shortcut (every rank used every leaf) and its general path give the definition:
     leaf i is used iff some rank's column 1 + i is > 0."""
     rows, num = rows
-    assert step_module._used(rows, num) == [any(r[1 + i] > 0 for r in rows) for i in range(num)]
+    assert agreement_module._used(rows, num) == [any(r[1 + i] > 0 for r in rows) for i in range(num)]
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

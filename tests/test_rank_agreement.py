@@ -2,7 +2,7 @@
 
 The step's one agreement row carries the fingerprint of the rank's step settings
 (`StepConfig.shared`: every `train_step` setting but the loss) and its state's step counter
-(`step.Row`). Ranks that differ in either raise `ConfigError` on every rank, naming the setting
+(`agreement.Row`). Ranks that differ in either raise `ConfigError` on every rank, naming the setting
 (or each rank's step count); a donating step's update launched before the agreement's read is
 skipped on the device, so the state is left as it was. Without this, a setting that changes no
 collective (`clip_norm`, `normalize`, `accum_dtype`, `on_nonfinite`) or a rank stepping an older

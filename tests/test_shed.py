@@ -2,7 +2,7 @@
 
 With optimizer offload and one micro-batch, each offloaded bucket's reduced shard is copied to
 the host as soon as its unit's backward has it (`offload.early_copies`); where nothing reads it
-on the device afterwards but the agreement's norm, the norm is taken then (`step.shard_norm`)
+on the device afterwards but the agreement's norm, the norm is taken then (`norms.shard_norm`)
 and the shard's memory freed (`offload.shed`), so the device holds one bucket's gradient at a
 time. These tests check, on SimMesh (the CPU standing in for the device, the same code):
 - every offloaded shard is shed, and its storage holds 0 bytes after the step;
@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fzero
 from fzero import optim
 from fzero._src import offload as offload_mod
-from fzero._src.step import shard_norm, shard_squares, sum_of_squares
+from fzero._src.norms import shard_norm, shard_squares, sum_of_squares
 from fzero.testing import examples
 
 from .stage_harness import assert_equal_leaves

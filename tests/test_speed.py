@@ -31,10 +31,11 @@ from hypothesis import given
 
 import fzero
 from fzero import optim
-from fzero._src import step as step_module
+from fzero._src import norms as norms_module
 from fzero._src import unit as unit_module
+from fzero._src import update as update_module
+from fzero._src.norms import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.stages import Wire, reduce_grad
-from fzero._src.step import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.unit import Bucket, _assemble, finite_witness, nonfinite
 from fzero.layout import plan
 from fzero.testing import examples
@@ -349,7 +350,7 @@ def _early_norm_run(mesh, stage, precision, donate, clip=0.05):
         return x.float().square().mean()
 
     seen = []
-    known = step_module.EarlyNorms.known
+    known = norms_module.EarlyNorms.known
 
     def counted(self, shards):
         out = known(self, shards)
@@ -361,7 +362,7 @@ def _early_norm_run(mesh, stage, precision, donate, clip=0.05):
     step = fzero.train_step(loss, donate=donate, clip_norm=clip)
     norms = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_module.EarlyNorms, "known", counted)
+        mp.setattr(norms_module.EarlyNorms, "known", counted)
         for t in range(3):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 + t)).to(mesh.device)
             state, m = step(state, x)
@@ -380,9 +381,9 @@ def test_early_norms_are_taken_for_every_shard_and_keep_the_bits(stage, precisio
     bitwise those of the step that takes no early norm."""
     mesh = fzero.SimMesh(1)
     prec = fzero.Precision(torch.bfloat16, torch.float32) if precision else None
-    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+    monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ())
     want = mesh.run(lambda: _early_norm_run(mesh, stage, prec, donate))[0]
-    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cpu",))
+    monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ("cpu",))
     got = mesh.run(lambda: _early_norm_run(mesh, stage, prec, donate))[0]
     assert want[2] == [] and got[2] == [(6, 6)] * 3
     assert got[1] == want[1]
@@ -392,12 +393,12 @@ def test_early_norms_are_taken_for_every_shard_and_keep_the_bits(stage, precisio
 def test_an_early_norm_is_not_used_for_a_shard_written_since():
     """`EarlyNorms.known` matches a shard to the norm taken of the same tensor only while nothing
     has written it (`_version`): a write after `take` makes the agreement read the shard."""
-    early = step_module.EarlyNorms(CPU)
+    early = norms_module.EarlyNorms(CPU)
     x, y = torch.ones(10), torch.ones(10)
     early.take(x)
     early.take(y)
     assert set(early.known([x, y])) == {0, 1}
-    assert torch.equal(early.known([x])[0], step_module.shard_norm(x))
+    assert torch.equal(early.known([x])[0], norms_module.shard_norm(x))
     y.mul_(2)
     assert set(early.known([x, y])) == {0}
     assert early.known([torch.ones(10)]) == {}  # same values, another tensor
@@ -409,9 +410,9 @@ def test_early_norms_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mesh, monke
     """On CUDA the early norms run on a side stream beside the backward, joined before the
     agreement: every shard's norm is found and the clipped steps are bitwise those without."""
     for precision in (None, fzero.Precision(torch.bfloat16, torch.float32)):
-        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+        monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ())
         want = _early_norm_run(nccl_mesh, stage, precision, True)
-        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+        monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ("cuda",))
         got = _early_norm_run(nccl_mesh, stage, precision, True)
         assert got[2] == [(6, 6)] * 3 and got[1] == want[1], (stage, precision)
         assert all(torch.equal(got[0][u][k], want[0][u][k]) for u in want[0] for k in want[0][u])
@@ -446,9 +447,9 @@ def test_gradients_assembled_on_a_cuda_side_stream_keep_the_bits(stage, nccl_mes
     write = unit_module._write
     held_back, beside = _held_back_writes(20_000_000)  # tens of milliseconds on the side stream
     for precision, clip in itertools.product((None, fzero.Precision(torch.bfloat16, torch.float32)), (0.05, None)):
-        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+        monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ())
         want = _early_norm_run(nccl_mesh, stage, precision, True, clip)
-        monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+        monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ("cuda",))
         monkeypatch.setattr(unit_module, "_write", held_back)
         beside.clear()
         got = _early_norm_run(nccl_mesh, stage, precision, True, clip)
@@ -487,7 +488,7 @@ def test_gradients_of_several_micro_batches_assembled_on_a_cuda_side_stream_keep
     in line, and every bucket of every micro-batch (6 x 3 a step) was assembled beside."""
     for accumulate in ("each", "once") if stage < 2 else ("each",):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(step_module.EarlyNorms, "DEVICES", ())
+            mp.setattr(norms_module.EarlyNorms, "DEVICES", ())
             want = _accumulated_run(nccl_mesh, stage, accumulate)
         held_back, beside = _held_back_writes(20_000_000)
         with pytest.MonkeyPatch.context() as mp:
@@ -529,9 +530,9 @@ def test_a_gradient_two_units_share_is_not_written_before_the_side_stream_reads_
     side stream has read it (`unit.Assembly`), so the engine adds out of place: the params are
     bitwise those of the step that assembles in line, both units assembled on the side stream."""
     held_back, beside = _held_back_writes(20_000_000)
-    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ())
+    monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ())
     want = _shared_gradient_run(nccl_mesh, stage)
-    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+    monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ("cuda",))
     monkeypatch.setattr(unit_module, "_write", held_back)
     got = _shared_gradient_run(nccl_mesh, stage)
     assert beside == [True] * 4
@@ -566,7 +567,7 @@ def test_a_buffer_freed_by_a_step_that_raises_takes_no_side_stream_write_later(n
 
     state = fzero.init(tree, optim.adamw(0.1), stage=0, mesh=nccl_mesh, units=lambda path: path.split("/")[0])
     step = fzero.train_step(loss, donate=True)
-    monkeypatch.setattr(step_module.EarlyNorms, "DEVICES", ("cuda",))
+    monkeypatch.setattr(norms_module.EarlyNorms, "DEVICES", ("cuda",))
     monkeypatch.setattr(unit_module, "_write", held_back)
     x = torch.randn(8, 256, device=nccl_mesh.device)
 
@@ -591,7 +592,7 @@ def _update_check_flags(mesh, stage, lr, side):
     takes the checks then, and drops them where the kernels were skipped: not counted.)"""
     tree = {"u0": {"w": torch.ones(64, 8)}, "u1": {"w": torch.ones(8, 4)}}
     taken = []
-    joined = step_module.Ends.joined
+    joined = update_module.Ends.joined
 
     def counted(self):
         out = joined(self)
@@ -602,8 +603,8 @@ def _update_check_flags(mesh, stage, lr, side):
                        units=lambda path: path.split("/")[0])
     step = fzero.train_step(lambda p, x: (x @ p["u0"]["w"] @ p["u1"]["w"]).sum(), donate=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_module.Ends, "joined", counted)
-        mp.setattr(step_module.Ends, "DEVICES", (mesh.device.type,) if side else ())
+        mp.setattr(update_module.Ends, "joined", counted)
+        mp.setattr(update_module.Ends, "DEVICES", (mesh.device.type,) if side else ())
         state, _ = step(state, torch.ones(2, 64, device=mesh.device))
         flag = float(state.pending)
         with pytest.raises(fzero.NonFiniteError, match="made the params NaN or inf") if flag else contextlib.nullcontext():

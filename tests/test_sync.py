@@ -30,6 +30,7 @@ import torch
 import fzero
 from fzero import optim
 from fzero._src import step as step_module
+from fzero._src import update as update_module
 from fzero._src.mesh import Pending
 from fzero._src.optim import base as optim_base
 from fzero._src.optim.base import spec_of
@@ -64,8 +65,8 @@ def test_a_broken_donated_update_raises_at_the_next_read_on_every_rank(stage, tm
 def test_a_broken_donated_update_is_found_from_the_sums_of_its_blocks(stage, tmp_path):
     """The same, with the CPU update cut into blocks of a few elements (`optim.base.CPU_BLOCK`):
     the flag comes from the sums the update took of each block just after writing it
-    (`step.BlockEnds`), which a spy sees taken."""
-    mesh, real, seen = fzero.SimMesh(2), step_module._block_witness, []
+    (`update.BlockEnds`), which a spy sees taken."""
+    mesh, real, seen = fzero.SimMesh(2), update_module._block_witness, []
 
     def spy(p, sums):
         seen.append(len(sums))
@@ -74,7 +75,7 @@ def test_a_broken_donated_update_is_found_from_the_sums_of_its_blocks(stage, tmp
     threads = torch.get_num_threads()  # a block is CPU_BLOCK elements per thread: one thread, blocks of one
     torch.set_num_threads(1)
     try:
-        with mock.patch.object(optim_base, "CPU_BLOCK", 1), mock.patch.object(step_module, "_block_witness", spy):
+        with mock.patch.object(optim_base, "CPU_BLOCK", 1), mock.patch.object(update_module, "_block_witness", spy):
             outs = mesh.run(functools.partial(sync_cases.broken_then_read, mesh, stage, str(tmp_path)))
     finally:
         torch.set_num_threads(threads)
@@ -89,14 +90,14 @@ def _witness_finite(w) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_block_witness_is_finite_exactly_where_every_element_is(dtype):
-    """`step._block_witness` from the sums of blocks of a buffer (gaps between them, where the
+    """`update._block_witness` from the sums of blocks of a buffer (gaps between them, where the
     update wrote nothing, read afresh): finite where every element is; not where a NaN or inf is
     in a block or a gap; finite where a block's elements are finite but their sum overflows (the
     minimum and maximum decide); and `finite_witness` itself where a view is not of the buffer."""
     big = torch.finfo(dtype).max
 
     def witness(p, blocks):
-        return step_module._block_witness(p, [(p[a:b], p[a:b].sum()) for a, b in blocks])
+        return update_module._block_witness(p, [(p[a:b], p[a:b].sum()) for a, b in blocks])
 
     blocks = [(2, 5), (5, 9), (12, 16)]  # gaps: [0, 2), [9, 12), [16, 20)
     p = torch.randn(20, dtype=dtype)
@@ -112,7 +113,7 @@ def test_the_block_witness_is_finite_exactly_where_every_element_is(dtype):
     other = torch.randn(20, dtype=dtype)
     q = p.clone()
     q[10] = math.inf
-    w = step_module._block_witness(q, [(other[2:5], other[2:5].sum())])
+    w = update_module._block_witness(q, [(other[2:5], other[2:5].sum())])
     assert [t.tolist() for t in w] == [t.tolist() for t in finite_witness(q)]
     assert not _witness_finite(w)
 
@@ -251,7 +252,7 @@ def test_stages_0_1_start_each_reduce_scatter_in_the_units_backward(stage, split
     """With the autograd engine and accumulate="each", stages 0-1 start each bucket's
     reduce-scatter in its unit's backward (as stages 2-3), so they come in backward order (the
     loss reads a, b, c: backward reaches c first); stage 0 starts each bucket's gradient
-    all-gather once the next bucket's reduce-scatter has started (`step.Chained`), the last after
+    all-gather once the next bucket's reduce-scatter has started (`reduce.Chained`), the last after
     backward. With accumulate="once" (the sum is reduced after the last micro-batch) they come
     after backward, in bucket order, each all-gather after every reduce-scatter. On a mesh whose
     all-reduce has the bits of its reduce-scatter + all-gather
@@ -315,7 +316,7 @@ class _HeldSimMesh(fzero.SimMesh):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_stage_1_waits_each_reduce_scatter_once_the_next_has_started(stage):
     """Stage 1's reduce-scatter holds the unit's local gradient `flat[N * S]` (and, over gloo, a
-    staging copy of it) until waited: `step.Chained` waits each one once the next bucket's has
+    staging copy of it) until waited: `reduce.Chained` waits each one once the next bucket's has
     started (`Flight.advance` of a last phase that `Pending.holds_more`), so a step holds one or
     two of them at a time, not every unit's until the backward ends. Stage 0's all-reduce runs in
     its donated buffer (the result is the input: nothing more held), so it is waited after the

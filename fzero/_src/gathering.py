@@ -641,7 +641,7 @@ def check_prefetch(prefetch: Any) -> None:
 def prefetch_of(prefetch: int | None, programs: Sequence[UnitProgram]) -> int:
     """The prefetch depth a step or an evaluation uses: 0 under a torch.func transform (a step
     differentiated through, docs/func.md: every gather runs in place, differentiably, as the
-    step's reductions do, `step.overlaps`); else `prefetch` itself, or for None (the default)
+    step's reductions do, `reduce.overlaps`); else `prefetch` itself, or for None (the default)
     one unit ahead where the mesh's `start` returns before the gather is done
     (`Mesh.asynchronous`: DistMesh over more than one rank), so that the next unit's gather
     overlaps this one's compute, as DeepSpeed and FSDP2 prefetch by default, and 0 elsewhere

@@ -3,7 +3,7 @@
 `Offload(optimizer="cpu")` (stages 1-3) keeps, per trainable bucket, this rank's fp32 master
 `shard[S]` and the optimizer state in host memory (pinned where CUDA is available); the device
 keeps what the loss reads (stages 1-2: the full buffer, stage 3: the shard, in the compute
-dtype). One step per bucket (`step.update`):
+dtype). One step per bucket (`update.update`):
 
     g_dev[S]  --(device -> host, all buckets started at once; CUDA: a side stream + events)-->
     g_host[S] --(the optimizer on the host: torch's CPU kernels)--> master'[S], state'
@@ -264,7 +264,7 @@ class HostTier:
         writes `x` before the update reads it (a tensor the update does not read, e.g. one later
         rescaled out of place, is never taken: its entry goes with it).
 
-        With `norm` (the step's `‖x‖₂`, `step.shard_norm`), `x` is *shed*: its norm is taken now,
+        With `norm` (the step's `‖x‖₂`, `norms.shard_norm`), `x` is *shed*: its norm is taken now,
         on the device (`early_norm` returns it to the agreement), and then `x`'s device memory is
         freed (`shed`): the tensor object stays, for autograd to hand back, with no storage. Whoever
         passes `norm` promises that nothing reads `x` on the device after this but through
@@ -826,7 +826,7 @@ class Stored(NamedTuple):
         holds there, or, with params offloaded, the host copy the units read).
       opt_state: what the state keeps of the new optimizer state (NVMe: stand-ins).
       master: what the state keeps of the new master (NVMe: a stand-in).
-      checked: what the update's finite check reads (`step._nonfinite_flag`): the new master, or,
+      checked: what the update's finite check reads (`update._nonfinite_flag`): the new master, or,
         where it went back to its file, its finite witness taken before (`_ends`).
     """
 
@@ -847,7 +847,7 @@ def _ends(x: torch.Tensor, within: torch.dtype | None = None) -> torch.Tensor:
 
 class HostUpdate:
     """One update's traffic between the device and the host tier, around the optimizer call of
-    each offloaded bucket (`step.update`); buckets on the device pass through unchanged.
+    each offloaded bucket (`update.update`); buckets on the device pass through unchanged.
 
     At construction every offloaded bucket's reduced gradient shard starts for the host (CUDA: a
     side stream, one event each) and the first bucket's optimizer state starts coming in (NVMe).

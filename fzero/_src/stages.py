@@ -105,7 +105,7 @@ class Piece:
     through: meta-gradients, forward mode). Pieces that run after backward or after the update,
     and the reduction inside a unit's backward, also have `start`: the same collectives and the
     same bits without waiting, on detached data, which the step uses only where nothing
-    differentiates through it (`step.overlaps`)."""
+    differentiates through it (`reduce.overlaps`)."""
 
     run: BucketFn
     moves: tuple[Move, ...] = ()

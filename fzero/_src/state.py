@@ -653,6 +653,12 @@ def master_values(state: ZeroState, b: int) -> torch.Tensor:
     return state.master[b] if tier is None else tier.read_master(b, state.master[b])
 
 
+def loss_scale_of(state: ZeroState) -> float:
+    """The loss is multiplied by this before backward and the gradient divided by it after the
+    reduction: the scaler's current scale (a Python float), or 1."""
+    return 1.0 if state.loss_scale is None else float(state.loss_scale.scale)
+
+
 def consume(state: ZeroState) -> None:
     """Mark a state whose buffers a donating step wrote: using it again is an error."""
     object.__setattr__(state, "_consumed", True)

@@ -166,14 +166,14 @@ class Inflight:
     With `early` (stages 0-1, whose leave keeps the gradient local: the trainable buckets, which
     the step passes where it reduces each micro-batch), the unit's backward hands autograd no
     gradient and `begin`s the step's own reduction of each bucket (`Stage.after_backward.start`
-    on the gradient the step would get); `step.reduce` finishes the flights (`started`). They
+    on the gradient the step would get); `reduce.reduce` finishes the flights (`started`). They
     start in one order on every rank, as DDP launches its buckets: the buckets of `early` from the
     last, each once it and every later one are ready -- ranks whose backward reaches the units in
     another order (a unit some rank skipped) still call the same collectives in the same order.
     They are not bounded by `depth`: stage 0 holds every unit's reduced gradient after backward
-    anyway, and `step.Chained` waits each of stage 1's once the next has started.
+    anyway, and `reduce.Chained` waits each of stage 1's once the next has started.
 
-    `done(result)` (`step.EarlyNorms.take`) is called with each reduction's result that exists
+    `done(result)` (`norms.EarlyNorms.take`) is called with each reduction's result that exists
     when it starts (N = 1: the reduction returns its input), as soon as it does.
 
     `side` (`Assembly`, N = 1 on CUDA): where the unit's backward reads its assembled gradient
@@ -196,7 +196,7 @@ class Inflight:
         self.done = done  # called with a reduction's result where it completed when started (N = 1)
         self.side = side
         self._ready: dict[int, Callable[[], Any]] = {}  # bucket -> its start, waiting for its turn
-        self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`step.reduce`)
+        self.started: dict[int, Any] = {}  # bucket -> its Flight, which the step finishes (`reduce.reduce`)
 
     def begin(self, b: int, start: Callable[[], Any]) -> None:
         """Bucket `b`'s reduction is ready: start it, and every ready one after it in turn."""
@@ -254,7 +254,7 @@ def _complete(flight: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class UnitProgram:
     """The static description of one unit under one stage (not a pytree node): made once per
-    state's `StateInfo` (`step.step_plan`); what is a step's own (its `Inflight`) is passed to
+    state's `StateInfo` (`plan.step_plan`); what is a step's own (its `Inflight`) is passed to
     `run_unit` at each call. `casts`: per leaf (`leaves` order), the dtype its forward hands
     it in, or None as it is (`casting.casting`: the leaves an autocast region would cast);
     `watch`: the forward hands the leaves whose reads the step watches as `Watched` (the cast
@@ -322,7 +322,7 @@ class Probe(NamedTuple):
         Sharing the storage is safe: nothing writes a probe, and its "gradient" is returned by
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each call's tensors are their own autograd leaves (two units never share one; the step keeps
-        one `Probe` per unit for all of a state's steps, `step._probes`)."""
+        one `Probe` per unit for all of a state's steps, `plan._probes`)."""
         return Probe(shared_zeros((len(program.leaves),), _CPU).detach(),
                      shared_zeros((len(program.buckets) if locate else 0,), device).detach())
 
@@ -703,7 +703,7 @@ class HostBuffers:
 
 
 class Assembly:
-    """The units' gradient assembly on a CUDA side stream (`step.Side`), beside the backward of
+    """The units' gradient assembly on a CUDA side stream (`norms.Side`), beside the backward of
     the units below (`Inflight.side`, N = 1).
 
     `write(bucket, grads, flat)` queues `_write` on the side stream after what the step's stream
@@ -789,7 +789,7 @@ def nonfinite(x: torch.Tensor) -> torch.Tensor:
     is finite, no transient, no rounding that could hide one). The units take it of each local
     gradient only where the step locates non-finite gradients (`Probe`): elsewhere the step's
     `‖g‖²` of the *reduced* gradient finds a NaN or inf of any rank's local one (a sum with a NaN
-    or inf term is not finite), and `step.agree` names the leaves on that rare path."""
+    or inf term is not finite), and `agreement.agree` names the leaves on that rare path."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
     return ~torch.isfinite(torch.stack(finite_witness(x))).all()

@@ -615,7 +615,7 @@ def block_sums() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Within it, `in_blocks` appends to the list it yields, for every block it runs on the CPU,
     `(view, view.sum())` of each view of the first operand (the params) just after the kernel
     wrote it: a sum of every element the update wrote, read while the block is in cache
-    (`step.BlockEnds`, the update's finite check). Nothing where `in_blocks` makes one call."""
+    (`update.BlockEnds`, the update's finite check). Nothing where `in_blocks` makes one call."""
     before = getattr(_SUMS, "into", None)
     _SUMS.into = taken = []
     try:

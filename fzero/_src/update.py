@@ -1,0 +1,309 @@
+"""The update: the optimizer over what this rank owns, the stage's `finish`, and a finite check.
+
+After the agreement, `update` applies the optimizer to each trainable bucket this rank owns
+(`Optimizer.update`, or in place with `donate`, `Optimizer.update_`), starts each bucket's
+`finish` (stages 1-2: the all-gather of its new params) as its update ends, and checks that the
+new params are finite (`_nonfinite_flag`): the pure step reads the flag at once (one all-reduce),
+a donating step leaves it on the device as the new state's `pending`, taken bucket by bucket
+beside the update (`Ends` on CUDA, `BlockEnds` on the CPU). A donating update's host work is done
+before the agreement's read (`prepare` -> `Ready`), and where the verdict can only say whether it
+runs, its kernels are launched before the read too (`agreement.agree_launching` -> `Early`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from .collectives import all_reduce, func_level
+from .errors import ConfigError
+from .norms import Side
+from .offload import HostUpdate
+from .optim.base import block_sums
+from .plan import BucketPlan, plan_of, step_plan
+from .reduce import overlaps
+from .state import ZeroState, updated_nonfinite_leaves
+from .unit import finite_witness
+
+
+class Ready(NamedTuple):
+    """A donating update's host work done before the agreement's read (`prepare`): per bucket
+    updated on the device, the params its optimizer writes (`Stage.optimizer_params`) and the
+    optimizer's `launch` (`Optimizer.prepare_`), built for a step that uses every leaf. After the
+    read `update` only launches them -- where the verdict says every leaf was used; otherwise
+    (and for a bucket missing here) it runs the general `update_`."""
+
+    params: dict[int, torch.Tensor]
+    launches: dict[int, Callable[[torch.Tensor], Any]]
+    overlap: bool  # `overlaps` of the step's gradients and params, which the verdict does not change
+
+
+def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
+    """`Ready` for a donating step whose optimizer has a `prepare_` (None otherwise): for every
+    trainable bucket updated on the device, what `update` would build before its kernels. It
+    writes nothing (a skipped step leaves the state as it was) and reads no device value (but
+    `fused.elementwise`'s probe, once per kernel configuration, as `update_` would), so it runs
+    while the device still computes what the agreement gathers. A bucket whose `prepare_`
+    raises is left out: `update` calls `update_`, which raises the same error after the verdict,
+    where it always did."""
+    optimizer = state.optimizer
+    if not donate or optimizer.prepare_ is None:
+        return None
+    layout, stage, rank = state.layout, state.stage, state.rank
+    plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
+    params, launches = {}, {}
+    for b in reduced:
+        if b in on_host:
+            continue
+        p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
+        try:
+            launches[b] = optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, None))
+        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict
+            continue
+        params[b] = p
+    return Ready(params, launches, _overlap(state, reduced))
+
+
+class Early(NamedTuple):
+    """An update launched before the agreement's read whose kernels ran (`agree_launching`): per
+    bucket the new optimizer state its launch returned, and the finite check already taken of
+    each bucket after its kernels (`Ends`; None off CUDA), as `update` takes it."""
+
+    states: dict[int, Any]
+    ends: Ends | None
+
+
+def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], donate: bool = False,
+           host_factor: float = 1.0, ready: Ready | None = None, launched: Early | None = None
+           ) -> tuple[ZeroState, list[str]]:
+    """The optimizer over what this rank owns, then the stage's `finish`: `(new state, [])`; or,
+    without `donate`, `(state, leaves)` -- the input state and the leaves the update would have
+    made NaN or inf, agreed by every rank (one all-reduce of a flag, read on the host), so a state
+    is never corrupted silently.
+
+    With `donate`, the optimizer writes the state's own tensors (`Optimizer.update_`) and nothing
+    waits on the host: this rank's flag (`_nonfinite_flag`, on the device) becomes the new state's
+    `pending`, which the next step's agreement row carries and every other reader checks first
+    (`state.check_pending`): a broken update is found there, on every rank, naming its step.
+
+    Each bucket's `finish` (stages 1-2: the all-gather of its new params) starts as soon as its
+    update is done, so it runs while the next bucket is updated; all are waited for after the
+    finite check (and discarded if it fails). Nothing writes an updated shard before its wait.
+    With `donate` the all-gather writes into the params buffer the state held (`Piece.begin`),
+    whose own chunk the update has just written: no second copy of the params.
+
+    `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
+    its `launch` on the gradient, the same kernels on the same views as `update_`'s; `launched`
+    (`agree_launching`): the buckets whose launch already ran, the new optimizer state each
+    returned and their finite checks."""
+    layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
+    if donate and optimizer.update_ is None:
+        raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
+                          "none: use donate=False")
+    step = int(state.step)
+    new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
+    updated: dict[int, torch.Tensor] = {}
+    kept, checked = {}, {}  # per bucket: the master the new state keeps, what the finite check reads
+    flights, back = {}, {}
+    overlap = ready.overlap if ready is not None else _overlap(state, reduced)
+    plan = plan_of(state.info)
+    # offloaded buckets: gradients start for the host now (none: nothing to look up per bucket)
+    host = HostUpdate(state.info, reduced if step_plan(state.info).offloaded else {}, host_factor)
+    launches = ready.launches if ready is not None and donate and all(used) else {}
+    early = launched.states if launched is not None else {}
+    ends = launched.ends if launched is not None else Ends.of(state, donate)
+    try:
+        for b, g in reduced.items():
+            launch = launches.get(b)
+            updating = _updating(ends if b not in early else None)
+            if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
+                p = ready.params[b]
+                with updating:
+                    updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
+                back[b] = kept[b] = checked[b] = p
+            else:
+                # offloaded: the host copies (NVMe: the master and state read from their files)
+                g, opt, master, leaf_sum = host.inputs(b, g, state.opt_state[b], state.master[b], plan[b].leaf_sum)
+                ctx = plan[b].context(step, used, leaf_sum)
+                p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
+                g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
+                if donate:
+                    with updating:
+                        updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                else:
+                    updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+                out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
+                back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
+            if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
+                ends.take(b, checked[b])
+            if overlap:  # overlaps the next update; a donating step gathers into the params it held
+                flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
+        host.done()
+    except BaseException as e:
+        host.abort(e)  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
+        raise
+    flag = _nonfinite_flag(state, checked, ends, plan)
+    broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
+    gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    if broken:
+        return state, updated_nonfinite_leaves(state, updated)
+    if not overlap:  # differentiated through: the blocking, differentiable finish
+        gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in back.items()}
+    for b in updated:
+        new_params[b] = gathered[b]
+        if state.master[b] is not None:
+            new_master[b] = kept[b]
+    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
+                         step=state.step + 1, pending=flag if donate else None), []
+
+
+def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
+    """Whether the update may start its finish without waiting (`overlaps` of the reduced
+    gradients and the state's params; `_rescale` keeps `requires_grad`)."""
+    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
+
+
+_IS_TENSOR = functools.partial(operator.is_not, None)
+
+
+def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | BlockEnds | None,
+                    plan: dict[int, BucketPlan]) -> torch.Tensor:
+    """float32 0-d on the mesh device: 1 where this rank's updated params hold a NaN or inf, else
+    0: each bucket's `unit.finite_witness` (its minimum and maximum, NaN if any element is, ±inf
+    if one is, no overflow; on the CPU its sum where that is finite), all checked at once;
+    no host synchronisation for buckets updated on the device (an offloaded bucket's ends are
+    computed on the host and copied). `taken` (`Ends`): the ends already taken on a side stream.
+    Where a bucket computes in a dtype of narrower range than its master (`BucketPlan.within`:
+    fp16 units), the master's extremes as that dtype holds them: an fp32 master past 65504 is
+    inf in its fp16 copy, which the next forward would read (found in review: the state's held
+    fp16 params went inf, and every later step was skipped as an overflow)."""
+    dev = state.mesh.device
+    known = {} if taken is None else taken.joined()
+    ends: dict[torch.dtype | None, list[torch.Tensor]] = {}  # per `within`: the extremes cast to it at once
+    for b, p in updated.items():
+        if p.numel():
+            within = plan[b].within
+            ends.setdefault(within, []).extend(
+                e.to(dev) for e in (known[b] if b in known else finite_witness(p, within is not None)))
+    if not ends:
+        return torch.zeros((), dtype=torch.float32, device=dev)
+    finite = [torch.isfinite(torch.stack(e) if d is None else torch.stack(e).to(d)).all() for d, e in ends.items()]
+    return (finite[0] if len(finite) == 1 else torch.stack(finite).all()).logical_not().to(torch.float32)
+
+
+class Ends:
+    """A donating update's finite check taken bucket by bucket on a side stream (CUDA): each
+    bucket's `finite_witness` starts as soon as its update is queued (the side stream first waits for
+    the step's stream), so that it reads the bucket while the next buckets are updated instead
+    of after the last; `joined()` makes the step's stream wait for them and returns `{bucket:
+    witness}`. The witness is exact, so the flag is the one it gives after the update. The next step's in-place update of a bucket is queued after the join."""
+
+    DEVICES = ("cuda",)  # where a step takes them on a side stream (the CPU: `BlockEnds`; elsewhere after the loop)
+
+    def __init__(self, device: torch.device, extremes: frozenset[int]) -> None:
+        self.side, self.extremes = Side(device), extremes
+        self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    @staticmethod
+    def of(state: ZeroState, donate: bool) -> Ends | BlockEnds | None:
+        """Where the update writes in place on a mesh device of `DEVICES` and nothing
+        differentiates through it; on a CPU mesh, `BlockEnds`. `extremes`: the buckets whose
+        check reads the extremes, to cast them (`BucketPlan.within`)."""
+        dev = state.mesh.device
+        if not donate or func_level() is not None:
+            return None
+        extremes = frozenset(b for b, p in plan_of(state.info).items() if p.within is not None)
+        return Ends(dev, extremes) if dev.type in Ends.DEVICES else BlockEnds(extremes) if dev.type == "cpu" else None
+
+    def updating(self) -> contextlib.AbstractContextManager:
+        """Around one bucket's update, before its `take`: nothing to collect here."""
+        return contextlib.nullcontext()
+
+    def take(self, b: int, p: torch.Tensor) -> None:
+        if p.device != self.side.device or not p.numel():
+            return
+        if self.side.stream is not None:  # freed before the join (an NVMe tier's temporary): not reused before it is read
+            p.record_stream(self.side.stream)
+        extremes = b in self.extremes
+        self.taken[b] = self.side.run(lambda x: finite_witness(x, extremes), p)
+
+    def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        self.side.join()
+        return self.taken
+
+
+def _updating(ends: Ends | BlockEnds | None) -> contextlib.AbstractContextManager:
+    """What wraps one bucket's update: `ends.updating()`, or nothing without `ends`."""
+    return ends.updating() if ends is not None else contextlib.nullcontext()
+
+
+class BlockEnds:
+    """A donating update's finite check on the CPU from the sums the blocked update takes of each
+    block of params just after writing it, while the block is in cache (`optim.base.block_sums`),
+    instead of a second read of every bucket from memory after the update (`finite_witness`'s
+    sum). `updating()` wraps one bucket's update; `take(b, p)` then gives its witness
+    (`_block_witness`; a bucket of `extremes`, `finite_witness`'s extremes: sums cannot say
+    whether a cast overflows); `joined()` returns them, as `Ends` does."""
+
+    def __init__(self, extremes: frozenset[int]) -> None:
+        self.extremes = extremes
+        self.taken: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def updating(self) -> Iterator[None]:
+        with block_sums() as sums:
+            yield
+        self._sums = sums
+
+    def take(self, b: int, p: torch.Tensor) -> None:
+        if p.numel():
+            self.taken[b] = finite_witness(p, True) if b in self.extremes else _block_witness(p, self._sums)
+        self._sums = []
+
+    def joined(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        return self.taken
+
+
+def _block_witness(p: torch.Tensor, sums: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """`p`'s finite witness (`unit.finite_witness`: finite if and only if every element is) from
+    `sums`, `(view, its sum)` of views of `p` that do not overlap: the given sums and the sum of
+    every stretch of `p` no view covers (padding, leaves the update skipped) where all of them are
+    finite, for a finite sum says each of its elements is finite; else, as a sum of finite elements
+    can overflow, `p`'s minimum and maximum. `finite_witness(p)` itself where a view is not a
+    contiguous 1-d stretch of `p`'s storage inside it, or there are no sums."""
+    flat = p.detach().reshape(-1)
+    if not sums or not flat.is_contiguous():
+        return finite_witness(flat)
+    base, size, storage = flat.data_ptr(), flat.element_size(), flat.untyped_storage().data_ptr()
+    spans = []
+    for v, total in sums:
+        start, rest = divmod(v.data_ptr() - base, size)
+        if (v.dim() != 1 or not v.is_contiguous() or v.dtype != flat.dtype or rest
+                or v.untyped_storage().data_ptr() != storage or start < 0 or start + v.numel() > flat.numel()):
+            return finite_witness(flat)
+        spans.append((start, v.numel(), total))
+    parts, at = [], 0
+    for start, n, total in sorted(spans, key=lambda s: s[0]):
+        if start < at:  # overlapping views: not the blocks of one update
+            return finite_witness(flat)
+        if start > at:
+            parts.append(flat[at:start].sum())
+        parts.append(total)
+        at = start + n
+    if at < flat.numel():
+        parts.append(flat[at:].sum())
+    witness = torch.stack(parts)
+    return (witness,) if bool(torch.isfinite(witness).all()) else torch.aminmax(flat)
+
+
+def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:
+    """Whether any rank's flag is set: one all-reduce (max), tag "fzero.step/update" (a control
+    collective), read on the host."""
+    return bool(all_reduce(flag.to(torch.float64).reshape(1), state.mesh, "max", tag="fzero.step/update").item() > 0)
