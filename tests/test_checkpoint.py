@@ -575,7 +575,7 @@ def test_sigkill_mid_save_keeps_the_previous(tmp_path):
     out = run_job(2, killed_mid_save, [(root,)] * 2, timeout=90)
     assert out[0] == "RankFailed" and isinstance(out[1], Died), out
     assert ck.latest(root) == os.path.join(root, "step-1")
-    assert any(name.startswith(".tmp-step-2-") for name in os.listdir(root))
+    assert os.listdir(root) == ["step-1"]  # rank 0, which made the temporary folder and lives on, removed it
     got = load_on(ck.latest(root), 2, 2, "sgd-momentum")
     ref = train(fzero.SimMesh(2), 2, "sgd-momentum", 1)
     assert_same(merged_opt([s for s, _ in got]), merged_opt(ref), "optimizer state")
@@ -974,21 +974,30 @@ def test_buffers_on_gloo_are_rank_0s(dist2, tmp_path):
     assert dist2.run(dist_buffers, [(str(tmp_path),)] * 2) == [([1.0, 1.0, 1.0], 5)] * 2
 
 
-def test_keep_that_cannot_delete_an_old_checkpoint_warns_and_the_save_stands(monkeypatch):
+@pytest.mark.parametrize("refused", ["rename", "rmtree"])
+def test_keep_that_cannot_delete_an_old_checkpoint_warns_and_the_save_stands(monkeypatch, refused):
     """`save(..., keep=1)` whose deletion of the older checkpoint fails (a permission, a busy
     file) after the new one is published: an `OldCheckpointNotRemoved` warning naming both, and
     the new checkpoint returned, latest and loadable. Before, `save` raised although its
-    checkpoint was complete, and a retry found its folder taken (found in review)."""
+    checkpoint was complete, and a retry found its folder taken (found in review). The old one
+    is first renamed to a `.tmp-step-1-*` folder, then deleted: where the rename is refused it
+    stays a complete checkpoint; where the deletion is, the renamed folder stays until the next
+    `save(keep=...)`."""
     import fzero._src.checkpoint as impl
 
     mesh = fzero.SimMesh(2)
     step = fzero.train_step(loss_fn)
-    rmtree = shutil.rmtree
+    rmtree, rename = shutil.rmtree, os.rename
 
-    def refusing(path, *args, **kwargs):
-        if os.path.basename(os.fspath(path)) == "step-1":
+    def refusing_rmtree(path, *args, **kwargs):
+        if refused == "rmtree" and os.path.basename(os.fspath(path)).startswith(".tmp-step-1-"):
             raise PermissionError(13, "Permission denied", os.fspath(path))
         return rmtree(path, *args, **kwargs)
+
+    def refusing_rename(src, dst):
+        if refused == "rename" and os.path.basename(os.fspath(src)) == "step-1":
+            raise PermissionError(13, "Permission denied", os.fspath(src))
+        return rename(src, dst)
 
     with tempfile.TemporaryDirectory() as root:
 
@@ -999,10 +1008,14 @@ def test_keep_that_cannot_delete_an_old_checkpoint_warns_and_the_save_stands(mon
             state, _ = step(state, batch(1, mesh.rank))
             return ck.save(state, root, keep=1), fzero.gather(state)
 
-        monkeypatch.setattr(impl.shutil, "rmtree", refusing)
+        monkeypatch.setattr(impl.shutil, "rmtree", refusing_rmtree)
+        monkeypatch.setattr(impl.os, "rename", refusing_rename)
         with pytest.warns(ck.OldCheckpointNotRemoved, match=r"step-2'? is saved, but the older checkpoint .*step-1"):
             (path, want), _ = mesh.run(rank_fn)
         assert path == os.path.join(root, "step-2") == ck.latest(root)
+        left = sorted(os.listdir(root))
+        assert left == ["step-1", "step-2"] if refused == "rename" else (
+            len(left) == 2 and left[0].startswith(".tmp-step-1-") and left[1] == "step-2"), left
         got = mesh.run(lambda: fzero.gather(ck.load(path, fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1,
                                                                        mesh=mesh))))[0]
         assert_same(flat_leaves(got), flat_leaves(want), "params")

@@ -29,11 +29,14 @@ shards are all-gathered (an exact copy), and rank 0 writes every rank's chunks i
 `dcp.save(no_dist=True)`; each rank loads by itself with `dcp.load(no_dist=True)`.
 
 On disk, `root/step-<n>/`: DCP's files (`.metadata`, `*.distcp`), then `manifest.json`, written
-last: layout, stage, world size, optimizer, precision, scaler, step, and the sha256 and size of
-every DCP file. Crash safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (a
-barrier), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
-`os.rename`. A folder named `step-<n>` with a valid manifest is therefore complete; `latest`
-only ever returns such a folder.
+last: layout, stage, world size, optimizer, the lr schedule's values at the saved step and steps
+to come (`lr_record`), precision, scaler, step, and the sha256 and size of every DCP file. Crash
+safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (that every rank's write
+succeeded), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
+`os.rename`; `keep` renames an old checkpoint back to a `.tmp-step-*` name before deleting it. A
+folder named `step-<n>` with a valid manifest is therefore complete; `latest` only ever returns
+such a folder. A save that fails (a full disk) raises `CheckpointError` on every rank and rank 0
+removes its temporary folder; a crash leaves it to the next `save(keep=...)`.
 
 Agreement. Every rank checks its own arguments, then the ranks agree (`_agree`: one all-gather of
 a row per rank) before anything is written or read, so every rank raises or none does: `save`
@@ -45,6 +48,7 @@ sha256) and that every rank found it fit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -52,6 +56,7 @@ import os
 import re
 import shutil
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -80,11 +85,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .collectives import broadcast, gather_rows, gather_texts
-from .errors import FzeroError
+from .errors import FzeroError, MeshError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
-from .optim.base import FACTORED, field_shapes, leaf_blocks, spec_of
+from .optim.base import FACTORED, as_schedule, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
 from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
@@ -416,6 +421,8 @@ def _unwrapped(rank: int) -> Iterator[None]:
         inner = e.failures[r][0]
         if r != rank:
             inner.add_note(f"raised on rank {r} inside torch.distributed.checkpoint")
+        with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+            inner.__dict__["_fzero_rank"] = r  # (`_save_failed` names it)
         raise inner from e
 
 
@@ -585,6 +592,65 @@ def describe_layout(layout: Layout) -> list[dict[str, Any]]:
              "weight_decay": ls.group.weight_decay, "lr_scale": ls.group.lr_scale} for ls in layout.leaves]
 
 
+# -- the lr schedule's values: what `describe` cannot see of it ------------------------------------
+
+LR_AHEAD = (0, 1, 10, 100, 1000, 10_000, 100_000)  # a manifest's "lr": the saved step plus each of these
+_CHECKED = as_schedule([0.0]).__code__  # the code of what `as_schedule` makes of a callable or a sequence
+
+
+def schedule_source(schedule: Callable) -> Callable:
+    """The callable `as_schedule` wrapped into `schedule` (its `fn`: the reader of a sequence, the
+    user's callable), else `schedule` itself (a float's lambda, a hand-made `Optimizer.lr`)."""
+    if getattr(schedule, "__code__", None) is not _CHECKED:
+        return schedule
+    cells = dict(zip(_CHECKED.co_freevars, (c.cell_contents for c in schedule.__closure__)))
+    return cells.get("fn", schedule)
+
+
+def _of_the_step(fn: Callable) -> bool:
+    """Whether `fn` is a plain Python function, or a `functools.partial` of one: a schedule
+    `save` and `load` read at steps to come, taken for a function of the step alone. A callable
+    object or a bound method is not read: it may move on at each call (`as_schedule` calls a
+    schedule once a step, so that one does so once a step, as a torch scheduler's `step()`),
+    and a read outside a step would move it."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return isinstance(fn, types.FunctionType)
+
+
+def _lr_at(schedule: Callable, step: int) -> float | None:
+    """`schedule(step)` as a float, or None where it raises or gives no finite float >= 0 (the
+    update at that step would raise: `step.scheduled_lr`, `as_schedule`)."""
+    try:
+        value = schedule(step)
+    except Exception:  # noqa: BLE001 - recorded as such: the step there raises it again
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def _lr_values(schedule: Callable, steps: Sequence[int], last: int) -> dict[int, float | None]:
+    """`{s: _lr_at(schedule, s)}` for each of `steps`, `last` read last: `as_schedule` keeps the
+    value of the step it read last (`memo`), and the next update reads `last`'s."""
+    return {s: _lr_at(schedule, s) for s in sorted(steps, key=lambda s: s == last)}
+
+
+def lr_record(optimizer: Any, step: int) -> list[list[Any]] | None:
+    """The optimizer's lr (`Optimizer.lr`, before any group's `lr_scale`) at the saved `step`, the
+    one its next update reads, and at each of `LR_AHEAD` steps after it: `[[s, lr or None], ...]`
+    (None where the schedule raises there). A schedule is a function of the step, so its values
+    to come are read at save; `load` reads the target's at the same steps and compares them
+    exactly, so a schedule that differs where `describe` does not see -- a `functools.partial`'s
+    arguments, a value read from an object -- is refused. None (nothing compared) where the
+    optimizer has no lr, or its schedule is a callable object or a method (`_of_the_step`)."""
+    schedule = getattr(optimizer, "lr", None)
+    if schedule is None or not _of_the_step(schedule_source(schedule)):
+        return None
+    values = _lr_values(schedule, [step + k for k in LR_AHEAD], step)
+    return [[s, values[s]] for s in sorted(values)]
+
+
 def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
                 buffers: dict[str, torch.Tensor] | None = None, written: int = 0) -> dict[str, Any]:
     """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}`, where
@@ -599,6 +665,7 @@ def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
         "world_size": state.mesh.world_size,
         "leaves": describe_layout(state.layout),
         "optimizer": _jsonable(describe(state.optimizer)),
+        "lr": lr_record(state.optimizer, int(state.step)),
         "precision": [str(p.param_dtype), str(p.reduce_dtype)],
         "scaler": None if state.info.scaler is None else repr(state.info.scaler),
         "buffers": None if buffers is None else [{"name": k, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
@@ -645,20 +712,121 @@ def _token(state: ZeroState) -> int:
 
 
 def _dcp_save(sd: dict[str, Canonical], tmp: str, mesh: Mesh, crash: Callable[[], None] | None) -> None:
-    """`dcp.save` of this rank's chunks into `tmp`: over the process group on DistMesh (a failure
-    there is followed by a barrier, so a peer whose process died surfaces as the mesh's
-    `RankFailed`); on SimMesh rank 0 alone, for every rank, with `no_dist`."""
+    """`dcp.save` of this rank's chunks into `tmp`: over the process group on DistMesh, where DCP
+    hands every rank the failures of all (`_unwrapped`: its own, else the lowest rank's); on
+    SimMesh rank 0 alone, for every rank, with `no_dist`. An `Exception` is for the caller's
+    agreement (`_write_data`); anything else (an interrupt) is followed by a barrier on DistMesh,
+    so a peer whose process died surfaces as the mesh's `RankFailed`."""
     planner = ChunkSavePlanner(crash)
     if isinstance(mesh, DistMesh):
         try:
             with _unwrapped(mesh.rank):
                 dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, process_group=mesh.group)
+        except Exception:
+            raise
         except BaseException:
             _barrier(mesh, "fzero.checkpoint/dcp-failed")
             raise
     elif mesh.rank == 0:
         with _single_process(), _unwrapped(0):
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, no_dist=True)
+
+
+def _free_space(path: str) -> str:
+    """"; its file system has <n> bytes free" of the folder `path`, or "" where that cannot be read."""
+    try:
+        return f"; its file system has {shutil.disk_usage(path).free:,} bytes free"
+    except OSError:
+        return ""
+
+
+def _save_failed(e: Exception, doing: str, final: str, tmp: str, rank: int) -> CheckpointError:
+    """What a rank raises where `doing` (its part of a save, after the temporary folder `tmp` was
+    made) raised `e`, chained as the cause: the checkpoint, the rank `e` was raised on (this one,
+    or the one DCP names), `e`, the free space there (a full disk reads as an `OSError` "No space
+    left on device", or as torch's `RuntimeError` "[enforce fail at inline_container.cc] unexpected
+    pos" out of its zip writer: found in review, neither named the folder) and the way out."""
+    rank = getattr(e, "__dict__", {}).get("_fzero_rank", rank)  # DCP's: the rank it was raised on
+    out = CheckpointError(
+        f"checkpoint.save of {final!r}: {doing} failed on rank {rank} ({_error_text(e, 300)}){_free_space(tmp)}; "
+        f"nothing was saved: its temporary folder {tmp!r} is removed and fzero.checkpoint.latest(root) is the "
+        f"checkpoint before; free space (or fix the cause) and save this step again")
+    out.__cause__, out.__suppress_context__ = e, True  # as `raise out from e`, where `_agree` raises it
+    return out
+
+
+def _others_failed(final: str, tmp: str, mesh: Mesh) -> Callable[[list[tuple[int, str]]], str]:
+    """The words of a rank whose part of a save succeeded where other ranks' failed (`_agree`)."""
+
+    def failed(failures: list[tuple[int, str]]) -> str:
+        return (f"checkpoint.save of {final!r}: {len(failures)} other rank(s) of {mesh!r} failed (rank 0 removes "
+                f"the temporary folder {tmp!r}; fzero.checkpoint.latest(root) names the last complete checkpoint):"
+                f"{_listed(failures)}")
+
+    return failed
+
+
+def _write_data(sd: dict[str, Canonical], tmp: str, final: str, mesh: Mesh, crash: Callable[[], None] | None
+                ) -> None:
+    """`_dcp_save`, then the ranks agree that every rank's write succeeded (`_agree`, which also
+    stands for a barrier: no rank goes on before every rank's data is written): a rank whose write
+    raised raises it as `_save_failed`, the others a `CheckpointError` naming it, so every rank
+    raises on DistMesh and on SimMesh alike (found in review: on SimMesh rank 0 alone writes, and
+    the others stopped with `RankFailed`). A simulated crash (`_Crash`) and the mesh's own failure
+    (a peer that died) are raised as they are."""
+    error = None
+    try:
+        _dcp_save(sd, tmp, mesh, crash)
+    except (_Crash, MeshError):
+        raise
+    except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
+        error = _save_failed(e, "writing the data", final, tmp, mesh.rank)
+    _agree(mesh, "fzero.checkpoint/data", error, None, repr(final), failed=_others_failed(final, tmp, mesh))
+
+
+def _publish(state: ZeroState, tmp: str, final: str, root: str, buffers: dict[str, torch.Tensor] | None,
+             fail_at: str | None) -> tuple[list[tuple[int, int, str]], int]:
+    """Rank 0, once every rank's data is written: the manifest (every file's sha256 and size, the
+    save's place `written` in the root's order), fsynced with the folder, then the atomic rename
+    of `tmp` to `final` and an fsync of `root`. `(the complete checkpoints before it, written)`."""
+    if fail_at == "before_manifest":
+        raise _Crash("simulated crash before the manifest was written")
+    names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
+    files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
+             for f in names}
+    before = _found(root)  # read once: the new one's place, and what `keep` deletes after it
+    written = 1 + max([w for w, _, _ in before], default=0)
+    _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, buffers, written), indent=1).encode())
+    _fsync_dir(tmp)
+    if fail_at == "before_rename":
+        raise _Crash("simulated crash before the rename")
+    os.rename(tmp, final)
+    try:
+        _fsync_dir(root)
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.save: {final!r} is complete and in place, but its root {root!r} could "
+                              f"not be synced ({type(e).__name__}: {e}): after a power loss it may be missing; "
+                              f"fzero.checkpoint.latest(root) names it now") from e
+    return before, written
+
+
+def _abandon(e: BaseException, rank: int, tmp: str, final: str) -> None:
+    """After `e` inside a save whose temporary folder `tmp` exists (not a simulated crash, which
+    leaves everything as a crash does): rank 0 removes `tmp` where it is still there (not
+    renamed), best effort: a failure is a note on `e`, never another error. An `e` not in fzero's
+    own words of a failed save (`RankFailed` of a peer that died, an interrupt) gets a note naming
+    the checkpoint."""
+    notes = getattr(e, "__notes__", [])
+    if not isinstance(e, CheckpointError):
+        note = f"raised inside checkpoint.save of {final!r}: not saved unless fzero.checkpoint.latest(root) names it"
+        if note not in notes:  # (SimMesh's ranks raise one shared RankFailed)
+            e.add_note(note)
+    if rank == 0 and os.path.isdir(tmp):
+        try:
+            shutil.rmtree(tmp)
+        except OSError as err:
+            e.add_note(f"its temporary folder {tmp!r} could not be removed ({type(err).__name__}: {err}); the next "
+                       f"checkpoint.save(..., keep=K) removes it, or remove it yourself")
 
 
 def _same_folder(keys: list[list[int]]) -> bool:
@@ -714,7 +882,12 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
     e.g. a per-rank mkdtemp or timestamp, or another step), naming each rank's; where
     `root/step-<n>` exists already, or an argument is wrong, on some rank. Then rank 0 creates
     the temporary folder and every rank checks it sees it (one file system shared by every rank),
-    else `CheckpointError` on every rank naming the ranks that do not.
+    else `CheckpointError` on every rank naming the ranks that do not. A write that fails after
+    that (a full disk, in DCP's files or the manifest) raises on every rank, on DistMesh and
+    SimMesh alike: a `CheckpointError` naming the checkpoint, the rank and the error (chained as
+    its cause) and the free space (`_save_failed`), or naming the rank that failed (`_write_data`);
+    rank 0 then removes the temporary folder (best effort: a note where it cannot). `keep` renames
+    each old checkpoint to a `.tmp-step-*` name before deleting it (`_remove_old`).
     """
     if not isinstance(state, ZeroState):
         raise CheckpointError(f"checkpoint.save: state must be the ZeroState made by fzero.init, got "
@@ -773,54 +946,67 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             except OSError as e:
                 error = e
         _agree(mesh, "fzero.checkpoint/mkdir", error, None, repr(tmp), failed=unusable)
-        try:  # the folder exists: every rank checks it sees it
+        try:  # the folder exists: from here a failure removes it (_abandon); every rank checks it sees it
             error = None if _visible(tmp) else CheckpointError(
                 f"rank {rank} of {mesh!r} does not see {tmp!r}, the folder rank 0 created for the checkpoint: "
                 f"root {root!r} must be one folder on a file system every rank shares (the same path on every "
                 f"host), not a folder of each host's own disk")
             _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), failed=unusable)
-        except BaseException:
+            if _fail_at == "before_data":
+                raise _Crash("simulated crash before any data was written")
+            _write_data(state_dict(state, bufs), tmp, final, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
+            error = None
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    before, written = _publish(state, tmp, final, root, bufs, _fail_at)
+                except _Crash:
+                    raise
+                except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
+                    error = e if isinstance(e, CheckpointError) else _save_failed(
+                        e, "writing the manifest or renaming the folder", final, tmp, rank)
+                if error is None and keep is not None:  # in the order written: the one just written is last
+                    for _, _, old in [*before, (written, n, final)][:-keep]:
+                        _remove_old(old, final)
+            _agree(mesh, "fzero.checkpoint/published", error, None, repr(final),
+                   failed=_others_failed(final, tmp, mesh))
+        except _Crash:
             raise
-        if _fail_at == "before_data":
-            raise _Crash("simulated crash before any data was written")
-        sd = state_dict(state, bufs)
-        _dcp_save(sd, tmp, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
-        _barrier(mesh, "fzero.checkpoint/data")
-        if rank == 0:
-            if _fail_at == "before_manifest":
-                raise _Crash("simulated crash before the manifest was written")
-            names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
-            files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
-                     for f in names}
-            before = _found(root)  # read once: the new one's place, and what `keep` deletes after it
-            written = 1 + max([w for w, _, _ in before], default=0)
-            _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, bufs, written), indent=1).encode())
-            _fsync_dir(tmp)
-            if _fail_at == "before_rename":
-                raise _Crash("simulated crash before the rename")
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            if keep is not None:  # in the order written: the one just written is last, never deleted
-                for _, _, old in [*before, (written, n, final)][:-keep]:
-                    _remove_old(old, final)
-        _barrier(mesh, "fzero.checkpoint/published")
+        except BaseException as e:
+            _abandon(e, rank, tmp, final)
+            raise
     return final
 
 
 def _remove_old(old: str, final: str) -> None:
-    """Delete the older checkpoint `old` for `keep`, after `final` is published: a failure warns
-    (`OldCheckpointNotRemoved`) instead of raising (found in review: `save` raised although its
-    checkpoint was complete and visible, and a retry then found its folder taken). A partly
-    deleted folder has lost its manifest or files first or last; `latest` and `complete` skip
-    one whose files are not all there."""
+    """Delete the older checkpoint `old` for `keep`, after `final` is published: first renamed
+    (atomically, the root fsynced) to `root/.tmp-step-<n>-<token>`, a name `latest` never reads
+    and the next `save(keep=...)` removes as a crashed save's folder, then deleted. So no folder
+    named `step-<n>` is ever half deleted, and a crash while deleting leaks nothing for longer than
+    the next save with `keep` (found in review: a partly deleted `step-<n>` was neither complete,
+    what `keep` deletes, nor a `.tmp-step-*` folder, so it stayed forever and blocked a later save
+    of its step). A failure warns (`OldCheckpointNotRemoved`) instead of raising (found in review:
+    `save` raised although its checkpoint was complete and visible, and a retry then found its
+    folder taken)."""
+    root, name = os.path.split(old)
+    doomed = os.path.join(root, f".tmp-{name}-{os.urandom(6).hex()}")
     try:
-        shutil.rmtree(old)
+        os.rename(old, doomed)
     except OSError as e:
-        warnings.warn(OldCheckpointNotRemoved(
-            f"checkpoint.save(keep=...): {final!r} is saved, but the older checkpoint {old!r} could not be deleted "
-            f"({type(e).__name__}: {e}); remove it yourself"), stacklevel=3)
+        if os.path.isdir(old):  # not renamed: still a complete checkpoint (else: gone already)
+            _old_not_removed(f"the older checkpoint {old!r} could not be deleted ({type(e).__name__}: {e}); "
+                             f"remove it yourself", final)
+        return
+    with contextlib.suppress(OSError):  # the rename on disk before the deletions (best effort)
+        _fsync_dir(root)
+    try:
+        shutil.rmtree(doomed)
+    except OSError as e:
+        _old_not_removed(f"the older checkpoint {old!r}, moved to {doomed!r} to be deleted, could not be deleted "
+                         f"({type(e).__name__}: {e}); the next save(..., keep=K) retries, or remove it yourself", final)
+
+
+def _old_not_removed(what: str, final: str) -> None:
+    warnings.warn(OldCheckpointNotRemoved(f"checkpoint.save(keep=...): {final!r} is saved, but {what}"), stacklevel=4)
 
 
 # -- finding and checking checkpoints ------------------------------------------------------------
@@ -894,6 +1080,11 @@ def _check_manifest(name: str, m: dict[str, Any]) -> None:
                 raise bad(f"leaves[{i}].{k}", want, ls[k])
     if "written" in m and not count(m["written"], 0):
         raise bad("written", "an int >= 0", m["written"])
+    lr = m.get("lr")  # (absent from manifests written before the field)
+    if lr is not None and not (isinstance(lr, list) and all(
+            isinstance(e, list) and len(e) == 2 and count(e[0], 0)
+            and (e[1] is None or isinstance(e[1], float) and math.isfinite(e[1]) and e[1] >= 0) for e in lr)):
+        raise bad("lr", "null or a list of [step, lr or null]", lr)
     buffers = m.get("buffers")
     if buffers is not None and not (isinstance(buffers, list) and all(
             isinstance(b, dict) and isinstance(b.get("name"), str) and isinstance(b.get("dtype"), str)
@@ -960,11 +1151,11 @@ def latest(root: str | os.PathLike) -> str | None:
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
-    scaler settings (`_scaler_settings`) and precision policy (`_check_precision`) are the
-    target's; a `CheckpointError` naming the first mismatch otherwise. (Files are checked as
-    they are read.) A group's settings change the update as the optimizer's do: a resume under
-    other groups would step on from the same state as another run (found in review:
-    silently, before they were saved)."""
+    scaler settings (`_scaler_settings`), lr schedule values (`_check_lr`) and precision policy
+    (`_check_precision`) are the target's; a `CheckpointError` naming the first mismatch
+    otherwise. (Files are checked as they are read.) A group's settings change the update as
+    the optimizer's do: a resume under other groups would step on from the same state as
+    another run (found in review: silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
     keys = ("path", "shape", "dtype", "frozen")
     for i, (a, b) in enumerate(zip(theirs, mine)):
@@ -983,12 +1174,42 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     want = _jsonable(describe(target.optimizer))
     if manifest["optimizer"] != want:
         raise CheckpointError(_other_optimizer(path, manifest["optimizer"], target.optimizer, want))
+    _check_lr(path, manifest, target)
     theirs_scaler, mine_scaler = manifest.get("scaler"), None if target.info.scaler is None else repr(target.info.scaler)
     if _scaler_settings(theirs_scaler) != _scaler_settings(mine_scaler):
         raise CheckpointError(f"{path!r} has loss scaler {theirs_scaler!s}, the target {mine_scaler!s}; make the "
                               f"target with the loss_scale it was saved with (a DynamicLossScale's init_scale may "
                               f"differ: the run goes on from the saved scale)")
     _check_precision(path, manifest, target)
+
+
+def _check_lr(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
+    """The target's lr schedule gives, at every step the manifest's "lr" records (`lr_record`),
+    exactly the saved value, else a `CheckpointError` naming the first step that differs and both
+    values. A schedule changes the steps to come as the optimizer's settings do: a resume under
+    another one steps on from the same state as another run (found in review: a peak lr in a
+    `functools.partial`'s arguments, or read from a config object, loaded silently). Nothing is
+    compared for a manifest without the record (saved before the field, or by an optimizer without
+    an lr or with a schedule object) or a target whose schedule `load` does not read
+    (`_of_the_step`)."""
+    saved = manifest.get("lr")
+    schedule = target.optimizer.lr
+    if not saved or schedule is None or not _of_the_step(schedule_source(schedule)):
+        return
+    mine = _lr_values(schedule, [s for s, _ in saved], manifest["step"])
+    for s, theirs in saved:
+        if mine[s] != theirs:
+            raise CheckpointError(
+                f"{path!r} was saved with another lr schedule: lr at step {s}: checkpoint {_shown_lr(theirs)}, "
+                f"target {_shown_lr(mine[s])} (saved at step {manifest['step']}; the schedules differ where the "
+                f"optimizer's description does not show it: a functools.partial's arguments, a value read from an "
+                f"object); make the target with the schedule it was saved with. To train on under another "
+                f"schedule, start a new state from the saved params (fzero.checkpoint.export, then fzero.init): "
+                f"fzero keeps no optimizer state or step across a change of schedule")
+
+
+def _shown_lr(value: float | None) -> str:
+    return "raised (no lr)" if value is None else repr(value)
 
 
 def _policy(text: Any) -> Precision | None:
@@ -1226,7 +1447,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
     Every rank calls it, with the same checkpoint. Before anything is read, the manifest is
-    checked against `target` (leaves, optimizer, scaler), this rank's read plan is made
+    checked against `target` (leaves, optimizer, lr schedule, scaler), this rank's read plan is made
     (`read_plan`: only the saved chunks that overlap what the rank holds) and every file it
     touches is checked against its sha256; the ranks agree on the checks and on the checkpoint
     they read (the manifest's step and sha256: ranks that were given different checkpoints, e.g.

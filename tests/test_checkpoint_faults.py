@@ -1,0 +1,343 @@
+"""fzero.checkpoint where something goes wrong that no other file covers (found in review).
+
+- A load under an lr schedule that differs where the optimizer's description does not show it
+  (a `functools.partial`'s arguments, a value read from a config object, a sequence of another
+  length) raises `CheckpointError` naming the step and both lrs: `save` records the schedule's
+  value at the saved step and at steps to come (`LR_AHEAD`), `load` compares the target's
+  exactly. A schedule object is read by neither (it may move on at each call); a manifest
+  without the record loads as before.
+- A save whose write fails (a full disk: `OSError` ENOSPC, simulated in DCP's writer or in the
+  manifest's) raises a `CheckpointError` naming the checkpoint on every rank (SimMesh's other
+  ranks too, which before stopped with `RankFailed`), chains the original, and leaves no
+  `.tmp-step-*` folder behind; a folder that cannot be removed is a note, never another error.
+- A crash while `save(keep=K)` deletes an old checkpoint leaves no half-deleted `step-<n>`: the old
+  folder is renamed to a `.tmp-step-*` name first, which the next `save(keep=...)` removes.
+"""
+
+import dataclasses
+import errno
+import functools
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_fs
+
+import fzero
+import fzero.checkpoint as ck
+from fzero import optim
+from fzero._src import checkpoint as impl
+
+
+def params() -> dict:
+    return {"w": torch.arange(1.0, 9.0), "v": torch.ones(3)}
+
+
+def loss(p, x):
+    return ((p["w"] * x).sum()) ** 2 + p["v"].sum()
+
+
+def warmup(step: int, peak: float) -> float:
+    """0 at step 0, then up to `peak` over 4 steps: every peak gives lr 0.0 at step 0."""
+    return peak * min(1.0, step / 4)
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float
+
+
+def schedule(kind: str, peak: float):
+    """An lr schedule whose peak `state.describe` does not see."""
+    if kind == "partial":
+        return functools.partial(warmup, peak=peak)
+    config = Config(peak)
+    return lambda step: warmup(step, config.lr)
+
+
+def save_then_load(mesh, root, saved_opt, target_opt, steps=1):
+    """On every rank: `steps` steps under `saved_opt()`, save, load into a target under
+    `target_opt()`; per rank `(error or None, the loaded state's next step's params, the
+    uninterrupted run's)`."""
+    step = fzero.train_step(loss)
+
+    def rank_fn():
+        state = fzero.init(params(), saved_opt(), stage=1, mesh=mesh)
+        for _ in range(steps):
+            state, _ = step(state, torch.ones(8))
+        path = ck.save(state, root)
+        try:
+            loaded = ck.load(path, fzero.init(params(), target_opt(), stage=1, mesh=mesh))
+        except ck.CheckpointError as e:
+            return e, None, None
+        return None, fzero.gather(step(loaded, torch.ones(8))[0]), fzero.gather(step(state, torch.ones(8))[0])
+
+    return mesh.run(rank_fn)
+
+
+# -- the lr schedule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["partial", "config"])
+@pytest.mark.parametrize("steps", [0, 1])
+def test_an_lr_schedule_that_differs_where_describe_cannot_see_is_refused_at_load(tmp_path, kind, steps):
+    """Saved under peak 1e-3, loaded under peak 1e-1 (a partial's argument, a dataclass the
+    schedule reads): a `CheckpointError` on every rank naming the first step whose lr differs
+    and both lrs. Saved at step 0 the lrs agree there (0.0) and part at step 1, which the save
+    read ahead. Before, both loaded silently and the resumed run stepped under lr 1e-1. The same
+    schedule loads, and the resumed step is the uninterrupted one."""
+    mesh = fzero.SimMesh(2)
+    got = save_then_load(mesh, str(tmp_path / "other"), lambda: optim.adamw(schedule(kind, 1e-3)),
+                         lambda: optim.adamw(schedule(kind, 1e-1)), steps)
+    for error, _, _ in got:
+        assert isinstance(error, ck.CheckpointError), error
+        text = str(error)
+        assert (f"step-{steps}' was saved with another lr schedule: lr at step 1: checkpoint 0.00025, target 0.025"
+                in text and f"saved at step {steps}" in text), text
+        assert "make the target with the schedule it was saved with" in text and "fzero.checkpoint.export" in text
+    for error, resumed, uninterrupted in save_then_load(mesh, str(tmp_path / "same"),
+                                                        lambda: optim.adamw(schedule(kind, 1e-3)),
+                                                        lambda: optim.adamw(schedule(kind, 1e-3)), steps):
+        assert error is None and all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def listed(step: int, values: tuple) -> float:
+    """`values[step]`: an lr sequence in a partial's arguments, which `state.describe` does not see;
+    past its end an IndexError."""
+    return values[step]
+
+
+def test_an_lr_schedule_that_ends_is_recorded_as_raising_there(tmp_path):
+    """3 lrs saved at step 1: the schedule raises from step 3 on, which the manifest records
+    (null). A target with more lrs differs at step 11 (the first step read ahead past the end):
+    refused, naming it; the same 3 lrs load."""
+    mesh = fzero.SimMesh(1)
+    lrs = (0.1, 0.2, 0.3)
+    def listing(values):
+        return lambda: optim.adamw(functools.partial(listed, values=values))
+
+    (error, _, _), = save_then_load(mesh, str(tmp_path / "a"), listing(lrs), listing(lrs + (0.4,) * 20))
+    assert "lr at step 11: checkpoint raised (no lr), target 0.4" in str(error), error
+    manifest = ck.read_manifest(str(tmp_path / "a" / "step-1"))
+    assert manifest["lr"][:3] == [[1, 0.2], [2, 0.3], [11, None]], manifest["lr"]
+    (error, _, _), = save_then_load(mesh, str(tmp_path / "b"), listing(lrs), listing(lrs))
+    assert error is None
+
+
+def test_a_manifest_without_an_lr_record_loads_and_a_damaged_one_is_named(tmp_path):
+    """A checkpoint saved before the record (no "lr" in its manifest) loads under another
+    schedule, as before; an "lr" that is not a list of [step, lr or null] is a `CheckpointError`
+    naming the field."""
+    mesh = fzero.SimMesh(1)
+    (error, _, _), = save_then_load(mesh, str(tmp_path), lambda: optim.adamw(schedule("partial", 1e-3)),
+                                    lambda: optim.adamw(schedule("partial", 1e-3)))
+    assert error is None
+    path = str(tmp_path / "step-1")
+    name = os.path.join(path, "manifest.json")
+    with open(name) as f:
+        manifest = json.load(f)
+    for lr, want in ((None, None), ([[1, "0.1"]], "field 'lr' must be null or a list of [step, lr or null]")):
+        with open(name, "w") as f:
+            json.dump({**manifest, "lr": lr}, f)
+
+        def rank_fn():
+            target = fzero.init(params(), optim.adamw(schedule("partial", 1e-1)), stage=1, mesh=mesh)
+            try:
+                ck.load(path, target)
+            except ck.CheckpointError as e:
+                return str(e)
+
+        got = mesh.run(rank_fn)[0]
+        assert got is None if want is None else want in got, got
+
+
+class Counted:
+    """An lr schedule object that counts its calls (one that moves on at each call, as a torch
+    scheduler's `step()`)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr, self.calls = lr, 0
+
+    def __call__(self, step: int) -> float:
+        self.calls += 1
+        return self.lr
+
+
+def test_an_lr_schedule_object_is_read_by_neither_save_nor_load(tmp_path):
+    """A callable object may move on at each call (`as_schedule` calls it once a step): `save`
+    and `load` do not call it (its values are not compared, as before), so it is called once per
+    step all the same; the manifest records no lr."""
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(loss)
+    saved, target = Counted(0.1), Counted(0.2)
+
+    def rank_fn():
+        state = fzero.init(params(), optim.adamw(saved), stage=1, mesh=mesh)
+        for _ in range(2):
+            state, _ = step(state, torch.ones(8))
+        path = ck.save(state, str(tmp_path))
+        ck.load(path, fzero.init(params(), optim.adamw(target), stage=1, mesh=mesh))
+        return path
+
+    path = mesh.run(rank_fn)[0]
+    assert (saved.calls, target.calls) == (2, 0)
+    assert ck.read_manifest(path)["lr"] is None
+
+
+# -- a save that fails to write ------------------------------------------------------------------
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def half_then_no_space(transforms, stream, data, write_item, *args, **kwargs):
+    """DCP's `_write_item` on a full disk: some bytes of the chunk land, then ENOSPC."""
+    stream.write(b"\0" * 16)
+    no_space()
+
+
+def save_twice(mesh, root, fault=None):
+    """On every rank: save step 1; one more step; save step 2 with `fault` armed (`FAULT`) ->
+    per rank `(the second save's error or path, the root's names after it, the path of a retry
+    of step 2)`. The retry runs with the fault removed, in the same `mesh.run`: no rank is left
+    behind."""
+    step = fzero.train_step(loss)
+    state = fzero.init(params(), optim.adamw(0.1), stage=1, mesh=mesh)
+    state, _ = step(state, torch.ones(8))
+    ck.save(state, root)
+    state, _ = step(state, torch.ones(8))
+    FAULT[:] = [] if fault is None else [fault]
+    try:
+        got = ck.save(state, root)
+    except Exception as e:  # noqa: BLE001 - returned for the test to read
+        got = e
+    finally:
+        FAULT.clear()
+    names = sorted(os.listdir(root))
+    return got, names, ck.save(state, root)
+
+
+FAULT: list = []  # the patched function while it should fail
+
+
+@pytest.mark.parametrize("where", ["data", "manifest"])
+def test_a_save_that_fails_to_write_raises_on_every_rank_and_leaves_no_folder(tmp_path, monkeypatch, where):
+    """A full disk while DCP writes the chunks (rank 0 writes every rank's on SimMesh), or while
+    rank 0 writes the manifest: rank 0 raises `CheckpointError` naming the checkpoint, the rank,
+    the OSError (chained as the cause) and the free space; the other rank a `CheckpointError`
+    naming the checkpoint and rank 0's failure (before: `RankFailed`, as if rank 0 had died); the
+    temporary folder is removed (before: it stayed, and only a save with `keep=` removed it);
+    `latest` is the save before, and a retry saves."""
+    root = str(tmp_path)
+    final = os.path.join(root, "step-2")
+    if where == "data":
+        fault, write_item = half_then_no_space, dcp_fs._write_item
+        monkeypatch.setattr(dcp_fs, "_write_item", lambda *a, **k: (FAULT[0] if FAULT else write_item)(*a, **k))
+    else:
+        fault, write = no_space, impl._write
+        monkeypatch.setattr(impl, "_write", lambda *a, **k: (FAULT[0] if FAULT else write)(*a, **k))
+    mesh = fzero.SimMesh(2)
+    (error0, names, retried), (error1, _, _) = mesh.run(lambda: save_twice(mesh, root, fault))
+    assert isinstance(error0, ck.CheckpointError) and isinstance(error1, ck.CheckpointError), (error0, error1)
+    assert isinstance(error0.__cause__, OSError) and error0.__cause__.errno == errno.ENOSPC
+    text = str(error0)
+    assert text.startswith(f"checkpoint.save of {final!r}: ") and "failed on rank 0 (OSError: [Errno 28]" in text
+    assert "bytes free" in text and "nothing was saved" in text and ".tmp-step-2-" in text, text
+    assert str(error1).startswith(f"checkpoint.save of {final!r}: 1 other rank(s) of ") and "rank 0: " in str(error1)
+    assert names == ["step-1"]
+    assert retried == final == ck.latest(root) and sorted(os.listdir(root)) == ["step-1", "step-2"]
+
+
+def test_a_temporary_folder_that_cannot_be_removed_is_a_note_on_the_original_error(tmp_path, monkeypatch):
+    """The removal after a failed write is best effort: where it fails too, the write's
+    `CheckpointError` is raised all the same, with a note naming the folder and the way out."""
+    root = str(tmp_path)
+    write_item, rmtree = dcp_fs._write_item, shutil.rmtree
+    monkeypatch.setattr(dcp_fs, "_write_item", lambda *a, **k: (FAULT[0] if FAULT else write_item)(*a, **k))
+
+    def refusing(path, *args, **kwargs):
+        if os.path.basename(os.fspath(path)).startswith(".tmp-step-2-"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(impl.shutil, "rmtree", refusing)
+    mesh = fzero.SimMesh(2)
+    (error0, names, _), _ = mesh.run(lambda: save_twice(mesh, root, half_then_no_space))
+    assert isinstance(error0, ck.CheckpointError) and isinstance(error0.__cause__, OSError), error0
+    notes = getattr(error0, "__notes__", [])
+    assert len(notes) == 1 and "could not be removed (PermissionError" in notes[0] and "keep=K" in notes[0], notes
+    assert len(names) == 2 and names[0].startswith(".tmp-step-2-") and names[1] == "step-1", names
+
+
+def dist_save_with_a_full_disk(mesh, root):
+    """On a torchrun gloo DistMesh: rank 1's DCP writes fail with ENOSPC at the second save;
+    per rank `(its error's type and text, or the path, the root's names after it)`."""
+    write_item = dcp_fs._write_item
+    dcp_fs._write_item = lambda *a, **k: (FAULT[0] if FAULT else write_item)(*a, **k)
+    try:
+        got, names, _ = save_twice(mesh, root, half_then_no_space if mesh.rank == 1 else None)
+    finally:
+        dcp_fs._write_item = write_item
+    return (type(got).__name__, str(got), names) if isinstance(got, Exception) else (got, names)
+
+
+def test_a_full_disk_on_one_gloo_rank_raises_on_every_rank_and_leaves_no_folder(dist2, tmp_path):
+    """Two gloo processes, rank 1's write fails: DCP hands the failure to both, each raises a
+    `CheckpointError` naming the checkpoint and rank 1's OSError, and rank 0 removes the folder."""
+    root = str(tmp_path)
+    final = os.path.join(root, "step-2")
+    for kind, text, names in dist2.run(dist_save_with_a_full_disk, [(root,), (root,)]):
+        assert kind == "CheckpointError" and text.startswith(f"checkpoint.save of {final!r}: "), text
+        assert "writing the data failed on rank 1 (OSError: [Errno 28]" in text, text
+        assert names == ["step-1"]
+    assert ck.latest(root) == final
+
+
+# -- keep= --------------------------------------------------------------------------------------
+
+
+class Killed(BaseException):
+    """What a process killed half way through deleting a folder leaves: a stop, no cleanup."""
+
+
+def test_a_crash_while_keep_deletes_an_old_checkpoint_leaks_nothing(tmp_path, monkeypatch):
+    """`save(keep=1)` stopped half way through deleting step-1 (its manifest gone, the rest
+    there): step-1 is no longer a `step-<n>` folder (it was renamed to `.tmp-step-1-*` before the
+    deletion began), `latest` is step-2, and the next `save(keep=1)` removes what is left.
+    Before, the half-deleted step-1 stayed forever: neither complete (what `keep` deletes) nor a
+    `.tmp-step-*` folder (what a save with `keep` clears)."""
+    root = str(tmp_path)
+    rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        name = os.path.basename(os.fspath(path))
+        if name == "step-1" or name.startswith(".tmp-step-1-"):
+            os.remove(os.path.join(path, "manifest.json"))
+            raise Killed("killed half way through deleting")
+        return rmtree(path, *args, **kwargs)
+
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss)
+
+    def first():
+        state = fzero.init(params(), optim.adamw(0.1), stage=1, mesh=mesh)
+        for _ in range(2):
+            state, _ = step(state, torch.ones(8))
+            ck.save(state, root, keep=1)
+
+    monkeypatch.setattr(impl.shutil, "rmtree", killed)
+    with pytest.raises(Killed):
+        mesh.run(first)
+    monkeypatch.setattr(impl.shutil, "rmtree", rmtree)
+    assert "step-1" not in os.listdir(root) and ck.latest(root) == os.path.join(root, "step-2")
+
+    def second():
+        state = ck.load(ck.latest(root), fzero.init(params(), optim.adamw(0.1), stage=1, mesh=mesh))
+        state, _ = step(state, torch.ones(8))
+        return ck.save(state, root, keep=1)
+
+    assert mesh.run(second)[0] == os.path.join(root, "step-3")
+    assert os.listdir(root) == ["step-3"]
