@@ -401,3 +401,54 @@ def test_the_per_thread_copies_go_with_their_threads():
     assert len(apply._copies) <= 2
     apply.eval()  # the skeleton and every live copy
     assert not apply.training
+
+
+def _conv_bn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 2))
+
+
+def _bf16_step(model):
+    """One bf16-policy step of `model` on SimMesh(2), stage 3: the ranks' losses."""
+    params, apply, info = from_module(model)
+    mesh = fzero.SimMesh(2)
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 2, (4,))
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh,
+                           precision=fzero.Precision(torch.bfloat16, torch.float32))
+        step = fzero.train_step(lambda p, b: nn.functional.cross_entropy(apply(p, b[0].bfloat16()).float(), b[1]))
+        return step(state, (x, y))[1].loss
+
+    return mesh.run(rank)
+
+
+def test_a_precision_policy_beside_fp32_buffers_is_explained_on_torchs_dtype_error():
+    """A precision policy casts the params, not the buffers: BatchNorm's fp32 running statistics
+    beside its bf16 weight make torch raise "expected scalar type BFloat16 but found Float",
+    which names neither; `apply` adds a note naming the buffers and the way out (found in
+    review). The way out -- the module's floating buffers cast before `from_module` -- runs."""
+    with pytest.raises(RuntimeError, match="scalar type") as caught:
+        _bf16_step(_conv_bn())
+    note = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "casts the params to its compute dtype, not the module's buffers" in note, note
+    assert "1.running_mean float32, 1.running_var float32" in note, note
+    model = _conv_bn()
+    for m in model.modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b.is_floating_point():
+                setattr(m, name, b.to(torch.bfloat16))
+    losses = _bf16_step(model)
+    assert torch.equal(losses[0], losses[1]) and torch.isfinite(losses[0])
+
+
+def test_the_buffer_note_is_only_for_dtype_errors_of_modules_with_floating_buffers():
+    from fzero._src.module import buffer_dtype_note
+
+    floating = {"bn.running_mean": torch.zeros(2), "bn.num_batches_tracked": torch.zeros((), dtype=torch.int64)}
+    assert "bn.running_mean float32" in buffer_dtype_note("expected scalar type BFloat16 but found Float", floating)
+    assert "num_batches_tracked" not in buffer_dtype_note("expected scalar type BFloat16 but found Float", floating)
+    assert buffer_dtype_note("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", floating) == ""
+    assert buffer_dtype_note("expected scalar type BFloat16 but found Float",
+                             {"n": torch.zeros((), dtype=torch.int64)}) == ""

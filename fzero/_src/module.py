@@ -208,7 +208,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
-    return params, Apply(apply, skeleton, copies_made), ModuleInfo(alias_table, buffers, units, groups, frozen)
+    return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen)
 
 
 def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
@@ -274,12 +274,20 @@ class Apply:
     training again. Like `nn.Module.train`, it sets every submodule's flag; the flags start as
     the module's were when `from_module` was called."""
 
-    def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet) -> None:
+    def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet,
+                 buffers: Mapping[str, torch.Tensor] | None = None) -> None:
         self._call, self._skeleton, self._copies = call, skeleton, copies  # copies: per thread, freed with it
+        self._buffers = dict(buffers or {})
         self.__doc__ = call.__doc__
 
     def __call__(self, params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
-        return self._call(params, *args, **kwargs)
+        try:
+            return self._call(params, *args, **kwargs)
+        except RuntimeError as e:
+            note = buffer_dtype_note(str(e), self._buffers)
+            if note:
+                e.add_note(note)
+            raise
 
     def train(self, mode: bool = True) -> Apply:
         """Set the training mode of every submodule, as `nn.Module.train(mode)`; returns `self`."""
@@ -300,6 +308,27 @@ class Apply:
 
     def __repr__(self) -> str:
         return f"<fzero apply of {type(self._skeleton).__name__}, training={self.training}>"
+
+
+_DTYPE_WORDS = ("scalar type", "dtype")  # torch's words for operands of different dtypes
+
+
+def buffer_dtype_note(message: str, buffers: Mapping[str, torch.Tensor]) -> str:
+    """The note `apply` adds to a torch error about dtypes where the module has floating buffers:
+    a precision policy (`fzero.Precision`) casts the params to its compute dtype, not the buffers,
+    so a module that mixes the two (BatchNorm's running statistics beside its bf16 weight) meets
+    torch's "expected scalar type BFloat16 but found Float", which names neither (found in
+    review). "" where the message is not about dtypes or no buffer is floating."""
+    floating = {name: b.dtype for name, b in buffers.items() if b.is_floating_point()}
+    if not floating or not any(w in message.lower() for w in _DTYPE_WORDS):
+        return ""
+    shown = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in list(floating.items())[:4])
+    more = f" and {len(floating) - 4} more" if len(floating) > 4 else ""
+    return (f"fzero: a precision policy casts the params to its compute dtype, not the module's buffers "
+            f"({shown}{more}); where the module reads both in one op, cast its floating buffers to the compute "
+            f"dtype before from_module (for m in model.modules(): for n, b in m.named_buffers(recurse=False): "
+            f"setattr(m, n, b.to(torch.bfloat16)) where b.is_floating_point()), or compute under torch.autocast "
+            f"with fp32 params instead")
 
 
 def _home(names: list[str]) -> str:
