@@ -139,3 +139,98 @@ def default_prefetch(mesh):
     under = []
     torch.func.grad(lambda x: under.append(prefetch_of(None, progs)) or x.sum())(torch.ones(2))
     return mesh.asynchronous, prefetch_of(None, progs), prefetch_of(2, progs), under[0]
+
+
+# --- frozen first units, an embedding first: backward prefetches nobody reads ----------------
+
+FROZEN = {  # variant -> (the submodules frozen, the first unit, blocks, embedding and head in one unit)
+    "frozen_first": (("emb", "blocks.0"), "emb", 3, False),  # fine-tuning: the embedding and first block frozen
+    "frozen_root": (("emb", "blocks.0"), "emb", 2, True),  # the same, the embedding in the root's unit
+    "emb_first": ((), "emb", 3, False),  # all trainable: the embedding's backward reads no weight
+    "probe_first": ((), "offset", 3, False),  # a `Probe` after a first unit that saves nothing
+}
+
+
+class Probe(nn.Module):
+    """A frozen weight times a trainable scale, a product the forward drops: autograd saves the
+    weight (for the scale's gradient) and frees it unread."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d), requires_grad=False)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self) -> torch.Tensor:
+        return self.w * self.scale
+
+
+class Offset(nn.Module):
+    """`x + bias`: its backward reads no saved tensor."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class Stack(nn.Module):
+    """A first unit -- an embedding ("emb"), or the one-hot input plus a trainable `offset`
+    ("offset", whose backward reads no saved tensor), then a `Probe` --, `k` tanh-linear blocks
+    and a head (`stack_model`)."""
+
+    def __init__(self, first: str = "emb", vocab: int = 9, d: int = 32, k: int = 3) -> None:
+        super().__init__()
+        self.first, self.d = first, d
+        if first == "emb":
+            self.emb = nn.Embedding(vocab, d)
+        else:
+            self.offset, self.probe = Offset(d), Probe(d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(k))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B,) -> (B, vocab)
+        if self.first == "emb":
+            x = self.emb(idx)
+        else:
+            x = self.offset(F.one_hot(idx, self.d).float())
+            self.probe()
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def stack_model(variant: str):
+    """`(params, apply, info)` of the `Stack` of `FROZEN[variant]`: one unit per child ("emb" or
+    "offset" and "probe", "blocks.i", "head"), or "blocks.i" and "default" (the root's, gathered
+    for the whole step: the embedding and the head); the frozen submodules with
+    requires_grad=False."""
+    frozen, first, k, rooted = FROZEN[variant]
+    torch.manual_seed(0)
+    m = Stack(first, k=k)
+    for name in frozen:
+        m.get_submodule(name).requires_grad_(False)
+    own = ("blocks",) if rooted else ("blocks", "emb", "offset", "probe", "head")
+    return fzero.from_module(m, units=lambda path: path.rsplit(".", 1)[0] if path.split(".")[0] in own else "default")
+
+
+def train_stack(mesh, variant: str, stage: int, steps: int = 2, **settings):
+    """`steps` AdamW steps of `stack_model(variant)` on this rank's batches: `(gathered params,
+    [loss])`."""
+    params, apply, info = stack_model(variant)
+    state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+    step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]), **settings)
+    losses = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(mesh.rank + mesh.world_size * i)
+        state, m = step(state, (torch.randint(0, 9, (6,), generator=g), torch.randint(0, 9, (6,), generator=g)))
+        losses.append(m.loss)
+    return fzero.gather(state), losses
+
+
+def stack_over_gloo(variant: str, timeout: float):
+    """For `run_job` (a fresh process per rank): on a gloo `DistMesh` with `timeout` seconds,
+    `train_stack` at stage 0 and at stage 3 with the default prefetch (one unit ahead there)."""
+    mesh = fzero.DistMesh(backend="gloo", timeout=timeout)
+    return train_stack(mesh, variant, 0), train_stack(mesh, variant, 3)

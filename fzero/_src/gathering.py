@@ -45,10 +45,13 @@ freed early to make room; what cannot fit raises).
 asynchronous: NCCL runs it on its own stream, overlapping the current unit's compute): when
 the forward reads unit u, the gathers of the next k units of the predicted order (the layout's
 unit order) are started before u computes; when backward refills u, the refills of the next k
-released units of the reverse of this step's read order are started before u's backward runs.
-A unit read out of prediction is gathered on demand; a prefetched unit the forward never reads
-(or whose backward never reads it) is waited for and dropped. Prefetched units count against
-`max_live_bytes` (a prefetch that does not fit waits until it does; a demand read drops
+released units of the reverse of this step's read order are started before u's backward runs,
+skipping units backward never reads (no tensor was saved from them: a frozen unit whose inputs
+need no grad, an embedding, whose backward reads its indices only; `Gathering._saves`). A unit
+read out of prediction is gathered on demand; a prefetched unit the forward never reads (or
+whose backward never reads it) is waited for and dropped, at the latest when the backward is
+over (`Gathering.finish`; the step holds its `Gathering` until then). Prefetched units count
+against `max_live_bytes` (a prefetch that does not fit waits until it does; a demand read drops
 prefetches before it raises). All-gathers copy bits, so the values are those of k = 0
 (proofs/stage3.md, section 5). The default (`prefetch=None`) is k = 1 where the mesh overlaps a
 started collective with what follows (`Mesh.asynchronous`: DistMesh over N > 1), else k = 0.
@@ -75,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .casting import Reads, casting
 from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
-from .errors import CollectiveMismatch, ConfigError, FzeroError
+from .errors import CollectiveMismatch, ConfigError, FzeroError, MeshError
 from .layout import Layout
 from .mesh import Mesh
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
@@ -501,13 +504,15 @@ class Gathering:
 
     def _prefetch(self, units: Sequence[str], backward: bool) -> None:
         """Start the gathers of `units` in order: in forward those not yet read, in backward those
-        released whose backward has not run; stop at the first that does not fit the cap (the
-        same decision on every rank: the order and the sizes are the same)."""
+        released whose backward has not run and that backward can read (`_saves`); stop at the
+        first that does not fit the cap (the same decision on every rank: the order, the sizes
+        and the tensors the loss saved are the same)."""
         cap = self.max_live_bytes
         for unit in units:
             if unit in self._ahead:
                 continue
-            wanted = (unit in self._released and unit not in self._backward_done) if backward else unit not in self._leaves
+            wanted = (unit in self._released and unit not in self._backward_done and self._saves(unit)
+                      if backward else unit not in self._leaves)
             if not wanted:
                 continue
             if cap is not None and sum(self.live.values()) + self._programs[unit].gathered_bytes > cap:
@@ -523,11 +528,48 @@ class Gathering:
             for _, storage, _ in self._storages[unit]:
                 storage.resize_(0)
 
+    def _saves(self, unit: str) -> bool:
+        """Whether the loss saved a tensor for backward over `unit`'s gathered storage (`_Unpacking`'s
+        pack keys `_saved` by storage, and the key stays when autograd frees the tensor): only
+        then can backward read the unit, and so gather it again. Not where nothing was saved
+        from it: a frozen unit whose inputs need no grad (fine-tuning's first blocks), an
+        embedding, whose backward reads its indices only."""
+        return any(storage._cdata in self._saved for _, storage, _ in self._storages.get(unit, ()))
+
     def drain(self) -> None:
         """Drop every forward prefetch still in flight (the forward is over: those units were not
-        read). Backward prefetches are dropped by their unit's `after_backward`."""
+        read). Backward prefetches are dropped by their unit's `after_backward`, and any left when
+        the backward is over by `finish`."""
         for unit in [u for u in self._ahead if u not in self._leaves]:
             self._drop(unit)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """The backward is over (`torch.autograd.grad` returned, or raised `error`): drop every
+        refill still in flight (`_drop`: wait for it, free its storage). A refill prefetched for a
+        unit whose backward then reads nothing of it is dropped by that unit's `after_backward`,
+        which its Function calls while this object lives; the step holds it until this call.
+        (Before, only the graph's saved-tensor hooks held it: freed mid-backward, once autograd
+        had freed the last tensor saved through them, with a refill in flight, it left that
+        gather unwaited -- on gloo the next collective hung until the mesh timeout -- and the
+        later units' `after_backward` unrun; found in review.) So after a whole backward nothing
+        is left here; after one that raised, what it started is. Every rank started the same
+        refills (`_prefetch` decides alike on every rank), so every rank waits for the same; no
+        collective starts here.
+
+        On an `error` the refills are waited for too (a `DistMesh` that verifies starts a
+        collective only once every rank has called it), a wait that fails passing silently, so
+        that `error` is what the step raises; not on the mesh's own (`MeshError`: a lost or
+        stuck rank, after which a wait may never end) nor on an interrupt. The forward's
+        prefetches of units never read are left as `call` leaves them on an error."""
+        if error is None:
+            for unit in list(self._ahead):
+                self._drop(unit)
+            return
+        if isinstance(error, MeshError) or not isinstance(error, Exception):
+            return
+        for unit in [u for u in self._ahead if u in self._leaves]:
+            with contextlib.suppress(RuntimeError):  # (MeshError is one)
+                self._drop(unit)
 
     @property
     def gathered(self) -> tuple[str, ...]:

@@ -538,6 +538,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
                and not releasable and not plan.offloaded)
 
     roots: dict[str, torch.Tensor] = {}  # the loss's placeholder roots (`gathering.FirstUse`), where it has them
+    made: list[Gathering] = []  # the loss's, held to the end of the backward (`_finished`)
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe], casts: dict[str, tuple] | None = None,
                 reads: Reads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -555,23 +556,43 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 
         gathering = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable,
                               config.persist_bytes, config.max_live_bytes, config.prefetch, inflight, casts, reads)
+        made.append(gathering)
         loss = gathering.loss(objective, batch)
         roots.update(gathering.roots)
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
     if config.engine == "func":
-        (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
-            train, probes)
+        with _finished(made):
+            (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
+                train, probes)
     else:
-        g_train, g_probes, loss, count, g_roots = _autograd(
-            loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
+        with _finished(made):
+            g_train, g_probes, loss, count, g_roots = _autograd(
+                loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
         if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
             inflight.side.join()
         refuse_placeholder_gradients(g_roots)
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+
+
+@contextlib.contextmanager
+def _finished(made: list[Gathering]) -> Iterator[None]:
+    """Around a micro-batch's loss and backward: hold the `Gathering` the loss makes (`made`) until
+    the backward is over, then `finish` it (drop the refills still in flight), also where the loss
+    or the backward raises. Nothing else holds it strongly: its units' Functions hold their
+    `after_backward` weakly, and the graph's saved-tensor hooks only until autograd frees the last
+    tensor saved through them."""
+    try:
+        yield
+    except BaseException as e:
+        for gathering in made:
+            gathering.finish(e)
+        raise
+    for gathering in made:
+        gathering.finish()
 
 
 def _reads_held(state: ZeroState, xs: list[torch.Tensor], fulls: list[torch.Tensor | None]) -> bool:

@@ -420,7 +420,8 @@ def run_unit(program: UnitProgram, xs: Sequence[torch.Tensor], fulls: Sequence[t
     buffer the unit reads beside it, or None. `after_backward(unit)` runs when the backward of
     every use of the unit's leaves is done, at the start of the Function's own backward, before
     its gradients are assembled and reduced: nothing reads the unit's params after that point
-    (held weakly: the step's gathering object must not live in the graph). `inflight`: the step's
+    (held weakly: the step's gathering object must not live in the graph; the step holds it
+    until its backward is over, `step._finished`). `inflight`: the step's
     reductions in flight, where the unit's backward starts its own (None: it waits for each).
     The anchor is a 0-d zero the step adds to the loss times 0: it makes the unit's backward run
     on every rank, also where no leaf of the unit reached this rank's loss, so every rank calls
