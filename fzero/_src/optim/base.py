@@ -589,7 +589,9 @@ def in_blocks(kernel: Callable[..., None], how: Impl, lists: Sequence[list[torch
     Not for bfloat16 / float16: one call, as before (torch's CPU `add(..., alpha=)` and `rsqrt`
     round an element of these dtypes by where it falls in a call; the optimizers compute those
     through `ops`, which rounds alike anywhere, so blocks would give the same bits, but no test
-    holds half-precision blocks to that yet). "fused" and other devices: one
+    holds half-precision blocks to that yet, and they were measured no faster: `ops` is
+    compute-bound there, AdamW 1.03-1.22x one call's time in blocks,
+    `benchmarks/bench_cpu_blocks.py`). "fused" and other devices: one
     call (torch's fused kernels and CUDA's multi-tensor kernels make one pass). Inside
     `block_sums`, each block's params are summed as soon as the kernel has written them.
     `lists[0]` is the params in every caller."""
