@@ -434,6 +434,7 @@ def test_a_precision_policy_beside_fp32_buffers_is_explained_on_torchs_dtype_err
     note = "\n".join(getattr(caught.value, "__notes__", []))
     assert "casts the params to its compute dtype, not the module's buffers" in note, note
     assert "1.running_mean float32, 1.running_var float32" in note, note
+    assert "reach the module in torch.bfloat16" in note and "b.to(torch.bfloat16)" in note, note  # LazyParams' wires
     model = _conv_bn()
     for m in model.modules():
         for name, b in m.named_buffers(recurse=False):
@@ -444,11 +445,25 @@ def test_a_precision_policy_beside_fp32_buffers_is_explained_on_torchs_dtype_err
 
 
 def test_the_buffer_note_is_only_for_dtype_errors_of_modules_with_floating_buffers():
-    from fzero._src.module import buffer_dtype_note
+    """The note is for a floating buffer in none of the params' dtypes: not for torch's dtype error
+    of an input (fp32 params and buffers, a float64 or an int64 input, no policy: found in review),
+    nor for buffers already in the params' dtype; it names the params' dtype for the cast."""
+    from fzero._src.module import buffer_dtype_note, param_dtypes
 
+    bf16, fp32 = {torch.bfloat16}, {torch.float32}
     floating = {"bn.running_mean": torch.zeros(2), "bn.num_batches_tracked": torch.zeros((), dtype=torch.int64)}
-    assert "bn.running_mean float32" in buffer_dtype_note("expected scalar type BFloat16 but found Float", floating)
-    assert "num_batches_tracked" not in buffer_dtype_note("expected scalar type BFloat16 but found Float", floating)
-    assert buffer_dtype_note("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", floating) == ""
+    note = buffer_dtype_note("expected scalar type BFloat16 but found Float", floating, bf16)
+    assert "bn.running_mean float32" in note and "b.to(torch.bfloat16)" in note, note
+    assert "num_batches_tracked" not in note
+    assert buffer_dtype_note("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)", floating, bf16) == ""
     assert buffer_dtype_note("expected scalar type BFloat16 but found Float",
-                             {"n": torch.zeros((), dtype=torch.int64)}) == ""
+                             {"n": torch.zeros((), dtype=torch.int64)}, bf16) == ""
+    assert buffer_dtype_note("mat1 and mat2 must have the same dtype, but got Double and Float", floating, fp32) == ""
+    assert "b.to(dtype)" in buffer_dtype_note("expected scalar type BFloat16 but found Float", floating,
+                                              {torch.bfloat16, torch.float16})
+    params, apply, _ = from_module(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    assert param_dtypes(params) == fp32
+    for x in (torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.long)):
+        with pytest.raises(RuntimeError, match="dtype") as caught:
+            apply(params, x)
+        assert not getattr(caught.value, "__notes__", None), caught.value.__notes__

@@ -576,6 +576,16 @@ class Gathering:
         """The units read so far, in the order they were first read."""
         return tuple(self._leaves)
 
+    def leaf_dtypes(self) -> set[torch.dtype]:
+        """The dtypes the loss gets the leaves in, gathering nothing: each bucket's compute dtype
+        (`Wire.compute`, the precision policy's), or the dtype `cast_ahead` hands a leaf in."""
+        dtypes = set()
+        for unit, program in self._programs.items():
+            compute = [b.wire.compute for b in program.buckets for _ in b.leaves]  # `program.leaves` order
+            casts = self._casts.get(unit) or (None,) * len(compute)
+            dtypes.update(c if c is not None else d for c, d in zip(casts, compute))
+        return dtypes
+
     # -- the loss -----------------------------------------------------------------------------
 
     def loss(self, loss_fn: Callable[[Any, Any], torch.Tensor], batch: Any) -> torch.Tensor:
@@ -937,6 +947,11 @@ class LazyParams(Mapping):
     def gathered(self) -> tuple[str, ...]:
         """The units read so far, in the order they were first read."""
         return self._gathering.gathered
+
+    @property
+    def dtypes(self) -> set[torch.dtype]:
+        """The dtypes the leaves are handed in, gathering nothing (`Gathering.leaf_dtypes`)."""
+        return self._gathering.leaf_dtypes()
 
     def __getitem__(self, path: str) -> torch.Tensor:
         if path not in self._unit_of:

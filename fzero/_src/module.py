@@ -284,7 +284,7 @@ class Apply:
         try:
             return self._call(params, *args, **kwargs)
         except RuntimeError as e:
-            note = buffer_dtype_note(str(e), self._buffers)
+            note = buffer_dtype_note(str(e), self._buffers, param_dtypes(params))
             if note:
                 e.add_note(note)
             raise
@@ -313,22 +313,40 @@ class Apply:
 _DTYPE_WORDS = ("scalar type", "dtype")  # torch's words for operands of different dtypes
 
 
-def buffer_dtype_note(message: str, buffers: Mapping[str, torch.Tensor]) -> str:
-    """The note `apply` adds to a torch error about dtypes where the module has floating buffers:
-    a precision policy (`fzero.Precision`) casts the params to its compute dtype, not the buffers,
-    so a module that mixes the two (BatchNorm's running statistics beside its bf16 weight) meets
-    torch's "expected scalar type BFloat16 but found Float", which names neither (found in
-    review). "" where the message is not about dtypes or no buffer is floating."""
-    floating = {name: b.dtype for name, b in buffers.items() if b.is_floating_point()}
-    if not floating or not any(w in message.lower() for w in _DTYPE_WORDS):
+def buffer_dtype_note(message: str, buffers: Mapping[str, torch.Tensor], params: Collection[torch.dtype]) -> str:
+    """The note `apply` adds to a torch error about dtypes where a floating buffer of the module
+    is in none of the floating dtypes its `params` (dtypes, `param_dtypes`) reach it in: a precision
+    policy (`fzero.Precision`) casts the params to its compute dtype, not the buffers, so a module
+    that mixes the two (BatchNorm's running statistics beside its bf16 weight) meets torch's
+    "expected scalar type BFloat16 but found Float", which names neither (found in review). ""
+    where the message is not about dtypes, or every floating buffer has a dtype of the params (an
+    input of another dtype is no buffer's doing: found in review)."""
+    floating = {d for d in params if d.is_floating_point}
+    odd = {name: b.dtype for name, b in buffers.items() if b.is_floating_point() and b.dtype not in floating}
+    if not floating or not odd or not any(w in message.lower() for w in _DTYPE_WORDS):
         return ""
-    shown = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in list(floating.items())[:4])
-    more = f" and {len(floating) - 4} more" if len(floating) > 4 else ""
-    return (f"fzero: a precision policy casts the params to its compute dtype, not the module's buffers "
-            f"({shown}{more}); where the module reads both in one op, cast its floating buffers to the compute "
-            f"dtype before from_module (for m in model.modules(): for n, b in m.named_buffers(recurse=False): "
-            f"setattr(m, n, b.to(torch.bfloat16)) where b.is_floating_point()), or compute under torch.autocast "
-            f"with fp32 params instead")
+    shown = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in list(odd.items())[:4])
+    more = f" and {len(odd) - 4} more" if len(odd) > 4 else ""
+    dtypes = sorted(map(str, floating))
+    to = dtypes[0] if len(dtypes) == 1 else "dtype"
+    held = dtypes[0] if len(dtypes) == 1 else f"one of {', '.join(dtypes)}"
+    return (f"fzero: the params reach the module in {held}, but not its buffers {shown}{more} (a precision policy "
+            f"casts the params to its compute dtype, not the module's buffers); where the module reads both in one "
+            f"op, cast its floating buffers to the params' dtype before from_module (for m in model.modules(): for n, "
+            f"b in m.named_buffers(recurse=False): setattr(m, n, b.to({to})) where b.is_floating_point()), or compute "
+            f"under torch.autocast with fp32 params instead")
+
+
+def param_dtypes(params: Any) -> set[torch.dtype]:
+    """The dtypes of the leaves `apply` received, gathering nothing: a `LazyParams` hands each
+    leaf in its bucket's compute dtype (`Wire.compute`: the precision policy's), or in the dtype
+    `cast_ahead` casts it to; a mapping's values answer their own (an on-use placeholder's
+    metadata is its leaf's)."""
+    if isinstance(params, LazyParams):
+        return params.dtypes
+    if isinstance(params, Mapping):
+        return {v.dtype for v in params.values() if isinstance(v, torch.Tensor)}
+    return set()
 
 
 def _home(names: list[str]) -> str:
