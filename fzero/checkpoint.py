@@ -8,11 +8,12 @@ from fzero._src.checkpoint import export as export
 from fzero._src.checkpoint import latest as latest
 from fzero._src.checkpoint import load as load
 from fzero._src.checkpoint import OldCheckpointNotRemoved as OldCheckpointNotRemoved
+from fzero._src.checkpoint import LrScheduleMovedOn as LrScheduleMovedOn
 from fzero._src.checkpoint import read_manifest as read_manifest
 from fzero._src.checkpoint import save as save
 from fzero._src.checkpoint import save_safetensors as save_safetensors
 from fzero._src.checkpoint import summary as summary
 
-__all__ = ["BuffersNotLoaded", "CheckpointError", "OldCheckpointNotRemoved", "complete", "export", "latest", "load",
+__all__ = ["BuffersNotLoaded", "CheckpointError", "LrScheduleMovedOn", "OldCheckpointNotRemoved", "complete", "export", "latest", "load",
            "read_manifest", "save", "save_safetensors",
            "summary"]

@@ -5,11 +5,16 @@
   length) raises `CheckpointError` naming the step and both lrs: `save` records the schedule's
   value at the saved step and at steps to come (`LR_AHEAD`), `load` compares the target's
   exactly. A schedule object is read by neither (it may move on at each call); a manifest
-  without the record loads as before.
+  without the record loads as before. Every rank reads the schedule at save (before: rank 0
+  alone, so a function around an object that moves on at each call moved on rank 0 only, and
+  the next step's lr differed across ranks); one that gives two values at the saved step is
+  neither recorded nor compared, with an `LrScheduleMovedOn` warning.
 - A save whose write fails (a full disk: `OSError` ENOSPC, simulated in DCP's writer or in the
   manifest's) raises a `CheckpointError` naming the checkpoint on every rank (SimMesh's other
   ranks too, which before stopped with `RankFailed`), chains the original, and leaves no
   `.tmp-step-*` folder behind; a folder that cannot be removed is a note, never another error.
+  So does a gloo rank whose state dict cannot be built (a host out of memory; before, its peer
+  died inside DCP's collectives).
 - A crash while `save(keep=K)` deletes an old checkpoint leaves no half-deleted `step-<n>`: the old
   folder is renamed to a `.tmp-step-*` name first, which the next `save(keep=...)` removes.
 """
@@ -186,6 +191,61 @@ def test_an_lr_schedule_object_is_read_by_neither_save_nor_load(tmp_path):
     assert ck.read_manifest(path)["lr"] is None
 
 
+class Decaying:
+    """An lr schedule object: `lr * 0.9 ** calls`, moving on at each call as a torch scheduler's
+    `step()` does, or with `moves=False` `lr * 0.9 ** step`, a function of the step."""
+
+    def __init__(self, lr: float = 0.1, moves: bool = True) -> None:
+        self.lr, self.moves, self.calls = lr, moves, 0
+
+    def __call__(self, step: int) -> float:
+        self.calls += 1
+        return self.lr * 0.9 ** (self.calls if self.moves else step)
+
+
+def through(obj):
+    """A plain function around `obj`, which `save` and `load` read (`_of_the_step`)."""
+    return lambda step: obj(step)
+
+
+def test_a_function_around_a_schedule_object_warns_and_every_rank_steps_on(tmp_path):
+    """`through` an object that moves on at each call: every rank reads it at save (each object
+    moves alike), the saved step gives two values, so nothing is recorded, with an
+    `LrScheduleMovedOn` warning on each rank; the next step runs. Before, rank 0 alone read it
+    and that step raised "the optimizer's lr differs across ranks". A function of the step is
+    still recorded, and `load` compares a target's with it (refused where it differs); a target
+    that moves on is not compared, with the warning."""
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss)
+    objects = [Decaying(), Decaying()]
+
+    def rank_fn():
+        moving = through(objects[mesh.rank])
+        state = fzero.init(params(), optim.sgd(moving), stage=1, mesh=mesh)
+        state, _ = step(state, torch.ones(8))
+        moved = ck.save(state, str(tmp_path / "moved"))
+        state, _ = step(state, torch.ones(8))
+        pure = fzero.init(params(), optim.sgd(through(Decaying(0.5, moves=False))), stage=1, mesh=mesh)
+        path = ck.save(step(pure, torch.ones(8))[0], str(tmp_path / "pure"))
+        try:
+            ck.load(path, fzero.init(params(), optim.sgd(through(Decaying(1.0, moves=False))), stage=1, mesh=mesh))
+        except ck.CheckpointError as e:
+            refused = str(e)
+        loaded = ck.load(path, fzero.init(params(), optim.sgd(moving), stage=1, mesh=mesh))
+        return moved, path, refused, int(loaded.step)
+
+    with pytest.warns(impl.LrScheduleMovedOn) as caught:
+        (moved, path, refused, loaded), _ = mesh.run(rank_fn)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 4, texts  # a save and a load on each rank
+    assert all("at step 1, then" in t and "called it 8 times on every rank" in t for t in texts), texts
+    assert "checkpoint.save recorded no lr values" in texts[0], texts[0]
+    assert f"checkpoint.load of {path!r} compared it with none of the lr values saved" in texts[-1], texts[-1]
+    assert ck.read_manifest(moved)["lr"] is None and objects[0].calls == objects[1].calls
+    assert ck.read_manifest(path)["lr"][0] == [1, 0.45] and "lr at step 1: checkpoint 0.45, target 0.9" in refused
+    assert loaded == 1
+
+
 # -- a save that fails to write ------------------------------------------------------------------
 
 
@@ -294,6 +354,36 @@ def test_a_full_disk_on_one_gloo_rank_raises_on_every_rank_and_leaves_no_folder(
         assert "writing the data failed on rank 1 (OSError: [Errno 28]" in text, text
         assert names == ["step-1"]
     assert ck.latest(root) == final
+
+
+def dist_save_that_cannot_build_its_state_dict(mesh, root):
+    """On a torchrun gloo DistMesh: rank 0 runs out of host memory while building its state dict
+    (`_scalars`, rank 0's alone); its error's type and text, the root's names after it."""
+    scalars = impl._scalars
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("simulated: out of host memory building the state dict")
+
+    impl._scalars = out_of_memory if mesh.rank == 0 else scalars
+    try:
+        ck.save(fzero.init(params(), optim.adamw(0.1), stage=1, mesh=mesh), root)
+    except Exception as e:  # noqa: BLE001 - returned for the test to read
+        return type(e).__name__, str(e), sorted(os.listdir(root))
+    finally:
+        impl._scalars = scalars
+    return None
+
+
+def test_a_state_dict_that_cannot_be_built_on_one_gloo_rank_raises_on_every_rank(dist2, tmp_path):
+    """Rank 0's state dict raises while being built: it is built inside DCP's planning step,
+    which hands the failure to both ranks, and each raises a `CheckpointError` naming rank 0's
+    MemoryError; the temporary folder is removed. Before, it was built before `dcp.save` and
+    rank 0 raised alone, while rank 1 waited in DCP's collectives until gloo aborted it."""
+    root = str(tmp_path)
+    for kind, text, names in dist2.run(dist_save_that_cannot_build_its_state_dict, [(root,), (root,)]):
+        assert kind == "CheckpointError" and text.startswith(f"checkpoint.save of {os.path.join(root, 'step-0')!r}: ")
+        assert "failed on rank 0 (MemoryError: simulated: out of host memory" in text, text
+        assert names == []
 
 
 # -- keep= --------------------------------------------------------------------------------------

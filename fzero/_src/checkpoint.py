@@ -89,7 +89,7 @@ from .errors import FzeroError, MeshError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
-from .optim.base import FACTORED, as_schedule, field_shapes, leaf_blocks, spec_of
+from .optim.base import FACTORED, as_schedule, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
 from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
@@ -115,6 +115,12 @@ class BuffersNotLoaded(UserWarning):
 class OldCheckpointNotRemoved(UserWarning):
     """`save(..., keep=K)` wrote and published the new checkpoint but could not delete an older one
     (a permission, a busy file): the save stands; the folder named stays for the user to remove."""
+
+
+class LrScheduleMovedOn(UserWarning):
+    """The lr schedule gave two values at one step, read twice by `save` (or `load`): it is not a
+    function of the step alone (a function around an object that moves on at each call), so
+    `save` recorded no lr values (`load` compared none)."""
 
 
 class _Crash(RuntimeError):
@@ -308,16 +314,17 @@ def _crash_mid_data() -> None:
 
 
 class ChunkSavePlanner(SavePlanner):
-    """Writes a `{name: Canonical}` state dict: one DCP `SHARD` write item per chunk, at its
-    offset in the canonical tensor; the global plan and metadata are DCP's default ones (the
-    chunks of every rank's plan, per name). `crash` (tests): called half way through the data."""
+    """Writes the `{name: Canonical}` state dict `build()` makes (`dcp.save` is given an empty
+    one): one DCP `SHARD` write item per chunk, at its offset in the canonical tensor; the global
+    plan and metadata are DCP's default ones (the chunks of every rank's plan, per name). `build`
+    runs in DCP's planning step (`set_up_planner`), where DCP catches what it raises and hands it
+    to every rank (`_builder`). `crash` (tests): called half way through the data."""
 
-    def __init__(self, crash: Callable[[], None] | None = None) -> None:
-        self._crash = crash
+    def __init__(self, build: Callable[[], dict[str, Canonical]], crash: Callable[[], None] | None = None) -> None:
+        self._build, self._crash = build, crash
 
-    def set_up_planner(self, state_dict: dict[str, Canonical], storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        self._sd, self._resolved = state_dict, 0
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self._sd, self._resolved = self._build(), 0
 
     def create_local_plan(self) -> SavePlan:
         items = [WriteItem(index=MetadataIndex(name, torch.Size(off)), type=WriteItemType.SHARD,
@@ -618,22 +625,42 @@ def _of_the_step(fn: Callable) -> bool:
     return isinstance(fn, types.FunctionType)
 
 
-def _lr_at(schedule: Callable, step: int) -> float | None:
-    """`schedule(step)` as a float, or None where it raises or gives no finite float >= 0 (the
-    update at that step would raise: `step.scheduled_lr`, `as_schedule`)."""
+def _lr_at(fn: Callable, step: int) -> float | None:
+    """`fn(step)` as the lr `as_schedule` makes of it (`check_hyper`), or None where that raises
+    (the update at that step would raise: `step.scheduled_lr`, `as_schedule`). `fn` is the
+    schedule's source (`schedule_source`), not `as_schedule`'s wrapper: the wrapper keeps the value
+    of the step it read last, so a read through it would change what the next update computes,
+    and would not call `fn` again at one step."""
     try:
-        value = schedule(step)
+        value = fn(step)
+        return None if isinstance(value, torch.Tensor) else check_hyper("lr", value)
     except Exception:  # noqa: BLE001 - recorded as such: the step there raises it again
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        return None
-    return float(value)
 
 
-def _lr_values(schedule: Callable, steps: Sequence[int], last: int) -> dict[int, float | None]:
-    """`{s: _lr_at(schedule, s)}` for each of `steps`, `last` read last: `as_schedule` keeps the
-    value of the step it read last (`memo`), and the next update reads `last`'s."""
-    return {s: _lr_at(schedule, s) for s in sorted(steps, key=lambda s: s == last)}
+def _lr_values(fn: Callable, steps: Sequence[int], at: int) -> tuple[dict[int, float | None], float | None]:
+    """`({s: _lr_at(fn, s)}, a second read at step `at`)` for each of `steps` (`at` among them):
+    `at` is read first and again last, so a schedule that moves on as it is called (not a function
+    of the step alone) gives two values there (`_moved_on`)."""
+    values = {at: _lr_at(fn, at)}
+    values.update({s: _lr_at(fn, s) for s in steps if s != at})
+    return values, _lr_at(fn, at)
+
+
+def _moved_on(values: dict[int, float | None], again: float | None, at: int, what: str, stacklevel: int) -> bool:
+    """Whether the second read at step `at` (`_lr_values`) differs from the first: then a
+    `LrScheduleMovedOn` warning (at `stacklevel`: the caller of `save` or `load`) saying `what`
+    was not done and how many calls the reads cost."""
+    if values[at] == again:
+        return False
+    warnings.warn(LrScheduleMovedOn(
+        f"the lr schedule gave lr {_shown_lr(values[at])} at step {at}, then {_shown_lr(again)} at the same step "
+        f"{len(values)} calls later: it is not a function of the step alone (a function around an object that "
+        f"moves on at each call), so {what}; these reads called it {len(values) + 1} times on every rank. Pass "
+        f"the object itself as the lr (fzero reads it once a step and never at a checkpoint), or a schedule of "
+        f"the step"),
+        stacklevel=stacklevel)
+    return True
 
 
 def lr_record(optimizer: Any, step: int) -> list[list[Any]] | None:
@@ -643,19 +670,27 @@ def lr_record(optimizer: Any, step: int) -> list[list[Any]] | None:
     to come are read at save; `load` reads the target's at the same steps and compares them
     exactly, so a schedule that differs where `describe` does not see -- a `functools.partial`'s
     arguments, a value read from an object -- is refused. None (nothing compared) where the
-    optimizer has no lr, or its schedule is a callable object or a method (`_of_the_step`)."""
+    optimizer has no lr, or its schedule is a callable object or a method (`_of_the_step`), or it
+    gives two values at `step` (`_moved_on`: a warning). Every rank computes it (`save`), so a
+    schedule that moves as it is called moves alike on every rank (found in review: rank 0 alone
+    read it, and the next step's lr differed across ranks)."""
     schedule = getattr(optimizer, "lr", None)
-    if schedule is None or not _of_the_step(schedule_source(schedule)):
+    fn = None if schedule is None else schedule_source(schedule)
+    if fn is None or not _of_the_step(fn):
         return None
-    values = _lr_values(schedule, [step + k for k in LR_AHEAD], step)
+    values, again = _lr_values(fn, [step + k for k in LR_AHEAD], step)
+    if _moved_on(values, again, step, "checkpoint.save recorded no lr values and load will compare none", 4):
+        return None
     return [[s, values[s]] for s in sorted(values)]
 
 
 def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
-                buffers: dict[str, torch.Tensor] | None = None, written: int = 0) -> dict[str, Any]:
+                buffers: dict[str, torch.Tensor] | None = None, written: int = 0,
+                lr: list[list[Any]] | None = None) -> dict[str, Any]:
     """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}`, where
-    saved module `buffers` (name, shape, dtype each; None where none were given), and `written`:
-    its place in the order of the root's saves (`complete`)."""
+    saved module `buffers` (name, shape, dtype each; None where none were given), `written`:
+    its place in the order of the root's saves (`complete`), and `lr`: the `lr_record` every rank
+    computed (`save`)."""
     p = state.precision
     return {
         "format": FORMAT,
@@ -665,7 +700,7 @@ def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
         "world_size": state.mesh.world_size,
         "leaves": describe_layout(state.layout),
         "optimizer": _jsonable(describe(state.optimizer)),
-        "lr": lr_record(state.optimizer, int(state.step)),
+        "lr": lr,
         "precision": [str(p.param_dtype), str(p.reduce_dtype)],
         "scaler": None if state.info.scaler is None else repr(state.info.scaler),
         "buffers": None if buffers is None else [{"name": k, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
@@ -711,17 +746,18 @@ def _token(state: ZeroState) -> int:
     return int(broadcast(mine, mesh, 0, tag="fzero.checkpoint/token")) if mesh.world_size > 1 else int(mine)
 
 
-def _dcp_save(sd: dict[str, Canonical], tmp: str, mesh: Mesh, crash: Callable[[], None] | None) -> None:
-    """`dcp.save` of this rank's chunks into `tmp`: over the process group on DistMesh, where DCP
-    hands every rank the failures of all (`_unwrapped`: its own, else the lowest rank's); on
-    SimMesh rank 0 alone, for every rank, with `no_dist`. An `Exception` is for the caller's
+def _dcp_save(build: Callable[[], dict[str, Canonical]], tmp: str, mesh: Mesh, crash: Callable[[], None] | None
+              ) -> None:
+    """`dcp.save` of this rank's chunks (`build()`, `_builder`) into `tmp`: over the process group
+    on DistMesh, where DCP hands every rank the failures of all (`_unwrapped`: its own, else the
+    lowest rank's); on SimMesh rank 0 alone, for every rank, with `no_dist`. An `Exception` is for the caller's
     agreement (`_write_data`); anything else (an interrupt) is followed by a barrier on DistMesh,
     so a peer whose process died surfaces as the mesh's `RankFailed`."""
-    planner = ChunkSavePlanner(crash)
+    planner = ChunkSavePlanner(build, crash)
     if isinstance(mesh, DistMesh):
         try:
             with _unwrapped(mesh.rank):
-                dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, process_group=mesh.group)
+                dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, process_group=mesh.group)
         except Exception:
             raise
         except BaseException:
@@ -729,7 +765,7 @@ def _dcp_save(sd: dict[str, Canonical], tmp: str, mesh: Mesh, crash: Callable[[]
             raise
     elif mesh.rank == 0:
         with _single_process(), _unwrapped(0):
-            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(tmp), planner=planner, no_dist=True)
 
 
 def _free_space(path: str) -> str:
@@ -766,8 +802,8 @@ def _others_failed(final: str, tmp: str, mesh: Mesh) -> Callable[[list[tuple[int
     return failed
 
 
-def _write_data(sd: dict[str, Canonical], tmp: str, final: str, mesh: Mesh, crash: Callable[[], None] | None
-                ) -> None:
+def _write_data(build: Callable[[], dict[str, Canonical]], tmp: str, final: str, mesh: Mesh,
+                crash: Callable[[], None] | None) -> None:
     """`_dcp_save`, then the ranks agree that every rank's write succeeded (`_agree`, which also
     stands for a barrier: no rank goes on before every rank's data is written): a rank whose write
     raised raises it as `_save_failed`, the others a `CheckpointError` naming it, so every rank
@@ -776,7 +812,7 @@ def _write_data(sd: dict[str, Canonical], tmp: str, final: str, mesh: Mesh, cras
     (a peer that died) are raised as they are."""
     error = None
     try:
-        _dcp_save(sd, tmp, mesh, crash)
+        _dcp_save(build, tmp, mesh, crash)
     except (_Crash, MeshError):
         raise
     except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
@@ -784,11 +820,24 @@ def _write_data(sd: dict[str, Canonical], tmp: str, final: str, mesh: Mesh, cras
     _agree(mesh, "fzero.checkpoint/data", error, None, repr(final), failed=_others_failed(final, tmp, mesh))
 
 
+def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None) -> Callable[[], dict[str, Canonical]]:
+    """What builds this rank's `state_dict` for `_write_data`. On DistMesh building it makes no
+    collective, so it is left to DCP's planning step (`ChunkSavePlanner`), where DCP hands a
+    failure (a host out of memory, an NVMe tier's file that cannot be read) to every rank, and
+    every rank raises it through the data agreement (found in review: built before `dcp.save`, a
+    failure on one rank left its peers inside DCP's collectives, killed by gloo). On SimMesh it
+    all-gathers, a collective every rank makes: built here, as before."""
+    if isinstance(state.mesh, DistMesh):
+        return functools.partial(state_dict, state, buffers)
+    sd = state_dict(state, buffers)
+    return lambda: sd
+
+
 def _publish(state: ZeroState, tmp: str, final: str, root: str, buffers: dict[str, torch.Tensor] | None,
-             fail_at: str | None) -> tuple[list[tuple[int, int, str]], int]:
+             lr: list[list[Any]] | None, fail_at: str | None) -> tuple[list[tuple[int, int, str]], int]:
     """Rank 0, once every rank's data is written: the manifest (every file's sha256 and size, the
-    save's place `written` in the root's order), fsynced with the folder, then the atomic rename
-    of `tmp` to `final` and an fsync of `root`. `(the complete checkpoints before it, written)`."""
+    save's place `written` in the root's order, the `lr` record), fsynced with the folder, then
+    the atomic rename of `tmp` to `final` and an fsync of `root`. `(the complete checkpoints before it, written)`."""
     if fail_at == "before_manifest":
         raise _Crash("simulated crash before the manifest was written")
     names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
@@ -796,7 +845,7 @@ def _publish(state: ZeroState, tmp: str, final: str, root: str, buffers: dict[st
              for f in names}
     before = _found(root)  # read once: the new one's place, and what `keep` deletes after it
     written = 1 + max([w for w, _, _ in before], default=0)
-    _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, buffers, written), indent=1).encode())
+    _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, buffers, written, lr), indent=1).encode())
     _fsync_dir(tmp)
     if fail_at == "before_rename":
         raise _Crash("simulated crash before the rename")
@@ -929,6 +978,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
         assert final is not None
         check_pending(state)
         rank, n = state.rank, int(state.step)
+        lr = lr_record(state.optimizer, n)  # on every rank: whatever the schedule does, it does on each
         tmp = os.path.join(root, f".tmp-step-{n}-{_token(state):012x}")
 
         def unusable(failures: list[tuple[int, str]]) -> str:
@@ -954,11 +1004,11 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), failed=unusable)
             if _fail_at == "before_data":
                 raise _Crash("simulated crash before any data was written")
-            _write_data(state_dict(state, bufs), tmp, final, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
+            _write_data(_builder(state, bufs), tmp, final, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
             error = None
             if rank == 0:
                 try:
-                    before, written = _publish(state, tmp, final, root, bufs, _fail_at)
+                    before, written = _publish(state, tmp, final, root, bufs, lr, _fail_at)
                 except _Crash:
                     raise
                 except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
@@ -1191,12 +1241,16 @@ def _check_lr(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     `functools.partial`'s arguments, or read from a config object, loaded silently). Nothing is
     compared for a manifest without the record (saved before the field, or by an optimizer without
     an lr or with a schedule object) or a target whose schedule `load` does not read
-    (`_of_the_step`)."""
+    (`_of_the_step`) or that gives two values at the saved step (`_moved_on`: a warning)."""
     saved = manifest.get("lr")
     schedule = target.optimizer.lr
-    if not saved or schedule is None or not _of_the_step(schedule_source(schedule)):
+    fn = None if schedule is None else schedule_source(schedule)
+    if not saved or fn is None or not _of_the_step(fn):
         return
-    mine = _lr_values(schedule, [s for s, _ in saved], manifest["step"])
+    mine, again = _lr_values(fn, [s for s, _ in saved], manifest["step"])
+    if _moved_on(mine, again, manifest["step"], f"checkpoint.load of {path!r} compared it with none of the lr "
+                 f"values saved", 5):
+        return
     for s, theirs in saved:
         if mine[s] != theirs:
             raise CheckpointError(
