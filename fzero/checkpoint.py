@@ -3,6 +3,7 @@ bit for bit; a checkpoint is visible only when complete (see `fzero._src.checkpo
 
 from fzero._src.checkpoint import BuffersNotLoaded as BuffersNotLoaded
 from fzero._src.checkpoint import CheckpointError as CheckpointError
+from fzero._src.checkpoint import CheckpointNotSynced as CheckpointNotSynced
 from fzero._src.checkpoint import complete as complete
 from fzero._src.checkpoint import export as export
 from fzero._src.checkpoint import latest as latest
@@ -14,6 +15,6 @@ from fzero._src.checkpoint import save as save
 from fzero._src.checkpoint import save_safetensors as save_safetensors
 from fzero._src.checkpoint import summary as summary
 
-__all__ = ["BuffersNotLoaded", "CheckpointError", "LrScheduleMovedOn", "OldCheckpointNotRemoved", "complete", "export", "latest", "load",
+__all__ = ["BuffersNotLoaded", "CheckpointError", "CheckpointNotSynced", "LrScheduleMovedOn", "OldCheckpointNotRemoved", "complete", "export", "latest", "load",
            "read_manifest", "save", "save_safetensors",
            "summary"]

@@ -431,3 +431,35 @@ def test_a_crash_while_keep_deletes_an_old_checkpoint_leaks_nothing(tmp_path, mo
 
     assert mesh.run(second)[0] == os.path.join(root, "step-3")
     assert os.listdir(root) == ["step-3"]
+
+
+# -- the root's fsync after the rename ----------------------------------------------------------
+
+
+def test_a_root_that_cannot_be_synced_after_the_rename_warns_and_the_save_stands(tmp_path, monkeypatch):
+    """The checkpoint is renamed into place, then the fsync of the root fails: a
+    `CheckpointNotSynced` warning naming the checkpoint, and `save` returns its path on every
+    rank; `latest` names it and it loads. Before, rank 0 raised "is complete and in place", the
+    other ranks that the save failed, and a retry found its step taken (found in review)."""
+    root = str(tmp_path / "root")
+    real = impl._fsync_dir
+
+    def failing_on_the_root(path):
+        if os.path.abspath(path) == os.path.abspath(root):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path)
+
+    monkeypatch.setattr(impl, "_fsync_dir", failing_on_the_root)
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss)
+
+    def rank_fn():
+        state, _ = step(fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=mesh), torch.ones(8))
+        return ck.save(state, root), fzero.gather(state)
+
+    with pytest.warns(ck.CheckpointNotSynced, match=r"step-1'? is complete and in place.*could not be synced"):
+        got = mesh.run(rank_fn)
+    assert [path for path, _ in got] == [os.path.join(root, "step-1")] * 2 == [ck.latest(root)] * 2
+    loaded = mesh.run(lambda: fzero.gather(ck.load(ck.latest(root), fzero.init(params(), optim.adamw(1e-3), stage=1,
+                                                                                   mesh=mesh))))
+    assert all(torch.equal(loaded[0][k], got[0][1][k]) for k in got[0][1])
