@@ -89,7 +89,7 @@ from .errors import FzeroError, MeshError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
-from .optim.base import FACTORED, as_schedule, check_hyper, field_shapes, leaf_blocks, spec_of
+from .optim.base import FACTORED, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
 from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
@@ -608,16 +608,12 @@ def describe_layout(layout: Layout) -> list[dict[str, Any]]:
 # -- the lr schedule's values: what `describe` cannot see of it ------------------------------------
 
 LR_AHEAD = (0, 1, 10, 100, 1000, 10_000, 100_000)  # a manifest's "lr": the saved step plus each of these
-_CHECKED = as_schedule([0.0]).__code__  # the code of what `as_schedule` makes of a callable or a sequence
 
 
 def schedule_source(schedule: Callable) -> Callable:
-    """The callable `as_schedule` wrapped into `schedule` (its `fn`: the reader of a sequence, the
-    user's callable), else `schedule` itself (a float's lambda, a hand-made `Optimizer.lr`)."""
-    if getattr(schedule, "__code__", None) is not _CHECKED:
-        return schedule
-    cells = dict(zip(_CHECKED.co_freevars, (c.cell_contents for c in schedule.__closure__)))
-    return cells.get("fn", schedule)
+    """The callable `as_schedule` wrapped into `schedule` (its `source`: the reader of a sequence,
+    the user's callable), else `schedule` itself (a float's lambda, a hand-made `Optimizer.lr`)."""
+    return getattr(schedule, "source", schedule)
 
 
 def _of_the_step(fn: Callable) -> bool:

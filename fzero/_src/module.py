@@ -275,9 +275,9 @@ class Apply:
     the module's were when `from_module` was called."""
 
     def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet,
-                 buffers: Mapping[str, torch.Tensor] | None = None) -> None:
+                 buffers: Mapping[str, torch.Tensor]) -> None:
         self._call, self._skeleton, self._copies = call, skeleton, copies  # copies: per thread, freed with it
-        self._buffers = dict(buffers or {})
+        self._buffers = buffers  # `ModuleInfo.buffers` itself: the dtypes a call's note names are the current ones
         self.__doc__ = call.__doc__
 
     def __call__(self, params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:

@@ -251,7 +251,8 @@ def as_schedule(lr: LearningRate) -> Schedule:
     The value is checked (finite, >= 0) each time it is read, so a schedule that goes negative
     fails at the step where it does, naming the step. A callable is called once per step (the
     step's agreement and every bucket's update read that value), so an object that moves on at
-    each call moves once a step, as a torch scheduler's `step()` does.
+    each call moves once a step, as a torch scheduler's `step()` does. The returned function's
+    `source` is that callable (for a sequence, its reader).
     """
     if isinstance(lr, numbers.Real) and not isinstance(lr, bool):  # numpy's scalars too
         value = check_hyper("lr", lr)
@@ -288,6 +289,7 @@ def as_schedule(lr: LearningRate) -> Schedule:
         memo[0] = (step, value)
         return value
 
+    checked.source = fn  # what a reader outside the steps calls, past the memo (`checkpoint.schedule_source`)
     return checked
 
 
