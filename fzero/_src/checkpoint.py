@@ -89,11 +89,11 @@ from .errors import FzeroError, MeshError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .offload import place, place_opt_state
-from .optim.base import FACTORED, check_hyper, field_shapes, leaf_blocks, spec_of
+from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
-from .state import (NamedFn, ZeroState, check_pending, check_state, describe, master_values, named,
-                    setting_name, unnamed)
+from .state import (NamedFn, ZeroState, check_pending, check_state, describe, described_cells, described_fields,
+                    master_values, named, setting_name, unnamed)
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -1207,7 +1207,9 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
     scaler settings (`_scaler_settings`), lr schedule values (`_check_lr`) and precision policy
     (`_check_precision`) are the target's; a `CheckpointError` naming the first mismatch
-    otherwise. (Files are checked as they are read.) A group's settings change the update as
+    otherwise. (Files are checked as they are read.) The optimizer's description is compared
+    exactly but for the `impl` of fzero's own optimizers (`_impl_adopted`), which changes the
+    bits of the steps to come, not what the state means. A group's settings change the update as
     the optimizer's do: a resume under other groups would step on from the same state as
     another run (found in review: silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
@@ -1226,7 +1228,7 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
         raise CheckpointError(f"{path!r} holds {len(theirs)} leaves, the target's layout {len(mine)}; load into a "
                               f"state made by fzero.init from the same params pytree")
     want = _jsonable(describe(target.optimizer))
-    if manifest["optimizer"] != want:
+    if _impl_adopted(manifest["optimizer"], target.optimizer, want) != want:
         raise CheckpointError(_other_optimizer(path, manifest["optimizer"], target.optimizer, want))
     _check_lr(path, manifest, target)
     theirs_scaler, mine_scaler = manifest.get("scaler"), None if target.info.scaler is None else repr(target.info.scaler)
@@ -1370,6 +1372,62 @@ def _constant_lr(desc: Any) -> str | None:
     return None
 
 
+_OPTIM_MODULES = __package__ + ".optim."  # fzero's own optimizers' functions are defined under it
+_IMPL_VALUES = {repr(i) for i in (*IMPLS, None)}  # how a description writes an `impl` (`state.describe`)
+
+
+def _impl_paths(x: Any, depth: int = 0, at: tuple[int, ...] = ()) -> Iterator[tuple[int, ...]]:
+    """Where `state.describe(x)` (as JSON: a function `[qualname, [values]]`, a tuple a list)
+    writes the `impl` of fzero's own optimizers, as index paths into it: each closure variable
+    named `impl` of a function defined in `fzero._src.optim` (`adam`'s, `adamw`'s and `sgd`'s
+    `prepare_`, wherever the description reaches it: under `update`, `update_` and `prepare_`)
+    that holds a value `check_impl` takes. A variable of that name in any other function (a
+    user's optimizer, or a user's wrapper around fzero's) is a setting like any other. The walk
+    is `describe`'s (`described_fields`, `described_cells`, the depth), so the paths are those
+    of its values."""
+    if isinstance(x, tuple):
+        for k, (_, v) in enumerate(described_fields(x)):
+            yield from _impl_paths(v, depth, at + (k,))
+        return
+    if not callable(x):
+        return
+    own = isinstance(x, types.FunctionType) and (x.__module__ or "").startswith(_OPTIM_MODULES)
+    for k, (name, v) in enumerate(described_cells(x, depth)):
+        if callable(v):
+            yield from _impl_paths(v, depth + 1, at + (1, k))
+        elif own and name == "impl" and repr(v) in _IMPL_VALUES:
+            yield at + (1, k)
+
+
+def _impl_adopted(theirs: Any, optimizer: Any, want: Any) -> Any:
+    """A saved optimizer description `theirs` with the target's `impl` (`want`'s, the JSON of
+    `describe(optimizer)`) written where the target's optimizer holds fzero's own `impl`
+    (`_impl_paths`) and the saved one holds an `impl` value there too; else as saved. So the
+    description compares equal to `want` iff the two differ in nothing but `impl`.
+
+    `impl` ("single", "foreach", "fused", or None: "fused" on CUDA where its kernel is
+    element-wise, else "foreach", `resolve_impl`) picks which of torch's implementations
+    computes the update; every impl keeps the same state fields, of the
+    same layout and meaning (`AdamState`, `SgdMomentumState`: the kernels differ, not the state).
+    A resume on another machine needs another impl where the saved one is not there (a
+    fused kernel torch lacks on that device or dtype), and the default resolves by device
+    already (a None saved on CUDA ran fused, loads as None on the CPU and runs foreach, as
+    before). The steps after the load take the target impl's bits: each impl is bitwise its
+    torch counterpart, not bitwise each other's (docstring of `load`)."""
+    out = json.loads(json.dumps(theirs))  # a copy, written into below
+    for path in _impl_paths(optimizer):
+        node, mine = out, want
+        for k in path[:-1]:
+            if not (isinstance(node, list) and k < len(node)):
+                break
+            node, mine = node[k], mine[k]
+        else:
+            k = path[-1]
+            if isinstance(node, list) and k < len(node) and isinstance(node[k], str) and node[k] in _IMPL_VALUES:
+                node[k] = mine[k]
+    return out
+
+
 def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     """The message for a checkpoint saved with another optimizer, or the same one with other
     settings: which (by name), or which settings differ, the checkpoint's value and the target's."""
@@ -1378,7 +1436,8 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     if names[0] != names[1]:
         return f"{path!r} was saved with another optimizer: checkpoint {names[0]}, target {names[1]}; {fix}"
     node = named(optimizer)
-    diffs = _setting_diffs(theirs, node, ()) if _jsonable(unnamed(node)) == want else []
+    adopted = _impl_adopted(theirs, optimizer, want)  # an impl that differs too is no reason: not named
+    diffs = _setting_diffs(adopted, node, ()) if _jsonable(unnamed(node)) == want else []
     shown: dict[str, None] = {}
     for where, a, b in diffs:
         if not (isinstance(a, str) and isinstance(b, str)):
@@ -1520,6 +1579,14 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     them in place, on every rank that passes them; the names, shapes and dtypes must be the
     saved ones. Without `buffers`, a checkpoint that holds them warns (`BuffersNotLoaded`, on
     every rank), where before it left them unloaded silently (found in review).
+
+    An optimizer of fzero's (`adam`, `adamw`, `sgd`) made with another `impl` than the saved one
+    ("single", "foreach", "fused", None), and otherwise the same, loads: the state means the same
+    under each, and a resume on another machine may lack the saved impl's kernel (`_impl_adopted`).
+    The steps after the load take the target impl's bits, each impl being bitwise its torch
+    counterpart, not bitwise each other's: such a resume is not bitwise the uninterrupted run. No
+    warning: the impl is the one the target was made with, and a default `impl=None` loads
+    across devices where it resolves to another one (fused on CUDA, foreach on the CPU) as before.
     """
     if not isinstance(target, ZeroState):
         raise CheckpointError(f"checkpoint.load: target must be a ZeroState made by fzero.init (the state to load "

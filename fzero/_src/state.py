@@ -487,7 +487,7 @@ def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
     each step instead: `Optimizer.lr`, docs/bad-input.md row 54). `checkpoint._named` follows
     the same rule."""
     if isinstance(fn_or_tuple, tuple):
-        return tuple(describe(f, depth) for _, f in _described_fields(fn_or_tuple))
+        return tuple(describe(f, depth) for _, f in described_fields(fn_or_tuple))
     if not callable(fn_or_tuple):
         return repr(fn_or_tuple) if isinstance(fn_or_tuple, (int, float, str, bool, type(None))) else type(
             fn_or_tuple).__qualname__
@@ -512,7 +512,7 @@ def described_cells(fn: Callable, depth: int) -> list[tuple[str, Any]]:
     return kept
 
 
-def _described_fields(x: tuple) -> list[tuple[str, Any]]:
+def described_fields(x: tuple) -> list[tuple[str, Any]]:
     """`(field name or index, value)` of each entry of a tuple that describes it: an `Optimizer`'s
     fields but `lr`, the schedule its update's closure holds already (described there; left out
     so that descriptions, and the checkpoints that store them, are those of before the field)."""
@@ -535,7 +535,7 @@ def named(x: Any, depth: int = 0) -> Any:
     else as `describe` writes it. The values kept are `describe`'s (`described_cells`), so
     `unnamed` of it is `describe(x)` (`checkpoint._other_optimizer` checks)."""
     if isinstance(x, tuple):
-        return [(n, named(v, depth)) for n, v in _described_fields(x)]
+        return [(n, named(v, depth)) for n, v in described_fields(x)]
     if not callable(x):
         return describe(x)
     items = [(name, named(v, depth + 1) if callable(v) else repr(v)) for name, v in described_cells(x, depth)]
