@@ -289,7 +289,8 @@ def test_save_refuses_an_existing_step():
     with tempfile.TemporaryDirectory() as root:
         saves(mesh, root, states)
         with pytest.raises(ck.CheckpointError, match="step-1' exists already.*a step skipped for a non-finite "
-                                                     "gradient, Metrics.skipped, does not advance state.step"):
+                                                     "gradient, Metrics.skipped, does not advance state.step.*"
+                                                     "if not metrics.skipped and int"):
             saves(mesh, root, states)  # (the hint: a loop saving after an fp16 overflow's skip meets this; review)
 
 

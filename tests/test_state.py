@@ -31,8 +31,11 @@ def test_state_misuse_errors():
 
     def rank_fn():
         state = fzero.init(params, opt, stage=3, mesh=mesh)
-        with pytest.raises(fzero.FzeroError, match="0-d floating tensor"):
-            fzero.train_step(lambda p, c: p["a"])(state, None)
+        with pytest.raises(fzero.FzeroError, match=r"0-d floating tensor.*got Tensor torch.float32 torch.Size\(\[4\]\); "
+                                                   r"reduce it to one number, e.g. loss.mean\(\)"):
+            fzero.train_step(lambda p, c: p["a"])(state, None)  # (the way out: found in review)
+        with pytest.raises(fzero.FzeroError, match="got Tensor torch.int64 torch.Size.*in a floating dtype"):
+            fzero.train_step(lambda p, c: (p["a"] > 0).sum())(state, None)
         return state
 
     states = mesh.run(rank_fn)

@@ -88,6 +88,7 @@ from .collectives import broadcast, gather_rows, gather_texts
 from .errors import FzeroError, MeshError
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
+from .module import buffers_written
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
@@ -926,7 +927,8 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
     crashed, and after the rename the complete checkpoints but the K written last (`complete`:
     in the order written, so never the one just written). A step skipped for a non-finite
     gradient does not advance `state.step`: a save after it names the folder of the save before,
-    which raises "exists already". With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
+    which raises "exists already", so a loop that saves every k steps saves after the steps
+    that were not skipped (`if not metrics.skipped and int(state.step) % k == 0`). With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
     BatchNorm's running statistics), rank 0's are saved too (DDP's convention: its buffers are
     rank 0's), for `load(..., buffers=)` and `export`; the other ranks' are not read.
 
@@ -962,8 +964,9 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
                                       f"once, or delete it first (a step skipped for a non-finite gradient, "
-                                      f"Metrics.skipped, does not advance state.step: save by state.step, not by "
-                                      f"the loop's count)")
+                                      f"Metrics.skipped, does not advance state.step, so a save after it finds "
+                                      f"the checkpoint of the step before: save after the steps that were not "
+                                      f"skipped, `if not metrics.skipped and int(state.step) % every == 0`)")
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
 
@@ -1644,6 +1647,8 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         with torch.no_grad():
             for k, t in read.items():
                 bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
+        if manifest.get("buffers"):  # (the same manifest on every rank: every rank calls it or none)
+            buffers_written(mesh, "fzero.checkpoint/buffers_written")
         if bufs is None and manifest.get("buffers"):  # on every rank: each raises alike under -W error
             warnings.warn(BuffersNotLoaded(
                 f"checkpoint.load: {shown} holds module buffers {[b['name'] for b in manifest['buffers']][:6]} (saved "

@@ -838,7 +838,21 @@ def is_flat_dict(layout: Layout) -> bool:
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
         raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
-                         f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}")
+                         f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}"
+                         f"{_loss_way_out(loss)}")
+
+
+def _loss_way_out(loss: Any) -> str:
+    """How to make a loss of what `loss_fn` returned: a tensor of per-example losses is one
+    `.mean()` away (or `reduction="mean"`, torch's losses' default), an integer one a computation
+    in a floating dtype (found in review: the error named what it got, not the way out)."""
+    if not isinstance(loss, torch.Tensor):
+        return ""
+    if not (loss.dtype.is_floating_point or loss.is_complex()):
+        return "; compute the loss in a floating dtype (an integer count or accuracy has no gradient)"
+    if loss.dim():
+        return "; reduce it to one number, e.g. loss.mean() (torch's losses: reduction='mean', their default, not 'none')"
+    return ""
 
 
 class _Saved:

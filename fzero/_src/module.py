@@ -50,7 +50,7 @@ from .collectives import broadcast
 from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
 from .gathering import LazyParams
-from .mesh import Mesh
+from .mesh import Mesh, SimMesh
 from .remat import remat_call
 
 
@@ -697,3 +697,17 @@ def broadcast_buffers(info: ModuleInfo, mesh: Mesh) -> None:
     with torch.no_grad():
         for name, buf in info.buffers.items():
             buf.copy_(broadcast(buf, mesh, 0, tag=f"fzero.buffers/{name}"))
+    buffers_written(mesh, "fzero.buffers/written")
+
+
+def buffers_written(mesh: Mesh, tag: str) -> None:
+    """Call on every rank after each wrote a module's buffers in place: where the ranks share them
+    (a `SimMesh` of N > 1 ranks, threads of one process running one module), hold every rank until
+    the last has written. Each rank writes in its turn, after its last collective; a rank that went
+    on into its forward read the buffers, saved them for backward and updated them (BatchNorm's
+    count and running statistics) with the other ranks' writes still to come, which then raised
+    torch's in-place error in the backward or overwrote that update (found in review, after
+    `checkpoint.load(..., buffers=)` and `broadcast_buffers`). One all-reduce of one element;
+    nothing where each rank has its own buffers (one process per rank, `DistMesh`)."""
+    if isinstance(mesh, SimMesh) and mesh.world_size > 1:
+        mesh.collective("all_reduce", torch.zeros(1), arg="sum", tag=tag)
