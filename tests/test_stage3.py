@@ -254,6 +254,35 @@ def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
         assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in str(e)
 
 
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+def test_evaluate_on_one_rank_beside_a_step_on_the_other_names_evaluate(gather):
+    """Rank 0 evaluates where rank 1 steps (stage 3): evaluate's gathers are the step forward's
+    calls, so before they paired, and the mismatch came later, worded as a step's ("rank 0 had
+    finished its forward"; with gather="eager", evaluate returned on rank 0; found in review).
+    Evaluate's collectives carry the label "evaluate" (`Mesh.phase`): both ranks raise
+    `DivergentPaths` at the first gather, naming the rank in evaluate and the way out."""
+    mesh, errors = fzero.SimMesh(2), {}
+
+    def rank_fn(r):
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh,
+                           units=lambda path: path)
+        try:
+            if r == 0:
+                evaluate(lambda p, x: (p["a"] * x).sum() + p["b"].sum(), gather=gather)(state, torch.ones(4))
+            fzero.train_step(lambda p, x: (p["a"] * x).sum() + p["b"].sum())(state, torch.ones(4))
+        except fzero.MeshError as e:
+            errors[r] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn, [(0,), (1,)])
+    assert sorted(errors) == [0, 1]
+    for e in errors.values():
+        assert isinstance(e, DivergentPaths), e
+        assert "rank 0 gathered unit 'a' in fzero.evaluate, rank 1 gathered unit 'a'. Rank(s) [0] were in " \
+               "fzero.evaluate and the others not" in str(e), e
+
+
 # -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
 
 

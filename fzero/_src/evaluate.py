@@ -19,6 +19,7 @@ the compute dtype, as the step's forward does.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
 from .errors import ConfigError
-from .gathering import (GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict, replaced_tensors,
-                        same_paths)
+from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
+                        replaced_tensors, same_paths)
+from .mesh import Mesh
 from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
@@ -72,10 +74,19 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
                               "function under torch.no_grad(), so a derivative through it is zero or torch's "
                               "saved-tensor-hooks error; differentiate a train_step's loss, or fn(fzero.gather("
                               "state), batch)")
-        with checked(state), same_paths(state.layout), torch.no_grad():
+        with checked(state), same_paths(state.layout), torch.no_grad(), _labelled(state.mesh):
             return _owned(state, forward(state, fn, gather, batch, prefetch))
 
     return run
+
+
+def _labelled(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """Around an evaluation over N > 1 ranks: its collectives carry the label "evaluate"
+    (`Mesh.phase`), so that a rank evaluating where the others step (or gather) raises
+    `DivergentPaths` naming it at its first collective. Without the label, a stage-3 evaluation's
+    gathers are a step forward's calls, and paired with them: the mismatch came later, worded
+    as a step's (found in review). Tags and what `Mesh.record` logs are unchanged."""
+    return mesh.phase(EVALUATING) if mesh.world_size > 1 else contextlib.nullcontext()
 
 
 def _owned(state: ZeroState, out: Any) -> Any:

@@ -96,6 +96,7 @@ class DivergentPaths(CollectiveMismatch):
 _RANK_CALL = re.compile(r"rank (\d+): (.+)")
 _TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
 _MICRO_BATCH = re.compile(r"\) \[micro-batch (\d+)\]")  # `Mesh.phase`'s label in a call's words
+EVALUATING = "evaluate"  # the label of `fzero.evaluate`'s collectives (`Mesh.phase`)
 
 
 def in_micro_batch(mesh: Mesh, i: int, k: int) -> contextlib.AbstractContextManager:
@@ -127,10 +128,14 @@ def same_paths(layout: Layout) -> Iterator[None]:
         if not any(unit for _, unit in said.values()):
             raise
         micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
+        evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
+        apart = len(set(evaluating.values())) > 1  # (where every rank evaluates, the words say it)
         parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
+                          + (" in fzero.evaluate" if apart and evaluating[r] else "")
                           for r, (what, _) in sorted(said.items()))
         raise DivergentPaths(
-            f"ranks took different paths through the model: {parts}. {_micro_batch_advice(micro)}With "
+            f"ranks took different paths through the model: {parts}. {_micro_batch_advice(micro)}"
+            f"{_evaluate_advice(evaluating)}With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
             f"rank in declaration order. Ranks whose train_step settings differ (micro_batches, accumulate, gather, "
@@ -158,6 +163,19 @@ def _micro_batch_advice(micro: Mapping[int, int | None]) -> str:
             f"earlier ones. Make every micro-batch's loss read the same units on every rank: on an empty "
             f"micro-batch, run the model and return a zero that depends on its output (out.sum() * 0.0; with "
             f"normalize='tokens', the loss summed over the empty batch). ")
+
+
+def _evaluate_advice(evaluating: Mapping[int, bool]) -> str:
+    """Where some ranks were in `fzero.evaluate` and others not (a train step, a `fzero.gather`):
+    which, and the way out; else "". Both gather a unit by the same call, so before `evaluate`
+    labelled its collectives, one rank's evaluate met another's step forward and passed (found in
+    review: the mismatch came later, worded as a step's)."""
+    if len(set(evaluating.values())) < 2:
+        return ""
+    ranks = [r for r in sorted(evaluating) if evaluating[r]]
+    return (f"Rank(s) {ranks} were in fzero.evaluate and the others not: every rank calls evaluate at the same "
+            f"point of its program, as it does each step (an evaluation on rank 0 alone, a logging branch, meets "
+            f"the other ranks' next step). ")
 
 
 def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
