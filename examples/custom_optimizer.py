@@ -37,9 +37,7 @@ def signum(lr=1e-3, beta: float = 0.9) -> fo.Optimizer:
         return SignumState("shard")
 
     def update(grad, state, param, ctx):
-        fo.check_shards("signum", grad, param, state, spec(state), ctx)
-        if ctx.group.frozen:
-            return param, state
+        fo.check_shards("signum", grad, param, state, spec(state), ctx)  # (fzero never updates a frozen group)
         eta = fo.group_lr(schedule, ctx)  # fl(lr(step) * group.lr_scale)
         p, m = param.clone(), state.momentum.clone()
         for start, stop, used in fo.runs(ctx, ctx.used):  # runs of consecutive used / unused leaves

@@ -261,3 +261,17 @@ def test_pytrees_are_deterministic_under_derandomize():
         return out
 
     assert draw() == draw()
+
+
+def test_assert_trees_equal_bitwise_reads_torchs_lazy_conjugate_and_negative_views():
+    """`z.conj().imag` is a view with torch's negative bit set, which `Tensor.view(dtype)` refuses:
+    `bitwise=True` raised torch's RuntimeError on it instead of comparing (found in review). The
+    bits compared are what the view reads as, so it equals a plain tensor of those values and
+    differs from one of other values with an `AssertionError`. (One element: the view is
+    contiguous, so nothing on the way copies it and drops the bit.)"""
+    z = torch.tensor([1 + 2j])
+    assert z.conj().imag.is_neg() and z.conj().imag.is_contiguous()
+    assert_trees_equal({"i": z.conj().imag}, {"i": torch.tensor([-2.0])}, bitwise=True)
+    assert_trees_equal(z.conj(), torch.tensor([1 - 2j]), bitwise=True)
+    with pytest.raises(AssertionError, match=r"leaf 'i' \(torch.float32\[1\]\): 1 of 1 elements differ"):
+        assert_trees_equal({"i": z.conj().imag}, {"i": torch.tensor([2.0])}, bitwise=True)

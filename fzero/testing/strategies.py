@@ -310,9 +310,13 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) ->
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """Floats as integers of their width (complex: its real and imaginary parts, a trailing dim
-    of 2); other dtypes unchanged."""
+    of 2); other dtypes unchanged. torch's lazy conjugate and negative views (`z.conj()`,
+    `z.conj().imag`) are resolved first: their bits are what they read as, and `view` refuses a
+    tensor with the negative bit set (found in review: torch's `RuntimeError` instead of the
+    comparison)."""
+    x = x.resolve_conj().resolve_neg()
     if x.is_complex():
-        x = torch.view_as_real(x.resolve_conj())
+        x = torch.view_as_real(x)
     ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
     return x.contiguous().view(ints[x.element_size()]) if x.dtype.is_floating_point else x
 
