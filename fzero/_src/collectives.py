@@ -14,12 +14,19 @@ With `L = Σ_r L_r` the sum of every rank's loss, the adjoint identity
 
 Each Function also has a `vmap` staticmethod: collectives have no batching rule, so the batch
 dim is moved beside each entry's rows (`[S, B, ...]`: the collective runs along dim 0, the whole
-batch moved once over the wire, and each rank's entry shape still checked). And a `jvp`
-staticmethod (forward mode: `torch.func.jvp`, `jacfwd`, `hessian`): each collective is linear,
+batch moved once over the wire, and each rank's entry shape still checked; it calls the public
+function again, which reads again from the unbatched tensor whether the call has a backward). And a
+`jvp` staticmethod (forward mode: `torch.func.jvp`, `jacfwd`, `hessian`): each collective is linear,
 so the tangent of its output is the same collective of the input's tangent (all_reduce(max)
 has none). Forward mode across ranks needs one process per rank (`DistMesh`): torch keeps one
 forward-AD level stack per process, which `SimMesh`'s ranks (threads) would share; there a
 collective under forward mode raises `ForwardModeOnSimMesh` instead (docs/func.md).
+
+A rank runs a collective's backward (a collective too) only where its input required grad at
+the call, so ranks compare that with the rest of the call (`has_backward`, `Mesh.collective`'s
+`grad`): a rank whose input requires grad where another's does not raises `CollectiveMismatch` on
+every rank at the call itself, instead of its backward meeting the other ranks' next collective
+(or waiting until the timeout). Nothing more moves: it is a bit of the call ranks compare anyway.
 
 `mean_of_ranks` is the fl(1/N) of the mean loss over ranks that stages 2-3 apply inside a
 unit's backward, before its reduce-scatter (proofs/collectives.md, "Derivatives of a gradient").
@@ -56,6 +63,31 @@ def unwrapped(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine runs a backward on this thread now (a Function's backward, a
+    hook, a checkpoint's recompute): torch's id of the running graph task, -1 outside every
+    backward. Private (`torch._C._current_graph_task_id`, in 2.11 and 2.13; torch.utils.checkpoint
+    reads it too)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def has_backward(x: Any) -> bool:
+    """Whether this rank's call of a differentiable collective on `x` has a backward -- a collective
+    every rank must join -- as ranks compare it (`Mesh.collective`'s `grad`): `x` requires grad
+    (a torch.func transform's wrapped tensor: where it depends on the transformed input), under
+    grad mode, and the call is not made inside a backward.
+
+    Inside a backward nothing is compared (an adjoint's collective; stages 2-3's reduce-scatter in
+    a unit's backward): there `requires_grad` says whether the backward records a graph
+    (`create_graph`, which `torch.func.grad` always sets) and whether this rank's cotangent
+    depends on the differentiated inputs, which ranks that differentiate alike may answer
+    differently -- a loss quadratic in the gathered tensor on one rank, linear on another; a unit
+    leaf one rank's loss does not read -- with no further derivative ever taken. A difference
+    there matters only to a derivative through the backward itself, which meets the other ranks'
+    next collective, as before ranks compared anything."""
+    return isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() and not in_backward()
+
+
 def check_forward_mode(mesh: Mesh) -> None:
     """Raise `ForwardModeOnSimMesh` where a collective on a multi-rank SimMesh runs inside a
     forward-AD level (`torch.func.jvp`, `jacfwd`, `hessian`, `forward_ad.dual_level`).
@@ -74,18 +106,33 @@ def check_forward_mode(mesh: Mesh) -> None:
 
 
 def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
-    """`x[S, ...] -> y[N * S, ...]`: rank r's rows land at `[r * S, (r + 1) * S)` on every rank."""
-    return _AllGather.apply(x, mesh, tag)
+    """`x[S, ...] -> y[N * S, ...]`: rank r's rows land at `[r * S, (r + 1) * S)` on every rank.
+
+    Differentiable: the backward is a reduce-scatter every rank must join, which a rank runs only
+    where its `x` requires grad (under grad mode): so every rank's `x` must require grad, or
+    none's (`x.detach()` where nothing is differentiated). Ranks that differ raise
+    `CollectiveMismatch` on every rank at the call, naming the ranks on each side (DistMesh with
+    `verify=False` compares no calls: there one side's backward meets whatever collective the
+    other side calls next, or waits until the timeout). The same holds for `reduce_scatter` and a
+    sum `all_reduce`."""
+    return _AllGather.apply(x, mesh, tag, has_backward(x))
 
 
 def reduce_scatter(y: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
-    """`y[N * S, ...] -> x[S, ...]`: rank r gets rows `[r * S, (r + 1) * S)` of `Σ_s y_s`."""
-    return _ReduceScatter.apply(y, mesh, tag)
+    """`y[N * S, ...] -> x[S, ...]`: rank r gets rows `[r * S, (r + 1) * S)` of `Σ_s y_s`.
+    Its backward, an all-gather, needs `y` to require grad on every rank or none (`all_gather`)."""
+    return _ReduceScatter.apply(y, mesh, tag, has_backward(y))
 
 
 def all_reduce(x: torch.Tensor, mesh: Mesh, op: str = "sum", *, tag: str | None = None) -> torch.Tensor:
-    """`x[...] -> Σ_s x_s` (op "sum") or the element-wise max (op "max"), on every rank."""
-    return _AllReduce.apply(x, mesh, op, tag)
+    """`x[...] -> Σ_s x_s` (op "sum") or the element-wise max (op "max"), on every rank.
+
+    A sum's backward, an all-reduce, needs `x` to require grad on every rank or none
+    (`all_gather`). A max has no backward -- differentiating through it raises on the rank that
+    tries, before any collective, which stops the others as any error does -- so its calls are
+    not compared on requires_grad: a max of a tensor that requires grad on some ranks only (a
+    statistic, a flag) is no mismatch."""
+    return _AllReduce.apply(x, mesh, op, tag, op == "sum" and has_backward(x))
 
 
 def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = None) -> torch.Tensor:
@@ -101,8 +148,7 @@ def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = No
     `verify=False` compares no calls: there one side's backward all_reduce meets whatever
     collective the other side calls next, or waits until the timeout).
     """
-    return _Broadcast.apply(x, mesh, src, tag, isinstance(x, torch.Tensor) and x.requires_grad
-                            and torch.is_grad_enabled())
+    return _Broadcast.apply(x, mesh, src, tag, has_backward(x))
 
 
 def _batch_second(x: torch.Tensor, bdim: int, op: str) -> torch.Tensor:
@@ -121,24 +167,24 @@ class _AllGather(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: Mesh, tag: str | None) -> torch.Tensor:
+    def forward(x: torch.Tensor, mesh: Mesh, tag: str | None, grad: bool) -> torch.Tensor:
         check_forward_mode(mesh)
-        return mesh.collective("all_gather", x, tag=tag)
+        return mesh.collective("all_gather", x, tag=tag, grad=grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        _, ctx.mesh, ctx.tag = inputs
+        _, ctx.mesh, ctx.tag, _ = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return reduce_scatter(grad, ctx.mesh, tag=ctx.tag), None, None
+        return reduce_scatter(grad, ctx.mesh, tag=ctx.tag), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
         return all_gather(x_t, ctx.mesh, tag=ctx.tag)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, tag: str | None, grad: bool) -> tuple:
         if in_dims[0] is None:
             return all_gather(x, mesh, tag=tag), None
         return all_gather(_batch_second(x, in_dims[0], "all_gather"), mesh, tag=tag), 1  # (N * S, B, ...)
@@ -148,24 +194,24 @@ class _ReduceScatter(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(y: torch.Tensor, mesh: Mesh, tag: str | None) -> torch.Tensor:
+    def forward(y: torch.Tensor, mesh: Mesh, tag: str | None, grad: bool) -> torch.Tensor:
         check_forward_mode(mesh)
-        return mesh.collective("reduce_scatter", y, tag=tag)
+        return mesh.collective("reduce_scatter", y, tag=tag, grad=grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        _, ctx.mesh, ctx.tag = inputs
+        _, ctx.mesh, ctx.tag, _ = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return all_gather(grad, ctx.mesh, tag=ctx.tag), None, None
+        return all_gather(grad, ctx.mesh, tag=ctx.tag), None, None, None
 
     @staticmethod
     def jvp(ctx: Any, y_t: torch.Tensor, *_: Any) -> torch.Tensor:
         return reduce_scatter(y_t, ctx.mesh, tag=ctx.tag)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, mesh: Mesh, tag: str | None) -> tuple:
+    def vmap(info: Any, in_dims: tuple, y: torch.Tensor, mesh: Mesh, tag: str | None, grad: bool) -> tuple:
         if in_dims[0] is None:
             return reduce_scatter(y, mesh, tag=tag), None
         return reduce_scatter(_batch_second(y, in_dims[0], "reduce_scatter"), mesh, tag=tag), 1  # (S, B, ...)
@@ -175,19 +221,19 @@ class _AllReduce(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: Mesh, op: str, tag: str | None) -> torch.Tensor:
+    def forward(x: torch.Tensor, mesh: Mesh, op: str, tag: str | None, grad: bool) -> torch.Tensor:
         check_forward_mode(mesh)
-        return mesh.collective("all_reduce", x, arg=op, tag=tag)
+        return mesh.collective("all_reduce", x, arg=op, tag=tag, grad=grad)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        _, ctx.mesh, ctx.op, ctx.tag = inputs
+        _, ctx.mesh, ctx.op, ctx.tag, _ = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.op != "sum":
             raise RuntimeError(f"all_reduce(op={ctx.op!r}) is not differentiable; only op='sum' is")
-        return all_reduce(grad, ctx.mesh, "sum", tag=ctx.tag), None, None, None
+        return all_reduce(grad, ctx.mesh, "sum", tag=ctx.tag), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
@@ -196,7 +242,8 @@ class _AllReduce(torch.autograd.Function):
         return all_reduce(x_t, ctx.mesh, "sum", tag=ctx.tag)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, op: str, tag: str | None) -> tuple:
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, op: str, tag: str | None, grad: bool
+             ) -> tuple:
         return all_reduce(x, mesh, op, tag=tag), in_dims[0]
 
 

@@ -74,7 +74,7 @@ class _Call:
     shape: tuple[int, ...]
     arg: str | int | None  # reduction op, or broadcast source
     tag: str | None
-    grad: bool = False  # whether this rank's call has a backward, a collective too (`collectives.broadcast`)
+    grad: bool = False  # whether this rank's call has a backward, a collective too (`collectives.has_backward`)
     phase: str | None = None  # the rank's `Mesh.phase` label at the call (a step's micro-batch), or None
 
     def __str__(self) -> str:
@@ -96,11 +96,12 @@ def _advice(op: str, grads: list[bool] | None) -> str:
     if grads is None:
         return "every rank must call the same op with the same dtype, shape and tag"
     on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
+    receives = " (a rank that only receives too: `torch.empty_like(x).requires_grad_()`)" if op == "broadcast" else ""
     return (f"the calls differ only in requires_grad: rank(s) {on} differentiate through this {op} (its input "
-            f"requires grad, under grad mode), rank(s) {off} do not. Its backward is a collective that every "
-            f"rank must join, and a rank whose input does not require grad never runs it: make the input "
-            f"require grad on every rank (a rank that only receives too: `torch.empty_like(x).requires_grad_()`), "
-            f"or on none (`x.detach()`)")
+            f"requires grad, under grad mode; inside torch.func.grad / vjp: it depends on the differentiated "
+            f"input), rank(s) {off} do not. Its backward is a collective that every rank must join, and a rank "
+            f"whose input does not require grad never runs it: make the input require grad on every "
+            f"rank{receives}, or on none (`x.detach()`)")
 
 
 def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
@@ -510,6 +511,14 @@ class SimMesh(Mesh):
     modes (`ThreadModes`: grad and inference mode, autocast, saved-tensor hooks, torch-function
     and torch-dispatch modes), as DistMesh's rank runs `fn` in the caller's own thread: a step
     under the caller's `torch.autocast` is autocast on both.
+
+    Calls that differ raise `CollectiveMismatch` on every rank of that collective, which moves
+    nothing, and the mesh goes on, as DistMesh's verified exchange does: ranks that catch it (or
+    the `DivergentPaths` a step makes of it) and call alike collectives afterwards proceed, and
+    `run` returns where every rank returned. (Before, the mismatch stayed with the mesh: every
+    later collective raised it again and `run` raised it at the end, though each rank had handled
+    it, where DistMesh returned.) A rank that stops, by returning or raising, while another waits
+    in a collective stops that one too.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -596,10 +605,11 @@ class SimMesh(Mesh):
             self._pass_turn(r)
             self._take_turn(r)
             self._status[r] = "run"
+            out, self._results[r] = self._results[r], None
+            if isinstance(out, CollectiveMismatch):  # this round's calls differ (`_complete_round`)
+                raise out
             if self._error is not None:
                 raise self._error
-            out = self._results[r]
-            self._results[r] = None
             return out
 
     def _complete_round(self) -> None:
@@ -607,9 +617,10 @@ class SimMesh(Mesh):
         if any(c != calls[0] for c in calls):
             lines = "\n".join(f"  rank {s}: {c}" for s, c in enumerate(calls))
             alike = len({dataclasses.replace(c, grad=False) for c in calls}) == 1
-            self._poison(CollectiveMismatch(
+            # every rank's result: each raises it, and the mesh goes on (the class docstring)
+            self._results = [CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{self._round}:\n{lines}\n"
-                f"{_advice(calls[0].op, [c.grad for c in calls] if alike else None)}"))
+                f"{_advice(calls[0].op, [c.grad for c in calls] if alike else None)}")] * self.world_size
         else:
             self._results = _combine(calls[0], [x for _, x in self._slots], self.world_size, self._into)
         self._slots = [None] * self.world_size
@@ -648,8 +659,13 @@ class SimMesh(Mesh):
                 with self._cond:
                     failures.append((r, e))
                     self._status[r] = "fail"
+                    waiting = self._waiting()
                     if not _is_shared(e):  # its own error (a MeshError too: a collective's argument)
                         self._poison(RankFailed(f"{self!r}: rank {r} raised {type(e).__name__}: {e}"))
+                    elif waiting:  # a mismatch it raised, which a waiting rank caught and went on from
+                        self._poison(RankFailed(
+                            f"{self!r}: rank {r} raised {type(e).__name__} while rank(s) {waiting} wait in "
+                            f"{self._slots[waiting[0]][0]} (they went on past the error rank {r} stops at): {e}"))
                     self._pass_turn(r)
                 return
             with self._cond:
