@@ -9,7 +9,8 @@ Rows (one JSON line each, also appended to `--out` if given):
           fzero's default impl on the host (`foreach`, CPU kernels: what an offloaded update
           runs) and on the device (on CUDA `fused`): the largest ratio of |p'_A - p'_B| to the
           corrected bound u (6|p1| + (27 + k1 + tau1 + (k2 + tau2)/2) R) of proofs/offload.md §2
-          (`ratio_p`, must be <= 1 for AdamW; `ratio_p_first_bound` against the refuted
+          (its coefficient of R, `p_coefficient_of_R`: 1044 at t = 1, 826 at t = 1000, 535.5 in
+          the limit; `ratio_p`, must be <= 1 for AdamW; `ratio_p_first_bound` against the refuted
           u (6|p1| + 27R)), the same for m and v (`ratio_m`, `ratio_v` against (6 + k1)uM and
           (6 + k2)uv'), and the fraction of elements that are bitwise equal. On the CPU both
           sides are the CPU (ratio 0).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from fractions import Fraction
 from unittest import mock
 
 import pytest
@@ -450,7 +451,7 @@ def gamma(n, u):
 
 def lamb_reference(p, g, m, v, step, lr, beta1, beta2, eps, wd):
     """One LAMB step of one whole leaf, the textbook way: float32 norms `sqrt(sum(x * x))`.
-    Returns (p, m, v, bound): `bound[...]` the derived per-element bound on |p_fzero - p|."""
+    Returns (p, m, v, r, rho): the new param and moments, the direction and the trust ratio."""
     m, v = m.clone(), v.clone()
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -461,22 +462,68 @@ def lamb_reference(p, g, m, v, step, lr, beta1, beta2, eps, wd):
     pn, rn = float(torch.sqrt(torch.sum(p * p))), float(torch.sqrt(torch.sum(r * r)))
     ratio = pn / rn if pn > 0 and rn > 0 else 1.0
     new = p.add(r, alpha=-(lr * ratio))
-    # Bound. A float32 norm sqrt(fl(sum fl(x_i^2))): squaring and summing n terms in any order
-    # gives sum x^2 (1 + t), |t| <= gamma_n(u32) (no underflow: test data are N(0, 1)); the sqrt
-    # adds one rounding, so phi_ref = phi (1 + e), |e| <= e32 := sqrt(1 + gamma_n)(1 + u32) - 1.
-    # fzero's norm: the correctly rounded float64 sum, then a float64 sqrt: |e| <= e64 :=
-    # sqrt(1 + u64)(1 + u64) - 1. A ratio of two norms in float64: relative error
-    # E = (1 + e)/(1 - e)(1 + u64) - 1 against the exact rho, so |rho_fz - rho_ref| <=
-    # rho (E32 + E64) <= rho_fz (E32 + E64)/(1 - E64). Then p + a r in float32 with a = -lr rho
-    # (alpha rounded to float32: a (1 + u32)), the product and sum rounded (fused or not):
-    # |p_fz - p_ref| <= lr |rho_fz - rho_ref| (1 + u32)^2 |r| + u32 (|p_fz| + |p_ref|)
-    # (the last term: each result is within u32 |.| of its exact value).
-    n = p.numel()
-    e32 = math.sqrt(1 + gamma(n, U32)) * (1 + U32) - 1
-    e64 = math.sqrt(1 + U64) * (1 + U64) - 1
-    big = (1 + e32) / (1 - e32) * (1 + U64) - 1
-    small = (1 + e64) / (1 - e64) * (1 + U64) - 1
-    return new, m, v, r, big, small
+    return new, m, v, r, ratio
+
+
+# The bounds below are evaluated in float64 by formulas whose every subtraction is of a quantity
+# below 1e-3 from 1 (so its relative error does not grow); along any path at most 40 roundings,
+# the float64 difference of two float32s included: EVAL = 1 + gamma_40(u64) covers them all.
+EVAL = 1 + gamma(40, U64)
+
+
+def norm_error(t, u):
+    r"""The largest |e| with sqrt(s (1 + t')) (1 + d) = sqrt(s) (1 + e), |t'| <= t, |d| <= u (a
+    sum with relative error t, then a sqrt rounded with unit u): the larger of the upper side
+    sqrt(1 + t)(1 + u) - 1 and the lower side 1 - sqrt(1 - t)(1 - u) (the lower is the larger,
+    by about t^2/4 - t u, once t > 4u), written without cancellation."""
+    upper = t / (math.sqrt(1 + t) + 1) * (1 + u) + u
+    lower = t / (1 + math.sqrt(1 - t)) * (1 - u) + u
+    return max(upper, lower)
+
+
+def ratio_error(e):
+    r"""The largest |(1 + e1)/(1 + e2)(1 + d) - 1|, |e1|, |e2| <= e, |d| <= u64 (a float64
+    division of two norms with relative errors e): (1 + e)/(1 - e)(1 + u64) - 1, which is
+    at least the lower side 1 - (1 - e)/(1 + e)(1 - u64) (x(1 + u) + (1 - u)/x >= 2 for x >= 1),
+    written without cancellation."""
+    return (2 * e + U64 * (1 + e)) / (1 - e)
+
+
+def lamb_rho_bound(n, rho_fz):
+    r"""A bound on |rho_fz - rho_ref| for a leaf of n elements (no underflow: test data N(0, 1)).
+
+    Reference: `fl32(sum fl32(x_i^2))` in any order is sum x^2 (1 + t), |t| <= gamma_n(u32) (a
+    square and at most n - 1 additions of non-negative terms per x_i), then a float32 sqrt:
+    |e| <= e32 = norm_error(gamma_n(u32), u32). fzero: the correctly rounded float64 sum
+    (`exact.bins_to_sums`), a float64 sqrt: |e| <= e64 = norm_error(u64, u64). Each ratio:
+    relative error E = ratio_error(e) against the exact rho; rho <= rho_fz / (1 - E64), so
+    |rho_fz - rho_ref| <= rho (E32 + E64) <= rho_fz (E32 + E64) / (1 - E64)."""
+    big, small = ratio_error(norm_error(gamma(n, U32), U32)), ratio_error(norm_error(U64, U64))
+    return rho_fz * (big + small) / (1 - small) * EVAL
+
+
+def lamb_update_bound(p_fz, p_ref, r, lr, rho_fz, drho):
+    r"""A float64 bound on |p_fz - p_ref| per element, both `p + a r` in float32 from the same
+    float32 p and r, a = -(lr rho) rounded to float64 (Python) then to float32 (torch's scalar
+    alpha), rho_fz and rho_ref = rho_fz +- drho (drho >= |rho_fz - rho_ref|); no underflow.
+
+    Rounding is not Lipschitz: rho_fz and rho_ref as close as one likes can give alphas one
+    float32 ulp apart, so the alphas' rounding is an absolute term, not a factor on drho.
+    With u = u32 and |fl(x) - x| <= u |x|, |fl(x) - x| <= u |fl(x)| (round to nearest):
+
+    - |a - lr rho| <= |a - fl64(lr rho)| + |fl64(lr rho) - lr rho| <= (u + u64 (1 + u)) |a|, so
+      |a_fz - a_ref| <= lr drho + (u + u64 (1 + u)) (|a_fz| + |a_ref|);
+    - the product, if not fused: |fl(a r) - a r| <= u |a r|; the sum: |p_new - S| <= u |p_new|
+      for S = p + fl(a r) (or p + a r, fused);
+    - so |p_fz - p_ref| <= |a_fz - a_ref| |r| + u |r| (|a_fz| + |a_ref|) + u (|p_fz| + |p_ref|)
+      <= (lr drho + (2u + 2 u64) A) |r| + u (|p_fz| + |p_ref|), with
+      |a_fz| + |a_ref| <= A = lr (2 rho_fz + drho)(1 + 2u) (|a| <= lr rho (1 + u64)(1 + u)).
+
+    Where p and a r cancel, |p_fz| + |p_ref| is small and the A term is what holds the bound
+    (`test_lamb_update_bound_where_update_cancels`)."""
+    big_a = lr * (2 * rho_fz + drho) * (1 + 2 * U32)
+    r64 = r.double().abs()
+    return ((lr * drho + (2 * U32 + 2 * U64) * big_a) * r64 + U32 * (p_fz.double().abs() + p_ref.double().abs())) * EVAL
 
 
 @examples(60)
@@ -488,11 +535,17 @@ def lamb_reference(p, g, m, v, step, lr, beta1, beta2, eps, wd):
 )))
 def test_lamb_within_derived_bound_of_reference(prob, hp):
     """Each step starts the reference from fzero's state; moments and steps must be bitwise
-    equal (same element-wise ops), params within the bound derived in `lamb_reference`."""
+    equal (same element-wise ops), the reference's rho within `lamb_rho_bound` of fzero's
+    (`exact_ratio`: from correctly rounded sums, as `exact.bins_to_sums` gives them), params
+    within `lamb_update_bound`, and every used leaf with lr >= 2 u32 must move.
+
+    Why it must move: if fl(p_i + a r_i) = p_i for every i, then |a r_i| <= u |p_i| / (1 - u)
+    (a float32 x absorbs d only if |d| <= ulp(x)/2 <= u |x|, x normal; an unfused product is at
+    least |a r_i|(1 - u)); summing squares, |a| ||r|| <= u ||p|| / (1 - u), |a| <= rho u / (1 - u),
+    while |a| >= lr rho_fz (1 - u64)(1 - u) >= lr rho (1 - E64)(1 - u64)(1 - u): so lr < 2u."""
     params, grads = _data(prob)
     fz = FzeroRun(fo.lamb(**hp), prob, params)
     beta1, beta2 = hp["betas"]
-    active = 0
     for step, (g, used) in enumerate(zip(grads, prob["used"])):
         before = [(fz.leaf(i).clone(), None if ls.group.frozen else (fz.leaf(i, "exp_avg").clone(), fz.leaf(i, "exp_avg_sq").clone(), float(fz.leaf_state(i, "step"))))
                   for i, ls in enumerate(fz.layout.leaves)]
@@ -505,18 +558,36 @@ def test_lamb_within_derived_bound_of_reference(prob, hp):
             m0, v0, t0 = st0
             lr = hp["lr"] * ls.group.lr_scale
             wd = hp["weight_decay"] if ls.group.weight_decay else 0.0
-            p_ref, m_ref, v_ref, r, big, small = lamb_reference(p0, g[i], m0, v0, t0 + 1, lr, beta1, beta2, hp["eps"], wd)
+            p_ref, m_ref, v_ref, r, rho_ref = lamb_reference(p0, g[i], m0, v0, t0 + 1, lr, beta1, beta2, hp["eps"], wd)
             assert torch.equal(fz.leaf(i, "exp_avg"), m_ref) and torch.equal(fz.leaf(i, "exp_avg_sq"), v_ref)
             assert float(fz.leaf_state(i, "step")) == t0 + 1
             if p0.numel() == 0:
                 continue
             p_fz = fz.leaf(i)
             rho_fz = exact_ratio(p0, r)
-            drho = rho_fz * (big + small) / (1 - small)
-            bound = lr * drho * (1 + U32) ** 2 * r.abs() + U32 * (p_fz.abs() + p_ref.abs())
-            assert ((p_fz - p_ref).abs().double() <= bound.double()).all(), f"leaf {i}"
-            active += int(not torch.equal(p_fz, p0))
+            drho = lamb_rho_bound(p0.numel(), rho_fz)
+            assert abs(Fraction(rho_fz) - Fraction(rho_ref)) <= drho, f"leaf {i}: rho"
+            bound = lamb_update_bound(p_fz, p_ref, r, lr, rho_fz, drho)
+            assert ((p_fz.double() - p_ref.double()).abs() <= bound).all(), f"leaf {i}"
+            if lr >= 2 * U32 and p0.any() and r.any():
+                assert not torch.equal(p_fz, p0), f"leaf {i}: lr {lr} but the update left it unchanged"
         fz.check_padding()
+
+
+def test_lamb_update_bound_where_update_cancels():
+    """`lamb_update_bound` where it is tight: p + a_ref r = 0 exactly, and lr rho_fz, lr rho_ref
+    straddle the midpoint of two float32s (0.75 and 0.75 + 2^-24) one float64 ulp either side,
+    so the alphas differ by a float32 ulp while drho is 2^-52: p_ref = 0, p_fz = -2^-24 r. A
+    bound that scales drho by the alphas' rounding instead of adding it, lr drho (1 + u)^2 |r|
+    + u (|p_fz| + |p_ref|), is about 2^-48 |r| here and fails."""
+    lr, mid = 1.0, 0.75 + 2.0**-25
+    rho_ref, rho_fz = math.nextafter(mid, 0.0), math.nextafter(mid, 1.0)
+    r = torch.tensor([1.0, -2.0, 0.5, 2.0**-10, -(2.0**20)])  # powers of two: every a r exact
+    p = 0.75 * r
+    p_ref, p_fz = p.add(r, alpha=-(lr * rho_ref)), p.add(r, alpha=-(lr * rho_fz))
+    assert torch.equal(p_ref, torch.zeros_like(p)) and torch.equal(p_fz, -(2.0**-24) * r)  # the case is the one meant
+    bound = lamb_update_bound(p_fz, p_ref, r, lr, rho_fz, rho_fz - rho_ref)
+    assert ((p_fz.double() - p_ref.double()).abs() <= bound).all()
 
 
 def exact_ratio(p, r):
