@@ -65,6 +65,17 @@ def test_table1_7_5b_every_cell(n):
         assert round_significant(gb, 3, max_decimals=2) == printed, (n, stage)
 
 
+@given(n=st.integers(1, 10**6), psi=st.integers(1, 10**12))
+def test_closed_forms_hold_for_any_n_and_psi(n, psi):
+    """ZeRO's four totals for mixed-precision Adam, (2 + 2 + K)Ψ, 2Ψ + 2Ψ + KΨ/N, 2Ψ + (2 + K)Ψ/N and
+    (2 + 2 + K)Ψ/N with K = 12, exactly (`Fraction`s) at any N and Ψ, not only the table's
+    (proofs/memory.md; the table's cells above)."""
+    k, psi = 12, Fraction(psi)
+    closed_forms = ((4 + k) * psi, 4 * psi + k * psi / n, 2 * psi + (2 + k) * psi / n, (4 + k) * psi / n)
+    for stage, closed in zip(STAGES, closed_forms):
+        assert estimate(int(psi), n, stage=stage, optimizer="adam-mixed").total == closed, (n, stage)
+
+
 def test_table1_needs_half_up():
     """41.25 GB is printed 41.3: round-half-even (Python's `round`) would print 41.2."""
     e = estimate(7.5e9, 4, stage=2, optimizer="adam-mixed")
