@@ -257,6 +257,12 @@ def test_expected_comm_asks_the_stage():
     assert expected_comm(layout, 2, 0, mesh=mesh).data["all_reduce"] == OpTotal(1, 10, 40, Fraction(40))
     with pytest.raises(fzero.ConfigError, match="world size 2"):
         expected_comm(layout, 4, 0, mesh=mesh)
+    # accumulate="once" where train_step refuses it (stages 2-3 keep a gradient shard): refused here
+    # too, where it gave the counts of a run that cannot happen (found in an audit)
+    assert expected_comm(1000, 4, 1, accumulation=3, accumulate="once").data["reduce_scatter"].count == 1
+    for stage in (2, 3):
+        with pytest.raises(fzero.ConfigError, match=f"accumulate='once' .* stage {stage} shards gradients"):
+            expected_comm(1000, 4, stage, accumulation=3, accumulate="once")
 
 
 def test_comm_volume_rejects_disagreeing_ranks():

@@ -525,6 +525,10 @@ def expected_comm(
         raise ConfigError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
     if accumulate not in ("each", "once"):
         raise ConfigError(f"accumulate must be 'each' or 'once', got {accumulate!r}")
+    if accumulate == "once" and st.sharded("grads"):  # as `train_step` refuses it (`step.micro_batches_of`)
+        raise ConfigError(f"expected_comm: accumulate='once' adds full local gradients and reduces them once, but "
+                          f"stage {st.level} shards gradients (it keeps only a shard), so train_step refuses it; "
+                          f"use accumulate='each', or stage 0 or 1")
     if mesh is not None and mesh.world_size != world_size:
         raise ConfigError(f"expected_comm: world_size={world_size} but mesh {mesh!r} has world size "
                           f"{mesh.world_size}; pass mesh.world_size, or leave mesh out")
