@@ -185,7 +185,8 @@ class Recorder:
 
 
 def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
-    """One step at stage 0 with a recording optimizer, against DDP's `p.grad` and a float64 sum.
+    """One step at stage 0 with a recording optimizer, against DDP's `p.grad` and the float64 sum
+    of the float32 terms both add.
 
     Returns, per parameter, the max of |g − exact| / bound for fzero and for DDP (must be <= 1),
     and whether torch.optim stepped with fzero's reduced gradient gives fzero's params bitwise,
@@ -197,21 +198,22 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
     model, prefix = build(name)
     local = copy.deepcopy(model)
     ddp_model = copy.deepcopy(model)
-    # this rank's own gradient g_r, all-gathered: the exact reference Σ_r g_r·fl(1/N) in float64
+    # this rank's terms x_r = fl(g_r·fl(1/N)), all-gathered: the float32 values fzero and DDP both
+    # sum (the same float32 multiply by the Python float 1/N, proofs/stages.md §2.3; exact where N
+    # is a power of two), summed here in float64
     loss_of(name, forward(name, local, batch), batch).backward()
     names = [k for k, p in local.named_parameters() if p.requires_grad and p.grad is not None]
-    g_all = {k: fzero.collectives.all_gather(p.grad.reshape(1, -1), mesh).double() for k, p in local.named_parameters()
-             if k in names}  # [N, numel]
-    inv = 1.0 / n  # fl(1/N), as DDP multiplies
-    exact = {k: (g * inv).sum(0) for k, g in g_all.items()}
-    mag = {k: (g * inv).abs().sum(0) for k, g in g_all.items()}
-    u = 2.0 ** -24
-    gamma = (n - 1) * u / (1 - (n - 1) * u)
-    # fp32 summation of N terms in any order: |fl(Σ x_r) − Σ x_r| <= γ_{N−1} Σ|x_r| (Higham 4.3);
-    # x_r = fl(g_r·fl(1/N)) adds at most u·Σ|x_r| (0 when N is a power of two); the float64
-    # reference itself is within (N−1)·2^-53·Σ|x_r| of the exact sum.
-    # (+ N·2^-150: each x_r may also lose half a subnormal ulp to underflow)
-    bound = {k: (gamma + u * (n & (n - 1) != 0) + (n - 1) * 2.0 ** -53) * m + n * 2.0 ** -150 for k, m in mag.items()}
+    x_all = {k: fzero.collectives.all_gather((p.grad * (1.0 / n)).reshape(1, -1), mesh).double()
+             for k, p in local.named_parameters() if k in names}  # [N, numel]
+    exact = {k: x.sum(0) for k, x in x_all.items()}
+    mag = {k: x.abs().sum(0) for k, x in x_all.items()}
+    gamma = (n - 1) * 2.0**-24 / (1 - (n - 1) * 2.0**-24)
+    gamma64 = (n - 1) * 2.0**-53 / (1 - (n - 1) * 2.0**-53)
+    # float32 summation of the N terms in any order: |fl(Σ x_r) − Σ x_r| <= γ_{N−1}·Σ|x_r|
+    # (Higham 4.3); the float64 reference is within γ'_{N−1}·Σ|x_r| of Σ x_r (2^-53). No
+    # underflow term: the terms are the float32 values themselves, and a sum never rounds below
+    # 2^-126. Where every x_r is 0 the bound is 0 and the sums must be 0 (`_ratio`).
+    bound = {k: (gamma + gamma64) * m for k, m in mag.items()}
 
     ddp = DDP(ddp_model, find_unused_parameters=name == "mlp")
     loss_of(name, forward(name, ddp, batch), batch).backward()
@@ -238,8 +240,8 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
             fz_grad = fzero.layout.unpack(state.layout, flats)
             for k in names:
                 ref = exact[k].reshape(fz_grad[k].shape)
-                results["ratio_fzero"][k] = ((fz_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
-                results["ratio_ddp"][k] = ((ddp_grad[k].double() - ref).abs() / bound[k].reshape(ref.shape)).max().item()
+                results["ratio_fzero"][k] = _ratio(fz_grad[k].double() - ref, bound[k].reshape(ref.shape))
+                results["ratio_ddp"][k] = _ratio(ddp_grad[k].double() - ref, bound[k].reshape(ref.shape))
             # torch.optim on fzero's reduced gradient must give fzero's params bit for bit
             tm, _ = build(name)
             topt = make([p for p in tm.parameters() if p.requires_grad])
@@ -253,6 +255,11 @@ def one_step_bound(mesh, name: str, kind: str, batch) -> dict:
             results["optimizer_bitwise"][f"stage {stage} = stage 0"] = all(
                 torch.equal(final[0][k], v) for k, v in final[stage].items())
     return results
+
+
+def _ratio(diff: torch.Tensor, bound: torch.Tensor) -> float:
+    """max |diff| / bound over the elements: 0/0 (a bound of 0 met exactly) counts 0, x/0 inf."""
+    return (diff.abs() / bound).nan_to_num(nan=0.0, posinf=float("inf")).max().item()
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -329,8 +336,9 @@ def compare_accumulation_with_ddp(mesh, kind: str, k: int, batches: list) -> dic
 def clipping_against_ddp(mesh, stage: int, max_norm: float, lr: float, batch) -> dict:
     """One SGD step (lr, no momentum) with global-norm clipping, DDP + `clip_grad_norm_` against
     fzero's `clip_norm`, from the same params. Returns, per parameter, the largest |difference|
-    over the bound of tests/test_ddp.py::test_clipping_within_bound_of_ddp_clip_grad_norm, the
-    two norms and whether clipping was active."""
+    over the bound of tests/test_ddp.py::test_clipping_within_bound_of_ddp_clip_grad_norm (derived
+    there), the two norms, their relative bounds, whether clipping was active, and how many
+    elements of the reduced gradient are nonzero with |g| < 2^-63 (the bound's premise: none)."""
     x, y = batch
     model = _accum_model()
     ddp = DDP(model)
@@ -354,12 +362,12 @@ def clipping_against_ddp(mesh, stage: int, max_norm: float, lr: float, batch) ->
     coef = min(1.0, max_norm / (float(m.grad_norm) + 1e-6))
     ratios = {}
     for n, g in grads.items():
-        ulp = torch.finfo(torch.float32).eps * ref[n].double().abs()  # one rounding of p - lr·g'
-        bound = lr * g.double().abs() * coef * (eps_torch + eps_fzero + 5 * u) + ulp
-        diff = (ref[n].double() - got[n].double()).abs()
-        ratios[n] = float((diff / bound.clamp_min(1e-300)).max())
+        ulp = torch.finfo(torch.float32).eps * torch.maximum(ref[n].double().abs(), got[n].double().abs())
+        bound = lr * g.double().abs() * coef * (eps_torch + eps_fzero + 10 * u) + ulp
+        ratios[n] = _ratio(ref[n].double() - got[n].double(), bound)
+    tiny = sum(int(((g != 0) & (g.abs() < 2.0**-63)).sum()) for g in grads.values())
     return {"ratios": ratios, "norm_fzero": float(m.grad_norm), "norm_torch": float(total), "active": coef < 1,
-            "eps_torch": eps_torch, "eps_fzero": eps_fzero}
+            "eps_torch": eps_torch, "eps_fzero": eps_fzero, "tiny": tiny}
 
 
 # --- bf16: fzero's Precision(bf16, bf16) against DDP on a bf16 copy of the model ------------------
@@ -435,3 +443,21 @@ def compare_autocast(mesh, name: str, runs: list[tuple[int, bool]], batches: lis
             for t, (a, b) in enumerate(zip(ref, got)) for k in a if not torch.equal(a[k], b[k])][:6]
         report[f"cast count stage {stage} cast {cast}"] = count
     return report
+
+
+def ddp_scales_by_the_reciprocal(mesh) -> dict:
+    """DDP's reduced gradient of one 64x64 weight (one bucket of 4096 elements) against the same
+    all-reduce of `g * (1/N)` (the multiply by fl(1/N) fzero does, proofs/stages.md §2.3) and of
+    `g / N`: whether each is bitwise DDP's, and in how many elements the two differ."""
+    n = mesh.world_size
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 + mesh.rank))
+    w = model.weight.detach().clone().requires_grad_()
+    (x @ w.T).pow(2).sum().backward()
+    ddp = DDP(model)
+    ddp(x).pow(2).sum().backward()
+    by_mul = fzero.collectives.all_reduce(w.grad * (1.0 / n), mesh)
+    by_div = fzero.collectives.all_reduce(w.grad / n, mesh)
+    got = model.weight.grad
+    return {"mul": torch.equal(got, by_mul), "div": torch.equal(got, by_div), "apart": int((by_mul != by_div).sum())}

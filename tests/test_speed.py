@@ -2,7 +2,9 @@
 
 - `sum_of_squares` (the one-pass float32 `‖g_shard‖²` of the agreement) gives the same bits for a
   shard held as a slice of a larger buffer (stage 0) and as its own tensor (stages 1-3), lies
-  within its derived bound of the exact sum, and is non-finite where an element is;
+  within its derived bound of the exact sum (relative, plus 2^-150 for each square that falls
+  below float32's normal range, |x| < 2^-63: met exactly at |x| = 2^-75), and is non-finite where
+  an element is;
   `exact_sum_of_squares` (the rare path's) equals the exact sum on integer-valued data for every
   chunk size and is also independent of where the shard sits.
 - `_assemble` (the unit's local gradient `flat[N * S]`) equals the concatenation of the per-leaf
@@ -91,23 +93,56 @@ def test_shard_squares_of_slices_equal_those_of_copies(device, sizes, offsets, d
     assert torch.equal(sum_of_squares(views, device), sum_of_squares([v.clone() for v in views], device))
 
 
-@examples(30)
-@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=4), scale=st.sampled_from([1e-20, 1.0, 1e15]),
-       seed=st.integers(0, 2**16))
-def test_sum_of_squares_is_within_its_bound_of_the_exact_sum(sizes, scale, seed):
-    """Per shard of length S, `ν² = fl32(sqrt(fl32-sum of squares))²`: S roundings of squares and
-    additions in any order bound the sum's relative error by γ_{S+1} (Higham 3.5, all terms ≥ 0),
-    the square root and its rounding add (1 + u)² (u = 2^-24); the float64 squares and additions
-    of the ν_k add at most 4·2^-53 relative. So |result − exact| ≤ ((1 + γ_{S+1})(1 + u)² − 1 +
-    2^-51) · exact, with S the longest shard. The exact sum is `exact_sum_of_squares` (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, generator=g) * scale for n in sizes]
+TINY = 2.0**-150  # half the spacing of float32's subnormals (2^-149): the most one square loses to underflow
+
+
+def _norm_bound(xs: list[torch.Tensor], exact: float) -> float:
+    """The bound of `test_sum_of_squares_is_within_its_bound_of_the_exact_sum` for shards `xs`
+    whose exact `Σ x²`, correctly rounded to float64, is `exact`."""
     u = 2.0**-24
-    k = max(sizes) + 1
-    gamma = k * u / (1 - k * u)
-    bound = (1 + gamma) * (1 + u) ** 2 - 1 + 2.0**-51
-    exact = float(exact_sum_of_squares(xs, CPU))
-    assert abs(float(sum_of_squares(xs, CPU)) - exact) <= bound * exact
+    k = max(x.numel() for x in xs) + 1
+    gamma = k * u / (1 - k * u)  # γ_{S+1}, S the longest shard
+    tiny = sum(int(((x != 0) & (x.abs() < 2.0**-63)).sum()) for x in xs)  # m: squares below 2^-126
+    return (gamma + 2 * u + 2.0**-50) * exact * (1 + 2.0**-52) + (1 + gamma) * (1 + 2.0**-50) * tiny * TINY
+
+
+@examples(30)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
+       scales=st.lists(st.sampled_from([1.0, 1e15, 2.0**-63, 1e-20, 1e-21, 1e-23, 2.0**-80]), min_size=4,
+                       max_size=4), seed=st.integers(0, 2**16))
+def test_sum_of_squares_is_within_its_bound_of_the_exact_sum(sizes, scales, seed):
+    """Per shard of length S (float32, gradual underflow), `ν = fl32(sqrt(s))` with `s` the float32
+    sum of the squares: an addition never rounds below 2^-126 (a sum of multiples of 2^-149 there
+    is exact), a square at or above 2^-126 rounds by at most u = 2^-24 relative, and one below
+    (|x| < 2^-63) by at most 2^-150 absolute, half the subnormal spacing, and at most x² (a square
+    below 2^-150 is 0: `test_a_square_at_half_the_smallest_subnormal_is_lost_whole`). So
+    |s − Σx²| ≤ γ_S·Σx² + (1 + γ_{S−1})·m·2^-150 with m the number of nonzero |x| < 2^-63
+    (Higham 3.5 for the terms ≥ 0, in any order; a fused `acc + x·x` rounds once instead, the
+    same bound), the root rounds once (to a normal float), and ν² is exact in float64:
+
+        |ν² − Σx²| ≤ (γ_{S+1} + 2u)·Σx² + (1 + γ_{S+1})·m·2^-150
+
+    ((1 + u)²·γ_S + 2u + u² ≤ γ_{S+1} + 2u and (1 + u)²(1 + γ_{S−1}) ≤ 1 + γ_{S+1}). With S the
+    longest shard and m counted over all of them, the float64 sum of the K ≤ 4 parts and the
+    reference's own rounding (`math.fsum` of the float64 squares, which are exact: the exact sum
+    correctly rounded) add less than 2^-50 relative. Scales from 1e-20 down square below 2^-126,
+    2^-63 straddles it, 2^-80 squares to 0: relative bounds alone fail there (the absolute term
+    is the fix; before, 1e-20 at S = 2 exceeded `γ_{S+1} + 2u`)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g) * s for n, s in zip(sizes, scales)]
+    exact = math.fsum(v * v for x in xs for v in x.double().tolist())
+    assert abs(float(sum_of_squares(xs, CPU)) - exact) <= _norm_bound(xs, exact)
+
+
+@pytest.mark.parametrize("n", [2, 7, 1000])
+def test_a_square_at_half_the_smallest_subnormal_is_lost_whole(n):
+    """x = 2^-75: x² = 2^-150 is half the smallest float32 subnormal, a tie that rounds to even, 0;
+    so ν = 0 where Σx² = n·2^-150, and the absolute term of the bound (2^-150 per square below
+    2^-126) is met exactly: with less per square it fails. (n ≥ 2: torch's norm of one element is
+    its |x|, no square, exact.)"""
+    x = torch.full((n,), 2.0**-75)
+    assert float(sum_of_squares([x], CPU)) == 0.0 and float(exact_sum_of_squares([x], CPU)) == n * TINY
+    assert n * TINY <= _norm_bound([x], n * TINY) < n * TINY * (1 + 2.0**-10)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -46,9 +46,11 @@ def shard_squares(shards: list[torch.Tensor], device: torch.device,
     bytes and a scalar path otherwise, which add in different orders, so a shard that is not so
     placed (stage 0's slice of the full buffer at N > 1, where `S * itemsize` is not a multiple
     of 16 bytes) is copied first, to a fresh (aligned) tensor as stages 1-3 hold.
-    Relative error of `ν_k²` against the exact `Σ x²`: at most `γ_{S+1} + 2u` (u = 2^-24, S the
-    shard's length: S squares and additions in any order, one square root and its rounding to
-    float32), the same kind of error torch's `clip_grad_norm_` has (proofs/stages.md §3). NaN and
+    Error of `ν_k²` against the exact `Σ x²`: at most `(γ_{S+1} + 2u)·Σx² + (1 + γ_{S+1})·m·2^-150`
+    (u = 2^-24, S the shard's length: S squares and additions in any order, one square root and
+    its rounding to float32; m the nonzero elements with |x| < 2^-63, whose float32 squares are
+    subnormal and lose up to 2^-150 each: relative alone where there are none), the same kind of
+    error torch's `clip_grad_norm_` has (proofs/stages.md §1.3, §3). NaN and
     inf propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves
     exactly. `known`: `{k: ν_k}` taken already (`shard_norm`, of shards whose memory is gone:
     `offload.early_copies`), used instead of reading shard k.
@@ -200,9 +202,10 @@ def sum_of_squares(shards: list[torch.Tensor], device: torch.device,
                    known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """`Σ_k ν_k²` in float64 (0-d, on `device`): one `torch.sum` of `shard_squares` (a fresh
     tensor, the same values in the same order in every stage, so the same bits; its order of
-    additions depends on K and the device only). Relative error against the exact `Σ x²`: at
-    most `γ_{S+1} + 2u` per shard (`shard_squares`), and `γ_{K-1}` in float64 for the sum of the
-    K non-negative terms (proofs/stages.md §3). `known`: `shard_squares`'s."""
+    additions depends on K and the device only). Error against the exact `Σ x²`: each shard's
+    (`shard_squares`: relative, plus an absolute part where squares are subnormal), and `γ_{K-1}`
+    in float64 for the sum of the K non-negative terms (proofs/stages.md §3). `known`:
+    `shard_squares`'s."""
     return shard_squares(shards, device, known).sum()
 
 
