@@ -23,6 +23,15 @@ outputs, and the vjp's gradients, are the bits of the run without checkpointing
 (proofs/stage3.md, section 6). `torch.func.vjp` composes with `torch.func` transforms, so
 `train_step(..., engine="func")` works too, where `torch.utils.checkpoint` does not compose.
 
+Under transforms around that backward (a derivative through a step, a gradient penalty taken
+with `create_graph=True` in a func-engine step) the recompute runs on the saved tensors
+themselves, so the gradients it returns depend on them at every outer level (`detach()` under
+torch.func detaches at every level: the derivative through a step was silently wrong, found in
+review). Forward mode (`jvp`, a forward-over-reverse HVP through a step) recomputes the forward
+under `torch.func.jvp` with the same replays; `vmap` (a vmapped forward reading a checkpointed
+unit) checkpoints the vmapped forward: one Function whose forward and recompute are
+`torch.func.vmap` of the unit's, so its ops are those of the run without checkpointing.
+
 Shapes: `args` / `kwargs` a pytree of tensors and constants; `params` `{name: tensor}`; the
 output a pytree of tensors (what `forward` returns), each output of `_Remat` one leaf.
 """
@@ -32,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -101,12 +110,20 @@ class _Plan:
     name: str = ""  # the unit's, for messages
     buffers: tuple[torch.Tensor, ...] = ()  # the home submodule's buffers, which its forward may write
     before: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # their values before the forward
+    vmapped: tuple[tuple[tuple[int | None, ...], str], ...] = ()  # (in_dims, randomness) per vmap level, inner first
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
         per distinct object among `(*params, *arg tensors)`: a tensor passed twice, as in
         `attn(h, h, h)`, is the same object at both places again, which a module may test),
-        as a flat tuple of output tensors."""
+        as a flat tuple of output tensors; under `torch.func.vmap` of each level in `vmapped`
+        (`_Remat.vmap`), the innermost first, each output's batch dimension first."""
+        fn = self._call
+        for in_dims, randomness in self.vmapped:
+            fn = _vmapped(fn, in_dims, randomness)
+        return fn(*tensors)
+
+    def _call(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         tensors = tuple(tensors[i] for i in self.index) if self.index else tensors
         k = len(self.names)
         params, rest = dict(zip(self.names, tensors[:k])), iter(tensors[k:])
@@ -121,6 +138,11 @@ class _Plan:
         """The forward's output from the Function's output tensors and its constants."""
         rest = iter(tensors)
         return tree_unflatten([next(rest) if c is TENSOR else c for c in self.out[1]], self.out[0])
+
+
+def _vmapped(fn: Callable[..., tuple[torch.Tensor, ...]], in_dims: tuple[int | None, ...], randomness: str
+             ) -> Callable[..., tuple[torch.Tensor, ...]]:
+    return lambda *tensors: torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*tensors)
 
 
 def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], args: tuple, kwargs: dict,
@@ -191,28 +213,73 @@ class _Remat(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.plan = inputs[0]
         ctx.save_for_backward(*inputs[1:])
+        if torch.autograd.forward_ad._current_level >= 0:  # forward mode: `jvp` reads the inputs (only
+            ctx.save_for_forward(*inputs[1:])  # there: a plain reference, which would keep stage 3's unit gathered)
         ctx.set_materialize_grads(True)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         tensors = ctx.saved_tensors  # stage 3: unpacking the params gathers the unit again, once
         plan: _Plan = ctx.plan
-        found = RngState.now(list(tensors))
-        plan.rng.put()
         second = torch.is_grad_enabled()  # backward with create_graph=True: a second derivative follows
-        written = {i: plan.buffers[i].clone() for i in plan.before}  # as the forward left them
-        try:
-            with torch.no_grad():
-                for i, before in plan.before.items():  # the recompute starts from what the forward read
-                    plan.buffers[i].copy_(before)
-            with torch.enable_grad(), plan.autocast.context():
-                got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
-        finally:
-            found.put()
-            with torch.no_grad():
-                for i, after in written.items():  # a running statistic is updated once, as without remat
-                    plan.buffers[i].copy_(after)
+        with _replayed(plan, tensors):
+            got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
         return (None, *got)  # (None for every input that needs no gradient)
+
+    @staticmethod
+    def jvp(ctx: Any, _plan: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The outputs' tangents: the forward recomputed under `torch.func.jvp` with the replays
+        of backward (forward mode through a checkpointed unit: `torch.func.jvp` of a step, a
+        forward-over-reverse HVP; before, torch's "You must implement the jvp function"). Under a
+        plain `forward_ad.dual_level` (no torch.func level) `ConfigError`: torch cannot nest
+        `torch.func.jvp` there, and a recompute on dual tensors lost the tangent's own reverse
+        derivative (0.004 off after two steps of a loss reading a tangent)."""
+        if func_level() is None:  # forward_ad.dual_level: no torch.func.jvp inside it
+            raise ConfigError(
+                f"checkpointed unit {ctx.plan.name!r} (from_module(remat=...)) ran under "
+                f"torch.autograd.forward_ad.dual_level: remat computes a unit's tangents by recomputing it under "
+                f"torch.func.jvp, which torch cannot nest inside a dual level. Take forward-mode derivatives with "
+                f"torch.func.jvp / jacfwd (which work through checkpointed units), or leave the unit out of remat")
+        tensors = ctx.saved_tensors
+        with _replayed(ctx.plan, tensors):
+            return _recomputed_tangents(ctx.plan, tensors, tangents)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, plan: _Plan, *tensors: torch.Tensor) -> tuple:
+        """A checkpointed unit under `torch.func.vmap` (a vmapped forward reading it): one
+        Function around the vmapped forward, whose forward and recompute are `torch.func.vmap` of
+        the unit's (`_Plan.vmapped`), so that its ops, and its gradients' bits, are those of the
+        vmapped forward without checkpointing (a vmap of the Function's own backward, which
+        `generate_vmap_rule` makes, gave other bits: up to 5.6e-17 off in float64,
+        tests/test_remat_through_step.py). Each output's batch dimension comes first."""
+        dims = in_dims[1:]
+        if all(d is None for d in dims):
+            outs = _Remat.apply(plan, *tensors)
+            return outs, (None,) * len(outs)
+        outs = _Remat.apply(dataclasses.replace(plan, vmapped=(*plan.vmapped, (dims, info.randomness))), *tensors)
+        return outs, (0,) * len(outs)
+
+
+@contextlib.contextmanager
+def _replayed(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
+    """The forward's state for a recompute (backward's, or forward mode's): the generators put
+    to where the forward started (then back to what was found), the unit's buffers to what the
+    forward read (then back to what it left: a running statistic is updated once, as without
+    remat), and grad mode on under the forward's autocast settings."""
+    found = RngState.now(list(tensors))
+    plan.rng.put()
+    written = {i: plan.buffers[i].clone() for i in plan.before}  # as the forward left them
+    try:
+        with torch.no_grad():
+            for i, before in plan.before.items():
+                plan.buffers[i].copy_(before)
+        with torch.enable_grad(), plan.autocast.context():
+            yield
+    finally:
+        found.put()
+        with torch.no_grad():
+            for i, after in written.items():
+                plan.buffers[i].copy_(after)
 
 
 def _check_inputs_unwritten(plan: _Plan, tensors: tuple[torch.Tensor, ...], versions: list[int]) -> None:
@@ -242,16 +309,17 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     each input differentiated through a view of it, not a leaf (autocast caches its casts of a
     leaf that requires grad, so a weight used twice was cast once and its gradients summed in
     bf16, where the run without checkpointing, whose params are no leaves, casts it twice);
-    inside one by `torch.func.vjp`, which composes with it. `second` (a backward with
+    inside one by `torch.func.vjp` of the saved tensors themselves (`_with`: not detached, so
+    the transforms around this one differentiate through these gradients). `second` (a backward with
     `create_graph=True`, as a gradient penalty over the unit takes): the recompute runs on the
     saved tensors themselves and its gradients keep their graph, so that the second derivative
     reaches the inputs (found in review: it was lost, other gradients than without remat)."""
     wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and needs[i]]
-    inputs = [t.detach() for t in tensors]
     got: list[torch.Tensor | None] = [None] * len(tensors)
     if not wanted:
         return got
     if func_level() is None:
+        inputs = [t.detach() for t in tensors]
         for i in wanted:
             inputs[i] = tensors[i] if second else inputs[i].requires_grad_()
         used = list(inputs)
@@ -266,13 +334,37 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
                 got[i] = g
         return got
 
-    def of(*ds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ts = list(inputs)
-        for i, d in zip(wanted, ds):
-            ts[i] = d
-        return plan.call(tuple(ts))
-
-    _, vjp = torch.func.vjp(of, *(inputs[i] for i in wanted))
+    _, vjp = torch.func.vjp(_with(plan, tensors, wanted), *(tensors[i] for i in wanted))
     for i, g in zip(wanted, vjp(tuple(grads))):
         got[i] = g
     return got
+
+
+def _with(plan: _Plan, tensors: tuple[torch.Tensor, ...], at: list[int]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """`plan.call` as a function of the tensors at positions `at`, the others the saved
+    `tensors` themselves: for `torch.func.vjp` / `jvp` inside a transform. Not detached:
+    `detach()` under torch.func detaches at every level, so the outer transforms (a derivative
+    through the step, taken by `torch.func.grad` around it) would see the recompute, and so the
+    gradients this backward returns, as constant in the saved params and activations (found in
+    review: a meta-gradient through a step was 0.1-0.26 off on values of about 1, and a gradient
+    penalty over a checkpointed unit in a func-engine step 0.03 off after one step). An input that needs no
+    gradient at this level may still need one at an outer level (a batch the outer transform
+    differentiates)."""
+    def of(*ds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ts = list(tensors)
+        for i, d in zip(at, ds):
+            ts[i] = d
+        return plan.call(tuple(ts))
+
+    return of
+
+
+def _recomputed_tangents(plan: _Plan, tensors: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor | None, ...]
+                         ) -> tuple[torch.Tensor, ...]:
+    """The outputs' tangents from the recomputed forward: `torch.func.jvp` over the floating-point
+    and complex inputs that carry a tangent, the others as they are (`_with`)."""
+    moving = [i for i, (t, d) in enumerate(zip(tensors, tangents))
+              if d is not None and (t.is_floating_point() or t.is_complex())]
+    _, out = torch.func.jvp(_with(plan, tensors, moving), tuple(tensors[i] for i in moving),
+                            tuple(tangents[i] for i in moving))
+    return tuple(out)
