@@ -33,7 +33,7 @@ estimate and the communication formulas ask the `Stage`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -359,6 +359,16 @@ class Stage:
         """This rank's `shard[S]` of bucket `b`'s reduced gradient (`after_backward`'s output:
         the whole `flat[N * S]` where the optimizer state is replicated)."""
         return reduced if self.sharded("optimizer_state") else layout.rank_shard(b, reduced, rank)
+
+    def reads_differ(self, layout: Layout, b: int, used: Sequence[bool] | None) -> bool:
+        """Whether the ranks' updates differ in reading bucket `b`'s reduced gradient at all: where
+        the optimizer state is sharded, a rank whose shard holds no element of a used leaf (`used`,
+        over all leaves, agreed; None: every leaf) -- padding only, or leaves no rank used -- has
+        nothing to update, while another rank updates its shard. The same answer on every rank; a
+        step differentiated through then ties the gradient into the update (`update.tied`)."""
+        reads = {any(used is None or used[s.leaf] for s in self.segments(layout, b, r))
+                 for r in range(layout.world_size)}
+        return len(reads) > 1
 
     def leaf_sum(self, mesh: Mesh, tag: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """How a layer-wise optimizer completes its per-leaf partial sums: over all ranks (in rank

@@ -25,7 +25,7 @@ from .collectives import all_reduce, func_level
 from .errors import ConfigError
 from .norms import Side
 from .offload import HostUpdate
-from .optim.base import block_sums
+from .optim.base import Optimizer, block_sums, spec_of
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import ZeroState, updated_nonfinite_leaves
@@ -138,6 +138,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
                 else:
                     updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+                    if not overlap and stage.reads_differ(layout, b, used):  # differentiated through
+                        updated[b], new_opt[b] = tied(updated[b], new_opt[b], g, optimizer)
                 out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
                 back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
             if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
@@ -161,6 +163,28 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = kept[b]
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+def tied(params: torch.Tensor, opt_state: Any, grad: torch.Tensor, optimizer: Optimizer) -> tuple[torch.Tensor, Any]:
+    """The update's new `params` and the "shard" fields of its new `opt_state`, the same bits (a
+    copy each), each with the reduced gradient shard `grad` entering it at zero weight
+    (`torch.where` on a false condition): `grad`'s cotangent from it is zeros, so every derivative
+    is the step's (on a rank whose optimizer reads `grad` too, the sum with those zeros turns a
+    -0 of it into +0).
+
+    Only where a step is differentiated through and the ranks differ in reading their `grad` at all
+    (`Stage.reads_differ`: a shard of padding only, or of leaves no rank used, updates nothing);
+    the plain step never calls it. Autograd runs the adjoint of the reduction that made `grad` (an
+    all-gather, a collective) only on a rank whose differentiated result depends on `grad`: before,
+    the ranks that read it ran that all-gather and the others did not, a `CollectiveMismatch` (gloo,
+    unverified: "Received data size doesn't match"; found in review: a 1-element leaf in its own
+    unit at N = 2, `examples/hvp.py --world-size 4`). Tied on every rank alike, so every rank runs
+    it whatever the optimizer reads and whichever of these outputs the derivative is of."""
+    off = torch.zeros((), dtype=torch.bool, device=grad.device)
+    tie = lambda t: torch.where(off, grad.to(t.dtype), t)  # noqa: E731
+    fields = [tie(t) if kind == "shard" and t.is_floating_point() else t
+              for t, kind in zip(opt_state, spec_of(optimizer, opt_state))]
+    return tie(params), type(opt_state)(*fields)
 
 
 def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
