@@ -1020,3 +1020,25 @@ def test_keep_that_cannot_delete_an_old_checkpoint_warns_and_the_save_stands(mon
         got = mesh.run(lambda: fzero.gather(ck.load(path, fzero.init(make_params(), OPTIMIZERS["adamw"](), stage=1,
                                                                        mesh=mesh))))[0]
         assert_same(flat_leaves(got), flat_leaves(want), "params")
+
+
+def test_latest_of_a_checkpoint_or_a_file_names_the_mistake(tmp_path):
+    """`latest` / `complete` returned None / [] for a checkpoint folder given as the root, or a file,
+    so a resume loop (`path = latest(root); if path: load(...)`) started again from scratch
+    without a word (found in review). Each is a `CheckpointError` naming the path and the way out;
+    a root no save has made yet is still None (a first run)."""
+    mesh = fzero.SimMesh(1)
+    root = tmp_path / "root"
+    path = mesh.run(lambda: ck.save(fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.1), stage=0, mesh=mesh),
+                                    str(root)))[0]
+    assert ck.latest(str(root)) == path and ck.complete(str(root)) == [path]
+    with pytest.raises(ck.CheckpointError, match=r"is a checkpoint itself, not a root: pass the folder that holds "
+                                                 r"the step-<n> checkpoints, '.*root'"):
+        ck.latest(path)
+    with pytest.raises(ck.CheckpointError, match="is a checkpoint itself"):
+        ck.complete(path)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ck.CheckpointError, match=r"notes.txt' is a file, not the folder"):
+        ck.latest(str(a_file))
+    assert ck.latest(str(tmp_path / "not-yet")) is None and ck.complete(str(tmp_path / "not-yet")) == []

@@ -150,6 +150,44 @@ def test_export_to_a_folder_leaves_no_temporary_file(checkpoint, tmp_path, capsy
     capsys.readouterr()
 
 
+def test_export_into_the_checkpoint_is_refused_and_leaves_it_whole(checkpoint, capsys):
+    """`fzero export CKPT CKPT/manifest.json` replaced the checkpoint's manifest with the export
+    and exited 0, destroying the checkpoint (found in review). Any output inside the checkpoint
+    folder is refused; the checkpoint still loads (`latest` finds it)."""
+    before = sorted(os.listdir(checkpoint))
+    for out in ("manifest.json", "sub/o.safetensors", "o.safetensors"):
+        _usage_error(capsys, ["export", checkpoint, os.path.join(checkpoint, out)], "is inside the checkpoint",
+                     "write the export outside it")
+    assert sorted(os.listdir(checkpoint)) == before
+    assert fzero.checkpoint.latest(os.path.dirname(checkpoint)) == checkpoint
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_inspect_names_a_damaged_file(checkpoint, capsys, damage):
+    """`fzero inspect` summed the manifest's sizes as the bytes "on disk" and printed a truncated or
+    incomplete checkpoint as whole, exit 0 (found in review); it now names the file, its size and
+    the manifest's, exit 2, as `latest` skips it and `export` refuses it."""
+    data = next(f for f in os.listdir(checkpoint) if f.endswith(".distcp"))
+    recorded = os.path.getsize(os.path.join(checkpoint, data))
+    if damage == "truncated":
+        os.truncate(os.path.join(checkpoint, data), 100)
+        said = f"file {data!r} is 100 B on disk, the manifest records {recorded:,} B"
+    else:
+        os.remove(os.path.join(checkpoint, data))
+        said = f"file {data!r} is missing, the manifest records {recorded:,} B"
+    _usage_error(capsys, ["inspect", checkpoint], "is damaged", said)
+
+
+def test_module_in_the_current_folder_names_the_way_out(tmp_path, capsys, monkeypatch):
+    """The `fzero` script does not import from the current folder, as `python -m fzero` does, so
+    `--module mymodels:make` beside mymodels.py failed with "No module named 'mymodels'" alone
+    (found in review): the error now says why and how."""
+    (tmp_path / "fzero_cwd_models.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, ["estimate", "--module", "fzero_cwd_models:make", "-n", "2"],
+                 "No module named 'fzero_cwd_models'", "python -m fzero", "PYTHONPATH=.")
+
+
 def test_no_traceback_from_the_command_line():
     """The same, through `python -m fzero` (a fresh interpreter: what a user runs)."""
     script = textwrap.dedent("""

@@ -507,7 +507,9 @@ def expected_comm(
     not differentiated). `regather` is a bool or the set of units that are gathered again in
     backward: with `gather="on_use"`, the autograd engine and `from_module`, the units with a
     home submodule (every unit but one spread over the root) are freed after their forward and
-    gathered again in backward; with `gather="eager"` none is. In elements, stages 0-2 move 2Ψ,
+    gathered again in backward, but for the forward's last at N > 1 (kept for its backward) and
+    units whose backward reads none of their params (proofs/communication.md); with
+    `gather="eager"` none is. In elements, stages 0-2 move 2Ψ,
     stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md); stage 0's one
     all-reduce counts Ψ elements (its buffer) and sends the wire bytes of RS + AG, 2(N-1)/N per byte.
 

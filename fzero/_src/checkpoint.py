@@ -1159,14 +1159,24 @@ def _files_present(path: str, manifest: dict[str, Any]) -> bool:
     """Every file the manifest lists is there, of its size. A file that vanishes while it is
     looked at (another process's `keep=` deleting the checkpoint) is not there: `latest` skips the
     checkpoint (found in review: `FileNotFoundError` out of `latest`)."""
+    return not _damaged_files(path, manifest)
 
-    def size(f: str) -> int | None:
+
+def _damaged_files(path: str, manifest: dict[str, Any]) -> list[str]:
+    """Each file the manifest lists that is missing or of another size than recorded, in words
+    (`_files_present`'s check, said): what `summary` names, where it summed the manifest's sizes
+    as the bytes "on disk" and printed a truncated checkpoint as whole (found in review)."""
+    out = []
+    for f, meta in manifest["files"].items():
+        full = os.path.join(path, f)
         try:
-            return os.path.getsize(os.path.join(path, f)) if os.path.isfile(os.path.join(path, f)) else None
+            size = os.path.getsize(full) if os.path.isfile(full) else None
         except OSError:
-            return None
-
-    return all(size(f) == meta["bytes"] for f, meta in manifest["files"].items())
+            size = None
+        if size != meta["bytes"]:
+            out.append(f"file {f!r} is {'missing' if size is None else f'{size:,} B on disk'}, the manifest "
+                       f"records {meta['bytes']:,} B")
+    return out
 
 
 def complete(root: str | os.PathLike) -> list[str]:
@@ -1177,7 +1187,22 @@ def complete(root: str | os.PathLike) -> list[str]:
     higher ones, and its newest state is the one written last (as DeepSpeed's `latest` file
     names the last save). The counter is the manifest's: a checkpoint copied in from another
     root keeps the place it had there."""
-    return [p for _, _, p in _found(_fspath(root, "root (the folder that holds the step-<n> checkpoints)"))]
+    root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
+    _check_root(root)
+    return [p for _, _, p in _found(root)]
+
+
+def _check_root(root: str) -> None:
+    """A `root` that is a file, or a checkpoint folder itself (it holds a manifest), is a
+    `CheckpointError` naming it and its parent; before, `latest` returned None for either, so a
+    resume loop (`path = latest(root); if path: load(...)`) started again from scratch without
+    a word (found in review). A root that does not exist is one no save has made yet: nothing."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint root {root!r} is a file, not the folder that holds the step-<n> "
+                              f"checkpoints")
+    if os.path.isfile(os.path.join(root, MANIFEST)):
+        raise CheckpointError(f"{root!r} is a checkpoint itself, not a root: pass the folder that holds the step-<n> "
+                              f"checkpoints, {os.path.dirname(os.path.abspath(root))!r}, or load {root!r} as it is")
 
 
 def _found(root: str) -> list[tuple[int, int, str]]:
@@ -1676,8 +1701,12 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     at. With `aliases` (`ModuleInfo.aliases` of `fzero.from_module`), every name of a tied weight
     gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
     takes; the module buffers a `save(..., buffers=)` kept are in it too (else load it with
-    `strict=False`; a module with non-persistent buffers, which its `state_dict` leaves out,
-    takes them with `strict=False` as well). Files are checked against their sha256 first; a
+    `strict=False`). A module's non-persistent buffers, which its `state_dict` leaves out, are
+    among `ModuleInfo.buffers` and so in the dict: a strict `load_state_dict` refuses them as
+    unexpected keys, and `strict=False` skips them (their values are not loaded: the module makes
+    them itself; found in review). Without `aliases` (`fzero export` on the command line) a tied
+    weight is under one of its names only: load with `strict=False`, and the module's tie fills the
+    other. Files are checked against their sha256 first; a
     `dtype` that is not a floating torch dtype, or `aliases` that name a leaf the checkpoint does
     not hold or rename one it does, are a `CheckpointError` before anything is read."""
     path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
@@ -1799,6 +1828,11 @@ def summary(path: str | os.PathLike) -> str:
         lines.append(f"module buffers (rank 0's): " + ", ".join(f"{b['name']} {b['dtype']}{b['shape']}"
                                                                for b in m["buffers"][:8])
                      + (" ..." if len(m["buffers"]) > 8 else ""))
+    damaged = _damaged_files(path, m)
+    if damaged:
+        raise CheckpointError(f"{path!r} is damaged: " + "; ".join(damaged) + " (latest() and complete() skip it, load "
+                              f"and export refuse it: use another checkpoint, fzero.checkpoint.complete(root) lists "
+                              f"them)")
     files = sum(meta["bytes"] for meta in m["files"].values())
     md = _read_metadata(path).state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))

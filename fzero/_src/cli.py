@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
@@ -81,7 +82,11 @@ def _load_module(spec: str) -> torch.nn.Module:
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise CliError(f"--module {spec}: cannot load {attr!r} from {mod_name!r}: {e}") from e
+        here = (isinstance(e, ModuleNotFoundError) and e.name == mod_name.split(".")[0]
+                and os.path.exists(os.path.join(os.getcwd(), e.name + ".py")))
+        hint = (f" ({e.name}.py is in the current folder, which the `fzero` script does not import from, as "
+                f"`python -m fzero` does: run `python -m fzero ...`, or set PYTHONPATH=.)") if here else ""
+        raise CliError(f"--module {spec}: cannot load {attr!r} from {mod_name!r}: {e}{hint}") from e
     if not callable(factory):
         raise CliError(f"--module {spec}: {attr!r} is a {type(factory).__name__}, not a callable returning an "
                        f"nn.Module")
@@ -468,6 +473,10 @@ def _add_inspect(sub: Any) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
 
+    inside = os.path.abspath(args.out).startswith(os.path.abspath(args.checkpoint).rstrip(os.sep) + os.sep)
+    if inside:  # it would replace a file of the checkpoint (its manifest: found in review), or sit among them
+        raise CliError(f"cannot write {args.out!r}: it is inside the checkpoint {args.checkpoint!r}; write the "
+                       f"export outside it")
     try:
         tensors = ckpt.export(args.checkpoint, dtype=args.dtype)
     except ckpt.CheckpointError as e:
