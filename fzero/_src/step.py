@@ -44,7 +44,9 @@ immutable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -69,6 +71,8 @@ from .tree import flatten
 from .unit import HostBuffers, Probe, shared_zeros
 from .update import prepare, update
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GIVEN = functools.partial(operator.is_not, None)
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
 
@@ -220,6 +224,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
     with checked(state, pending=False):  # the step's agreement carries the pending flag
         _check_in_place_tiers(config, state)
         _check_no_transform_over_offload(state)
+        _check_no_derivative_through_the_autograd_engine(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
             return run_step(config, state, batch)
 
@@ -244,6 +249,33 @@ def _check_no_transform_over_offload(state: ZeroState) -> None:
                           f"HVPs) with {state.info.offload!r}: the update runs on the host copy of the master, "
                           f"which the transform does not see; differentiate through steps of a state made with "
                           f"offload=None")
+
+
+def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: ZeroState) -> None:
+    """A step with `engine="autograd"` under plain autograd, whose params (or masters) require
+    grad: a derivative is being taken through the step (a meta-gradient, a hypergradient by
+    `torch.autograd.grad` of a function of the new state), but that engine detaches what it
+    differentiates to take the step's gradient, so the new params would depend on the old only
+    through the update's identity term: `d<c, new>/dp = c`, without `-lr H c`, for trainable and
+    frozen leaves alike (found in review: a silent wrong derivative; under a torch.func transform
+    torch refuses the engine's `requires_grad_` itself). Refused before the step, on every rank
+    (each holds its own params: the same program requires grad of the same ones)."""
+    if config.engine != "autograd" or not torch.is_grad_enabled():
+        return
+    if not (any(map(_REQUIRES_GRAD, state.params)) or any(map(_REQUIRES_GRAD, filter(_GIVEN, state.master)))):
+        return  # (C-level loops: a step's host path reads this once per bucket)
+    if func_level() is not None:
+        return
+    tracked = {b for b, (p, m) in enumerate(zip(state.params, state.master))
+               if p.requires_grad or m is not None and m.requires_grad}
+    paths = [ls.path for ls in state.layout.leaves if ls.bucket in tracked]
+    named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
+    raise ConfigError(f"a step with engine='autograd' whose params require grad ({named}; {state.mesh!r}, rank "
+                      f"{state.rank}): autograd is differentiating through the step (a meta-gradient), but this "
+                      f"engine detaches the params to take the step's gradient, so the derivative would lack every "
+                      f"term through that gradient (d<c, new>/dp = c, without -lr H c), silently. Use "
+                      f"train_step(..., engine='func'), which is differentiable through (docs/func.md); where no "
+                      f"derivative through the step is wanted, pass params that do not require grad (p.detach())")
 
 
 @contextlib.contextmanager

@@ -378,18 +378,34 @@ def gather_leaves(program: UnitProgram, xs: Sequence[torch.Tensor], cast: bool =
     return leaves
 
 
-def _frozen_leaves(program: UnitProgram, output: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+def _frozen_leaves(program: UnitProgram, output: tuple[torch.Tensor, ...], ctx: Any) -> list[torch.Tensor]:
     """The leaves of the unit's frozen buckets among the Function's `output` (leaves in bucket
-    order, then the anchor): they get no gradient, and are handed not requiring grad, as torch's
-    frozen params are (found in review: a frozen weight that required grad made `torch.matmul`
-    fold a `linear` on a transposed 3-d input where torch's does not, other bits than DDP's)."""
+    order, then the anchor), but for those of a bucket this level differentiates (`_derived`):
+    they get no gradient, and are handed not requiring grad, as torch's frozen params are (found
+    in review: a frozen weight that required grad made `torch.matmul` fold a `linear` on a
+    transposed 3-d input where torch's does not, other bits than DDP's)."""
     out, at = [], 0
-    for bucket in program.buckets:
+    for k, bucket in enumerate(program.buckets):
         n = len(bucket.leaves)
-        if bucket.frozen:
+        if bucket.frozen and not _derived(ctx, k):
             out.extend(output[at : at + n])
         at += n
     return out
+
+
+def _derived(ctx: Any, k: int) -> bool:
+    """Whether this level of differentiation may carry a derivative to bucket k's held tensor: it
+    requires grad here (`needs_input_grad`: a reverse-mode level -- `torch.func.grad`, `vjp`,
+    `jacrev`, or plain autograd -- that differentiates with respect to it), or a forward-AD level
+    is open (`jvp`, `jacfwd`, `forward_ad.dual_level`: torch.func hands every input a tangent,
+    zeros where none was given, so which ones carry one is not known here). Where a frozen
+    bucket's params are differentiated through a step (a hyperparameter kept frozen, and its
+    hypergradient), its leaves stay differentiable at that level and the loss's use of them
+    reaches the other leaves' gradients, as in torch; in a plain step, outside every transform,
+    it is false (found in review: frozen leaves were marked non-differentiable at every level,
+    so that derivative silently lacked `-lr H c` of the other leaves, and a `jvp` of a step of
+    a state with a frozen group raised torch's "not a differentiable Tensor")."""
+    return bool(ctx.needs_input_grad[4 + k]) or torch.autograd.forward_ad._current_level >= 0
 
 
 def _of_grad_bases(leaves: list[torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
@@ -450,7 +466,7 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.program, ctx.after, ctx.inflight, ctx.k = inputs[0], inputs[1], inputs[2], inputs[3]
-        frozen = _frozen_leaves(inputs[0], output)
+        frozen = _frozen_leaves(inputs[0], output, ctx)
         if frozen:  # as a torch param with requires_grad=False: torch.matmul reads that to choose its product
             ctx.mark_non_differentiable(*frozen)
         ctx.like = [(x.shape, x.dtype, x.device) for x in inputs[4 : 4 + ctx.k]]
@@ -503,11 +519,12 @@ class _Unit(torch.autograd.Function):
         result: list[torch.Tensor | None] = []
         bad: list[torch.Tensor] = []
         at = 0
-        for bucket, (shape, dtype, device) in zip(program.buckets, ctx.like):
+        for k, (bucket, (shape, dtype, device)) in enumerate(zip(program.buckets, ctx.like)):
             gs = grads[at : at + len(bucket.leaves)]
             at += len(bucket.leaves)
-            if bucket.frozen:
-                result.append(None)
+            if bucket.frozen:  # no gradient, but where this level differentiates w.r.t. it (`_derived`)
+                result.append(_frozen_gradient(program, bucket, gs, dtype, device)
+                              if ctx.needs_input_grad[4 + k] else None)
                 if ctx.locate:
                     bad.append(shared_zeros((), device))  # no fill kernel per step (stack copies it)
                 continue
@@ -536,6 +553,18 @@ class _Unit(torch.autograd.Function):
             after(program.name)
         used = torch.tensor([g is not None for g in grads], dtype=torch.float32)
         return (None, None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad) if ctx.locate else None)
+
+
+def _frozen_gradient(program: UnitProgram, bucket: Bucket, grads: Sequence[torch.Tensor | None],
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A frozen bucket's gradient where a derivative through the step is taken with respect to its
+    held tensor (`_derived`): a trainable bucket's, built the same way (assembled, then the
+    stage's `leave`: in stages 2-3 the reduce-scatter of `mean_of_ranks`, whose fl(1/N) each
+    derivative order carries once), waited in place -- never in the step's own reduction or
+    update, which take no frozen bucket."""
+    leave = program.stage.leave
+    return leave.run(program.mesh, bucket.wire, _assemble(bucket, grads, _assembled_dtype(bucket.wire, leave),
+                                                          device)).to(dtype)
 
 
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
