@@ -25,7 +25,7 @@ from .collectives import all_reduce, func_level
 from .errors import ConfigError
 from .norms import Side
 from .offload import HostUpdate
-from .optim.base import Optimizer, block_sums, spec_of
+from .optim.base import DIFFERENTIABLE, Optimizer, block_sums, spec_of, tracked
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import ZeroState, updated_nonfinite_leaves
@@ -53,8 +53,8 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
     raises is left out: `update` calls `update_`, which raises the same error after the verdict,
     where it always did."""
     optimizer = state.optimizer
-    if not donate or optimizer.prepare_ is None:
-        return None
+    if not donate or optimizer.prepare_ is None or _differentiated(state, reduced):
+        return None  # differentiated through: nothing launched early; `update` raises
     layout, stage, rank = state.layout, state.stage, state.rank
     plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
     params, launches = {}, {}
@@ -106,6 +106,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
                           "none: use donate=False")
+    if donate and _differentiated(state, reduced):
+        raise _donated_through(state)
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
@@ -163,6 +165,29 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = kept[b]
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+def _differentiated(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
+    """Whether a derivative is taken through this update (`optim.base.tracked`: a meta-gradient or
+    an HVP through the step, under torch.func or autograd): of the reduced gradients, the params,
+    the masters or the optimizer state. Reads one `requires_grad` per tensor in a plain step."""
+    opt = (t for s in state.opt_state if s is not None for t in s)
+    return tracked(*reduced.values(), *state.params, *state.master, *opt)
+
+
+def _donated_through(state: ZeroState) -> ConfigError:
+    """The error of a donating step differentiated through (`_differentiated`): its update writes
+    the state's params and optimizer state in place, which torch refuses for a transform's inputs
+    ("a view of a leaf Variable that requires grad is being used in an in-place operation", found
+    in review, every stage) and through which its foreach and fused kernels would otherwise record
+    no derivative. Raised on every rank (each differentiates the same step), after the agreement
+    and before anything is written (`prepare` launches nothing early then); a donating step under
+    a transform that differentiates nothing through it runs as before."""
+    return ConfigError(f"train_step(..., donate=True) is being differentiated through (a meta-gradient or an HVP "
+                       f"through the step; {state.mesh!r}, rank {state.rank}, stage {state.stage.level}): a donating "
+                       f"step updates its input state in place, which no derivative goes through. Use donate=False "
+                       f"(the default) for steps a derivative is taken through; the pure update is differentiable "
+                       f"for {DIFFERENTIABLE}")
 
 
 def tied(params: torch.Tensor, opt_state: Any, grad: torch.Tensor, optimizer: Optimizer) -> tuple[torch.Tensor, Any]:

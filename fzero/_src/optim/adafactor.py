@@ -35,6 +35,7 @@ from .base import (
     field_shapes,
     group_lr,
     in_place,
+    refuse_derivative,
 )
 
 
@@ -154,6 +155,10 @@ def adafactor(
 
     def update_(grad, state, param, ctx: UpdateContext):
         check_shards("adafactor", grad, param, state, spec(state), ctx)
+        refuse_derivative("adafactor", "its factored statistics' means, the row scales and the step sizes "
+                          "(update clipping, RMS) are Python floats made from exact sums of squares "
+                          "(fzero._src.optim.exact), which no transform sees, and its kernels write their inputs",
+                          (grad, param, *state))
         e1 = torch.finfo(param.dtype).eps if eps1 is None else eps1
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0

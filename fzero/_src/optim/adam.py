@@ -24,12 +24,14 @@ from .base import (
     check_flag,
     check_hyper,
     check_impl,
+    check_in_place,
     check_placement,
     check_shards,
     group_lr,
     in_blocks,
     in_place,
     resolve_impl,
+    spliced,
     two_phase,
     used_pieces,
 )
@@ -77,6 +79,7 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
         (and the fused kernel's step tensors); `launch(grad)` views the grad and runs the kernel
         ("fused": `launch(grad, found_inf)` too, `Launch.skips`)."""
         check_shards(name, None, param, state, spec(state), ctx)
+        check_in_place(name, (param, *state))  # the grad: `Launch.__call__`
         hyper = dict(beta1=beta1, beta2=beta2, lr=group_lr(schedule, ctx), eps=eps, maximize=maximize,
                      weight_decay=weight_decay if ctx.group.weight_decay else 0.0, decoupled=decoupled)
         how, per_leaf = resolve_impl(name, impl, param, lambda: _fused_elementwise(hyper, amsgrad, param))
@@ -85,8 +88,8 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
         pieces = used_pieces(ctx, steps, per_segment=per_leaf)
         spans = [(a, b) for a, b, _ in pieces]
         lists = [[t[a:b] for a, b in spans] for t in (param, *state[1:])] + ([] if amsgrad else [[]])
-        keys = [k for _, _, k in pieces]
-        keys = fused_counts(keys, param.device) if how == "fused" else keys
+        counts = [k for _, _, k in pieces]  # per piece its step count, after the increment
+        keys = fused_counts(counts, param.device) if how == "fused" else counts
         new = State(torch.tensor(steps, dtype=state.step.dtype, device=state.step.device), *state[1:])
 
         def check(grad):
@@ -99,7 +102,15 @@ def _adam(name, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, impl
             in_blocks(KERNELS[how], how, [lists[0], [grad[a:b] for a, b in spans], *lists[1:]], keys, **hyper, **skip)
             return new
 
-        return Launch(run, check, skips=how == "fused")
+        def math(grad, state, param):
+            """`_math` on each piece of the given (tracked) inputs (`Launch.math`)."""
+            fields = [[t[a:b] for a, b in spans] for t in state[1:]] + ([] if amsgrad else [[None] * len(spans)])
+            out = [_math(param[a:b], grad[a:b], *f, t, **hyper) for (a, b), *f, t in zip(spans, *fields, counts)]
+            parts = list(zip(*out)) if out else [[]] * 4
+            return spliced(param, spans, parts[0]), State(None, *[spliced(t, spans, part)
+                                                                  for t, part in zip(state[1:], parts[1:])])
+
+        return Launch(run, check, skips=how == "fused", math=math)
 
     return in_place(init, two_phase(name, prepare_), spec, prepare_=prepare_, lr=schedule)
 
@@ -157,6 +168,27 @@ def _single(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, bet
             denom = torch.sqrt(exp_avg_sqs[i], out=w)
         denom.div_(bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avgs[i], denom, value=-step_size)
+
+
+def _math(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, *, beta1, beta2, lr, weight_decay, eps, maximize,
+          decoupled):
+    """One piece's update out of place, `(param, exp_avg, exp_avg_sq, max_exp_avg_sq or None)`:
+    `_single`'s ops (torch's single-tensor Adam), each a new tensor, so that autograd and
+    torch.func differentiate them (`Launch.math`)."""
+    grad = torch.neg(grad) if maximize else grad
+    if weight_decay != 0:
+        if decoupled:
+            param = param * (1 - lr * weight_decay)
+        else:
+            grad = torch.add(grad, param, alpha=weight_decay)
+    exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
+    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
+    step_size = lr / (1 - beta1**step)
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    if max_exp_avg_sq is not None:
+        max_exp_avg_sq = torch.maximum(max_exp_avg_sq, exp_avg_sq)
+    denom = torch.sqrt(exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq) / bias_correction2_sqrt + eps
+    return torch.addcdiv(param, exp_avg, denom, value=-step_size), exp_avg, exp_avg_sq, max_exp_avg_sq
 
 
 def _foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr, weight_decay, eps,

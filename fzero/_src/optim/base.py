@@ -28,6 +28,7 @@ so checkpointing and resharding read the spec, never the optimizer's class.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import threading
@@ -35,7 +36,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
+from ..collectives import func_level
 from ..errors import FzeroError
 from ..layout import ParamGroup, Segment, as_flag, type_name
 
@@ -84,16 +87,24 @@ class Launch(NamedTuple):
     returns the new state. `skips`: whether the kernels take torch's `found_inf`, a float32 0-d
     flag on the shard's device that, where it is 1, makes them write nothing and, where it is 0,
     changes no bit (torch's fused kernels read it before any write) -- so a caller may launch the
-    update before it knows whether the step is taken, without waiting to find out."""
+    update before it knows whether the step is taken, without waiting to find out.
+
+    `math`: `(grad, state, param) -> (new param, new state)`, the same update out of place in
+    differentiable torch ops, on the pieces, step counts and hyper-parameters `prepare_` found,
+    the new state's "shard" fields set and its other fields None; or None. It writes nothing
+    and its values are not the kernels' bits: `derived` takes the bits from the kernels and the
+    derivative from it, where a derivative is taken through the update (`tracked`)."""
 
     run: Callable[[torch.Tensor, torch.Tensor | None], Any]
     check: Callable[[torch.Tensor], None]
     skips: bool = False
+    math: Callable[[torch.Tensor, Any, torch.Tensor], tuple[torch.Tensor, Any]] | None = None
 
     def __call__(self, grad: torch.Tensor, found_inf: torch.Tensor | None = None) -> Any:
         if found_inf is not None and not self.skips:
             raise OptimizerError("this update's kernels cannot skip on a device flag (found_inf): only torch's "
                                  "fused kernels can (impl='fused'); launch it without one")
+        check_in_place("a prepared update (Optimizer.prepare_)", (grad,))
         self.check(grad)
         return self.run(grad, found_inf)
 
@@ -105,7 +116,10 @@ class Optimizer(NamedTuple):
       init: `(param shard[S], number of bucket leaves L) -> state`; with `shaped=True`,
         `(param shard[S], the bucket leaves' shapes) -> state` (see `init_state`).
       update: `(grad shard[S], state, param shard[S], ctx) -> (new param shard[S], new state)`;
-        pure: never mutates its inputs (grad, state, param).
+        pure: never mutates its inputs (grad, state, param). Where a derivative is taken through
+        it (`tracked`: a meta-gradient or an HVP through a step), sgd's and adam's / adamw's give
+        the same bits and the derivative of their math (`derived`); lamb's and adafactor's raise
+        `OptimizerError` (`refuse_derivative`).
       spec: `state -> same NamedTuple of "shard" / "leaf" / "rows" / "cols"` (`SPECS`).
       update_: `(grad shard[S], state, param shard[S], ctx) -> new state`, the same update in
         place: `param` and every "shard" field of `state` are overwritten with their new values
@@ -113,7 +127,8 @@ class Optimizer(NamedTuple):
         input's are not written); `grad` is never written (a donating step on the CPU assembles a
         later step's gradient into its buffer, `unit.HostBuffers`, unless the returned state holds
         it). Afterwards the input `state` must not
-        be used (its replicated fields are stale). Errors of the checks (`check_shards`,
+        be used (its replicated fields are stale). A derivative through it is refused
+        (`check_in_place`). Errors of the checks (`check_shards`,
         `check_placement`) come before any write; an error raised later (a failing
         `ctx.leaf_sum`) may leave `param` and the state partly written. `None` for an
         optimizer with no in-place form.
@@ -174,9 +189,18 @@ def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequenc
 def pure(update_: Callable, spec: Callable) -> Callable:
     """The pure `update` of an in-place `update_`: clone `param` and the "shard" fields, then
     write into the clones. Replicated fields ("leaf", "rows", "cols") are passed as they are
-    (`update_` replaces them)."""
+    (`update_` replaces them).
+
+    Where a derivative is taken through the update (`tracked`: a meta-gradient or an HVP through
+    a step) and `update_` has a differentiable form (its `derive` attribute, `two_phase`'s), that
+    form instead: the same bits, and the derivative of the update's math. (An attribute, not a
+    closure variable: `state.describe`, and so every saved checkpoint's description, reads
+    closures.)"""
 
     def update(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext):
+        derive = getattr(update_, "derive", None)
+        if derive is not None and tracked(grad, param, *state):
+            return derive(grad, state, param, ctx)
         fresh = type(state)(*[t.clone() if kind == "shard" else t for t, kind in zip(state, spec(state))])
         p = param.clone()
         return p, update_(grad, fresh, p, ctx)
@@ -194,13 +218,147 @@ def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = F
 def two_phase(name: str, prepare_: Callable) -> Callable:
     """The `update_` of a two-phase `prepare_` (`Optimizer.prepare_`): the grad shard checked
     first (so a bad grad raises before anything else, as `check_shards` orders its checks), then
-    prepared and launched at once."""
+    prepared and launched at once. Its `derive` attribute is the differentiable out-of-place form
+    (`derived`) that `pure` takes where a derivative goes through the update; `update_` itself,
+    which writes its inputs, refuses one (`check_in_place`)."""
 
     def update_(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext) -> Any:
         check_grad(name, grad, param)
+        check_in_place(name, (grad, param, *state))
         return prepare_(state, param, ctx)(grad)
 
+    update_.derive = functools.partial(derived, name, prepare_)  # type: ignore[attr-defined]
     return update_
+
+
+def tracked(*tensors: Any) -> bool:
+    """Whether a derivative is being taken through any of `tensors` (non-tensors are skipped):
+    outside every torch.func transform and forward-AD level, whether one requires grad under
+    grad mode (plain autograd); inside, whether any of its torch.func layers, from the current
+    level down, requires grad (`grad`, `vjp`, `jacrev`, an outer level of a nested transform) or
+    carries a tangent (`jvp`, `jacfwd`, `forward_ad`). A tensor a transform wraps but does not
+    track -- a `detach()`, a value the differentiated inputs do not reach, vmap's batch -- is not
+    tracked: a step under a transform that differentiates something else, or a `vmap` inside the
+    loss, runs the plain update. The plain step reads one `requires_grad` per tensor."""
+    grad_mode = torch.is_grad_enabled()
+    if func_level() is None and fwAD._current_level < 0:
+        if grad_mode:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return True
+        return False
+    return any(isinstance(t, torch.Tensor) and _layers_tracked(t, grad_mode) for t in tensors)
+
+
+def _layers_tracked(x: torch.Tensor, grad_mode: bool) -> bool:
+    """`tracked` of one tensor under a transform: each wrapper layer in turn, down to the plain
+    tensor (torch keeps the layers privately, `torch._C._functorch`, in 2.11 and 2.13, as
+    `collectives.unwrapped` reads them)."""
+    f = torch._C._functorch
+    while True:
+        if (grad_mode and x.requires_grad) or fwAD.unpack_dual(x).tangent is not None:
+            return True
+        if not (f.is_functorch_wrapped_tensor(x) or f.is_batchedtensor(x)):
+            return False
+        x = f.get_unwrapped(x)
+
+
+DIFFERENTIABLE = ("sgd (every impl: plain, momentum, nesterov, dampening, weight decay, maximize) and adam / adamw "
+                  "(every impl, amsgrad too)")
+"""What `check_in_place` and the refusals of the optimizers that have no differentiable form
+(`refuse_derivative`) name as the way out."""
+
+
+def check_in_place(name: str, tensors: Sequence[Any]) -> None:
+    """`OptimizerError` where a derivative is taken through an in-place update (`update_`, a
+    launch): torch's kernels write their inputs, which autograd refuses for a transform's inputs
+    (torch's "a view of a leaf Variable that requires grad is being used in an in-place
+    operation") and where it does not, its foreach and fused kernels record no derivative -- a
+    zero one, silently (found in review: Adam's meta-gradient through a step was the identity).
+    The pure `update` is differentiable (`derived`)."""
+    if tracked(*tensors):
+        raise OptimizerError(
+            f"{name}: a derivative is being taken through an in-place update (update_ / a prepared launch; a step "
+            f"with donate=True): torch's kernels write their inputs and record no derivative (foreach, fused) or "
+            f"refuse to (a transform's input). Call the pure update (Optimizer.update; train_step(..., "
+            f"donate=False)), which is differentiable for {DIFFERENTIABLE}")
+
+
+def refuse_derivative(name: str, why: str, tensors: Sequence[Any]) -> None:
+    """`OptimizerError` where a derivative is taken through the update of an optimizer that has
+    no differentiable form (`tracked`), naming why and the optimizers that have one; on every
+    rank, before anything is computed (each rank's inputs are tracked alike: the same program
+    differentiates the same step)."""
+    if tracked(*tensors):
+        raise OptimizerError(
+            f"{name}: a derivative is being taken through its update (a meta-gradient or an HVP through a step: "
+            f"torch.func.grad / vjp / jvp, or autograd, of a function of the new state), but {why}, so the "
+            f"derivative would be wrong. Differentiable through a step (donate=False): {DIFFERENTIABLE}; or take "
+            f"the step outside the transform (no derivative through it: pass params that do not require grad)")
+
+
+class _Valued(torch.autograd.Function):
+    """`valued`: the forward returns a copy of `value`; every derivative (backward, jvp, vmap's
+    generated rule) is `formula`'s."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, value_t: Any, formula_t: torch.Tensor) -> torch.Tensor:
+        return formula_t
+
+
+def valued(value: torch.Tensor, formula: torch.Tensor) -> torch.Tensor:
+    """`value`'s bits with `formula`'s derivative, `formula` being the same function computed
+    another way (differentiable ops in place of torch's optimizer kernels). Exact, unlike
+    `formula + (value - formula).detach()`, which rounds and turns -0 into +0."""
+    return _Valued.apply(value, formula)
+
+
+def derived(name: str, prepare_: Callable, grad: torch.Tensor, state: Any, param: torch.Tensor,
+            ctx: UpdateContext) -> tuple[torch.Tensor, Any]:
+    """`update` where a derivative is taken through it (`tracked`): `prepare_` and its launch on
+    detached copies (the kernels of the plain update, so its bits, its checks and their order)
+    give every value; the launch's `math` on the inputs themselves gives each derivative
+    (`valued`) of the new param and the new state's "shard" fields. The other fields (step
+    counts) are the launch's, as in the plain update. Twice the plain update's work and one
+    more copy of param and state, only here."""
+    check_grad(name, grad, param)
+    p = param.detach().clone()
+    launch = prepare_(type(state)(*[t.detach().clone() for t in state]), p, ctx)
+    new = launch(grad.detach())
+    if launch.math is None:
+        raise OptimizerError(f"{name}: this update has no differentiable form (its launch's math is None); "
+                             f"differentiable: {DIFFERENTIABLE}")
+    p_math, s_math = launch.math(grad, state, param)
+    fields = [v if m is None else valued(v, m) for v, m in zip(new, s_math)]
+    return valued(p, p_math), type(new)(*fields)
+
+
+def spliced(x: torch.Tensor, spans: Sequence[tuple[int, int]], parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`x` with `x[a:b]` replaced by each part (`spans` in order, not overlapping), out of place:
+    what an update that writes only its pieces leaves, differentiably (padding and unused leaves
+    keep `x`'s elements and derivatives)."""
+    if not spans:
+        return x
+    out, at = [], 0
+    for (a, b), part in zip(spans, parts):
+        out += [x[at:a], part]
+        at = b
+    out.append(x[at:])
+    return torch.cat(out)
 
 
 class EmptyState(NamedTuple):

@@ -21,6 +21,7 @@ from .base import (
     check_shards,
     group_lr,
     in_place,
+    refuse_derivative,
     used_pieces,
 )
 
@@ -81,6 +82,9 @@ def lamb(
 
     def update_(grad, state, param, ctx: UpdateContext):
         check_shards("lamb", grad, param, state, spec(state), ctx)
+        refuse_derivative("lamb", "its per-leaf trust ratios are Python floats made from exact sums of squares "
+                          "(fzero._src.optim.exact), which no transform sees, and its kernels write their inputs",
+                          (grad, param, *state))
         eta = group_lr(schedule, ctx)
         wd = weight_decay if ctx.group.weight_decay else 0.0
         check_fits("lamb", ctx, param.dtype, {"lr * lr_scale": eta, "eps": eps, "weight_decay": wd})

@@ -25,12 +25,14 @@ from .base import (
     check_flag,
     check_hyper,
     check_impl,
+    check_in_place,
     check_placement,
     check_shards,
     group_lr,
     in_blocks,
     in_place,
     resolve_impl,
+    spliced,
     two_phase,
     used_pieces,
 )
@@ -116,6 +118,7 @@ def sgd(
         `launch(grad)` views the grad and runs the kernel ("fused": `launch(grad, found_inf)` too,
         `Launch.skips`)."""
         check_shards("sgd", None, param, state, spec(state), ctx)
+        check_in_place("sgd", (param, *state))  # the grad: `Launch.__call__`
         hyper = dict(lr=group_lr(schedule, ctx), weight_decay=weight_decay if ctx.group.weight_decay else 0.0,
                      momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize)
         damped = {"1 - dampening": 1 - dampening} if momentum else {}  # torch reads dampening only with momentum
@@ -147,7 +150,16 @@ def sgd(
                       **branch, **skip)
             return new
 
-        return Launch(run, check, skips=how == "fused")
+        def math(grad, state, param):
+            """`_math` on each piece of the given (tracked) inputs (`Launch.math`)."""
+            bufs = [None] * len(spans) if momentum == 0 else [state.momentum_buffer[a:b] for a, b in spans]
+            out = [_math(param[a:b], grad[a:b], buf, f, **hyper) for (a, b), buf, f in zip(spans, bufs, first)]
+            p = spliced(param, spans, [o[0] for o in out])
+            if momentum == 0:
+                return p, state
+            return p, SgdMomentumState(None, spliced(state.momentum_buffer, spans, [o[1] for o in out]))
+
+        return Launch(run, check, skips=how == "fused", math=math)
 
     return in_place(init, two_phase("sgd", prepare_), spec, prepare_=prepare_, lr=schedule)
 
@@ -244,6 +256,20 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
 
 
 KERNELS = {"single": _single, "foreach": _foreach, "fused": _fused}
+
+
+def _math(param, grad, buf, first, *, lr, weight_decay, momentum, dampening, nesterov, maximize):
+    """One piece's update out of place, `(new param, new buffer or None)`: `_single`'s ops (torch's
+    single-tensor SGD), each a new tensor, so that autograd and torch.func differentiate them
+    (`Launch.math`). The first momentum update's buffer is the gradient itself, not a detached
+    copy as in torch's `differentiable=True` SGD: the derivative of what the step computes."""
+    grad = torch.neg(grad) if maximize else grad
+    if weight_decay != 0:
+        grad = torch.add(grad, param, alpha=weight_decay)
+    if momentum != 0:
+        buf = grad if first else torch.add(buf * momentum, grad, alpha=1 - dampening)
+        grad = torch.add(grad, buf, alpha=momentum) if nesterov else buf
+    return torch.add(param, grad, alpha=-lr), buf
 
 
 def _check_fused_updates(param: torch.Tensor) -> None:
