@@ -164,3 +164,74 @@ def test_the_hvp_example_runs_where_shards_are_padding_only():
     out = run_example("hvp.py", "--world-size", "4")
     assert "gradient penalty (double backward): stage 3 equals stage 0 bit for bit" in out
     assert "SimMesh(4, id=1) stage 3 H̄v (reverse over reverse)" in out
+
+
+# -- a derivative with respect to the optimizer state alone (found in a review of the change) ------
+
+
+def _adam_state_only(stage, mode, params, loss, batches, mine, with_state=True):
+    """grad of F = this rank's part of the new params (`mine`) [+ Σ new exp_avg] with respect to the
+    held exp_avg fields alone, through one Adam step (after a first), by `torch.func.grad` or by
+    plain autograd, on SimMesh(2): per rank, the tuple of gradients."""
+    mesh = fzero.SimMesh(2)
+
+    def body(b):
+        state = fzero.init(params, optim.adam(0.25, (0.5, 0.75), 0.25), stage=stage, mesh=mesh, units=lambda p: p)
+        step = fzero.train_step(loss, engine="func")
+        state, _ = step(state, b)
+
+        def f(ms):
+            new, _ = step(state.replace(opt_state=tuple(s._replace(exp_avg=m) for s, m in zip(state.opt_state, ms))),
+                          b)
+            state_part = sum(s.exp_avg.sum() for s in new.opt_state) if with_state else 0.0
+            return sum(mine(p, stage, mesh.rank).sum() for p in new.params) + state_part
+
+        ms = tuple(s.exp_avg for s in state.opt_state)
+        if mode == "func":
+            return torch.func.grad(f)(ms)
+        ms = tuple(m.detach().requires_grad_() for m in ms)
+        return torch.autograd.grad(f(ms), ms)
+
+    return mesh.run(body, batches)
+
+
+def _whole(p, stage, rank):
+    return p
+
+
+def _own(p, stage, rank):
+    return p.chunk(2)[rank] if stage in (1, 2) else p
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_derivative_wrt_the_optimizer_state_alone_reaches_the_new_params(stage):
+    """Plain autograd with respect to Adam's exp_avg alone: the update's finish at stages 1-2 was
+    the detached all-gather (its `overlap` read the gradients and params only), so the new params
+    came back not requiring grad and their part of the derivative was silently zero (found in
+    review: [0.5, ...], the exp_avg term alone). It equals `torch.func.grad`'s now, bit for bit,
+    and the params' part is there (the derivative differs from the exp_avg term alone)."""
+    params = {"a": torch.arange(8, dtype=torch.float64)}
+    batches = [(torch.full((8,), 0.5 + r, dtype=torch.float64),) for r in range(2)]
+    loss = lambda p, b: 0.5 * ((p["a"] - b) ** 2).sum()  # noqa: E731
+    by_func = _adam_state_only(stage, "func", params, loss, batches, _own)
+    by_autograd = _adam_state_only(stage, "autograd", params, loss, batches, _own)
+    for f, a in zip(by_func, by_autograd):
+        assert all(torch.equal(x, y) for x, y in zip(f, a)), (f, a)
+        assert not all(torch.equal(x, torch.full_like(x, 0.5)) for x in a), a  # (β1 = 0.5: the exp_avg term alone)
+
+
+def test_a_derivative_wrt_the_optimizer_state_alone_through_a_shard_of_padding_only():
+    """`torch.func.grad` with respect to every exp_avg alone, a 1-element leaf in its own unit at
+    N = 2 (rank 1's shard of it is padding only): rank 0's new params depended on the state and
+    rank 1's did not, and the finish's all-gather parted at stages 1-2 (`CollectiveMismatch`,
+    found in review). The update ties the input state in too: it runs, stages 1 and 2 agree bit
+    for bit, and the held shards' derivative is twice stage 3's (F sums the whole new params on
+    each of the two ranks at stages 1-2, this rank's shard at stage 3)."""
+    params = {"a": torch.arange(4, dtype=torch.float64), "b": torch.tensor([1.0], dtype=torch.float64)}
+    batches = [((torch.full((4,), 0.5 + r, dtype=torch.float64), torch.full((1,), 0.25 * r, dtype=torch.float64)),)
+               for r in range(2)]
+    loss = lambda p, b: 0.5 * ((p["a"] - b[0]) ** 2).sum() + 0.5 * ((p["b"] - b[1]) ** 2).sum()  # noqa: E731
+    got = {s: _adam_state_only(s, "func", params, loss, batches, _whole, with_state=False) for s in (1, 2, 3)}
+    for r in range(2):
+        for x1, x2, x3 in zip(got[1][r], got[2][r], got[3][r]):
+            assert torch.equal(x1, x2) and torch.equal(x1, 2 * x3), (r, x1, x2, x3)

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -140,8 +140,9 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
                 else:
                     updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
-                    if not overlap and stage.reads_differ(layout, b, used):  # differentiated through
-                        updated[b], new_opt[b] = tied(updated[b], new_opt[b], g, optimizer)
+                    if not overlap and stage.reads_differ(layout, b, used):  # a transform, or autograd, may differentiate
+                        updated[b], new_opt[b] = tied(updated[b], new_opt[b], (g, *_shard_fields(opt, optimizer)),
+                                                      optimizer)
                 out = host.outputs(b, updated[b], new_opt[b], state.params[b].dtype)  # NVMe: `updated[b]` is freed
                 back[b], new_opt[b], kept[b], checked[b] = out.back, out.opt_state, out.master, out.checked
             if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
@@ -190,23 +191,33 @@ def _donated_through(state: ZeroState) -> ConfigError:
                        f"for {DIFFERENTIABLE}")
 
 
-def tied(params: torch.Tensor, opt_state: Any, grad: torch.Tensor, optimizer: Optimizer) -> tuple[torch.Tensor, Any]:
+def tied(params: torch.Tensor, opt_state: Any, inputs: Sequence[torch.Tensor], optimizer: Optimizer
+         ) -> tuple[torch.Tensor, Any]:
     """The update's new `params` and the "shard" fields of its new `opt_state`, the same bits (a
-    copy each), each with the reduced gradient shard `grad` entering it at zero weight
-    (`torch.where` on a false condition): `grad`'s cotangent from it is zeros, so every derivative
-    is the step's (on a rank whose optimizer reads `grad` too, the sum with those zeros turns a
-    -0 of it into +0).
+    copy each), each with every one of `inputs` -- the reduced gradient shard and the input
+    state's floating "shard" fields (`_shard_fields`) -- entering it at zero weight (`torch.where`
+    on a false condition): their cotangents from it are zeros, so every derivative is the step's
+    (on a rank whose optimizer reads them too, the sum with those zeros turns a -0 into +0).
 
-    Only where a step is differentiated through and the ranks differ in reading their `grad` at all
+    Only where the step may be differentiated through (`overlap` false: under a torch.func
+    transform, or where a tensor requires grad) and the ranks differ in reading their shard at all
     (`Stage.reads_differ`: a shard of padding only, or of leaves no rank used, updates nothing);
-    the plain step never calls it. Autograd runs the adjoint of the reduction that made `grad` (an
+    the plain step never calls it. The input state is tied too: a derivative with respect to it
+    alone made the new params require grad on a rank that updates its shard and not on one that
+    updates nothing, and the all-gather of the finish parted (`CollectiveMismatch`, found in
+    review). Autograd runs the adjoint of the reduction that made `grad` (an
     all-gather, a collective) only on a rank whose differentiated result depends on `grad`: before,
     the ranks that read it ran that all-gather and the others did not, a `CollectiveMismatch` (gloo,
     unverified: "Received data size doesn't match"; found in review: a 1-element leaf in its own
     unit at N = 2, `examples/hvp.py --world-size 4`). Tied on every rank alike, so every rank runs
     it whatever the optimizer reads and whichever of these outputs the derivative is of."""
-    off = torch.zeros((), dtype=torch.bool, device=grad.device)
-    tie = lambda t: torch.where(off, grad.to(t.dtype), t)  # noqa: E731
+    off = torch.zeros((), dtype=torch.bool, device=params.device)
+
+    def tie(t: torch.Tensor) -> torch.Tensor:
+        for x in inputs:
+            t = torch.where(off, x.to(t.dtype), t)
+        return t
+
     fields = [tie(t) if kind == "shard" and t.is_floating_point() else t
               for t, kind in zip(opt_state, spec_of(optimizer, opt_state))]
     return tie(params), type(opt_state)(*fields)
@@ -214,8 +225,19 @@ def tied(params: torch.Tensor, opt_state: Any, grad: torch.Tensor, optimizer: Op
 
 def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     """Whether the update may start its finish without waiting (`overlaps` of the reduced
-    gradients and the state's params; `_rescale` keeps `requires_grad`)."""
-    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params)))
+    gradients, the state's params, masters and optimizer state; `_rescale` keeps
+    `requires_grad`). The masters and optimizer state count: a derivative through the step with
+    respect to the optimizer state alone (plain autograd) took the detached finish, so the new
+    params of stages 1-2 came back not requiring grad and their part of the derivative was
+    silently zero (found in review)."""
+    opt = (t for s in state.opt_state if s is not None for t in s if isinstance(t, torch.Tensor))
+    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params),
+                                    filter(_IS_TENSOR, state.master), opt))
+
+
+def _shard_fields(opt_state: Any, optimizer: Optimizer) -> list[torch.Tensor]:
+    """The input optimizer state's floating "shard" fields (`tied` ties them into the update)."""
+    return [t for t, kind in zip(opt_state, spec_of(optimizer, opt_state)) if kind == "shard" and t.is_floating_point()]
 
 
 _IS_TENSOR = functools.partial(operator.is_not, None)
