@@ -19,13 +19,14 @@ after a mismatch.
 from __future__ import annotations
 
 import functools
-import threading
 
 import pytest
 import torch
 
 import fzero
 from fzero import optim
+
+from .test_collectives import call_with_timeout, run_with_timeout
 
 C = fzero.collectives
 N2 = 2
@@ -41,30 +42,6 @@ CALLS = {  # each op's call in words, for an input of `_input`'s shape (2 rows p
     ("reduce_scatter", True): "reduce_scatter(float32[{rows}, 3]",
     ("all_reduce", False): "all_reduce(float32[2], sum", ("all_reduce", True): "all_reduce(float32[3, 2], sum",
 }
-
-
-def call_with_timeout(fn, *args, timeout=30.0):
-    """`fn(*args)`, failing the test instead of hanging if it does not return."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["out"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            box["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"{fn} did not return within {timeout} s"
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
-def run_with_timeout(mesh, fn, args=()):
-    """`mesh.run(fn, args)`, failing the test instead of hanging."""
-    return call_with_timeout(mesh.run, fn, args)
 
 
 def _input(op: str, n: int, batched: bool) -> torch.Tensor:

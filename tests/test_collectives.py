@@ -17,23 +17,28 @@ SIDE = st.integers(0, 5)
 TRAIL = st.sampled_from([(), (), (3,), (2, 2)])
 
 
-def run_with_timeout(mesh, fn, args=(), timeout=30.0):
-    """`mesh.run(fn, args)`, failing the test instead of hanging if it does not return."""
+def call_with_timeout(fn, *args, timeout=30.0):
+    """`fn(*args)`, failing the test instead of hanging if it does not return."""
     box: dict = {}
 
     def target():
         try:
-            box["out"] = mesh.run(fn, args)
+            box["out"] = fn(*args)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             box["err"] = e
 
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(timeout)
-    assert not t.is_alive(), f"mesh.run did not return within {timeout} s"
+    assert not t.is_alive(), f"{fn} did not return within {timeout} s"
     if "err" in box:
         raise box["err"]
     return box["out"]
+
+
+def run_with_timeout(mesh, fn, args=(), timeout=30.0):
+    """`mesh.run(fn, args)`, failing the test instead of hanging if it does not return."""
+    return call_with_timeout(mesh.run, fn, args, timeout=timeout)
 
 
 @st.composite

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import fzero
+
+from .test_remat import _Penalised
 from fzero import ConfigError
 
 # torch 2.13 loads its forward-AD decompositions through torch.jit.script on the first jvp of a
@@ -81,21 +83,6 @@ def test_a_derivative_through_a_step_with_remat_is_the_bits_without_it(stage, n,
         return [torch.func.grad(f)(x)]
 
     _assert_same_bits(lambda remat: _on_ranks(n, stage, remat, body))
-
-
-class _Penalised(torch.nn.Module):
-    """Returns the gradient of an energy of its input, taken in its forward with the graph kept
-    (a force field): its home `lin` is the checkpointed module, so the step's backward
-    differentiates through remat's backward."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, d)
-
-    def forward(self, h):
-        with torch.enable_grad():
-            energy = torch.tanh(self.lin(h)).square().sum()
-            return torch.autograd.grad(energy, h, create_graph=True)[0]
 
 
 def _penalised_model() -> torch.nn.Module:

@@ -232,26 +232,33 @@ def test_stages_0_and_1_reduce_a_unit_one_rank_skipped_as_zeros():
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
-    """Rank 1 never reads unit "b" (a nested pytree: placeholders, no release): it reaches the
-    paths agreement at the end of `evaluate` while rank 0 gathers "b"; both raise, naming it."""
+def _divergent_on_both_ranks(body) -> list[str]:
+    """`body(state, r)` on both ranks of a SimMesh(2), a stage-3 state of units "a" and "b": the
+    words of each rank's `DivergentPaths` (`mesh.run` raises the mismatch)."""
     mesh, errors = fzero.SimMesh(2), {}
 
     def rank_fn(r):
         state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh,
                            units=lambda path: path)
         try:
-            evaluate(lambda p, r: p["a"].sum() + (p["b"].sum() if r == 0 else 0))(state, r)
+            body(state, r)
         except fzero.MeshError as e:
             errors[r] = e
             raise
 
     with pytest.raises(fzero.CollectiveMismatch):
         mesh.run(rank_fn, [(0,), (1,)])
-    assert sorted(errors) == [0, 1]
-    for e in errors.values():
-        assert isinstance(e, DivergentPaths)
-        assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in str(e)
+    assert sorted(errors) == [0, 1] and all(isinstance(e, DivergentPaths) for e in errors.values()), errors
+    return [str(e) for e in errors.values()]
+
+
+def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
+    """Rank 1 never reads unit "b" (a nested pytree: placeholders, no release): it reaches the
+    paths agreement at the end of `evaluate` while rank 0 gathers "b"; both raise, naming it."""
+    said = _divergent_on_both_ranks(
+        lambda state, r: evaluate(lambda p, r: p["a"].sum() + (p["b"].sum() if r == 0 else 0))(state, r))
+    for words in said:
+        assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in words
 
 
 @pytest.mark.parametrize("gather", ["on_use", "eager"])
@@ -261,26 +268,16 @@ def test_evaluate_on_one_rank_beside_a_step_on_the_other_names_evaluate(gather):
     finished its forward"; with gather="eager", evaluate returned on rank 0; found in review).
     Evaluate's collectives carry the label "evaluate" (`Mesh.phase`): both ranks raise
     `DivergentPaths` at the first gather, naming the rank in evaluate and the way out."""
-    mesh, errors = fzero.SimMesh(2), {}
+    loss = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
 
-    def rank_fn(r):
-        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh,
-                           units=lambda path: path)
-        try:
-            if r == 0:
-                evaluate(lambda p, x: (p["a"] * x).sum() + p["b"].sum(), gather=gather)(state, torch.ones(4))
-            fzero.train_step(lambda p, x: (p["a"] * x).sum() + p["b"].sum())(state, torch.ones(4))
-        except fzero.MeshError as e:
-            errors[r] = e
-            raise
+    def body(state, r):
+        if r == 0:
+            evaluate(loss, gather=gather)(state, torch.ones(4))
+        fzero.train_step(loss)(state, torch.ones(4))
 
-    with pytest.raises(fzero.CollectiveMismatch):
-        mesh.run(rank_fn, [(0,), (1,)])
-    assert sorted(errors) == [0, 1]
-    for e in errors.values():
-        assert isinstance(e, DivergentPaths), e
+    for words in _divergent_on_both_ranks(body):
         assert "rank 0 gathered unit 'a' in fzero.evaluate, rank 1 gathered unit 'a'. Rank(s) [0] were in " \
-               "fzero.evaluate and the others not" in str(e), e
+               "fzero.evaluate and the others not" in words, words
 
 
 # -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
