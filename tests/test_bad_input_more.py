@@ -516,3 +516,34 @@ def test_a_group_name_that_repeats_another_buckets_tag_is_refused():
     groups = [fzero.ParamGroup("default#1", match=lambda p: p == "z", lr_scale=0.5)]
     with pytest.raises(fzero.LayoutError, match=r"have one tag 'default/float32/default#1'"):
         fzero.layout.plan(params, 2, groups=groups, bucket_bytes=16)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_pure_update_that_writes_its_input_is_refused(stage):
+    """A user's `Optimizer.update` that writes `param` in place (breaking "pure: never mutates its
+    inputs") changed the input state of a pure step at every stage, silently (found in review).
+    The step now reads the inputs' version counters around it and raises `OptimizerError` naming
+    what was written, the bucket and its leaves, and the ways out; an update that writes clones,
+    fzero's own, runs."""
+    base = optim.sgd(0.1)
+
+    def writes_param(grad, state, param, ctx):
+        new, new_state = base.update(grad, state, param, ctx)
+        param.copy_(new)
+        return param, new_state
+
+    mesh = fzero.SimMesh(2)
+    params = {"a": torch.arange(6.0), "b": torch.ones(3)}
+    loss = lambda p, x: (p["a"].sum() - x) ** 2 + p["b"].square().sum()  # noqa: E731
+
+    def rank_fn():
+        step = fzero.train_step(loss)
+        state = fzero.init(params, base, stage=stage, mesh=mesh)
+        step(state, torch.tensor(1.0))  # fzero's own update: runs
+        bad = fzero.init(params, base._replace(update=writes_param), stage=stage, mesh=mesh)
+        with pytest.raises(fzero.optim.OptimizerError, match=r"the optimizer's update wrote its input\(s\) \['param'\] "
+                                                             r"in place \(bucket '.*', leaves \['a', 'b'\]\).*must be "
+                                                             r"pure.*Optimizer.update_"):
+            step(bad, torch.tensor(1.0))
+
+    mesh.run(rank_fn)

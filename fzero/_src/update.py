@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .collectives import all_reduce, func_level
+from .collectives import all_reduce, func_level, unwrapped
 from .errors import ConfigError
 from .norms import Side
 from .offload import HostUpdate
-from .optim.base import DIFFERENTIABLE, Optimizer, block_sums, spec_of, tracked
+from .optim.base import DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, spec_of, tracked
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import ZeroState, updated_nonfinite_leaves
@@ -139,7 +139,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                     with updating:
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
                 else:
-                    updated[b], new_opt[b] = optimizer.update(g, opt, p, ctx)
+                    updated[b], new_opt[b] = _pure_update(optimizer, g, opt, p, ctx, layout, b)
                     if not overlap and stage.reads_differ(layout, b, used):  # a transform, or autograd, may differentiate
                         updated[b], new_opt[b] = tied(updated[b], new_opt[b], (g, *_shard_fields(opt, optimizer)),
                                                       optimizer)
@@ -166,6 +166,41 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = kept[b]
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param: torch.Tensor, ctx: Any,
+                 layout: Any, b: int) -> tuple[torch.Tensor, Any]:
+    """`optimizer.update`, which must be pure, checked not to have written its inputs (their
+    version counters; torch.func's wrappers unwrapped to the tensor a write moves): a user's
+    update that writes `param` (or the state, or the gradient) in place changed the input state
+    of a pure step, at every stage, silently (found in review), as a loss that writes a param
+    does (`Gathering._check_unwritten`). A few version reads per bucket."""
+    inputs = (grad, param, *opt_state)
+    before = _versions(inputs)
+    out = optimizer.update(grad, opt_state, param, ctx)
+    after = _versions(inputs)
+    if after != before:
+        names = ["grad", "param", *(f"state.{f}" for f in getattr(opt_state, "_fields", range(len(opt_state))))]
+        written = [n for n, x, y in zip(names, before, after) if x != y]
+        spec = layout.buckets[b]
+        paths = [layout.leaves[i].path for i in spec.leaves]
+        raise OptimizerError(
+            f"the optimizer's update wrote its input(s) {written} in place (bucket {spec.tag!r}, leaves "
+            f"{paths[:6]}{' ...' if len(paths) > 6 else ''}): Optimizer.update must be pure -- it gets views of the "
+            f"state's own buffers, so the write changes the step's input state -- write into clones (as "
+            f"fzero.optim.pure does), or give the optimizer an in-place form (Optimizer.update_, "
+            f"fzero.optim.in_place) for donating steps")
+    return out
+
+
+def _versions(tensors: Sequence[Any]) -> list[int | None]:
+    out = []
+    for t in tensors:
+        try:
+            out.append(unwrapped(t)._version if isinstance(t, torch.Tensor) else None)
+        except RuntimeError:  # an inference tensor keeps no version
+            out.append(None)
+    return out
 
 
 def _differentiated(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
