@@ -436,7 +436,7 @@ def _unwrapped(rank: int) -> Iterator[None]:
         if r != rank:
             inner.add_note(f"raised on rank {r} inside torch.distributed.checkpoint")
         with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-            inner.__dict__["_fzero_rank"] = r  # (`_save_failed` names it)
+            inner._fzero_rank = r  # (`_save_failed` names it)
         raise inner from e
 
 
@@ -677,14 +677,23 @@ def lr_record(optimizer: Any, step: int) -> list[list[Any]] | None:
     gives two values at `step` (`_moved_on`: a warning). Every rank computes it (`save`), so a
     schedule that moves as it is called moves alike on every rank (found in review: rank 0 alone
     read it, and the next step's lr differed across ranks)."""
+    values = _schedule_values(optimizer, [step + k for k in LR_AHEAD], step,
+                              "checkpoint.save recorded no lr values and load will compare none", 5)
+    return None if values is None else [[s, values[s]] for s in sorted(values)]
+
+
+def _schedule_values(optimizer: Any, steps: list[int], at: int, what: str, stacklevel: int
+                     ) -> dict[int, float | None] | None:
+    """The optimizer's lr schedule at `steps` (`_lr_values`: None where it raises), read from the
+    function under its `as_schedule` wrapper (`schedule_source`); None where it has none, or one
+    `load` does not read (`_of_the_step`), or one that gives two values at `at` (`_moved_on`,
+    which warns `what` at `stacklevel`). What `lr_record` saves and `_check_lr` compares."""
     schedule = getattr(optimizer, "lr", None)
     fn = None if schedule is None else schedule_source(schedule)
     if fn is None or not _of_the_step(fn):
         return None
-    values, again = _lr_values(fn, [step + k for k in LR_AHEAD], step)
-    if _moved_on(values, again, step, "checkpoint.save recorded no lr values and load will compare none", 4):
-        return None
-    return [[s, values[s]] for s in sorted(values)]
+    values, again = _lr_values(fn, steps, at)
+    return None if _moved_on(values, again, at, what, stacklevel) else values
 
 
 def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
@@ -785,7 +794,7 @@ def _save_failed(e: Exception, doing: str, final: str, tmp: str, rank: int) -> C
     or the one DCP names), `e`, the free space there (a full disk reads as an `OSError` "No space
     left on device", or as torch's `RuntimeError` "[enforce fail at inline_container.cc] unexpected
     pos" out of its zip writer: found in review, neither named the folder) and the way out."""
-    rank = getattr(e, "__dict__", {}).get("_fzero_rank", rank)  # DCP's: the rank it was raised on
+    rank = getattr(e, "_fzero_rank", rank)  # DCP's: the rank it was raised on
     out = CheckpointError(
         f"checkpoint.save of {final!r}: {doing} failed on rank {rank} ({_error_text(e, 300)}){_free_space(tmp)}; "
         f"nothing was saved: its temporary folder {tmp!r} is removed and fzero.checkpoint.latest(root) is the "
@@ -1277,13 +1286,11 @@ def _check_lr(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     an lr or with a schedule object) or a target whose schedule `load` does not read
     (`_of_the_step`) or that gives two values at the saved step (`_moved_on`: a warning)."""
     saved = manifest.get("lr")
-    schedule = target.optimizer.lr
-    fn = None if schedule is None else schedule_source(schedule)
-    if not saved or fn is None or not _of_the_step(fn):
+    if not saved:
         return
-    mine, again = _lr_values(fn, [s for s, _ in saved], manifest["step"])
-    if _moved_on(mine, again, manifest["step"], f"checkpoint.load of {path!r} compared it with none of the lr "
-                 f"values saved", 5):
+    mine = _schedule_values(target.optimizer, [s for s, _ in saved], manifest["step"],
+                            f"checkpoint.load of {path!r} compared it with none of the lr values saved", 6)
+    if mine is None:
         return
     for s, theirs in saved:
         if mine[s] != theirs:

@@ -885,7 +885,8 @@ class _Saved:
         self.tensor, self.version = tensor, version
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
+    """`t`'s version counter, or None for an inference tensor (which keeps none)."""
     try:
         return t._version
     except RuntimeError:  # an inference tensor keeps no version
@@ -897,7 +898,7 @@ def _unmodified(saved: _Saved) -> torch.Tensor:
     which torch skips for tensors packed by hooks: without it a stage-3 step that frees units
     would train on the written values where stages 0-2 raise this error."""
     t = saved.tensor
-    now = _version(t)
+    now = version_of(t)
     if saved.version is not None and now != saved.version:
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
@@ -917,12 +918,12 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
         def pack(t: torch.Tensor) -> _Saved:
             key = t.untyped_storage()._cdata
             if key not in gathering._owner:
-                return _Saved(t, _version(t))
+                return _Saved(t, version_of(t))
             # a unit's: a detached copy (the same storage and version counter; torch gives the
             # unpacked tensor back its autograd metadata), one use of the storage that only this
             # `_Saved` holds, counted by `Gathering._uses`
             with torch._C.DisableTorchFunctionSubclass():
-                saved = _Saved(t.detach(), _version(t))
+                saved = _Saved(t.detach(), version_of(t))
             gathering._saved.setdefault(key, weakref.WeakSet()).add(saved)
             return saved
 

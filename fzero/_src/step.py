@@ -44,9 +44,7 @@ immutable.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -71,8 +69,6 @@ from .tree import flatten
 from .unit import HostBuffers, Probe, shared_zeros
 from .update import prepare, update
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_GIVEN = functools.partial(operator.is_not, None)
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
 
@@ -262,8 +258,8 @@ def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: 
     (each holds its own params: the same program requires grad of the same ones)."""
     if config.engine != "autograd" or not torch.is_grad_enabled():
         return
-    if not (any(map(_REQUIRES_GRAD, state.params)) or any(map(_REQUIRES_GRAD, filter(_GIVEN, state.master)))):
-        return  # (C-level loops: a step's host path reads this once per bucket)
+    if not any(t is not None and t.requires_grad for t in (*state.params, *state.master)):
+        return
     if func_level() is not None:
         return
     tracked = {b for b, (p, m) in enumerate(zip(state.params, state.master))

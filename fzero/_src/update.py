@@ -13,9 +13,7 @@ runs, its kernels are launched before the read too (`agreement.agree_launching` 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +21,7 @@ import torch
 
 from .collectives import all_reduce, func_level, unwrapped
 from .errors import ConfigError
+from .gathering import version_of
 from .norms import Side
 from .offload import HostUpdate
 from .optim.base import DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, spec_of, tracked
@@ -106,7 +105,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
                           "none: use donate=False")
-    if donate and _differentiated(state, reduced):
+    if donate and ready is None and _differentiated(state, reduced):  # (a `Ready`: `prepare` found it is not)
         raise _donated_through(state)
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
@@ -194,21 +193,14 @@ def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param
 
 
 def _versions(tensors: Sequence[Any]) -> list[int | None]:
-    out = []
-    for t in tensors:
-        try:
-            out.append(unwrapped(t)._version if isinstance(t, torch.Tensor) else None)
-        except RuntimeError:  # an inference tensor keeps no version
-            out.append(None)
-    return out
+    return [version_of(unwrapped(t)) if isinstance(t, torch.Tensor) else None for t in tensors]
 
 
 def _differentiated(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     """Whether a derivative is taken through this update (`optim.base.tracked`: a meta-gradient or
     an HVP through the step, under torch.func or autograd): of the reduced gradients, the params,
     the masters or the optimizer state. Reads one `requires_grad` per tensor in a plain step."""
-    opt = (t for s in state.opt_state if s is not None for t in s)
-    return tracked(*reduced.values(), *state.params, *state.master, *opt)
+    return tracked(*_step_tensors(state, reduced))
 
 
 def _donated_through(state: ZeroState) -> ConfigError:
@@ -265,17 +257,20 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     respect to the optimizer state alone (plain autograd) took the detached finish, so the new
     params of stages 1-2 came back not requiring grad and their part of the derivative was
     silently zero (found in review)."""
-    opt = (t for s in state.opt_state if s is not None for t in s if isinstance(t, torch.Tensor))
-    return overlaps(itertools.chain(reduced.values(), filter(_IS_TENSOR, state.params),
-                                    filter(_IS_TENSOR, state.master), opt))
+    return overlaps(_step_tensors(state, reduced))
+
+
+def _step_tensors(state: ZeroState, reduced: dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The tensors a derivative through the update may be taken with respect to: the reduced
+    gradients, the state's params, masters and optimizer-state fields (what `_overlap` and
+    `_differentiated` read)."""
+    opt = (t for s in state.opt_state if s is not None for t in s)
+    return (t for t in itertools.chain(reduced.values(), state.params, state.master, opt) if isinstance(t, torch.Tensor))
 
 
 def _shard_fields(opt_state: Any, optimizer: Optimizer) -> list[torch.Tensor]:
     """The input optimizer state's floating "shard" fields (`tied` ties them into the update)."""
     return [t for t, kind in zip(opt_state, spec_of(optimizer, opt_state)) if kind == "shard" and t.is_floating_point()]
-
-
-_IS_TENSOR = functools.partial(operator.is_not, None)
 
 
 def _nonfinite_flag(state: ZeroState, updated: dict[int, torch.Tensor], taken: Ends | BlockEnds | None,
