@@ -86,6 +86,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .collectives import broadcast, gather_rows, gather_texts
 from .errors import FzeroError, MeshError
+from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .module import buffers_written
@@ -1321,6 +1322,25 @@ def _policy(text: Any) -> Precision | None:
         return None
 
 
+def _shown_policy(manifest: dict[str, Any]) -> str:
+    """A manifest's precision policy as `fzero inspect` prints it: as `Precision` shows itself
+    (which `load`'s refusal of another policy names), and as `fzero estimate --precision` takes
+    it where it can (a COMPUTE dtype given); no policy as such. Before, the raw field, a list
+    (`['torch.bfloat16', 'torch.float32']`). A field `load` would refuse
+    (`_policy`: edited or damaged) is shown as it is, said so; one a manifest lacks, so."""
+    if "precision" not in manifest:
+        return "not recorded (saved before the field)"
+    policy = _policy(manifest["precision"])
+    if policy is None:
+        return f"{_short(manifest['precision'])} (not a policy: the manifest was edited or damaged)"
+    if policy.param_dtype is None and policy.reduce_dtype is None:
+        return "none (every leaf computes and reduces in its own dtype)"
+    if policy.param_dtype is None:
+        return repr(policy)
+    flag = ",".join(short_name(d) for d in (policy.param_dtype, policy.reduce_dtype) if d is not None)
+    return f"{policy!r} (fzero estimate --precision {flag})"
+
+
 def _check_precision(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's precision policy gives every leaf the compute and reduce dtypes the
     target's gives it (`Precision.wire`; so `Precision(torch.float32)` over float32 leaves is no
@@ -1705,17 +1725,20 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
            aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
     """The full params saved at `path`, `{leaf path: tensor}` (master values, in their dtype or
     `dtype`), read from the files alone: no process group, no mesh, any world size it was saved
-    at. With `aliases` (`ModuleInfo.aliases` of `fzero.from_module`), every name of a tied weight
-    gets the same tensor, so the dict is a `state_dict` the original module's `load_state_dict`
-    takes; the module buffers a `save(..., buffers=)` kept are in it too (else load it with
-    `strict=False`). A module's non-persistent buffers, which its `state_dict` leaves out, are
-    among `ModuleInfo.buffers` and so in the dict: a strict `load_state_dict` refuses them as
-    unexpected keys, and `strict=False` skips them (their values are not loaded: the module makes
-    them itself; found in review). Without `aliases` (`fzero export` on the command line) a tied
-    weight is under one of its names only: load with `strict=False`, and the module's tie fills the
-    other. Files are checked against their sha256 first; a
-    `dtype` that is not a floating torch dtype, or `aliases` that name a leaf the checkpoint does
-    not hold or rename one it does, are a `CheckpointError` before anything is read."""
+    at. `dtype` casts what `module.to(dtype)` casts (`_as_module_to`): the params and the floating
+    buffers (BatchNorm's running statistics), not the others (its int64 `num_batches_tracked`);
+    before, the buffers kept their saved dtype, so a bf16 export held fp32 running statistics
+    (found in review). With `aliases` (`ModuleInfo.aliases` of `fzero.from_module`), every name
+    of a tied weight gets the same tensor, so the dict is a `state_dict` the original module's
+    `load_state_dict` takes; the module buffers a `save(..., buffers=)` kept are in it too (else
+    load it with `strict=False`). A module's non-persistent buffers, which its `state_dict` leaves
+    out, are among `ModuleInfo.buffers` and so in the dict: a strict `load_state_dict` refuses
+    them as unexpected keys, and `strict=False` skips them (their values are not loaded: the
+    module makes them itself; found in review). Without `aliases` (`fzero export` on the command
+    line) a tied weight is under one of its names only: load with `strict=False`, and the
+    module's tie fills the other. Files are checked against their sha256 first; a `dtype` that is
+    not a floating torch dtype, or `aliases` that name a leaf the checkpoint does not hold or
+    rename one it does, are a `CheckpointError` before anything is read."""
     path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise CheckpointError(f"checkpoint.export: dtype must be None or a floating torch.dtype (torch.bfloat16, "
@@ -1734,13 +1757,20 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
     out = {ls["path"]: flats[ls["path"]].view(ls["shape"]) for ls in leaves}
-    if dtype is not None:
-        out = {k: t.to(dtype) for k, t in out.items()}
+    out = {k: _as_module_to(t, dtype) for k, t in out.items()}
+    saved = {k: _as_module_to(t, dtype) for k, t in saved.items()}
     if aliases:
         for name, names in aliases.items():
             for alias in names:
                 out[alias] = out[name]
-    return {**out, **saved}  # buffers keep their own dtype
+    return {**out, **saved}
+
+
+def _as_module_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` as `module.to(dtype)` leaves a param or buffer: cast where floating, else as it is
+    (an int64 step count, a bool mask: casting would change what they count). A complex buffer
+    stays as it is too, where `Module.to` would drop its imaginary part. None: as saved."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def _check_aliases(path: str, aliases: Any, leaves: list[str], buffers: list[str]) -> None:
@@ -1824,7 +1854,7 @@ def summary(path: str | os.PathLike) -> str:
     lr = _constant_lr(m["optimizer"])
     lines = [f"{path}: step {m['step']}, saved by {m['world_size']} rank(s) at stage {m['stage']}",
              f"optimizer: {optimizer_name(m['optimizer'])}" + (f", lr {lr}" if lr is not None else ""),
-             f"precision: {m.get('precision')}, loss scaler: {m.get('scaler')}"]
+             f"precision: {_shown_policy(m)}; loss scaler: {m.get('scaler')}"]
     total = 0
     for ls in m["leaves"]:
         nbytes = math.prod(ls["shape"]) * _dtype(ls["dtype"]).itemsize

@@ -499,8 +499,10 @@ def _add_export(sub: Any) -> None:
                        "tensor once.")
     p.add_argument("checkpoint", help="a checkpoint folder, root/step-<n>")
     p.add_argument("out", help="the .safetensors file to write")
-    p.add_argument("--dtype", type=_parse_dtype, help="cast to this floating dtype (bf16, fp16, fp32, fp64); "
-                   "default: as saved")
+    p.add_argument("--dtype", type=_parse_dtype,
+                   help="cast every floating tensor to this dtype (bf16, fp16, fp32, fp64), as module.to(dtype) "
+                        "does: the params and the floating buffers (BatchNorm's running statistics); integer buffers "
+                        "(num_batches_tracked) stay as saved; default: everything as saved")
     p.set_defaults(func=_run_export)
 
 

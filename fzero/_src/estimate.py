@@ -186,6 +186,12 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer_state + self.master
 
 
+def short_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16 -> "bf16"`: the name `as_dtype` (and so `fzero estimate --dtype/--precision`)
+    takes first for a dtype."""
+    return next(name for name, d in _DTYPE_NAMES.items() if d == dtype)
+
+
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """`"bf16" | "fp16" | "fp32" | torch.dtype -> torch.dtype` (floating point only)."""
     if isinstance(dtype, str):
