@@ -107,7 +107,9 @@ def _owned(state: ZeroState, out: Any) -> Any:
 
 def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch: Any,
             prefetch: int | None = None) -> Any:
-    """`fn(params, batch)` through the state's unit Functions, under `torch.no_grad()`."""
+    """`fn(params, batch)` through the state's unit Functions, under `torch.no_grad()`. Where `fn`
+    raises after reading a unit, the gathers prefetch started ahead of it are waited for and freed,
+    as a step's are (`Gathering.finish`; before, left unwaited, found in review)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     programs = unit_programs(layout, mesh, stage, state.precision)
     pairs = [stage.differentiated(layout, b, p, rank, m) for b, (p, m) in enumerate(zip(state.params, state.master))]
@@ -116,7 +118,11 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     on_use = gather == "on_use" and stage.sharded("params")
     gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout),
                            prefetch=prefetch)
-    out = gathering.call(fn, batch)
+    try:
+        out = gathering.call(fn, batch)
+    except Exception as e:  # the gathers `fn` started ahead (prefetch): waited for, freed (`finish`)
+        gathering.finish(e)
+        raise
     if on_use:
         check_paths(state, gathering.gathered)
     return out

@@ -564,32 +564,32 @@ class Gathering:
             self._drop(unit)
 
     def finish(self, error: BaseException | None = None) -> None:
-        """The backward is over (`torch.autograd.grad` returned, or raised `error`): drop every
-        refill still in flight (`_drop`: wait for it, free its storage). A refill prefetched for a
-        unit whose backward then reads nothing of it is dropped by that unit's `after_backward`,
-        which its Function calls while this object lives; the step holds it until this call.
-        (Before, only the graph's saved-tensor hooks held it: freed mid-backward, once autograd
-        had freed the last tensor saved through them, with a refill in flight, it left that
-        gather unwaited -- on gloo the next collective hung until the mesh timeout -- and the
-        later units' `after_backward` unrun; found in review.) So after a whole backward nothing
-        is left here; after one that raised, what it started is. Every rank started the same
-        refills (`_prefetch` decides alike on every rank), so every rank waits for the same; no
-        collective starts here.
+        """The backward is over (`torch.autograd.grad` returned, or the loss or the backward raised
+        `error`): drop every gather still in flight (`_drop`: wait for it, free its storage). A
+        refill prefetched for a unit whose backward then reads nothing of it is dropped by that
+        unit's `after_backward`, which its Function calls while this object lives; the step holds
+        it until this call. (Before, only the graph's saved-tensor hooks held it: freed
+        mid-backward, once autograd had freed the last tensor saved through them, with a refill in
+        flight, it left that gather unwaited -- on gloo the next collective hung until the mesh
+        timeout -- and the later units' `after_backward` unrun; found in review.) So after a whole
+        backward nothing is left here; after an error, what the forward and the backward started
+        is, the forward's prefetches of units never read included (`call` drains those only where
+        the loss returns: a loss that raised after reading unit u had started the gather of the
+        unit after it, which, before, nobody waited for; found in review). Every rank started the
+        same gathers (`_prefetch` decides alike on every rank), so every rank waits for the same;
+        no collective starts here.
 
-        On an `error` the refills are waited for too (a `DistMesh` that verifies starts a
-        collective only once every rank has called it), a wait that fails passing silently, so
-        that `error` is what the step raises; not on the mesh's own (`MeshError`: a lost or
-        stuck rank, after which a wait may never end) nor on an interrupt. The forward's
-        prefetches of units never read are left as `call` leaves them on an error."""
+        On an `error` they are waited for too (a `DistMesh` that verifies starts a collective only
+        once every rank has called it), a wait that fails passing silently, so that `error` is
+        what the step raises; not on the mesh's own (`MeshError`: a lost or stuck rank, after
+        which a wait may never end) nor on an interrupt."""
         if error is None:
             for unit in list(self._ahead):
                 self._drop(unit)
-            return
-        if isinstance(error, MeshError) or not isinstance(error, Exception):
-            return
-        for unit in [u for u in self._ahead if u in self._leaves]:
-            with contextlib.suppress(RuntimeError):  # (MeshError is one)
-                self._drop(unit)
+        elif isinstance(error, Exception) and not isinstance(error, MeshError):
+            for unit in list(self._ahead):
+                with contextlib.suppress(RuntimeError):  # (MeshError is one)
+                    self._drop(unit)
 
     @property
     def gathered(self) -> tuple[str, ...]:
@@ -912,13 +912,23 @@ def _unmodified(saved: _Saved) -> torch.Tensor:
 class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
     """Backward needs a tensor saved from a released unit's storage: gather that unit again first.
     Every tensor saved inside the loss is packed as a `_Saved`, so that its version is checked
-    as torch checks it without hooks (`_unmodified`)."""
+    as torch checks it without hooks (`_unmodified`).
+
+    A saved tensor made by autograd (it has a `grad_fn`) is kept detached, as torch keeps a saved
+    output without hooks: an op that saves its own output (`softmax`, `exp`, `tanh`) held
+    through its `_Saved` the output, whose `grad_fn` is that op's node, which holds the `_Saved`:
+    a cycle through C++ that Python's collector cannot see, freed only by a backward through the
+    node. Where none ran -- a loss that raised in its forward, a result the loss computed in grad
+    mode and dropped (`logits.softmax(-1)` for a metric) -- the graph and, through `unpack`, this
+    step's `Gathering` with its gathered units, prefetches in flight and the input state's
+    buffers were never freed: every such step leaked them (found in review). A leaf that requires
+    grad is kept itself, as torch keeps it (its gradient's accumulator lives as long as it)."""
 
     def __init__(self, gathering: Gathering) -> None:
         def pack(t: torch.Tensor) -> _Saved:
             key = t.untyped_storage()._cdata
             if key not in gathering._owner:
-                return _Saved(t, version_of(t))
+                return _Saved(t if t.grad_fn is None else t.detach(), version_of(t))
             # a unit's: a detached copy (the same storage and version counter; torch gives the
             # unpacked tensor back its autograd metadata), one use of the storage that only this
             # `_Saved` holds, counted by `Gathering._uses`

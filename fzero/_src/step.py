@@ -55,7 +55,7 @@ from .agreement import Report, Verdict, _check_some_leaf_used, agree_launching, 
 from .casting import Reads, Slot
 from .collectives import func_level
 from .config import StepConfig
-from .errors import ConfigError, LossScaleError, NonFiniteError
+from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError
 from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
@@ -67,7 +67,7 @@ from .state import (ZeroState, broken_update, checked, consume, loss_scale_of, n
                     range_words)
 from .tree import flatten
 from .unit import HostBuffers, Probe, shared_zeros
-from .update import prepare, update
+from .update import differentiated_through, donated_through, prepare, update
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
@@ -141,7 +141,8 @@ def train_step(
         `fzero._src.gathering`.
       micro_batches: k; with k > 1, `step(state, batches)` takes a sequence of k micro-batches
         (`[(x0, y0), (x1, y1)]`, not one batch `(x, y)`: micro-batches whose tensors differ in
-        dtype at one place are refused) and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
+        dtype at one place are refused, and an error the loss raises carries a note saying how
+        the batch was read) and makes one optimizer step. Each micro-batch's loss is divided by k before its backward
         (as DDP users write `(loss / k).backward()`). With `gather="on_use"` at stages 2-3 every
         rank's loss must read the same units in each micro-batch: on an empty one, run the model
         and return a zero that depends on its output (`out.sum() * 0.0`); a rank that reads none
@@ -175,7 +176,9 @@ def train_step(
         `on_nonfinite` says: restore from a checkpoint (`fzero.checkpoint.load` into the broken
         state works). `donate=False` checks each update at once (one all-reduce of a flag, read
         on the host): its promise is the input state unchanged, so an update that would break
-        it raises or is skipped (`on_nonfinite`) before anything is kept.
+        it raises or is skipped (`on_nonfinite`) before anything is kept. A derivative through a
+        donating step (a meta-gradient, an HVP) raises `ConfigError`, before the loss runs where
+        the input state's tensors are differentiated.
       persist_bytes: where stage 3 frees units after use (see `gather`), a unit whose gathered
         bytes (`Σ N * S * itemsize` over its buckets) are at most this stays gathered for the
         micro-batch's forward and backward: no backward re-gather (DeepSpeed's
@@ -221,6 +224,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         _check_in_place_tiers(config, state)
         _check_no_transform_over_offload(state)
         _check_no_derivative_through_the_autograd_engine(config, state)
+        _check_no_derivative_through_a_donating_step(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
             return run_step(config, state, batch)
 
@@ -272,6 +276,19 @@ def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: 
                       f"term through that gradient (d<c, new>/dp = c, without -lr H c), silently. Use "
                       f"train_step(..., engine='func'), which is differentiable through (docs/func.md); where no "
                       f"derivative through the step is wanted, pass params that do not require grad (p.detach())")
+
+
+def _check_no_derivative_through_a_donating_step(config: StepConfig, state: ZeroState) -> None:
+    """A donating step whose input state is tracked (`update.differentiated_through` of its params,
+    masters and optimizer state: a torch.func level differentiating them, or under plain
+    autograd one that requires grad) is differentiated through, which its in-place update
+    refuses (`update.donated_through`): refused here, before the forward, with the same error,
+    where before the whole forward and backward ran first (found in review). `update` still
+    refuses what only the gradients show (a derivative with respect to a tensor the loss closes
+    over, or the batch). Every rank's state is tracked alike (the same program), so every rank
+    raises here."""
+    if config.donate and differentiated_through(state, {}):
+        raise donated_through(state)
 
 
 @contextlib.contextmanager
@@ -435,6 +452,34 @@ def _shown(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
+def _note_micro_batches(e: Exception, k: int, i: int, mb: Any) -> None:
+    """Where the loss raised `e` on micro-batch `i` of `k` > 1, a note saying what that micro-batch
+    is: a batch `(x, y)` passed as it is with `micro_batches=2`, x and y of one dtype and number of
+    dimensions (token ids and their targets, both int64 [B, T]), passes `_check_alike` and reads
+    as the micro-batches x and y, so the loss's `x, y = mb` raises "too many values to unpack"
+    (or an indexing error), which named no step setting (found in review). Not on fzero's own
+    errors (they say what they found), nor at k = 1."""
+    if k > 1 and not isinstance(e, FzeroError):
+        e.add_note(f"fzero: with micro_batches={k} the step read its batch as a list of {k} micro-batches and the "
+                   f"loss raised on micro-batch {i}, {_described(mb)}. If that is not what the loss takes: "
+                   f"step(state, batches) takes a list of {k} micro-batches, each what the loss takes "
+                   f"([(x0, y0), (x1, y1), ...]), and a batch (x, y) passed as it is reads as the micro-batches "
+                   f"x and y")
+
+
+def _described(mb: Any) -> str:
+    """A micro-batch in words for `_note_micro_batches`: a tensor's dtype and shape, a tuple's or a
+    list's entries (the first 4), a dict's keys, else its type."""
+    if isinstance(mb, torch.Tensor):
+        return f"a tensor {_shown(mb)}"
+    if isinstance(mb, (tuple, list)):
+        parts = [_shown(x) if isinstance(x, torch.Tensor) else type(x).__name__ for x in mb[:4]]
+        return f"a {type(mb).__name__} of {len(mb)} ({', '.join(parts)}{', ...' if len(mb) > 4 else ''})"
+    if isinstance(mb, Mapping):
+        return f"a {type(mb).__name__} with keys {list(mb)[:4]}"
+    return f"a {type(mb).__name__}"
+
+
 def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
                buffers: HostBuffers | None = None) -> tuple[dict[int, torch.Tensor], torch.Tensor, Report, torch.Tensor]:
     """Backward over every micro-batch: `(reduced gradient per trainable bucket, this rank's loss
@@ -462,7 +507,7 @@ def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: Ea
     used = bad = None
     for i, mb in enumerate(micro):
         with in_micro_batch(state.mesh, i, len(micro)):  # ranks in different micro-batches: a mismatch
-            grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers)
+            grads, l_i, report, c_i, started = backward(config, state, mb, norms, buffers, i)
             parts = grads if once else {b: g.to(dtypes[b]) for b, g in reduce(state, grads, started).items()}
         for b in acc:
             acc[b] = _add(acc[b], parts[b], config.accum_dtype)
@@ -528,7 +573,7 @@ def _trainable(state: ZeroState) -> list[int]:
 
 
 def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms | None = None,
-             buffers: HostBuffers | None = None
+             buffers: HostBuffers | None = None, index: int = 0
              ) -> tuple[dict[int, torch.Tensor | None], torch.Tensor, Report, torch.Tensor, dict[int, Flight]]:
     """One micro-batch: `({bucket: gradient of its differentiated tensor, or None}, detached loss
     as differentiated, Report, token count (float64; 0 in "mean" mode), {bucket: its reduction in
@@ -537,7 +582,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     bucket's gradient is then None and `reduce` finishes the flight (the same calls on the same
     tensor, so the same bits). `norms` (`EarlyNorms`) takes the norm of each reduction's result
     that exists in the unit's backward (N = 1); `buffers` (`HostBuffers`) where the units assemble
-    their gradients (`Inflight.buffers`)."""
+    their gradients (`Inflight.buffers`); `index`: the micro-batch's, which an error of the loss
+    names (`_note_micro_batches`)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     plan = step_plan(state.info)
     trainable = plan.trainable
@@ -576,7 +622,12 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         counts: list[torch.Tensor] = []
 
         def objective(params: Any, mb: Any) -> torch.Tensor:
-            loss, count = _objective(config, config.loss_fn(params, mb))
+            try:
+                out = config.loss_fn(params, mb)
+            except Exception as e:  # (a try costs nothing until it catches)
+                _note_micro_batches(e, config.micro_batches, index, mb)
+                raise
+            loss, count = _objective(config, out)
             counts.append(count)
             # a loss the check refuses goes to it as returned (scaled, it was named float32)
             scalable = s != 1.0 and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
@@ -590,18 +641,19 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
-    if config.engine == "func":
-        with _finished(made):
+    with _finished(made):
+        if config.engine == "func":  # (no placeholder roots: the loss runs at grad_and_value's level)
             (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
                 train, probes)
-    else:
-        with _finished(made):
+            g_roots = {}
+        else:
             g_train, g_probes, loss, count, g_roots = _autograd(
                 loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
+    if inflight is not None:  # the autograd engine's
         inflight.wait()  # the reductions the units' backward started: done before any gradient is read
         if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
             inflight.side.join()
-        refuse_placeholder_gradients(g_roots)
+    refuse_placeholder_gradients(g_roots)
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 
@@ -609,7 +661,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 @contextlib.contextmanager
 def _finished(made: list[Gathering]) -> Iterator[None]:
     """Around a micro-batch's loss and backward: hold the `Gathering` the loss makes (`made`) until
-    the backward is over, then `finish` it (drop the refills still in flight), also where the loss
+    the backward is over, then `finish` it (drop the gathers still in flight), also where the loss
     or the backward raises. Nothing else holds it strongly: its units' Functions hold their
     `after_backward` weakly, and the graph's saved-tensor hooks only until autograd frees the last
     tensor saved through them."""

@@ -52,7 +52,7 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
     raises is left out: `update` calls `update_`, which raises the same error after the verdict,
     where it always did."""
     optimizer = state.optimizer
-    if not donate or optimizer.prepare_ is None or _differentiated(state, reduced):
+    if not donate or optimizer.prepare_ is None or differentiated_through(state, reduced):
         return None  # differentiated through: nothing launched early; `update` raises
     layout, stage, rank = state.layout, state.stage, state.rank
     plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
@@ -105,8 +105,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
                           "none: use donate=False")
-    if donate and ready is None and _differentiated(state, reduced):  # (a `Ready`: `prepare` found it is not)
-        raise _donated_through(state)
+    if donate and ready is None and differentiated_through(state, reduced):  # (a `Ready`: `prepare` found it is not)
+        raise donated_through(state)
     step = int(state.step)
     new_params, new_opt, new_master = list(state.params), list(state.opt_state), list(state.master)
     updated: dict[int, torch.Tensor] = {}
@@ -196,20 +196,22 @@ def _versions(tensors: Sequence[Any]) -> list[int | None]:
     return [version_of(unwrapped(t)) if isinstance(t, torch.Tensor) else None for t in tensors]
 
 
-def _differentiated(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
+def differentiated_through(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
     """Whether a derivative is taken through this update (`optim.base.tracked`: a meta-gradient or
     an HVP through the step, under torch.func or autograd): of the reduced gradients, the params,
     the masters or the optimizer state. Reads one `requires_grad` per tensor in a plain step."""
     return tracked(*_step_tensors(state, reduced))
 
 
-def _donated_through(state: ZeroState) -> ConfigError:
-    """The error of a donating step differentiated through (`_differentiated`): its update writes
+def donated_through(state: ZeroState) -> ConfigError:
+    """The error of a donating step differentiated through (`differentiated_through`): its update writes
     the state's params and optimizer state in place, which torch refuses for a transform's inputs
     ("a view of a leaf Variable that requires grad is being used in an in-place operation", found
     in review, every stage) and through which its foreach and fused kernels would otherwise record
-    no derivative. Raised on every rank (each differentiates the same step), after the agreement
-    and before anything is written (`prepare` launches nothing early then); a donating step under
+    no derivative. Raised on every rank (each differentiates the same step): before the forward
+    where the input state's tensors are tracked (`step._check_no_derivative_through_a_donating_step`),
+    else after the agreement and before anything is written (`prepare` launches nothing early
+    then); a donating step under
     a transform that differentiates nothing through it runs as before."""
     return ConfigError(f"train_step(..., donate=True) is being differentiated through (a meta-gradient or an HVP "
                        f"through the step; {state.mesh!r}, rank {state.rank}, stage {state.stage.level}): a donating "
@@ -263,7 +265,7 @@ def _overlap(state: ZeroState, reduced: dict[int, torch.Tensor]) -> bool:
 def _step_tensors(state: ZeroState, reduced: dict[int, torch.Tensor]) -> Iterator[torch.Tensor]:
     """The tensors a derivative through the update may be taken with respect to: the reduced
     gradients, the state's params, masters and optimizer-state fields (what `_overlap` and
-    `_differentiated` read)."""
+    `differentiated_through` read)."""
     opt = (t for s in state.opt_state if s is not None for t in s)
     return (t for t in itertools.chain(reduced.values(), state.params, state.master, opt) if isinstance(t, torch.Tensor))
 
