@@ -5,69 +5,30 @@ Profiles (select with HYPOTHESIS_PROFILE, default "ci"):
   local 10x the examples, random seeds, the example database on; for a long local run.
 """
 
-import os
+import pytest
 
-from hypothesis import HealthCheck, settings
+from fzero.testing import LazyPool, register_profiles
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    database=None,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "local",
-    deadline=None,
-    max_examples=1000,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+register_profiles()  # fzero.testing.PROFILES: the same "ci" and "local" a suite of one's own gets
 
 
 # ---------------------------------------------------------------------------------------------
 # Pools of torchrun gloo workers, started on first use and kept for the whole session
-# (fzero.testing.pool; tests/dist_cases.py holds the functions they run).
-
-import pytest  # noqa: E402
-
-from fzero.testing.pool import Pool  # noqa: E402
-
-
-class LazyPool:
-    """A `Pool` of n workers, started on the first `run` and again after one was closed (a call
-    that times out closes its pool, since a hung collective cannot be cancelled)."""
-
-    def __init__(self, n: int) -> None:
-        self.nproc = n
-        self._pool: Pool | None = None
-
-    def run(self, *args, **kwargs):
-        if self._pool is None or not self._pool.alive:
-            self._pool = Pool(self.nproc)
-        return self._pool.run(*args, **kwargs)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+# (fzero.testing.LazyPool; tests/dist_cases.py holds the functions they run).
 
 
 @pytest.fixture(scope="session")
 def dist2():
     """2 torchrun gloo workers, started on first use, shared by the whole session."""
-    pool = LazyPool(2)
-    yield pool
-    pool.close()
+    with LazyPool(2) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")
 def dist4():
     """4 torchrun gloo workers, started on first use, shared by the whole session."""
-    pool = LazyPool(4)
-    yield pool
-    pool.close()
+    with LazyPool(4) as pool:
+        yield pool
 
 
 @pytest.fixture

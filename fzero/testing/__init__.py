@@ -3,11 +3,14 @@
 - hypothesis strategies: `pytrees`, `float_tensors`, `integer_valued`, `shapes`, `world_sizes`,
   `units`, `groups`; `examples(n)` (n examples in the "ci" profile, 10 n in "local").
 - `assert_trees_equal`: structure, dict key order, dtypes and values, naming the first difference.
-- `Pool`: a persistent group of torchrun workers on a gloo process group (`fzero.testing.pool`).
+- `Pool`: a persistent group of torchrun workers on a gloo process group (`fzero.testing.pool`);
+  `LazyPool`: one started on first use and again after a failed call closed it (a session fixture).
+- `register_profiles()`: registers the hypothesis profiles "ci" (derandomized, no deadline) and
+  "local" and loads HYPOTHESIS_PROFILE's; call it from the suite's conftest.py.
 
-`Pool` and its errors need only torch. The other names live in `fzero.testing.strategies`, which
-imports hypothesis (the `[test]` extra): it is imported on the first read of one of them, so
-`import fzero.testing` works without hypothesis.
+`Pool`, `LazyPool` and their errors need only torch. The other names live in
+`fzero.testing.strategies`, which imports hypothesis (the `[test]` extra): it is imported on the
+first read of one of them, so `import fzero.testing` works without hypothesis.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fzero.testing.pool import LazyPool as LazyPool
 from fzero.testing.pool import Pool as Pool
 from fzero.testing.pool import PoolError as PoolError
 from fzero.testing.pool import RemoteError as RemoteError
@@ -22,6 +26,7 @@ from fzero.testing.pool import WorkerError as WorkerError
 
 if TYPE_CHECKING:
     from fzero.testing.strategies import FLOAT_DTYPES as FLOAT_DTYPES
+    from fzero.testing.strategies import PROFILES as PROFILES
     from fzero.testing.strategies import assert_trees_equal as assert_trees_equal
     from fzero.testing.strategies import example_count as example_count
     from fzero.testing.strategies import examples as examples
@@ -29,13 +34,15 @@ if TYPE_CHECKING:
     from fzero.testing.strategies import groups as groups
     from fzero.testing.strategies import integer_valued as integer_valued
     from fzero.testing.strategies import pytrees as pytrees
+    from fzero.testing.strategies import register_profiles as register_profiles
     from fzero.testing.strategies import seed_per_case as seed_per_case
     from fzero.testing.strategies import shapes as shapes
     from fzero.testing.strategies import units as units
     from fzero.testing.strategies import world_sizes as world_sizes
 
-_STRATEGIES = ("FLOAT_DTYPES", "assert_trees_equal", "example_count", "examples", "float_tensors", "groups",
-               "integer_valued", "pytrees", "seed_per_case", "shapes", "units", "world_sizes")
+_STRATEGIES = ("FLOAT_DTYPES", "PROFILES", "assert_trees_equal", "example_count", "examples", "float_tensors",
+               "groups", "integer_valued", "pytrees", "register_profiles", "seed_per_case", "shapes", "units",
+               "world_sizes")
 
 
 def __getattr__(name: str) -> Any:
@@ -53,6 +60,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FLOAT_DTYPES",
+    "LazyPool",
+    "PROFILES",
     "Pool",
     "PoolError",
     "RemoteError",
@@ -64,6 +73,7 @@ __all__ = [
     "groups",
     "integer_valued",
     "pytrees",
+    "register_profiles",
     "seed_per_case",
     "shapes",
     "units",

@@ -57,7 +57,16 @@ ENV_SYS_PATH = "FZERO_POOL_SYS_PATH"
 
 class PoolError(RuntimeError):
     """The pool could not start, or a call failed after its first message was sent (it timed out,
-    a worker died, a reply did not unpickle): the pool is closed, its workers killed."""
+    a worker died, a reply did not unpickle, a rank raised and its peers did not answer within
+    `Pool.error_grace`): the pool is closed, its workers killed.
+
+    `errors` lists, in rank order, the `RemoteError`s of the ranks that had raised before the
+    call failed (empty if none had): where one rank raises while its peers wait for it in a
+    collective, that exception is the cause, and the message leads with it."""
+
+    def __init__(self, message: str, errors: Sequence[RemoteError] = ()) -> None:
+        super().__init__(message)
+        self.errors = list(errors)
 
 
 @dataclasses.dataclass
@@ -115,6 +124,12 @@ def _check_nproc(nproc: Any, where: str) -> int:
     return nproc
 
 
+def _check_seconds(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 def _torchrun() -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
@@ -127,14 +142,22 @@ class Pool:
       nproc: the world size N, an int >= 1.
       timeout: default seconds a `run` call may take before the pool is declared hung and closed.
       start_timeout: seconds to wait for all workers to connect.
+      error_grace: seconds the other ranks of a call may still take once one rank has raised;
+        past it the pool is declared hung and closed, and `PoolError` leads with the exception.
+        A rank that raises outside `mesh.run` leaves its peers waiting in their next collective
+        until the process group's timeout: before, the call waited out `timeout` (120 s by
+        default) and raised a `PoolError` that named only the ranks that did not answer, the
+        exception that caused it lost (found in review).
     """
 
     #: seconds between SIGTERM and SIGKILL when a failed call kills the workers
     KILL_GRACE = 2.0
 
-    def __init__(self, nproc: int, *, timeout: float = 120.0, start_timeout: float = 180.0) -> None:
+    def __init__(self, nproc: int, *, timeout: float = 120.0, start_timeout: float = 180.0,
+                 error_grace: float = 10.0) -> None:
         self.nproc = _check_nproc(nproc, "Pool")
         self.timeout = timeout
+        self.error_grace = _check_seconds(error_grace, "Pool: error_grace")
         self._closed = False
         self._conns: list[Connection] = []
         authkey = secrets.token_bytes(32)
@@ -228,9 +251,11 @@ class Pool:
 
         Every rank's message is pickled before any is sent: arguments that do not pickle raise
         ValueError and leave the pool open. Any failure after the first send (a timeout, a dead
-        worker, a reply that does not unpickle) kills the workers at once and raises `PoolError`
-        (KeyboardInterrupt and SystemExit kill them too, and propagate): a rank may hold a call
-        or a reply that the next call would read, so the pool is never reused.
+        worker, a reply that does not unpickle, ranks still silent `error_grace` seconds after
+        one raised) kills the workers at once and raises `PoolError`, which leads with, and
+        carries in `errors`, the exceptions of the ranks that had raised (KeyboardInterrupt and
+        SystemExit kill them too, and propagate): a rank may hold a call or a reply that the next
+        call would read, so the pool is never reused.
         """
         if not self.alive:
             raise PoolError(f"{self!r} is not running")
@@ -275,27 +300,41 @@ class Pool:
                              f"tensors, containers)") from e
 
     def _replies(self, ref: str, timeout: float) -> dict[int, Any]:
-        """Every rank's unpickled reply, or PoolError (pool closed) on a timeout or a dead worker."""
+        """Every rank's unpickled reply, or PoolError (pool closed) on a timeout, a dead worker, or
+        ranks still silent `error_grace` seconds after a rank raised; the PoolError carries the
+        exceptions already received (`_failed`)."""
         replies: dict[int, Any] = {}
         pending = {conn: r for r, conn in enumerate(self._conns)}
         deadline = time.monotonic() + timeout
         while pending:
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                ranks = sorted(pending.values())
                 self._abort()
-                raise PoolError(f"{ref}: rank(s) {ranks} did not answer within {timeout:g} s; the pool is closed "
-                                f"(its workers are killed)\n{self.log_tail()}")
+                raise self._failed(ref, replies, f"rank(s) {sorted(pending.values())} did not answer within "
+                                   + (f"{timeout:g} s" if not _errors(replies) else
+                                      f"{self.error_grace:g} s of it (error_grace; waiting, most likely, in a "
+                                      f"collective for the rank that raised: run the body under `mesh.run`, "
+                                      f"whose guard stops every rank of a verified DistMesh with RankFailed)"))
             for conn in ready:
                 r = pending.pop(conn)  # type: ignore[call-overload]
                 try:
                     data = conn.recv_bytes()
                 except (EOFError, OSError) as e:
                     self._abort()
-                    raise PoolError(f"{ref}: worker {r} died ({e!r}); the pool is closed (its workers are "
-                                    f"killed)\n{self.log_tail()}") from e
+                    raise self._failed(ref, replies, f"worker {r} died ({e!r})") from e
                 replies[r] = pickle.loads(data)
+                if replies[r][0] != "ok":
+                    deadline = min(deadline, time.monotonic() + self.error_grace)
         return replies
+
+    def _failed(self, ref: str, replies: dict[int, Any], what: str) -> PoolError:
+        """The PoolError of a call that failed after it was sent, leading with the exceptions of
+        the ranks that had raised (the likely cause of a hang)."""
+        errors = _errors(replies)
+        lead = f"rank(s) {[e.rank for e in errors]} raised and " if errors else ""
+        body = "".join(f"\n--- rank {e.rank} ---\n{e}" for e in errors)
+        return PoolError(f"{ref}: {lead}{what}; the pool is closed (its workers are killed){body}\n{self.log_tail()}",
+                         errors)
 
     def _abort(self) -> None:
         """Close at once after a failed call: the workers may be busy (a hung collective, a peer
@@ -348,6 +387,57 @@ class Pool:
         self._log.close()
         if not keep_log:
             os.unlink(self._log.name)
+
+
+class LazyPool:
+    """A `Pool` of `nproc` workers started on the first `run`, and started again on the `run`
+    after one was closed: a suite's session fixture, which one failed call (a timeout, a dead
+    worker, a rank that raised while its peers hung) must not turn into "is not running" for
+    every later test. Keyword arguments go to each `Pool`.
+
+        @pytest.fixture(scope="session")
+        def dist2():
+            with LazyPool(2) as pool:
+                yield pool
+
+    Before, each suite built on fzero.testing had to write this itself (fzero's own lived in
+    tests/conftest.py; found in review).
+    """
+
+    def __init__(self, nproc: int, **pool_kwargs: Any) -> None:
+        self.nproc = _check_nproc(nproc, "LazyPool")
+        self.pool_kwargs = pool_kwargs
+        self._pool: Pool | None = None
+
+    def __repr__(self) -> str:
+        return f"LazyPool(nproc={self.nproc}, {self._pool!r})"
+
+    def __enter__(self) -> LazyPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def pool(self) -> Pool:
+        """The running `Pool`, started if there is none (or the last one was closed)."""
+        if self._pool is None or not self._pool.alive:
+            self._pool = Pool(self.nproc, **self.pool_kwargs)
+        return self._pool
+
+    def run(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """`Pool.run` on the running pool (started if needed)."""
+        return self.pool.run(*args, **kwargs)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+def _errors(replies: dict[int, Any]) -> list[RemoteError]:
+    """The `RemoteError`s among a call's replies so far, in rank order."""
+    return [RemoteError(r, *replies[r][1:]) for r in sorted(replies) if replies[r][0] != "ok"]
 
 
 def _free_port() -> int:

@@ -25,9 +25,10 @@ import zlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import optree
 import torch
-from hypothesis import seed, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 
 from fzero._src.layout import ParamGroup
@@ -37,11 +38,42 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _PROFILE_FACTOR = {"ci": 1, "local": 10}
 
+_QUIET = (HealthCheck.too_slow, HealthCheck.data_too_large)
+
+#: fzero's hypothesis profiles, as `register_profiles` registers them: "ci" is deterministic
+#: (derandomized, no example database, no deadline: a torch step's time varies far more than
+#: hypothesis's default 200 ms deadline allows); "local" draws random examples, keeps the
+#: database, and `examples(n)` runs 10 n under it.
+PROFILES: dict[str, dict[str, Any]] = {
+    "ci": {"derandomize": True, "database": None, "deadline": None, "print_blob": True,
+           "suppress_health_check": _QUIET},
+    "local": {"deadline": None, "max_examples": 1000, "print_blob": True, "suppress_health_check": _QUIET},
+}
+
+
+def register_profiles() -> str:
+    """Register the hypothesis profiles "ci" and "local" (`PROFILES`), load the one the
+    environment variable HYPOTHESIS_PROFILE names ("ci" if unset; a profile of the suite's own,
+    registered before, loads too) and return its name.
+
+    Call it once from the suite's `conftest.py`. `examples(n)` and `seed_per_case` count on the
+    loaded profile: without this call the suite runs under hypothesis's default profile, whose
+    seeds are random and whose 200 ms deadline fails torch steps, although `example_count`
+    reads HYPOTHESIS_PROFILE as "ci" (found in review: the profiles lived only in fzero's own
+    tests/conftest.py, so a suite built on fzero.testing was not derandomized in CI).
+    """
+    for name, values in PROFILES.items():
+        settings.register_profile(name, **values)
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    settings.load_profile(profile)
+    return profile
+
 
 def example_count(n: int) -> int:
     """`n` under the "ci" hypothesis profile (the default), `10 * n` under "local".
 
-    The profile is read from the environment variable HYPOTHESIS_PROFILE.
+    The profile is read from the environment variable HYPOTHESIS_PROFILE; `register_profiles`
+    loads the profile of that name.
     """
     profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
     return n * _PROFILE_FACTOR.get(profile, 1)
@@ -51,14 +83,15 @@ def examples(n: int) -> settings:
     """A `hypothesis.settings` decorator running `example_count(n)` examples:
     `n` in the "ci" profile, `10 * n` in the "local" profile.
 
-    Use it on top of `@given`: `@examples(100)`. Other settings come from the loaded profile.
+    Use it on top of `@given`: `@examples(100)`. Other settings come from the loaded profile
+    (`register_profiles`, called from the suite's conftest.py, loads "ci" or "local").
     """
     return settings(max_examples=example_count(n))
 
 
 def seed_per_case(*case: Any):
-    """A decorator giving a property run once per parametrized case its own seed under the
-    derandomized "ci" profile; under other profiles (random seeds) it changes nothing.
+    """A decorator giving a property run once per parametrized case its own seed where the
+    property is derandomized (the "ci" profile); where its seeds are random it changes nothing.
 
     Derandomized, hypothesis seeds a property from its source, so a property run in every case
     of a parametrized test draws the same examples in each: eight world sizes ran one set of
@@ -74,10 +107,16 @@ def seed_per_case(*case: Any):
             def prop(pb): ...
 
             prop()
+
+    The property's own settings decide (an `@settings(derandomize=True)` on it, or the
+    profile's, which `@given` and `@examples` carry): before, only the loaded profile's
+    `derandomize` was read, so a property derandomized by its own `@settings` under a random
+    profile drew one set of examples in every case (found in review).
     """
 
     def apply(test: Any) -> Any:
-        if not settings.default.derandomize:
+        own = getattr(test, "_hypothesis_internal_use_settings", None) or settings.default
+        if not own.derandomize:
             return test
         key = f"{test.__module__}.{test.__qualname__}:{case!r}"
         return seed(zlib.crc32(key.encode()))(test)
@@ -300,12 +339,20 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str:
+def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, bitwise: bool = False) -> str:
+    """The count of differing elements and the first, by value (and, compared `bitwise`, by its
+    bits: two NaNs, or 0.0 and -0.0, read alike as values)."""
     flat = int(differ.reshape(-1).nonzero()[0])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
     count = int(differ.sum())
+    x, y = a.reshape(-1)[flat], b.reshape(-1)[flat]
+    bits = ""
+    if bitwise and (a.dtype.is_floating_point or a.is_complex()):
+        width = 2 * a.element_size() // (2 if a.is_complex() else 1)
+        hex_of = (lambda t: " ".join(f"{int(v) & (1 << 4 * width) - 1:0{width}x}" for v in _bits(t).reshape(-1)))
+        bits = f" (bits {hex_of(x)} != {hex_of(y)})"
     return (f"{count} of {a.numel()} elements differ; first at index {list(index)}: "
-            f"{a.reshape(-1)[flat].item()!r} != {b.reshape(-1)[flat].item()!r}")
+            f"{x.item()!r} != {y.item()!r}{bits}")
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -338,7 +385,42 @@ def _compare_tensors(path: str, a: torch.Tensor, b: torch.Tensor, bitwise: bool)
         if torch.equal(a, b):
             return
         differ = a != b  # NaN != NaN, as in torch.equal
-    raise AssertionError(f"leaf {where!r} ({a.dtype}{list(a.shape)}): {_first_difference(a, b, differ)}")
+    raise AssertionError(f"leaf {where!r} ({a.dtype}{list(a.shape)}): {_first_difference(a, b, differ, bitwise)}")
+
+
+def _compare_arrays(where: str, a: np.ndarray | np.generic, b: np.ndarray | np.generic, bitwise: bool) -> None:
+    """numpy leaves as tensor leaves are compared: dtype, shape, then every element (NaN differs
+    from NaN), or, `bitwise`, every float's bytes. Before, they went through `==`: arrays of
+    more than one element raised numpy's ValueError (equal or not), and one-element arrays of
+    different dtypes or shapes (float32[1] and float64[1, 1]) passed (found in review)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise AssertionError(f"leaf {where!r}: numpy {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
+    x, y = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+    if bitwise and a.dtype.kind in "fc":
+        differ = (x.view(np.uint8).reshape(x.size, -1) != y.view(np.uint8).reshape(y.size, -1)).any(1)
+    else:
+        differ = np.asarray(x != y)  # NaN != NaN, as in np.array_equal
+    if differ.any():
+        flat = int(np.flatnonzero(differ)[0])
+        index = [int(i) for i in np.unravel_index(flat, a.shape)] if a.ndim else []
+        raise AssertionError(f"leaf {where!r} (numpy {a.dtype}{list(a.shape)}): {int(differ.sum())} of {a.size} "
+                             f"elements differ; first at index {index}: {x[flat]!r} != {y[flat]!r}")
+
+
+def _compare_leaves(where: str, a: Any, b: Any) -> None:
+    """Other leaves by `!=`, which must give a truth value: a leaf holding tensors (an
+    unregistered dataclass, say) raised torch's "Boolean value of Tensor ... is ambiguous"
+    RuntimeError instead of an AssertionError naming its path (found in review)."""
+    try:
+        differ = bool(a != b)
+    except Exception as e:  # noqa: BLE001 - any failure to compare is a failure to prove equal
+        raise AssertionError(
+            f"at {where!r}: {type(a).__name__} leaves cannot be compared with != ({type(e).__name__}: {e}); "
+            f"register the type as a pytree node in fzero's namespace (optree.register_pytree_node(..., "
+            f"namespace='fzero')) so that its children are compared one by one, or compare its fields") from e
+    if differ:
+        raise AssertionError(f"at {where!r}: {_short(a)} != {_short(b)}")
 
 
 def _scalar_bits(x: float | complex) -> bytes:
@@ -379,7 +461,9 @@ def _entry(entry: Any) -> str:
 def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = "") -> None:
     """Assert that two pytrees are equal: same node types, same dict keys in the same insertion
     order, and every tensor leaf `torch.equal` (same dtype, shape and device too; NaN differs from
-    NaN). Other leaves are compared with `==`.
+    NaN). numpy arrays and scalars are compared as tensors are (dtype, shape, every element). Other
+    leaves are compared with `!=`, which must give a truth value: a leaf it cannot compare (an
+    unregistered dataclass holding tensors) is an AssertionError naming its path.
 
     Nodes that optree flattens in fzero's namespace besides dicts, lists and tuples (`ZeroState`,
     say, or a type registered with `optree.register_pytree_node(..., namespace="fzero")`) are
@@ -387,25 +471,29 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = ""
     path entries, and their children recursively.
 
     With `bitwise=True` floats are compared by their bits: float and complex tensors (complex
-    through `torch.view_as_real`) and Python float and complex leaves (their IEEE double bits), so
-    NaN equals a NaN of the same bits and differs from one with another payload, and 0.0 differs
-    from -0.0.
+    through `torch.view_as_real`), numpy float and complex arrays (their bytes) and Python float
+    and complex leaves (their IEEE double bits), so NaN equals a NaN of the same bits and differs
+    from one with another payload, and 0.0 differs from -0.0; the message shows the first
+    differing element's bits.
 
     Meta tensors hold no values: for them only dtype, shape and device are compared.
 
     Raises:
       AssertionError naming the dotted path, and for tensors the number of differing elements
-      and the first differing index with both values.
+      and the first differing index with both values; for dicts the keys on one side only, or
+      the first position where the order differs.
     """
     where = _path or "<root>"
     join = (lambda k: f"{_path}.{k}" if _path else str(k))
     if type(a) is not type(b):
-        raise AssertionError(f"at {where!r}: node types differ: {type(a).__name__} != {type(b).__name__}")
+        hint = (" (both tensors: compare `.detach()` or `.as_subclass(torch.Tensor)` where the class does not "
+                "matter)" if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else "")
+        raise AssertionError(f"at {where!r}: node types differ: {type(a).__name__} != {type(b).__name__}{hint}")
     if isinstance(a, torch.Tensor):
         _compare_tensors(_path, a, b, bitwise)
     elif isinstance(a, dict):
         if list(a) != list(b):
-            raise AssertionError(f"at {where!r}: dict keys differ (in order): {list(a)} != {list(b)}")
+            raise AssertionError(f"at {where!r}: dict keys differ: {_key_difference(list(a), list(b))}")
         for k in a:
             assert_trees_equal(a[k], b[k], bitwise=bitwise, _path=join(k))
     elif isinstance(a, (list, tuple)):
@@ -427,9 +515,22 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = ""
                                  f"{_short(list(entries_b))}")
         for entry, x, y in zip(entries_a, kids_a, kids_b):
             assert_trees_equal(x, y, bitwise=bitwise, _path=join(_entry(entry)))
+    elif isinstance(a, (np.ndarray, np.generic)) and a.dtype != object:
+        _compare_arrays(where, a, b, bitwise)
     elif bitwise and isinstance(a, (float, complex)):
         if _scalar_bits(a) != _scalar_bits(b):
             raise AssertionError(f"at {where!r}: {a!r} != {b!r} (bitwise: {_scalar_bits(a).hex()} != "
                                  f"{_scalar_bits(b).hex()})")
-    elif a != b:
-        raise AssertionError(f"at {where!r}: {a!r} != {b!r}")
+    else:
+        _compare_leaves(where, a, b)
+
+
+def _key_difference(a: list[Any], b: list[Any]) -> str:
+    """What differs between two dicts' keys: those on one side only, or, the same keys, the first
+    position where their order differs (before, both whole key lists: a model's hundreds of names
+    to compare by eye)."""
+    only_a, only_b = [k for k in a if k not in b], [k for k in b if k not in a]
+    if only_a or only_b:
+        return f"only in the first: {_short(only_a)}; only in the second: {_short(only_b)}"
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"the same {len(a)} keys in another order; first at position {i}: {a[i]!r} != {b[i]!r}"
