@@ -153,6 +153,8 @@ def test_bad_settings():
     mesh = fzero.SimMesh(1)
     with pytest.raises(fzero.ConfigError, match="precision must be a fzero.Precision"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision="bf16"))
+    with pytest.raises(fzero.ConfigError, match=r"got NoneType None; for no policy .* pass fzero.Precision\(\)"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=None))
     two = fzero.SimMesh(2)
     with pytest.raises(fzero.ConfigError, match="settings differ across ranks.*'precision'"):
         two.run(lambda r: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=two,

@@ -231,7 +231,9 @@ def init(
             raise ConfigError(f"sync must be a bool (broadcast rank 0's values to every rank), got "
                               f"{type(sync).__name__} {sync!r}")
         if not isinstance(precision, Precision):
-            raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}")
+            raise ConfigError(f"precision must be a fzero.Precision, got {type(precision).__name__} {precision!r}; "
+                              f"for no policy (every leaf computes and reduces in its own dtype) leave it out or "
+                              f"pass fzero.Precision(), the default")
         if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
             raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
                               f"got {type(loss_scale).__name__} {loss_scale!r}")
