@@ -148,8 +148,9 @@ def test_compiled_loss_same_bits_in_every_stage(engine, gather):
 @pytest.mark.parametrize("gather", ["on_use", "eager"])
 def test_compiled_loss_is_compiled(gather):
     """The compiled code really runs inside the step (not a silent fallback to eager): dynamo
-    captures a graph of the loss's ops. (A whole compiled loss over `LazyParams` would not: dynamo
-    gives up its frame at the lazy read, hence `_reading`.)"""
+    captures a graph of the loss's ops. (A whole compiled loss over `LazyParams` would break the
+    graph at each lazy read, and under the func engine capture nothing, hence `_reading`:
+    docs/compile.md.)"""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
