@@ -1,5 +1,6 @@
 """Worker functions for tests/test_ddp.py (and the models tests/test_module.py uses): fzero against
-torch DDP on the same gloo group.
+torch DDP on the same gloo group. The N = 2 bitwise comparison runs on fzero.testing's public
+`ddp_trajectory`, `fzero_trajectory` and `trajectory_differences` (`fzero/testing/ddp.py`).
 
 Each runs on every rank of a `fzero.testing.Pool` as `fn(mesh, *args)`; the test process draws
 the batches and ships rank r its own.
@@ -8,6 +9,7 @@ the batches and ships rank r its own.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -17,6 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fzero
 from fzero import broadcast_buffers, from_module, units_by_prefix
+from fzero.testing import ddp_trajectory as ddp_trajectory_of
+from fzero.testing import fzero_trajectory as fzero_trajectory_of
+from fzero.testing import trajectory_differences
 
 STAGES = (0, 1, 2, 3)
 
@@ -61,15 +66,19 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+#: each model's container of blocks, for units_by_prefix (one unit per block)
+PREFIXES = {"mlp": "body", "encoder": "layers.layers", "gpt2": "transformer.h"}
+
+
 def build(name: str) -> tuple[nn.Module, str | None]:
     """`(model, prefix of its blocks for units_by_prefix)`, the same on every rank."""
     torch.manual_seed(0)
     if name == "mlp":
-        return MLP(), "body"
+        return MLP(), PREFIXES[name]
     if name == "encoder":
-        return Encoder(), "layers.layers"
+        return Encoder(), PREFIXES[name]
     if name == "gpt2":
-        return gpt2(), "transformer.h"
+        return gpt2(), PREFIXES[name]
     raise ValueError(name)
 
 
@@ -116,55 +125,43 @@ def optimizers(kind: str):
 
 # --- N = 2: every stage bitwise equal to DDP ---------------------------------------------------
 
-def ddp_trajectory(name: str, kind: str, batches: list) -> list[dict[str, torch.Tensor]]:
-    """DDP + torch.optim(foreach=False): params (and buffers) after every step on this rank."""
-    model, _ = build(name)
-    ddp = DDP(model, find_unused_parameters=name == "mlp")  # default: rank 0's buffers broadcast before every forward
+def model_of(name: str) -> nn.Module:
+    """`build(name)`'s model: `make_model` for fzero.testing's trajectories."""
+    return build(name)[0]
+
+
+def loss_for(name: str):
+    """`loss_fn(model, batch)` for fzero.testing's trajectories: the model's forward on the batch,
+    then its loss."""
+    return lambda model, batch: loss_of(name, forward(name, model, batch), batch)
+
+
+def ddp_trajectory(mesh, name: str, kind: str, batches: list) -> list[dict[str, torch.Tensor]]:
+    """DDP + torch.optim(foreach=False): params (and buffers) after every step on this rank
+    (`fzero.testing.ddp_trajectory`; DDP's default broadcasts rank 0's buffers before every forward)."""
     _, make = optimizers(kind)
-    opt = make([p for p in model.parameters() if p.requires_grad])
-    out = []
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        loss_of(name, forward(name, ddp, batch), batch).backward()
-        opt.step()
-        snap = {k: v.detach().clone() for k, v in model.named_parameters()}
-        snap.update({"buffer:" + k: v.clone() for k, v in model.named_buffers()})
-        out.append(snap)
-    return out
+    return ddp_trajectory_of(mesh, functools.partial(model_of, name),
+                             lambda model: make([p for p in model.parameters() if p.requires_grad]),
+                             loss_for(name), batches, find_unused_parameters=name == "mlp")
 
 
 def fzero_trajectory(mesh, name: str, kind: str, stage: int, batches: list) -> list[dict[str, torch.Tensor]]:
-    """fzero at `stage`: the gathered params (and buffers) after every step on this rank."""
-    model, prefix = build(name)
-    params, apply, info = from_module(model, units=units_by_prefix(model, prefix))
-    del model
+    """fzero at `stage`: the gathered params (and buffers) after every step on this rank
+    (`fzero.testing.fzero_trajectory`, one unit per block of `build(name)`'s prefix)."""
     opt, _ = optimizers(kind)
-    state = fzero.init(params, opt, stage=stage, mesh=mesh, units=info.units, groups=info.groups)
-    step = fzero.train_step(lambda p, b: loss_of(name, forward(name, apply, b, p), b))
-    out = []
-    for batch in batches:
-        broadcast_buffers(info, mesh)  # DDP's broadcast_buffers=True
-        state, _ = step(state, batch)
-        snap = dict(fzero.gather(state))
-        snap.update({"buffer:" + k: v.clone() for k, v in info.buffers.items()})
-        out.append(snap)
-    return out
+    return fzero_trajectory_of(mesh, functools.partial(model_of, name), opt, loss_for(name), batches, stage=stage,
+                               units=PREFIXES[name])
 
 
 def compare_with_ddp(mesh, name: str, kinds: list[str], batches: list) -> dict[str, list[str]]:
-    """`{"<kind> stage <s>": [first differences]}`; empty lists mean bitwise equal at every step."""
+    """`{"<kind> stage <s>": [first differences]}`; empty lists mean bitwise equal at every step
+    (`fzero.testing.trajectory_differences`)."""
     report = {}
     for kind in kinds:
-        ref = ddp_trajectory(name, kind, batches)
+        ref = ddp_trajectory(mesh, name, kind, batches)
         for stage in STAGES:
-            got = fzero_trajectory(mesh, name, kind, stage, batches)
-            diffs = []
-            for t, (a, b) in enumerate(zip(ref, got)):
-                if set(a) != set(b):
-                    diffs.append(f"step {t}: names differ: {sorted(set(a) ^ set(b))[:4]}")
-                diffs += [f"step {t}: {k} max |diff| {(a[k].double() - b[k].double()).abs().max().item():.3g}"
-                          for k in a if k in b and not torch.equal(a[k], b[k])]
-            report[f"{kind} stage {stage}"] = diffs[:6]
+            report[f"{kind} stage {stage}"] = trajectory_differences(ref, fzero_trajectory(mesh, name, kind, stage,
+                                                                                           batches))
     return report
 
 

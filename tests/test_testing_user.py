@@ -25,7 +25,8 @@ from torch import nn
 
 import fzero
 from fzero import optim
-from fzero.testing import LazyPool, PoolError, assert_trees_equal, examples, integer_valued, seed_per_case, world_sizes
+from fzero.testing import (LazyPool, PoolError, assert_trees_equal, ddp_trajectory, examples, fzero_trajectory,
+                           integer_valued, seed_per_case, trajectory_differences, world_sizes)
 
 # ---------------------------------------------------------------------------------------------
 # The team's model and its two trainings (module level: the pool's workers import them by name)
@@ -70,25 +71,11 @@ def batches_for(n: int, steps: int, seed: int) -> list[list[tuple[torch.Tensor, 
              for _ in range(steps)] for _ in range(n)]
 
 
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def ddp_run(batches: list) -> list[dict[str, torch.Tensor]]:
-    """DDP + torch.optim.AdamW(foreach=False): the params after every step on this rank."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = build()
-    ddp = DDP(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
-                            foreach=False)
-    out = []
-    for tokens, targets in batches:
-        opt.zero_grad(set_to_none=True)
-        lm_loss(ddp(tokens), targets).backward()
-        opt.step()
-        out.append(snapshot(model))
-    return out
+def team_loss(model, batch) -> torch.Tensor:
+    """The loss as `fzero.testing.ddp`'s trajectories take it: `model` is DDP's module or fzero's
+    apply bound to the step's params."""
+    tokens, targets = batch
+    return lm_loss(model(tokens), targets)
 
 
 def fzero_run(mesh, stage: int, batches: list, *, micro_batches: int = 1, clip_norm: float | None = None,
@@ -107,8 +94,13 @@ def fzero_run(mesh, stage: int, batches: list, *, micro_batches: int = 1, clip_n
 
 
 def ddp_and_every_stage(mesh, batches: list) -> tuple[list, dict[int, list]]:
-    """On one worker: DDP's trajectory and fzero's at each stage, on the same process group."""
-    return ddp_run(batches), {stage: fzero_run(mesh, stage, batches) for stage in (0, 1, 2, 3)}
+    """On one worker: DDP + torch.optim.AdamW(foreach=False)'s trajectory and fzero's at each
+    stage, on the same process group (`fzero.testing.ddp`)."""
+    adamw = (lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
+                                         foreach=False))
+    ref = ddp_trajectory(mesh, build, adamw, team_loss, batches)
+    return ref, {stage: fzero_trajectory(mesh, build, optim.adamw(1e-2, weight_decay=0.1), team_loss, batches,
+                                         stage=stage, units="") for stage in (0, 1, 2, 3)}
 
 
 def raise_on_rank_1(mesh):
@@ -149,10 +141,11 @@ def test_my_model_equals_ddp_bit_for_bit_at_every_stage_n2(pool2):
     for rank, (ddp, stages) in enumerate(results):
         assert len(ddp) == 2 and set(ddp[0]) == {"emb.weight", "pos", "ln.weight", "ln.bias", "mlp.0.weight",
                                                  "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "ln_f.weight",
-                                                 "ln_f.bias"}
+                                                 "ln_f.bias", "buffer:positions"}
         for stage, got in stages.items():
+            assert trajectory_differences(ddp, got) == [], stage  # every leaf, the frozen one too
             for t in range(2):
-                assert_trees_equal(got[t], ddp[t], bitwise=True)  # every leaf, the frozen one too
+                assert_trees_equal(got[t], ddp[t], bitwise=True)
     assert_trees_equal(results[0], results[1], bitwise=True)  # the ranks agree
 
 

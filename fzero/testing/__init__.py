@@ -7,8 +7,11 @@
   `LazyPool`: one started on first use and again after a failed call closed it (a session fixture).
 - `register_profiles()`: registers the hypothesis profiles "ci" (derandomized, no deadline) and
   "local" and loads HYPOTHESIS_PROFILE's; call it from the suite's conftest.py.
+- `ddp_trajectory`, `fzero_trajectory`, `trajectory_differences`: a model of one's own trained
+  by torch DDP and by fzero at a stage on the same process group (on every rank of a `Pool`), and
+  where the two trajectories differ bit for bit (`fzero.testing.ddp`).
 
-`Pool`, `LazyPool` and their errors need only torch. The other names live in
+`Pool`, `LazyPool`, their errors and `fzero.testing.ddp`'s names need only torch. The other names live in
 `fzero.testing.strategies`, which imports hypothesis (the `[test]` extra): it is imported on the
 first read of one of them, so `import fzero.testing` works without hypothesis.
 """
@@ -18,6 +21,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fzero.testing.ddp import BUFFER as BUFFER
+from fzero.testing.ddp import ddp_trajectory as ddp_trajectory
+from fzero.testing.ddp import fzero_trajectory as fzero_trajectory
+from fzero.testing.ddp import trajectory_differences as trajectory_differences
 from fzero.testing.pool import LazyPool as LazyPool
 from fzero.testing.pool import Pool as Pool
 from fzero.testing.pool import PoolError as PoolError
@@ -59,6 +66,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BUFFER",
     "FLOAT_DTYPES",
     "LazyPool",
     "PROFILES",
@@ -67,15 +75,18 @@ __all__ = [
     "RemoteError",
     "WorkerError",
     "assert_trees_equal",
+    "ddp_trajectory",
     "example_count",
     "examples",
     "float_tensors",
+    "fzero_trajectory",
     "groups",
     "integer_valued",
     "pytrees",
     "register_profiles",
     "seed_per_case",
     "shapes",
+    "trajectory_differences",
     "units",
     "world_sizes",
 ]

@@ -285,8 +285,8 @@ def world_sizes(max_n: int = 8) -> st.SearchStrategy[int]:
     smallest world that shards), and N = 1 is one choice among `max_n`, last: still drawn, and
     still reached by shrinking when only N = 1 fails.
     """
-    if max_n < 1:
-        raise ValueError(f"world_sizes: max_n must be >= 1, got {max_n}")
+    if isinstance(max_n, bool) or not isinstance(max_n, int) or max_n < 1:
+        raise ValueError(f"world_sizes: max_n must be an int >= 1, got {max_n!r}")
     return st.sampled_from((*range(2, max_n + 1), 1))
 
 
