@@ -20,14 +20,14 @@ register_profiles()  # fzero.testing.PROFILES: the same "ci" and "local" a suite
 @pytest.fixture(scope="session")
 def dist2():
     """2 torchrun gloo workers, started on first use, shared by the whole session."""
-    with LazyPool(2) as pool:
+    with LazyPool(2, error_grace=10) as pool:  # a rank's exception within 10 s where its peers hang
         yield pool
 
 
 @pytest.fixture(scope="session")
 def dist4():
     """4 torchrun gloo workers, started on first use, shared by the whole session."""
-    with LazyPool(4) as pool:
+    with LazyPool(4, error_grace=10) as pool:
         yield pool
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import fzero
+import fzero.testing
 from fzero import optim
 from fzero._src.gathering import Gathering
 from fzero._src.stages import Flight
@@ -198,6 +199,45 @@ def test_an_evaluation_that_raises_leaves_no_gather_in_flight():
     assert unwaited == [], unwaited
 
 
+def raise_at_different_units_unverified(mesh, group_timeout: float):
+    """On a pool worker: stage 3, prefetch 1, over a `DistMesh(verify=False)` on a gloo group of
+    its own (its timeout `group_timeout`): rank 0's loss raises after reading blocks.0 and
+    blocks.1 (so it started blocks.2's gather), rank 1's after blocks.0 (it never starts
+    blocks.2's). Returns `(the error's text, seconds the step took)`."""
+    import datetime
+    import time
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout))
+    m = fzero.DistMesh(group, verify=False, timeout=group_timeout)
+    params, apply, info = cases.model(D, HIDDEN)
+    read = [0, 1] if m.rank == 0 else [0]
+
+    def loss(p, b):
+        apply(p, b[0], read)
+        raise ValueError(f"rank {m.rank} refused")
+
+    state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=m, units=info.units)
+    start = time.monotonic()
+    try:
+        fzero.train_step(loss, prefetch=1)(state, cases.batch(m.rank))
+    except ValueError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.dist
+def test_unverified_ranks_that_raise_at_different_units_do_not_wait_for_each_others_prefetch():
+    """Over `DistMesh(verify=False)` a rank cannot know its peers started the gather it started
+    ahead: a peer that raised earlier never did. The rank that raised later gets its error at
+    once (`Mesh.starts_agreed`), not at the group's timeout (found in review of the change that
+    made `finish` wait for the forward's prefetches: it waited the 8 s out)."""
+    with fzero.testing.Pool(2, timeout=60) as pool:  # a pool of its own: the unmatched gather stays behind
+        got = pool.run(raise_at_different_units_unverified, [(8.0,)] * 2)
+    for rank, (error, seconds) in enumerate(got):
+        assert error == f"rank {rank} refused"
+        assert seconds < 4.0, (rank, seconds)
+
+
 # -- a donating step differentiated through: refused before its forward ---------------------------
 
 
@@ -263,7 +303,7 @@ def _ids(*shape, seed=0):
 
 
 def _fzero_notes(e: BaseException) -> list[str]:
-    return [n for n in getattr(e, "__notes__", []) if n.startswith("fzero: with micro_batches")]
+    return [n for n in getattr(e, "__notes__", []) if n.startswith("fzero: ")]
 
 
 def test_a_batch_read_as_micro_batches_says_so_on_the_losss_error_and_only_there():
@@ -277,6 +317,14 @@ def test_a_batch_read_as_micro_batches_says_so_on_the_losss_error_and_only_there
     assert len(notes) == 1, getattr(e, "__notes__", None)
     assert "micro_batches=2" in notes[0] and "micro-batch 0, a tensor int64[3, 4]" in notes[0], notes[0]
     assert "[(x0, y0), (x1, y1), ...]" in notes[0], notes[0]
+
+    well_formed = [(_ids(3, 4), _ids(3, 4)), (_ids(3, 4), _ids(3, 4))]
+
+    def broken_model(p, mb):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    e = _step_error(2, well_formed, loss=broken_model)  # the model's own error: one line, no advice
+    assert _fzero_notes(e) == ["fzero: the loss raised on micro-batch 0 of 2 (micro_batches=2)"], e.__notes__
 
     e = _step_error(1, _ids(3, 4))
     assert isinstance(e, ValueError) and "too many values to unpack" in str(e), e

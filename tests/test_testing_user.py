@@ -25,7 +25,7 @@ from torch import nn
 
 import fzero
 from fzero import optim
-from fzero.testing import (LazyPool, PoolError, assert_trees_equal, ddp_trajectory, examples, fzero_trajectory,
+from fzero.testing import (LazyPool, PoolError, RemoteError, assert_trees_equal, ddp_trajectory, examples, fzero_trajectory,
                            integer_valued, seed_per_case, trajectory_differences, world_sizes)
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +200,31 @@ def test_a_rank_that_raises_while_its_peer_waits_is_reported_within_error_grace(
     assert [(e.rank, e.type_name) for e in info.value.errors] == [(1, "builtins.ValueError")]
     message = str(info.value)
     assert message.startswith("tests.test_testing_user:raise_on_rank_1: rank(s) [1] raised and rank(s) [0] did "
-                              "not answer within 2 s of it (error_grace"), message
+                              "not answer within 2 s of rank 1's error (error_grace); waiting, most likely, in a "
+                              "collective"), message
     assert "my model broke on rank 1 only" in message and "the pool is closed" in message
     assert pool2.run(rank_of) == [0, 1]  # a new pool
+
+
+def raise_on_rank_0_while_rank_1_works(mesh, seconds: float):
+    """Rank 0 raises at once an error the test expects; rank 1 works `seconds` (no collective)."""
+    if mesh.rank == 0:
+        raise ValueError("expected on rank 0")
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.mark.dist
+def test_by_default_a_slow_peer_of_a_rank_that_raised_is_waited_for():
+    """`error_grace` is off by default: with `return_exceptions=True` the caller gets rank 0's
+    error and rank 1's result, though rank 1 answers 3 s after rank 0 raised, and the pool stays
+    up (with `error_grace=1` it is killed and the call raises `PoolError`; found in review)."""
+    with LazyPool(2, timeout=60) as pool:
+        got = pool.run(raise_on_rank_0_while_rank_1_works, [(3.0,)] * 2, return_exceptions=True)
+        assert isinstance(got[0], RemoteError) and isinstance(got[0].exception, ValueError) and got[1] == "done"
+        assert pool.pool.alive
+    with LazyPool(2, timeout=60, error_grace=1) as pool, pytest.raises(PoolError, match="within 1 s of rank 0's"):
+        pool.run(raise_on_rank_0_while_rank_1_works, [(3.0,)] * 2, return_exceptions=True)
 
 
 def test_error_grace_must_be_positive_seconds():

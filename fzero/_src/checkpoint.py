@@ -1768,8 +1768,8 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
 
 def _as_module_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """`t` as `module.to(dtype)` leaves a param or buffer: cast where floating, else as it is
-    (an int64 step count, a bool mask: casting would change what they count). A complex buffer
-    stays as it is too, where `Module.to` would drop its imaginary part. None: as saved."""
+    (an int64 step count, a bool mask: casting would change what they count). A complex param
+    or buffer stays as it is too, where `Module.to` would drop its imaginary part. None: as saved."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 

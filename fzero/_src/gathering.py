@@ -573,21 +573,24 @@ class Gathering:
         flight, it left that gather unwaited -- on gloo the next collective hung until the mesh
         timeout -- and the later units' `after_backward` unrun; found in review.) So after a whole
         backward nothing is left here; after an error, what the forward and the backward started
-        is, the forward's prefetches of units never read included (`call` drains those only where
-        the loss returns: a loss that raised after reading unit u had started the gather of the
-        unit after it, which, before, nobody waited for; found in review). Every rank started the
-        same gathers (`_prefetch` decides alike on every rank), so every rank waits for the same;
-        no collective starts here.
+        is. No collective starts here.
 
-        On an `error` they are waited for too (a `DistMesh` that verifies starts a collective only
-        once every rank has called it), a wait that fails passing silently, so that `error` is
-        what the step raises; not on the mesh's own (`MeshError`: a lost or stuck rank, after
-        which a wait may never end) nor on an interrupt."""
+        On an `error` the refills are waited for too: every rank reached the backward, so every
+        rank started them. So are the forward's prefetches of units never read (`call` drains
+        those only where the loss returns: a loss that raised after reading unit u had started
+        the gather of the unit after it, which, before, nobody waited for; found in review), but
+        only where the mesh `starts_agreed` (SimMesh; a `DistMesh` that verifies starts a
+        collective only once every rank has called it): the ranks may have raised at different
+        units, and over `DistMesh(verify=False)` a peer that raised earlier never started that
+        gather, so the wait would last to the process group's timeout (found in review). A wait
+        that fails passes silently, so that `error` is what the step raises; none on the mesh's
+        own error (`MeshError`: a lost or stuck rank, after which a wait may never end) nor on an
+        interrupt."""
         if error is None:
             for unit in list(self._ahead):
                 self._drop(unit)
         elif isinstance(error, Exception) and not isinstance(error, MeshError):
-            for unit in list(self._ahead):
+            for unit in [u for u in self._ahead if u in self._leaves or self._programs[u].mesh.starts_agreed]:
                 with contextlib.suppress(RuntimeError):  # (MeshError is one)
                     self._drop(unit)
 
@@ -648,7 +651,7 @@ class Gathering:
             _check_not_parameter(e)
             raise
         self._check_unwritten()
-        self.drain()  # not on an error: a failed rank must not wait for a gather its peers may not start
+        self.drain()  # on an error, `finish` waits only for what every rank started (`Mesh.starts_agreed`)
         return out
 
     def _check_unwritten(self, cause: BaseException | None = None) -> None:
@@ -928,7 +931,10 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
         def pack(t: torch.Tensor) -> _Saved:
             key = t.untyped_storage()._cdata
             if key not in gathering._owner:
-                return _Saved(t if t.grad_fn is None else t.detach(), version_of(t))
+                if t.grad_fn is None:
+                    return _Saved(t, version_of(t))
+                with torch._C.DisableTorchFunctionSubclass():  # as the unit's below: no subclass sees it
+                    return _Saved(t.detach(), version_of(t))
             # a unit's: a detached copy (the same storage and version counter; torch gives the
             # unpacked tensor back its autograd metadata), one use of the storage that only this
             # `_Saved` holds, counted by `Gathering._uses`

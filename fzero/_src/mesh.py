@@ -154,6 +154,16 @@ class Mesh(abc.ABC):
         prefetch reads it (`train_step(prefetch=None)`)."""
         return False
 
+    @property
+    def starts_agreed(self) -> bool:
+        """Whether every rank has called a collective once its `start` returns (SimMesh: the
+        collective is done; a verifying DistMesh: the ranks exchanged its fingerprint first), so
+        that waiting for it cannot wait for a rank that never started it. A rank that raised
+        waits for the gathers it started ahead only where this holds (`Gathering.finish`): over
+        `DistMesh(verify=False)` its peers may have raised before reaching them, and the wait
+        would last to the process group's timeout (found in review)."""
+        return not self.asynchronous
+
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         """Run `fn(*args_r)` on every rank r this process runs (all N on SimMesh, its own on
@@ -1062,6 +1072,10 @@ class DistMesh(Mesh):
     @property
     def asynchronous(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def starts_agreed(self) -> bool:
+        return self.verify or self.world_size == 1
 
     @property
     def all_reduce_is_reduce_scatter_gather(self) -> bool:
