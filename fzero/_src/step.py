@@ -453,31 +453,25 @@ def _shown(t: torch.Tensor) -> str:
 
 
 def _note_micro_batches(e: Exception, k: int, i: int, mb: Any) -> None:
-    """Where the loss raised `e` on micro-batch `i` of `k` > 1, a note saying what that micro-batch
-    is: a batch `(x, y)` passed as it is with `micro_batches=2`, x and y of one dtype and number of
-    dimensions (token ids and their targets, both int64 [B, T]), passes `_check_alike` and reads
-    as the micro-batches x and y, so the loss's `x, y = mb` raises "too many values to unpack"
-    (or an indexing error), which named no step setting (found in review). Not on fzero's own
-    errors (they say what they found), nor at k = 1."""
-    if k > 1 and not isinstance(e, FzeroError):
-        e.add_note(f"fzero: with micro_batches={k} the step read its batch as a list of {k} micro-batches and the "
-                   f"loss raised on micro-batch {i}, {_described(mb)}. If that is not what the loss takes: "
-                   f"step(state, batches) takes a list of {k} micro-batches, each what the loss takes "
-                   f"([(x0, y0), (x1, y1), ...]), and a batch (x, y) passed as it is reads as the micro-batches "
-                   f"x and y")
-
-
-def _described(mb: Any) -> str:
-    """A micro-batch in words for `_note_micro_batches`: a tensor's dtype and shape, a tuple's or a
-    list's entries (the first 4), a dict's keys, else its type."""
-    if isinstance(mb, torch.Tensor):
-        return f"a tensor {_shown(mb)}"
-    if isinstance(mb, (tuple, list)):
-        parts = [_shown(x) if isinstance(x, torch.Tensor) else type(x).__name__ for x in mb[:4]]
-        return f"a {type(mb).__name__} of {len(mb)} ({', '.join(parts)}{', ...' if len(mb) > 4 else ''})"
-    if isinstance(mb, Mapping):
-        return f"a {type(mb).__name__} with keys {list(mb)[:4]}"
-    return f"a {type(mb).__name__}"
+    """Where the loss raised `e` on micro-batch `i` of `k` > 1, a note naming it. Where that
+    micro-batch is a bare tensor, the note says how the batch was read too: a batch `(x, y)`
+    passed as it is with `micro_batches=2`, x and y of one dtype and number of dimensions (token
+    ids and their targets, both int64 [B, T]), passes `_check_alike` and reads as the
+    micro-batches x and y, so the loss's `x, y = mb` raises "too many values to unpack" (or an
+    indexing error), which named no step setting (found in review); a micro-batch of another
+    kind cannot come from that mix-up, and its note is one line (a model's own error under
+    well-formed micro-batches, found in review of the first note). Not on fzero's own errors
+    (they say what they found), nor at k = 1."""
+    if k <= 1 or isinstance(e, FzeroError):
+        return
+    if not isinstance(mb, torch.Tensor):
+        e.add_note(f"fzero: the loss raised on micro-batch {i} of {k} (micro_batches={k})")
+        return
+    e.add_note(f"fzero: with micro_batches={k} the step read its batch as a list of {k} micro-batches and the "
+               f"loss raised on micro-batch {i}, a tensor {_shown(mb)}. If that is not what the loss takes: "
+               f"step(state, batches) takes a list of {k} micro-batches, each what the loss takes "
+               f"([(x0, y0), (x1, y1), ...]), and a batch (x, y) passed as it is reads as the micro-batches "
+               f"x and y")
 
 
 def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
@@ -662,7 +656,8 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 def _finished(made: list[Gathering]) -> Iterator[None]:
     """Around a micro-batch's loss and backward: hold the `Gathering` the loss makes (`made`) until
     the backward is over, then `finish` it (drop the gathers still in flight), also where the loss
-    or the backward raises. Nothing else holds it strongly: its units' Functions hold their
+    or the backward raises -- and then have autograd's engine let go of what it had not run of the
+    graph (`drop_unrun_backward`). Nothing else holds it strongly: its units' Functions hold their
     `after_backward` weakly, and the graph's saved-tensor hooks only until autograd frees the last
     tensor saved through them."""
     try:
@@ -670,9 +665,35 @@ def _finished(made: list[Gathering]) -> Iterator[None]:
     except BaseException as e:
         for gathering in made:
             gathering.finish(e)
+        if made:  # the loss ran: its backward may have raised
+            drop_unrun_backward()
         raise
     for gathering in made:
         gathering.finish()
+
+
+def drop_unrun_backward() -> None:
+    """Where a backward raised, make torch's autograd engine let go of the part of the graph it
+    had not run. The engine keeps the nodes that were ready to run when a node raised (each with
+    the gradients it was handed) in this thread's ready queue until the next backward on the
+    thread: those nodes hold the rest of the graph -- its saved activations, each unit's
+    Function context with the step's reductions in flight (`Inflight`), and in stage 3 the
+    saved-tensor hooks' `Gathering`, with the gathered units not yet released and the input
+    state's buffers. So a step whose backward raised (an error of a custom Function's backward,
+    torch's in-place check, `DivergentPaths` in a unit's reduction, an out-of-memory error),
+    caught, kept all of it alive until the next step's backward; after a last such step (a
+    handler that saves, evaluates or loads a checkpoint and exits) for the rest of the thread
+    (found in review: a leak hunt; tests/test_no_leaks.py). A backward of one zero here pops
+    those stale nodes (their graph is gone, so they are dropped, not run), as the next backward
+    would. `_finished` calls it on any error once the loss has run (after an error of the forward
+    there is nothing to pop: one backward of a zero, on the error path only); not under a
+    torch.func transform (a step differentiated through: its levels own what they run); a failure
+    here never hides the error being raised."""
+    if func_level() is not None:
+        return
+    with contextlib.suppress(Exception), torch.inference_mode(False), torch.enable_grad():
+        z = torch.zeros((), requires_grad=True)
+        torch.autograd.grad(z.view(()), z)
 
 
 def _reads_held(state: ZeroState, xs: list[torch.Tensor], fulls: list[torch.Tensor | None]) -> bool:
