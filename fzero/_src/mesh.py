@@ -993,8 +993,13 @@ class DistMesh(Mesh):
         for speed once a program is known to be right. Off, nothing is compared and a rank's
         exception is not announced (`guard`): calls that differ meet in the backend (a wait, an
         abort, or buffers mixed silently; stages 2-3 raise no `DivergentPaths`), and the other
-        ranks of one that raised stop only when its process exits (`RankFailed`) or at the
-        timeout. The settings `init` and each step compare are compared either way.
+        ranks of one that raised stop when its process exits (`RankFailed`), at the timeout, or,
+        where it caught its error and called again (a retry, a notebook), not at all: their
+        pending call meets its new one, and where the two agree in shape it returns, built from
+        the retry's data, and nothing says so (where they differ gloo may abort a process; found
+        in review, tests/test_one_rank_fails.py runs the verified case). Run with `verify=True`
+        wherever a rank may catch an error and go on. The settings `init` and each step compare
+        are compared either way.
       timeout: a `timedelta` or seconds: how long a fingerprint exchange waits for the other
         ranks, and the timeout of a process group DistMesh starts.
 
