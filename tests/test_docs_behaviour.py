@@ -275,20 +275,7 @@ def test_a_deepcopy_of_a_distmesh_nvme_state_fails_on_the_swap_files_queue(dist2
 
 # -- docs/compile.md ------------------------------------------------------------------------------
 
-TORCH_213 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-COMPILE_MARKS = [  # torch's own warnings under the suite's warnings-as-errors, as in tests/test_compile.py
-    pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated"
-                               ":DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning"),
-    pytest.mark.skipif(not TORCH_213, reason="torch.compile is tested on torch 2.13 only (docs/compile.md)"),
-]
-
-
-def compiling(test):
-    for mark in COMPILE_MARKS:
-        test = mark(test)
-    return test
+X
 
 
 def _flat():
