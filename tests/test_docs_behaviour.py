@@ -275,7 +275,7 @@ def test_a_deepcopy_of_a_distmesh_nvme_state_fails_on_the_swap_files_queue(dist2
 
 # -- docs/compile.md ------------------------------------------------------------------------------
 
-X
+from .test_docs_claims import compiling  # noqa: E402  (the same marks as test_compile.py's)
 
 
 def _flat():
