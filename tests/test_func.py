@@ -283,3 +283,36 @@ def test_jacfwd_of_a_stage_3_step_is_the_unsharded_jacobian_seen_by_every_rank(d
             e[i::s] = 1.0
             want = (e - cases.LR * _mean_hvp(params, batches, e))[r * s : (r + 1) * s]
             assert torch.equal(jac[:, i], want), (r, i)
+
+
+def test_a_derivative_through_a_clipped_step_holds_the_clip_coefficient_fixed():
+    """docs/func.md: with `clip_norm` the coefficient κ = clip_norm / (‖ḡ‖ + 1e-6) is a Python
+    float made from the agreed norm, so `grad_p <c, step(p)>` is `c − lr κ H c` (κ held fixed),
+    not the derivative of the clipped update as a function of the norm. Loss ½‖A p − b‖² over
+    float64 (H = AᵀA), SGD, SimMesh(1); the two candidates differ by order 0.1 here, and the
+    step's derivative is within float64 rounding (1e-12) of the fixed-κ one."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64),
+               torch.randn(4, generator=g, dtype=torch.float64))
+    p0, lr, clip = torch.randn(4, generator=g, dtype=torch.float64), 0.1, 0.5
+    mesh = fzero.SimMesh(1)
+
+    def run():
+        state = fzero.init({"w": p0.clone()}, fzero.optim.sgd(lr), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, batch: 0.5 * ((a @ p["w"] - b) ** 2).sum(), engine="func", clip_norm=clip)
+        return torch.func.grad(lambda ps: (step(state.replace(params=ps), None)[0].params[0] * c).sum())(
+            state.params)[0][:4]
+
+    got = mesh.run(run)[0]
+    grad = a.T @ (a @ p0 - b)
+    kappa = clip / (grad.norm().item() + 1e-6)
+    assert kappa < 1.0  # clipping is on
+    fixed = c - lr * kappa * (a.T @ a) @ c
+
+    def clipped_update(p):
+        gp = a.T @ (a @ p - b)
+        return (p - lr * clip / (gp.norm() + 1e-6) * gp) @ c
+
+    moving = torch.func.grad(clipped_update)(p0)
+    assert (moving - fixed).abs().max() > 1e-2  # the two readings differ: the test can tell them apart
+    assert (got - fixed).abs().max() < 1e-12, (got, fixed)
