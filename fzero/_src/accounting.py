@@ -49,12 +49,13 @@ CONTROL_SUFFIX = "/leaf_sum"
 class HeldBytes(NamedTuple):
     """Bytes of model state one rank holds, per category (as `fzero.accounting.estimate` names them).
 
-    `optimizer_state` counts every optimizer-state tensor, sharded and replicated fields alike;
-    `optimizer_leaf` is the part in replicated fields, "leaf", "rows" and "cols" (per-leaf step
-    counts: `[L_b]` float32 per trainable bucket; factored row / column statistics), or None when
-    `held_bytes` was not given the optimizer.
-    `master` counts the master shards a state keeps apart from its params (stages 1-2 under a
-    precision policy); 0 where the params are the master copy.
+    `params` counts the params tensors the state holds, `grads` the reduced gradient at the update
+    (`grad_bytes`). `optimizer_state` counts every optimizer-state tensor, sharded and replicated
+    fields alike; `optimizer_leaf` is the part in replicated fields, "leaf", "rows" and "cols"
+    (per-leaf step counts: `[L_b]` float32 per trainable bucket; factored row / column statistics),
+    or None when `held_bytes` was not given the optimizer. `master` counts the master shards a state
+    keeps apart from its params (stages 1-2 under a precision policy); 0 where the params are the
+    master copy. `tiers`: the same split by where each tensor lives (`TierSplit`), or None.
     """
 
     params: int
@@ -96,9 +97,10 @@ def _nbytes(tree: Any) -> int:
 
 
 def grad_bytes(layout: Layout, stage: int | Stage) -> int:
-    """Bytes of the gradient buffer a rank holds at the optimizer step (gradients are transient,
-    so this is read from the layout): per trainable bucket, the reduced `shard[S]` where the
-    stage shards gradients (reduce-scattered during backward), else the reduced `flat[N * S]`."""
+    """Bytes of the gradient buffer a rank holds at the optimizer step under `layout` at `stage`
+    (0-3 or a `Stage`; gradients are transient, so this is read from the layout): per trainable
+    bucket, the reduced `shard[S]` where the stage shards gradients (reduce-scattered during
+    backward), else the reduced `flat[N * S]`."""
     sharded = get_stage(stage).sharded("grads")
     return sum((b.shard_numel if sharded else b.padded_numel) * b.dtype.itemsize
                for b in layout.buckets if not b.group.frozen)
@@ -336,8 +338,9 @@ class OpTotal(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CommVolume:
-    """Collectives of one rank, per op: `data` (what moves params and grads) and `control`
-    (tags "fzero.*" and "*/leaf_sum", reported apart). Totals cover `data` only."""
+    """Collectives of one rank on a mesh of `world_size` ranks, per op: `data` (what moves params
+    and grads) and `control` (tags "fzero.*" and "*/leaf_sum", reported apart). Totals cover
+    `data` only."""
 
     world_size: int
     data: Mapping[str, OpTotal]
@@ -386,7 +389,7 @@ def _totals(items: Iterable[tuple[str, int, int]], world_size: int) -> dict[str,
 
 
 def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = None, steps: int = 1) -> CommVolume:
-    """`Mesh.record()` records -> one rank's `CommVolume`, per step.
+    """`records` (what `Mesh.record()` recorded) -> one rank's `CommVolume`, per step.
 
     `world_size` is the size of the mesh that recorded them. The records carry no world size, so
     what can be checked is: every record's rank is below it, every all_gather / reduce_scatter
@@ -490,11 +493,11 @@ def expected_comm(
 ) -> CommVolume:
     """Data collectives of one rank in one optimizer step (control collectives excluded).
 
-    `model` is a `fzero.layout.plan` layout (one buffer of `N * S_b` elements per bucket b, padding
-    included) or a bare count Ψ (one trainable fp32 buffer of Ψ elements). Each buffer's dtype
-    is its bucket's unless `param_dtype` (gathers of params) / `grad_dtype` (reductions) say
-    otherwise. The collectives per buffer are the stage's (`Stage.moves`); per trainable buffer
-    of E elements:
+    `stage` is 0-3 or a `Stage`. `model` is a `fzero.layout.plan` layout (one buffer of `N * S_b`
+    elements per bucket b, padding included) or a bare count Ψ (one trainable fp32 buffer of Ψ
+    elements). Each buffer's dtype is its bucket's unless `param_dtype` (gathers of params) /
+    `grad_dtype` (reductions) say otherwise. The collectives per buffer are the stage's
+    (`Stage.moves`); per trainable buffer of E elements:
 
         stage 0:  RS(E) + AG(E)          reduce, then gather the reduced gradient back; or
                   AR(E)                  one all-reduce on a `mesh` whose all-reduce has their bits

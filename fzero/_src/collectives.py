@@ -108,6 +108,10 @@ def check_forward_mode(mesh: Mesh) -> None:
 def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
     """`x[S, ...] -> y[N * S, ...]`: rank r's rows land at `[r * S, (r + 1) * S)` on every rank.
 
+    `mesh` is the mesh of N ranks (every rank calls with the same shape and dtype); `tag`, here
+    and in every collective, a label recorded with the call (`CollectiveRecord.tag`) and compared
+    between ranks, or None.
+
     Differentiable: the backward is a reduce-scatter every rank must join, which a rank runs only
     where its `x` requires grad (under grad mode): so every rank's `x` must require grad, or
     none's (`x.detach()` where nothing is differentiated). Ranks that differ raise
@@ -119,13 +123,15 @@ def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.
 
 
 def reduce_scatter(y: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
-    """`y[N * S, ...] -> x[S, ...]`: rank r gets rows `[r * S, (r + 1) * S)` of `Σ_s y_s`.
-    Its backward, an all-gather, needs `y` to require grad on every rank or none (`all_gather`)."""
+    """`y[N * S, ...] -> x[S, ...]`: rank r gets rows `[r * S, (r + 1) * S)` of `Σ_s y_s`, over
+    `mesh` (`tag` as for `all_gather`). Its backward, an all-gather, needs `y` to require grad on
+    every rank or none (`all_gather`)."""
     return _ReduceScatter.apply(y, mesh, tag, has_backward(y))
 
 
 def all_reduce(x: torch.Tensor, mesh: Mesh, op: str = "sum", *, tag: str | None = None) -> torch.Tensor:
-    """`x[...] -> Σ_s x_s` (op "sum") or the element-wise max (op "max"), on every rank.
+    """`x[...] -> Σ_s x_s` (`op` "sum") or the element-wise max (`op` "max"), on every rank of
+    `mesh` (`tag` as for `all_gather`); another `op` raises `MeshError`.
 
     A sum's backward, an all-reduce, needs `x` to require grad on every rank or none
     (`all_gather`). A max has no backward -- differentiating through it raises on the rank that
@@ -136,7 +142,8 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, op: str = "sum", *, tag: str | None 
 
 
 def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = None) -> torch.Tensor:
-    """`x[...] -> x_src` on every rank.
+    """`x[...] -> x_src` on every rank of `mesh`: rank `src`'s tensor (`0 <= src < N`, else
+    `MeshError`; `tag` as for `all_gather`).
 
     Differentiable: the backward sums every rank's cotangent onto the source (zero elsewhere),
     an all_reduce that every rank must join. A rank runs it only where its own `x` requires grad

@@ -32,7 +32,15 @@ NORMALIZE = ("mean", "tokens")
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """The settings of one `train_step` (see its docstring); validated on construction."""
+    """The settings of one `train_step` (see its docstring); validated on construction.
+
+    Fields: `train_step`'s arguments, each as documented there (`loss_fn`, `engine`,
+    `on_nonfinite`, `gather`, `micro_batches`, `accumulate`, `accum_dtype`, `normalize`,
+    `clip_norm`, `donate`, `persist_bytes`, `max_live_bytes`, `prefetch`, `cast_ahead`,
+    `locate_nonfinite`), and what the step learns as it runs, compared neither by `==` nor
+    between ranks: `ahead` (`CastAhead`, what `cast_ahead` learned) and `buffers` (`HostBuffers`,
+    the CPU buffers a donating stage-0 step assembles local gradients into).
+    """
 
     loss_fn: Callable[[Any, Any], Any]
     engine: str = "autograd"

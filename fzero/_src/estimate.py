@@ -114,7 +114,8 @@ Model = Union[int, float, torch.nn.Module, Any]
 
 
 class BytesPerParam(NamedTuple):
-    """Bytes one parameter costs in each category, before sharding. `K = optimizer_state + master`."""
+    """Bytes one parameter costs in each category (`params`, `grads`, `optimizer_state`, `master`),
+    before sharding. `K = optimizer_state + master`."""
 
     params: int
     grads: int
@@ -128,7 +129,7 @@ class BytesPerParam(NamedTuple):
 
 class OffloadSetting(NamedTuple):
     """What the estimate reads of an offload: where the optimizer's shard lives (None, "cpu",
-    "nvme"), where stage 3's param shards live (None, "cpu"), and the fraction r of the trainable
+    "nvme"), where stage 3's param shards live (None, "cpu", "nvme"), and the fraction r of the trainable
     elements offloaded (DeepSpeed's `ratio`, exact; by whole buckets: `host_fractions`)."""
 
     optimizer: str | None = None
@@ -140,8 +141,9 @@ NO_OFFLOAD = OffloadSetting()
 
 
 class TierBytes(NamedTuple):
-    """Bytes of one rank's model state in one off-device tier (host memory or NVMe), per
-    category; `buffers` are the NVMe swap files' host buffers (`nvme.buffer_bytes`)."""
+    """Bytes of one rank's model state in one off-device tier (host memory or NVMe), per category
+    (`params`, `grads`, `optimizer_state`, `master`); `buffers` are the NVMe swap files' host
+    buffers (`nvme.buffer_bytes`)."""
 
     params: Fraction = Fraction(0)
     grads: Fraction = Fraction(0)
@@ -156,8 +158,8 @@ class TierBytes(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes of model state on one rank at one ZeRO stage. Exact: each field is a `Fraction`
-    (Ψ/N need not be whole for a bare count); `float(e.total) / 1e9` is GB.
+    """Bytes of model state on one rank (of `world_size`) at one ZeRO `stage`. Exact: each field is
+    a `Fraction` (Ψ/N need not be whole for a bare count); `float(e.total) / 1e9` is GB.
 
     `params`, `grads`, `optimizer_state`, `master` and `total` are the device's (the GPU's);
     `host` (CPU RAM) and `nvme` are the off-device tiers of `offload` (zero without offload)."""
@@ -212,8 +214,11 @@ def bytes_per_param(
 ) -> BytesPerParam:
     """Bytes per parameter in each category.
 
-    `param_dtype` defaults to bf16 for "adam-mixed" and fp32 otherwise; `grad_dtype` to
-    `param_dtype`. Optimizer state is fp32 (Adam 8, 12 with `amsgrad`, momentum SGD 4, SGD 0). A
+    `optimizer` is one of "adam-mixed" (the ZeRO paper's bf16 params with an fp32 master),
+    "adam", "sgd-momentum", "sgd", "adafactor" (else `ConfigError`). `param_dtype` defaults to
+    bf16 for "adam-mixed" and fp32 otherwise; `grad_dtype` to `param_dtype`. Optimizer state is
+    fp32 (Adam 8, 12 with `amsgrad`, momentum SGD 4, adafactor 4 -- its per-element second
+    moment; the per-leaf fields are not per parameter -- SGD 0). A
     4-byte fp32 master copy exists exactly when params are narrower than fp32 (mixed precision),
     so "adam-mixed" gives the paper's K = 12 and "adam" (fp32 params) K = 8.
     """
@@ -251,6 +256,10 @@ def policy_bytes_per_param(
 ) -> tuple[BytesPerParam, int]:
     """Bytes per parameter of what `fzero.init(..., precision=precision)` keeps at `stage`, and
     the bytes per parameter of a frozen bucket's params.
+
+    `optimizer` and `amsgrad` as for `bytes_per_param`, but "adam-mixed" is refused (the policy
+    decides the copies: use "adam"); `offload` is where the master and optimizer state live
+    (`OffloadSetting`; default none).
 
     `param_dtype` is the dtype the params are held in (default fp32), `precision.param_dtype`
     (default: the same) the one units compute in, and gradients are reduced in `grad_dtype`
@@ -625,8 +634,8 @@ def _accepts(st: Stage, off: OffloadSetting) -> bool:
 
 
 def estimate_stages(model: Model, world_size: int, **kwargs: Any) -> tuple[MemoryEstimate, ...]:
-    """`estimate` for stages 0, 1, 2, 3, in order (keyword arguments as `estimate`, without `stage`;
-    with an offload, the stages that accept it)."""
+    """`estimate(model, world_size, ...)` for stages 0, 1, 2, 3, in order (keyword arguments as
+    `estimate`, without `stage`; with an offload, the stages that accept it)."""
     return estimate(model, world_size, stage=None, **kwargs)
 
 

@@ -967,7 +967,10 @@ class LazyParams(Mapping):
     """The read-only mapping `{dotted path: leaf}` a loss gets when gathering on use: reading
     any leaf of a unit gathers the whole unit (once per step); a unit never read is gathered only
     after the loss, to reduce its (zero) gradient. `from_module`'s `apply` reads a unit in a
-    forward pre-hook of its submodule and calls `release` after that submodule's forward."""
+    forward pre-hook of its submodule and calls `release` after that submodule's forward.
+
+    The step builds it (not user code): `unit_of` maps each dotted path to its unit, and
+    `gathering` is the step's `Gathering`, which gathers and frees the units."""
 
     def __init__(self, unit_of: dict[str, str], gathering: Gathering) -> None:
         self._unit_of = unit_of

@@ -109,7 +109,11 @@ def type_name(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-    """Where one leaf lives: bucket `bucket`, elements `[offset, offset + numel)` of its flat buffer."""
+    """Where one leaf lives: bucket `bucket`, elements `[offset, offset + numel)` of its flat buffer.
+
+    `index` is its position in `Layout.leaves` (the pytree's flatten order), `path` its dotted
+    path, `shape` and `dtype` its own, `unit` the unit and `group` the `ParamGroup` it belongs to.
+    """
 
     index: int
     path: str
@@ -127,7 +131,13 @@ class LeafSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BucketSpec:
-    """One flat buffer `flat[world_size * shard_numel]` holding `leaves` back to back, then padding."""
+    """One flat buffer `flat[world_size * shard_numel]` holding `leaves` back to back, then padding.
+
+    `index` is its position in `Layout.buckets`; `unit`, `dtype` and `group` the unit, dtype and
+    `ParamGroup` its leaves share; `leaves` their indices in `Layout.leaves`; `numel` their
+    elements (padding excluded); `part` k for the k-th bucket of its (unit, dtype, group) where
+    `plan(bucket_bytes=...)` cuts them into several, else 0.
+    """
 
     index: int
     unit: str
@@ -151,8 +161,8 @@ class BucketSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A piece of one leaf held in one shard: leaf elements `[leaf_start, leaf_start + stop - start)`
-    sit at shard elements `[start, stop)`."""
+    """A piece of leaf `leaf` (its index in `Layout.leaves`) held in one shard: leaf elements
+    `[leaf_start, leaf_start + stop - start)` sit at shard elements `[start, stop)`."""
 
     leaf: int
     leaf_start: int
@@ -162,7 +172,12 @@ class Segment:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The plan for one params pytree and one shard-axis size. Plain data; see `plan`."""
+    """The plan for one params pytree and one shard-axis size. Plain data; see `plan`.
+
+    `treespec` is the pytree's structure (optree's), `leaves` a `LeafSpec` per leaf in flatten
+    order, `buckets` a `BucketSpec` per flat buffer, `world_size` N and `align` the multiple every
+    shard's length is.
+    """
 
     treespec: optree.PyTreeSpec
     leaves: tuple[LeafSpec, ...]
@@ -175,6 +190,7 @@ class Layout:
         return tuple(dict.fromkeys(b.unit for b in self.buckets))
 
     def unit_buckets(self, unit: str) -> tuple[int, ...]:
+        """The indices of the buckets of unit `unit`, in layout order."""
         return tuple(b.index for b in self.buckets if b.unit == unit)
 
     def segments(self, bucket: int, rank: int) -> tuple[Segment, ...]:
@@ -210,6 +226,7 @@ class Layout:
         return flat[rank * s : (rank + 1) * s]
 
     def check_world_size(self, world_size: int, what: str = "mesh") -> None:
+        """`LayoutError` unless `world_size` is the layout's (`what`: what has it, for the message)."""
         if world_size != self.world_size:
             raise LayoutError(
                 f"this layout was planned for world size {self.world_size} but the {what} has world size "
@@ -440,7 +457,8 @@ def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
 
 
 def pack(layout: Layout, params: Any) -> tuple[torch.Tensor, ...]:
-    """`params -> (flat[N * S] per bucket)`: leaves back to back, zero padding at the end.
+    """`params -> (flat[N * S] per bucket)` under `layout`: leaves back to back, zero padding at
+    the end.
 
     A bucket's leaves are joined into one buffer, so they must be on one device (`LayoutError`
     naming the bucket, its leaves and their devices otherwise); buckets may differ."""
@@ -492,7 +510,8 @@ def bucket_leaves(layout: Layout, bucket: int, flat: torch.Tensor) -> list[tuple
 
 
 def unpack(layout: Layout, flats: Sequence[torch.Tensor]) -> Any:
-    """`(flat[N * S] per bucket) -> params`: each leaf a view of its bucket's buffer."""
+    """`flats` (`flat[N * S]` per bucket of `layout`) -> params: each leaf a view of its bucket's
+    buffer."""
     check_flats(layout, flats)
     leaves: list[Any] = [None] * len(layout.leaves)
     for b, flat in zip(layout.buckets, flats):
@@ -502,13 +521,15 @@ def unpack(layout: Layout, flats: Sequence[torch.Tensor]) -> Any:
 
 
 def shard(layout: Layout, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """`(flat[N * S] per bucket) -> (shards[N, S] per bucket)`; row r is rank r's shard (a view)."""
+    """`flats` (`flat[N * S]` per bucket of `layout`) -> `shards[N, S]` per bucket; row r is rank
+    r's shard (a view)."""
     check_flats(layout, flats)
     return tuple(einops.rearrange(f, "(n s) -> n s", n=layout.world_size) for f in flats)
 
 
 def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
-    """Rank `rank`'s `shard[S]` of every bucket."""
+    """Rank `rank`'s `shard[S]` of every bucket of `layout`, from `flats` (`flat[N * S]` per
+    bucket; views). A `rank` outside the world size raises `LayoutError`."""
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside world size {layout.world_size}")
     check_flats(layout, flats)
@@ -516,7 +537,8 @@ def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tu
 
 
 def unshard(layout: Layout, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """`(shards[N, S] per bucket) -> (flat[N * S] per bucket)`; the inverse of `shard`."""
+    """`shards` (`[N, S]` per bucket of `layout`) -> `flat[N * S]` per bucket; the inverse of
+    `shard`."""
     if len(shards) != len(layout.buckets):
         raise LayoutError(f"expected {len(layout.buckets)} shard stacks, one per bucket; got {len(shards)}")
     for b, s in zip(layout.buckets, shards):

@@ -51,9 +51,11 @@ REDUCTIONS = ("sum", "max")
 class CollectiveRecord:
     """One collective as one rank called it.
 
-    `elements` counts the whole logical buffer: `N * S` for all_gather (output) and
-    reduce_scatter (input), the tensor's numel for all_reduce and broadcast. `bytes` is
-    `elements * itemsize`. `tag` names what moved (e.g. a bucket's tag) or is None.
+    `rank` is the caller's rank; `op` one of "all_gather", "reduce_scatter", "all_reduce",
+    "broadcast"; `reduce` the reduction ("sum", or "max" for an all-reduce; None for all_gather and
+    broadcast); `dtype` the tensor's. `elements` counts the whole logical buffer: `N * S` for
+    all_gather (output) and reduce_scatter (input), the tensor's numel for all_reduce and broadcast.
+    `bytes` is `elements * itemsize`. `tag` names what moved (e.g. a bucket's tag) or is None.
     """
 
     rank: int
@@ -509,7 +511,7 @@ def _autocast(devices: tuple[tuple[str, bool, torch.dtype], ...], cache: bool, n
 
 
 class SimMesh(Mesh):
-    """N virtual ranks in one process; see the module docstring.
+    """`world_size` (N) virtual ranks in one process; see `fzero._src.mesh`'s docstring.
 
     Example:
       >>> mesh = fzero.SimMesh(4)

@@ -94,7 +94,7 @@ class _FrozenNames:
 
 def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Collection[str] = False
                 ) -> tuple[dict[str, torch.Tensor], Apply, ModuleInfo]:
-    """`module -> (params, apply, info)`; see the module docstring.
+    """`module -> (params, apply, info)`; see `fzero._src.module`'s docstring.
 
     Args:
       module: any `nn.Module` (its parameters are read, never modified).
@@ -667,7 +667,9 @@ def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) ->
     """One unit per child of the container `prefix` (e.g. "transformer.h"): `path -> unit name`.
 
     `"transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"`; every other parameter goes to
-    unit `rest` (embeddings, final norm, head).
+    unit `rest` (embeddings, final norm, head). `module` is the model whose submodule `prefix`
+    is read (`""`: the model itself); a `prefix` it lacks, or one with no children, raises
+    `FzeroError`.
     """
     try:
         container = module.get_submodule(prefix)
@@ -690,7 +692,8 @@ def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) ->
 
 
 def broadcast_buffers(info: ModuleInfo, mesh: Mesh) -> None:
-    """Copy rank 0's buffers into every rank's, in place (DDP's `broadcast_buffers=True`).
+    """Copy rank 0's buffers into every rank's, in place (DDP's `broadcast_buffers=True`):
+    the buffers of `info` (`ModuleInfo.buffers`), over `mesh`.
 
     Call on every rank, before the step whose forward should start from rank 0's buffers.
     """

@@ -135,7 +135,7 @@ def _flag(name: str, value: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
-    """A fixed loss scale (DeepSpeed's `LossScaler`, fp16 `loss_scale > 0`).
+    """A fixed loss scale, `scale` (DeepSpeed's `LossScaler`, fp16 `loss_scale > 0`).
 
     `update` returns its input: the scale never changes and no counter advances, as DeepSpeed's
     static scaler's `update_scale` does nothing. The step still skips an overflowing update.
@@ -164,9 +164,11 @@ class StaticLossScale:
 class DynamicLossScale:
     """DeepSpeed's dynamic loss scaler (fp16 `loss_scale: 0`) as a pure `(init, update)` pair.
 
-    Settings (DeepSpeed's config names in brackets; its ZeRO defaults are these, except
+    DeepSpeed's config names are in brackets; its ZeRO defaults are these, except for
     `raise_at_min`: DeepSpeed's `DynamicLossScaler` defaults `raise_error_at_min_scale=True`,
-    and ZeRO never overrides it):
+    and ZeRO never overrides it.
+
+    Settings:
       init_scale: the first scale (`2**initial_scale_power`).
       window: W, clean updates between doublings (`loss_scale_window`).
       hysteresis: H, overflows absorbed before the scale halves (`hysteresis`, the scaler's
@@ -178,7 +180,7 @@ class DynamicLossScale:
       raise_at_min: raise `LossScaleError` when the scale would halve at the floor, instead of
         staying there (the scaler's `raise_error_at_min_scale`).
 
-    The update rule is in this module's docstring. Without overflows the
+    The update rule is in `fzero._src.scale`'s docstring. Without overflows the
     scale doubles on the (W+1)-th update and then every W updates: after n >= 1 clean updates it
     is `init_scale * 2**((n - 1) // W)`.
 
@@ -214,7 +216,7 @@ class DynamicLossScale:
 
     def update(self, state: LossScaleState, overflow: bool | torch.Tensor) -> LossScaleState:
         """The state after one optimizer step whose gradients did (`overflow`) or did not
-        overflow; the rule is in this module's docstring. Raises `LossScaleError` where
+        overflow; the rule is in `fzero._src.scale`'s docstring. Raises `LossScaleError` where
         DeepSpeed raises (its state, like `state` here, then stays as it was)."""
         overflow = _overflow(overflow)
         scale, hyst = float(state.scale), int(state.hysteresis)

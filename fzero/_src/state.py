@@ -210,7 +210,9 @@ def init(
         params' own dtype (`fzero._src.precision`).
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
-        `train_step`). Only where some bucket computes in fp16.
+        `train_step`): for trainable buckets that compute in fp16 (`precision`), or fp32 params
+        under a loss run in `torch.autocast(..., dtype=torch.float16)`. Refused (`ConfigError`)
+        where every trainable bucket computes in bf16, or none is trainable.
       offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu" | "nvme",
         nvme_path=, ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme":
         the master shard and the state's per-element fields in swap files under `nvme_path`;
@@ -616,12 +618,14 @@ def _numbered(pairs: list[list[str]]) -> dict[str, str]:
 
 
 def gather(state: ZeroState) -> Any:
-    """The full params pytree (original structure and dtypes), on every rank; fresh tensors.
+    """The full params pytree of `state` (original structure and dtypes), on every rank; fresh
+    tensors.
 
     Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so where a
     rank is in a step meanwhile both raise, `CollectiveMismatch` here and `DivergentPaths` or
-    `CollectiveMismatch` in the step, rather than pair the step's gathers with this one's); where the stage shards params (or keeps a master shard), each
-    bucket is all-gathered. The values are the master values, in the params' own dtype.
+    `CollectiveMismatch` in the step, rather than pair the step's gathers with this one's); where
+    the stage shards params (or keeps a master shard), each bucket is all-gathered. The values are
+    the master values, in the params' own dtype.
     """
     with checked(state), torch.no_grad():
         layout, mesh = state.layout, state.mesh

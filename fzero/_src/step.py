@@ -115,7 +115,7 @@ def train_step(
     cast_ahead: bool = False,
     locate_nonfinite: bool = False,
 ) -> Callable[[ZeroState, Any], tuple[ZeroState, Metrics]]:
-    """Build `step(state, batch) -> (state, metrics)` for one rank (see the module docstring);
+    """Build `step(state, batch) -> (state, metrics)` for one rank (see `fzero._src.step`'s docstring);
     `step.config` is its `StepConfig` (with what `cast_ahead` learned, `config.ahead`).
 
     The stage, the mesh and the optimizer are the state's (`fzero.init`'s).

@@ -93,7 +93,7 @@ def ddp_trajectory(
         would read as fzero differing from DDP).
       make_optimizer: `model -> torch.optim.Optimizer` over the module DDP wraps, e.g.
         `lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)` (frozen params get
-        no gradient, so torch.optim skips them; the module docstring says which settings give
+        no gradient, so torch.optim skips them; `fzero.testing.ddp`'s docstring says which settings give
         fzero's bits).
       loss_fn: `(model, batch) -> 0-d loss`, `model(*args, **kwargs)` being the forward (here the
         DDP-wrapped module), this rank's mean loss on `batch`.
@@ -242,6 +242,8 @@ def _first_difference(a: list[str], b: list[str]) -> tuple[str, str] | None:
 def trajectory_differences(ref: Sequence[Mapping[str, torch.Tensor]], got: Sequence[Mapping[str, torch.Tensor]],
                            limit: int = 6) -> list[str]:
     """Where two trajectories differ, one line each: `[]` when they are bitwise equal at every step.
+    `ref` and `got` are per-step snapshots, `{name: tensor}` (what `ddp_trajectory` and
+    `fzero_trajectory` return).
 
     Compared per step: the keys (those on one side only), then per key the dtype and shape, then
     the bits (`-0.0` against `0.0`, or two NaNs, differ; tensors on another device are compared

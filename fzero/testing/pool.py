@@ -62,7 +62,8 @@ class PoolError(RuntimeError):
 
     `errors` lists, in rank order, the `RemoteError`s of the ranks that had raised before the
     call failed (empty if none had): where one rank raises while its peers wait for it in a
-    collective, that exception is the cause, and the message leads with it."""
+    collective, that exception is the cause, and the message (`message`, the error's text) leads
+    with it."""
 
     def __init__(self, message: str, errors: Sequence[RemoteError] = ()) -> None:
         super().__init__(message)
@@ -71,7 +72,9 @@ class PoolError(RuntimeError):
 
 @dataclasses.dataclass
 class RemoteError:
-    """An exception raised by `fn` on one worker, as text (and as the exception, if it pickles)."""
+    """An exception raised by `fn` on one worker, as text (and as the exception, if it pickles):
+    the worker's `rank`, the exception's `type_name`, `message` and formatted `traceback`, and
+    `exception` itself, or None where it did not pickle."""
 
     rank: int
     type_name: str
@@ -227,7 +230,8 @@ class Pool:
         return not self._closed and self._proc.poll() is None
 
     def log_tail(self, chars: int = 6000) -> str:
-        """The end of torchrun's combined output (its workers' stdout and stderr)."""
+        """The last `chars` bytes of torchrun's combined output (its workers' stdout and stderr),
+        decoded."""
         try:
             text = Path(self._log.name).read_bytes()[-chars:].decode(errors="replace")
         except OSError:

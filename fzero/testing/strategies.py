@@ -165,7 +165,8 @@ def float_tensors(
     dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
     shape: st.SearchStrategy[tuple[int, ...]] | None = None,
 ) -> st.SearchStrategy[torch.Tensor]:
-    """Finite floating tensors of random magnitude (no NaN/inf, so `torch.equal` is meaningful)."""
+    """Finite floating tensors of random magnitude (no NaN/inf, so `torch.equal` is meaningful),
+    of a dtype drawn from `dtypes` and a shape drawn from `shape` (default: `shapes()`)."""
     return st.builds(
         _random_floats,
         shape if shape is not None else shapes(),
@@ -180,7 +181,8 @@ def integer_valued(
     shape: st.SearchStrategy[tuple[int, ...]] | None = None,
     max_abs: int = 16,
 ) -> st.SearchStrategy[torch.Tensor]:
-    """Floating tensors holding integers in `[-max_abs, max_abs]`.
+    """Floating tensors holding integers in `[-max_abs, max_abs]`, `dtypes` and `shape` as for
+    `float_tensors`.
 
     With the default `max_abs = 16`, sums of up to 16 such values are exact in every float
     dtype (bfloat16 represents every integer up to 2^8 = 256 exactly), so a reduction's result
@@ -459,7 +461,7 @@ def _entry(entry: Any) -> str:
 
 
 def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = "") -> None:
-    """Assert that two pytrees are equal: same node types, same dict keys in the same insertion
+    """Assert that two pytrees `a` and `b` are equal: same node types, same dict keys in the same insertion
     order, and every tensor leaf `torch.equal` (same dtype, shape and device too; NaN differs from
     NaN). numpy arrays and scalars are compared as tensors are (dtype, shape, every element). Other
     leaves are compared with `!=`, which must give a truth value: a leaf it cannot compare (an

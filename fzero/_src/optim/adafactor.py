@@ -112,7 +112,7 @@ def adafactor(
     $$p \leftarrow p\,(1 - \eta\lambda),\qquad p \leftarrow p - \frac{\alpha}{\max(1, \mathrm{RMS}(u)/d)}\, u .$$
 
     This is torch.optim.Adafactor's algorithm (no momentum, $\hat\beta_2$ schedule, update
-    clipping $d$, decoupled weight decay) with its relative step and parameter scaling made
+    clipping $d$ = `d`, decoupled weight decay) with its relative step and parameter scaling made
     options, off by default: the step is the learning rate, as in the paper's absolute-step
     setting; `relative_step=True, scale_parameter=True` is torch's step size. Bits are not
     torch's (torch sums with `norm`, fzero exactly): the sums $\sum g^2$ per row and column,

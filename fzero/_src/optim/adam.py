@@ -46,7 +46,7 @@ class AdamState(NamedTuple):
 
 
 class AmsgradState(NamedTuple):
-    """`AdamState` plus `max_exp_avg_sq[S]` ("shard")."""
+    """`AdamState`'s `step`, `exp_avg` and `exp_avg_sq`, plus `max_exp_avg_sq[S]` ("shard")."""
 
     step: torch.Tensor
     exp_avg: torch.Tensor
@@ -272,7 +272,9 @@ def adam(
     r"""Adam with L2 weight decay, bit for bit `torch.optim.Adam`.
 
     Per element of a used leaf, with $t$ the leaf's own step count (after increment),
-    $\eta$ = `lr(step) * group.lr_scale`, $\lambda$ = `weight_decay` (0 where masked):
+    $\eta$ = `lr(step) * group.lr_scale` (`lr`: a float, a callable `step -> float` or a sequence
+    of per-step floats, `as_schedule`), $\lambda$ = `weight_decay` (0 where masked),
+    $(\beta_1, \beta_2)$ = `betas`, $\epsilon$ = `eps`, and $-g$ where `maximize`:
 
     $$g \leftarrow \pm g + \lambda p,\quad m \leftarrow \mathrm{lerp}(m, g, 1-\beta_1),\quad
       v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad \hat v = \max(\hat v, v)\ \text{(amsgrad) else } v,$$
@@ -306,6 +308,9 @@ def adamw(
     impl: Impl | None = None,
 ) -> Optimizer:
     r"""AdamW (decoupled weight decay), bit for bit `torch.optim.AdamW` (`impl` as in `adam`).
+
+    `lr`, `betas`, `eps`, `amsgrad`, `maximize` as in `adam`; `weight_decay` is $\lambda$ below
+    (default 0.01, torch.optim.AdamW's).
 
     As `adam` with $\lambda = 0$ in the gradient, and first $p \leftarrow p\,(1 - \eta\lambda)$
     (the factor a Python float).

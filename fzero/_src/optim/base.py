@@ -187,9 +187,9 @@ def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequenc
 
 
 def pure(update_: Callable, spec: Callable) -> Callable:
-    """The pure `update` of an in-place `update_`: clone `param` and the "shard" fields, then
-    write into the clones. Replicated fields ("leaf", "rows", "cols") are passed as they are
-    (`update_` replaces them).
+    """The pure `update` of an in-place `update_`: clone `param` and the "shard" fields (as `spec`
+    names the state's fields), then write into the clones. Replicated fields ("leaf", "rows",
+    "cols") are passed as they are (`update_` replaces them).
 
     Where a derivative is taken through the update (`tracked`: a meta-gradient or an HVP through
     a step) and `update_` has a differentiable form (its `derive` attribute, `two_phase`'s), that
@@ -216,7 +216,8 @@ def in_place(init: Callable, update_: Callable, spec: Callable, shaped: bool = F
 
 
 def two_phase(name: str, prepare_: Callable) -> Callable:
-    """The `update_` of a two-phase `prepare_` (`Optimizer.prepare_`): the grad shard checked
+    """The `update_` of a two-phase `prepare_` (`Optimizer.prepare_`) of optimizer `name`: the
+    grad shard checked
     first (so a bad grad raises before anything else, as `check_shards` orders its checks), then
     prepared and launched at once. Its `derive` attribute is the differentiable out-of-place form
     (`derived`) that `pure` takes where a derivative goes through the update; `update_` itself,
@@ -371,7 +372,8 @@ LearningRate = Union[float, Schedule, Sequence[float]]
 
 def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi_open: bool = False,
                 allow_inf: bool = False) -> float:
-    """`value` as a Python float, or an `OptimizerError` naming it and the valid range. Any real
+    """`value` as a Python float, or an `OptimizerError` naming it (`name`) and the valid range,
+    `[lo, hi]` (`[lo, hi)` with `hi_open`). Any real
     number but a bool is taken (`numbers.Real`: a Python int or float, numpy's scalars, a
     `Fraction`). It must be finite (an inf learning rate or decay makes every update NaN or inf,
     which the step would then blame on the update) unless `allow_inf` (a threshold where inf
@@ -404,7 +406,8 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def as_schedule(lr: LearningRate) -> Schedule:
-    """A float, a callable `step -> float` or a sequence of per-step floats, as `step -> float`.
+    """`lr` (a float, a callable `step -> float` or a sequence of per-step floats) as
+    `step -> float`.
 
     The value is checked (finite, >= 0) each time it is read, so a schedule that goes negative
     fails at the step where it does, naming the step. A callable is called once per step (the
@@ -452,7 +455,7 @@ def as_schedule(lr: LearningRate) -> Schedule:
 
 
 def group_lr(schedule: Schedule, ctx: UpdateContext) -> float:
-    """`fl(lr(step) * group.lr_scale)`: a Python float, as torch's `group["lr"]`."""
+    """`fl(schedule(ctx.step) * ctx.group.lr_scale)`: a Python float, as torch's `group["lr"]`."""
     return schedule(ctx.step) * ctx.group.lr_scale
 
 
@@ -487,7 +490,8 @@ def check_fits(name: str, ctx: UpdateContext, dtype: torch.dtype, values: dict[s
 
 
 def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
-    """The grad shard is the param shard's: one 1-d `shard[S]`, one dtype, one device."""
+    """`grad` (the grad shard) is `param`'s (the param shard's): one 1-d `shard[S]`, one dtype,
+    one device; else an `OptimizerError` led by `name` (the optimizer's)."""
     if grad.dim() != 1 or param.dim() != 1 or grad.shape != param.shape:
         raise OptimizerError(
             f"{name}: grad shard {list(grad.shape)} and param shard {list(param.shape)} must be the same "
@@ -501,8 +505,9 @@ def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
 
 def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, state: Any, spec: Any,
                  ctx: UpdateContext) -> None:
-    """Shapes and dtypes of one update's inputs, with messages that name them; `grad` None: all
-    but the grad shard (`prepare_`, whose `launch` checks it, `check_grad`)."""
+    """Shapes and dtypes of one update's inputs (`grad`, `param`, `state` against its `spec`, and
+    `ctx`), with `OptimizerError` messages led by `name` that name them; `grad` None: all but the
+    grad shard (`prepare_`, whose `launch` checks it, `check_grad`)."""
     if grad is not None:
         check_grad(name, grad, param)
     elif param.dim() != 1:
@@ -546,7 +551,8 @@ def factored(shape: Sequence[int]) -> bool:
 
 
 def field_shapes(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """The canonical per-leaf form of a state field of spec `kind`: one shape per bucket leaf.
+    """The canonical per-leaf form of a state field of spec `kind`: one shape per bucket leaf
+    (`leaf_shapes`: the bucket leaves' shapes).
 
       "shard"  the leaf's own shape (the field holds the leaf's elements at the leaf's place in
                the bucket's flat buffer; each rank holds its shard of that buffer);
@@ -574,8 +580,9 @@ def field_shapes(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> tuple[tup
 
 
 def leaf_blocks(kind: str, field: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """A replicated field ("leaf", "rows", "cols") of one bucket -> one view per bucket leaf, of
-    the leaf's canonical shape (`field_shapes`): what a checkpoint saves per leaf. The inverse is
+    """A replicated `field` of spec `kind` ("leaf", "rows", "cols") of one bucket whose leaves
+    have the shapes `leaf_shapes` -> one view per bucket leaf, of the leaf's canonical shape
+    (`field_shapes`): what a checkpoint saves per leaf. The inverse is
     `join_blocks`. "shard" fields are cut by the layout (the leaf's offset in the flat buffer)."""
     shapes = field_shapes(kind, leaf_shapes)
     if kind == "shard":
@@ -592,7 +599,8 @@ def leaf_blocks(kind: str, field: torch.Tensor, leaf_shapes: Sequence[tuple[int,
 
 
 def join_blocks(kind: str, blocks: Sequence[torch.Tensor], leaf_shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
-    """Per-leaf blocks of a replicated field, each of its canonical shape -> the field (`[L]` or
+    """`blocks`, per-leaf blocks of a replicated field of spec `kind` for leaves of shapes
+    `leaf_shapes`, each of its canonical shape -> the field (`[L]` or
     the blocks flattened and concatenated in bucket-leaf order): the inverse of `leaf_blocks`."""
     shapes = field_shapes(kind, leaf_shapes)
     for k, (b, shape) in enumerate(zip(blocks, shapes)):
@@ -605,7 +613,8 @@ def join_blocks(kind: str, blocks: Sequence[torch.Tensor], leaf_shapes: Sequence
 
 
 def field_numel(kind: str, leaf_shapes: Sequence[tuple[int, ...]]) -> int:
-    """Elements of a replicated field ("leaf", "rows", "cols") for a bucket of these leaves."""
+    """Elements of a replicated field of spec `kind` ("leaf", "rows", "cols"; "shard" raises
+    `OptimizerError`) for a bucket whose leaves have the shapes `leaf_shapes`."""
     if kind == "shard":
         raise OptimizerError("a 'shard' field's size is the shard's, [S]; field_numel is for replicated kinds")
     return sum(math.prod(s) for s in field_shapes(kind, leaf_shapes))
@@ -630,7 +639,8 @@ IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
 
 
 def check_impl(name: str, impl: Impl | None) -> Impl | None:
-    """`impl` if it is one of `IMPLS` or None (the default), else an `OptimizerError`."""
+    """`impl` if it is one of `IMPLS` or None (the default), else an `OptimizerError` led by
+    `name` (the optimizer's)."""
     if impl is not None and impl not in IMPLS:
         raise OptimizerError(
             f"{name}: impl must be one of {', '.join(map(repr, IMPLS))}, or None for the default "
@@ -640,7 +650,8 @@ def check_impl(name: str, impl: Impl | None) -> Impl | None:
 
 
 def resolve_impl(name: str, impl: Impl | None, param: torch.Tensor, elementwise: Callable[[], bool]) -> tuple[Impl, bool]:
-    """`(implementation, per_leaf)` of one update; `elementwise()` says whether the fused kernel
+    """`(implementation, per_leaf)` of one update of optimizer `name` on the shard `param`;
+    `elementwise()` says whether the fused kernel
     configuration computes every element alike wherever it sits (`fused.elementwise`).
 
     Default (`impl=None`): "fused" on a CUDA floating-point shard whose fused kernel is
@@ -667,9 +678,9 @@ def resolve_impl(name: str, impl: Impl | None, param: torch.Tensor, elementwise:
 
 
 def check_placement(name: str, ctx: UpdateContext, operands: Sequence[torch.Tensor]) -> None:
-    """Every used leaf lies whole in this shard, its pieces of `operands` (param, grad, state
-    shards) placed as torch's own tensors would be (`fused.placed_as_torch`), else an
-    `OptimizerError` naming the leaf and the way out."""
+    """Every used leaf of `ctx` lies whole in this shard, its pieces of `operands` (param, grad,
+    state shards) placed as torch's own tensors would be (`fused.placed_as_torch`), else an
+    `OptimizerError` led by `name` (the optimizer's), naming the leaf and the way out."""
     from .fused import placed_as_torch
 
     device = operands[0].device
@@ -700,8 +711,9 @@ def check_placement(name: str, ctx: UpdateContext, operands: Sequence[torch.Tens
 
 
 def used_pieces(ctx: UpdateContext, key: Sequence[Any], per_segment: bool = False) -> list[tuple[int, int, Any]]:
-    """`(start, stop, key)` of the used leaves' elements: maximal runs of consecutive used
-    segments with equal `key[leaf position]` (`runs`), or one entry per used segment."""
+    """`(start, stop, key)` of the used leaves' elements of `ctx`: maximal runs of consecutive
+    used segments with equal `key[leaf position]` (`runs`), or, with `per_segment`, one entry per
+    used segment."""
     if per_segment:
         pos = {leaf: k for k, leaf in enumerate(ctx.leaves)}
         return [(seg.start, seg.stop, key[pos[seg.leaf]]) for seg in ctx.segments if ctx.used[pos[seg.leaf]]]
@@ -709,7 +721,8 @@ def used_pieces(ctx: UpdateContext, key: Sequence[Any], per_segment: bool = Fals
 
 
 def runs(ctx: UpdateContext, key: Sequence[Any]) -> list[tuple[int, int, Any]]:
-    """Maximal runs `(start, stop, key)` of consecutive segments with equal `key[leaf position]`.
+    """Maximal runs `(start, stop, key)` of consecutive segments of `ctx` with equal
+    `key[leaf position]`.
 
     Segments of consecutive leaves are adjacent in the shard, so in the common case (every
     leaf used, all step counts equal) this is one run over all non-padding elements.

@@ -43,7 +43,8 @@ def lamb(
     r"""LAMB with exact, shard-independent per-leaf norms.
 
     Per used leaf $\ell$ with its own step count $t$, $\eta$ = `lr(step) * group.lr_scale`,
-    $\lambda$ = `weight_decay` (0 where the group masks it off), element-wise as torch's Adam:
+    $\lambda$ = `weight_decay` (0 where the group masks it off), $(\beta_1, \beta_2)$ = `betas`,
+    $\epsilon$ = `eps`, element-wise as torch's Adam:
 
     $$m \leftarrow \mathrm{lerp}(m, g, 1-\beta_1),\quad v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
       r = \frac{m / (1-\beta_1^t)}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon} + \lambda p$$

@@ -24,7 +24,7 @@ def _check_steps(name: str, value: int, lo: int = 0) -> int:
 
 
 def constant(value: float) -> Schedule:
-    r"""$\eta_t = \eta$."""
+    r"""$\eta_t = \eta$ = `value` at every step."""
     value = check_hyper("value", value)
     return lambda step: value
 
@@ -39,7 +39,8 @@ def linear_warmup(peak: float, warmup_steps: int, start_factor: float = 0.0) -> 
 
 
 def cosine(peak: float, decay_steps: int, final: float = 0.0, warmup_steps: int = 0) -> Schedule:
-    r"""Linear warmup from 0 over $W$ steps (if any), then cosine decay over $T$ steps:
+    r"""Linear warmup from 0 to $\eta$ = `peak` over $W$ = `warmup_steps` steps (if any), then
+    cosine decay to $\eta_{min}$ = `final` over $T$ = `decay_steps` steps:
     $\eta_t = \eta_{min} + (\eta - \eta_{min})(1 + \cos(\pi \min(t', T)/T))/2$, $t' = t - W$
     (torch `CosineAnnealingLR(T_max=T, eta_min)` closed form for $W = 0$, held at
     $\eta_{min}$ after $T$)."""
@@ -58,7 +59,8 @@ def cosine(peak: float, decay_steps: int, final: float = 0.0, warmup_steps: int 
 
 
 def step_decay(init: float, step_size: int, gamma: float = 0.1) -> Schedule:
-    r"""$\eta_t = \eta\,\gamma^{\lfloor t / s \rfloor}$ (torch `StepLR` closed form). With
+    r"""$\eta_t = \eta\,\gamma^{\lfloor t / s \rfloor}$, $\eta$ = `init`, $s$ = `step_size`,
+    $\gamma$ = `gamma` (torch `StepLR` closed form). With
     $\gamma > 1$ the value grows; past float's range it is inf (Python's `**` raises there), which
     the optimizer refuses at that step (`as_schedule`), as it refuses a value past the range of the
     params' dtype (`base.check_fits`)."""
