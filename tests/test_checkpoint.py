@@ -918,6 +918,31 @@ def test_buffers_resume_and_export(tmp_path):
     assert not (tmp_path / "z.safetensors").exists()
 
 
+def test_save_safetensors_refuses_what_readers_refuse_before_writing(tmp_path):
+    # found in review: metadata {"k": 1} gave a file safetensors' load_file refuses ("invalid
+    # type: integer"); now every such input is a CheckpointError and no file is left
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tmp_path / "m.safetensors"
+    for tensors, metadata, match in [
+        ({"a": torch.ones(2)}, {"k": 1}, r"metadata\['k'\] = 1 \(str -> int; the format takes str -> str\)"),
+        ({"a": torch.ones(2)}, {1: "v"}, r"metadata\[1\] = 'v' \(int -> str"),
+        ({"a": torch.ones(2)}, {"alias:b": "a"}, r"metadata key 'alias:b'"),
+        ({"a": torch.ones(2)}, [("k", "v")], "metadata must be None or a dict of str -> str, got list"),
+        ({"__metadata__": torch.ones(2)}, None, "may not be named '__metadata__'"),
+        ({3: torch.ones(2)}, None, "tensor name 3 is not a str"),
+        ({"a": [1.0]}, None, "tensors must be a dict of name -> torch.Tensor"),
+    ]:
+        with pytest.raises(ck.CheckpointError, match=match + r".*nothing was written"):
+            ck.save_safetensors(tensors, out, metadata)
+        assert not out.exists() and list(tmp_path.iterdir()) == []
+    ck.save_safetensors({"a": torch.ones(2), "b": torch.zeros(1)}, out, {"k": "v"})
+    assert torch.equal(load_file(str(out))["a"], torch.ones(2))
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"k": "v"}
+
+
 def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
     model = _bn_model()
     params, apply, info = fzero.from_module(model)

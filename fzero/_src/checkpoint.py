@@ -931,16 +931,17 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
          buffers: Mapping[str, torch.Tensor] | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
-    Each rank's canonical chunks and RNG states go through `dcp.save` (module docstring), all
-    ranks agree, and rank 0 writes the manifest with every file's sha256 and renames the folder
-    into place. With `keep=K`, rank 0 first deletes the `.tmp-step-*` folders of saves that
-    crashed, and after the rename the complete checkpoints but the K written last (`complete`:
-    in the order written, so never the one just written). A step skipped for a non-finite
-    gradient does not advance `state.step`: a save after it names the folder of the save before,
-    which raises "exists already", so a loop that saves every k steps saves after the steps
-    that were not skipped (`if not metrics.skipped and int(state.step) % k == 0`). With `buffers` (`{name: tensor}`, e.g. `ModuleInfo.buffers` of `fzero.from_module`:
-    BatchNorm's running statistics), rank 0's are saved too (DDP's convention: its buffers are
-    rank 0's), for `load(..., buffers=)` and `export`; the other ranks' are not read.
+    Each rank's canonical chunks and RNG states go through `dcp.save` (`fzero._src.checkpoint`'s
+    docstring), all ranks agree, and rank 0 writes the manifest with every file's sha256 and renames
+    the folder into place. With `keep=K`, rank 0 first deletes the `.tmp-step-*` folders of saves
+    that crashed, and after the rename the complete checkpoints but the K written last (`complete`:
+    in the order written, so never the one just written). A step skipped for a non-finite gradient
+    does not advance `state.step`: a save after it names the folder of the save before, which raises
+    "exists already", so a loop that saves every k steps saves after the steps that were not skipped
+    (`if not metrics.skipped and int(state.step) % k == 0`). With `buffers` (`{name: tensor}`, e.g.
+    `ModuleInfo.buffers` of `fzero.from_module`: BatchNorm's running statistics), rank 0's are saved
+    too (DDP's convention: its buffers are rank 0's), for `load(..., buffers=)` and `export`; the
+    other ranks' are not read.
 
     Before anything is written the ranks agree (`_agree`), so every rank raises `CheckpointError`
     or none does: where the ranks were given different folders (`root/step-<n>`: another root,
@@ -1802,13 +1803,38 @@ def _check_aliases(path: str, aliases: Any, leaves: list[str], buffers: list[str
             taken.add(alias)
 
 
+def _check_safetensors_names(tensors: Any, metadata: Any) -> None:
+    """What safetensors' readers take, checked before anything is written (found in review: a
+    metadata value that was not a str gave a file `safetensors.torch.load_file` refuses, "invalid
+    type: integer"): names and metadata of str, metadata values of str, no tensor named
+    `__metadata__` and no metadata key `alias:...`, which would read as an alias of this writer."""
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise CheckpointError(f"save_safetensors: tensors must be a dict of name -> torch.Tensor, got "
+                              f"{type(tensors).__name__}; nothing was written")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise CheckpointError(f"save_safetensors: metadata must be None or a dict of str -> str, got "
+                              f"{type(metadata).__name__}; nothing was written")
+    problems = [f"tensor name {k!r} is not a str" for k in tensors if not isinstance(k, str)]
+    problems += ["a tensor may not be named '__metadata__' (the header's own key)"] * ("__metadata__" in tensors)
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            problems.append(f"metadata[{k!r}] = {v!r} ({type(k).__name__} -> {type(v).__name__}; the format takes str -> str)")
+        elif k.startswith("alias:"):
+            problems.append(f"metadata key {k!r} (keys 'alias:<name>' record the aliases of the tensors written)")
+    if problems:
+        raise CheckpointError(f"save_safetensors: {'; '.join(problems)}; nothing was written")
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str] | None = None
                      ) -> None:
     """Write `tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header
     of dtype, shape and byte offsets per name, padded to 8 bytes, then the raw little-endian data).
-    A tensor reached under two names is written once (safetensors has no aliasing). The bytes go
+    A tensor reached under two names is written once (safetensors has no aliasing): the later
+    name is not a tensor of the file but a `"alias:<name>": <first name>` entry of its
+    `__metadata__`, which also holds `metadata` (`{str: str}`, as the format requires). The bytes go
     to a uniquely named temporary file beside `out`, renamed onto `out` when complete: `out` is
     whole or untouched, and a failure (an `out` that is a folder, a full disk) leaves no file."""
+    _check_safetensors_names(tensors, metadata)
     other = {name: str(t.dtype) for name, t in tensors.items() if t.dtype not in _SAFETENSORS}
     if other:
         raise CheckpointError(f"save_safetensors: safetensors has no dtype for {other} (it takes "
@@ -1847,8 +1873,8 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
 
 
 def summary(path: str | os.PathLike) -> str:
-    """What `fzero inspect` prints: step, world size, stage, optimizer, precision, scaler, and each
-    leaf's path, shape, dtype and bytes."""
+    """What `fzero inspect` prints of the checkpoint at `path`: step, world size, stage,
+    optimizer, precision, scaler, and each leaf's path, shape, dtype and bytes."""
     path = _fspath(path, "checkpoint.summary: path (a checkpoint folder, root/step-<n>)")
     m = read_manifest(path)
     lr = _constant_lr(m["optimizer"])
