@@ -395,7 +395,8 @@ def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = N
     what can be checked is: every record's rank is below it, every all_gather / reduce_scatter
     counts a multiple of it (`N * S` elements), and records of several ranks (as `SimMesh`
     records: every rank) hold exactly `world_size` ranks; else ConfigError. `rank` picks whose
-    records to sum (default: the lowest rank present); it must be present. Every rank present
+    records to sum (default: the lowest rank present); it must be present (no records at all, a record
+    taken where nothing was communicated, give an empty `CommVolume`). Every rank present
     must have called the same sequence of (op, dtype, elements, tag), else ConfigError: on a
     correct mesh they always do. `steps` (an int >= 1, the steps the records cover) divides the
     totals (they must divide evenly).
