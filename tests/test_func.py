@@ -231,8 +231,9 @@ def test_vmap_over_a_step_is_a_clear_error():
 
 
 def test_a_transform_through_an_autograd_engine_step_is_refused():
-    """docs/func.md's last row: torch refuses the autograd engine's `requires_grad_` under a
-    transform (a loud error, never a silent wrong derivative); `engine="func"` is the way."""
+    """docs/func.md, the table row "a transform through a step with engine=autograd": torch
+    refuses the autograd engine's `requires_grad_` under a transform (a loud error, never a
+    silent wrong derivative); `engine="func"` is the way."""
     params, batches, c = cases.data(1)
     mesh = fzero.SimMesh(1)
 

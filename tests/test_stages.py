@@ -50,7 +50,8 @@ def test_leaf_used_by_some_ranks_only_is_reduced_on_every_rank(gather):
     contribution and is updated. In stages 2-3 the unit's reduce-scatter runs in its backward,
     which every rank now runs (the unit's anchor), so all stages agree. With gather="on_use" a
     unit only rank 0 reads is gathered (stage 3) and reduced only there: every rank must read the
-    same units in the same order, and otherwise every rank stops with CollectiveMismatch."""
+    same units in the same order, and otherwise every rank stops with CollectiveMismatch (where
+    the ranks' steps took different paths: its subclass DivergentPaths, the README's word)."""
     if gather == "on_use":
         mesh, opt = fzero.SimMesh(2), optim.sgd(0.1)
 
