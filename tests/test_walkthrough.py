@@ -136,3 +136,19 @@ def test_a_compiled_loss_under_the_func_engine_runs_eager(gather):
     assert graphs == 0 and all(torch.equal(a, b) for a, b in zip(under_func, eager))
     under_autograd = torch.compile(lambda w, b, x: torch.tanh(x @ w + b).square().mean(), backend="eager")
     assert _losses("autograd", under_autograd, gather)[1] >= 1
+
+
+def test_a_directly_compiled_loss_under_the_func_engine_warns():
+    """`train_step(torch.compile(loss_fn), engine="func")` warns, at the caller's line, that the loss
+    runs eager (found in review: silent before); the autograd engine and an uncompiled loss do not
+    warn. (A compiled function called inside a plain loss cannot be seen; docs/compile.md.)"""
+    import warnings
+
+    loss = lambda p, x: p["w"].sum()  # noqa: E731
+    with pytest.warns(UserWarning, match=r'engine="func"\): the loss is not compiled; it runs eager') as caught:
+        fzero.train_step(torch.compile(loss), engine="func")
+    assert [w.filename for w in caught if "not compiled" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fzero.train_step(torch.compile(loss), engine="autograd")
+        fzero.train_step(loss, engine="func")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,13 @@ class StepConfig:
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise ConfigError(f"loss_fn must be a callable (params, batch) -> 0-d loss, got {self.loss_fn!r}")
+        if self.engine == "func" and hasattr(self.loss_fn, "_torchdynamo_orig_callable"):
+            # found in review: dynamo does not trace a compiled function under torch.func.grad called
+            # from eager code (pytorch#128711), so such a loss silently ran eager
+            warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; it runs "
+                          "eager (dynamo does not trace a compiled function under torch.func.grad called from eager "
+                          "code), with the uncompiled loss's bits. Compile with engine=\"autograd\", or pass the "
+                          "loss uncompiled (docs/compile.md)", UserWarning, stacklevel=4)
         for name, value, choices in (("engine", self.engine, ENGINES), ("on_nonfinite", self.on_nonfinite, NONFINITE),
                                      ("gather", self.gather, GATHERS), ("accumulate", self.accumulate, ACCUMULATE),
                                      ("normalize", self.normalize, NORMALIZE)):

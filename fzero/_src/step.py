@@ -125,7 +125,8 @@ def train_step(
         `normalize="tokens"`, `(params, batch) -> (loss_sum, count)`.
       engine: "autograd" (`torch.autograd.grad` over the unit Functions; lower peak memory:
         `torch.func.grad` held 11-15 GiB more at peak on a 1.34B GPT, proofs/memory.md) or "func"
-        (`torch.func.grad_and_value`; composes with other transforms).
+        (`torch.func.grad_and_value`; composes with other transforms; a `torch.compile`d loss runs
+        eager under it, and a loss passed compiled gets a `UserWarning`: docs/compile.md).
       on_nonfinite: "raise" (NonFiniteError on every rank, naming the leaves, and the ranks whose
         loss -- or, with `locate_nonfinite`, local gradient -- is non-finite) or "skip". Under a
         loss scaler a NaN or inf loss or gradient is an overflow whatever this says: the step is
