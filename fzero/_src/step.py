@@ -687,12 +687,13 @@ def drop_unrun_backward() -> None:
     (found in review: a leak hunt; tests/test_no_leaks.py). A backward of one zero here pops
     those stale nodes (their graph is gone, so they are dropped, not run), as the next backward
     would. `_finished` calls it on any error once the loss has run (after an error of the forward
-    there is nothing to pop: one backward of a zero, on the error path only); not under a
-    torch.func transform (a step differentiated through: its levels own what they run); a failure
-    here never hides the error being raised."""
-    if func_level() is not None:
-        return
-    with contextlib.suppress(Exception), torch.inference_mode(False), torch.enable_grad():
+    there is nothing to pop: one backward of a zero, on the error path only); under a torch.func
+    transform too (a step differentiated through: a meta-gradient whose step's backward raised
+    left them as well; before, it was skipped there, found in review), as plain tensors
+    (`_DisableFuncTorch`): the queue is the engine's, not a level's, and no backward of the
+    transform runs while its function does; a failure here never hides the error being raised."""
+    with (contextlib.suppress(Exception), torch._C._DisableFuncTorch(), torch.inference_mode(False),
+          torch.enable_grad()):
         z = torch.zeros((), requires_grad=True)
         torch.autograd.grad(z.view(()), z)
 

@@ -400,7 +400,8 @@ def _compare_arrays(where: str, a: np.ndarray | np.generic, b: np.ndarray | np.g
         raise AssertionError(f"leaf {where!r}: numpy {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}")
     x, y = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
     if bitwise and a.dtype.kind in "fc":
-        differ = (x.view(np.uint8).reshape(x.size, -1) != y.view(np.uint8).reshape(y.size, -1)).any(1)
+        width = a.dtype.itemsize  # (not -1: numpy cannot infer it for an empty array; found in review)
+        differ = (x.view(np.uint8).reshape(x.size, width) != y.view(np.uint8).reshape(y.size, width)).any(1)
     else:
         differ = np.asarray(x != y)  # NaN != NaN, as in np.array_equal
     if differ.any():
