@@ -14,6 +14,7 @@ pinned (tests/test_docs.py, tests/test_docs_claims.py and tests/test_docs_behavi
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import subprocess
@@ -138,6 +139,7 @@ def test_a_compiled_loss_under_the_func_engine_runs_eager(gather):
     assert _losses("autograd", under_autograd, gather)[1] >= 1
 
 
+@compiling
 def test_a_directly_compiled_loss_under_the_func_engine_warns():
     """`train_step(torch.compile(loss_fn), engine="func")` warns, at the caller's line, that the loss
     runs eager (found in review: silent before); the autograd engine and an uncompiled loss do not
@@ -147,6 +149,8 @@ def test_a_directly_compiled_loss_under_the_func_engine_warns():
     loss = lambda p, x: p["w"].sum()  # noqa: E731
     with pytest.warns(UserWarning, match=r'engine="func"\): the loss is not compiled; it runs eager') as caught:
         fzero.train_step(torch.compile(loss), engine="func")
+    with pytest.warns(UserWarning, match="the loss is not compiled"):  # through a partial too
+        fzero.train_step(functools.partial(torch.compile(lambda p, x, k: p["w"].sum() * k), k=2.0), engine="func")
     assert [w.filename for w in caught if "not compiled" in str(w.message)] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)

@@ -31,6 +31,14 @@ ACCUMULATE = ("each", "once")
 NORMALIZE = ("mean", "tokens")
 
 
+def _compiled(fn: Any) -> bool:
+    """Whether `fn` is a `torch.compile`d function, bare or inside `functools.partial`s (a compiled
+    function called inside another cannot be seen)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The settings of one `train_step` (see its docstring); validated on construction.
@@ -78,7 +86,7 @@ class StepConfig:
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise ConfigError(f"loss_fn must be a callable (params, batch) -> 0-d loss, got {self.loss_fn!r}")
-        if self.engine == "func" and hasattr(self.loss_fn, "_torchdynamo_orig_callable"):
+        if self.engine == "func" and _compiled(self.loss_fn):
             # found in review: dynamo does not trace a compiled function under torch.func.grad called
             # from eager code (pytorch#128711), so such a loss silently ran eager
             warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; it runs "
