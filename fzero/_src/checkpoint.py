@@ -47,6 +47,7 @@ sha256) and that every rank found it fit.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -1097,7 +1098,7 @@ def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
     except FileNotFoundError:
         raise CheckpointError(f"{name!r} does not exist: {path!r} is not a complete fzero checkpoint (a save "
                               f"that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep (found in review)
         raise CheckpointError(f"{name!r} is not a readable manifest: {e}") from None
     keys = ("format", "step", "stage", "world_size", "leaves", "optimizer", "files")
     if isinstance(manifest, dict) and manifest.get("format") == 1:
@@ -1162,6 +1163,9 @@ def _check_manifest(name: str, m: dict[str, Any]) -> None:
     if not isinstance(m["files"], dict):
         raise bad("files", "a dict {file: {sha256, bytes}}", m["files"])
     for f, meta in m["files"].items():
+        if f in ("", ".", "..") or os.path.basename(f) != f or "\\" in f:  # (found in review: "../x" and
+            # "/etc/passwd" were hashed in full, outside the checkpoint, before the verdict)
+            raise bad("files", "a dict whose keys are plain file names inside the checkpoint", f)
         if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) or not count(meta.get("bytes"), 0):
             raise bad(f"files[{f!r}]", "a dict {sha256: str, bytes: int}", meta)
 
@@ -1543,6 +1547,81 @@ def _metadata(path: str, manifest: dict[str, Any]) -> Metadata:
     return _read_metadata(path)
 
 
+def _tensor_md(metadata: Metadata, name: str) -> TensorStorageMetadata | None:
+    md = metadata.state_dict_metadata.get(name)
+    return md if isinstance(md, TensorStorageMetadata) else None
+
+
+def _metadata_mismatches(manifest: dict[str, Any], metadata: Metadata) -> list[str]:
+    """Where the manifest's leaves, buffers, world size and files say otherwise than DCP's
+    metadata, in words (`check_metadata`); empty where they agree."""
+    out = []
+    leaves = manifest["leaves"]
+    paths = [ls["path"] for ls in leaves]
+    twice = sorted(p for p, n in collections.Counter(paths).items() if n > 1)
+    if twice:
+        out.append(f"leaves {twice[:5]} are listed twice")
+    for ls in leaves:  # a leaf's canonical params: `params/<path>`, [numel], of its dtype (none if empty)
+        numel, md = math.prod(ls["shape"]), _tensor_md(metadata, f"params/{ls['path']}")
+        if numel and md is None:
+            out.append(f"leaf {ls['path']!r} ({ls['dtype']}{ls['shape']}) is not saved")
+        elif md is not None and (tuple(md.size) != (numel,) or md.properties.dtype != _dtype(ls["dtype"])):
+            out.append(f"leaf {ls['path']!r} is {ls['dtype']}{ls['shape']} ({numel} elements) in the manifest, "
+                       f"{_dtype_name(md.properties.dtype)} of {math.prod(md.size)} elements saved")
+    names = metadata.state_dict_metadata  # params/<path>, opt/<field>/<path>: every leaf saved names one
+    saved = sorted({k.removeprefix("params/") for k in names if k.startswith("params/")}
+                   | {k.split("/", 2)[2] for k in names if k.startswith("opt/") and k.count("/") >= 2})
+    listed = set(paths)
+    unlisted = [p for p in saved if p not in listed]
+    if unlisted:
+        out.append(f"saved leaves {unlisted[:5]} are not in the manifest's leaves")
+    buffers = {b["name"]: b for b in manifest.get("buffers") or ()}
+    for k, b in buffers.items():  # saved whole, of their own shape and dtype
+        md = _tensor_md(metadata, f"buffer/{k}")
+        if md is None:
+            out.append(f"buffer {k!r} is not saved")
+        elif list(md.size) != b["shape"] or _dtype_name(md.properties.dtype) != b["dtype"]:
+            out.append(f"buffer {k!r} is {b['dtype']}{b['shape']} in the manifest, "
+                       f"{_dtype_name(md.properties.dtype)}{list(md.size)} saved")
+    extra = sorted(k.removeprefix("buffer/") for k in metadata.state_dict_metadata
+                   if k.startswith("buffer/") and k.removeprefix("buffer/") not in buffers)
+    if extra:
+        out.append(f"saved module buffers {extra[:5]} are not in the manifest's buffers "
+                   f"({'none' if manifest.get('buffers') is None else 'it lists others'})")
+    ranks = sorted(int(k.split("/")[1]) for k in metadata.state_dict_metadata
+                   if re.fullmatch(r"rng/\d+/cpu", k))  # every rank saves its CPU RNG state
+    if ranks != list(range(manifest["world_size"])):
+        out.append(f"world_size is {manifest['world_size']} in the manifest, the RNG states of "
+                   f"{len(ranks)} rank(s) are saved")
+    if _tensor_md(metadata, "step") is None:
+        out.append("the step counter is not saved")
+    files = sorted({d.relative_path for d in metadata.storage_data.values()} - set(manifest["files"]))
+    if files:
+        out.append(f"DCP's data files {files[:5]} are not in the manifest's files")
+    return out
+
+
+def check_metadata(path: str, manifest: dict[str, Any], metadata: Metadata) -> None:
+    """The manifest says what DCP's metadata (checked against the manifest's sha256 first)
+    holds: every leaf of elements saved as `params/<path>` of its numel and dtype and every saved
+    leaf listed, once; the buffers saved those listed, of their shapes and dtypes; the RNG states
+    of `world_size` ranks; the step counter; every data file listed. Else a `CheckpointError`
+    naming each difference. The manifest has no checksum of its own: an edit to a field that
+    keeps it valid JSON loaded or exported wrong values silently (found in review: a leaf's
+    shape cut to fewer elements exported that many of the saved ones, a leaf or buffer dropped
+    from the list was left out of the export, a `world_size` edit left the RNG states
+    unrestored, a huge shape was an allocation error). Checked before anything is allocated
+    from the manifest's shapes. A reshape that keeps a leaf's numel, and the fields DCP keeps
+    no trace of (stage, optimizer, precision, scaler), are not seen here: `load` compares those
+    with its target."""
+    problems = _metadata_mismatches(manifest, metadata)
+    if problems:
+        raise CheckpointError(f"{path!r}: the manifest does not match the checkpoint's DCP metadata: "
+                              + "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
+                              + "; the manifest was edited or damaged: load another checkpoint "
+                              "(fzero.checkpoint.complete(root) lists them)")
+
+
 # -- loading ---------------------------------------------------------------------------------------
 
 
@@ -1664,6 +1743,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             if bufs is not None:
                 _check_buffers_fit(path, manifest, bufs)
             metadata = _metadata(path, manifest)
+            check_metadata(path, manifest, metadata)
             w = _wanted(target, metadata, restore_rng and manifest["world_size"] == mesh.world_size)
             read = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in (bufs or {}).items()}  # on the host
             w.ranges.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in read.items()})
@@ -1750,13 +1830,20 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                    [b["name"] for b in manifest.get("buffers") or ()])
     check_files(path, manifest)
     metadata = _read_metadata(path)
+    check_metadata(path, manifest, metadata)  # before the manifest's shapes are allocated
     leaves = manifest["leaves"]
     flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_dtype(ls["dtype"])) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
     saved = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in manifest.get("buffers") or ()}
     wanted.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in saved.items()})
+    step = torch.empty((), dtype=metadata.state_dict_metadata["step"].properties.dtype)
+    wanted["step"] = ((), step)  # compared with the manifest's, as `load` does: `fzero export` writes it
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
+    if int(step) != manifest["step"]:
+        raise CheckpointError(f"{path!r}: the manifest says step {manifest['step']} but the saved state holds step "
+                              f"{int(step)}: the manifest was edited or damaged (load another checkpoint: "
+                              f"fzero.checkpoint.complete(root) lists them)")
     out = {ls["path"]: flats[ls["path"]].view(ls["shape"]) for ls in leaves}
     out = {k: _as_module_to(t, dtype) for k, t in out.items()}
     saved = {k: _as_module_to(t, dtype) for k, t in saved.items()}
@@ -1897,7 +1984,9 @@ def summary(path: str | os.PathLike) -> str:
                               f"and export refuse it: use another checkpoint, fzero.checkpoint.complete(root) lists "
                               f"them)")
     files = sum(meta["bytes"] for meta in m["files"].values())
-    md = _read_metadata(path).state_dict_metadata
+    metadata = _metadata(path, m)  # its sha256 too: a small file (a manifest of another save names another one)
+    check_metadata(path, m, metadata)
+    md = metadata.state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
     lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(md)} DCP tensors in {chunks} chunks; "
                  f"{len(m['files'])} files, {files:,} B on disk")
