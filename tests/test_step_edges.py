@@ -238,6 +238,74 @@ def test_unverified_ranks_that_raise_at_different_units_do_not_wait_for_each_oth
         assert seconds < 4.0, (rank, seconds)
 
 
+
+def one_sided_exchange_then_a_shared_one(mesh, group_timeout: float):
+    """On a pool worker, over `DistMesh(verify=False)` on a gloo group of its own: rank 0 starts an
+    all-gather rank 1 never starts, and keeps its handle (as a rank that raised keeps the gathers
+    it prefetched, `Mesh.abandon`); then both all-gather. Returns what the shared all-gather gave
+    (a list of floats) or the error's type name."""
+    import datetime
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout))
+    m = fzero.DistMesh(group, verify=False, timeout=group_timeout)
+    held = m.start("all_gather", torch.full((2,), 100.0 + m.rank), tag="one-sided") if m.rank == 0 else None
+    try:
+        return m.collective("all_gather", torch.full((2,), 10.0 + m.rank), tag="shared").tolist()
+    except fzero.MeshError as e:
+        return type(e).__name__ + (" (held)" if held is not None else "")
+
+
+@pytest.mark.dist
+def test_an_exchange_only_one_rank_started_never_feeds_the_next_one():
+    """gloo's point-to-point exchanges (DistMesh's all-gather and reduce-scatter at N = 2) each carry
+    a tag of their own (`DistMesh._p2p_tag`: the collective and its count). Before, all used tag 0
+    and gloo matched them first in, first out: rank 1's shared all-gather received the one-sided
+    gather's 100.0 where rank 0 had sent 10.0 -- wrong bits, silently (found in review). Now the
+    one-sided exchange matches nothing and the shared one gives both ranks the right values."""
+    with fzero.testing.Pool(2, timeout=60) as pool:  # a pool of its own: the one-sided gather stays behind
+        got = pool.run(one_sided_exchange_then_a_shared_one, [(2.0,)] * 2)
+    assert got == [[10.0, 10.0, 11.0, 11.0]] * 2, got
+
+
+def a_gather_one_rank_lets_go_of(mesh, group_timeout: float):
+    """On a pool worker, over `DistMesh(verify=False)`: both ranks start an all-gather; rank 1 lets
+    go of its handle at once -- first through `Mesh.abandon`, then by dropping it (what a rank
+    that raised did before) -- while rank 0 waits for it half a second later. Returns rank 0's
+    results (the gathered floats, or the error's type name) for the two, in that order."""
+    import datetime
+    import gc
+    import time
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout))
+    m = fzero.DistMesh(group, verify=False, timeout=group_timeout)
+    got = []
+    for how in ("abandon", "drop"):
+        pending = m.start("all_gather", torch.full((2,), 10.0 + m.rank), tag=how)
+        if m.rank == 1:
+            if how == "abandon":
+                m.abandon(pending)
+            del pending
+            gc.collect()
+            continue
+        time.sleep(0.5)
+        try:
+            got.append(pending.wait().tolist())
+        except fzero.MeshError as e:
+            got.append(type(e).__name__)
+    return got
+
+
+@pytest.mark.dist
+def test_a_gather_a_rank_abandons_still_reaches_the_peer_that_waits_for_it():
+    """gloo cancels a point-to-point exchange whose work handle is freed: the peer that waits for
+    it waits out the timeout (rank 0's "drop" result). `DistMesh.abandon` keeps the handle, so
+    the peer gets the data; `Gathering.finish` hands it the gathers a rank that raised leaves
+    unwaited over `DistMesh(verify=False)` (before, it dropped them: the test above failed about
+    one run in eight on a loaded machine, rank 0 timing out on blocks.1; found in review)."""
+    with fzero.testing.Pool(2, timeout=60) as pool:
+        got = pool.run(a_gather_one_rank_lets_go_of, [(2.0,)] * 2)
+    assert got == [[[10.0, 10.0, 11.0, 11.0], "MeshError"], []], got
+
 # -- a donating step differentiated through: refused before its forward ---------------------------
 
 

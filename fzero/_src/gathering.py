@@ -582,7 +582,9 @@ class Gathering:
         only where the mesh `starts_agreed` (SimMesh; a `DistMesh` that verifies starts a
         collective only once every rank has called it): the ranks may have raised at different
         units, and over `DistMesh(verify=False)` a peer that raised earlier never started that
-        gather, so the wait would last to the process group's timeout (found in review). A wait
+        gather, so the wait would last to the process group's timeout (found in review); those are
+        handed to the mesh (`Mesh.abandon`): a peer that did start one and waits for it gets its
+        data (gloo cancels a point-to-point exchange whose handle is freed). A wait
         that fails passes silently, so that `error` is what the step raises; none on the mesh's
         own error (`MeshError`: a lost or stuck rank, after which a wait may never end) nor on an
         interrupt."""
@@ -593,6 +595,8 @@ class Gathering:
             for unit in [u for u in self._ahead if u in self._leaves or self._programs[u].mesh.starts_agreed]:
                 with contextlib.suppress(RuntimeError):  # (MeshError is one)
                     self._drop(unit)
+        for unit in list(self._ahead):  # not waited: kept by the mesh, not cancelled (`Mesh.abandon`)
+            self._programs[unit].mesh.abandon(self._ahead.pop(unit))
 
     @property
     def gathered(self) -> tuple[str, ...]:

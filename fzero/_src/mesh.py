@@ -24,6 +24,7 @@ accounting hooks (`Mesh.record`) and only then moves data. Every mesh has a proc
 from __future__ import annotations
 
 import abc
+import collections
 import atexit
 import contextlib
 import dataclasses
@@ -111,6 +112,7 @@ def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
 
 
 _MESH_IDS = itertools.count(1)
+_ABANDONED = 64  # the started collectives a `DistMesh` keeps unwaited after errors (`DistMesh.abandon`)
 
 
 class Mesh(abc.ABC):
@@ -165,6 +167,10 @@ class Mesh(abc.ABC):
         `DistMesh(verify=False)` its peers may have raised before reaching them, and the wait
         would last to the process group's timeout (found in review)."""
         return not self.asynchronous
+
+    def abandon(self, pending: Any) -> None:
+        """Keep `pending` (a started collective, or what holds some) that this rank will not wait
+        for, where dropping it would cancel it (`DistMesh.abandon`); here: nothing to keep."""
 
     @abc.abstractmethod
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
@@ -780,7 +786,7 @@ def _peer(group: Any, rank: int) -> tuple[int, int]:
     return peer, (torch.distributed.get_global_rank(group, peer) if group is not None else peer)
 
 
-def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple[torch.Tensor, _ThenAdd]:
+def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int, tag: int = 0) -> tuple[torch.Tensor, _ThenAdd]:
     """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange and one addition:
     this rank sends the other rank's half of `x` and receives the other rank's half for this one
     into `out` (one `isend` and one `irecv`, gloo's point-to-point pairs, matched in the order both
@@ -792,12 +798,14 @@ def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int) -> tuple
     the whole buffer and keeps this rank's chunk: that moves `x` twice around the ring where this
     moves half of it once, and the only new memory is `out`. For float32, float64 and float16
     (`_EXCHANGED`) the NaNs come out the same too; bfloat16's NaNs may differ in sign and payload
-    from gloo's, so bfloat16 keeps gloo's reduce-scatter."""
+    from gloo's, so bfloat16 keeps gloo's reduce-scatter. `tag`: the exchange's
+    point-to-point tag (`DistMesh._p2p_tag`)."""
     dist, s, x = torch.distributed, x.shape[0] // 2, x.contiguous()
     peer, to = _peer(group, rank)
     out = x.new_empty((s, *x.shape[1:]))
     mine = x[rank * s : (rank + 1) * s]
-    ops = [dist.P2POp(dist.isend, x[peer * s : (peer + 1) * s], to, group), dist.P2POp(dist.irecv, out, to, group)]
+    ops = [dist.P2POp(dist.isend, x[peer * s : (peer + 1) * s], to, group, tag),
+           dist.P2POp(dist.irecv, out, to, group, tag)]
     a, b = (mine, out) if rank == 0 else (out, mine)
     return out, _ThenAdd(_Works(dist.batch_isend_irecv(ops)), out, a, b)
 
@@ -819,21 +827,22 @@ class _Works:
             w.wait()
 
 
-def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int,
-                            into: torch.Tensor | None = None) -> tuple[torch.Tensor, _Works]:
+def _all_gather_by_exchange(x: torch.Tensor, group: Any, rank: int, into: torch.Tensor | None = None,
+                            tag: int = 0) -> tuple[torch.Tensor, _Works]:
     """gloo's all-gather at N = 2, `x[S, ...] -> [2 * S, ...]` (rank order), as one exchange: this
     rank's `x` is copied into its half of the output and sent to the other rank, whose `x` is
     received straight into the other half (one `isend` and one `irecv`, gloo's point-to-point
     pairs, in flight together). Only bits move, so every dtype comes out as gloo's own all-gather,
     which gathers into a staging buffer of its own and then copies each rank's chunk into the
     output: one copy of `x` here where gloo makes a copy of the whole `[2 * S]`. `into`: the
-    output, where the caller has one (`Mesh.start`'s `out`)."""
+    output, where the caller has one (`Mesh.start`'s `out`); `tag`: the exchange's point-to-point
+    tag (`DistMesh._p2p_tag`)."""
     dist, s = torch.distributed, x.shape[0]
     out = x.new_empty((2 * s, *x.shape[1:])) if into is None else into
     out[rank * s : (rank + 1) * s].copy_(x)
     peer, to = _peer(group, rank)
-    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group),
-           dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], to, group)]
+    ops = [dist.P2POp(dist.isend, x.contiguous(), to, group, tag),
+           dist.P2POp(dist.irecv, out[peer * s : (peer + 1) * s], to, group, tag)]
     return out, _Works(dist.batch_isend_irecv(ops))
 
 
@@ -1047,6 +1056,8 @@ class DistMesh(Mesh):
         self.device = dev
         self.verify = verify
         self._seq = 0
+        self._exchanges: dict[tuple, int] = {}  # point-to-point exchanges issued, per collective (`_p2p_tag`)
+        self._abandoned: collections.deque[Any] = collections.deque(maxlen=_ABANDONED)  # (`abandon`)
         self._announced = -1  # the sequence number after the last failure this rank announced (`_told`)
         self._broken: MeshError | None = None  # set once a collective failed: the group is unusable
         self._peers: list[tuple[int, int]] = []
@@ -1211,6 +1222,29 @@ class DistMesh(Mesh):
             raise self._lost(e, what, started) from e
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
+    def _p2p_tag(self, call: _Call) -> int:
+        """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32 of what the call is
+        (op, dtype, shape, tag) and how many such exchanges this mesh issued before, in a range of
+        its own (2^30 and up). gloo matches a receive with the first send of the same tag, first in,
+        first out: with one tag for all, an exchange that only one rank started (over
+        `DistMesh(verify=False)`, a gather prefetched before that rank raised where its peer had
+        raised earlier) took the next exchange's data -- the wrong bits, silently -- if kept, and
+        hung the next one if dropped (measured on torch 2.13's gloo; found in review). Now it
+        matches nothing else; the same collective's next exchange, counted once more on one rank
+        than on the other, waits out the timeout (`MeshError`)."""
+        key = (call.op, str(call.dtype), call.shape, call.tag)
+        count = self._exchanges[key] = self._exchanges.get(key, -1) + 1
+        return (1 << 30) | (zlib.crc32(repr((key, count)).encode()) >> 2)
+
+    def abandon(self, pending: Any) -> None:
+        """Keep a started collective this rank will not wait for: over `DistMesh(verify=False)`
+        a rank that raised leaves the gathers it prefetched unwaited (its peers may never have
+        started them, `starts_agreed`). gloo cancels a point-to-point send or receive whose work
+        handle is freed, so where the peer did start it and waits for it, dropping it here left
+        the peer waiting to the timeout (found in review: a flaky test). The last `_ABANDONED`
+        are kept; each holds its buffers."""
+        self._abandoned.append(pending)
+
     def _move(self, call: _Call, x: torch.Tensor, donate: bool = False,
               into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """Issue `call` asynchronously: `(its result, once waited for; the work handle)`. An
@@ -1226,14 +1260,14 @@ class DistMesh(Mesh):
             work = dist.broadcast(out, src=dist.get_global_rank(self.group, call.arg) if self.group else call.arg,
                                   group=self.group, async_op=True)
         elif call.op == "all_gather" and self.backend == "gloo" and n == 2:
-            out, work = _all_gather_by_exchange(x, self.group, self._rank, into)
+            out, work = _all_gather_by_exchange(x, self.group, self._rank, into, self._p2p_tag(call))
         elif call.op == "all_gather":
             out = x.new_empty((n * x.shape[0], *x.shape[1:])) if into is None else into
             if into is not None and self.backend != "nccl" and _overlaps(x, into):
                 x = x.clone()  # NCCL gathers in place (its chunk of `into`); gloo copies it in with memcpy
             work = _all_gather_into(out, x, self.group, async_op=True)
         elif self.backend == "gloo" and n == 2 and x.dtype in _EXCHANGED:
-            out, work = _reduce_scatter_by_exchange(x, self.group, self._rank)
+            out, work = _reduce_scatter_by_exchange(x, self.group, self._rank, self._p2p_tag(call))
         else:
             out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
             work = _reduce_scatter_into(out, x, self.group, async_op=True)
