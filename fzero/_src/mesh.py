@@ -789,8 +789,7 @@ def _peer(group: Any, rank: int) -> tuple[int, int]:
 def _reduce_scatter_by_exchange(x: torch.Tensor, group: Any, rank: int, tag: int = 0) -> tuple[torch.Tensor, _ThenAdd]:
     """gloo's reduce-scatter at N = 2, `x[2 * S, ...] -> [S, ...]`, as one exchange and one addition:
     this rank sends the other rank's half of `x` and receives the other rank's half for this one
-    into `out` (one `isend` and one `irecv`, gloo's point-to-point pairs, matched in the order both
-    ranks issue them), then `out = x0 + x1` in rank order, in place: `out = mine + out` on rank 0,
+    into `out` (one `isend` and one `irecv`, gloo's point-to-point pairs, matched by their tag), then `out = x0 + x1` in rank order, in place: `out = mine + out` on rank 0,
     `out + mine` on rank 1. Each element is one correctly rounded addition of the same two terms in
     the same order -- a + b = b + a exactly in IEEE arithmetic anyway, and a 16-bit sum computed in
     float32 and rounded once more is still correctly rounded (float32 has more than 2p + 2 bits for
