@@ -120,8 +120,8 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
                            prefetch=prefetch)
     try:
         out = gathering.call(fn, batch)
-    except Exception as e:  # the gathers `fn` started ahead (prefetch): waited for, freed (`finish`)
-        gathering.finish(e)
+    except BaseException as e:  # the gathers `fn` started ahead (prefetch): waited for and freed, or kept
+        gathering.finish(e)  # by the mesh (`finish`); an interrupt too: dropped, gloo cancelled them
         raise
     if on_use:
         check_paths(state, gathering.gathered)

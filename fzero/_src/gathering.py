@@ -575,24 +575,25 @@ class Gathering:
         backward nothing is left here; after an error, what the forward and the backward started
         is. No collective starts here.
 
-        On an `error` the refills are waited for too: every rank reached the backward, so every
-        rank started them. So are the forward's prefetches of units never read (`call` drains
-        those only where the loss returns: a loss that raised after reading unit u had started
-        the gather of the unit after it, which, before, nobody waited for; found in review), but
-        only where the mesh `starts_agreed` (SimMesh; a `DistMesh` that verifies starts a
-        collective only once every rank has called it): the ranks may have raised at different
-        units, and over `DistMesh(verify=False)` a peer that raised earlier never started that
-        gather, so the wait would last to the process group's timeout (found in review); those are
-        handed to the mesh (`Mesh.abandon`): a peer that did start one and waits for it gets its
-        data (gloo cancels a point-to-point exchange whose handle is freed). A wait
-        that fails passes silently, so that `error` is what the step raises; none on the mesh's
-        own error (`MeshError`: a lost or stuck rank, after which a wait may never end) nor on an
-        interrupt."""
+        On an `error` the refills are waited for too, and the forward's prefetches of units never
+        read (`call` drains those only where the loss returns: a loss that raised after reading
+        unit u had started the gather of the unit after it, which, before, nobody waited for;
+        found in review), but only where the mesh `starts_agreed` (SimMesh; a `DistMesh` that
+        verifies starts a collective only once every rank has called it): the ranks may have
+        raised at different units, and over `DistMesh(verify=False)` a peer that raised earlier
+        never started that gather -- a refill too: a peer whose loss raised after reading every
+        unit never reached the backward, whose refills this rank prefetched (before, they were
+        waited for as "every rank reached the backward") -- so the wait would last to the process
+        group's timeout (found in review); those are handed to the mesh (`Mesh.abandon`): a peer
+        that did start one and waits for it gets its data (gloo cancels a point-to-point exchange
+        whose handle is freed). A wait that fails passes silently, so that `error` is what the step
+        raises; none on the mesh's own error (`MeshError`: a lost or stuck rank, after which a wait
+        may never end) nor on an interrupt."""
         if error is None:
             for unit in list(self._ahead):
                 self._drop(unit)
         elif isinstance(error, Exception) and not isinstance(error, MeshError):
-            for unit in [u for u in self._ahead if u in self._leaves or self._programs[u].mesh.starts_agreed]:
+            for unit in [u for u in self._ahead if self._programs[u].mesh.starts_agreed]:
                 with contextlib.suppress(RuntimeError):  # (MeshError is one)
                     self._drop(unit)
         for unit in list(self._ahead):  # not waited: kept by the mesh, not cancelled (`Mesh.abandon`)

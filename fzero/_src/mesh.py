@@ -1237,8 +1237,9 @@ class DistMesh(Mesh):
 
     def abandon(self, pending: Any) -> None:
         """Keep a started collective this rank will not wait for: over `DistMesh(verify=False)`
-        a rank that raised leaves the gathers it prefetched unwaited (its peers may never have
-        started them, `starts_agreed`). gloo cancels a point-to-point send or receive whose work
+        a rank that raised leaves the gathers it prefetched, the refills it started for its
+        backward and the reductions its backward started (`Inflight.settle`) unwaited (its peers
+        may never have started them, `starts_agreed`). gloo cancels a point-to-point send or receive whose work
         handle is freed, so where the peer did start it and waits for it, dropping it here left
         the peer waiting to the timeout (found in review: a flaky test). The last `_ABANDONED`
         are kept; each holds its buffers."""

@@ -636,19 +636,24 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
         return loss, counts[0]
 
     train = tuple([xs[b] for b in trainable])
-    with _finished(made):
-        if config.engine == "func":  # (no placeholder roots: the loss runs at grad_and_value's level)
-            (g_train, g_probes), (loss, count) = torch.func.grad_and_value(loss_of, argnums=(0, 1), has_aux=True)(
-                train, probes)
-            g_roots = {}
-        else:
-            g_train, g_probes, loss, count, g_roots = _autograd(
-                loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
-    if inflight is not None:  # the autograd engine's
-        inflight.wait()  # the reductions the units' backward started: done before any gradient is read
-        if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
-            inflight.side.join()
-    refuse_placeholder_gradients(g_roots)
+    try:
+        with _finished(made):
+            if config.engine == "func":  # (no placeholder roots: the loss runs at grad_and_value's level)
+                (g_train, g_probes), (loss, count) = torch.func.grad_and_value(
+                    loss_of, argnums=(0, 1), has_aux=True)(train, probes)
+                g_roots = {}
+            else:
+                g_train, g_probes, loss, count, g_roots = _autograd(
+                    loss_of, train, probes, config.ahead.of(state.info) if casting else None, state.step, roots)
+        if inflight is not None:  # the autograd engine's
+            inflight.wait()  # the reductions the units' backward started: done before any gradient is read
+            if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
+                inflight.side.join()
+        refuse_placeholder_gradients(g_roots)
+    except BaseException as e:
+        if inflight is not None:  # its reductions in flight: waited for, or kept by the mesh (`Inflight.settle`)
+            inflight.settle(mesh, e)
+        raise
     started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
     return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .collectives import all_gather, check_forward_mode, func_level
-from .errors import ConfigError
+from .errors import ConfigError, MeshError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
@@ -244,6 +244,27 @@ class Inflight:
         flights, self._flights = self._flights, []
         for f in flights:
             self._close(*f)
+
+    def settle(self, mesh: Mesh, error: BaseException) -> None:
+        """The step's backward raised `error`: the reductions started and not waited for (the open
+        flights, and `early`'s started ones) are waited for where every rank started them (the mesh
+        `starts_agreed`, and `error` is an `Exception` other than the mesh's own `MeshError`; a
+        wait that fails passes silently, and the rest are not waited for), else handed to the mesh
+        (`Mesh.abandon`): over `DistMesh(verify=False)` the peers may have raised before starting
+        them, and a peer that did start one and waits for it gets its data. Before, they were
+        dropped: gloo cancels a point-to-point exchange whose handle is freed, and a peer that
+        waited for that reduction before raising an error of its own waited out the timeout
+        instead (found in review). Only each flight's current collective: nothing starts here."""
+        pendings = [f.pending for f, _, _ in self._flights] + [f.pending for f in self.started.values()]
+        self._flights, self.started, self._ready = [], {}, {}
+        wait = mesh.starts_agreed and isinstance(error, Exception) and not isinstance(error, MeshError)
+        while wait and pendings:
+            try:
+                pendings.pop(0).wait()
+            except RuntimeError:  # (MeshError is one): the rest are not waited for
+                wait = False
+        if pendings:
+            mesh.abandon(pendings)  # one entry of the mesh's last `_ABANDONED`, however many buckets
 
 
 def _complete(flight: Any) -> bool:
