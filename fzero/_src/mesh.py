@@ -1229,8 +1229,10 @@ class DistMesh(Mesh):
         `DistMesh(verify=False)`, a gather prefetched before that rank raised where its peer had
         raised earlier) took the next exchange's data -- the wrong bits, silently -- if kept, and
         hung the next one if dropped (measured on torch 2.13's gloo; found in review). Now it
-        matches nothing else; the same collective's next exchange, counted once more on one rank
-        than on the other, waits out the timeout (`MeshError`)."""
+        matches no other collective's exchange. The same collective's next one, counted once more
+        on one rank than on the other, waits out the timeout (`MeshError`) there, while the other
+        rank may take the kept exchange's stale bits and then waits for the first at its next
+        collective (docs/bad-input.md, `DistMesh(verify=False)`)."""
         key = (call.op, str(call.dtype), call.shape, call.tag)
         count = self._exchanges[key] = self._exchanges.get(key, -1) + 1
         return (1 << 30) | (zlib.crc32(repr((key, count)).encode()) >> 2)
