@@ -21,21 +21,7 @@ import fzero
 from fzero import optim
 from fzero.testing import assert_trees_equal
 
-
-class _RaisingBackward(torch.autograd.Function):
-    """The identity, whose backward raises."""
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        raise ValueError("refused in the backward")
+from .test_no_leaks import _RaisingBackward  # the identity, whose backward raises
 
 
 def _graph_tensors() -> int:
