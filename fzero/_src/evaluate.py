@@ -121,7 +121,7 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     try:
         out = gathering.call(fn, batch)
     except BaseException as e:  # the gathers `fn` started ahead (prefetch): waited for and freed, or kept
-        gathering.finish(e)  # by the mesh (`finish`); an interrupt too: dropped, gloo cancelled them
+        gathering.finish(e)  # by the mesh (`finish`); an interrupt too (before, its gathers were dropped: gloo cancelled them)
         raise
     if on_use:
         check_paths(state, gathering.gathered)

@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .casting import Reads, casting
 from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
-from .errors import CollectiveMismatch, ConfigError, FzeroError, MeshError
+from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .mesh import Mesh
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
@@ -592,8 +592,8 @@ class Gathering:
         if error is None:
             for unit in list(self._ahead):
                 self._drop(unit)
-        elif isinstance(error, Exception) and not isinstance(error, MeshError):
-            for unit in [u for u in self._ahead if self._programs[u].mesh.starts_agreed]:
+        else:
+            for unit in [u for u in self._ahead if self._programs[u].mesh.waits_after(error)]:
                 with contextlib.suppress(RuntimeError):  # (MeshError is one)
                     self._drop(unit)
         for unit in list(self._ahead):  # not waited: kept by the mesh, not cancelled (`Mesh.abandon`)

@@ -168,6 +168,14 @@ class Mesh(abc.ABC):
         would last to the process group's timeout (found in review)."""
         return not self.asynchronous
 
+    def waits_after(self, error: BaseException) -> bool:
+        """Whether a rank that raised `error` may wait for the collectives it started and left
+        unwaited: where every rank started them (`starts_agreed`), and not after the mesh's own
+        error (`MeshError`: a lost or stuck rank, after which a wait may never end) nor an
+        interrupt (any BaseException that is not an Exception). What it does not wait for, it
+        hands to `abandon` (`Gathering.finish`, `Inflight.settle`)."""
+        return self.starts_agreed and isinstance(error, Exception) and not isinstance(error, MeshError)
+
     def abandon(self, pending: Any) -> None:
         """Keep `pending` (a started collective, or what holds some) that this rank will not wait
         for, where dropping it would cancel it (`DistMesh.abandon`); here: nothing to keep."""

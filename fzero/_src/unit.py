@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .collectives import all_gather, check_forward_mode, func_level
-from .errors import ConfigError, MeshError
+from .errors import ConfigError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
@@ -247,9 +247,9 @@ class Inflight:
 
     def settle(self, mesh: Mesh, error: BaseException) -> None:
         """The step's backward raised `error`: the reductions started and not waited for (the open
-        flights, and `early`'s started ones) are waited for where every rank started them (the mesh
-        `starts_agreed`, and `error` is an `Exception` other than the mesh's own `MeshError`; a
-        wait that fails passes silently, and the rest are not waited for), else handed to the mesh
+        flights, and `early`'s started ones) are waited for where the mesh `waits_after` it (every
+        rank started them, and `error` is neither `MeshError` nor an interrupt; a wait that fails
+        passes silently, and the rest are not waited for), else handed to the mesh
         (`Mesh.abandon`): over `DistMesh(verify=False)` the peers may have raised before starting
         them, and a peer that did start one and waits for it gets its data. Before, they were
         dropped: gloo cancels a point-to-point exchange whose handle is freed, and a peer that
@@ -257,7 +257,7 @@ class Inflight:
         instead (found in review). Only each flight's current collective: nothing starts here."""
         pendings = [f.pending for f, _, _ in self._flights] + [f.pending for f in self.started.values()]
         self._flights, self.started, self._ready = [], {}, {}
-        wait = mesh.starts_agreed and isinstance(error, Exception) and not isinstance(error, MeshError)
+        wait = mesh.waits_after(error)
         while wait and pendings:
             try:
                 pendings.pop(0).wait()
