@@ -22,6 +22,7 @@ import torch
 import fzero
 import fzero.checkpoint as ck
 from fzero import optim
+from fzero._src import checkpoint as impl
 from fzero._src.cli import _parse_precision, main
 
 
@@ -83,11 +84,15 @@ def test_export_dtype_help_names_the_buffers(capsys):
 
 def _inspected(tmp_path, capsys, precision, edit=None) -> str:
     """`fzero inspect`'s precision line of a checkpoint saved under `precision` (`Precision()`:
-    no policy), its manifest rewritten by `edit` where given."""
+    no policy), its manifest rewritten by `edit` where given: then saved as before the
+    manifest's seal (`checkpoint.seal`), which refuses an edited manifest."""
     mesh = fzero.SimMesh(1)
     root = str(tmp_path / f"p{len(os.listdir(tmp_path))}")
-    path = mesh.run(lambda: ck.save(fzero.init({"w": torch.ones(2, 2)}, optim.sgd(0.1), stage=1, mesh=mesh,
-                                               precision=precision), root))[0]
+    with pytest.MonkeyPatch.context() as mp:
+        if edit is not None:
+            mp.setattr(impl, "seal", lambda head: {})
+        path = mesh.run(lambda: ck.save(fzero.init({"w": torch.ones(2, 2)}, optim.sgd(0.1), stage=1, mesh=mesh,
+                                                   precision=precision), root))[0]
     if edit is not None:
         name = os.path.join(path, "manifest.json")
         with open(name) as f:

@@ -12,6 +12,8 @@ What is written does not depend on the world size or the stage. For every leaf o
                         initialised on the rank's device (`torch.cuda.get_rng_state(device)`)
   buffer/<name>         where `save(..., buffers=)` was given module buffers: rank 0's, whole,
                         of their own shape and dtype (listed in the manifest's "buffers")
+  manifest/sha256       rank 0's uint8 `[32]`: the sha256 of the manifest's every field but
+                        "files" (`seal`; absent from checkpoints saved before it): not a leaf
 
 Rank r of N writes, of each canonical tensor, the elements of its shard `[r * S, (r + 1) * S)` of
 each bucket (`layout.segments(b, r)`), whatever the stage holds there (the stage-3 shard, the
@@ -30,7 +32,10 @@ shards are all-gathered (an exact copy), and rank 0 writes every rank's chunks i
 
 On disk, `root/step-<n>/`: DCP's files (`.metadata`, `*.distcp`), then `manifest.json`, written
 last: layout, stage, world size, optimizer, the lr schedule's values at the saved step and steps
-to come (`lr_record`), precision, scaler, step, and the sha256 and size of every DCP file. Crash
+to come (`lr_record`), precision, scaler, step, and the sha256 and size of every DCP file. All
+but "files" is known before the data is written, and sealed in it (`manifest/sha256`): `load`,
+`export` and `summary` refuse a manifest that is not the one written with the data
+(`check_record`); a damaged "files" entry fails the check of the file it names. Crash
 safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (that every rank's write
 succeeded), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
 `os.rename`; `keep` renames an old checkpoint back to a `.tmp-step-*` name before deleting it. A
@@ -100,6 +105,7 @@ from .state import (NamedFn, ZeroState, check_pending, check_state, describe, de
 
 FORMAT = 2
 MANIFEST = "manifest.json"
+DIGEST = "manifest/sha256"  # the DCP name of the sha256 of the manifest's head, saved with the data (`seal`)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.tmp-step-\d+-[0-9a-f]+$")
 GROUP_KEYS = ("weight_decay", "lr_scale")  # a leaf record's group settings that `load` compares
@@ -704,9 +710,16 @@ def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
     """The manifest of `state`'s checkpoint with the given `{file: {"sha256", "bytes"}}`, where
     saved module `buffers` (name, shape, dtype each; None where none were given), `written`:
     its place in the order of the root's saves (`complete`), and `lr`: the `lr_record` every rank
-    computed (`save`)."""
+    computed (`save`). Its head (`manifest_head`), then "files"."""
+    return {**manifest_head(state, buffers, written, lr), "files": files}
+
+
+def manifest_head(state: ZeroState, buffers: dict[str, torch.Tensor] | None = None, written: int = 0,
+                  lr: list[list[Any]] | None = None) -> dict[str, Any]:
+    """Every field of `state`'s manifest but "files" (`manifest_of`), as JSON reads it back: what
+    is known before the data is written, and what `seal` saves the sha256 of with the data."""
     p = state.precision
-    return {
+    return _jsonable({
         "format": FORMAT,
         "step": int(state.step),
         "written": written,
@@ -719,8 +732,27 @@ def manifest_of(state: ZeroState, files: dict[str, dict[str, Any]],
         "scaler": None if state.info.scaler is None else repr(state.info.scaler),
         "buffers": None if buffers is None else [{"name": k, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
                                                  for k, t in buffers.items()],
-        "files": files,
-    }
+    })
+
+
+def manifest_digest(manifest: Mapping[str, Any]) -> bytes:
+    """The sha256 of every field of a manifest but "files", as canonical JSON (sorted keys, no
+    spaces, ASCII): the same bytes for the head `save` hashed and the manifest `load` reads back
+    (`json` writes every float so that it reads back the same float). "files" is left out: it is
+    written after the data (each file's sha256), and a damaged entry of it fails the file check."""
+    head = {k: v for k, v in manifest.items() if k != "files"}
+    text = json.dumps(head, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(text.encode()).digest()
+
+
+def seal(head: Mapping[str, Any]) -> dict[str, Canonical]:
+    """What rank 0 saves with the data for the manifest's `head` (`manifest_head`): its
+    `manifest_digest`, as a uint8 `[32]` tensor under the reserved DCP name `DIGEST` (not a leaf,
+    buffer or scalar of the state: nothing reads it as one). `check_record` compares it with the
+    manifest read back, so an edit the DCP metadata keeps no trace of (a reshape of the same
+    numel, the stage, optimizer, lr record, precision, scaler, a leaf's group, `written`) is
+    seen. (One place, so a test can write a checkpoint as fzero did before: without it.)"""
+    return {DIGEST: _whole(torch.frombuffer(bytearray(manifest_digest(head)), dtype=torch.uint8))}
 
 
 def _sha256(path: str) -> str:
@@ -834,32 +866,49 @@ def _write_data(build: Callable[[], dict[str, Canonical]], tmp: str, final: str,
     _agree(mesh, "fzero.checkpoint/data", error, None, repr(final), failed=_others_failed(final, tmp, mesh))
 
 
-def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None) -> Callable[[], dict[str, Canonical]]:
-    """What builds this rank's `state_dict` for `_write_data`. On DistMesh building it makes no
-    collective, so it is left to DCP's planning step (`ChunkSavePlanner`), where DCP hands a
-    failure (a host out of memory, an NVMe tier's file that cannot be read) to every rank, and
-    every rank raises it through the data agreement (found in review: built before `dcp.save`, a
-    failure on one rank left its peers inside DCP's collectives, killed by gloo). On SimMesh it
-    all-gathers, a collective every rank makes: built here, as before."""
+def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None, head: Callable[[], dict[str, Any]]
+             ) -> Callable[[], dict[str, Canonical]]:
+    """What builds this rank's `state_dict` for `_write_data`, and on rank 0 the `seal` of the
+    manifest's `head` (made there, in DCP's planning step, on either mesh). On DistMesh building
+    it makes no collective, so it is left to DCP's planning step (`ChunkSavePlanner`), where DCP
+    hands a failure (a host out of memory, an NVMe tier's file that cannot be read) to every rank,
+    and every rank raises it through the data agreement (found in review: built before
+    `dcp.save`, a failure on one rank left its peers inside DCP's collectives, killed by gloo). On
+    SimMesh it all-gathers, a collective every rank makes: built here, as before."""
+    sealed = (lambda: seal(head())) if state.rank == 0 else dict
     if isinstance(state.mesh, DistMesh):
-        return functools.partial(state_dict, state, buffers)
+        return lambda: {**state_dict(state, buffers), **sealed()}
     sd = state_dict(state, buffers)
-    return lambda: sd
+    return lambda: {**sd, **sealed()}
 
 
-def _publish(state: ZeroState, tmp: str, final: str, root: str, buffers: dict[str, torch.Tensor] | None,
-             lr: list[list[Any]] | None, fail_at: str | None) -> tuple[list[tuple[int, int, str]], int]:
-    """Rank 0, once every rank's data is written: the manifest (every file's sha256 and size, the
-    save's place `written` in the root's order, the `lr` record), fsynced with the folder, then
-    the atomic rename of `tmp` to `final` and an fsync of `root`. `(the complete checkpoints before it, written)`."""
+def _head_once(state: ZeroState, root: str, buffers: dict[str, torch.Tensor] | None, lr: list[list[Any]] | None
+               ) -> Callable[[], dict[str, Any]]:
+    """Rank 0's manifest head (`manifest_head`), made at its first call and the same dict after:
+    `seal` hashes it as the data is written, `_publish` writes it. Its `written` is one more than
+    that of the root's complete checkpoints (`_found`), read before the data is written."""
+
+    @functools.cache
+    def head() -> dict[str, Any]:
+        return manifest_head(state, buffers, 1 + max([w for w, _, _ in _found(root)], default=0), lr)
+
+    return head
+
+
+def _publish(tmp: str, final: str, root: str, head: Callable[[], dict[str, Any]], fail_at: str | None
+             ) -> tuple[list[tuple[int, int, str]], int]:
+    """Rank 0, once every rank's data is written: the manifest (its `head`, sealed in the data
+    with its place `written` in the root's order and the `lr` record; then every file's sha256 and
+    size), fsynced with the folder, then the atomic rename of `tmp` to `final` and an fsync of
+    `root`. `(the complete checkpoints before it, written)`."""
     if fail_at == "before_manifest":
         raise _Crash("simulated crash before the manifest was written")
     names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
     files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
              for f in names}
-    before = _found(root)  # read once: the new one's place, and what `keep` deletes after it
-    written = 1 + max([w for w, _, _ in before], default=0)
-    _write(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(state, files, buffers, written, lr), indent=1).encode())
+    before = _found(root)  # what `keep` deletes after it
+    written = head()["written"]
+    _write(os.path.join(tmp, MANIFEST), json.dumps({**head(), "files": files}, indent=1).encode())
     _fsync_dir(tmp)
     if fail_at == "before_rename":
         raise _Crash("simulated crash before the rename")
@@ -1023,11 +1072,13 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), failed=unusable)
             if _fail_at == "before_data":
                 raise _Crash("simulated crash before any data was written")
-            _write_data(_builder(state, bufs), tmp, final, mesh, _crash_mid_data if _fail_at == "mid_data" else None)
+            head = _head_once(state, root, bufs, lr)  # rank 0's: sealed with the data, then written
+            _write_data(_builder(state, bufs, head), tmp, final, mesh,
+                        _crash_mid_data if _fail_at == "mid_data" else None)
             error = None
             if rank == 0:
                 try:
-                    before, written = _publish(state, tmp, final, root, bufs, lr, _fail_at)
+                    before, written = _publish(tmp, final, root, head, _fail_at)
                 except _Crash:
                     raise
                 except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
@@ -1606,20 +1657,75 @@ def check_metadata(path: str, manifest: dict[str, Any], metadata: Metadata) -> N
     holds: every leaf of elements saved as `params/<path>` of its numel and dtype and every saved
     leaf listed, once; the buffers saved those listed, of their shapes and dtypes; the RNG states
     of `world_size` ranks; the step counter; every data file listed. Else a `CheckpointError`
-    naming each difference. The manifest has no checksum of its own: an edit to a field that
-    keeps it valid JSON loaded or exported wrong values silently (found in review: a leaf's
-    shape cut to fewer elements exported that many of the saved ones, a leaf or buffer dropped
-    from the list was left out of the export, a `world_size` edit left the RNG states
-    unrestored, a huge shape was an allocation error). Checked before anything is allocated
-    from the manifest's shapes. A reshape that keeps a leaf's numel, and the fields DCP keeps
-    no trace of (stage, optimizer, precision, scaler), are not seen here: `load` compares those
-    with its target."""
+    naming each difference. Before, an edit to a field that kept the manifest valid JSON loaded
+    or exported wrong values silently (found in review: a leaf's shape cut to fewer elements
+    exported that many of the saved ones, a leaf or buffer dropped from the list was left out of
+    the export, a `world_size` edit left the RNG states unrestored, a huge shape was an
+    allocation error). Checked before anything is allocated from the manifest's shapes. A
+    reshape that keeps a leaf's numel, and the fields DCP keeps no trace of (stage, optimizer,
+    lr record, precision, scaler, a leaf's group), are not seen here: `check_record`, after it,
+    compares the whole manifest with the digest saved with the data."""
     problems = _metadata_mismatches(manifest, metadata)
     if problems:
         raise CheckpointError(f"{path!r}: the manifest does not match the checkpoint's DCP metadata: "
                               + "; ".join(problems[:6]) + ("; ..." if len(problems) > 6 else "")
                               + "; the manifest was edited or damaged: load another checkpoint "
                               "(fzero.checkpoint.complete(root) lists them)")
+
+
+class _Record(NamedTuple):
+    """What the data holds of the manifest (`_saved_record`), and the files it is in."""
+
+    step: int
+    digest: bytes | None  # `seal`'s sha256; None in a checkpoint saved before it
+    files: set[str]
+
+
+def _saved_record(path: str, manifest: dict[str, Any], metadata: Metadata) -> _Record:
+    """Rank 0's step counter and `seal`'s sha256 as the data holds them: a few hundred bytes of
+    one file, read by this process alone (no process group). A read that fails is the file's
+    damage where its sha256 says so (`check_files`), else a `CheckpointError` naming the error."""
+    md = metadata.state_dict_metadata["step"]  # (`check_metadata`: saved, a tensor)
+    wanted = {"step": ((), torch.empty(md.size, dtype=md.properties.dtype))}
+    if DIGEST in metadata.state_dict_metadata:
+        wanted[DIGEST] = ((0,), torch.empty(32, dtype=torch.uint8))
+    items = read_plan(path, metadata, wanted)
+    try:
+        _dcp_load(path, metadata, wanted, items, None)
+    except Exception as e:  # noqa: BLE001 - a damaged file named first, else said as it is
+        check_files(path, manifest, only=files_read(metadata, items))
+        raise CheckpointError(f"{path!r}: the saved step counter and manifest digest cannot be read "
+                              f"({_error_text(e, 300)}); load another checkpoint (fzero.checkpoint.complete(root) "
+                              f"lists them)") from None
+    digest = wanted.get(DIGEST)
+    return _Record(int(wanted["step"][1]), None if digest is None else digest[1].numpy().tobytes(),
+                   files_read(metadata, items))
+
+
+def check_record(path: str, manifest: dict[str, Any], metadata: Metadata, outcome: str = "") -> None:
+    """The manifest is the one saved with the data: its step is the saved step counter, and the
+    sha256 of its every field but "files" (`manifest_digest`) is the one `seal` saved (where the
+    checkpoint has one: one saved before it has not, and only its step is compared). Else a
+    `CheckpointError` naming the checkpoint and both values (the file holding them checked against
+    its sha256 first: a damaged data file is named as such). So an edited manifest is refused
+    however it was edited: a reshape of a leaf that keeps its numel, another stage, optimizer
+    setting, lr record, precision, scaler, leaf group or `written` (found in review: `load`,
+    `export` and `summary` took those as the truth). Reads a few hundred bytes of rank 0's file
+    (`_saved_record`), nothing else; `outcome` ("; nothing was loaded") ends the sentence."""
+    step, digest, files = _saved_record(path, manifest, metadata)
+    mine = manifest_digest(manifest)
+    if step == manifest["step"] and digest in (None, mine):
+        return
+    check_files(path, manifest, only=files)  # the data file damaged, not the manifest: named as such
+    fix = "load another checkpoint: fzero.checkpoint.complete(root) lists them"
+    if step != manifest["step"]:
+        raise CheckpointError(f"{path!r}: the manifest says step {manifest['step']} but the saved state holds step "
+                              f"{step}: the manifest was edited or damaged{outcome} ({fix})")
+    raise CheckpointError(f"{path!r}: the manifest does not match the data it was written with: the sha256 of its "
+                          f"fields but 'files' is {mine.hex()[:16]}..., the data holds {digest.hex()[:16]}... (saved "
+                          f"as {DIGEST!r}); the manifest was edited or damaged after the save (any field but 'files': "
+                          f"a leaf's shape or group, the stage, optimizer, lr record, precision, scaler, buffers, "
+                          f"written){outcome} ({fix})")
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -1698,10 +1804,12 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
-    Every rank calls it, with the same checkpoint. Before anything is read, the manifest is
-    checked against `target` (leaves, optimizer, lr schedule, scaler), this rank's read plan is made
-    (`read_plan`: only the saved chunks that overlap what the rank holds) and every file it
-    touches is checked against its sha256; the ranks agree on the checks and on the checkpoint
+    Every rank calls it, with the same checkpoint. Before the state is read, the manifest is
+    checked against the data it was written with (`check_metadata`, and `check_record`: its step
+    and seal, a few hundred bytes of rank 0's file), then against `target` (leaves, optimizer, lr
+    schedule, scaler, precision), this rank's read plan is made (`read_plan`: only the saved
+    chunks that overlap what the rank holds) and every file it touches is checked against its
+    sha256; the ranks agree on the checks and on the checkpoint
     they read (the manifest's step and sha256: ranks that were given different checkpoints, e.g.
     each from its own `latest(root)` while a save ran, raise naming each rank's path and step),
     so a `CheckpointError` is raised on every rank or on none. Then `dcp.load` fills fresh
@@ -1738,12 +1846,13 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             shown = repr(path)
             manifest, digest = _read_manifest(path)
             key = (manifest["step"], _int64(digest), 0)
+            metadata = _metadata(path, manifest)
+            check_metadata(path, manifest, metadata)
+            check_record(path, manifest, metadata, "; nothing was loaded")  # before the target is compared with it
             check_fits(path, manifest, target)
             bufs = _checked_buffers(buffers, "checkpoint.load")
             if bufs is not None:
                 _check_buffers_fit(path, manifest, bufs)
-            metadata = _metadata(path, manifest)
-            check_metadata(path, manifest, metadata)
             w = _wanted(target, metadata, restore_rng and manifest["world_size"] == mesh.world_size)
             read = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in (bufs or {}).items()}  # on the host
             w.ranges.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in read.items()})
@@ -1768,11 +1877,6 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         _agree(mesh, "fzero.checkpoint/checked", error, key, shown, failed=unfit, same=_same_checkpoint,
                differ=different)
         _dcp_load(path, metadata, w.ranges, items, mesh)
-        saved = int(w.scalars["step"])
-        if saved != manifest["step"]:  # every rank read the same manifest and the same step: all raise
-            raise CheckpointError(f"{shown}: the manifest says step {manifest['step']} but the saved state holds "
-                                  f"step {saved}: the manifest was edited or damaged; nothing was loaded (load "
-                                  f"another checkpoint: fzero.checkpoint.complete(root) lists them)")
         info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
         params, master, opt_state = _held(target, w, info)
         if w.rng:
@@ -1817,7 +1921,8 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     them as unexpected keys, and `strict=False` skips them (their values are not loaded: the
     module makes them itself; found in review). Without `aliases` (`fzero export` on the command
     line) a tied weight is under one of its names only: load with `strict=False`, and the
-    module's tie fills the other. Files are checked against their sha256 first; a `dtype` that is
+    module's tie fills the other. Files are checked against their sha256 first, and the manifest
+    against the data (`check_metadata`, `check_record`: an edited manifest is refused); a `dtype` that is
     not a floating torch dtype, or `aliases` that name a leaf the checkpoint does not hold or
     rename one it does, are a `CheckpointError` before anything is read."""
     path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
@@ -1831,19 +1936,14 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     check_files(path, manifest)
     metadata = _read_metadata(path)
     check_metadata(path, manifest, metadata)  # before the manifest's shapes are allocated
+    check_record(path, manifest, metadata)  # the step `fzero export` writes, and every other field
     leaves = manifest["leaves"]
     flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_dtype(ls["dtype"])) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
     saved = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in manifest.get("buffers") or ()}
     wanted.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in saved.items()})
-    step = torch.empty((), dtype=metadata.state_dict_metadata["step"].properties.dtype)
-    wanted["step"] = ((), step)  # compared with the manifest's, as `load` does: `fzero export` writes it
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
-    if int(step) != manifest["step"]:
-        raise CheckpointError(f"{path!r}: the manifest says step {manifest['step']} but the saved state holds step "
-                              f"{int(step)}: the manifest was edited or damaged (load another checkpoint: "
-                              f"fzero.checkpoint.complete(root) lists them)")
     out = {ls["path"]: flats[ls["path"]].view(ls["shape"]) for ls in leaves}
     out = {k: _as_module_to(t, dtype) for k, t in out.items()}
     saved = {k: _as_module_to(t, dtype) for k, t in saved.items()}
@@ -1961,7 +2061,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
 
 def summary(path: str | os.PathLike) -> str:
     """What `fzero inspect` prints of the checkpoint at `path`: step, world size, stage,
-    optimizer, precision, scaler, and each leaf's path, shape, dtype and bytes."""
+    optimizer, precision, scaler, and each leaf's path, shape, dtype and bytes. Checked first:
+    every file's size, `.metadata`'s sha256, the manifest against DCP's metadata and against the
+    step and seal saved with the data (`check_record`: a few hundred bytes of rank 0's file); the
+    data files are not hashed (`load` and `export` do)."""
     path = _fspath(path, "checkpoint.summary: path (a checkpoint folder, root/step-<n>)")
     m = read_manifest(path)
     lr = _constant_lr(m["optimizer"])
@@ -1986,6 +2089,7 @@ def summary(path: str | os.PathLike) -> str:
     files = sum(meta["bytes"] for meta in m["files"].values())
     metadata = _metadata(path, m)  # its sha256 too: a small file (a manifest of another save names another one)
     check_metadata(path, m, metadata)
+    check_record(path, m, metadata)  # a few hundred bytes of rank 0's file: the step and the manifest's digest
     md = metadata.state_dict_metadata
     chunks = sum(len(v.chunks) for v in md.values() if isinstance(v, TensorStorageMetadata))
     lines.append(f"{len(m['leaves'])} leaves, {total:,} B of params; {len(md)} DCP tensors in {chunks} chunks; "
