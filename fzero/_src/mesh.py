@@ -113,6 +113,7 @@ def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
 
 _MESH_IDS = itertools.count(1)
 _ABANDONED = 64  # the started collectives a `DistMesh` keeps unwaited after errors (`DistMesh.abandon`)
+_NEXT_ORDINAL = [0]  # the ordinal this process proposes for its next `DistMesh` (`DistMesh._ordinal`)
 
 
 class Mesh(abc.ABC):
@@ -356,6 +357,14 @@ class Pending:
         """Whether `wait()` has returned (or the collective completed when started)."""
         return self._work is None
 
+    @property
+    def cancelled_if_dropped(self) -> bool:
+        """Whether freeing this unwaited collective cancels it: gloo's point-to-point exchanges
+        (DistMesh's all-gather and reduce-scatter at N = 2), whose peer then waits out the
+        timeout. A backend's own collective (gloo's all-reduce, every NCCL one) runs to the
+        end whoever holds its handle (`DistMesh.abandon`)."""
+        return getattr(self._work, "point_to_point", False)
+
     @eager
     def wait(self) -> torch.Tensor:
         work, self._work, self._keep = self._work, None, None
@@ -365,6 +374,19 @@ class Pending:
             except RuntimeError as e:
                 raise (self._lost(e) if self._lost is not None else e) from e
         return self._out
+
+
+def _cancelled_if_dropped(held: Any) -> list[Any]:
+    """What of `held` (`Mesh.abandon`'s argument: a `Pending`, what holds one as its `pending` --
+    a `stages.Flight`: its current collective -- or a list or tuple of those, nested) the backend
+    cancels if it is freed unwaited (`Pending.cancelled_if_dropped`); anything else is returned
+    as it is, kept as before (`abandon` runs while an error is raised, and must not raise)."""
+    if isinstance(held, (list, tuple)):
+        return [p for h in held for p in _cancelled_if_dropped(h)]
+    pending = getattr(held, "pending", held)
+    if not isinstance(pending, Pending):
+        return [held]
+    return [pending] if not pending.done and pending.cancelled_if_dropped else []
 
 
 @contextlib.contextmanager
@@ -780,6 +802,8 @@ _EXCHANGED = (torch.float32, torch.float64, torch.float16)
 class _ThenAdd:
     """A work handle whose `wait()` waits for `work`, then writes `out = a + b` (one addition)."""
 
+    point_to_point = True  # its `work` is an exchange's `_Works` (`Pending.cancelled_if_dropped`)
+
     def __init__(self, work: Any, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         self.work, self.out, self.a, self.b = work, out, a, b
 
@@ -824,7 +848,10 @@ def _overlaps(x: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 class _Works:
-    """Work handles waited for together: `wait()` waits for each, in order."""
+    """Work handles waited for together: `wait()` waits for each, in order (a point-to-point
+    exchange's send and receive, which gloo cancels when freed: `Pending.cancelled_if_dropped`)."""
+
+    point_to_point = True
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -963,6 +990,16 @@ def _destroy_started_group() -> None:
             dist.destroy_process_group()
 
 
+def _agreed_ordinal(proposed: list[int]) -> int:
+    """A new DistMesh's ordinal from every rank's proposal (`_NEXT_ORDINAL`, in the construction's
+    rows): the largest, the same on every rank, and larger than that of any DistMesh this process
+    made before, so that two meshes over one process group -- whose point-to-point exchanges
+    share gloo's tags -- never tag an exchange alike (`DistMesh._p2p_tag`)."""
+    ordinal = max(proposed)
+    _NEXT_ORDINAL[0] = max(_NEXT_ORDINAL[0], ordinal + 1)
+    return ordinal
+
+
 def _identity() -> tuple[int, int]:
     """`(host key, pid)` of this process. The host key is the crc32 of the host name and the PID
     namespace: two processes with one key can see each other's process ids."""
@@ -1070,15 +1107,16 @@ class DistMesh(Mesh):
         self._peers: list[tuple[int, int]] = []
         # a fingerprint-sized row, so that a rank constructing a mesh where another verifies a
         # collective is named on both (before, the two exchanges' sizes differed: gloo aborted)
-        mine = [_KIND_CONSTRUCT, 0, *_identity(), int(verify)] + [0] * (_FP_LEN - 5)
+        mine = [_KIND_CONSTRUCT, 0, *_identity(), int(verify), _NEXT_ORDINAL[0]] + [0] * (_FP_LEN - 6)
         rows = self._gather(torch.tensor(mine, dtype=torch.int64, device=self.device),
-                            "DistMesh construction (each rank's host, process id and verify)")
+                            "DistMesh construction (each rank's host, process id, verify and ordinal)")
         rows = rows.view(self.world_size, _FP_LEN).tolist()
         elsewhere = [s for s, row in enumerate(rows) if row[0] != _KIND_CONSTRUCT]
         if elsewhere:
             raise CollectiveMismatch(
                 f"{self!r}: rank(s) {elsewhere} were in a collective of another mesh while rank {self._rank} "
                 f"constructed this one: every rank must construct each DistMesh at the same point of its program")
+        self._ordinal = _agreed_ordinal([row[5] for row in rows])
         verifies = [bool(row[4]) for row in rows]
         if len(set(verifies)) > 1:
             raise MeshError(f"{self!r}: ranks constructed it with different verify: "
@@ -1230,12 +1268,15 @@ class DistMesh(Mesh):
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
     def _p2p_tag(self, call: _Call) -> int:
-        """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32 of what the call is
-        (op, dtype, shape, tag) and how many such exchanges this mesh issued before, in a range of
-        its own (2^30 and up). gloo matches a receive with the first send of the same tag, first in,
-        first out: with one tag for all, an exchange that only one rank started (over
-        `DistMesh(verify=False)`, a gather prefetched before that rank raised where its peer had
-        raised earlier) took the next exchange's data -- the wrong bits, silently -- if kept, and
+        """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32 of the mesh's
+        ordinal (`_agreed_ordinal`: two meshes over one group share its tags, and each counts from
+        0; before, the first's one-sided exchange fed the second's alike one, found in review),
+        what the call is (op, dtype, shape, tag) and how many such exchanges this mesh issued
+        before, in a range of its own (2^30 and up, below gloo's limit of 2^31). gloo matches a
+        receive with the first send of the same tag, first in, first out: with one tag for all,
+        an exchange that only one rank started (over `DistMesh(verify=False)`, a gather
+        prefetched before that rank raised where its peer had raised earlier) took the next
+        exchange's data -- the wrong bits, silently -- if kept, and
         hung the next one if dropped (measured on torch 2.13's gloo; found in review). Now it
         matches no other collective's exchange. The same collective's next one, counted once more
         on one rank than on the other, waits out the timeout (`MeshError`) there, while the other
@@ -1243,17 +1284,23 @@ class DistMesh(Mesh):
         collective (docs/bad-input.md, `DistMesh(verify=False)`)."""
         key = (call.op, str(call.dtype), call.shape, call.tag)
         count = self._exchanges[key] = self._exchanges.get(key, -1) + 1
-        return (1 << 30) | (zlib.crc32(repr((key, count)).encode()) >> 2)
+        return (1 << 30) | (zlib.crc32(repr((self._ordinal, key, count)).encode()) >> 2)
 
     def abandon(self, pending: Any) -> None:
         """Keep a started collective this rank will not wait for: over `DistMesh(verify=False)`
         a rank that raised leaves the gathers it prefetched, the refills it started for its
         backward and the reductions its backward started (`Inflight.settle`) unwaited (its peers
-        may never have started them, `starts_agreed`). gloo cancels a point-to-point send or receive whose work
-        handle is freed, so where the peer did start it and waits for it, dropping it here left
-        the peer waiting to the timeout (found in review: a flaky test). The last `_ABANDONED`
-        are kept; each holds its buffers."""
-        self._abandoned.append(pending)
+        may never have started them, `starts_agreed`). gloo cancels a point-to-point send or
+        receive whose work handle is freed, so where the peer did start it and waits for it,
+        dropping it here left the peer waiting to the timeout (found in review: a flaky test).
+        Only such exchanges are kept (`Pending.cancelled_if_dropped`): a backend's own
+        collective (gloo's all-reduce, gloo at N > 2, every NCCL collective) runs to the end
+        without its handle, and keeping it held its buffers -- a stage-3 unit's gather, a
+        bucket's reduction -- until later errors pushed it out (found in review). What the last
+        `_ABANDONED` calls kept is kept, each call's as one entry; each holds its buffers."""
+        kept = tuple(_cancelled_if_dropped(pending))
+        if kept:
+            self._abandoned.append(kept)
 
     def _move(self, call: _Call, x: torch.Tensor, donate: bool = False,
               into: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
