@@ -36,6 +36,7 @@ from .errors import ConfigError
 from .layout import Layout, check_world_size
 from .mesh import Mesh
 from .optim.base import spec_of
+from .precision import as_dtype
 from .stages import Stage, get_stage
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -120,7 +121,7 @@ def held_bytes(state: Any, optimizer: Any = None) -> HeldBytes:
     (`TierSplit`) says how much of each is on the device, in host memory and in files (compare
     `estimate(..., offload=...)`'s `host` and `nvme`).
     """
-    tiers = tier_split(state, optimizer)
+    tiers = tier_split(state, optimizer)  # checks `state` first
     return HeldBytes(
         params=sum(t.params for t in tiers),
         grads=tiers.device.grads,  # grad_bytes
@@ -138,6 +139,12 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     device -- but an NVMe tier's file-backed fields (`NvmeTier.fields`), master shards
     (`NvmeTier.masters`) and, params="nvme", compute-dtype shards (`NvmeTier.shards`) are in
     files."""
+    from .state import ZeroState  # here: `state` imports what accounting imports, not the converse
+
+    if not isinstance(state, ZeroState):  # found in review: a params dict was an AttributeError ('info')
+        raise ConfigError(f"held_bytes / tier_split: state must be the ZeroState fzero.init made (one rank's), got "
+                          f"{type(state).__name__} {state!r:.80}; for the bytes of a params pytree use "
+                          f"fzero.accounting.storage_bytes or estimate")
     info = state.info
     params_off = info.offload.params is not None
     tiers = ("device", "host", "nvme")
@@ -517,6 +524,9 @@ def expected_comm(
     stage 3 2Ψ without and 3Ψ with the re-gather (proofs/communication.md); stage 0's one
     all-reduce counts Ψ elements (its buffer) and sends the wire bytes of RS + AG, 2(N-1)/N per byte.
 
+    `grad_dtype` / `param_dtype`: a floating torch dtype of 16 bits or more, or its name ("bf16",
+    "fp32", ... as `fzero.accounting.estimate` takes them), or None.
+
     `mesh`: the mesh the steps run on, where it decides which collectives a stage issues (stage 0's
     all-reduce); None: the reduce-scatter + all-gather form. Its world size must be `world_size`.
 
@@ -527,6 +537,9 @@ def expected_comm(
     """
     st = get_stage(stage)
     world_size = _world_size(world_size, "expected_comm")
+    # found in review: "bf16" was an AttributeError ('str' object has no attribute 'itemsize'), torch.int32 taken
+    grad_dtype = None if grad_dtype is None else as_dtype(grad_dtype)
+    param_dtype = None if param_dtype is None else as_dtype(param_dtype)
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ConfigError(f"accumulation must be an int >= 1 (micro-batches per step), got {accumulation!r}")
     if accumulate not in ("each", "once"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,23 @@ def _compiled(fn: Any) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def _clip_norm(c: Any) -> float:
+    """`clip_norm` as a Python float: any real number but a bool (numpy's scalars too, as the
+    optimizers' hyper-parameters), finite and > 0, else a `ConfigError` (found in review: an int
+    past float's range was Python's `OverflowError`, a numpy float32 refused where float64 was
+    taken)."""
+    what = f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {type(c).__name__} {c!r:.80}"
+    if isinstance(c, bool) or not isinstance(c, numbers.Real):
+        raise ConfigError(what)
+    try:
+        value = float(c)
+    except OverflowError:  # an int (or Fraction) past float's range
+        raise ConfigError(what) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(what)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +128,8 @@ class StepConfig:
             raise ConfigError(f"accum_dtype {a} is narrower than 16 bits: gradients are added and handed to the "
                               f"optimizer in it, and torch's 8-bit floats have no addition; use None (float32) or "
                               f"torch.bfloat16 / torch.float16")
-        c = self.clip_norm
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0):
-            raise ConfigError(f"clip_norm must be None or a finite float > 0 (the max global 2-norm), got {c!r}")
-        if c is not None:  # 1, 1.0 and np.float64(1.0) alike: the fingerprint ranks compare is of the value
-            object.__setattr__(self, "clip_norm", float(c))
+        if self.clip_norm is not None:  # 1, 1.0, np.float32(1.0) alike: the fingerprint ranks compare is of the value
+            object.__setattr__(self, "clip_norm", _clip_norm(self.clip_norm))
         if not isinstance(self.donate, bool):
             raise ConfigError(f"donate must be a bool, got {self.donate!r}")
         for name in ("cast_ahead", "locate_nonfinite"):

@@ -86,7 +86,8 @@ from . import nvme, optim
 from .errors import ConfigError
 from .layout import ParamGroup, UnitSpec, check_world_size, plan
 from .optim.base import init_state
-from .precision import FULL, Precision
+from .precision import FULL, Precision, as_dtype
+from .precision import short_name as short_name  # read from here by checkpoint
 from .stages import STAGES, Stage, get_stage
 
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
@@ -102,12 +103,6 @@ _AMSGRAD = ("adam-mixed", "adam")  # amsgrad=True: one more fp32 array, max(v)
 _DEFAULT_DTYPE = {
     "adam-mixed": torch.bfloat16, "adam": torch.float32, "sgd-momentum": torch.float32, "sgd": torch.float32,
     "adafactor": torch.float32,
-}  # fmt: skip
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
 }  # fmt: skip
 
 Model = Union[int, float, torch.nn.Module, Any]
@@ -186,23 +181,6 @@ class MemoryEstimate:
     def total(self) -> Fraction:
         """Bytes on the device."""
         return self.params + self.grads + self.optimizer_state + self.master
-
-
-def short_name(dtype: torch.dtype) -> str:
-    """`torch.bfloat16 -> "bf16"`: the name `as_dtype` (and so `fzero estimate --dtype/--precision`)
-    takes first for a dtype."""
-    return next(name for name, d in _DTYPE_NAMES.items() if d == dtype)
-
-
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """`"bf16" | "fp16" | "fp32" | torch.dtype -> torch.dtype` (floating point only)."""
-    if isinstance(dtype, str):
-        if dtype.lower().removeprefix("torch.") not in _DTYPE_NAMES:
-            raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)} or a torch.dtype")
-        dtype = _DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
-    return dtype
 
 
 def bytes_per_param(
@@ -386,6 +364,11 @@ def offload_setting(
     """`fzero.Offload(...)` (read by its `optimizer`, `params`, `ratio`), or the three settings
     themselves, checked -> `OffloadSetting`. Errors name the setting and the way out."""
     if offload is not None:
+        if not (hasattr(offload, "optimizer") and hasattr(offload, "params")):  # found in review: "cpu" and True
+            # were read as no offload, silently
+            raise ConfigError(f"offload must be None or a fzero.Offload(...) (e.g. fzero.Offload(optimizer='cpu')), "
+                              f"got {type(offload).__name__} {offload!r:.80}; or pass offload_optimizer='cpu' / "
+                              f"'nvme', offload_params and offload_ratio instead")
         if (optimizer, params, ratio) != (None, None, 1):
             raise ConfigError("pass either offload=fzero.Offload(...) or offload_optimizer / offload_params / "
                               "offload_ratio, not both")
@@ -554,14 +537,17 @@ def estimate(
         `param_dtype` is given (or the optimizer is "adam-mixed", the paper's bf16 params). Frozen
         groups have no grads, optimizer state or master copy. The optimizer's replicated per-leaf
         fields (`leaf_bytes`: step counts, adafactor's row and column statistics) are counted in
-        the optimizer state, whole on every rank; a bare count has no leaves, so none.
+        the optimizer state, whole on every rank; a bare count has no leaves, so none, and no
+        layout: `align`, `units`, `groups` and `bucket_bytes` other than their defaults are refused
+        with it (`ConfigError`).
       world_size: N >= 1.
       stage: 0-3, or None for all four.
       param_dtype, grad_dtype, optimizer, amsgrad: see `policy_bytes_per_param` (for
         "adam-mixed": `bytes_per_param`). `param_dtype` is the dtype the params are held in
         (default: each bucket's own; fp32 for a bare count).
-      offload: a `fzero.Offload(...)`, or its settings as `offload_optimizer` (None, "cpu",
-        "nvme"), `offload_params` (None, "cpu", "nvme"; stage 3) and `offload_ratio` (r in (0, 1]).
+      offload: a `fzero.Offload(...)` (anything else but None is a `ConfigError`), or its settings
+        as `offload_optimizer` (None, "cpu", "nvme"), `offload_params` (None, "cpu", "nvme"; stage
+        3) and `offload_ratio` (r in (0, 1]).
       precision: a `fzero.Precision`: what `fzero.init(..., precision=precision)` keeps, stage by
         stage (`policy_bytes_per_param`): with fp32 params and `Precision(torch.bfloat16)` a bf16
         copy beside the fp32 master at stages 1-2, and at stage 3 only with the optimizer
@@ -582,9 +568,8 @@ def estimate(
     off = offload_setting(offload, offload_optimizer, offload_params, offload_ratio)
     cost = _costs(optimizer, precision, param_dtype, grad_dtype, off, amsgrad)
     cost(STAGES[0], _Buffer(Fraction(0), Fraction(0), True, bucket=False))  # check the settings before planning
-    if bucket_bytes is not None and isinstance(model, Real) and not isinstance(model, bool):
-        raise ConfigError(f"bucket_bytes={bucket_bytes!r} cuts a layout's buckets; a bare parameter count has none: "
-                          f"pass a params pytree or an nn.Module, or leave bucket_bytes out")
+    if isinstance(model, Real) and not isinstance(model, bool):
+        _check_bare_count(bucket_bytes=bucket_bytes, align=align, units=units, groups=groups)
     buffers = _buffers(model, world_size, units, groups, align, bucket_bytes)
 
     def one(level: int) -> MemoryEstimate:
@@ -623,6 +608,23 @@ def default_bytes_per_param(optimizer: str = "adam", param_dtype: torch.dtype | 
     if optimizer == "adam-mixed":
         return bytes_per_param(optimizer, param_dtype, grad_dtype, amsgrad=amsgrad)
     return policy_bytes_per_param(optimizer, 0, FULL, param_dtype, grad_dtype, amsgrad=amsgrad)[0]
+
+
+def _check_bare_count(**layout: Any) -> None:
+    """A bare parameter count has no layout: `bucket_bytes`, `align`, `units` and `groups` other
+    than their defaults are a `ConfigError` naming them (found in review: align, units and groups
+    were ignored silently -- no padding, a frozen group's leaves counted as trainable -- where the
+    command line refuses `--align` with `--params`)."""
+    defaults = {"bucket_bytes": None, "align": 1, "units": None, "groups": ()}
+    given = [f"{k}={v!r:.60}" for k, v in layout.items()
+             if not (v is defaults[k] or (k == "groups" and isinstance(v, (tuple, list)) and not v)
+                     or (k == "align" and not isinstance(v, bool) and v == 1))]
+    if given:
+        many = len(given) > 1
+        raise ConfigError(f"{', '.join(given)} {'shape' if many else 'shapes'} a layout's buckets (padding, units, "
+                          f"frozen groups, bucket cuts); a bare parameter count has none, so the estimate would leave "
+                          f"{'them' if many else 'it'} out: pass a params pytree or an nn.Module (meta tensors will "
+                          f"do), or leave {'them' if many else 'it'} out")
 
 
 def _accepts(st: Stage, off: OffloadSetting) -> bool:

@@ -40,7 +40,8 @@ class ParamGroup:
 
     Attributes:
       name: shown in bucket tags and errors.
-      match: a callable `path -> bool`; `None` matches every leaf. The first group that matches
+      match: a callable `path -> bool`, hashable (a function; a callable object of a hashable
+        class, e.g. a frozen dataclass); `None` matches every leaf. The first group that matches
         wins, except that a frozen group wins wherever it stands.
       weight_decay: False masks weight decay off (torch: a param group with weight_decay=0; a 0
         given here is taken as False). The amount is the optimizer's.
@@ -63,6 +64,13 @@ class ParamGroup:
                     f"a glob)" if isinstance(self.match, str) else "")
             raise LayoutError(f"ParamGroup {self.name!r}: match must be None (every leaf) or a callable path -> bool, "
                               f"got {type(self.match).__name__} {self.match!r}{hint}")
+        try:  # a group keys its buckets (`plan`), so it is hashed with its fields, `match` among them
+            hash(self.match)
+        except TypeError:  # found in review: a dataclass matcher (eq, not frozen) was torch's bare TypeError in plan
+            raise LayoutError(f"ParamGroup {self.name!r}: match must be hashable (a group keys its buckets, so it is "
+                              f"hashed with its fields), got {type_name(self.match)} {self.match!r}, which is not: "
+                              f"make its class hashable (@dataclasses.dataclass(frozen=True)), or pass a function, "
+                              f"e.g. match=lambda path: matcher(path)") from None
         wd = self.weight_decay
         if as_flag(wd) is not None:
             object.__setattr__(self, "weight_decay", as_flag(wd))
@@ -299,7 +307,13 @@ PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # 
 
 def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
     if not isinstance(leaf, torch.Tensor):
-        raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor")
+        hint = (": pass the module's parameters, dict(model.named_parameters()), or use fzero.from_module(model)"
+                if isinstance(leaf, torch.nn.Module) else "")
+        raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor{hint}")
+    if torch.nn.parameter.is_lazy(leaf):  # found in review: torch's ValueError from inside `plan`, naming no leaf
+        raise LayoutError(f"params leaf {path!r} is an uninitialized parameter of a lazy module (nn.LazyLinear, "
+                          f"nn.LazyConv2d, ...): it has no shape yet; run the model once on a dummy batch to "
+                          f"materialize its parameters before fzero.init / fzero.from_module / fzero.layout.plan")
     if leaf.is_nested or leaf.layout != torch.strided:
         raise LayoutError(f"params leaf {path!r} is a {'nested' if leaf.is_nested else leaf.layout} tensor; fzero "
                           f"shards dense (torch.strided) leaves only: pass its dense form (t.to_dense())")
@@ -434,6 +448,16 @@ def _runs(members: list[int], nbytes: list[int], cap: int | None) -> list[list[i
     return runs
 
 
+def check_layout(layout: Any, fn: str) -> Layout:
+    """`layout` where it is a `Layout`, else a `LayoutError` naming `fn` (the function given it)
+    and what was given (found in review: `pack(params, layout)`, its arguments swapped, was an
+    `AttributeError` from inside)."""
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"fzero.layout.{fn}: layout must be the Layout fzero.layout.plan(params, world_size) made "
+                          f"(the first argument), got {type_name(layout)} {layout!r:.80}")
+    return layout
+
+
 def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
     paths, leaves, spec = flatten_with_paths(params)
     if spec != layout.treespec:
@@ -462,7 +486,7 @@ def pack(layout: Layout, params: Any) -> tuple[torch.Tensor, ...]:
 
     A bucket's leaves are joined into one buffer, so they must be on one device (`LayoutError`
     naming the bucket, its leaves and their devices otherwise); buckets may differ."""
-    leaves = _leaves_of(layout, params)
+    leaves = _leaves_of(check_layout(layout, "pack"), params)
     flats = []
     for b in layout.buckets:
         _check_one_device(layout, b, leaves)
@@ -490,14 +514,27 @@ def _check_one_device(layout: Layout, b: BucketSpec, leaves: Sequence[torch.Tens
 
 
 def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat buffers") -> None:
-    if len(flats) != len(layout.buckets):
-        raise LayoutError(f"expected {len(layout.buckets)} {what}, one per bucket; got {len(flats)}")
+    _check_buffers(layout, flats, what)
     for b, f in zip(layout.buckets, flats):
         if tuple(f.shape) != (b.padded_numel,) or f.dtype != b.dtype:
             raise LayoutError(
                 f"{what} of bucket {b.tag!r} is {f.dtype}{list(f.shape)}; the layout expects "
                 f"{b.dtype}[{b.padded_numel}] (world size {layout.world_size} x shard {b.shard_numel})"
             )
+
+
+def _check_buffers(layout: Layout, xs: Any, what: str) -> None:
+    """`xs` is a sequence of tensors, one per bucket of `layout`, or a `LayoutError` naming what is
+    not (a tensor given alone, a list of floats: before, torch's or Python's `AttributeError`)."""
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, Sequence):
+        got = f"one tensor of shape {list(xs.shape)}" if isinstance(xs, torch.Tensor) else type_name(xs)
+        raise LayoutError(f"expected {len(layout.buckets)} {what} (a tuple or list, one tensor per bucket), got {got}; "
+                          f"pass what fzero.layout.pack / shard returned")
+    if len(xs) != len(layout.buckets):
+        raise LayoutError(f"expected {len(layout.buckets)} {what}, one per bucket; got {len(xs)}")
+    for b, x in zip(layout.buckets, xs):
+        if not isinstance(x, torch.Tensor):
+            raise LayoutError(f"{what} of bucket {b.tag!r} is a {type_name(x)}, not a tensor")
 
 
 def bucket_leaves(layout: Layout, bucket: int, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -512,7 +549,7 @@ def bucket_leaves(layout: Layout, bucket: int, flat: torch.Tensor) -> list[tuple
 def unpack(layout: Layout, flats: Sequence[torch.Tensor]) -> Any:
     """`flats` (`flat[N * S]` per bucket of `layout`) -> params: each leaf a view of its bucket's
     buffer."""
-    check_flats(layout, flats)
+    check_flats(check_layout(layout, "unpack"), flats)
     leaves: list[Any] = [None] * len(layout.leaves)
     for b, flat in zip(layout.buckets, flats):
         for i, view in bucket_leaves(layout, b.index, flat):
@@ -523,13 +560,18 @@ def unpack(layout: Layout, flats: Sequence[torch.Tensor]) -> Any:
 def shard(layout: Layout, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """`flats` (`flat[N * S]` per bucket of `layout`) -> `shards[N, S]` per bucket; row r is rank
     r's shard (a view)."""
-    check_flats(layout, flats)
+    check_flats(check_layout(layout, "shard"), flats)
     return tuple(einops.rearrange(f, "(n s) -> n s", n=layout.world_size) for f in flats)
 
 
 def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s `shard[S]` of every bucket of `layout`, from `flats` (`flat[N * S]` per
-    bucket; views). A `rank` outside the world size raises `LayoutError`."""
+    bucket; views). A `rank` that is not an int in `[0, world size)` raises `LayoutError`."""
+    check_layout(layout, "local_shards")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):  # found in review: 1.5 was a TypeError
+        raise LayoutError(f"rank must be an int in [0, {layout.world_size}) (the layout's world size), got "
+                          f"{type_name(rank)} {rank!r}")
+    rank = int(rank)
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside world size {layout.world_size}")
     check_flats(layout, flats)
@@ -539,8 +581,7 @@ def local_shards(layout: Layout, flats: Sequence[torch.Tensor], rank: int) -> tu
 def unshard(layout: Layout, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """`shards` (`[N, S]` per bucket of `layout`) -> `flat[N * S]` per bucket; the inverse of
     `shard`."""
-    if len(shards) != len(layout.buckets):
-        raise LayoutError(f"expected {len(layout.buckets)} shard stacks, one per bucket; got {len(shards)}")
+    _check_buffers(check_layout(layout, "unshard"), shards, "shard stacks")
     for b, s in zip(layout.buckets, shards):
         if tuple(s.shape) != (layout.world_size, b.shard_numel):
             raise LayoutError(

@@ -84,3 +84,35 @@ def added_in(accum_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype
     micro-batch, where nothing is added: found in review, 1.1e-07 from torch's SGD step on
     float64 params); a dtype given is the user's."""
     return accum_dtype if accum_dtype is not None else at_least_float32(dtype)
+
+
+DTYPE_NAMES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64, "double": torch.float64,
+}  # fmt: skip
+"""The names `as_dtype` takes for a dtype (`fzero estimate --dtype/--precision`, `estimate`,
+`expected_comm`), each dtype's short name first."""
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16 -> "bf16"`: the name `as_dtype` (and so `fzero estimate --dtype/--precision`)
+    takes first for a dtype."""
+    return next(name for name, d in DTYPE_NAMES.items() if d == dtype)
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """`"bf16" | "fp16" | "fp32" | torch.dtype -> torch.dtype`: floating point of 16 bits or more,
+    the dtypes fzero keeps params and gradients in (`layout.PARAM_DTYPES`, `Precision`); else a
+    `ConfigError` naming the value. Here, below `estimate` and `accounting`, which both read it."""
+    if isinstance(dtype, str):
+        if dtype.lower().removeprefix("torch.") not in DTYPE_NAMES:
+            raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_NAMES)} or a torch.dtype")
+        dtype = DTYPE_NAMES[dtype.lower().removeprefix("torch.")]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
+    if dtype.itemsize < 2:  # found in review: float8 gave an estimate of a state fzero.init refuses to make
+        raise ConfigError(f"dtype {dtype} is narrower than 16 bits: fzero keeps no params or gradients in it (a "
+                          f"params leaf or a fzero.Precision of it is refused); use bf16, fp16, fp32 or fp64")
+    return dtype

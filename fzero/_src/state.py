@@ -29,7 +29,7 @@ from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
-from .optim.base import Optimizer, init_state, spec_of
+from .optim.base import Optimizer, OptimizerError, init_state, spec_of
 from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -275,8 +275,12 @@ def init(
 
         def opt_init(b: int, device: Any = None) -> Any:
             p = st.optimizer_params(layout, b, held[b], rank, master[b])
-            s = init_state(optimizer, p if device is None else p.to(device),
-                           [layout.leaves[i].shape for i in layout.buckets[b].leaves])
+            try:
+                s = init_state(optimizer, p if device is None else p.to(device),
+                               [layout.leaves[i].shape for i in layout.buckets[b].leaves])
+            except OptimizerError as e:  # found in review: "got a float64 shard", naming no leaf
+                raise OptimizerError(f"{e} (fzero.init, making the optimizer state of bucket "
+                                     f"{_bucket_words(layout, b)})") from e
             spec_of(optimizer, s)
             return s
 
@@ -351,7 +355,8 @@ def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
     """One tensor at two paths, or two leaves whose memory overlaps (views of one tensor: `W` and
     `W.t()`, overlapping slices), would be two leaves updated apart (silently untied). Views of
     one buffer that share no element (disjoint slices, interleaved columns), and frozen leaves
-    (paths in `frozen`, never updated) that overlap only each other, are allowed."""
+    (paths in `frozen`, never updated) that overlap only each other, are allowed. So is a frozen
+    leaf whose own elements overlap (`expand`); a trainable one is refused (`_self_overlapping`)."""
     paths, leaves, _ = flatten_with_paths(params)
     first: dict[int, str] = {}
     for path, leaf in zip(paths, leaves):
@@ -370,6 +375,39 @@ def _check_distinct(params: Any, frozen: Collection[str] = ()) -> None:
                           f"update them apart and silently untie them; keep one leaf and use it at both places in "
                           f"the loss (e.g. p['emb'].t() for a tied head; fzero.from_module does this for tied module "
                           f"weights), or pass a .clone() to train them apart")
+    for path, leaf in zip(paths, leaves):
+        if path not in frozen and isinstance(leaf, torch.Tensor) and _self_overlapping(leaf):
+            raise LayoutError(f"params leaf {_placed(path, leaf)} holds one memory location at several of its "
+                              f"elements (an expand()ed tensor, a stride of 0, or an overlapping as_strided view): "
+                              f"fzero would train each element apart and silently untie them (torch.optim refuses "
+                              f"to update such a tensor in place); pass leaf.clone() to train its elements apart, "
+                              f"keep the smaller tensor as the leaf and expand it in the loss to keep them tied, or "
+                              f"freeze it with a ParamGroup(..., frozen=True)")
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of a strided tensor are one memory location (found in review: an
+    `expand`ed leaf was trained as independent elements, where torch.optim raises). False at once
+    where each stride, in increasing order, reaches past the span of the smaller ones (contiguous
+    tensors, transposes, slices); True at once for a stride of 0 (`expand`) or more elements than
+    the memory they span; otherwise (an `as_strided` view whose strides interleave) each element's
+    offset is computed and compared -- the rare path, one int64 per element."""
+    if t.layout != torch.strided or t.numel() < 2:
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            break
+        span += (n - 1) * st
+    else:
+        return False
+    if dims[0][0] == 0 or t.numel() > 1 + sum((n - 1) * st for st, n in dims):
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for st, n in dims:
+        offsets = (offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st).flatten()
+    return bool(offsets.unique().numel() < offsets.numel())
 
 
 def _placed(path: str, t: torch.Tensor) -> str:
@@ -457,6 +495,15 @@ def _nonfinite_leaves(layout: Layout, b: int, flat: torch.Tensor) -> list[str]:
             bad.append(f"{ls.path!r} ({str(ls.dtype).removeprefix('torch.')}{list(ls.shape)}: {count} of {ls.numel} "
                        f"elements NaN or inf)")
     return bad
+
+
+def _bucket_words(layout: Layout, b: int) -> str:
+    """Bucket `b` in words: its tag and its leaves' paths, dtypes and shapes (the first 6)."""
+    spec = layout.buckets[b]
+    leaves = [layout.leaves[i] for i in spec.leaves]
+    named = ", ".join(f"{ls.path!r} ({str(ls.dtype).removeprefix('torch.')}{list(ls.shape)})" for ls in leaves[:6])
+    count = f"{len(leaves)} leaves" if len(leaves) != 1 else "1 leaf"
+    return f"{spec.tag!r} of {count}: {named}{' ...' if len(leaves) > 6 else ''}"
 
 
 def _check_optimizer(optimizer: Any) -> None:

@@ -40,7 +40,7 @@ import torch.autograd.forward_ad as fwAD
 
 from ..collectives import func_level
 from ..errors import FzeroError
-from ..layout import ParamGroup, Segment, as_flag, type_name
+from ..layout import PARAM_DTYPES, ParamGroup, Segment, as_flag, type_name
 
 
 class OptimizerError(FzeroError, ValueError):
@@ -198,6 +198,8 @@ def pure(update_: Callable, spec: Callable) -> Callable:
     closures.)"""
 
     def update(grad: torch.Tensor, state: Any, param: torch.Tensor, ctx: UpdateContext):
+        check_inputs("Optimizer.update", grad, state, param, spec)  # a global: the closure (and so
+        # `state.describe`'s description of every optimizer, which checkpoints store) is unchanged
         derive = getattr(update_, "derive", None)
         if derive is not None and tracked(grad, param, *state):
             return derive(grad, state, param, ctx)
@@ -489,9 +491,44 @@ def check_fits(name: str, ctx: UpdateContext, dtype: torch.dtype, values: dict[s
             )
 
 
+def check_inputs(name: str, grad: Any, state: Any, param: Any, spec: Callable[[Any], Any]) -> None:
+    """What `pure`'s update reads before the optimizer's own checks (`check_shards`): `grad` and
+    `param` tensors (`check_tensor`) and `state` a NamedTuple of the fields `spec` gives it
+    (`check_state_fields`), else an `OptimizerError` led by `name` (found in review: another
+    optimizer's state, a plain tuple or None was a `TypeError` / `AttributeError` from inside)."""
+    check_tensor(name, "grad shard", grad)
+    check_tensor(name, "param shard", param)
+    if getattr(state, "_fields", None) is None:
+        raise OptimizerError(f"{name}: the optimizer state must be the NamedTuple this optimizer's init made for the "
+                             f"bucket, got {type_name(state)} {state!r:.80}")
+    check_state_fields(name, state, spec(state))
+
+
+def check_tensor(name: str, what: str, x: Any) -> None:
+    """`x` (a grad or param shard, `what`) is a tensor, else an `OptimizerError` led by `name`."""
+    if not isinstance(x, torch.Tensor):
+        raise OptimizerError(f"{name}: {what} must be a tensor, a 1-d shard[S] of one bucket (pass "
+                             f"layout.local_shards(...) entries), got {type_name(x)} {x!r:.80}")
+
+
+def check_state_fields(name: str, state: Any, spec: Any) -> None:
+    """`state`'s fields are those of `spec` (the optimizer's `spec(state)`), else an
+    `OptimizerError` led by `name` naming both: the state another optimizer made (an `AdamState`
+    handed to sgd) is refused before anything reads it."""
+    got, want = getattr(state, "_fields", None), getattr(spec, "_fields", None)
+    if want is not None and (got is None or tuple(got) != tuple(want)):
+        shown = f"{type(state).__name__}{tuple(got)}" if got is not None else f"{type_name(state)} {state!r:.80}"
+        raise OptimizerError(f"{name}: the optimizer state is {shown}, but this optimizer's state has the fields "
+                             f"{tuple(want)} ({type(spec).__name__}); pass the state this optimizer's init made for "
+                             f"the bucket (another optimizer's state does not fit it)")
+
+
 def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
-    """`grad` (the grad shard) is `param`'s (the param shard's): one 1-d `shard[S]`, one dtype,
-    one device; else an `OptimizerError` led by `name` (the optimizer's)."""
+    """`grad` (the grad shard) is `param`'s (the param shard's): one 1-d `shard[S]` of a dtype
+    fzero's optimizers update (`layout.PARAM_DTYPES`), one device; else an `OptimizerError` led by
+    `name` (the optimizer's)."""
+    check_tensor(name, "grad shard", grad)
+    check_param(name, param)
     if grad.dim() != 1 or param.dim() != 1 or grad.shape != param.shape:
         raise OptimizerError(
             f"{name}: grad shard {list(grad.shape)} and param shard {list(param.shape)} must be the same "
@@ -503,6 +540,16 @@ def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
         )
 
 
+def check_param(name: str, param: Any) -> None:
+    """`param` (a param shard) is a tensor of a dtype fzero's optimizers update (float16, bfloat16,
+    float32, float64), else an `OptimizerError` led by `name` (found in review: an int64 shard
+    reached torch's kernels, "lerp_kernel_scalar not implemented for 'Long'")."""
+    check_tensor(name, "param shard", param)
+    if param.dtype not in PARAM_DTYPES:
+        raise OptimizerError(f"{name}: param shard is {param.dtype}; fzero's optimizers update float16, bfloat16, "
+                             f"float32 and float64 shards")
+
+
 def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, state: Any, spec: Any,
                  ctx: UpdateContext) -> None:
     """Shapes and dtypes of one update's inputs (`grad`, `param`, `state` against its `spec`, and
@@ -510,9 +557,16 @@ def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, stat
     grad shard (`prepare_`, whose `launch` checks it, `check_grad`)."""
     if grad is not None:
         check_grad(name, grad, param)
-    elif param.dim() != 1:
+    else:
+        check_param(name, param)
+    if param.dim() != 1:
         raise OptimizerError(f"{name}: param shard {list(param.shape)} must be a 1-d shard[S] of one bucket (pass "
                              f"layout.local_shards(...) entries, not leaves)")
+    if not isinstance(ctx, UpdateContext):
+        raise OptimizerError(f"{name}: ctx must be a fzero.optim.UpdateContext, got {type_name(ctx)} {ctx!r:.80}")
+    if not isinstance(ctx.group, ParamGroup):
+        raise OptimizerError(f"{name}: ctx.group must be the bucket's fzero.ParamGroup, got {type_name(ctx.group)} "
+                             f"{ctx.group!r:.80}")
     if ctx.group.frozen:
         raise OptimizerError(
             f"{name}: parameter group {ctx.group.name!r} is frozen; frozen buckets have no optimizer state "
@@ -520,11 +574,12 @@ def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, stat
         )
     if len(ctx.used) != len(ctx.leaves):
         raise OptimizerError(f"{name}: ctx.used has {len(ctx.used)} entries for {len(ctx.leaves)} bucket leaves")
-    if ctx.segments and ctx.segments[-1].stop > param.numel():
+    if ctx.segments and isinstance(ctx.segments[-1], Segment) and ctx.segments[-1].stop > param.numel():
         raise OptimizerError(
             f"{name}: ctx.segments reach element {ctx.segments[-1].stop} of a shard of {param.numel()}; "
             f"were they made for another bucket or world size?"
         )
+    check_state_fields(name, state, spec)
     for field, t, kind in zip(state._fields, state, spec):
         if kind in FACTORED and len(ctx.leaf_shapes) != len(ctx.leaves):
             raise OptimizerError(
@@ -539,6 +594,24 @@ def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, stat
                 f"shard of {param.numel()} elements and {len(ctx.leaves)} bucket leaves; was it made by init "
                 f"for this bucket?"
             )
+    check_segments(name, ctx, param.numel())
+
+
+def check_segments(name: str, ctx: UpdateContext, numel: int) -> None:
+    """`ctx.segments` are `Segment`s of leaves in `ctx.leaves`, in shard order, not overlapping,
+    within a shard of `numel` elements (what `layout.segments(bucket, rank)` gives), else an
+    `OptimizerError` led by `name` naming the first that is not (found in review: a hand-made
+    context's segment of another leaf was a `KeyError`; one out of order, overlapping or with a
+    negative start updated other elements, or an element twice, silently)."""
+    leaves, at = set(ctx.leaves), 0
+    for k, seg in enumerate(ctx.segments):
+        if not (isinstance(seg, Segment) and seg.leaf in leaves and at <= seg.start <= seg.stop <= numel
+                and seg.leaf_start >= 0):
+            raise OptimizerError(
+                f"{name}: ctx.segments[{k}] = {seg!r} does not fit: segments are Segments of leaves in ctx.leaves "
+                f"{tuple(ctx.leaves)}, in shard order, not overlapping, within the shard's {numel} elements "
+                f"(0 <= start <= stop <= {numel}); pass layout.segments(bucket, rank) for this bucket and rank")
+        at = seg.stop
 
 
 SPECS = ("shard", "leaf", "rows", "cols")  # what `Optimizer.spec` may say of a state field

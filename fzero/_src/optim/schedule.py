@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .base import OptimizerError, Schedule, as_schedule, check_hyper
 
@@ -80,5 +80,11 @@ def step_decay(init: float, step_size: int, gamma: float = 0.1) -> Schedule:
 
 def sequence(values: Sequence[float]) -> Schedule:
     """`step -> values[step]`: replay recorded values (e.g. a torch scheduler's `get_last_lr()`
-    before each `optimizer.step()`); asking past the end raises."""
+    before each `optimizer.step()`); asking past the end raises. `values` is any iterable of
+    floats but a str (a list, a tuple, a numpy array); anything else is an `OptimizerError`."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # found in review: a bare float
+        # gave Python's "'float' object is not iterable"
+        raise OptimizerError(f"sequence takes the lr of each optimizer step (a list of floats), got "
+                             f"{type(values).__name__} {values!r:.80}; for one lr at every step pass the float "
+                             f"itself as lr, or fzero.optim.constant(value)")
     return as_schedule(list(values))
