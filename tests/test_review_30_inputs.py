@@ -85,8 +85,12 @@ def test_an_uninitialized_lazy_parameter_is_refused_naming_the_leaf():
         with pytest.raises(fzero.LayoutError, match=r"params leaf '1\.(bias|weight)' is an uninitialized "
                                                     r"parameter of a lazy module.*dummy batch"):
             call()
+    with pytest.raises(fzero.LayoutError, match=r"from_module: parameter '1\.weight' is an uninitialized "
+                                                r"parameter of a lazy module.*dummy batch"):
+        fzero.from_module(model)
     model(torch.ones(1, 2))  # materialized: taken
     assert len(fzero.layout.plan(dict(model.named_parameters()), 2).leaves) == 4
+    assert sorted(fzero.from_module(model)[0]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
 def test_a_module_given_as_the_params_names_the_way_out():

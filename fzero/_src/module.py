@@ -133,6 +133,10 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     aliases: dict[str, list[str]] = {}
     params: dict[str, torch.Tensor] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
+        if nn.parameter.is_lazy(p):  # found in review: torch's ValueError from `detach`, naming no parameter
+            raise LayoutError(f"from_module: parameter {name!r} is an uninitialized parameter of a lazy module "
+                              f"(nn.LazyLinear, nn.LazyConv2d, ...): it has no shape yet; run the model once on a "
+                              f"dummy batch to materialize its parameters before fzero.from_module")
         first = canonical.setdefault(id(p), name)
         aliases.setdefault(first, []).append(name)
         if first == name:  # a frozen parameter stays an nn.Parameter(requires_grad=False): init freezes it
