@@ -541,9 +541,15 @@ class Gathering:
 
     def _drop(self, unit: str) -> None:
         """Wait for a prefetched gather nobody will read, and free it (NCCL may still be writing);
-        a refill gathered into the released storage frees that storage again."""
-        for pending in self._ahead.pop(unit):
-            pending.wait()
+        a refill gathered into the released storage frees that storage again. Each bucket's
+        gather stays in `_ahead` until its turn: where a wait raises, that one is done and the
+        unit's later buckets' are still there, for `finish` (before, the unit was taken out
+        first, and a failed wait lost them, neither waited for nor handed to the mesh; found in
+        review)."""
+        flights = self._ahead[unit]
+        while flights:
+            flights.pop(0).wait()
+        del self._ahead[unit]
         if unit in self._released:
             for _, storage, _ in self._storages[unit]:
                 storage.resize_(0)
@@ -588,16 +594,24 @@ class Gathering:
         that did start one and waits for it gets its data (gloo cancels a point-to-point exchange
         whose handle is freed). A wait that fails passes silently, so that `error` is what the step
         raises; none on the mesh's own error (`MeshError`: a lost or stuck rank, after which a wait
-        may never end) nor on an interrupt."""
+        may never end) nor on an interrupt. The first wait that fails ends the waiting, as in
+        `Inflight.settle`: what is left -- the later units' gathers, and the later buckets' of the
+        unit whose wait failed -- is handed to the mesh, also where something interrupts the
+        waits. (Before, each unit's failed wait was passed over and the next unit's waited for:
+        with a frozen or dead peer every unit waited out its own timeout, and the failed unit's
+        later buckets were lost, neither waited for nor handed to the mesh; found in review.)"""
         if error is None:
             for unit in list(self._ahead):
                 self._drop(unit)
-        else:
+            return
+        try:
             for unit in [u for u in self._ahead if self._programs[u].mesh.waits_after(error)]:
-                with contextlib.suppress(RuntimeError):  # (MeshError is one)
-                    self._drop(unit)
-        for unit in list(self._ahead):  # not waited: kept by the mesh, not cancelled (`Mesh.abandon`)
-            self._programs[unit].mesh.abandon(self._ahead.pop(unit))
+                self._drop(unit)
+        except RuntimeError:  # (MeshError is one): the rest are not waited for
+            pass
+        finally:
+            for unit in list(self._ahead):  # not waited: kept by the mesh, not cancelled (`Mesh.abandon`)
+                self._programs[unit].mesh.abandon(self._ahead.pop(unit))
 
     @property
     def gathered(self) -> tuple[str, ...]:

@@ -113,6 +113,7 @@ def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
 
 _MESH_IDS = itertools.count(1)
 _ABANDONED = 64  # the started collectives a `DistMesh` keeps unwaited after errors (`DistMesh.abandon`)
+_TAG_KEYS = 4096  # the distinct collectives a `DistMesh` counts exchanges of in one era (`DistMesh._p2p_tag`)
 _NEXT_ORDINAL = [0]  # the ordinal this process proposes for its next `DistMesh` (`DistMesh._ordinal`)
 
 
@@ -1100,7 +1101,8 @@ class DistMesh(Mesh):
         self.device = dev
         self.verify = verify
         self._seq = 0
-        self._exchanges: dict[tuple, int] = {}  # point-to-point exchanges issued, per collective (`_p2p_tag`)
+        self._exchanges: dict[tuple, int] = {}  # point-to-point exchanges issued this era, per collective (`_p2p_tag`)
+        self._era = 0  # how many times `_exchanges` filled up and was cleared (`_p2p_tag`)
         self._abandoned: collections.deque[Any] = collections.deque(maxlen=_ABANDONED)  # (`abandon`)
         self._announced = -1  # the sequence number after the last failure this rank announced (`_told`)
         self._broken: MeshError | None = None  # set once a collective failed: the group is unusable
@@ -1272,7 +1274,7 @@ class DistMesh(Mesh):
         ordinal (`_agreed_ordinal`: two meshes over one group share its tags, and each counts from
         0; before, the first's one-sided exchange fed the second's alike one, found in review),
         what the call is (op, dtype, shape, tag) and how many such exchanges this mesh issued
-        before, in a range of its own (2^30 and up, below gloo's limit of 2^31). gloo matches a
+        before (in this era, below), in a range of its own (2^30 and up, below gloo's limit of 2^31). gloo matches a
         receive with the first send of the same tag, first in, first out: with one tag for all,
         an exchange that only one rank started (over `DistMesh(verify=False)`, a gather
         prefetched before that rank raised where its peer had raised earlier) took the next
@@ -1281,10 +1283,36 @@ class DistMesh(Mesh):
         matches no other collective's exchange. The same collective's next one, counted once more
         on one rank than on the other, waits out the timeout (`MeshError`) there, while the other
         rank may take the kept exchange's stale bits and then waits for the first at its next
-        collective (docs/bad-input.md, `DistMesh(verify=False)`)."""
+        collective (docs/bad-input.md, `DistMesh(verify=False)`).
+
+        Bounded: the counts are kept for at most `_TAG_KEYS` distinct collectives. A new one past
+        that clears them all and starts a new era, whose number is in every tag after it (before,
+        a count was kept for every distinct collective forever: a `mesh.collective` whose tag
+        names the step, or whose shapes change, grew the mesh without bound; found in review).
+        Every rank that issues the same sequence of exchanges clears at the same one, so the
+        ranks still tag alike. No two exchanges of one mesh share `(era, collective, count)`:
+        within an era each collective's count only grows, and an era never comes back. So a
+        clear cannot give a new exchange the tag of one still in flight -- an exchange may stay
+        in flight past any number of later ones (one a rank kept unwaited after an error,
+        `abandon`, stays to the end of the run), so restarting a cleared collective's count
+        without the era (or an LRU's evicting and recounting) could tag a new exchange alike
+        with such a kept one, which would then take its place, silently. Only CRC-32 collisions
+        of two different triples remain, as before between two different collectives. Where the
+        ranks' sequences already differ (an exchange one rank started alone, above), a rank that
+        counted a collective the other did not may clear one collective earlier, and the
+        exchanges between the two clears are tagged apart: the failure of the count's own
+        difference (a wait to the timeout, `MeshError`; the other rank may take a kept
+        exchange's stale bits), now possibly for other collectives than the one-sided one's too.
+        The cost on the normal path: one dict look-up and store, as before, and a length check
+        for a collective new to the era."""
         key = (call.op, str(call.dtype), call.shape, call.tag)
-        count = self._exchanges[key] = self._exchanges.get(key, -1) + 1
-        return (1 << 30) | (zlib.crc32(repr((self._ordinal, key, count)).encode()) >> 2)
+        counts = self._exchanges
+        count = counts.get(key, -1) + 1
+        if not count and len(counts) >= _TAG_KEYS:  # a collective new to a full era: start the next era
+            counts.clear()
+            self._era += 1
+        counts[key] = count
+        return (1 << 30) | (zlib.crc32(repr((self._ordinal, self._era, key, count)).encode()) >> 2)
 
     def abandon(self, pending: Any) -> None:
         """Keep a started collective this rank will not wait for: over `DistMesh(verify=False)`

@@ -241,9 +241,14 @@ class Inflight:
         return flight.pending.result
 
     def wait(self) -> None:
-        flights, self._flights = self._flights, []
-        for f in flights:
-            self._close(*f)
+        """Close every open flight, oldest first. Each stays in `_flights` until its turn: where
+        closing one raises (a failed wait, an interrupt, the `host` copy), that one is done and
+        the rest are still open here, for `settle` (before, the list was taken away first, and a
+        failure dropped the rest -- unwaited, in neither `_flights` nor anywhere else: gloo
+        cancelled those exchanges, and a peer waiting for one waited out the timeout; found in
+        review)."""
+        while self._flights:
+            self._close(*self._flights.pop(0))
 
     def settle(self, mesh: Mesh, error: BaseException) -> None:
         """The step's backward raised `error`: the reductions started and not waited for (the open
@@ -258,13 +263,15 @@ class Inflight:
         pendings = [f.pending for f, _, _ in self._flights] + [f.pending for f in self.started.values()]
         self._flights, self.started, self._ready = [], {}, {}
         wait = mesh.waits_after(error)
-        while wait and pendings:
-            try:
-                pendings.pop(0).wait()
-            except RuntimeError:  # (MeshError is one): the rest are not waited for
-                wait = False
-        if pendings:
-            mesh.abandon(pendings)  # one entry of the mesh's last `_ABANDONED`, however many buckets
+        try:
+            while wait and pendings:
+                try:
+                    pendings.pop(0).wait()
+                except RuntimeError:  # (MeshError is one): the rest are not waited for
+                    wait = False
+        finally:  # an interrupt of these waits too (found in review: it dropped the rest)
+            if pendings:
+                mesh.abandon(pendings)  # one entry of the mesh's last `_ABANDONED`, however many buckets
 
 
 def _complete(flight: Any) -> bool:
