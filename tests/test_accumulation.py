@@ -162,7 +162,7 @@ def _leaves(tree):
 
 
 @examples(20)
-@given(n=st.integers(1, 5), k=st.integers(1, 5), seed=st.integers(0, 2**16))
+@given(n=st.integers(2, 5), k=st.integers(2, 5), seed=st.integers(0, 2**16))
 def test_modes_round_differently_but_agree_within_the_bound(n, k, seed):
     """The two modes' gradients G (the serial references, which fzero's steps equal bit for bit:
     `test_each_mode_equals_its_serial_reference`), compared with each other: per element, with
@@ -175,7 +175,9 @@ def test_modes_round_differently_but_agree_within_the_bound(n, k, seed):
     terms, and no product below 2^-126 but 0, asserted: an underflowed product would add up to
     2^-150 absolute): they differ by at most 2γ_{N+k−1}·Σ|c·g_ri| ≤ 2γ_{Nk}·Σ|c·g_ri|.
     (The bound before, 2(γ_{Nk−1} + u), is short of this by O(u²) at N = 1 or k = 1, where the
-    modes are the same bits; and the test compared params p − G, whose rounding of p hid G's.)"""
+    modes are the same bits; and the test compared params p − G, whose rounding of p hid G's.)
+    N, k >= 2: at N = 1 or k = 1 the difference is 0 and the check cannot fail; drawn from 1..5,
+    12 of the 20 examples were such."""
     batches = _draw_batches(seed, n, 1, k, uneven=False)
     grads = [[_leaves(g) for g in rank] for rank in _local_grads(n, k, batches)]
     each, once = _leaves(_serial_grad(n, k, "each", batches)), _leaves(_serial_grad(n, k, "once", batches))

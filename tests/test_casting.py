@@ -185,6 +185,30 @@ def test_a_read_that_changes_after_the_first_step_raises_and_names_the_param():
     assert all(torch.equal(plain[k], kept[k]) for k in plain)
 
 
+@pytest.mark.parametrize("read", ["cat", "stack"])
+def test_a_changed_read_inside_a_list_or_tuple_argument_raises(read):
+    """Step 2 reads `a.weight` once more inside a sequence argument (`torch.cat([w, w])`,
+    `torch.stack((w,))`): that read must be reported as any other (`watched.tensors_in` looks into
+    lists, tuples and dicts), so the step raises naming it, instead of running the cast copy through
+    `cat` where the first step read the fp32 param. (Not reported, the step ran on with other bits:
+    mutation of `tensors_in` to skip sequences, which the suite passed.)"""
+    extra = {"cat": lambda w, e, h: torch.cat([w, w]).sum().float() * 0 if e else 0.0,
+             "stack": lambda w, e, h: torch.stack((w,)).sum().float() * 0 if e else 0.0}[read]
+    with pytest.raises(ConfigError, match=rf"step 2: the loss read param 'blocks.0.a.weight' .*through {read}"):
+        _train(True, extra_at=frozenset({2}), extra_fn=extra)
+
+
+def test_tensors_in_finds_tensors_nested_in_sequences_and_dicts():
+    """What `Watched` hands its reader: every tensor among a call's arguments, in lists, tuples and
+    dicts nested in the positional and keyword arguments (a dict was skipped under mutation, and
+    the suite passed)."""
+    from fzero._src.watched import tensors_in
+
+    a, b, c, d, e = (torch.full((1,), float(i)) for i in range(5))
+    found = list(tensors_in((a, [b, (c,)], {"k": [d]}), {"x": {"y": e}, "n": 3}))
+    assert sorted(float(t) for t in found) == [0.0, 1.0, 2.0, 3.0, 4.0] and len(found) == 5
+
+
 @pytest.mark.parametrize("read, cast", [
     ("detach", False),  # a read autograd does not record still counts
     ("gt", False),  # so does a comparison

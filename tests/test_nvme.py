@@ -388,13 +388,15 @@ def test_prefetch_overlaps_the_caller(tmp_path, monkeypatch):
 def test_direct_io_round_trip(tmp_path):
     """O_DIRECT: the files are opened with it, each is padded to ALIGN bytes, the buffers start on
     an ALIGN boundary, and odd-sized fp32 / bf16 / fp64 entries read back bit for bit. Where the
-    filesystem refuses O_DIRECT, the refusal is the clear error instead."""
+    filesystem refuses O_DIRECT, the refusal is the clear error instead, and the round trip is
+    skipped, said so in the run's summary (it returned, a pass that checked nothing of O_DIRECT on
+    a machine whose temporary directory is a tmpfs)."""
     entries = {"a": (1001, torch.float32), "b": (3, torch.bfloat16), "c": (4096, torch.float64)}
     try:
         files = SwapFiles(tmp_path, entries, direct=True)
     except OffloadError as e:
         assert "refuses O_DIRECT" in str(e) and "direct=False" in str(e)
-        return
+        pytest.skip(f"the filesystem of {tmp_path} refuses O_DIRECT (its refusal checked); no round trip here")
     with files:
         import fcntl
 

@@ -40,7 +40,7 @@ from fzero._src.norms import exact_sum_of_squares, shard_squares, sum_of_squares
 from fzero._src.stages import Wire, reduce_grad
 from fzero._src.unit import Bucket, _assemble, finite_witness, nonfinite
 from fzero.layout import plan
-from fzero.testing import examples
+from fzero.testing import examples, world_sizes
 
 CPU = torch.device("cpu")
 
@@ -171,7 +171,7 @@ def test_a_float32_norm_that_overflows_is_decided_exactly():
 
 @examples(30)
 @given(shapes=st.lists(st.sampled_from([(), (0,), (3,), (2, 2), (1, 5)]), min_size=1, max_size=5),
-       used=st.lists(st.booleans(), min_size=5, max_size=5), n=st.integers(1, 4), seed=st.integers(0, 2**16))
+       used=st.lists(st.booleans(), min_size=5, max_size=5), n=world_sizes(4), seed=st.integers(0, 2**16))
 def test_assemble_equals_concatenation_with_zero_fill(shapes, used, n, seed):
     params = {f"p{i}": torch.zeros(s) for i, s in enumerate(shapes)}
     layout = plan(params, n)

@@ -261,6 +261,39 @@ def test_evaluate_a_rank_that_reads_one_unit_fewer_stops_every_rank():
         assert "rank 0 gathered unit 'b', rank 1 had finished its forward" in words
 
 
+def evaluate_in_another_order_unverified(mesh):
+    """On a pool worker, over `DistMesh(verify=False)` (no fingerprint) at N = 4, where gloo's own
+    all-gather moves a stage-3 gather (at N = 2 a point-to-point exchange tagged by the call:
+    gathers of two units never pair there, they wait out the timeout): the last rank's function
+    reads units "b" then "a", the others' "a" then "b", all of one shape. `("DivergentPaths",
+    words)` from the paths agreement at the end of `evaluate`, or `("returned", sums)` where the
+    mixed gathers went through."""
+    m = fzero.DistMesh(verify=False, timeout=30.0)  # over the worker's group
+    state = fzero.init({"a": torch.ones(4), "b": torch.full((4,), 2.0)}, optim.sgd(0.1), stage=3, mesh=m,
+                       units=lambda path: path)
+    order = ("b", "a") if m.rank == m.world_size - 1 else ("a", "b")
+    try:
+        out = evaluate(lambda p, x: [p[k].sum() for k in order], prefetch=0)(state, None)
+    except DivergentPaths as e:
+        return "DivergentPaths", str(e)
+    return "returned", [float(v) for v in out]
+
+
+@pytest.mark.dist
+def test_evaluate_over_an_unverified_mesh_names_ranks_that_read_units_in_another_order(dist4):
+    """Without the fingerprint nothing compares the gathers' tags: rank 3's gather of "b" pairs with
+    the others' of "a" (one shape), and each rank reads a mix of the two units. Only the paths
+    agreement `evaluate` ends with (`evaluate.check_paths`: every rank's order of gathered units,
+    compared) sees it. Every other divergence test meets a mismatch at a gather first (SimMesh and
+    a verified DistMesh compare tags), so that comparison went untested: with `check_paths`
+    returning at once the suite passed, and here `evaluate` returns mixed sums (found by mutation)."""
+    for kind, words in dist4.run(evaluate_in_another_order_unverified, timeout=60):
+        assert kind == "DivergentPaths", (kind, words)
+        assert ("ranks took different paths through the model: at the unit read #0, rank 0 gathered unit 'a', "
+                "rank 1 gathered unit 'a', rank 2 gathered unit 'a', rank 3 gathered unit 'b' (world size 4; each "
+                "rank's order: [['a', 'b'], ['a', 'b'], ['a', 'b'], ['b', 'a']])") in words, words
+
+
 @pytest.mark.parametrize("gather", ["on_use", "eager"])
 def test_evaluate_on_one_rank_beside_a_step_on_the_other_names_evaluate(gather):
     """Rank 0 evaluates where rank 1 steps (stage 3): evaluate's gathers are the step forward's

@@ -76,6 +76,30 @@ def test_nonfinite_gradient_is_found_in_the_reduced_norm(stage):
         mesh.run(rank_fn, [(c,) for c in batches])
 
 
+@pytest.mark.parametrize("mode", ["each", "once"])
+@pytest.mark.parametrize("where", [0, 1])
+def test_a_nonfinite_local_gradient_in_any_micro_batch_is_located(where, mode):
+    """Located, with two micro-batches: rank 1's local gradient holds a NaN in micro-batch `where`
+    only (its loss finite, `_first_term`). The error names rank 1 and its bucket whichever
+    micro-batch it was: the step ORs the micro-batches' reports. (Reading only the last
+    micro-batch's report, the step said instead that every local gradient was finite and the sum
+    over ranks overflowed, and the suite passed: no located test had more than one micro-batch.)"""
+    mesh = fzero.SimMesh(2)
+    stage = 1 if mode == "once" else 2
+
+    def rank_fn(r):
+        state = fzero.init({"a": torch.ones(5), "b": torch.ones(3)}, optim.sgd(0.1), stage=stage, mesh=mesh)
+        step = fzero.train_step(_first_term, micro_batches=2, accumulate=mode, locate_nonfinite=True)
+        micro = [torch.ones(5), torch.ones(5)]
+        if r == 1:
+            micro[where] = torch.tensor([1.0, float("nan"), 1, 1, 1])
+        step(state, micro)
+
+    match = r"rank\(s\) \[1\] \(rank 1: non-finite local gradient in bucket\(s\) \['default/float32/default'\]\); "
+    with pytest.raises(fzero.NonFiniteError, match=match):
+        mesh.run(rank_fn, [(0,), (1,)])
+
+
 @pytest.mark.parametrize("locate", [True, False])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nonfinite_step_skipped_leaves_state_unchanged(stage, locate):

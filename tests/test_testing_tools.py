@@ -12,10 +12,11 @@ import optree
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fzero
 from fzero import optim
-from fzero.testing import Pool, PoolError, assert_trees_equal, pytrees, shapes
+from fzero.testing import Pool, PoolError, assert_trees_equal, float_tensors, pytrees, shapes, world_sizes
 
 # ---------------------------------------------------------------------------------------------
 # Functions the pool's workers run (module level: they import this module by name).
@@ -275,3 +276,98 @@ def test_assert_trees_equal_bitwise_reads_torchs_lazy_conjugate_and_negative_vie
     assert_trees_equal(z.conj(), torch.tensor([1 - 2j]), bitwise=True)
     with pytest.raises(AssertionError, match=r"leaf 'i' \(torch.float32\[1\]\): 1 of 1 elements differ"):
         assert_trees_equal({"i": z.conj().imag}, {"i": torch.tensor([2.0])}, bitwise=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the strategies promise to draw (the suite's properties rest on it: a strategy that stopped
+# drawing the corners, or went back to favouring N = 1, would leave every property passing on
+# easier cases; each of these failed under such a mutation of fzero/testing/strategies.py, which
+# the rest of the suite passed)
+
+
+def _drawn(strategy, count: int = 200) -> list:
+    """`count` derandomized draws of `strategy` (hypothesis's own generation: what a property sees)."""
+    out = []
+
+    @settings(max_examples=count, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def prop(x):
+        out.append(x)
+
+    prop()
+    return out
+
+
+def test_world_sizes_shrink_to_two_and_still_draw_one():
+    """N = 2 is the simplest world size (what hypothesis draws first and shrinks to), N = 1 is still
+    reached, and every size up to `max_n` is drawn. `st.integers(1, max_n)` favours N = 1."""
+    from hypothesis import find
+
+    assert find(world_sizes(8), lambda n: True) == 2
+    assert find(world_sizes(8), lambda n: n == 1) == 1
+    assert set(_drawn(world_sizes(8), 100)) == set(range(1, 9))
+
+
+def test_shapes_draw_every_corner_within_the_bounds():
+    """The fixed corners (0-d, zero-size, one element, a zero dim after a nonzero one, 7 and 3 x 5:
+    not divisible by most world sizes) are drawn, not only where the random lists happen to hit
+    them (without the corners, (2, 0) and (3, 5) were not among 200 draws); (13,) is past the
+    default `max_side` of 9 and never drawn. (hypothesis does not repeat a draw it has made, so
+    the draws say which shapes come up, not how often.)"""
+    seen = set(_drawn(shapes()))
+    assert {(), (0,), (1,), (2, 0), (7,), (3, 5)} <= seen
+    assert (13,) not in seen
+
+
+def test_float_tensors_span_many_magnitudes():
+    """Per-tensor scales 2^k, k in [-20, 20] (float16: [-8, 8]): the drawn tensors' largest
+    magnitudes span tens of binades, so a sum that rounds is drawn, not only values near 1."""
+    exponents = {dtype: [int(torch.frexp(x.abs().max().double())[1]) for x in
+                         _drawn(float_tensors(dtypes=[dtype], shape=st.just((64,))), 100)]
+                 for dtype in (torch.float32, torch.float16)}
+    assert max(exponents[torch.float32]) - min(exponents[torch.float32]) >= 30, sorted(exponents[torch.float32])
+    assert 10 <= max(exponents[torch.float16]) - min(exponents[torch.float16]) <= 2 * 8 + 4
+
+
+def test_pytrees_draw_every_node_kind_unsorted_keys_and_corner_leaves():
+    """What `pytrees()` promises: dicts (keys in an insertion order that is not sorted), lists,
+    tuples and NamedTuples, nested; 0-d and zero-size leaves; trees of mixed dtypes."""
+    from fzero.testing.strategies import Pair, Single
+
+    kinds, leaves, mixed, unsorted = collections.Counter(), collections.Counter(), 0, 0
+    for tree in _drawn(pytrees()):
+        nodes = [tree]
+        dtypes = set()
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, torch.Tensor):
+                dtypes.add(node.dtype)
+                leaves["0-d" if node.dim() == 0 else "empty" if node.numel() == 0 else "other"] += 1
+                continue
+            kinds[type(node).__name__] += 1
+            if isinstance(node, dict):
+                unsorted += list(node) != sorted(node)
+                nodes.extend(node.values())
+            else:
+                nodes.extend(node)
+        mixed += len(dtypes) > 1
+    assert all(kinds[t.__name__] >= 10 for t in (dict, list, tuple, Pair, Single)), kinds
+    assert leaves["0-d"] >= 10 and leaves["empty"] >= 10, leaves
+    assert unsorted >= 10 and mixed >= 10, (unsorted, mixed)
+
+
+def test_groups_draw_frozen_groups_unless_told_not_to():
+    from fzero.testing import groups
+
+    drawn = [g for gs in _drawn(groups(), 100) for g in gs]
+    assert sum(g.frozen for g in drawn) >= 10 and sum(not g.weight_decay for g in drawn) >= 10, drawn
+    assert {g.lr_scale for g in drawn} == {0.0, 0.5, 1.0, 2.0}
+    assert not any(g.frozen for gs in _drawn(groups(frozen=False), 100) for g in gs)
+
+
+@pytest.mark.parametrize("profile, want", [("ci", 7), ("local", 70), ("a-profile-of-ones-own", 7)])
+def test_examples_runs_ten_times_as_many_under_the_local_profile(monkeypatch, profile, want):
+    from fzero.testing import example_count, examples
+
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", profile)
+    assert example_count(7) == want and examples(7).max_examples == want
