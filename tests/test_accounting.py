@@ -2,6 +2,7 @@
 census, peak live bytes by a dispatch mode, and recorded collectives against `expected_comm`
 (proofs/communication.md, proofs/memory.md)."""
 
+import dataclasses
 import re
 from fractions import Fraction
 
@@ -317,6 +318,24 @@ def test_cli_trace(capsys, stage):
     data_ops = {"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"}
     assert set(re.findall(r"^(\w+) +\d", text, re.MULTILINE)) == data_ops  # the data rows (not "(control)")
     assert "matches the formula" in text and "MISMATCH" not in text
+
+
+def test_cli_trace_says_mismatch_and_exits_1_where_the_record_differs_from_the_formula(capsys, monkeypatch):
+    """`fzero trace`'s other branch: a formula one all-gather short of what the steps recorded
+    (as a wrong `expected_comm` would be) is printed as a MISMATCH, with exit status 1."""
+    from fzero._src import accounting
+
+    real = accounting.expected_comm
+
+    def one_short(*args, **kwargs):
+        want = real(*args, **kwargs)
+        t = want.data["all_gather"]
+        return dataclasses.replace(want, data={**want.data, "all_gather": t._replace(count=t.count - 1)})
+
+    monkeypatch.setattr(accounting, "expected_comm", one_short)
+    assert main(["trace", "--world-size", "2", "--stage", "1", "--steps", "1"]) == 1
+    text = capsys.readouterr().out
+    assert "recorded data collectives: MISMATCH with the formula" in text and "matches the formula" not in text
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
