@@ -1270,41 +1270,29 @@ class DistMesh(Mesh):
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
     def _p2p_tag(self, call: _Call) -> int:
-        """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32 of the mesh's
-        ordinal (`_agreed_ordinal`: two meshes over one group share its tags, and each counts from
-        0; before, the first's one-sided exchange fed the second's alike one, found in review),
-        what the call is (op, dtype, shape, tag) and how many such exchanges this mesh issued
-        before (in this era, below), in a range of its own (2^30 and up, below gloo's limit of 2^31). gloo matches a
-        receive with the first send of the same tag, first in, first out: with one tag for all,
-        an exchange that only one rank started (over `DistMesh(verify=False)`, a gather
-        prefetched before that rank raised where its peer had raised earlier) took the next
-        exchange's data -- the wrong bits, silently -- if kept, and
-        hung the next one if dropped (measured on torch 2.13's gloo; found in review). Now it
-        matches no other collective's exchange. The same collective's next one, counted once more
-        on one rank than on the other, waits out the timeout (`MeshError`) there, while the other
-        rank may take the kept exchange's stale bits and then waits for the first at its next
-        collective (docs/bad-input.md, `DistMesh(verify=False)`).
+        """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32, in a range of its
+        own (2^30 and up, below gloo's limit of 2^31), of the mesh's ordinal (`_agreed_ordinal`),
+        its era, what the call is (op, dtype, shape, tag) and how many such exchanges the mesh
+        issued before in the era. gloo matches a receive with the first send of the same tag,
+        first in, first out. With one tag for all, an exchange that only one rank started (over
+        `DistMesh(verify=False)`: a gather prefetched before that rank raised, where its peer had
+        raised earlier) fed its bits to the next exchange if kept, silently, and hung it if
+        dropped; with no ordinal, two meshes over one group (each counting from 0) fed each other
+        alike (both found in review). Now such an exchange matches no other: the same
+        collective's next one, counted once more on one rank than on the other, waits out the
+        timeout (`MeshError`) there, while the other rank may take the kept exchange's stale bits
+        (docs/bad-input.md, `DistMesh(verify=False)`). Alike tags of exchanges both ranks post in
+        one order (a CRC collision) still pair first in, first out: rightly.
 
-        Bounded: the counts are kept for at most `_TAG_KEYS` distinct collectives. A new one past
-        that clears them all and starts a new era, whose number is in every tag after it (before,
-        a count was kept for every distinct collective forever: a `mesh.collective` whose tag
-        names the step, or whose shapes change, grew the mesh without bound; found in review).
-        Every rank that issues the same sequence of exchanges clears at the same one, so the
-        ranks still tag alike. No two exchanges of one mesh share `(era, collective, count)`:
-        within an era each collective's count only grows, and an era never comes back. So a
-        clear cannot give a new exchange the tag of one still in flight -- an exchange may stay
-        in flight past any number of later ones (one a rank kept unwaited after an error,
-        `abandon`, stays to the end of the run), so restarting a cleared collective's count
-        without the era (or an LRU's evicting and recounting) could tag a new exchange alike
-        with such a kept one, which would then take its place, silently. Only CRC-32 collisions
-        of two different triples remain, as before between two different collectives. Where the
-        ranks' sequences already differ (an exchange one rank started alone, above), a rank that
-        counted a collective the other did not may clear one collective earlier, and the
-        exchanges between the two clears are tagged apart: the failure of the count's own
-        difference (a wait to the timeout, `MeshError`; the other rank may take a kept
-        exchange's stale bits), now possibly for other collectives than the one-sided one's too.
-        The cost on the normal path: one dict look-up and store, as before, and a length check
-        for a collective new to the era."""
+        Bounded (found in review: a count per distinct collective for ever, so a `mesh.collective`
+        whose tag names the step grew the mesh without bound): at most `_TAG_KEYS` collectives are
+        counted; a new one past that clears the counts and starts the next era. Ranks that issue
+        the same exchanges clear at the same one. The era is in the tag because an exchange may
+        stay in flight past any number of later ones (kept by `abandon`): with counts restarted
+        and no era, a new exchange could take a kept one's tag. Where the ranks' sequences already
+        differ (above), their clears may fall apart, and the exchanges between are tagged apart:
+        the same wait to the timeout. Cost: a dict look-up and store, and a length check for a
+        collective new to the era."""
         key = (call.op, str(call.dtype), call.shape, call.tag)
         counts = self._exchanges
         count = counts.get(key, -1) + 1
