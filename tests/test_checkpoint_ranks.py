@@ -174,8 +174,14 @@ def test_wrong_types_and_an_edited_manifest_are_checkpoint_errors(saved, tmp_pat
     mesh = fzero.SimMesh(1)
     state = mesh.run(lambda: fzero.init(params(), optim.sgd(0.1), stage=0, mesh=mesh))[0]
     with pytest.raises(ck.CheckpointError, match=r"checkpoint.load: path .* must be a str or os.PathLike, got "
-                                                 r"NoneType None"):
-        mesh.run(lambda: ck.load(None, state))
+                                                 r"NoneType None; fzero.checkpoint.latest\(root\) returns None where "
+                                                 r"the root holds no complete checkpoint"):
+        mesh.run(lambda: ck.load(ck.latest(str(tmp_path / "never-saved")), state))
+    for fn in (ck.export, ck.summary, ck.read_manifest):  # the same hint; a root that is None gets none
+        with pytest.raises(ck.CheckpointError, match=r"got NoneType None; fzero.checkpoint.latest\(root\) returns"):
+            fn(None)
+    with pytest.raises(ck.CheckpointError, match=r"got NoneType None$"):
+        ck.latest(None)
     with pytest.raises(ck.CheckpointError, match="target must be a ZeroState made by fzero.init .* got str"):
         ck.load(one, "state")
     with pytest.raises(ck.CheckpointError, match="state must be the ZeroState made by fzero.init, got NoneType"):

@@ -506,12 +506,18 @@ def _dcp_load(path: str, metadata: Metadata, wanted: dict[str, tuple[tuple[int, 
 
 
 def _fspath(x: Any, what: str) -> str:
-    """`x` (a str or an `os.PathLike` of one) as a str, or a `CheckpointError` naming the argument."""
+    """`x` (a str or an `os.PathLike` of one) as a str, or a `CheckpointError` naming the argument;
+    a checkpoint path that is None is most likely `latest(root)` of a root with no complete
+    checkpoint, and is said so (found in review: a resume written as `load(latest(root), state)`
+    on a first run was told only the type)."""
     if isinstance(x, (str, os.PathLike)):
         p = os.fspath(x)
         if isinstance(p, str):
             return p
-    raise CheckpointError(f"{what} must be a str or os.PathLike, got {type(x).__name__} {_short(x)}")
+    latest_none = x is None and "root/step-<n>" in what  # a checkpoint's path, not a root
+    hint = ("; fzero.checkpoint.latest(root) returns None where the root holds no complete checkpoint (a first "
+            "run, or another root): check `path is not None` before loading") if latest_none else ""
+    raise CheckpointError(f"{what} must be a str or os.PathLike, got {type(x).__name__} {_short(x)}{hint}")
 
 
 def _clipped(text: str, n: int) -> str:
