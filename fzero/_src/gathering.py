@@ -80,7 +80,7 @@ from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .mesh import Mesh
+from .mesh import Mesh, entry_of
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
@@ -127,8 +127,8 @@ def same_paths(layout: Layout) -> Iterator[None]:
         unit_of = {b.tag: b.unit for b in layout.buckets}
         calls = dict(_RANK_CALL.findall(str(e)))
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
-        if not any(unit for _, unit in said.values()):
-            raise
+        if not any(unit for _, unit in said.values()) or any(entry_of(call) for call in calls.values()):
+            raise  # (a rank in checkpoint.save, gather, ...: the mesh's words name it, not a model path)
         micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
         evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
         apart = len(set(evaluating.values())) > 1  # (where every rank evaluates, the words say it)

@@ -93,11 +93,27 @@ def _describe(op: str, x: torch.Tensor, arg: Any, tag: str | None, grad: bool = 
     return _Call(op, x.dtype, tuple(x.shape), arg, tag, grad, phase)
 
 
-def _advice(op: str, grads: list[bool] | None) -> str:
+_ENTRIES = (("fzero.checkpoint/", "fzero.checkpoint.save / load"), ("fzero.gather", "fzero.gather"),
+            ("fzero.init/", "fzero.init"))  # tag prefix, the call (not evaluate's paths: a rank that read fewer units)
+
+
+def entry_of(call: str) -> str | None:
+    """The fzero call every rank must make (`fzero.checkpoint.save / load`, `fzero.gather`, ...)
+    that a mismatch line's collective (`op(dtype[shape], tag='...')`) belongs to, or None."""
+    return next((name for prefix, name in _ENTRIES if f"tag='{prefix}" in call), None)
+
+
+def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str:
     """The way out of a collective mismatch; `grads`: each rank's `_Call.grad` where the calls
-    differ in that alone, else None."""
+    differ in that alone, else None; `calls`: each rank's call in words, where the ranks in one of
+    fzero's calls every rank must make are named (found in a new user's walkthrough: a
+    `checkpoint.save` under `if rank == 0:`, the DDP habit, was told only to call the same op)."""
     if grads is None:
-        return "every rank must call the same op with the same dtype, shape and tag"
+        entries = {r: entry_of(c) for r, c in enumerate(calls) if entry_of(c)}
+        alone = "".join(f"; rank {r} is in {name}, which every rank must call at the same point of its program "
+                        f"(not under `if rank == 0:`: each rank saves, loads or gathers its own part)"
+                        for r, name in entries.items()) if len(entries) < len(calls) else ""
+        return f"every rank must call the same op with the same dtype, shape and tag{alone}"
     on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
     receives = " (a rank that only receives too: `torch.empty_like(x).requires_grad_()`)" if op == "broadcast" else ""
     return (f"the calls differ only in requires_grad: rank(s) {on} differentiate through this {op} (its input "
@@ -669,7 +685,8 @@ class SimMesh(Mesh):
             # every rank's result: each raises it, and the mesh goes on (the class docstring)
             self._results = [CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{self._round}:\n{lines}\n"
-                f"{_advice(calls[0].op, [c.grad for c in calls] if alike else None)}")] * self.world_size
+                f"{_advice(calls[0].op, [c.grad for c in calls] if alike else None, [str(c) for c in calls])}"
+            )] * self.world_size
         else:
             self._results = _combine(calls[0], [x for _, x in self._slots], self.world_size, self._into)
         self._slots = [None] * self.world_size
@@ -1237,11 +1254,12 @@ class DistMesh(Mesh):
             # every rank sees the same rows, so every rank is here: exchange the calls in words
             mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
                          f"returned from mesh.run (collective #{seq})")
-            lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(self._gather_text(mine_text, what)))
+            texts = self._gather_text(mine_text, what)
+            lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(texts))
             alike = kind == _KIND_CALL and all(row[:-1] == rows[0][:-1] for row in rows)
             raise CollectiveMismatch(
                 f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
-                f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None)}")
+                f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None, texts)}")
 
     def _gather_text(self, text: str, what: str) -> list[str]:
         """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""
