@@ -14,7 +14,6 @@ the sha256 of every field of the manifest but "files" (`checkpoint.seal`, under 
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ from fzero._src import checkpoint as impl
 from fzero._src.cli import main
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from .test_checkpoint_damage import copy, edit, leaf
 
 BUFFERS = {"rm": torch.arange(4.0), "nbt": torch.tensor(3, dtype=torch.int64)}
 SEALED = "the manifest does not match the data it was written with"
@@ -63,26 +64,6 @@ def unsealed(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(impl, "seal", lambda head: {})
         return save_one(str(tmp_path_factory.mktemp("unsealed")))
-
-
-def copy(src: str, tmp_path) -> str:
-    path = str(tmp_path / "copy" / os.path.basename(src))
-    shutil.copytree(src, path)
-    return path
-
-
-def edit(path: str, fn) -> str:
-    name = os.path.join(path, "manifest.json")
-    with open(name) as f:
-        m = json.load(f)
-    fn(m)
-    with open(name, "w") as f:
-        json.dump(m, f, indent=1)
-    return path
-
-
-def leaf(m: dict, path: str) -> dict:
-    return next(ls for ls in m["leaves"] if ls["path"] == path)
 
 
 def other_lr(m: dict) -> None:
