@@ -103,12 +103,13 @@ def load_errors(path: str) -> list:
     return mesh.run(rank_fn)
 
 
-def refused(fn, *words: str) -> None:
-    """`fn()` raises `CheckpointError` whose message holds every one of `words`."""
+def refused(fn, *words: str) -> str:
+    """`fn()` raises `CheckpointError` whose message holds every one of `words`; its text."""
     with pytest.raises(ck.CheckpointError) as info:
         fn()
     text = str(info.value)
     assert all(w in text for w in words), text
+    return text
 
 
 # What each manifest edit does to the export of the params (or buffers) before the check.

@@ -25,7 +25,7 @@ from fzero._src.cli import main
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .test_checkpoint_damage import copy, edit, leaf
+from .test_checkpoint_damage import copy, edit, leaf, refused
 
 BUFFERS = {"rm": torch.arange(4.0), "nbt": torch.tensor(3, dtype=torch.int64)}
 SEALED = "the manifest does not match the data it was written with"
@@ -85,15 +85,6 @@ def load_errors(path: str, params=None, lr=1e-2) -> list:
         return None
 
     return mesh.run(rank_fn)
-
-
-def refused(fn, *words: str) -> str:
-    """`fn()` raises `CheckpointError` whose message holds every one of `words`; its text."""
-    with pytest.raises(ck.CheckpointError) as info:
-        fn()
-    text = str(info.value)
-    assert all(w in text for w in words), text
-    return text
 
 
 # Edits DCP's metadata keeps no trace of: `check_metadata` passes each (valid JSON of the right
