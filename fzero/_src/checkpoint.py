@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -884,7 +885,7 @@ def _write_data(build: Callable[[], dict[str, Canonical]], tmp: str, final: str,
     _agree(mesh, "fzero.checkpoint/data", error, None, repr(final), failed=_others_failed(final, tmp, mesh))
 
 
-def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None, head: Callable[[], dict[str, Any]]
+def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None, head: _Head
              ) -> Callable[[], dict[str, Canonical]]:
     """What builds this rank's `state_dict` for `_write_data`, and on rank 0 the `seal` of the
     manifest's `head` (made there, in DCP's planning step, on either mesh). On DistMesh building
@@ -893,27 +894,35 @@ def _builder(state: ZeroState, buffers: dict[str, torch.Tensor] | None, head: Ca
     and every rank raises it through the data agreement (found in review: built before
     `dcp.save`, a failure on one rank left its peers inside DCP's collectives, killed by gloo). On
     SimMesh it all-gathers, a collective every rank makes: built here, as before."""
-    sealed = (lambda: seal(head())) if state.rank == 0 else dict
+    sealed = (lambda: seal(head.fields)) if state.rank == 0 else dict
     if isinstance(state.mesh, DistMesh):
         return lambda: {**state_dict(state, buffers), **sealed()}
     sd = state_dict(state, buffers)
     return lambda: {**sd, **sealed()}
 
 
-def _head_once(state: ZeroState, root: str, buffers: dict[str, torch.Tensor] | None, lr: list[list[Any]] | None
-               ) -> Callable[[], dict[str, Any]]:
-    """Rank 0's manifest head (`manifest_head`), made at its first call and the same dict after:
-    `seal` hashes it as the data is written, `_publish` writes it. Its `written` is one more than
-    that of the root's complete checkpoints (`_found`), read before the data is written."""
+@dataclasses.dataclass
+class _Head:
+    """Rank 0's manifest head (`manifest_head`: `seal` hashes it as the data is written, `_publish`
+    writes it) and the root's complete checkpoints before this save (`_found`: the head's
+    `written` is one more than theirs, and `keep` deletes among them), each read once, at first
+    use, before the data is written."""
 
-    @functools.cache
-    def head() -> dict[str, Any]:
-        return manifest_head(state, buffers, 1 + max([w for w, _, _ in _found(root)], default=0), lr)
+    state: ZeroState
+    root: str
+    buffers: dict[str, torch.Tensor] | None
+    lr: list[list[Any]] | None
 
-    return head
+    @functools.cached_property
+    def before(self) -> list[tuple[int, int, str]]:
+        return _found(self.root)
+
+    @functools.cached_property
+    def fields(self) -> dict[str, Any]:
+        return manifest_head(self.state, self.buffers, 1 + max([w for w, _, _ in self.before], default=0), self.lr)
 
 
-def _publish(tmp: str, final: str, root: str, head: Callable[[], dict[str, Any]], fail_at: str | None
+def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None
              ) -> tuple[list[tuple[int, int, str]], int]:
     """Rank 0, once every rank's data is written: the manifest (its `head`, sealed in the data
     with its place `written` in the root's order and the `lr` record; then every file's sha256 and
@@ -924,9 +933,7 @@ def _publish(tmp: str, final: str, root: str, head: Callable[[], dict[str, Any]]
     names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
     files = {f: {"sha256": _sha256(os.path.join(tmp, f)), "bytes": os.path.getsize(os.path.join(tmp, f))}
              for f in names}
-    before = _found(root)  # what `keep` deletes after it
-    written = head()["written"]
-    _write(os.path.join(tmp, MANIFEST), json.dumps({**head(), "files": files}, indent=1).encode())
+    _write(os.path.join(tmp, MANIFEST), json.dumps({**head.fields, "files": files}, indent=1).encode())
     _fsync_dir(tmp)
     if fail_at == "before_rename":
         raise _Crash("simulated crash before the rename")
@@ -939,7 +946,7 @@ def _publish(tmp: str, final: str, root: str, head: Callable[[], dict[str, Any]]
             f"checkpoint.save: {final!r} is complete and in place, and fzero.checkpoint.latest(root) names it, but "
             f"its root {root!r} could not be synced after the rename ({type(e).__name__}: {e}): after a power "
             f"loss the rename may be lost"), stacklevel=3)
-    return before, written
+    return head.before, head.fields["written"]
 
 
 def _abandon(e: BaseException, rank: int, tmp: str, final: str) -> None:
@@ -1090,7 +1097,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             _agree(mesh, "fzero.checkpoint/visible", error, None, repr(tmp), failed=unusable)
             if _fail_at == "before_data":
                 raise _Crash("simulated crash before any data was written")
-            head = _head_once(state, root, bufs, lr)  # rank 0's: sealed with the data, then written
+            head = _Head(state, root, bufs, lr)  # rank 0's: sealed with the data, then written
             _write_data(_builder(state, bufs, head), tmp, final, mesh,
                         _crash_mid_data if _fail_at == "mid_data" else None)
             error = None

@@ -109,7 +109,7 @@ def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str
     fzero's calls every rank must make are named (found in a new user's walkthrough: a
     `checkpoint.save` under `if rank == 0:`, the DDP habit, was told only to call the same op)."""
     if grads is None:
-        entries = {r: entry_of(c) for r, c in enumerate(calls) if entry_of(c)}
+        entries = {r: name for r, c in enumerate(calls) if (name := entry_of(c))}
         alone = "".join(f"; rank {r} is in {name}, which every rank must call at the same point of its program "
                         f"(not under `if rank == 0:`: each rank saves, loads or gathers its own part)"
                         for r, name in entries.items()) if len(entries) < len(calls) else ""
