@@ -27,10 +27,11 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
-from .errors import ConfigError
+from .errors import ConfigError, FzeroError
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         replaced_tensors, same_paths)
 from .mesh import Mesh
+from .precision import batch_dtype_note, computes
 from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
@@ -122,10 +123,25 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
         out = gathering.call(fn, batch)
     except BaseException as e:  # the gathers `fn` started ahead (prefetch): waited for and freed, or kept
         gathering.finish(e)  # by the mesh (`finish`); an interrupt too (before, its gathers were dropped: gloo cancelled them)
+        _note_batch_dtypes(e, state, batch)
         raise
     if on_use:
         check_paths(state, gathering.gathered)
     return out
+
+
+def _note_batch_dtypes(e: BaseException, state: ZeroState, batch: Any) -> None:
+    """On torch's error of operands of different dtypes that `fn` raised, the note the step adds
+    too (`precision.batch_dtype_note`): the batch's floating leaves in none of the dtypes the
+    params reach `fn` in (a precision policy casts the params, not the batch). Built on the error
+    path only; none on fzero's own errors, nor on an interrupt."""
+    if not isinstance(e, Exception) or isinstance(e, FzeroError):
+        return
+    with contextlib.suppress(Exception):  # a note that cannot be made never hides `fn`'s error
+        note = batch_dtype_note(str(e), batch, computes(state.precision, state.layout.buckets),
+                                state.precision.param_dtype, reader="evaluate's fn")
+        if note:
+            e.add_note(note)
 
 
 def check_paths(state: ZeroState, gathered: tuple[str, ...]) -> None:

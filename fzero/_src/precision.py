@@ -9,17 +9,26 @@ loss computes in it; each unit's gradient is reduced in `reduce_dtype` and the o
 the master values. Stages 1-2 keep a `param_dtype` copy of the full params beside their fp32
 master shard (ZeRO's 2Ψ + 2Ψ + KΨ/N); stage 0 keeps the full master and casts it each step;
 stage 3 keeps only the master shard (proofs/precision.md).
+
+The policy casts the params, not the batch (FSDP2's policy casts a module's floating forward
+inputs by default, `cast_forward_inputs=True`; fzero's loss takes the whole batch, targets too,
+and casts none of it): the loss casts its floating inputs (`x.to(torch.bfloat16)`). Where it does
+not, torch's dtype error from inside the loss carries a note naming the batch leaves in no
+compute dtype and the cast to make (`batch_dtype_note`, made on the error path only).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
+from typing import Any
 
 import torch
 
 from .errors import ConfigError
 from .layout import BucketSpec
 from .stages import Wire
+from .tree import flatten_with_paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +79,64 @@ def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | Non
     3.4028e38), so an update's finite check reads the master's extremes as the compute dtype holds
     them (`unit.finite_witness(x, extremes=True)`, then cast)."""
     return compute if torch.finfo(compute).max < torch.finfo(held).max else None
+
+
+# words of torch's errors for operands of different dtypes: "expected m1 and m2 to have the same dtype",
+# "expected scalar type BFloat16 but found Float", "Input type (float) and bias type (c10::BFloat16)
+# should be the same", "to have the same type as tensor", "prelu: Type promoting not supported"
+DTYPE_WORDS = ("dtype", "scalar type", "same type", "type (", "type promot")
+
+
+def computes(precision: Precision, buckets: Collection[BucketSpec]) -> frozenset[torch.dtype]:
+    """The dtypes the params reach the loss in under `precision`: each bucket's compute dtype
+    (`Wire.compute`), read from the layout without gathering."""
+    return frozenset(precision.wire(b).compute for b in buckets)
+
+
+def batch_dtype_note(message: str, batch: Any, params: Collection[torch.dtype], policy: torch.dtype | None,
+                     where: str = "the batch", reader: str = "the loss") -> str:
+    """The note a step (or `evaluate`) adds to an error its loss raised, where the error is about
+    dtypes (`DTYPE_WORDS` in `message`) and a floating tensor of `batch` is in none of the dtypes
+    `params` (`computes`) reach the loss in: under a precision policy (`policy`, its
+    `param_dtype`) the params are cast, not the batch, so an fp32 input meets bf16 params in the
+    first matrix product with torch's "mat1 and mat2 must have the same dtype", which names no
+    input and no policy (found in a new-user walkthrough; FSDP2's `MixedPrecisionPolicy` casts a
+    module's floating forward inputs by default, `cast_forward_inputs=True`, fzero's policy does
+    not: README, "Mixed precision"). It names those leaves (their pytree paths in `where`, dtype,
+    shape), the params' dtype and the way out (a cast in `reader`). "" elsewhere; built on the
+    error path only, so a step that succeeds does no work for it."""
+    if not any(w in message.lower() for w in DTYPE_WORDS):
+        return ""
+    paths, leaves, _ = flatten_with_paths(batch)
+    odd = [(path, t) for path, t in zip(paths, leaves)
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in params]
+    if not odd or not params:
+        return ""
+    if len(odd) == 1 and odd[0][0] == "<root>":
+        shown = f"{where} (a tensor {_shown(odd[0][1])}) is"
+    else:
+        named = [f"{path!r} ({_shown(t)})" for path, t in odd[:4]]
+        listed = (named[0] if len(odd) == 1 else ", ".join(named) + f" and {len(odd) - 4} more" if len(odd) > 4
+                  else f"{', '.join(named[:-1])} and {named[-1]}")
+        shown = f"leaf {listed} of {where} is" if len(odd) == 1 else f"leaves {listed} of {where} are"
+    held = sorted(set(params), key=str)
+    if len(held) > 1:
+        return (f"fzero: {shown} in none of the dtypes the params reach {reader} in "
+                f"({', '.join(map(str, held))}); cast each floating input to the dtype of the params it meets, in "
+                f"{reader}")
+    to = held[0]
+    if policy is not None and policy == to:
+        why = ("the fzero.Precision policy's param_dtype: the policy casts the params, not the batch, unlike FSDP2's "
+               "MixedPrecisionPolicy(cast_forward_inputs=True)")
+        other = ", or keep fp32 params and compute under torch.autocast"
+    else:
+        why, other = "the params' own dtype, as given to fzero.init", ""
+    return (f"fzero: {shown} not in {to}, the dtype the params reach {reader} in ({why}); cast floating "
+            f"inputs to {to} in {reader} (x.to({to}); a from_module model: apply(p, x.to({to})){other})")
+
+
+def _shown(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def at_least_float32(dtype: torch.dtype) -> torch.dtype:

@@ -60,7 +60,7 @@ from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
 from .plan import _probes, step_plan
-from .precision import added_in, at_least_float32
+from .precision import added_in, at_least_float32, batch_dtype_note, computes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, loss_scale_of, nonfinite_leaves,
@@ -147,7 +147,10 @@ def train_step(
         (as DDP users write `(loss / k).backward()`). With `gather="on_use"` at stages 2-3 every
         rank's loss must read the same units in each micro-batch: on an empty one, run the model
         and return a zero that depends on its output (`out.sum() * 0.0`); a rank that reads none
-        there raises `DivergentPaths`, naming the micro-batches.
+        there raises `DivergentPaths`, naming the micro-batches. With k = 1 (the default)
+        `step(state, batch)` takes one batch, what the loss takes, as it is: where the loss raises
+        on one that looks like a list of micro-batches (`[(x, y)]`), its error carries a note
+        saying so and the way out.
       accumulate: "each" (every stage: each micro-batch's gradient is reduced as it is made and
         the reduced parts are added, so stages 2-3 keep only an accumulation shard) or "once"
         (stages 0-1: local gradients are added in micro-batch order and reduced once after the
@@ -419,12 +422,70 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
     if k == 1:
         return [batch]
     if not isinstance(batch, (list, tuple)) or len(batch) != k:
-        got = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (list, tuple)) else (
-            f"a {type(batch).__name__}")
-        raise ConfigError(f"micro_batches={k}: step(state, batches) needs a list or tuple of {k} micro-batches, "
-                          f"got {got}")
+        raise ConfigError(_not_micro_batches(k, batch))
     _check_alike(batch)
     return list(batch)
+
+
+def _not_micro_batches(k: int, batch: Any) -> str:
+    """`ConfigError`'s message for a batch that is not a list or tuple of k > 1 micro-batches:
+    what was given (its type, length or shape, and its structure, `_literal`), what
+    `micro_batches=k` takes, and the way out for what it looks like: a list of another number of
+    micro-batches (`_like_micro_batches`), one batch passed whole (a tuple of tensors, a tensor,
+    a dict), or an iterator. Before: "got a list of 3", "got a Tensor", "got a dict" alone
+    (found in a new-user walkthrough)."""
+    wanted = (f"micro_batches={k}: step(state, batches) needs a list or tuple of {k} micro-batches, each what the "
+              f"loss takes ([(x0, y0), (x1, y1), ...])")
+    if isinstance(batch, torch.Tensor):
+        return (f"{wanted}, got a tensor {_shown(batch)}. The step does not split a batch: pass "
+                f"list(batch.unbind(0)) where its first dim of {k} indexes the micro-batches, or "
+                f"list(batch.chunk({k})) to split one batch into {k}")
+    if not isinstance(batch, (list, tuple, Mapping)):
+        return (f"{wanted}, got a {type(batch).__name__}; pass a list (list(batches) of an iterator of {k} "
+                f"micro-batches)")
+    if isinstance(batch, Mapping):
+        return (f"{wanted}, got a {type(batch).__name__} of {len(batch)} keys, {_literal(batch)}: one batch passed "
+                f"whole, which the step does not split; pass a list of {k} micro-batches (here {k} such mappings), "
+                f"or make the step with micro_batches=1")
+    got = f"{wanted}, got a {type(batch).__name__} of {len(batch)}, {_literal(batch)}"
+    if _like_micro_batches(batch):
+        return (f"{got}: to take these {len(batch)} micro-batches make the step with train_step(..., "
+                f"micro_batches={len(batch)}), else pass {k}")
+    return (f"{got}: one batch passed whole reads as {len(batch)} micro-batches, and the step does not split it; "
+            f"pass {k} micro-batches (split each tensor: list(zip(x.chunk({k}), y.chunk({k})))), or make the step "
+            f"with micro_batches=1")
+
+
+def _like_micro_batches(batch: Any) -> bool:
+    """Whether `batch` looks like a list of micro-batches: a non-empty list or tuple whose entries
+    are each a container (list, tuple, mapping) of tensors, all of one pytree structure
+    (`[(x, y)]`, `[(x0, y0), (x1, y1)]`). A batch `(x, y)` of tensors is not; a batch of
+    containers of one structure (`((x0, x1), (y0, y1))`) is, which is why what says so is worded
+    "if it is"."""
+    if not isinstance(batch, (list, tuple)) or not batch:
+        return False
+    if not all(isinstance(mb, (list, tuple, Mapping)) for mb in batch):
+        return False
+    specs = [flatten(mb) for mb in batch]
+    return (all(spec == specs[0][1] for _, spec in specs)
+            and any(isinstance(t, torch.Tensor) for leaves, _ in specs for t in leaves))
+
+
+def _literal(x: Any, depth: int = 3) -> str:
+    """A batch as a Python literal of its containers, each tensor as dtype[shape]
+    (`[(float32[4, 8], int64[4])]`): at most 3 entries of a container and `depth` levels shown."""
+    if isinstance(x, torch.Tensor):
+        return _shown(x)
+    if isinstance(x, Mapping):
+        items = [f"{key!r}: {_literal(v, depth - 1)}" for key, v in list(x.items())[:3]] if depth else []
+        return "{" + ", ".join([*items, *(["..."] if len(x) > len(items) else [])]) + "}"
+    if isinstance(x, (list, tuple)):
+        items = [_literal(v, depth - 1) for v in x[:3]] if depth else []
+        inner = ", ".join([*items, *([f"... ({len(x)} in all)"] if len(x) > len(items) else [])])
+        if isinstance(x, list):
+            return f"[{inner}]"
+        return f"{'' if type(x) is tuple else type(x).__name__}({inner}{',' if len(x) == 1 else ''})"
+    return type(x).__name__
 
 
 def _check_alike(micro: Sequence[Any]) -> None:
@@ -453,6 +514,23 @@ def _shown(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
+def _note_loss_error(e: Exception, config: StepConfig, state: ZeroState, i: int, mb: Any) -> None:
+    """The notes an error the loss raised on micro-batch `i` (`mb`) gets, built on the error path
+    only (nothing runs where the loss returns): how the batch was read (`_note_micro_batches`),
+    and, for torch's error of operands of different dtypes, the batch's floating leaves in none of
+    the dtypes the params reach the loss in (a precision policy casts the params, not the batch:
+    `precision.batch_dtype_note`). None on fzero's own errors (they say what they found)."""
+    if isinstance(e, FzeroError):
+        return
+    k = config.micro_batches
+    with contextlib.suppress(Exception):  # a note that cannot be made never hides the loss's error
+        _note_micro_batches(e, k, i, mb)
+        note = batch_dtype_note(str(e), mb, computes(state.precision, state.layout.buckets),
+                                state.precision.param_dtype, "the batch" if k == 1 else f"micro-batch {i}")
+        if note:
+            e.add_note(note)
+
+
 def _note_micro_batches(e: Exception, k: int, i: int, mb: Any) -> None:
     """Where the loss raised `e` on micro-batch `i` of `k` > 1, a note naming it. Where that
     micro-batch is a bare tensor, the note says how the batch was read too: a batch `(x, y)`
@@ -461,18 +539,43 @@ def _note_micro_batches(e: Exception, k: int, i: int, mb: Any) -> None:
     micro-batches x and y, so the loss's `x, y = mb` raises "too many values to unpack" (or an
     indexing error), which named no step setting (found in review); a micro-batch of another
     kind cannot come from that mix-up, and its note is one line (a model's own error under
-    well-formed micro-batches, found in review of the first note). Not on fzero's own errors
-    (they say what they found), nor at k = 1."""
-    if k <= 1 or isinstance(e, FzeroError):
+    well-formed micro-batches, found in review of the first note), but where it is itself a list
+    of micro-batches (`[[(x0, y0)], [(x1, y1)]]`, `_like_micro_batches`) it says so. At k = 1,
+    a note only where the batch looks like a list of micro-batches: `[(x, y)]` given to
+    `micro_batches=1` (the user read "micro_batches" and passed a list of one), whose loss's
+    `x, y = batch` raised "not enough values to unpack" naming no step setting (found in a
+    new-user walkthrough). Not on fzero's own errors (they say what they found)."""
+    if isinstance(e, FzeroError):
         return
-    if not isinstance(mb, torch.Tensor):
+    if k == 1:
+        if _like_micro_batches(mb):
+            e.add_note(_one_batch_note(mb))
+        return
+    if isinstance(mb, torch.Tensor):
+        e.add_note(f"fzero: with micro_batches={k} the step read its batch as a list of {k} micro-batches and the "
+                   f"loss raised on micro-batch {i}, a tensor {_shown(mb)}. If that is not what the loss takes: "
+                   f"step(state, batches) takes a list of {k} micro-batches, each what the loss takes "
+                   f"([(x0, y0), (x1, y1), ...]), and a batch (x, y) passed as it is reads as the micro-batches "
+                   f"x and y")
+    elif _like_micro_batches(mb):
+        e.add_note(f"fzero: the loss raised on micro-batch {i} of {k} (micro_batches={k}), which is itself a "
+                   f"{type(mb).__name__} of {len(mb)} like micro-batches, {_literal(mb)}: each of the {k} entries of "
+                   f"step(state, batches) is one micro-batch, what the loss takes ([(x0, y0), (x1, y1), ...], not "
+                   f"[[(x0, y0)], [(x1, y1)]])")
+    else:
         e.add_note(f"fzero: the loss raised on micro-batch {i} of {k} (micro_batches={k})")
-        return
-    e.add_note(f"fzero: with micro_batches={k} the step read its batch as a list of {k} micro-batches and the "
-               f"loss raised on micro-batch {i}, a tensor {_shown(mb)}. If that is not what the loss takes: "
-               f"step(state, batches) takes a list of {k} micro-batches, each what the loss takes "
-               f"([(x0, y0), (x1, y1), ...]), and a batch (x, y) passed as it is reads as the micro-batches "
-               f"x and y")
+
+
+def _one_batch_note(batch: Sequence[Any]) -> str:
+    """The note on a loss's error where `micro_batches=1` was given what looks like a list of
+    micro-batches (`_like_micro_batches`)."""
+    n = len(batch)
+    way = ("pass the batch itself, step(state, batches[0])" if n == 1 else
+           f"make the step with train_step(..., micro_batches={n}), which takes such a list, or pass one batch")
+    entries = "entry" if n == 1 else "entries of one structure"
+    return (f"fzero: with micro_batches=1 the step hands the loss its batch as it is, and the loss raised on "
+            f"{_literal(batch)}, a {type(batch).__name__} of {n} {entries}, as a list of micro-batches is. If it "
+            f"is one: {way} (micro_batches=1 takes one batch, what the loss takes; micro_batches=k a list of k)")
 
 
 def accumulate(config: StepConfig, state: ZeroState, micro: list[Any], norms: EarlyNorms | None = None,
@@ -578,7 +681,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
     tensor, so the same bits). `norms` (`EarlyNorms`) takes the norm of each reduction's result
     that exists in the unit's backward (N = 1); `buffers` (`HostBuffers`) where the units assemble
     their gradients (`Inflight.buffers`); `index`: the micro-batch's, which an error of the loss
-    names (`_note_micro_batches`)."""
+    names (`_note_loss_error`)."""
     layout, stage, mesh, rank = state.layout, state.stage, state.mesh, state.rank
     plan = step_plan(state.info)
     trainable = plan.trainable
@@ -620,7 +723,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             try:
                 out = config.loss_fn(params, mb)
             except Exception as e:  # (a try costs nothing until it catches)
-                _note_micro_batches(e, config.micro_batches, index, mb)
+                _note_loss_error(e, config, state, index, mb)
                 raise
             loss, count = _objective(config, out)
             counts.append(count)
