@@ -14,7 +14,8 @@ from fzero._src.checkpoint import read_manifest as read_manifest
 from fzero._src.checkpoint import save as save
 from fzero._src.checkpoint import save_safetensors as save_safetensors
 from fzero._src.checkpoint import summary as summary
+from fzero._src.checkpoint import UnsealedCheckpointSkipped as UnsealedCheckpointSkipped
 
 __all__ = ["BuffersNotLoaded", "CheckpointError", "CheckpointNotSynced", "LrScheduleMovedOn", "OldCheckpointNotRemoved", "complete", "export", "latest", "load",
            "read_manifest", "save", "save_safetensors",
-           "summary"]
+           "summary", "UnsealedCheckpointSkipped"]

@@ -40,8 +40,10 @@ safety: ranks write into `root/.tmp-step-<n>-<token>`, then agree (that every ra
 succeeded), then rank 0 writes the manifest and renames the folder to `step-<n>` with one atomic
 `os.rename`; `keep` renames an old checkpoint back to a `.tmp-step-*` name before deleting it. A
 folder named `step-<n>` with a valid manifest is therefore complete; `latest` only ever returns
-such a folder. A save that fails (a full disk) raises `CheckpointError` on every rank and rank 0
-removes its temporary folder; a crash leaves it to the next `save(keep=...)`.
+such a folder, and never one whose manifest is shown edited after the save (its seal differs:
+skipped with a warning, `_sealed_last`). A save that fails (a full disk) raises `CheckpointError`
+on every rank and rank 0 removes its temporary folder; a crash leaves it to the next
+`save(keep=...)`.
 
 Agreement. Every rank checks its own arguments, then the ranks agree (`_agree`: one all-gather of
 a row per rank) before anything is written or read, so every rank raises or none does: `save`
@@ -131,6 +133,12 @@ class CheckpointNotSynced(UserWarning):
     """`save` wrote, published and renamed the checkpoint into place, but the fsync of its root
     after the rename failed: the checkpoint is complete and `latest` names it, but after a power
     loss the rename may be lost. The save stands (it returns the path on every rank)."""
+
+
+class UnsealedCheckpointSkipped(UserWarning):
+    """`latest` / `complete` (and `save`, which reads the root's order) skipped a checkpoint whose
+    manifest is not the one saved with its data (`check_record`: edited after the save, e.g. its
+    `written`): it is never `latest`, and `save(..., keep=K)` never deletes it."""
 
 
 class LrScheduleMovedOn(UserWarning):
@@ -449,7 +457,8 @@ def _unwrapped(rank: int) -> Iterator[None]:
         raise inner from e
 
 
-_SINGLE = threading.Lock()
+_SINGLE = threading.RLock()  # reentrant: rank 0's `save` on SimMesh reads the root's last seal (`_found`,
+# `_sealed_last`) inside its own `dcp.save`, where the state dict is built
 
 
 @contextlib.contextmanager
@@ -458,7 +467,8 @@ def _single_process() -> Iterator[None]:
     is to save (load) in a single process" on every call without a process group, even when
     `no_dist=True` asks for exactly that: fzero's single-process calls (SimMesh, export) mean it,
     so that one warning is ignored here. `warnings.catch_warnings` swaps the process-wide filter
-    list, so these calls are serialised (SimMesh ranks are threads; they run one at a time anyway)."""
+    list, so these calls are serialised (SimMesh ranks are threads; they run one at a time anyway);
+    reentrant, for the seal rank 0's `save` reads inside its own `dcp.save` (`_SINGLE`)."""
     with _SINGLE, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning)
@@ -1277,10 +1287,18 @@ def complete(root: str | os.PathLike) -> list[str]:
     first. Not by step: a run rolled back to an earlier checkpoint writes lower steps after
     higher ones, and its newest state is the one written last (as DeepSpeed's `latest` file
     names the last save). The counter is the manifest's: a checkpoint copied in from another
-    root keeps the place it had there."""
-    root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
+    root keeps the place it had there. The last ones written whose manifest was edited after the
+    save (not the one sealed in their data) are left out, with an `UnsealedCheckpointSkipped`
+    warning each (`_sealed_last`): an edited `written` cannot make a checkpoint the last."""
+    return _complete(root, "root (the folder that holds the step-<n> checkpoints)", 3)
+
+
+def _complete(root: Any, what: str, stacklevel: int) -> list[str]:
+    """`complete(root)`; a warning at `stacklevel` as `warnings.warn` counts it here (so that it names
+    the caller of `latest` or `complete`)."""
+    root = _fspath(root, what)
     _check_root(root)
-    return [p for _, _, p in _found(root)]
+    return [p for _, _, p in _found(root, stacklevel + 1)]
 
 
 def _check_root(root: str) -> None:
@@ -1296,8 +1314,10 @@ def _check_root(root: str) -> None:
                               f"checkpoints, {os.path.dirname(os.path.abspath(root))!r}, or load {root!r} as it is")
 
 
-def _found(root: str) -> list[tuple[int, int, str]]:
-    """`(written, step, path)` of each complete checkpoint under `root`, sorted."""
+def _found(root: str, stacklevel: int = 2) -> list[tuple[int, int, str]]:
+    """`(written, step, path)` of each complete checkpoint under `root`, sorted; those written
+    last whose manifest is not the one sealed in their data left out (`_sealed_last`; its warning
+    at `stacklevel` as `warnings.warn` counts it here)."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -1311,13 +1331,57 @@ def _found(root: str) -> list[tuple[int, int, str]]:
         except CheckpointError:
             continue
         if _files_present(path, manifest):
-            found.append((manifest.get("written", 0), int(m.group(1)), path))
-    return sorted(found)
+            found.append((manifest.get("written", 0), int(m.group(1)), path, manifest))
+    found.sort(key=lambda f: f[:3])
+    return [f[:3] for f in _sealed_last(root, found, stacklevel + 1)]
+
+
+def _sealed_last(root: str, found: list[tuple[int, int, str, dict[str, Any]]], stacklevel: int
+                 ) -> list[tuple[int, int, str, dict[str, Any]]]:
+    """`found` (sorted: `(written, step, path, manifest)`) less the checkpoints at its end whose
+    manifest is shown edited (`_edit`), each with an `UnsealedCheckpointSkipped` warning (at
+    `stacklevel`, as `warnings.warn` counts it here): checked from the one written last down to
+    the first that is not shown edited, so that one is the root's `latest`, and the next save's
+    `written` is one more than its own. Found in review: a manifest's `written` edited to
+    2**63 - 1 made its checkpoint `latest` for good, and gave every later save a `written` of
+    2**63, past a manifest's range, so none of them was complete. Where the last checkpoint's
+    seal matches (the usual case) only it is read: its `.metadata` and ~3 KB of rank 0's file
+    (`check_record`; that file is hashed only where the seal differs, to tell damage from an
+    edit). The ones before it are ordered by their manifests, as before: an edit there moves a
+    checkpoint only among the older ones, and `load` refuses it."""
+    while found:
+        written, _, path, manifest = found[-1]
+        problem = _edit(path, manifest)
+        if problem is None:
+            break
+        warnings.warn(UnsealedCheckpointSkipped(
+            f"fzero.checkpoint skipped {path!r} (its manifest says written {written}) in root {root!r}: {problem}. "
+            f"It is neither latest(root) nor in complete(root), and save(..., keep=K) never deletes it: remove it, "
+            f"or put back the manifest it was saved with"), stacklevel=stacklevel)
+        found.pop()
+    return found
+
+
+def _edit(path: str, manifest: dict[str, Any]) -> str | None:
+    """Why the manifest of the complete checkpoint at `path` is not the one saved with its data
+    (`_record_mismatch`'s words: its step or `seal` differs), or None where it is, where the
+    checkpoint has no seal (saved before it: only the step is compared), or where that cannot be
+    told without more: a `.metadata` or data file damaged (`load` refuses those, naming the file;
+    `latest` checks sizes, not checksums), or any other failure to read the record."""
+    try:
+        metadata = _metadata(path, manifest)
+        if _tensor_md(metadata, "step") is None:  # (`check_metadata`'s to name, at load)
+            return None
+        return _record_mismatch(path, manifest, metadata)
+    except Exception:  # noqa: BLE001 - damage, not a proven edit: load's to refuse, naming the file
+        return None
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The complete checkpoint under `root` written last, or None."""
-    done = complete(root)
+    """The complete checkpoint under `root` written last, or None. A checkpoint whose manifest
+    was edited after the save (it is not the one sealed in its data, `check_record`) is never
+    returned: skipped with an `UnsealedCheckpointSkipped` warning (`_sealed_last`)."""
+    done = _complete(root, "root (the folder that holds the step-<n> checkpoints)", 3)
     return done[-1] if done else None
 
 
@@ -1603,9 +1667,83 @@ def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = Non
             raise CheckpointError(f"{name!r} is corrupted: {size} bytes with sha256 {digest[:16]}..., the manifest "
                                   f"recorded {meta['bytes']} bytes with sha256 {meta['sha256'][:16]}...; load an "
                                   f"older checkpoint (fzero.checkpoint.complete(root))")
-    if only is not None and only - set(manifest["files"]):
-        raise CheckpointError(f"{path!r}: DCP's metadata names file(s) {sorted(only - set(manifest['files']))} that "
+    if only is not None:
+        check_listed(path, manifest, only)
+
+
+def check_listed(path: str, manifest: dict[str, Any], names: set[str]) -> None:
+    """Every file of `names` (those DCP's metadata has a rank read) is one the manifest lists,
+    else a `CheckpointError` naming the others."""
+    if names - set(manifest["files"]):
+        raise CheckpointError(f"{path!r}: DCP's metadata names file(s) {sorted(names - set(manifest['files']))} that "
                               f"the manifest does not list; the checkpoint was altered after it was saved")
+
+
+def _kernel() -> str:
+    """This machine's running kernel, as far as files go: Linux's boot id (one per boot of a host,
+    the same in every container on it), else the host's name and network address and this
+    process (no two processes taken for one machine where that cannot be told)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        if boot:
+            return boot
+    except OSError:
+        pass
+    import socket
+    import uuid
+
+    return f"{socket.gethostname()}/{uuid.getnode():x}/{os.getpid()}"
+
+
+_KERNEL = _kernel()
+
+
+def _copy_key(name: str) -> str | None:
+    """Which copy of a file this process reads at `name`: its kernel, device and inode (`_KERNEL`,
+    `st_dev`, `st_ino`), so two ranks with the same key read the same bytes (ranks of one host
+    reading a shared or a local folder) and ranks of other hosts, or of another copy, another
+    key; None where the file cannot be looked at (the rank checks it itself, `_hash_shares`)."""
+    try:
+        st = os.stat(name)
+    except OSError:
+        return None
+    return f"{_KERNEL}:{st.st_dev}:{st.st_ino}"
+
+
+def _reads(path: str, manifest: dict[str, Any], names: set[str]) -> str:
+    """What a rank tells the others of the files it reads (`names`, each listed in the manifest):
+    JSON `{file: [copy key, bytes]}` (`_copy_key`, the manifest's size), for `_hash_shares`."""
+    return json.dumps({f: [_copy_key(os.path.join(path, f)), manifest["files"][f]["bytes"]] for f in sorted(names)})
+
+
+def _hash_shares(texts: Sequence[str], rank: int) -> set[str]:
+    """The files rank `rank` hashes, from every rank's `_reads` (in rank order; "" for a rank
+    whose checks stopped before): each copy of a file (one key of `_copy_key`; a file a rank
+    could not look at is a copy of its own) is hashed by one of the ranks that read it, the one
+    with the fewest bytes to hash so far (the copies read by the fewest ranks, and the largest,
+    placed first; ties to the lowest rank). Every rank computes it from the same texts, so every
+    copy read is hashed once; the verdict reaches every rank through the agreement that follows
+    (`load`). Found in review: every rank hashed every file it read, and every rank reads the
+    step counter in rank 0's file, so rank 0's whole file was hashed N times (at stage 0-2 of a
+    DistMesh, or on a SimMesh, every file N times)."""
+    groups: dict[tuple[str, str], tuple[list[int], int]] = {}
+    for r, text in enumerate(texts):
+        try:
+            reads = json.loads(text) if text else {}
+        except ValueError:
+            reads = {}
+        for f, (copy, nbytes) in reads.items():
+            readers, _ = groups.setdefault((f, copy if copy is not None else f"rank {r}"), ([], int(nbytes)))
+            readers.append(r)
+    work: collections.Counter[int] = collections.Counter()
+    mine = set()
+    for (f, _), (readers, nbytes) in sorted(groups.items(), key=lambda g: (len(g[1][0]), -g[1][1], g[0])):
+        hasher = min(readers, key=lambda r: (work[r], r))
+        work[hasher] += nbytes
+        if hasher == rank:
+            mine.add(f)
+    return mine
 
 
 def _read_metadata(path: str) -> Metadata:
@@ -1740,20 +1878,28 @@ def check_record(path: str, manifest: dict[str, Any], metadata: Metadata, outcom
     `export` and `summary` took those as the truth). Reads ~3 KB of rank 0's file
     (`_saved_record`), nothing else (where they differ, that file is hashed: damage or an edit);
     `outcome` ("; nothing was loaded") ends the sentence."""
+    problem = _record_mismatch(path, manifest, metadata, outcome)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _record_mismatch(path: str, manifest: dict[str, Any], metadata: Metadata, outcome: str = "") -> str | None:
+    """`check_record`'s verdict: None where the manifest is the one saved with the data, else the
+    words of its error; a damaged data file (the one holding the record) raises its own
+    `CheckpointError` (`check_files`)."""
     step, digest, files = _saved_record(path, manifest, metadata)
     mine = manifest_digest(manifest)
     if step == manifest["step"] and digest in (None, mine):
-        return
+        return None
     check_files(path, manifest, only=files)  # the data file damaged, not the manifest: named as such
     fix = "load another checkpoint: fzero.checkpoint.complete(root) lists them"
     if step != manifest["step"]:
-        raise CheckpointError(f"{path!r}: the manifest says step {manifest['step']} but the saved state holds step "
-                              f"{step}: the manifest was edited or damaged{outcome} ({fix})")
-    raise CheckpointError(f"{path!r}: the manifest does not match the data it was written with: the sha256 of its "
-                          f"fields but 'files' is {mine.hex()[:16]}..., the data holds {digest.hex()[:16]}... (saved "
-                          f"as {DIGEST!r}); the manifest was edited or damaged after the save (any field but 'files': "
-                          f"a leaf's shape or group, the stage, optimizer, lr record, precision, scaler, buffers, "
-                          f"written){outcome} ({fix})")
+        return (f"{path!r}: the manifest says step {manifest['step']} but the saved state holds step {step}: the "
+                f"manifest was edited or damaged{outcome} ({fix})")
+    return (f"{path!r}: the manifest does not match the data it was written with: the sha256 of its fields but "
+            f"'files' is {mine.hex()[:16]}..., the data holds {digest.hex()[:16]}... (saved as {DIGEST!r}); the "
+            f"manifest was edited or damaged after the save (any field but 'files': a leaf's shape or group, the "
+            f"stage, optimizer, lr record, precision, scaler, buffers, written){outcome} ({fix})")
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -1836,8 +1982,10 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     checked against the data it was written with (`check_metadata`, and `check_record`: its step
     and seal, ~3 KB of rank 0's file), then against `target` (leaves, optimizer, lr
     schedule, scaler, precision), this rank's read plan is made (`read_plan`: only the saved
-    chunks that overlap what the rank holds) and every file it touches is checked against its
-    sha256; the ranks agree on the checks and on the checkpoint
+    chunks that overlap what the rank holds) and every file a rank touches is checked against its
+    sha256, by one of the ranks that read that copy of it (`_hash_shares`: once per file and host,
+    where every rank hashed each file it read, rank 0's N times); the ranks agree on the checks
+    and on the checkpoint
     they read (the manifest's step and sha256: ranks that were given different checkpoints, e.g.
     each from its own `latest(root)` while a save ran, raise naming each rank's path and step),
     so a `CheckpointError` is raised on every rank or on none. Then `dcp.load` fills fresh
@@ -1885,9 +2033,19 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             read = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in (bufs or {}).items()}  # on the host
             w.ranges.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in read.items()})
             items = read_plan(path, metadata, w.ranges)
-            check_files(path, manifest, only=files_read(metadata, items))
+            mine = files_read(metadata, items)
+            check_listed(path, manifest, mine)
+            reads = _reads(path, manifest, mine)
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
+        # every rank reaches this: each file read is hashed by one rank of those reading its copy
+        shares = _hash_shares(gather_texts(mesh, "" if error is not None else reads, "fzero.checkpoint/reads"),
+                              mesh.rank)
+        if error is None:
+            try:
+                check_files(path, manifest, only=shares)
+            except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
+                error = e
 
         def different(rows: list[list[int]], given: list[str]) -> str:
             return (f"the ranks of {mesh!r} passed different checkpoints to checkpoint.load:"
