@@ -305,7 +305,11 @@ def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], Par
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what an update computes in
 
 
-def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
+def _check_leaf(path: str, leaf: Any,
+                group_of: Callable[[str, torch.Tensor], ParamGroup] | None = None) -> torch.Tensor:
+    """`leaf` if fzero can shard it, else a `LayoutError` naming its path (and, for a dtype fzero
+    does not shard, its dtype, shape and the way out: `_not_float_hint`, where `group_of` says
+    whether the leaf is frozen)."""
     if not isinstance(leaf, torch.Tensor):
         hint = (": pass the module's parameters, dict(model.named_parameters()), or use fzero.from_module(model)"
                 if isinstance(leaf, torch.nn.Module) else "")
@@ -318,13 +322,34 @@ def _check_leaf(path: str, leaf: Any) -> torch.Tensor:
         raise LayoutError(f"params leaf {path!r} is a {'nested' if leaf.is_nested else leaf.layout} tensor; fzero "
                           f"shards dense (torch.strided) leaves only: pass its dense form (t.to_dense())")
     if leaf.dtype not in PARAM_DTYPES:
-        more = (" (float8 is a compute or storage format: keep the params in bf16/fp32 and cast where computing)"
-                if leaf.dtype.is_floating_point else ": cast it, or keep it outside the params pytree (e.g. as a buffer)")
+        frozen = group_of is not None and group_of(path, leaf).frozen
         raise LayoutError(
             f"params leaf {path!r} has dtype {leaf.dtype} and shape {tuple(leaf.shape)}; fzero shards "
-            f"float16, bfloat16, float32 and float64 leaves only{more}"
+            f"float16, bfloat16, float32 and float64 leaves only{_not_float_hint(leaf, frozen)}"
         )
     return leaf
+
+
+def _not_float_hint(leaf: torch.Tensor, frozen: bool) -> str:
+    """The way out for a leaf of a dtype fzero does not shard. "Keep it outside the params pytree
+    (e.g. as a buffer)" was given for every such leaf (found in review): a pytree not from a module
+    has no buffers, and freezing the leaf does not help (a frozen leaf is sharded too)."""
+    if leaf.dtype.is_floating_point:  # float8
+        return " (float8 is a compute or storage format: keep the params in bf16/fp32 and cast where computing)"
+    also = (" (freezing does not exempt it: a frozen leaf is sharded and gathered as the others are, only not "
+            "updated)" if frozen else "")
+    elsewhere = "pass it to the loss another way: in the batch, or closed over by the loss"
+    if leaf.is_complex():
+        return (f"{also}: hold it as its real view, torch.view_as_real(t) (a float leaf with a last dim of 2), "
+                f"and read it as torch.complex(w[..., 0], w[..., 1]) in the loss (torch.view_as_complex refuses a "
+                f"leaf at an odd offset of its flat bucket); or {elsewhere}")
+    if isinstance(leaf, torch.nn.Parameter):  # a module's integer parameter (requires_grad=False: frozen anyway)
+        return (f": fzero trains no integer or bool parameter; register it as a buffer of its module "
+                f"instead (module.register_buffer(name, t)): fzero.from_module keeps a module's buffers beside the "
+                f"params (info.buffers); or {elsewhere}")
+    return (f"{also}: fzero trains no integer or bool tensor; {elsewhere} (a from_module model's integer "
+            f"buffers, BatchNorm's num_batches_tracked, are kept as buffers, not params); or cast it to a floating "
+            f"dtype if it is to be trained")
 
 
 def _check_distinct(paths: list[str], params: Any) -> None:
@@ -385,7 +410,7 @@ def plan(
     unit_of, group_of = _unit_of(units), _group_of(check_groups(groups))
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
-        leaf = _check_leaf(path, leaf)
+        leaf = _check_leaf(path, leaf, group_of)
         keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
     _check_group_names(keys)
     specs: list[LeafSpec | None] = [None] * len(leaves)
@@ -471,7 +496,7 @@ def _leaves_of(layout: Layout, params: Any) -> list[torch.Tensor]:
             f"params structure differs from the layout's{where}:\n  params: {spec}\n  layout: {layout.treespec}"
         )
     for leaf, ls in zip(leaves, layout.leaves):
-        _check_leaf(ls.path, leaf)
+        _check_leaf(ls.path, leaf, lambda _path, _leaf, group=ls.group: group)
         if tuple(leaf.shape) != ls.shape or leaf.dtype != ls.dtype:
             raise LayoutError(
                 f"params leaf {ls.path!r} is {leaf.dtype}{list(leaf.shape)} but the layout planned "

@@ -31,7 +31,8 @@ its forward found them for the recompute, and as it left them after (`remat`). `
 buffers=info.buffers)` keeps rank 0's buffers beside the state, and `checkpoint.load(path,
 target, buffers=info.buffers)` copies them back. Buffer updates happen in plain Python inside
 the forward: use `engine="autograd"` for models that update buffers (functorch rejects in-place
-writes to captured tensors).
+writes to captured tensors; `apply` notes on that error the buffers a training-mode norm layer writes,
+`captured_write_note`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import nn
 
 from .collectives import broadcast
 from .errors import ConfigError, FzeroError, LayoutError
-from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _unit_of
+from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh
 from .remat import remat_call
@@ -287,10 +288,11 @@ class Apply:
     def __call__(self, params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
         try:
             return self._call(params, *args, **kwargs)
-        except RuntimeError as e:
-            note = buffer_dtype_note(str(e), self._buffers, param_dtypes(params))
-            if note:
-                e.add_note(note)
+        except RuntimeError as e:  # (the notes are made here, on the error path only)
+            for note in (buffer_dtype_note(str(e), self._buffers, param_dtypes(params)),
+                         captured_write_note(str(e), self._skeleton, self._buffers)):
+                if note:
+                    e.add_note(note)
             raise
 
     def train(self, mode: bool = True) -> Apply:
@@ -339,6 +341,56 @@ def buffer_dtype_note(message: str, buffers: Mapping[str, torch.Tensor], params:
             f"op, cast its floating buffers to the params' dtype before from_module (for m in model.modules(): for n, "
             f"b in m.named_buffers(recurse=False): setattr(m, n, b.to({to})) where b.is_floating_point()), or compute "
             f"under torch.autocast with fp32 params instead")
+
+
+# functorch's words where a grad transform meets an in-place write to a tensor it did not get as an
+# input (`checkForInvalidMutationOnCaptures`, aten/src/ATen/functorch/ADInterpreters.cpp, torch 2.13:
+# "... attempted to call in-place operation (aten::add_.Tensor) that would mutate a captured Tensor.")
+_CAPTURED_WRITE = "mutate a captured tensor"
+
+
+def captured_write_note(message: str, module: nn.Module, buffers: Mapping[str, torch.Tensor]) -> str:
+    """The note `apply` adds to functorch's "would mutate a captured Tensor" error: under a
+    `torch.func` transform (`train_step(..., engine="func")`) a forward that writes a tensor in
+    place, which a training-mode BatchNorm does to its running statistics, is refused with torch's
+    words alone, naming neither the buffers nor the way out (found in review). Names the buffers
+    `module` (the skeleton, in its current training mode) writes in its forward where that is known
+    (`training_writes`), else the buffers it holds; "" where the message is another."""
+    if _CAPTURED_WRITE not in message.lower():
+        return ""
+    written = training_writes(module)
+    way_out = ("use train_step(..., engine='autograd') (the default), where the forward updates the buffers in place "
+               "as model(x) would")
+    if written:
+        return (f"fzero: under a torch.func transform (train_step's engine='func', or torch.func.grad/vjp around "
+                f"apply) the forward may not write a tensor in place that the transform did not get as an input, "
+                f"and this module's training-mode forward writes its buffers {_listed(written)}; {way_out}, or call "
+                f"apply.eval() first if the forward should read them without updating them (BatchNorm then "
+                f"normalizes with its running statistics)")
+    held = f"; the module holds buffers {_listed(list(buffers))}, which a forward may write" if buffers else ""
+    return (f"fzero: under a torch.func transform (train_step's engine='func', or torch.func.grad/vjp around apply) "
+            f"the forward wrote in place to a tensor the transform did not get as an input (a buffer, a batch "
+            f"tensor, a tensor the model closes over){held}; {way_out}, or make the write out of place")
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:6])
+    return f"{shown} and {len(names) - 6} more" if len(names) > 6 else shown
+
+
+def training_writes(module: nn.Module) -> list[str]:
+    """The buffers of `module` its forward writes in place, in the training mode it is in now,
+    where torch's own modules say so: a norm layer that tracks running statistics in training mode
+    (BatchNorm*, SyncBatchNorm, InstanceNorm* with `track_running_stats=True`) writes
+    `running_mean`, `running_var` and `num_batches_tracked`. A module's own forward is not read:
+    its writes are not known here. (Spectral norm's power iteration writes its `_u` / `_v` through
+    `out=`, which functorch lets pass: not listed.)"""
+    written = []
+    for name, m in module.named_modules():
+        if m.training and getattr(m, "track_running_stats", False) is True:
+            written += [f"{name}.{a}" if name else a for a in ("running_mean", "running_var", "num_batches_tracked")
+                        if m._buffers.get(a) is not None]
+    return written
 
 
 def param_dtypes(params: Any) -> set[torch.dtype]:
@@ -661,6 +713,8 @@ def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
         unit = unit_of(name)
         first = seen.setdefault(unit, (name, p.device, p.dtype))
         if (p.device, p.dtype) != first[1:]:
+            for leaf in (first[0], name):  # an integer parameter: the way out is not another unit (found in review)
+                _check_leaf(leaf, params[leaf])
             raise LayoutError(
                 f"unit {unit!r} mixes parameters on different devices or dtypes: {first[0]!r} is "
                 f"{first[2]} on {first[1]}, {name!r} is {p.dtype} on {p.device}; move/cast the module "
