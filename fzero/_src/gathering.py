@@ -267,6 +267,8 @@ class Gathering:
         if self._deferred is not None and self._deferred != unit:
             self._release_deferred()
         if unit not in self._leaves:
+            if unit in self._ahead and len(self._ahead[unit]) != len(self._programs[unit].buckets):
+                self._drop(unit)  # what a read that raised midway left (`_entering`): read again, gathered anew
             if unit not in self._ahead:  # not prefetched (or prefetch is off): gather it now
                 self._make_room(unit)
                 if self.prefetch:
@@ -274,7 +276,8 @@ class Gathering:
             if self.prefetch:
                 self._prefetch(self._after(unit, self.layout.units), backward=False)
             with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):  # `call`'s modes
-                self._leaves[unit] = self._run(unit, self._ahead.pop(unit, None))
+                self._leaves[unit] = self._run(unit, self._ahead.get(unit))
+            self._ahead.pop(unit, None)  # (each gather left it as its bucket entered)
             if self.releasable and self._storages[unit] and _use_count is not None:
                 self._at_read[unit] = self._uses(unit)
         self.refill(unit)
@@ -436,12 +439,13 @@ class Gathering:
         if backward:
             self._prefetch(self._after(unit, tuple(reversed(self.gathered))), backward=True)
         if not filled:
-            pending = self._ahead.pop(unit)
+            flights = self._ahead[unit]  # each stays until its turn (as in `_drop`), for `finish` where a wait raises
             with torch.no_grad():
-                for (bucket, storage, nbytes), gathered in zip(self._storages[unit], pending):
-                    full = gathered.wait()
+                for _, storage, nbytes in self._storages[unit][len(self._storages[unit]) - len(flights):]:
+                    full = flights.pop(0).wait()
                     if full.untyped_storage()._cdata != storage._cdata:  # else gathered into it (`_start`)
                         _regrown(storage, nbytes, full, full.dtype, full.shape).copy_(full)
+            del self._ahead[unit]
         self._released.discard(unit)
 
     def _fill(self, unit: str) -> bool:
@@ -844,15 +848,19 @@ def _gathers(programs: Sequence[UnitProgram]) -> bool:
     return any(p.stage.sharded("params") for p in programs)
 
 
-def _entering(program: UnitProgram, gathered: Sequence[Flight]) -> UnitProgram:
+def _entering(program: UnitProgram, gathered: list[Flight]) -> UnitProgram:
     """`program` whose `enter` returns the started gathers' results, bucket by bucket, instead of
     gathering (`Flight.wait`: the same bits as `enter`). Holds the pending gathers only, never
-    the `Gathering` (the program lives in the autograd graph)."""
-    results = {b.index: p for b, p in zip(program.buckets, gathered)}
-    order = iter(program.buckets)
+    the `Gathering` (the program lives in the autograd graph): `gathered` is the list the
+    `Gathering` keeps for the unit (`_ahead`, one flight per bucket in bucket order), and each
+    flight stays in it until its bucket enters. So where a wait raises (a lost peer, a timeout,
+    an interrupt) or the unit's forward raises before its last bucket enters, the gathers not yet
+    waited for are still there for `Gathering.finish` to wait for or hand to the mesh (before,
+    `read` took the list out first, and they were lost: neither waited for nor abandoned, and
+    gloo cancelled those exchanges under a peer that waited for them; found in review)."""
 
     def enter(mesh: Any, wire: Any, x: torch.Tensor) -> torch.Tensor:
-        return results.pop(next(order).index).wait()
+        return gathered.pop(0).wait()
 
     stage = program.stage
     return dataclasses.replace(program, stage=dataclasses.replace(

@@ -123,6 +123,33 @@ def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str
             f"rank{receives}, or on none (`x.detach()`)")
 
 
+def _exited_without(what: str, who: str) -> str:
+    """The two reasons a peer leaves while this rank waits in `what` (a collective in words,
+    `_Call`'s), each with its way out: `who` (the rank, in words) died, or finished its program
+    without making the call (named where it is one of fzero's calls every rank must make,
+    `entry_of`). Found in a new user's walkthrough: a `checkpoint.save` under `if rank == 0:` (the
+    DDP habit) after the loop, where rank 1 had returned from its script, was told only that
+    rank 1 was lost and to restart the job."""
+    name = entry_of(what)
+    call = (f"{name}, which every rank must call at the same point of its program (not under `if rank == 0:`: "
+            f"each rank saves, loads or gathers its own part)" if name else
+            "this collective, which every rank must call, in the same order")
+    return (f"{who} either died (a crash or a kill: see its log): restart the job (torchrun --max-restarts "
+            f"restarts every rank); or finished its program (returned or exited normally) without calling {call}: "
+            f"make that call on every rank")
+
+
+def _interrupted(mesh: "DistMesh", e: BaseException, what: str) -> MeshError:
+    """The error a `DistMesh` raises for every collective after an interrupt `e` stopped this rank
+    in `what`'s agreement or start (`DistMesh._breaks_if_interrupted`)."""
+    told = f": {e}" if str(e) else ""
+    return MeshError(
+        f"{mesh!r}: rank {mesh.rank} was interrupted ({type(e).__name__}{told}) in {what}, while agreeing on it "
+        f"with the other ranks or starting it (world size {mesh.world_size}); they may have gone on past it, so "
+        f"this rank's collectives would now meet theirs out of step (a wait to the timeout, or buffers mixed "
+        f"silently). The mesh cannot be used again: construct a new DistMesh on every rank, or restart the job")
+
+
 def _elements(op: str, x: torch.Tensor, world_size: int) -> int:
     return x.numel() * world_size if op == "all_gather" else x.numel()
 
@@ -1082,7 +1109,11 @@ class DistMesh(Mesh):
 
     A rank whose collective fails because a peer's process died raises `RankFailed` naming that
     rank (found among the ranks on this host; for ranks on other hosts the message says which may
-    be lost); the mesh is unusable afterwards.
+    be lost); the mesh is unusable afterwards. A peer that finished its program without making
+    the call (a `checkpoint.save` under `if rank == 0:`, after the other ranks returned) is lost
+    alike: the message names both, and the call every rank must make. A rank interrupted
+    (`KeyboardInterrupt`) inside a collective's agreement, or before its data exchange started,
+    may be out of step with the others: its mesh is unusable afterwards too, and says so.
 
     Example (a script run as `torchrun --nproc-per-node 2 script.py`; tests/test_dist.py runs
     the same on a pool of gloo workers):
@@ -1201,9 +1232,8 @@ class DistMesh(Mesh):
         if gone:
             err: MeshError = RankFailed(
                 f"{self!r}: rank(s) {[s for s, _ in gone]} lost: process(es) {[p for _, p in gone]} on this "
-                f"host exited while rank {self._rank} waited in {what}. The group (world size {n}) cannot go "
-                f"on without them: restart the job (torchrun --max-restarts restarts every rank). "
-                f"{self.backend} said: {e}")
+                f"host exited while rank {self._rank} waited in {what}. The group (world size {n}) cannot go on "
+                f"without them. {_exited_without(what, 'Such a rank')}. {self.backend} said: {e}")
         elif timed_out:
             err = MeshError(
                 f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():g} s "
@@ -1213,7 +1243,10 @@ class DistMesh(Mesh):
             remote = [s for s, (h, _) in enumerate(self._peers) if h != host]
             maybe = (f"; no rank on this host exited, so one of rank(s) {remote} on other hosts was probably "
                      f"lost (see their logs)" if remote else "")
-            err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}: {e}")
+            left = _exited_without(what, "A rank that left the group (a closed connection: its process may take a "
+                                         "while to exit)")
+            err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}. {left}. "
+                            f"{self.backend} said: {e}")
         self._broken = err
         return err
 
@@ -1239,27 +1272,53 @@ class DistMesh(Mesh):
         seq = self._seq
         what = f"{call or 'the end of mesh.run'} (collective #{seq})"
         mine = torch.tensor(_fingerprint(kind, seq, call), dtype=torch.int64, device=self.device)
-        rows = self._gather(mine, what).view(self.world_size, _FP_LEN).tolist()
-        constructing = [s for s, row in enumerate(rows) if row[0] == _KIND_CONSTRUCT]
-        if constructing:  # those ranks raise in their construction: no text exchange they would not join,
-            # and no sequence number taken (their own mesh took none), so this mesh goes on in step
-            raise CollectiveMismatch(f"{self!r}: rank(s) {constructing} constructed a new DistMesh where rank "
-                                     f"{self._rank} is at {what}: every rank must construct each DistMesh at the same "
-                                     f"point of its program")
-        self._seq += 1
-        failed = [s for s, row in enumerate(rows) if row[0] == _KIND_FAIL]
-        if failed and kind != _KIND_FAIL:
-            raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at {what}")
-        if not failed and any(row != rows[0] for row in rows):
-            # every rank sees the same rows, so every rank is here: exchange the calls in words
-            mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
-                         f"returned from mesh.run (collective #{seq})")
-            texts = self._gather_text(mine_text, what)
-            lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(texts))
-            alike = kind == _KIND_CALL and all(row[:-1] == rows[0][:-1] for row in rows)
-            raise CollectiveMismatch(
-                f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
-                f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None, texts)}")
+        with self._breaks_if_interrupted(what):
+            rows = self._gather(mine, what).view(self.world_size, _FP_LEN).tolist()
+            constructing = [s for s, row in enumerate(rows) if row[0] == _KIND_CONSTRUCT]
+            if constructing:  # those ranks raise in their construction: no text exchange they would not join,
+                # and no sequence number taken (their own mesh took none), so this mesh goes on in step
+                raise CollectiveMismatch(f"{self!r}: rank(s) {constructing} constructed a new DistMesh where rank "
+                                         f"{self._rank} is at {what}: every rank must construct each DistMesh at the "
+                                         f"same point of its program")
+            self._seq += 1
+            failed = [s for s, row in enumerate(rows) if row[0] == _KIND_FAIL]
+            if failed and kind != _KIND_FAIL:
+                raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at {what}")
+            if not failed and any(row != rows[0] for row in rows):
+                # every rank sees the same rows, so every rank is here: exchange the calls in words
+                mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
+                             f"returned from mesh.run (collective #{seq})")
+                texts = self._gather_text(mine_text, what)
+                lines = "\n".join(f"  rank {s}: {t}" for s, t in enumerate(texts))
+                alike = kind == _KIND_CALL and all(row[:-1] == rows[0][:-1] for row in rows)
+                raise CollectiveMismatch(
+                    f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
+                    f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None, texts)}")
+
+    @contextlib.contextmanager
+    def _breaks_if_interrupted(self, what: str) -> Iterator[None]:
+        """Mark the mesh unusable (`_broken`) where the body -- an agreement's exchanges, from the
+        fingerprints' all-gather to the sequence number taken and the calls' words gathered; or
+        the start of an agreed collective's data exchange (`_start`) -- raises anything but the
+        mesh's own outcome (a `MeshError`: a mismatch, a failed or lost rank, each raised on every
+        rank in step): a `KeyboardInterrupt`, or an exception a signal handler raised, midway, at
+        N > 1. An exchange may have been issued, or finished on the other ranks, which then went on
+        past it (to the collective's data, or the next agreement), while this rank's sequence
+        number stayed behind or its data exchange never started: its next collective met theirs
+        out of step, a fingerprint all-gather against their data collective, which waited out the
+        whole timeout and was called a stuck rank, or mixed buffers silently where the two looked
+        alike (found in review). Now the next call raises at once, saying so. The interrupt itself
+        goes on as it was raised. The other ranks are not told (`guard`'s announcement would be
+        one more exchange out of step): they stop at the timeout, or at once with `RankFailed`
+        where this rank's process exits."""
+        try:
+            yield
+        except MeshError:
+            raise
+        except BaseException as e:
+            if self.world_size > 1:  # one rank is never out of step with itself
+                self._broken = _interrupted(self, e, what)
+            raise
 
     def _gather_text(self, text: str, what: str) -> list[str]:
         """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""
@@ -1281,10 +1340,11 @@ class DistMesh(Mesh):
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
-        try:
-            out, work = self._move(call, x, donate, out)
-        except RuntimeError as e:
-            raise self._lost(e, what, started) from e
+        with self._breaks_if_interrupted(what):  # agreed (or unverified): the others start it
+            try:
+                out, work = self._move(call, x, donate, out)
+            except RuntimeError as e:
+                raise self._lost(e, what, started) from e
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
 
     def _p2p_tag(self, call: _Call) -> int:
