@@ -103,7 +103,7 @@ from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
-from .state import (NamedFn, ZeroState, check_pending, check_state, describe, described_cells, described_fields,
+from .state import (NamedFn, ZeroState, outside_inference_mode, check_pending, check_state, describe, described_cells, described_fields,
                     master_values, named, setting_name, unnamed)
 
 FORMAT = 2
@@ -1973,6 +1973,7 @@ def _same_checkpoint(keys: list[list[int]]) -> bool:
     return len({tuple(k) for k in keys}) <= 1
 
 
+@outside_inference_mode  # a state of normal tensors, as `init` and the step make under inference mode
 def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True,
          buffers: Mapping[str, torch.Tensor] | None = None) -> ZeroState:
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)

@@ -24,12 +24,12 @@ import torch
 import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
-from .collectives import all_gather, all_reduce, broadcast, gather_texts
+from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
-from .optim.base import Optimizer, OptimizerError, init_state, spec_of
+from .optim.base import Optimizer, OptimizerError, _layers_tracked, init_state, spec_of
 from .precision import FULL, Precision
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -173,6 +173,41 @@ def _torch_unflatten(children: list, context: tuple) -> ZeroState:
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
 
 
+def outside_inference_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run as it runs outside `torch.inference_mode()` where it is called inside it: under
+    `torch.inference_mode(False)`, in the grad mode of the call (inference mode turns grad mode
+    off, so as under `torch.no_grad()`). For `init` and the step, which make a state: under
+    inference mode they made one of inference tensors, which a later step outside it refused
+    with torch's "Setting requires_grad=True on inference tensor outside InferenceMode" (and the
+    autograd engine's step itself said no param was reached, naming no inference mode; found in
+    review). As the step already trains under `torch.no_grad()`, the same bits and normal
+    tensors. Elsewhere one flag read."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        grad = torch.is_grad_enabled()  # read before inference_mode(False), which turns grad mode on
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def inference_parts(state: ZeroState) -> list[str]:
+    """The parts of `state` that are inference tensors (made under `torch.inference_mode()`, which
+    a step outside it cannot train or write), in words: the field and, per bucket, its leaves
+    (`_bucket_words`). The error path of a step: a read of each tensor's flag."""
+    def inference(x: Any) -> bool:
+        return any(isinstance(t, torch.Tensor) and t.is_inference() for t in torch_pytree.tree_leaves(x))
+
+    layout = state.layout
+    parts = [f"{field} of bucket {_bucket_words(layout, b)}" for field in ("params", "master", "opt_state")
+             for b, x in enumerate(getattr(state, field)) if inference(x)]
+    return parts + [field for field in ("step", "loss_scale", "pending") if inference(getattr(state, field))]
+
+
+@outside_inference_mode  # a state of normal tensors, as made outside inference mode
 def init(
     params: Any,
     optimizer: Optimizer,
@@ -673,8 +708,20 @@ def gather(state: ZeroState) -> Any:
     `CollectiveMismatch` in the step, rather than pair the step's gathers with this one's); where
     the stage shards params (or keeps a master shard), each bucket is all-gathered. The values are
     the master values, in the params' own dtype.
+
+    Values, not a function of the state: where a reverse-mode derivative is taken through the
+    state's params (a `torch.func` transform differentiates them, or they require grad under grad
+    mode) it raises `ConfigError` on every rank (`_refuse_derivative`): its result would carry
+    none, silently. A forward-mode tangent (`jvp`) flows through it.
     """
-    with checked(state), torch.no_grad():
+    with checked(state):
+        _refuse_derivative(state)
+        return _gathered(state)
+
+
+def _gathered(state: ZeroState) -> Any:
+    """`gather`'s values, read under `torch.no_grad()`, one unit gathered at a time."""
+    with torch.no_grad():
         layout, mesh = state.layout, state.mesh
         if mesh.world_size > 1:  # its own tag first: a rank still in a step (whose gathers look alike) mismatches here
             all_gather(torch.zeros(1, device=mesh.device), mesh, tag="fzero.gather")
@@ -688,6 +735,45 @@ def gather(state: ZeroState) -> Any:
             for i, t in zip(program.leaves, clones):
                 leaves[i] = t
     return unflatten(layout.treespec, leaves)
+
+
+def _refuse_derivative(state: ZeroState) -> None:
+    """`ConfigError` where `gather` is differentiated through in reverse mode (`_reverse_tracked`
+    of the state's params and masters): it reads under `torch.no_grad()` into fresh tensors, so
+    `torch.func.grad` of a function of its result was exact zeros, and under plain autograd the
+    result silently did not require grad (found in review: a meta-gradient read by path through
+    `gather`, stages 0 and 3, N = 1 and 2). Local: every rank differentiates the same program, so
+    every rank raises, before `gather`'s first collective; a rank that alone raises does so inside
+    `checked`'s mesh guard, so the others stop with `RankFailed` where they wait."""
+    held = [t for t in (*state.params, *state.master) if isinstance(t, torch.Tensor)]
+    if not _reverse_tracked(held):
+        return
+    level = func_level()
+    how = (f"a torch.func transform (level {level}: grad, vjp, jacrev, ...) differentiates them" if level is not None
+           else "they require grad, under grad mode (plain autograd)")
+    sharded = state.stage.sharded("params") and state.mesh.world_size > 1
+    gathers = "[fzero.collectives.all_gather(p, state.mesh) for p in state.params]" if sharded else "state.params"
+    notes = [f"each rank holds a shard of each bucket at stage {state.stage.level}: all-gather them first"] * sharded
+    notes += ["the params as held, in the compute dtype: this state keeps its master values apart"] * any(
+        m is not None for m in state.master)
+    policy = f" ({'; '.join(notes)})" if notes else ""
+    raise ConfigError(
+        f"fzero.gather of a state whose params are being differentiated ({how}; {state.mesh!r}, rank {state.rank}, "
+        f"stage {state.stage.level}): gather reads the values under torch.no_grad() into fresh tensors, so a "
+        f"derivative through it would be zero, silently. To read the params by path differentiably, unpack the "
+        f"state's own tensors: fzero.layout.unpack(state.layout, {gathers}){policy}; where no derivative is wanted, "
+        f"call gather under torch.no_grad(), or of a state of detached params "
+        f"(state.replace(params=tuple(p.detach() for p in state.params)))")
+
+
+def _reverse_tracked(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a reverse-mode derivative is taken through any of `tensors`: under grad mode, one
+    requires grad (plain autograd), or, inside a torch.func transform, one of its wrapper layers
+    does (`grad`, `vjp`, `jacrev`, an outer level of a nested transform; vmap's batch does not):
+    `optim.base.tracked` without forward-mode tangents, which `torch.no_grad()` does not stop
+    (`jvp` through `gather` is right)."""
+    grad_mode = torch.is_grad_enabled()
+    return grad_mode and any(_layers_tracked(x, grad_mode, tangents=False) for x in tensors)
 
 
 def _master_input(state: ZeroState, b: Any) -> torch.Tensor:

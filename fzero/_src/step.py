@@ -63,9 +63,9 @@ from .plan import _probes, step_plan
 from .precision import added_in, at_least_float32, batch_dtype_note, computes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
-from .state import (ZeroState, broken_update, checked, consume, loss_scale_of, nonfinite_leaves,
-                    range_words)
-from .tree import flatten
+from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
+                    outside_inference_mode, range_words)
+from .tree import flatten, flatten_with_paths
 from .unit import HostBuffers, Probe, shared_zeros
 from .update import differentiated_through, donated_through, prepare, update
 
@@ -118,7 +118,9 @@ def train_step(
     """Build `step(state, batch) -> (state, metrics)` for one rank (see `fzero._src.step`'s docstring);
     `step.config` is its `StepConfig` (with what `cast_ahead` learned, `config.ahead`).
 
-    The stage, the mesh and the optimizer are the state's (`fzero.init`'s).
+    The stage, the mesh and the optimizer are the state's (`fzero.init`'s). Called under
+    `torch.no_grad()` or `torch.inference_mode()`, the step trains as outside them: the same bits,
+    into normal tensors (a state or batch of inference tensors: see docs/bad-input.md).
 
     Args:
       loss_fn: `(params, batch) -> 0-d loss`, this rank's mean loss on its micro-batch; with
@@ -223,14 +225,67 @@ def train_step(
 
 
 @torch.compiler.disable  # under torch.compile(step) fzero runs eager; compile the loss instead (docs/compile.md)
+@outside_inference_mode  # under torch.inference_mode() the step trains as outside it (as under torch.no_grad())
 def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroState, Metrics]:
     with checked(state, pending=False):  # the step's agreement carries the pending flag
         _check_in_place_tiers(config, state)
         _check_no_transform_over_offload(state)
         _check_no_derivative_through_the_autograd_engine(config, state)
         _check_no_derivative_through_a_donating_step(config, state)
+        _check_no_inference_state_donated(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
-            return run_step(config, state, batch)
+            try:
+                return run_step(config, state, batch)
+            except RuntimeError as e:  # (a try costs nothing until it catches)
+                _explain_inference_tensors(e, config, state, batch)
+                raise
+
+
+def _check_no_inference_state_donated(config: StepConfig, state: ZeroState) -> None:
+    """A donating step of a state of inference tensors: refused before anything runs, as torch's
+    in-place kernels write an inference tensor and only then raise ("Inplace update to inference
+    tensor outside InferenceMode", after `_foreach_mul_` wrote it: found in review), so the error
+    path (`_explain_inference_tensors`) would find the state half updated. Two flag reads, on
+    donating steps only: the step counter (made with the rest of the state by `init`, `load`, a
+    step or a tree_map) and the first bucket's params (a `state.replace(params=...)`)."""
+    if config.donate and (state.step.is_inference() or bool(state.params) and state.params[0].is_inference()):
+        raise _inference_state(state, unchanged=True)
+
+
+def _inference_state(state: ZeroState, unchanged: bool) -> ConfigError:
+    """The error of a step given a state of inference tensors, naming its parts (`inference_parts`);
+    `unchanged`: whether the state is known to be as it was (a pure step never writes it)."""
+    parts = inference_parts(state)
+    named = "; ".join(parts[:4]) + (f"; ... ({len(parts)} parts)" if len(parts) > 4 else "")
+    return ConfigError(f"this state holds inference tensors (made under torch.inference_mode()): {named} "
+                       f"({state.mesh!r}, rank {state.rank}). A step trains outside inference mode, where torch "
+                       f"cannot differentiate, save for backward or write an inference tensor"
+                       f"{'; the state is unchanged' if unchanged else ''}. "
+                       f"Make states outside torch.inference_mode() (fzero.init, the step and checkpoint.load leave it "
+                       f"themselves), or clone this one outside it: "
+                       f"state = torch.utils._pytree.tree_map(torch.clone, state)")
+
+
+def _explain_inference_tensors(e: RuntimeError, config: StepConfig, state: ZeroState, batch: Any) -> None:
+    """torch's error for an inference tensor (made under `torch.inference_mode()`) where the step
+    trains, outside inference mode (`outside_inference_mode`): autograd can neither differentiate
+    nor save one, nor the update write one. Where the input state holds some (made by `init`,
+    `checkpoint.load` or a step under inference mode before these ran outside it, or by a
+    `tree_map` under it), `ConfigError` naming them and the way out (before: torch's "Setting
+    requires_grad=True on inference tensor outside InferenceMode", naming no part of the state;
+    found in review); else, where the batch holds some, a note on torch's error naming their
+    paths. The error path only; nothing else is read."""
+    if "nference tensor" not in str(e):
+        return
+    if inference_parts(state):
+        raise _inference_state(state, unchanged=not config.donate) from e
+    paths, leaves, _ = flatten_with_paths(batch)
+    found = [p for p, t in zip(paths, leaves) if isinstance(t, torch.Tensor) and t.is_inference()]
+    if found:
+        e.add_note(f"fzero: the batch holds inference tensors (made under torch.inference_mode()) at {found[:8]}; the "
+                   f"step trains outside inference mode, as it does outside torch.inference_mode(), where autograd "
+                   f"cannot save one for backward: make the batch outside torch.inference_mode(), or pass a .clone() "
+                   f"of it made outside")
 
 
 def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
@@ -826,8 +881,7 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     if config.normalize == "mean":
         k = config.micro_batches
         if isinstance(out, tuple):
-            raise ConfigError(f"loss_fn returned a tuple of {len(out)}; with normalize='mean' it must return one 0-d "
-                              f"loss (return (loss_sum, count) with normalize='tokens')")
+            raise ConfigError(_tuple_under_mean(out))
         return (out / k if k > 1 and isinstance(out, torch.Tensor) else out), torch.zeros((), dtype=torch.float64)
     if not isinstance(out, tuple) or len(out) != 2:
         got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"{type(out).__name__} {getattr(out, 'shape', '')}"
@@ -848,6 +902,22 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     if count.numel() != 1 or count.is_floating_point() and not bool(torch.isfinite(count)) or bool(count < 0):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0, got {count}")
     return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
+
+
+def _tuple_under_mean(out: tuple) -> str:
+    """`ConfigError`'s message for a loss returning a tuple under `normalize="mean"`: torch.func's
+    `(loss, aux)` habit (`grad_and_value(..., has_aux=True)`) most often. Before, it pointed to
+    `normalize="tokens"` alone, where a 0-d aux (an accuracy) is then read as the token count and
+    divides the gradient, silently (found in review); now it says the step takes no aux, how to
+    keep one, and what that 2-tuple means."""
+    shown = ", ".join(_shown(x) if isinstance(x, torch.Tensor) else type(x).__name__ for x in out[:4])
+    return (f"loss_fn returned a tuple of {len(out)} ({shown}{', ...' if len(out) > 4 else ''}); with "
+            f"normalize='mean' it must return one 0-d loss. The step takes no auxiliary output (no has_aux, as "
+            f"torch.func.grad_and_value(..., has_aux=True) takes): to keep one (an accuracy, the logits), append "
+            f"aux.detach() to a list the loss closes over and read it after the step, or compute it with "
+            f"fzero.evaluate(fn)(state, batch), which returns whatever fn returns. A 2-tuple is what "
+            f"normalize='tokens' takes: (loss_sum, count), count the number of tokens loss_sum sums over, by which "
+            f"the step divides (summed over ranks and micro-batches); an aux returned there is read as that count")
 
 
 def _autograd(loss_of: Callable, train: tuple, probes: dict[str, Probe], ahead: Slot | None = None,

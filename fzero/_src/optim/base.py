@@ -253,13 +253,14 @@ def tracked(*tensors: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and _layers_tracked(t, grad_mode) for t in tensors)
 
 
-def _layers_tracked(x: torch.Tensor, grad_mode: bool) -> bool:
+def _layers_tracked(x: torch.Tensor, grad_mode: bool, tangents: bool = True) -> bool:
     """`tracked` of one tensor under a transform: each wrapper layer in turn, down to the plain
     tensor (torch keeps the layers privately, `torch._C._functorch`, in 2.11 and 2.13, as
-    `collectives.unwrapped` reads them)."""
+    `collectives.unwrapped` reads them); `tangents=False`: reverse mode only (a forward-mode
+    tangent not counted)."""
     f = torch._C._functorch
     while True:
-        if (grad_mode and x.requires_grad) or fwAD.unpack_dual(x).tangent is not None:
+        if (grad_mode and x.requires_grad) or tangents and fwAD.unpack_dual(x).tangent is not None:
             return True
         if not (f.is_functorch_wrapped_tensor(x) or f.is_batchedtensor(x)):
             return False

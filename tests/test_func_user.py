@@ -1,0 +1,355 @@
+"""What a torch.func user meets first: derivatives read through `fzero.gather`, a `(loss, aux)`
+loss, and `torch.inference_mode()` around `init` and the step (found in review).
+
+- `gather` reads the state's values under `torch.no_grad()` into fresh tensors: a reverse-mode
+  derivative through it was exact zeros (`torch.func.grad`) or silently absent (plain autograd,
+  the result not requiring grad). It now raises `ConfigError` on every rank, naming the way out
+  (`fzero.layout.unpack` of the state's own tensors); a forward-mode tangent still flows.
+- A loss returning `(loss, aux)` was told to use `normalize="tokens"`, which then read the aux as
+  the token count and divided the gradient by it, silently; the message now says the step takes
+  no aux, how to keep one, and what a 2-tuple means.
+- Under `torch.inference_mode()` the autograd engine's step said no param was reached, and the
+  func engine's (and `init`) made a state of inference tensors that the next step outside it
+  refused with torch's raw error. Both now run as outside inference mode (the same bits, normal
+  tensors); a state already made of inference tensors is a `ConfigError` naming its parts.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.utils._pytree as tree
+
+import fzero
+from fzero import optim
+from fzero._src.state import outside_inference_mode
+from fzero.testing import assert_trees_equal
+
+LR = 0.125
+P = {"w": torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).view(2, 3),
+     "v": torch.linspace(0.5, 1.5, 3, dtype=torch.float64)}
+C = torch.linspace(-2.0, 2.0, 6, dtype=torch.float64).view(2, 3)
+
+
+def _x(rank: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, 8, dtype=torch.float64).view(4, 2) + 0.25 * rank
+
+
+def _loss(p, x):
+    return torch.tanh(x @ p["w"] + p["v"]).pow(2).mean()
+
+
+def _by_unpack(state) -> dict:
+    """The way out `gather`'s refusal names: the state's own tensors unpacked (all-gathered first
+    where the stage shards them)."""
+    flats = state.params
+    if state.stage.sharded("params") and state.mesh.world_size > 1:
+        flats = [fzero.collectives.all_gather(p, state.mesh) for p in flats]
+    return fzero.layout.unpack(state.layout, flats)
+
+
+# -- F1: a derivative through gather ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_meta_gradient_read_through_gather_is_refused_on_every_rank_not_zero(stage, n):
+    """`grad` of `<c, gather(step(state))["w"]>` w.r.t. the held params was exact zeros; now a
+    `ConfigError` on every rank naming gather, the transform and the way out, which gives the
+    meta-gradient (a nonzero one, the same as reading the held buffer)."""
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR, impl="single"), stage=stage, mesh=mesh)
+        step = fzero.train_step(_loss, engine="func")
+        x = _x(mesh.rank)
+
+        def through(read):
+            return lambda held: (read(step(state.replace(params=held), x)[0])["w"] * C).sum()
+
+        try:
+            torch.func.grad(through(fzero.gather))(tuple(state.params))
+            words = "no error"
+        except fzero.ConfigError as e:
+            words = str(e)
+        return words, torch.func.grad(through(_by_unpack))(tuple(state.params))
+
+    out = mesh.run(rank_fn)
+    for words, _ in out:
+        assert words.startswith("fzero.gather of a state whose params are being differentiated (a torch.func "
+                                "transform (level 1"), words
+        assert "a derivative through it would be zero, silently" in words
+        assert "fzero.layout.unpack(state.layout, " in words and "torch.no_grad()" in words
+        assert ("[fzero.collectives.all_gather(p, state.mesh) for p in state.params]" in words) == (
+            stage == 3 and n > 1), words
+    grads = [g for _, g in out]
+    assert all(any(bool(t.ne(0).any()) for t in g) for g in grads)  # the way out carries the derivative
+    if n == 1:  # it is the derivative read from the held buffer itself (stage 0: params[0] is the flat buffer)
+        mesh1 = fzero.SimMesh(1)
+
+        def held_fn():
+            state = fzero.init(P, optim.sgd(LR, impl="single"), stage=stage, mesh=mesh1)
+            step = fzero.train_step(_loss, engine="func")
+            w = state.layout.leaves[[ls.path for ls in state.layout.leaves].index("w")]
+            return torch.func.grad(lambda held: (step(state.replace(params=held), _x(0))[0].params[w.bucket][
+                w.offset : w.offset + w.numel].view(2, 3) * C).sum())(tuple(state.params))
+
+        assert_trees_equal(mesh1.run(held_fn)[0], grads[0])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_gather_of_params_that_require_grad_under_plain_autograd_is_refused(stage):
+    """Plain autograd: the result silently did not require grad. Refused under grad mode; under
+    `torch.no_grad()` (no derivative wanted) the values, as before."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=stage, mesh=mesh)
+        tracked = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
+        with pytest.raises(fzero.ConfigError, match=r"they require grad, under grad mode \(plain autograd\)"):
+            fzero.gather(tracked)
+        with torch.no_grad():
+            quiet = fzero.gather(tracked)
+        return quiet, fzero.gather(state)
+
+    quiet, plain = mesh.run(rank_fn)[0]
+    assert_trees_equal(quiet, plain)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's jvp decompositions
+def test_what_gather_is_not_refused_for():
+    """A forward-mode tangent flows through gather (`torch.no_grad()` stops no jvp): its tangent is
+    the held params' tangent; a transform that differentiates something else (the state a
+    constant) and a `vmap` read the values as before."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
+        tangent = tuple(torch.ones_like(p) for p in state.params)
+        _, t = torch.func.jvp(lambda held: fzero.gather(state.replace(params=held))["w"], (tuple(state.params),),
+                              (tangent,))
+        g = torch.func.grad(lambda a: (a * fzero.gather(state)["w"]).sum())(torch.tensor(2.0, dtype=torch.float64))
+        v = torch.func.vmap(lambda a: a * fzero.gather(state)["v"].sum())(torch.ones(3, dtype=torch.float64))
+        return t, g, v
+
+    t, g, v = mesh.run(rank_fn)[0]
+    assert torch.equal(t, torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(g, P["w"].sum()) and torch.equal(v, P["v"].sum().expand(3))
+
+
+def test_a_gather_refused_on_one_simmesh_rank_stops_the_other():
+    """Only rank 0's params require grad: rank 0 raises its `ConfigError`, rank 1 (in gather's
+    first collective) stops with `RankFailed` instead of waiting."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
+        if mesh.rank == 0:
+            state = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
+        return fzero.gather(state)
+
+    with pytest.raises(fzero.ConfigError, match="fzero.gather of a state whose params are being differentiated"):
+        mesh.run(rank_fn)
+
+
+def one_rank_gathers_tracked(_mesh):
+    """On a pool worker: a verified gloo `DistMesh` of its own (short timeout), rank 0's params
+    require grad; each rank's `gather` outcome and how long it took."""
+    import time
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=8))
+    mesh = fzero.DistMesh(group, verify=True, timeout=8.0)
+    state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
+    if mesh.rank == 0:
+        state = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
+    start = time.monotonic()
+    try:
+        fzero.gather(state)
+        return "returned", "", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        return type(e).__name__, str(e)[:200], time.monotonic() - start
+
+
+@pytest.mark.dist
+def test_a_gather_refused_on_one_gloo_rank_stops_the_other_at_once(dist2):
+    (k0, t0, s0), (k1, t1, s1) = dist2.run(one_rank_gathers_tracked, [()] * 2, timeout=60)
+    assert k0 == "ConfigError" and "fzero.gather of a state whose params are being differentiated" in t0, t0
+    assert k1 == "RankFailed", (k1, t1)
+    assert s0 < 2.0 and s1 < 2.0, (s0, s1)
+
+
+# -- F2: a (loss, aux) loss ---------------------------------------------------------------------
+
+
+def _loss_aux(p, x):
+    out = x @ p["w"] + p["v"]
+    return torch.tanh(out).pow(2).mean(), (out > 0).double().mean()  # the aux: an "accuracy"
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+def test_a_loss_returning_an_aux_is_told_the_step_takes_none_and_how_to_keep_it(engine):
+    """Before: "(return (loss_sum, count) with normalize='tokens')" alone, where the aux is then
+    read as the token count (an accuracy of 0.375 multiplied the update by 2.67). Now the message
+    says there is no has_aux, how to keep an aux, and what a 2-tuple means; its first way out
+    (a list the loss closes over) gives the aux and the plain step's bits."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
+        with pytest.raises(fzero.ConfigError) as e:
+            fzero.train_step(_loss_aux, engine=engine)(state, _x(0))
+        kept = []
+
+        def loss(p, x):
+            loss, aux = _loss_aux(p, x)
+            kept.append(aux.detach())
+            return loss
+
+        new = fzero.train_step(loss, engine=engine)(state, _x(0))[0]
+        plain = fzero.train_step(_loss, engine=engine)(state, _x(0))[0]
+        return str(e.value), kept, fzero.gather(new), fzero.gather(plain)
+
+    words, kept, new, plain = mesh.run(rank_fn)[0]
+    assert words.startswith("loss_fn returned a tuple of 2 (float64[], float64[]); with normalize='mean' it must "
+                            "return one 0-d loss."), words
+    for part in ("takes no auxiliary output (no has_aux", "append aux.detach() to a list the loss closes over",
+                 "fzero.evaluate(fn)(state, batch), which returns whatever fn returns",
+                 "A 2-tuple is what normalize='tokens' takes: (loss_sum, count), count the number of tokens",
+                 "an aux returned there is read as that count"):
+        assert part in words, (part, words)
+    assert len(kept) == 1 and torch.equal(kept[0], _loss_aux(P, _x(0))[1])
+    assert_trees_equal(new, plain)
+
+
+# -- F3: torch.inference_mode() ------------------------------------------------------------------
+
+
+def _states_under(mode, stage: int, engine: str, n: int, donate: bool = False):
+    """Per rank: (the state after one step called under `mode`, a next donating autograd-engine
+    step's gathered params)."""
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state, x = fzero.init(P, optim.adamw(LR), stage=stage, mesh=mesh), _x(mesh.rank)
+        with mode():  # (a batch made under it is an inference tensor: the note of the last test)
+            new, m = fzero.train_step(_loss, engine=engine, donate=donate)(state, x)
+        inference = [t.is_inference() for t in tree.tree_leaves(new)]
+        after = fzero.train_step(_loss, donate=True)(new, _x(mesh.rank))[0]
+        return fzero.gather(after), float(m.loss), inference
+
+    return mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_under_inference_mode_trains_as_outside_it(stage, engine, n):
+    """Before: the autograd engine raised "no rank's loss depends on any trainable param"; the func
+    engine's new state was inference tensors, and the next autograd-engine step raised torch's
+    "Setting requires_grad=True on inference tensor". Now both train with the bits of a step
+    outside it, into normal tensors that the next (donating) step takes."""
+    plain = _states_under(torch.enable_grad, stage, engine, n)
+    for mode in (torch.inference_mode, torch.no_grad):
+        got = _states_under(mode, stage, engine, n, donate=engine == "autograd")
+        for (params, loss, inference), (want, want_loss, _) in zip(got, plain):
+            assert not any(inference)
+            assert loss == want_loss
+            assert_trees_equal(params, want)
+
+
+def test_init_under_inference_mode_makes_a_state_of_normal_tensors():
+    """Before: a state of inference tensors, which the autograd engine's first step refused with
+    torch's raw error. Now the state made outside it, bit for bit."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        with torch.inference_mode():
+            state = fzero.init(P, optim.adamw(LR), stage=1, mesh=mesh)
+        plain = fzero.init(P, optim.adamw(LR), stage=1, mesh=mesh)
+        assert not any(t.is_inference() for t in tree.tree_leaves(state))
+        step = fzero.train_step(_loss)
+        return fzero.gather(step(state, _x(mesh.rank))[0]), fzero.gather(step(plain, _x(mesh.rank))[0])
+
+    for got, want in mesh.run(rank_fn):
+        assert_trees_equal(got, want)
+
+
+def test_a_checkpoint_loaded_under_inference_mode_is_a_state_of_normal_tensors(tmp_path):
+    """`checkpoint.load` under inference mode made a state of inference tensors, which the next
+    step refused (found in review of the step's fix): it now loads as outside it, bit for bit."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(P, optim.adamw(LR), stage=1, mesh=mesh)
+        step = fzero.train_step(_loss)
+        state, _ = step(state, _x(mesh.rank))
+        path = fzero.checkpoint.save(state, str(tmp_path))
+        with torch.inference_mode():
+            loaded = fzero.checkpoint.load(path, state)
+        assert not any(t.is_inference() for t in tree.tree_leaves(loaded))
+        return fzero.gather(step(loaded, _x(mesh.rank))[0]), fzero.gather(step(state, _x(mesh.rank))[0])
+
+    for got, want in mesh.run(rank_fn):
+        assert_trees_equal(got, want)
+
+
+def test_the_step_runs_in_the_callers_grad_mode_outside_inference_mode():
+    """Inference mode turns grad mode off: inside it the step runs as under `torch.no_grad()`
+    outside (and as under grad mode where the caller turned that on again inside it)."""
+    probe = outside_inference_mode(lambda: (torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+    with torch.inference_mode():
+        assert probe() == (False, False)
+        with torch.enable_grad():
+            assert probe() == (False, True)
+    assert probe() == (False, True)
+
+
+@pytest.mark.parametrize("engine, donate", [("autograd", False), ("autograd", True), ("func", True)])
+def test_a_state_of_inference_tensors_is_refused_naming_its_parts(engine, donate):
+    """A state made of inference tensors (a tree_map under inference mode; an older fzero's init
+    or step under it) given to a step that differentiates or writes them: before, torch's
+    "Setting requires_grad=True on inference tensor outside InferenceMode" (or "Inplace update
+    to inference tensor"), naming nothing; now `ConfigError` on every rank naming the parts and
+    the way out, which gives the bits of the state it was cloned from."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(P, optim.adamw(LR), stage=3, mesh=mesh)
+        with torch.inference_mode():
+            made = tree.tree_map(torch.clone, state)
+        step = fzero.train_step(_loss, engine=engine, donate=donate)
+        try:
+            step(made, _x(mesh.rank))
+            words = "no error"
+        except fzero.ConfigError as e:
+            words = str(e)
+        healed = tree.tree_map(torch.clone, made)  # the way out the error names
+        want = fzero.gather(fzero.train_step(_loss, engine=engine)(state, _x(mesh.rank))[0])
+        return words, fzero.gather(step(healed, _x(mesh.rank))[0]), want
+
+    for words, got, want in mesh.run(rank_fn):
+        assert words.startswith("this state holds inference tensors (made under torch.inference_mode()): params of "
+                                "bucket "), words
+        assert "'v' (float64[3])" in words and "'w' (float64[2, 3])" in words and "opt_state of bucket" in words
+        assert "state = torch.utils._pytree.tree_map(torch.clone, state)" in words
+        assert_trees_equal(got, want)
+
+
+def test_a_batch_of_inference_tensors_gets_a_note_naming_its_leaves():
+    """The step trains outside inference mode, where autograd cannot save an inference tensor:
+    torch's error on a batch made under it carries a note naming the batch's leaves."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=0, mesh=mesh)
+        with torch.inference_mode():
+            batch = {"x": _x(0)}
+            with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward") as e:
+                fzero.train_step(lambda p, b: _loss(p, b["x"]))(state, batch)
+        return getattr(e.value, "__notes__", [])
+
+    notes = mesh.run(rank_fn)[0]
+    assert any(n.startswith("fzero: the batch holds inference tensors (made under torch.inference_mode()) at ['x']")
+               for n in notes), notes
