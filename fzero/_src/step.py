@@ -895,13 +895,16 @@ def _objective(config: StepConfig, out: Any) -> tuple[Any, torch.Tensor]:
     try:  # a Python float in float64: `torch.as_tensor` made it float32, 16777217.0 -> 16777216 (found in review)
         if isinstance(count, bool) or isinstance(count, torch.Tensor) and count.dtype == torch.bool:
             raise TypeError("a bool is not a count")  # (found in review: True was taken as 1)
-        count = count.detach() if isinstance(count, torch.Tensor) else torch.as_tensor(count, dtype=torch.float64)
+        # on the host first: one copy (one wait for a device count), then the checks read the copy (before, a
+        # CUDA count was read three times, each a host synchronisation: found in review)
+        count = (count.detach().to("cpu") if isinstance(count, torch.Tensor) else
+                 torch.as_tensor(count, dtype=torch.float64))
     except (TypeError, ValueError, RuntimeError):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0 (an int, "
                           f"a float or a 1-element tensor), got {type(count).__name__} {count!r}") from None
     if count.numel() != 1 or count.is_floating_point() and not bool(torch.isfinite(count)) or bool(count < 0):
         raise ConfigError(f"normalize='tokens': the count loss_fn returned must be one finite number >= 0, got {count}")
-    return loss_sum, count.to(device="cpu", dtype=torch.float64).reshape(())
+    return loss_sum, count.to(dtype=torch.float64).reshape(())
 
 
 def _tuple_under_mean(out: tuple) -> str:
