@@ -123,6 +123,21 @@ def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str
             f"rank{receives}, or on none (`x.detach()`)")
 
 
+def _every_rank_calls(name: str) -> str:
+    """`name` (one of fzero's calls every rank must make, `entry_of`), and why a rank waits in it."""
+    return (f"{name}, which every rank must call at the same point of its program (not under `if rank == 0:`: "
+            f"each rank saves, loads or gathers its own part)")
+
+
+def _waits_in(what: str, rank: int) -> str:
+    """`"; rank r waits in <call>, which every rank must call ..."` where `what` (a collective in
+    words, `_Call`'s) belongs to one of fzero's calls every rank must make (`entry_of`), else "".
+    A timeout's words (`DistMesh._lost`): found in review, rank 0 in `checkpoint.save` while rank
+    1 still evaluated (alive, elsewhere) was told only of an all-gather with a tag."""
+    name = entry_of(what)
+    return f"; rank {rank} waits in {_every_rank_calls(name)}" if name else ""
+
+
 def _exited_without(what: str, who: str) -> str:
     """The two reasons a peer leaves while this rank waits in `what` (a collective in words,
     `_Call`'s), each with its way out: `who` (the rank, in words) died, or finished its program
@@ -131,9 +146,7 @@ def _exited_without(what: str, who: str) -> str:
     DDP habit) after the loop, where rank 1 had returned from its script, was told only that
     rank 1 was lost and to restart the job."""
     name = entry_of(what)
-    call = (f"{name}, which every rank must call at the same point of its program (not under `if rank == 0:`: "
-            f"each rank saves, loads or gathers its own part)" if name else
-            "this collective, which every rank must call, in the same order")
+    call = _every_rank_calls(name) if name else "this collective, which every rank must call, in the same order"
     return (f"{who} either died (a crash or a kill: see its log): restart the job (torchrun --max-restarts "
             f"restarts every rank); or finished its program (returned or exited normally) without calling {call}: "
             f"make that call on every rank")
@@ -379,11 +392,13 @@ class Mesh(abc.ABC):
 class Pending:
     """A collective in flight (`Mesh.start`): `wait()` returns its result, the same tensor on
     every call. `work` is the backend's handle (None: already complete); `lost(error)` turns a
-    failure seen while waiting into the mesh's error."""
+    failure seen while waiting into the mesh's error; `abandon(self)` is the mesh's `abandon`,
+    to which an interrupted wait hands this collective (`wait`)."""
 
     def __init__(self, out: torch.Tensor, work: Any = None, keep: Any = None,
-                 lost: Callable[[BaseException], BaseException] | None = None) -> None:
-        self._out, self._work, self._keep, self._lost = out, work, keep, lost
+                 lost: Callable[[BaseException], BaseException] | None = None,
+                 abandon: Callable[["Pending"], None] | None = None) -> None:
+        self._out, self._work, self._keep, self._lost, self._abandon = out, work, keep, lost, abandon
 
     @property
     def result(self) -> torch.Tensor:
@@ -411,12 +426,32 @@ class Pending:
 
     @eager
     def wait(self) -> torch.Tensor:
-        work, self._work, self._keep = self._work, None, None
+        """The result, once the collective is done. A wait that fails (`RuntimeError`: a lost or
+        stuck peer) raises `lost`'s error, and this is done: the mesh is unusable. A wait that
+        something interrupts (anything else: a `KeyboardInterrupt`, an exception a signal handler
+        raised) leaves this not done, its handle and input held, and hands it to `abandon` before
+        the interrupt goes on: the collective was issued on every rank, so the ranks are still in
+        step (the mesh stays usable, unlike after an interrupt in the agreement or the start,
+        `DistMesh._breaks_if_interrupted`), a peer waiting for it gets its data, and a later
+        `wait()` waits for it again. Before, the handle was let go before the wait, so an
+        interrupt freed it with its traceback (and a later `wait()` returned the result
+        unfinished, without waiting); the callers (`Inflight.wait`, `Gathering._drop`) take a
+        pending out before waiting for it, so neither `Inflight.settle` nor `Gathering.finish`
+        could hand it on: gloo cancelled the exchange (an all-gather or reduce-scatter at N = 2,
+        `cancelled_if_dropped`), and a peer that posted its half after this rank's interrupt
+        waited for it to the timeout (found in review)."""
+        work = self._work
         if work is not None:
             try:
                 work.wait()
             except RuntimeError as e:
+                self._work = self._keep = None
                 raise (self._lost(e) if self._lost is not None else e) from e
+            except BaseException:
+                if self._abandon is not None:
+                    self._abandon(self)
+                raise
+        self._work = self._keep = None
         return self._out
 
 
@@ -845,16 +880,25 @@ _EXCHANGED = (torch.float32, torch.float64, torch.float16)
 
 
 class _ThenAdd:
-    """A work handle whose `wait()` waits for `work`, then writes `out = a + b` (one addition)."""
+    """A work handle whose `wait()` waits for `work`, then writes `out = a + b` (one addition),
+    once: `out` is one of the terms (the received half), so a second addition would add this
+    rank's half twice. A wait that an interrupt stopped is waited again (`Pending.wait` keeps
+    the handle); where the interrupt came right after the addition (a signal is raised once the
+    call returns), the addition counts as made (`added`, set in a `finally`, where no signal is
+    raised before it is set)."""
 
     point_to_point = True  # its `work` is an exchange's `_Works` (`Pending.cancelled_if_dropped`)
 
     def __init__(self, work: Any, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.work, self.out, self.a, self.b = work, out, a, b
+        self.work, self.out, self.a, self.b, self.added = work, out, a, b, False
 
     def wait(self) -> None:
         self.work.wait()
-        torch.add(self.a, self.b, out=self.out)
+        if not self.added:
+            try:
+                torch.add(self.a, self.b, out=self.out)
+            finally:
+                self.added = True
 
 
 def _peer(group: Any, rank: int) -> tuple[int, int]:
@@ -1113,7 +1157,10 @@ class DistMesh(Mesh):
     the call (a `checkpoint.save` under `if rank == 0:`, after the other ranks returned) is lost
     alike: the message names both, and the call every rank must make. A rank interrupted
     (`KeyboardInterrupt`) inside a collective's agreement, or before its data exchange started,
-    may be out of step with the others: its mesh is unusable afterwards too, and says so.
+    may be out of step with the others: its mesh is unusable afterwards too, and says so. One
+    interrupted while it waits for a started collective (`Pending.wait`) is not: that collective
+    was issued on every rank, and the mesh keeps it (`abandon`) to run to the end, so a peer
+    waiting for it gets its data and the mesh stays usable.
 
     Example (a script run as `torchrun --nproc-per-node 2 script.py`; tests/test_dist.py runs
     the same on a pool of gloo workers):
@@ -1237,7 +1284,8 @@ class DistMesh(Mesh):
         elif timed_out:
             err = MeshError(
                 f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():g} s "
-                f"(world size {n}); a rank is stuck or took another path (see its log): {e}")
+                f"(world size {n}); a rank is stuck or took another path (see its log)"
+                f"{_waits_in(what, self._rank)}: {e}")
         else:
             host = _identity()[0]
             remote = [s for s, (h, _) in enumerate(self._peers) if h != host]
@@ -1345,7 +1393,7 @@ class DistMesh(Mesh):
                 out, work = self._move(call, x, donate, out)
             except RuntimeError as e:
                 raise self._lost(e, what, started) from e
-        return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started))
+        return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started), abandon=self.abandon)
 
     def _p2p_tag(self, call: _Call) -> int:
         """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32, in a range of its
