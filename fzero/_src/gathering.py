@@ -83,7 +83,7 @@ from .layout import Layout
 from .mesh import Mesh, entry_of
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
-from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit
+from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit, wait_held
 
 GATHERS = ("on_use", "eager")
 
@@ -439,10 +439,10 @@ class Gathering:
         if backward:
             self._prefetch(self._after(unit, tuple(reversed(self.gathered))), backward=True)
         if not filled:
-            flights = self._ahead[unit]  # each stays until its turn (as in `_drop`), for `finish` where a wait raises
+            flights = self._ahead[unit]  # each stays until its wait returns (`wait_held`), for `finish`
             with torch.no_grad():
                 for _, storage, nbytes in self._storages[unit][len(self._storages[unit]) - len(flights):]:
-                    full = flights.pop(0).wait()
+                    full = wait_held(flights)
                     if full.untyped_storage()._cdata != storage._cdata:  # else gathered into it (`_start`)
                         _regrown(storage, nbytes, full, full.dtype, full.shape).copy_(full)
             del self._ahead[unit]
@@ -546,13 +546,13 @@ class Gathering:
     def _drop(self, unit: str) -> None:
         """Wait for a prefetched gather nobody will read, and free it (NCCL may still be writing);
         a refill gathered into the released storage frees that storage again. Each bucket's
-        gather stays in `_ahead` until its turn: where a wait raises, that one is done and the
-        unit's later buckets' are still there, for `finish` (before, the unit was taken out
-        first, and a failed wait lost them, neither waited for nor handed to the mesh; found in
-        review)."""
+        gather stays in `_ahead` until its wait returns (`wait_held`): where a wait fails, that one
+        is done and the unit's later buckets' are still there, for `finish`; where it is
+        interrupted, that one is still there too (before, the unit was taken out first, and a
+        failed wait lost them, neither waited for nor handed to the mesh; found in review)."""
         flights = self._ahead[unit]
         while flights:
-            flights.pop(0).wait()
+            wait_held(flights)
         del self._ahead[unit]
         if unit in self._released:
             for _, storage, _ in self._storages[unit]:
@@ -853,14 +853,15 @@ def _entering(program: UnitProgram, gathered: list[Flight]) -> UnitProgram:
     gathering (`Flight.wait`: the same bits as `enter`). Holds the pending gathers only, never
     the `Gathering` (the program lives in the autograd graph): `gathered` is the list the
     `Gathering` keeps for the unit (`_ahead`, one flight per bucket in bucket order), and each
-    flight stays in it until its bucket enters. So where a wait raises (a lost peer, a timeout,
-    an interrupt) or the unit's forward raises before its last bucket enters, the gathers not yet
-    waited for are still there for `Gathering.finish` to wait for or hand to the mesh (before,
-    `read` took the list out first, and they were lost: neither waited for nor abandoned, and
-    gloo cancelled those exchanges under a peer that waited for them; found in review)."""
+    flight stays in it until its wait returns (`wait_held`: an interrupted one stays, a failed one
+    is done and taken out). So where a wait raises (a lost peer, a timeout, an interrupt) or the
+    unit's forward raises before its last bucket enters, the gathers not yet waited for are still
+    there for `Gathering.finish` to wait for or hand to the mesh (before, `read` took the list
+    out first, and they were lost: neither waited for nor abandoned, and gloo cancelled those
+    exchanges under a peer that waited for them; found in review)."""
 
     def enter(mesh: Any, wire: Any, x: torch.Tensor) -> torch.Tensor:
-        return gathered.pop(0).wait()
+        return wait_held(gathered)
 
     stage = program.stage
     return dataclasses.replace(program, stage=dataclasses.replace(

@@ -46,7 +46,7 @@ import torch
 from .errors import ConfigError, OffloadError
 from .precision import added_in
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
-from .unit import finite_witness
+from .unit import finite_witness, wait_held
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
 PARAM_TIERS = (None, "cpu", "nvme")
@@ -884,7 +884,7 @@ class HostUpdate:
             return grad, opt_state, master, leaf_sum
         if b in self.following:  # NVMe: the next bucket's state is read while this one updates
             tier.prefetch(self.following[b])
-        g = self.grads.pop(b).wait()
+        g = wait_held(self.grads, b)  # taken out of `grads` once its wait returns
         if self.factor != 1.0:
             g = g * self.factor
         return g, tier.fetch(b, opt_state), tier.fetch_master(b, master), host_leaf_sum(leaf_sum, self.device)

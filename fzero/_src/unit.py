@@ -220,15 +220,24 @@ class Inflight:
             self.started[k] = start()
         return self.started
 
-    def _close(self, flight: Any, bucket: int | None, copied: bool) -> None:
-        shard = flight.wait()
+    def _close(self) -> None:
+        """Close the oldest open flight: wait for it while `_flights` holds it, take it out, then
+        hand its shard to `host`. A wait that something interrupts leaves it in `_flights`, for
+        `settle` (as `wait_held`; these flights have one phase, `LEAVE_REDUCED`)."""
+        flight, bucket, copied = self._flights[0]
+        try:
+            shard = flight.wait()
+        except RuntimeError:  # a failed wait: done (`Pending.wait`), nothing left to hand on
+            del self._flights[0]
+            raise
+        del self._flights[0]
         if self.host is not None and not copied:
             self.host(shard, bucket)
 
     def make_room(self) -> None:
         """Close the oldest flights until fewer than `depth` are open (room for one more)."""
         while self._flights and len(self._flights) >= self.depth:
-            self._close(*self._flights.pop(0))
+            self._close()
 
     def add(self, flight: Any, bucket: int | None = None) -> torch.Tensor:
         """Keep `flight` (bucket `bucket`'s reduction) open; its result, for autograd, unread."""
@@ -237,7 +246,7 @@ class Inflight:
             self.host(flight.pending.result, bucket)
         self._flights.append((self._seen(flight), bucket, done))
         while len(self._flights) > self.depth:
-            self._close(*self._flights.pop(0))
+            self._close()
         return flight.pending.result
 
     def wait(self) -> None:
@@ -246,9 +255,11 @@ class Inflight:
         the rest are still open here, for `settle` (before, the list was taken away first, and a
         failure dropped the rest -- unwaited, in neither `_flights` nor anywhere else: gloo
         cancelled those exchanges, and a peer waiting for one waited out the timeout; found in
-        review)."""
+        review). Each is taken out only once its wait returns (`_close`): an interrupted one is
+        still here too (before, it was taken out first, and an interrupt before `Pending.wait`
+        held it lost it; found in review)."""
         while self._flights:
-            self._close(*self._flights.pop(0))
+            self._close()
 
     def settle(self, mesh: Mesh, error: BaseException) -> None:
         """The step's backward raised `error`: the reductions started and not waited for (the open
@@ -266,12 +277,36 @@ class Inflight:
         try:
             while wait and pendings:
                 try:
-                    pendings.pop(0).wait()
+                    wait_held(pendings)  # an interrupted one stays, for `abandon` (found in review)
                 except RuntimeError:  # (MeshError is one): the rest are not waited for
                     wait = False
         finally:  # an interrupt of these waits too (found in review: it dropped the rest)
             if pendings:
                 mesh.abandon(pendings)  # one entry of the mesh's last `_ABANDONED`, however many buckets
+
+
+def wait_held(held: list | dict, key: Any = 0) -> Any:
+    """`held[key].wait()` (a `stages.Flight`, a `Pending`, anything with `wait()`), then `held[key]`
+    taken out of `held`, the step's bookkeeping of what it started (`Gathering._ahead`'s lists,
+    `Inflight.settle`'s pendings, `HostUpdate.grads`). Where the wait is interrupted (anything but
+    a `RuntimeError`: a `KeyboardInterrupt`, an exception a signal handler raises), it stays in
+    `held`, for `Gathering.finish` / `Inflight.settle` to wait for or hand to `Mesh.abandon`;
+    where it fails (a `RuntimeError`, `MeshError` among them) it is done (`Pending.wait`) and taken
+    out. A flight of several phases is advanced here, as `Flight.wait` advances it (the same calls,
+    the same bits), each phase's flight replacing it in `held`: what is held is the collective in
+    flight, and a later wait does not start a phase again. Before, callers took it out first
+    (`flights.pop(0).wait()`): an interrupt before `Pending.wait` held it -- in `Flight.wait`,
+    between its phases, in the `eager` wrapper -- lost it, and gloo cancelled the exchange under a
+    peer that then waited to the timeout (found in review)."""
+    try:
+        while getattr(held[key], "then", ()):
+            held[key] = held[key].advance()
+        out = held[key].wait()
+    except RuntimeError:
+        del held[key]
+        raise
+    del held[key]
+    return out
 
 
 def _complete(flight: Any) -> bool:
