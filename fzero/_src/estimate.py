@@ -22,12 +22,12 @@ Offload (`offload_optimizer="cpu" | "nvme"`, `offload_params="cpu"`, `offload_ra
 `offload=fzero.Offload(...)`) moves part of a rank's model state off the device. With H the
 elements of the rank's trainable shards that live on the host (every bucket's with params
 offload, else the buckets after a device-kept prefix of at most (1 - r) of them,
-`host_fractions`) and K = E - H those kept on the device:
+`host_fractions`) and D = E - H those kept on the device (K above is s + m):
 
     device:  params as the stage holds them (none with params offload, stage 3), grads as the
              stage holds them (an upper bound: with one micro-batch stages 2-3 free each host
              bucket's gradient shard in the backward as it is copied, `offload.early_copies`),
-             optimizer state s·K, master m·K
+             optimizer state s·D, master m·D
     host:    grads g·H (the shards' device -> host copies), master m'·H ("cpu"; m' = m, or p
              where there is no master: the host always keeps one, fp32 for fp32 params),
              optimizer state s·H ("cpu"), swap buffers ("nvme")
