@@ -3,9 +3,10 @@ accumulate=..., normalize=..., clip_norm=...)`); why each holds: proofs/accumula
 
 - Within each accumulation mode, stages 1-3 equal stage 0 bit for bit after every step (params,
   optimizer state, loss, gradient norm), on SimMesh with k, N, clipping and normalisation drawn.
-- `accumulate="once"` equals a serial reference that adds local gradients in micro-batch order
-  and reduces once; "each" one that reduces every micro-batch and adds the reduced parts. The two
-  modes' gradients differ (N = 3, k = 4), by at most 2γ_{N+k−1}·Σ|c·g_ri| per element.
+- `accumulate="once"`'s reduced gradient (as the optimizer receives it) equals a serial reference
+  that adds local gradients in micro-batch order and reduces once; "each"'s one that reduces every
+  micro-batch and adds the reduced parts. The two modes' gradients differ (N = 3, k = 4), by at
+  most 2γ_{N+k−1}·Σ|c·g_ri| per element.
 - Token normalisation equals the full-batch token mean with uneven counts per rank and
   micro-batch (exact: integer-valued gradients and a power-of-two total count).
 - Clipping: the coefficient is `clip_grad_norm_`'s, applied when the norm exceeds the limit, and
@@ -140,21 +141,45 @@ def _serial_grad(n, k, mode, batches):
     return _tree_sum([reduce([grads[r][i] for r in range(n)]) for i in range(k)])
 
 
+def _recording(opt, got):
+    """`opt` whose pure `update` (what a step without `donate` calls) first appends `(bucket's
+    leaf indices, a copy of the gradient shard it was given)` to `got`: the reduced gradient, as
+    the optimizer receives it. Everything else (`update_`, `prepare_`, `lr`) is `opt`'s."""
+
+    def update(grad, state, param, ctx):
+        got.append((ctx.leaves, grad.clone()))
+        return opt.update(grad, state, param, ctx)
+
+    return opt._replace(update=update)
+
+
 @pytest.mark.parametrize("mode", ["each", "once"])
 @pytest.mark.parametrize("n, k", [(1, 3), (2, 2), (3, 4)])
 def test_each_mode_equals_its_serial_reference(mode, n, k):
-    """SGD(lr 1) writes `p - G`: fzero's params equal `p - G` of the serial reference's G."""
+    """Every rank's reduced-gradient shard, as the optimizer receives it, equals its shard of the
+    serial reference's G (packed by the step's layout, zero padding), bit for bit; and SGD(lr 1)
+    writes `p - G`. (The params alone would not show it: p's rounding hides a one-ulp change of G
+    in 10 to 13 of the 21 elements.)"""
     batches = _draw_batches(7, n, 1, k, uneven=False)
     mesh = fzero.SimMesh(n)
 
     def rank_fn(my):
-        state = fzero.init(_params(), optim.sgd(1.0), stage=1, mesh=mesh, units=lambda p: p.split(".")[0])
+        got = []
+        opt = _recording(optim.sgd(1.0), got)
+        state = fzero.init(_params(), opt, stage=1, mesh=mesh, units=lambda p: p.split(".")[0])
         state, _ = fzero.train_step(_loss, micro_batches=k, accumulate=mode)(state, my[0])
-        return fzero.gather(state)
+        return fzero.gather(state), got, state.layout
 
-    want = torch.utils._pytree.tree_map(torch.sub, _params(), _serial_grad(n, k, mode, batches))
-    for got in mesh.run(rank_fn, [(b,) for b in batches]):
-        assert torch.equal(got["a"], want["a"]) and torch.equal(got["b"]["w"], want["b"]["w"])
+    g_serial = _serial_grad(n, k, mode, batches)
+    want = torch.utils._pytree.tree_map(torch.sub, _params(), g_serial)
+    for r, (params, got, layout) in enumerate(mesh.run(rank_fn, [(b,) for b in batches])):
+        shards = fzero.layout.local_shards(layout, fzero.layout.pack(layout, g_serial), r)
+        assert [leaves for leaves, _ in got] == [b.leaves for b in layout.buckets], f"rank {r}: one update per bucket"
+        for b, ((_, g), ref) in enumerate(zip(got, shards)):
+            assert g.dtype == ref.dtype and torch.equal(g, ref), (
+                f"rank {r} bucket {layout.buckets[b].tag}: reduced gradient differs from the serial G by "
+                f"{(g - ref).abs().max()}")
+        assert torch.equal(params["a"], want["a"]) and torch.equal(params["b"]["w"], want["b"]["w"])
 
 
 def _leaves(tree):
