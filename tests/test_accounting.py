@@ -297,13 +297,17 @@ def test_wire_factors():
     assert wire_factor("all_reduce", 1) == 0 and wire_factor("broadcast", 1) == 0
 
 
-def test_lamb_leaf_sums_are_control():
+@pytest.mark.parametrize("name, sums", [("lamb", 1), ("adafactor", 2)])
+def test_layerwise_leaf_sums_are_control(name, sums):
+    """LAMB's per-leaf sums are one all-reduce per trainable bucket, Adafactor's two
+    (proofs/communication.md, `/leaf_sum`): control, not data."""
     params = {"a": torch.ones(5), "b": torch.ones(3)}
-    out, records = _run(params, optim.lamb(lr=1e-3), 2, 2, steps=1)
+    opt = optim.lamb(lr=1e-3) if name == "lamb" else optim.adafactor(lr=1e-3)
+    out, records = _run(params, opt, 2, 2, steps=1)
     got = comm_volume(records, 2)
     assert set(got.control) == {"all_gather", "all_reduce"}
-    # one leaf-sum all-reduce per trainable bucket, plus the step's update-finite flag
-    assert got.control["all_reduce"].count == len(out[0][0].layout.buckets) + 1
+    # `sums` leaf-sum all-reduces per trainable bucket, plus the step's update-finite flag
+    assert got.control["all_reduce"].count == sums * len(out[0][0].layout.buckets) + 1
     assert got.data == expected_comm(out[0][0].layout, 2, 2).data
 
 

@@ -22,6 +22,7 @@ import fzero
 from fzero import optim
 from fzero._src.gathering import Gathering
 from fzero._src.mesh import MeshError
+from tests.fake_collectives import FakeFlight, FakeMesh, FakePending, Stop
 
 # two units of two buckets each (a float32 and a float64 bucket), so a unit has a gather after the
 # one whose wait raises
@@ -35,10 +36,6 @@ def _unit(path: str) -> str:
 
 def _loss(p, x):
     return (p["a"] * x * p["b"].float()).sum() + (p["c"] * p["d"].float()).sum()
-
-
-class Stop(BaseException):
-    """An interrupt (a `KeyboardInterrupt`-like exception that is not an `Exception`)."""
 
 
 class Logged:
@@ -149,53 +146,6 @@ def test_a_read_that_raised_midway_and_is_read_again_gathers_the_unit_anew(monke
 
 
 # -- refill, at unit level ------------------------------------------------------------------------
-
-
-class FakePending:
-    """A collective in flight: `wait()` is logged in `log` (by `name`) and raises `raises` once if
-    given; `done` once a wait returned or failed (not after an interrupt), as `mesh.Pending`."""
-
-    def __init__(self, name: str, log: list[str], raises: BaseException | None = None) -> None:
-        self.name, self.log, self.raises = name, log, raises
-        self.done = False
-
-    def wait(self) -> torch.Tensor:
-        self.log.append(self.name)
-        raises, self.raises = self.raises, None
-        self.done = raises is None or isinstance(raises, RuntimeError)
-        if raises is not None:
-            raise raises
-        return torch.full((1,), float(ord(self.name)))
-
-
-class FakeFlight:
-    """A one-phase `stages.Flight` over a `FakePending`."""
-
-    then = ()
-
-    def __init__(self, pending: FakePending) -> None:
-        self.pending = pending
-
-    def wait(self) -> torch.Tensor:
-        return self.pending.wait()
-
-
-class FakeMesh:
-    """What `Gathering.finish` asks of a mesh: `waits_after(error)` is `waits`; `abandon` logs the
-    names of the pendings it is handed (flattened)."""
-
-    def __init__(self, waits: bool) -> None:
-        self.waits, self.abandoned = waits, []
-
-    def waits_after(self, error: BaseException) -> bool:
-        return self.waits
-
-    def abandon(self, held) -> None:
-        if isinstance(held, (list, tuple)):
-            for h in held:
-                self.abandon(h)
-        else:
-            self.abandoned.append(held.pending.name)
 
 
 def _released_unit(mesh: FakeMesh, names: str, log: list[str], failing: str, raises: BaseException

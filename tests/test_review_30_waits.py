@@ -22,69 +22,8 @@ from fzero._src import mesh as mesh_module
 from fzero._src.gathering import Gathering
 from fzero._src.mesh import DistMesh, MeshError, _Call
 from fzero._src.unit import Inflight
-
-
-class Stop(BaseException):
-    """An interrupt (a `KeyboardInterrupt`-like exception that is not an `Exception`)."""
-
-
-class FakePending:
-    """A collective in flight: `wait()` is logged in `log` (by `name`) and raises `raises` if given;
-    `done` once waited, as `mesh.Pending`."""
-
-    def __init__(self, name: str, log: list[str], raises: BaseException | None = None) -> None:
-        self.name, self.log, self.raises = name, log, raises
-        self.result = torch.zeros(1)
-        self.done = False
-
-    def wait(self) -> torch.Tensor:
-        self.log.append(self.name)
-        self.done = True
-        if self.raises is not None:
-            raise self.raises
-        return self.result
-
-    def __repr__(self) -> str:
-        return f"FakePending({self.name!r})"
-
-
-class FakeFlight:
-    """A one-phase `stages.Flight` over a `FakePending`."""
-
-    then = ()
-
-    def __init__(self, pending: FakePending) -> None:
-        self.pending = pending
-
-    def wait(self) -> torch.Tensor:
-        return self.pending.wait()
-
-    def __repr__(self) -> str:
-        return f"FakeFlight({self.pending.name!r})"
-
-
-class FakeMesh:
-    """What `Inflight.settle` and `Gathering.finish` ask of a mesh: `waits_after(error)` is `waits`,
-    and `abandon` logs the names of the pendings it is handed (flattened)."""
-
-    def __init__(self, waits: bool) -> None:
-        self.waits, self.abandoned = waits, []
-
-    def waits_after(self, error: BaseException) -> bool:
-        return self.waits
-
-    def abandon(self, held) -> None:
-        if isinstance(held, (list, tuple)):
-            for h in held:
-                self.abandon(h)
-        else:
-            self.abandoned.append(getattr(held, "pending", held).name)
-
-
-def _flights(names: str, log: list[str], failing: str = "", raises: BaseException | None = None
-             ) -> list[FakeFlight]:
-    """One `FakeFlight` per character of `names`; those in `failing` raise `raises` when waited."""
-    return [FakeFlight(FakePending(n, log, raises if n in failing else None)) for n in names]
+from tests.fake_collectives import FakeMesh, Stop
+from tests.fake_collectives import flights as _flights
 
 
 # -- 1. `Inflight.wait`: a close that fails leaves the rest open, for `settle` ---------------------

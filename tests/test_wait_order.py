@@ -27,64 +27,8 @@ from fzero._src.mesh import MeshError, Pending
 from fzero._src.offload import HostUpdate
 from fzero._src.stages import Flight, get_stage
 from fzero._src.unit import Inflight, UnitProgram
-
-
-class FakePending:
-    """A collective in flight: `wait()` is logged in `log` (by `name`) and raises `raises` once if
-    given; `done` once a wait returned or failed, as `mesh.Pending` (not after an interrupt)."""
-
-    def __init__(self, name: str, log: list[str], raises: BaseException | None = None) -> None:
-        self.name, self.log, self.raises = name, log, raises
-        self.result = torch.full((1,), float(ord(name)))
-        self.done = False
-
-    def wait(self) -> torch.Tensor:
-        self.log.append(self.name)
-        raises, self.raises = self.raises, None
-        if raises is not None:
-            self.done = isinstance(raises, RuntimeError)
-            raise raises
-        self.done = True
-        return self.result
-
-
-class FakeFlight:
-    """A one-phase `stages.Flight` over a `FakePending`."""
-
-    then = ()
-
-    def __init__(self, pending: FakePending) -> None:
-        self.pending = pending
-
-    def wait(self) -> torch.Tensor:
-        return self.pending.wait()
-
-
-class FakeMesh:
-    """What `Inflight.settle` and `Gathering.finish` ask of a mesh: `waits_after(error)` is
-    `waits`; `abandon` logs the pendings it is handed (flattened; a flight by its `pending`)."""
-
-    def __init__(self, waits: bool = False) -> None:
-        self.waits, self.abandoned = waits, []
-
-    def waits_after(self, error: BaseException) -> bool:
-        return self.waits
-
-    def abandon(self, held) -> None:
-        if isinstance(held, (list, tuple)):
-            for h in held:
-                self.abandon(h)
-        else:
-            self.abandoned.append(getattr(held, "pending", held))
-
-    def names(self) -> list[str]:
-        return [p.name for p in self.abandoned]
-
-
-def _flights(names: str, log: list[str], failing: str = "", raises: BaseException | None = None
-             ) -> list[FakeFlight]:
-    """One `FakeFlight` per character of `names`; those in `failing` raise `raises` once when waited."""
-    return [FakeFlight(FakePending(n, log, raises if n in failing else None)) for n in names]
+from tests.fake_collectives import FakeFlight, FakeMesh, FakePending
+from tests.fake_collectives import flights as _flights
 
 
 def _names(flights) -> list[str]:
@@ -124,7 +68,7 @@ def test_an_interrupted_close_leaves_the_flight_in_inflight_for_settle(close):
     assert _names(f for f, _, _ in inflight._flights) == (["a"] if close is _make_room else ["a", "b"])
     mesh = FakeMesh(waits=False)
     inflight.settle(mesh, KeyboardInterrupt())
-    assert mesh.names() == (["a"] if close is _make_room else ["a", "b"]), mesh.names()
+    assert mesh.abandoned == (["a"] if close is _make_room else ["a", "b"]), mesh.abandoned
 
 
 def test_a_failed_close_still_takes_the_done_flight_out():
@@ -135,23 +79,6 @@ def test_a_failed_close_still_takes_the_done_flight_out():
     with pytest.raises(MeshError):
         _wait(inflight, _flights("abc", log, failing="a", raises=MeshError("timed out")))
     assert _names(f for f, _, _ in inflight._flights) == ["b", "c"]
-
-
-def test_an_interrupted_wait_in_settle_is_handed_to_the_mesh():
-    """`settle` over a mesh that waits after the error: its first wait is interrupted; that
-    reduction is handed to the mesh with the others. Before, `settle` had popped it first."""
-    log: list[str] = []
-    inflight = Inflight(depth=3)
-    for f in _flights("abc", log, failing="a", raises=KeyboardInterrupt()):
-        inflight.add(f)
-    mesh = FakeMesh(waits=True)
-    with pytest.raises(KeyboardInterrupt):
-        inflight.settle(mesh, ValueError("the backward raised"))
-    assert log == ["a"], log
-    assert mesh.names() == ["a", "b", "c"], mesh.names()
-
-
-# -- Gathering: _drop, refill, _entering --------------------------------------------------------
 
 
 def _gathering(mesh: FakeMesh, ahead: dict[str, list]) -> Gathering:
@@ -174,7 +101,7 @@ def test_an_interrupted_drop_leaves_the_gather_for_finish():
         gathering._drop("u1")
     assert _names(gathering._ahead["u1"]) == ["a", "b"]
     gathering.finish(KeyboardInterrupt())
-    assert (log, mesh.names(), gathering._ahead) == (["a"], ["a", "b"], {})
+    assert (log, mesh.abandoned, gathering._ahead) == (["a"], ["a", "b"], {})
 
 
 def test_an_interrupted_refill_leaves_the_gather_for_finish_and_a_second_refill_fills_the_unit():

@@ -136,6 +136,7 @@ def batch_dtype_note(message: str, batch: Any, params: Collection[torch.dtype], 
 
 
 def _shown(t: torch.Tensor) -> str:
+    """A tensor in a message: its dtype and shape, `float32[4, 8]`."""
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 

@@ -60,7 +60,7 @@ from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
 from .plan import _probes, step_plan
-from .precision import added_in, at_least_float32, batch_dtype_note, computes
+from .precision import _shown, added_in, at_least_float32, batch_dtype_note, computes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
@@ -563,10 +563,6 @@ def _check_alike(micro: Sequence[Any]) -> None:
                     f"0's is {_shown(a)}; step(state, batches) takes a list of {len(micro)} micro-batches, each "
                     f"what the loss takes ([(x0, y0), (x1, y1), ...]): a batch (x, y) passed as it is reads as the "
                     f"micro-batches x and y")
-
-
-def _shown(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def _note_loss_error(e: Exception, config: StepConfig, state: ZeroState, i: int, mb: Any) -> None:
