@@ -18,14 +18,14 @@ def test_a_cuda_token_count_is_read_by_the_host_once():
     count = torch.tensor(7.0, device="cuda")
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:  # (setting the mode warns that it is a prototype)
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             _, got = _objective(config, (loss_sum, count))
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in caught]
     assert got.device.type == "cpu" and got.dtype == torch.float64 and got.item() == 7.0
 
