@@ -249,3 +249,15 @@ def test_over_gloo_every_rank_gets_both_notes(dist2):
         assert listed[0] == "ValueError" and len(listed[2]) == 1 and "micro_batches=1" in listed[2][0], listed
         assert uncast[0] == "RuntimeError" and len(uncast[2]) == 1, uncast
         assert "leaf '0' (float32[4, 8]) of the batch is not in torch.bfloat16" in uncast[2][0], uncast
+
+
+def test_a_dtype_error_about_integer_targets_gets_no_note():
+    """cross_entropy's error for float class labels under a bf16 policy is about the targets' kind,
+    not the batch meeting the params: no note telling every floating leaf to be cast to bfloat16
+    (found in review)."""
+    b = torch.bfloat16
+    with pytest.raises(RuntimeError) as caught:
+        F.cross_entropy(torch.randn(2, 3, dtype=b), torch.tensor([0.0, 1.0], dtype=b).view(2).to(torch.float32))
+    assert "long" in str(caught.value).lower(), caught.value  # non-vacuous: torch's words name Long
+    batch = (torch.randn(2, 3).to(b), torch.tensor([0.0, 1.0]))
+    assert precision.batch_dtype_note(str(caught.value), batch, {b}, b) == ""

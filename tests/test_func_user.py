@@ -17,6 +17,7 @@ loss, and `torch.inference_mode()` around `init` and the step (found in review).
 from __future__ import annotations
 
 import datetime
+import re
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_a_meta_gradient_read_through_gather_is_refused_on_every_rank_not_zero(s
     out = mesh.run(rank_fn)
     for words, _ in out:
         assert words.startswith("fzero.gather of a state whose params are being differentiated (a torch.func "
-                                "transform (level 1"), words
+                                "transform, level 1"), words
         assert "a derivative through it would be zero, silently" in words
         assert "fzero.layout.unpack(state.layout, " in words and "torch.no_grad()" in words
         assert ("[fzero.collectives.all_gather(p, state.mesh) for p in state.params]" in words) == (
@@ -100,22 +101,54 @@ def test_a_meta_gradient_read_through_gather_is_refused_on_every_rank_not_zero(s
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_gather_of_params_that_require_grad_under_plain_autograd_is_refused(stage):
-    """Plain autograd: the result silently did not require grad. Refused under grad mode; under
-    `torch.no_grad()` (no derivative wanted) the values, as before."""
+def test_gather_under_plain_autograd_reads_the_values_of_params_that_require_grad(stage):
+    """Plain autograd is not refused (a logging read in a meta-learning loop whose params require
+    grad; found in review of the first refusal, which raised there): the values, which do not
+    require grad, so a derivative of them alone raises in torch."""
     mesh = fzero.SimMesh(1)
 
     def rank_fn():
         state = fzero.init(P, optim.sgd(LR), stage=stage, mesh=mesh)
         tracked = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
-        with pytest.raises(fzero.ConfigError, match=r"they require grad, under grad mode \(plain autograd\)"):
-            fzero.gather(tracked)
-        with torch.no_grad():
-            quiet = fzero.gather(tracked)
-        return quiet, fzero.gather(state)
+        read = fzero.gather(tracked)
+        assert not any(t.requires_grad for t in read.values())
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.autograd.grad(read["w"].sum(), [p for p in tracked.params])
+        return read, fzero.gather(state)
 
-    quiet, plain = mesh.run(rank_fn)[0]
-    assert_trees_equal(quiet, plain)
+    read, plain = mesh.run(rank_fn)[0]
+    assert_trees_equal(read, plain)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_refusals_way_out_runs_as_written_under_a_precision_policy(n):
+    """Under a precision policy the params are held in the compute dtype, the layout's buckets in
+    the master's: the way out `gather`'s refusal gives casts each to its bucket's dtype (found in
+    review: `unpack(state.layout, state.params)` raised a LayoutError there). The expression in the
+    message, evaluated as written, gives the meta-gradient."""
+    mesh = fzero.SimMesh(n)
+    policy = fzero.Precision(torch.float32, torch.float64)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR, impl="single"), stage=1, mesh=mesh, precision=policy)
+        step = fzero.train_step(lambda p, x: _loss(p, x.to(p["w"].dtype)), engine="func")
+        x = _x(mesh.rank)
+        assert state.params[0].dtype != state.layout.buckets[0].dtype  # the case: held in the compute dtype
+        with pytest.raises(fzero.ConfigError) as caught:
+            torch.func.grad(lambda held: (fzero.gather(step(state.replace(params=held), x)[0])["w"] * C).sum())(
+                tuple(state.params))
+        way = re.search(r"fzero\.layout\.unpack\(state\.layout, (.*?)\)(?: \(|;)", str(caught.value)).group(1)
+        assert ".to(b.dtype)" in way, way
+
+        def read(new):
+            return fzero.layout.unpack(new.layout, eval(way, {"fzero": fzero, "state": new}))
+
+        g = torch.func.grad(lambda held: (read(step(state.replace(params=held), x)[0])["w"] * C).sum())(
+            tuple(state.params))
+        return g
+
+    for g in mesh.run(rank_fn):
+        assert any(bool(t.ne(0).any()) for t in g)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's jvp decompositions
@@ -140,14 +173,15 @@ def test_what_gather_is_not_refused_for():
 
 
 def test_a_gather_refused_on_one_simmesh_rank_stops_the_other():
-    """Only rank 0's params require grad: rank 0 raises its `ConfigError`, rank 1 (in gather's
-    first collective) stops with `RankFailed` instead of waiting."""
+    """Only rank 0 differentiates through gather: rank 0 raises its `ConfigError`, rank 1 (in
+    gather's first collective) stops with `RankFailed` instead of waiting."""
     mesh = fzero.SimMesh(2)
 
     def rank_fn():
         state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
-        if mesh.rank == 0:
-            state = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
+        if mesh.rank == 0:  # a derivative through gather on this rank alone
+            return torch.func.grad(lambda held: fzero.gather(state.replace(params=held))["w"].sum())(
+                tuple(state.params))
         return fzero.gather(state)
 
     with pytest.raises(fzero.ConfigError, match="fzero.gather of a state whose params are being differentiated"):
@@ -156,17 +190,18 @@ def test_a_gather_refused_on_one_simmesh_rank_stops_the_other():
 
 def one_rank_gathers_tracked(_mesh):
     """On a pool worker: a verified gloo `DistMesh` of its own (short timeout), rank 0's params
-    require grad; each rank's `gather` outcome and how long it took."""
+    differentiated through gather; each rank's `gather` outcome and how long it took."""
     import time
 
     group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=8))
     mesh = fzero.DistMesh(group, verify=True, timeout=8.0)
     state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
-    if mesh.rank == 0:
-        state = state.replace(params=tuple(p.detach().clone().requires_grad_() for p in state.params))
     start = time.monotonic()
     try:
-        fzero.gather(state)
+        if mesh.rank == 0:  # a derivative through gather on this rank alone
+            torch.func.grad(lambda held: fzero.gather(state.replace(params=held))["w"].sum())(tuple(state.params))
+        else:
+            fzero.gather(state)
         return "returned", "", time.monotonic() - start
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         return type(e).__name__, str(e)[:200], time.monotonic() - start
@@ -293,6 +328,37 @@ def test_a_checkpoint_loaded_under_inference_mode_is_a_state_of_normal_tensors(t
 
     for got, want in mesh.run(rank_fn):
         assert_trees_equal(got, want)
+
+
+def test_load_under_inference_mode_fills_buffers_made_there(tmp_path):
+    """An eval script under `torch.inference_mode()` builds its module there (BatchNorm's buffers
+    are inference tensors) and loads with `buffers=`: `load` runs outside inference mode, and its
+    copy into those buffers raised torch's "Inplace update to inference tensor outside
+    InferenceMode" (found in review of the first version); each is now written in its own mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    mesh = fzero.SimMesh(1)
+
+    def save_fn():
+        params, apply, info = fzero.from_module(model)
+        state = fzero.init(params, optim.sgd(LR), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, x: apply(p, x).pow(2).mean())
+        state, _ = step(state, torch.randn(8, 3))
+        return fzero.checkpoint.save(state, str(tmp_path), buffers=info.buffers), dict(info.buffers)
+
+    path, saved = mesh.run(save_fn)[0]
+
+    def load_fn():
+        with torch.inference_mode():
+            fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+            params, _, info = fzero.from_module(fresh)
+            target = fzero.init(params, optim.sgd(LR), stage=0, mesh=mesh)
+            fzero.checkpoint.load(path, target, buffers=info.buffers)
+            return dict(info.buffers)
+
+    got = mesh.run(load_fn)[0]
+    assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+    assert not torch.equal(saved["1.running_mean"], torch.zeros(4))  # non-vacuous: the step moved them
 
 
 def test_the_step_runs_in_the_callers_grad_mode_outside_inference_mode():

@@ -109,6 +109,25 @@ def test_an_interrupted_wait_keeps_the_handle_hands_it_on_and_waits_again():
     assert (handed, pending.holds_more) == ([pending], False)
 
 
+def test_the_mesh_keeps_an_interrupted_pending_once_and_lets_go_of_it_once_waited():
+    """An interrupted `Pending.wait` hands itself to the mesh, and the step's bookkeeping then hands
+    it again (`Inflight.settle`): `DistMesh.abandon` keeps it once; once a later wait finished it,
+    the next abandon lets its entry go, with its buffers (found in review: two entries for one
+    collective, and a finished one held for the mesh's life)."""
+    mesh = object.__new__(mesh_module.DistMesh)  # `abandon` reads only its deque
+    mesh._abandoned = mesh_module.collections.deque(maxlen=mesh_module._ABANDONED)
+    pending = mesh_module.Pending(torch.zeros(2), Work(KeyboardInterrupt()), keep=torch.ones(2),
+                                  abandon=mesh.abandon)
+    with pytest.raises(KeyboardInterrupt):
+        pending.wait()
+    mesh.abandon([pending])  # as `Inflight.settle` hands on what it holds
+    assert [list(entry) for entry in mesh._abandoned] == [[pending]]
+    pending.wait()  # a retried wait finishes it
+    other = mesh_module.Pending(torch.zeros(2), Work(), keep=torch.ones(2))
+    mesh.abandon(other)
+    assert [list(entry) for entry in mesh._abandoned] == [[other]]
+
+
 def test_a_failed_wait_is_done_and_raises_the_meshs_error():
     """A wait that fails (`RuntimeError`) is the mesh's error (`lost`): done, nothing handed on."""
     handed = []
@@ -214,3 +233,13 @@ def test_an_interrupted_wait_keeps_its_exchange_and_the_mesh(dist2, verify, how)
     assert gathered == [0.0, 0.0, 1.0, 1.0], got
     assert waited < T, got
     assert got[0][3] == got[1][3] == [2.0], got
+
+
+def test_only_a_closed_connection_is_told_that_a_peer_left():
+    """`DistMesh._lost`'s words for a failure that is neither a timeout nor a peer seen exiting: the
+    two reasons a peer leaves (`_exited_without`) only where the backend says a connection closed;
+    this rank's own failure in the collective's copy (a CUDA out of memory) was told of a peer
+    that left (found in review)."""
+    assert mesh_module._closed(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:2"))
+    assert mesh_module._closed(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not mesh_module._closed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))

@@ -2069,8 +2069,9 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         if w.rng:
             _set_rng_states(mesh, w.rng)
         with torch.no_grad():
-            for k, t in read.items():
-                bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
+            for k, t in read.items():  # each in the mode it was made in: `load` runs outside inference mode
+                with torch.inference_mode(bufs[k].is_inference()):  # type: ignore[index]  # (a module built under it)
+                    bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
         if manifest.get("buffers"):  # (the same manifest on every rank: every rank calls it or none)
             buffers_written(mesh, "fzero.checkpoint/buffers_written")
         if bufs is None and manifest.get("buffers"):  # on every rank: each raises alike under -W error

@@ -110,8 +110,7 @@ def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str
     `checkpoint.save` under `if rank == 0:`, the DDP habit, was told only to call the same op)."""
     if grads is None:
         entries = {r: name for r, c in enumerate(calls) if (name := entry_of(c))}
-        alone = "".join(f"; rank {r} is in {name}, which every rank must call at the same point of its program "
-                        f"(not under `if rank == 0:`: each rank saves, loads or gathers its own part)"
+        alone = "".join(f"; rank {r} is in {_every_rank_calls(name)}"
                         for r, name in entries.items()) if len(entries) < len(calls) else ""
         return f"every rank must call the same op with the same dtype, shape and tag{alone}"
     on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
@@ -152,9 +151,21 @@ def _exited_without(what: str, who: str) -> str:
             f"make that call on every rank")
 
 
+_CLOSED = ("closed", "reset by peer", "broken pipe", "remote process exited", "network error", "end of file")
+
+
+def _closed(e: BaseException) -> bool:
+    """Whether the backend's words say a connection to a peer closed (gloo's "Connection closed by
+    peer", NCCL's "remote process exited or there was a network error"): a peer left, so
+    `_exited_without`'s two reasons apply. Not for this rank's own failures (a local CUDA out of
+    memory in the collective's copy), which were told of a peer that left (found in review)."""
+    words = str(e).lower()
+    return any(w in words for w in _CLOSED)
+
+
 def _interrupted(mesh: "DistMesh", e: BaseException, what: str) -> MeshError:
     """The error a `DistMesh` raises for every collective after an interrupt `e` stopped this rank
-    in `what`'s agreement or start (`DistMesh._breaks_if_interrupted`)."""
+    in `what`'s agreement or start (`DistMesh._break_if_interrupted`)."""
     told = f": {e}" if str(e) else ""
     return MeshError(
         f"{mesh!r}: rank {mesh.rank} was interrupted ({type(e).__name__}{told}) in {what}, while agreeing on it "
@@ -432,14 +443,13 @@ class Pending:
         raised) leaves this not done, its handle and input held, and hands it to `abandon` before
         the interrupt goes on: the collective was issued on every rank, so the ranks are still in
         step (the mesh stays usable, unlike after an interrupt in the agreement or the start,
-        `DistMesh._breaks_if_interrupted`), a peer waiting for it gets its data, and a later
+        `DistMesh._break_if_interrupted`), a peer waiting for it gets its data, and a later
         `wait()` waits for it again. Before, the handle was let go before the wait, so an
         interrupt freed it with its traceback (and a later `wait()` returned the result
-        unfinished, without waiting); the callers (`Inflight.wait`, `Gathering._drop`) take a
-        pending out before waiting for it, so neither `Inflight.settle` nor `Gathering.finish`
-        could hand it on: gloo cancelled the exchange (an all-gather or reduce-scatter at N = 2,
-        `cancelled_if_dropped`), and a peer that posted its half after this rank's interrupt
-        waited for it to the timeout (found in review)."""
+        unfinished, without waiting): gloo cancelled the exchange (an all-gather or reduce-scatter
+        at N = 2, `cancelled_if_dropped`), and a peer that posted its half after this rank's
+        interrupt waited for it to the timeout (found in review). The step's bookkeeping keeps it
+        too (`unit.wait_held`), and hands it on again: the mesh keeps it once (`DistMesh.abandon`)."""
         work = self._work
         if work is not None:
             try:
@@ -1291,10 +1301,9 @@ class DistMesh(Mesh):
             remote = [s for s, (h, _) in enumerate(self._peers) if h != host]
             maybe = (f"; no rank on this host exited, so one of rank(s) {remote} on other hosts was probably "
                      f"lost (see their logs)" if remote else "")
-            left = _exited_without(what, "A rank that left the group (a closed connection: its process may take a "
-                                         "while to exit)")
-            err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}. {left}. "
-                            f"{self.backend} said: {e}")
+            left = (". " + _exited_without(what, "A rank that left the group (a closed connection: its process may "
+                                                 "take a while to exit)") if _closed(e) else "")
+            err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}{left}: {e}")
         self._broken = err
         return err
 
@@ -1320,7 +1329,7 @@ class DistMesh(Mesh):
         seq = self._seq
         what = f"{call or 'the end of mesh.run'} (collective #{seq})"
         mine = torch.tensor(_fingerprint(kind, seq, call), dtype=torch.int64, device=self.device)
-        with self._breaks_if_interrupted(what):
+        try:
             rows = self._gather(mine, what).view(self.world_size, _FP_LEN).tolist()
             constructing = [s for s, row in enumerate(rows) if row[0] == _KIND_CONSTRUCT]
             if constructing:  # those ranks raise in their construction: no text exchange they would not join,
@@ -1342,31 +1351,28 @@ class DistMesh(Mesh):
                 raise CollectiveMismatch(
                     f"{self!r}: ranks called different collectives at collective #{seq}:\n{lines}\n"
                     f"{_advice(call.op if call else '', [bool(row[-1]) for row in rows] if alike else None, texts)}")
+        except BaseException as e:  # (a try costs nothing until it catches)
+            self._break_if_interrupted(e, what)
+            raise
 
-    @contextlib.contextmanager
-    def _breaks_if_interrupted(self, what: str) -> Iterator[None]:
-        """Mark the mesh unusable (`_broken`) where the body -- an agreement's exchanges, from the
-        fingerprints' all-gather to the sequence number taken and the calls' words gathered; or
-        the start of an agreed collective's data exchange (`_start`) -- raises anything but the
-        mesh's own outcome (a `MeshError`: a mismatch, a failed or lost rank, each raised on every
-        rank in step): a `KeyboardInterrupt`, or an exception a signal handler raised, midway, at
-        N > 1. An exchange may have been issued, or finished on the other ranks, which then went on
-        past it (to the collective's data, or the next agreement), while this rank's sequence
-        number stayed behind or its data exchange never started: its next collective met theirs
-        out of step, a fingerprint all-gather against their data collective, which waited out the
-        whole timeout and was called a stuck rank, or mixed buffers silently where the two looked
-        alike (found in review). Now the next call raises at once, saying so. The interrupt itself
-        goes on as it was raised. The other ranks are not told (`guard`'s announcement would be
-        one more exchange out of step): they stop at the timeout, or at once with `RankFailed`
-        where this rank's process exits."""
-        try:
-            yield
-        except MeshError:
-            raise
-        except BaseException as e:
-            if self.world_size > 1:  # one rank is never out of step with itself
-                self._broken = _interrupted(self, e, what)
-            raise
+    def _break_if_interrupted(self, e: BaseException, what: str) -> None:
+        """Mark the mesh unusable (`_broken`) where `e` stopped `what`'s agreement -- its exchanges,
+        from the fingerprints' all-gather to the sequence number taken and the calls' words
+        gathered -- or the start of an agreed collective's data exchange (`_start`), `e` being
+        anything but the mesh's own outcome (a `MeshError`: a mismatch, a failed or lost rank, each
+        raised on every rank in step): a `KeyboardInterrupt`, or an exception a signal handler
+        raised, midway, at N > 1. An exchange may have been issued, or finished on the other
+        ranks, which then went on past it (to the collective's data, or the next agreement), while
+        this rank's sequence number stayed behind or its data exchange never started: its next
+        collective met theirs out of step, a fingerprint all-gather against their data collective,
+        which waited out the whole timeout and was called a stuck rank, or mixed buffers silently
+        where the two looked alike (found in review). Now the next call raises at once, saying so.
+        The interrupt itself goes on as it was raised (the callers' `except` re-raises it; a `try`
+        costs nothing until it catches). The other ranks are not told (`guard`'s announcement
+        would be one more exchange out of step): they stop at the timeout, or at once with
+        `RankFailed` where this rank's process exits."""
+        if self.world_size > 1 and not isinstance(e, MeshError):  # one rank is never out of step with itself
+            self._broken = _interrupted(self, e, what)
 
     def _gather_text(self, text: str, what: str) -> list[str]:
         """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""
@@ -1388,11 +1394,13 @@ class DistMesh(Mesh):
             self._agree(_KIND_CALL, call)
         what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
         started = time.monotonic()
-        with self._breaks_if_interrupted(what):  # agreed (or unverified): the others start it
-            try:
-                out, work = self._move(call, x, donate, out)
-            except RuntimeError as e:
-                raise self._lost(e, what, started) from e
+        try:  # agreed (or unverified): the others start it
+            out, work = self._move(call, x, donate, out)
+        except RuntimeError as e:
+            raise self._lost(e, what, started) from e
+        except BaseException as e:
+            self._break_if_interrupted(e, what)
+            raise
         return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started), abandon=self.abandon)
 
     def _p2p_tag(self, call: _Call) -> int:
@@ -1440,8 +1448,14 @@ class DistMesh(Mesh):
         without its handle, and keeping it held its buffers -- a stage-3 unit's gather, a
         bucket's reduction -- until later errors pushed it out (found in review). What the last
         `_ABANDONED` calls kept is kept, each call's as one entry; each holds its buffers."""
-        kept = tuple(_cancelled_if_dropped(pending))
-        if kept:
+        held = {id(p) for entry in self._abandoned for p in entry}
+        kept = tuple(p for p in _cancelled_if_dropped(pending) if id(p) not in held)
+        if kept:  # (an interrupted `Pending.wait` hands itself on, and the step's bookkeeping then hands it
+            # again: kept once; found in review)
+            live = [entry for entry in self._abandoned if not all(getattr(p, "done", False) for p in entry)]
+            if len(live) < len(self._abandoned):  # those waited for since (a retried wait): their buffers go
+                self._abandoned.clear()
+                self._abandoned.extend(live)
             self._abandoned.append(kept)
 
     def _move(self, call: _Call, x: torch.Tensor, donate: bool = False,

@@ -20,6 +20,7 @@ compute dtype and the cast to make (`batch_dtype_note`, made on the error path o
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -87,6 +88,19 @@ def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | Non
 DTYPE_WORDS = ("dtype", "scalar type", "same type", "type (", "type promot")
 
 
+_INTEGER = re.compile(r"\b(long|int|int64|int32|short|byte|bool|char)\b")  # an integer dtype's name in torch's words
+
+
+def _about_floating_dtypes(message: str) -> bool:
+    """Whether torch's `message` is about operands of different dtypes (`DTYPE_WORDS`) and names no
+    integer dtype: cross_entropy's "expected target dtype to be Long or Byte, but got Float" under
+    a bf16 policy is about the targets' kind, not the batch meeting the params, and was told to
+    cast every floating leaf to bfloat16 (found in review). (Not "names the params' dtype": layer
+    norm's "expect parameter to have scalar type of Float" names only the input's.)"""
+    words = message.lower()
+    return any(w in words for w in DTYPE_WORDS) and not _INTEGER.search(words)
+
+
 def computes(precision: Precision, buckets: Collection[BucketSpec]) -> frozenset[torch.dtype]:
     """The dtypes the params reach the loss in under `precision`: each bucket's compute dtype
     (`Wire.compute`), read from the layout without gathering."""
@@ -105,7 +119,7 @@ def batch_dtype_note(message: str, batch: Any, params: Collection[torch.dtype], 
     not: README, "Mixed precision"). It names those leaves (their pytree paths in `where`, dtype,
     shape), the params' dtype and the way out (a cast in `reader`). "" elsewhere; built on the
     error path only, so a step that succeeds does no work for it."""
-    if not any(w in message.lower() for w in DTYPE_WORDS):
+    if not _about_floating_dtypes(message):
         return ""
     paths, leaves, _ = flatten_with_paths(batch)
     odd = [(path, t) for path, t in zip(paths, leaves)

@@ -709,10 +709,10 @@ def gather(state: ZeroState) -> Any:
     the stage shards params (or keeps a master shard), each bucket is all-gathered. The values are
     the master values, in the params' own dtype.
 
-    Values, not a function of the state: where a reverse-mode derivative is taken through the
-    state's params (a `torch.func` transform differentiates them, or they require grad under grad
-    mode) it raises `ConfigError` on every rank (`_refuse_derivative`): its result would carry
-    none, silently. A forward-mode tangent (`jvp`) flows through it.
+    Values, not a function of the state: where a `torch.func` transform differentiates the
+    state's params in reverse mode it raises `ConfigError` on every rank (`_refuse_derivative`):
+    its result would carry none, silently. Under plain autograd the result does not require grad.
+    A forward-mode tangent (`jvp`) flows through it.
     """
     with checked(state):
         _refuse_derivative(state)
@@ -738,32 +738,38 @@ def _gathered(state: ZeroState) -> Any:
 
 
 def _refuse_derivative(state: ZeroState) -> None:
-    """`ConfigError` where `gather` is differentiated through in reverse mode (`_reverse_tracked`
-    of the state's params and masters): it reads under `torch.no_grad()` into fresh tensors, so
-    `torch.func.grad` of a function of its result was exact zeros, and under plain autograd the
-    result silently did not require grad (found in review: a meta-gradient read by path through
-    `gather`, stages 0 and 3, N = 1 and 2). Local: every rank differentiates the same program, so
-    every rank raises, before `gather`'s first collective; a rank that alone raises does so inside
-    `checked`'s mesh guard, so the others stop with `RankFailed` where they wait."""
-    held = [t for t in (*state.params, *state.master) if isinstance(t, torch.Tensor)]
-    if not _reverse_tracked(held):
-        return
+    """`ConfigError` where a `torch.func` transform differentiates `gather` in reverse mode
+    (`_reverse_tracked` of the state's params and masters): it reads under `torch.no_grad()` into
+    fresh tensors, so `torch.func.grad` of a function of its result was exact zeros, silently
+    (found in review: a meta-gradient read by path through `gather`, stages 0 and 3, N = 1 and
+    2). Plain autograd is not refused: its result does not require grad, a derivative of it alone
+    raises in torch, and a logging read in a meta-learning loop whose params require grad is
+    legitimate (found in review of the first refusal). Local: every rank differentiates the same
+    program, so every rank raises, before `gather`'s first collective; a rank that alone raises
+    does so inside `checked`'s mesh guard, so the others stop with `RankFailed` where they wait."""
     level = func_level()
-    how = (f"a torch.func transform (level {level}: grad, vjp, jacrev, ...) differentiates them" if level is not None
-           else "they require grad, under grad mode (plain autograd)")
+    held = [t for t in (*state.params, *state.master) if isinstance(t, torch.Tensor)]
+    if level is None or not _reverse_tracked(held):
+        return
     sharded = state.stage.sharded("params") and state.mesh.world_size > 1
-    gathers = "[fzero.collectives.all_gather(p, state.mesh) for p in state.params]" if sharded else "state.params"
+    buckets = state.layout.buckets
+    cast = any(isinstance(p, torch.Tensor) and p.dtype != b.dtype for p, b in zip(state.params, buckets))
+    p = "fzero.collectives.all_gather(p, state.mesh)" if sharded else "p"
+    gathers = (f"[{p}.to(b.dtype) for p, b in zip(state.params, state.layout.buckets)]" if cast else
+               f"[{p} for p in state.params]" if sharded else "state.params")
     notes = [f"each rank holds a shard of each bucket at stage {state.stage.level}: all-gather them first"] * sharded
+    notes += ["the params are held in the policy's compute dtype: cast each to its bucket's dtype"] * cast
     notes += ["the params as held, in the compute dtype: this state keeps its master values apart"] * any(
         m is not None for m in state.master)
     policy = f" ({'; '.join(notes)})" if notes else ""
     raise ConfigError(
-        f"fzero.gather of a state whose params are being differentiated ({how}; {state.mesh!r}, rank {state.rank}, "
-        f"stage {state.stage.level}): gather reads the values under torch.no_grad() into fresh tensors, so a "
-        f"derivative through it would be zero, silently. To read the params by path differentiably, unpack the "
-        f"state's own tensors: fzero.layout.unpack(state.layout, {gathers}){policy}; where no derivative is wanted, "
-        f"call gather under torch.no_grad(), or of a state of detached params "
-        f"(state.replace(params=tuple(p.detach() for p in state.params)))")
+        f"fzero.gather of a state whose params are being differentiated (a torch.func transform, level {level}: "
+        f"grad, vjp, jacrev, ...; {state.mesh!r}, rank {state.rank}, stage {state.stage.level}): gather reads the "
+        f"values under torch.no_grad() into fresh tensors, so a derivative through it would be zero, silently. To "
+        f"read the params by path differentiably, unpack the state's own tensors: "
+        f"fzero.layout.unpack(state.layout, {gathers}){policy}; where no derivative is wanted, call gather under "
+        f"torch.no_grad(), or of a state of detached params (state.replace(params=tuple(p.detach() for p in "
+        f"state.params)))")
 
 
 def _reverse_tracked(tensors: Sequence[torch.Tensor]) -> bool:
