@@ -1301,8 +1301,8 @@ class DistMesh(Mesh):
             remote = [s for s, (h, _) in enumerate(self._peers) if h != host]
             maybe = (f"; no rank on this host exited, so one of rank(s) {remote} on other hosts was probably "
                      f"lost (see their logs)" if remote else "")
-            left = (". " + _exited_without(what, "A rank that left the group (a closed connection: its process may "
-                                                 "take a while to exit)") if _closed(e) else "")
+            who = "A rank that left the group (a closed connection: its process may take a while to exit)"
+            left = f". {_exited_without(what, who)}. {self.backend} said" if _closed(e) else ""
             err = MeshError(f"{self!r}: {what} failed on rank {self._rank} (world size {n}){maybe}{left}: {e}")
         self._broken = err
         return err
