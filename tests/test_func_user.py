@@ -419,3 +419,18 @@ def test_a_batch_of_inference_tensors_gets_a_note_naming_its_leaves():
     notes = mesh.run(rank_fn)[0]
     assert any(n.startswith("fzero: the batch holds inference tensors (made under torch.inference_mode()) at ['x']")
                for n in notes), notes
+
+
+@pytest.mark.parametrize("out", [lambda loss: [loss, loss.detach()], lambda loss: {"loss": loss, "aux": loss.detach()}],
+                         ids=["list", "dict"])
+def test_a_loss_returned_in_a_list_or_dict_is_told_the_step_takes_no_aux(out):
+    """A `[loss, aux]` list or a `{"loss": ..., "aux": ...}` dict (the `has_aux` habit in another
+    container) was told only that the loss must be a 0-d floating tensor (found in review)."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=0, mesh=mesh)
+        fzero.train_step(lambda p, x: out(_loss(p, x)))(state, _x(0))
+
+    with pytest.raises(fzero.FzeroError, match="the step takes no auxiliary output: return the loss alone"):
+        mesh.run(rank_fn)

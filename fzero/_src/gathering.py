@@ -897,6 +897,9 @@ def _loss_way_out(loss: Any) -> str:
     """How to make a loss of what `loss_fn` returned: a tensor of per-example losses is one
     `.mean()` away (or `reduction="mean"`, torch's losses' default), an integer one a computation
     in a floating dtype (found in review: the error named what it got, not the way out)."""
+    if isinstance(loss, (list, dict)):  # torch.func's has_aux habit, in another container (found in review)
+        return ("; the step takes no auxiliary output: return the loss alone, and keep an auxiliary one by "
+                "appending aux.detach() to a list the loss closes over, or compute it with fzero.evaluate(fn)")
     if not isinstance(loss, torch.Tensor):
         return ""
     if not (loss.dtype.is_floating_point or loss.is_complex()):
