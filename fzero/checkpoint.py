@@ -16,6 +16,7 @@ from fzero._src.checkpoint import save_safetensors as save_safetensors
 from fzero._src.checkpoint import summary as summary
 from fzero._src.checkpoint import UnsealedCheckpointSkipped as UnsealedCheckpointSkipped
 
-__all__ = ["BuffersNotLoaded", "CheckpointError", "CheckpointNotSynced", "LrScheduleMovedOn", "OldCheckpointNotRemoved", "UnsealedCheckpointSkipped", "complete", "export", "latest", "load",
+__all__ = ["BuffersNotLoaded", "CheckpointError", "CheckpointNotSynced", "LrScheduleMovedOn", "OldCheckpointNotRemoved",
+           "UnsealedCheckpointSkipped", "complete", "export", "latest", "load",
            "read_manifest", "save", "save_safetensors",
            "summary"]

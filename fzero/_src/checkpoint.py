@@ -103,8 +103,8 @@ from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
 from .scale import LossScaleState
-from .state import (NamedFn, ZeroState, outside_inference_mode, check_pending, check_state, describe, described_cells, described_fields,
-                    master_values, named, setting_name, unnamed)
+from .state import (NamedFn, ZeroState, check_pending, check_state, describe, described_cells, described_fields,
+                    master_values, named, outside_inference_mode, setting_name, unnamed)
 
 FORMAT = 2
 MANIFEST = "manifest.json"
