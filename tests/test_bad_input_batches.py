@@ -226,7 +226,7 @@ def test_a_step_that_succeeds_builds_no_note(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("a note was built in a step that succeeded")
 
-    for name in ("batch_dtype_note", "computes", "_like_micro_batches", "_literal"):
+    for name in ("note_batch_dtypes", "_like_micro_batches", "_literal"):
         monkeypatch.setattr(step_module, name, boom)
     x, y = _batch()
     assert _sim(2, [(x.to(torch.bfloat16), y)] * 2, stage=3, precision=BF16)[0] == "ok"

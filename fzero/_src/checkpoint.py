@@ -516,16 +516,21 @@ def _dcp_load(path: str, metadata: Metadata, wanted: dict[str, tuple[tuple[int, 
 # -- arguments, and agreement across ranks ---------------------------------------------------------
 
 
-def _fspath(x: Any, what: str) -> str:
+def _checkpoint_path(x: Any, caller: str = "") -> str:
+    """`_fspath` of a checkpoint's path (`root/step-<n>`, not a root) given to `caller`."""
+    return _fspath(x, f"{caller}path (a checkpoint folder, root/step-<n>)", checkpoint=True)
+
+
+def _fspath(x: Any, what: str, checkpoint: bool = False) -> str:
     """`x` (a str or an `os.PathLike` of one) as a str, or a `CheckpointError` naming the argument;
-    a checkpoint path that is None is most likely `latest(root)` of a root with no complete
+    a `checkpoint` path that is None is most likely `latest(root)` of a root with no complete
     checkpoint, and is said so (found in review: a resume written as `load(latest(root), state)`
     on a first run was told only the type)."""
     if isinstance(x, (str, os.PathLike)):
         p = os.fspath(x)
         if isinstance(p, str):
             return p
-    latest_none = x is None and "root/step-<n>" in what  # a checkpoint's path, not a root
+    latest_none = x is None and checkpoint
     hint = ("; fzero.checkpoint.latest(root) returns None where the root holds no complete checkpoint (a first "
             "run, or another root): check `path is not None` before loading") if latest_none else ""
     raise CheckpointError(f"{what} must be a str or os.PathLike, got {type(x).__name__} {_short(x)}{hint}")
@@ -932,12 +937,11 @@ class _Head:
         return manifest_head(self.state, self.buffers, 1 + max([w for w, _, _ in self.before], default=0), self.lr)
 
 
-def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None
-             ) -> tuple[list[tuple[int, int, str]], int]:
+def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None) -> None:
     """Rank 0, once every rank's data is written: the manifest (its `head`, sealed in the data
     with its place `written` in the root's order and the `lr` record; then every file's sha256 and
     size), fsynced with the folder, then the atomic rename of `tmp` to `final` and an fsync of
-    `root`. `(the complete checkpoints before it, written)`."""
+    `root`."""
     if fail_at == "before_manifest":
         raise _Crash("simulated crash before the manifest was written")
     names = sorted(f for f in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, f)))
@@ -956,7 +960,6 @@ def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None
             f"checkpoint.save: {final!r} is complete and in place, and fzero.checkpoint.latest(root) names it, but "
             f"its root {root!r} could not be synced after the rename ({type(e).__name__}: {e}): after a power "
             f"loss the rename may be lost"), stacklevel=3)
-    return head.before, head.fields["written"]
 
 
 def _abandon(e: BaseException, rank: int, tmp: str, final: str) -> None:
@@ -1113,14 +1116,14 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             error = None
             if rank == 0:
                 try:
-                    before, written = _publish(tmp, final, root, head, _fail_at)
+                    _publish(tmp, final, root, head, _fail_at)
                 except _Crash:
                     raise
                 except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
                     error = e if isinstance(e, CheckpointError) else _save_failed(
                         e, "writing the manifest or renaming the folder", final, tmp, rank)
                 if error is None and keep is not None:  # in the order written: the one just written is last
-                    for _, _, old in [*before, (written, n, final)][:-keep]:
+                    for _, _, old in [*head.before, (head.fields["written"], n, final)][:-keep]:
                         _remove_old(old, final)
             _agree(mesh, "fzero.checkpoint/published", error, None, repr(final),
                    failed=_others_failed(final, tmp, mesh))
@@ -1170,7 +1173,7 @@ def _old_not_removed(what: str, final: str) -> None:
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of the checkpoint at `path`, or a `CheckpointError` naming what is wrong (the
     file, or the field of it that is missing or of the wrong type)."""
-    return _read_manifest(_fspath(path, "path (a checkpoint folder, root/step-<n>)"))[0]
+    return _read_manifest(_checkpoint_path(path))[0]
 
 
 def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
@@ -1290,13 +1293,13 @@ def complete(root: str | os.PathLike) -> list[str]:
     root keeps the place it had there. The last ones written whose manifest was edited after the
     save (not the one sealed in their data) are left out, with an `UnsealedCheckpointSkipped`
     warning each (`_sealed_last`): an edited `written` cannot make a checkpoint the last."""
-    return _complete(root, "root (the folder that holds the step-<n> checkpoints)", 3)
+    return _complete(root)
 
 
-def _complete(root: Any, what: str, stacklevel: int) -> list[str]:
+def _complete(root: Any, stacklevel: int = 3) -> list[str]:
     """`complete(root)`; a warning at `stacklevel` as `warnings.warn` counts it here (so that it names
     the caller of `latest` or `complete`)."""
-    root = _fspath(root, what)
+    root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
     _check_root(root)
     return [p for _, _, p in _found(root, stacklevel + 1)]
 
@@ -1369,10 +1372,7 @@ def _edit(path: str, manifest: dict[str, Any]) -> str | None:
     told without more: a `.metadata` or data file damaged (`load` refuses those, naming the file;
     `latest` checks sizes, not checksums), or any other failure to read the record."""
     try:
-        metadata = _metadata(path, manifest)
-        if _tensor_md(metadata, "step") is None:  # (`check_metadata`'s to name, at load)
-            return None
-        return _record_mismatch(path, manifest, metadata)
+        return _record_mismatch(path, manifest, _metadata(path, manifest))
     except Exception:  # noqa: BLE001 - damage, not a proven edit: load's to refuse, naming the file
         return None
 
@@ -1381,7 +1381,7 @@ def latest(root: str | os.PathLike) -> str | None:
     """The complete checkpoint under `root` written last, or None. A checkpoint whose manifest
     was edited after the save (it is not the one sealed in its data, `check_record`) is never
     returned: skipped with an `UnsealedCheckpointSkipped` warning (`_sealed_last`)."""
-    done = _complete(root, "root (the folder that holds the step-<n> checkpoints)", 3)
+    done = _complete(root)
     return done[-1] if done else None
 
 
@@ -1729,11 +1729,7 @@ def _hash_shares(texts: Sequence[str], rank: int) -> set[str]:
     DistMesh, or on a SimMesh, every file N times)."""
     groups: dict[tuple[str, str], tuple[list[int], int]] = {}
     for r, text in enumerate(texts):
-        try:
-            reads = json.loads(text) if text else {}
-        except ValueError:
-            reads = {}
-        for f, (copy, nbytes) in reads.items():
+        for f, (copy, nbytes) in (json.loads(text) if text else {}).items():
             readers, _ = groups.setdefault((f, copy if copy is not None else f"rank {r}"), ([], int(nbytes)))
             readers.append(r)
     work: collections.Counter[int] = collections.Counter()
@@ -2019,7 +2015,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
             # load overwrites it: a broken donated target is what it restores, and an NVMe target whose
             # files another state (or a failed write) rewrote lends only its structure (found in review)
             check_state(target, pending=False, holds=False)
-            path = _fspath(path, "checkpoint.load: path (a checkpoint folder, root/step-<n>)")
+            path = _checkpoint_path(path, "checkpoint.load: ")
             shown = repr(path)
             manifest, digest = _read_manifest(path)
             key = (manifest["step"], _int64(digest), 0)
@@ -2113,7 +2109,7 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     against the data (`check_metadata`, `check_record`: an edited manifest is refused); a `dtype` that is
     not a floating torch dtype, or `aliases` that name a leaf the checkpoint does not hold or
     rename one it does, are a `CheckpointError` before anything is read."""
-    path = _fspath(path, "checkpoint.export: path (a checkpoint folder, root/step-<n>)")
+    path = _checkpoint_path(path, "checkpoint.export: ")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise CheckpointError(f"checkpoint.export: dtype must be None or a floating torch.dtype (torch.bfloat16, "
                               f"torch.float16, torch.float32, torch.float64), got {type(dtype).__name__} "
@@ -2254,7 +2250,7 @@ def summary(path: str | os.PathLike) -> str:
     step and seal saved with the data (`check_record`: ~3 KB of rank 0's file); the data files
     are not hashed (`load` and `export` do), but where the seal or step differs (to name a damaged
     file rather than an edited manifest)."""
-    path = _fspath(path, "checkpoint.summary: path (a checkpoint folder, root/step-<n>)")
+    path = _checkpoint_path(path, "checkpoint.summary: ")
     m = read_manifest(path)
     lr = _constant_lr(m["optimizer"])
     lines = [f"{path}: step {m['step']}, saved by {m['world_size']} rank(s) at stage {m['stage']}",

@@ -31,7 +31,7 @@ from .errors import ConfigError, FzeroError
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         replaced_tensors, same_paths)
 from .mesh import Mesh
-from .precision import batch_dtype_note, computes
+from .precision import note_batch_dtypes
 from .state import ZeroState, checked
 from .unit import Probe, unit_programs
 
@@ -135,13 +135,8 @@ def _note_batch_dtypes(e: BaseException, state: ZeroState, batch: Any) -> None:
     too (`precision.batch_dtype_note`): the batch's floating leaves in none of the dtypes the
     params reach `fn` in (a precision policy casts the params, not the batch). Built on the error
     path only; none on fzero's own errors, nor on an interrupt."""
-    if not isinstance(e, Exception) or isinstance(e, FzeroError):
-        return
-    with contextlib.suppress(Exception):  # a note that cannot be made never hides `fn`'s error
-        note = batch_dtype_note(str(e), batch, computes(state.precision, state.layout.buckets),
-                                state.precision.param_dtype, reader="evaluate's fn")
-        if note:
-            e.add_note(note)
+    if isinstance(e, Exception) and not isinstance(e, FzeroError):
+        note_batch_dtypes(e, state.precision, state.layout.buckets, batch, reader="evaluate's fn")
 
 
 def check_paths(state: ZeroState, gathered: tuple[str, ...]) -> None:

@@ -1448,14 +1448,14 @@ class DistMesh(Mesh):
         without its handle, and keeping it held its buffers -- a stage-3 unit's gather, a
         bucket's reduction -- until later errors pushed it out (found in review). What the last
         `_ABANDONED` calls kept is kept, each call's as one entry; each holds its buffers."""
-        held = {id(p) for entry in self._abandoned for p in entry}
+        # those waited for since (a retried wait) let go, with their buffers; one handed on again (an
+        # interrupted `Pending.wait` hands itself on, then the step's bookkeeping) kept once (found in review)
+        live = [entry for entry in self._abandoned if not all(getattr(p, "done", False) for p in entry)]
+        held = {id(p) for entry in live for p in entry}
         kept = tuple(p for p in _cancelled_if_dropped(pending) if id(p) not in held)
-        if kept:  # (an interrupted `Pending.wait` hands itself on, and the step's bookkeeping then hands it
-            # again: kept once; found in review)
-            live = [entry for entry in self._abandoned if not all(getattr(p, "done", False) for p in entry)]
-            if len(live) < len(self._abandoned):  # those waited for since (a retried wait): their buffers go
-                self._abandoned.clear()
-                self._abandoned.extend(live)
+        if kept:
+            self._abandoned.clear()
+            self._abandoned.extend(live)
             self._abandoned.append(kept)
 
     def _move(self, call: _Call, x: torch.Tensor, donate: bool = False,

@@ -19,6 +19,7 @@ compute dtype and the cast to make (`batch_dtype_note`, made on the error path o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Collection
@@ -147,6 +148,17 @@ def batch_dtype_note(message: str, batch: Any, params: Collection[torch.dtype], 
         why, other = "the params' own dtype, as given to fzero.init", ""
     return (f"fzero: {shown} not in {to}, the dtype the params reach {reader} in ({why}); cast floating "
             f"inputs to {to} in {reader} (x.to({to}); a from_module model: apply(p, x.to({to})){other})")
+
+
+def note_batch_dtypes(e: BaseException, precision: Precision, buckets: Collection[BucketSpec], batch: Any,
+                      where: str = "the batch", reader: str = "the loss") -> None:
+    """Add `batch_dtype_note` to `e`, an error the loss (or `evaluate`'s fn) raised, for the
+    dtypes the params reach it in under `precision` (`computes`); the step's and `evaluate`'s
+    error paths. A note that cannot be made never hides `e`."""
+    with contextlib.suppress(Exception):
+        note = batch_dtype_note(str(e), batch, computes(precision, buckets), precision.param_dtype, where, reader)
+        if note:
+            e.add_note(note)
 
 
 def _shown(t: torch.Tensor) -> str:

@@ -60,7 +60,7 @@ from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
 from .plan import _probes, step_plan
-from .precision import _shown, added_in, at_least_float32, batch_dtype_note, computes
+from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
@@ -570,16 +570,13 @@ def _note_loss_error(e: Exception, config: StepConfig, state: ZeroState, i: int,
     only (nothing runs where the loss returns): how the batch was read (`_note_micro_batches`),
     and, for torch's error of operands of different dtypes, the batch's floating leaves in none of
     the dtypes the params reach the loss in (a precision policy casts the params, not the batch:
-    `precision.batch_dtype_note`). None on fzero's own errors (they say what they found)."""
+    `precision.note_batch_dtypes`). None on fzero's own errors (they say what they found)."""
     if isinstance(e, FzeroError):
         return
     k = config.micro_batches
     with contextlib.suppress(Exception):  # a note that cannot be made never hides the loss's error
         _note_micro_batches(e, k, i, mb)
-        note = batch_dtype_note(str(e), mb, computes(state.precision, state.layout.buckets),
-                                state.precision.param_dtype, "the batch" if k == 1 else f"micro-batch {i}")
-        if note:
-            e.add_note(note)
+    note_batch_dtypes(e, state.precision, state.layout.buckets, mb, "the batch" if k == 1 else f"micro-batch {i}")
 
 
 def _note_micro_batches(e: Exception, k: int, i: int, mb: Any) -> None:
