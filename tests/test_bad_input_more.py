@@ -472,7 +472,7 @@ def test_gather_on_one_gloo_rank_beside_a_step_on_the_other_is_a_mismatch(dist2)
     own first collective now mismatches, on both ranks, as a `CollectiveMismatch` naming the
     gather's call and saying every rank must make it (the stepping rank's forward said it as
     `DivergentPaths`, whose advice -- gather='eager', a data-dependent branch -- was not the way
-    out; found in a new user's walkthrough, tests/test_review_30_entries.py)."""
+    out; found in a new user's walkthrough, tests/test_calls_on_some_ranks.py)."""
     from . import dist_cases
 
     for words in dist2.run(dist_cases.gather_beside_a_step):

@@ -7,7 +7,7 @@ the rest, neither waited for nor abandoned (gloo cancels such an exchange when i
 freed, and a peer waiting for it waits out the group's timeout; found in review).
 
 `read` is checked through a step on SimMesh (its gathers wrapped to log their waits, one made to
-raise), `refill` at unit level with fake gathers, as tests/test_review_30_waits.py checks
+raise), `refill` at unit level with fake gathers, as tests/test_error_path_waits.py checks
 `finish`.
 """
 

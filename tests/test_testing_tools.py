@@ -4,10 +4,12 @@ on bits, and the strategies' bounds (found in review: each failed before its fix
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import struct
 import time
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -371,3 +373,30 @@ def test_examples_runs_ten_times_as_many_under_the_local_profile(monkeypatch, pr
 
     monkeypatch.setenv("HYPOTHESIS_PROFILE", profile)
     assert example_count(7) == want and examples(7).max_examples == want
+
+
+# ---------------------------------------------------------------------------------------------
+# `assert_trees_equal` on numpy arrays (found in the twenty-ninth review: two empty float arrays,
+# which are equal, raised numpy's ValueError, "cannot reshape array of size 0").
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (2, 0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_assert_trees_equal_compares_empty_numpy_float_arrays_bitwise(shape, dtype):
+    """Two empty float arrays are equal, bitwise too (before: numpy's ValueError, "cannot reshape
+    array of size 0 into shape (0,newaxis)"); one of another shape still differs."""
+    assert_trees_equal({"a": np.zeros(shape, dtype)}, {"a": np.zeros(shape, dtype)}, bitwise=True)
+    with pytest.raises(AssertionError, match="numpy"):
+        assert_trees_equal({"a": np.zeros(shape, dtype)}, {"a": np.zeros((1, *shape), dtype)}, bitwise=True)
+
+
+def test_assert_trees_equal_still_tells_signed_zeros_apart_in_numpy_arrays():
+    """The bitwise numpy comparison after the fix: -0.0 against 0.0 differs, at its index."""
+    a, b = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
+    b[1, 2] = -0.0
+    assert_trees_equal(a, b)
+    with contextlib.suppress(AssertionError):
+        assert_trees_equal(a, b, bitwise=True)
+        raise RuntimeError("bitwise: -0.0 read as 0.0")
+    with pytest.raises(AssertionError, match=r"first at index \[1, 2\]"):
+        assert_trees_equal(a, b, bitwise=True)

@@ -1,19 +1,14 @@
-"""Found in the twenty-ninth review (of the session's library changes).
-
-- `step.drop_unrun_backward` was skipped under a torch.func transform: a step differentiated
-  through (a meta-gradient, `engine="func"`) whose backward raised, caught, left the nodes torch's
-  engine had not run in the thread's ready queue, holding the step's graph (activations, the
-  units' Function contexts) until the next backward on the thread, or for good after the last.
-- `fzero.testing.assert_trees_equal(a, b, bitwise=True)` raised numpy's ValueError ("cannot
-  reshape array of size 0") on two empty float arrays, which are equal.
+"""A step differentiated through (a meta-gradient, `engine="func"`) whose backward raised, caught
+by the caller. Found in the twenty-ninth review: `step.drop_unrun_backward` was skipped under a
+torch.func transform, which left the nodes torch's engine had not run in the thread's ready queue,
+holding the step's graph (activations, the units' Function contexts) until the next backward on
+the thread, or for good after the last.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 
-import numpy as np
 import pytest
 import torch
 
@@ -95,25 +90,3 @@ def test_a_meta_gradient_through_a_step_still_runs_after_one_whose_backward_rais
 
     clean, again = mesh.run(main)[0]
     assert_trees_equal(clean, again, bitwise=True)
-
-
-@pytest.mark.parametrize("shape", [(0,), (0, 3), (2, 0)])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
-def test_assert_trees_equal_compares_empty_numpy_float_arrays_bitwise(shape, dtype):
-    """Two empty float arrays are equal, bitwise too (before: numpy's ValueError, "cannot reshape
-    array of size 0 into shape (0,newaxis)"); one of another shape still differs."""
-    assert_trees_equal({"a": np.zeros(shape, dtype)}, {"a": np.zeros(shape, dtype)}, bitwise=True)
-    with pytest.raises(AssertionError, match="numpy"):
-        assert_trees_equal({"a": np.zeros(shape, dtype)}, {"a": np.zeros((1, *shape), dtype)}, bitwise=True)
-
-
-def test_assert_trees_equal_still_tells_signed_zeros_apart_in_numpy_arrays():
-    """The bitwise numpy comparison after the fix: -0.0 against 0.0 differs, at its index."""
-    a, b = np.zeros((2, 3), np.float32), np.zeros((2, 3), np.float32)
-    b[1, 2] = -0.0
-    assert_trees_equal(a, b)
-    with contextlib.suppress(AssertionError):
-        assert_trees_equal(a, b, bitwise=True)
-        raise RuntimeError("bitwise: -0.0 read as 0.0")
-    with pytest.raises(AssertionError, match=r"first at index \[1, 2\]"):
-        assert_trees_equal(a, b, bitwise=True)
