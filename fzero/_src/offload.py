@@ -640,7 +640,8 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     With params="nvme" a trainable bucket's shard is a stand-in (`is_stand_in`) and the tier's
     file of its tag holds the values: `start` begins that file's read (`NvmeTier.start_shard`),
     so the read runs while the units before it compute, and the flight's first phase waits for
-    it, copies the shard to the device and starts the all-gather (`_Phase`); the blocking `run`
+    it, copies the shard to the device and starts the all-gather (the one phase of `ENTER_GATHER`'s
+    flight, so that the mesh sees the all-gather's own `Pending`); the blocking `run`
     does the same at once. A real tensor (a frozen bucket's host shard, `fzero.gather`'s master
     values) is copied as with params="cpu". Frozen buckets stay in host memory: the units and
     `fzero.gather` cast a frozen shard to another dtype before `enter` where a policy says so
@@ -662,20 +663,10 @@ def stage_of(stage: Stage, offload: Offload, tier: HostTier | None) -> Stage:
     def start_enter(mesh: Any, wire: Wire, shard: torch.Tensor) -> Flight:
         if not on_file(wire, shard):
             return ENTER_GATHER.start(mesh, wire, fetch(shard))
-        return Flight(tier.start_shard(wire.tag), (lambda x: _Phase(ENTER_GATHER.start(mesh, wire, x)),))
+        return Flight(tier.start_shard(wire.tag), (lambda x: ENTER_GATHER.start(mesh, wire, x).pending,))
 
     return dataclasses.replace(stage, enter=Piece(enter, ENTER_GATHER.moves, ENTER_GATHER.frozen_moves,
                                                   start=start_enter))
-
-
-class _Phase:
-    """A `Flight` as one phase of another (`Flight.then` returns what has `wait()`)."""
-
-    def __init__(self, flight: Flight) -> None:
-        self.flight = flight
-
-    def wait(self) -> torch.Tensor:
-        return self.flight.wait()
 
 
 # -- what init (and a checkpoint's load) holds where --------------------------------------------

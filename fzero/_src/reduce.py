@@ -23,7 +23,7 @@ from .offload import differentiated
 from .plan import plan_of
 from .stages import Flight
 from .state import ZeroState
-from .unit import Assembly, HostBuffers, Inflight
+from .unit import Assembly, HostBuffers, Inflight, settle_flights
 
 
 class Chained(Inflight):
@@ -40,7 +40,12 @@ class Chained(Inflight):
     of its last phase): stage 1's local gradient
     `flat[N * S]` is then released one bucket after its reduction
     starts, not all together after the backward -- a step that holds one or two of them at a
-    time instead of every unit's reuses freed memory instead of asking the system for fresh pages."""
+    time instead of every unit's reuses freed memory instead of asking the system for fresh pages.
+
+    Each bucket's flight is in `started` as soon as its start returns, before the older one's wait
+    (where an interrupt is most likely to land): before, it was held only by a local until that
+    wait returned, and an interrupt of the wait lost it -- neither `Inflight.settle` nor the mesh
+    saw it, and gloo cancelled it under a peer that then waited out the timeout (found in review)."""
 
     # how many flights start after a bucket's before its next collective does (a wait for its
     # reduce-scatter that stalls the backward is less likely the larger it is; 1 and 2 did not
@@ -62,11 +67,10 @@ class Chained(Inflight):
 
     def _then_advance(self, b: int, start: Callable[[], Flight]) -> Callable[[], Flight]:
         def run() -> Flight:
-            flight = start()
+            self.started[b] = flight = start()  # held before the wait below (`Inflight.begin` stores it again)
             self._order.append(b)
             if len(self._order) > self.LAG:
-                k = self._order[-1 - self.LAG]
-                self.started[k] = self.started[k].advance()
+                self.started[self._order[-1 - self.LAG]].advance()  # in place (`Flight.advance`)
             return flight
 
         return run
@@ -94,17 +98,34 @@ def reduce(state: ZeroState, grads: dict[int, torch.Tensor | None], started: dic
     are too. Where stage 0 reduces by reduce-scatter + all-gather (a mesh without
     `all_reduce_is_reduce_scatter_gather`), its all-gathers not started in backward (`Chained`)
     start after every reduce-scatter has been started, in bucket order; elsewhere its reduction is
-    one all-reduce."""
-    stage, mesh = state.stage, state.mesh
-    started = started or {}
-    grads = {b: g if g is not None else _zero_grad(state, b) for b, g in grads.items() if b not in started}
-    plan = plan_of(state.info)
-    if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
-        return {b: stage.after_backward.run(mesh, plan[b].wire, g) for b, g in grads.items()}
-    flights = {b: started[b] if b in started else stage.after_backward.start(mesh, plan[b].wire, grads[b])
-               for b in plan if b in started or b in grads}
-    flights = {b: f.advance() for b, f in flights.items()}  # stage 0: each all-gather as its reduce-scatter ends
-    return {b: f.wait() for b, f in flights.items()}
+    one all-reduce.
+
+    Where anything raises here -- an interrupt of a wait (a `KeyboardInterrupt`, an exception a
+    signal handler raises), a failed wait, a start -- every flight not waited for (`started`'s and
+    those started here, each at its phase) is waited for or handed to the mesh
+    (`unit.settle_flights`, as `Inflight.settle` after a backward that raised). Before, they were
+    held only by this function's locals, which nothing on the step's error path sees: they were
+    dropped, and gloo cancelled those exchanges under peers that then waited out the timeout
+    (found in review)."""
+    flights: dict[int, Flight] = {}
+    try:  # (a try costs nothing until it catches)
+        stage, mesh = state.stage, state.mesh
+        started = started or {}
+        grads = {b: g if g is not None else _zero_grad(state, b) for b, g in grads.items() if b not in started}
+        plan = plan_of(state.info)
+        if not overlaps(grads.values()):  # differentiated through: the blocking, differentiable form
+            return {b: stage.after_backward.run(mesh, plan[b].wire, g) for b, g in grads.items()}
+        for b in plan:
+            if b in started:
+                flights[b] = started[b]
+            elif b in grads:
+                flights[b] = stage.after_backward.start(mesh, plan[b].wire, grads[b])
+        for flight in flights.values():
+            flight.advance()  # stage 0: each all-gather as its reduce-scatter ends (in place)
+        return {b: flight.wait() for b, flight in flights.items()}
+    except BaseException as e:
+        settle_flights(state.mesh, [*(started or {}).values(), *flights.values()], e)
+        raise
 
 
 def overlaps(tensors: Any) -> bool:

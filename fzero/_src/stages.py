@@ -76,23 +76,36 @@ class Flight:
     result (`Pending.holds_more`: a reduce-scatter's input, released then, not at
     `wait()`); `wait()` runs every phase and returns the last result. A step starts every bucket's
     first collective, then advances each (stage 0: each reduce-scatter's all-gather), then waits:
-    the same calls, the same bits, as the blocking pieces, with many in flight at once."""
+    the same calls, the same bits, as the blocking pieces, with many in flight at once.
+
+    A flight moves through its phases in place: `pending` is always the collective in flight, and
+    whoever holds the flight (the step's bookkeeping: `Inflight`, `Gathering._ahead`, `reduce`'s and
+    `update`'s flights) holds it. So a wait that something interrupts (a `KeyboardInterrupt`, an
+    exception a signal handler raises) leaves the flight at its phase, for `Mesh.abandon`, and a
+    later `wait()` resumes there, starting no phase twice. The next phase's collective is stored in
+    `pending` as its start returns, with no call in between (CPython runs a signal's handler at a
+    function's entry, a loop's backward jump or after a call into C, not where a Python function
+    returns). Before, `advance` returned a new flight, whose construction (`Flight.__init__`, a
+    function's entry) came after the start, and `wait` advanced a local copy: an interrupt there
+    lost the collective just started, and gloo cancelled it under a peer that then waited out the
+    timeout (found in review)."""
 
     def __init__(self, pending: Pending, then: tuple[Callable[[torch.Tensor], Pending], ...] = ()) -> None:
         self.pending, self.then = pending, then
 
     def advance(self) -> "Flight":
-        if not self.then:  # the last phase: where it holds more than its result, wait, and let that go now
-            if self.pending.holds_more:
-                self.pending.wait()
-            return self
-        return Flight(self.then[0](self.pending.wait()), self.then[1:])
+        """Wait for `pending` and start the next phase, in place (the last phase: wait where it
+        holds more than its result, and let that go now); returns this flight."""
+        if self.then:
+            self.pending, self.then = self.then[0](self.pending.wait()), self.then[1:]
+        elif self.pending.holds_more:
+            self.pending.wait()
+        return self
 
     def wait(self) -> torch.Tensor:
-        flight = self
-        while flight.then:
-            flight = flight.advance()
-        return flight.pending.wait()
+        while self.then:
+            self.advance()
+        return self.pending.wait()
 
 
 StartFn = Callable[[Mesh, Wire, torch.Tensor], Flight]

@@ -270,19 +270,40 @@ class Inflight:
         them, and a peer that did start one and waits for it gets its data. Before, they were
         dropped: gloo cancels a point-to-point exchange whose handle is freed, and a peer that
         waited for that reduction before raising an error of its own waited out the timeout
-        instead (found in review). Only each flight's current collective: nothing starts here."""
-        pendings = [f.pending for f, _, _ in self._flights] + [f.pending for f in self.started.values()]
+        instead (found in review). Only each flight's current collective: nothing starts here
+        (`settle_flights`). This object lets them go only once they are handed on: before, it
+        cleared its lists first, and an interrupt before the waits' `try` -- in
+        `mesh.waits_after`, a function's entry -- lost them all (found in review)."""
+        settle_flights(mesh, [f for f, _, _ in self._flights] + list(self.started.values()), error)
         self._flights, self.started, self._ready = [], {}, {}
+
+
+def settle_flights(mesh: Mesh, held: Sequence[Any], error: BaseException) -> None:
+    """The step raised `error` while `held` (the flights or pendings it started, in start order;
+    the list stays the caller's) may still be in flight: each one's current collective (a
+    flight's `pending`: nothing starts here) that is not done is waited for where the mesh
+    `waits_after(error)` (every rank started them, and `error` is neither `MeshError` nor an
+    interrupt; a wait that fails passes silently, and the rest are not waited for); what is left
+    -- all of it after an interrupt or a `MeshError`, or over a mesh whose starts are not agreed
+    -- is handed to the mesh (`Mesh.abandon`, one entry however many there are): gloo cancels a
+    point-to-point exchange whose handle is freed, and a peer waiting for it would wait out the
+    timeout. An interrupt anywhere here hands on what is left too (`held` itself, where it comes
+    before they are listed). `Inflight.settle`, and `reduce.reduce` / `update.update` for the
+    flights they start and wait for."""
+    pendings = None
+    try:
+        pendings = list({id(p): p for p in (getattr(h, "pending", h) for h in held)
+                         if not getattr(p, "done", False)}.values())
         wait = mesh.waits_after(error)
-        try:
-            while wait and pendings:
-                try:
-                    wait_held(pendings)  # an interrupted one stays, for `abandon` (found in review)
-                except RuntimeError:  # (MeshError is one): the rest are not waited for
-                    wait = False
-        finally:  # an interrupt of these waits too (found in review: it dropped the rest)
-            if pendings:
-                mesh.abandon(pendings)  # one entry of the mesh's last `_ABANDONED`, however many buckets
+        while wait and pendings:
+            try:
+                wait_held(pendings)  # an interrupted one stays, for `abandon` (found in review)
+            except RuntimeError:  # (MeshError is one): the rest are not waited for
+                wait = False
+    finally:  # an interrupt of these waits too (found in review: it dropped the rest)
+        left = held if pendings is None else pendings
+        if left:
+            mesh.abandon(left)  # one entry of the mesh's last `_ABANDONED`, however many buckets
 
 
 def wait_held(held: list | dict, key: Any = 0) -> Any:
@@ -292,15 +313,13 @@ def wait_held(held: list | dict, key: Any = 0) -> Any:
     a `RuntimeError`: a `KeyboardInterrupt`, an exception a signal handler raises), it stays in
     `held`, for `Gathering.finish` / `Inflight.settle` to wait for or hand to `Mesh.abandon`;
     where it fails (a `RuntimeError`, `MeshError` among them) it is done (`Pending.wait`) and taken
-    out. A flight of several phases is advanced here, as `Flight.wait` advances it (the same calls,
-    the same bits), each phase's flight replacing it in `held`: what is held is the collective in
-    flight, and a later wait does not start a phase again. Before, callers took it out first
-    (`flights.pop(0).wait()`): an interrupt before `Pending.wait` held it -- in `Flight.wait`,
-    between its phases, in the `eager` wrapper -- lost it, and gloo cancelled the exchange under a
-    peer that then waited to the timeout (found in review)."""
+    out. A flight of several phases moves through them in place (`stages.Flight`), so what is held
+    is the collective in flight, and a later wait resumes at its phase, starting none again.
+    Before, callers took it out first (`flights.pop(0).wait()`): an interrupt before
+    `Pending.wait` held it -- in `Flight.wait`, between its phases, in the `eager` wrapper -- lost
+    it, and gloo cancelled the exchange under a peer that then waited to the timeout (found in
+    review)."""
     try:
-        while getattr(held[key], "then", ()):
-            held[key] = held[key].advance()
         out = held[key].wait()
     except RuntimeError:
         del held[key]

@@ -28,7 +28,7 @@ from .optim.base import DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, s
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import ZeroState, updated_nonfinite_leaves
-from .unit import finite_witness
+from .unit import finite_witness, settle_flights
 
 
 class Ready(NamedTuple):
@@ -100,7 +100,14 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     `ready` (`prepare`, donating steps): where every leaf was used, a prepared bucket's update is
     its `launch` on the gradient, the same kernels on the same views as `update_`'s; `launched`
     (`agree_launching`): the buckets whose launch already ran, the new optimizer state each
-    returned and their finite checks."""
+    returned and their finite checks.
+
+    Where anything raises after a finish started -- an interrupt (a `KeyboardInterrupt`, an
+    exception a signal handler raises) of a wait or of the agreement's all-reduce, a failed wait,
+    a later bucket's update -- every finish not waited for is waited for or handed to the mesh
+    (`unit.settle_flights`). Before, only this function's `flights` held them, which nothing on
+    the step's error path sees: they were dropped, and gloo cancelled those all-gathers under
+    peers that then waited out the timeout (found in review)."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -150,11 +157,18 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
         host.done()
     except BaseException as e:
-        host.abort(e)  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
+        try:
+            host.abort(e)  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
+        finally:
+            settle_flights(mesh, list(flights.values()), e)  # the finishes started: waited for, or kept by the mesh
         raise
-    flag = _nonfinite_flag(state, checked, ends, plan)
-    broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
-    gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    try:  # (a try costs nothing until it catches)
+        flag = _nonfinite_flag(state, checked, ends, plan)
+        broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
+        gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
+    except BaseException as e:  # those not waited for (an interrupt, a failed wait or agreement): as above
+        settle_flights(mesh, list(flights.values()), e)
+        raise
     if broken:
         return state, updated_nonfinite_leaves(state, updated)
     if not overlap:  # differentiated through: the blocking, differentiable finish
