@@ -54,7 +54,8 @@ def main() -> None:
     model = GPT2LMHeadModel(config).to(mesh.device)  # CUDA under torchrun + NCCL
     params, apply, info = from_module(model, units=units_by_prefix(model, "transformer.h"))
     del model
-    opt = fzero.optim.adamw(fzero.optim.cosine(args.lr, args.steps, warmup_steps=max(1, args.steps // 10)),
+    warmup = max(1, args.steps // 10)  # cosine's decay_steps counts the steps after the warmup: args.steps in all
+    opt = fzero.optim.adamw(fzero.optim.cosine(args.lr, max(1, args.steps - warmup), warmup_steps=warmup),
                             weight_decay=0.1)
     stage = 3
 

@@ -26,6 +26,7 @@ from fzero._src.mesh import DistMesh as DistMesh
 from fzero._src.mesh import Mesh as Mesh
 from fzero._src.mesh import SimMesh as SimMesh
 from fzero._src.offload import Offload as Offload
+from fzero._src.precision import NoFp32Master as NoFp32Master
 from fzero._src.precision import Precision as Precision
 from fzero._src.scale import DynamicLossScale as DynamicLossScale
 from fzero._src.scale import LossScaleState as LossScaleState
@@ -69,6 +70,7 @@ __all__ = [
     "Metrics",
     "StepConfig",
     "ModuleInfo",
+    "NoFp32Master",
     "NonFiniteError",
     "Offload",
     "OffloadError",

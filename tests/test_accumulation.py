@@ -391,7 +391,7 @@ def test_float64_gradients_are_added_in_float64(stage, k, mode):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_mode_adds_reduced_parts_rounded_to_the_params_dtype_in_every_stage(stage):
-    """bf16 params (no master) reduced in fp32 (`Precision(bf16, fp32)`), k = 3, "each": every
+    """bf16 params (no master) reduced in fp32 (`Precision(reduce_dtype=fp32)`), k = 3, "each": every
     stage adds the parts `fl_bf16(Σ_r fl(c·fl_fp32(g_ri)))` in fp32, in micro-batch order, and
     casts the sum to bf16: stages 2-3 get each reduced part as the gradient of a bf16 tensor,
     which autograd casts to bf16, and stages 0-1 now cast it too. SGD(lr 1) from w = 0 moves by
@@ -421,7 +421,7 @@ def test_each_mode_adds_reduced_parts_rounded_to_the_params_dtype_in_every_stage
 
     def rank_fn(my):
         state = fzero.init({"w": w0.clone()}, optim.sgd(1.0), stage=stage, mesh=mesh,
-                           precision=fzero.Precision(torch.bfloat16, torch.float32))
+                           precision=fzero.Precision(reduce_dtype=torch.float32))
         state, _ = fzero.train_step(loss, micro_batches=k)(state, my)
         return fzero.gather(state)["w"]
 

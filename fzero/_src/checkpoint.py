@@ -98,7 +98,7 @@ from .errors import FzeroError, MeshError
 from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
-from .module import buffers_written
+from .module import aliased, buffers_written
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
@@ -2132,9 +2132,7 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     out = {k: _as_module_to(t, dtype) for k, t in out.items()}
     saved = {k: _as_module_to(t, dtype) for k, t in saved.items()}
     if aliases:
-        for name, names in aliases.items():
-            for alias in names:
-                out[alias] = out[name]
+        out = aliased(out, aliases)
     return {**out, **saved}
 
 

@@ -54,6 +54,14 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
     Every rank must read the same units in the same order with "on_use" (as in the step): a rank
     that takes another path through the model stops every rank with `DivergentPaths`.
 
+    `evaluate` does not change the model's mode: `fn` runs as it is (DeepSpeed's `engine.eval()`
+    has no counterpart here). For a `from_module` model, call `apply.eval()` before evaluating
+    (dropout off; BatchNorm normalizes with its running statistics and does not update them) and
+    `apply.train()` before training again: `apply` runs a parameter-free copy of the module, so
+    `model.eval()` on the original module does not reach it. Left in training mode, dropout
+    stays on and a training-mode BatchNorm updates `info.buffers` in the evaluation's forward,
+    `torch.no_grad()` notwithstanding.
+
     Example:
       >>> mesh = fzero.SimMesh(2)
       >>> def rank_fn():

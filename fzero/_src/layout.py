@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import einops
@@ -311,9 +311,7 @@ def _check_leaf(path: str, leaf: Any,
     does not shard, its dtype, shape and the way out: `_not_float_hint`, where `group_of` says
     whether the leaf is frozen)."""
     if not isinstance(leaf, torch.Tensor):
-        hint = (": pass the module's parameters, dict(model.named_parameters()), or use fzero.from_module(model)"
-                if isinstance(leaf, torch.nn.Module) else "")
-        raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor{hint}")
+        raise LayoutError(f"params leaf {path!r} is a {type(leaf).__name__}, not a tensor{_not_tensor_hint(leaf)}")
     if torch.nn.parameter.is_lazy(leaf):  # found in review: torch's ValueError from inside `plan`, naming no leaf
         raise LayoutError(f"params leaf {path!r} is an uninitialized parameter of a lazy module (nn.LazyLinear, "
                           f"nn.LazyConv2d, ...): it has no shape yet; run the model once on a dummy batch to "
@@ -328,6 +326,21 @@ def _check_leaf(path: str, leaf: Any,
             f"float16, bfloat16, float32 and float64 leaves only{_not_float_hint(leaf, frozen)}"
         )
     return leaf
+
+
+def _not_tensor_hint(leaf: Any) -> str:
+    """The way out for a params leaf that is no tensor, where one is known: a module, or an
+    iterator such as `model.parameters()` (a generator, which optree takes for a leaf: found in
+    review of a DeepSpeed port, whose `initialize(model_parameters=model.parameters())` takes
+    one) -- the params pytree is a dict of the module's named parameters, or `from_module`'s."""
+    if isinstance(leaf, torch.nn.Module):
+        return ": pass the module's parameters, dict(model.named_parameters()), or use fzero.from_module(model)"
+    if isinstance(leaf, Iterator):
+        return (" (an iterator, such as model.parameters() or model.named_parameters(), which fzero does not "
+                "unroll): pass a pytree of tensors, dict(model.named_parameters()) (its leaves named as the "
+                "module names them), or use fzero.from_module(model) (params, apply, info: tied weights kept "
+                "tied, buffers kept)")
+    return ""
 
 
 def _not_float_hint(leaf: torch.Tensor, frozen: bool) -> str:

@@ -11,7 +11,12 @@
   the same tensor (`named_parameters(remove_duplicate=False)`), so tied weights stay tied and
   their gradient is the sum over all uses, added locally before any reduction (as DDP does);
 - `info`: a `ModuleInfo` with the alias table, the live buffers, the suggested `units` and
-  `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters).
+  `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters); after training,
+  `model.load_state_dict(info.state_dict(fzero.gather(state)))` puts the trained weights and
+  buffers back into `model` (DeepSpeed's `engine.module`).
+
+A module wrapped for data parallelism (DDP, DataParallel, FSDP / fully_shard) is refused
+(`ConfigError`): pass the module it wraps; fzero reduces the gradients itself.
 
 Buffers (BatchNorm running stats, ...) are per-rank state kept in the skeleton: `apply` passes
 them to `functional_call` by identity, so a training-mode forward updates them in place, exactly
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -65,6 +71,8 @@ class ModuleInfo(NamedTuple):
       groups: the `groups` to pass to `fzero.init`: `ParamGroup("frozen", frozen=True)` over the
         `requires_grad=False` parameters, if any.
       frozen: names of the `requires_grad=False` parameters.
+      persistent: names of the buffers the module's `state_dict` holds (all but those registered
+        with `persistent=False`); None: every name in `buffers`.
     """
 
     aliases: dict[str, tuple[str, ...]]
@@ -72,6 +80,54 @@ class ModuleInfo(NamedTuple):
     units: UnitSpec
     groups: tuple[ParamGroup, ...]
     frozen: tuple[str, ...]
+    persistent: frozenset[str] | None = None
+
+    def state_dict(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's `state_dict` from `full`, the params `fzero.gather(state)` returns (its
+        `{params name: tensor}`): every name of each param (`aliases`: a tied weight under each of
+        its names), then the buffers the module's `state_dict` holds (`persistent`), as `buffers`
+        holds them now -- trained: BatchNorm's running statistics as the steps left them. So
+
+            model.load_state_dict(info.state_dict(fzero.gather(state)))
+
+        puts the trained weights and buffers back into the original module, strictly (DeepSpeed's
+        `engine.module`; `load_state_dict(fzero.gather(state))` alone misses a tied weight's other
+        names, and `strict=False` then leaves the module's buffers as they were). Pure: the
+        tensors are `full`'s and the live buffers themselves, not copies (`load_state_dict` copies
+        them). A `full` whose keys are not the params `from_module` returned is a `ConfigError`
+        naming the missing and unexpected keys."""
+        if not isinstance(full, Mapping) or set(full) != set(self.aliases):
+            got = set(full) if isinstance(full, Mapping) else set()
+            missing, extra = sorted(set(self.aliases) - got), sorted(got - set(self.aliases))
+            what = f"a dict of {len(full)} keys" if isinstance(full, Mapping) else f"a {type(full).__name__}"
+            raise ConfigError(f"ModuleInfo.state_dict(full) takes the params of this from_module's model as "
+                              f"fzero.gather(state) returns them ({len(self.aliases)} keys), got {what}: missing "
+                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                              f"{' ...' if len(extra) > 5 else ''} (params nested beside others, as "
+                              f"{{'model': params, ...}}: pass that subtree, fzero.gather(state)['model'])")
+        kept = self.buffers if self.persistent is None else {k: b for k, b in self.buffers.items()
+                                                             if k in self.persistent}
+        return {**aliased(full, self.aliases), **kept}
+
+
+def aliased(leaves: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
+    """`leaves` (`{params name: value}`) with each value also under every other name `aliases`
+    gives it (`ModuleInfo.aliases`: a tied weight's names, its own first): the names a module's
+    `state_dict` uses. Names `aliases` does not list keep their value. The one rule
+    `ModuleInfo.state_dict` and `checkpoint.export(..., aliases=)` build a module's keys by."""
+    out = dict(leaves)
+    for name, names in aliases.items():
+        for alias in names:
+            out[alias] = leaves[name]
+    return out
+
+
+def persistent_buffers(module: nn.Module) -> frozenset[str]:
+    """The names of `module`'s buffers that its `state_dict` holds: every buffer of every
+    submodule (under each name a shared submodule has, as `named_buffers(remove_duplicate=False)`
+    names them) but those registered with `persistent=False`."""
+    return frozenset(f"{mn}.{bn}" if mn else bn for mn, m in module.named_modules(remove_duplicate=False)
+                     for bn, b in m._buffers.items() if b is not None and bn not in m._non_persistent_buffers_set)
 
 
 class _FrozenNames:
@@ -130,6 +186,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     """
     if not isinstance(module, nn.Module):
         raise FzeroError(f"from_module expects an nn.Module, got {type(module).__name__}")
+    _check_unwrapped(module)
     canonical: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     params: dict[str, torch.Tensor] = {}
@@ -213,7 +270,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
-    return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen)
+    return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen,
+                                                                           persistent_buffers(skeleton))
 
 
 def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
@@ -255,6 +313,52 @@ def keep_reassigned(slots: tuple[tuple[nn.Module, str, torch.Tensor, str], ...])
         with torch.no_grad():
             buffer.copy_(new)
         m._buffers[attr] = buffer
+
+
+def _wrappers() -> tuple[tuple[type, str, str], ...]:
+    """`(class, its name, what fzero would make of it)` of each torch data-parallel wrapper: DDP and
+    DataParallel (torch.nn, always imported), FSDP's `FullyShardedDataParallel` and `fully_shard`'s
+    `FSDPModule` where `torch.distributed.fsdp` is imported (else no module can be one)."""
+    found = [(nn.parallel.DistributedDataParallel, "torch.nn.parallel.DistributedDataParallel",
+              "take its parameter names ('module.*') and leave its gradient buckets, hooks and reducer alive "
+              "beside fzero's own reduction"),
+             (nn.DataParallel, "torch.nn.DataParallel", "take its parameter names ('module.*') and leave its "
+              "per-device replicas alive")]
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for attr, name, would in (("FullyShardedDataParallel", "torch.distributed.fsdp.FullyShardedDataParallel",
+                               "take FSDP's flat, sharded parameters for the model's"),
+                              ("FSDPModule", "torch.distributed.fsdp.fully_shard",
+                               "take fully_shard's DTensor shards for the model's parameters")):
+        cls = getattr(fsdp, attr, None) if fsdp is not None else None
+        if isinstance(cls, type):
+            found.append((cls, name, would))
+    return tuple(found)
+
+
+def _check_unwrapped(module: nn.Module) -> None:
+    """A module that is (or holds) a data-parallel wrapper (DDP, DataParallel, FSDP / fully_shard)
+    is refused with a `ConfigError` naming the wrapper, where it sits, and the way out: it was
+    taken, its parameters named `module.*`, with DDP's gradient buckets, hooks and replica kept
+    alive beside fzero's own reduction (found in review of a DeepSpeed port). One pass over the
+    submodules, at `from_module` only."""
+    wrappers = _wrappers()
+    for name, m in module.named_modules():
+        for cls, what, would in wrappers:
+            if not isinstance(m, cls):
+                continue
+            where = "the module" if not name else f"submodule {name!r} of the module"
+            sharded = "fsdp" in what
+            if sharded:
+                way = ("build the model without it and pass that to from_module: fzero shards the params itself "
+                       "(fzero.init(..., stage=3))")
+            elif not name:
+                way = (f"pass the module it wraps, fzero.from_module({'ddp' if 'Distributed' in what else 'dp'}"
+                       f".module), and do not wrap the model: fzero reduces the gradients itself")
+            else:
+                way = (f"put the module it wraps in its place (model.get_submodule({name!r}).module), or build the "
+                       f"model without the wrapper: fzero reduces the gradients itself")
+            raise ConfigError(f"from_module: {where} is a {what} wrapper ({type(m).__name__}): fzero would "
+                              f"{would}; {way}")
 
 
 def _check_dense(module: nn.Module) -> None:

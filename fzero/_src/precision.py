@@ -22,25 +22,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Collection
+import warnings
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from .errors import ConfigError
-from .layout import BucketSpec
+from .layout import BucketSpec, Layout, LeafSpec
 from .stages import Wire
 from .tree import flatten_with_paths
 
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """The dtypes of computation and reduction (None: the bucket's own dtype, no cast).
+    """The dtypes of computation and reduction (FSDP2's `MixedPrecisionPolicy` rule for None).
+
+    The master values stay in the dtype the params are given in: fp32 params under
+    `Precision(torch.bfloat16, torch.float32)` keep an fp32 master, while params given in bf16
+    (`model.bfloat16()`) keep none (`fzero.init` warns, `NoFp32Master`, where `param_dtype` is set).
 
     Attributes:
       param_dtype: what units are gathered and computed in (fp32, bf16, fp16, fp64; not
-        narrower than 16 bits).
-      reduce_dtype: what gradients are reduced in; not narrower than 16 bits.
+        narrower than 16 bits). None: each bucket's own dtype, no cast.
+      reduce_dtype: what gradients are reduced in; not narrower than 16 bits. None: `param_dtype`
+        where that is set, else each bucket's own dtype -- so `Precision(torch.bfloat16)` reduces
+        in bf16; pass `reduce_dtype=torch.float32` to reduce fp32 params' gradients in fp32.
     """
 
     param_dtype: torch.dtype | None = None
@@ -72,6 +79,67 @@ class Precision:
 
 
 FULL = Precision()  # no policy: every bucket computes and reduces in its own dtype
+
+
+class NoFp32Master(UserWarning):
+    """`fzero.init` under a `Precision` whose `param_dtype` is set, of trainable params already
+    16-bit (`model.bfloat16()` / `model.half()` before `from_module`): the state keeps the master
+    values in the params' own dtype, so it keeps no fp32 master and the optimizer updates 16-bit
+    values (DeepSpeed's bf16 / fp16 modes keep an fp32 master whatever the module's dtype).
+    Give fp32 params for an fp32 master, or drop `param_dtype` to train in 16 bits on purpose."""
+
+
+def unmastered(precision: Precision, layout: Layout) -> list[LeafSpec]:
+    """The trainable leaves that `precision` computes in a 16-bit `param_dtype` and whose master
+    values are 16-bit too, as given (`Stage.hold` keeps the master in the params' own dtype):
+    empty where `param_dtype` is None (16-bit params with no policy, or with only a wider
+    `reduce_dtype`, train in 16 bits on purpose: docs/bad-input.md row 94) or not 16-bit. Read
+    from the layout's specs only, once per `init`."""
+    compute = precision.param_dtype
+    if compute is None or compute.itemsize != 2:
+        return []
+    return [layout.leaves[i] for b in layout.buckets if not b.group.frozen and b.dtype.itemsize == 2
+            for i in b.leaves]
+
+
+def no_master_message(precision: Precision, leaves: Sequence[LeafSpec]) -> str:
+    """`NoFp32Master`'s words for `leaves` (`unmastered`): the first few (path, dtype, shape) and
+    their count, why no fp32 master is kept, and the two ways on."""
+    compute = short_name(precision.param_dtype)  # type: ignore[arg-type]  # (`unmastered` found it set)
+    dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in leaves})
+    shown = ", ".join(f"{ls.path!r} ({_spec_shown(ls)})" for ls in leaves[:4])
+    more = f" and {len(leaves) - 4} more" if len(leaves) > 4 else ""
+    alike = dtypes == [str(precision.param_dtype).removeprefix("torch.")]
+    same = ("already the policy's param_dtype, so the policy casts nothing" if alike
+            else f"16-bit already, cast to the policy's {compute}")
+    now = "as now" if alike else f"in their own {'/'.join(dtypes)}"
+    fp16 = (" (fp16 params also lose Adam's eps=1e-8, which is 0 in fp16, and small gradients: fp32 params with "
+            "fzero.Precision(torch.float16, torch.float32) and loss_scale=fzero.DynamicLossScale() is DeepSpeed's "
+            "fp16 mode)") if "float16" in dtypes else ""
+    counted = "1 trainable params leaf" if len(leaves) == 1 else f"{len(leaves)} trainable params leaves"
+    verb = "is" if len(leaves) == 1 else "are"
+    return (f"fzero.init: {counted} ({shown}{more}) {verb} {'/'.join(dtypes)}, "
+            f"{same}: no fp32 master is kept (the state keeps the master values in the params' own dtype), so "
+            f"the optimizer updates them in {'/'.join(dtypes)} and an update smaller than half a unit in the last "
+            f"place of a weight rounds away, silently (DeepSpeed's bf16 / fp16 modes keep an fp32 master whatever "
+            f"the module's dtype){fp16}. For fp32 master weights, give fzero.init fp32 params: model.float() "
+            f"before fzero.from_module (or {{k: v.float() for k, v in params.items()}}); {precision!r} then "
+            f"computes in {compute} and keeps the fp32 master. To train in 16 bits on purpose, drop param_dtype: "
+            f"fzero.Precision(reduce_dtype={precision.reduce_dtype or precision.param_dtype}) computes these params "
+            f"{now}, with no warning (fzero.NoFp32Master)")
+
+
+def warn_no_master(precision: Precision, layout: Layout, stacklevel: int) -> None:
+    """`NoFp32Master` where `unmastered` finds leaves (`fzero.init`, on every rank: each raises
+    alike under `-W error`), at `stacklevel` as `warnings.warn` counts it here."""
+    leaves = unmastered(precision, layout)
+    if leaves:
+        warnings.warn(NoFp32Master(no_master_message(precision, leaves)), stacklevel=stacklevel + 1)
+
+
+def _spec_shown(ls: LeafSpec) -> str:
+    """A leaf spec in a message: its dtype and shape, `bfloat16[4, 8]`."""
+    return f"{str(ls.dtype).removeprefix('torch.')}{list(ls.shape)}"
 
 
 def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | None:

@@ -30,7 +30,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, OptimizerError, _layers_tracked, init_state, spec_of
-from .precision import FULL, Precision
+from .precision import FULL, Precision, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
@@ -242,7 +242,9 @@ def init(
         then be equal on every rank already (not compared; where they differ the stages differ,
         docs/bad-input.md).
       precision: a `fzero.Precision` (compute and reduce dtypes); the master values stay in the
-        params' own dtype (`fzero._src.precision`).
+        params' own dtype (`fzero._src.precision`): fp32 params keep an fp32 master, 16-bit params
+        none (a `fzero.NoFp32Master` warning where `param_dtype` is set: give fp32 params,
+        `model.float()` before `from_module`, for an fp32 master).
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`): for trainable buckets that compute in fp16 (`precision`), or fp32 params
@@ -276,6 +278,7 @@ def init(
                               f"got {type(loss_scale).__name__} {loss_scale!r}")
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
+        warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         check_same_layout(layout, mesh)
@@ -870,12 +873,46 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
                        [b.index for b in layout.buckets if not b.group.frozen])
     leaves = updated_nonfinite_leaves(state, updated)
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
+    half = unmastered_words(state, leaves)
+    advice = (f"{half}; donate=False checks each update before keeping it" if half else
+              "Lower the learning rate or keep params in a wider dtype; donate=False checks each update before "
+              "keeping it (and can skip it)")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
         f"inf{range_words(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
         f"the state in "
-        f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). Lower the learning "
-        f"rate or keep params in a wider dtype; donate=False checks each update before keeping it (and can skip it)")
+        f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). {advice}")
+
+
+def unmastered_words(state: ZeroState, paths: Collection[str]) -> str:
+    """Where leaves `paths` (an update made them NaN or inf) include trainable 16-bit params --
+    bf16 / fp16 as given to `fzero.init`, whose master values are then 16-bit too (`Stage.hold`
+    keeps the master in the params' own dtype): the words naming them and the way out (fp32
+    params under a policy that computes in their 16-bit dtype, with a loss scaler for fp16), for
+    the step's `NonFiniteError` in place of "lower the learning rate": in fp16 Adam's eps=1e-8
+    is 0, so a small (or zero) gradient element makes the update inf or NaN at any lr, and
+    `on_nonfinite='skip'` then skips every step (found in review of a DeepSpeed port:
+    `model.half()`). "" where none is 16-bit. The error path only: a read of the layout's leaf
+    specs."""
+    wanted = set(paths)
+    half = [ls for ls in state.layout.leaves if ls.path in wanted and ls.dtype.itemsize == 2]
+    if not half:
+        return ""
+    dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in half})
+    shown = ", ".join(repr(ls.path) for ls in half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
+    fp16 = "float16" in dtypes
+    recipe = ("fzero.Precision(torch.float16, torch.float32) and loss_scale=fzero.DynamicLossScale() (DeepSpeed's "
+              "fp16 mode: fp16 compute, fp32 master, dynamic loss scaling)" if fp16 else
+              "fzero.Precision(torch.bfloat16, torch.float32) (DeepSpeed's bf16 mode: bf16 compute, fp32 master)")
+    why = ("in float16 small constants and squares underflow to 0 (Adam's eps=1e-8 is 0, so an element whose "
+           "squared gradient underflows, or is 0, divides by 0), whatever the lr" if fp16 else
+           "16-bit values round small updates away and overflow where fp32 would not")
+    named = f"leaf {shown} is" if len(half) == 1 else f"leaves {shown} are"
+    return (f"The params {named} {'/'.join(dtypes)} as given to fzero.init, so the state keeps no wider "
+            f"master and the optimizer updates them in {'/'.join(dtypes)} itself: {why}; a lower learning rate does "
+            f"not help, and on_nonfinite='skip' would skip every such step. Keep fp32 params (model.float() before "
+            f"fzero.from_module, or {{k: v.float() for k, v in params.items()}}) and compute in 16 bits under "
+            f"precision={recipe}")
 
 
 def range_words(state: ZeroState) -> str:

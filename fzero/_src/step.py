@@ -64,7 +64,7 @@ from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
-                    outside_inference_mode, range_words)
+                    outside_inference_mode, range_words, unmastered_words)
 from .tree import flatten, flatten_with_paths
 from .unit import HostBuffers, Probe, shared_zeros
 from .update import differentiated_through, donated_through, prepare, update
@@ -438,10 +438,11 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
         return (new if scaler is None else new.replace(loss_scale=next_scale)), _metrics(*seen, skipped=False)
     if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
+        advice = (unmastered_words(state, broken)  # 16-bit params with no wider master: the lr is not the cause
+                  or "Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
                              f"NaN or inf{range_words(state)} in {named} ({state.mesh!r}, {len(broken)} leaves); the "
-                             f"state is unchanged. "
-                             f"Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
+                             f"state is unchanged. {advice}")
     return state, _metrics(*seen, skipped=True)
 
 
@@ -801,12 +802,16 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             if inflight.side is not None:  # the gradients assembled beside the backward: before any is read
                 inflight.side.join()
         refuse_placeholder_gradients(g_roots)
+        # the rest of stages 0-1's reductions (`Chained` waits for an older one's reduce-scatter
+        # there) and the report, inside the `try`: an interrupt or an error there leaves what was
+        # started to `settle`, not to locals (found in review)
+        started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
+        report = _report(state, programs, g_probes)
     except BaseException as e:
         if inflight is not None:  # its reductions in flight: waited for, or kept by the mesh (`Inflight.settle`)
             inflight.settle(mesh, e)
         raise
-    started = inflight.rest(lambda b: _zeros_reduction(state, b)) if inflight is not None else {}
-    return dict(zip(trainable, g_train)), loss.detach(), _report(state, programs, g_probes), count, started
+    return dict(zip(trainable, g_train)), loss.detach(), report, count, started
 
 
 @contextlib.contextmanager

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import numbers
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
@@ -417,16 +419,33 @@ def as_schedule(lr: LearningRate) -> Schedule:
     step's agreement and every bucket's update read that value), so an object that moves on at
     each call moves once a step, as a torch scheduler's `step()` does. The returned function's
     `source` is that callable (for a sequence, its reader).
+
+    A callable must take the step (`lr(step)`: its signature is read once, here), and one that
+    returns something that is no real number at some step (a torch scheduler's `get_last_lr()`
+    list, a tensor, None) raises `OptimizerError` there, naming the callable, the step and what
+    it returned. That check is the range check's own type test, on a value read once a step (the
+    memo): its words are made on the error path only. A torch LR scheduler or optimizer given as
+    `lr` is refused, naming fzero's schedules.
     """
     if isinstance(lr, numbers.Real) and not isinstance(lr, bool):  # numpy's scalars too
         value = check_hyper("lr", lr)
         return lambda step: value
+    if _torch_scheduling(lr):
+        raise OptimizerError(_torch_lr_words(lr))
     if callable(lr):
+        _check_takes_step(lr)
         fn = lr
     elif isinstance(lr, Sequence) and not isinstance(lr, (str, bytes)):
         values = tuple(lr)
         for i, v in enumerate(values):
-            check_hyper(f"lr[{i}]", v)
+            try:
+                check_hyper(f"lr[{i}]", v)
+            except OptimizerError as e:
+                if isinstance(v, (list, tuple)):  # found in review: sequence(recorded get_last_lr() lists)
+                    raise OptimizerError(f"{e}: each value is the lr of one step, a float; a torch scheduler's "
+                                         f"get_last_lr() is a list (one lr per param group): record "
+                                         f"get_last_lr()[0]") from None
+                raise
 
         def fn(step: int) -> float:
             if not 0 <= step < len(values):
@@ -447,14 +466,84 @@ def as_schedule(lr: LearningRate) -> Schedule:
         if at == step:
             return value
         value = fn(step)
-        if isinstance(value, torch.Tensor):
-            raise OptimizerError(f"the lr schedule returned a tensor at step {step}; return a Python float")
-        value = check_hyper(f"lr at step {step}", value)
+        try:
+            value = check_hyper(f"lr at step {step}", value)
+        except OptimizerError:  # the words for a value of no number type, on the error path only
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise OptimizerError(_returned_words(fn, step, value)) from None
+            raise
         memo[0] = (step, value)
         return value
 
     checked.source = fn  # what a reader outside the steps calls, past the memo (`checkpoint.schedule_source`)
     return checked
+
+
+_SCHEDULES = ("fzero's schedules of the step index t (t = 0 is the first update): fzero.optim.cosine(peak, "
+              "decay_steps, warmup_steps=...), fzero.optim.linear_warmup(peak, warmup_steps), "
+              "fzero.optim.step_decay(init, step_size, gamma), or a function of the step (lambda t: 3e-4 * "
+              "min(1.0, (t + 1) / 100)); or replay the torch scheduler: record sched.get_last_lr()[0] before each "
+              "optimizer.step() and pass fzero.optim.sequence(recorded)")
+
+
+def _torch_scheduling(lr: Any) -> bool:
+    """Whether `lr` is a torch LR scheduler (or one like it: an object with `get_last_lr`, as
+    DeepSpeed's) or a torch optimizer: what a port from torch or DeepSpeed hands as the lr."""
+    return isinstance(lr, (torch.optim.lr_scheduler.LRScheduler, torch.optim.Optimizer)) or (
+        not isinstance(lr, type) and callable(getattr(lr, "get_last_lr", None)) and hasattr(lr, "step"))
+
+
+def _torch_lr_words(lr: Any) -> str:
+    """`as_schedule`'s refusal of a torch scheduler or optimizer given as the lr."""
+    kind = type(lr)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(lr, torch.optim.Optimizer):
+        return (f"lr is a torch optimizer ({name}): a fzero optimizer is made by fzero.optim (e.g. "
+                f"fzero.optim.adamw(3e-4, weight_decay=0.1)), and its lr is a float or a schedule: {_SCHEDULES}")
+    return (f"lr is a torch LR scheduler ({name}), which writes a torch optimizer's param groups as it steps; "
+            f"fzero's lr is a float, a function step -> lr, or a sequence of per-step values, read once a step: "
+            f"use {_SCHEDULES}")
+
+
+def _fn_words(fn: Any) -> str:
+    """A callable in a message: a bound method as `Class.name` of its object's class, a Python
+    function by its qualified name and where it is defined (a lambda's name says nothing), any
+    other by its (or its class's) qualified name."""
+    if isinstance(fn, types.MethodType):
+        return f"{type(fn.__self__).__qualname__}.{fn.__name__} (a bound method)"
+    if isinstance(fn, types.FunctionType):
+        return f"{fn.__qualname__} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno})"
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _check_takes_step(fn: Callable[..., Any]) -> None:
+    """A callable lr is called as `fn(step)`: one whose signature takes no positional argument (a
+    torch scheduler's bound `get_last_lr`, found in review: accepted, then Python's TypeError at
+    the first step) is an `OptimizerError` here, naming it. A signature that cannot be read (some
+    builtins) is not checked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0)
+    except TypeError:
+        owner = getattr(fn, "__self__", None)
+        torch_like = owner is not None and _torch_scheduling(owner)
+        hint = (f"; a torch scheduler's get_last_lr reads the torch optimizer's lr, not a step's: use {_SCHEDULES}"
+                if torch_like else "; pass a function of the step, lambda t: ...")
+        raise OptimizerError(f"lr {_fn_words(fn)} is called as lr(step), with the step index (0 for the first "
+                             f"update), but its signature {signature} takes no step{hint}") from None
+
+
+def _returned_words(fn: Any, step: int, value: Any) -> str:
+    """The refusal of a value of no real-number type that the lr callable `fn` returned at `step`."""
+    shown = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    hint = ("return float(x) (x.item()) for a tensor" if isinstance(value, torch.Tensor) else
+            "a torch scheduler's get_last_lr() is a list, one lr per param group: return get_last_lr()[0]"
+            if isinstance(value, (list, tuple)) else "return the lr of that step")
+    return (f"the lr schedule {_fn_words(fn)} returned {shown} {value!r:.80} at step {step}, where the lr of that "
+            f"step, a Python float, is needed; {hint}")
 
 
 def group_lr(schedule: Schedule, ctx: UpdateContext) -> float:

@@ -43,7 +43,13 @@ def cosine(peak: float, decay_steps: int, final: float = 0.0, warmup_steps: int 
     cosine decay to $\eta_{min}$ = `final` over $T$ = `decay_steps` steps:
     $\eta_t = \eta_{min} + (\eta - \eta_{min})(1 + \cos(\pi \min(t', T)/T))/2$, $t' = t - W$
     (torch `CosineAnnealingLR(T_max=T, eta_min)` closed form for $W = 0$, held at
-    $\eta_{min}$ after $T$)."""
+    $\eta_{min}$ after $T$).
+
+    `decay_steps` counts the steps *after* the warmup: the schedule reaches `final` at step
+    $W + T$. DeepSpeed's `WarmupCosineLR(total_num_steps=...)` and transformers'
+    `get_cosine_schedule_with_warmup(num_training_steps=...)` count the warmup in their total
+    instead: a schedule of `total` steps in all is
+    `cosine(peak, total - warmup_steps, warmup_steps=warmup_steps)`."""
     peak = check_hyper("peak", peak)
     final = check_hyper("final", final)
     total = _check_steps("decay_steps", decay_steps, 1)
@@ -79,9 +85,11 @@ def step_decay(init: float, step_size: int, gamma: float = 0.1) -> Schedule:
 
 
 def sequence(values: Sequence[float]) -> Schedule:
-    """`step -> values[step]`: replay recorded values (e.g. a torch scheduler's `get_last_lr()`
-    before each `optimizer.step()`); asking past the end raises. `values` is any iterable of
-    floats but a str (a list, a tuple, a numpy array); anything else is an `OptimizerError`."""
+    """`step -> values[step]`: replay recorded values (e.g. a torch scheduler's
+    `get_last_lr()[0]` -- `get_last_lr()` is a list, one lr per param group -- recorded before
+    each `optimizer.step()`); asking past the end raises. `values` is any iterable of floats but
+    a str (a list, a tuple, a numpy array); anything else (a list of lists too) is an
+    `OptimizerError`."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):  # found in review: a bare float
         # gave Python's "'float' object is not iterable"
         raise OptimizerError(f"sequence takes the lr of each optimizer step (a list of floats), got "
