@@ -16,6 +16,7 @@ from torch import nn
 import fzero
 from fzero.testing import (
     BUFFER,
+    OPT,
     WorkerError,
     ddp_trajectory,
     fzero_trajectory,
@@ -99,7 +100,9 @@ def test_my_model_equals_ddp_bit_for_bit_at_every_stage_n2(dist2):
     buffers = [BUFFER + f"body.4.{k}" for k in ("running_mean", "running_var", "num_batches_tracked")]
     for rank, res in enumerate(results):
         ref = res["ref"]
-        assert len(ref) == 3 and list(ref[0]) == params + buffers, list(ref[0])
+        opt = [OPT + f"{name}.{field}" for name in params for field in ("step", "exp_avg", "exp_avg_sq")]
+        assert len(ref) == 3 and list(ref[0]) == params + buffers + opt, list(ref[0])
+        assert [ref[t][OPT + "head.weight.step"].item() for t in range(3)] == [1.0, 2.0, 3.0]  # float64, exact
         assert not torch.equal(ref[0]["head.weight"], ref[2]["head.weight"])  # the params moved
         assert int(ref[2][BUFFER + "body.4.num_batches_tracked"]) == 3  # the buffers too
         assert res["stages"] == {0: [], 1: [], 2: [], 3: []}, f"rank {rank}: {res['stages']}"

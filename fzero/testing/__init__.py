@@ -9,7 +9,8 @@
   "local" and loads HYPOTHESIS_PROFILE's; call it from the suite's conftest.py.
 - `ddp_trajectory`, `fzero_trajectory`, `trajectory_differences`: a model of one's own trained
   by torch DDP and by fzero at a stage on the same process group (on every rank of a `Pool`), and
-  where the two trajectories differ bit for bit (`fzero.testing.ddp`).
+  where the two trajectories differ bit for bit: params, buffers ("buffer:<name>", `BUFFER`) and
+  optimizer state per param ("opt:<name>.<field>", `OPT`) after every step (`fzero.testing.ddp`).
 
 `Pool`, `LazyPool`, their errors and `fzero.testing.ddp`'s names need only torch. The other names live in
 `fzero.testing.strategies`, which imports hypothesis (the `[test]` extra): it is imported on the
@@ -22,6 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fzero.testing.ddp import BUFFER as BUFFER
+from fzero.testing.ddp import OPT as OPT
 from fzero.testing.ddp import ddp_trajectory as ddp_trajectory
 from fzero.testing.ddp import fzero_trajectory as fzero_trajectory
 from fzero.testing.ddp import trajectory_differences as trajectory_differences
@@ -69,6 +71,7 @@ __all__ = [
     "BUFFER",
     "FLOAT_DTYPES",
     "LazyPool",
+    "OPT",
     "PROFILES",
     "Pool",
     "PoolError",

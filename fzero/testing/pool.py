@@ -319,8 +319,10 @@ class Pool:
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 self._abort()
-                hint = ("; waiting, most likely, in a collective for the rank that raised: run the body under "
-                        "`mesh.run`, whose guard stops every rank of a verified DistMesh with RankFailed"
+                hint = ("; waiting, most likely, in a collective for the rank that raised (`mesh.run`'s guard stops "
+                        "the other ranks of a verified DistMesh with RankFailed where they wait in one of fzero's "
+                        "collectives, not in DDP's or in raw torch.distributed calls: agree between those yourself, "
+                        "as fzero.testing's ddp_trajectory does)"
                         if _errors(replies) else "")
                 raise self._failed(ref, replies, f"rank(s) {sorted(pending.values())} did not answer within "
                                                   f"{within}{hint}")
@@ -466,7 +468,12 @@ def run_job(
 ) -> list[Any]:
     """Run `fn(*args_r)` once on each rank r of a fresh job of `nproc` processes; return, in rank
     order, what each gave: its result, a `RemoteError` if `fn` raised, or a `Died` if its process
-    ended without a result (killed, say).
+    ended without a result (killed, say). Nothing a rank raised is raised here: look at each entry.
+
+    Unlike `Pool.run`, which calls `fn(mesh, *args_r)` with a DistMesh it built, `run_job` passes
+    no mesh: `fn(*args_r)` builds its own (`fzero.DistMesh(backend="gloo")`). A function written
+    for `Pool.run` given here gives each rank a `RemoteError` (a TypeError saying so, where `fn`
+    does not take `args_r` alone), returned like any other.
 
     Each process gets the environment torchrun gives its workers (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) but there is no torchrun agent, so no process stops

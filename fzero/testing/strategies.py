@@ -51,20 +51,36 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
+def _named_profile() -> str | None:
+    """HYPOTHESIS_PROFILE where set and not empty (an empty value reads as unset), else None."""
+    return os.environ.get("HYPOTHESIS_PROFILE") or None
+
+
+def _loaded_profile() -> str | None:
+    """The name of hypothesis's loaded profile (`settings.get_current_profile_name`; older
+    hypothesis: `settings._current_profile`), or None where it cannot tell."""
+    try:
+        getter = getattr(settings, "get_current_profile_name", None)
+        return getter() if getter is not None else getattr(settings, "_current_profile", None)
+    except AssertionError:  # no profile loaded
+        return None
+
+
 def register_profiles() -> str:
     """Register the hypothesis profiles "ci" and "local" (`PROFILES`), load the one the
-    environment variable HYPOTHESIS_PROFILE names ("ci" if unset; a profile of the suite's own,
-    registered before, loads too) and return its name.
+    environment variable HYPOTHESIS_PROFILE names ("ci" if unset or empty; a profile of the
+    suite's own, registered before, loads too) and return its name.
 
     Call it once from the suite's `conftest.py`. `examples(n)` and `seed_per_case` count on the
     loaded profile: without this call the suite runs under hypothesis's default profile, whose
-    seeds are random and whose 200 ms deadline fails torch steps, although `example_count`
-    reads HYPOTHESIS_PROFILE as "ci" (found in review: the profiles lived only in fzero's own
-    tests/conftest.py, so a suite built on fzero.testing was not derandomized in CI).
+    seeds are random and whose 200 ms deadline fails torch steps (found in review: the profiles
+    lived only in fzero's own tests/conftest.py, so a suite built on fzero.testing was not
+    derandomized in CI). An empty HYPOTHESIS_PROFILE= reads as unset (it was "Profile '' is not
+    registered"; found in review).
     """
     for name, values in PROFILES.items():
         settings.register_profile(name, **values)
-    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    profile = _named_profile() or "ci"
     settings.load_profile(profile)
     return profile
 
@@ -72,21 +88,50 @@ def register_profiles() -> str:
 def example_count(n: int) -> int:
     """`n` under the "ci" hypothesis profile (the default), `10 * n` under "local".
 
-    The profile is read from the environment variable HYPOTHESIS_PROFILE; `register_profiles`
-    loads the profile of that name.
+    The profile is the one HYPOTHESIS_PROFILE names where it is set and not empty (the one
+    `register_profiles` loads), else hypothesis's loaded profile: `pytest --hypothesis-profile=local`
+    loads "local" after conftest.py ran, and gets 10 n. (Before, only HYPOTHESIS_PROFILE was read:
+    that option ran n examples, and an empty HYPOTHESIS_PROFILE= read as a profile named "";
+    found in review.) Any other profile: `n`.
     """
-    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-    return n * _PROFILE_FACTOR.get(profile, 1)
+    return n * _PROFILE_FACTOR.get(_named_profile() or _loaded_profile() or "ci", 1)
 
 
-def examples(n: int) -> settings:
-    """A `hypothesis.settings` decorator running `example_count(n)` examples:
-    `n` in the "ci" profile, `10 * n` in the "local" profile.
+class _Examples:
+    """`examples(n)`: a decorator that builds its `hypothesis.settings` when it is applied."""
 
-    Use it on top of `@given`: `@examples(100)`. Other settings come from the loaded profile
-    (`register_profiles`, called from the suite's conftest.py, loads "ci" or "local").
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    @property
+    def max_examples(self) -> int:
+        """`example_count(n)`, read now."""
+        return example_count(self.n)
+
+    def __call__(self, test: Any) -> Any:
+        return settings(max_examples=self.max_examples)(test)
+
+    def __repr__(self) -> str:
+        return f"examples({self.n})"
+
+
+def examples(n: int) -> _Examples:
+    """A decorator running `example_count(n)` examples: `n` in the "ci" profile, `10 * n` in the
+    "local" profile.
+
+    Use it on top of `@given`: `@examples(100)`. Other settings come from the profile loaded when
+    the decorator is applied (usually when the test module is imported, after conftest.py's
+    `register_profiles()`), not when `examples(n)` is called: a decorator made in a module that
+    conftest.py imports first (`FEW = examples(3)`) gets the suite's profile too. (Before, it
+    returned a `hypothesis.settings` made at once, which copied the profile loaded then: made
+    before `register_profiles()`, random seeds and a 200 ms deadline; found in review.) It does
+    not refuse hypothesis's default profile: a pool's workers import test modules, and apply
+    their decorators, without the suite's conftest.py. `examples(n).max_examples` is
+    `example_count(n)`.
     """
-    return settings(max_examples=example_count(n))
+    return _Examples(n)
 
 
 def seed_per_case(*case: Any):
