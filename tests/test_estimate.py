@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
@@ -680,8 +681,14 @@ def test_precision_estimates_what_fzero_keeps_at_every_stage(tmp_path):
                     for stage, where, params_where in cases:
                         tree = {k: v.to(held) for k, v in tree32.items()}
                         opt = make()
-                        state, kw = _held_state(tree, opt, stage, where, params_where, tmp_path / f"swap{checked}",
-                                                units=units, groups=groups, precision=precision)
+                        with warnings.catch_warnings(record=True) as seen:  # 16-bit params, 16-bit param_dtype:
+                            warnings.simplefilter("always", fzero.NoFp32Master)  # no fp32 master, and init says so
+                            state, kw = _held_state(tree, opt, stage, where, params_where,
+                                                    tmp_path / f"swap{checked}", units=units, groups=groups,
+                                                    precision=precision)
+                        no_master = held != torch.float32 and precision.param_dtype is not None
+                        assert {type(w.message) for w in seen} == ({fzero.NoFp32Master} if no_master else set()), (
+                            [str(w.message)[:200] for w in seen], held, precision)
                         hb = held_bytes(state, opt)
                         e = estimate(tree, 3, stage=stage, optimizer="adam" if name == "amsgrad" else name,
                                      param_dtype=held, units=units, groups=groups, precision=precision, **kw,
