@@ -268,6 +268,21 @@ def test_fp32_params_keep_the_lr_advice():
             fzero.init({"w": torch.full((1,), -3e38)}, optim.sgd(1e38), stage=0, mesh=mesh), None))
 
 
+def test_bf16_params_keep_the_lr_advice_and_are_told_of_the_missing_master():
+    """bf16 keeps fp32's exponent range and Adam's eps: an update that overflows bf16 params (sgd at
+    lr 1e38) is the lr's doing, as in fp32, so the lr advice stays, followed by the missing fp32
+    master (found in review: the fp16 words, "a lower learning rate does not help", replaced it)."""
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.NonFiniteError) as e:
+        mesh.run(lambda: fzero.train_step(lambda p, x: (p["w"].float() * x).sum())(
+            fzero.init({"w": torch.ones(4, dtype=torch.bfloat16)}, optim.sgd(1e38), stage=0, mesh=mesh),
+            torch.full((4,), 100.0)))
+    text = str(e.value)
+    assert "Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'. The params leaf 'w' is " \
+           "bfloat16 as given to fzero.init, so the state keeps no wider master" in text
+    assert "fzero.Precision(torch.bfloat16, torch.float32)" in text and "does not help" not in text
+
+
 def test_a_donating_step_over_fp16_params_names_the_missing_master_too():
     g = torch.Generator().manual_seed(0)
     half = {"w": torch.randn(4, 4, generator=g).half(), "b": torch.zeros(4, dtype=torch.float16)}
@@ -390,6 +405,43 @@ def test_a_schedulers_get_last_lr_as_lr_is_refused_when_made():
         optim.adamw(sched.get_last_lr)
     with pytest.raises(optim.OptimizerError, match=r"^lr .*<lambda> \(.*test_migrant.py:\d+\) is called as lr\(step\)"):
         optim.adamw(lambda: 0.1)
+
+
+def test_a_callable_schedule_with_step_and_get_last_lr_is_a_schedule():
+    """A user's schedule class that also logs through `step()` / `get_last_lr()` is called as
+    `lr(step)`, not refused as a torch scheduler (found in review); a decorated function whose
+    wrapper takes the step is taken; one that needs more than the step says so."""
+    import functools
+
+    class Logged:
+        def __call__(self, step):
+            return 0.1 / (step + 1)
+
+        def step(self):
+            pass
+
+        def get_last_lr(self):
+            return [0.1]
+
+    from fzero._src.optim.base import as_schedule
+
+    optim.sgd(Logged())  # made, not refused
+    assert as_schedule(Logged())(3) == 0.1 / 4
+
+    def injecting(fn):
+        @functools.wraps(fn)
+        def wrapper(step):
+            return fn(step, 0.5)
+        return wrapper
+
+    @injecting
+    def halved(step, factor):
+        return 0.1 * factor
+
+    optim.sgd(halved)
+    assert as_schedule(halved)(7) == 0.1 * 0.5
+    with pytest.raises(optim.OptimizerError, match=r"signature \(step, group\) cannot be called with the step alone"):
+        optim.sgd(lambda step, group: 0.1)
 
 
 @pytest.mark.parametrize("returned, words", [

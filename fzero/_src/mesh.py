@@ -242,7 +242,8 @@ class Mesh(abc.ABC):
         unwaited: where every rank started them (`starts_agreed`), and not after the mesh's own
         error (`MeshError`: a lost or stuck rank, after which a wait may never end) nor an
         interrupt (any BaseException that is not an Exception). What it does not wait for, it
-        hands to `abandon` (`Gathering.finish`, `Inflight.settle`)."""
+        hands to `abandon` (`Gathering.finish`, and `unit.settle_flights` for `Inflight.settle`,
+        `reduce.reduce` and `update.update`)."""
         return self.starts_agreed and isinstance(error, Exception) and not isinstance(error, MeshError)
 
     def abandon(self, pending: Any) -> None:
@@ -1439,7 +1440,8 @@ class DistMesh(Mesh):
     def abandon(self, pending: Any) -> None:
         """Keep a started collective this rank will not wait for: over `DistMesh(verify=False)`
         a rank that raised leaves the gathers it prefetched, the refills it started for its
-        backward and the reductions its backward started (`Inflight.settle`) unwaited (its peers
+        backward, the reductions its backward started and those `reduce` / `update` started
+        (`unit.settle_flights`) unwaited (its peers
         may never have started them, `starts_agreed`). gloo cancels a point-to-point send or
         receive whose work handle is freed, so where the peer did start it and waits for it,
         dropping it here left the peer waiting to the timeout (found in review: a flaky test).

@@ -99,7 +99,8 @@ class ModuleInfo(NamedTuple):
         if not isinstance(full, Mapping) or set(full) != set(self.aliases):
             got = set(full) if isinstance(full, Mapping) else set()
             missing, extra = sorted(set(self.aliases) - got), sorted(got - set(self.aliases))
-            what = f"a dict of {len(full)} keys" if isinstance(full, Mapping) else f"a {type(full).__name__}"
+            what = (f"a dict of {len(full)} key{'' if len(full) == 1 else 's'}" if isinstance(full, Mapping)
+                    else f"a {type(full).__name__}")
             raise ConfigError(f"ModuleInfo.state_dict(full) takes the params of this from_module's model as "
                               f"fzero.gather(state) returns them ({len(self.aliases)} keys), got {what}: missing "
                               f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
@@ -322,8 +323,8 @@ def _wrappers() -> tuple[tuple[type, str, str], ...]:
     found = [(nn.parallel.DistributedDataParallel, "torch.nn.parallel.DistributedDataParallel",
               "take its parameter names ('module.*') and leave its gradient buckets, hooks and reducer alive "
               "beside fzero's own reduction"),
-             (nn.DataParallel, "torch.nn.DataParallel", "take its parameter names ('module.*') and leave its "
-              "per-device replicas alive")]
+             (nn.DataParallel, "torch.nn.DataParallel", "take its parameter names ('module.*'), and it would "
+              "replicate the module onto its devices at every forward")]
     fsdp = sys.modules.get("torch.distributed.fsdp")
     for attr, name, would in (("FullyShardedDataParallel", "torch.distributed.fsdp.FullyShardedDataParallel",
                                "take FSDP's flat, sharded parameters for the model's"),

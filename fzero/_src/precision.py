@@ -107,7 +107,7 @@ def no_master_message(precision: Precision, leaves: Sequence[LeafSpec]) -> str:
     their count, why no fp32 master is kept, and the two ways on."""
     compute = short_name(precision.param_dtype)  # type: ignore[arg-type]  # (`unmastered` found it set)
     dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in leaves})
-    shown = ", ".join(f"{ls.path!r} ({_spec_shown(ls)})" for ls in leaves[:4])
+    shown = ", ".join(f"{ls.path!r} ({_shown(ls)})" for ls in leaves[:4])
     more = f" and {len(leaves) - 4} more" if len(leaves) > 4 else ""
     alike = dtypes == [str(precision.param_dtype).removeprefix("torch.")]
     same = ("already the policy's param_dtype, so the policy casts nothing" if alike
@@ -135,11 +135,6 @@ def warn_no_master(precision: Precision, layout: Layout, stacklevel: int) -> Non
     leaves = unmastered(precision, layout)
     if leaves:
         warnings.warn(NoFp32Master(no_master_message(precision, leaves)), stacklevel=stacklevel + 1)
-
-
-def _spec_shown(ls: LeafSpec) -> str:
-    """A leaf spec in a message: its dtype and shape, `bfloat16[4, 8]`."""
-    return f"{str(ls.dtype).removeprefix('torch.')}{list(ls.shape)}"
 
 
 def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | None:
@@ -229,8 +224,8 @@ def note_batch_dtypes(e: BaseException, precision: Precision, buckets: Collectio
             e.add_note(note)
 
 
-def _shown(t: torch.Tensor) -> str:
-    """A tensor in a message: its dtype and shape, `float32[4, 8]`."""
+def _shown(t: torch.Tensor | LeafSpec) -> str:
+    """A tensor (or a layout's leaf spec) in a message: its dtype and shape, `float32[4, 8]`."""
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 

@@ -873,10 +873,8 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
                        [b.index for b in layout.buckets if not b.group.frozen])
     leaves = updated_nonfinite_leaves(state, updated)
     named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
-    half = unmastered_words(state, leaves)
-    advice = (f"{half}; donate=False checks each update before keeping it" if half else
-              "Lower the learning rate or keep params in a wider dtype; donate=False checks each update before "
-              "keeping it (and can skip it)")
+    advice = unmastered_words(state, leaves, "Lower the learning rate or keep params in a wider dtype; donate=False "
+                              "checks each update before keeping it (and can skip it)")
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
         f"inf{range_words(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
@@ -884,35 +882,36 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). {advice}")
 
 
-def unmastered_words(state: ZeroState, paths: Collection[str]) -> str:
-    """Where leaves `paths` (an update made them NaN or inf) include trainable 16-bit params --
-    bf16 / fp16 as given to `fzero.init`, whose master values are then 16-bit too (`Stage.hold`
-    keeps the master in the params' own dtype): the words naming them and the way out (fp32
-    params under a policy that computes in their 16-bit dtype, with a loss scaler for fp16), for
-    the step's `NonFiniteError` in place of "lower the learning rate": in fp16 Adam's eps=1e-8
-    is 0, so a small (or zero) gradient element makes the update inf or NaN at any lr, and
-    `on_nonfinite='skip'` then skips every step (found in review of a DeepSpeed port:
-    `model.half()`). "" where none is 16-bit. The error path only: a read of the layout's leaf
-    specs."""
+def unmastered_words(state: ZeroState, paths: Collection[str], lr_advice: str) -> str:
+    """The advice of a `NonFiniteError` whose update made leaves `paths` NaN or inf: `lr_advice`
+    (the caller's "lower the learning rate ..."), or, where those leaves include trainable 16-bit
+    params -- bf16 / fp16 as given to `fzero.init`, whose master values are then 16-bit too
+    (`Stage.hold` keeps the master in the params' own dtype) -- words naming them and the way to an
+    fp32 master. With an fp16 leaf among them the words replace `lr_advice`: in fp16 Adam's
+    eps=1e-8 is 0, so a small (or zero) gradient element makes the update inf or NaN at any lr,
+    and `on_nonfinite='skip'` then skips every step (found in review of a DeepSpeed port:
+    `model.half()`). bf16 keeps fp32's exponent range and eps: there the lr may well be the cause,
+    and the words follow `lr_advice` (found in review: they replaced it). The error path only: a
+    read of the layout's leaf specs."""
     wanted = set(paths)
     half = [ls for ls in state.layout.leaves if ls.path in wanted and ls.dtype.itemsize == 2]
     if not half:
-        return ""
+        return lr_advice
     dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in half})
     shown = ", ".join(repr(ls.path) for ls in half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
-    fp16 = "float16" in dtypes
-    recipe = ("fzero.Precision(torch.float16, torch.float32) and loss_scale=fzero.DynamicLossScale() (DeepSpeed's "
-              "fp16 mode: fp16 compute, fp32 master, dynamic loss scaling)" if fp16 else
-              "fzero.Precision(torch.bfloat16, torch.float32) (DeepSpeed's bf16 mode: bf16 compute, fp32 master)")
-    why = ("in float16 small constants and squares underflow to 0 (Adam's eps=1e-8 is 0, so an element whose "
-           "squared gradient underflows, or is 0, divides by 0), whatever the lr" if fp16 else
-           "16-bit values round small updates away and overflow where fp32 would not")
-    named = f"leaf {shown} is" if len(half) == 1 else f"leaves {shown} are"
-    return (f"The params {named} {'/'.join(dtypes)} as given to fzero.init, so the state keeps no wider "
-            f"master and the optimizer updates them in {'/'.join(dtypes)} itself: {why}; a lower learning rate does "
-            f"not help, and on_nonfinite='skip' would skip every such step. Keep fp32 params (model.float() before "
-            f"fzero.from_module, or {{k: v.float() for k, v in params.items()}}) and compute in 16 bits under "
-            f"precision={recipe}")
+    named = f"params leaf {shown} is" if len(half) == 1 else f"params leaves {shown} are"
+    given = (f"The {named} {'/'.join(dtypes)} as given to fzero.init, so the state keeps no wider master and the "
+             f"optimizer updates {'it' if len(half) == 1 else 'them'} in {'/'.join(dtypes)} itself")
+    fp32 = ("keep fp32 params (model.float() before fzero.from_module, or {k: v.float() for k, v in params.items()}) "
+            "and compute in 16 bits under precision=")
+    if "float16" not in dtypes:
+        return (f"{lr_advice}. {given}: for an fp32 master, {fp32}fzero.Precision(torch.bfloat16, torch.float32) "
+                f"(DeepSpeed's bf16 mode: bf16 compute, fp32 master)")
+    return (f"{given}: in float16 small constants and squares underflow to 0 (Adam's eps=1e-8 is 0, so an element "
+            f"whose squared gradient underflows, or is 0, divides by 0), whatever the lr; a lower learning rate does "
+            f"not help, and on_nonfinite='skip' would skip every such step. {fp32[0].upper()}{fp32[1:]}"
+            f"fzero.Precision(torch.float16, torch.float32) and loss_scale=fzero.DynamicLossScale() (DeepSpeed's "
+            f"fp16 mode: fp16 compute, fp32 master, dynamic loss scaling)")
 
 
 def range_words(state: ZeroState) -> str:

@@ -438,8 +438,8 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
         return (new if scaler is None else new.replace(loss_scale=next_scale)), _metrics(*seen, skipped=False)
     if config.on_nonfinite == "raise":
         named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
-        advice = (unmastered_words(state, broken)  # 16-bit params with no wider master: the lr is not the cause
-                  or "Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
+        advice = unmastered_words(state, broken,  # 16-bit params with no wider master: fp16's way out replaces it
+                                  "Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
                              f"NaN or inf{range_words(state)} in {named} ({state.mesh!r}, {len(broken)} leaves); the "
                              f"state is unchanged. {advice}")

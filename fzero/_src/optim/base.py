@@ -487,10 +487,12 @@ _SCHEDULES = ("fzero's schedules of the step index t (t = 0 is the first update)
 
 
 def _torch_scheduling(lr: Any) -> bool:
-    """Whether `lr` is a torch LR scheduler (or one like it: an object with `get_last_lr`, as
-    DeepSpeed's) or a torch optimizer: what a port from torch or DeepSpeed hands as the lr."""
+    """Whether `lr` is a torch LR scheduler (or one like it: an object with `get_last_lr` and
+    `step` that is not callable, as DeepSpeed's) or a torch optimizer: what a port from torch or
+    DeepSpeed hands as the lr. A callable is a schedule, `lr(step)`, whatever else it has (a user's
+    schedule class that logs through `get_last_lr` too)."""
     return isinstance(lr, (torch.optim.lr_scheduler.LRScheduler, torch.optim.Optimizer)) or (
-        not isinstance(lr, type) and callable(getattr(lr, "get_last_lr", None)) and hasattr(lr, "step"))
+        not callable(lr) and callable(getattr(lr, "get_last_lr", None)) and hasattr(lr, "step"))
 
 
 def _torch_lr_words(lr: Any) -> str:
@@ -522,18 +524,19 @@ def _check_takes_step(fn: Callable[..., Any]) -> None:
     the first step) is an `OptimizerError` here, naming it. A signature that cannot be read (some
     builtins) is not checked."""
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, follow_wrapped=False)  # a decorator's own: what the call binds
     except (TypeError, ValueError):
         return
     try:
         signature.bind(0)
-    except TypeError:
+    except TypeError as e:
         owner = getattr(fn, "__self__", None)
         torch_like = owner is not None and _torch_scheduling(owner)
         hint = (f"; a torch scheduler's get_last_lr reads the torch optimizer's lr, not a step's: use {_SCHEDULES}"
                 if torch_like else "; pass a function of the step, lambda t: ...")
+        why = "takes no step" if not signature.parameters else f"cannot be called with the step alone ({e})"
         raise OptimizerError(f"lr {_fn_words(fn)} is called as lr(step), with the step index (0 for the first "
-                             f"update), but its signature {signature} takes no step{hint}") from None
+                             f"update), but its signature {signature} {why}{hint}") from None
 
 
 def _returned_words(fn: Any, step: int, value: Any) -> str:
