@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from torch import nn
 
 import fzero
@@ -39,7 +43,10 @@ from fzero.testing import (
     register_profiles,
     trajectory_differences,
 )
+from fzero.testing._worker import _check_call
 from fzero.testing.pool import run_job
+
+from tests.test_testing_ddp import net_loss
 
 # ---------------------------------------------------------------------------------------------
 # A model with a BatchNorm (buffers DDP broadcasts in its forward), a frozen param and a param
@@ -63,9 +70,6 @@ def make_net() -> Net:
     return Net()
 
 
-def net_loss(model, batch) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
 
 
 def batches_for(n: int, steps: int, seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -421,3 +425,135 @@ def test_a_function_of_the_other_style_says_how_it_is_called(dist2):
     [got] = run_job(1, pool_style, [([1, 2], 0)], timeout=60)
     assert isinstance(got, RemoteError) and got.type_name == "builtins.TypeError", got
     assert "run_job calls fn(*args): rank r's 2 argument(s), with no mesh" in got.message, got.message
+
+
+# ---------------------------------------------------------------------------------------------
+# A2: what a test module sets when imported stays on the worker; a decorated function's own
+# signature; storage only read may be shared; examples(n) is a settings
+
+
+_IMPORT_TIME_WARNING = "fzero testing trust: a warning the filter this module sets when imported ignores"
+warnings.filterwarnings("ignore", message=_IMPORT_TIME_WARNING)  # on a worker too, where warnings are errors
+
+
+def warns_what_this_module_ignores(mesh):
+    warnings.warn(_IMPORT_TIME_WARNING)
+    return True
+
+
+@pytest.mark.dist
+def test_what_a_module_sets_when_imported_stays_for_every_call(dist2):
+    """Before, a worker imported the module inside the first call's `catch_warnings()`, after
+    saving torch's settings: its import-time filter (or `torch.set_default_dtype`) was undone when
+    that call returned, and the next identical call failed (or ran in float32)."""
+    assert dist2.run(warns_what_this_module_ignores) == [True, True]
+    assert dist2.run(warns_what_this_module_ignores) == [True, True]
+
+
+@mock.patch("os.getpid", return_value=-7)
+def under_mock_patch(mesh, x, getpid):  # mock.patch appends its mock: the call takes (mesh, x)
+    return x, os.getpid()
+
+
+def seeded(fn):
+    @functools.wraps(fn)
+    def wrapper(mesh, *args):
+        return fn(mesh, 42, *args)
+
+    return wrapper
+
+
+@seeded
+def takes_a_seed(mesh, seed, x):
+    return seed + x
+
+
+@pytest.mark.dist
+def test_a_decorated_function_is_checked_against_its_own_signature(dist2):
+    """Before, `inspect.signature` followed `__wrapped__`: `fn(mesh, x, getpid)` under
+    `@mock.patch`, or `fn(mesh, seed, x)` under a decorator giving the seed, was refused."""
+    _check_call(takes_a_seed, ("mesh", 1), "pool")
+    _check_call(under_mock_patch, ("mesh", 1), "pool")
+    with pytest.raises(TypeError, match=r"Pool.run calls fn\(mesh, \*args\).*job_style\(batches\) does not take"):
+        _check_call(job_style, ("mesh", [1]), "pool")  # a plain function is still checked
+    assert dist2.run(under_mock_patch, [(1,), (2,)]) == [(1, -7), (2, -7)]
+
+
+TABLE = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))  # pretrained vectors, loaded once
+MASK = torch.ones(8)  # a constant every build registers as a non-persistent buffer
+RUNNING = nn.BatchNorm1d(8, affine=False)  # running statistics, persistent buffers a forward updates
+
+
+class Pretrained(nn.Module):
+    def __init__(self, norm: nn.Module | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding.from_pretrained(TABLE)  # frozen
+        self.register_buffer("mask", MASK, persistent=False)
+        self.norm = norm if norm is not None else nn.BatchNorm1d(8, affine=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(x) * self.mask))
+
+
+def test_storage_only_read_may_be_shared_but_written_storage_is_refused():
+    """Before, a frozen `Embedding.from_pretrained(TABLE)` and a constant non-persistent buffer,
+    shared by every build, were refused as a cached model."""
+    mesh = fzero.SimMesh(2)
+    g = torch.Generator().manual_seed(0)
+    batches = [[(torch.randint(0, 10, (4,), generator=g), torch.randint(0, 3, (4,), generator=g))] for _ in range(2)]
+    got = mesh.run(lambda b: fzero_trajectory(mesh, Pretrained, fzero.optim.sgd(0.1), net_loss, b, stage=1),
+                   [(b,) for b in batches])
+    start = Pretrained()
+    for [snap] in got:  # one step on each rank: the shared tensors read, the rest trained
+        assert torch.equal(snap["emb.weight"], TABLE) and torch.equal(snap["buffer:mask"], MASK)
+        assert not torch.equal(snap["head.weight"], start.head.weight)
+    with pytest.raises(fzero.ConfigError, match=r"x: make_model\(\)'s two calls returned models that share the storage "
+                                                r"of \['norm.running_mean', 'norm.running_var', "
+                                                r"'norm.num_batches_tracked'\] \(3 tensor\(s\)\), which a training "
+                                                r"writes .*copy.deepcopy\(cached\)"):
+        ddp_module._check_separate(Pretrained(RUNNING), Pretrained(RUNNING), "x")
+
+
+def test_examples_is_a_settings_read_when_read(monkeypatch):
+    """Before, `examples(n)` was no settings: `settings(examples(3), deadline=...)` raised
+    InvalidArgument and `examples(3).deadline` AttributeError."""
+    monkeypatch.delenv("HYPOTHESIS_PROFILE", raising=False)
+    with loaded("ci"):
+        few = examples(3)
+        assert isinstance(few, settings) and few.deadline is None and few.max_examples == 3
+    with loaded("default"):  # read now, not when made: hypothesis's own 200 ms deadline
+        assert few.deadline == settings().deadline == few.built().deadline and few.deadline is not None
+    with loaded("local"):
+        child = settings(few, deadline=1234)
+        assert few.max_examples == child.max_examples == 30 and child.deadline.total_seconds() == 1.234
+
+        @child
+        @given(st.integers())
+        def prop(x):
+            pass
+
+        assert prop._hypothesis_internal_use_settings is child
+    settings.register_profile("fzero-trust-examples", few)  # its own profile: it would read itself
+    with loaded("fzero-trust-examples"), pytest.raises(InvalidArgument, match=r"examples\(3\) reads the loaded "
+                                                                                r"hypothesis profile, so it cannot"):
+        few.deadline
+
+
+def test_a_second_register_profiles_registers_the_same_local_profile():
+    """`register_profiles()` called again while "ci" is loaded: "local" is still random seeds with
+    a database (before, it inherited "ci"'s derandomize and no database)."""
+    from hypothesis import settings as hsettings
+
+    from fzero.testing import register_profiles
+
+    loaded = hsettings._current_profile
+    try:
+        register_profiles()
+        hsettings.load_profile("ci")
+        register_profiles()
+        local = hsettings.get_profile("local")
+        assert not local.derandomize and local.database is not None, (local.derandomize, local.database)
+    finally:
+        hsettings.load_profile(loaded)

@@ -13,17 +13,24 @@ anomaly detection, float32 matmul precision, the number of threads, the default 
 warnings filters (a call runs in `warnings.catch_warnings()`): before, a call that set
 `torch.set_default_dtype(torch.float64)` and failed before setting it back made every later call
 of the pool run in float64, where an equivalence test passed in the wrong dtype (found in
-review). What persists from call to call is the process: module globals (imported modules, their
-caches, a model a module keeps), torch's random-number generators (not reseeded: seed in each
-call, as `make_model` does), the process group, and every other process-wide setting
-(`torch.backends` flags, environment variables, the working directory).
+review). A call imports its function's module before the settings are saved, outside the
+`catch_warnings()`: what a module sets when imported (`torch.set_default_dtype`, a warnings
+filter) stays for every later call, as in a process that imported it (before, the import ran
+inside the first call's window, whose end undid it: two identical calls saw float64, then
+float32; found in review). What persists from call to call is the process: module globals
+(imported modules, their caches, a model a module keeps), torch's random-number generators (not
+reseeded: seed in each call, as `make_model` does), the process group, and every other
+process-wide setting (`torch.backends` flags, environment variables, the working directory).
 
     python -m fzero.testing._worker job DIR RANK
 
 is one rank of `fzero.testing.pool.run_job`: runs `fn(*args)` from DIR/in-RANK.pkl once, with
 warnings as errors, and writes the result or the exception to DIR/out-RANK.pkl.
 
-Both check first that `fn` takes the arguments it is called with (`inspect.signature(fn).bind`):
+Both check first that `fn` takes the arguments it is called with
+(`inspect.signature(fn, follow_wrapped=False).bind`: the signature of the function called, not of
+the one a `functools.wraps` decorator wraps; before, a test under `@mock.patch(...)`, which
+appends its mock, was refused though the call works; found in review):
 a pool calls `fn(mesh, *args)`, `run_job` `fn(*args)`, and a function written for one given to
 the other raises a TypeError that says so (before, Python's "missing 1 required positional
 argument", or a failure inside `fn`; found in review).
@@ -101,16 +108,19 @@ def _restore(saved: list[tuple[Callable[[], Any], Callable[[Any], Any], Any]]) -
 def _check_call(fn: Any, args: tuple, how: str) -> None:
     """TypeError, saying how `fn` is called here, where it does not take `args` (`how`: "pool" or "job")."""
     try:
-        inspect.signature(fn).bind(*args)
+        # the function called, not the one it wraps: a `functools.wraps` decorator may add or take
+        # arguments (`@mock.patch(...)` appends its mock)
+        signature = inspect.signature(fn, follow_wrapped=False)
+        signature.bind(*args)
     except TypeError as e:
         name = getattr(fn, "__qualname__", repr(fn))
         if how == "pool":
             said = (f"Pool.run calls fn(mesh, *args): a fresh DistMesh, then rank r's {len(args) - 1} argument(s) "
-                    f"per_rank_args gave it; {name}{inspect.signature(fn)} does not take them ({e}). A function "
+                    f"per_rank_args gave it; {name}{signature} does not take them ({e}). A function "
                     f"for run_job, fn(*args) building its own DistMesh, does not fit Pool.run")
         else:
             said = (f"run_job calls fn(*args): rank r's {len(args)} argument(s), with no mesh (fn builds its own "
-                    f"fzero.DistMesh()); {name}{inspect.signature(fn)} does not take them ({e}). A function for "
+                    f"fzero.DistMesh()); {name}{signature} does not take them ({e}). A function for "
                     f"Pool.run, fn(mesh, *args), does not fit run_job: write one that builds its DistMesh")
         raise TypeError(said) from None
     except ValueError:  # no signature to read (a builtin): let the call say
@@ -157,10 +167,12 @@ def main() -> None:
             if msg[0] == "stop":
                 break
             _, ref, args = msg
-            saved = _saved()
+            saved = None
             try:
+                # the import first, outside the window: what a module sets when imported stays
+                fn = _resolve(ref)
+                saved = _saved()
                 with warnings.catch_warnings():  # a call's filters go when it returns
-                    fn = _resolve(ref)
                     mesh = fzero.DistMesh(backend="gloo")  # first: every rank joins its construction
                     _check_call(fn, (mesh, *args), "pool")
                     reply: tuple = ("ok", fn(mesh, *args))
@@ -169,7 +181,8 @@ def main() -> None:
             except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
                 data = pickle.dumps(_error(e))
             finally:
-                _restore(saved)
+                if saved is not None:
+                    _restore(saved)
             conn.send_bytes(data)
     finally:
         conn.close()

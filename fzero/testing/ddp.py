@@ -481,25 +481,49 @@ def _built(mesh: Mesh, make_model: Callable[[], nn.Module], who: str, steps: int
 
 
 def _check_separate(model: nn.Module, again: nn.Module, who: str) -> None:
-    """`ConfigError` where `make_model`'s two calls gave one module, or modules sharing a tensor's
-    storage: a cached module. The first training (DDP's optimizer, fzero's buffers) changes it in
-    place, so the second started from the first's trained values and every element differed at
-    step 0, with no hint (found in review)."""
+    """`ConfigError` where `make_model`'s two calls gave one module, or modules sharing the storage
+    of a tensor a training writes (`_written`): a cached module. The first training (DDP's
+    optimizer, fzero's buffers) changes it in place, so the second started from the first's
+    trained values and every element differed at step 0, with no hint (found in review). Storage
+    only read may be shared: a frozen param (`nn.Embedding.from_pretrained(TABLE)`) or a
+    non-persistent buffer (a constant mask) of one module-level tensor (before, refused too;
+    found in review)."""
     how = ("a new model on every call (a cached module is trained in place by the first of the two trainings, "
            "so the second would start from its trained values): build it anew, or return copy.deepcopy(cached)")
     if again is model:
         raise ConfigError(f"{who}: make_model() returned the same {type(model).__name__} object on two calls; it must "
                           f"return {how}")
-    def storages(m: nn.Module) -> dict[int, str]:
-        tensors = [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
-        return {t.untyped_storage().data_ptr(): name for name, t in tensors
-                if t.device.type != "meta" and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr()}
+
+    def storages(m: nn.Module) -> dict[int, tuple[str, bool]]:
+        """`storage address -> (name, written)`, a storage written where any of its tensors is."""
+        out: dict[int, tuple[str, bool]] = {}
+        for name, t, written in _written(m):
+            storage = t.untyped_storage()
+            if t.device.type != "meta" and storage.nbytes() and storage.data_ptr():
+                first, was = out.get(storage.data_ptr(), (name, False))
+                out[storage.data_ptr()] = (first, was or written)
+        return out
 
     first = storages(model)
-    shared = [name for ptr, name in storages(again).items() if ptr in first]
+    shared = [name for ptr, (name, written) in storages(again).items() if ptr in first and (written or first[ptr][1])]
     if shared:
         raise ConfigError(f"{who}: make_model()'s two calls returned models that share the storage of "
-                          f"{shared[:4]}{' ...' * (len(shared) > 4)} ({len(shared)} tensor(s)); it must return {how}")
+                          f"{shared[:4]}{' ...' * (len(shared) > 4)} ({len(shared)} tensor(s)), which a training "
+                          f"writes (a trainable param or a persistent buffer; frozen params and non-persistent "
+                          f"buffers may be shared); it must return {how}")
+
+
+def _written(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """`(name, tensor, written)` of every param and buffer, shared ones under each name: written
+    where a training may change it in place: a trainable param (the optimizer) or a persistent
+    buffer (BatchNorm's running statistics and count, which its forward updates). Not a frozen
+    param nor a non-persistent buffer (by convention a constant: a mask, position ids), which
+    only the buffer broadcasts write, with rank 0's bits, the same on every rank (`_built`)."""
+    out = [(name, p, p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)]
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        out += [(f"{prefix}.{k}" if prefix else k, b, k not in module._non_persistent_buffers_set)
+                for k, b in module._buffers.items() if b is not None]
+    return out
 
 
 def _fingerprint(model: nn.Module) -> list[str]:

@@ -30,6 +30,7 @@ import optree
 import torch
 from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
 from fzero._src.layout import ParamGroup
 from fzero._src.tree import NAMESPACE, _entry_name
@@ -76,10 +77,12 @@ def register_profiles() -> str:
     seeds are random and whose 200 ms deadline fails torch steps (found in review: the profiles
     lived only in fzero's own tests/conftest.py, so a suite built on fzero.testing was not
     derandomized in CI). An empty HYPOTHESIS_PROFILE= reads as unset (it was "Profile '' is not
-    registered"; found in review).
+    registered"; found in review). A second call registers the same profiles: before, each
+    inherited from the profile loaded at the time, so a call made under "ci" turned "local"
+    derandomized (found in review).
     """
-    for name, values in PROFILES.items():
-        settings.register_profile(name, **values)
+    for name, values in PROFILES.items():  # each from hypothesis's default, not from the profile loaded now
+        settings.register_profile(name, parent=settings.get_profile("default"), **values)
     profile = _named_profile() or "ci"
     settings.load_profile(profile)
     return profile
@@ -97,27 +100,51 @@ def example_count(n: int) -> int:
     return n * _PROFILE_FACTOR.get(_named_profile() or _loaded_profile() or "ci", 1)
 
 
-class _Examples:
-    """`examples(n)`: a decorator that builds its `hypothesis.settings` when it is applied."""
+class _Examples(settings):
+    """`examples(n)`: a `hypothesis.settings` that reads the loaded profile whenever it is read.
 
-    __slots__ = ("n",)
+    Each read of a setting (`.deadline`, `.max_examples`, ...), each use as a decorator and each
+    use as another settings' parent builds `settings(max_examples=example_count(n))` then, from
+    the profile loaded then. It subclasses `settings` (so `isinstance` holds and
+    `settings(examples(3), deadline=None)` takes it as the parent) without running its
+    `__init__`, which would copy the profile loaded when `examples(n)` is made."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int) -> None:  # settings.__init__ not run: nothing is copied now
+        self._n = n  # a name with "_": settings.__setattr__ lets it through
+
+    def built(self) -> settings:
+        """`settings(max_examples=example_count(n))` on the profile loaded now; `InvalidArgument`
+        where that profile is (or has as a parent) this `examples(n)`, which would read itself."""
+        profile = settings.default
+        while profile is not None:
+            if profile is self:
+                raise InvalidArgument(
+                    f"{self!r} reads the loaded hypothesis profile, so it cannot be the loaded profile nor a "
+                    f"parent of it (it would read itself): register the profile with "
+                    f"max_examples=example_count({self._n}), or with parent={self!r}.built()")
+            profile = vars(profile).get("_fallback")  # vars: no lazy read of another examples(n)
+        return settings(max_examples=example_count(self._n))
+
+    def __getattr__(self, name: str) -> Any:
+        # only what the instance lacks: settings' properties read `self._deadline` and the like,
+        # which come from the settings built now (never a dunder: copy and pickle probe those)
+        if name.startswith("__") or name == "_n":
+            raise AttributeError(name)
+        return getattr(self.built(), name)
 
     @property
     def max_examples(self) -> int:
         """`example_count(n)`, read now."""
-        return example_count(self.n)
+        return example_count(self._n)
 
     def __call__(self, test: Any) -> Any:
-        return settings(max_examples=self.max_examples)(test)
+        return self.built()(test)
 
     def __repr__(self) -> str:
-        return f"examples({self.n})"
+        return f"examples({self._n})"
 
 
-def examples(n: int) -> _Examples:
+def examples(n: int) -> settings:
     """A decorator running `example_count(n)` examples: `n` in the "ci" profile, `10 * n` in the
     "local" profile.
 
@@ -128,8 +155,15 @@ def examples(n: int) -> _Examples:
     returned a `hypothesis.settings` made at once, which copied the profile loaded then: made
     before `register_profiles()`, random seeds and a 200 ms deadline; found in review.) It does
     not refuse hypothesis's default profile: a pool's workers import test modules, and apply
-    their decorators, without the suite's conftest.py. `examples(n).max_examples` is
-    `example_count(n)`.
+    their decorators, without the suite's conftest.py.
+
+    It is a `hypothesis.settings` (a subclass) whose every read is made from the profile loaded
+    then: `examples(n).max_examples` is `example_count(n)`, `examples(n).deadline` the profile's.
+    With other settings, make it the parent: `@settings(examples(100), deadline=1000)` (the
+    profile is read when that line runs, at import, as for `@examples(100)`); hypothesis refuses
+    two settings decorators on one test. `examples(n).built()` is the plain `settings`, read now.
+    (For a while it returned an object that was no settings: `settings(examples(3), ...)` raised
+    InvalidArgument and `examples(3).deadline` AttributeError; found in review.)
     """
     return _Examples(n)
 
