@@ -106,9 +106,7 @@ def no_master_message(precision: Precision, leaves: Sequence[LeafSpec]) -> str:
     """`NoFp32Master`'s words for `leaves` (`unmastered`): the first few (path, dtype, shape) and
     their count, why no fp32 master is kept, and the two ways on."""
     compute = short_name(precision.param_dtype)  # type: ignore[arg-type]  # (`unmastered` found it set)
-    dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in leaves})
-    shown = ", ".join(f"{ls.path!r} ({_shown(ls)})" for ls in leaves[:4])
-    more = f" and {len(leaves) - 4} more" if len(leaves) > 4 else ""
+    dtypes, listed = leaves_words(leaves, specs=True)
     alike = dtypes == [str(precision.param_dtype).removeprefix("torch.")]
     same = ("already the policy's param_dtype, so the policy casts nothing" if alike
             else f"16-bit already, cast to the policy's {compute}")
@@ -118,7 +116,7 @@ def no_master_message(precision: Precision, leaves: Sequence[LeafSpec]) -> str:
             "fp16 mode)") if "float16" in dtypes else ""
     counted = "1 trainable params leaf" if len(leaves) == 1 else f"{len(leaves)} trainable params leaves"
     verb = "is" if len(leaves) == 1 else "are"
-    return (f"fzero.init: {counted} ({shown}{more}) {verb} {'/'.join(dtypes)}, "
+    return (f"fzero.init: {counted} ({listed}) {verb} {'/'.join(dtypes)}, "
             f"{same}: no fp32 master is kept (the state keeps the master values in the params' own dtype), so "
             f"the optimizer updates them in {'/'.join(dtypes)} and an update smaller than half a unit in the last "
             f"place of a weight rounds away, silently (DeepSpeed's bf16 / fp16 modes keep an fp32 master whatever "
@@ -127,6 +125,15 @@ def no_master_message(precision: Precision, leaves: Sequence[LeafSpec]) -> str:
             f"computes in {compute} and keeps the fp32 master. To train in 16 bits on purpose, drop param_dtype: "
             f"fzero.Precision(reduce_dtype={precision.reduce_dtype or precision.param_dtype}) computes these params "
             f"{now}, with no warning (fzero.NoFp32Master)")
+
+
+def leaves_words(leaves: Sequence[LeafSpec], specs: bool = False) -> tuple[list[str], str]:
+    """`leaves` in a message: their dtypes' names, sorted, and the first 4 paths (with each one's
+    `dtype[shape]` where `specs`) and how many more -- `NoFp32Master`'s words and the step's
+    missing-master advice (`state.unmastered_words`)."""
+    dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in leaves})
+    shown = ", ".join(f"{ls.path!r} ({_shown(ls)})" if specs else repr(ls.path) for ls in leaves[:4])
+    return dtypes, shown + (f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
 
 
 def warn_no_master(precision: Precision, layout: Layout, stacklevel: int) -> None:

@@ -30,7 +30,7 @@ from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import Optimizer, OptimizerError, _layers_tracked, init_state, spec_of
-from .precision import FULL, Precision, warn_no_master
+from .precision import FULL, Precision, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, unflatten
@@ -897,8 +897,7 @@ def unmastered_words(state: ZeroState, paths: Collection[str], lr_advice: str) -
     half = [ls for ls in state.layout.leaves if ls.path in wanted and ls.dtype.itemsize == 2]
     if not half:
         return lr_advice
-    dtypes = sorted({str(ls.dtype).removeprefix("torch.") for ls in half})
-    shown = ", ".join(repr(ls.path) for ls in half[:4]) + (f" and {len(half) - 4} more" if len(half) > 4 else "")
+    dtypes, shown = leaves_words(half)
     named = f"params leaf {shown} is" if len(half) == 1 else f"params leaves {shown} are"
     given = (f"The {named} {'/'.join(dtypes)} as given to fzero.init, so the state keeps no wider master and the "
              f"optimizer updates {'it' if len(half) == 1 else 'them'} in {'/'.join(dtypes)} itself")

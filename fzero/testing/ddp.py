@@ -99,7 +99,7 @@ from fzero._src.collectives import gather_rows, gather_texts
 from fzero._src.errors import ConfigError, RankFailed
 from fzero._src.mesh import DistMesh, Mesh, SimMesh, _is_shared
 from fzero._src.module import broadcast_buffers as broadcast_module_buffers
-from fzero._src.module import from_module, units_by_prefix
+from fzero._src.module import from_module, persistent_buffers, units_by_prefix
 from fzero._src.optim.base import Optimizer, field_shapes
 from fzero._src.state import ZeroState, gather, init
 from fzero._src.step import train_step
@@ -443,13 +443,7 @@ def _built(mesh: Mesh, make_model: Callable[[], nn.Module], who: str, steps: int
     rank's number of batches), in one all-gather; an exception in `make_model` on one rank
     raises `RankFailed` on the others (before, they waited for it to the timeout)."""
     with _telling(mesh):
-        model = make_model()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"{who}: make_model() must return an nn.Module, got {type(model).__name__}")
-        again = make_model()
-        if not isinstance(again, nn.Module):
-            raise ConfigError(f"{who}: make_model() must return an nn.Module, got {type(again).__name__} on its "
-                              f"second call")
+        model, again = (_module_of(make_model(), who, call) for call in ("", " on its second call"))
         _check_separate(model, again, who)
         mine = _fingerprint(model)
         first = _first_difference(mine, _fingerprint(again))
@@ -477,6 +471,14 @@ def _built(mesh: Mesh, make_model: Callable[[], nn.Module], who: str, steps: int
                           f"{mesh.world_size}): rank 0 has {x}, rank {r} {y}; it must build the same model on every "
                           f"rank: seed it alike on every rank (torch.manual_seed(0), not a seed of the rank) and build "
                           f"nothing from the rank")
+    return model
+
+
+def _module_of(model: Any, who: str, call: str) -> nn.Module:
+    """`model`, which `make_model()` returned (`call`: which call, for the message), where it is an
+    `nn.Module`; else `ConfigError`."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{who}: make_model() must return an nn.Module, got {type(model).__name__}{call}")
     return model
 
 
@@ -519,11 +521,9 @@ def _written(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     buffer (BatchNorm's running statistics and count, which its forward updates). Not a frozen
     param nor a non-persistent buffer (by convention a constant: a mask, position ids), which
     only the buffer broadcasts write, with rank 0's bits, the same on every rank (`_built`)."""
-    out = [(name, p, p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)]
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        out += [(f"{prefix}.{k}" if prefix else k, b, k not in module._non_persistent_buffers_set)
-                for k, b in module._buffers.items() if b is not None]
-    return out
+    kept = persistent_buffers(model)
+    return [*((name, p, p.requires_grad) for name, p in model.named_parameters(remove_duplicate=False)),
+            *((name, b, name in kept) for name, b in model.named_buffers(remove_duplicate=False))]
 
 
 def _fingerprint(model: nn.Module) -> list[str]:
