@@ -46,16 +46,26 @@ D, HIDDEN = 8, (8, 12)  # units "default", "blocks.0", "blocks.1"
 @contextlib.contextmanager
 def _made():
     """Yield a list that gets `(thread id, weak reference)` for each `Gathering` and `Inflight`
-    made in the body (SimMesh's ranks are threads of this process: one patch for all)."""
-    made: list[tuple[int, weakref.ref]] = []
-    with pytest.MonkeyPatch.context() as mp:
-        for cls in (Gathering, Inflight):
-            def spy(self, *args, __init=cls.__init__, **kwargs):
-                __init(self, *args, **kwargs)
-                made.append((threading.get_ident(), weakref.ref(self)))
+    made in the body (SimMesh's ranks are threads of this process: one patch for all).
 
-            mp.setattr(cls, "__init__", spy)
-        yield made
+    What the process held before is frozen out of the collector for the body (`gc.freeze`): the
+    census counts what the body made, and each `gc.collect` no longer walks the whole suite's
+    heap (a census took a second late in a full run; the counts compare rows of one body, so
+    leaving the older objects out of every row changes no comparison)."""
+    made: list[tuple[int, weakref.ref]] = []
+    gc.collect()
+    gc.freeze()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for cls in (Gathering, Inflight):
+                def spy(self, *args, __init=cls.__init__, **kwargs):
+                    __init(self, *args, **kwargs)
+                    made.append((threading.get_ident(), weakref.ref(self)))
+
+                mp.setattr(cls, "__init__", spy)
+            yield made
+    finally:
+        gc.unfreeze()
 
 
 def _alive(made: list[tuple[int, weakref.ref]], thread: int | None = None) -> list[str]:
@@ -65,7 +75,8 @@ def _alive(made: list[tuple[int, weakref.ref]], thread: int | None = None) -> li
 
 def _census() -> tuple[int, int, int]:
     """After a collection: `(tensors the collector reaches, bytes of their distinct storages, how
-    many of them have a grad_fn)`. Placeholders and watched leaves answer as plain tensors here."""
+    many of them have a grad_fn)`, of the objects made since `_made()` froze the older ones.
+    Placeholders and watched leaves answer as plain tensors here."""
     gc.collect()
     tensors, graph, storages = 0, 0, {}
     with torch._C.DisableTorchFunctionSubclass():
@@ -204,8 +215,9 @@ def census_over_steps(mesh, steps: int, *args, made: list | None = None, **kwarg
 
 def _check(rows) -> None:
     """Nothing of a step lives on after it (see the module docstring): no tracked object and no
-    tensor with a grad_fn more than before the first step (`rows[0]`: what this process held
-    before, another test's included), and from the third step on no tensor and no byte more."""
+    tensor with a grad_fn more than before the first step (`rows[0]`: what the body held before
+    it, older objects frozen out by `_made()`), and from the third step on no tensor and no byte
+    more."""
     (_, _, before, _), *after = rows
     for k, (_, _, graph, alive) in enumerate(after):
         assert alive == [], f"after step {k}: {alive} alive"
