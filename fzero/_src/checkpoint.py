@@ -1385,6 +1385,26 @@ def latest(root: str | os.PathLike) -> str | None:
     return done[-1] if done else None
 
 
+def _layout_fix(saved: dict[str, Any], mine: dict[str, Any], diff: list[str], step: int) -> str:
+    """The way out `check_fits` names for a leaf whose records in the checkpoint (`saved`, at
+    `step`) and in the target (`mine`) differ in `diff` (of path, shape, dtype, frozen), or in its
+    group's settings alone (`diff` empty). Where only `frozen` differs the params pytree is the
+    same and the target froze or thawed the leaf (a long run that unfreezes a layer on resume),
+    which a load cannot do: a leaf frozen at the save has no optimizer state in the checkpoint
+    (found in review: such a target was told to use "the same params pytree", which it did)."""
+    if set(diff) - {"frozen"}:
+        return "load into a state made by fzero.init from the same params pytree"
+    fix = (f"make the target with the ParamGroups it was saved with (group {saved.get('group')!r} then, "
+           f"{mine['group']!r} now)")
+    if not diff:
+        return fix
+    return (f"{fix}: a leaf frozen at the save (a frozen ParamGroup, or a module param with requires_grad=False) "
+            f"has no optimizer state in the checkpoint, a trainable one has, so a load neither thaws nor freezes a "
+            f"leaf; to change which leaves train, start a new state from the saved params (fzero.checkpoint.export, "
+            f"then fzero.init with the new groups), which keeps no optimizer state and starts at step 0 (shift the "
+            f"lr schedule by the saved step: lambda t: schedule(t + {step}))")
+
+
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
@@ -1402,11 +1422,8 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
         groups = [k for k in GROUP_KEYS if k in a and a[k] != b[k] and not b["frozen"]]  # (a frozen leaf: no update)
         if diff or groups:
             shown = ", ".join(f"{k}: checkpoint {a.get(k)!r}, target {b[k]!r}" for k in diff + groups)
-            fix = (f"make the target with the ParamGroups it was saved with (group {a.get('group')!r} then, "
-                   f"{b['group']!r} now)" if groups and not diff
-                   else "load into a state made by fzero.init from the same params pytree")
             raise CheckpointError(f"{path!r} was saved from another layout: leaf {i} ({b['path']!r}) differs in "
-                                  f"{shown}; {fix}")
+                                  f"{shown}; {_layout_fix(a, b, diff, manifest['step'])}")
     if len(theirs) != len(mine):
         raise CheckpointError(f"{path!r} holds {len(theirs)} leaves, the target's layout {len(mine)}; load into a "
                               f"state made by fzero.init from the same params pytree")
