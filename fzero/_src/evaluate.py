@@ -79,10 +79,14 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
     @torch.compiler.disable  # fzero's own code runs eager; `fn` may be compiled (docs/compile.md)
     def run(state: ZeroState, batch: Any) -> Any:
         if func_level() is not None:
-            raise ConfigError("evaluate inside a torch.func transform (grad, vjp, jacrev, ...): evaluate runs its "
-                              "function under torch.no_grad(), so a derivative through it is zero or torch's "
-                              "saved-tensor-hooks error; differentiate a train_step's loss, or fn(fzero.gather("
-                              "state), batch)")
+            raise ConfigError("evaluate inside a torch.func transform (grad, vjp, jacrev, jvp, vmap, ...): evaluate "
+                              "runs its function under torch.no_grad() on the state's own buffers, so a derivative "
+                              "through it is zero or torch's saved-tensor-hooks error, and a vmap over it is refused "
+                              "too. For a derivative, differentiate a train_step's loss, or call fn on the params "
+                              "read differentiably: fn(fzero.layout.unpack(state.layout, state.params), batch) (stage "
+                              "3, N > 1: all-gather each bucket first; fzero.gather is refused under a transform for "
+                              "the same reason); for a vmap, put it inside fn: evaluate(lambda p, xs: "
+                              "torch.func.vmap(fn, in_dims=(None, 0))(p, xs))(state, xs)")
         with checked(state), same_paths(state.layout), torch.no_grad(), _labelled(state.mesh):
             return _owned(state, forward(state, fn, gather, batch, prefetch))
 

@@ -720,6 +720,8 @@ class Gathering:
                               if z.is_floating_point() or z.is_complex()}
             with torch.enable_grad():
                 holders = [z.expand(ls.shape).as_subclass(Placeholder) for ls, z in zip(layout.leaves, zeros)]
+            for t, ls in zip(holders, layout.leaves):
+                t.fzero_path = ls.path  # for `_unswapped`'s message
         first_use = FirstUse({id(t): ls.path for t, ls in zip(holders, layout.leaves)}, lazy.__getitem__)
         return unflatten(layout.treespec, holders), first_use
 
@@ -1112,11 +1114,11 @@ class Placeholder(torch.Tensor):
         if torch.compiler.is_compiling():  # dynamo traces it: a plain tensor, for `FirstUse` to refuse at run time
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        raise _unswapped(name)
+        raise _unswapped(name, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise _unswapped(str(func))
+        raise _unswapped(str(func), args, kwargs)
 
 
 def _check_not_parameter(e: RuntimeError) -> None:
@@ -1134,14 +1136,23 @@ def _check_not_parameter(e: RuntimeError) -> None:
             "nn.Parameter(w.detach()) knowing it is cut off, or use gather='eager' or flat-dict params") from e
 
 
-def _unswapped(name: str) -> ConfigError:
+def _placeholders_named(args: Any, kwargs: Any) -> str:
+    """The params paths and shapes of the placeholders among an op's arguments, for `_unswapped`
+    (before, its message named the op only: which leaf, in a pytree of many, was left to guess)."""
+    flat, _ = tree_flatten((args, kwargs or {}))
+    words = [f"{getattr(a, 'fzero_path', '?')!r} {list(a.shape)}" for a in flat if isinstance(a, Placeholder)]
+    return f"; the leaf{'s' if len(words) > 1 else ''} {', '.join(dict.fromkeys(words))}" if words else ""
+
+
+def _unswapped(name: str, args: Any = (), kwargs: Any = None) -> ConfigError:
     return ConfigError(
         f"gather='on_use' with params that are not a flat dict: {name} received a placeholder leaf where fzero's "
-        f"swap for the gathered leaf does not reach (it holds zeros): outside the loss call -- a custom "
-        f"autograd.Function's backward reading a placeholder its forward saved, a torch.utils.checkpoint recompute "
-        f"reading one from a closure, a placeholder kept past the loss -- or a torch.func transform given it as an "
+        f"swap for the gathered leaf does not reach (it holds zeros{_placeholders_named(args, kwargs)}): outside "
+        f"the loss call -- a custom autograd.Function's backward reading a placeholder its forward saved, a "
+        f"torch.utils.checkpoint recompute reading one from a closure, a placeholder kept past the loss -- or a torch.func transform given it as an "
         f"input (vmap(f)(w)), or a custom Function's forward under vmap. Pass such code the leaf's view made by "
-        f"torch (w.view_as(w)), use gather='eager', or flat-dict params")
+        f"torch (w.view_as(w); for a whole params pytree, optree.tree_map(lambda w: w.view_as(w), params)), "
+        f"use gather='eager', or flat-dict params")
 
 
 class FirstUse(TorchFunctionMode):

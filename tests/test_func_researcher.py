@@ -1,0 +1,120 @@
+"""A researcher composing torch.func with fzero: the refusals say which leaf and what runs instead.
+
+- `fzero.evaluate` under a torch.func transform is refused; its message named
+  `fn(fzero.gather(state), batch)` as the way out, which is itself refused under a transform
+  (README, docs/func.md). It now names `fzero.layout.unpack` (and, for `vmap`, a vmap inside
+  `fn`), and each way out runs as written, with the plain computation's bits.
+- An on-use placeholder read where fzero's swap does not reach (a transform given the params
+  pytree itself, `grad(per_example)(params, x)` inside the loss) named the op only; it now names
+  the leaf's path and shape, and the way out for a whole pytree runs with the plain bits.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import fzero
+from fzero import optim
+
+
+def _params() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"l1": {"w": torch.randn(3, 4, generator=g, dtype=torch.float64),
+                   "b": torch.randn(4, generator=g, dtype=torch.float64)},
+            "l2": [torch.randn(4, 2, generator=g, dtype=torch.float64)]}
+
+
+def _fn(p, x):
+    return (torch.tanh(x @ p["l1"]["w"] + p["l1"]["b"]) @ p["l2"][0]).pow(3).sum()
+
+
+def _batch() -> torch.Tensor:
+    return torch.randn(5, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_evaluate_under_grad_names_a_way_out_that_runs(stage):
+    """The refusal names `fzero.layout.unpack`, not `fzero.gather` (refused under a transform
+    too); the way out, as the message words it, gives torch's derivative."""
+    params, x, mesh = _params(), _batch(), fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh)
+        with pytest.raises(fzero.ConfigError) as refused:
+            torch.func.grad(lambda ps: fzero.evaluate(_fn)(state.replace(params=ps), x))(state.params)
+
+        def way_out(ps):
+            if stage == 3:  # "stage 3, N > 1: all-gather each bucket first"
+                ps = [fzero.collectives.all_gather(p, mesh) for p in ps]
+            return _fn(fzero.layout.unpack(state.layout, ps), x)
+
+        return str(refused.value), torch.func.grad(way_out)(state.params), state.layout
+
+    outs = mesh.run(rank_fn)
+    message = outs[0][0]
+    assert "fzero.layout.unpack(state.layout, state.params)" in message
+    assert "fn(fzero.gather(state), batch)" not in message
+    layout = outs[0][2]
+    full = [torch.cat([o[1][b] for o in outs]) if stage == 3 else outs[0][1][b] for b in range(len(layout.buckets))]
+    got = fzero.layout.unpack(layout, full)
+    want = torch.func.grad(_fn)(params, x)
+    ranks = 2 if stage == 3 else 1  # stage 3: the derivative of Σ_r fn(all_gather(shards)) (docs/func.md)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        assert torch.equal(a, b * ranks)
+
+
+def test_evaluate_under_vmap_names_a_vmap_inside_fn_that_runs():
+    """vmap differentiates nothing: the refusal says vmap is refused too and names a vmap inside
+    `fn`, which gives the bits of vmapping the plain function."""
+    params, mesh = _params(), fzero.SimMesh(2)
+    xs = torch.randn(4, 5, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh)
+        with pytest.raises(fzero.ConfigError) as refused:
+            torch.func.vmap(lambda x: fzero.evaluate(_fn)(state, x))(xs)
+        inside = fzero.evaluate(lambda p, xs: torch.func.vmap(_fn, in_dims=(None, 0))(p, xs))(state, xs)
+        return str(refused.value), inside
+
+    for message, inside in mesh.run(rank_fn):
+        assert "vmap" in message.split(":")[0] and "torch.func.vmap(fn, in_dims=(None, 0))" in message
+        assert torch.equal(inside, torch.func.vmap(_fn, in_dims=(None, 0))(params, xs))
+
+
+def _per_example(p, xi):
+    return _fn(p, xi[None])
+
+
+def test_a_transform_given_the_params_pytree_names_the_leaf_and_its_way_out_runs():
+    """`grad(per_example)(params, x)` inside a loss over nested params (on-use placeholders): the
+    error names the leaf's path and shape (before: the op only), and the way out it names for a
+    whole pytree trains with the plain per-example computation's bits."""
+    params, mesh = _params(), fzero.SimMesh(2)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def loss_of(p, x):
+        per = torch.func.vmap(torch.func.grad(_per_example), in_dims=(None, 0))(p, x)
+        return sum(v.square().sum() for v in optree.tree_leaves(per)) * 1e-3 + _fn(p, x)
+
+    def rank_fn(loss_fn, x):
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=lambda path: path.split(".")[0])
+        return fzero.gather(fzero.train_step(loss_fn)(state, x)[0])
+
+    with pytest.raises(fzero.ConfigError, match=r"holds zeros; the leaf 'l1\.w' \[3, 4\]\).*"
+                                                r"optree\.tree_map\(lambda w: w\.view_as\(w\), params\)"):
+        mesh.run(rank_fn, [(loss_of, x) for x in batches])
+    viewed = lambda p, x: loss_of(optree.tree_map(lambda w: w.view_as(w), p), x)  # noqa: E731
+    got = mesh.run(rank_fn, [(viewed, x) for x in batches])[0]
+
+    grads = [torch.func.grad(loss_of)(params, x) for x in batches]
+    mean = optree.tree_map(lambda a, b: a * 0.5 + b * 0.5, *grads)
+    leaves = [t.clone() for t in optree.tree_leaves(params)]
+    opt = torch.optim.SGD(leaves, lr=0.1, foreach=False)
+    for t, gr in zip(leaves, optree.tree_leaves(mean)):
+        t.grad = gr
+    opt.step()
+    for a, b in zip(optree.tree_leaves(got), leaves):
+        assert torch.equal(a, b)
