@@ -285,37 +285,20 @@ class _Broadcast(torch.autograd.Function):
 
 
 def mean_of_ranks(g: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """`g * fl(1/N)` (the same bits), whose backward is the identity and whose jvp is `t * fl(1/N)`.
+    """`g * fl(1/N)`: a plain multiply, whose backward and jvp scale by fl(1/N) as well.
 
     Stages 2-3 multiply a unit's local gradient by fl(1/N) inside the unit's backward, before
     the reduce-scatter, as DDP does: that factor is the mean over ranks of the loss. A
     derivative of that gradient (a meta-gradient through a step, an HVP by double backward)
-    sends its cotangent from the gradient back to the params through the same unit backward,
-    which applies fl(1/N) once more: so that each derivative order carries the factor exactly
-    once, as in the unsharded `(1/N) Σ_r L_r`, this multiply passes cotangents unchanged.
-    Forward mode (the jvp of the unit is the gather, with no factor) scales tangents here.
+    sends its cotangent from the gradient back to whatever the loss read: the params, through
+    the same unit Function, whose backward at that outer level is the gather's plain adjoint
+    (`stages._sum_in_unit`), and the batch or a tensor the loss closes over, which no unit
+    backward meets again. So the factor is here, once per derivative order, on every path, as in
+    the unsharded `(1/N) Σ_r L_r`. (Before, this multiply passed cotangents unchanged and the
+    unit's outer backward applied the factor instead: right for the params, N times too large
+    for every other input; found in review.)
     """
-    return _MeanOfRanks.apply(g, mesh)
-
-
-class _MeanOfRanks(torch.autograd.Function):
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(g: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return g * (1.0 / mesh.world_size)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.n = inputs[1].world_size
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
-
-    @staticmethod
-    def jvp(ctx: Any, g_t: torch.Tensor, _: Any) -> torch.Tensor:
-        return g_t * (1.0 / ctx.n)
+    return g * (1.0 / mesh.world_size)
 
 
 def gather_rows(mesh: Mesh, row: list[int], tag: str) -> list[list[int]]:

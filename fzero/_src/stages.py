@@ -130,6 +130,14 @@ class Piece:
     # `start` with the result written into a buffer the caller hands over (a donating step's own
     # params: `Piece.begin`); None: `start` makes its result
     start_into: Callable[[Mesh, Wire, torch.Tensor, torch.Tensor], Flight] | None = None
+    # a unit backward's piece at a level of differentiation outside the step's own (a derivative
+    # through the step): the adjoint of the unit's forward alone, without the mean's fl(1/N);
+    # None: `run`
+    adjoint: BucketFn | None = None
+
+    def outer(self) -> BucketFn:
+        """What this piece runs in a unit's backward at a level outside the step's own."""
+        return self.adjoint if self.adjoint is not None else self.run
 
     def begin(self, mesh: Mesh, wire: Wire, x: torch.Tensor, into: torch.Tensor | None = None) -> Flight:
         """`start(mesh, wire, x)`, or, where `into` is given and this piece writes a result of its
@@ -193,12 +201,26 @@ def _start_reduce(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> Flight:
 
 
 def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
-    """`reduce_grad` inside the unit's backward (the same bits); its fl(1/N) passes cotangents
-    unchanged, so derivatives of the gradient carry it once (`collectives.mean_of_ranks`). At
-    N = 1 it is `reduce_grad`'s solo path: the identity, in every derivative order too."""
+    """`reduce_grad` inside the unit's backward at the step's own level (the same bits): the
+    mean's fl(1/N) by `collectives.mean_of_ranks`, whose backward scales cotangents as its
+    forward does. At N = 1 it is `reduce_grad`'s solo path: the identity, in every derivative
+    order too."""
     if mesh.world_size == 1:
         return reduce_grad(mesh, wire, grad)
     return reduce_scatter(mean_of_ranks(grad.to(wire.reduce), mesh), mesh, tag=wire.tag)
+
+
+def _sum_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
+    """The unit's backward at a level outside the step's own (a derivative through the step): the
+    adjoint of the forward's gather, a plain reduce-scatter. The mean's fl(1/N) is not the
+    gather's: a cotangent from the step's gradient meets it once in `mean_of_ranks`' backward,
+    on its way to whatever the loss read (the params through this unit, the batch, a tensor the
+    loss closes over); applying it here too divided the params' derivative by N (and leaving it
+    out of `mean_of_ranks`' backward, as before, made every other input's N times too large;
+    found in review). At N = 1 the identity."""
+    if mesh.world_size == 1:
+        return reduce_grad(mesh, wire, grad)
+    return reduce_scatter(grad.to(wire.reduce), mesh, tag=wire.tag)
 
 
 def _reduce_and_gather(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
@@ -298,7 +320,7 @@ ENTER_FULL = Piece(_identity)
 # storage that is not the held tensor's, so such a unit stays whole (there is nothing to shard).
 ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,), start=_start_enter)
 LEAVE_LOCAL = Piece(_identity)
-LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce)
+LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce, adjoint=_sum_in_unit)
 AFTER_NONE = Piece(_identity, start=_start_identity)
 AFTER_REDUCE = Piece(reduce_grad, (_RS_GRAD,), start=_start_reduce)
 AFTER_REDUCE_GATHER = Piece(_reduce_and_gather, (_RS_GRAD, Move("all_gather", "grads", "backward")),

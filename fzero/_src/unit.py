@@ -29,13 +29,15 @@ batched params (a vmap over states) raise `ConfigError`, as a vmap over a step m
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import math
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -548,6 +550,8 @@ class _Unit(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.program, ctx.after, ctx.inflight, ctx.k = inputs[0], inputs[1], inputs[2], inputs[3]
+        level, step = func_level(), _STEP.get()
+        ctx.outer = step is None or level != step.level  # this ctx's backward: the step's own, or outside it
         frozen = _frozen_leaves(inputs[0], output, ctx)
         if frozen:  # as a torch param with requires_grad=False: torch.matmul reads that to choose its product
             ctx.mark_non_differentiable(*frozen)
@@ -555,7 +559,7 @@ class _Unit(torch.autograd.Function):
         ctx.beside = [full is not None for full in inputs[4 + ctx.k : 4 + 2 * ctx.k]]
         ctx.set_materialize_grads(False)
         ctx.locate = inputs[-1].numel() > 0  # the probe's `bad`: check each local gradient (`Probe`)
-        releases = inputs[1] is not None and func_level() is None  # the step frees the unit's params
+        releases = inputs[1] is not None and level is None  # the step frees the unit's params
         ctx.entered = _entered(inputs[0], output) if releases else frozenset()
 
     @staticmethod
@@ -596,6 +600,7 @@ class _Unit(torch.autograd.Function):
         if released:  # every use of the unit's leaves is differentiated: its params go before its gradient is built
             after(program.name)
         leave, inflight = program.stage.leave, ctx.inflight
+        run = leave.outer() if ctx.outer else leave.run  # (`differentiating`)
         started = inflight is not None and leave.start is not None and not torch.is_grad_enabled()  # no graph
         early = inflight is not None and bool(inflight.early) and leave.start is None and not torch.is_grad_enabled()
         result: list[torch.Tensor | None] = []
@@ -605,7 +610,7 @@ class _Unit(torch.autograd.Function):
             gs = grads[at : at + len(bucket.leaves)]
             at += len(bucket.leaves)
             if bucket.frozen:  # no gradient, but where this level differentiates w.r.t. it (`_derived`)
-                result.append(_frozen_gradient(program, bucket, gs, dtype, device)
+                result.append(_frozen_gradient(run, program, bucket, gs, dtype, device)
                               if ctx.needs_input_grad[4 + k] else None)
                 if ctx.locate:
                     bad.append(shared_zeros((), device))  # no fill kernel per step (stack copies it)
@@ -627,7 +632,7 @@ class _Unit(torch.autograd.Function):
                                                                bucket.wire, flat.to(dtype)))
                 result.append(None)
             else:
-                g = leave.run(program.mesh, bucket.wire, flat).to(dtype)  # x's dtype
+                g = run(program.mesh, bucket.wire, flat).to(dtype)  # x's dtype
                 if started and inflight.host is not None:  # offload, reduced in another dtype: the cast
                     inflight.host(g, bucket.index)  # shard is the tensor the update reads
                 result.append(g)
@@ -637,16 +642,48 @@ class _Unit(torch.autograd.Function):
         return (None, None, None, None, *result, *([None] * ctx.k), used, torch.stack(bad) if ctx.locate else None)
 
 
-def _frozen_gradient(program: UnitProgram, bucket: Bucket, grads: Sequence[torch.Tensor | None],
-                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _frozen_gradient(run: Callable[..., torch.Tensor], program: UnitProgram, bucket: Bucket,
+                     grads: Sequence[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A frozen bucket's gradient where a derivative through the step is taken with respect to its
-    held tensor (`_derived`): a trainable bucket's, built the same way (assembled, then the
-    stage's `leave`: in stages 2-3 the reduce-scatter of `mean_of_ranks`, whose fl(1/N) each
-    derivative order carries once), waited in place -- never in the step's own reduction or
+    held tensor (`_derived`): a trainable bucket's, built the same way (assembled, then `run`,
+    the stage's `leave` at this level: outside the step's own, in stages 2-3, the gather's plain
+    adjoint, `stages._sum_in_unit`), waited in place -- never in the step's own reduction or
     update, which take no frozen bucket."""
     leave = program.stage.leave
-    return leave.run(program.mesh, bucket.wire, _assemble(bucket, grads, _assembled_dtype(bucket.wire, leave),
-                                                          device)).to(dtype)
+    return run(program.mesh, bucket.wire, _assemble(bucket, grads, _assembled_dtype(bucket.wire, leave), device)
+               ).to(dtype)
+
+
+class _Differentiating:
+    """The level of torch.func transforms at which a step differentiates its loss (None: plain
+    autograd), set by the loss when it runs (`differentiating`)."""
+
+    __slots__ = ("level",)
+
+    def __init__(self) -> None:
+        self.level: int | None | str = "unset"
+
+
+_STEP: contextvars.ContextVar[_Differentiating | None] = contextvars.ContextVar("fzero_step", default=None)
+
+
+@contextlib.contextmanager
+def differentiating() -> Iterator[_Differentiating]:
+    """Around a step's own differentiation of its loss (forward, backward and any recompute): the
+    loss sets the yielded cell's `level` to `func_level()`. A unit applied at that level is the
+    step's own: its backward builds the step's gradient, the mean over ranks (`Stage.leave`'s
+    `run`). A unit's context at any other level -- an outer transform differentiating through the
+    step, plain autograd over `engine="func"`, an outer step whose loss runs this one -- or made
+    outside every step's differentiation is an outer derivative's: its backward is the unit
+    forward's plain adjoint (`Piece.outer`), the mean's fl(1/N) left to `mean_of_ranks` on the
+    path from the gradient (found in review: before, every level applied it, and derivatives
+    with respect to the batch or a tensor the loss closes over came out N times too large)."""
+    cell = _Differentiating()
+    token = _STEP.set(cell)
+    try:
+        yield cell
+    finally:
+        _STEP.reset(token)
 
 
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
