@@ -231,9 +231,9 @@ def test_vmap_over_a_step_is_a_clear_error():
 
 
 def test_a_transform_through_an_autograd_engine_step_is_refused():
-    """docs/func.md, the table row "a transform through a step with engine=autograd": torch
-    refuses the autograd engine's `requires_grad_` under a transform (a loud error, never a
-    silent wrong derivative); `engine="func"` is the way."""
+    """docs/func.md, the table row "a transform through a step with engine=autograd": refused
+    before the step, naming `engine="func"`, the way (before: torch's own `requires_grad_` error
+    from inside the step; a loud error either way, never a silent wrong derivative)."""
     params, batches, c = cases.data(1)
     mesh = fzero.SimMesh(1)
 
@@ -242,7 +242,7 @@ def test_a_transform_through_an_autograd_engine_step_is_refused():
         f = cases.step_of(state, engine="autograd")
         return torch.func.grad(lambda p: (f(p, batches[0])[0] * c).sum())(state.params)
 
-    with pytest.raises(RuntimeError, match="requires_grad_"):
+    with pytest.raises(fzero.ConfigError, match="engine='autograd' inside a torch.func transform.*engine='func'"):
         mesh.run(rank_fn)
 
 

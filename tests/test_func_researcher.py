@@ -194,3 +194,27 @@ def test_a_hyperparameter_kept_as_a_frozen_leaf_has_the_unsharded_hypergradient_
     full = [torch.cat([h[b] for h, _ in outs]) if stage == 3 else sum(h[b] for h, _ in outs)
             for b in range(len(layout.buckets))]
     assert torch.equal(fzero.layout.unpack(layout, full)["lam"], 2 * want_lam)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_autograd_engine_step_inside_a_transform_names_engine_func(stage, transform):
+    """The default `engine="autograd"` inside a torch.func transform: `ConfigError` on every rank,
+    before the step runs, naming the level, the mesh and `engine='func'`. Before: torch's own
+    `Tensor.requires_grad_()` error from inside the step (found in review)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init({"w": HYPER_W}, optim.sgd(0.1), stage=stage, mesh=mesh)
+        step = fzero.train_step(lambda p, x: (p["w"] * x).sum() ** 2)  # engine="autograd", the default
+        new_w = lambda x: step(state, x)[0].params[0].sum()  # noqa: E731
+        x = HYPER_X[mesh.rank]
+        with pytest.raises(fzero.ConfigError) as refused:
+            torch.func.grad(new_w)(x) if transform == "grad" else torch.func.vmap(new_w)(torch.stack([x, x]))
+        return str(refused.value), state.step
+
+    for r, (message, steps) in enumerate(mesh.run(rank_fn)):
+        assert message.startswith(f"a step with engine='autograd' inside a torch.func transform (level 1; SimMesh(2, "
+                                  f"id="), message
+        assert f"rank {r})" in message and "use train_step(..., engine='func')" in message, message
+        assert int(steps) == 0  # refused before the step ran

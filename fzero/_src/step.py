@@ -316,14 +316,17 @@ def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: 
     `torch.autograd.grad` of a function of the new state), but that engine detaches what it
     differentiates to take the step's gradient, so the new params would depend on the old only
     through the update's identity term: `d<c, new>/dp = c`, without `-lr H c`, for trainable and
-    frozen leaves alike (found in review: a silent wrong derivative; under a torch.func transform
-    torch refuses the engine's `requires_grad_` itself). Refused before the step, on every rank
-    (each holds its own params: the same program requires grad of the same ones)."""
-    if config.engine != "autograd" or not torch.is_grad_enabled():
+    frozen leaves alike (found in review: a silent wrong derivative). Refused before the step, on
+    every rank (each holds its own params: the same program requires grad of the same ones). Any
+    such step inside a torch.func transform is refused too, naming `engine="func"`
+    (`_autograd_engine_in_a_transform`)."""
+    if config.engine != "autograd":
         return
-    if not any(t is not None and t.requires_grad for t in (*state.params, *state.master)):
-        return
-    if func_level() is not None:
+    level = func_level()
+    if level is not None:
+        raise ConfigError(_autograd_engine_in_a_transform(level, state))
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (*state.params,
+                                                                                        *state.master)):
         return
     tracked = {b for b, (p, m) in enumerate(zip(state.params, state.master))
                if p.requires_grad or m is not None and m.requires_grad}
@@ -335,6 +338,19 @@ def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: 
                       f"term through that gradient (d<c, new>/dp = c, without -lr H c), silently. Use "
                       f"train_step(..., engine='func'), which is differentiable through (docs/func.md); where no "
                       f"derivative through the step is wanted, pass params that do not require grad (p.detach())")
+
+
+def _autograd_engine_in_a_transform(level: int, state: ZeroState) -> str:
+    """The refusal of an `engine="autograd"` step called inside a torch.func transform. Before, torch
+    raised its own `Tensor.requires_grad_()` error from inside the step, naming neither the step
+    nor the way out (found in review)."""
+    return (f"a step with engine='autograd' inside a torch.func transform (level {level}; {state.mesh!r}, rank "
+            f"{state.rank}): this engine takes the step's gradient with torch.autograd.grad on detached params, "
+            f"which torch refuses inside a transform (Tensor.requires_grad_) and no transform could see through. "
+            f"To differentiate through the step (grad / vjp / jacrev / jvp of a function of the new state: a "
+            f"meta-gradient, a hypergradient, a derivative with respect to the batch) use train_step(..., "
+            f"engine='func') (docs/func.md). A vmap over steps is not supported with either engine: vmap inside the "
+            f"loss, or loop over states")
 
 
 def _check_no_derivative_through_a_donating_step(config: StepConfig, state: ZeroState) -> None:
