@@ -427,13 +427,15 @@ def test_scaler_must_match(saved_root):
     (fzero.DynamicLossScale(init_scale=16.0, window=2, hysteresis=2), False),
     (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=2), True),
     (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=2, min_scale=32.0), False),
-    (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=1), False)])
+    (fzero.DynamicLossScale(init_scale=1024.0, window=4, hysteresis=1), False),
+    (fzero.DynamicLossScale(init_scale=16.0, window=4, hysteresis=2, raise_at_min=True), True)])
 def test_load_compares_the_scaler_settings(tmp_path, target, ok):
     """A target of another scaler type or settings is refused: a `StaticLossScale(8.0)` loading a
     `StaticLossScale(16.0)` checkpoint ran at 16 for ever, and a dynamic target with a floor
     above the saved scale broke the scaler's `min_scale <= scale` (found in review: only whether
     both had a scaler was compared). A dynamic scaler's `init_scale` may differ: only `init`
-    reads it, and the run goes on from the saved scale."""
+    reads it, and the run goes on from the saved scale; so may its `raise_at_min`, which changes
+    no step's bits (found in review: refused before)."""
     mesh, saved = fzero.SimMesh(1), fzero.DynamicLossScale(init_scale=16.0, window=4, hysteresis=2)
     if isinstance(target, fzero.StaticLossScale):
         saved = fzero.StaticLossScale(16.0)

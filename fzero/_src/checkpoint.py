@@ -1531,11 +1531,14 @@ def _check_precision(path: str, manifest: dict[str, Any], target: ZeroState) -> 
 
 def _scaler_settings(text: str | None) -> str | None:
     """A loss scaler's repr (as the manifest holds it) less a `DynamicLossScale`'s `init_scale`,
-    which only `init` reads: a resume goes on from the saved scale. Every other setting changes
-    the steps to come -- a `StaticLossScale`'s scale is its state's, a dynamic one's floor and
-    hysteresis bound the saved scale and hysteresis -- so a target with others would run as
-    another run (found in review: before, only whether both had a scaler was compared)."""
-    return None if text is None else re.sub(r"init_scale=[^,)]*(, )?", "", text)
+    which only `init` reads (a resume goes on from the saved scale), and its `raise_at_min`,
+    which changes no step's bits, only whether a run at the floor stops (a resume may turn it on
+    or off: found in review, it was refused). Every other setting changes the steps to come -- a
+    `StaticLossScale`'s scale is its state's, a dynamic one's floor and hysteresis bound the
+    saved scale and hysteresis -- so a target with others would run as another run (found in
+    review: before, only whether both had a scaler was compared)."""
+    return None if text is None else re.sub(r"(, )?raise_at_min=[^,)]*", "",
+                                            re.sub(r"init_scale=[^,)]*(, )?", "", text))
 
 
 def _setting_diffs(theirs: Any, node: Any, where: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any, Any]]:
