@@ -66,7 +66,7 @@ from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
                     outside_inference_mode, range_words, unmastered_words)
 from .tree import flatten, flatten_with_paths
-from .unit import HostBuffers, Probe, differentiating, shared_zeros
+from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
 from .update import differentiated_through, donated_through, prepare, update
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
@@ -779,7 +779,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 
     def loss_of(train: tuple[torch.Tensor, ...], probes: dict[str, Probe], casts: dict[str, tuple] | None = None,
                 reads: Reads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        own.level = func_level()  # the level the units' backward builds the step's gradient at
+        at_the_steps_level()  # the level the units' backward builds the step's gradient at
         merged = list(xs)
         for b, x in zip(trainable, train):
             merged[b] = x
@@ -806,7 +806,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 
     train = tuple([xs[b] for b in trainable])
     try:
-        with _finished(made), differentiating() as own:
+        with _finished(made), differentiating():
             if config.engine == "func":  # (no placeholder roots: the loss runs at grad_and_value's level)
                 (g_train, g_probes), (loss, count) = torch.func.grad_and_value(
                     loss_of, argnums=(0, 1), has_aux=True)(train, probes)

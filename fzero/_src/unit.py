@@ -656,7 +656,7 @@ def _frozen_gradient(run: Callable[..., torch.Tensor], program: UnitProgram, buc
 
 class _Differentiating:
     """The level of torch.func transforms at which a step differentiates its loss (None: plain
-    autograd), set by the loss when it runs (`differentiating`)."""
+    autograd), set by the loss when it runs (`at_the_steps_level`)."""
 
     __slots__ = ("level",)
 
@@ -668,9 +668,9 @@ _STEP: contextvars.ContextVar[_Differentiating | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def differentiating() -> Iterator[_Differentiating]:
+def differentiating() -> Iterator[None]:
     """Around a step's own differentiation of its loss (forward, backward and any recompute): the
-    loss sets the yielded cell's `level` to `func_level()`. A unit applied at that level is the
+    loss records its level (`at_the_steps_level`). A unit applied at that level is the
     step's own: its backward builds the step's gradient, the mean over ranks (`Stage.leave`'s
     `run`). A unit's context at any other level -- an outer transform differentiating through the
     step, plain autograd over `engine="func"`, an outer step whose loss runs this one -- or made
@@ -678,12 +678,17 @@ def differentiating() -> Iterator[_Differentiating]:
     forward's plain adjoint (`Piece.outer`), the mean's fl(1/N) left to `mean_of_ranks` on the
     path from the gradient (found in review: before, every level applied it, and derivatives
     with respect to the batch or a tensor the loss closes over came out N times too large)."""
-    cell = _Differentiating()
-    token = _STEP.set(cell)
+    token = _STEP.set(_Differentiating())
     try:
-        yield cell
+        yield
     finally:
         _STEP.reset(token)
+
+
+def at_the_steps_level() -> None:
+    """Called by the step's loss, inside `differentiating`: the level it runs at now is the step's
+    own (the units' backward builds the step's gradient there)."""
+    _STEP.get().level = func_level()  # type: ignore[union-attr]  # (set by `differentiating`)
 
 
 # torch's `Function.apply` derives `forward`'s signature on every call (`inspect.signature`, tens
