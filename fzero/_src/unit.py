@@ -407,8 +407,9 @@ class Probe(NamedTuple):
         `torch.autograd.grad` / `torch.func.grad` as a new tensor, never accumulated into it;
         each call's tensors are their own autograd leaves (two units never share one; the step keeps
         one `Probe` per unit for all of a state's steps, `plan._probes`)."""
-        return Probe(shared_zeros((len(program.leaves),), _CPU).detach(),
-                     shared_zeros((len(program.buckets) if locate else 0,), device).detach())
+        with torch._C._DisableFuncTorch():  # plain tensors also where a transform runs (`shared_zeros`)
+            return Probe(shared_zeros((len(program.leaves),), _CPU).detach(),
+                         shared_zeros((len(program.buckets) if locate else 0,), device).detach())
 
 
 _SHARED_ZEROS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -420,7 +421,10 @@ def shared_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     aliases, and nothing writes them)."""
     z = _SHARED_ZEROS.get((shape, device))
     if z is None:
-        with torch.inference_mode(False):  # a tensor autograd may use later, also if made under inference_mode
+        # a tensor autograd may use later, also if made under inference_mode; and a plain one where a
+        # torch.func transform runs (under jvp torch.zeros makes a tensor wrapped at that level, which,
+        # kept here, escaped it: the next transform through a step hit torch's internal assert)
+        with torch.inference_mode(False), torch._C._DisableFuncTorch():
             z = torch.zeros(shape, device=device)
         if type(z) is not torch.Tensor:  # made under a mode that returns subclasses (fake tensors): not kept
             return z
