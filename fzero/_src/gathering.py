@@ -1149,8 +1149,8 @@ def _unswapped(name: str, args: Any = (), kwargs: Any = None) -> ConfigError:
         f"gather='on_use' with params that are not a flat dict: {name} received a placeholder leaf where fzero's "
         f"swap for the gathered leaf does not reach (it holds zeros{_placeholders_named(args, kwargs)}): outside "
         f"the loss call -- a custom autograd.Function's backward reading a placeholder its forward saved, a "
-        f"torch.utils.checkpoint recompute reading one from a closure, a placeholder kept past the loss -- or a torch.func transform given it as an "
-        f"input (vmap(f)(w)), or a custom Function's forward under vmap. Pass such code the leaf's view made by "
+        f"torch.utils.checkpoint recompute reading one from a closure, a placeholder kept past the loss -- or a "
+        f"torch.func transform given it as an input (vmap(f)(w)), or a custom Function's forward under vmap. Pass such code the leaf's view made by "
         f"torch (w.view_as(w); for a whole params pytree, optree.tree_map(lambda w: w.view_as(w), params)), "
         f"use gather='eager', or flat-dict params")
 

@@ -207,7 +207,7 @@ def _reduce_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
     order too."""
     if mesh.world_size == 1:
         return reduce_grad(mesh, wire, grad)
-    return reduce_scatter(mean_of_ranks(grad.to(wire.reduce), mesh), mesh, tag=wire.tag)
+    return _sum_in_unit(mesh, wire, mean_of_ranks(grad.to(wire.reduce), mesh))
 
 
 def _sum_in_unit(mesh: Mesh, wire: Wire, grad: torch.Tensor) -> torch.Tensor:
