@@ -541,6 +541,24 @@ def test_examples_is_a_settings_read_when_read(monkeypatch):
         few.deadline
 
 
+def test_examples_as_a_parent_runs(monkeypatch):
+    """`@settings(examples(n), deadline=...)`, the README's form, run as a test: before, it raised
+    InvalidArgument "examples(3) reads the loaded hypothesis profile" at its first example, since
+    hypothesis makes the running test's settings (whose parent is `examples(n)`) `settings.default`
+    while it runs, and `built()` read `settings.default` (found in a docs check)."""
+    monkeypatch.delenv("HYPOTHESIS_PROFILE", raising=False)
+    seen = []
+    with loaded("ci"):
+
+        @settings(examples(3), deadline=1000)
+        @given(st.integers())
+        def prop(x):
+            seen.append(x)
+
+        prop()
+    assert len(seen) == 3, seen
+
+
 def test_a_second_register_profiles_registers_the_same_local_profile():
     """`register_profiles()` called again while "ci" is loaded: "local" is still random seeds with
     a database (before, it inherited "ci"'s derandomize and no database)."""

@@ -114,8 +114,14 @@ class _Examples(settings):
 
     def built(self) -> settings:
         """`settings(max_examples=example_count(n))` on the profile loaded now; `InvalidArgument`
-        where that profile is (or has as a parent) this `examples(n)`, which would read itself."""
-        profile = settings.default
+        where that profile is (or has as a parent) this `examples(n)`, which would read itself.
+
+        The profile by its name, not `settings.default`: while a test runs, hypothesis makes the
+        test's own settings `settings.default`, and under `@settings(examples(n), ...)` their
+        parent is this `examples(n)`, whose reads then found themselves (found in a docs check:
+        the README's form raised at the test's first example)."""
+        name = _loaded_profile()
+        profile = base = settings.get_profile(name) if name is not None else settings.default
         while profile is not None:
             if profile is self:
                 raise InvalidArgument(
@@ -123,7 +129,7 @@ class _Examples(settings):
                     f"parent of it (it would read itself): register the profile with "
                     f"max_examples=example_count({self._n}), or with parent={self!r}.built()")
             profile = vars(profile).get("_fallback")  # vars: no lazy read of another examples(n)
-        return settings(max_examples=example_count(self._n))
+        return settings(base, max_examples=example_count(self._n))
 
     def __getattr__(self, name: str) -> Any:
         # only what the instance lacks: settings' properties read `self._deadline` and the like,
