@@ -890,8 +890,8 @@ def is_flat_dict(layout: Layout) -> bool:
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.dtype.is_floating_point:
-        raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got "
-                         f"{type(loss).__name__} {getattr(loss, 'dtype', '')} {getattr(loss, 'shape', '')}"
+        got = f"{type(loss).__name__} {loss.dtype} {loss.shape}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise FzeroError(f"loss_fn must return a 0-d floating tensor (this rank's mean loss), got {got}"
                          f"{_loss_way_out(loss)}")
 
 
