@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .collectives import all_gather, check_forward_mode, func_level
-from .errors import ConfigError
+from .errors import ConfigError, LayoutError
 from .layout import Layout
 from .mesh import Mesh
 from .precision import FULL, Precision
@@ -62,13 +62,14 @@ class Bucket:
     offsets: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     size: int  # N * S, the padded flat buffer
+    paths: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # the leaves' dotted paths (errors)
 
     @staticmethod
     def of(layout: Layout, b: int, precision: Precision = FULL) -> "Bucket":
         spec = layout.buckets[b]
         leaves = [layout.leaves[i] for i in spec.leaves]
         return Bucket(b, precision.wire(spec), spec.group.frozen, spec.leaves, tuple(ls.offset for ls in leaves),
-                      tuple(ls.shape for ls in leaves), spec.padded_numel)
+                      tuple(ls.shape for ls in leaves), spec.padded_numel, tuple(ls.path for ls in leaves))
 
     @property
     def tag(self) -> str:
@@ -794,7 +795,13 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     same kernels on the same tensors: the same bits.
 
     `buffers` (`HostBuffers`; a CPU buffer, no graph recorded): `flat` is one the step function's
-    previous step assembled into, not new memory -- every element is written either way."""
+    previous step assembled into, not new memory -- every element is written either way.
+
+    A gradient that is not dense (a sparse one: `F.embedding(..., sparse=True)`) raises
+    `LayoutError` naming its leaf, before anything is written (one attribute read per gradient)."""
+    for g in grads:
+        if g is not None and g.layout is not _STRIDED:
+            raise _not_dense(bucket, grads)
     if func_level() is not None:
         return _concatenated(bucket, grads, dtype, device)
     if buffers is not None and device.type == "cpu" and not torch.is_grad_enabled():
@@ -806,6 +813,24 @@ def _assemble(bucket: Bucket, grads: Sequence[torch.Tensor | None], dtype: torch
     else:
         _write(bucket, grads, flat)
     return flat
+
+
+_STRIDED = torch.strided
+
+
+def _not_dense(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> LayoutError:
+    """The error for a bucket's gradients of which some are not dense (`_assemble`): each such
+    leaf's path and shape, the gradients' layouts, and the way out."""
+    found = [k for k, g in enumerate(grads) if g is not None and g.layout is not _STRIDED]
+    named = ", ".join(f"{bucket.paths[k] if k < len(bucket.paths) else f'#{bucket.leaves[k]}'!r} "
+                      f"{list(bucket.shapes[k])}" for k in found)
+    layouts = " / ".join(dict.fromkeys(str(grads[k].layout) for k in found))  # type: ignore[union-attr]
+    one = len(found) == 1
+    return LayoutError(
+        f"params leaf{'' if one else 's'} {named} got {'a ' if one else ''}{layouts} gradient{'' if one else 's'}, "
+        f"which fzero's flat gradient buckets cannot hold (dense, torch.strided gradients only). "
+        f"F.embedding / F.embedding_bag called with sparse=True make one (nn.Embedding / nn.EmbeddingBag built "
+        f"with sparse=True too): pass sparse=False (the same values, a dense gradient), or freeze the leaf")
 
 
 class HostBuffers:
