@@ -221,3 +221,57 @@ def test_world_sizes_needs_an_int_of_at_least_one(max_n):
     """Before, 2.5 and "3" raised a bare TypeError from `range`, and True drew N = 1 only."""
     with pytest.raises(ValueError, match=rf"world_sizes: max_n must be an int >= 1, got {max_n!r}"):
         world_sizes(max_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# A 0-element param
+
+
+class WithEmpty(nn.Module):
+    """Net's head with two 0-element params, which torch's optimizers give state of 0 elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 3)
+        self.nothing = nn.Parameter(torch.zeros(0))
+        self.none2 = nn.Parameter(torch.zeros(3, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + self.nothing.sum() + self.none2.sum()
+
+
+def make_with_empty() -> WithEmpty:
+    torch.manual_seed(0)
+    return WithEmpty()
+
+
+def empty_against_ddp(mesh, batches: list) -> dict:
+    """DDP's trajectory under AdamW and SGD with momentum, and fzero's differences from it at every
+    stage, the empty params in the head's bucket and in one of their own."""
+    opts = {"adamw": (torch_adamw, fzero.optim.adamw(1e-2, weight_decay=0.1)),
+            "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=False),
+                    fzero.optim.sgd(0.1, momentum=0.9))}
+    out = {}
+    for name, (torch_opt, fzero_opt) in opts.items():
+        ref = ddp_trajectory(mesh, make_with_empty, torch_opt, net_loss, batches)
+        out[name, "ref"] = ref
+        for stage in (0, 1, 2, 3):
+            for units in (None, {"empty": lambda path: path.startswith("no")}):
+                got = fzero_trajectory(mesh, make_with_empty, fzero_opt, net_loss, batches, stage=stage, units=units)
+                out[name, stage, units is None] = trajectory_differences(ref, got)
+    return out
+
+
+@pytest.mark.dist
+def test_a_zero_element_param_compares_equal_to_ddp(dist2):
+    """Before, every step read `keys only in ref: ['opt:nothing.exp_avg', ...]`: a 0-element leaf
+    is in no shard, so fzero's side never made its "shard" fields (its "step" it did)."""
+    batches = batches_for(2, steps=2, seed=5)
+    results = dist2.run(empty_against_ddp, [(batches[r],) for r in range(2)])
+    for rank, res in enumerate(results):
+        for field, opt in (("exp_avg", "adamw"), ("exp_avg_sq", "adamw"), ("momentum_buffer", "sgd")):
+            ref = res[opt, "ref"]
+            assert ref[1][OPT + f"nothing.{field}"].shape == (0,), list(ref[1])
+            assert ref[1][OPT + f"none2.{field}"].shape == (3, 0), list(ref[1])
+        differences = {k: v for k, v in res.items() if k[1] != "ref"}
+        assert differences and all(v == [] for v in differences.values()), f"rank {rank}: {differences}"

@@ -342,11 +342,12 @@ def _leaf_opt_fields(state: ZeroState) -> dict[str, dict[str, torch.Tensor]]:
         if src.sharded and mesh.world_size > 1:
             x = mesh.collective("all_gather", x.to(mesh.device), tag="fzero.testing/opt-state").to(x.device)
         kind, field = KINDS[src.kind], src.prefix.removeprefix("opt/")
-        whole: dict[int, torch.Tensor] = {}
-        for r in range(mesh.world_size):  # every rank's segments of the whole field: each element once
+        # every leaf of the bucket has the field, a 0-element leaf too (no chunk names it: torch's
+        # state for an empty param holds empty tensors), then every rank's segments fill it in
+        whole = {leaf: x.new_zeros(kind.numel(layout.leaves[leaf])) for leaf in layout.buckets[src.bucket].leaves}
+        for r in range(mesh.world_size):  # each element once
             for leaf, start, values in kind.chunks(layout, src.bucket, x, r, False):
-                into = whole.setdefault(leaf, values.new_zeros(kind.numel(layout.leaves[leaf])))
-                into[start : start + values.numel()] = values
+                whole[leaf][start : start + values.numel()] = values
         for leaf, t in whole.items():
             ls = layout.leaves[leaf]
             out.setdefault(ls.path, {})[field] = t.view(field_shapes(src.kind, [ls.shape])[0])
