@@ -2123,9 +2123,13 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     load it with `strict=False`). A module's non-persistent buffers, which its `state_dict` leaves
     out, are among `ModuleInfo.buffers` and so in the dict: a strict `load_state_dict` refuses
     them as unexpected keys, and `strict=False` skips them (their values are not loaded: the
-    module makes them itself; found in review). Without `aliases` (`fzero export` on the command
-    line) a tied weight is under one of its names only: load with `strict=False`, and the
-    module's tie fills the other. Files are checked against their sha256 first, and the manifest
+    module makes them itself; found in review). A module's extra state (`get_extra_state`, whose
+    `state_dict` key is `{prefix}_extra_state`) is not in a checkpoint, so not in the dict: a strict
+    `load_state_dict` refuses it as missing keys; add it from the run, `{**export(path,
+    aliases=info.aliases), **info.extra_state()}` (`ModuleInfo.extra_state`), or load with
+    `strict=False`, which leaves the module's own (found in review); `load` restores none either.
+    Without `aliases` (`fzero export` on the command line) a tied weight is under one of its names
+    only: load with `strict=False`, and the module's tie fills the other. Files are checked against their sha256 first, and the manifest
     against the data (`check_metadata`, `check_record`: an edited manifest is refused); a `dtype` that is
     not a floating torch dtype, or `aliases` that name a leaf the checkpoint does not hold or
     rename one it does, are a `CheckpointError` before anything is read."""

@@ -12,8 +12,15 @@
   their gradient is the sum over all uses, added locally before any reduction (as DDP does);
 - `info`: a `ModuleInfo` with the alias table, the live buffers, the suggested `units` and
   `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters); after training,
-  `model.load_state_dict(info.state_dict(fzero.gather(state)))` puts the trained weights and
-  buffers back into `model` (DeepSpeed's `engine.module`).
+  `model.load_state_dict(info.state_dict(fzero.gather(state)))` puts the trained weights,
+  buffers and extra state (`get_extra_state`, from the copy `apply` ran last) back into `model`
+  (DeepSpeed's `engine.module`).
+
+`apply` binds the parameters in their registered slots only: a forward reading one from a list,
+dict or plain attribute (`self._refs = [self.w]`) raises `ConfigError` naming it and where it is
+held (`_Unbound`), and a hook holding the module, a submodule, a parameter or a buffer in its
+closure, defaults or globals is refused by `from_module` (`_check_hooks`): either read the
+original, never the trained values (found in review).
 
 A module wrapped for data parallelism (DDP, DataParallel, FSDP / fully_shard) is refused
 (`ConfigError`): pass the module it wraps; fzero reduces the gradients itself.
@@ -46,6 +53,7 @@ import copy
 import functools
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
@@ -73,6 +81,9 @@ class ModuleInfo(NamedTuple):
       frozen: names of the `requires_grad=False` parameters.
       persistent: names of the buffers the module's `state_dict` holds (all but those registered
         with `persistent=False`); None: every name in `buffers`.
+      extra_state: `() -> {"<submodule>._extra_state": its get_extra_state()}` for the submodules
+        that define `get_extra_state` (read from the copy of the module `apply` ran last,
+        `from_module`); None where none does.
     """
 
     aliases: dict[str, tuple[str, ...]]
@@ -81,12 +92,14 @@ class ModuleInfo(NamedTuple):
     groups: tuple[ParamGroup, ...]
     frozen: tuple[str, ...]
     persistent: frozenset[str] | None = None
+    extra_state: Callable[[], dict[str, Any]] | None = None
 
     def state_dict(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's `state_dict` from `full`, the params `fzero.gather(state)` returns (its
         `{params name: tensor}`): every name of each param (`aliases`: a tied weight under each of
         its names), then the buffers the module's `state_dict` holds (`persistent`), as `buffers`
-        holds them now -- trained: BatchNorm's running statistics as the steps left them. So
+        holds them now -- trained: BatchNorm's running statistics as the steps left them --, then
+        `{prefix}_extra_state` of each submodule that defines `get_extra_state` (`extra_state`). So
 
             model.load_state_dict(info.state_dict(fzero.gather(state)))
 
@@ -95,7 +108,17 @@ class ModuleInfo(NamedTuple):
         names, and `strict=False` then leaves the module's buffers as they were). Pure: the
         tensors are `full`'s and the live buffers themselves, not copies (`load_state_dict` copies
         them). A `full` whose keys are not the params `from_module` returned is a `ConfigError`
-        naming the missing and unexpected keys."""
+        naming the missing and unexpected keys.
+
+        Extra state is read, by `get_extra_state`, from the copy of the module that ran the last
+        `apply` on this thread, else on any thread (`apply` runs copies of the module, not the
+        module: one for a plain params dict, and one per thread on the on-use path); where none
+        ran, from `from_module`'s copy, as the module's was when `from_module` was called. So
+        extra state the forward changes (a count of calls, FP8 scales) is the steps': a rank's
+        own on a `SimMesh` when called on the rank, the rank's that ran last after `mesh.run`,
+        and, after an evaluation on `fzero.gather`'s dict, that copy's, which saw only the
+        evaluation's forwards. (Found in review: it was missing, and the strict load raised
+        torch's "Missing key(s) in state_dict: _extra_state".)"""
         if not isinstance(full, Mapping) or set(full) != set(self.aliases):
             got = set(full) if isinstance(full, Mapping) else set()
             missing, extra = sorted(set(self.aliases) - got), sorted(got - set(self.aliases))
@@ -108,7 +131,8 @@ class ModuleInfo(NamedTuple):
                               f"{{'model': params, ...}}: pass that subtree, fzero.gather(state)['model'])")
         kept = self.buffers if self.persistent is None else {k: b for k, b in self.buffers.items()
                                                              if k in self.persistent}
-        return {**aliased(full, self.aliases), **kept}
+        extra = self.extra_state() if self.extra_state is not None else {}
+        return {**aliased(full, self.aliases), **kept, **extra}
 
 
 def aliased(leaves: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -121,6 +145,24 @@ def aliased(leaves: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -
         for alias in names:
             out[alias] = leaves[name]
     return out
+
+
+_EXTRA_STATE = "_extra_state"  # torch's key suffix (`torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX`)
+
+
+def extra_state_names(module: nn.Module) -> tuple[str, ...]:
+    """The paths of `module`'s submodules (`""`: itself) whose `state_dict` holds
+    `{prefix}_extra_state`: those whose class overrides `get_extra_state` (torch's own rule), under
+    every name a shared submodule has, as `state_dict` names them."""
+    return tuple(name for name, m in module.named_modules(remove_duplicate=False)
+                 if getattr(type(m), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state)
+
+
+def extra_states(module: nn.Module, names: tuple[str, ...]) -> dict[str, Any]:
+    """`{"<name>._extra_state": get_extra_state()}` of `module`'s submodules at `names`
+    (`extra_state_names`), as `module.state_dict()` holds them."""
+    return {f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE: module.get_submodule(name).get_extra_state()
+            for name in names}
 
 
 def persistent_buffers(module: nn.Module) -> frozenset[str]:
@@ -202,6 +244,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     _check_dense(module)
+    _check_hooks(module)
     _check_units(params, units)
     remat_units = _remat_units(module, aliases, units, remat)
     placeholders = {id(p): _Unbound(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
@@ -221,6 +264,13 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     skeleton.register_forward_hook(lambda root, _a, _o: keep_reassigned(slots_of(root)))
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
+    unit_of = _unit_of(units)
+    # the dict path binds every registered slot: a placeholder its forward reaches is one held
+    # outside them (a list, a dict, a plain attribute), which nothing rebinds (`_Unbound`)
+    every_placeholder = {id(ph): (canonical[pid], unit_of(canonical[pid])) for pid, ph in placeholders.items()}
+    extra_names = extra_state_names(skeleton)
+    ran = [skeleton]  # where extra state is read (`ModuleInfo.state_dict`): the copy that ran the last apply,
+    # on any thread (`ran`) or this one (`per_thread.ran`); kept only where a submodule has extra state
     per_thread = threading.local()
     copies_made: weakref.WeakSet = weakref.WeakSet()  # every live thread's copy: what `Apply.train` sets beside the skeleton
     known: Any = None  # the last unit map whose keys were checked
@@ -248,6 +298,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                 copies_made.add(module_copy)  # held weakly: a thread's copies go with it (SimMesh: each run's threads)
                 copies.append(_Skeleton(module_copy, alias_table, remat_units))
             per_thread.depth = depth + 1
+            if extra_names and not depth:
+                per_thread.ran = ran[0] = copies[0].module
             try:
                 return copies[depth](params, args, kwargs)
             finally:
@@ -267,12 +319,25 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                 raise FzeroError(f"param {name!r} is a meta tensor; apply needs real values")
             for alias in names:
                 bound[alias] = t
-        # strict: every parameter and buffer name of the skeleton is bound, so no meta tensor is left
-        return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
+        # strict: every parameter and buffer name of the skeleton is bound, so a meta tensor the
+        # forward reaches is one held outside them: `_Unbound` raises on it (found in review)
+        outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), every_placeholder
+        outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), skeleton
+        if extra_names and outer_root is None:
+            per_thread.ran = ran[0] = skeleton
+        try:
+            return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
+        finally:
+            _RUNNING.unbound, _RUNNING.root = outer, outer_root
+
+    def extra_state() -> dict[str, Any]:
+        module = getattr(per_thread, "ran", None)
+        return extra_states(module if module is not None else ran[0], extra_names)
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
     return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen,
-                                                                           persistent_buffers(skeleton))
+                                                                           persistent_buffers(skeleton),
+                                                                           extra_state if extra_names else None)
 
 
 def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
@@ -372,6 +437,83 @@ def _check_dense(module: nn.Module) -> None:
             raise LayoutError(f"from_module: {where!r} ({type(m).__name__}{tuple(m.weight.shape)}, sparse=True) gets a "
                               f"sparse gradient, which fzero's flat gradient buckets cannot hold; build it with "
                               f"sparse=False (the same values, a dense gradient), or freeze it")
+
+
+_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
+def _check_hooks(module: nn.Module) -> None:
+    """A hook of `module` or a submodule (forward, forward pre-, backward, backward pre-) that
+    holds `module`, one of its submodules, parameters or buffers is refused with a `ConfigError`
+    naming the hook's module, the hook and what it holds. `copy.deepcopy` leaves a function as it
+    is, so apply's copy ran the hook on the original objects: a parameter read there never got a
+    gradient and every leaf drifted from torch's, with no error (found in review). What deepcopy
+    does rebind is fine: a bound method's `self`, a callable object, a `functools.partial`'s
+    arguments but a parameter (which becomes a stand-in nothing binds). One pass over the
+    modules; the tables of what to look for are made only where a hook is found."""
+    hooked = [(name, m, kind, hook) for name, m in module.named_modules() for attr, kind in _HOOKS
+              for hook in getattr(m, attr, {}).values()]
+    if not hooked:
+        return
+    held: dict[int, str] = {id(m): f"submodule {n!r}" if n else "the module itself" for n, m in module.named_modules()}
+    held.update({id(b): f"buffer {n!r}" for n, b in module.named_buffers()})
+    params = {id(p): f"parameter {n!r}" for n, p in module.named_parameters()}
+    held.update(params)
+    for name, m, kind, hook in hooked:
+        for how, obj in _carried(hook):
+            what = (params if how == "partial arguments" else held).get(id(obj))
+            if what is None:
+                continue
+            where = f"submodule {name!r} ({type(m).__name__})" if name else f"the module ({type(m).__name__})"
+            qual = getattr(hook, "__qualname__", None) or getattr(getattr(hook, "func", None), "__qualname__", None) \
+                or type(hook).__name__
+            raise ConfigError(
+                f"from_module: the {kind} {qual!r} of {where} holds {what} (in its {how}), which apply's copy of the "
+                f"module cannot rebind (copy.deepcopy keeps a function as it is): the hook would read the original "
+                f"module's tensors, never the values being trained, and their gradients would be lost, silently. "
+                f"Read what it needs through the hook's module argument (lambda mod, args, out: out * mod.scale, "
+                f"with the parameter on the module the hook is registered on), or make the hook a method of a "
+                f"submodule that holds it (m.scaler.hook: deepcopy rebinds a bound method's self)")
+
+
+def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
+    """`(where, object)` for what a hook holds that copy.deepcopy leaves pointing at the original:
+    a function's closure cells, defaults, keyword defaults and the globals its code names (one
+    level into a list, tuple or dict; into a held function or bound method, self included, 3
+    deep); a `functools.partial`'s arguments (deepcopy copies them: a parameter among them becomes
+    a stand-in) and its function; the hook's own bound method's function (deepcopy rebinds its
+    `self`). A callable object is deep-copied: nothing."""
+    if depth > 3:
+        return []
+    found: list[tuple[str, Any]] = []
+    if isinstance(hook, functools.partial):
+        found = [("partial arguments", a) for a in (*hook.args, *hook.keywords.values())]
+        hook = hook.func
+    fn = getattr(hook, "__func__", hook)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                found.append(("closure", cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        found += [("defaults", d) for d in getattr(fn, "__defaults__", None) or ()]
+        found += [("keyword defaults", d) for d in (getattr(fn, "__kwdefaults__", None) or {}).values()]
+        glob = getattr(fn, "__globals__", {})
+        found += [("globals", glob[n]) for n in code.co_names if n in glob]
+    out = []
+    for how, obj in found:
+        out.append((how, obj))
+        if isinstance(obj, (list, tuple)):
+            out += [(how, x) for x in obj]
+        elif isinstance(obj, dict):
+            out += [(how, x) for x in obj.values()]
+        elif how != "globals" and (hasattr(obj, "__code__") or isinstance(obj, functools.partial)):
+            if isinstance(obj, types.MethodType):  # a held bound method keeps its original self
+                out.append((how, obj.__self__))
+            out += _carried(obj, depth + 1)
+    return out
 
 
 class Apply:
@@ -526,7 +668,8 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-_RUNNING = threading.local()  # `.unbound`: {id(placeholder): (alias, unit)} of the call running on this thread
+_RUNNING = threading.local()  # of the call running on this thread: `.unbound` {id(placeholder): (alias, unit)}
+# (the dict path: every placeholder), `.root` the skeleton copy it runs
 _METADATA = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__,
                        torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.size,
                        torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
@@ -539,7 +682,11 @@ class _Unbound(nn.Parameter):
     is code outside the forward of the submodule the unit is bound in reading the parameter (a
     parent's tied head `F.linear(h, self.emb.weight)`, `device=self.pos.weight.device`): before,
     it got the meta tensor, and torch's CPU matrix product over a meta operand returns
-    uninitialised memory, a silently wrong loss (found in review)."""
+    uninitialised memory, a silently wrong loss (found in review). Or it is a stand-in that
+    `copy.deepcopy` put where the module also holds the parameter outside `_parameters` (`self._refs
+    = [self.w2]`), which no path rebinds: the dict path (`gather="eager"`, `fzero.gather`'s
+    output) got the meta tensor there too (found in review); the error then names where it is
+    held (`_held_elsewhere`), and not `gather="eager"`."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -547,14 +694,64 @@ class _Unbound(nn.Parameter):
         if unbound and func not in _METADATA:
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if id(t) in unbound:
-                    alias, unit = unbound[id(t)]
-                    raise ConfigError(
-                        f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the "
-                        f"forward of the submodule its unit is bound in, where from_module's apply holds a meta "
-                        f"stand-in for it (gather='on_use' binds a unit only while its home submodule runs). Read it "
-                        f"inside that submodule, put it in a unit whose home runs around the read (units=..., e.g. "
-                        f"the parent's), or use train_step(gather='eager')")
+                    raise _unbound_error(t, *unbound[id(t)], func, getattr(_RUNNING, "root", None))
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})  # as nn.Parameter's
+
+
+def _unbound_error(t: torch.Tensor, alias: str, unit: str, func: Any, root: nn.Module | None) -> ConfigError:
+    """The error for placeholder `t` of parameter `alias` (unit `unit`) used by `func` while `root`
+    runs: held outside `_parameters` where `root` holds it so, or where its slot holds a bound
+    leaf now (the dict path binds every slot), else read outside its unit's home submodule."""
+    held = _held_elsewhere(root, t) if root is not None else []
+    if held or (root is not None and _slot(root, alias) is not t):
+        shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        where = (" and ".join(repr(h) for h in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+                 if held else "an attribute of a submodule or of an object it holds")
+        return ConfigError(
+            f"parameter {alias!r} ({shape}) is also held outside the module's registered parameters, as {where} "
+            f"(a list, dict or plain attribute), and the forward used it ({_op_name(func)}): from_module's apply "
+            f"runs a copy of the module whose parameters it binds in their registered slots only, so that copy "
+            f"holds a meta stand-in there, never the values being trained. In the forward, read it through its module "
+            f"attribute (the name {alias!r} registers), or register the container (nn.ParameterList, "
+            f"nn.ParameterDict)")
+    return ConfigError(
+        f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the "
+        f"forward of the submodule its unit is bound in, where from_module's apply holds a meta "
+        f"stand-in for it (gather='on_use' binds a unit only while its home submodule runs). Read it "
+        f"inside that submodule, put it in a unit whose home runs around the read (units=..., e.g. "
+        f"the parent's), or use train_step(gather='eager')")
+
+
+_REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _held_elsewhere(root: nn.Module, t: torch.Tensor) -> list[str]:
+    """Where the submodules of `root` hold `t` outside their registered slots: `'path.attr'`,
+    `'path.attr[i]'` or `"path.attr['key']"` (one level into a list, tuple or dict). An RNN's
+    `_flat_weights`, which its forward refreshes from the slots, is not such a place. Read on the
+    error path only."""
+    found = []
+    for name, m in root.named_modules():
+        for attr, v in vars(m).items():
+            if attr in _REGISTERED or (attr == "_flat_weights" and isinstance(m, nn.RNNBase)):
+                continue
+            at = f"{name}.{attr}" if name else attr
+            if v is t:
+                found.append(at)
+            elif isinstance(v, (list, tuple)):
+                found += [f"{at}[{k}]" for k, x in enumerate(v) if x is t]
+            elif isinstance(v, dict):
+                found += [f"{at}[{k!r}]" for k, x in v.items() if x is t]
+    return found
+
+
+def _slot(root: nn.Module, alias: str) -> Any:
+    """What `root` holds in the registered slot of parameter `alias` now (None where it has none)."""
+    path, _, attr = alias.rpartition(".")
+    try:
+        return root.get_submodule(path)._parameters.get(attr)
+    except AttributeError:
+        return None
 
 
 def _op_name(func: Any) -> str:
@@ -708,10 +905,11 @@ class _Skeleton:
                 roots.append(binding)  # bound: put back below, also where a later root unit's read raises
             self.call = _Call(params, plan, [])
             outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), plan.unbound
+            outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), self.module
             try:
                 return self.module(*args, **kwargs)  # (its root's hook keeps a reassigned buffer's value)
             finally:
-                _RUNNING.unbound = outer
+                _RUNNING.unbound, _RUNNING.root = outer, outer_root
         finally:
             call, self.call = self.call, None
             bound = call.bound if call is not None else []
