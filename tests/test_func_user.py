@@ -436,3 +436,17 @@ def test_a_loss_returned_in_a_list_or_dict_is_told_the_step_takes_no_aux(out):
     with pytest.raises(fzero.FzeroError, match=r"0-d floating tensor \(this rank's mean loss\), got (list|dict); the "
                                                r"step takes no auxiliary output: return the loss alone"):
         mesh.run(rank_fn)
+
+
+def test_a_loss_fn_that_returns_nothing_is_asked_for_its_return():
+    """A loss_fn that computes the loss and forgets `return` read "got NoneType", no way out
+    (found in review)."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=0, mesh=mesh)
+        fzero.train_step(lambda p, x: None)(state, _x(0))
+
+    with pytest.raises(fzero.FzeroError, match=r"got NoneType; loss_fn returned nothing: does it end with `return "
+                                               r"loss`\?"):
+        mesh.run(rank_fn)

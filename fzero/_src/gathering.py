@@ -902,6 +902,8 @@ def _loss_way_out(loss: Any) -> str:
     if isinstance(loss, (list, dict)):  # torch.func's has_aux habit, in another container (found in review)
         return ("; the step takes no auxiliary output: return the loss alone, and keep an auxiliary one by "
                 "appending aux.detach() to a list the loss closes over, or compute it with fzero.evaluate(fn)")
+    if loss is None:  # a loss_fn that computes the loss and forgets to return it (found in review)
+        return "; loss_fn returned nothing: does it end with `return loss`?"
     if not isinstance(loss, torch.Tensor):
         return ""
     if not (loss.dtype.is_floating_point or loss.is_complex()):
