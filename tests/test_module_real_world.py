@@ -12,6 +12,7 @@
 """
 
 import functools
+import types
 
 import pytest
 import torch
@@ -187,6 +188,18 @@ _CAPTURING = {
                  "the module itself"),
     "backward hook": ("register_full_backward_hook", lambda m: lambda mod, gi, go: (gi[0] * m.scale,),
                       "the module itself"),
+    # found in review: `co_names` was read for the globals, never the code nested in the hook
+    "a global read in a nested lambda": ("register_forward_hook",
+                                         lambda m: eval("lambda mod, i, o: o * (lambda: model.scale)()", {"model": m}),
+                                         "the module itself"),
+    # found in review: an object holding the module (a trainer) was not looked into
+    "closure over an object holding the module": (
+        "register_forward_hook",
+        lambda m: _closing(types.SimpleNamespace(model=m), lambda t: lambda mod, i, o: o * t.model.scale),
+        r"the module itself \(in its closure, as attribute 'model' of a SimpleNamespace\)"),
+    "a global object holding a param": ("register_forward_hook",
+                                        lambda m: eval("lambda mod, i, o: o * cfg.w", {"cfg": types.SimpleNamespace(
+                                            w=m.scale, n=3)}), "parameter 'scale'"),
 }
 
 
@@ -222,6 +235,11 @@ _FINE = {
     "a plain tensor and a number": lambda m: _closing((torch.full((V,), 2.0), 0.5),
                                                       lambda tc: lambda mod, i, o: o * tc[0] + tc[1]),
     "a partial holding the module": lambda m: functools.partial(lambda root, mod, i, o: o * root.scaler.s, m),
+    # found in review: `co_names` lists attribute names too, so `mod.weight` was read as the global `weight`
+    "an attribute named as a global": lambda m: eval("lambda mod, i, o: o * mod.weight[0, :].sum()",
+                                                     {"weight": m[2].weight}),
+    "an object holding no part of it": lambda m: _closing(types.SimpleNamespace(k=2.0, t=torch.ones(V)),
+                                                          lambda c: lambda mod, i, o: o * c.t * c.k),
 }
 
 
@@ -241,6 +259,132 @@ def test_a_hook_that_copy_rebinds_trains_as_torch_does(case, stage):
     want = _torch_sgd(build(), steps=2)
     params, apply, info = fzero.from_module(build())
     got, _ = _train(params, apply, info, stage, "on_use", steps=2)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_hook_keyed_by_its_module_is_refused_with_the_way_out_for_capture():
+    """Activation capture keyed by the module object (`acts[mod] = out`) is refused (deepcopy
+    cannot rebind the key, and a rebound key would break the user's lookup), but the message said
+    the hook "would read the original module's tensors", untrue here (found in review). It now
+    says what holds in both cases and gives the way out, keying by name, which runs as written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+    acts = {}
+    for _, m in model.named_modules():
+        m.register_forward_hook(lambda mod_, i, o, mod=m: acts.__setitem__(mod, o))
+    with pytest.raises(fzero.ConfigError,
+                       match=r"holds the module itself \(in its defaults\): the original object") as e:
+        fzero.from_module(model)
+    msg = str(e.value)
+    assert "where the hook reads that object's tensors" in msg and "would read" not in msg
+    way_out = msg.split("key them by name: ")[1]
+    assert way_out == "for n, m in model.named_modules(): m.register_forward_hook(lambda mod, i, o, n=n: " \
+                      "acts.__setitem__(n, o))"
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+    acts = {}
+    exec(way_out, {"model": model, "acts": acts})
+    params, apply, _ = fzero.from_module(model)
+    out = apply(params, _batch()[0])
+    assert sorted(acts) == ["", "0", "1", "2"] and torch.equal(acts[""], out)
+
+
+def _global_hook_holding(m):
+    return lambda mod, i, o: o * m.scale if mod is not m and isinstance(mod, nn.Linear) and mod.out_features == V \
+        else None
+
+
+@pytest.mark.parametrize("register", ["register_module_forward_hook", "register_module_forward_pre_hook"])
+def test_a_global_module_hook_holding_the_module_is_refused(register):
+    """torch's global module hooks run for apply's copy too, and are never copied: one closing
+    over the model read the original `scale`, accepted, gradients lost (found in review). Now
+    refused, naming the hook and how it was registered."""
+    model = _scaled()
+    hook = (_global_hook_holding(model) if register == "register_module_forward_hook"
+            else lambda mod, a: (a[0] * model.scale[0],) if mod is model[2] else None)
+    handle = getattr(torch.nn.modules.module, register)(hook)
+    try:
+        with pytest.raises(fzero.ConfigError, match=rf"from_module: the global module hook .* \(torch\.nn\.modules"
+                                                    rf"\.module\.{register}\) holds the module itself \(in its "
+                                                    rf"closure\)"):
+            fzero.from_module(model)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_global_module_hook_holding_no_part_of_the_module_trains_as_torch_does(stage):
+    """No false positive: a global hook that holds no part of the module (a log of output shapes,
+    a plain tensor) is accepted, and the steps equal torch's SGD bit for bit."""
+    log, two = [], torch.full((V,), 2.0)
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, i, o: (log.append(tuple(o.shape)), o * two if isinstance(mod, nn.Linear) and mod.out_features == V
+                           else None)[1])
+    try:
+        def build():
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+
+        want = _torch_sgd(build(), steps=2)
+        params, apply, info = fzero.from_module(build())
+        got, _ = _train(params, apply, info, stage, "on_use", steps=2)
+    finally:
+        handle.remove()
+    assert log and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- a nested apply (a second from_module'd model called inside the first's forward) ---------------
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Linear(V, V)
+
+    def forward(self, h, w):
+        return self.s(F.linear(h, w))
+
+
+class _Outer(nn.Module):
+    """Its forward calls another from_module'd model (`inner`, with a plain dict), passing its
+    own head's weight, read outside the head's forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.a, self.head, self.inner = nn.Linear(D, D), nn.Linear(D, V), inner
+
+    def forward(self, x):
+        return self.inner(self.a(x), self.head.weight)
+
+
+def _nested():
+    torch.manual_seed(0)
+    inner_model = _Inner()
+    pb, apply_b, _ = fzero.from_module(inner_model)
+    return inner_model, _Outer(lambda h, w: apply_b(pb, h, w))
+
+
+def test_a_nested_apply_keeps_the_outer_calls_stand_ins_checked():
+    """Found in review: the nested call's table of stand-ins replaced the outer on-use call's, so
+    the outer head's weight, read outside its unit's forward and passed in, was the meta stand-in:
+    a loss from uninitialised memory, no error (before this change: the ConfigError below)."""
+    _, model = _nested()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    with pytest.raises(fzero.ConfigError, match=r"parameter 'head\.weight' \(unit 'head'\) was used \(linear\) "
+                                                r"outside the forward of the submodule its unit is bound in"):
+        _train(params, apply, info, 3, "on_use")
+
+
+@pytest.mark.parametrize("gather", ["eager", "on_use"])
+def test_a_nested_apply_where_the_outer_unit_is_bound_trains_as_torch_does(gather):
+    """No false positive from keeping the outer table: with the head in the root's unit (bound
+    for the whole forward) the nested call gets the leaf, and the step equals torch's SGD."""
+    inner_model, model = _nested()
+    torch.manual_seed(1)
+    ref = _Outer(lambda h, w: inner_model(h, w))  # (the inner model's parameters are not trained: a lambda)
+    ref.load_state_dict(model.state_dict())
+    want = _torch_sgd(ref)
+    params, apply, info = fzero.from_module(model)
+    got, _ = _train(params, apply, info, 3, gather)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -331,3 +475,77 @@ def test_an_export_takes_the_extra_state_from_the_run(tmp_path):
         model.load_state_dict(exported)
     model.load_state_dict({**exported, **info.extra_state()})
     assert model[0].calls == 1 and all(torch.equal(v.detach(), full[k]) for k, v in model.named_parameters())
+
+
+class _MaxScaled(nn.Module):
+    """Extra state computed from a parameter (an FP8-style scale: the weight's largest magnitude)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, V)
+        self.wmax = None
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def get_extra_state(self):
+        return {"wmax": self.lin.weight.detach().abs().max()}
+
+    def set_extra_state(self, state):
+        self.wmax = state["wmax"]
+
+
+@pytest.mark.parametrize("gather", ["eager", "on_use"])
+def test_extra_state_reading_a_param_reads_the_trained_value(gather):
+    """Found in review: `get_extra_state` ran on apply's copy, whose parameters are meta
+    stand-ins, so a scale read from the weight was a meta tensor in the state dict, which a strict
+    `load_state_dict` accepted. Now `state_dict(full)` binds `full`'s params while it runs."""
+    torch.manual_seed(0)
+    model = _MaxScaled()
+    params, apply, info = fzero.from_module(model)
+    got, _ = _train(params, apply, info, 3, gather)
+    wmax = info.state_dict(got)["_extra_state"]["wmax"]
+    assert not wmax.is_meta and torch.equal(wmax, got["lin.weight"].abs().max())
+    model.load_state_dict(info.state_dict(got))
+    assert torch.equal(model.wmax, got["lin.weight"].abs().max()) and model.get_extra_state()["wmax"] == wmax
+    assert torch.equal(info.extra_state(got)["_extra_state"]["wmax"], wmax)
+    with pytest.raises(fzero.ConfigError, match="get_extra_state called without params"):
+        info.extra_state()  # the copy holds its stand-ins again, not the leaves bound for the read
+
+
+def test_extra_state_reading_a_param_without_params_names_it_and_the_way_out():
+    """`info.extra_state()` alone (the export recipe) has no params to bind: a `get_extra_state`
+    that reads one raises naming it and `info.extra_state(fzero.gather(state))`; before, it
+    returned the meta stand-in's result."""
+    params, apply, info = fzero.from_module(_MaxScaled())
+    apply(params, _batch()[0])
+    with pytest.raises(fzero.ConfigError, match=r"parameter 'lin\.weight' was read \(detach\) by a get_extra_state "
+                                                r"called without params .* "
+                                                r"info\.extra_state\(fzero\.gather\(state\)\)"):
+        info.extra_state()
+    with pytest.raises(fzero.ConfigError, match=r"ModuleInfo\.extra_state\(full\) takes the params .* missing "
+                                                r"\['lin\.bias'\]"):
+        info.extra_state({"lin.weight": params["lin.weight"]})
+
+
+def test_extra_state_on_a_simmesh_is_kept_within_one_mesh_run_and_restarts_at_the_next():
+    """Pins what `ModuleInfo.state_dict`'s docstring says (found in review: it said "the steps'"):
+    on the on-use path each thread's copy is made from `from_module`'s copy, so a thread keeps the
+    count across its steps (3 steps in one `mesh.run`: 3, as torch counts), and each `mesh.run`
+    (new threads) starts from `from_module`'s again (3 steps in 3 `mesh.run` calls: 1)."""
+    params, apply, info = fzero.from_module(_with_extra())
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]))
+
+    def steps(state, n):
+        for k in range(n):
+            state, _ = step(state, _batch(k))
+        return state, info.extra_state()["0._extra_state"]["calls"]
+
+    state = mesh.run(lambda: fzero.init(params, fzero.optim.sgd(0.1), stage=3, mesh=mesh))[0]
+    state, calls = mesh.run(steps, [(state, 3)])[0]
+    assert calls == 3 and info.extra_state()["0._extra_state"]["calls"] == 3
+    for _ in range(3):
+        state, calls = mesh.run(steps, [(state, 1)])[0]
+        assert calls == 1
+    assert info.extra_state()["0._extra_state"]["calls"] == 1

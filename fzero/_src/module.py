@@ -13,14 +13,18 @@
 - `info`: a `ModuleInfo` with the alias table, the live buffers, the suggested `units` and
   `groups` (a frozen `ParamGroup` for `requires_grad=False` parameters); after training,
   `model.load_state_dict(info.state_dict(fzero.gather(state)))` puts the trained weights,
-  buffers and extra state (`get_extra_state`, from the copy `apply` ran last) back into `model`
-  (DeepSpeed's `engine.module`).
+  buffers and extra state (`get_extra_state`, from the copy `apply` ran last, with the trained
+  params bound) back into `model` (DeepSpeed's `engine.module`). Extra state the forward changes
+  is that copy's: on the on-use path each thread's copy starts from `from_module`'s, so a
+  `SimMesh` keeps it across the steps of one `mesh.run` only (a new `mesh.run` starts new
+  threads), a process mesh across every step (`ModuleInfo.state_dict`).
 
 `apply` binds the parameters in their registered slots only: a forward reading one from a list,
 dict or plain attribute (`self._refs = [self.w]`) raises `ConfigError` naming it and where it is
-held (`_Unbound`), and a hook holding the module, a submodule, a parameter or a buffer in its
-closure, defaults or globals is refused by `from_module` (`_check_hooks`): either read the
-original, never the trained values (found in review).
+held (`_Unbound`), and a hook (or one of torch's global module hooks) holding the module, a
+submodule, a parameter or a buffer in its closure, defaults or globals (or in an object held
+there) is refused by `from_module` (`_check_hooks`): either read the original, never the trained
+values (found in review).
 
 A module wrapped for data parallelism (DDP, DataParallel, FSDP / fully_shard) is refused
 (`ConfigError`): pass the module it wraps; fzero reduces the gradients itself.
@@ -50,6 +54,7 @@ writes to captured tensors; `apply` notes on that error the buffers a training-m
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import sys
 import threading
@@ -81,9 +86,12 @@ class ModuleInfo(NamedTuple):
       frozen: names of the `requires_grad=False` parameters.
       persistent: names of the buffers the module's `state_dict` holds (all but those registered
         with `persistent=False`); None: every name in `buffers`.
-      extra_state: `() -> {"<submodule>._extra_state": its get_extra_state()}` for the submodules
-        that define `get_extra_state` (read from the copy of the module `apply` ran last,
-        `from_module`); None where none does.
+      extra_state: `(full=None) -> {"<submodule>._extra_state": its get_extra_state()}` for the
+        submodules that define `get_extra_state` (read from the copy of the module `apply` ran
+        last, `from_module`, with `full`'s params, `fzero.gather(state)`'s, bound in its parameter
+        slots while it runs); None where none does. Without `full` (the export recipe
+        `{**export, **info.extra_state()}`) a `get_extra_state` that reads a parameter raises
+        `ConfigError` naming it: pass the params, `info.extra_state(fzero.gather(state))`.
     """
 
     aliases: dict[str, tuple[str, ...]]
@@ -92,7 +100,7 @@ class ModuleInfo(NamedTuple):
     groups: tuple[ParamGroup, ...]
     frozen: tuple[str, ...]
     persistent: frozenset[str] | None = None
-    extra_state: Callable[[], dict[str, Any]] | None = None
+    extra_state: Callable[..., dict[str, Any]] | None = None
 
     def state_dict(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's `state_dict` from `full`, the params `fzero.gather(state)` returns (its
@@ -110,29 +118,50 @@ class ModuleInfo(NamedTuple):
         them). A `full` whose keys are not the params `from_module` returned is a `ConfigError`
         naming the missing and unexpected keys.
 
-        Extra state is read, by `get_extra_state`, from the copy of the module that ran the last
-        `apply` on this thread, else on any thread (`apply` runs copies of the module, not the
-        module: one for a plain params dict, and one per thread on the on-use path); where none
-        ran, from `from_module`'s copy, as the module's was when `from_module` was called. So
-        extra state the forward changes (a count of calls, FP8 scales) is the steps': a rank's
-        own on a `SimMesh` when called on the rank, the rank's that ran last after `mesh.run`,
-        and, after an evaluation on `fzero.gather`'s dict, that copy's, which saw only the
-        evaluation's forwards. (Found in review: it was missing, and the strict load raised
-        torch's "Missing key(s) in state_dict: _extra_state".)"""
-        if not isinstance(full, Mapping) or set(full) != set(self.aliases):
-            got = set(full) if isinstance(full, Mapping) else set()
-            missing, extra = sorted(set(self.aliases) - got), sorted(got - set(self.aliases))
-            what = (f"a dict of {len(full)} key{'' if len(full) == 1 else 's'}" if isinstance(full, Mapping)
-                    else f"a {type(full).__name__}")
-            raise ConfigError(f"ModuleInfo.state_dict(full) takes the params of this from_module's model as "
-                              f"fzero.gather(state) returns them ({len(self.aliases)} keys), got {what}: missing "
-                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
-                              f"{' ...' if len(extra) > 5 else ''} (params nested beside others, as "
-                              f"{{'model': params, ...}}: pass that subtree, fzero.gather(state)['model'])")
+        Extra state is read by `get_extra_state` with `full`'s params bound in the parameter slots
+        (one that reads a parameter, `self.lin.weight.abs().max()`, reads the trained value: it
+        read the copy's meta stand-in, and a meta tensor went into the state dict, which a strict
+        load accepted; found in review), from the copy of the module that ran the last `apply` on
+        this thread, else on any thread. `apply` runs copies of the module, not the module:
+        `from_module`'s copy for a plain params dict (`gather="eager"`, `fzero.gather`'s dict),
+        and on the on-use path (`gather="on_use"`, the default) one per thread, made from
+        `from_module`'s copy, as it is then, when the thread first calls `apply`; where none ran,
+        `from_module`'s copy, as the module was when `from_module` was called. So extra state the
+        forward changes (a count of calls, FP8 scales) is that copy's:
+
+        - on the on-use path, a thread's copy keeps it across the steps the thread runs. With one
+          process per rank (`DistMesh`, one thread per process) that is every step. On a `SimMesh`
+          each `mesh.run` starts new threads, whose copies start again from `from_module`'s: 3
+          steps in 3 `mesh.run` calls give `{'calls': 1}` where torch counts 3, so run the steps
+          in one `mesh.run` (found in review). Called on a rank: that rank's copy; after
+          `mesh.run`: the copy of the rank that ran last;
+        - on the dict path, `from_module`'s one copy runs every forward: on a `SimMesh` every
+          rank's (the ranks' threads share it, as they share the buffers), across `mesh.run`
+          calls, and an evaluation on `fzero.gather`'s dict adds its forwards there.
+
+        (Found in review: it was missing, and the strict load raised torch's "Missing key(s) in
+        state_dict: _extra_state".)"""
+        _check_full(full, self.aliases, "ModuleInfo.state_dict(full)")
         kept = self.buffers if self.persistent is None else {k: b for k, b in self.buffers.items()
                                                              if k in self.persistent}
-        extra = self.extra_state() if self.extra_state is not None else {}
+        extra = self.extra_state(full) if self.extra_state is not None else {}
         return {**aliased(full, self.aliases), **kept, **extra}
+
+
+def _check_full(full: Any, aliases: Mapping[str, tuple[str, ...]], call: str) -> None:
+    """`full` must be the params of the module `aliases` is of (`fzero.gather(state)`'s dict):
+    else a `ConfigError` naming the missing and unexpected keys."""
+    if isinstance(full, Mapping) and set(full) == set(aliases):
+        return
+    got = set(full) if isinstance(full, Mapping) else set()
+    missing, extra = sorted(set(aliases) - got), sorted(got - set(aliases))
+    what = (f"a dict of {len(full)} key{'' if len(full) == 1 else 's'}" if isinstance(full, Mapping)
+            else f"a {type(full).__name__}")
+    raise ConfigError(f"{call} takes the params of this from_module's model as "
+                      f"fzero.gather(state) returns them ({len(aliases)} keys), got {what}: missing "
+                      f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+                      f"{' ...' if len(extra) > 5 else ''} (params nested beside others, as "
+                      f"{{'model': params, ...}}: pass that subtree, fzero.gather(state)['model'])")
 
 
 def aliased(leaves: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]]) -> dict[str, Any]:
@@ -163,6 +192,37 @@ def extra_states(module: nn.Module, names: tuple[str, ...]) -> dict[str, Any]:
     (`extra_state_names`), as `module.state_dict()` holds them."""
     return {f"{name}.{_EXTRA_STATE}" if name else _EXTRA_STATE: module.get_submodule(name).get_extra_state()
             for name in names}
+
+
+def extra_states_with(module: nn.Module, names: tuple[str, ...], bound: Mapping[str, torch.Tensor]
+                      ) -> dict[str, Any]:
+    """`extra_states(module, names)` with `bound` (`{every alias: tensor}`, `aliased`) in the
+    parameter slots while `get_extra_state` runs: a `get_extra_state` that reads a parameter
+    (`{"wmax": self.lin.weight.abs().max()}`) reads the trained value, not the copy's meta stand-in,
+    which put a meta tensor in the state dict that a strict `load_state_dict` accepted (found in
+    review). The stand-ins are put back after. (`torch.func.functional_call` calls `forward` only.)"""
+    with torch.nn.utils.stateless._reparametrize_module(module, dict(bound), tie_weights=False, strict=False):
+        return extra_states(module, names)
+
+
+def extra_states_unbound(module: nn.Module, names: tuple[str, ...], aliases: Mapping[str, tuple[str, ...]],
+                         unit_of: Callable[[str], str]) -> dict[str, Any]:
+    """`extra_states(module, names)` of a skeleton copy whose parameters are stand-ins, no params
+    given (`info.extra_state()`, the export recipe): a `get_extra_state` that reads a parameter
+    raises a `ConfigError` naming it and the way out, `info.extra_state(fzero.gather(state))`
+    (`_Unbound`, with no root: `_unbound_error`); one that reads none runs as it is."""
+    table = {}
+    for name, names_ in aliases.items():
+        for alias in names_:
+            slot = _slot(module, alias)
+            if isinstance(slot, _Unbound):
+                table[id(slot)] = (name, unit_of(name), None)
+    outer = getattr(_RUNNING, "unbound", None)
+    _RUNNING.unbound = table if outer is None else _merged(outer, table)
+    try:
+        return extra_states(module, names)
+    finally:
+        _RUNNING.unbound = outer
 
 
 def persistent_buffers(module: nn.Module) -> frozenset[str]:
@@ -267,7 +327,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     unit_of = _unit_of(units)
     # the dict path binds every registered slot: a placeholder its forward reaches is one held
     # outside them (a list, a dict, a plain attribute), which nothing rebinds (`_Unbound`)
-    every_placeholder = {id(ph): (canonical[pid], unit_of(canonical[pid])) for pid, ph in placeholders.items()}
+    every_placeholder = {id(ph): (canonical[pid], unit_of(canonical[pid]), skeleton)
+                         for pid, ph in placeholders.items()}
     extra_names = extra_state_names(skeleton)
     ran = [skeleton]  # where extra state is read (`ModuleInfo.state_dict`): the copy that ran the last apply,
     # on any thread (`ran`) or this one (`per_thread.ran`); kept only where a submodule has extra state
@@ -321,7 +382,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                 bound[alias] = t
         # strict: every parameter and buffer name of the skeleton is bound, so a meta tensor the
         # forward reaches is one held outside them: `_Unbound` raises on it (found in review)
-        outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), every_placeholder
+        outer = getattr(_RUNNING, "unbound", None)  # inside another apply: its stand-ins stay checked (`_merged`)
+        _RUNNING.unbound = every_placeholder if outer is None else _merged(outer, every_placeholder)
         outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), skeleton
         if extra_names and outer_root is None:
             per_thread.ran = ran[0] = skeleton
@@ -330,9 +392,15 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         finally:
             _RUNNING.unbound, _RUNNING.root = outer, outer_root
 
-    def extra_state() -> dict[str, Any]:
+    def extra_state(full: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """`{"<submodule>._extra_state": its get_extra_state()}`, read from the copy `apply` ran
+        last (`ModuleInfo.extra_state`), with `full`'s params bound where given."""
         module = getattr(per_thread, "ran", None)
-        return extra_states(module if module is not None else ran[0], extra_names)
+        module = module if module is not None else ran[0]
+        if full is not None:
+            _check_full(full, alias_table, "ModuleInfo.extra_state(full)")
+            return extra_states_with(module, extra_names, aliased(full, alias_table))
+        return extra_states_unbound(module, extra_names, alias_table, unit_of)
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
     return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen,
@@ -441,46 +509,132 @@ def _check_dense(module: nn.Module) -> None:
 
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+# torch's global module hooks (`torch.nn.modules.module.register_module_forward_hook`, ...): run for
+# every module, apply's copy included, and never copied
+_GLOBAL_HOOKS = (("_global_forward_pre_hooks", "register_module_forward_pre_hook"),
+                 ("_global_forward_hooks", "register_module_forward_hook"),
+                 ("_global_backward_pre_hooks", "register_module_full_backward_pre_hook"),
+                 ("_global_backward_hooks", "register_module_full_backward_hook"))
+
+
+def _global_hooks() -> list[tuple[str, Any]]:
+    """`(how it was registered, hook)` of each of torch's global module hooks now registered
+    (guarded: a torch without one of the dicts has none of that kind)."""
+    glob = sys.modules.get("torch.nn.modules.module")
+    return [(how, hook) for attr, how in _GLOBAL_HOOKS
+            for hook in (getattr(glob, attr, None) or {}).values()]
 
 
 def _check_hooks(module: nn.Module) -> None:
-    """A hook of `module` or a submodule (forward, forward pre-, backward, backward pre-) that
-    holds `module`, one of its submodules, parameters or buffers is refused with a `ConfigError`
-    naming the hook's module, the hook and what it holds. `copy.deepcopy` leaves a function as it
-    is, so apply's copy ran the hook on the original objects: a parameter read there never got a
-    gradient and every leaf drifted from torch's, with no error (found in review). What deepcopy
-    does rebind is fine: a bound method's `self`, a callable object, a `functools.partial`'s
-    arguments but a parameter (which becomes a stand-in nothing binds). One pass over the
-    modules; the tables of what to look for are made only where a hook is found."""
+    """A hook of `module` or a submodule (forward, forward pre-, backward, backward pre-), or one
+    of torch's global module hooks (`register_module_forward_hook`, ..., which run for apply's copy
+    too), that holds `module`, one of its submodules, parameters or buffers is refused with a
+    `ConfigError` naming the hook's module, the hook and what it holds. `copy.deepcopy` leaves a
+    function as it is (and copies no global hook), so apply's copy ran the hook on the original
+    objects: a parameter read there never got a gradient and every leaf drifted from torch's, with
+    no error (found in review). What deepcopy does rebind is fine: a module hook's bound method's
+    `self`, a callable object, a `functools.partial`'s arguments but a parameter (which becomes a
+    stand-in nothing binds). A global hook that holds no part of the module is fine. One pass over
+    the modules; the tables of what to look for are made only where a hook is found."""
     hooked = [(name, m, kind, hook) for name, m in module.named_modules() for attr, kind in _HOOKS
               for hook in getattr(m, attr, {}).values()]
-    if not hooked:
+    global_hooks = _global_hooks()
+    if not hooked and not global_hooks:
         return
     held: dict[int, str] = {id(m): f"submodule {n!r}" if n else "the module itself" for n, m in module.named_modules()}
     held.update({id(b): f"buffer {n!r}" for n, b in module.named_buffers()})
     params = {id(p): f"parameter {n!r}" for n, p in module.named_parameters()}
     held.update(params)
     for name, m, kind, hook in hooked:
-        for how, obj in _carried(hook):
-            what = (params if how == "partial arguments" else held).get(id(obj))
-            if what is None:
-                continue
+        found = _held_by(_carried(hook), held, params)
+        if found is not None:
             where = f"submodule {name!r} ({type(m).__name__})" if name else f"the module ({type(m).__name__})"
-            qual = getattr(hook, "__qualname__", None) or getattr(getattr(hook, "func", None), "__qualname__", None) \
-                or type(hook).__name__
-            raise ConfigError(
-                f"from_module: the {kind} {qual!r} of {where} holds {what} (in its {how}), which apply's copy of the "
-                f"module cannot rebind (copy.deepcopy keeps a function as it is): the hook would read the original "
-                f"module's tensors, never the values being trained, and their gradients would be lost, silently. "
-                f"Read what it needs through the hook's module argument (lambda mod, args, out: out * mod.scale, "
-                f"with the parameter on the module the hook is registered on), or make the hook a method of a "
-                f"submodule that holds it (m.scaler.hook: deepcopy rebinds a bound method's self)")
+            raise _hook_error(f"the {kind} {_qualname(hook)!r} of {where}", *found)
+    for how, hook in global_hooks:  # not copied at all: a bound method's self and a callable object are the originals
+        own = getattr(hook, "__self__", None) if isinstance(hook, types.MethodType) else (
+            hook if not isinstance(hook, (types.FunctionType, functools.partial)) else None)
+        carried = _carried(hook) + ([("self", own), *_attributes("self", own)] if own is not None else [])
+        found = _held_by([(h.replace("partial arguments", "partial's arguments", 1), o) for h, o in carried],
+                         held, params)
+        if found is not None:
+            raise _hook_error(f"the global module hook {_qualname(hook)!r} (torch.nn.modules.module.{how})", *found)
+
+
+def _held_by(carried: list[tuple[str, Any]], held: Mapping[int, str], params: Mapping[int, str]
+             ) -> tuple[str, str] | None:
+    """`(what, how)` of the first part of the module among `carried` (`_carried`): any part, or a
+    parameter where deepcopy copies the object (`partial arguments`); None where none is."""
+    for how, obj in carried:
+        what = (params if how.startswith("partial arguments") else held).get(id(obj))
+        if what is not None:
+            return what, how
+    return None
+
+
+def _qualname(hook: Any) -> str:
+    return (getattr(hook, "__qualname__", None) or getattr(getattr(hook, "func", None), "__qualname__", None)
+            or type(hook).__name__)
+
+
+def _hook_error(which: str, what: str, how: str) -> ConfigError:
+    """The refusal of hook `which` holding `what` (in its `how`). It holds the original object,
+    which apply's copy cannot rebind: true whether the hook reads that object's tensors (then they
+    are not the trained values and get no gradient) or only keys or names by it (activation
+    capture, where the key would not be the copy's either; found in review: the message said the
+    hook read tensors where it only keyed by the module)."""
+    return ConfigError(
+        f"from_module: {which} holds {what} (in its {how}): the original object, which apply's copy of the "
+        f"module cannot rebind (copy.deepcopy keeps a function as it is), so where the hook reads that object's "
+        f"tensors they are the original module's, never the values being trained, and get no gradient, silently "
+        f"(and a dict keyed by it never sees the copy's modules). Read what it needs through the hook's module "
+        f"argument (lambda mod, args, out: out * mod.scale, with the parameter on the module the hook is "
+        f"registered on), or make the hook a method of a submodule that holds it (m.scaler.hook: deepcopy rebinds "
+        f"a bound method's self). To capture activations, key them by name: for n, m in model.named_modules(): "
+        f"m.register_forward_hook(lambda mod, i, o, n=n: acts.__setitem__(n, o))")
+
+
+def _global_names(code: types.CodeType, depth: int = 0) -> list[str]:
+    """The global names `code` loads (`LOAD_GLOBAL` / `LOAD_NAME`), and those of the code nested in
+    it (a lambda or def inside the hook, a comprehension before Python 3.12), 3 deep. Not
+    `co_names`, which also lists attribute names: a hook reading `mod.fc` was refused as holding a
+    module-level `fc` (found in review), while a nested lambda's globals were never looked at
+    (found in review: `lambda: gm[2].weight.sum()` inside a hook was accepted)."""
+    names = list(dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                               if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")))
+    if depth < 3:
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                names += [n for n in _global_names(c, depth + 1) if n not in names]
+    return names
+
+
+_OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, functools.partial)
+_ATTRIBUTES_READ = 64  # of one held object: the check stays cheap on an object of many attributes
+
+
+def _attributes(how: str, obj: Any) -> list[tuple[str, Any]]:
+    """`(where, value)` of the first `_ATTRIBUTES_READ` attributes (`vars`) of a plain object a
+    hook holds (where: `how` and the attribute's name), one level: a trainer whose `.model` is the
+    module (found in review: accepted, and the hook read the untrained original). None of a
+    module, tensor, function, type or Python module, or of an object without a `__dict__`."""
+    if isinstance(obj, _OPAQUE):
+        return []
+    try:
+        attrs = vars(obj)
+    except Exception:  # no `__dict__` (slots, a C object), or a proxy whose lookup raises: not looked into
+        return []
+    if not isinstance(attrs, dict):
+        return []
+    return [(f"{how}, as attribute {k!r} of a {type(obj).__name__}", v)
+            for _, (k, v) in zip(range(_ATTRIBUTES_READ), attrs.items())]
 
 
 def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
     """`(where, object)` for what a hook holds that copy.deepcopy leaves pointing at the original:
-    a function's closure cells, defaults, keyword defaults and the globals its code names (one
-    level into a list, tuple or dict; into a held function or bound method, self included, 3
+    a function's closure cells, defaults, keyword defaults and the globals its code loads
+    (`_global_names`, nested code included) (one level into a list, tuple, dict or a plain
+    object's attributes, `_attributes`; into a held function or bound method, self included, 3
     deep); a `functools.partial`'s arguments (deepcopy copies them: a parameter among them becomes
     a stand-in) and its function; the hook's own bound method's function (deepcopy rebinds its
     `self`). A callable object is deep-copied: nothing."""
@@ -492,7 +646,7 @@ def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
         hook = hook.func
     fn = getattr(hook, "__func__", hook)
     code = getattr(fn, "__code__", None)
-    if code is not None:
+    if isinstance(code, types.CodeType):
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 found.append(("closure", cell.cell_contents))
@@ -500,8 +654,8 @@ def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
                 pass
         found += [("defaults", d) for d in getattr(fn, "__defaults__", None) or ()]
         found += [("keyword defaults", d) for d in (getattr(fn, "__kwdefaults__", None) or {}).values()]
-        glob = getattr(fn, "__globals__", {})
-        found += [("globals", glob[n]) for n in code.co_names if n in glob]
+        glob = getattr(fn, "__globals__", None) or {}
+        found += [("globals", glob[n]) for n in _global_names(code) if n in glob]
     out = []
     for how, obj in found:
         out.append((how, obj))
@@ -513,6 +667,8 @@ def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
             if isinstance(obj, types.MethodType):  # a held bound method keeps its original self
                 out.append((how, obj.__self__))
             out += _carried(obj, depth + 1)
+        else:
+            out += _attributes(how, obj)
     return out
 
 
@@ -668,8 +824,9 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-_RUNNING = threading.local()  # of the call running on this thread: `.unbound` {id(placeholder): (alias, unit)}
-# (the dict path: every placeholder), `.root` the skeleton copy it runs
+_RUNNING = threading.local()  # of the calls running on this thread: `.unbound` {id(placeholder): (alias, unit,
+# the skeleton copy holding it)} (the dict path: every placeholder; inside another apply, merged with that call's,
+# `_merged`), `.root` the skeleton copy the innermost call runs
 _METADATA = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__,
                        torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.size,
                        torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
@@ -694,16 +851,35 @@ class _Unbound(nn.Parameter):
         if unbound and func not in _METADATA:
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if id(t) in unbound:
-                    raise _unbound_error(t, *unbound[id(t)], func, getattr(_RUNNING, "root", None))
+                    raise _unbound_error(t, *unbound[id(t)], func)
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})  # as nn.Parameter's
 
 
-def _unbound_error(t: torch.Tensor, alias: str, unit: str, func: Any, root: nn.Module | None) -> ConfigError:
-    """The error for placeholder `t` of parameter `alias` (unit `unit`) used by `func` while `root`
-    runs: held outside `_parameters` where `root` holds it so, or where its slot holds a bound
-    leaf now (the dict path binds every slot), else read outside its unit's home submodule."""
-    held = _held_elsewhere(root, t) if root is not None else []
-    if held or (root is not None and _slot(root, alias) is not t):
+def _merged(outer: dict[int, tuple[str, str, nn.Module]], inner: dict[int, tuple[str, str, nn.Module]]
+            ) -> dict[int, tuple[str, str, nn.Module]]:
+    """The stand-ins checked while an `apply` runs inside another's forward (a second
+    `from_module`'d model called from the first's, with a plain dict or on use): the inner call's
+    and still the outer call's, so an outer parameter read while its unit is unbound (passed into
+    the inner call as an argument) raises as it did outside it. The inner table alone let it
+    through: a loss from a meta operand, no error (found in review). Made only when nested: the
+    single call keeps its own table."""
+    return {**outer, **inner}
+
+
+def _unbound_error(t: torch.Tensor, alias: str, unit: str, root: nn.Module | None, func: Any) -> ConfigError:
+    """The error for placeholder `t` of parameter `alias` (unit `unit`) of skeleton copy `root` (the
+    one whose call's table holds it) used by `func`: read by `get_extra_state` with no params bound
+    where `root` is None (`extra_states_unbound`); held outside `_parameters` where `root` holds it
+    so, or where its slot holds a bound leaf now (the dict path binds every slot), else read outside
+    its unit's home submodule."""
+    if root is None:
+        return ConfigError(
+            f"parameter {alias!r} was read ({_op_name(func)}) by a get_extra_state called without params "
+            f"(info.extra_state()): from_module's copy of the module holds a meta stand-in for it, never the "
+            f"trained values; pass the params, info.extra_state(fzero.gather(state)) (ModuleInfo.state_dict "
+            f"passes its own)")
+    held = _held_elsewhere(root, t)
+    if held or _slot(root, alias) is not t:
         shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
         where = (" and ".join(repr(h) for h in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
                  if held else "an attribute of a submodule or of an object it holds")
@@ -813,7 +989,7 @@ class _Plan(NamedTuple):
     root: tuple[_UnitBinding, ...]
     hooked: dict[nn.Module, tuple[_UnitBinding, ...]]
     checkpointed: dict[nn.Module, _UnitBinding]
-    unbound: dict[int, tuple[str, str]]  # id(placeholder) -> (alias, unit): what `_Unbound` names
+    unbound: dict[int, tuple[str, str, nn.Module]]  # id(placeholder) -> (alias, unit, its root): what `_Unbound` names
 
 
 def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Mapping[str, str],
@@ -826,7 +1002,7 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
     root: list[_UnitBinding] = []
     hooked: dict[nn.Module, list[_UnitBinding]] = {}
     checkpointed: dict[nn.Module, _UnitBinding] = {}
-    unbound: dict[int, tuple[str, str]] = {}
+    unbound: dict[int, tuple[str, str, nn.Module]] = {}
     for unit, names in by_unit.items():
         home = _home([alias for name in names for alias in aliases[name]])
         if home and not _runs_forward(skeleton.get_submodule(home)):
@@ -834,7 +1010,7 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
         bindings = tuple(_binding(skeleton, alias, name) for name in names for alias in aliases[name])
         caches = tuple({id(b.owner): b.owner for b in bindings if isinstance(b.owner, nn.RNNBase)}.values())
         binding = _UnitBinding(unit, bindings, tuple(names), caches)
-        unbound.update({id(b.placeholder): (b.name, unit) for b in bindings})
+        unbound.update({id(b.placeholder): (b.name, unit, skeleton) for b in bindings})
         module = skeleton.get_submodule(home) if home else skeleton
         if not home:
             root.append(binding)
@@ -904,7 +1080,8 @@ class _Skeleton:
                 binding.bind(params.unit(binding.unit))
                 roots.append(binding)  # bound: put back below, also where a later root unit's read raises
             self.call = _Call(params, plan, [])
-            outer, _RUNNING.unbound = getattr(_RUNNING, "unbound", None), plan.unbound
+            outer = getattr(_RUNNING, "unbound", None)
+            _RUNNING.unbound = plan.unbound if outer is None else _merged(outer, plan.unbound)
             outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), self.module
             try:
                 return self.module(*args, **kwargs)  # (its root's hook keeps a reassigned buffer's value)
