@@ -549,3 +549,32 @@ def test_extra_state_on_a_simmesh_is_kept_within_one_mesh_run_and_restarts_at_th
         state, calls = mesh.run(steps, [(state, 1)])[0]
         assert calls == 1
     assert info.extra_state()["0._extra_state"]["calls"] == 1
+
+
+# -- a hook registered on a parameter tensor ----------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, V))
+
+
+@pytest.mark.parametrize("register", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_on_a_parameter_tensor_is_refused(register):
+    """`m[2].weight.register_hook(lambda g: g * 0)` (a per-parameter gradient transform) ran in
+    torch's training and not in fzero's: apply's copy replaces the parameter, and its hooks with it,
+    so the gradient went untransformed, silently (found in review)."""
+    m = _mlp()
+    getattr(m[2].weight, register)(lambda g: g * 0 if register == "register_hook" else None)
+    with pytest.raises(fzero.ConfigError, match=rf"from_module: parameter '2.weight' \(float32\[11, 8\]\) has a "
+                                                rf"tensor hook \({register}\)"):
+        fzero.from_module(m)
+
+
+def test_a_removed_parameter_hook_is_no_hook():
+    m = _mlp()
+    m[2].weight.register_hook(lambda g: g * 0).remove()
+    params, apply, info = fzero.from_module(m)
+    got, _ = _train(params, apply, info, stage=0, gather="eager")
+    want = _torch_sgd(_mlp())
+    assert all(torch.equal(got[k], want[k]) for k in want)

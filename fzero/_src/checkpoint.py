@@ -2126,7 +2126,8 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     module makes them itself; found in review). A module's extra state (`get_extra_state`, whose
     `state_dict` key is `{prefix}_extra_state`) is not in a checkpoint, so not in the dict: a strict
     `load_state_dict` refuses it as missing keys; add it from the run, `{**export(path,
-    aliases=info.aliases), **info.extra_state()}` (`ModuleInfo.extra_state`), or load with
+    aliases=info.aliases), **info.extra_state(full)}` (`ModuleInfo.extra_state`; `full` the run's
+    `fzero.gather(state)`, which a `get_extra_state` that reads a parameter needs), or load with
     `strict=False`, which leaves the module's own (found in review); `load` restores none either.
     Without `aliases` (`fzero export` on the command line) a tied weight is under one of its names
     only: load with `strict=False`, and the module's tie fills the other. Files are checked against their sha256 first, and the manifest

@@ -304,6 +304,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     _check_dense(module)
+    _check_tensor_hooks(module)
     _check_hooks(module)
     _check_units(params, units)
     remat_units = _remat_units(module, aliases, units, remat)
@@ -505,6 +506,28 @@ def _check_dense(module: nn.Module) -> None:
             raise LayoutError(f"from_module: {where!r} ({type(m).__name__}{tuple(m.weight.shape)}, sparse=True) gets a "
                               f"sparse gradient, which fzero's flat gradient buckets cannot hold; build it with "
                               f"sparse=False (the same values, a dense gradient), or freeze it")
+
+
+_TENSOR_HOOKS = (("_backward_hooks", "register_hook"),
+                 ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook"))
+
+
+def _check_tensor_hooks(module: nn.Module) -> None:
+    """A hook registered on a parameter tensor (`p.register_hook`,
+    `p.register_post_accumulate_grad_hook`) is refused, naming the parameter: apply's copy holds
+    other tensors in the parameters' places (stand-ins, then the step's leaves), which carry no
+    hook, so a per-parameter gradient transform ran in torch's training and not in fzero's,
+    silently (found in review). One attribute read per parameter; a removed hook leaves an empty
+    dict, which is no hook."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        for attr, how in _TENSOR_HOOKS:
+            if getattr(p, attr, None):
+                raise ConfigError(
+                    f"from_module: parameter {name!r} ({str(p.dtype).removeprefix('torch.')}{list(p.shape)}) has a "
+                    f"tensor hook ({how}), which fzero's step never runs: apply's copy of the module holds the "
+                    f"step's own tensors in the parameters' places, without the hook. Remove it (the handle's "
+                    f"remove()) and put the gradient transform where fzero applies it: clip_norm for clipping, or "
+                    f"an optimizer of your own over the flat shards (examples/custom_optimizer.py)")
 
 
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
