@@ -1033,7 +1033,9 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
         bindings = tuple(_binding(skeleton, alias, name) for name in names for alias in aliases[name])
         caches = tuple({id(b.owner): b.owner for b in bindings if isinstance(b.owner, nn.RNNBase)}.values())
         binding = _UnitBinding(unit, bindings, tuple(names), caches)
-        unbound.update({id(b.placeholder): (b.name, unit, skeleton) for b in bindings})
+        for b in bindings:  # a loop, not a dict comprehension: torch.compile, tracing a compiled loss into
+            # the plan, failed inside one holding the module ("NameError: ___tuple_iterator_getitem", torch 2.13)
+            unbound[id(b.placeholder)] = (b.name, unit, skeleton)
         module = skeleton.get_submodule(home) if home else skeleton
         if not home:
             root.append(binding)
