@@ -148,9 +148,8 @@ def test_apply_eval_switches_dropout_and_batchnorm_off_in_every_copy(stage):
         apply.train()
         state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
         state, _ = fzero.train_step(loss)(state, x)  # train mode: the copies are made, the stats move
-        if mesh.rank == 0:
-            apply.eval()
-        fzero.collectives.all_reduce(torch.zeros(1), mesh)  # every rank past the switch
+        apply.eval()  # each rank its own, as each process of a DistMesh (test_apply_mode_is_per_rank_on_simmesh)
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)
         stats = {k: v.clone() for k, v in info.buffers.items()}
         outs = [fzero.evaluate(lambda p, b: apply(p, b))(state, x) for _ in range(2)]
         still = all(torch.equal(v, info.buffers[k]) for k, v in stats.items())
@@ -467,3 +466,37 @@ def test_the_buffer_note_is_only_for_dtype_errors_of_modules_with_floating_buffe
         with pytest.raises(RuntimeError, match="dtype") as caught:
             apply(params, x)
         assert not getattr(caught.value, "__notes__", None), caught.value.__notes__
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_apply_mode_is_per_rank_on_simmesh(stage):
+    """Each rank of a `SimMesh` runs `apply.eval()`, a collective, an evaluation, `apply.train()`
+    (a rank program written for one process per rank). Before, the ranks shared one mode: rank 0
+    ran past the collective and switched back to training before rank 1's evaluation, which ran
+    with dropout on, silently, and took masks from the RNG the next steps use (found in review).
+    Now each rank keeps its own mode, as each process of a `DistMesh` does; a mode set outside
+    `mesh.run` is every rank's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.5), nn.Linear(16, 4))
+    params, apply, info = from_module(model, units=units_by_prefix(model, ""))
+    mesh, x = fzero.SimMesh(2), torch.randn(6, 8)
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+        apply.eval()
+        full = fzero.gather(state)  # a collective: rank 0 runs on past it first
+        with torch.no_grad():
+            plain = apply(full, x)  # the dict path: one copy every rank runs
+        lazy = fzero.evaluate(lambda p, b: apply(p, b))(state, x)  # stage 3: on use, each rank's copy
+        evaluating = apply.training
+        apply.train()
+        return plain, lazy, evaluating, apply.training
+
+    for plain, lazy, evaluating, training in mesh.run(rank_fn):
+        with torch.no_grad():
+            want = model.eval()(x)
+        assert torch.equal(plain, want) and torch.equal(lazy, want) and not evaluating and training
+    assert apply.training  # the ranks' modes were theirs: outside the run, the one set before it
+    apply.eval()  # outside mesh.run: every rank's
+    assert mesh.run(lambda: apply.training) == [False, False]
+    apply.train()

@@ -59,8 +59,12 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
     (dropout off; BatchNorm normalizes with its running statistics and does not update them) and
     `apply.train()` before training again: `apply` runs a parameter-free copy of the module, so
     `model.eval()` on the original module does not reach it. Left in training mode, dropout
-    stays on and a training-mode BatchNorm updates `info.buffers` in the evaluation's forward,
-    `torch.no_grad()` notwithstanding.
+    stays on, drawing its masks from torch's RNG (so the steps after the evaluation take other
+    masks than without it), and a training-mode BatchNorm updates `info.buffers` in the
+    evaluation's forward, `torch.no_grad()` notwithstanding. Forgetting `apply.train()` after is
+    silent, as `model.eval()` is in torch: the steps then train with dropout off and BatchNorm's
+    statistics frozen. On a `SimMesh`, `apply.eval()` called inside `mesh.run` is the calling
+    rank's mode only, as in a process of a `DistMesh`; outside `mesh.run`, every rank's.
 
     Example:
       >>> mesh = fzero.SimMesh(2)

@@ -536,6 +536,14 @@ def _combine(call: _Call, xs: list[torch.Tensor], n: int,
 _SIM_THREAD = threading.local()  # .mesh, .rank: the SimMesh rank a thread started by SimMesh.run runs
 
 
+def simmesh_rank() -> tuple[int, int] | None:
+    """`(id(mesh), rank)` of the `SimMesh` rank this thread runs (a thread `SimMesh.run` started),
+    else None (the main thread, a `DistMesh` process): what a rank keeps apart from the other
+    ranks of its process (`from_module`'s `apply`'s training mode)."""
+    mesh = getattr(_SIM_THREAD, "mesh", None)
+    return None if mesh is None else (id(mesh), _SIM_THREAD.rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class ThreadModes:
     """The thread-local torch modes of one thread: what `SimMesh.run` reads in the caller's thread

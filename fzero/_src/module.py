@@ -70,7 +70,7 @@ from .collectives import broadcast
 from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
-from .mesh import Mesh, SimMesh
+from .mesh import Mesh, SimMesh, simmesh_rank
 from .remat import remat_call
 
 
@@ -334,6 +334,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     ran = [skeleton]  # where extra state is read (`ModuleInfo.state_dict`): the copy that ran the last apply,
     # on any thread (`ran`) or this one (`per_thread.ran`); kept only where a submodule has extra state
     per_thread = threading.local()
+    modes = _Modes(skeleton.training)
     copies_made: weakref.WeakSet = weakref.WeakSet()  # every live thread's copy: what `Apply.train` sets beside the skeleton
     known: Any = None  # the last unit map whose keys were checked
 
@@ -362,6 +363,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             per_thread.depth = depth + 1
             if extra_names and not depth:
                 per_thread.ran = ran[0] = copies[0].module
+            _in_mode(copies[depth].module, modes)
             try:
                 return copies[depth](params, args, kwargs)
             finally:
@@ -388,8 +390,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), skeleton
         if extra_names and outer_root is None:
             per_thread.ran = ran[0] = skeleton
-        try:
-            return torch.func.functional_call(skeleton, bound, args, kwargs, tie_weights=False, strict=True)
+        try:  # one copy for every rank: set to the caller's mode (SimMesh ranks run one at a time)
+            return torch.func.functional_call(_in_mode(skeleton, modes), bound, args, kwargs, tie_weights=False,
+                                              strict=True)
         finally:
             _RUNNING.unbound, _RUNNING.root = outer, outer_root
 
@@ -404,7 +407,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         return extra_states_unbound(module, extra_names, alias_table, unit_of)
 
     groups = (ParamGroup("frozen", _FrozenNames(frozen), frozen=True),) if frozen else ()
-    return params, Apply(apply, skeleton, copies_made, buffers), ModuleInfo(alias_table, buffers, units, groups, frozen,
+    return params, Apply(apply, skeleton, copies_made, buffers, modes), ModuleInfo(alias_table, buffers, units, groups, frozen,
                                                                            persistent_buffers(skeleton),
                                                                            extra_state if extra_names else None)
 
@@ -695,6 +698,46 @@ def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
     return out
 
 
+class _Modes:
+    """The training mode `apply` runs in: the process's (`shared`, set by `Apply.train` outside a
+    `SimMesh` rank, every rank's), and, on a `SimMesh`, a rank's own where that rank set one
+    (`ranks`, by `simmesh_rank()`), as each process of a `DistMesh` keeps its own. Before, a rank's
+    `apply.eval()` / `apply.train()` set every rank's copies: rank 0, past a collective first,
+    switched back to training before rank 1's evaluation ran, with dropout on, silently (found in
+    review)."""
+
+    def __init__(self, training: bool) -> None:
+        self.shared = training
+        self.ranks: dict[tuple[int, int], bool] = {}
+
+    def set(self, mode: bool) -> bool:
+        """Set the mode of the caller (its rank on a SimMesh, else every rank's); whether it was
+        set for every rank."""
+        rank = simmesh_rank()
+        if rank is not None:
+            self.ranks[rank] = mode
+            return False
+        self.shared = mode
+        self.ranks.clear()
+        return True
+
+    def now(self) -> bool:
+        """The mode the caller runs in."""
+        if not self.ranks:
+            return self.shared
+        rank = simmesh_rank()
+        return self.shared if rank is None else self.ranks.get(rank, self.shared)
+
+
+def _in_mode(module: nn.Module, modes: _Modes) -> nn.Module:
+    """`module` with the caller's training mode (`_Modes.now`), set where its root's flag differs
+    (so the flags a module came with, mixed, stay until a mode is set)."""
+    mode = modes.now()
+    if module.training is not mode:
+        module.train(mode)
+    return module
+
+
 class Apply:
     """`from_module`'s `apply(params, *args, **kwargs) -> module(*args, **kwargs)`, and, as an
     `nn.Module` has, its training mode: `train(mode=True)`, `eval()` and `training`.
@@ -703,11 +746,14 @@ class Apply:
     after `from_module` does not reach it: call `apply.eval()` (dropout off, BatchNorm reading
     and not updating its running statistics) before evaluating, and `apply.train()` before
     training again. Like `nn.Module.train`, it sets every submodule's flag; the flags start as
-    the module's were when `from_module` was called."""
+    the module's were when `from_module` was called. Called on a `SimMesh` rank (inside
+    `mesh.run`), it sets that rank's mode only, as in a process of a `DistMesh`; outside, every
+    rank's (`_Modes`)."""
 
     def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet,
-                 buffers: Mapping[str, torch.Tensor]) -> None:
+                 buffers: Mapping[str, torch.Tensor], modes: _Modes) -> None:
         self._call, self._skeleton, self._copies = call, skeleton, copies  # copies: per thread, freed with it
+        self._modes = modes
         self._buffers = buffers  # `ModuleInfo.buffers` itself: the dtypes a call's note names are the current ones
         self.__doc__ = call.__doc__
 
@@ -725,8 +771,9 @@ class Apply:
         """Set the training mode of every submodule, as `nn.Module.train(mode)`; returns `self`."""
         if not isinstance(mode, bool):
             raise ConfigError(f"apply.train(mode): mode must be a bool, got {type(mode).__name__} {mode!r}")
-        for m in (self._skeleton, *self._copies):
-            m.train(mode)
+        if self._modes.set(mode):  # every rank's: each copy now; a rank's own: its copies as it runs them
+            for m in (self._skeleton, *self._copies):
+                m.train(mode)
         return self
 
     def eval(self) -> Apply:
@@ -735,8 +782,8 @@ class Apply:
 
     @property
     def training(self) -> bool:
-        """The root module's training flag, as `nn.Module.training`."""
-        return self._skeleton.training
+        """The caller's training mode (its rank's, on a `SimMesh`), as `nn.Module.training`."""
+        return self._modes.now()
 
     def __repr__(self) -> str:
         return f"<fzero apply of {type(self._skeleton).__name__}, training={self.training}>"
