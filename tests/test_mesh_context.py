@@ -172,3 +172,69 @@ def test_evaluate_and_a_step_under_the_callers_autocast_equal_the_plain_loss_und
     assert not torch.equal(want, _loss(params, batch))  # autocast changes this loss's bits
     assert torch.equal(out, want)
     assert torch.equal(loss, want.to(torch.float64))
+
+
+# -- process-wide state a rank changes inside `fn` -----------------------------------------------
+# Each process of a DistMesh has its own; SimMesh's ranks are threads of one process, which switch
+# at every collective. Before, a rank's change reached the others mid-program (found in review):
+# `random.seed(rank)` on each rank, then after a collective rank 0 drew from rank 1's stream; a
+# `warnings.catch_warnings()` spanning a collective restored another rank's filters, so after
+# `mesh.run` a rank's `simplefilter("ignore")` stayed on for the process and a rank's warning went
+# into another rank's record; a default dtype set and restored around a collective stayed float64.
+
+
+def test_each_rank_has_its_own_python_and_numpy_random_streams():
+    import random
+
+    np = pytest.importorskip("numpy")  # (matplotlib, of the test extra, brings it)
+    mesh = fzero.SimMesh(2)
+
+    def fn():
+        random.seed(mesh.rank)
+        np.random.seed(mesh.rank)
+        first = (random.random(), float(np.random.rand()))
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)  # the other rank runs here
+        return first, (random.random(), float(np.random.rand()))
+
+    before = random.getstate(), np.random.get_state()[1].copy()
+    got = mesh.run(fn)
+    for r, (first, second) in enumerate(got):
+        py, npr = random.Random(r), np.random.RandomState(r)
+        assert first == (py.random(), float(npr.rand())) and second == (py.random(), float(npr.rand())), (r, got)
+    assert random.getstate() == before[0] and (np.random.get_state()[1] == before[1]).all()  # the caller's back
+
+
+def test_a_ranks_warnings_filters_and_record_are_its_own():
+    import warnings
+
+    mesh = fzero.SimMesh(2)
+    filters = list(warnings.filters)
+
+    def fn():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            warnings.warn(f"mine-{mesh.rank}")
+            fzero.collectives.all_reduce(torch.zeros(1), mesh)  # the other rank enters and leaves its own
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # and leaves it on past the collective
+            fzero.collectives.all_reduce(torch.zeros(1), mesh)
+        return [str(w.message) for w in seen]
+
+    assert mesh.run(fn) == [["mine-0"], ["mine-1"]]
+    assert warnings.filters == filters  # no rank's "ignore" left on for the process
+    with pytest.warns(UserWarning, match="still heard"):
+        warnings.warn("still heard")
+
+
+def test_a_default_dtype_set_and_restored_around_a_collective_is_the_ranks_own():
+    mesh = fzero.SimMesh(2)
+
+    def fn():
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)
+        torch.set_default_dtype(old)
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)
+        return torch.zeros(1).dtype
+
+    assert mesh.run(fn) == [torch.float32, torch.float32] and torch.get_default_dtype() == torch.float32

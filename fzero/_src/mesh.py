@@ -31,9 +31,12 @@ import dataclasses
 import datetime
 import itertools
 import os
+import random
 import socket
+import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -536,6 +539,59 @@ def _combine(call: _Call, xs: list[torch.Tensor], n: int,
 _SIM_THREAD = threading.local()  # .mesh, .rank: the SimMesh rank a thread started by SimMesh.run runs
 
 
+@dataclasses.dataclass
+class ProcessState:
+    """What each process of a `DistMesh` has its own of and the threads of one process share: what
+    a `SimMesh` rank keeps apart from the others, swapped in when the rank takes its turn and out
+    when it passes it (at every collective), as torch's RNG is. Each rank starts from the
+    caller's (a copy: a rank's `warnings.simplefilter` is its own), and the caller's is back after
+    `run`. Found in review: with only torch's RNG swapped, `random.seed(rank)` on each rank had rank
+    0 drawing from rank 1's stream after a collective; a `warnings.catch_warnings()` spanning a
+    collective restored another rank's filters (after `run` a rank's `simplefilter("ignore")`
+    stayed on for the process, and a rank's warning went into another's record); and a default
+    dtype set and restored around one stayed float64.
+
+    - torch's CPU RNG, Python's `random`, numpy's global RNG (where numpy is imported);
+    - torch's default dtype;
+    - `warnings`' filters and the functions that show a warning (what `catch_warnings` swaps).
+
+    Not kept apart (set them around `mesh.run`, or make them per rank): `torch.backends` flags,
+    deterministic algorithms, objects made outside `fn` (a `torch.Generator`, a data iterator),
+    and thread-local settings a rank makes without `with`, which end with its thread.
+    """
+
+    torch_rng: torch.Tensor
+    python_rng: Any
+    numpy_rng: Any
+    dtype: torch.dtype
+    filters: list[Any]
+    show: tuple[Any, Any]
+
+    @staticmethod
+    def now(copy: bool = False) -> "ProcessState":
+        """This process's state; `copy`: the RNG state and filters copied (a rank's start)."""
+        np = sys.modules.get("numpy")
+        rng = torch.get_rng_state()
+        return ProcessState(rng.clone() if copy else rng, random.getstate(),
+                            np.random.get_state() if np is not None else None, torch.get_default_dtype(),
+                            list(warnings.filters) if copy else warnings.filters,
+                            (warnings.showwarning, getattr(warnings, "_showwarnmsg_impl", None)))
+
+    def set(self) -> None:
+        """Make it the process's."""
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.python_rng)
+        np = sys.modules.get("numpy")
+        if np is not None and self.numpy_rng is not None:
+            np.random.set_state(self.numpy_rng)
+        torch.set_default_dtype(self.dtype)
+        warnings.filters = self.filters
+        warnings.showwarning = self.show[0]
+        if self.show[1] is not None:
+            warnings._showwarnmsg_impl = self.show[1]
+        warnings._filters_mutated()  # (what catch_warnings calls: the filters' cached version moves on)
+
+
 def simmesh_rank() -> tuple[int, int] | None:
     """`(id(mesh), rank)` of the `SimMesh` rank this thread runs (a thread `SimMesh.run` started),
     else None (the main thread, a `DistMesh` process): what a rank keeps apart from the other
@@ -561,8 +617,10 @@ class ThreadModes:
       `FlopCounterMode`, `fzero.accounting.LiveStorages`): the same mode objects, pushed as they
       are (not entered again), as torch's autograd engine carries them into its own threads.
 
-    Process-wide settings need nothing (`torch.set_default_dtype`, deterministic algorithms,
-    anomaly detection); forward-AD levels are process-wide too, which the ranks cannot share
+    Process-wide settings the caller made need nothing (deterministic algorithms, anomaly
+    detection); those a rank changes inside `fn` are kept apart per rank where `ProcessState` lists
+    them (the RNGs, the default dtype, `warnings`' filters), and otherwise reach every rank;
+    forward-AD levels are process-wide too, which the ranks cannot share
     (`collectives.check_forward_mode`).
     """
 
@@ -653,7 +711,9 @@ class SimMesh(Mesh):
       [tensor([6.]), tensor([6.]), tensor([6.]), tensor([6.])]
 
     Every rank starts `run` from the caller's RNG state (as N processes seeded alike); the
-    caller's state is restored afterwards. Every rank runs under the caller's thread-local torch
+    caller's state is restored afterwards (so each `run` of a loop of them starts from the same
+    state, where a `DistMesh` process goes on). Each rank keeps its own torch, `random` and numpy
+    RNG, default dtype and `warnings` filters (`ProcessState`, swapped at every collective). Every rank runs under the caller's thread-local torch
     modes (`ThreadModes`: grad and inference mode, autocast, saved-tensor hooks, torch-function
     and torch-dispatch modes), as DistMesh's rank runs `fn` in the caller's own thread: a step
     under the caller's `torch.autocast` is autocast on both.
@@ -701,11 +761,11 @@ class SimMesh(Mesh):
         """Block until rank r holds the turn, then make it the running rank (cond held)."""
         self._cond.wait_for(lambda: self._turn == r)
         self._current = r
-        torch.set_rng_state(self._rng[r])
+        self._held[r].set()
 
     def _pass_turn(self, r: int) -> None:
-        """Save rank r's RNG state and give the turn to the next rank still running (cond held)."""
-        self._rng[r] = torch.get_rng_state()
+        """Save rank r's process state and give the turn to the next rank still running (cond held)."""
+        self._held[r] = ProcessState.now()
         self._current = None
         n = self.world_size
         later = [(r + k) % n for k in range(1, n + 1)]
@@ -782,9 +842,9 @@ class SimMesh(Mesh):
             if self._running:
                 raise MeshError(f"{self!r}.run is not reentrant: a rank called mesh.run inside mesh.run")
             self._running = True
-        caller_rng = torch.get_rng_state()
+        caller = ProcessState.now()
         modes = ThreadModes.now()
-        self._rng = [caller_rng.clone() for _ in range(n)]
+        self._held = [ProcessState.now(copy=True) for _ in range(n)]
         self._status = ["run"] * n
         self._slots: list[Any] = [None] * n
         self._results: list[Any] = [None] * n
@@ -831,7 +891,7 @@ class SimMesh(Mesh):
             for t in threads:
                 t.join()
         finally:
-            torch.set_rng_state(caller_rng)
+            caller.set()
             with self._cond:
                 self._running = False
                 self._current = None
