@@ -500,3 +500,80 @@ def test_apply_mode_is_per_rank_on_simmesh(stage):
     apply.eval()  # outside mesh.run: every rank's
     assert mesh.run(lambda: apply.training) == [False, False]
     apply.train()
+
+
+def _frozen_bn():
+    """The root trains, its BatchNorm was set to eval before from_module (frozen statistics)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    m[1].eval()
+    return m
+
+
+def test_a_rank_that_sets_no_mode_keeps_the_flags_the_module_came_with():
+    """Rank 0 alone calls `apply.eval()` and runs the dict path; rank 1, which set no mode, then
+    runs it: its frozen BatchNorm must stay frozen, as in a process of a DistMesh, and so must the
+    main thread's after the run. Before, a mode per rank compared by the root's flag alone set
+    every submodule training for rank 1 and the main thread (found in review)."""
+    params, apply, info = from_module(_frozen_bn())
+    mesh, x = fzero.SimMesh(2), torch.randn(5, 4)
+
+    def rank_fn():
+        if mesh.rank == 0:
+            apply.eval()
+            with torch.no_grad():
+                apply(params, x)
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)
+        before = info.buffers["1.running_mean"].clone()
+        if mesh.rank == 1:
+            with torch.no_grad():
+                apply(params, x)
+        return torch.equal(before, info.buffers["1.running_mean"])
+
+    assert mesh.run(rank_fn) == [True, True]
+    before = info.buffers["1.running_mean"].clone()
+    with torch.no_grad():
+        apply(params, x)
+    assert torch.equal(before, info.buffers["1.running_mean"]) and apply.training
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_apply_train_sets_every_submodule_inside_mesh_run_as_outside(where):
+    """`apply.train()`, as `nn.Module.train()`, sets every submodule's flag: a frozen BatchNorm
+    trains after it, whether a rank calls it inside `mesh.run` or the caller outside. Before,
+    inside `mesh.run` it reached no submodule where the root already trained (found in review)."""
+    params, apply, info = from_module(_frozen_bn())
+    mesh, x = fzero.SimMesh(2), torch.randn(5, 4)
+    if where == "outside":
+        apply.train()
+
+    def rank_fn():
+        if where == "inside":
+            apply.train()
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        before = info.buffers["1.running_mean"].clone()
+        fzero.train_step(lambda p, b: apply(p, b).square().mean())(state, x)
+        return not torch.equal(before, info.buffers["1.running_mean"])
+
+    assert mesh.run(rank_fn) == [True, True]
+
+
+def test_a_new_simmesh_does_not_take_a_freed_meshs_rank_modes():
+    """Ranks' modes are held per mesh, weakly: a mesh made where a freed one was (the same `id`)
+    starts from the shared mode. Before, they were keyed by `id(mesh)`, and a new mesh's ranks ran
+    with dropout off where `apply.training` said True (found in review)."""
+    import gc
+
+    _, apply, _ = from_module(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)))
+
+    def evaluate_only():
+        apply.eval()
+        return apply.training
+
+    for _ in range(8):
+        mesh = fzero.SimMesh(2)
+        assert mesh.run(evaluate_only) == [False, False]
+        del mesh
+        gc.collect()
+        assert fzero.SimMesh(2).run(lambda: apply.training) == [True, True]
+    assert len(apply._modes.ranks) == 0

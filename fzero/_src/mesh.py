@@ -592,12 +592,12 @@ class ProcessState:
         warnings._filters_mutated()  # (what catch_warnings calls: the filters' cached version moves on)
 
 
-def simmesh_rank() -> tuple[int, int] | None:
-    """`(id(mesh), rank)` of the `SimMesh` rank this thread runs (a thread `SimMesh.run` started),
+def simmesh_rank() -> tuple[SimMesh, int] | None:
+    """`(mesh, rank)` of the `SimMesh` rank this thread runs (a thread `SimMesh.run` started),
     else None (the main thread, a `DistMesh` process): what a rank keeps apart from the other
-    ranks of its process (`from_module`'s `apply`'s training mode)."""
+    ranks of its process (`from_module`'s `apply`'s training mode, held per mesh weakly)."""
     mesh = getattr(_SIM_THREAD, "mesh", None)
-    return None if mesh is None else (id(mesh), _SIM_THREAD.rank)
+    return None if mesh is None else (mesh, _SIM_THREAD.rank)
 
 
 @dataclasses.dataclass(frozen=True)

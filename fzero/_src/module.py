@@ -334,7 +334,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     ran = [skeleton]  # where extra state is read (`ModuleInfo.state_dict`): the copy that ran the last apply,
     # on any thread (`ran`) or this one (`per_thread.ran`); kept only where a submodule has extra state
     per_thread = threading.local()
-    modes = _Modes(skeleton.training)
+    modes = _Modes(skeleton)
     copies_made: weakref.WeakSet = weakref.WeakSet()  # every live thread's copy: what `Apply.train` sets beside the skeleton
     known: Any = None  # the last unit map whose keys were checked
 
@@ -363,8 +363,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             per_thread.depth = depth + 1
             if extra_names and not depth:
                 per_thread.ran = ran[0] = copies[0].module
-            _in_mode(copies[depth].module, modes)
             try:
+                _in_mode(copies[depth].module, modes)
                 return copies[depth](params, args, kwargs)
             finally:
                 per_thread.depth = depth
@@ -523,14 +523,20 @@ def _check_tensor_hooks(module: nn.Module) -> None:
     silently (found in review). One attribute read per parameter; a removed hook leaves an empty
     dict, which is no hook."""
     for name, p in module.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:  # frozen: torch never runs its hooks either
+            continue
         for attr, how in _TENSOR_HOOKS:
-            if getattr(p, attr, None):
+            hooks = getattr(p, attr, None)
+            if hooks:
+                hook = next(iter(hooks.values()))
+                named = f"{getattr(hook, '__module__', None) or type(hook).__module__}.{_qualname(hook)}"
                 raise ConfigError(
                     f"from_module: parameter {name!r} ({str(p.dtype).removeprefix('torch.')}{list(p.shape)}) has a "
-                    f"tensor hook ({how}), which fzero's step never runs: apply's copy of the module holds the "
-                    f"step's own tensors in the parameters' places, without the hook. Remove it (the handle's "
-                    f"remove()) and put the gradient transform where fzero applies it: clip_norm for clipping, or "
-                    f"an optimizer of your own over the flat shards (examples/custom_optimizer.py)")
+                    f"tensor hook ({how}: {named!r}), which fzero's step never runs: apply's copy of the module "
+                    f"holds the step's own tensors in the parameters' places, without the hook. Remove it (the "
+                    f"handle's remove(); a logger's, as wandb.watch's: wandb.unwatch(model)) and put a gradient "
+                    f"transform where fzero applies it: clip_norm for clipping, or an optimizer of your own over "
+                    f"the flat shards (examples/custom_optimizer.py)")
 
 
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
@@ -698,43 +704,75 @@ def _carried(hook: Any, depth: int = 0) -> list[tuple[str, Any]]:
     return out
 
 
-class _Modes:
-    """The training mode `apply` runs in: the process's (`shared`, set by `Apply.train` outside a
-    `SimMesh` rank, every rank's), and, on a `SimMesh`, a rank's own where that rank set one
-    (`ranks`, by `simmesh_rank()`), as each process of a `DistMesh` keeps its own. Before, a rank's
-    `apply.eval()` / `apply.train()` set every rank's copies: rank 0, past a collective first,
-    switched back to training before rank 1's evaluation ran, with dropout on, silently (found in
-    review)."""
+class _Setting:
+    """One `Apply.train(mode)` call's setting, or the flags the module came with (`given`, one per
+    submodule in `modules()` order, mixed or not: a BatchNorm set to eval before `from_module`).
+    A module copy records the setting it holds (`put`), so `_in_mode` sets it again only where the
+    caller's setting is another one. Deep-copied as itself: a thread's copy of the skeleton keeps
+    the record, as it keeps the flags."""
 
-    def __init__(self, training: bool) -> None:
-        self.shared = training
-        self.ranks: dict[tuple[int, int], bool] = {}
+    __slots__ = ("training", "given")
+
+    def __init__(self, training: bool, given: tuple[bool, ...] | None = None) -> None:
+        self.training, self.given = training, given
+
+    def __deepcopy__(self, memo: dict) -> _Setting:
+        return self
+
+    def put(self, module: nn.Module) -> None:
+        """Give `module` (a copy of the skeleton) this setting's flags, and record it."""
+        if self.given is None:
+            module.train(self.training)
+        else:
+            for m, flag in zip(module.modules(), self.given):
+                m.training = flag
+        module.__dict__["_fzero_setting"] = self
+
+
+class _Modes:
+    """The training mode `apply` runs in: the process's (`shared`: the flags the module came with,
+    until `Apply.train` sets one outside a `SimMesh` rank, every rank's), and, on a `SimMesh`, a
+    rank's own where that rank set one (`ranks`: per mesh, held weakly, so a freed mesh's go with
+    it), as each process of a `DistMesh` keeps its own. Found in review: a rank's
+    `apply.eval()` / `apply.train()` set every rank's copies, and rank 0, past a collective first,
+    switched back to training before rank 1's evaluation ran, with dropout on, silently; then,
+    with a mode per rank compared by the root's flag only, a rank that set none ran with every
+    submodule training (a frozen BatchNorm updated its statistics), a rank's `apply.train()` left
+    a frozen submodule frozen where a process's unfroze it, and a new mesh at a freed mesh's
+    address (`id`) took its ranks' modes."""
+
+    def __init__(self, skeleton: nn.Module) -> None:
+        self.shared = _Setting(skeleton.training, tuple(m.training for m in skeleton.modules()))
+        skeleton.__dict__["_fzero_setting"] = self.shared
+        self.ranks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SimMesh -> {rank: _Setting}
 
     def set(self, mode: bool) -> bool:
         """Set the mode of the caller (its rank on a SimMesh, else every rank's); whether it was
         set for every rank."""
         rank = simmesh_rank()
         if rank is not None:
-            self.ranks[rank] = mode
+            self.ranks.setdefault(rank[0], {})[rank[1]] = _Setting(mode)
             return False
-        self.shared = mode
+        self.shared = _Setting(mode)
         self.ranks.clear()
         return True
 
-    def now(self) -> bool:
-        """The mode the caller runs in."""
+    def now(self) -> _Setting:
+        """The setting the caller runs in."""
         if not self.ranks:
             return self.shared
         rank = simmesh_rank()
-        return self.shared if rank is None else self.ranks.get(rank, self.shared)
+        if rank is None:
+            return self.shared
+        return self.ranks.get(rank[0], {}).get(rank[1], self.shared)
 
 
 def _in_mode(module: nn.Module, modes: _Modes) -> nn.Module:
-    """`module` with the caller's training mode (`_Modes.now`), set where its root's flag differs
-    (so the flags a module came with, mixed, stay until a mode is set)."""
-    mode = modes.now()
-    if module.training is not mode:
-        module.train(mode)
+    """`module` (the skeleton, or a thread's copy of it) with the caller's setting (`_Modes.now`),
+    put where it holds another (one dict read a call where it holds the caller's)."""
+    setting = modes.now()
+    if module.__dict__.get("_fzero_setting") is not setting:
+        setting.put(module)
     return module
 
 
@@ -748,7 +786,9 @@ class Apply:
     training again. Like `nn.Module.train`, it sets every submodule's flag; the flags start as
     the module's were when `from_module` was called. Called on a `SimMesh` rank (inside
     `mesh.run`), it sets that rank's mode only, as in a process of a `DistMesh`; outside, every
-    rank's (`_Modes`)."""
+    rank's (`_Modes`). A rank that set no mode runs with the flags the module came with (a
+    submodule set to eval before `from_module`, a frozen BatchNorm, stays so) or the last ones set
+    outside; `train()` / `eval()` on a rank set every submodule's flag, as outside."""
 
     def __init__(self, call: Callable[..., Any], skeleton: nn.Module, copies: weakref.WeakSet,
                  buffers: Mapping[str, torch.Tensor], modes: _Modes) -> None:
@@ -773,7 +813,7 @@ class Apply:
             raise ConfigError(f"apply.train(mode): mode must be a bool, got {type(mode).__name__} {mode!r}")
         if self._modes.set(mode):  # every rank's: each copy now; a rank's own: its copies as it runs them
             for m in (self._skeleton, *self._copies):
-                m.train(mode)
+                self._modes.shared.put(m)
         return self
 
     def eval(self) -> Apply:
@@ -783,7 +823,7 @@ class Apply:
     @property
     def training(self) -> bool:
         """The caller's training mode (its rank's, on a `SimMesh`), as `nn.Module.training`."""
-        return self._modes.now()
+        return self._modes.now().training
 
     def __repr__(self) -> str:
         return f"<fzero apply of {type(self._skeleton).__name__}, training={self.training}>"
