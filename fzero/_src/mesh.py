@@ -589,7 +589,9 @@ class ProcessState:
         warnings.showwarning = self.show[0]
         if self.show[1] is not None:
             warnings._showwarnmsg_impl = self.show[1]
-        warnings._filters_mutated()  # (what catch_warnings calls: the filters' cached version moves on)
+        mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
+        if mutated is not None:  # (what catch_warnings calls: the filters' cached version moves on; renamed in 3.14)
+            mutated()
 
 
 def simmesh_rank() -> tuple[SimMesh, int] | None:
