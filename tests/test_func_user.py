@@ -450,3 +450,16 @@ def test_a_loss_fn_that_returns_nothing_is_asked_for_its_return():
     with pytest.raises(fzero.FzeroError, match=r"got NoneType; loss_fn returned nothing: does it end with `return "
                                                r"loss`\?"):
         mesh.run(rank_fn)
+
+
+def test_a_complex_loss_is_told_to_make_it_real():
+    """A 0-d complex loss read "must return a 0-d floating tensor", no way out (found in review)."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=0, mesh=mesh)
+        fzero.train_step(lambda p, x: torch.complex(_loss(p, x), _loss(p, x)))(state, _x(0))
+
+    with pytest.raises(fzero.FzeroError, match=r"got Tensor torch.complex(64|128) torch.Size\(\[\]\); make it real, e.g. "
+                                               r"loss.abs\(\) or loss.real"):
+        mesh.run(rank_fn)

@@ -906,6 +906,8 @@ def _loss_way_out(loss: Any) -> str:
         return "; loss_fn returned nothing: does it end with `return loss`?"
     if not isinstance(loss, torch.Tensor):
         return ""
+    if loss.is_complex():  # (found in review: no hint)
+        return "; make it real, e.g. loss.abs() or loss.real (a complex loss orders nothing to descend)"
     if not (loss.dtype.is_floating_point or loss.is_complex()):
         return "; compute the loss in a floating dtype (an integer count or accuracy has no gradient)"
     if loss.dim():
