@@ -260,7 +260,10 @@ class Mesh(abc.ABC):
 
         `per_rank_args` is a sequence of N argument tuples (indexed by rank), or a callable
         `rank -> tuple`, or `()` for no arguments. If any rank raises, every rank stops (none
-        hangs) and `run` raises that rank's exception.
+        hangs): on a SimMesh `run` raises that rank's exception (the first rank's own, where
+        several raised: the others stopped with `RankFailed` at their next collective); on a
+        DistMesh the rank that raised raises its own exception, and the others `RankFailed` naming
+        it, at their next collective (found in review: this said "that rank's exception" for both).
         """
 
     @abc.abstractmethod
