@@ -908,7 +908,7 @@ def _loss_way_out(loss: Any) -> str:
         return ""
     if loss.is_complex():  # (found in review: no hint)
         return "; make it real, e.g. loss.abs() or loss.real (a complex loss orders nothing to descend)"
-    if not (loss.dtype.is_floating_point or loss.is_complex()):
+    if not loss.dtype.is_floating_point:
         return "; compute the loss in a floating dtype (an integer count or accuracy has no gradient)"
     if loss.dim():
         return "; reduce it to one number, e.g. loss.mean() (torch's losses: reduction='mean', their default, not 'none')"

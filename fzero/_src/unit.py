@@ -62,7 +62,7 @@ class Bucket:
     offsets: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
     size: int  # N * S, the padded flat buffer
-    paths: tuple[str, ...] = dataclasses.field(default=(), compare=False)  # the leaves' dotted paths (errors)
+    paths: tuple[str, ...] = dataclasses.field(compare=False)  # the leaves' dotted paths (errors)
 
     @staticmethod
     def of(layout: Layout, b: int, precision: Precision = FULL) -> "Bucket":
@@ -822,8 +822,7 @@ def _not_dense(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> LayoutEr
     """The error for a bucket's gradients of which some are not dense (`_assemble`): each such
     leaf's path and shape, the gradients' layouts, and the way out."""
     found = [k for k, g in enumerate(grads) if g is not None and g.layout is not _STRIDED]
-    named = ", ".join(f"{bucket.paths[k] if k < len(bucket.paths) else f'#{bucket.leaves[k]}'!r} "
-                      f"{list(bucket.shapes[k])}" for k in found)
+    named = ", ".join(f"{bucket.paths[k]!r} {list(bucket.shapes[k])}" for k in found)
     layouts = " / ".join(dict.fromkeys(str(grads[k].layout) for k in found))  # type: ignore[union-attr]
     one = len(found) == 1
     return LayoutError(
