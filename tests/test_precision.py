@@ -502,3 +502,28 @@ def test_units_assemble_bf16_gradients_in_fp32_without_a_cast_pass(stage, n):
 
     for count, buckets in mesh.run(rank_fn, [(torch.ones(7),)] * n):
         assert buckets == 2 and count == 0, (count, buckets)
+
+
+def test_the_lr_schedule_does_not_advance_on_a_skipped_step():
+    """README: under a loss scaler the schedule is read at `state.step`, which counts updates, so
+    a step skipped for an overflow does not advance it (as DeepSpeed's scheduler, unlike the AMP
+    recipe's per-iteration `scheduler.step()`): updates 0 and 1 take lr(0) and lr(1) around a
+    skipped one."""
+    mesh, called = fzero.SimMesh(1), []
+
+    def lr(t):
+        called.append(t)
+        return (0.5, 0.25, 0.125)[t]
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(4)}, optim.sgd(lr), stage=0, mesh=mesh,
+                           loss_scale=fzero.DynamicLossScale())
+        step, skipped = fzero.train_step(lambda p, x: (p["w"] * x).sum()), []
+        for x in (torch.ones(4), torch.full((4,), float("nan")), torch.ones(4)):
+            state, m = step(state, x)
+            skipped.append(bool(m.skipped))
+        return fzero.gather(state)["w"], skipped, int(state.step)
+
+    w, skipped, steps = mesh.run(rank_fn)[0]
+    assert skipped == [False, True, False] and steps == 2 and set(called) == {0, 1}, (skipped, steps, called)
+    assert torch.equal(w, torch.ones(4).add_(torch.ones(4), alpha=-0.5).add_(torch.ones(4), alpha=-0.25))
