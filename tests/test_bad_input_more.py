@@ -556,3 +556,26 @@ def test_a_pure_update_that_writes_its_input_is_refused(stage):
             step(bad, torch.tensor(1.0))
 
     mesh.run(rank_fn)
+
+
+def test_unpack_of_nvme_stand_ins_is_refused(tmp_path):
+    """Under `Offload(params="nvme")` `state.params` holds stand-ins of the swap files (a 0-d zero
+    expanded, every stride 0). `fzero.layout.unpack(state.layout, state.params)`, the README's
+    differentiable read, gave zeros, and a loss over them ran, silently (found in review); it, and
+    `shard` / `local_shards`, now refuse them, naming the bucket and `fzero.gather`."""
+    mesh = fzero.SimMesh(1)
+    off = fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path))
+
+    def rank_fn():
+        state = fzero.init({"w": torch.arange(1.0, 5.0)}, optim.adamw(1e-2), stage=3, mesh=mesh, offload=off)
+        assert torch.equal(fzero.gather(state)["w"], torch.arange(1.0, 5.0))
+        for read in (lambda: fzero.layout.unpack(state.layout, state.params),
+                     lambda: fzero.layout.shard(state.layout, state.params),
+                     lambda: fzero.layout.local_shards(state.layout, state.params, 0)):
+            with pytest.raises(fzero.LayoutError, match=r"flat buffers of bucket '.*' \(torch.float32\[4\]\) is one value "
+                                                        r"expanded \(every stride 0\).*fzero.gather\(state\)"):
+                read()
+        flats = fzero.layout.pack(state.layout, {"w": torch.arange(1.0, 5.0)})
+        assert torch.equal(fzero.layout.unpack(state.layout, flats)["w"], torch.arange(1.0, 5.0))
+
+    mesh.run(rank_fn)

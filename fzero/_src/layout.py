@@ -552,12 +552,24 @@ def _check_one_device(layout: Layout, b: BucketSpec, leaves: Sequence[torch.Tens
 
 
 def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat buffers") -> None:
+    """`flats` fit `layout`: one tensor per bucket, of the bucket's `dtype[N * S]`, holding its own
+    values. A tensor whose every stride is 0 (one value read everywhere) is refused: it is what
+    `state.params` holds under `Offload(params="nvme")`, stand-ins of the swap files, which read
+    as zeros (found in review: `unpack(state.layout, state.params)`, the README's differentiable
+    read, gave zeros and a loss over them ran, silently)."""
     _check_buffers(layout, flats, what)
     for b, f in zip(layout.buckets, flats):
         if tuple(f.shape) != (b.padded_numel,) or f.dtype != b.dtype:
             raise LayoutError(
                 f"{what} of bucket {b.tag!r} is {f.dtype}{list(f.shape)}; the layout expects "
                 f"{b.dtype}[{b.padded_numel}] (world size {layout.world_size} x shard {b.shard_numel})"
+            )
+        if f.numel() and not any(f.stride()):
+            raise LayoutError(
+                f"{what} of bucket {b.tag!r} ({f.dtype}{list(f.shape)}) is one value expanded (every stride 0), not "
+                f"values of its own: under Offload(params=\"nvme\") state.params holds such stand-ins, the values "
+                f"being in the swap files. Read the params with fzero.gather(state) (no derivative), or offload "
+                f"them with params=\"cpu\" to read them differentiably; a tensor expanded on purpose: .clone() it"
             )
 
 
