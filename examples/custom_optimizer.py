@@ -8,6 +8,21 @@ the params) or "leaf" ([len(ctx.leaves)], replicated); `update` clones what it c
 applies torch ops to the runs of segments whose leaves got a gradient (`fzero.optim.runs`);
 `lr=` hands the schedule to the step, which compares its value across ranks each step.
 
+What `update` sees is one flat 1-d piece per bucket, never a leaf: at stage 0 the whole bucket
+(every leaf whole, padding at its end), at stages 1-3 this rank's shard, which may cut a leaf
+between ranks (`ctx.segments` say which leaf elements sit where). An update that needs a whole
+leaf (Muon's orthogonalisation, Shampoo, a per-leaf norm) gets it from
+`fzero.optim.whole_leaves(ctx, grad)`, which every rank calls; a per-leaf statistic is a sum of
+per-leaf partial sums through `ctx.leaf_sum` (lamb). Computed from the piece, such an update is
+silently wrong at stages 1-3
+(`tests/test_optimizer_protocol.py::test_whole_leaves_gives_a_muon_like_update_the_full_leaf_bit_for_bit`).
+Keep everything the
+optimizer carries in the state NamedTuple, a step count too (a "leaf" field, one entry per leaf,
+not a 0-d tensor): a closure or an attribute is neither checkpointed nor per rank, and `update`
+runs once per bucket and rank, not once per step. Return tensors of the input's shapes, dtypes
+and device, and the input's NamedTuple class: fzero checks the fields' shapes at `fzero.init`
+and every update's result, raising `OptimizerError` naming the bucket and the field.
+
 The example checks the shard-wise optimizer against the same rule applied leaf by leaf, on
 N = 3 ranks' shards of a small pytree, one leaf unused.
 

@@ -46,6 +46,7 @@ from fzero._src.optim import (
     sgd as sgd,
     step_decay as step_decay,
 )
+from fzero._src.optim.base import whole_leaves as whole_leaves
 
 __all__ = [
     "FACTORED",
@@ -90,4 +91,5 @@ __all__ = [
     "sequence",
     "sgd",
     "step_decay",
+    "whole_leaves",
 ]

@@ -29,7 +29,8 @@ from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
 from .layout import Layout, ParamGroup, UnitSpec, pack, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
-from .optim.base import Optimizer, OptimizerError, _layers_tracked, init_state, spec_of
+from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
+                         optimizer_words, spec_of)
 from .precision import FULL, Precision, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -313,13 +314,17 @@ def init(
 
         def opt_init(b: int, device: Any = None) -> Any:
             p = st.optimizer_params(layout, b, held[b], rank, master[b])
+            shapes = [layout.leaves[i].shape for i in layout.buckets[b].leaves]
             try:
-                s = init_state(optimizer, p if device is None else p.to(device),
-                               [layout.leaves[i].shape for i in layout.buckets[b].leaves])
+                s = init_state(optimizer, p if device is None else p.to(device), shapes)
             except OptimizerError as e:  # found in review: "got a float64 shard", naming no leaf
                 raise OptimizerError(f"{e} (fzero.init, making the optimizer state of bucket "
                                      f"{_bucket_words(layout, b)})") from e
-            spec_of(optimizer, s)
+            spec = spec_of(optimizer, s)
+            # each field's shape against its kind, here rather than at the first checkpoint.save (found in
+            # review: a 0-d step count of spec "leaf" trained, then the save failed naming no field)
+            check_state_shapes(f"fzero.init: {optimizer_words(optimizer, 'init')}", s, spec, p.numel(), len(shapes),
+                               shapes, f" (bucket {_bucket_words(layout, b)})")
             return s
 
         trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]

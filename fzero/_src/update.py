@@ -24,7 +24,8 @@ from .errors import ConfigError
 from .gathering import version_of
 from .norms import Side
 from .offload import HostUpdate
-from .optim.base import DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, spec_of, tracked
+from .optim.base import (DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, optimizer_words, spec_of, tracked,
+                         update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import ZeroState, updated_nonfinite_leaves
@@ -134,6 +135,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 p = ready.params[b]
                 with updating:
                     updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
+                check_update_result(optimizer, new_opt[b], p, state.opt_state[b], layout, b, "a prepared launch")
                 back[b] = kept[b] = checked[b] = p
             else:
                 # offloaded: the host copies (NVMe: the master and state read from their files)
@@ -144,6 +146,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 if donate:
                     with updating:
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                    check_update_result(optimizer, new_opt[b], p, opt, layout, b, "Optimizer.update_")
                 else:
                     updated[b], new_opt[b] = _pure_update(optimizer, g, opt, p, ctx, layout, b)
                     if not overlap and stage.reads_differ(layout, b, used):  # a transform, or autograd, may differentiate
@@ -195,15 +198,36 @@ def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param
     if after != before:
         names = ["grad", "param", *(f"state.{f}" for f in getattr(opt_state, "_fields", range(len(opt_state))))]
         written = [n for n, x, y in zip(names, before, after) if x != y]
-        spec = layout.buckets[b]
-        paths = [layout.leaves[i].path for i in spec.leaves]
         raise OptimizerError(
-            f"the optimizer's update wrote its input(s) {written} in place (bucket {spec.tag!r}, leaves "
-            f"{paths[:6]}{' ...' if len(paths) > 6 else ''}): Optimizer.update must be pure -- it gets views of the "
+            f"the optimizer's update wrote its input(s) {written} in place ({_bucket_named(layout, b)}): "
+            f"Optimizer.update must be pure -- it gets views of the "
             f"state's own buffers, so the write changes the step's input state -- write into clones (as "
             f"fzero.optim.pure does), or give the optimizer an in-place form (Optimizer.update_, "
             f"fzero.optim.in_place) for donating steps")
+    check_update_result(optimizer, out, param, opt_state, layout, b, "Optimizer.update")
     return out
+
+
+def check_update_result(optimizer: Optimizer, out: Any, param: torch.Tensor, opt_state: Any, layout: Any, b: int,
+                        form: str) -> None:
+    """`OptimizerError` where `out`, the result of bucket `b`'s update in form `form`
+    ("Optimizer.update": `(new param, new state)`; "Optimizer.update_" or "a prepared launch": the
+    new state), does not keep the shapes, dtypes, devices and state class of the update's inputs
+    `param` and `opt_state` (`optim.base.update_result_problem`), naming the optimizer, the bucket
+    and its leaves, what was returned and what was expected. Host metadata only, per bucket and
+    step (found in review: a wrong result failed a step later inside the user's update, in torch,
+    as a false `DivergentPaths`, or not at all -- params silently truncated or widened, a
+    checkpoint that could not be loaded)."""
+    wrong = update_result_problem(out, param, opt_state, pure=form == "Optimizer.update")
+    if wrong is not None:
+        raise OptimizerError(f"{optimizer_words(optimizer)}: {form} {wrong} ({_bucket_named(layout, b)})")
+
+
+def _bucket_named(layout: Any, b: int) -> str:
+    """Bucket `b` in an update's errors: its tag and its leaves' paths (the first 6)."""
+    spec = layout.buckets[b]
+    paths = [layout.leaves[i].path for i in spec.leaves]
+    return f"bucket {spec.tag!r}, leaves {paths[:6]}{' ...' if len(paths) > 6 else ''}"
 
 
 def _versions(tensors: Sequence[Any]) -> list[int | None]:

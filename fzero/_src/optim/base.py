@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 import numbers
 import threading
@@ -61,10 +62,12 @@ class UpdateContext(NamedTuple):
       used: per bucket leaf, True if the leaf got a gradient this step. An unused leaf is
         skipped exactly as torch.optim skips `p.grad is None`: no update, no weight decay, no
         state change, its step count not incremented.
-      leaf_sum: sums a float64 tensor `[..., len(leaves)]` of per-leaf partial values over all
-        ranks, element-wise, in a fixed rank order, without changing its dtype; identity when
-        N == 1 or where each rank updates whole buffers (stage 0). Only layer-wise and factored
-        optimizers call it, the same number of times on every rank (lamb once, adafactor twice).
+      leaf_sum: sums a float64 tensor over all ranks, element-wise, in a fixed rank order, without
+        changing its dtype or shape: any layout -- per-leaf partial values `[..., len(leaves)]`
+        (lamb's norms, adafactor's row and column sums) or pieces of whole leaves (`whole_leaves`);
+        identity when N == 1 or where each rank updates whole buffers (stage 0). A collective where
+        it is not the identity: every rank calls it the same number of times with the same shape
+        (lamb once, adafactor twice), a rank that has nothing to add included.
       leaf_numels: `numel` of each bucket leaf, in the order of `leaves`, or `()`. Only
         `impl="fused"` with a placement-dependent kernel (CPU always, CUDA for some
         configurations; see `fzero._src.optim.fused`) reads it, to check that every updated
@@ -673,21 +676,146 @@ def check_shards(name: str, grad: torch.Tensor | None, param: torch.Tensor, stat
             f"were they made for another bucket or world size?"
         )
     check_state_fields(name, state, spec)
-    for field, t, kind in zip(state._fields, state, spec):
+    for field, kind in zip(state._fields, spec):
         if kind in FACTORED and len(ctx.leaf_shapes) != len(ctx.leaves):
             raise OptimizerError(
                 f"{name}: state field {field!r} is {kind!r} (factored), which needs ctx.leaf_shapes (one shape per "
                 f"bucket leaf, got {len(ctx.leaf_shapes)} for {len(ctx.leaves)}); pass them in the UpdateContext"
             )
-        want = ((len(ctx.leaves),) if kind == "leaf" else tuple(param.shape) if kind == "shard"
-                else (field_numel(kind, ctx.leaf_shapes),))
-        if tuple(t.shape) != want:
-            raise OptimizerError(
-                f"{name}: state field {field!r} ({kind}) has shape {list(t.shape)}, expected {list(want)} for a "
-                f"shard of {param.numel()} elements and {len(ctx.leaves)} bucket leaves; was it made by init "
-                f"for this bucket?"
-            )
+    check_state_shapes(name, state, spec, param.numel(), len(ctx.leaves), ctx.leaf_shapes,
+                       "; was it made by init for this bucket?")
     check_segments(name, ctx, param.numel())
+
+
+def field_shape(kind: str, shard_numel: int, leaves: int, leaf_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape a state field of spec `kind` has in a bucket of `leaves` leaves (shapes
+    `leaf_shapes`, read by "rows" / "cols" only) whose shard has `shard_numel` elements: "shard"
+    `[S]`, "leaf" `[L]`, "rows" / "cols" `[field_numel]`."""
+    if kind == "shard":
+        return (shard_numel,)
+    return (leaves,) if kind == "leaf" else (field_numel(kind, leaf_shapes),)
+
+
+def check_state_shapes(name: str, state: Any, spec: Any, shard_numel: int, leaves: int,
+                       leaf_shapes: Sequence[tuple[int, ...]], hint: str) -> None:
+    """Each field of `state` (spec `spec`, checked by `spec_of`) is a tensor of the shape its kind
+    gives (`field_shape`), else an `OptimizerError` led by `name` naming the field, its kind, the
+    shape it has and the one expected, then `hint` (its own punctuation first); a 0-d field is
+    told that a scalar (a step count) is a "leaf" field (found in review: a 0-d step count of spec
+    "leaf" trained, then `checkpoint.save` failed naming no field). Host metadata only
+    (`check_shards` and `fzero.init`)."""
+    for field, t, kind in zip(state._fields, state, spec):
+        want = field_shape(kind, shard_numel, leaves, leaf_shapes)
+        if isinstance(t, torch.Tensor) and tuple(t.shape) == want:
+            continue
+        got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else f"{type_name(t)} {t!r:.40}, not a tensor"
+        scalar = (". A scalar (a step count) is a 'leaf' field [L], one entry per bucket leaf: init "
+                  f"torch.zeros(L), update entry k where ctx.used[k]." if isinstance(t, torch.Tensor) and t.dim() == 0
+                  else "")
+        raise OptimizerError(
+            f"{name}: state field {field!r} ({kind}) has {got}, expected {list(want)} for a shard of {shard_numel} "
+            f"elements and {leaves} bucket leaves{hint}{scalar}"
+        )
+
+
+def whole_leaves(ctx: UpdateContext, shard: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each bucket leaf this rank's `shard` touches (`ctx.segments`), whole: `{k: leaf}`, `k` its
+    position in `ctx.leaves`, `leaf` of shape `ctx.leaf_shapes[k]` and `shard`'s dtype and device
+    -- for an update that needs a whole leaf (Muon's orthogonalisation, Shampoo, a per-leaf norm)
+    where stages 1-3 hand it a flat piece, which may cut a leaf between ranks. `shard`: a tensor
+    shaped like the shard (the grad, the param, a "shard" state field).
+
+    Exact: each rank writes its pieces into a float64 buffer of the bucket's leaves filled with
+    -0.0 and `ctx.leaf_sum` adds the ranks' buffers; every element is held by one rank and -0.0 is
+    the additive identity of IEEE floats (x + -0.0 == x bit for bit, a signed zero, inf and NaN
+    included), and float64 holds every float16, bfloat16 and float32 value. A collective at
+    stages 1-3 (N > 1): call it on every rank, the same number of times, whether or not the rank
+    touches or uses a leaf (`ctx.used`). It moves the whole bucket as float64 (an all-reduce of
+    `sum(leaf numels)` float64 per call) and is not differentiable; where every leaf is whole in
+    the shard (stage 0, N = 1) it is the identity's cost. Needs `ctx.leaf_shapes`.
+
+    To write back this rank's piece of a leaf-shaped result `u` of leaf k:
+    `u.reshape(-1)[seg.leaf_start : seg.leaf_start + seg.stop - seg.start]` goes to
+    `[seg.start : seg.stop]` for each `seg` of `ctx.segments` with `seg.leaf == ctx.leaves[k]`."""
+    if len(ctx.leaf_shapes) != len(ctx.leaves):
+        raise OptimizerError(f"whole_leaves needs ctx.leaf_shapes, one shape per bucket leaf (got "
+                             f"{len(ctx.leaf_shapes)} for {len(ctx.leaves)}): pass them in the UpdateContext")
+    check_tensor("whole_leaves", "shard", shard)
+    if shard.dim() != 1:
+        raise OptimizerError(f"whole_leaves: shard {list(shard.shape)} must be a 1-d shard[S] of the bucket (the "
+                             f"grad, the param or a 'shard' state field the update got)")
+    check_segments("whole_leaves", ctx, shard.numel())
+    pos = {leaf: k for k, leaf in enumerate(ctx.leaves)}
+    numels = [math.prod(shape) for shape in ctx.leaf_shapes]
+    starts = [0, *itertools.accumulate(numels)]
+    flat = torch.full((starts[-1],), -0.0, dtype=torch.float64, device=shard.device)
+    for seg in ctx.segments:
+        at = starts[pos[seg.leaf]] + seg.leaf_start
+        flat[at : at + seg.stop - seg.start] = shard[seg.start : seg.stop].detach()
+    flat = ctx.leaf_sum(flat)
+    touched = sorted({pos[seg.leaf] for seg in ctx.segments})
+    return {k: flat[starts[k] : starts[k + 1]].to(shard.dtype).view(ctx.leaf_shapes[k]) for k in touched}
+
+
+def update_result_problem(out: Any, param: torch.Tensor, state: Any, pure: bool = True) -> str | None:
+    """What is wrong with an update's result, in words, or None: `out` of `Optimizer.update`
+    (`pure`: `(new param, new state)`, the new param a tensor of `param`'s shape, dtype and
+    device) or of `update_` / a prepared launch (the new state); the new state of `state`'s own
+    NamedTuple class, each field a tensor of the input field's shape, dtype and device -- the
+    inputs the update was given (an offloaded bucket's host copies). A result that does not keep
+    them failed later, far from the update (found in review: a bare unpacking error, a false
+    `DivergentPaths`, params silently truncated to integers or changed to float64, a checkpoint
+    that could never be loaded). Host metadata only (every step, per bucket: no device read);
+    words are made only for a result that does not fit."""
+    if pure:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            size = f" of {len(out)} values" if isinstance(out, (tuple, list)) else ""
+            return (f"returned {type_name(out)}{size}, expected the pair (new param shard, new state) "
+                    f"(Optimizer.update's result; update_ returns the new state alone)")
+        new_param, out = out
+        wrong = _unlike("the new param shard", new_param, param)
+        if wrong:
+            return wrong
+    if type(out) is not type(state):
+        fields = getattr(out, "_fields", None)
+        got = (f"{type_name(out)}{tuple(fields)}" if fields is not None
+               else f"a {type_name(out)} of keys {list(out)[:6]}" if isinstance(out, dict)
+               else f"a {type_name(out)} of {len(out)} values" if isinstance(out, (tuple, list))
+               else f"{type_name(out)} {out!r:.60}")
+        return (f"returned the new state as {got}, expected the input state's own NamedTuple class "
+                f"{type_name(state)}{tuple(state._fields)} (fzero keeps a state only in its NamedTuple: spec, "
+                f"checkpoints and the next update read its fields)")
+    for field, new, old in zip(state._fields, out, state):
+        wrong = _unlike(f"state field {field!r}", new, old)
+        if wrong:
+            return wrong
+    return None
+
+
+def _unlike(what: str, new: Any, old: torch.Tensor) -> str | None:
+    """`new` in words where it is not a tensor of `old`'s shape, dtype and device, else None."""
+    if isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype and new.device == old.device:
+        return None
+    shown = _tensor_words(new) if isinstance(new, torch.Tensor) else f"{type_name(new)} {new!r:.60}"
+    return (f"returned {what} as {shown}, expected {_tensor_words(old)} (the input's shape, dtype and device: "
+            f"the update gets this rank's flat shard of the bucket -- at stages 1-3 a piece of it -- and returns "
+            f"tensors of the same shapes, dtypes and device)")
+
+
+def _tensor_words(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+def optimizer_words(optimizer: "Optimizer", role: Literal["init", "update"] = "update") -> str:
+    """The optimizer in words, for errors: its name (the function that made its init, as
+    `checkpoint.optimizer_name` reads it: "lion" of `lion.<locals>.init`) and its `role` function
+    (`init`, or `update` -- `update_`'s where `update` is `pure`'s), with where it is defined."""
+    init = getattr(optimizer.init, "__qualname__", None) or type_name(optimizer.init)
+    name = init.split(".<locals>.")[0].lstrip("_") or init
+    fn = optimizer.init if role == "init" else optimizer.update
+    if getattr(fn, "__qualname__", "") == "pure.<locals>.update" and optimizer.update_ is not None:
+        fn = optimizer.update_
+    return f"optimizer {name!r} ({role} {_fn_words(fn)})"
 
 
 def check_segments(name: str, ctx: UpdateContext, numel: int) -> None:
