@@ -189,6 +189,37 @@ def test_an_update_past_the_compute_dtypes_range_is_caught(stage, donate, offloa
         mesh.run(rank_fn)
 
 
+@pytest.mark.parametrize("stage, donate", [(0, False), (1, True), (3, False)])
+def test_an_adam_second_moment_overflow_is_kept_as_torch_keeps_it(stage, donate):
+    """The update's finite check reads the updated params (or master), not the optimizer state, as
+    torch and DeepSpeed read none: a finite gradient of 3e21 squares past float32's range, Adam's
+    `exp_avg_sq` turns inf, `m / (sqrt(inf) + eps)` is 0, and that element never moves again --
+    in torch.optim.Adam as here, bit for bit, and no step is skipped or raised (a review took the
+    docs to say the state is checked; they now say what is read). `clip_norm` bounds such a
+    gradient."""
+    mesh, w0 = fzero.SimMesh(2), torch.tensor([1.0, 2.0])
+    xs = [torch.tensor([3e21, 1.0]), torch.tensor([1.0, 1.0]), torch.tensor([-2.0, 0.5])]
+    ref = w0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([ref], lr=1e-2, foreach=True)
+    for x in xs:
+        opt.zero_grad()
+        (ref * x).sum().backward()
+        opt.step()
+
+    def rank_fn():
+        state = fzero.init({"w": w0.clone()}, optim.adam(1e-2), stage=stage, mesh=mesh)
+        step = fzero.train_step(_sum_loss, on_nonfinite="raise", donate=donate)
+        for x in xs:
+            state, m = step(state, x)
+            assert not m.skipped
+        return fzero.gather(state)["w"]
+
+    for w in mesh.run(rank_fn):
+        assert torch.equal(w, ref.detach())
+        assert w[0] == 1.0 and w[1] != 2.0  # the first element frozen at its initial value, the second trained
+    assert not torch.isfinite(opt.state[ref]["exp_avg_sq"][0])
+
+
 @pytest.mark.parametrize("stage, donate", [(1, False), (1, True), (3, False), (3, True)])
 def test_an_update_past_bf16s_range_is_caught(stage, donate):
     """bf16's largest value (3.3895e38) is below fp32's (3.4028e38): an fp32 master of 3.40e38 is
