@@ -524,15 +524,26 @@ def pack(layout: Layout, params: Any) -> tuple[torch.Tensor, ...]:
 
     A bucket's leaves are joined into one buffer, so they must be on one device (`LayoutError`
     naming the bucket, its leaves and their devices otherwise); buckets may differ."""
+    return tuple(packed(layout, params))
+
+
+def packed(layout: Layout, params: Any) -> Iterator[torch.Tensor]:
+    """`pack`'s buffers one bucket at a time, each made when the next is asked for; every
+    bucket's leaves are checked before the first is made. A caller that keeps a part of each
+    (`fzero.init` keeps its shard) holds one bucket's buffer beside the params, not all of them
+    (found in review: `init` held the packed model and a copy of it, twice the params' bytes, at
+    once)."""
     leaves = _leaves_of(check_layout(layout, "pack"), params)
-    flats = []
     for b in layout.buckets:
         _check_one_device(layout, b, leaves)
-        parts = [leaves[i].reshape(-1) for i in b.leaves]
-        like = leaves[b.leaves[0]]
-        parts.append(like.new_zeros(b.padded_numel - b.numel))
-        flats.append(torch.cat(parts))
-    return tuple(flats)
+    return (_pack_bucket(b, leaves) for b in layout.buckets)
+
+
+def _pack_bucket(b: BucketSpec, leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Bucket `b`'s `flat[N * S]` (a fresh buffer): its leaves back to back, zero padding at the end."""
+    parts = [leaves[i].reshape(-1) for i in b.leaves]
+    parts.append(leaves[b.leaves[0]].new_zeros(b.padded_numel - b.numel))
+    return torch.cat(parts)
 
 
 def _check_one_device(layout: Layout, b: BucketSpec, leaves: Sequence[torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
-from .layout import Layout, ParamGroup, UnitSpec, pack, plan
+from .layout import Layout, ParamGroup, UnitSpec, packed, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
@@ -291,7 +291,6 @@ def init(
                             buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
                                       b.group.lr_scale, tuple(layout.leaves[i].path for i in b.leaves))
                                      for b in layout.buckets])  # paths, so that a difference names the leaves
-        flats = tuple(f.detach().clone() for f in pack(layout, params))
         rank = mesh.rank
         on_host = off.host_buckets(layout)
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
@@ -309,7 +308,10 @@ def init(
                          computes[b], mesh.device)
 
         nonfinite: list[str] = []  # trainable leaves whose kept values hold a NaN or inf (`_agreed_serial` raises)
-        kept = [keep(b, f) for b, f in enumerate(flats)]
+        kept = []  # one bucket's packed buffer at a time beside the params (`packed`: `torch.cat` makes it fresh,
+        for b, flat in enumerate(packed(layout, params)):  # so nothing needs a copy), dropped once kept, before
+            kept.append(keep(b, flat.detach()))  # the next is made
+            del flat
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 
         def opt_init(b: int, device: Any = None) -> Any:
