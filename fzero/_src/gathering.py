@@ -11,6 +11,10 @@
 - `refill(unit)` gathers a released unit again into the same storage, when backward first reads
   a tensor saved from it (a `saved_tensors_hooks` unpack), and the unit's Function releases it
   once more when its backward is done (`after_backward`);
+- a unit read again after its release in the same forward (a block run twice, weight sharing)
+  is gathered again, and handed through `_Reread`, whose backward frees it once that use's
+  backward is done: each use's backward gathers it anew (one more all-gather per extra use), and
+  no unit stays gathered from a later use's backward to an earlier one's (`Gathering._reread`);
 - `loss(loss_fn, batch)` calls the loss with the params in the step's gathering mode and adds
   every unit's anchor, so every unit's backward runs on every rank.
 
@@ -250,6 +254,9 @@ class Gathering:
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
         self._owner: dict[int, str] = {}  # gathered storage -> its unit (for refill on unpack)
+        self._again: dict[str, dict[str, torch.Tensor]] = {}  # unit read again -> its leaves through `_Reread`
+        self._rereads: list[tuple[int, str]] = []  # (units first read before it, unit) per re-read, in order
+        self._reread_back: dict[str, int] = {}  # unit -> its `_Reread`s whose backward has run
         prefetch = prefetch_of(prefetch, programs)
         self.prefetch = prefetch if prefetch and mode == "on_use" and _gathers(programs) else 0
         self._ahead: dict[str, list[Flight]] = {}  # unit -> its buckets' gathers in flight, in start order
@@ -280,8 +287,35 @@ class Gathering:
             self._ahead.pop(unit, None)  # (each gather left it as its bucket entered)
             if self.releasable and self._storages[unit] and _use_count is not None:
                 self._at_read[unit] = self._uses(unit)
+            return self._leaves[unit]
+        if unit in self._released:  # read again after its release: a block run twice (weight sharing)
+            return self._reread(unit)
+        return self._again.get(unit) or self._leaves[unit]
+
+    def _reread(self, unit: str) -> dict[str, torch.Tensor]:
+        """The leaves of `unit`, released after an earlier use in this forward and read again (a
+        block run twice, ALBERT-style weight sharing): gathered again (`refill`), and where the
+        step differentiates, handed through `_Reread`, whose backward frees the unit once the
+        backward of this use is done (`release`, behind its check that nothing else references
+        it). The earlier use's backward then gathers it again when it unpacks a tensor saved from
+        it, as after any release: one more all-gather per extra use, the same bits. Before, the
+        unit's one Function, made at its first read, freed it only after the first use's
+        backward: it stayed gathered from the last use's backward to the first's, and a model
+        running its blocks twice held every block at once in backward (found in review). Later
+        reads of the unit until its next release get the same leaves (`_again`: one `_Reread`
+        per use). Not where a torch.func transform is active (`_Reread` has no vmap rule) nor
+        with `cast_ahead` (its watch must see this use's reads: the leaves stay `Watched`): the
+        unit then stays gathered as before."""
         self.refill(unit)
-        return self._leaves[unit]
+        leaves = self._leaves[unit]
+        anchor = self._anchors[-1]  # any unit's: it requires grad where the step differentiates
+        if not (torch.is_grad_enabled() and anchor.requires_grad and self._reads is None and func_level() is None):
+            return leaves
+        anchor, *outs = _Reread.apply(weakref.WeakMethod(self._reread_done), unit, anchor, *leaves.values())
+        self._anchors.append(anchor)  # the loss adds it times 0: the Function's backward runs (a frozen unit)
+        self._rereads.append((len(self._leaves), unit))
+        self._again[unit] = again = dict(zip(leaves, outs))
+        return again
 
     def _run(self, unit: str, gathered: list[Flight] | None = None) -> dict[str, torch.Tensor]:
         casts, reads = self._casts.get(unit), self._reads
@@ -332,12 +366,20 @@ class Gathering:
             return
         if unit in self._kept:
             self._kept.remove(unit)
+        if self._again:  # this use's leaves (`_reread`): fzero's own, no reference that keeps the unit
+            self._again.pop(unit, None)
         if self._referenced(unit):  # freeing it would leave that reference reading freed memory
             self._pinned.add(unit)
             return
         for _, storage, _ in self._storages[unit]:
             storage.resize_(0)
         self._released.add(unit)
+
+    def _reread_done(self, unit: str) -> None:
+        """`_Reread`'s backward: the backward of one later use of `unit` is done (`_backward_after`
+        counts them); free the unit until an earlier use's backward reads it."""
+        self._reread_back[unit] = self._reread_back.get(unit, 0) + 1
+        self.release(unit)
 
     def _uses(self, unit: str) -> _Uses:
         """The references to `unit`'s gathered storage and leaves that autograd's saved tensors do
@@ -437,7 +479,7 @@ class Gathering:
             if not filled:
                 self._ahead[unit] = self._start(unit)
         if backward:
-            self._prefetch(self._after(unit, tuple(reversed(self.gathered))), backward=True)
+            self._prefetch(self._backward_after(unit), backward=True)
         if not filled:
             flights = self._ahead[unit]  # each stays until its wait returns (`wait_held`), for `finish`
             with torch.no_grad():
@@ -525,6 +567,23 @@ class Gathering:
         order = list(order)
         at = order.index(unit) + 1 if unit in order else len(order)
         return order[at : at + self.prefetch]
+
+    def _backward_after(self, unit: str) -> list[str]:
+        """The `prefetch` units backward reads after the use of `unit` whose backward comes now:
+        those before it in the forward's reads. Where no unit was read again (`_reread`), the
+        reverse of the first reads' order after `unit`. Else the reverse of every read's order
+        (first reads and re-reads) after that use, the latest use of `unit` whose backward has not
+        run (its re-reads' `_Reread`s that have, `_reread_back`): before, a unit read again was
+        prefetched at the backward of its later use for its earliest use's, and held gathered
+        between them."""
+        if not self._rereads:
+            order = list(reversed(self._leaves))
+            start = order.index(unit) + 1 if unit in order else len(order)
+        else:
+            order = _read_order(self.gathered, self._rereads)[::-1]
+            at = [i for i, u in enumerate(order) if u == unit]
+            start = at[min(self._reread_back.get(unit, 0), len(at) - 1)] + 1 if at else len(order)
+        return order[start : start + self.prefetch]
 
     def _prefetch(self, units: Sequence[str], backward: bool) -> None:
         """Start the gathers of `units` in order: in forward those not yet read, in backward those
@@ -650,7 +709,7 @@ class Gathering:
         last, self._deferred = self._deferred, None
         self._last = last
         if last is not None and self.prefetch:
-            self._prefetch(self._after(last, tuple(reversed(self.gathered))), backward=True)
+            self._prefetch(self._backward_after(last), backward=True)
         _check_loss(loss)
         if not self._anchors:  # the loss read no unit (or there is none)
             return loss
@@ -727,6 +786,20 @@ class Gathering:
 
 
 _PATHS: dict = {}  # layout -> {path: unit}, what LazyParams reads (one object per layout: from_module's plan key)
+
+
+def _read_order(first: Sequence[str], rereads: Sequence[tuple[int, str]]) -> list[str]:
+    """The forward's reads in order: the units `first` read, each followed by the re-reads made
+    after it (`(units first read before it, unit)`, `Gathering._rereads`)."""
+    order = []
+    after = {}
+    for count, unit in rereads:
+        after.setdefault(count, []).append(unit)
+    order.extend(after.get(0, ()))
+    for i, unit in enumerate(first):
+        order.append(unit)
+        order.extend(after.get(i + 1, ()))
+    return order
 
 
 def check_prefetch(prefetch: Any) -> None:
@@ -913,6 +986,35 @@ def _loss_way_out(loss: Any) -> str:
     if loss.dim():
         return "; reduce it to one number, e.g. loss.mean() (torch's losses: reduction='mean', their default, not 'none')"
     return ""
+
+
+class _Reread(torch.autograd.Function):
+    """The leaves of a unit read again after its release in the same forward
+    (`Gathering._reread`), handed on as they are (views of the same storage: no copy, the same
+    bits), and a view of `anchor`. The engine runs its backward once the backward of every op
+    that read those leaves is done -- and, through `anchor`, a unit's anchor the loss adds times 0,
+    also where none of them gets a gradient (a frozen unit): then after every node made later, as
+    it runs the unit Functions. There it calls `release(unit)` (`Gathering._reread_done`, held
+    weakly: the graph must not hold the step's `Gathering`), and passes the gradients through
+    unchanged: the unit's Function sums them with the earlier uses' in the order it did before
+    (the engine runs the nodes of one device in reverse order of creation)."""
+
+    @staticmethod
+    def forward(ctx: Any, release: weakref.WeakMethod, unit: str, anchor: torch.Tensor,
+                *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.release, ctx.unit = release, unit
+        ctx.set_materialize_grads(False)
+        frozen = [t for t in leaves if not t.requires_grad]
+        if frozen:  # as the unit Function hands them: torch.matmul reads requires_grad to choose its product
+            ctx.mark_non_differentiable(*frozen)
+        return (anchor, *leaves)
+
+    @staticmethod
+    def backward(ctx: Any, _anchor: torch.Tensor | None, *grads: torch.Tensor | None) -> tuple:
+        release = ctx.release()
+        if release is not None:
+            release(ctx.unit)
+        return (None, None, None, *grads)
 
 
 class _Saved:
