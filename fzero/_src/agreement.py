@@ -23,8 +23,8 @@ from .errors import ConfigError
 from .norms import EarlyNorms, exact_sum_of_squares, in_order, sum_of_squares
 from .offload import early_norms, readable
 from .plan import step_plan
-from .state import ZeroState, check_same_settings, loss_scale_of
-from .update import Early, Ends, Ready, _updating
+from .state import ZeroState, check_same_settings, keep, loss_scale_of
+from .update import Early, Ends, Ready, _first_write, _settle_lost, _updating
 
 
 class Report(NamedTuple):
@@ -166,24 +166,48 @@ def agree_launching(config: StepConfig, state: ZeroState, rows: torch.Tensor, sh
     prepared launches are spent (`ready` None): a verdict that is finite all the same (a float32
     ‖g‖² that overflowed but whose exact value is finite, `_verdict`) updates through `update_`.
     Ranks may differ in whether they launch early (a check that fails on one rank only): the
-    launches are local, and every rank makes the same collectives after the read."""
+    launches are local, and every rank makes the same collectives after the read. The state is
+    marked lost before the first launch (`update._first_write`) and the mark taken back where the
+    flag skipped the kernels (read on the error path: the verdict's `ConfigError` comes with it
+    set), or where nothing was written (`update._settle_lost`)."""
     skip = early_skip(config, state, rows, reduced, report, ready)
     grads = None if skip is None else _checked(ready, reduced)
     if grads is None:
         return agree(config, state, rows, shards, reduced), ready, None
     read = HostRead(rows, skip)
     ends, states = Ends.of(state, True), {}
-    for b, g in grads.items():
-        with _updating(ends):
-            states[b] = ready.launches[b].run(g, skip)
-        if ends is not None:
-            ends.take(b, ready.params[b])
-    got, skipped = read.values()
-    verdict = _verdict(config, state, got, shards, reduced)
-    if skipped:
+    wrote, watch = [], None  # the state is marked lost before the first launch (`_first_write`), as in `update`
+    try:
+        for b, g in grads.items():
+            if not wrote:
+                watch = _first_write(state, b, ready.params[b], state.opt_state[b])
+            with _updating(ends):
+                states[b] = ready.launches[b].run(g, skip)
+            wrote.append(b)
+            if ends is not None:
+                ends.take(b, ready.params[b])
+        got, skipped = read.values()
+        verdict = _verdict(config, state, got, shards, reduced)
+    except BaseException as e:  # (the verdict's `ConfigError` comes with the flag set: nothing was written)
+        if _skipped(skip):
+            keep(state)
+        else:
+            _settle_lost(state, e, wrote, watch)
+        raise
+    if skipped:  # the kernels wrote nothing
+        keep(state)
         return verdict, None, None
     assert verdict.finite and all(verdict.used) and not verdict.broken_ranks, "the device flag and the verdict disagree"
     return verdict, ready, Early(states, ends)
+
+
+def _skipped(skip: torch.Tensor) -> bool:
+    """On `agree_launching`'s error path: whether the early launch's flag skipped its kernels (they
+    then wrote nothing), read on the host; False where it cannot be read."""
+    try:
+        return bool(skip.item() != 0)
+    except Exception:  # noqa: BLE001 -- unknown: the state counts as written
+        return False
 
 
 def _checked(ready: Ready, reduced: dict[int, torch.Tensor]) -> dict[int, torch.Tensor] | None:

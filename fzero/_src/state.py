@@ -819,6 +819,66 @@ def consume(state: ZeroState) -> None:
     object.__setattr__(state, "_consumed", True)
 
 
+@dataclasses.dataclass
+class Lost:
+    """Why a state is lost (`lose`): its donating step raised `error` ("KeyboardInterrupt",
+    "OptimizerError: ..."; None until the step's error path names it, `lost_by`) after its update
+    had written buckets `buckets` (their tags; empty where not known) of the state in place."""
+
+    error: str | None = None
+    buckets: tuple[str, ...] = ()
+
+
+def lose(state: ZeroState) -> None:
+    """Mark `state` lost: set by a donating step just before its update first writes the state in
+    place (`update.update`, `agreement.agree_launching`), so that an exception from there on --
+    anywhere before the step marks it consumed (`consume`), which replaces the mark -- leaves a
+    state that `check_state` refuses to read (`Lost`), but as a checkpoint's load target. One
+    attribute write per step; `keep` takes the mark back where nothing was written after all."""
+    if getattr(state, "_consumed", None) is None:
+        object.__setattr__(state, "_consumed", Lost())
+
+
+def keep(state: ZeroState) -> None:
+    """Take back `lose`'s mark: the update raised (or was skipped on the device) before any write."""
+    if isinstance(getattr(state, "_consumed", None), Lost):
+        object.__delattr__(state, "_consumed")
+
+
+def lost_by(state: Any, error: BaseException, buckets: Sequence[str] = ()) -> None:
+    """On a donating step's error path: where `state` is marked lost (`lose`) and its record names
+    no error yet, name `error` (and the buckets written, where given), and add a note to `error`
+    saying that the state is lost and the way out. Never raises."""
+    lost = getattr(state, "_consumed", None)
+    if not isinstance(lost, Lost):
+        return
+    with contextlib.suppress(Exception):
+        if buckets and not lost.buckets:
+            lost.buckets = tuple(buckets)
+        if lost.error is None:
+            said = str(error)
+            lost.error = type(error).__name__ + (f": {said[:300]}{' ...' if len(said) > 300 else ''}" if said else "")
+            error.add_note(f"fzero: this donating step (train_step(donate=True), step {int(state.step)}) raised "
+                           f"after its update had written its input state in place: that state is lost (a step, "
+                           f"fzero.gather, fzero.evaluate or fzero.checkpoint.save of it raises). Restore it from a "
+                           f"checkpoint: state = fzero.checkpoint.load(path, state)")
+
+
+def lost_message(state: ZeroState, lost: Lost) -> str:
+    """`check_state`'s error for a lost state (`Lost`): the step, what it raised, the buckets it
+    wrote, that the state is lost and the way out."""
+    n, step = len(state.layout.buckets), int(state.step)
+    written = (f" (bucket(s) {list(lost.buckets[:6])}{' ...' if len(lost.buckets) > 6 else ''} of {n} updated)"
+               if lost.buckets else "")
+    return (f"this state (step {step}) is lost: its donating step (train_step(donate=True), step {step}; "
+            f"{state.mesh!r}, rank {state.rank}) raised {lost.error or 'an exception'} after its update had written "
+            f"the state in place{written}, so its buffers hold part of step {step + 1}'s values and part of step "
+            f"{step}'s; a step, fzero.gather, fzero.evaluate or fzero.checkpoint.save of it would read that "
+            f"mix. Restore it from a checkpoint: state = fzero.checkpoint.load(path, state) takes this state as its "
+            f"target (only its structure is read); an exception raised before the update wrote anything leaves the "
+            f"state usable")
+
+
 def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None:
     """A `ZeroState` used on the rank and world size it was made for, not consumed, or a clear error.
 
@@ -826,10 +886,13 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
     made by a donating step whose update is not yet checked is checked first (`check_pending`:
     every rank together, one small all-gather). With `holds` (every reader but a checkpoint's load
     target, of which only the structure is read: the loaded state gets swap files of its own), an
-    NVMe tier's state must be the one its files hold (`check_holds`)."""
+    NVMe tier's state must be the one its files hold (`check_holds`), and no state may be lost
+    (`lose`: its donating step raised after its update had written it in place; an NVMe tier's
+    files rewritten that way say so first, as `OffloadError`)."""
     if not isinstance(state, ZeroState):
         raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
-    if getattr(state, "_consumed", False):
+    consumed = getattr(state, "_consumed", None)
+    if consumed is True:
         raise FzeroError(f"this state (step {int(state.step)}) was donated to a train_step(donate=True) and its "
                          f"buffers now hold the next state's values; use the state that step returned")
     mesh = state.mesh
@@ -839,6 +902,8 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
                          f"hand each rank the state fzero.init made on it")
     if holds and state.info.tier is not None:
         state.info.tier.check_holds(state)  # NVMe: the state is the one whose values its files hold
+    if holds and consumed is not None:  # (a `Lost`: a donating step raised after writing it in place)
+        raise FzeroError(lost_message(state, consumed))
     if pending:
         check_pending(state)
 

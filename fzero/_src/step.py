@@ -63,8 +63,8 @@ from .plan import _probes, step_plan
 from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
-from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, nonfinite_leaves,
-                    outside_inference_mode, range_words, unmastered_words)
+from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, lost_by,
+                    nonfinite_leaves, outside_inference_mode, range_words, unmastered_words)
 from .tree import flatten, flatten_with_paths
 from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
 from .update import differentiated_through, donated_through, prepare, update
@@ -173,7 +173,11 @@ def train_step(
         all-gather the new params into the params buffer the input held), so a step does not hold
         a second copy of them; the same bits as the pure step. The input state is
         then marked consumed and raises if used again. A step skipped for a non-finite gradient
-        leaves it intact. The step's only host synchronisation is its agreement: whether the
+        leaves it intact. A step that raises after its update wrote the input state in place (an
+        interrupt, a later bucket's `OptimizerError`) leaves that state lost: the next step,
+        `fzero.gather`, `fzero.evaluate` and `fzero.checkpoint.save` of it raise `FzeroError`
+        naming the step and the error; `fzero.checkpoint.load(path, state)` restores into it. One
+        that raises before any write leaves it usable (a retry is the uninterrupted run). The step's only host synchronisation is its agreement: whether the
         update itself made params NaN or inf (which cannot be undone in place) is computed on the
         device and kept in the new state (`ZeroState.pending`), and the next step's agreement
         row carries it; so the step that breaks the state returns, and the next step -- or any
@@ -390,9 +394,10 @@ def run_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroStat
     lends = _lends(config, state) and config.buffers.open()
     try:
         out = _run_step(config, state, batch, config.buffers if lends else None)
-    except BaseException:
+    except BaseException as e:
         if lends:
             config.buffers.close(kept=False)
+        lost_by(state, e)  # where a donating update wrote the state in place before `e`: it is lost, naming `e`
         raise
     if lends:
         new = out[0]

@@ -28,7 +28,7 @@ from .optim.base import (DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, 
                          update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
-from .state import ZeroState, updated_nonfinite_leaves
+from .state import ZeroState, keep, lose, lost_by, updated_nonfinite_leaves
 from .unit import finite_witness, settle_flights
 
 
@@ -108,7 +108,15 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     a later bucket's update -- every finish not waited for is waited for or handed to the mesh
     (`unit.settle_flights`). Before, only this function's `flights` held them, which nothing on
     the step's error path sees: they were dropped, and gloo cancelled those all-gathers under
-    peers that then waited out the timeout (found in review)."""
+    peers that then waited out the timeout (found in review).
+
+    A donating update that raises after it wrote the input state in place (a bucket's `update_` or
+    launch ran, or wrote before raising: `Watch`; stages 1-2's all-gather into the params buffer)
+    leaves that state lost (`state.lose`, set just before the first write, `_settle_lost`): every
+    reader but a checkpoint's load target refuses it, naming the step and the error. Before, it was
+    left as it stood -- its step count the old one, the buckets written at the next step's values
+    -- and `gather`, `checkpoint.save` and a retried step read it without a word (found in review:
+    a `KeyboardInterrupt` at the second bucket). One that raises before any write leaves it usable."""
     layout, stage, mesh, rank, optimizer = state.layout, state.stage, state.mesh, state.rank, state.optimizer
     if donate and optimizer.update_ is None:
         raise ConfigError("donate=True needs an optimizer with an in-place form (Optimizer.update_); this one has "
@@ -127,14 +135,22 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     launches = ready.launches if ready is not None and donate and all(used) else {}
     early = launched.states if launched is not None else {}
     ends = launched.ends if launched is not None else Ends.of(state, donate)
+    # a donating update: the buckets it has written in place (those launched early: written), and the first
+    # one's tensors watched (`_first_write`: the state is marked lost before it; `_settle_lost` on the error path)
+    wrote, watch = list(early), None
+    in_files = _in_files(state) if donate else frozenset()
     try:
         for b, g in reduced.items():
             launch = launches.get(b)
             updating = _updating(ends if b not in early else None)
             if launch is not None:  # prepared before the agreement's read: only the kernels are left (or none)
                 p = ready.params[b]
+                if not wrote:
+                    watch = _first_write(state, b, p, state.opt_state[b])
                 with updating:
                     updated[b], new_opt[b] = p, early[b] if b in early else launch(g.to(p.dtype))
+                if b not in early:
+                    wrote.append(b)
                 check_update_result(optimizer, new_opt[b], p, state.opt_state[b], layout, b, "a prepared launch")
                 back[b] = kept[b] = checked[b] = p
             else:
@@ -144,8 +160,12 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
                 g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
                 if donate:
+                    if not wrote and b not in in_files:  # (NVMe: `opt` and `p` are read buffers, not the state)
+                        watch = _first_write(state, b, p, opt)
                     with updating:
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
+                    if b not in in_files:
+                        wrote.append(b)
                     check_update_result(optimizer, new_opt[b], p, opt, layout, b, "Optimizer.update_")
                 else:
                     updated[b], new_opt[b] = _pure_update(optimizer, g, opt, p, ctx, layout, b)
@@ -157,9 +177,15 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             if ends is not None and b not in early:  # a bucket launched early: taken after its kernels
                 ends.take(b, checked[b])
             if overlap:  # overlaps the next update; a donating step gathers into the params it held
+                if in_files and b in in_files:  # NVMe: the first write of the state's own buffers
+                    if not wrote:
+                        lose(state)
+                    wrote.append(b)
                 flights[b] = stage.finish.begin(mesh, plan[b].wire, back[b], state.params[b] if donate else None)
         host.done()
     except BaseException as e:
+        if donate:
+            _settle_lost(state, e, wrote, watch)
         try:
             host.abort(e)  # NVMe: the read buffers given back, so that a retry reads the files (found in review)
         finally:
@@ -170,6 +196,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         broken = not donate and bool(updated) and _agreed_nonfinite(state, flag)
         gathered = {b: f.wait() for b, f in flights.items()}  # every rank started them: wait, even to discard
     except BaseException as e:  # those not waited for (an interrupt, a failed wait or agreement): as above
+        if donate:
+            _settle_lost(state, e, wrote, watch)
         settle_flights(mesh, list(flights.values()), e)
         raise
     if broken:
@@ -182,6 +210,55 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
             new_master[b] = kept[b]
     return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
+
+
+class Watch(NamedTuple):
+    """The first bucket a donating update writes in place (`bucket`), its param and optimizer
+    state tensors and their version counters just before (`versions`): where that bucket's update
+    raises, whether it wrote anything first (`moved`), read on the error path only. The version
+    counter moves with every in-place torch op on a tensor or its views (not with a write through
+    `.data`, which is not seen)."""
+
+    bucket: int
+    tensors: tuple[Any, ...]
+    versions: list[int | None]
+
+    def moved(self) -> bool:
+        return _versions(self.tensors) != self.versions
+
+
+def _first_write(state: ZeroState, b: int, param: torch.Tensor, opt_state: Any) -> Watch:
+    """Before a donating update's first in-place write of the state (bucket `b`'s `update_` or
+    prepared launch): the state marked lost (`state.lose`: an exception from here until the step
+    returns leaves it refused), and bucket `b`'s tensors watched (`Watch`). Once per step."""
+    lose(state)
+    tensors = (param, *(opt_state if isinstance(opt_state, tuple) else ()))
+    return Watch(b, tensors, _versions(tensors))
+
+
+def _settle_lost(state: ZeroState, error: BaseException, wrote: list[int], watch: Watch | None) -> None:
+    """On a donating update's error path: where no bucket's in-place update ran to its end and the
+    first one's tensors kept their version counters (`Watch.moved`: it raised before writing, an
+    `OptimizerError` of its hyper-parameters, an interrupt before its first kernel), the state is
+    as it was, and `lose`'s mark is taken back (`state.keep`); else the state is lost, naming
+    `error` and the buckets written (`state.lost_by`). Never raises (a failure here keeps the
+    mark)."""
+    with contextlib.suppress(Exception):
+        written = list(wrote)
+        if watch is not None and watch.bucket not in written and watch.moved():
+            written.append(watch.bucket)
+        if not written:
+            keep(state)
+            return
+        lost_by(state, error, [state.layout.buckets[b].tag for b in written])
+
+
+def _in_files(state: ZeroState) -> frozenset[int]:
+    """The buckets whose update reads and writes host buffers of their own, not the state's tensors
+    (an NVMe tier, `HostTier.in_place`: the state's files are rewritten by `store`, which its
+    `check_holds` watches), so that their `update_` is no write of the state."""
+    tier = state.info.tier
+    return step_plan(state.info).on_host if tier is not None and tier.in_place else frozenset()
 
 
 def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param: torch.Tensor, ctx: Any,

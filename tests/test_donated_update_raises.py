@@ -1,0 +1,275 @@
+"""A donating step (`train_step(donate=True)`) whose update raises after it wrote part of the
+input state in place: that state is lost, and a step, `gather`, `evaluate` or `checkpoint.save`
+of it raises `FzeroError` naming the step, the exception and the way out
+(`checkpoint.load(path, state)`, which takes it as a target); one that raises before any write
+leaves the state usable, its retry bitwise the uninterrupted run.
+
+Before (found in review): a `KeyboardInterrupt` from a user optimizer's `update_` at the second
+bucket, an `OptimizerError` of a later bucket (`lr_scale` past float32), or a result that
+`check_update_result` refuses after `update_` wrote its bucket, left the input state -- its step
+count the old one, its first bucket at the next step's values -- accepted by `gather`,
+`checkpoint.save` (written as the old step) and the next step without a word: a retry trained
+from mixed values. NVMe refused it already, through its swap files (`NvmeTier.check_holds`,
+`OffloadError`), and still does.
+
+Every test runs on a `SimMesh(2)`, both ranks interrupted alike (a Ctrl-C reaches every rank of
+a torchrun job), over two trainable buckets ("a" and "c")."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import optim
+
+CASES = [(0, "none"), *((stage, off) for stage in (1, 2, 3) for off in ("none", "cpu"))]  # stage 0 offloads nothing
+NVME = [1, 2, 3]
+N = 2
+LOST = (r"this state \(step {step}\) is lost: its donating step .*step {step};.* raised {error}.*after its update had "
+        r"written the state in place{written}.*checkpoint\.load\(path, state\)")
+FIRST = r" \(bucket\(s\) \['a/float32/default'\] of 2 updated\)"  # bucket "a" written, "c" not
+
+
+def _params():
+    g = torch.Generator().manual_seed(1)
+    return {"a": {"w": torch.randn(6, 10, generator=g) / 3, "b": torch.zeros(10)},
+            "c": torch.randn(10, 3, generator=g) / 3}
+
+
+def _loss(p, batch):
+    x, y = batch
+    return F.cross_entropy(torch.tanh(x @ p["a"]["w"] + p["a"]["b"]) @ p["c"], y)
+
+
+def _units(path):
+    return path.split(".")[0]
+
+
+def _batch(rank, t):
+    g = torch.Generator().manual_seed(100 * t + rank)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _offload(name, tmp_path):
+    return {"none": None, "cpu": fzero.Offload(optimizer="cpu"),
+            "nvme": fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))}[name]
+
+
+class Interrupts:
+    """`base` whose in-place update raises, once armed on a rank (`arm`), at that rank's `at`-th
+    bucket, before updating it: through `update_` (no `prepare_`), or through the prepared
+    launch's kernels (`launch`; `prepare_` wrapped). Counted per rank (SimMesh ranks are
+    threads)."""
+
+    def __init__(self, base, path="update_"):
+        self.base, self.local = base, threading.local()
+
+        def update_(g, opt, p, ctx):
+            self._tick()
+            return base.update_(g, opt, p, ctx)
+
+        def prepare_(opt, p, ctx):
+            launch = base.prepare_(opt, p, ctx)
+
+            def run(g, found_inf):
+                self._tick()
+                return launch.run(g, found_inf)
+
+            return launch._replace(run=run)
+
+        self.optimizer = base._replace(update_=update_, prepare_=prepare_ if path == "launch" else None)
+
+    def arm(self, at, error=KeyboardInterrupt):
+        self.local.at, self.local.seen, self.local.error = at, 0, error
+
+    def _tick(self):
+        at = getattr(self.local, "at", 0)
+        if at:
+            self.local.seen += 1
+            if self.local.seen == at:
+                self.local.at = 0
+                raise self.local.error()
+
+
+def _init(mesh, optimizer, stage, offload, **kw):
+    return fzero.init(_params(), optimizer, stage=stage, mesh=mesh, units=_units, offload=offload, **kw)
+
+
+def _uninterrupted(stage, offload, optimizer, steps=3, **kw):
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state, step = _init(mesh, optimizer, stage, offload, **kw), fzero.train_step(_loss, donate=True)
+        for t in range(steps):
+            state, _ = step(state, _batch(mesh.rank, t))
+        return fzero.gather(state)
+
+    return mesh.run(rank_fn)[0]
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k]["w"], b[k]["w"]) and torch.equal(a[k]["b"], b[k]["b"])
+                                        if k == "a" else torch.equal(a[k], b[k]) for k in a)
+
+
+def _refused(state, step, batch, root, error, expected):
+    """Each of a step, `gather`, `evaluate` and `checkpoint.save` of `state` raises `error` matching `expected`."""
+    with pytest.raises(error, match=expected):
+        step(state, batch)
+    with pytest.raises(error, match=expected):
+        fzero.gather(state)
+    with pytest.raises(error, match=expected):
+        fzero.evaluate(_loss)(state, batch)
+    with pytest.raises(error, match=expected):
+        fzero.checkpoint.save(state, root)
+
+
+def _interrupted_then_loaded(stage, offload, interrupts, tmp_path, raised, at=2, expected=None, error=fzero.FzeroError,
+                             **kw):
+    """Step 0, save, then step 1 interrupted at bucket `at` (raising `raised`): the state is refused
+    by every reader (`expected`), and `checkpoint.load(saved, state)` resumes: steps 1 and 2 of
+    the loaded state, gathered."""
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state, step = _init(mesh, interrupts.optimizer, stage, offload, **kw), fzero.train_step(_loss, donate=True)
+        state, _ = step(state, _batch(mesh.rank, 0))
+        saved = fzero.checkpoint.save(state, tmp_path / "ck")
+        interrupts.arm(at, raised)
+        with pytest.raises(raised) as caught:
+            step(state, _batch(mesh.rank, 1))
+        _refused(state, step, _batch(mesh.rank, 1), tmp_path / "other", error, expected)
+        state = fzero.checkpoint.load(saved, state)  # the lost state is still a target
+        for t in (1, 2):
+            state, _ = step(state, _batch(mesh.rank, t))
+        return fzero.gather(state), caught.value
+
+    return mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("stage, offload", CASES)
+def test_an_update_interrupted_after_a_write_loses_the_state_and_a_load_resumes(stage, offload, tmp_path):
+    """A KeyboardInterrupt from `update_` at the second bucket, after the first was written in
+    place: every reader refuses the state, naming the step and the interrupt; the error carries a
+    note saying so; `checkpoint.load(path, state)` of a checkpoint saved before resumes, bitwise
+    the uninterrupted run. Before: the state was read, saved and stepped as it stood."""
+    interrupts = Interrupts(optim.adamw(1e-2, weight_decay=0.1))
+    off = _offload(offload, tmp_path)
+    want = _uninterrupted(stage, off, interrupts.optimizer)
+    got = _interrupted_then_loaded(stage, off, interrupts, tmp_path, KeyboardInterrupt,
+                                   expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
+    for gathered, caught in got:
+        assert _equal(gathered, want)
+        assert any("that state is lost" in note for note in getattr(caught, "__notes__", ())), caught
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_prepared_launch_interrupted_at_the_second_bucket_loses_the_state(stage, tmp_path):
+    """The same through a prepared update (`Optimizer.prepare_`'s launch), run after the verdict."""
+    interrupts = Interrupts(optim.adamw(1e-2, weight_decay=0.1), path="launch")
+    want = _uninterrupted(stage, None, interrupts.optimizer)
+    got = _interrupted_then_loaded(stage, None, interrupts, tmp_path, KeyboardInterrupt,
+                                   expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
+    assert all(_equal(gathered, want) for gathered, _ in got)
+
+
+def test_an_update_launched_before_the_read_and_interrupted_loses_the_state(tmp_path):
+    """The same where the update is launched before the agreement's read (`agree_launching`:
+    torch's fused kernels, which skip on a device flag; stage 0 keeps leaves whole on the CPU):
+    interrupted at its second bucket's kernels with the flag clear, the first bucket is written."""
+    interrupts = Interrupts(optim.adamw(1e-2, weight_decay=0.1, impl="fused"), path="launch")
+    want = _uninterrupted(0, None, interrupts.optimizer)
+    got = _interrupted_then_loaded(0, None, interrupts, tmp_path, KeyboardInterrupt,
+                                   expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
+    assert all(_equal(gathered, want) for gathered, _ in got)
+
+
+@pytest.mark.parametrize("stage, offload, path, impl", [
+    *((stage, off, "update_", None) for stage, off in [*CASES, *((stage, "nvme") for stage in NVME)]),
+    *((stage, off, "launch", None) for stage, off in CASES if off == "none"),  # (a host tier's update is `update_`)
+    (0, "none", "launch", "fused"),  # launched before the agreement's read (on the CPU: stage 0, leaves whole)
+])
+def test_an_update_interrupted_before_any_write_is_retried_as_if_it_never_was(stage, offload, path, impl, tmp_path):
+    """A KeyboardInterrupt at the first bucket, before its update wrote anything: the state is
+    usable, and the retried step, then one more, equal the uninterrupted run bitwise."""
+    interrupts = Interrupts(optim.adamw(1e-2, weight_decay=0.1, impl=impl), path=path)
+    off = _offload(offload, tmp_path)
+    want = _uninterrupted(stage, off, interrupts.optimizer)
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state, step = _init(mesh, interrupts.optimizer, stage, off), fzero.train_step(_loss, donate=True)
+        state, _ = step(state, _batch(mesh.rank, 0))
+        interrupts.arm(1)
+        with pytest.raises(KeyboardInterrupt):
+            step(state, _batch(mesh.rank, 1))
+        for t in (1, 2):
+            state, _ = step(state, _batch(mesh.rank, t))
+        return fzero.gather(state)
+
+    assert all(_equal(got, want) for got in mesh.run(rank_fn))
+
+
+@pytest.mark.parametrize("stage, offload", CASES)
+def test_an_optimizer_error_of_a_later_bucket_loses_the_state(stage, offload, tmp_path):
+    """`OptimizerError` from the second bucket's update (its group's `lr * lr_scale` past float32),
+    after the first was written in place: the same refusal, naming the error; a load resumes."""
+    groups = (fzero.ParamGroup("head", match=lambda p: p == "c", lr_scale=1e41),)
+    off = _offload(offload, tmp_path)
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state = _init(mesh, optim.adamw(1e-2, weight_decay=0.1), stage, off, groups=groups)
+        assert [b.group.name for b in state.layout.buckets][-1] == "head"  # the later bucket
+        saved = fzero.checkpoint.save(state, tmp_path / "ck")
+        step = fzero.train_step(_loss, donate=True)
+        with pytest.raises(optim.OptimizerError, match="lr_scale"):
+            step(state, _batch(mesh.rank, 0))
+        _refused(state, step, _batch(mesh.rank, 0), tmp_path / "other", fzero.FzeroError,
+                 LOST.format(step=0, error="OptimizerError: adamw.*lr_scale", written=FIRST))
+        return int(fzero.checkpoint.load(saved, state).step)
+
+    assert mesh.run(rank_fn) == [0] * N
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_an_update_result_refused_after_update_in_place_wrote_its_bucket_loses_the_state(stage, tmp_path):
+    """`check_update_result`'s `OptimizerError` comes after `update_` wrote that bucket: at the first
+    bucket too, the state is lost (its tensors' version counters moved)."""
+    base = optim.adamw(1e-2, weight_decay=0.1)
+    broken = {"on": threading.local()}
+
+    def update_(g, opt, p, ctx):
+        new = base.update_(g, opt, p, ctx)
+        return tuple(new) if getattr(broken["on"], "yes", False) else new  # a plain tuple: not the state class
+
+    opt = base._replace(update_=update_)
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state, step = _init(mesh, opt, stage, None), fzero.train_step(_loss, donate=True)
+        state, _ = step(state, _batch(mesh.rank, 0))
+        broken["on"].yes = True
+        with pytest.raises(optim.OptimizerError, match="Optimizer.update_"):
+            step(state, _batch(mesh.rank, 1))
+        broken["on"].yes = False
+        _refused(state, step, _batch(mesh.rank, 1), tmp_path / "other", fzero.FzeroError,
+                 LOST.format(step=1, error="OptimizerError", written=FIRST))
+        return True
+
+    assert mesh.run(rank_fn) == [True] * N
+
+
+@pytest.mark.parametrize("stage", NVME)
+def test_an_nvme_update_interrupted_after_a_write_is_refused_as_before(stage, tmp_path):
+    """NVMe's own refusal is kept: its swap files hold part of the next step, `OffloadError` saying
+    the state is lost (`NvmeTier.check_holds`, before the generic refusal), and a load resumes."""
+    interrupts = Interrupts(optim.adamw(1e-2, weight_decay=0.1))
+    off = _offload("nvme", tmp_path)
+    want = _uninterrupted(stage, off, interrupts.optimizer)
+    got = _interrupted_then_loaded(stage, off, interrupts, tmp_path, KeyboardInterrupt, error=fzero.OffloadError,
+                                   expected=r"raised while its NVMe tier was updating it \(KeyboardInterrupt.*the "
+                                            r"state is lost.*checkpoint\.load\(path, state\)")
+    assert all(_equal(gathered, want) for gathered, _ in got)
