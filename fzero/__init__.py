@@ -40,6 +40,7 @@ from fzero._src.state import init as init
 from fzero._src.step import Metrics as Metrics
 from fzero._src.config import StepConfig as StepConfig
 from fzero._src.step import train_step as train_step
+from fzero._src.module import ModuleCompileDropped as ModuleCompileDropped
 from fzero._src.module import ModuleInfo as ModuleInfo
 from fzero._src.module import broadcast_buffers as broadcast_buffers
 from fzero._src.module import from_module as from_module
@@ -68,6 +69,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Metrics",
+    "ModuleCompileDropped",
     "StepConfig",
     "ModuleInfo",
     "NoFp32Master",

@@ -1089,7 +1089,8 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
                 gathering.refill(unit, backward=True)
             return t
 
-        super().__init__(pack, unpack)
+        super().__init__(eager(pack), eager(unpack))  # a compiled loss saves tensors: dynamo does not compile
+        # the hooks (it compiled `version_of` as a frame of its own, found in review)
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)

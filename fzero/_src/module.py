@@ -59,6 +59,7 @@ import functools
 import sys
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
@@ -67,6 +68,7 @@ import torch
 from torch import nn
 
 from .collectives import broadcast
+from .eager import eager
 from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
@@ -217,7 +219,7 @@ def extra_states_unbound(module: nn.Module, names: tuple[str, ...], aliases: Map
             slot = _slot(module, alias)
             if isinstance(slot, _Unbound):
                 table[id(slot)] = (name, unit_of(name), None)
-    outer = getattr(_RUNNING, "unbound", None)
+    outer = _RUNNING.unbound
     _RUNNING.unbound = table if outer is None else _merged(outer, table)
     try:
         return extra_states(module, names)
@@ -290,6 +292,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     if not isinstance(module, nn.Module):
         raise FzeroError(f"from_module expects an nn.Module, got {type(module).__name__}")
     _check_unwrapped(module)
+    _warn_compiled(module)
     canonical: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     params: dict[str, torch.Tensor] = {}
@@ -322,7 +325,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     # functional_call (a thread's copy of the skeleton carries the hook and reads its own slots);
     # the slots are read now, before a forward could put a new tensor in one
     slots_of(skeleton)
-    skeleton.register_forward_hook(lambda root, _a, _o: keep_reassigned(slots_of(root)))
+    kept = skeleton.register_forward_hook(_keep).id  # a thread's copy runs it eager (`_eager_keep`)
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
     unit_of = _unit_of(units)
@@ -338,6 +341,44 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     copies_made: weakref.WeakSet = weakref.WeakSet()  # every live thread's copy: what `Apply.train` sets beside the skeleton
     known: Any = None  # the last unit map whose keys were checked
 
+    @eager
+    def enter(params: LazyParams) -> tuple[_Skeleton, int, tuple] | None:
+        """The on-use path's start (`apply`): this thread's copy of the skeleton, entered
+        (`_Skeleton.enter`), its depth and what `leave` puts back; None where `params` are not
+        this module's (the dict path's check then names what differs). Eager, as `leave`: under a
+        compiled loss dynamo traces the module's forward, not this bookkeeping (before, it traced
+        and guarded it: a new thread's copy, made by `copy.deepcopy`, compiled the stand-ins'
+        `__torch_function__` once per parameter shape, and the closure's `known` compiled the
+        loss again at the second step; found in review)."""
+        nonlocal known
+        if not (params.unit_map is known or params.unit_map.keys() == expected):
+            return None
+        # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
+        # (thread) binds into its own copy of the skeleton (one per depth of `apply` inside
+        # `apply`); buffers stay shared, as in eager mode
+        known = params.unit_map
+        copies = per_thread.__dict__.setdefault("copies", [])
+        depth = per_thread.__dict__.get("depth", 0)
+        if depth == len(copies):  # a copy takes the skeleton's training flags (`Apply.train`)
+            module_copy = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
+            module_copy._forward_hooks[kept] = _eager_keep
+            copies_made.add(module_copy)  # held weakly: a thread's copies go with it (SimMesh: each run's threads)
+            copies.append(_Skeleton(module_copy, alias_table, remat_units))
+        if extra_names and not depth:
+            per_thread.ran = ran[0] = copies[0].module
+        running = copies[depth]
+        outer = running.enter(params, modes)
+        per_thread.depth = depth + 1
+        return running, depth, outer
+
+    @eager
+    def leave(running: _Skeleton, depth: int, outer: tuple) -> None:
+        """The on-use path's end: `running`'s units unbound (`_Skeleton.leave`), the depth put back."""
+        try:
+            running.leave(outer)
+        finally:
+            per_thread.depth = depth
+
     def apply(params: dict[str, torch.Tensor] | LazyParams, *args: Any, **kwargs: Any) -> Any:
         """`module(*args, **kwargs)` with `params` (one tensor per distinct parameter) bound.
 
@@ -348,26 +389,14 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         the skeleton and unit map (`_Skeleton`): a step's host work before its first kernel is
         the reads of the root units.
         """
-        nonlocal known
-        if isinstance(params, LazyParams) and (params.unit_map is known or params.unit_map.keys() == expected):
-            # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
-            # (thread) binds into its own copy of the skeleton (one per depth of `apply` inside
-            # `apply`); buffers stay shared, as in eager mode
-            known = params.unit_map
-            copies = per_thread.__dict__.setdefault("copies", [])
-            depth = per_thread.__dict__.get("depth", 0)
-            if depth == len(copies):  # a copy takes the skeleton's training flags (`Apply.train`)
-                module_copy = copy.deepcopy(skeleton, memo={id(b): b for b in buffers.values()})
-                copies_made.add(module_copy)  # held weakly: a thread's copies go with it (SimMesh: each run's threads)
-                copies.append(_Skeleton(module_copy, alias_table, remat_units))
-            per_thread.depth = depth + 1
-            if extra_names and not depth:
-                per_thread.ran = ran[0] = copies[0].module
-            try:
-                _in_mode(copies[depth].module, modes)
-                return copies[depth](params, args, kwargs)
-            finally:
-                per_thread.depth = depth
+        if isinstance(params, LazyParams):
+            entered = enter(params)  # eager, as `leave`: a compiled loss traces the module's forward only
+            if entered is not None:
+                running, depth, outer = entered
+                try:
+                    return running.module(*args, **kwargs)  # (its root's hook keeps a reassigned buffer's value)
+                finally:
+                    leave(running, depth, outer)
         if not isinstance(params, dict) or set(params) != expected:
             got = (set(params.unit_map) if isinstance(params, LazyParams) else set(params)
                    if isinstance(params, Mapping) else set())  # (a LazyParams was read as empty: found in review)
@@ -385,9 +414,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                 bound[alias] = t
         # strict: every parameter and buffer name of the skeleton is bound, so a meta tensor the
         # forward reaches is one held outside them: `_Unbound` raises on it (found in review)
-        outer = getattr(_RUNNING, "unbound", None)  # inside another apply: its stand-ins stay checked (`_merged`)
+        outer = _RUNNING.unbound  # inside another apply: its stand-ins stay checked (`_merged`)
         _RUNNING.unbound = every_placeholder if outer is None else _merged(outer, every_placeholder)
-        outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), skeleton
+        outer_root, _RUNNING.root = _RUNNING.root, skeleton
         if extra_names and outer_root is None:
             per_thread.ran = ran[0] = skeleton
         try:  # one copy for every rank: set to the caller's mode (SimMesh ranks run one at a time)
@@ -418,16 +447,33 @@ def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor,
                  for attr, b in m._buffers.items() if b is not None)
 
 
-_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SLOTS = "_fzero_slots"  # the attribute of a root module (the skeleton) that holds its `slots_of`
 
 
 def slots_of(root: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
-    """`buffer_slots(root)`, made once per root module (the skeleton and each thread's copy), first
-    before any forward of it: a slot read after a reassignment would hold the new tensor."""
-    slots = _SLOTS.get(root)
+    """`buffer_slots(root)`, made once per root module, first before any forward of it (a slot read
+    after a reassignment would hold the new tensor), and held by the module itself: a thread's copy
+    of the skeleton (`copy.deepcopy`, its buffers kept) gets its own slots with it. Not a table
+    beside the modules: the root's forward hook reads it, and a compiled loss over `apply` traces
+    that hook; dynamo guarded on a `WeakKeyDictionary`'s keys by position, and when a thread's copy
+    was collected its guard raised a bare `IndexError: list index out of range` (found in review:
+    on-use steps, then gather="eager" steps, in one process)."""
+    slots = root.__dict__.get(_SLOTS)
     if slots is None:
-        slots = _SLOTS[root] = buffer_slots(root)
+        slots = buffer_slots(root)
+        object.__setattr__(root, _SLOTS, slots)
     return slots
+
+
+def _keep(root: nn.Module, _args: Any, _out: Any) -> None:
+    """The forward hook of the skeleton's root: `keep_reassigned(slots_of(root))`."""
+    keep_reassigned(slots_of(root))
+
+
+# a thread's copy of the skeleton (the on-use path) runs its root's hook eager: a compiled loss traces
+# the dict path's (one graph), where the skeleton is one module; the copies are one per thread, and
+# dynamo, guarding on the slots' modules, compiled the hook again for each
+_eager_keep = eager(_keep)
 
 
 def keep_reassigned(slots: tuple[tuple[nn.Module, str, torch.Tensor, str], ...]) -> None:
@@ -497,6 +543,29 @@ def _check_unwrapped(module: nn.Module) -> None:
                        f"model without the wrapper: fzero reduces the gradients itself")
             raise ConfigError(f"from_module: {where} is a {what} wrapper ({type(m).__name__}): fzero would "
                               f"{would}; {way}")
+
+
+class ModuleCompileDropped(UserWarning):
+    """`from_module` of a module that `.compile()` was called on (the module or a submodule):
+    `apply` runs a copy of the module (`copy.deepcopy`), which does not keep what `.compile()`
+    set, so it runs uncompiled, with no word (found in review). Compile the loss that calls
+    `apply` (`train_step(torch.compile(loss_fn))`), or pass `torch.compile(model)` to
+    `from_module` (its params are then named `_orig_mod.*`); docs/compile.md."""
+
+
+def _warn_compiled(module: nn.Module) -> None:
+    """Warn `ModuleCompileDropped` naming the (sub)modules `.compile()` was called on (an
+    `nn.Module` holds the compiled call in `_compiled_call_impl`, which `copy.deepcopy` drops)."""
+    compiled = [f"submodule {name!r} ({type(m).__name__})" if name else f"the module ({type(m).__name__})"
+                for name, m in module.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        more = f" and {len(compiled) - 3} more" if len(compiled) > 3 else ""
+        warnings.warn(ModuleCompileDropped(
+            f"from_module: .compile() was called on {', '.join(compiled[:3])}{more}, and has no effect "
+            f"on apply: apply runs a copy of the module (copy.deepcopy), which does not keep what .compile() set, "
+            f"so it runs uncompiled. Compile the loss that calls apply instead "
+            f"(train_step(torch.compile(loss_fn)), docs/compile.md), or pass torch.compile(model) to from_module "
+            f"(its params are then named '_orig_mod.*')"), stacklevel=3)
 
 
 def _check_dense(module: nn.Module) -> None:
@@ -934,9 +1003,20 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-_RUNNING = threading.local()  # of the calls running on this thread: `.unbound` {id(placeholder): (alias, unit,
-# the skeleton copy holding it)} (the dict path: every placeholder; inside another apply, merged with that call's,
-# `_merged`), `.root` the skeleton copy the innermost call runs
+class _Running(threading.local):
+    """Of the calls running on this thread: `.unbound` {id(placeholder): (alias, unit, the skeleton
+    copy holding it)} (the dict path: every placeholder; inside another apply, merged with that
+    call's, `_merged`), `.root` the skeleton copy the innermost call runs; None outside a call.
+    Both are set on every thread as it first reads them: a compiled loss over `apply` traces their
+    reads, and an attribute missing on the first call and present after (`getattr(..., None)`)
+    made dynamo guard on `hasattr` and compile the loss again at the second step (found in review)."""
+
+    def __init__(self) -> None:
+        self.unbound: dict[int, tuple[str, str, nn.Module | None]] | None = None
+        self.root: nn.Module | None = None
+
+
+_RUNNING = _Running()
 _METADATA = frozenset({torch.Tensor.dtype.__get__, torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__,
                        torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__, torch.Tensor.size,
                        torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
@@ -957,12 +1037,23 @@ class _Unbound(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        unbound = getattr(_RUNNING, "unbound", None)
-        if unbound and func not in _METADATA:
+        unbound = _RUNNING.unbound
+        if unbound and func not in _METADATA and not _dynamo_probing():
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if id(t) in unbound:
                     raise _unbound_error(t, *unbound[id(t)], func)
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})  # as nn.Parameter's
+
+
+def _dynamo_probing() -> bool:
+    """Whether dynamo, tracing a compiled loss, reads a tensor's metadata itself (`.is_nested`, as it
+    wraps a stand-in the traced forward reached): a call in real Python while a compilation is under
+    way (`is_compiling()`, set for its duration). `_Unbound` lets those through; the traced forward's
+    own use of the stand-in is checked where it runs: in traced code dynamo folds
+    `is_dynamo_compiling()` to True, so this is False there and the check is traced, whose
+    `ConfigError` dynamo hands on by running the frame eager. Before, the probe raised inside
+    dynamo: `InternalTorchDynamoError` naming `.is_nested`, not a `ConfigError` (found in review)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling()
 
 
 def _merged(outer: dict[int, tuple[str, str, nn.Module]], inner: dict[int, tuple[str, str, nn.Module]]
@@ -1143,16 +1234,18 @@ def _binding(skeleton: nn.Module, alias: str, name: str) -> _Binding:
 
 
 class _Call(NamedTuple):
-    """One `apply` running in a skeleton copy: its params, its plan, and the hooked units bound
-    now (innermost last)."""
+    """One `apply` running in a skeleton copy: its params, its plan, the hooked units bound now
+    (innermost last) and the root units bound before the forward."""
 
     params: LazyParams
     plan: _Plan
     bound: list[_UnitBinding]
+    roots: list[_UnitBinding]
 
 
 class _Skeleton:
-    """One thread's copy of the skeleton, bound unit by unit as its submodules run (`__call__`).
+    """One thread's copy of the skeleton, bound unit by unit as its submodules run (`enter`, the
+    forward, `leave`; `apply` calls the three).
 
     The forward pre-hook and forward hook of each home submodule are registered once, on first
     use, and stay: they act on the running call (`call`; outside a call they do nothing), so a
@@ -1184,31 +1277,44 @@ class _Skeleton:
         self.plan = plan
         return plan
 
-    def __call__(self, params: LazyParams, args: tuple, kwargs: dict) -> Any:
+    def enter(self, params: LazyParams, modes: _Modes) -> tuple:
+        """Start a call: the caller's training mode set (`_in_mode`), the root units read and
+        bound, the stand-ins checked (`_RUNNING`); returns what `leave` puts back. The module's
+        forward runs between the two (`apply`), its home submodules' hooks binding the rest."""
+        _in_mode(self.module, modes)
         plan = self.plan_for(params.unit_map)
         roots: list[_UnitBinding] = []
         try:
             for binding in plan.root:  # nothing is read before the plan is ready: the reads launch back to back
                 binding.bind(params.unit(binding.unit))
-                roots.append(binding)  # bound: put back below, also where a later root unit's read raises
-            self.call = _Call(params, plan, [])
-            outer = getattr(_RUNNING, "unbound", None)
-            _RUNNING.unbound = plan.unbound if outer is None else _merged(outer, plan.unbound)
-            outer_root, _RUNNING.root = getattr(_RUNNING, "root", None), self.module
-            try:
-                return self.module(*args, **kwargs)  # (its root's hook keeps a reassigned buffer's value)
-            finally:
-                _RUNNING.unbound, _RUNNING.root = outer, outer_root
-        finally:
-            call, self.call = self.call, None
-            bound = call.bound if call is not None else []
-            while bound:  # a forward that raised inside a unit: put the placeholders back
-                bound.pop().unbind()
+                roots.append(binding)  # bound: put back, also where a later root unit's read raises
+        except BaseException:
             for binding in roots:
                 binding.unbind()
-            for module, attr, buffer, _ in self._buffers:  # the buffer put back (its new value kept above)
-                module._buffers[attr] = buffer
+            raise
+        self.call = _Call(params, plan, [], roots)
+        outer = (_RUNNING.unbound, _RUNNING.root)
+        _RUNNING.unbound = plan.unbound if outer[0] is None else _merged(outer[0], plan.unbound)
+        _RUNNING.root = self.module
+        return outer
 
+    def leave(self, outer: tuple) -> None:
+        """End the call `enter` started (returning or raising): the placeholders put back where
+        units are bound (a forward that raised inside a unit), the buffers put back in their slots
+        (their new values kept by the root's hook)."""
+        _RUNNING.unbound, _RUNNING.root = outer
+        call, self.call = self.call, None
+        if call is None:
+            return
+        bound = call.bound
+        while bound:  # a forward that raised inside a unit: put the placeholders back
+            bound.pop().unbind()
+        for binding in call.roots:
+            binding.unbind()
+        for module, attr, buffer, _ in self._buffers:  # the buffer put back (its new value kept above)
+            module._buffers[attr] = buffer
+
+    @eager
     def _pre(self, module: nn.Module, _args: Any) -> None:
         call = self.call
         if call is None:
@@ -1217,6 +1323,7 @@ class _Skeleton:
             binding.bind(call.params.unit(binding.unit))  # gathers the unit on its first read this step
             call.bound.append(binding)
 
+    @eager
     def _post(self, module: nn.Module, _args: Any, _out: Any) -> None:
         call = self.call
         if call is None:
@@ -1231,6 +1338,7 @@ class _Skeleton:
             call.params.release(binding.unit, _out)  # frees the gathered copy where the step allows (and `_out`
             # holds no view of it); backward re-gathers
 
+    @eager
     def _forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         call = self.call
         binding = call.plan.checkpointed.get(module) if call is not None else None
