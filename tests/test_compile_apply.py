@@ -129,13 +129,15 @@ def test_on_use_steps_then_eager_steps_raise_no_index_error():
     the collector while dynamo compiled left a guard on a key past the end. The slots are an
     attribute of the root now, and a thread's copy is made, and its hook run, eager. (A
     regression test: the failure needs the collector to run inside a compile, and under pytest
-    it did not reproduce on the old code either.)"""
+    it did not reproduce on the old code either; each run is also checked against the eager
+    loss's bits, which can fail on its own.)"""
     params, apply, info = _blocks([4, 4, 4, 2])
     plain = lambda p, b: F.cross_entropy(apply(p, b[0]), b[1])  # noqa: E731
     batches = _batches(4, 1, 3)
     for gather, stage in [("on_use", 0), ("on_use", 1), ("on_use", 2), ("on_use", 3), ("eager", 0), ("eager", 1)]:
         torch._dynamo.reset()
-        _train(params, info, torch.compile(plain, backend="aot_eager"), 1, stage, gather, batches)
+        compiled = _train(params, info, torch.compile(plain, backend="aot_eager"), 1, stage, gather, batches)
+        _assert_same(compiled, _train(params, info, plain, 1, stage, gather, batches))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
