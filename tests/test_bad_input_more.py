@@ -558,6 +558,9 @@ def test_a_pure_update_that_writes_its_input_is_refused(stage):
     mesh.run(rank_fn)
 
 
+STAND_IN = r"{} is one of the stand-ins of the swap files.*fzero\.gather\(state\).*params=\"cpu\""
+
+
 def test_unpack_of_nvme_stand_ins_is_refused(tmp_path):
     """Under `Offload(params="nvme")` `state.params` holds stand-ins of the swap files (a 0-d zero
     expanded, every stride 0). `fzero.layout.unpack(state.layout, state.params)`, the README's
@@ -572,10 +575,53 @@ def test_unpack_of_nvme_stand_ins_is_refused(tmp_path):
         for read in (lambda: fzero.layout.unpack(state.layout, state.params),
                      lambda: fzero.layout.shard(state.layout, state.params),
                      lambda: fzero.layout.local_shards(state.layout, state.params, 0)):
-            with pytest.raises(fzero.LayoutError, match=r"flat buffers of bucket '.*' \(torch.float32\[4\]\) is one value "
-                                                        r"expanded \(every stride 0\).*fzero.gather\(state\)"):
+            with pytest.raises(fzero.LayoutError, match=STAND_IN.format(r"flat buffers of bucket '.*' "
+                                                                        r"\(torch.float32\[4\]\)")):
                 read()
         flats = fzero.layout.pack(state.layout, {"w": torch.arange(1.0, 5.0)})
         assert torch.equal(fzero.layout.unpack(state.layout, flats)["w"], torch.arange(1.0, 5.0))
 
     mesh.run(rank_fn)
+
+
+def test_the_readme_read_of_nvme_stand_ins_at_stage_3_n_2_is_refused(tmp_path):
+    """At stage 3, N > 1, the README's differentiable read all-gathers each bucket's shard first:
+    of `Offload(params="nvme")`'s stand-ins, that made real zeros, which `unpack` took, silently
+    (found in review: the stride test caught N = 1 only). Stand-ins are now marked exactly
+    (`layout.is_stand_in`), and `fzero.collectives.all_gather` of one raises on every rank,
+    naming the stand-ins and `fzero.gather`; `layout.unshard` of one, as the stack of shards
+    `[N, S]`, too. The state is left as it was: `fzero.gather` reads the values."""
+    mesh = fzero.SimMesh(2)
+    off = fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path))
+
+    def rank_fn():
+        state = fzero.init({"w": torch.arange(1.0, 5.0)}, optim.adamw(1e-2), stage=3, mesh=mesh, offload=off)
+        gathered = STAND_IN.format(r"all_gather's input \(torch.float32\[2\], rank \d\)")
+        with pytest.raises(fzero.MeshError, match=gathered):
+            [fzero.collectives.all_gather(p, mesh) for p in state.params]
+        stacks = [p.expand(2, p.numel()) for p in state.params]
+        stacked = STAND_IN.format(r"shards of bucket '.*' \(torch.float32\[2, 2\]\)")
+        with pytest.raises(fzero.LayoutError, match=stacked):
+            fzero.layout.unshard(state.layout, stacks)
+        return fzero.gather(state)["w"]
+
+    assert all(torch.equal(w, torch.arange(1.0, 5.0)) for w in mesh.run(rank_fn))
+
+
+@pytest.mark.parametrize("take", ["autograd", "torch.func"])
+def test_an_expanded_gradient_of_a_flat_buffer_is_unpacked(take):
+    """A flat buffer expanded from one value is a tensor of its own, not a stand-in: autograd's
+    (and torch.func's) gradient of `flat.sum()` with respect to a flat buffer is such an expand
+    (every stride 0), and `unpack` / `shard` of it give its values. Before (found in review): the
+    stride test that refused NVMe's stand-ins refused it too, blaming `Offload(params="nvme")`."""
+    params = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    layout = fzero.layout.plan(params, 2)
+    flats = [f.clone().requires_grad_() for f in fzero.layout.pack(layout, params)]
+    if take == "autograd":
+        grads = torch.autograd.grad(sum(f.sum() for f in flats), flats)
+    else:
+        grads = [torch.func.grad(lambda f: f.sum())(f.detach()) for f in flats]
+    assert all(not any(g.stride()) for g in grads)  # the case: every stride 0
+    got = fzero.layout.unpack(layout, grads)
+    assert torch.equal(got["a"], torch.ones(3, 2)) and torch.equal(got["b"], torch.ones(4))
+    assert all(torch.equal(s, torch.ones_like(s)) for s in fzero.layout.shard(layout, grads))

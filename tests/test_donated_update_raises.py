@@ -59,23 +59,31 @@ def _offload(name, tmp_path):
 
 class Interrupts:
     """`base` whose in-place update raises, once armed on a rank (`arm`), at that rank's `at`-th
-    bucket, before updating it: through `update_` (no `prepare_`), or through the prepared
-    launch's kernels (`launch`; `prepare_` wrapped). Counted per rank (SimMesh ranks are
-    threads)."""
+    bucket, before updating it (`after`: just after its update returned): through `update_` (no
+    `prepare_`), or through the prepared launch's kernels (`launch`; `prepare_` wrapped). Counted
+    per rank (SimMesh ranks are threads)."""
 
-    def __init__(self, base, path="update_"):
+    def __init__(self, base, path="update_", after=False):
         self.base, self.local = base, threading.local()
 
         def update_(g, opt, p, ctx):
-            self._tick()
-            return base.update_(g, opt, p, ctx)
+            if not after:
+                self._tick()
+            new = base.update_(g, opt, p, ctx)
+            if after:
+                self._tick()
+            return new
 
         def prepare_(opt, p, ctx):
             launch = base.prepare_(opt, p, ctx)
 
             def run(g, found_inf):
-                self._tick()
-                return launch.run(g, found_inf)
+                if not after:
+                    self._tick()
+                new = launch.run(g, found_inf)
+                if after:
+                    self._tick()
+                return new
 
             return launch._replace(run=run)
 
@@ -212,6 +220,27 @@ def test_an_update_interrupted_before_any_write_is_retried_as_if_it_never_was(st
     assert all(_equal(got, want) for got in mesh.run(rank_fn))
 
 
+@pytest.mark.parametrize("optimizer, path", [
+    (lambda: optim.adamw(1e-2, weight_decay=0.1, impl="fused"), "update_"),
+    (lambda: optim.adamw(1e-2, weight_decay=0.1, impl="fused"), "launch"),  # launched before the agreement's read
+    (lambda: optim.adam(1e-2, weight_decay=0.1, amsgrad=True, impl="fused"), "update_"),
+    (lambda: optim.sgd(0.1, momentum=0.9, impl="fused"), "update_"),
+    (lambda: optim.sgd(0.1, impl="fused"), "launch"),
+], ids=["adamw-update_", "adamw-launch", "adam-amsgrad-update_", "sgd-momentum-update_", "sgd-launch"])
+def test_a_fused_update_interrupted_after_its_kernel_at_the_first_bucket_loses_the_state(optimizer, path, tmp_path):
+    """torch's fused kernels (`_fused_adam_`, `_fused_adamw_`, `_fused_sgd_`) move no version
+    counter: a first bucket whose fused update ran, then was interrupted before its `update_` or
+    launch returned, counts as written (`base.written_by_kernel` moves them), so the state is
+    refused and a load resumes bitwise. Before (found in review): `Watch.moved` saw no write, the
+    state was kept usable, and its retry updated the first bucket twice. (Stage 0 on the CPU:
+    fused kernels take whole leaves.)"""
+    interrupts = Interrupts(optimizer(), path=path, after=True)
+    want = _uninterrupted(0, None, interrupts.optimizer)
+    got = _interrupted_then_loaded(0, None, interrupts, tmp_path, KeyboardInterrupt, at=1,
+                                   expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
+    assert all(_equal(gathered, want) for gathered, _ in got)
+
+
 @pytest.mark.parametrize("stage, offload", CASES)
 def test_an_optimizer_error_of_a_later_bucket_loses_the_state(stage, offload, tmp_path):
     """`OptimizerError` from the second bucket's update (its group's `lr * lr_scale` past float32),
@@ -272,4 +301,41 @@ def test_an_nvme_update_interrupted_after_a_write_is_refused_as_before(stage, tm
     got = _interrupted_then_loaded(stage, off, interrupts, tmp_path, KeyboardInterrupt, error=fzero.OffloadError,
                                    expected=r"raised while its NVMe tier was updating it \(KeyboardInterrupt.*the "
                                             r"state is lost.*checkpoint\.load\(path, state\)")
+    assert all(_equal(gathered, want) for gathered, _ in got)
+
+
+class BumpsThenRaises(Interrupts):
+    """`base` whose `update_`, once armed, first bumps its "leaf" step count in place (an in-place
+    optimizer's own bookkeeping), then raises, at the `at`-th bucket."""
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.local = threading.local()
+
+        def update_(g, opt, p, ctx):
+            at = getattr(self.local, "at", 0)
+            if at:
+                self.local.seen += 1
+                if self.local.seen == at:
+                    self.local.at = 0
+                    opt.step.add_(1.0)
+                    raise self.local.error()
+            return base.update_(g, opt, p, ctx)
+
+        self.optimizer = base._replace(update_=update_)
+
+
+@pytest.mark.parametrize("stage, offload", [(1, "cpu"), *((stage, "nvme") for stage in NVME)])
+def test_an_offloaded_update_that_writes_a_leaf_field_then_raises_at_the_first_bucket_loses_the_state(
+        stage, offload, tmp_path):
+    """An NVMe bucket's `update_` gets its master and "shard" fields read from the files, but its
+    "leaf" fields (the step count) are the state's own pinned tensors: one that writes its step
+    count in place and then raises, at the first bucket, wrote the state, which is refused (watched
+    as the host tier's are), and a load resumes bitwise. Before (found in review): NVMe took it as
+    unwritten (`update._in_files`), and the retry trained from a step count one ahead."""
+    interrupts = BumpsThenRaises(optim.adamw(1e-2, weight_decay=0.1))
+    off = _offload(offload, tmp_path)
+    want = _uninterrupted(stage, off, interrupts.optimizer)
+    got = _interrupted_then_loaded(stage, off, interrupts, tmp_path, KeyboardInterrupt, at=1,
+                                   expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
     assert all(_equal(gathered, want) for gathered, _ in got)

@@ -2,18 +2,19 @@
 
 What `update` / `update_` / a prepared launch return is checked after every bucket's update
 (`update.check_update_result`): a pair (pure form), the new param of the input param's shape,
-dtype and device, the new state of the input state's NamedTuple class with each field of the
-input field's shape, dtype and device. Before (found in review, N = 2), a wrong result failed as a
-bare unpacking error, a step later inside the user's update, in torch's `setStorage`, as a false
-`DivergentPaths`, or not at all: params silently truncated to integers or widened to float64, a
-checkpoint that could never be loaded. And each state field's shape is checked against its spec
-kind at `fzero.init` (a 0-d step count of spec "leaf" trained, then `checkpoint.save` failed naming
-no field). A valid custom optimizer (Lion-like) runs at every stage, pure and donating, on the
-device and offloaded.
+dtype and device, the new state a NamedTuple of the input state's fields (its class, or one made
+anew with the same fields) with each field of the input field's shape, dtype and device. Before
+(found in review, N = 2), a wrong result failed as a bare unpacking error, a step later inside
+the user's update, in torch's `setStorage`, as a false `DivergentPaths`, or not at all: params
+silently truncated to integers or widened to float64, a checkpoint that could never be loaded.
+And each state field's shape is checked against its spec kind at `fzero.init` (a 0-d step count
+of spec "leaf" trained, then `checkpoint.save` failed naming no field). A valid custom optimizer
+(Lion-like) runs at every stage, pure and donating, on the device and offloaded.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 from typing import NamedTuple
 
@@ -31,7 +32,11 @@ class LionState(NamedTuple):
     m: torch.Tensor
 
 
-class OtherState(NamedTuple):
+class OtherState(NamedTuple):  # another NamedTuple, of other fields: refused
+    v: torch.Tensor
+
+
+class SameFields(NamedTuple):  # another NamedTuple of LionState's fields: taken
     m: torch.Tensor
 
 
@@ -79,7 +84,9 @@ def lion(bad: str | None = None, lr: float = 0.01, b1: float = 0.9, b2: float = 
         m = s.m
         return {"none_state": None, "tuple_state": (m,), "dict_state": {"m": m}, "other_namedtuple": OtherState(m),
                 "fp64_state": LionState(m.double()), "short_state": LionState(m[:-1]),
-                "2d_state": LionState(m.view(1, -1))}.get(bad, s)
+                "2d_state": LionState(m.view(1, -1)),
+                "fresh_class": collections.namedtuple("LionState", ["m"])(m),  # valid: a class made anew
+                "same_fields": SameFields(m)}.get(bad, s)  # valid: another class of the same fields
 
     def update(g, s, p, ctx):
         p, s = p.clone(), LionState(s.m.clone())
@@ -144,12 +151,13 @@ def pure_expected(bad: str, s: int) -> str:
 
 def state_expected(form: str, s: int, field: str = "state field 'm' as ") -> dict[str, str]:
     want = rf"expected float32\[{s}\] on cpu"
-    cls = r"expected the input state's own NamedTuple class tests\.test_optimizer_protocol\.LionState\('m',\)"
+    cls = (r"expected a NamedTuple of the input state's fields, as its own class "
+           r"tests\.test_optimizer_protocol\.LionState\('m',\)")
     return {
         "none_state": rf"{form} returned the new state as NoneType None, {cls}",
         "tuple_state": rf"{form} returned the new state as a tuple of 1 values, {cls}",
         "dict_state": rf"{form} returned the new state as a dict of keys \['m'\], {cls}",
-        "other_namedtuple": rf"{form} returned the new state as tests\.test_optimizer_protocol\.OtherState\('m',\), "
+        "other_namedtuple": rf"{form} returned the new state as tests\.test_optimizer_protocol\.OtherState\('v',\), "
                             rf"{cls}",
         "fp64_state": rf"{form} returned {field}float64\[{s}\] on cpu, {want}",
         "short_state": rf"{form} returned {field}float32\[{s - 1}\] on cpu, {want}",
@@ -157,7 +165,8 @@ def state_expected(form: str, s: int, field: str = "state field 'm' as ") -> dic
     }
 
 
-OPTIMIZER = r"optimizer 'lion' \((update|update_) lion\.<locals>\.update_? \(.*test_optimizer_protocol\.py:\d+\)\): "
+OPTIMIZER = r"optimizer 'lion' \(update lion\.<locals>\.update_? \(.*test_optimizer_protocol\.py:\d+\)\): "
+LAUNCH = r"optimizer 'lion' \(the launch of prepare_ lion\.<locals>\.prepare_ \(.*test_optimizer_protocol\.py:\d+\)\): "
 PURE_BAD = ("arity1", "arity3", "none_state", "tuple_state", "dict_state", "other_namedtuple", "short_param",
             "2d_param", "int_param", "fp64_param", "fp64_state", "short_state", "2d_state")
 STATE_BAD = ("none_state", "tuple_state", "dict_state", "other_namedtuple", "fp64_state", "short_state", "2d_state")
@@ -181,7 +190,8 @@ def test_a_broken_in_place_update_result_names_optimizer_bucket_field_got_and_ex
     form = {"update_": "Optimizer\\.update_", "launch": "a prepared launch"}
     for kind, o in (("update_", opt._replace(update_=opt.update_)), ("launch", opt)):
         assert (o.prepare_ is None) == (kind == "update_")
-        expect = OPTIMIZER + state_expected(form[kind], shard(stage))[bad] + r".*" + BUCKET
+        who = OPTIMIZER if kind == "update_" else LAUNCH  # a launch's result: named by its prepare_
+        expect = who + state_expected(form[kind], shard(stage))[bad] + r".*" + BUCKET
         run_steps(o, stage, donate=True, expect=expect)
 
 
@@ -225,6 +235,23 @@ def test_a_valid_custom_optimizer_runs_at_every_stage_pure_and_donating(stage):
         assert_trees_equal(runs[0][0], out[0])
     moved = [not torch.equal(x, y) for x, y in zip(_leaves(runs[0][0]), _leaves(make_params()))]
     assert all(moved)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["fresh_class", "same_fields"])
+def test_a_new_state_of_the_input_fields_in_another_namedtuple_class_trains(kind, stage):
+    """An optimizer whose update returns its state in a NamedTuple class made anew each call (same
+    name, same fields: `collections.namedtuple` inside the update), or in another class of the same
+    fields, trains as the one returning the input's own class, bitwise, in the three forms: nothing
+    downstream reads the class, only the fields (`spec_of`, `check_state_fields`, checkpoints).
+    Before (found in review): refused by `type(out) is type(state)`, with a message naming the same
+    class twice, where it trained before that check."""
+    want = run_steps(lion(), stage, donate=False)
+    runs = [run_steps(lion(kind), stage, donate=False), run_steps(lion(kind), stage, donate=True),
+            run_steps(lion(kind)._replace(update_=lion(kind).update_), stage, donate=True)]
+    for out in runs:
+        for got in out:
+            assert_trees_equal(want[0], got)
 
 
 def _leaves(tree: dict) -> list[torch.Tensor]:

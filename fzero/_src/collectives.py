@@ -40,6 +40,7 @@ import torch
 
 from .errors import FzeroError, MeshError
 from .mesh import Mesh, SimMesh, found_here
+from .layout import is_stand_in, stand_in_words
 
 
 class ForwardModeOnSimMesh(FzeroError):
@@ -118,7 +119,16 @@ def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.
     `CollectiveMismatch` on every rank at the call, naming the ranks on each side (DistMesh with
     `verify=False` compares no calls: there one side's backward meets whatever collective the
     other side calls next, or waits until the timeout). The same holds for `reduce_scatter` and a
-    sum `all_reduce`."""
+    sum `all_reduce`.
+
+    A stand-in of the NVMe tier's swap files (`state.params` under `Offload(params="nvme")`,
+    `layout.is_stand_in`: one attribute read for a view) raises `MeshError` before the call: its
+    all-gather is real zeros, which `fzero.layout.unpack` could not tell from values (found in
+    review: the README's differentiable read at stage 3, N > 1, gave zeros, silently). Not where
+    dynamo traces the call (a compiled function: the check would add a graph of its own)."""
+    if not torch.compiler.is_compiling() and is_stand_in(x):
+        with found_here():  # this rank's own finding: a guard tells the other ranks
+            raise MeshError(stand_in_words(f"all_gather's input ({x.dtype}{list(x.shape)}, rank {mesh.rank})"))
     return _AllGather.apply(x, mesh, tag, has_backward(x))
 
 

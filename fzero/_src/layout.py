@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Union
 
@@ -564,10 +565,12 @@ def _check_one_device(layout: Layout, b: BucketSpec, leaves: Sequence[torch.Tens
 
 def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat buffers") -> None:
     """`flats` fit `layout`: one tensor per bucket, of the bucket's `dtype[N * S]`, holding its own
-    values. A tensor whose every stride is 0 (one value read everywhere) is refused: it is what
-    `state.params` holds under `Offload(params="nvme")`, stand-ins of the swap files, which read
-    as zeros (found in review: `unpack(state.layout, state.params)`, the README's differentiable
-    read, gave zeros and a loss over them ran, silently)."""
+    values. A stand-in of the NVMe tier's swap files (`is_stand_in`: what `state.params`
+    holds under `Offload(params="nvme")`, which reads as zeros) is refused by name (found in
+    review: `unpack(state.layout, state.params)`, the README's differentiable read, gave zeros and
+    a loss over them ran, silently). Any other tensor of the right shape and dtype is taken, one
+    expanded from one value too (autograd's gradient of `flat.sum()` with respect to a flat
+    buffer: refused by the stride test this replaces, found in review)."""
     _check_buffers(layout, flats, what)
     for b, f in zip(layout.buckets, flats):
         if tuple(f.shape) != (b.padded_numel,) or f.dtype != b.dtype:
@@ -575,13 +578,8 @@ def check_flats(layout: Layout, flats: Sequence[torch.Tensor], what: str = "flat
                 f"{what} of bucket {b.tag!r} is {f.dtype}{list(f.shape)}; the layout expects "
                 f"{b.dtype}[{b.padded_numel}] (world size {layout.world_size} x shard {b.shard_numel})"
             )
-        if f.numel() and not any(f.stride()):
-            raise LayoutError(
-                f"{what} of bucket {b.tag!r} ({f.dtype}{list(f.shape)}) is one value expanded (every stride 0), not "
-                f"values of its own: under Offload(params=\"nvme\") state.params holds such stand-ins, the values "
-                f"being in the swap files. Read the params with fzero.gather(state) (no derivative), or offload "
-                f"them with params=\"cpu\" to read them differentiably; a tensor expanded on purpose: .clone() it"
-            )
+        if is_stand_in(f):
+            raise LayoutError(stand_in_words(f"{what} of bucket {b.tag!r} ({f.dtype}{list(f.shape)})"))
 
 
 def _check_buffers(layout: Layout, xs: Any, what: str) -> None:
@@ -649,4 +647,57 @@ def unshard(layout: Layout, shards: Sequence[torch.Tensor]) -> tuple[torch.Tenso
                 f"shards of bucket {b.tag!r} have shape {list(s.shape)}; expected "
                 f"[{layout.world_size}, {b.shard_numel}] (world size x shard)"
             )
+        if is_stand_in(s):  # (`state.params[b].unsqueeze(0)` at N = 1, an expand at N > 1: its zeros)
+            raise LayoutError(stand_in_words(f"shards of bucket {b.tag!r} ({s.dtype}{list(s.shape)})"))
     return tuple(einops.rearrange(s, "n s -> (n s)") for s in shards)
+
+
+# -- stand-ins: what an NVMe-offloaded state holds for values kept in a swap file ------------------
+#
+# A stand-in (`stand_in`) is an `expand` of a 0-d zero of its own, never read for its values; the
+# files hold them. It is marked exactly: its 0-d base is registered here (weakly: a stand-in's
+# views hold their base, and an entry goes with its base), so `is_stand_in` says whether a tensor
+# is one, a view of one, or shares its memory (`detach()`), and nothing else -- not a tensor that
+# happens to be expanded from one value (autograd's gradient of `flat.sum()` with respect to a flat
+# buffer is such an expand, found in review), which the stride test used before refused. Readers
+# that take values refuse a stand-in by name (`check_flats`, `unshard`, the public
+# `collectives.all_gather`): it reads as zeros. Here, below `collectives` and `offload` (which
+# makes them), so that both read one registry.
+
+_BY_ID: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # id(base) -> base
+_BY_PTR: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # its data_ptr -> base
+
+
+def stand_in(x: torch.Tensor) -> torch.Tensor:
+    """What a state holds for a tensor kept in a swap file: a zero-cost tensor of `x`'s shape and
+    dtype on the host (an `expand` of a 0-d zero of its own; stride 0), never read for its values,
+    its base registered (`is_stand_in`)."""
+    base = torch.zeros((), dtype=x.dtype)
+    _BY_ID[id(base)] = base
+    _BY_PTR[base.data_ptr()] = base
+    return base.expand(x.shape)
+
+
+def is_stand_in(x: torch.Tensor) -> bool:
+    """Whether `x` is a stand-in (`stand_in`), a view of one (a slice, `view`, `unsqueeze`, `to` its
+    own dtype and device: its `_base` is the stand-in's registered base, one attribute read and a
+    dict lookup), or shares its memory without being a view (`detach()`: read only where every
+    stride is 0, by its address, which no other live tensor has while the base lives). A real
+    tensor -- one expanded on purpose, autograd's gradient of a sum, a copy of a stand-in (its
+    zeros) -- is not. A torch.func wrapper is not looked through."""
+    base = x._base
+    if base is not None:
+        return _BY_ID.get(id(base)) is base
+    try:  # not a view: the 0-d base itself, or a `detach()` of a stand-in (every stride 0)
+        return not any(x.stride()) and _BY_PTR.get(x.data_ptr()) is not None
+    except RuntimeError:  # no strides (sparse) or no storage (a torch.func wrapper, a subclass)
+        return False
+
+
+def stand_in_words(what: str) -> str:
+    """The words of a refusal of `what`, a stand-in, by a reader of values."""
+    return (f"{what} is one of the stand-ins of the swap files that an NVMe-offloaded state holds "
+            f"(state.params under Offload(params=\"nvme\"); the master and optimizer state under "
+            f"optimizer=\"nvme\"): zeros, the values being in the files, not values of its own. Read the params "
+            f"with fzero.gather(state) (no derivative), or offload them with params=\"cpu\" to read them "
+            f"differentiably")

@@ -46,6 +46,7 @@ import torch
 from .errors import ConfigError, OffloadError
 from .precision import added_in
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
+from .layout import is_stand_in, stand_in  # (the registry of stand-ins: `layout`'s last section)
 from .unit import finite_witness, wait_held
 
 OPTIMIZER_TIERS = (None, "cpu", "nvme")
@@ -602,18 +603,6 @@ class Loading:
         if self.tier.cuda:
             return host.to(self.tier.device, non_blocking=True)
         return host.to(device=self.tier.device, copy=True)
-
-
-def is_stand_in(x: torch.Tensor) -> bool:
-    """Whether `x` is a stand-in (`stand_in`): not empty, every stride 0. fzero's real shards are
-    contiguous, so a real shard of one element has stride 1."""
-    return x.numel() > 0 and x.dim() > 0 and all(s == 0 for s in x.stride())
-
-
-def stand_in(x: torch.Tensor) -> torch.Tensor:
-    """What a state holds for a tensor kept in a swap file: a zero-cost tensor of `x`'s shape and
-    dtype on the host (an `expand` of a 0-d zero; stride 0), never read for its values."""
-    return torch.zeros((), dtype=x.dtype).expand(x.shape)
 
 
 def tier_of(offload: Offload, device: torch.device, shapes: dict[int, Any] | None = None,

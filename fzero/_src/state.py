@@ -296,7 +296,7 @@ def init(
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
         computes = [precision.wire(spec).compute for spec in layout.buckets]
 
-        def keep(b: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def keep_bucket(b: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             """Bucket b's `(held, master)`, one bucket at a time: with `sync`, rank 0's values (as
             DDP broadcasts at construction, on the mesh's device); what stays on the device is
             put on `mesh.device` (params may come from the host: a model built on the CPU)."""
@@ -310,7 +310,7 @@ def init(
         nonfinite: list[str] = []  # trainable leaves whose kept values hold a NaN or inf (`_agreed_serial` raises)
         kept = []  # one bucket's packed buffer at a time beside the params (`packed`: `torch.cat` makes it fresh,
         for b, flat in enumerate(packed(layout, params)):  # so nothing needs a copy), dropped once kept, before
-            kept.append(keep(b, flat.detach()))  # the next is made
+            kept.append(keep_bucket(b, flat.detach()))  # the next is made
             del flat
         held, master = tuple(p for p, _ in kept), tuple(m for _, m in kept)
 

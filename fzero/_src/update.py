@@ -160,8 +160,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                 p = stage.optimizer_params(layout, b, state.params[b], rank, master)  # offloaded: the host master
                 g = g.to(p.dtype)  # the reduce dtype -> the master's (a no-op without a precision policy)
                 if donate:
-                    if not wrote and b not in in_files:  # (NVMe: `opt` and `p` are read buffers, not the state)
-                        watch = _first_write(state, b, p, opt)
+                    if not wrote:  # NVMe (`in_files`): `p` and `opt`'s "shard" fields are read buffers; its
+                        # other fields are the state's own tensors, which `update_` may write in place
+                        watch = (_first_write(state, b, state.master[b], state.opt_state[b]) if b in in_files
+                                 else _first_write(state, b, p, opt))
                     with updating:
                         updated[b], new_opt[b] = p, optimizer.update_(g, opt, p, ctx)
                     if b not in in_files:
@@ -254,9 +256,15 @@ def _settle_lost(state: ZeroState, error: BaseException, wrote: list[int], watch
 
 
 def _in_files(state: ZeroState) -> frozenset[int]:
-    """The buckets whose update reads and writes host buffers of their own, not the state's tensors
-    (an NVMe tier, `HostTier.in_place`: the state's files are rewritten by `store`, which its
-    `check_holds` watches), so that their `update_` is no write of the state."""
+    """The buckets whose master and "shard" optimizer-state fields live in files (an NVMe tier,
+    `HostTier.in_place`): their update reads and writes host buffers of their own (`NvmeTier.fetch`
+    reads the files), and the files are rewritten by `store`, which the tier's `check_holds`
+    watches. Their other fields ("leaf", "rows", "cols": a step count) are the state's own pinned
+    tensors, handed to `update_` as they are, so an `update_` that writes one in place writes the
+    state: `update` watches the state's own tensors of such a bucket (its master and "shard"
+    fields are stand-ins, never written), and counts the bucket written only once `store` ran
+    (found in review: an `update_` that bumped its step count in place and then raised was taken as
+    unwritten, and the retry trained from a step count one ahead)."""
     tier = state.info.tier
     return step_plan(state.info).on_host if tier is not None and tier.in_place else frozenset()
 
@@ -289,15 +297,16 @@ def check_update_result(optimizer: Optimizer, out: Any, param: torch.Tensor, opt
                         form: str) -> None:
     """`OptimizerError` where `out`, the result of bucket `b`'s update in form `form`
     ("Optimizer.update": `(new param, new state)`; "Optimizer.update_" or "a prepared launch": the
-    new state), does not keep the shapes, dtypes, devices and state class of the update's inputs
-    `param` and `opt_state` (`optim.base.update_result_problem`), naming the optimizer, the bucket
-    and its leaves, what was returned and what was expected. Host metadata only, per bucket and
-    step (found in review: a wrong result failed a step later inside the user's update, in torch,
-    as a false `DivergentPaths`, or not at all -- params silently truncated or widened, a
-    checkpoint that could not be loaded)."""
+    new state), does not keep the shapes, dtypes, devices and state fields of the update's inputs
+    `param` and `opt_state` (`optim.base.update_result_problem`), naming the optimizer (for a
+    prepared launch, its `prepare_`), the bucket and its leaves, what was returned and what was
+    expected. Host metadata only, per bucket and step (found in review: a wrong result failed a
+    step later inside the user's update, in torch, as a false `DivergentPaths`, or not at all --
+    params silently truncated or widened, a checkpoint that could not be loaded)."""
     wrong = update_result_problem(out, param, opt_state, pure=form == "Optimizer.update")
     if wrong is not None:
-        raise OptimizerError(f"{optimizer_words(optimizer)}: {form} {wrong} ({_bucket_named(layout, b)})")
+        role = "prepare_" if form == "a prepared launch" else "update"
+        raise OptimizerError(f"{optimizer_words(optimizer, role)}: {form} {wrong} ({_bucket_named(layout, b)})")
 
 
 def _bucket_named(layout: Any, b: int) -> str:

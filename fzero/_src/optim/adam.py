@@ -34,6 +34,7 @@ from .base import (
     spliced,
     two_phase,
     used_pieces,
+    written_by_kernel,
 )
 
 
@@ -229,10 +230,13 @@ def _fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta
     """torch/optim/adam.py `_fused_adam`: one `torch._fused_adam_` / `_fused_adamw_` call; each
     piece's step count is a float32 0-d tensor on the shard's device (`fused_counts`: torch's
     `state["step"]` under `fused=True`, incremented before the call), lr a Python float.
-    `found_inf` (`Launch.skips`): where it is 1 the kernel returns before writing."""
+    `found_inf` (`Launch.skips`): where it is 1 the kernel returns before writing. The tensors it
+    writes have their version counters moved first (`base.written_by_kernel`: torch's kernel moves
+    none; a skipped call's move is harmless)."""
     if not params:
         return
     fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    written_by_kernel(params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)  # the kernel moves no version counter
     fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
        amsgrad=bool(max_exp_avg_sqs), lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
        maximize=maximize, grad_scale=None, found_inf=found_inf)

@@ -41,7 +41,7 @@ from typing import Any, Literal, NamedTuple, Union
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from ..collectives import func_level
+from ..collectives import func_level, unwrapped
 from ..errors import FzeroError
 from ..layout import PARAM_DTYPES, ParamGroup, Segment, as_flag, type_name
 
@@ -291,6 +291,25 @@ def check_in_place(name: str, tensors: Sequence[Any]) -> None:
             f"with donate=True): torch's kernels write their inputs and record no derivative (foreach, fused) or "
             f"refuse to (a transform's input). Call the pure update (Optimizer.update; train_step(..., "
             f"donate=False)), which is differentiable for {DIFFERENTIABLE}")
+
+
+def written_by_kernel(*lists: Sequence[torch.Tensor]) -> None:
+    """Just before a kernel that writes every tensor of `lists` in place without moving its
+    version counter -- torch's fused optimizer kernels (`torch._fused_adam_`, `_fused_adamw_`,
+    `_fused_sgd_`) move none -- their counters moved, as any in-place torch op moves them
+    (`torch.autograd.graph.increment_version`), so that what reads them sees the write: a donating
+    update's `update.Watch`, which judges whether a first bucket interrupted after its kernel ran
+    was written (found in review: an interrupt landing just after a fused kernel of the first
+    bucket left the state usable, and its retry updated that bucket twice). Before, not after: an
+    interrupt between the two counts as a write (the state is refused, never silently wrong).
+    Under a torch.func transform, the tensors under the wrappers (`collectives.unwrapped`: a
+    wrapper's own counter is not the one a write through it moves). Moving a counter more than
+    once is harmless (torch's words); on the step's own tensors, it is what torch's in-place ops
+    do; on clones (`pure`, `derived`) and probes it changes nothing."""
+    tensors = [t for ts in lists for t in ts]
+    if func_level() is not None:
+        tensors = [unwrapped(t) for t in tensors]
+    torch.autograd.graph.increment_version(tensors)
 
 
 def refuse_derivative(name: str, why: str, tensors: Sequence[Any]) -> None:
@@ -760,12 +779,15 @@ def whole_leaves(ctx: UpdateContext, shard: torch.Tensor) -> dict[int, torch.Ten
 def update_result_problem(out: Any, param: torch.Tensor, state: Any, pure: bool = True) -> str | None:
     """What is wrong with an update's result, in words, or None: `out` of `Optimizer.update`
     (`pure`: `(new param, new state)`, the new param a tensor of `param`'s shape, dtype and
-    device) or of `update_` / a prepared launch (the new state); the new state of `state`'s own
-    NamedTuple class, each field a tensor of the input field's shape, dtype and device -- the
-    inputs the update was given (an offloaded bucket's host copies). A result that does not keep
-    them failed later, far from the update (found in review: a bare unpacking error, a false
-    `DivergentPaths`, params silently truncated to integers or changed to float64, a checkpoint
-    that could never be loaded). Host metadata only (every step, per bucket: no device read);
+    device) or of `update_` / a prepared launch (the new state); the new state a NamedTuple of
+    `state`'s fields (its own class, or one of the same `_fields`: an optimizer that makes its
+    NamedTuple class anew each call, which nothing downstream tells apart -- `spec_of`,
+    `check_state_fields` and checkpoints read the fields; found in review: refused with a
+    message naming the same class twice), each field a tensor of the input field's shape, dtype
+    and device -- the inputs the update was given (an offloaded bucket's host copies). A result
+    that does not keep them failed later, far from the update (found in review: a bare unpacking
+    error, a false `DivergentPaths`, params silently truncated to integers or changed to float64,
+    a checkpoint that could never be loaded). Host metadata only (every step, per bucket: no device read);
     words are made only for a result that does not fit."""
     if pure:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -776,14 +798,14 @@ def update_result_problem(out: Any, param: torch.Tensor, state: Any, pure: bool 
         wrong = _unlike("the new param shard", new_param, param)
         if wrong:
             return wrong
-    if type(out) is not type(state):
+    if type(out) is not type(state) and not (isinstance(out, tuple) and getattr(out, "_fields", None) == state._fields):
         fields = getattr(out, "_fields", None)
         got = (f"{type_name(out)}{tuple(fields)}" if fields is not None
                else f"a {type_name(out)} of keys {list(out)[:6]}" if isinstance(out, dict)
                else f"a {type_name(out)} of {len(out)} values" if isinstance(out, (tuple, list))
                else f"{type_name(out)} {out!r:.60}")
-        return (f"returned the new state as {got}, expected the input state's own NamedTuple class "
-                f"{type_name(state)}{tuple(state._fields)} (fzero keeps a state only in its NamedTuple: spec, "
+        return (f"returned the new state as {got}, expected a NamedTuple of the input state's fields, as its own "
+                f"class {type_name(state)}{tuple(state._fields)} (fzero keeps a state only in a NamedTuple: spec, "
                 f"checkpoints and the next update read its fields)")
     for field, new, old in zip(state._fields, out, state):
         wrong = _unlike(f"state field {field!r}", new, old)
@@ -806,16 +828,20 @@ def _tensor_words(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
 
 
-def optimizer_words(optimizer: "Optimizer", role: Literal["init", "update"] = "update") -> str:
+def optimizer_words(optimizer: "Optimizer", role: Literal["init", "update", "prepare_"] = "update") -> str:
     """The optimizer in words, for errors: its name (the function that made its init, as
     `checkpoint.optimizer_name` reads it: "lion" of `lion.<locals>.init`) and its `role` function
-    (`init`, or `update` -- `update_`'s where `update` is `pure`'s), with where it is defined."""
+    (`init`; `update` -- `update_`'s where `update` is `pure`'s; or "prepare_", for what a prepared
+    launch did: the `prepare_` that made it, found in review naming `update_`, which did not run),
+    with where it is defined."""
     init = getattr(optimizer.init, "__qualname__", None) or type_name(optimizer.init)
     name = init.split(".<locals>.")[0].lstrip("_") or init
+    if role == "prepare_" and optimizer.prepare_ is not None:
+        return f"optimizer {name!r} (the launch of prepare_ {_fn_words(optimizer.prepare_)})"
     fn = optimizer.init if role == "init" else optimizer.update
     if getattr(fn, "__qualname__", "") == "pure.<locals>.update" and optimizer.update_ is not None:
         fn = optimizer.update_
-    return f"optimizer {name!r} ({role} {_fn_words(fn)})"
+    return f"optimizer {name!r} ({role if role == 'init' else 'update'} {_fn_words(fn)})"
 
 
 def check_segments(name: str, ctx: UpdateContext, numel: int) -> None:

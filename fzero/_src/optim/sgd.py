@@ -35,6 +35,7 @@ from .base import (
     spliced,
     two_phase,
     used_pieces,
+    written_by_kernel,
 )
 
 
@@ -239,9 +240,11 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
     buffer of the group is None; the kernel then sets `b = g`). torch raises on a group that
     mixes leaves with and without a buffer; fzero then makes one call per kind, which gives
     each leaf what torch gives it in a group of its own. `found_inf` (`Launch.skips`): where it is
-    1 each call returns before writing."""
+    1 each call returns before writing. The tensors each call writes have their version counters
+    moved first (`base.written_by_kernel`: torch's kernel moves none)."""
     if momentum == 0:
         if params:
+            written_by_kernel(params)  # the kernel moves no version counter
             torch._fused_sgd_(params, grads, [], weight_decay=weight_decay, momentum=momentum, lr=lr,
                               dampening=dampening, nesterov=nesterov, maximize=maximize, is_first_step=False,
                               grad_scale=None, found_inf=found_inf)
@@ -249,6 +252,7 @@ def _fused(params, grads, bufs, first, *, lr, weight_decay, momentum, dampening,
     for kind in (True, False):
         sel = [i for i, f in enumerate(first) if f == kind]
         if sel:
+            written_by_kernel([params[i] for i in sel], [bufs[i] for i in sel])
             torch._fused_sgd_([params[i] for i in sel], [grads[i] for i in sel], [bufs[i] for i in sel],
                               weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                               nesterov=nesterov, maximize=maximize, is_first_step=kind, grad_scale=None,
