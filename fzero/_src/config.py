@@ -24,6 +24,7 @@ from .casting import CastAhead
 from .errors import ConfigError
 from .gathering import GATHERS, check_prefetch
 from .mesh import settings_crc
+from .originals import Once
 from .unit import HostBuffers
 
 ENGINES = ("autograd", "func")
@@ -65,8 +66,10 @@ class StepConfig:
     `on_nonfinite`, `gather`, `micro_batches`, `accumulate`, `accum_dtype`, `normalize`,
     `clip_norm`, `donate`, `persist_bytes`, `max_live_bytes`, `prefetch`, `cast_ahead`,
     `locate_nonfinite`), and what the step learns as it runs, compared neither by `==` nor
-    between ranks: `ahead` (`CastAhead`, what `cast_ahead` learned) and `buffers` (`HostBuffers`,
-    the CPU buffers a donating stage-0 step assembles local gradients into).
+    between ranks: `ahead` (`CastAhead`, what `cast_ahead` learned), `buffers` (`HostBuffers`,
+    the CPU buffers a donating stage-0 step assembles local gradients into) and `checked`
+    (`originals.Once`: whether this thread's first loss was checked for reads of a module given
+    to `from_module`).
     """
 
     loss_fn: Callable[[Any, Any], Any]
@@ -86,6 +89,7 @@ class StepConfig:
     locate_nonfinite: bool = False
     ahead: CastAhead = dataclasses.field(default_factory=CastAhead, compare=False, repr=False)
     buffers: HostBuffers = dataclasses.field(default_factory=HostBuffers, compare=False, repr=False)
+    checked: Once = dataclasses.field(default_factory=Once, compare=False, repr=False)
 
     @property
     def shared(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ dict or plain attribute (`self._refs = [self.w]`) raises `ConfigError` naming it
 held (`_Unbound`), and a hook (or one of torch's global module hooks) holding the module, a
 submodule, a parameter or a buffer in its closure, defaults or globals (or in an object held
 there) is refused by `from_module` (`_check_hooks`): either read the original, never the trained
-values (found in review).
+values (found in review). So is a loss that reads a parameter of `model` itself in grad mode beside
+`apply` (`model[0].weight.pow(2).sum()`): its gradient went nowhere (`fzero._src.originals`).
 
 A module wrapped for data parallelism (DDP, DataParallel, FSDP / fully_shard) is refused
 (`ConfigError`): pass the module it wraps; fzero reduces the gradients itself.
@@ -73,6 +74,7 @@ from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh, simmesh_rank
+from .originals import note_originals
 from .remat import remat_call
 
 
@@ -259,7 +261,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     """`module -> (params, apply, info)`; see `fzero._src.module`'s docstring.
 
     Args:
-      module: any `nn.Module` (its parameters are read, never modified).
+      module: any `nn.Module` (its parameters are read, never modified: they keep the values
+        read here until `module.load_state_dict(info.state_dict(...))`; a loss that reads one
+        in grad mode beside `apply` is refused, as it would get no gradient: `fzero._src.originals`).
       units: as for `fzero.init` (`None`, `path -> unit name`, or `{unit: predicate}`); e.g.
         `fzero.units_by_prefix(model, "transformer.h")` for one unit per block. Checked here:
         the parameters of one unit must share one device and one dtype.
@@ -306,6 +310,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         if first == name:  # a frozen parameter stays an nn.Parameter(requires_grad=False): init freezes it
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
+    note_originals(module, canonical)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
     _check_dense(module)
     _check_tensor_hooks(module)
     _check_hooks(module)

@@ -59,6 +59,7 @@ from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError
 from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
+from .originals import refuse_original_reads
 from .plan import _probes, step_plan
 from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
@@ -797,6 +798,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
                 _note_loss_error(e, config, state, index, mb)
                 raise
             loss, count = _objective(config, out)
+            refuse_original_reads(loss, config.checked)  # the first loss of this step on this thread
             counts.append(count)
             # a loss the check refuses goes to it as returned (scaled, it was named float32)
             scalable = s != 1.0 and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()

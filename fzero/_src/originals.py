@@ -1,0 +1,79 @@
+"""The parameters of a module given to `fzero.from_module` ("originals"), and the check that a
+loss does not train through them.
+
+`from_module` reads a module's parameters and never writes them: the step trains fzero's own
+copy, which `apply` reads from the params the step hands the loss. A loss that also reads a
+parameter of the original module in grad mode (`model[0].weight.pow(2).sum()` as a penalty, a
+head tied by hand to `model.wte.weight`) read the value `from_module` copied, never trained, and
+its gradient went nowhere: `torch.autograd.grad` takes only the step's inputs, so the term was
+silently dropped from training (found in review). `refuse_original_reads` finds such a read in
+the loss's graph: an `AccumulateGrad` node whose variable is an original. It walks the graph
+once per `train_step` and thread (`Once`), on the first micro-batch's loss, before any backward,
+so that every rank raises there (they run the same loss) and nothing is updated.
+
+A read that cannot be seen: one with no graph (under `torch.no_grad()`, or a frozen original),
+which trains nothing and is what a constant read is; and a read in `fzero.evaluate`'s function,
+which takes no gradient. The module's docs say the original keeps the values it had.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .collectives import unwrapped
+from .errors import ConfigError
+
+_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
+
+
+def note_originals(module: torch.nn.Module, canonical: dict[int, str]) -> None:
+    """Remember `module`'s trainable parameters (held weakly) under their first names, as
+    `from_module` names them in params (`canonical`: id -> name)."""
+    for p in module.parameters():
+        if p.requires_grad:
+            _ORIGINALS[p] = (canonical[id(p)], type(module).__name__)
+
+
+class Once(threading.local):
+    """Per thread: whether this `train_step`'s loss was checked (`refuse_original_reads`)."""
+
+    done = False
+
+
+def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
+    """Raise `ConfigError` where `loss`'s graph reaches a parameter of a module given to
+    `from_module` as a leaf (the first call on this thread of this step only: `once`)."""
+    if once.done:
+        return
+    once.done = True
+    if not len(_ORIGINALS) or not isinstance(loss, torch.Tensor):
+        return
+    read = _originals_in(unwrapped(loss).grad_fn)
+    if read:
+        names = ", ".join(f"{name!r} ({module})" for name, module in read[:8])
+        raise ConfigError(
+            f"the loss read parameter {names} of the module given to fzero.from_module directly, in grad mode. "
+            f"fzero trains its own copy of it (what apply reads from the params the step hands the loss); the "
+            f"module's own parameter keeps the value from_module read and gets no gradient, so this term of the "
+            f"loss would be dropped from training, silently. Read it from the params the step hands the loss "
+            f"(p[{read[0][0]!r}]); to read the original as a constant on purpose, .detach() it, read it under "
+            f"torch.no_grad(), or set requires_grad_(False) on it. Nothing was updated")
+
+
+def _originals_in(fn: object) -> list[tuple[str, str]]:
+    """`(name, module type)` of each original whose `AccumulateGrad` node the graph from `fn`
+    reaches, in the order found."""
+    found, seen, stack = [], set(), [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and leaf in _ORIGINALS:
+            found.append(_ORIGINALS[leaf])
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return found

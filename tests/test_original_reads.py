@@ -1,0 +1,141 @@
+"""A loss that reads a parameter of the module given to `fzero.from_module` directly, in grad mode,
+is refused (docs/bad-input.md row 208): fzero trains its own copy, the module's parameter keeps
+the value `from_module` read and gets no gradient, so the term was dropped from training,
+silently (found in review). The ways out the message gives train, with the bits of the same loss
+reading a constant copy."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import optim
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+
+def _batches(n: int, steps: int = 2):
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(steps)]
+            for _ in range(n)]
+
+
+def _run(model, loss_of, *, stage: int, n: int = 2, refused: bool = False, **step_kw):
+    """`loss_of(apply) -> loss_fn`; the params each rank ends with (the full pytree), or with
+    `refused` the `ConfigError` each rank raised."""
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh = fzero.SimMesh(n)
+
+    def rank(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss_of(apply), **step_kw)
+        try:
+            for batch in batches:
+                state, _ = step(state, batch)
+        except fzero.ConfigError as e:
+            if refused:
+                return e
+            raise
+        assert not refused, "the step was not refused"
+        return fzero.gather(state)
+
+    return mesh.run(rank, [(b,) for b in _batches(n)])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("engine,gather", [("autograd", "on_use"), ("autograd", "eager"), ("func", "eager")])
+def test_a_penalty_on_the_original_modules_parameter_is_refused(stage, engine, gather):
+    model = _model()
+    loss_of = lambda apply: lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]) + model[0].weight.pow(2).sum()
+    errors = _run(model, loss_of, stage=stage, engine=engine, gather=gather, refused=True)
+    assert len(errors) == 2  # every rank raises it, at its first loss, before any collective of the backward
+    for e in errors:
+        assert "'0.weight' (Sequential)" in str(e) and "p['0.weight']" in str(e) and "Nothing was updated" in str(e)
+
+
+def test_a_head_tied_by_hand_to_the_original_embedding_is_refused_naming_it():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mix = torch.nn.Embedding(10, 6), torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return torch.tanh(self.mix(self.emb(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+    loss_fn = lambda p, b: F.cross_entropy(F.linear(apply(p, b), model.emb.weight), b)  # the head reads the original
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), stage=1, mesh=mesh)
+        return fzero.train_step(loss_fn)(state, torch.tensor([1, 2, 3]))
+
+    with pytest.raises(fzero.ConfigError, match=r"'emb.weight' \(Tied\).*p\['emb.weight'\]"):
+        mesh.run(rank)
+
+
+def test_the_refused_step_leaves_its_state_as_it_was():
+    model = _model()
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+    bad = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]) + model[2].bias.sum())
+    good = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]))
+    batch = _batches(1)[0][0]
+
+    def rank():
+        state = fzero.init(params, optim.adamw(1e-2), stage=2, mesh=mesh)
+        with pytest.raises(fzero.ConfigError, match=r"'2.bias'"):
+            bad(state, batch)
+        before = fzero.gather(state)
+        assert all(torch.equal(before[k], params[k]) for k in params)
+        return int(good(state, batch)[0].step)  # the same state still steps
+
+    assert mesh.run(rank) == [1]
+
+
+@pytest.mark.parametrize("way", ["detach", "no_grad", "requires_grad_false"])
+def test_the_ways_out_train_with_the_bits_of_a_constant_copy(way):
+    """Each way out reads the original as a constant: the run's params are bitwise those of the
+    same loss reading a detached clone taken before training."""
+    model = _model()
+    constant = model[0].weight.detach().clone()
+    if way == "requires_grad_false":
+        reference_model = _model()
+        model[0].weight.requires_grad_(False)  # frozen in params too (from_module keeps the flag): the reference alike
+        reference_model[0].weight.requires_grad_(False)
+    else:
+        reference_model = _model()
+
+    def penalty():
+        if way == "detach":
+            return model[0].weight.detach().pow(2).sum()
+        if way == "no_grad":
+            with torch.no_grad():
+                return model[0].weight.pow(2).sum()
+        return model[0].weight.pow(2).sum()
+
+    got = _run(model, lambda apply: lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]) + penalty(), stage=3)
+    want = _run(reference_model, lambda apply: lambda p, b: F.cross_entropy(apply(p, b[0]), b[1])
+                + constant.pow(2).sum(), stage=3)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in g)
+    assert not torch.equal(got[0]["2.weight"], model[2].weight)  # it trained
+
+
+def test_the_originals_are_held_weakly():
+    model = _model()
+    fzero.from_module(model)
+    ref = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert ref() is None
