@@ -132,6 +132,8 @@ def _refused(state, step, batch, root, error, expected):
         fzero.evaluate(_loss)(state, batch)
     with pytest.raises(error, match=expected):
         fzero.checkpoint.save(state, root)
+    with pytest.raises(error, match=expected):  # a copy keeping its buffers is lost alike (`ZeroState.replace`)
+        fzero.gather(state.replace(step=state.step.clone()))
 
 
 def _interrupted_then_loaded(stage, offload, interrupts, tmp_path, raised, at=2, expected=None, error=fzero.FzeroError,

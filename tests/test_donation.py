@@ -124,6 +124,33 @@ def test_a_consumed_state_raises_and_the_update_writes_in_place():
     assert mesh.run(rank_fn) == [True, True]
 
 
+def test_a_replaced_copy_of_a_consumed_state_is_refused_unless_every_buffer_is_new():
+    """`state.replace(...)` of a donated state shares its buffers, which hold the next state's
+    values: refused as the state is (found in review: `gather` of `state.replace(step=...)`
+    read the next step's params under the old step count, silently). With every buffer field
+    replaced it shares none and is a state like any other; a live state's copy steps on."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        init = lambda: fzero.init(_params(), optim.adamw(1e-2), stage=1, mesh=mesh)
+        state, step = init(), fzero.train_step(_loss, donate=True)
+        new, _ = step(state, torch.ones(5))
+        for copy in (state.replace(step=state.step.clone()), state.replace(params=new.params, opt_state=new.opt_state)):
+            with pytest.raises(fzero.FzeroError, match=r"donated to a train_step\(donate=True\)"):
+                fzero.gather(copy)
+            with pytest.raises(fzero.FzeroError, match="donated"):
+                step(copy, torch.ones(5))
+        fresh = init()
+        rebuilt = state.replace(params=fresh.params, opt_state=fresh.opt_state, master=fresh.master,
+                                loss_scale=fresh.loss_scale)
+        assert_trees_equal(fzero.gather(rebuilt), fzero.gather(fresh))
+        live = new.replace(step=new.step.clone())
+        newer, _ = step(live, torch.ones(5))
+        return int(newer.step)
+
+    assert mesh.run(rank_fn) == [2, 2]
+
+
 def test_a_skipped_donating_step_leaves_its_input_usable():
     mesh = fzero.SimMesh(2)
 

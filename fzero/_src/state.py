@@ -127,8 +127,27 @@ class ZeroState:
     precision = property(lambda self: self.info.precision)
 
     def replace(self, **changes: Any) -> "ZeroState":
-        """A new state with some fields changed (the others shared)."""
-        return dataclasses.replace(self, **changes)
+        """A new state with some fields changed (the others shared). Where this state was donated
+        to a step or lost by one (`consume`, `lose`) and the new state keeps one of its buffers
+        (any of `params`, `opt_state`, `master`, `loss_scale` not replaced), the new state is
+        refused alike: those buffers hold the next step's values, or a half-written update
+        (found in review: `state.replace(step=...)` of a donated state read the next state's
+        params, silently). The step's own new states are made with `renewed`, which carries no
+        mark."""
+        new = renewed(self, **changes)
+        mark = getattr(self, "_consumed", None)
+        if mark is not None and not _BUFFERS <= changes.keys():
+            object.__setattr__(new, "_consumed", mark)  # the one record: a `Lost` named later names both
+        return new
+
+
+_BUFFERS = frozenset({"params", "opt_state", "master", "loss_scale"})  # what a donating step writes in place
+
+
+def renewed(state: ZeroState, **changes: Any) -> ZeroState:
+    """`dataclasses.replace(state, **changes)`: a new state, with no mark of `state`'s (`consume`,
+    `lose`); the step's, which marks the state it consumes itself."""
+    return dataclasses.replace(state, **changes)
 
 
 _FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "pending")

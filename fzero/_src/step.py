@@ -65,7 +65,7 @@ from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, lost_by,
-                    nonfinite_leaves, outside_inference_mode, range_words, unmastered_words)
+                    nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
 from .tree import flatten, flatten_with_paths
 from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
 from .update import differentiated_through, donated_through, prepare, update
@@ -444,7 +444,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
             if config.donate:  # the new state shares every buffer: the next donating step writes them for
                 consume(state)  # both (found in review: the old one then read, and saved, the next step's values)
-            return state.replace(loss_scale=next_scale), _metrics(*seen, skipped=True)
+            return renewed(state, loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
             leaves = nonfinite_leaves(state, readable(state.info, reduced))  # shed shards: their host copies
             raise NonFiniteError(_nonfinite_message(step, verdict, leaves))

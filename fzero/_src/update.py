@@ -28,7 +28,7 @@ from .optim.base import (DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, 
                          update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
-from .state import ZeroState, keep, lose, lost_by, updated_nonfinite_leaves
+from .state import ZeroState, keep, lose, lost_by, renewed, updated_nonfinite_leaves
 from .unit import finite_witness, settle_flights
 
 
@@ -210,7 +210,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         new_params[b] = gathered[b]
         if state.master[b] is not None:
             new_master[b] = kept[b]
-    return state.replace(params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
+    return renewed(state, params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                          step=state.step + 1, pending=flag if donate else None), []
 
 
