@@ -608,6 +608,42 @@ def test_the_readme_read_of_nvme_stand_ins_at_stage_3_n_2_is_refused(tmp_path):
     assert all(torch.equal(w, torch.arange(1.0, 5.0)) for w in mesh.run(rank_fn))
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_readme_read_of_nvme_stand_ins_under_torch_func_is_refused(n, tmp_path):
+    """The README's differentiable read under `torch.func.grad` / `vjp` (and `vmap`, N = 1):
+    torch.func hands `unpack` / `all_gather` its wrappers, which have no `_base` and no
+    storage, so the stand-in check said no, and the read took zeros, silently (found in review:
+    a regression at N = 1, where the stride test had refused them, and never refused at N = 2).
+    `layout.is_stand_in` now looks under the wrappers; a read of real flat buffers under the same
+    transforms still gives their values."""
+    mesh = fzero.SimMesh(n)
+    off = fzero.Offload(optimizer="nvme", params="nvme", nvme_path=str(tmp_path))
+
+    def rank_fn():
+        state = fzero.init({"w": torch.arange(1.0, 5.0)}, optim.adamw(1e-2), stage=3, mesh=mesh, offload=off)
+
+        def loss(ps):
+            if n > 1:
+                ps = [fzero.collectives.all_gather(p, mesh) for p in ps]
+            return (fzero.layout.unpack(state.layout, ps)["w"] ** 2).sum()
+
+        reads = {"grad": lambda ps: torch.func.grad(loss)(ps), "vjp": lambda ps: torch.func.vjp(loss, ps)[0]}
+        if n == 1:
+            reads["vmap"] = lambda ps: torch.func.vmap(lambda x: loss([x[0]]))([ps[0].unsqueeze(0)])
+        refused = (fzero.LayoutError, STAND_IN.format(r"flat buffers of bucket '.*' \(torch.float32\[4\]\)")) if n == 1 else (
+            fzero.MeshError, STAND_IN.format(r"all_gather's input \(torch.float32\[2\], rank \d\)"))
+        for name, read in reads.items():
+            with pytest.raises(refused[0], match=refused[1]):
+                read(state.params)
+        real = fzero.layout.pack(state.layout, {"w": torch.arange(1.0, 5.0)})
+        real = real if n == 1 else [f.view(n, -1)[mesh.rank].clone() for f in real]
+        # d/dx sum(x^2) = 2x of real values; at N = 2 the all-gather's adjoint sums the two ranks' 2x
+        assert torch.equal(reads["grad"](real)[0], 2 * n * real[0])
+        return fzero.gather(state)["w"]
+
+    assert all(torch.equal(w, torch.arange(1.0, 5.0)) for w in mesh.run(rank_fn))
+
+
 @pytest.mark.parametrize("take", ["autograd", "torch.func"])
 def test_an_expanded_gradient_of_a_flat_buffer_is_unpacked(take):
     """A flat buffer expanded from one value is a tensor of its own, not a stand-in: autograd's

@@ -40,7 +40,7 @@ import torch
 
 from .errors import FzeroError, MeshError
 from .mesh import Mesh, SimMesh, found_here
-from .layout import is_stand_in, stand_in_words
+from .layout import is_stand_in, stand_in_words, unwrapped
 
 
 class ForwardModeOnSimMesh(FzeroError):
@@ -52,16 +52,6 @@ def func_level() -> int | None:
     privately (`torch._C._functorch.maybe_current_level`, in 2.11 and 2.13): this is the one place
     fzero reads it."""
     return torch._C._functorch.maybe_current_level()
-
-
-def unwrapped(x: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under `x`'s torch.func wrappers (grad tracking, batched), or `x` itself
-    outside every transform: what an in-place write through `x` writes, and whose version it
-    moves. The same private module as `func_level`, in 2.11 and 2.13."""
-    f = torch._C._functorch
-    while f.is_functorch_wrapped_tensor(x) or f.is_batchedtensor(x):
-        x = f.get_unwrapped(x)
-    return x
 
 
 def in_backward() -> bool:

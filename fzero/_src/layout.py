@@ -682,9 +682,11 @@ def is_stand_in(x: torch.Tensor) -> bool:
     """Whether `x` is a stand-in (`stand_in`), a view of one (a slice, `view`, `unsqueeze`, `to` its
     own dtype and device: its `_base` is the stand-in's registered base, one attribute read and a
     dict lookup), or shares its memory without being a view (`detach()`: read only where every
-    stride is 0, by its address, which no other live tensor has while the base lives). A real
-    tensor -- one expanded on purpose, autograd's gradient of a sum, a copy of a stand-in (its
-    zeros) -- is not. A torch.func wrapper is not looked through."""
+    stride is 0, by its address, which no other live tensor has while the base lives), also under
+    torch.func's wrappers (`unwrapped`: found in review, `torch.func.grad` of the README's
+    differentiable read took the stand-ins' zeros, silently). A real tensor -- one expanded on
+    purpose, autograd's gradient of a sum, a copy of a stand-in (its zeros) -- is not."""
+    x = unwrapped(x)
     base = x._base
     if base is not None:
         return _BY_ID.get(id(base)) is base
@@ -692,6 +694,17 @@ def is_stand_in(x: torch.Tensor) -> bool:
         return not any(x.stride()) and _BY_PTR.get(x.data_ptr()) is not None
     except RuntimeError:  # no strides (sparse) or no storage (a torch.func wrapper, a subclass)
         return False
+
+
+def unwrapped(x: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under `x`'s torch.func wrappers (grad tracking, batched), or `x` itself
+    outside every transform: what an in-place write through `x` writes, and whose version it
+    moves. Private to torch (`torch._C._functorch`, in 2.11 and 2.13, as `collectives.func_level`
+    reads it)."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(x) or f.is_batchedtensor(x):
+        x = f.get_unwrapped(x)
+    return x
 
 
 def stand_in_words(what: str) -> str:

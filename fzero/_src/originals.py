@@ -23,8 +23,8 @@ import threading
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .collectives import unwrapped
 from .errors import ConfigError
+from .layout import unwrapped
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
 
