@@ -423,7 +423,7 @@ def test_a_compiled_function_calling_a_collective_on_distmesh(dist2):
 LAYERS = [
     ["cli"], ["testing"], ["checkpoint"], ["accounting", "estimate"],
     ["module", "remat"], ["evaluate"], ["step", "config", "plan", "norms", "reduce", "update", "agreement"],
-    ["gathering"], ["state"], ["offload"], ["casting"], ["unit"], ["precision"],
+    ["gathering"], ["state"], ["offload"], ["casting"], ["unit"], ["precision"], ["originals"],
     ["stages"], ["optim"], ["collectives"], ["mesh"], ["layout"],
     ["errors", "eager", "tree", "nvme", "watched", "scale"],
 ]
@@ -497,8 +497,9 @@ def test_import_fzero_imports_its_namespaces_but_not_fzero_testing():
 def test_the_records_and_owners_the_page_names():
     """architecture.md's "Where each concept lives": `ZeroState(params, opt_state, step, master,
     loss_scale, info, pending)`, `StateInfo(layout, stage, mesh, rank, optimizer, precision,
-    scaler, offload, tier, serial)`, `StepConfig(loss_fn, ..., ahead, buffers)` field for field
-    ("the `train_step` keywords, plus `ahead` ... and `buffers` ...: left out of equality"), and
+    scaler, offload, tier, serial)`, `StepConfig(loss_fn, ..., ahead, buffers, checked)` field for
+    field ("the `train_step` keywords, plus `ahead` ..., `buffers` ... and `checked` ...: left out
+    of equality"), and
     the pieces and methods it names on `Stage` and `Gathering`."""
     from fzero._src import gathering
 
@@ -511,9 +512,9 @@ def test_the_records_and_owners_the_page_names():
     assert names(fzero.StepConfig) == [
         "loss_fn", "engine", "on_nonfinite", "gather", "micro_batches", "accumulate", "accum_dtype", "normalize",
         "clip_norm", "donate", "persist_bytes", "max_live_bytes", "prefetch", "cast_ahead", "locate_nonfinite", "ahead",
-        "buffers"]
-    assert [f.name for f in dataclasses.fields(fzero.StepConfig) if not f.compare] == ["ahead", "buffers"]
-    assert list(inspect.signature(fzero.train_step).parameters) == names(fzero.StepConfig)[:-2]  # its keywords
+        "buffers", "checked"]
+    assert [f.name for f in dataclasses.fields(fzero.StepConfig) if not f.compare] == ["ahead", "buffers", "checked"]
+    assert list(inspect.signature(fzero.train_step).parameters) == names(fzero.StepConfig)[:-3]  # its keywords
     assert {"shards", "enter", "leave", "after_backward", "finish"} <= set(names(fzero.Stage))
     for m in ("moves", "hold", "optimizer_params", "grad_shard", "differentiated", "leaf_sum", "segments"):
         assert callable(getattr(fzero.Stage, m)), m
