@@ -312,7 +312,6 @@ class BumpsThenRaises(Interrupts):
 
     def __init__(self, base):
         super().__init__(base)
-        self.local = threading.local()
 
         def update_(g, opt, p, ctx):
             at = getattr(self.local, "at", 0)

@@ -43,7 +43,12 @@ with one process per rank, call `broadcast_buffers(info, mesh)` before each step
 that (tested bitwise against DDP on gloo in tests/test_ddp.py). Without it, rank 0's buffers
 still equal DDP's rank 0 buffers bit for bit (rank 0's chain of updates is the same), so
 evaluate or save from rank 0. A buffer the forward reassigns (`self.ema = ...`) has its new
-value copied into the buffer (`keep_reassigned`); a checkpointed unit's buffers are put back as
+value copied into the buffer (`keep_reassigned`) at the end of the root's forward; on a `SimMesh`
+the ranks' threads share that buffer, so where a collective lies between the reassignment and
+that end (stage 3 on use: a later unit's gather), another rank reads the buffer before this
+rank's value is copied in, and the rank whose forward ends last overwrites it: the buffer holds
+one rank's chain of updates, not every rank's in turn, and differs from `gather="eager"`'s
+(found in review; per-process buffers under `DistMesh` are exact); a checkpointed unit's buffers are put back as
 its forward found them for the recompute, and as it left them after (`remat`). `fzero.checkpoint.save(state, root,
 buffers=info.buffers)` keeps rank 0's buffers beside the state, and `checkpoint.load(path,
 target, buffers=info.buffers)` copies them back. Buffer updates happen in plain Python inside
