@@ -6,6 +6,7 @@ reading a constant copy."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -139,3 +140,45 @@ def test_the_originals_are_held_weakly():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_a_refused_step_called_again_is_refused_again():
+    """The check is marked done only where it passed: a caller that caught the refusal and called
+    the same step again trained without the term, silently (found in review)."""
+    model = _model()
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]) + model[0].weight.pow(2).sum())
+    batch = _batches(1)[0][0]
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh)
+        for _ in range(3):
+            with pytest.raises(fzero.ConfigError, match=r"'0.weight'"):
+                step(state, batch)
+        return int(state.step)
+
+    assert mesh.run(rank) == [0]
+
+
+def test_a_module_run_as_a_fixed_function_takes_requires_grad_false():
+    """A module given to another `from_module` (trained by another state, its values loaded back)
+    that this step's loss runs as a fixed function is refused too (the registry is process-wide);
+    `requires_grad_(False)` on its parameters, the way out the message names for it, trains with
+    the bits of the same loss over an unregistered copy of the module."""
+    torch.manual_seed(0)
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    copy_of_critic = copy.deepcopy(critic)  # (a copy is no module given to from_module)
+    fzero.from_module(critic)  # the critic's own state would train it
+    model = _model()
+
+    def run(reader):
+        return _run(model, lambda apply: lambda p, b: reader(torch.tanh(apply(p, b[0]))).mean(), stage=3)
+
+    with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(Sequential\).*a fixed function.*requires_grad_\(False\)"):
+        run(critic)
+    critic.requires_grad_(False)
+    got, want = run(critic), run(copy_of_critic)
+    for g, w in zip(got, want):
+        assert all(torch.equal(g[k], w[k]) for k in g)
+    assert not torch.equal(got[0]["0.weight"], model[0].weight)  # the gradient flowed through the critic

@@ -686,7 +686,8 @@ def is_stand_in(x: torch.Tensor) -> bool:
     torch.func's wrappers (`unwrapped`: found in review, `torch.func.grad` of the README's
     differentiable read took the stand-ins' zeros, silently). A real tensor -- one expanded on
     purpose, autograd's gradient of a sum, a copy of a stand-in (its zeros) -- is not."""
-    x = unwrapped(x)
+    if not torch.compiler.is_compiling():  # dynamo cannot trace the unwrapping (found in review: a warning,
+        x = unwrapped(x)  # an error under -W error, and two more graph breaks in a compiled `unpack`)
     base = x._base
     if base is not None:
         return _BY_ID.get(id(base)) is base

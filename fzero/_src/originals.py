@@ -11,9 +11,18 @@ the loss's graph: an `AccumulateGrad` node whose variable is an original. It wal
 once per `train_step` and thread (`Once`), on the first micro-batch's loss, before any backward,
 so that every rank raises there (they run the same loss) and nothing is updated.
 
-A read that cannot be seen: one with no graph (under `torch.no_grad()`, or a frozen original),
-which trains nothing and is what a constant read is; and a read in `fzero.evaluate`'s function,
-which takes no gradient. The module's docs say the original keeps the values it had.
+The registry is process-wide: a module given to any `from_module` call is covered, also where
+this step's loss runs it as a fixed function (a discriminator or teacher that another state
+trains, its values loaded back into it): there the way out is `requires_grad_(False)` on its
+parameters, which keeps the gradient flowing through it to the params (found in review).
+
+Reads that are not seen: one with no graph (under `torch.no_grad()`, a frozen original, or
+`from_module`'s own returned params, which are detached: reading them for the step's `p` trains
+nothing through them), which trains nothing and is what a constant read is; a read in
+`fzero.evaluate`'s function, which takes no gradient; a read that first happens after the first
+loss on the thread (on a later micro-batch or step: a penalty switched on after a warm-up); and
+one inside a reentrant `torch.utils.checkpoint` (`use_reentrant=True`), whose graph is built in
+the backward. The module's docs say the original keeps the values it had.
 """
 
 from __future__ import annotations
@@ -45,22 +54,25 @@ class Once(threading.local):
 
 def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
     """Raise `ConfigError` where `loss`'s graph reaches a parameter of a module given to
-    `from_module` as a leaf (the first call on this thread of this step only: `once`)."""
+    `from_module` as a leaf (the first call on this thread of this step only: `once`, set where
+    the check passed, so that a step called again after a refusal is refused again: found in
+    review, a caught refusal then trained without the term)."""
     if once.done:
         return
-    once.done = True
-    if not len(_ORIGINALS) or not isinstance(loss, torch.Tensor):
-        return
-    read = _originals_in(unwrapped(loss).grad_fn)
+    read = _originals_in(unwrapped(loss).grad_fn) if len(_ORIGINALS) and isinstance(loss, torch.Tensor) else []
     if read:
-        names = ", ".join(f"{name!r} ({module})" for name, module in read[:8])
+        more = f" and {len(read) - 8} more" if len(read) > 8 else ""
+        names = ", ".join(f"{name!r} ({module})" for name, module in read[:8]) + more
         raise ConfigError(
-            f"the loss read parameter {names} of the module given to fzero.from_module directly, in grad mode. "
-            f"fzero trains its own copy of it (what apply reads from the params the step hands the loss); the "
-            f"module's own parameter keeps the value from_module read and gets no gradient, so this term of the "
-            f"loss would be dropped from training, silently. Read it from the params the step hands the loss "
-            f"(p[{read[0][0]!r}]); to read the original as a constant on purpose, .detach() it, read it under "
-            f"torch.no_grad(), or set requires_grad_(False) on it. Nothing was updated")
+            f"the loss read parameter {names} of a module given to fzero.from_module directly, in grad mode. "
+            f"fzero trains its own copy of each (what apply reads from the params the step hands the loss); the "
+            f"module's own parameter keeps the value from_module read, or the last one loaded into it, and gets no "
+            f"gradient, so where it is meant to be trained its term of the loss would be dropped from training, "
+            f"silently. Read it from the params the step hands the loss (p[{read[0][0]!r}]). Where the module is "
+            f"a fixed function here (trained by another state, a teacher) and the gradient should flow through "
+            f"it to the params, set requires_grad_(False) on its parameters; to read a value as a constant, "
+            f".detach() it or read it under torch.no_grad(). Nothing was updated")
+    once.done = True
 
 
 def _originals_in(fn: object) -> list[tuple[str, str]]:
