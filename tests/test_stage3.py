@@ -313,6 +313,37 @@ def test_evaluate_on_one_rank_beside_a_step_on_the_other_names_evaluate(gather):
                "fzero.evaluate and the others not" in words, words
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_evaluate_on_one_rank_of_a_donated_state_names_evaluate(stage):
+    """At stages 0-2 an evaluation runs no collective but one: on a state a donating step returned,
+    the check of that step's verdict (an all-gather). Rank 0 evaluating alone (a logging branch)
+    met rank 1's next step there unnamed: rank 0's error was the mesh's bare mismatch, rank 1's
+    blamed the model's paths (found in review). Now both raise `DivergentPaths` naming the rank in
+    fzero.evaluate and what it was doing."""
+    mesh, errors = fzero.SimMesh(2), {}
+    loss = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
+
+    def rank_fn(r):
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=stage, mesh=mesh,
+                           units=lambda path: path)
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(state, torch.ones(4))
+        try:
+            if r == 0:
+                evaluate(loss)(state, torch.ones(4))
+            step(state, torch.ones(4))
+        except fzero.MeshError as e:
+            errors[r] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn, [(0,), (1,)])
+    assert sorted(errors) == [0, 1] and all(isinstance(e, DivergentPaths) for e in errors.values()), errors
+    for e in errors.values():
+        assert "rank 0 checked the verdict of the donating step that made its state" in str(e), str(e)
+        assert "in fzero.evaluate" in str(e) and "Rank(s) [0] were in fzero.evaluate" in str(e), str(e)
+
+
 # -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
 
 

@@ -32,7 +32,7 @@ from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyPara
                         replaced_tensors, same_paths)
 from .mesh import Mesh
 from .precision import note_batch_dtypes
-from .state import ZeroState, checked
+from .state import ZeroState, check_state, checked
 from .unit import Probe, unit_programs
 
 
@@ -52,7 +52,11 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
         default: 1 on a mesh that overlaps collectives with compute, else 0). Same bits.
 
     Every rank must read the same units in the same order with "on_use" (as in the step): a rank
-    that takes another path through the model stops every rank with `DivergentPaths`.
+    that takes another path through the model stops every rank with `DivergentPaths`. At stages
+    0-2 an evaluation runs no collective but one: on a state a donating step returned
+    (`train_step(donate=True)`), every reader first checks that step's verdict with one small
+    all-gather, so evaluate on some ranks only (a logging branch on rank 0) is refused there too,
+    with `DivergentPaths` naming the ranks in `fzero.evaluate`.
 
     `evaluate` does not change the model's mode: `fn` runs as it is (DeepSpeed's `engine.eval()`
     has no counterpart here). For a `from_module` model, call `apply.eval()` before evaluating
@@ -91,7 +95,11 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
                               "3, N > 1: all-gather each bucket first; fzero.gather is refused under a transform for "
                               "the same reason); for a vmap, put it inside fn: evaluate(lambda p, xs: "
                               "torch.func.vmap(fn, in_dims=(None, 0))(p, xs))(state, xs)")
-        with checked(state), same_paths(state.layout), torch.no_grad(), _labelled(state.mesh):
+        if not isinstance(state, ZeroState):
+            check_state(state)  # its error, naming what was given
+        # labelled and worded first: after a donating step the check of its pending verdict
+        # (`checked`) is a collective too, which a rank evaluating alone met unnamed (found in review)
+        with _labelled(state.mesh), same_paths(state.layout), checked(state), torch.no_grad():
             return _owned(state, forward(state, fn, gather, batch, prefetch))
 
     return run

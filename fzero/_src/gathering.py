@@ -190,7 +190,9 @@ def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
     unit = unit_of.get(m.group(2)) if m else None
     if unit is None:
         done = {"fzero.evaluate/paths": "had finished its forward (it reads no further unit)",
-                "fzero.step/agree": "had finished its backward (it reads no further unit)"}
+                "fzero.step/agree": "had finished its backward (it reads no further unit)",
+                "fzero.state/pending": "checked the verdict of the donating step that made its state (the first "
+                                       "collective of evaluate, gather or save after train_step(donate=True))"}
         if m and m.group(2) in done:
             return done[m.group(2)], None
         if call.startswith("returned"):

@@ -40,7 +40,9 @@ a forward that reads the buffers it updates, as spectral_norm's does, then diffe
 stages, and neither sentence below holds there: found in review). torch DDP
 (`broadcast_buffers=True`) instead copies rank 0's buffers to every rank before each forward;
 with one process per rank, call `broadcast_buffers(info, mesh)` before each step to get exactly
-that (tested bitwise against DDP on gloo in tests/test_ddp.py). Without it, rank 0's buffers
+that (tested bitwise against DDP on gloo in tests/test_ddp.py), and before each `fzero.evaluate`
+too: DDP's eval-mode forward broadcasts as well (a review saw rank 1's validation loss differ
+from DDP's without it, and equal with it; the suite tests the steps only). Without it, rank 0's buffers
 still equal DDP's rank 0 buffers bit for bit (rank 0's chain of updates is the same), so
 evaluate or save from rank 0. A buffer the forward reassigns (`self.ema = ...`) has its new
 value copied into the buffer (`keep_reassigned`) at the end of the root's forward; on a `SimMesh`
@@ -1463,7 +1465,8 @@ def broadcast_buffers(info: ModuleInfo, mesh: Mesh) -> None:
     """Copy rank 0's buffers into every rank's, in place (DDP's `broadcast_buffers=True`):
     the buffers of `info` (`ModuleInfo.buffers`), over `mesh`.
 
-    Call on every rank, before the step whose forward should start from rank 0's buffers.
+    Call on every rank, before the step (or the `fzero.evaluate`: DDP's eval-mode forward
+    broadcasts too) whose forward should start from rank 0's buffers.
     """
     with torch.no_grad():
         for name, buf in info.buffers.items():
