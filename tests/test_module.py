@@ -327,6 +327,47 @@ def test_apply_given_an_extra_leaf_names_it_and_how_to_nest():
         mesh.run(rank_fn)
 
 
+@pytest.mark.parametrize("how", ["dict", "evaluate stage 3", "step stage 3"])
+def test_apply_given_another_models_params_of_other_shapes_names_them(how):
+    """Another model's params under the same names (`inp.*`, `out.*`, wider) ran through `apply`,
+    silently where the shapes happened to fit (found in review: a wrong output, no error); a
+    single wrong leaf gave torch's shape error, naming none. `apply` compares the shapes it is
+    handed with the module's: the dict path on each call (host metadata), the on-use path once
+    per layout; `FzeroError` names each leaf, its shape and the module's."""
+
+    class Net(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.inp, self.out, self.scale = nn.Linear(8, d), nn.Linear(d, 4), d ** -0.5
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inp(x)) * self.scale)
+
+    torch.manual_seed(0)
+    model_a = Net(16)
+    params_a, apply_a, _ = from_module(model_a)
+    params_b, _, _ = from_module(Net(32))
+    x = torch.randn(5, 8)
+    words = r"'inp.weight' \[32, 8\] \(the module's: \[16, 8\]\), 'inp.bias' \[32\].*\(3 of 4 leaves\)"
+    if how == "dict":
+        with pytest.raises(fzero.FzeroError, match=words):
+            apply_a(params_b, x)
+        with pytest.raises(fzero.FzeroError, match=r"'inp.weight' \[16, 9\] \(the module's: \[16, 8\]\) \(1 of 4"):
+            apply_a({**params_a, "inp.weight": torch.zeros(16, 9)}, x)  # before: torch's error, naming no leaf
+        assert torch.equal(apply_a(params_a, x), model_a(x))  # its own params run as the module does
+        return
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(params_b, optim.sgd(0.1), stage=3, mesh=mesh)
+        if how == "evaluate stage 3":
+            return fzero.evaluate(lambda p, b: apply_a(p, b))(state, x)
+        return fzero.train_step(lambda p, b: apply_a(p, b).sum())(state, x)
+
+    with pytest.raises(fzero.FzeroError, match=words):
+        mesh.run(rank_fn)
+
+
 class _Ema(nn.Module):
     def __init__(self):
         super().__init__()

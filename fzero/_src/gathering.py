@@ -1145,6 +1145,11 @@ class LazyParams(Mapping):
         return self._gathering.gathered
 
     @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """`{path: shape}` of every leaf, from the layout's specs (nothing gathered)."""
+        return {ls.path: tuple(ls.shape) for ls in self._gathering.layout.leaves}
+
+    @property
     def dtypes(self) -> set[torch.dtype]:
         """The dtypes the leaves are handed in, gathering nothing (`Gathering.leaf_dtypes`)."""
         return self._gathering.leaf_dtypes()

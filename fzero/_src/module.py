@@ -340,6 +340,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     kept = skeleton.register_forward_hook(_keep).id  # a thread's copy runs it eager (`_eager_keep`)
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}  # what apply checks it is handed (`_check_shapes`)
     unit_of = _unit_of(units)
     # the dict path binds every registered slot: a placeholder its forward reaches is one held
     # outside them (a list, a dict, a plain attribute), which nothing rebinds (`_Unbound`)
@@ -365,6 +366,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         nonlocal known
         if not (params.unit_map is known or params.unit_map.keys() == expected):
             return None
+        if params.unit_map is not known:  # a new layout: its leaves' shapes, once (specs only)
+            _check_shapes(shapes, params.shapes)
         # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
         # (thread) binds into its own copy of the skeleton (one per depth of `apply` inside
         # `apply`); buffers stay shared, as in eager mode
@@ -422,6 +425,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             t = params[name]
             if t.is_meta:
                 raise FzeroError(f"param {name!r} is a meta tensor; apply needs real values")
+            if t.shape != shapes[name]:
+                _check_shapes(shapes, {k: tuple(v.shape) for k, v in params.items()})
             for alias in names:
                 bound[alias] = t
         # strict: every parameter and buffer name of the skeleton is bound, so a meta tensor the
@@ -451,6 +456,20 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     return params, Apply(apply, skeleton, copies_made, buffers, modes), ModuleInfo(alias_table, buffers, units, groups, frozen,
                                                                            persistent_buffers(skeleton),
                                                                            extra_state if extra_names else None)
+
+
+def _check_shapes(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise `FzeroError` where a param `apply` is handed has another shape than the module's
+    (`shapes`, read by `from_module`), naming each such leaf: another model's params under the
+    same names ran, silently where the shapes happened to fit, or with torch's shape error
+    naming no leaf (found in review)."""
+    wrong = [f"{name!r} {list(given[name])} (the module's: {list(shape)})" for name, shape in shapes.items()
+             if tuple(given[name]) != shape]
+    if wrong:
+        raise FzeroError(f"apply was handed params of other shapes than the module from_module read: "
+                         f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''} ({len(wrong)} of {len(shapes)} "
+                         f"leaves). apply needs the params from_module returned for this module (or a state made "
+                         f"from them): these look like another model's under the same names")
 
 
 def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
