@@ -182,3 +182,25 @@ def test_a_module_run_as_a_fixed_function_takes_requires_grad_false():
     for g, w in zip(got, want):
         assert all(torch.equal(g[k], w[k]) for k in g)
     assert not torch.equal(got[0]["0.weight"], model[0].weight)  # the gradient flowed through the critic
+
+
+def test_a_read_on_the_second_micro_batch_only_is_refused():
+    """Every micro-batch's loss of the first step is checked (found in review: the first
+    micro-batch's alone was, and a penalty read on the second only was dropped, silently)."""
+    model = _model()
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+    seen = []
+
+    def loss_fn(p, b):
+        seen.append(len(seen))
+        penalty = model[2].weight.pow(2).sum() if len(seen) % 2 == 0 else 0.0  # the second micro-batch's
+        return F.cross_entropy(apply(p, b[0]), b[1]) + penalty
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), stage=1, mesh=mesh)
+        fzero.train_step(loss_fn, micro_batches=2)(state, _batches(1)[0])
+
+    with pytest.raises(fzero.ConfigError, match=r"'2.weight' \(Sequential\)"):
+        mesh.run(rank)
+    assert seen == [0, 1]  # refused at the second micro-batch's loss, before its backward

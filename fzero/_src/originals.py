@@ -7,9 +7,10 @@ parameter of the original module in grad mode (`model[0].weight.pow(2).sum()` as
 head tied by hand to `model.wte.weight`) read the value `from_module` copied, never trained, and
 its gradient went nowhere: `torch.autograd.grad` takes only the step's inputs, so the term was
 silently dropped from training (found in review). `refuse_original_reads` finds such a read in
-the loss's graph: an `AccumulateGrad` node whose variable is an original. It walks the graph
-once per `train_step` and thread (`Once`), on the first micro-batch's loss, before any backward,
-so that every rank raises there (they run the same loss) and nothing is updated.
+the loss's graph: an `AccumulateGrad` node whose variable is an original. It walks the graph of
+each micro-batch's loss in the first step a `train_step` runs on a thread (`Once`), before that
+loss's backward, so that every rank raises there (they run the same loss) and nothing is
+updated.
 
 The registry is process-wide: a module given to any `from_module` call is covered, also where
 this step's loss runs it as a fixed function (a discriminator or teacher that another state
@@ -20,8 +21,7 @@ Reads that are not seen: one with no graph (under `torch.no_grad()`, a frozen or
 `from_module`'s own returned params, which are detached: reading them for the step's `p` trains
 nothing through them), which trains nothing and is what a constant read is; a read in
 `fzero.evaluate`'s function, which takes no gradient; a read that first happens after the first
-loss on the thread (on a later micro-batch or step: a penalty switched on after a warm-up); and
-one inside a reentrant `torch.utils.checkpoint` (`use_reentrant=True`), whose graph is built in
+step on the thread (a penalty switched on after a warm-up); and one inside a reentrant `torch.utils.checkpoint` (`use_reentrant=True`), whose graph is built in
 the backward. The module's docs say the original keeps the values it had.
 """
 
@@ -47,16 +47,17 @@ def note_originals(module: torch.nn.Module, canonical: dict[int, str]) -> None:
 
 
 class Once(threading.local):
-    """Per thread: whether this `train_step`'s loss was checked (`refuse_original_reads`)."""
+    """Per thread: whether this `train_step` ran a step, its losses checked (`refuse_original_reads`)."""
 
     done = False
 
 
 def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
     """Raise `ConfigError` where `loss`'s graph reaches a parameter of a module given to
-    `from_module` as a leaf (the first call on this thread of this step only: `once`, set where
-    the check passed, so that a step called again after a refusal is refused again: found in
-    review, a caught refusal then trained without the term)."""
+    `from_module` as a leaf: every micro-batch's loss of the first step this `train_step` runs on
+    this thread (`once`, set by the step after its micro-batches' backward, so that a step called
+    again after a refusal is refused again: found in review, a caught refusal then trained
+    without the term)."""
     if once.done:
         return
     read = _originals_in(unwrapped(loss).grad_fn) if len(_ORIGINALS) and isinstance(loss, torch.Tensor) else []
@@ -72,7 +73,6 @@ def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
             f"a fixed function here (trained by another state, a teacher) and the gradient should flow through "
             f"it to the params, set requires_grad_(False) on its parameters; to read a value as a constant, "
             f".detach() it or read it under torch.no_grad(). Nothing was updated")
-    once.done = True
 
 
 def _originals_in(fn: object) -> list[tuple[str, str]]:

@@ -427,6 +427,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     with _named("fzero.step/backward"):
         reduced, loss, report, count = accumulate(config, state, micro_batches_of(config, state, batch), norms,
                                                   buffers)
+    config.checked.done = True  # every micro-batch's loss read no original (`refuse_original_reads`)
     with _named("fzero.step/agree"):
         rows, shards = agreement(state, loss, report, reduced, count, norms, config.fingerprint)
         ready = prepare(state, reduced, config.donate)  # host work while the device still runs the backward
@@ -798,7 +799,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
                 _note_loss_error(e, config, state, index, mb)
                 raise
             loss, count = _objective(config, out)
-            refuse_original_reads(loss, config.checked)  # the first loss of this step on this thread
+            refuse_original_reads(loss, config.checked)  # each loss of this train_step's first step on this thread
             counts.append(count)
             # a loss the check refuses goes to it as returned (scaled, it was named float32)
             scalable = s != 1.0 and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
