@@ -344,6 +344,39 @@ def test_evaluate_on_one_rank_of_a_donated_state_names_evaluate(stage):
         assert "in fzero.evaluate" in str(e) and "Rank(s) [0] were in fzero.evaluate" in str(e), str(e)
 
 
+@pytest.mark.parametrize("then", ["gather", "save"])
+def test_evaluate_on_one_rank_of_a_donated_state_beside_a_gather_or_save_names_evaluate(then, tmp_path):
+    """Rank 0 evaluates a donated state alone, then every rank calls `fzero.gather` (or
+    `checkpoint.save`): rank 0's evaluation meets rank 1's gather at the same check of the
+    state's verdict, the same call but for evaluate's label. Rank 1 was told to call the same op
+    with the same dtype, shape and tag (which it did), or that its save must not be under
+    `if rank == 0:` (it was not); rank 0 got the bare mismatch (found in review). Now rank 0
+    raises `DivergentPaths` and rank 1 a mismatch, each naming the rank in fzero.evaluate."""
+    mesh, errors = fzero.SimMesh(2), {}
+    loss = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
+
+    def rank_fn(r):
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=0, mesh=mesh,
+                           units=lambda path: path)
+        state, _ = fzero.train_step(loss, donate=True)(state, torch.ones(4))
+        try:
+            if r == 0:
+                evaluate(loss)(state, torch.ones(4))
+            fzero.gather(state) if then == "gather" else fzero.checkpoint.save(state, tmp_path / "ck")
+        except fzero.MeshError as e:
+            errors[r] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn, [(0,), (1,)])
+    assert isinstance(errors[0], DivergentPaths) and type(errors[1]) is fzero.CollectiveMismatch, errors
+    for e in errors.values():
+        assert "Rank(s) [0] were in fzero.evaluate and the others not" in str(e), str(e)
+    if then == "gather":
+        assert "the calls are the same but made in different parts of the ranks' programs: rank(s) [0] in " \
+               "fzero.evaluate; rank(s) [1] outside it" in str(errors[1]), str(errors[1])
+
+
 # -- 3. persistent units and a cap on live gathered bytes --------------------------------------------
 
 

@@ -84,7 +84,7 @@ from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .mesh import Mesh, entry_of
+from .mesh import EVALUATING, Mesh, entry_of
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit, wait_held
@@ -100,7 +100,6 @@ class DivergentPaths(CollectiveMismatch):
 _RANK_CALL = re.compile(r"rank (\d+): (.+)")
 _TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
 _MICRO_BATCH = re.compile(r"\) \[micro-batch (\d+)\]")  # `Mesh.phase`'s label in a call's words
-EVALUATING = "evaluate"  # the label of `fzero.evaluate`'s collectives (`Mesh.phase`)
 
 
 def in_micro_batch(mesh: Mesh, i: int, k: int) -> contextlib.AbstractContextManager:
@@ -131,11 +130,11 @@ def same_paths(layout: Layout) -> Iterator[None]:
         unit_of = {b.tag: b.unit for b in layout.buckets}
         calls = dict(_RANK_CALL.findall(str(e)))
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
-        if not any(unit for _, unit in said.values()) or any(entry_of(call) for call in calls.values()):
-            raise  # (a rank in checkpoint.save, gather, ...: the mesh's words name it, not a model path)
-        micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
         evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
         apart = len(set(evaluating.values())) > 1  # (where every rank evaluates, the words say it)
+        if not apart and (not any(unit for _, unit in said.values()) or any(entry_of(c) for c in calls.values())):
+            raise  # (a rank in checkpoint.save, gather, ...: the mesh's words name it, not a model path)
+        micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
         parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
                           + (" in fzero.evaluate" if apart and evaluating[r] else "")
                           for r, (what, _) in sorted(said.items()))

@@ -32,6 +32,7 @@ import datetime
 import itertools
 import os
 import random
+import re
 import socket
 import sys
 import threading
@@ -106,16 +107,57 @@ def entry_of(call: str) -> str | None:
     return next((name for prefix, name in _ENTRIES if f"tag='{prefix}" in call), None)
 
 
+EVALUATING = "evaluate"  # the `Mesh.phase` label of `fzero.evaluate`'s collectives
+_LABEL = re.compile(r"\) \[([^\]]*)\]")  # a call's `Mesh.phase` label in its words (`_Call.__str__`)
+
+
+def _labels_alone(calls: Sequence[str]) -> str:
+    """Where the calls differ only in their `Mesh.phase` labels (the same op, dtype, shape and tag
+    made inside `fzero.evaluate` on some ranks, outside it on others): which rank made it where,
+    and the way out; else "". Found in review: rank 0's evaluation of a donated state, alone,
+    met the other ranks' `fzero.gather` at the same check of the state and was told to call the
+    same op with the same dtype, shape and tag, which it did."""
+    labels = _labels(calls)
+    bare = {re.sub(r" collective #\d+$", "", _LABEL.sub(")", c)) for c in calls}
+    if len(set(labels)) < 2 or len(bare) != 1:
+        return ""
+    where = "; ".join(f"rank(s) {[r for r, x in enumerate(labels) if x == label]} "
+                      + (f"in {'fzero.evaluate' if label == EVALUATING else label}" if label else "outside it")
+                      for label in dict.fromkeys(labels))
+    return f"the calls are the same but made in different parts of the ranks' programs: {where}.{_evaluating(calls)}"
+
+
+def _labels(calls: Sequence[str]) -> list[str | None]:
+    """Each call's `Mesh.phase` label, or None."""
+    return [m.group(1) if (m := _LABEL.search(c)) else None for c in calls]
+
+
+def _evaluating(calls: Sequence[str]) -> str:
+    """Where some ranks' calls are `fzero.evaluate`'s and others' not: which, and the way out; else
+    "" (a rank evaluating alone, a logging branch, whose call met another rank's `fzero.gather` or
+    `checkpoint.save`: found in review, the words blamed the save alone)."""
+    labels = _labels(calls)
+    inside = [r for r, label in enumerate(labels) if label == EVALUATING]
+    if not inside or len(inside) == len(labels):
+        return ""
+    return (f" Rank(s) {inside} were in fzero.evaluate and the others not: every rank calls fzero.evaluate at "
+            f"the same point of its program, as it does each step (an evaluation on rank 0 alone, a logging "
+            f"branch, meets the other ranks' next call)")
+
+
 def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str:
     """The way out of a collective mismatch; `grads`: each rank's `_Call.grad` where the calls
     differ in that alone, else None; `calls`: each rank's call in words, where the ranks in one of
     fzero's calls every rank must make are named (found in a new user's walkthrough: a
-    `checkpoint.save` under `if rank == 0:`, the DDP habit, was told only to call the same op)."""
+    `checkpoint.save` under `if rank == 0:`, the DDP habit, was told only to call the same op),
+    and calls that differ in their labels alone are said to (`_labels_alone`)."""
+    if grads is None and (labelled := _labels_alone(calls)):
+        return labelled
     if grads is None:
         entries = {r: name for r, c in enumerate(calls) if (name := entry_of(c))}
         alone = "".join(f"; rank {r} is in {_every_rank_calls(name)}"
                         for r, name in entries.items()) if len(entries) < len(calls) else ""
-        return f"every rank must call the same op with the same dtype, shape and tag{alone}"
+        return f"every rank must call the same op with the same dtype, shape and tag{alone}.{_evaluating(calls)}"
     on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
     receives = " (a rank that only receives too: `torch.empty_like(x).requires_grad_()`)" if op == "broadcast" else ""
     return (f"the calls differ only in requires_grad: rank(s) {on} differentiate through this {op} (its input "
