@@ -348,13 +348,19 @@ def test_apply_given_another_models_params_of_other_shapes_names_them(how):
     params_a, apply_a, _ = from_module(model_a)
     params_b, _, _ = from_module(Net(32))
     x = torch.randn(5, 8)
-    words = r"'inp.weight' \[32, 8\] \(the module's: \[16, 8\]\), 'inp.bias' \[32\].*\(3 of 4 leaves\)"
+    words = (r"'inp.weight' \[32, 8\] \(the module's: \[16, 8\]\), 'inp.bias' \[32\].*\(3 of 4 leaves\).*"
+             r"another model's under the same names")
     if how == "dict":
         with pytest.raises(fzero.FzeroError, match=words):
             apply_a(params_b, x)
         with pytest.raises(fzero.FzeroError, match=r"'inp.weight' \[16, 9\] \(the module's: \[16, 8\]\) \(1 of 4"):
             apply_a({**params_a, "inp.weight": torch.zeros(16, 9)}, x)  # before: torch's error, naming no leaf
         assert torch.equal(apply_a(params_a, x), model_a(x))  # its own params run as the module does
+        stacked = {k: torch.stack([v, v]) for k, v in params_a.items()}  # two models' params, not mapped over
+        with pytest.raises(fzero.FzeroError, match=r"one leading dimension of 2: .*torch.func.vmap\(apply, in_dims"):
+            apply_a(stacked, x)
+        with pytest.raises(fzero.FzeroError, match=r"param 'inp.bias' is a float, not a tensor"):
+            apply_a({**params_a, "inp.bias": 0.5}, x)
         return
     mesh = fzero.SimMesh(1)
 

@@ -423,6 +423,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         bound: dict[str, torch.Tensor] = dict(buffers)
         for name, names in alias_table.items():
             t = params[name]
+            if not isinstance(t, torch.Tensor):  # (found in review: `'float' object has no attribute ...`)
+                raise FzeroError(f"param {name!r} is a {type(t).__name__}, not a tensor: apply needs the params "
+                                 f"from_module returned (tensors of the module's shapes)")
             if t.is_meta:
                 raise FzeroError(f"param {name!r} is a meta tensor; apply needs real values")
             if t.shape != shapes[name]:
@@ -466,10 +469,16 @@ def _check_shapes(shapes: Mapping[str, tuple[int, ...]], given: Mapping[str, tup
     wrong = [f"{name!r} {list(given[name])} (the module's: {list(shape)})" for name, shape in shapes.items()
              if tuple(given[name]) != shape]
     if wrong:
+        stacked = {tuple(given[n][:1]) for n in shapes if tuple(given[n][1:]) == shapes[n]}
+        stack = (f" They are the module's shapes with one leading dimension of {next(iter(stacked))[0]}: for a "
+                 f"stack of models' params (torch.func.stack_module_state), map apply over it, "
+                 f"torch.func.vmap(apply, in_dims=(0, None))(params, x)"
+                 if len(stacked) == 1 and all(len(given[n]) == len(s) + 1 for n, s in shapes.items()) else
+                 " These look like another model's under the same names")
         raise FzeroError(f"apply was handed params of other shapes than the module from_module read: "
                          f"{', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''} ({len(wrong)} of {len(shapes)} "
                          f"leaves). apply needs the params from_module returned for this module (or a state made "
-                         f"from them): these look like another model's under the same names")
+                         f"from them).{stack}")
 
 
 def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor, str], ...]:
