@@ -232,13 +232,13 @@ def test_stages_0_and_1_reduce_a_unit_one_rank_skipped_as_zeros():
             assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _divergent_on_both_ranks(body) -> list[str]:
-    """`body(state, r)` on both ranks of a SimMesh(2), a stage-3 state of units "a" and "b": the
-    words of each rank's `DivergentPaths` (`mesh.run` raises the mismatch)."""
+def _errors_on_both_ranks(body, stage: int = 3) -> dict[int, fzero.MeshError]:
+    """`body(state, r)` on both ranks of a SimMesh(2), a `stage` state of units "a" and "b": the
+    error each rank raised (`mesh.run` raises the mismatch)."""
     mesh, errors = fzero.SimMesh(2), {}
 
     def rank_fn(r):
-        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=3, mesh=mesh,
+        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=stage, mesh=mesh,
                            units=lambda path: path)
         try:
             body(state, r)
@@ -248,7 +248,14 @@ def _divergent_on_both_ranks(body) -> list[str]:
 
     with pytest.raises(fzero.CollectiveMismatch):
         mesh.run(rank_fn, [(0,), (1,)])
-    assert sorted(errors) == [0, 1] and all(isinstance(e, DivergentPaths) for e in errors.values()), errors
+    assert sorted(errors) == [0, 1], errors
+    return errors
+
+
+def _divergent_on_both_ranks(body, stage: int = 3) -> list[str]:
+    """The words of each rank's `DivergentPaths` (`_errors_on_both_ranks`)."""
+    errors = _errors_on_both_ranks(body, stage)
+    assert all(isinstance(e, DivergentPaths) for e in errors.values()), errors
     return [str(e) for e in errors.values()]
 
 
@@ -313,6 +320,9 @@ def test_evaluate_on_one_rank_beside_a_step_on_the_other_names_evaluate(gather):
                "fzero.evaluate and the others not" in words, words
 
 
+_LOSS = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_evaluate_on_one_rank_of_a_donated_state_names_evaluate(stage):
     """At stages 0-2 an evaluation runs no collective but one: on a state a donating step returned,
@@ -320,28 +330,16 @@ def test_evaluate_on_one_rank_of_a_donated_state_names_evaluate(stage):
     met rank 1's next step there unnamed: rank 0's error was the mesh's bare mismatch, rank 1's
     blamed the model's paths (found in review). Now both raise `DivergentPaths` naming the rank in
     fzero.evaluate and what it was doing."""
-    mesh, errors = fzero.SimMesh(2), {}
-    loss = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
-
-    def rank_fn(r):
-        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=stage, mesh=mesh,
-                           units=lambda path: path)
-        step = fzero.train_step(loss, donate=True)
+    def body(state, r):
+        step = fzero.train_step(_LOSS, donate=True)
         state, _ = step(state, torch.ones(4))
-        try:
-            if r == 0:
-                evaluate(loss)(state, torch.ones(4))
-            step(state, torch.ones(4))
-        except fzero.MeshError as e:
-            errors[r] = e
-            raise
+        if r == 0:
+            evaluate(_LOSS)(state, torch.ones(4))
+        step(state, torch.ones(4))
 
-    with pytest.raises(fzero.CollectiveMismatch):
-        mesh.run(rank_fn, [(0,), (1,)])
-    assert sorted(errors) == [0, 1] and all(isinstance(e, DivergentPaths) for e in errors.values()), errors
-    for e in errors.values():
-        assert "rank 0 checked the verdict of the donating step that made its state" in str(e), str(e)
-        assert "in fzero.evaluate" in str(e) and "Rank(s) [0] were in fzero.evaluate" in str(e), str(e)
+    for words in _divergent_on_both_ranks(body, stage):
+        assert "rank 0 checked the verdict of the donating step that made its state" in words, words
+        assert "in fzero.evaluate" in words and "Rank(s) [0] were in fzero.evaluate" in words, words
 
 
 @pytest.mark.parametrize("then", ["gather", "save"])
@@ -352,23 +350,13 @@ def test_evaluate_on_one_rank_of_a_donated_state_beside_a_gather_or_save_names_e
     with the same dtype, shape and tag (which it did), or that its save must not be under
     `if rank == 0:` (it was not); rank 0 got the bare mismatch (found in review). Now rank 0
     raises `DivergentPaths` and rank 1 a mismatch, each naming the rank in fzero.evaluate."""
-    mesh, errors = fzero.SimMesh(2), {}
-    loss = lambda p, x: (p["a"] * x).sum() + p["b"].sum()  # noqa: E731
+    def body(state, r):
+        state, _ = fzero.train_step(_LOSS, donate=True)(state, torch.ones(4))
+        if r == 0:
+            evaluate(_LOSS)(state, torch.ones(4))
+        fzero.gather(state) if then == "gather" else fzero.checkpoint.save(state, tmp_path / "ck")
 
-    def rank_fn(r):
-        state = fzero.init({"a": torch.ones(4), "b": torch.ones(4)}, optim.sgd(0.1), stage=0, mesh=mesh,
-                           units=lambda path: path)
-        state, _ = fzero.train_step(loss, donate=True)(state, torch.ones(4))
-        try:
-            if r == 0:
-                evaluate(loss)(state, torch.ones(4))
-            fzero.gather(state) if then == "gather" else fzero.checkpoint.save(state, tmp_path / "ck")
-        except fzero.MeshError as e:
-            errors[r] = e
-            raise
-
-    with pytest.raises(fzero.CollectiveMismatch):
-        mesh.run(rank_fn, [(0,), (1,)])
+    errors = _errors_on_both_ranks(body, stage=0)
     assert isinstance(errors[0], DivergentPaths) and type(errors[1]) is fzero.CollectiveMismatch, errors
     for e in errors.values():
         assert "Rank(s) [0] were in fzero.evaluate and the others not" in str(e), str(e)
