@@ -342,6 +342,20 @@ def test_evaluate_on_one_rank_of_a_donated_state_names_evaluate(stage):
         assert "in fzero.evaluate" in words and "Rank(s) [0] were in fzero.evaluate" in words, words
 
 
+def test_evaluate_on_one_rank_beside_a_step_of_micro_batches_is_not_worded_as_micro_batches():
+    """Rank 0 evaluates where rank 1 steps over two micro-batches: the words said rank 0 was "past
+    its last micro-batch" and gave the empty-micro-batch advice, and named evaluate twice (found
+    in review). Now: the ranks' places, evaluate named once, no micro-batch advice."""
+    def body(state, r):
+        if r == 0:
+            evaluate(_LOSS)(state, torch.ones(4))
+        fzero.train_step(_LOSS, micro_batches=2)(state, [torch.ones(4), torch.ones(4)])
+
+    for words in _divergent_on_both_ranks(body):
+        assert "rank 0 gathered unit 'a' in fzero.evaluate, rank 1 gathered unit 'a' in micro-batch 0" in words, words
+        assert "past its last micro-batch" not in words and words.count("were in fzero.evaluate") == 1, words
+
+
 @pytest.mark.parametrize("then", ["gather", "save"])
 def test_evaluate_on_one_rank_of_a_donated_state_beside_a_gather_or_save_names_evaluate(then, tmp_path):
     """Rank 0 evaluates a donated state alone, then every rank calls `fzero.gather` (or
@@ -358,11 +372,13 @@ def test_evaluate_on_one_rank_of_a_donated_state_beside_a_gather_or_save_names_e
 
     errors = _errors_on_both_ranks(body, stage=0)
     assert isinstance(errors[0], DivergentPaths) and type(errors[1]) is fzero.CollectiveMismatch, errors
-    for e in errors.values():
-        assert "Rank(s) [0] were in fzero.evaluate and the others not" in str(e), str(e)
+    for e in errors.values():  # once each: the DivergentPaths words the mesh's sentence, not beside it
+        assert str(e).count("Rank(s) [0] were in fzero.evaluate and the others not") == 1, str(e)
+    assert "took different paths through the model" not in str(errors[0])  # no model path parted
+    assert "gather='eager'" not in str(errors[0])  # (which would not help: found in review)
     if then == "gather":
         assert "the calls are the same but made in different parts of the ranks' programs: rank(s) [0] in " \
-               "fzero.evaluate; rank(s) [1] outside it" in str(errors[1]), str(errors[1])
+               "fzero.evaluate; rank(s) [1] outside fzero.evaluate" in str(errors[1]), str(errors[1])
 
 
 # -- 3. persistent units and a cap on live gathered bytes --------------------------------------------

@@ -84,7 +84,7 @@ from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
-from .mesh import EVALUATING, Mesh, entry_of
+from .mesh import EVALUATING, Mesh, entry_of, evaluating_words, unlabelled
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
 from .tree import NAMESPACE, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit, wait_held
@@ -132,19 +132,27 @@ def same_paths(layout: Layout) -> Iterator[None]:
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
         evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
         apart = len(set(evaluating.values())) > 1  # (where every rank evaluates, the words say it)
-        if not apart and (not any(unit for _, unit in said.values()) or any(entry_of(c) for c in calls.values())):
-            raise  # (a rank in checkpoint.save, gather, ...: the mesh's words name it, not a model path)
+        words = evaluating_words(list(calls.values()))  # (the mesh's too: said once, here, `mesh_said`)
+        mesh_said = str(e).replace(words, "") if words else str(e)
+        if not any(unit for _, unit in said.values()) or any(entry_of(c) for c in calls.values()):
+            if not apart:
+                raise  # (a rank in checkpoint.save, gather, ...: the mesh's words name it, not a model path)
+            # a rank in evaluate met another's call outside it, no model path parted (found in review: the
+            # words of a model path, and gather='eager' as the way out)
+            raise DivergentPaths(f"a rank in fzero.evaluate met another rank's call outside it:{words} The mesh "
+                                 f"said: {mesh_said}") from e
         micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
         parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
                           + (" in fzero.evaluate" if apart and evaluating[r] else "")
                           for r, (what, _) in sorted(said.items()))
-        raise DivergentPaths(
-            f"ranks took different paths through the model: {parts}. {_micro_batch_advice(micro)}"
-            f"{_evaluate_advice(evaluating)}With "
+        raise DivergentPaths(  # (a rank in evaluate is in no micro-batch: the micro-batch words are not about it)
+            f"ranks took different paths through the model: {parts}. {'' if apart else _micro_batch_advice(micro)}"
+            f"{words.strip() + ' ' if words else ''}With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
             f"rank in declaration order. Ranks whose train_step settings differ (micro_batches, accumulate, gather, "
-            f"persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: {e}"
+            f"persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: "
+            f"{mesh_said}"
         ) from e
 
 
@@ -170,19 +178,6 @@ def _micro_batch_advice(micro: Mapping[int, int | None]) -> str:
             f"normalize='tokens', the loss summed over the empty batch). ")
 
 
-def _evaluate_advice(evaluating: Mapping[int, bool]) -> str:
-    """Where some ranks were in `fzero.evaluate` and others not (a train step, a `fzero.gather`):
-    which, and the way out; else "". Both gather a unit by the same call, so before `evaluate`
-    labelled its collectives, one rank's evaluate met another's step forward and passed (found in
-    review: the mismatch came later, worded as a step's)."""
-    if len(set(evaluating.values())) < 2:
-        return ""
-    ranks = [r for r in sorted(evaluating) if evaluating[r]]
-    return (f"Rank(s) {ranks} were in fzero.evaluate and the others not: every rank calls evaluate at the same "
-            f"point of its program, as it does each step (an evaluation on rank 0 alone, a logging branch, meets "
-            f"the other ranks' next step). ")
-
-
 def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
     """`(what a rank did, in words; the unit it names or None)` from one mismatch line."""
     m = _TAG.match(call)
@@ -196,7 +191,7 @@ def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:
             return done[m.group(2)], None
         if call.startswith("returned"):
             return "had returned (it read no further unit)", None
-        return f"called {call.split(' collective #')[0]} (no unit)", None
+        return f"called {unlabelled(call)} (no unit)", None
     verb = {"all_gather": "gathered", "reduce_scatter": "reduced"}.get(m.group(1), f"called {m.group(1)} of")
     return f"{verb} unit {unit!r}", unit
 

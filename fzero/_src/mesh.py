@@ -118,13 +118,14 @@ def _labels_alone(calls: Sequence[str]) -> str:
     met the other ranks' `fzero.gather` at the same check of the state and was told to call the
     same op with the same dtype, shape and tag, which it did."""
     labels = _labels(calls)
-    bare = {re.sub(r" collective #\d+$", "", _LABEL.sub(")", c)) for c in calls}
-    if len(set(labels)) < 2 or len(bare) != 1:
+    if len(set(labels)) < 2 or len({unlabelled(c) for c in calls}) != 1:
         return ""
+    named = {label: "fzero.evaluate" if label == EVALUATING else label for label in labels if label}
     where = "; ".join(f"rank(s) {[r for r, x in enumerate(labels) if x == label]} "
-                      + (f"in {'fzero.evaluate' if label == EVALUATING else label}" if label else "outside it")
-                      for label in dict.fromkeys(labels))
-    return f"the calls are the same but made in different parts of the ranks' programs: {where}.{_evaluating(calls)}"
+                      + (f"in {named[label]}" if label else f"outside {' and '.join(dict.fromkeys(named.values()))}")
+                      for label in sorted(dict.fromkeys(labels), key=lambda x: x is None))  # the labelled first
+    return (f"the calls are the same but made in different parts of the ranks' programs: {where}."
+            f"{evaluating_words(calls)}")
 
 
 def _labels(calls: Sequence[str]) -> list[str | None]:
@@ -132,7 +133,12 @@ def _labels(calls: Sequence[str]) -> list[str | None]:
     return [m.group(1) if (m := _LABEL.search(c)) else None for c in calls]
 
 
-def _evaluating(calls: Sequence[str]) -> str:
+def unlabelled(call: str) -> str:
+    """A call in words without its `Mesh.phase` label and DistMesh's " collective #n"."""
+    return re.sub(r" collective #\d+$", "", _LABEL.sub(")", call))
+
+
+def evaluating_words(calls: Sequence[str]) -> str:
     """Where some ranks' calls are `fzero.evaluate`'s and others' not: which, and the way out; else
     "" (a rank evaluating alone, a logging branch, whose call met another rank's `fzero.gather` or
     `checkpoint.save`: found in review, the words blamed the save alone)."""
@@ -142,7 +148,7 @@ def _evaluating(calls: Sequence[str]) -> str:
         return ""
     return (f" Rank(s) {inside} were in fzero.evaluate and the others not: every rank calls fzero.evaluate at "
             f"the same point of its program, as it does each step (an evaluation on rank 0 alone, a logging "
-            f"branch, meets the other ranks' next call)")
+            f"branch, meets the other ranks' next call).")
 
 
 def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str:
@@ -157,7 +163,7 @@ def _advice(op: str, grads: list[bool] | None, calls: Sequence[str] = ()) -> str
         entries = {r: name for r, c in enumerate(calls) if (name := entry_of(c))}
         alone = "".join(f"; rank {r} is in {_every_rank_calls(name)}"
                         for r, name in entries.items()) if len(entries) < len(calls) else ""
-        return f"every rank must call the same op with the same dtype, shape and tag{alone}.{_evaluating(calls)}"
+        return f"every rank must call the same op with the same dtype, shape and tag{alone}.{evaluating_words(calls)}"
     on, off = [r for r, g in enumerate(grads) if g], [r for r, g in enumerate(grads) if not g]
     receives = " (a rank that only receives too: `torch.empty_like(x).requires_grad_()`)" if op == "broadcast" else ""
     return (f"the calls differ only in requires_grad: rank(s) {on} differentiate through this {op} (its input "

@@ -21,8 +21,9 @@ Reads that are not seen: one with no graph (under `torch.no_grad()`, a frozen or
 `from_module`'s own returned params, which are detached: reading them for the step's `p` trains
 nothing through them), which trains nothing and is what a constant read is; a read in
 `fzero.evaluate`'s function, which takes no gradient; a read that first happens after the first
-step on the thread (a penalty switched on after a warm-up); and one inside a reentrant `torch.utils.checkpoint` (`use_reentrant=True`), whose graph is built in
-the backward. The module's docs say the original keeps the values it had.
+step on the thread (a penalty switched on after a warm-up); and one inside a reentrant
+`torch.utils.checkpoint` (`use_reentrant=True`), whose graph is built in the backward. The
+module's docs say the original keeps the values it had.
 """
 
 from __future__ import annotations
