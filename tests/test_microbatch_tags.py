@@ -242,3 +242,30 @@ def test_on_gloo_the_fingerprint_carries_the_micro_batch(dist2, stage):
     for r, ((p1, l1), (p0, m0)) in enumerate(zip(got, want)):
         assert_equal_leaves(p1, p0, f"gloo stage {stage} vs SimMesh stage 0, rank {r}")
         assert all(torch.equal(a, b.loss) for a, b in zip(l1, m0)), (r, l1, m0)
+
+
+def test_ranks_whose_micro_batches_differ_are_told_so_first():
+    """Stage 3, rank 0 steps with micro_batches=1 (no micro-batch label), rank 1 with 2: rank 0's
+    forward gather met rank 1's in micro-batch 0, and the words said rank 0 was "past its last
+    micro-batch" and gave the empty-micro-batch advice (found in review). A rank in no micro-batch
+    that gathers a unit is in a step of one: the words say the settings differ."""
+    mesh, errors = fzero.SimMesh(2), {}
+
+    def rank_fn():
+        k = 1 + mesh.rank
+        state = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh, units=_units)
+        mbs = _micro_batches(mesh.rank, k, None)
+        try:
+            fzero.train_step(_model_loss, micro_batches=k)(state, mbs if k > 1 else mbs[0])
+        except fzero.MeshError as e:
+            errors[mesh.rank] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank_fn)
+    assert sorted(errors) == [0, 1]
+    for e in errors.values():
+        msg = str(e)
+        assert isinstance(e, fzero.DivergentPaths), msg
+        assert "Rank(s) [0] ran a step of one micro-batch" in msg and "micro_batches=...) differ" in msg, msg
+        assert "past its last micro-batch" not in msg and "out.sum() * 0.0" not in msg, msg

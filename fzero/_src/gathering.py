@@ -69,7 +69,7 @@ import dataclasses
 import re
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -145,8 +145,10 @@ def same_paths(layout: Layout) -> Iterator[None]:
         parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
                           + (" in fzero.evaluate" if apart and evaluating[r] else "")
                           for r, (what, _) in sorted(said.items()))
+        at_unit = {r for r, (what, unit) in said.items() if unit is not None and what.startswith("gathered")}
         raise DivergentPaths(  # (a rank in evaluate is in no micro-batch: the micro-batch words are not about it)
-            f"ranks took different paths through the model: {parts}. {'' if apart else _micro_batch_advice(micro)}"
+            f"ranks took different paths through the model: {parts}. "
+            f"{'' if apart else _micro_batch_advice(micro, at_unit)}"
             f"{words.strip() + ' ' if words else ''}With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
@@ -162,11 +164,21 @@ def _micro_batch_of(call: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _micro_batch_advice(micro: Mapping[int, int | None]) -> str:
+def _micro_batch_advice(micro: Mapping[int, int | None], at_unit: Collection[int] = ()) -> str:
     """Where the ranks were in different micro-batches (`in_micro_batch`; a rank past its
-    backward is in none): which rank was in which, why, and the way out; else ""."""
+    backward is in none): which rank was in which, why, and the way out; else "". A rank in
+    none that gathers a unit (`at_unit`: a forward's or a backward's gather, which a step of
+    k > 1 micro-batches makes inside one) is in a step of one micro-batch, which has no label:
+    the ranks' `micro_batches` differ (found in review: it was said to be past its last one, and
+    given the empty-micro-batch advice)."""
     if len(set(micro.values())) < 2 or all(i is None for i in micro.values()):
         return ""
+    single = sorted(r for r in at_unit if micro[r] is None)
+    if single:
+        return (f"Rank(s) {single} ran a step of one micro-batch (micro_batches=1: its calls carry no "
+                f"micro-batch label) where the others are in micro-batch "
+                f"{', '.join(str(i) for i in sorted({i for i in micro.values() if i is not None}))}: the ranks' "
+                f"train_step(micro_batches=...) differ; every rank must pass the same. ")
     where = "; ".join(f"rank(s) {[r for r in sorted(micro) if micro[r] == i]} "
                       + ("past its last micro-batch" if i is None else f"in micro-batch {i}")
                       for i in sorted(set(micro.values()), key=lambda i: -1 if i is None else i))
