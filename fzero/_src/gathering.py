@@ -131,8 +131,8 @@ def same_paths(layout: Layout) -> Iterator[None]:
         calls = dict(_RANK_CALL.findall(str(e)))
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
         evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
-        apart = len(set(evaluating.values())) > 1  # (where every rank evaluates, the words say it)
         words = evaluating_words(list(calls.values()))  # (the mesh's too: said once, here, `mesh_said`)
+        apart = bool(words)  # some ranks in evaluate, not all (where every rank evaluates, the words say it)
         mesh_said = str(e).replace(words, "") if words else str(e)
         if not any(unit for _, unit in said.values()) or any(entry_of(c) for c in calls.values()):
             if not apart:
