@@ -29,6 +29,7 @@ module's docs say the original keeps the values it had.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -45,6 +46,40 @@ def note_originals(module: torch.nn.Module, canonical: dict[int, str]) -> None:
     for p in module.parameters():
         if p.requires_grad:
             _ORIGINALS[p] = (canonical[id(p)], type(module).__name__)
+
+
+def note_flags(module: torch.nn.Module, canonical: dict[int, str]) -> tuple[tuple[weakref.ref, str, bool], ...]:
+    """Each distinct parameter of `module` (held weakly), its name in params (`canonical`) and
+    its `requires_grad` as `from_module` reads it: what `refuse_changed_flags` compares."""
+    return tuple((weakref.ref(p), canonical[id(p)], p.requires_grad) for p in module.parameters())
+
+
+def refuse_changed_flags(noted: tuple[tuple[weakref.ref, str, bool], ...], module: str) -> None:
+    """Raise `ConfigError` where a parameter's `requires_grad` differs from the one `from_module`
+    read (`note_flags`; a parameter freed since is passed over): `from_module` chose the frozen
+    leaves then (`info.groups`, fixed at `fzero.init`), so a layer frozen or thawed on the module
+    afterwards, as torch users do between steps, went on training as before, silently (found in
+    review of a LoRA user: a module frozen after `from_module` trained every leaf). Host reads
+    only; `apply` calls it in grad mode, so `fzero.evaluate` and `torch.no_grad()` reads pass."""
+    changed = []
+    for ref, name, flag in noted:
+        p = ref()
+        if p is not None and p.requires_grad is not flag:
+            changed.append((name, flag))
+    if not changed:
+        return
+    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+    shown = ", ".join(f"{name!r} ({'trainable' if flag else 'frozen'} then, {'frozen' if flag else 'trainable'} now)"
+                      for name, flag in changed[:6]) + more
+    raise ConfigError(
+        f"apply: the requires_grad of parameter {shown} of the {module} given to fzero.from_module changed since "
+        f"from_module read it. from_module chose the frozen leaves when it ran (info.groups, fixed at fzero.init), "
+        f"so the state would go on training the leaves it trained before, not the ones the module now marks, "
+        f"silently. To train another set: params from the state (model.load_state_dict(info.state_dict("
+        f"fzero.gather(state)))), set requires_grad on the module, then fzero.from_module(model) again and "
+        f"fzero.init with its params and info.groups (the optimizer state restarts at zero and step 0 for every "
+        f"leaf). Where this module is a fixed function in another loss (requires_grad_(False) there), set the flags "
+        f"back before this state's step, as a torch GAN loop does")
 
 
 class Once(threading.local):
@@ -72,7 +107,9 @@ def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
             f"gradient, so where it is meant to be trained its term of the loss would be dropped from training, "
             f"silently. Read it from the params the step hands the loss (p[{read[0][0]!r}]). Where the module is "
             f"a fixed function here (trained by another state, a teacher) and the gradient should flow through "
-            f"it to the params, set requires_grad_(False) on its parameters; to read a value as a constant, "
+            f"it to the params, set requires_grad_(False) on its parameters for this loss (and back before the step of "
+            f"the state that trains it: its apply refuses flags changed since from_module); to read a value as a "
+            f"constant, "
             f".detach() it or read it under torch.no_grad(). Nothing was updated")
 
 

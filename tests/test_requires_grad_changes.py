@@ -1,0 +1,197 @@
+"""A parameter's `requires_grad` changed on the module after `fzero.from_module` read it is
+refused in grad mode (docs/bad-input.md row 211): `from_module` chose the frozen leaves when it
+ran (`info.groups`, fixed at `fzero.init`), so a module frozen after `from_module` (a LoRA user's
+`model.requires_grad_(False)` before re-enabling the adapters) trained every leaf, and a layer
+thawed or frozen between steps went on as before, silently (found in review of a LoRA user)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fzero
+from fzero import optim
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+
+def _batches(n: int, steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(4, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(steps)]
+            for _ in range(n)]
+
+
+def _loss(apply):
+    return lambda p, b: F.cross_entropy(apply(p, b[0]), b[1])
+
+
+def _train(model, *, stage: int, between=None, n: int = 2, **step_kw):
+    """Train `model` from `from_module` over 3 steps on `n` SimMesh ranks, calling `between(i)`
+    before step i on rank 0 (the module is shared by the ranks); each rank's gathered params, or
+    the `ConfigError` it raised and the step it raised at."""
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh = fzero.SimMesh(n)
+
+    def rank(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        step = fzero.train_step(_loss(apply), **step_kw)
+        for i, batch in enumerate(batches):
+            if between is not None and mesh.rank == 0:
+                between(i)
+            before = fzero.gather(state)
+            try:
+                state, _ = step(state, batch)
+            except fzero.ConfigError as e:
+                after = fzero.gather(state)
+                assert all(torch.equal(before[k], after[k]) for k in before), "the refused step updated the state"
+                return i, e
+        return fzero.gather(state)
+
+    return mesh.run(rank, [(b,) for b in _batches(n)])
+
+
+KINDS = [("autograd", "on_use"), ("autograd", "eager"), ("func", "eager")]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("engine,gather", KINDS)
+def test_a_module_frozen_after_from_module_is_refused_at_the_first_step(stage, engine, gather):
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    model.requires_grad_(False)  # a LoRA user's freeze, then the adapters (here the last layer) back on
+    model[2].requires_grad_(True)
+    mesh = fzero.SimMesh(2)
+
+    def rank(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        with pytest.raises(fzero.ConfigError) as e:
+            fzero.train_step(_loss(apply), engine=engine, gather=gather)(state, batches[0])
+        return str(e.value)
+
+    for message in mesh.run(rank, [(b,) for b in _batches(2)]):  # every rank, before any update
+        assert "'0.weight' (trainable then, frozen now), '0.bias' (trainable then, frozen now)" in message
+        assert "'2.weight'" not in message and "Sequential given to fzero.from_module" in message
+        assert "fzero.from_module(model) again" in message and "info.groups" in message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("engine,gather", KINDS)
+def test_a_layer_thawed_between_steps_is_refused_at_the_next_step(stage, engine, gather):
+    model = _model()
+    model[0].requires_grad_(False)
+
+    def between(i):
+        if i == 1:
+            model[0].weight.requires_grad_(True)  # gradual unfreezing, as in torch
+
+    got = _train(model, stage=stage, between=between, engine=engine, gather=gather)
+    for i, e in got:
+        assert i == 1 and "'0.weight' (frozen then, trainable now)" in str(e) and "'0.bias'" not in str(e)
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+def test_flags_set_back_before_the_step_train_with_the_bits_of_flags_never_changed(gather):
+    """A GAN loop's idiom: the module frozen while another loss runs it as a fixed function
+    (as row 208's refusal advises), its flags set back before its own state's step."""
+    model = _model()
+    reference = _train(model, stage=3, gather=gather)
+    flipped = []
+
+    def between(i):
+        model.requires_grad_(False)  # the other loss's part of the step would run here
+        flipped.append(i)
+        model.requires_grad_(True)
+
+    got = _train(model, stage=3, between=between, gather=gather)
+    assert flipped == [0, 1, 2]
+    for mine, theirs in zip(got, reference):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+def test_reads_without_grad_pass_with_changed_flags(gather):
+    """`fzero.evaluate` and `torch.no_grad()` reads take no gradient: no leaf's training depends
+    on the flags there."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    model.requires_grad_(False)  # e.g. the module handed on to code that only runs it
+    mesh = fzero.SimMesh(2)
+    x = torch.randn(4, 6)
+
+    def rank():
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=info.groups)
+        out = fzero.evaluate(lambda p, b: apply(p, b), gather=gather)(state, x)
+        with torch.no_grad():
+            direct = apply(params, x)
+        return torch.equal(out, direct)
+
+    assert mesh.run(rank) == [True, True]
+
+
+def test_the_way_out_the_message_gives_trains_the_new_set():
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh = fzero.SimMesh(2)
+    batches = _batches(2)
+
+    def rank(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=info.groups)
+        state, _ = fzero.train_step(_loss(apply))(state, batches[0])
+        return fzero.gather(state)
+
+    trained = mesh.run(rank, [(b,) for b in batches])[0]
+    model.load_state_dict(info.state_dict(trained))  # the message's recipe
+    model[0].requires_grad_(False)
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+
+    def again(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=info.groups)
+        for b in batches[1:]:
+            state, _ = fzero.train_step(_loss(apply))(state, b)
+        return fzero.gather(state)
+
+    for got in mesh.run(again, [(b,) for b in batches]):
+        assert torch.equal(got["0.weight"], trained["0.weight"]) and torch.equal(got["0.bias"], trained["0.bias"])
+        assert not torch.equal(got["2.weight"], trained["2.weight"])
+
+
+def test_a_module_freed_after_from_module_is_not_read():
+    """The flags are held weakly: a user who drops the module after `from_module` (to free its
+    memory) trains as before."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    expected = {k: v.clone() for k, v in params.items()}
+    del model
+    gc.collect()
+    mesh = fzero.SimMesh(2)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units, groups=info.groups)
+        state, _ = fzero.train_step(_loss(apply))(state, batch)
+        return fzero.gather(state)
+
+    for got in mesh.run(rank, [(b[0],) for b in _batches(2)]):
+        assert set(got) == set(expected) and not torch.equal(got["0.weight"], expected["0.weight"])
+
+
+def test_a_compiled_loss_on_use_is_refused_too():
+    """The on-use path checks in its eager bookkeeping, which dynamo does not trace (the dict
+    path traced whole is not checked: docs/compile.md)."""
+    torch._dynamo.reset()
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    model[0].requires_grad_(False)
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=info.groups)
+        with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
+            fzero.train_step(torch.compile(_loss(apply), backend="aot_eager"), gather="on_use")(state, batch)
+
+    mesh.run(rank, [(_batches(1)[0][0],)])
