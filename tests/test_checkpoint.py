@@ -355,6 +355,26 @@ def test_other_layout(saved_root):
     assert isinstance(load_into(saved_root, params, "adamw"), ck.CheckpointError)
 
 
+def test_a_dropped_added_or_renamed_leaf_is_named_with_its_shape(saved_root):
+    """The leaves are compared by path before position: a dropped, added or renamed leaf is named,
+    not a later leaf that did not change (found in review: renaming `emb` blamed `head.w`, an added
+    leaf sorting last was a count only)."""
+    params = make_params()
+    params["embedding"] = params.pop("emb")  # renamed
+    text = str(load_into(saved_root, params, "adamw"))
+    assert "the checkpoint holds 'emb' (float32[7, 3]), which the target lacks" in text
+    assert "the target holds 'embedding' (float32[7, 3]), which the checkpoint lacks" in text
+    assert "'head.w'" not in text and "'bias'" not in text
+    params = make_params()
+    del params["bias"]
+    text = str(load_into(saved_root, params, "adamw"))
+    assert "(5 leaves, the target's 4): the checkpoint holds 'bias' (float32[5]), which the target lacks;" in text
+    params = make_params()
+    params["z"] = torch.randn(3)  # sorts last: before, a count alone
+    text = str(load_into(saved_root, params, "adamw"))
+    assert "the target holds 'z' (float32[3]), which the checkpoint lacks" in text and "'emb'" not in text
+
+
 def test_other_optimizer(saved_root):
     err = load_into(saved_root, make_params(), "lamb")
     assert isinstance(err, ck.CheckpointError) and "another optimizer" in str(err)

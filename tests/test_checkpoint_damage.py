@@ -224,3 +224,23 @@ def test_a_files_key_that_is_not_a_plain_name_is_refused_before_any_file_is_read
     path = edit(copy(saved[0], tmp_path), lambda m: m["files"].update({key: {"sha256": "0" * 64, "bytes": 1}}))
     for fn in (ck.read_manifest, ck.export, ck.summary):
         refused(lambda: fn(path), "manifest.json", "plain file names inside the checkpoint")
+
+
+def test_a_half_written_manifest_of_a_crashed_save_names_the_crash(saved, tmp_path):
+    """A `.tmp-step-*` folder whose manifest a crash cut short: the error says what such a folder
+    is and to use `latest`, as a missing manifest's does (found in review: JSON's words alone)."""
+    path = str(tmp_path / ".tmp-step-3-00000000abcd")
+    shutil.copytree(saved[0], path)
+    name = os.path.join(path, "manifest.json")
+    with open(name, "rb") as f:
+        data = f.read()
+    with open(name, "wb") as f:
+        f.write(data[: len(data) // 2])
+    refused(lambda: ck.read_manifest(path), "is not a readable manifest", "a save that crashed leaves a .tmp-step-*",
+            "fzero.checkpoint.latest(root)")
+    finished = copy(saved[0], tmp_path)  # a finished checkpoint's broken manifest: no such words
+    with open(os.path.join(finished, "manifest.json"), "w") as f:
+        f.write("{")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.read_manifest(finished)
+    assert "is not a readable manifest" in str(e.value) and "crashed" not in str(e.value)

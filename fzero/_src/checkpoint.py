@@ -1188,7 +1188,9 @@ def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
         raise CheckpointError(f"{name!r} does not exist: {path!r} is not a complete fzero checkpoint (a save "
                               f"that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))") from None
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep (found in review)
-        raise CheckpointError(f"{name!r} is not a readable manifest: {e}") from None
+        crashed = (" (a save that crashed leaves a .tmp-step-* folder, its manifest perhaps half written; use "
+                   "fzero.checkpoint.latest(root))" if _TMP_DIR.match(os.path.basename(os.path.normpath(path))) else "")
+        raise CheckpointError(f"{name!r} is not a readable manifest: {e}{crashed}") from None
     keys = ("format", "step", "stage", "world_size", "leaves", "optimizer", "files")
     if isinstance(manifest, dict) and manifest.get("format") == 1:
         raise CheckpointError(f"{name!r} is of format 1 (per-rank torch.save files, before fzero checkpoints went "
@@ -1405,6 +1407,30 @@ def _layout_fix(saved: dict[str, Any], mine: dict[str, Any], diff: list[str], st
             f"lr schedule by the saved step: lambda t: schedule(t + {step}))")
 
 
+def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, Any]]) -> None:
+    """A `CheckpointError` naming the leaves (path, dtype and shape) the checkpoint holds and the
+    target lacks and those the target holds and the checkpoint lacks, where the two sets of paths
+    differ. Before, the leaves were compared position by position, so a leaf dropped, added or
+    renamed was reported as a later leaf differing in path and shape, blaming one that had not
+    changed, and an added leaf sorting last only as a count (found in review)."""
+    saved, made = {a["path"]: a for a in theirs}, {b["path"]: b for b in mine}
+    lacking = [a for p, a in saved.items() if p not in made]
+    extra = [b for p, b in made.items() if p not in saved]
+    if not (lacking or extra):
+        return
+
+    def listed(leaves: list[dict[str, Any]]) -> str:
+        shown = ", ".join(f"{a['path']!r} ({str(a.get('dtype')).removeprefix('torch.')}{list(a.get('shape', []))})"
+                          for a in leaves[:6])
+        return shown + (f" and {len(leaves) - 6} more" if len(leaves) > 6 else "")
+
+    parts = ([f"the checkpoint holds {listed(lacking)}, which the target lacks"] if lacking else []) + (
+        [f"the target holds {listed(extra)}, which the checkpoint lacks"] if extra else [])
+    raise CheckpointError(f"{path!r} was saved from another layout ({len(theirs)} leaves, the target's {len(mine)}): "
+                          f"{'; '.join(parts)}; load into a state made by fzero.init from the same params pytree "
+                          f"(a renamed submodule renames its leaves)")
+
+
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     """The checkpoint's leaves (path, shape, dtype, frozen, and the group's weight decay mask and
     lr scale, where the manifest has them: saved since the twenty-third session), optimizer and
@@ -1416,6 +1442,7 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     the optimizer's do: a resume under other groups would step on from the same state as
     another run (found in review: silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
+    _check_paths(path, theirs, mine)
     keys = ("path", "shape", "dtype", "frozen")
     for i, (a, b) in enumerate(zip(theirs, mine)):
         diff = [k for k in keys if a.get(k) != b[k]]
@@ -2009,8 +2036,13 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     buffers: each bucket's master values, held as `fzero.init` holds them (`Stage.hold`: the
     shard, the master shard beside the compute copy `flat.to(compute)`, or the whole buffer);
     each optimizer field per its spec; the step counter and loss scale as saved. With
-    `restore_rng` and M == N, this rank's RNG states (CPU, and CUDA where saved and initialised)
-    are set to the ones saved by the same rank. With `buffers` (`{name: tensor}`, e.g.
+    `restore_rng` and M == N, this rank's torch RNG states (torch's CPU generator, and CUDA's
+    where saved and initialised) are set to the ones saved by the same rank; at another world
+    size they are left as they are, without a word, and Python's `random`, numpy's and the user's
+    own `torch.Generator` objects are never saved nor restored. On a `SimMesh`, whose `mesh.run`
+    restores the caller's RNG as it returns, a restored state lasts to the end of the run that
+    loaded it: load and train in one `mesh.run` (found in review: training in the next run drew
+    other dropout masks). With `buffers` (`{name: tensor}`, e.g.
     `ModuleInfo.buffers`), the buffers `save(..., buffers=)` kept (rank 0's) are copied into
     them in place, on every rank that passes them; the names, shapes and dtypes must be the
     saved ones. Without `buffers`, a checkpoint that holds them warns (`BuffersNotLoaded`, on
@@ -2074,7 +2106,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
                     "on rank 0 and send it with torch.distributed.broadcast_object_list); nothing was loaded")
 
         def unfit(failures: list[tuple[int, str]]) -> str:
-            return (f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint unfit; nothing was "
+            return (f"{shown}: {len(failures)} other rank(s) of {mesh!r} found the checkpoint damaged or unfit; nothing was "
                     f"loaded:{_listed(failures)}")
 
         _agree(mesh, "fzero.checkpoint/checked", error, key, shown, failed=unfit, same=_same_checkpoint,
