@@ -299,3 +299,30 @@ def bad_argument_on_one_rank(how):
     except fzero.MeshError as e:
         seen = f"{type(e).__name__}: {e}"
     return seen, time.monotonic() - start, fzero.collectives.all_reduce(torch.ones(1), mesh)
+
+
+def caught_loss_error(mesh, fails: int, attempts: int = 3):
+    """Stage 1, SGD: rank 1's loss raises `ValueError` on its first `fails` calls; each rank
+    retries a failed step up to `attempts` times. Per rank: what each attempt gave (the error's
+    type and message, or "ok"), and the params after."""
+    params = {"w": torch.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+    x, y = torch.linspace(-2.0, 2.0, 8).reshape(2, 4), torch.tensor([0, 2])
+    calls = [0]
+
+    def loss(p, b):
+        calls[0] += 1
+        if mesh.rank == 1 and calls[0] <= fails:
+            raise ValueError(f"transient error {calls[0]} on rank 1")
+        return torch.nn.functional.cross_entropy(b[0] @ p["w"], b[1])
+
+    state = fzero.init(params, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+    step, log = fzero.train_step(loss), []
+    for _ in range(attempts):
+        try:
+            state, _ = step(state, (x, y))
+        except Exception as e:  # noqa: BLE001 - what each attempt raised is the result
+            log.append((type(e).__name__, str(e)))
+            continue
+        log.append(("ok", ""))
+        break
+    return log, fzero.gather(state)["w"]

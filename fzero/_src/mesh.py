@@ -40,7 +40,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -354,8 +354,8 @@ class Mesh(abc.ABC):
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Wrap one rank's part of a multi-rank computation: if it raises, the other ranks are told
-        (DistMesh with `verify=True`) so they stop with `RankFailed` instead of waiting. SimMesh.run
-        does this itself."""
+        (SimMesh; DistMesh with `verify=True`) so they stop with `RankFailed` instead of waiting,
+        also where the rank catches its error and goes on."""
         yield
 
     @eager  # dynamo never traces a mesh (locks, condition variables, process groups)
@@ -549,6 +549,34 @@ def found_here() -> Iterator[None]:
 def _is_shared(e: BaseException) -> bool:
     """Whether `e` is a MeshError every rank raised together (not marked by `found_here`)."""
     return isinstance(e, MeshError) and not e.__dict__.get("_fzero_local", False)
+
+
+def _marked_told(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from or while handling, was announced to the
+    other ranks by a mesh's `guard` (`_mark_told`)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        if getattr(x, "__dict__", {}).get("_fzero_told"):
+            return True
+        seen.add(id(x))
+        x = x.__cause__ or x.__context__
+    return False
+
+
+def _mark_told(e: BaseException) -> None:
+    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+        e.__dict__["_fzero_told"] = True
+
+
+class _Failed(NamedTuple):
+    """A SimMesh rank's slot in a round where it announced an error of its own (`SimMesh.guard`),
+    in place of a collective's call."""
+
+    error: str
+
+    def __str__(self) -> str:
+        return f"its announcement of an error it raised ({self.error})"
 
 
 def _per_rank_args(per_rank_args: Sequence[Any] | Callable[[int], Any], rank: int, n: int) -> tuple:
@@ -777,7 +805,9 @@ class SimMesh(Mesh):
     `run` returns where every rank returned. (Before, the mismatch stayed with the mesh: every
     later collective raised it again and `run` raised it at the end, though each rank had handled
     it, where DistMesh returned.) A rank that stops, by returning or raising, while another waits
-    in a collective stops that one too.
+    in a collective stops that one too; an error of a rank's own inside fzero's calls (a step,
+    `init`, a save) is announced where it is raised (`guard`), as DistMesh's is, so the others
+    raise `RankFailed` in their collective also where the rank catches it and goes on.
     """
 
     def __init__(self, world_size: int) -> None:
@@ -829,6 +859,52 @@ class SimMesh(Mesh):
         if self._error is None:
             self._error = error
 
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """As DistMesh's: an exception of this rank's own (`_is_shared`) is announced to the other
+        ranks in the round this rank is at (`_announce`), so that those in that collective raise
+        `RankFailed` naming it, also where this rank catches it and goes on. Before, SimMesh told
+        them only when the error left `fn`: a rank that caught its error and retried met the others
+        in their collective unannounced (a retried step paired with their first), or left them
+        waiting to a `CollectiveMismatch` at the end of `run` that named no error, where DistMesh
+        raised `RankFailed` (found in review)."""
+        try:
+            yield
+        except BaseException as e:
+            if not _is_shared(e) and not self._told(e):
+                self._announce(e)
+            raise
+
+    def _told(self, e: BaseException) -> bool:
+        """As DistMesh's `_told`: an enclosing guard announced `e` (or its cause) and this rank
+        ran no collective since (a round completes only with every rank's slot in it, so the
+        round count moves on only where this rank took part)."""
+        r = getattr(_SIM_THREAD, "rank", None)
+        return self._announced.get(r) == self._round and _marked_told(e)
+
+    def _announce(self, e: BaseException) -> None:
+        """Put this rank's `_Failed` slot into the current round and wait for the round to end, as
+        `_exchange` waits for a collective: the ranks whose calls are in it raise `RankFailed`
+        (`_complete_round`). Nothing where this thread is not a running rank of this mesh, the
+        mesh is poisoned, or a rank has left `run` (its end raises there)."""
+        if getattr(_SIM_THREAD, "mesh", None) is not self:
+            return
+        with self._cond:
+            r = _SIM_THREAD.rank
+            if not self._running or self._error is not None or self._current != r or any(
+                    st in ("done", "fail") for st in self._status):
+                return
+            self._slots[r] = (_Failed(f"{type(e).__name__}: {e}"), None)
+            self._status[r] = "wait"
+            if len(self._waiting()) == self.world_size:
+                self._complete_round()
+            self._pass_turn(r)
+            self._take_turn(r)
+            self._status[r] = "run"
+            self._results[r] = None
+            self._announced[r] = self._round
+        _mark_told(e)
+
     def _waiting(self) -> list[int]:
         """Ranks that deposited into the current, incomplete round."""
         return [s for s, slot in enumerate(self._slots) if slot is not None]
@@ -865,7 +941,7 @@ class SimMesh(Mesh):
             self._take_turn(r)
             self._status[r] = "run"
             out, self._results[r] = self._results[r], None
-            if isinstance(out, CollectiveMismatch):  # this round's calls differ (`_complete_round`)
+            if isinstance(out, MeshError):  # this round's calls differ, or a rank failed (`_complete_round`)
                 raise out
             if self._error is not None:
                 raise self._error
@@ -873,7 +949,12 @@ class SimMesh(Mesh):
 
     def _complete_round(self) -> None:
         calls = [c for c, _ in self._slots]
-        if any(c != calls[0] for c in calls):
+        failed = [s for s, c in enumerate(calls) if isinstance(c, _Failed)]
+        if failed:  # as DistMesh's agreement with a FAIL row: every other rank of the round raises
+            said = "; ".join(f"rank {s} raised {calls[s].error}" for s in failed)
+            self._results = [None if s in failed else RankFailed(
+                f"{self!r}: {said}; rank {s} stops at {c} (collective #{self._round})") for s, c in enumerate(calls)]
+        elif any(c != calls[0] for c in calls):
             lines = "\n".join(f"  rank {s}: {c}" for s, c in enumerate(calls))
             alike = len({dataclasses.replace(c, grad=False) for c in calls}) == 1
             # every rank's result: each raises it, and the mesh goes on (the class docstring)
@@ -904,6 +985,7 @@ class SimMesh(Mesh):
         self._into: list[torch.Tensor | None] = [None] * n  # per rank, an all-gather's `out` (`_start`)
         self._error: MeshError | None = None
         self._round = 0
+        self._announced: dict[int, int] = {}  # rank -> the round count after its last announcement (`_told`)
         self._turn: int | None = 0
         outputs: list[Any] = [None] * n
         failures: list[tuple[int, BaseException]] = []
@@ -931,7 +1013,12 @@ class SimMesh(Mesh):
             with self._cond:
                 self._status[r] = "done"
                 waiting = self._waiting()
-                if waiting:
+                failed = [s for s in waiting if isinstance(self._slots[s][0], _Failed)]
+                if failed:  # as DistMesh's end of run meeting a FAIL row
+                    self._poison(RankFailed(f"{self!r}: rank(s) {failed} raised "
+                                            f"({'; '.join(self._slots[s][0].error for s in failed)}); rank {r} "
+                                            f"stops at the end of mesh.run"))
+                elif waiting:
                     self._poison(CollectiveMismatch(
                         f"{self!r}: rank {r} returned from mesh.run while rank(s) {waiting} wait in "
                         f"{self._slots[waiting[0]][0]}; every rank must call the same collectives"))
@@ -1621,8 +1708,7 @@ class DistMesh(Mesh):
                 with contextlib.suppress(MeshError):
                     self._agree(_KIND_FAIL, None)
                 self._announced = self._seq
-                with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-                    e.__dict__["_fzero_told"] = True
+                _mark_told(e)
             raise
 
     def _told(self, e: BaseException) -> bool:
@@ -1631,14 +1717,7 @@ class DistMesh(Mesh):
         nested in another, re-raising or wrapping it), and no collective ran since. A new failure
         right after one (a rank that caught an error and called again, with no collective in
         between) is announced: the others wait in that call's first collective."""
-        seen: set[int] = set()
-        x: BaseException | None = e
-        while self._announced == self._seq and x is not None and id(x) not in seen:
-            if getattr(x, "__dict__", {}).get("_fzero_told"):
-                return True
-            seen.add(id(x))
-            x = x.__cause__ or x.__context__
-        return False
+        return self._announced == self._seq and _marked_told(e)
 
     def run(self, fn: Callable[..., Any], per_rank_args: Sequence[Any] | Callable[[int], Any] = ()) -> list[Any]:
         args = _per_rank_args(per_rank_args, self._rank, self.world_size)

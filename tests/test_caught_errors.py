@@ -1,0 +1,46 @@
+"""A rank that catches an error of its own and goes on (a retried step): the other ranks are
+told at the collective they wait in (`RankFailed` naming the error), on a `SimMesh` as on a
+`DistMesh` (docs/bad-input.md rows 23 and 49). Before, a SimMesh rank was announced only when
+its error left `mesh.run`'s function: rank 0's step paired silently with rank 1's retry, or, where
+rank 1 gave up, rank 0 waited to a `CollectiveMismatch` at the end of `run` that named no error,
+where DistMesh raised `RankFailed` (found in review of the docs)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import fzero
+
+from . import dist_cases as cases
+
+
+def _sim(fails: int, attempts: int = 3):
+    mesh = fzero.SimMesh(2)
+    return mesh.run(functools.partial(cases.caught_loss_error, mesh, fails, attempts))
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("dist", marks=pytest.mark.dist)])
+def test_a_transient_error_a_rank_retries_stops_the_others_once_then_both_step(where, request):
+    runs = (_sim(1) if where == "sim" else request.getfixturevalue("dist2").run(cases.caught_loss_error, [(1,)] * 2))
+    (log0, w0), (log1, w1) = runs
+    assert log1 == [("ValueError", "transient error 1 on rank 1"), ("ok", "")]
+    assert [kind for kind, _ in log0] == ["RankFailed", "ok"], log0
+    assert "1] raised" in log0[0][1] or "rank 1 raised ValueError" in log0[0][1]
+    assert "rank 0 stops at reduce_scatter" in log0[0][1]
+    (_, c0), (_, c1) = _sim(0)  # the same step with no error: the same bits
+    assert torch.equal(w0, c0) and torch.equal(w1, c1) and torch.equal(w0, w1)
+
+
+@pytest.mark.parametrize("where", ["sim", pytest.param("dist", marks=pytest.mark.dist)])
+def test_an_error_a_rank_catches_every_time_stops_the_others_at_every_attempt(where, request):
+    runs = (_sim(9, 2) if where == "sim" else request.getfixturevalue("dist2").run(cases.caught_loss_error,
+                                                                                   [(9, 2)] * 2))
+    (log0, w0), (log1, w1) = runs
+    assert [kind for kind, _ in log1] == ["ValueError", "ValueError"]
+    assert [kind for kind, _ in log0] == ["RankFailed", "RankFailed"], log0
+    assert torch.equal(w0, w1)  # nothing was updated on either rank
+    if where == "sim":  # SimMesh names the error itself (a DistMesh rank sees only the other's FAIL row)
+        assert "rank 1 raised ValueError: transient error 1 on rank 1; rank 0 stops at reduce_scatter" in log0[0][1]
