@@ -143,7 +143,11 @@ def test_export_to_a_folder_leaves_no_temporary_file(checkpoint, tmp_path, capsy
     """The writer left OUT.tmp behind when OUT could not be replaced (a folder)."""
     out = tmp_path / "out"
     out.mkdir()
-    _usage_error(capsys, ["export", checkpoint, str(out)], f"cannot write {str(out)!r}")
+    _usage_error(capsys, ["export", checkpoint, str(out)], f"cannot write {str(out)!r}: it is a folder")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"] and os.listdir(out) == []
+    # with a trailing slash: "Not a directory" before, of a folder (found in review)
+    _usage_error(capsys, ["export", checkpoint, str(out) + "/"], "it is a folder", "out/model.safetensors")
+    _usage_error(capsys, ["export", checkpoint, str(tmp_path / "new") + "/"], "it is a folder")
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"] and os.listdir(out) == []
     assert main(["export", checkpoint, str(tmp_path / "m.safetensors"), "--dtype", "bf16"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "m.safetensors", "out"]

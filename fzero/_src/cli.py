@@ -477,6 +477,9 @@ def _run_export(args: argparse.Namespace) -> int:
     if inside:  # it would replace a file of the checkpoint (its manifest: found in review), or sit among them
         raise CliError(f"cannot write {args.out!r}: it is inside the checkpoint {args.checkpoint!r}; write the "
                        f"export outside it")
+    if os.path.isdir(args.out) or args.out.endswith(("/", os.sep)):  # (found in review: "Not a directory" for "dir/")
+        raise CliError(f"cannot write {args.out!r}: it is a folder; name the file to write, e.g. "
+                       f"{os.path.join(args.out, 'model.safetensors')!r}")
     try:
         tensors = ckpt.export(args.checkpoint, dtype=args.dtype)
     except ckpt.CheckpointError as e:
