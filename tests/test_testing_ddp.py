@@ -139,7 +139,21 @@ def test_trajectory_differences_names_step_key_count_and_size_of_a_difference():
     assert trajectory_differences(ref, got) == [f"step 1: 'w': float32[3, 4]: 1 of 12 elements differ, "
                                                 f"max |diff| {ulp:.3g}"]
     ref[2]["b"][0], got[2]["b"][0] = 0.0, -0.0  # the same value, other bits
-    assert trajectory_differences(ref, got)[1] == "step 2: 'b': float32[4]: 1 of 4 elements differ, max |diff| 0"
+    assert trajectory_differences(ref, got)[1] == ("step 2: 'b': float32[4]: 1 of 4 elements differ, max |diff| 0; "
+                                                   "first at flat index 0: ref 0.0 (0x00000000), got -0.0 (0x80000000)")
+
+
+def test_trajectory_differences_is_exact_for_integers_and_shows_nans_bits():
+    """int64 values above 2**53 differed by "max |diff| 0" (float64 rounds them), and a NaN
+    against 1.0 by "max |diff| nan", neither value shown (found in review of a fzero.testing user)."""
+    ref = [{"n": torch.tensor([2**62, 5]), "x": torch.tensor([float("nan"), 1.0])}]
+    got = [{"n": torch.tensor([2**62 + 1, 5]), "x": torch.tensor([1.0, 1.0])}]
+    assert trajectory_differences(ref, got) == [
+        "step 0: 'n': int64[2]: 1 of 2 elements differ, max |diff| 1",
+        "step 0: 'x': float32[2]: 1 of 2 elements differ, max |diff| nan; first at flat index 0: ref nan (0x7fc00000), "
+        "got 1.0 (0x3f800000)"]
+    same_nan = [{"x": torch.tensor([float("nan")])}]
+    assert trajectory_differences(same_nan, [{"x": same_nan[0]["x"].clone()}]) == []  # the same bits
 
 
 def test_trajectory_differences_names_dtype_shape_key_and_length_mismatches():

@@ -81,12 +81,20 @@ The default `impl=None` is "foreach" on the CPU ("fused" on CUDA where torch's k
 element-wise, `fzero.optim.sgd`'s docstring); on the CPU, float32 params, it gives
 `foreach=False`'s bits too (`tests/test_ddp.py` compares the default with `foreach=False`, and
 `tests/test_testing_ddp.py` this module's functions). Only gloo (CPU) meshes are tested here.
+
+Where the bits are promised: N = 1 and 2 with float32 (or float64) params. At N >= 3 fzero's
+reduce-scatter and DDP's all-reduce add the ranks' gradients in other orders, so `[]` is not to be
+expected: the difference is bounded (proofs/stages.md §3), and `trajectory_differences` has no
+tolerance; compare there with your own bound. bf16 / fp16 params (no fp32 master) differ from
+torch's in the elements of torch's "tails" (README, the foreach kernels' remainders), whatever
+the stage.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -239,7 +247,11 @@ def fzero_trajectory(
       broadcast_buffers: False for DDP's `broadcast_buffers=False`.
       init_kwargs: more arguments of `fzero.init` (`precision`, `bucket_bytes`, ...); its
         `groups` come after `from_module`'s frozen group.
-      step_kwargs: arguments of `fzero.train_step` (`clip_norm`, `gather`, ...).
+      step_kwargs: arguments of `fzero.train_step` (`gather`, `engine`, `prefetch`, ...). Those
+        that change the update -- `clip_norm` where it clips, `micro_batches`, `loss_scale` --
+        have no counterpart on `ddp_trajectory`'s side, which steps once per batch with no
+        clipping: there the trajectories differ by design (the suite's own DDP references for
+        them, with `no_sync` and `clip_grad_norm_`, are in tests/ddp_cases.py).
     """
     who = "fzero_trajectory"
     batches = list(batches)
@@ -558,9 +570,11 @@ def trajectory_differences(ref: Sequence[Mapping[str, torch.Tensor]], got: Seque
     `fzero_trajectory` return).
 
     Compared per step: the keys (those on one side only), then per key the dtype and shape, then
-    the bits (`-0.0` against `0.0`, or two NaNs, differ; tensors on another device are compared
-    on the CPU). A line names the step, the key, the dtype and shape, how many elements differ
-    and the largest |difference|. At most `limit` lines, then one saying how many more there were.
+    the bits (`-0.0` against `0.0`, or a NaN against a NaN of other bits, differ; tensors on
+    another device are compared on the CPU). A line names the step, the key, the dtype and
+    shape, how many elements differ and the largest |difference| (exact for integers); where that
+    is 0 or NaN (signed zeros, NaNs), the first differing element's index and both values with
+    their bits. At most `limit` lines, then one saying how many more there were.
 
     Nothing to compare is a difference, never `[]`: two trajectories of 0 steps ("0 steps in ref
     and got: nothing compared"), and a step where both snapshots are empty. (Before, `[]`: a test
@@ -597,11 +611,26 @@ def _tensor_difference(a: Any, b: Any) -> str | None:
         return None
     differ = (bytes_a.view(a.numel(), -1) != bytes_b.view(b.numel(), -1)).any(1)
     text = f"{_spec(a)}: {int(differ.sum())} of {a.numel()} elements differ"
-    if a.dtype != torch.bool:
-        wide = torch.complex128 if a.is_complex() else torch.float64
-        x, y = (v.detach().cpu().reshape(-1)[differ].to(wide) for v in (a, b))
-        text += f", max |diff| {(x - y).abs().max().item():.3g}"
+    if a.dtype == torch.bool:
+        return text
+    x, y = (v.detach().cpu().resolve_conj().resolve_neg().reshape(-1)[differ] for v in (a, b))
+    if not (a.is_floating_point() or a.is_complex()):  # exact: float64 rounds int64's above 2**53 (found in review)
+        return text + f", max |diff| {max(abs(i - j) for i, j in zip(x.tolist(), y.tolist()))}"
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    largest = (x.to(wide) - y.to(wide)).abs().max().item()
+    text += f", max |diff| {largest:.3g}"
+    if largest == 0 or math.isnan(largest):  # signed zeros or NaNs: the values say nothing, their bits do
+        i = int(differ.nonzero()[0])
+        text += (f"; first at flat index {i}: ref {_element(a, i)}, got {_element(b, i)}")
     return text
+
+
+def _element(x: torch.Tensor, i: int) -> str:
+    """Element `i` of `x` (flat) and its bits in hex: `-0.0 (0x80000000)`."""
+    one = x.detach().cpu().resolve_conj().resolve_neg().reshape(-1)[i : i + 1].contiguous()
+    if one.is_complex():  # (two floats: their values carry the sign of a zero and a NaN's payload is rare)
+        return str(one.item())
+    return f"{one.item()} (0x{bytes(one.view(torch.uint8).flip(0).tolist()).hex()})"
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
