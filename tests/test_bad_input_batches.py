@@ -261,3 +261,23 @@ def test_a_dtype_error_about_integer_targets_gets_no_note():
     assert "long" in str(caught.value).lower(), caught.value  # non-vacuous: torch's words name Long
     batch = (torch.randn(2, 3).to(b), torch.tensor([0.0, 1.0]))
     assert precision.batch_dtype_note(str(caught.value), batch, {b}, b) == ""
+
+
+def test_no_batch_note_beside_applys_buffer_note():
+    """A BatchNorm's fp32 buffers under a bf16 policy, the loss casting its input itself: torch's
+    dtype error gets `apply`'s buffer note (row 106) and no batch note, which told a loss that
+    casts its input to cast it (found in review)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh, precision=BF16)
+        step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0].to(torch.bfloat16)).float(), b[1]))
+        with pytest.raises(RuntimeError) as e:
+            step(state, batch)
+        return getattr(e.value, "__notes__", [])
+
+    notes = mesh.run(rank, [(_batch(),)])[0]
+    assert any(n.startswith("fzero: the params reach the module in torch.bfloat16, but not its buffers") for n in notes)
+    assert not any("of the batch" in n for n in notes), notes

@@ -4,6 +4,8 @@ types given for `groups` / `ParamGroup` fields, and non-finite hyper-parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -182,6 +184,23 @@ def test_paramgroup_fields_are_checked_by_type():
             fzero.ParamGroup(**{"name": "g", **kw})
     assert fzero.ParamGroup("g", weight_decay=0.0).weight_decay is False  # torch's spelling of "no decay"
     assert fzero.ParamGroup("g", lr_scale=2).lr_scale == 2.0 and isinstance(fzero.ParamGroup("g", lr_scale=2).lr_scale, float)
+
+
+def test_paramgroup_given_torchs_per_group_keys_names_what_a_group_sets():
+    """torch's param-group keys (`lr`, `betas`, `eps`) were Python's bare `TypeError` ("unexpected
+    keyword argument"); now a `LayoutError` naming them, what a group sets, and for `lr` the
+    `lr_scale` that gives it (found in review of a LoRA user). The fields keep their order and
+    `dataclasses.replace` still works."""
+    with pytest.raises(fzero.LayoutError, match=r"ParamGroup 'lora_B' got 'lr', which a group does not set: .*"
+                                                 r"lr_scale\).*for lr=0.0001: lr_scale=0.0001 / the optimizer's lr"):
+        fzero.ParamGroup("lora_B", lr=1e-4)
+    with pytest.raises(fzero.LayoutError, match=r"got 'betas', 'eps', .*betas, eps and momentum are the optimizer's"):
+        fzero.ParamGroup("g", betas=(0.9, 0.95), eps=1e-6)
+    g = fzero.ParamGroup("g", None, False, 2.0)
+    assert (g.name, g.match, g.weight_decay, g.lr_scale, g.frozen) == ("g", None, False, 2.0, False)
+    assert dataclasses.replace(g, lr_scale=3).lr_scale == 3.0 and hash(g) == hash(fzero.ParamGroup("g", None, False, 2.0))
+    with pytest.raises(fzero.LayoutError, match="lr_scale must be a Python float"):
+        dataclasses.replace(g, lr_scale="3")
 
 
 # --- hyper-parameters (lesser) ------------------------------------------------------------------

@@ -15,10 +15,12 @@ The models are tests/ddp_cases.py's; from_module against torch DDP is tests/test
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fzero
@@ -624,3 +626,56 @@ def test_a_new_simmesh_does_not_take_a_freed_meshs_rank_modes():
         gc.collect()
         assert fzero.SimMesh(2).run(lambda: apply.training) == [True, True]
     assert len(apply._modes.ranks) == 0
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen bf16 base weight beside fp32 adapters, in one module (PEFT's usual dtypes)."""
+
+    def __init__(self, d: int = 6, r: int = 2):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d, d).bfloat16(), requires_grad=False)
+        self.lora_A = torch.nn.Parameter(torch.randn(r, d) * 0.1)
+        self.lora_B = torch.nn.Parameter(torch.randn(d, r) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x.bfloat16(), self.weight).float() + x @ self.lora_A.T @ self.lora_B.T
+
+
+def test_a_unit_of_two_dtypes_is_told_units_split_one_modules_parameters_and_that_recipe_trains():
+    """The refusal of a unit mixing dtypes names the way out by path (found in review of a LoRA
+    user: "put them in different units" did not say one module's parameters may be split); the
+    recipe it gives trains, every stage with stage 0's bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_LoRALinear(), torch.nn.Tanh(), _LoRALinear())
+    with pytest.raises(fzero.LayoutError) as e:
+        fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    text = str(e.value)
+    assert "unit '0' mixes parameters on different devices or dtypes: '0.weight' is torch.bfloat16" in text
+    assert "units go by parameter path, so one submodule's parameters may be split" in text
+    recipe = text[text.index("dtypes = "):]
+    namespace = {"model": model}
+    exec(recipe.replace("; units=", "\nunits="), namespace)  # the message's own words, run
+    params, apply, info = fzero.from_module(model, units=namespace["units"])
+    assert info.units("0.weight") == "0-torch.bfloat16" and info.units("0.lora_A") == "0-torch.float32"
+    mesh = fzero.SimMesh(2)
+    x = torch.randn(2, 4, 6)
+
+    def rank(stage, x):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        for _ in range(2):
+            state, _ = fzero.train_step(lambda p, b: apply(p, b).pow(2).mean())(state, x)
+        return fzero.gather(state)
+
+    results = {s: mesh.run(functools.partial(rank, s), [(x[0],), (x[1],)]) for s in (0, 3)}
+    for a, b in zip(results[0], results[3]):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(results[3][0]["0.weight"], model[0].weight) and not torch.equal(
+        results[3][0]["0.lora_A"], model[0].lora_A)
+
+
+def test_a_config_dict_given_to_from_module_names_where_its_settings_go():
+    with pytest.raises(fzero.FzeroError, match=r"from_module expects an nn.Module \(the model\), got dict: a config "
+                                               r"dict \(DeepSpeed's\) has no place here; .*fzero.init \(stage="):
+        fzero.from_module({"zero_optimization": {"stage": 3}})
+    with pytest.raises(fzero.FzeroError, match=r"got list$"):
+        fzero.from_module([torch.nn.Linear(2, 2)])

@@ -35,7 +35,7 @@ DEFAULT_UNIT = "default"
 UnitSpec = Union[None, Callable[[str], str], Mapping[str, Callable[[str], bool]]]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ParamGroup:
     """Per-leaf optimizer settings, chosen by a predicate on the leaf's dotted path.
 
@@ -55,6 +55,15 @@ class ParamGroup:
     weight_decay: bool = True
     lr_scale: float = 1.0
     frozen: bool = False
+
+    def __init__(self, name: str = "default", match: Callable[[str], bool] | None = None,
+                 weight_decay: bool = True, lr_scale: float = 1.0, frozen: bool = False, **unknown: Any) -> None:
+        if unknown:  # torch's per-group keys (lr, betas, eps, momentum): Python's bare TypeError before (found in review)
+            raise LayoutError(_unknown_settings(name, unknown))
+        for field, value in (("name", name), ("match", match), ("weight_decay", weight_decay),
+                             ("lr_scale", lr_scale), ("frozen", frozen)):
+            object.__setattr__(self, field, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -97,6 +106,18 @@ class ParamGroup:
         if not math.isfinite(scale) or scale < 0:
             raise LayoutError(f"ParamGroup {self.name!r}: lr_scale must be finite and >= 0, got {scale}")
         object.__setattr__(self, "lr_scale", scale)  # a float, as group_lr's product with the lr
+
+
+def _unknown_settings(name: Any, unknown: dict[str, Any]) -> str:
+    """`ParamGroup`'s words for keywords it has no field for: what a group can set, and, for
+    torch's per-group `lr`, the `lr_scale` that gives it."""
+    keys = ", ".join(repr(k) for k in unknown)
+    lr = unknown.get("lr")
+    scale = (f"; for lr={lr!r}: lr_scale={lr!r} / the optimizer's lr (fzero.optim.adamw(base_lr) then gives "
+             f"the group fl(base_lr * lr_scale))" if "lr" in unknown else "")
+    return (f"ParamGroup {name!r} got {keys}, which a group does not set: a ParamGroup sets only whether the "
+            f"optimizer's weight decay applies (weight_decay=False), a learning-rate scale (lr_scale) and frozen; "
+            f"the decay amount, betas, eps and momentum are the optimizer's, one for every group{scale}")
 
 
 def as_flag(value: Any) -> bool | None:

@@ -82,6 +82,7 @@ from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh, simmesh_rank
 from .originals import note_flags, note_originals, refuse_changed_flags
+from .precision import BUFFER_NOTE
 from .remat import remat_call
 
 
@@ -302,7 +303,10 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
       [0, 0]
     """
     if not isinstance(module, nn.Module):
-        raise FzeroError(f"from_module expects an nn.Module, got {type(module).__name__}")
+        config = (": a config dict (DeepSpeed's) has no place here; its settings are keywords of fzero.init "
+                  "(stage=, precision=, offload=, loss_scale=) and of fzero.train_step (micro_batches=, clip_norm=), "
+                  "docs/deepspeed.md" if isinstance(module, Mapping) else "")
+        raise FzeroError(f"from_module expects an nn.Module (the model), got {type(module).__name__}{config}")
     _check_unwrapped(module)
     _warn_compiled(module)
     canonical: dict[int, str] = {}
@@ -964,7 +968,7 @@ def buffer_dtype_note(message: str, buffers: Mapping[str, torch.Tensor], params:
     dtypes = sorted(map(str, floating))
     to = dtypes[0] if len(dtypes) == 1 else "dtype"
     held = dtypes[0] if len(dtypes) == 1 else f"one of {', '.join(dtypes)}"
-    return (f"fzero: the params reach the module in {held}, but not its buffers {shown}{more} (a precision policy "
+    return (f"{BUFFER_NOTE} {held}, but not its buffers {shown}{more} (a precision policy "
             f"casts the params to its compute dtype, not the module's buffers); where the module reads both in one "
             f"op, cast its floating buffers to the params' dtype before from_module (for m in model.modules(): for n, "
             f"b in m.named_buffers(recurse=False): setattr(m, n, b.to({to})) where b.is_floating_point()), or compute "
@@ -1464,7 +1468,10 @@ def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
             raise LayoutError(
                 f"unit {unit!r} mixes parameters on different devices or dtypes: {first[0]!r} is "
                 f"{first[2]} on {first[1]}, {name!r} is {p.dtype} on {p.device}; move/cast the module "
-                f"(e.g. model.to(device, dtype)) or put them in different units")
+                f"(e.g. model.to(device, dtype)) or put them in different units: units go by parameter path, so "
+                f"one submodule's parameters may be split, e.g. by dtype (a frozen bf16 base beside fp32 adapters): "
+                f"dtypes = {{n: str(p.dtype) for n, p in model.named_parameters()}}; "
+                f"units=lambda path: f'{{path.rsplit(\".\", 1)[0]}}-{{dtypes[path]}}'")
 
 
 def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) -> Callable[[str], str]:

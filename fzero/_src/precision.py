@@ -178,6 +178,9 @@ def computes(precision: Precision, buckets: Collection[BucketSpec]) -> frozenset
     return frozenset(precision.wire(b).compute for b in buckets)
 
 
+BUFFER_NOTE = "fzero: the params reach the module in"  # how `module.buffer_dtype_note` starts
+
+
 def batch_dtype_note(message: str, batch: Any, params: Collection[torch.dtype], policy: torch.dtype | None,
                      where: str = "the batch", reader: str = "the loss") -> str:
     """The note a step (or `evaluate`) adds to an error its loss raised, where the error is about
@@ -225,6 +228,8 @@ def note_batch_dtypes(e: BaseException, precision: Precision, buckets: Collectio
     """Add `batch_dtype_note` to `e`, an error the loss (or `evaluate`'s fn) raised, for the
     dtypes the params reach it in under `precision` (`computes`); the step's and `evaluate`'s
     error paths. A note that cannot be made never hides `e`."""
+    if any(str(n).startswith(BUFFER_NOTE) for n in getattr(e, "__notes__", ())):
+        return  # the module's floating buffers meet the params: the batch may be cast already (found in review)
     with contextlib.suppress(Exception):
         note = batch_dtype_note(str(e), batch, computes(precision, buckets), precision.param_dtype, where, reader)
         if note:
