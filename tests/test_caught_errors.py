@@ -44,3 +44,12 @@ def test_an_error_a_rank_catches_every_time_stops_the_others_at_every_attempt(wh
     assert torch.equal(w0, w1)  # nothing was updated on either rank
     if where == "sim":  # SimMesh names the error itself (a DistMesh rank sees only the other's FAIL row)
         assert "rank 1 raised ValueError: transient error 1 on rank 1; rank 0 stops at reduce_scatter" in log0[0][1]
+
+
+def test_an_error_inside_a_guard_outside_any_run_is_the_error_itself():
+    """A SimMesh that never ran: `init`'s guard passes the bad argument's error on (found in
+    review of the guard: an `AttributeError` for the run's round count hid it)."""
+    mesh = fzero.SimMesh(2)
+    with pytest.raises(fzero.ConfigError, match=r"stage must be 0, 1, 2 or 3 \(the ZeRO stage\), got 7") as e:
+        fzero.init({"w": torch.ones(4, 3)}, fzero.optim.sgd(0.1), stage=7, mesh=mesh)
+    assert e.value.__context__ is None

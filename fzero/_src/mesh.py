@@ -815,6 +815,8 @@ class SimMesh(Mesh):
         self._cond = threading.Condition()
         self._running = False
         self._current: int | None = None
+        self._round = 0  # (`run` resets both; a guard outside any run reads them: found in review)
+        self._announced: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return f"SimMesh({self.world_size}, id={self.id})"

@@ -405,8 +405,8 @@ def _telling(mesh: Mesh) -> Iterator[None]:
     """Tell the other ranks of an exception raised here, so that they raise `RankFailed` at their
     next agreement (`_agreed`) instead of waiting for this rank in a collective: a verified
     `DistMesh`'s guard announces it (the others' agreement, an fzero collective, raises); on an
-    unverified one this rank sends a row of code `_FAILED` to the agreements' all-gather. (A
-    `SimMesh`'s `run` tells the others itself: its guard does nothing.)"""
+    unverified one this rank sends a row of code `_FAILED` to the agreements' all-gather; a
+    `SimMesh`'s guard announces it as a verified DistMesh's does."""
     if isinstance(mesh, DistMesh) and not mesh.verify and mesh.world_size > 1:
         try:
             yield
