@@ -1,8 +1,11 @@
-"""A parameter's `requires_grad` changed on the module after `fzero.from_module` read it is
-refused in grad mode (docs/bad-input.md row 211): `from_module` chose the frozen leaves when it
-ran (`info.groups`, fixed at `fzero.init`), so a module frozen after `from_module` (a LoRA user's
-`model.requires_grad_(False)` before re-enabling the adapters) trained every leaf, and a layer
-thawed or frozen between steps went on as before, silently (found in review of a LoRA user)."""
+"""A step of a state made of `fzero.from_module`'s params refuses a parameter whose
+`requires_grad` changed on the module since `from_module` read it and now disagrees with what
+the state does with the leaf (docs/bad-input.md row 211): `from_module` chose the frozen leaves
+when it ran (`info.groups`, fixed at `fzero.init`), so a module frozen after `from_module` (a LoRA
+user's `model.requires_grad_(False)` before re-enabling the adapters) trained every leaf, and a
+layer thawed or frozen between steps went on as before, silently (found in review of a LoRA
+user). The first version checked in `apply`, and refused a teacher or critic run through `apply`
+with another state's params in a loss (found in review); the step checks its own state now."""
 
 from __future__ import annotations
 
@@ -75,9 +78,9 @@ def test_a_module_frozen_after_from_module_is_refused_at_the_first_step(stage, e
         return str(e.value)
 
     for message in mesh.run(rank, [(b,) for b in _batches(2)]):  # every rank, before any update
-        assert "'0.weight' (trainable then, frozen now), '0.bias' (trainable then, frozen now)" in message
+        assert "'0.bias' (trainable then, frozen now), '0.weight' (trainable then, frozen now)" in message
         assert "'2.weight'" not in message and "Sequential given to fzero.from_module" in message
-        assert "fzero.from_module(model) again" in message and "info.groups" in message
+        assert "fzero.from_module(model, units=...) again" in message and "info.groups" in message
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -180,9 +183,10 @@ def test_a_module_freed_after_from_module_is_not_read():
         assert set(got) == set(expected) and not torch.equal(got["0.weight"], expected["0.weight"])
 
 
-def test_a_compiled_loss_on_use_is_refused_too():
-    """The on-use path checks in its eager bookkeeping, which dynamo does not trace (the dict
-    path traced whole is not checked: docs/compile.md)."""
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+def test_a_compiled_loss_is_refused_too(gather):
+    """The step checks its state, eagerly: a compiled loss, either gather (the first version,
+    in `apply`, did not see a compiled dict path)."""
     torch._dynamo.reset()
     model = _model()
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
@@ -192,6 +196,92 @@ def test_a_compiled_loss_on_use_is_refused_too():
     def rank(batch):
         state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=info.groups)
         with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
-            fzero.train_step(torch.compile(_loss(apply), backend="aot_eager"), gather="on_use")(state, batch)
+            fzero.train_step(torch.compile(_loss(apply), backend="aot_eager"), gather=gather)(state, batch)
+
+    mesh.run(rank, [(_batches(1)[0][0],)])
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+def test_a_teacher_frozen_after_from_module_and_run_through_apply_with_its_states_params_trains(gather):
+    """A distillation loop: the teacher given to `from_module` (its state trained it), then
+    frozen, and run through its `apply` in the student's loss, with its own state's gathered
+    params, plainly and under `torch.func.grad`: the student's step does not read the teacher's
+    flags (found in review of the first version, which refused all three)."""
+    teacher, student = _model(), _model()
+    t_params, t_apply, t_info = fzero.from_module(teacher)
+    s_params, s_apply, s_info = fzero.from_module(student, units=fzero.units_by_prefix(student, ""))
+    teacher.requires_grad_(False)
+    mesh = fzero.SimMesh(2)
+
+    def rank(batches):
+        t_state = fzero.init(t_params, optim.sgd(0.1), stage=0, mesh=mesh)
+        tp = fzero.gather(t_state)
+
+        def loss(p, b):
+            soft = torch.func.grad(lambda q: t_apply(q, b[0]).logsumexp(-1).sum())(tp)["0.weight"].sum()
+            return F.cross_entropy(s_apply(p, b[0]), t_apply(tp, b[0]).softmax(-1)) + 0 * soft
+
+        # (stage 1: a torch.func transform inside a stage-3 on-use loss is its own refusal, docs/func.md)
+        state = fzero.init(s_params, optim.adamw(1e-2), stage=1, mesh=mesh, units=s_info.units, groups=s_info.groups)
+        state, _ = fzero.train_step(loss, gather=gather)(state, batches[0])
+        return fzero.gather(state)
+
+    for got in mesh.run(rank, [(b,) for b in _batches(2)]):
+        assert not torch.equal(got["0.weight"], s_params["0.weight"])
+
+
+def test_a_frozen_paramgroup_over_a_trainable_parameter_whose_flag_never_changed_trains():
+    """Freezing by fzero's own `ParamGroup(frozen=True)`, the module's flags untouched: no flag
+    changed, nothing refused; and a flag changed to what the state does already passes too."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh = fzero.SimMesh(2)
+    frozen = fzero.ParamGroup("mine", match=lambda path: path.startswith("0."), frozen=True)
+
+    def rank(batches):
+        state = fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=info.units, groups=[frozen])
+        state, _ = fzero.train_step(_loss(apply))(state, batches[0])
+        if mesh.rank == 0:
+            model[0].requires_grad_(False)  # now the module agrees with the state
+        state, _ = fzero.train_step(_loss(apply))(state, batches[1])
+        return fzero.gather(state)
+
+    for got in mesh.run(rank, [(b,) for b in _batches(2)]):
+        assert torch.equal(got["0.weight"], params["0.weight"]) and not torch.equal(got["2.weight"], params["2.weight"])
+
+
+def test_a_parameter_replaced_in_its_module_is_read_by_name():
+    """`load_state_dict(..., assign=True)` puts new Parameters into the module: the check reads
+    the module's parameter by its name (found in review: the first version held the old ones and
+    passed a frozen layer over, which then trained)."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    gc.collect()
+    model[0].requires_grad_(False)
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units, groups=info.groups)
+        with pytest.raises(fzero.ConfigError, match=r"'0.bias' \(trainable then, frozen now\), '0.weight'"):
+            fzero.train_step(_loss(apply))(state, batch)
+
+    mesh.run(rank, [(_batches(1)[0][0],)])
+
+
+def test_from_module_called_again_does_not_let_the_old_state_train_the_old_set():
+    """Half the message's recipe: `from_module` again, the old state stepped on with the new
+    `apply`: still refused (the state compares the module with what it was made of; found in
+    review of the first version, which compared each `apply` with its own `from_module`)."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=1, mesh=mesh, units=info.units, groups=info.groups)
+        model[0].requires_grad_(False)
+        _, apply2, _ = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+        with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
+            fzero.train_step(_loss(apply2))(state, batch)
 
     mesh.run(rank, [(_batches(1)[0][0],)])

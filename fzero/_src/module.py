@@ -81,7 +81,7 @@ from .errors import ConfigError, FzeroError, LayoutError
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh, simmesh_rank
-from .originals import note_flags, note_originals, refuse_changed_flags
+from .originals import note_born, note_originals
 from .precision import BUFFER_NOTE
 from .remat import remat_call
 
@@ -94,8 +94,8 @@ class ModuleInfo(NamedTuple):
       buffers: `{buffer name: the skeleton's live buffer tensor}` (updated in place by `apply`).
       units: the `units` to pass to `fzero.init` (the `from_module` argument, or None).
       groups: the `groups` to pass to `fzero.init`: `ParamGroup("frozen", frozen=True)` over the
-        `requires_grad=False` parameters, if any, as `from_module` read them (freeze first: a flag
-        changed afterwards is refused by `apply` in grad mode, docs/bad-input.md row 211).
+        `requires_grad=False` parameters, if any, as `from_module` read them (freeze first: a step
+        of a state made of these params refuses a flag changed afterwards, docs/bad-input.md row 211).
       frozen: names of the `requires_grad=False` parameters.
       persistent: names of the buffers the module's `state_dict` holds (all but those registered
         with `persistent=False`); None: every name in `buffers`.
@@ -323,7 +323,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     note_originals(module, canonical)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
-    flags, module_type = note_flags(module, canonical), type(module).__name__  # a flag changed since: refused
+    note_born(module, params)  # a state made of them refuses a step where a flag changed since (`refuse_changed_flags`)
     _check_dense(module)
     _check_tensor_hooks(module)
     _check_hooks(module)
@@ -372,8 +372,6 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         nonlocal known
         if not (params.unit_map is known or params.unit_map.keys() == expected):
             return None
-        if torch.is_grad_enabled():  # (`fzero.evaluate` and `torch.no_grad()` reads pass)
-            refuse_changed_flags(flags, module_type)
         if params.unit_map is not known:  # a new layout: its leaves' shapes, once (specs only)
             _check_shapes(shapes, params.shapes)
         # gathers run inside this forward, and SimMesh switches ranks at collectives: each rank
@@ -428,8 +426,6 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                     f"call apply(p['model'], ...)" if extra else "")
             raise FzeroError(f"apply needs exactly the params from_module returned ({len(expected)} leaves); missing "
                              f"{missing[:5]}, unexpected {extra[:5]}{nest}")
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # (traced: not checked, docs/compile.md)
-            refuse_changed_flags(flags, module_type)
         bound: dict[str, torch.Tensor] = dict(buffers)
         for name, names in alias_table.items():
             t = params[name]

@@ -28,14 +28,17 @@ module's docs say the original keeps the values it had.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError
 from .layout import unwrapped
+from .tree import flatten_with_paths
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
 
@@ -48,38 +51,102 @@ def note_originals(module: torch.nn.Module, canonical: dict[int, str]) -> None:
             _ORIGINALS[p] = (canonical[id(p)], type(module).__name__)
 
 
-def note_flags(module: torch.nn.Module, canonical: dict[int, str]) -> tuple[tuple[weakref.ref, str, bool], ...]:
-    """Each distinct parameter of `module` (held weakly), its name in params (`canonical`) and
-    its `requires_grad` as `from_module` reads it: what `refuse_changed_flags` compares."""
-    return tuple((weakref.ref(p), canonical[id(p)], p.requires_grad) for p in module.parameters())
+_BORN: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a params tensor from_module returned -> `_Born`
+_LINKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a state's layout -> its leaves' `_Link`s
 
 
-def refuse_changed_flags(noted: tuple[tuple[weakref.ref, str, bool], ...], module: str) -> None:
-    """Raise `ConfigError` where a parameter's `requires_grad` differs from the one `from_module`
-    read (`note_flags`; a parameter freed since is passed over): `from_module` chose the frozen
-    leaves then (`info.groups`, fixed at `fzero.init`), so a layer frozen or thawed on the module
-    afterwards, as torch users do between steps, went on training as before, silently (found in
-    review of a LoRA user: a module frozen after `from_module` trained every leaf). Host reads
-    only; `apply` calls it in grad mode, so `fzero.evaluate` and `torch.no_grad()` reads pass."""
-    changed = []
-    for ref, name, flag in noted:
-        p = ref()
-        if p is not None and p.requires_grad is not flag:
-            changed.append((name, flag))
-    if not changed:
+class _Born(NamedTuple):
+    """Where a params tensor `from_module` returned comes from: the module (held weakly), the
+    parameter's name there, the parameter itself (held weakly) and its `requires_grad` then."""
+
+    module: weakref.ref
+    name: str
+    param: weakref.ref
+    flag: bool
+
+
+class _Link(NamedTuple):
+    """A leaf of a state made by `fzero.init` of a `_Born` tensor: its path, whether the state
+    trains it, and where it came from."""
+
+    path: str
+    trains: bool
+    born: _Born
+
+
+def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Remember where each tensor of `params` (`from_module`'s, by its names) comes from in
+    `module`, for the states `fzero.init` makes of them (`link_layout`)."""
+    owner = weakref.ref(module)
+    for name, t in params.items():
+        p = module.get_parameter(name)
+        _BORN[t] = _Born(owner, name, weakref.ref(p), p.requires_grad)
+
+
+def link_layout(layout: Any, params: Any) -> None:
+    """At `fzero.init`: the leaves of `params` that `from_module` returned, linked to their
+    module's parameters under `layout` (the state's, kept by every step), with whether the state
+    trains them (its groups). Host metadata only."""
+    paths, leaves, _ = flatten_with_paths(params)
+    by_path = dict(zip(paths, leaves))
+    links = tuple(_Link(spec.path, not spec.group.frozen, _BORN[leaf]) for spec in layout.leaves
+                  if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN)
+    if links:
+        _LINKS[layout] = links
+
+
+def refuse_changed_flags(layout: Any) -> None:
+    """Raise `ConfigError` where the state of `layout` trains a leaf whose module parameter is
+    now frozen, or keeps frozen one whose parameter is now trainable, and that parameter's
+    `requires_grad` changed since `from_module` read it. `from_module` chose the frozen leaves
+    then (`info.groups`, fixed at `fzero.init`), so a module frozen after `from_module` (a LoRA
+    user's `model.requires_grad_(False)` with the adapters re-enabled) trained every leaf, and a
+    layer thawed or frozen between steps went on as before, silently (found in review of a LoRA
+    user). A flag the user never changed passes, whatever the state does with the leaf (a frozen
+    `ParamGroup` over a trainable parameter); so does a module run as a fixed function elsewhere
+    (row 208's `requires_grad_(False)`), if its flags are back by its own state's step, as in a
+    torch GAN loop. A parameter replaced in its module (`load_state_dict(..., assign=True)`) is
+    read by its name; a module freed is passed over. The step's own check, eager: one flag read
+    per linked leaf."""
+    links = _LINKS.get(layout)
+    if not links:
         return
+    changed = []
+    for link in links:
+        p = link.born.param()
+        if p is None:
+            module = link.born.module()
+            p = None if module is None else _parameter(module, link.born.name)
+            if p is None:
+                continue
+        now = p.requires_grad
+        if now is not link.born.flag and now is not link.trains:
+            changed.append(link)
+    if changed:
+        raise ConfigError(_changed_words(changed))
+
+
+def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    with contextlib.suppress(AttributeError):
+        return module.get_parameter(name)
+    return None
+
+
+def _changed_words(changed: list[_Link]) -> str:
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
-    shown = ", ".join(f"{name!r} ({'trainable' if flag else 'frozen'} then, {'frozen' if flag else 'trainable'} now)"
-                      for name, flag in changed[:6]) + more
-    raise ConfigError(
-        f"apply: the requires_grad of parameter {shown} of the {module} given to fzero.from_module changed since "
-        f"from_module read it. from_module chose the frozen leaves when it ran (info.groups, fixed at fzero.init), "
-        f"so the state would go on training the leaves it trained before, not the ones the module now marks, "
-        f"silently. To train another set: params from the state (model.load_state_dict(info.state_dict("
-        f"fzero.gather(state)))), set requires_grad on the module, then fzero.from_module(model) again and "
-        f"fzero.init with its params and info.groups (the optimizer state restarts at zero and step 0 for every "
-        f"leaf). Where this module is a fixed function in another loss (requires_grad_(False) there), set the flags "
-        f"back before this state's step, as a torch GAN loop does")
+    shown = ", ".join(f"{link.path!r} ({'trainable' if link.born.flag else 'frozen'} then, "
+                      f"{'frozen' if link.born.flag else 'trainable'} now)" for link in changed[:6]) + more
+    module = changed[0].born.module()
+    kind = type(module).__name__ if module is not None else "module"
+    return (f"the requires_grad of parameter {shown} of the {kind} given to fzero.from_module changed since "
+            f"from_module read it, and this state, made of its params, {'trains' if changed[0].trains else 'freezes'} "
+            f"{'it' if len(changed) == 1 else 'them'} as before: from_module chose the frozen leaves when it ran "
+            f"(info.groups, fixed at fzero.init), so this step would train another set than the module now marks, "
+            f"silently. Nothing was updated. To train the set the module marks: its trained values back into it "
+            f"(model.load_state_dict(info.state_dict(fzero.gather(state)))), then fzero.from_module(model, units=...) "
+            f"again and fzero.init with its params and info.groups (the optimizer state restarts at zero and step 0 "
+            f"for every leaf). Where the module is run as a fixed function in another loss (requires_grad_(False) "
+            f"there), set its flags back before this state's step, as a torch GAN loop does")
 
 
 class Once(threading.local):
@@ -108,7 +175,7 @@ def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
             f"silently. Read it from the params the step hands the loss (p[{read[0][0]!r}]). Where the module is "
             f"a fixed function here (trained by another state, a teacher) and the gradient should flow through "
             f"it to the params, set requires_grad_(False) on its parameters for this loss (and back before the step of "
-            f"the state that trains it: its apply refuses flags changed since from_module); to read a value as a "
+            f"the state that trains it: that step refuses flags changed since from_module); to read a value as a "
             f"constant, "
             f".detach() it or read it under torch.no_grad(). Nothing was updated")
 

@@ -31,6 +31,7 @@ from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
                          optimizer_words, spec_of)
+from .originals import link_layout
 from .precision import FULL, Precision, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -280,7 +281,7 @@ def init(
     if not isinstance(mesh, Mesh):
         raise ConfigError(f"init: mesh must be a fzero.SimMesh(N) or fzero.DistMesh() (the ranks the state is "
                           f"sharded over), got {type(mesh).__name__} {mesh!r:.80}")
-    with mesh.guard():  # a rank that raises here tells the others (DistMesh) instead of leaving them waiting
+    with mesh.guard():  # a rank that raises here tells the others instead of leaving them waiting
         st = get_stage(stage)  # the stage's own pieces; its enter reads the final tier (`stage_of`, below)
         off = check_offload(offload)
         off.check_stage(st)
@@ -301,6 +302,7 @@ def init(
         warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
+        link_layout(layout, params)  # leaves from_module returned: a step refuses a module flag changed since
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=named(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
