@@ -134,21 +134,23 @@ def test_the_refusals_way_out_runs_as_written_under_a_precision_policy(n):
         step = fzero.train_step(lambda p, x: _loss(p, x.to(p["w"].dtype)), engine="func")
         x = _x(mesh.rank)
         assert state.params[0].dtype != state.layout.buckets[0].dtype  # the case: held in the compute dtype
+        # with respect to the held params and the master both: at stage 1 under a policy with a
+        # master, either alone is refused by the step (tests/test_master_through_step.py)
+        def through(read):
+            return lambda held, master: (read(step(state.replace(params=held, master=master), x)[0])["w"] * C).sum()
+
         with pytest.raises(fzero.ConfigError) as caught:
-            torch.func.grad(lambda held: (fzero.gather(step(state.replace(params=held), x)[0])["w"] * C).sum())(
-                tuple(state.params))
+            torch.func.grad(through(fzero.gather), argnums=(0, 1))(tuple(state.params), tuple(state.master))
         way = re.search(r"fzero\.layout\.unpack\(state\.layout, (.*?)\)(?: \(|;)", str(caught.value)).group(1)
         assert ".to(b.dtype)" in way, way
 
         def read(new):
             return fzero.layout.unpack(new.layout, eval(way, {"fzero": fzero, "state": new}))
 
-        g = torch.func.grad(lambda held: (read(step(state.replace(params=held), x)[0])["w"] * C).sum())(
-            tuple(state.params))
-        return g
+        return torch.func.grad(through(read), argnums=(0, 1))(tuple(state.params), tuple(state.master))
 
-    for g in mesh.run(rank_fn):
-        assert any(bool(t.ne(0).any()) for t in g)
+    for g_held, g_master in mesh.run(rank_fn):
+        assert any(bool(t.ne(0).any()) for t in (*g_held, *g_master))
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's jvp decompositions

@@ -93,7 +93,9 @@ def check_forward_mode(mesh: Mesh) -> None:
             f"forward_ad.dual_level) on rank {mesh.rank} of {mesh.world_size}. SimMesh's ranks are threads of one "
             f"process, and torch keeps one forward-AD level stack per process, which they would share. Use a "
             f"DistMesh (one process per rank: torchrun, or fzero.testing.pool), a SimMesh(1), or reverse mode "
-            f"(an HVP as torch.func.grad of <grad, v>, jacrev instead of jacfwd), which works on SimMesh")
+            f"(an HVP as torch.func.grad of <grad, v>, jacrev instead of jacfwd), which works on SimMesh; for a "
+            f"forward-mode transform inside a stage-3 loss (a jvp with respect to the input), read the params first "
+            f"(w = dict(params)), so that their gathers run before the forward-mode level, and transform over w")
 
 
 def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:

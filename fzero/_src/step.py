@@ -68,6 +68,7 @@ from .state import (ZeroState, broken_update, checked, consume, inference_parts,
                     nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
 from .tree import flatten, flatten_with_paths
 from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
+from .optim.base import tracked
 from .update import differentiated_through, donated_through, prepare, update
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
@@ -237,6 +238,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         _check_no_transform_over_offload(state)
         _check_no_derivative_through_the_autograd_engine(config, state)
         _check_no_derivative_through_a_donating_step(config, state)
+        _check_master_differentiated_with_its_copy(state)
         refuse_changed_flags(state.layout)  # a module flag changed since from_module (docs/bad-input.md row 211)
         _check_no_inference_state_donated(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
@@ -370,6 +372,41 @@ def _check_no_derivative_through_a_donating_step(config: StepConfig, state: Zero
     raises here."""
     if config.donate and differentiated_through(state, {}):
         raise donated_through(state)
+
+
+def _check_master_differentiated_with_its_copy(state: ZeroState) -> None:
+    """Where the state keeps master values apart from the compute copy the forward reads (stages
+    1-2 under a `Precision` with a wider master: `state.master` each rank's fp32 shard,
+    `state.params` the 16-bit copy), a derivative through the step with respect to one of the
+    two alone: the update reads the master, the forward the copy, so the derivative with respect
+    to either misses the part that goes through the other (found in review of a torch.func
+    researcher: a meta-gradient under a bf16 policy at stage 1 lacked the identity term, at stage
+    2 was zero, silently, where stages 0 and 3, which keep the master as the params, were right).
+    Stage 2 differentiates the master shard itself, so there the master alone is whole and passes.
+    Refused before the step, on every rank (each tracks the same inputs); the plain step reads
+    one `requires_grad` per bucket with a master."""
+    if all(m is None for m in state.master):
+        return
+    # stage 2 differentiates the master shard itself (`Stage.differentiated`): the master alone is whole there
+    whole = state.stage.sharded("grads") and not state.stage.sharded("params")
+    parted = [b for b, (p, m) in enumerate(zip(state.params, state.master))
+              if m is not None and tracked(p) != tracked(m) and not (whole and tracked(m))]
+    if not parted:
+        return
+    b = parted[0]
+    alone, other = ("params", "master") if tracked(state.params[b]) else ("master", "params")
+    paths = [ls.path for ls in state.layout.leaves if ls.bucket in set(parted)]
+    named = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
+    raise ConfigError(
+        f"a derivative is taken through this step with respect to state.{alone} alone ({named}; {state.mesh!r}, "
+        f"rank {state.rank}, stage {state.stage.level}, {state.info.precision!r}): this state keeps its master values "
+        f"(state.master, each rank's {str(state.master[b].dtype).removeprefix('torch.')} shard) apart from the copy "
+        f"the forward reads (state.params), and the update reads the master, so a derivative with respect to state."
+        f"{alone} misses the part that goes through state.{other}, silently. Differentiate with respect to both and "
+        f"add: torch.func.grad(lambda p, m: f(step(state.replace(params=p, master=m), batch)), argnums=(0, 1))("
+        f"state.params, state.master); per bucket, the params' part summed over the ranks (each holds a copy) plus "
+        f"the master's shards joined in rank order is the derivative with respect to the master values, which "
+        f"stages 0 and 3 (they keep the master as the params) give directly")
 
 
 @contextlib.contextmanager
