@@ -13,6 +13,8 @@ proofs/precision.md.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -363,9 +365,39 @@ def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():
             state, m = step(state, x)
             assert m.skipped
 
-    with pytest.raises(fzero.LossScaleError, match=r"^step 0: the gradients overflowed at iteration 1 .*What was "
+    with pytest.raises(fzero.LossScaleError, match=r"^update 0 \(state.step; the scaler counts every step, skipped "
+                                                   r"or not\): the gradients overflowed at iteration 1 .*What was "
                                                    r"non-finite: rank 1: loss"):
         mesh.run(rank_fn)
+
+
+def test_the_loss_scale_error_for_a_local_gradient_names_the_way_to_its_rank():
+    """A NaN in rank 1's gradient only, its loss finite: the reduced gradient is what the step
+    sees, and the error says local gradients were not checked and how to name the rank (found in
+    review: it named no rank and no way to one); with `locate_nonfinite` it names rank 1."""
+    mesh = fzero.SimMesh(2)
+    scaler = fzero.DynamicLossScale(init_scale=2.0, hysteresis=1, raise_at_min=True)
+
+    def rank_fn(locate):
+        state = fzero.init({"w": torch.ones(4)}, optim.sgd(0.1), stage=2, mesh=mesh, precision=FP16,
+                           loss_scale=scaler)
+
+        def loss(p, x):
+            w = p["w"].float()
+            kink = torch.sqrt(w[0] - w[0].detach()) if mesh.rank == 1 else 0.0  # 0, its gradient inf
+            return (w * x).sum() + kink
+
+        step = fzero.train_step(loss, locate_nonfinite=locate)
+        for _ in range(3):
+            state, m = step(state, torch.ones(4))
+            assert m.skipped and math.isfinite(float(m.loss))
+
+    with pytest.raises(fzero.LossScaleError, match=r"What was non-finite: the reduced gradient \(sum of squares "
+                                                   r"(nan|inf); every rank's loss finite; local gradients were not "
+                                                   r"checked: train_step\(locate_nonfinite=True\) names the ranks"):
+        mesh.run(lambda: rank_fn(False))
+    with pytest.raises(fzero.LossScaleError, match=r"What was non-finite: rank 1: local gradient in bucket"):
+        mesh.run(lambda: rank_fn(True))
 
 
 def test_a_loss_of_the_wrong_shape_is_named_as_returned_under_a_loss_scale():
@@ -394,6 +426,43 @@ def test_loss_scaling_needs_fp16():
     with pytest.raises(fzero.ConfigError, match="loss_scale must be None"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
                                     loss_scale=1024.0))
+
+
+def test_a_bf16_policy_reducing_in_fp16_takes_a_loss_scale_that_keeps_small_gradients():
+    """`Precision(torch.bfloat16, torch.float16)` reduces in fp16, where a gradient of 1e-8
+    underflows to 0: a loss scale is accepted there and keeps it (found in review: refused,
+    naming bf16's exponent range, so the gradient was lost)."""
+    mesh = fzero.SimMesh(2)
+    policy = fzero.Precision(torch.bfloat16, torch.float16)
+
+    def norm(scale):
+        def rank():
+            state = fzero.init({"w": torch.ones(4)}, optim.sgd(0.1), stage=2, mesh=mesh, precision=policy,
+                               loss_scale=scale)
+            return fzero.train_step(lambda p, x: (p["w"].float() * x).sum())(state, torch.full((4,), 1e-8))[1]
+        return mesh.run(rank)[0].grad_norm
+
+    assert float(norm(None)) == 0.0  # underflowed in the fp16 reduction
+    assert float(norm(fzero.StaticLossScale(2.0**20))) == pytest.approx(2e-8, rel=1e-2)
+
+
+def test_torchs_and_deepspeeds_scaler_names_are_told_fzeros():
+    """GradScaler's `growth_interval` / `backoff_factor` and DeepSpeed's config names were Python's
+    bare TypeError; a GradScaler given as the loss scale is told the DynamicLossScale that
+    matches it (found in review of an AMP user)."""
+    with pytest.raises(fzero.ConfigError, match=r"DynamicLossScale got 'growth_interval' \(growth_interval -> window"):
+        fzero.DynamicLossScale(init_scale=1024.0, growth_interval=3)
+    with pytest.raises(fzero.ConfigError, match=r"'loss_scale_window', 'delayed_shift' \(loss_scale_window -> window; "
+                                                 r"delayed_shift -> hysteresis\)"):
+        fzero.DynamicLossScale(loss_scale_window=3, delayed_shift=1)
+    with pytest.raises(fzero.ConfigError, match=r"backoff_factor -> none: the scale halves"):
+        fzero.DynamicLossScale(backoff_factor=0.25)
+    assert fzero.DynamicLossScale(1024.0, 3, 1) == fzero.DynamicLossScale(init_scale=1024.0, window=3, hysteresis=1)
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.ConfigError, match=r"for torch.amp.GradScaler\(init_scale=S, growth_interval=W\): "
+                                                 r"fzero.DynamicLossScale\(init_scale=S, window=W, hysteresis=1\)"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
+                                    loss_scale=torch.amp.GradScaler("cpu", enabled=False)))
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -527,3 +596,20 @@ def test_the_lr_schedule_does_not_advance_on_a_skipped_step():
     w, skipped, steps = mesh.run(rank_fn)[0]
     assert skipped == [False, True, False] and steps == 2 and set(called) == {0, 1}, (skipped, steps, called)
     assert torch.equal(w, torch.ones(4).add_(torch.ones(4), alpha=-0.5).add_(torch.ones(4), alpha=-0.25))
+
+
+def test_a_static_scale_fp16_cannot_hold_under_an_fp16_loss_is_refused():
+    """The gradient reaching a loss returned in fp16 is the scale in fp16: at 2**16 that is inf, and
+    every step was skipped with no word but `metrics.skipped` (found in review). Refused, naming
+    the ways out; 2**15 trains."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(scale):
+        state = fzero.init({"w": torch.ones(4)}, optim.sgd(0.1), stage=1, mesh=mesh, precision=FP16,
+                           loss_scale=fzero.StaticLossScale(scale))
+        return fzero.train_step(lambda p, x: (p["w"] * x.half()).sum())(state, torch.full((4,), 1e-3))[1].skipped
+
+    with pytest.raises(fzero.ConfigError, match=r"StaticLossScale\(65536.0\) under a loss the loss function returned "
+                                                 r"in float16: .*at most 32768.0 .*DynamicLossScale"):
+        mesh.run(lambda: rank_fn(2.0**16))
+    assert mesh.run(lambda: rank_fn(2.0**15)) == [False, False]

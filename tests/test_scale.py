@@ -321,3 +321,48 @@ def test_a_scale_below_float32s_normal_range_is_refused(make):
 
     [(w, skipped)] = mesh.run(rank, [(torch.arange(4.0),)])
     assert not skipped and torch.equal(w, torch.ones(4) - 0.5 * torch.arange(4.0))
+
+
+def _gradscaler_scales(steps: int, bad: set[int], init: float, window: int) -> list[float]:
+    """The scale torch's `GradScaler(init_scale, growth_interval)` uses at each step of a plain
+    loop, the gradients made inf at the steps in `bad`."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=window)
+    used = []
+    for t in range(steps):
+        used.append(scaler.get_scale())
+        opt.zero_grad()
+        scaler.scale((w * w).sum()).backward()
+        if t in bad:
+            w.grad.fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+    return used
+
+
+@pytest.mark.parametrize("bad", [{8}, {2, 3}, {3, 10}, set()])
+def test_against_gradscaler_the_same_halvings_and_each_doubling_one_clean_step_later(bad):
+    """What README and proofs/precision.md say of torch's AMP recipe: `DynamicLossScale(init_scale=S,
+    window=W, hysteresis=1)` halves where `GradScaler(init_scale=S, growth_interval=W)` does and
+    doubles every W clean steps as it does, but each run of clean steps doubles first one step later
+    (DeepSpeed's count: after n >= 1 clean updates the scale is `S' * 2**((n - 1) // W)`, GradScaler's
+    `S' * 2**(n // W)`, S' the scale the run started at). Found in review: the docs said only
+    "not GradScaler's every-growth_interval doubling"."""
+    steps, init, window = 14, 1024.0, 3
+    scaler = fzero.DynamicLossScale(init_scale=init, window=window, hysteresis=1)
+    state, ours = scaler.init(), []
+    for t in range(steps):
+        ours.append(scale_of(state))
+        state = scaler.update(state, t in bad)
+    theirs = _gradscaler_scales(steps, bad, init, window)
+    # each side's scale at the start of the current run of clean steps, and the run's length so far: an
+    # overflow on GradScaler's doubling step ({3, 10}) halves scales that differ already
+    mine, torchs, clean = init, init, 0
+    for t in range(steps):
+        assert theirs[t] == torchs * 2 ** (clean // window), (t, theirs)
+        assert ours[t] == mine * 2 ** (max(clean - 1, 0) // window), (t, ours)
+        if t in bad:
+            mine, torchs, clean = ours[t] / 2, theirs[t] / 2, 0
+        else:
+            clean += 1

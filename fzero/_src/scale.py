@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -160,7 +160,30 @@ class StaticLossScale:
         return state
 
 
-@dataclasses.dataclass(frozen=True)
+# the names torch's GradScaler and DeepSpeed's config give a dynamic scaler's settings: fzero's, or why none
+_OTHER_NAMES = {
+    "growth_interval": "window (GradScaler's growth_interval; hysteresis=1 for its halving at the first overflow)",
+    "growth_factor": "none: the scale doubles, as DeepSpeed's does (GradScaler's default growth_factor=2.0)",
+    "backoff_factor": "none: the scale halves, as DeepSpeed's does (GradScaler's default backoff_factor=0.5)",
+    "enabled": "none: pass loss_scale=None to fzero.init for no scaling",
+    "initial_scale_power": "init_scale=2.0**power",
+    "loss_scale_window": "window",
+    "min_loss_scale": "min_scale",
+    "delayed_shift": "hysteresis",
+    "raise_error_at_min_scale": "raise_at_min",
+}
+
+
+def _unknown_scaler_settings(unknown: dict[str, Any]) -> str:
+    """`DynamicLossScale`'s words for keywords it has no field for, with fzero's name for each
+    one torch's `GradScaler` or DeepSpeed's config uses (found in review: Python's bare
+    TypeError for GradScaler's `growth_interval`)."""
+    named = "; ".join(f"{k} -> {_OTHER_NAMES[k]}" if k in _OTHER_NAMES else f"{k}: no such setting" for k in unknown)
+    return (f"DynamicLossScale got {', '.join(repr(k) for k in unknown)} ({named}); its settings are init_scale, "
+            f"window, hysteresis, consecutive_hysteresis, min_scale and raise_at_min (help(fzero.DynamicLossScale))")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class DynamicLossScale:
     """DeepSpeed's dynamic loss scaler (fp16 `loss_scale: 0`) as a pure `(init, update)` pair.
 
@@ -196,6 +219,17 @@ class DynamicLossScale:
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0
     raise_at_min: bool = False
+
+    def __init__(self, init_scale: float = 2.0**16, window: int = 1000, hysteresis: int = 2,
+                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, raise_at_min: bool = False,
+                 **unknown: Any) -> None:
+        if unknown:
+            raise LossScaleConfigError(_unknown_scaler_settings(unknown))
+        for field, value in (("init_scale", init_scale), ("window", window), ("hysteresis", hysteresis),
+                             ("consecutive_hysteresis", consecutive_hysteresis), ("min_scale", min_scale),
+                             ("raise_at_min", raise_at_min)):
+            object.__setattr__(self, field, value)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         init = _scale("DynamicLossScale.init_scale", self.init_scale)

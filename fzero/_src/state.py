@@ -295,8 +295,11 @@ def init(
                               f"for no policy (every leaf computes and reduces in its own dtype) leave it out or "
                               f"pass fzero.Precision(), the default")
         if loss_scale is not None and not isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+            scaler = (" (for torch.amp.GradScaler(init_scale=S, growth_interval=W): fzero.DynamicLossScale("
+                      "init_scale=S, window=W, hysteresis=1), whose doublings come one clean step later, as "
+                      "DeepSpeed's do)" if type(loss_scale).__name__.endswith("GradScaler") else "")
             raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
-                              f"got {type(loss_scale).__name__} {loss_scale!r}")
+                              f"got {type(loss_scale).__name__} {loss_scale!r}{scaler}")
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
         warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
@@ -403,12 +406,17 @@ def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> 
     """Loss scaling keeps small fp16 gradients from flushing to zero: those of units computing in
     fp16 (a policy), or, over fp32 or wider params, of a loss computed under
     `torch.autocast(..., dtype=torch.float16)` -- torch's AMP recipe, which fzero cannot see from
-    here (found in review: refused before, so its gradients underflowed unscaled). Refused where
-    every trainable bucket computes in bf16, which has fp32's exponent range: a scale there is a
-    mistaken setting, not a guard."""
+    here (found in review: refused before, so its gradients underflowed unscaled); and those a
+    policy reduces in fp16 (`Precision(torch.bfloat16, torch.float16)`: the reduction underflows
+    as an fp16 computation does; found in review: refused, naming bf16's range). Refused where
+    every trainable bucket computes and reduces in bf16 or wider, with bf16 among them: a scale
+    there is a mistaken setting, not a guard."""
     if loss_scale is None:
         return
-    computes = {precision.wire(b).compute for b in layout.buckets if not b.group.frozen}
+    wires = [precision.wire(b) for b in layout.buckets if not b.group.frozen]
+    computes = {w.compute for w in wires}
+    if torch.float16 in {w.reduce for w in wires}:  # bf16 units reduced in fp16 (found in review: refused)
+        return
     if not computes or computes <= {torch.bfloat16}:
         names = sorted(str(d).removeprefix("torch.") for d in computes) or ["nothing trainable"]
         raise ConfigError(f"loss_scale={loss_scale!r} guards fp16 gradients, but this state computes in {names}, "

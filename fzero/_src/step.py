@@ -63,6 +63,7 @@ from .originals import refuse_changed_flags, refuse_original_reads
 from .plan import _probes, step_plan
 from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
+from .scale import StaticLossScale
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, lost_by,
                     nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
@@ -164,6 +165,9 @@ def train_step(
         gradient's own dtype where that is wider (float64 params: float64); a dtype given is used
         as it is. The sum is cast to the params' dtype for the reduction ("once") or the optimizer
         ("each", whose reduced parts are each cast to the params' dtype before they are added).
+        The gradient passes through `accum_dtype` at every `micro_batches`, 1 too: one narrower
+        than the gradient (bfloat16 under fp32 reduction) rounds it even where nothing is added
+        (found in review: the words above read as if only a sum were cast).
       normalize: "mean" (loss_fn returns this rank's mean loss) or "tokens" (loss_fn returns
         `(loss_sum, count)`; the step divides the gradient and the loss by the total count over
         all micro-batches and ranks, agreed in the step's one agreement collective).
@@ -514,7 +518,8 @@ def _scaler_update(scaler: Any, state: ZeroState, verdict: Verdict, step: int) -
     try:
         return scaler.update(state.loss_scale, not verdict.finite)
     except LossScaleError as e:
-        raise LossScaleError(f"step {step}: {e}. What was non-finite: {_culprits(verdict)}") from None
+        raise LossScaleError(f"update {step} (state.step; the scaler counts every step, skipped or not): {e}. What "
+                             f"was non-finite: {_culprits(verdict)}") from None
 
 
 def _named(name: str) -> contextlib.AbstractContextManager:
@@ -736,6 +741,21 @@ def _add(acc: torch.Tensor | None, part: torch.Tensor | None, dtype: torch.dtype
     return part if acc is None else acc + part
 
 
+_FP16_INF = 65520.0  # the least value float16 rounds to inf
+
+
+def _static_scale_over_fp16(s: float) -> str:
+    """A `StaticLossScale` of 65520 or more under a loss returned in float16: the gradient reaching
+    the loss is the scale in the loss's dtype, inf there, so every step overflowed and was skipped,
+    with no word but `metrics.skipped` (found in review of an AMP user; a dynamic scaler backs off
+    and trains)."""
+    return (f"StaticLossScale({s!r}) under a loss the loss function returned in float16: the gradient reaching the "
+            f"loss is the scale in the loss's dtype, which rounds to inf in float16 (above 65504), so every step "
+            f"would overflow and be skipped (a loss.float() of it would not help: its gradient reaches the float16 "
+            f"value as the scale in float16 again). Use a scale of at most 32768.0 (float16's largest power of two), "
+            f"or fzero.DynamicLossScale(), which backs off")
+
+
 def _scaled(loss: torch.Tensor, s: float) -> torch.Tensor:
     """`loss * s` in float32 or wider, as DeepSpeed's ZeRO optimizers scale `loss.float()`: an
     fp16 loss times the scale overflows where its gradients do not (5.6 * 2^15 > 65504), and
@@ -841,6 +861,9 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             counts.append(count)
             # a loss the check refuses goes to it as returned (scaled, it was named float32)
             scalable = s != 1.0 and isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
+            if scalable and loss.dtype == torch.float16 and s >= _FP16_INF and isinstance(state.info.scaler,
+                                                                                         StaticLossScale):
+                raise ConfigError(_static_scale_over_fp16(s))
             return _scaled(loss, s) if scalable else loss
 
         gathering = Gathering(layout, programs, merged, fulls, probes, config.gather, releasable,
@@ -1065,8 +1088,10 @@ def _culprits(verdict: Verdict) -> str:
     """The ranks whose loss or local gradient the agreement found non-finite, or that only the
     reduced gradient's norm is."""
     if not verdict.bad_ranks:
+        unchecked = ("" if verdict.located else "; local gradients were not checked: train_step(locate_nonfinite=True) "
+                     "names the ranks whose local gradient is non-finite")  # (found in review: no rank, no way to one)
         return (f"the reduced gradient (sum of squares {verdict.norm_sq}; every rank's loss"
-                f"{' and local gradient' if verdict.located else ''} finite)")
+                f"{' and local gradient' if verdict.located else ''} finite{unchecked})")
     return "; ".join(f"rank {r}: " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
                      for r, tags in verdict.bad_ranks.items())
 
