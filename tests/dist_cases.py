@@ -326,3 +326,27 @@ def caught_loss_error(mesh, fails: int, attempts: int = 3):
         log.append(("ok", ""))
         break
     return log, fzero.gather(state)["w"]
+
+
+def forward_ad_reread(mesh, stage: int):
+    """Stage `stage`, on-use gathering: a loss that runs the model, then again inside a plain
+    `torch.autograd.forward_ad` level (a directional derivative with respect to the input): a
+    released unit is read again under forward AD. The params after one step, gathered."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+
+    def loss(p, x):
+        out = apply(p, x)
+        with fwAD.dual_level():
+            t = fwAD.unpack_dual(apply(p, fwAD.make_dual(x, torch.ones_like(x)))).tangent
+        return out.square().mean() + t.square().mean()
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3 + mesh.rank))
+    state = fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+    with warnings.catch_warnings():  # torch 2.13 loads its forward-AD decompositions through torch.jit.script
+        warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=DeprecationWarning)
+        state, _ = fzero.train_step(loss)(state, x)
+    return fzero.gather(state)

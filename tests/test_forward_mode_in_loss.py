@@ -83,3 +83,15 @@ def test_with_engine_func_on_a_simmesh_the_error_names_the_params_read_first_whi
     reference = _train(0, lambda p: p, engine="func")
     for got, want in zip(_train(3, dict, engine="func"), reference):
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.dist
+def test_plain_forward_ad_re_reading_a_released_unit_has_stage_0s_bits(dist2):
+    """Plain `torch.autograd.forward_ad` (no torch.func wrappers) reads a re-gathered unit as
+    before: not refused (found in review of the refusal's first version, which refused any
+    forward-AD level and broke this, stage 0's bits before)."""
+    from . import dist_cases
+
+    reference = dist2.run(dist_cases.forward_ad_reread, [(0,)] * 2)
+    for got, want in zip(dist2.run(dist_cases.forward_ad_reread, [(3,)] * 2), reference):
+        assert all(torch.equal(got[k], want[k]) for k in want)

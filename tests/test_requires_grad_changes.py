@@ -81,6 +81,7 @@ def test_a_module_frozen_after_from_module_is_refused_at_the_first_step(stage, e
         assert "'0.bias' (trainable then, frozen now), '0.weight' (trainable then, frozen now)" in message
         assert "'2.weight'" not in message and "Sequential given to fzero.from_module" in message
         assert "fzero.from_module(model, units=...) again" in message and "info.groups" in message
+        assert "this state, made of its params, trains or freezes each as before" in message
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -252,13 +253,16 @@ def test_a_frozen_paramgroup_over_a_trainable_parameter_whose_flag_never_changed
 
 def test_a_parameter_replaced_in_its_module_is_read_by_name():
     """`load_state_dict(..., assign=True)` puts new Parameters into the module: the check reads
-    the module's parameter by its name (found in review: the first version held the old ones and
-    passed a frozen layer over, which then trained)."""
+    the module's parameter where it is now (found in review: the first version held the old ones
+    and passed a frozen layer over, which then trained; the second read the old ones wherever
+    something, here a torch optimizer, kept them alive)."""
     model = _model()
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    held = torch.optim.SGD(model.parameters(), lr=0.1)  # keeps the old Parameters alive (found in review)
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     gc.collect()
     model[0].requires_grad_(False)
+    assert all(p.requires_grad for p in held.param_groups[0]["params"])  # the old ones: unchanged
     mesh = fzero.SimMesh(1)
 
     def rank(batch):

@@ -314,8 +314,8 @@ class Gathering:
         per use). Not where a torch.func transform is active (`_Reread` has no vmap rule) nor
         with `cast_ahead` (its watch must see this use's reads: the leaves stay `Watched`): the
         unit then stays gathered as before. Refused under forward-mode AD (`_forward_mode_reread`)."""
-        if torch.autograd.forward_ad._current_level >= 0:
-            raise ConfigError(_forward_mode_reread(unit))
+        if torch.autograd.forward_ad._current_level >= 0 and func_level() is not None:  # (plain forward_ad works:
+            raise ConfigError(_forward_mode_reread(unit))  # found in review of the first version, which refused it)
         self.refill(unit)
         leaves = self._leaves[unit]
         anchor = self._anchors[-1]  # any unit's: it requires grad where the step differentiates
@@ -1114,10 +1114,11 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _forward_mode_reread(unit: str) -> str:
-    """The refusal of a unit read again, after its release, under forward-mode AD: torch's bare
+    """The refusal of a unit read again, after its release, under a torch.func forward-mode
+    transform (its wrappers have no storage; plain `torch.autograd.forward_ad` reads it): torch's bare
     "Cannot access storage of TensorWrapper" from inside the gather before (found in review of a
     torch.func researcher: a Jacobian penalty by `jacfwd` of the model inside the loss)."""
-    return (f"a forward-mode transform (torch.func.jvp, jacfwd, hessian, forward_ad) inside the loss of a stage-3 "
+    return (f"a torch.func forward-mode transform (jvp, jacfwd, hessian) inside the loss of a stage-3 "
             f"step with engine='autograd', gather='on_use' and flat-dict params read unit {unit!r} again after that "
             f"step had released it (the model run once before the transform): the step gathers such a unit anew, "
             f"which forward mode cannot see through. Use engine='func' (units then stay gathered from their forward "

@@ -57,11 +57,13 @@ _LINKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a state's layout -> its l
 
 class _Born(NamedTuple):
     """Where a params tensor `from_module` returned comes from: the module (held weakly), the
-    parameter's name there, the parameter itself (held weakly) and its `requires_grad` then."""
+    parameter's name there, the submodule that holds it (weakly) and its attribute name there,
+    and its `requires_grad` then."""
 
     module: weakref.ref
     name: str
-    param: weakref.ref
+    owner: weakref.ref
+    attr: str
     flag: bool
 
 
@@ -77,10 +79,11 @@ class _Link(NamedTuple):
 def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
     """Remember where each tensor of `params` (`from_module`'s, by its names) comes from in
     `module`, for the states `fzero.init` makes of them (`link_layout`)."""
-    owner = weakref.ref(module)
+    root = weakref.ref(module)
     for name, t in params.items():
-        p = module.get_parameter(name)
-        _BORN[t] = _Born(owner, name, weakref.ref(p), p.requires_grad)
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        _BORN[t] = _Born(root, name, weakref.ref(owner), attr, owner._parameters[attr].requires_grad)
 
 
 def link_layout(layout: Any, params: Any) -> None:
@@ -106,15 +109,17 @@ def refuse_changed_flags(layout: Any) -> None:
     `ParamGroup` over a trainable parameter); so does a module run as a fixed function elsewhere
     (row 208's `requires_grad_(False)`), if its flags are back by its own state's step, as in a
     torch GAN loop. A parameter replaced in its module (`load_state_dict(..., assign=True)`) is
-    read by its name; a module freed is passed over. The step's own check, eager: one flag read
-    per linked leaf."""
+    read where it is now, by its attribute (found in review: held weakly, the old one was read
+    where something else kept it alive, and a frozen layer trained); a module freed is passed
+    over. The step's own check, eager: one dict lookup and flag read per linked leaf."""
     links = _LINKS.get(layout)
     if not links:
         return
     changed = []
     for link in links:
-        p = link.born.param()
-        if p is None:
+        owner = link.born.owner()  # read by its attribute: a parameter replaced there is the new one (assign=True)
+        p = owner._parameters.get(link.born.attr) if owner is not None else None
+        if p is None:  # the submodule itself replaced or freed: by its name from the root, where that lives
             module = link.born.module()
             p = None if module is None else _parameter(module, link.born.name)
             if p is None:
@@ -139,8 +144,9 @@ def _changed_words(changed: list[_Link]) -> str:
     module = changed[0].born.module()
     kind = type(module).__name__ if module is not None else "module"
     return (f"the requires_grad of parameter {shown} of the {kind} given to fzero.from_module changed since "
-            f"from_module read it, and this state, made of its params, {'trains' if changed[0].trains else 'freezes'} "
-            f"{'it' if len(changed) == 1 else 'them'} as before: from_module chose the frozen leaves when it ran "
+            f"from_module read it, and this state, made of its params, "
+            f"{('trains' if changed[0].trains else 'freezes') + ' it' if len(changed) == 1 else 'trains or freezes each'}"
+            f" as before: from_module chose the frozen leaves when it ran "
             f"(info.groups, fixed at fzero.init), so this step would train another set than the module now marks, "
             f"silently. Nothing was updated. To train the set the module marks: its trained values back into it "
             f"(model.load_state_dict(info.state_dict(fzero.gather(state)))), then fzero.from_module(model, units=...) "

@@ -407,10 +407,12 @@ def _check_master_differentiated_with_its_copy(state: ZeroState) -> None:
         f"(state.master, each rank's {str(state.master[b].dtype).removeprefix('torch.')} shard) apart from the copy "
         f"the forward reads (state.params), and the update reads the master, so a derivative with respect to state."
         f"{alone} misses the part that goes through state.{other}, silently. Differentiate with respect to both and "
-        f"add: torch.func.grad(lambda p, m: f(step(state.replace(params=p, master=m), batch)), argnums=(0, 1))("
-        f"state.params, state.master); per bucket, the params' part summed over the ranks (each holds a copy) plus "
-        f"the master's shards joined in rank order is the derivative with respect to the master values, which "
-        f"stages 0 and 3 (they keep the master as the params) give directly")
+        f"add: with kept = [b for b, m in enumerate(state.master) if m is not None] (a frozen bucket keeps no "
+        f"master), torch.func.grad(lambda p, ms: f(step(state.replace(params=p, master=tuple(ms[kept.index(b)] if "
+        f"b in kept else None for b in range(len(p)))), batch)), argnums=(0, 1))(state.params, tuple(state.master[b] "
+        f"for b in kept)); per bucket, the params' part summed over the ranks (each holds a copy) plus the master's "
+        f"shards joined in rank order is the derivative with respect to the master values, which stages 0 and 3 "
+        f"(they keep the master as the params) give directly")
 
 
 @contextlib.contextmanager
