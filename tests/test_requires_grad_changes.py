@@ -289,3 +289,28 @@ def test_from_module_called_again_does_not_let_the_old_state_train_the_old_set()
             fzero.train_step(_loss(apply2))(state, batch)
 
     mesh.run(rank, [(_batches(1)[0][0],)])
+
+
+@pytest.mark.parametrize("how", ["parametrized", "replaced, the old kept"])
+def test_a_parameter_moved_or_a_submodule_replaced_is_read_where_the_module_holds_it(how):
+    """After `from_module`: a layer parametrized (its weight moves to
+    `parametrizations.weight.original`, the same Parameter) then frozen; or the layer replaced by
+    a frozen one while something keeps the old alive. Both trained the frozen leaf, silently
+    (found in review of the check's second and third versions)."""
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    kept = model[0]
+    if how == "parametrized":
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", torch.nn.Identity())
+        model[0].parametrizations.weight.original.requires_grad_(False)
+    else:
+        model[0] = torch.nn.Linear(6, 8).requires_grad_(False)
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units, groups=info.groups)
+        with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
+            fzero.train_step(_loss(apply))(state, batch)
+
+    mesh.run(rank, [(_batches(1)[0][0],)])
+    assert kept is not None

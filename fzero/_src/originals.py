@@ -28,7 +28,6 @@ module's docs say the original keeps the values it had.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -57,13 +56,14 @@ _LINKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a state's layout -> its l
 
 class _Born(NamedTuple):
     """Where a params tensor `from_module` returned comes from: the module (held weakly), the
-    parameter's name there, the submodule that holds it (weakly) and its attribute name there,
-    and its `requires_grad` then."""
+    parameter's name there, the submodule that held it then (weakly), its attribute name there,
+    the parameter itself (weakly) and its `requires_grad` then."""
 
     module: weakref.ref
     name: str
     owner: weakref.ref
     attr: str
+    param: weakref.ref
     flag: bool
 
 
@@ -82,8 +82,10 @@ def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
     root = weakref.ref(module)
     for name, t in params.items():
         path, _, attr = name.rpartition(".")
-        owner = module.get_submodule(path)
-        _BORN[t] = _Born(root, name, weakref.ref(owner), attr, owner._parameters[attr].requires_grad)
+        owner = _submodule(module, path)
+        p = None if owner is None else owner._parameters.get(attr)
+        if p is not None:  # (else not linked: a module that hides its own submodules; found in review)
+            _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad)
 
 
 def link_layout(layout: Any, params: Any) -> None:
@@ -108,22 +110,18 @@ def refuse_changed_flags(layout: Any) -> None:
     user). A flag the user never changed passes, whatever the state does with the leaf (a frozen
     `ParamGroup` over a trainable parameter); so does a module run as a fixed function elsewhere
     (row 208's `requires_grad_(False)`), if its flags are back by its own state's step, as in a
-    torch GAN loop. A parameter replaced in its module (`load_state_dict(..., assign=True)`) is
-    read where it is now, by its attribute (found in review: held weakly, the old one was read
-    where something else kept it alive, and a frozen layer trained); a module freed is passed
-    over. The step's own check, eager: one dict lookup and flag read per linked leaf."""
+    torch GAN loop. A parameter replaced in its module (`load_state_dict(..., assign=True)`, a
+    submodule replaced) is read where it is now (`_now`; found in review: held weakly, the old one
+    was read where something else kept it alive, and a frozen layer trained); a module freed is
+    passed over. The step's own check, eager: a few dict lookups and a flag read per linked leaf."""
     links = _LINKS.get(layout)
     if not links:
         return
     changed = []
     for link in links:
-        owner = link.born.owner()  # read by its attribute: a parameter replaced there is the new one (assign=True)
-        p = owner._parameters.get(link.born.attr) if owner is not None else None
-        if p is None:  # the submodule itself replaced or freed: by its name from the root, where that lives
-            module = link.born.module()
-            p = None if module is None else _parameter(module, link.born.name)
-            if p is None:
-                continue
+        p = _now(link.born)
+        if p is None:
+            continue
         now = p.requires_grad
         if now is not link.born.flag and now is not link.trains:
             changed.append(link)
@@ -131,10 +129,28 @@ def refuse_changed_flags(layout: Any) -> None:
         raise ConfigError(_changed_words(changed))
 
 
-def _parameter(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-    with contextlib.suppress(AttributeError):
-        return module.get_parameter(name)
-    return None
+def _now(born: _Born) -> torch.Tensor | None:
+    """The parameter `born` names as the module holds it now: by its path from the root (a
+    submodule replaced since, its old one kept alive elsewhere: found in review), else in the
+    submodule that held it (a wrapper put in its place, holding it), else the parameter itself
+    (moved within its submodule: `parametrize` makes it `parametrizations.<name>.original`, found
+    in review); None where all are gone."""
+    root = born.module()
+    path = born.name.rpartition(".")[0]
+    for owner in (None if root is None else _submodule(root, path), born.owner()):
+        p = None if owner is None else owner._parameters.get(born.attr)
+        if p is not None:
+            return p
+    return born.param()
+
+
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The submodule at dotted `path` by the registered children (`_modules`), or None."""
+    for part in path.split(".") if path else ():
+        module = getattr(module, "_modules", {}).get(part)
+        if module is None:
+            return None
+    return module
 
 
 def _changed_words(changed: list[_Link]) -> str:

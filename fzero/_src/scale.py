@@ -160,7 +160,8 @@ class StaticLossScale:
         return state
 
 
-# the names torch's GradScaler and DeepSpeed's config give a dynamic scaler's settings: fzero's, or why none
+# the names torch's GradScaler and DeepSpeed's config and DynamicLossScaler give a dynamic scaler's settings:
+# fzero's, or why none
 _OTHER_NAMES = {
     "growth_interval": "window (GradScaler's growth_interval; hysteresis=1 for its halving at the first overflow)",
     "growth_factor": "none: the scale doubles, as DeepSpeed's does (GradScaler's default growth_factor=2.0)",
@@ -170,6 +171,8 @@ _OTHER_NAMES = {
     "loss_scale_window": "window",
     "min_loss_scale": "min_scale",
     "delayed_shift": "hysteresis",
+    "scale_window": "window",
+    "scale_factor": "none: the scale doubles and halves, as DeepSpeed's default scale_factor=2.0 does",
     "raise_error_at_min_scale": "raise_at_min",
 }
 

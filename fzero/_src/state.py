@@ -269,8 +269,9 @@ def init(
       loss_scale: None, `fzero.StaticLossScale(s)` or `fzero.DynamicLossScale(...)`: fp16 loss
         scaling with DeepSpeed's semantics (the scaler's state is part of the state; see
         `train_step`): for trainable buckets that compute in fp16 (`precision`), or fp32 params
-        under a loss run in `torch.autocast(..., dtype=torch.float16)`. Refused (`ConfigError`)
-        where every trainable bucket computes in bf16, or none is trainable.
+        under a loss run in `torch.autocast(..., dtype=torch.float16)`, or buckets a policy reduces
+        in fp16. Refused (`ConfigError`) where every trainable bucket computes in bf16 and none
+        reduces in fp16, or none is trainable.
       offload: None or `fzero.Offload(optimizer="cpu" | "nvme", params=None | "cpu" | "nvme",
         nvme_path=, ratio=)`: this rank's master shard and optimizer state (stages 1-3; "nvme":
         the master shard and the state's per-element fields in swap files under `nvme_path`;
@@ -409,8 +410,8 @@ def _check_loss_scale(layout: Layout, precision: Precision, loss_scale: Any) -> 
     here (found in review: refused before, so its gradients underflowed unscaled); and those a
     policy reduces in fp16 (`Precision(torch.bfloat16, torch.float16)`: the reduction underflows
     as an fp16 computation does; found in review: refused, naming bf16's range). Refused where
-    every trainable bucket computes and reduces in bf16 or wider, with bf16 among them: a scale
-    there is a mistaken setting, not a guard."""
+    every trainable bucket computes in bf16 and none reduces in fp16: a scale there is a mistaken
+    setting, not a guard."""
     if loss_scale is None:
         return
     wires = [precision.wire(b) for b in layout.buckets if not b.group.frozen]
