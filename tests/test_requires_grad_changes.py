@@ -62,6 +62,19 @@ def _train(model, *, stage: int, between=None, n: int = 2, **step_kw):
 KINDS = [("autograd", "on_use"), ("autograd", "eager"), ("func", "eager")]
 
 
+def _refused(params, apply, info, match: str, stage: int = 0, make_apply=None) -> None:
+    """One rank's first step of a state made of `params` is refused with a message matching
+    `match` (`make_apply()`, where given, is called inside the rank for the apply the loss runs)."""
+    mesh = fzero.SimMesh(1)
+
+    def rank(batch):
+        state = fzero.init(params, optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        with pytest.raises(fzero.ConfigError, match=match):
+            fzero.train_step(_loss(make_apply() if make_apply else apply))(state, batch)
+
+    mesh.run(rank, [(_batches(1)[0][0],)])
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("engine,gather", KINDS)
 def test_a_module_frozen_after_from_module_is_refused_at_the_first_step(stage, engine, gather):
@@ -263,14 +276,7 @@ def test_a_parameter_replaced_in_its_module_is_read_by_name():
     gc.collect()
     model[0].requires_grad_(False)
     assert all(p.requires_grad for p in held.param_groups[0]["params"])  # the old ones: unchanged
-    mesh = fzero.SimMesh(1)
-
-    def rank(batch):
-        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units, groups=info.groups)
-        with pytest.raises(fzero.ConfigError, match=r"'0.bias' \(trainable then, frozen now\), '0.weight'"):
-            fzero.train_step(_loss(apply))(state, batch)
-
-    mesh.run(rank, [(_batches(1)[0][0],)])
+    _refused(params, apply, info, r"'0.bias' \(trainable then, frozen now\), '0.weight'")
 
 
 def test_from_module_called_again_does_not_let_the_old_state_train_the_old_set():
@@ -279,16 +285,12 @@ def test_from_module_called_again_does_not_let_the_old_state_train_the_old_set()
     review of the first version, which compared each `apply` with its own `from_module`)."""
     model = _model()
     params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
-    mesh = fzero.SimMesh(1)
 
-    def rank(batch):
-        state = fzero.init(params, optim.adamw(1e-2), stage=1, mesh=mesh, units=info.units, groups=info.groups)
+    def apply_again():
         model[0].requires_grad_(False)
-        _, apply2, _ = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
-        with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
-            fzero.train_step(_loss(apply2))(state, batch)
+        return fzero.from_module(model, units=fzero.units_by_prefix(model, ""))[1]
 
-    mesh.run(rank, [(_batches(1)[0][0],)])
+    _refused(params, apply, info, r"'0.weight' \(trainable then, frozen now\)", stage=1, make_apply=apply_again)
 
 
 @pytest.mark.parametrize("how", ["parametrized", "replaced, the old kept"])
@@ -305,12 +307,5 @@ def test_a_parameter_moved_or_a_submodule_replaced_is_read_where_the_module_hold
         model[0].parametrizations.weight.original.requires_grad_(False)
     else:
         model[0] = torch.nn.Linear(6, 8).requires_grad_(False)
-    mesh = fzero.SimMesh(1)
-
-    def rank(batch):
-        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units, groups=info.groups)
-        with pytest.raises(fzero.ConfigError, match=r"'0.weight' \(trainable then, frozen now\)"):
-            fzero.train_step(_loss(apply))(state, batch)
-
-    mesh.run(rank, [(_batches(1)[0][0],)])
+    _refused(params, apply, info, r"'0.weight' \(trainable then, frozen now\)")
     assert kept is not None

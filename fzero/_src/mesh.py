@@ -896,16 +896,23 @@ class SimMesh(Mesh):
             if not self._running or self._error is not None or self._current != r or any(
                     st in ("done", "fail") for st in self._status):
                 return
-            self._slots[r] = (_Failed(f"{type(e).__name__}: {e}"), None)
-            self._status[r] = "wait"
-            if len(self._waiting()) == self.world_size:
-                self._complete_round()
-            self._pass_turn(r)
-            self._take_turn(r)
-            self._status[r] = "run"
-            self._results[r] = None
+            self._round_trip(r, _Failed(f"{type(e).__name__}: {e}"), None)
             self._announced[r] = self._round
         _mark_told(e)
+
+    def _round_trip(self, r: int, call: Any, x: torch.Tensor | None) -> Any:
+        """Put rank `r`'s slot `(call, x)` into the current round, complete it where every rank's
+        is in, and wait for the turn to come back (the round then done: ranks take turns in order):
+        rank `r`'s result (cond held)."""
+        self._slots[r] = (call, x)
+        self._status[r] = "wait"
+        if len(self._waiting()) == self.world_size:
+            self._complete_round()
+        self._pass_turn(r)
+        self._take_turn(r)
+        self._status[r] = "run"
+        out, self._results[r] = self._results[r], None
+        return out
 
     def _waiting(self) -> list[int]:
         """Ranks that deposited into the current, incomplete round."""
@@ -935,14 +942,7 @@ class SimMesh(Mesh):
                         f"mesh.run; every rank must call the same collectives in the same order"))
             if self._error is not None:
                 raise self._error
-            self._slots[r] = (call, x)
-            self._status[r] = "wait"
-            if len(self._waiting()) == self.world_size:
-                self._complete_round()
-            self._pass_turn(r)
-            self._take_turn(r)
-            self._status[r] = "run"
-            out, self._results[r] = self._results[r], None
+            out = self._round_trip(r, call, x)
             if isinstance(out, MeshError):  # this round's calls differ, or a rank failed (`_complete_round`)
                 raise out
             if self._error is not None:
