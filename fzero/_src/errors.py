@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
 
 class FzeroError(Exception):
     """Base class of every error fzero raises on purpose."""
@@ -37,3 +42,27 @@ class LossScaleError(FzeroError, FloatingPointError):
 
 class OffloadError(FzeroError, OSError):
     """Offloaded state cannot be kept: an NVMe path is missing, unwritable or full, or its I/O failed."""
+
+
+def refusing_unknown_keywords(words: Callable[[dict[str, Any], dict[str, Any]], FzeroError]) -> Callable[[type], type]:
+    """A dataclass decorator (applied above `@dataclasses.dataclass`): its `__init__` raises
+    `words(given, unknown)` -- `given` the known settings by name, positional ones too, `unknown`
+    the keywords it has no field for -- where Python raised its bare `TypeError` ("unexpected
+    keyword argument"): torch's or DeepSpeed's name for a setting fzero calls otherwise (found in
+    review). The dataclass's own `__init__` does the rest."""
+
+    def wrap(cls: type) -> type:
+        init = cls.__init__
+        names = [f.name for f in dataclasses.fields(cls)]
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            unknown = {k: v for k, v in kwargs.items() if k not in names}
+            if unknown:
+                raise words({**dict(zip(names, args)), **kwargs}, unknown)
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return wrap

@@ -86,7 +86,7 @@ from .errors import CollectiveMismatch, ConfigError, FzeroError
 from .layout import Layout
 from .mesh import EVALUATING, Mesh, entry_of, evaluating_words, unlabelled
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
-from .tree import NAMESPACE, unflatten
+from .tree import NAMESPACE, named_paths, unflatten
 from .unit import Bucket, Inflight, Probe, UnitProgram, remembered, run_unit, wait_held
 
 GATHERS = ("on_use", "eager")
@@ -762,7 +762,7 @@ class Gathering:
                     written.setdefault(unit, []).append(path)
         if written:
             paths = [p for ps in written.values() for p in ps]
-            named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
+            named = named_paths(paths)
             raise ConfigError(
                 f"the loss (or evaluate function) wrote a param in place, in unit(s) {list(written)}: one or more "
                 f"of {named} (a bucket's leaves are views of one buffer and share the version counter the write "

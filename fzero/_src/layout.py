@@ -27,7 +27,7 @@ import einops
 import optree
 import torch
 
-from .errors import LayoutError
+from .errors import LayoutError, refusing_unknown_keywords
 from .tree import NAMESPACE, flatten_with_paths, unflatten
 
 DEFAULT_UNIT = "default"
@@ -35,7 +35,8 @@ DEFAULT_UNIT = "default"
 UnitSpec = Union[None, Callable[[str], str], Mapping[str, Callable[[str], bool]]]
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@refusing_unknown_keywords(lambda given, unknown: LayoutError(_unknown_settings(given.get("name", "default"), unknown)))
+@dataclasses.dataclass(frozen=True)
 class ParamGroup:
     """Per-leaf optimizer settings, chosen by a predicate on the leaf's dotted path.
 
@@ -55,15 +56,6 @@ class ParamGroup:
     weight_decay: bool = True
     lr_scale: float = 1.0
     frozen: bool = False
-
-    def __init__(self, name: str = "default", match: Callable[[str], bool] | None = None,
-                 weight_decay: bool = True, lr_scale: float = 1.0, frozen: bool = False, **unknown: Any) -> None:
-        if unknown:  # torch's per-group keys (lr, betas, eps, momentum): Python's bare TypeError before (found in review)
-            raise LayoutError(_unknown_settings(name, unknown))
-        for field, value in (("name", name), ("match", match), ("weight_decay", weight_decay),
-                             ("lr_scale", lr_scale), ("frozen", frozen)):
-            object.__setattr__(self, field, value)
-        self.__post_init__()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):

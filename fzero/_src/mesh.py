@@ -353,10 +353,24 @@ class Mesh(abc.ABC):
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Wrap one rank's part of a multi-rank computation: if it raises, the other ranks are told
-        (SimMesh; DistMesh with `verify=True`) so they stop with `RankFailed` instead of waiting,
-        also where the rank catches its error and goes on."""
-        yield
+        """Wrap one rank's part of a multi-rank computation: if it raises an exception of its own
+        (any but a MeshError every rank raised together, `_is_shared`), the other ranks are told
+        (`_announce`: SimMesh; DistMesh with `verify=True`) so they stop with `RankFailed` instead
+        of waiting, also where the rank catches its error and goes on; once (`_told`: an
+        enclosing guard announced it already)."""
+        try:
+            yield
+        except BaseException as e:
+            if not _is_shared(e) and not self._told(e):
+                self._announce(e)
+            raise
+
+    def _told(self, e: BaseException) -> bool:
+        """Whether the other ranks were told of `e` already (`guard`)."""
+        return True
+
+    def _announce(self, e: BaseException) -> None:
+        """Tell the other ranks of this rank's exception `e` (`guard`): nothing here."""
 
     @eager  # dynamo never traces a mesh (locks, condition variables, process groups)
     def collective(self, op: str, x: torch.Tensor, *, arg: Any = None, tag: str | None = None,
@@ -861,22 +875,6 @@ class SimMesh(Mesh):
         if self._error is None:
             self._error = error
 
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """As DistMesh's: an exception of this rank's own (`_is_shared`) is announced to the other
-        ranks in the round this rank is at (`_announce`), so that those in that collective raise
-        `RankFailed` naming it, also where this rank catches it and goes on. Before, SimMesh told
-        them only when the error left `fn`: a rank that caught its error and retried met the others
-        in their collective unannounced (a retried step paired with their first), or left them
-        waiting to a `CollectiveMismatch` at the end of `run` that named no error, where DistMesh
-        raised `RankFailed` (found in review)."""
-        try:
-            yield
-        except BaseException as e:
-            if not _is_shared(e) and not self._told(e):
-                self._announce(e)
-            raise
-
     def _told(self, e: BaseException) -> bool:
         """As DistMesh's `_told`: an enclosing guard announced `e` (or its cause) and this rank
         ran no collective since (a round completes only with every rank's slot in it, so the
@@ -885,10 +883,14 @@ class SimMesh(Mesh):
         return self._announced.get(r) == self._round and _marked_told(e)
 
     def _announce(self, e: BaseException) -> None:
-        """Put this rank's `_Failed` slot into the current round and wait for the round to end, as
-        `_exchange` waits for a collective: the ranks whose calls are in it raise `RankFailed`
-        (`_complete_round`). Nothing where this thread is not a running rank of this mesh, the
-        mesh is poisoned, or a rank has left `run` (its end raises there)."""
+        """Put this rank's `_Failed` slot into the round this rank is at and wait for the round to
+        end, as `_exchange` waits for a collective: the ranks whose calls are in it raise
+        `RankFailed` naming `e` (`_complete_round`). Before, SimMesh told them only when the error
+        left `fn`: a rank that caught its error and retried met the others in their collective
+        unannounced (a retried step paired with their first), or left them waiting to a
+        `CollectiveMismatch` at the end of `run` that named no error, where DistMesh raised
+        `RankFailed` (found in review). Nothing where this thread is not a running rank of this
+        mesh, the mesh is poisoned, or a rank has left `run` (its end raises there)."""
         if getattr(_SIM_THREAD, "mesh", None) is not self:
             return
         with self._cond:
@@ -1698,20 +1700,15 @@ class DistMesh(Mesh):
             work = _reduce_scatter_into(out, x, self.group, async_op=True)
         return out, work
 
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Tell the other ranks of an exception of this rank's own (any but a MeshError every rank
-        raised together, `_is_shared`: before, every MeshError passed untold, so the others waited
-        in their collective for one that a rank's own argument check refused; found in review)."""
-        try:
-            yield
-        except BaseException as e:
-            if self.verify and not _is_shared(e) and not self._told(e):
-                with contextlib.suppress(MeshError):
-                    self._agree(_KIND_FAIL, None)
-                self._announced = self._seq
-                _mark_told(e)
-            raise
+    def _announce(self, e: BaseException) -> None:
+        """A FAIL row in the agreement the other ranks wait in (with `verify`; before, every
+        MeshError passed untold, so the others waited in their collective for one that a rank's
+        own argument check refused; found in review)."""
+        if self.verify:
+            with contextlib.suppress(MeshError):
+                self._agree(_KIND_FAIL, None)
+            self._announced = self._seq
+            _mark_told(e)
 
     def _told(self, e: BaseException) -> bool:
         """Whether the other ranks were told of this failure already: an enclosing guard of this

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .errors import ConfigError, LossScaleError
+from .errors import ConfigError, LossScaleError, refusing_unknown_keywords
 
 FACTOR = 2.0
 """The growth and back-off factor: DeepSpeed's `scale_factor`, fixed at 2."""
@@ -186,7 +186,8 @@ def _unknown_scaler_settings(unknown: dict[str, Any]) -> str:
             f"window, hysteresis, consecutive_hysteresis, min_scale and raise_at_min (help(fzero.DynamicLossScale))")
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@refusing_unknown_keywords(lambda given, unknown: LossScaleConfigError(_unknown_scaler_settings(unknown)))
+@dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
     """DeepSpeed's dynamic loss scaler (fp16 `loss_scale: 0`) as a pure `(init, update)` pair.
 
@@ -222,17 +223,6 @@ class DynamicLossScale:
     consecutive_hysteresis: bool = False
     min_scale: float = 1.0
     raise_at_min: bool = False
-
-    def __init__(self, init_scale: float = 2.0**16, window: int = 1000, hysteresis: int = 2,
-                 consecutive_hysteresis: bool = False, min_scale: float = 1.0, raise_at_min: bool = False,
-                 **unknown: Any) -> None:
-        if unknown:
-            raise LossScaleConfigError(_unknown_scaler_settings(unknown))
-        for field, value in (("init_scale", init_scale), ("window", window), ("hysteresis", hysteresis),
-                             ("consecutive_hysteresis", consecutive_hysteresis), ("min_scale", min_scale),
-                             ("raise_at_min", raise_at_min)):
-            object.__setattr__(self, field, value)
-        self.__post_init__()
 
     def __post_init__(self) -> None:
         init = _scale("DynamicLossScale.init_scale", self.init_scale)

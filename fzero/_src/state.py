@@ -35,7 +35,7 @@ from .originals import link_layout
 from .precision import FULL, Precision, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
-from .tree import NAMESPACE, flatten_with_paths, unflatten
+from .tree import NAMESPACE, flatten_with_paths, named_paths, unflatten
 from .unit import gather_leaves, unit_programs
 
 
@@ -974,7 +974,7 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
                                                         None if state.master[b] is None else master_values(state, b)),
                        [b.index for b in layout.buckets if not b.group.frozen])
     leaves = updated_nonfinite_leaves(state, updated)
-    named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
+    named = named_paths(leaves)
     advice = unmastered_words(state, leaves, "Lower the learning rate or keep params in a wider dtype; donate=False "
                               "checks each update before keeping it (and can skip it)")
     return NonFiniteError(

@@ -67,7 +67,7 @@ from .scale import StaticLossScale
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, lost_by,
                     nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
-from .tree import flatten, flatten_with_paths
+from .tree import flatten, flatten_with_paths, named_paths
 from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
 from .optim.base import tracked
 from .update import differentiated_through, donated_through, prepare, update
@@ -343,7 +343,7 @@ def _check_no_derivative_through_the_autograd_engine(config: StepConfig, state: 
     tracked = {b for b, (p, m) in enumerate(zip(state.params, state.master))
                if p.requires_grad or m is not None and m.requires_grad}
     paths = [ls.path for ls in state.layout.leaves if ls.bucket in tracked]
-    named = ", ".join(repr(p) for p in paths[:8]) + (" ..." if len(paths) > 8 else "")
+    named = named_paths(paths)
     raise ConfigError(f"a step with engine='autograd' whose params require grad ({named}; {state.mesh!r}, rank "
                       f"{state.rank}): autograd is differentiating through the step (a meta-gradient), but this "
                       f"engine detaches the params to take the step's gradient, so the derivative would lack every "
@@ -393,14 +393,14 @@ def _check_master_differentiated_with_its_copy(state: ZeroState) -> None:
         return
     # stage 2 differentiates the master shard itself (`Stage.differentiated`): the master alone is whole there
     whole = state.stage.sharded("grads") and not state.stage.sharded("params")
-    parted = [b for b, (p, m) in enumerate(zip(state.params, state.master))
-              if m is not None and tracked(p) != tracked(m) and not (whole and tracked(m))]
+    both = {b: (tracked(p), tracked(m)) for b, (p, m) in enumerate(zip(state.params, state.master)) if m is not None}
+    parted = [b for b, (p, m) in both.items() if p != m and not (whole and m)]
     if not parted:
         return
     b = parted[0]
-    alone, other = ("params", "master") if tracked(state.params[b]) else ("master", "params")
+    alone, other = ("params", "master") if both[b][0] else ("master", "params")
     paths = [ls.path for ls in state.layout.leaves if ls.bucket in set(parted)]
-    named = ", ".join(repr(p) for p in paths[:6]) + (" ..." if len(paths) > 6 else "")
+    named = named_paths(paths, 6)
     raise ConfigError(
         f"a derivative is taken through this step with respect to state.{alone} alone ({named}; {state.mesh!r}, "
         f"rank {state.rank}, stage {state.stage.level}, {state.info.precision!r}): this state keeps its master values "
@@ -504,7 +504,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
         return (new if scaler is None else new.replace(loss_scale=next_scale)), _metrics(*seen, skipped=False)
     if config.on_nonfinite == "raise":
-        named = ", ".join(repr(p) for p in broken[:8]) + (" ..." if len(broken) > 8 else "")
+        named = named_paths(broken)
         advice = unmastered_words(state, broken,  # 16-bit params with no wider master: fp16's way out replaces it
                                   "Lower the learning rate, keep params in a wider dtype, or use on_nonfinite='skip'")
         raise NonFiniteError(f"step {step}: the gradients are finite but the optimizer's update made the params "
@@ -1086,12 +1086,15 @@ def _report(state: ZeroState, programs: list, g_probes: dict[str, Probe]) -> Rep
 # -- the rare path: a non-finite step ----------------------------------------------------------
 
 
+_UNCHECKED = ("local gradients were not checked: train_step(locate_nonfinite=True) names the ranks whose local "
+              "gradient is non-finite")
+
+
 def _culprits(verdict: Verdict) -> str:
     """The ranks whose loss or local gradient the agreement found non-finite, or that only the
     reduced gradient's norm is."""
-    if not verdict.bad_ranks:
-        unchecked = ("" if verdict.located else "; local gradients were not checked: train_step(locate_nonfinite=True) "
-                     "names the ranks whose local gradient is non-finite")  # (found in review: no rank, no way to one)
+    if not verdict.bad_ranks:  # (found in review: no rank, and no way to one, where local gradients went unchecked)
+        unchecked = "" if verdict.located else f"; {_UNCHECKED}"
         return (f"the reduced gradient (sum of squares {verdict.norm_sq}; every rank's loss"
                 f"{' and local gradient' if verdict.located else ''} finite{unchecked})")
     return "; ".join(f"rank {r}: " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
@@ -1099,10 +1102,9 @@ def _culprits(verdict: Verdict) -> str:
 
 
 def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:
-    named = ", ".join(repr(p) for p in leaves[:8]) + (" ..." if len(leaves) > 8 else "")
+    named = named_paths(leaves)
     where = f"; the reduced gradient is non-finite in {named}" if leaves else ""
-    unchecked = ("local gradients were not checked: train_step(locate_nonfinite=True) names the ranks whose local "
-                 "gradient is non-finite, at one more read of it per step")
+    unchecked = f"{_UNCHECKED}, at one more read of it per step"
     if not verdict.bad_ranks and verdict.located:
         return (f"step {step}: every rank's loss and local gradient are finite but the reduced gradient is not "
                 f"(sum of squares {verdict.norm_sq}{where}): the sum over ranks overflowed. The state is unchanged; "

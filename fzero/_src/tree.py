@@ -9,6 +9,7 @@ NamedTuple fields (`{"h": [{"w": ...}]}` -> `"h.0.w"`), the same form as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -42,3 +43,8 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
 
 def tree_map(fn: Any, tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def named_paths(paths: Sequence[str], limit: int = 8) -> str:
+    """The first `limit` of `paths` in a message, quoted, then " ..." where there are more."""
+    return ", ".join(repr(p) for p in paths[:limit]) + (" ..." if len(paths) > limit else "")

@@ -613,7 +613,7 @@ def _tensor_difference(a: Any, b: Any) -> str | None:
     text = f"{_spec(a)}: {int(differ.sum())} of {a.numel()} elements differ"
     if a.dtype == torch.bool:
         return text
-    x, y = (v.detach().cpu().resolve_conj().resolve_neg().reshape(-1)[differ] for v in (a, b))
+    x, y = (_flat(v)[differ] for v in (a, b))
     if not (a.is_floating_point() or a.is_complex()):  # exact: float64 rounds int64's above 2**53 (found in review)
         return text + f", max |diff| {max(abs(i - j) for i, j in zip(x.tolist(), y.tolist()))}"
     wide = torch.complex128 if a.is_complex() else torch.float64
@@ -627,15 +627,20 @@ def _tensor_difference(a: Any, b: Any) -> str | None:
 
 def _element(x: torch.Tensor, i: int) -> str:
     """Element `i` of `x` (flat) and its bits in hex: `-0.0 (0x80000000)`."""
-    one = x.detach().cpu().resolve_conj().resolve_neg().reshape(-1)[i : i + 1].contiguous()
+    one = _flat(x)[i : i + 1]
     if one.is_complex():  # (two floats: their values carry the sign of a zero and a NaN's payload is rare)
         return str(one.item())
     return f"{one.item()} (0x{bytes(one.view(torch.uint8).flip(0).tolist()).hex()})"
 
 
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """`x` on the CPU, contiguous and flat, lazy conjugate and negative views resolved."""
+    return x.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+
+
 def _bytes(x: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, uint8 on the CPU (lazy conjugate and negative views resolved)."""
-    flat = x.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    """The tensor's bytes, uint8 on the CPU (`_flat`)."""
+    flat = _flat(x)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
