@@ -30,6 +30,8 @@ returns to Python code: a collective that a Python start returns straight into a
 
 from __future__ import annotations
 
+import gc
+
 import sys
 from collections.abc import Callable
 
@@ -71,6 +73,11 @@ class Work:
 WEAKREF_FILES = ("/_weakrefset.py", "/weakref.py", "/torch/utils/weak.py")  # the stdlib's WeakSet / WeakValueDictionary, torch's
 
 
+def _gc_callback_codes() -> frozenset:
+    """The code objects of the functions in `gc.callbacks`."""
+    return frozenset(code for cb in gc.callbacks if (code := getattr(cb, "__code__", None)) is not None)
+
+
 class At:
     """A profile hook (`sys.setprofile`) that raises `KeyboardInterrupt` at the `k`-th Python
     function entry or C call return (where CPython handles a pending signal) once `arm_on(frame,
@@ -79,13 +86,16 @@ class At:
 
     def __init__(self, k: int, arm_on: Callable[[object, str], bool], starts: tuple = ()) -> None:
         self.k, self.arm_on, self.seen, self.armed, self.fired = k, arm_on, 0, False, None
-        self.starts, self.inside = frozenset(f.__code__ for f in starts), 0
+        self.starts, self.inside, self.in_gc = frozenset(f.__code__ for f in starts), 0, 0
 
     def __call__(self, frame, event, arg) -> None:
         if frame.f_code in self.starts and event in ("call", "return"):
             self.inside += 1 if event == "call" else -1
             return
-        if frame.f_code.co_filename.endswith(WEAKREF_FILES):
+        if frame.f_code in _gc_callback_codes() and event in ("call", "return"):
+            self.in_gc += 1 if event == "call" else -1  # a gc callback (torch registers one), run where a
+            return  # collection happens: an interrupt raised in it is ignored, as in a weak reference's (found in CI)
+        if self.in_gc or frame.f_code.co_filename.endswith(WEAKREF_FILES):
             return  # a weak reference's callback, run where a reference drops: an interrupt raised there is
             # ignored (printed as unraisable), not the step's (found in CI: a WeakSet's `_remove` failed the test)
         if not self.armed:
