@@ -282,7 +282,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         keeps only its inputs for backward and runs again there, with the random-number state
         of its first run: the same bits (`fzero._src.remat`, proofs/stage3.md). With a plain
         params dict (`gather="eager"`, `fzero.gather`) `apply` computes the same values without
-        checkpointing.
+        checkpointing. Refused (`ConfigError`): a checkpointed unit whose submodule holds
+        another unit's parameter (a head tied to the embedding), which its recompute in
+        backward could not bind.
 
     Returns:
       `params` `{name: Tensor}` (distinct parameters, module order), `apply(params, *args,
@@ -1052,7 +1054,9 @@ def _runs_forward(module: nn.Module) -> bool:
 class _Running(threading.local):
     """Of the calls running on this thread: `.unbound` {id(placeholder): (alias, unit, the skeleton
     copy holding it)} (the dict path: every placeholder; inside another apply, merged with that
-    call's, `_merged`), `.root` the skeleton copy the innermost call runs; None outside a call.
+    call's, `_merged`), `.root` the skeleton copy the innermost call runs; None outside a call;
+    `.recomputing` the checkpointed unit whose recompute in backward runs, where `.unbound` is set
+    for it after `apply` returned (`_checkpointed`), else None.
     Both are set on every thread as it first reads them: a compiled loss over `apply` traces their
     reads, and an attribute missing on the first call and present after (`getattr(..., None)`)
     made dynamo guard on `hasattr` and compile the loss again at the second step (found in review)."""
@@ -1060,6 +1064,7 @@ class _Running(threading.local):
     def __init__(self) -> None:
         self.unbound: dict[int, tuple[str, str, nn.Module | None]] | None = None
         self.root: nn.Module | None = None
+        self.recomputing: str | None = None
 
 
 _RUNNING = _Running()
@@ -1137,6 +1142,13 @@ def _unbound_error(t: torch.Tensor, alias: str, unit: str, root: nn.Module | Non
             f"holds a meta stand-in there, never the values being trained. In the forward, read it through its module "
             f"attribute (the name {alias!r} registers), or register the container (nn.ParameterList, "
             f"nn.ParameterDict)")
+    if _RUNNING.recomputing is not None:
+        return ConfigError(
+            f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) by the recompute in backward of "
+            f"checkpointed unit {_RUNNING.recomputing!r} (from_module(remat=...)), after apply returned: the "
+            f"recompute binds that unit's leaves only, so it reads a meta stand-in for {alias!r}, not the values "
+            f"being trained (its forward reached the parameter without its own module holding it: through a plain "
+            f"attribute). Leave unit {_RUNNING.recomputing!r} out of remat (remat=[...] naming the others)")
     return ConfigError(
         f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the "
         f"forward of the submodule its unit is bound in, where from_module's apply holds a meta "
@@ -1397,12 +1409,19 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
     """`mod`'s forward for a checkpointed unit: read the unit (gathering it), run the forward
     through `remat_call` with the unit's parameters bound inside it (each distinct leaf one
     input, so a leaf tied within the unit gets one gradient), release the unit."""
+    checked = (_RUNNING.unbound, _RUNNING.root, binding.unit)
+
     def forward(bound: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        outer = (_RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing)
+        if outer[0] is None:  # the recompute in backward, after `apply` returned: its stand-ins stay checked
+            # (one reached through a plain attribute read uninitialised memory, silently: found in review)
+            _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = checked
         binding.bind(bound)
         try:
             return type(mod).forward(mod, *args, **kwargs)
         finally:
             binding.unbind()
+            _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = outer
 
     out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs, binding.unit,
                      tuple(mod.buffers()))
@@ -1449,7 +1468,31 @@ def _remat_units(module: nn.Module, aliases: dict[str, list[str]], units: UnitSp
             raise ConfigError(f"remat: unit {unit!r} (submodule {homes[unit]!r}) holds the home of unit(s) {inner}, "
                               f"whose gathers would run inside the checkpointed forward; checkpoint the inner units "
                               f"instead, or make them one unit")
+        _refuse_foreign_leaves(unit, homes[unit], aliases, unit_of, sorted(u for u in chosen if u != unit))
     return frozenset(chosen)
+
+
+def _refuse_foreign_leaves(unit: str, home: str, aliases: dict[str, list[str]], unit_of: Callable[[str], str],
+                           others: list[str]) -> None:
+    """`ConfigError` where checkpointed `unit`'s home submodule `home` holds a parameter of another
+    unit (a head's `decoder.weight` tied to the embedding, or a unit spec that puts a leaf of the
+    submodule elsewhere): its forward reads that parameter, and the recompute in backward, which
+    runs after `apply` returned, binds the checkpointed unit's leaves only, so it read the other
+    unit's meta stand-in: gradients from uninitialised memory, silently (found in review)."""
+    foreign = [(alias, first, unit_of(first)) for first, names in aliases.items() if unit_of(first) != unit
+               for alias in names if alias.startswith(home + ".")]
+    if not foreign:
+        return
+    alias, first, owner = foreign[0]
+    tied = f" (tied to {first!r})" if alias != first else ""
+    more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+    keep = f"remat={others!r}" if others else "remat=False"
+    raise ConfigError(
+        f"remat: submodule {home!r} of unit {unit!r} holds parameter {alias!r}{tied}{more}, a leaf of unit {owner!r}: "
+        f"its checkpointed forward reads it, but the recompute in backward binds unit {unit!r}'s leaves only, so it "
+        f"would read {owner!r}'s leaf unbound. Leave unit {unit!r} out of remat ({keep}), or put the leaf in unit "
+        f"{unit!r} (units=...; a leaf tied to one outside {home!r} then leaves the unit without a home, which "
+        f"remat refuses too)")
 
 
 def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
