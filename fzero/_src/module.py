@@ -325,7 +325,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     note_originals(module, canonical)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
-    note_born(module, params)  # a state made of them refuses a step where a flag changed since (`refuse_changed_flags`)
+    note_born(module, params, aliases)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
     _check_tensor_hooks(module)
     _check_hooks(module)

@@ -57,7 +57,8 @@ _LINKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a state's layout -> its l
 class _Born(NamedTuple):
     """Where a params tensor `from_module` returned comes from: the module (held weakly), the
     parameter's name there, the submodule that held it then (weakly), its attribute name there,
-    the parameter itself (weakly) and its `requires_grad` then."""
+    the parameter itself (weakly), its `requires_grad` then, and its other names then (a tied
+    weight's)."""
 
     module: weakref.ref
     name: str
@@ -65,6 +66,7 @@ class _Born(NamedTuple):
     attr: str
     param: weakref.ref
     flag: bool
+    ties: tuple[str, ...] = ()
 
 
 class _Link(NamedTuple):
@@ -76,16 +78,18 @@ class _Link(NamedTuple):
     born: _Born
 
 
-def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
+def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
     """Remember where each tensor of `params` (`from_module`'s, by its names) comes from in
-    `module`, for the states `fzero.init` makes of them (`link_layout`)."""
+    `module`, and its other names there (`aliases`: first name -> every name), for the states
+    `fzero.init` makes of them (`link_layout`)."""
     root = weakref.ref(module)
     for name, t in params.items():
         path, _, attr = name.rpartition(".")
         owner = _submodule(module, path)
         p = None if owner is None else owner._parameters.get(attr)
         if p is not None:  # (else not linked: a module that hides its own submodules; found in review)
-            _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad)
+            ties = tuple(n for n in aliases.get(name, ()) if n != name)
+            _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad, ties)
 
 
 def link_layout(layout: Any, params: Any) -> None:
@@ -127,6 +131,54 @@ def refuse_changed_flags(layout: Any) -> None:
             changed.append(link)
     if changed:
         raise ConfigError(_changed_words(changed))
+
+
+def refuse_changed_ties(layout: Any) -> None:
+    """Raise `ConfigError` where the module the state of `layout` was made from ties its
+    parameters otherwise than when `from_module` read it: two leaves now one parameter
+    (`model.head.weight = model.emb.weight` after `from_module`), or one leaf's names now
+    different parameters (the tie broken, `model.head.weight = nn.Parameter(...)`). `apply` runs
+    the module as `from_module` copied it, so the step trained the old ties, and
+    `model.load_state_dict(info.state_dict(...))` wrote one trained leaf over the other, silently
+    (found in review of a tied-weights user). A name whose parameter is another object over the
+    same storage is still tied (`load_state_dict(..., assign=True)` makes one `Parameter` per name
+    of the one tensor `info.state_dict` gives). A few dict lookups per linked leaf and per tie."""
+    links = _LINKS.get(layout)
+    if not links:
+        return
+    seen: dict[int, str] = {}
+    for link in links:
+        p = _now(link.born)
+        if p is None:
+            continue
+        other = seen.setdefault(id(p), link.born.name)
+        if other != link.born.name:
+            raise ConfigError(_tie_words(link.born, f"{other!r} and {link.born.name!r} were two parameters when "
+                                                    f"from_module read the module and are one now"))
+        root = link.born.module()
+        for name in link.born.ties:
+            path, _, attr = name.rpartition(".")
+            owner = None if root is None else _submodule(root, path)
+            q = None if owner is None else owner._parameters.get(attr)
+            if q is not None and q is not p and not _same_storage(p, q):
+                raise ConfigError(_tie_words(link.born, f"{link.born.name!r} and {name!r} were one (tied) parameter "
+                                                        f"when from_module read the module and are two now"))
+
+
+def _same_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
+    return (p.numel() > 0 and p.device == q.device and p.data_ptr() == q.data_ptr() and p.shape == q.shape
+            and p.stride() == q.stride() and p.dtype == q.dtype)
+
+
+def _tie_words(born: _Born, what: str) -> str:
+    module = born.module()
+    kind = type(module).__name__ if module is not None else "module"
+    return (f"the parameters of the {kind} given to fzero.from_module are tied otherwise than when from_module read "
+            f"it: {what}. apply runs the module as from_module copied it, so this step would train the ties it read, "
+            f"not the module as it is now, and model.load_state_dict(info.state_dict(...)) would write one trained "
+            f"value over another, silently. Nothing was updated. Tie (or untie) before fzero.from_module, then "
+            f"fzero.init with its params; to keep what this state trained, first put its values into the module as "
+            f"from_module read it (model.load_state_dict(info.state_dict(fzero.gather(state))) before changing the ties)")
 
 
 def _now(born: _Born) -> torch.Tensor | None:

@@ -1,0 +1,107 @@
+"""A module whose ties change after `fzero.from_module` read it: a weight tied afterwards
+(`model.head.weight = model.emb.weight`) or a tie broken (`model.head.weight = nn.Parameter(...)`).
+`apply` runs the module as `from_module` copied it, so the step trained the old ties, and the
+write-back (`model.load_state_dict(info.state_dict(...))`) put one trained leaf over the other,
+silently (found in review of a tied-weights user). The step refuses it on every rank, before any
+update (docs/bad-input.md row 216); a write-back with `assign=True`, which makes one Parameter
+per name over the one tensor, keeps the tie and trains on."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fzero
+
+V, D = 11, 8
+
+
+class LM(nn.Module):
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.body = nn.Linear(D, D)
+        self.head = nn.Linear(D, V, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(torch.tanh(self.body(self.emb(idx))))
+
+
+def _model(tie: bool) -> LM:
+    torch.manual_seed(0)
+    return LM(tie)
+
+
+def _batches(steps: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, V, (4, 5), generator=g), torch.randint(0, V, (4, 5), generator=g))
+            for _ in range(steps)]
+
+
+def _steps(model, change=None, *, stage: int = 1, n: int = 2, write_back: bool = False):
+    """Three steps on `n` SimMesh ranks from `from_module(model)`, `change(model)` applied after
+    `from_module` (the module is shared by the ranks); each rank's gathered params, or the step
+    that raised, its error and the params then. `write_back` (`n` = 1): the trained values put
+    back into the module after each step, `load_state_dict(..., assign=True)`."""
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    if change is not None:
+        change(model)
+    mesh = fzero.SimMesh(n)
+
+    def loss(p, batch):
+        return F.cross_entropy(apply(p, batch[0]).reshape(-1, V), batch[1].reshape(-1))
+
+    def rank(batches):
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(loss)
+        for i, batch in enumerate(batches):
+            try:
+                state, _ = step(state, batch)
+            except fzero.ConfigError as e:
+                return i, str(e), fzero.gather(state)
+            if write_back:
+                model.load_state_dict(info.state_dict(fzero.gather(state)), assign=True)
+        return fzero.gather(state)
+
+    return mesh.run(rank, [(_batches(),)] * n)
+
+
+def _tie(model):
+    model.head.weight = model.emb.weight
+
+
+def _untie(model):
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("tied, change, words", [
+    (False, _tie, "'emb.weight' and 'head.weight' were two parameters when from_module read the module and are one now"),
+    (True, _untie, "'emb.weight' and 'head.weight' were one \\(tied\\) parameter when from_module read the module and "
+                   "are two now"),
+    (True, lambda m: setattr(m, "head", nn.Linear(D, V, bias=False)), "'emb.weight' and 'head.weight' were one"),
+])
+def test_a_tie_made_or_broken_after_from_module_is_refused_at_the_first_step_before_any_update(stage, tied, change,
+                                                                                              words):
+    model = _model(tied)
+    before = {k: v.clone() for k, v in fzero.from_module(model)[0].items()}
+    for at, message, params in _steps(model, change, stage=stage):
+        assert at == 0 and re.search(words, message), message
+        assert "Nothing was updated" in message and "Tie (or untie) before fzero.from_module" in message
+        assert params.keys() == before.keys() and all(torch.equal(params[k], before[k]) for k in params)
+
+
+def test_a_write_back_with_assign_keeps_the_tie_and_trains_on_with_the_bits_of_none():
+    """`assign=True` gives each name its own Parameter over the one tensor `info.state_dict`
+    gives both: the same storage, still tied."""
+    model = _model(True)
+    (plain,) = _steps(_model(True), n=1)
+    (written,) = _steps(model, n=1, write_back=True)
+    assert model.head.weight.data_ptr() == model.emb.weight.data_ptr()
+    assert plain.keys() == written.keys() and all(torch.equal(plain[k], written[k]) for k in plain)
