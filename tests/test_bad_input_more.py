@@ -186,6 +186,23 @@ def test_paramgroup_fields_are_checked_by_type():
     assert fzero.ParamGroup("g", lr_scale=2).lr_scale == 2.0 and isinstance(fzero.ParamGroup("g", lr_scale=2).lr_scale, float)
 
 
+def test_offload_given_deepspeeds_config_keys_names_fzeros():
+    """DeepSpeed's `offload_optimizer` keys (`device`, `pin_memory`, `buffer_count`) were Python's
+    bare `TypeError`; now a `ConfigError` naming fzero's setting for each, or that there is none
+    (found in review of an offload user). Positional and known keywords still work."""
+    with pytest.raises(fzero.ConfigError, match=r"Offload got 'device' \(device -> optimizer= .*or params="):
+        fzero.Offload(device="cpu")
+    with pytest.raises(fzero.ConfigError, match=r"'pin_memory', 'buffer_count' \(pin_memory -> pin=; buffer_count -> "
+                                                r"no such setting"):
+        fzero.Offload(optimizer="cpu", pin_memory=True, buffer_count=4)
+    assert fzero.Offload("cpu", None, None, 0.5, pin=False) == fzero.Offload(optimizer="cpu", ratio=0.5, pin=False)
+    with pytest.raises(fzero.ConfigError, match=r"e.g. fzero.Offload\(optimizer='cpu'\), got str 'cpu'"):
+        fzero.init({"w": torch.zeros(4)}, optim.sgd(0.1), stage=1, mesh=fzero.SimMesh(1), offload="cpu")
+    with pytest.raises(fzero.ConfigError, match=r"Offload\(params='nvme'\) keeps param shards in swap files, but stage 2"):
+        fzero.init({"w": torch.zeros(4)}, optim.sgd(0.1), stage=2, mesh=fzero.SimMesh(1),
+                   offload=fzero.Offload(optimizer="nvme", params="nvme", nvme_path="/tmp"))
+
+
 def test_paramgroup_given_torchs_per_group_keys_names_what_a_group_sets():
     """torch's param-group keys (`lr`, `betas`, `eps`) were Python's bare `TypeError` ("unexpected
     keyword argument"); now a `LayoutError` naming them, what a group sets, and for `lr` the

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .errors import ConfigError, OffloadError
+from .errors import ConfigError, OffloadError, refusing_unknown_keywords
 from .precision import added_in
 from .stages import ENTER_GATHER, Flight, Piece, Stage, Wire
 from .layout import is_stand_in, stand_in  # (the registry of stand-ins: `layout`'s last section)
@@ -53,6 +53,27 @@ OPTIMIZER_TIERS = (None, "cpu", "nvme")
 PARAM_TIERS = (None, "cpu", "nvme")
 
 
+_DEEPSPEED_NAMES = {  # DeepSpeed's offload_optimizer / offload_param keys -> fzero's
+    "device": "optimizer= (offload_optimizer's device) or params= (offload_param's): None, 'cpu' or 'nvme'",
+    "offload_optimizer": "optimizer= ('cpu' or 'nvme'; its nvme_path, pin_memory, ratio are Offload's too)",
+    "offload_param": "params= ('cpu' or 'nvme')",
+    "pin_memory": "pin=",
+    "use_direct_io": "direct=",
+    **{k: "no such setting: fzero's tiers size and schedule their own buffers (docs/offload.md)"
+       for k in ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",
+                 "pipeline_write")},
+}
+
+
+def _unknown_offload_settings(unknown: dict[str, Any]) -> ConfigError:
+    """`Offload`'s words for keywords it has no field for, with fzero's name for each of
+    DeepSpeed's config keys (found in review: Python's bare TypeError for `device=`)."""
+    named = "; ".join(f"{k} -> {_DEEPSPEED_NAMES.get(k, 'no such setting')}" for k in unknown)
+    return ConfigError(f"Offload got {', '.join(repr(k) for k in unknown)} ({named}); its settings are optimizer, "
+                       f"params, nvme_path, ratio, pin and direct (help(fzero.Offload), docs/deepspeed.md)")
+
+
+@refusing_unknown_keywords(lambda given, unknown: _unknown_offload_settings(unknown))
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """Where model state lives besides the device (given to `fzero.init(..., offload=...)`).
@@ -151,7 +172,8 @@ class Offload:
                               f"and master copy to the host, but stage {stage.level} replicates them (no shard); use "
                               f"stage 1, 2 or 3, or offload=None")
         if self.params is not None and not stage.sharded("params"):
-            raise ConfigError(f"Offload(params={self.params!r}) keeps param shards on the host, but stage "
+            where = "in swap files" if self.params == "nvme" else "on the host"
+            raise ConfigError(f"Offload(params={self.params!r}) keeps param shards {where}, but stage "
                               f"{stage.level} holds the full params on every rank; use stage=3, or params=None")
 
 
@@ -162,7 +184,8 @@ def check_offload(offload: Any) -> Offload:
     if offload is None:
         return NO_OFFLOAD
     if not isinstance(offload, Offload):
-        raise ConfigError(f"offload must be None or a fzero.Offload(...), got {type(offload).__name__} {offload!r}")
+        raise ConfigError(f"offload must be None or a fzero.Offload(...), e.g. fzero.Offload(optimizer='cpu'), got "
+                          f"{type(offload).__name__} {offload!r}")
     return offload
 
 
