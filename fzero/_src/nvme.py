@@ -33,7 +33,7 @@ tensors' raw bytes (`tensor.view(torch.uint8)`, so bfloat16 works), in small thr
 calls release the GIL). By default they go through the page cache; `direct=True` opens the files
 with O_DIRECT (the disk itself, as DeepSpeed's libaio swapper does): each file and buffer is then
 padded to `ALIGN` bytes and the buffers start on an `ALIGN` boundary, and a filesystem that
-refuses O_DIRECT (tmpfs) is an `OffloadError` at construction.
+refuses O_DIRECT is an `OffloadError` at construction.
 """
 
 from __future__ import annotations
