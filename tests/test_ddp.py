@@ -91,6 +91,10 @@ def test_clipping_within_bound_of_ddp_clip_grad_norm(dist2, stage):
         assert abs(res["norm_fzero"] - res["norm_torch"]) <= (res["eps_torch"] + res["eps_fzero"]) * res["norm_fzero"], res
         worst = {k: v for k, v in res["ratios"].items() if v > 1}
         assert not worst, f"rank {rank}: beyond the derived bound: {worst}"
+        # on this data the two coefficients round to the same float32 and the params agree bit for bit
+        # (proofs/accumulation.md, Claim 5): a pin, since the bound's slack hid a changed coefficient
+        # (torch's + 1e-6 dropped gave 0.76 of the bound; found in review of the proofs)
+        assert max(res["ratios"].values()) == 0, f"rank {rank}: {res['ratios']}"
 
 
 def test_bf16_policy_reduces_as_ddp_on_a_bf16_model_at_n2(dist2):
