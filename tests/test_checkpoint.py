@@ -887,6 +887,31 @@ def _bn_steps(mesh, info, apply, params, stage, ks, state=None):
     return state
 
 
+def test_export_keeps_the_module_buffers_named_and_leaves_the_users_own(tmp_path):
+    """README: the data position saved beside the module's buffers (`buffers={**info.buffers,
+    "batches_seen": t}`); the export held it too, so the strict `load_state_dict` README promises
+    refused `batches_seen` (found in review of a resuming user). `export(..., buffers=info.buffers)`
+    keeps the module's; a name not saved is refused before anything is read."""
+    model = _bn_model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+    sim = fzero.SimMesh(1)
+    path = sim.run(lambda: ck.save(_bn_steps(sim, info, apply, params, 3, [0]), str(tmp_path),
+                                   buffers={**info.buffers, "batches_seen": torch.tensor(1)}))[0]
+    everything = ck.export(path, aliases=info.aliases)
+    assert "batches_seen" in everything
+    with pytest.raises(RuntimeError, match='Unexpected key.*"batches_seen"'):
+        _bn_model().load_state_dict(everything)
+    exported = ck.export(path, aliases=info.aliases, buffers=info.buffers)
+    assert set(exported) == set(everything) - {"batches_seen"}
+    assert all(torch.equal(exported[k], everything[k]) for k in exported)
+    _bn_model().load_state_dict(exported)  # strict
+    with pytest.raises(ck.CheckpointError, match=r"buffers names \['step'\], which .* does not hold \(its buffers: "
+                                                 r".*'batches_seen'.*nothing was read"):
+        ck.export(path, buffers=["step"])
+    with pytest.raises(ck.CheckpointError, match="buffers must be None or a collection of buffer names"):
+        ck.export(path, buffers="batches_seen")
+
+
 def test_buffers_resume_and_export(tmp_path):
     """`save(..., buffers=info.buffers)` keeps rank 0's buffers; a run that saves after step 1,
     loses its buffers (zeroed), loads at another stage with `buffers=` and steps again ends with

@@ -67,7 +67,7 @@ import shutil
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -2143,7 +2143,8 @@ _SAFETENSORS = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF1
 
 
 def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-           aliases: dict[str, tuple[str, ...]] | None = None) -> dict[str, torch.Tensor]:
+           aliases: dict[str, tuple[str, ...]] | None = None,
+           buffers: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """The full params saved at `path`, `{leaf path: tensor}` (master values, in their dtype or
     `dtype`), read from the files alone: no process group, no mesh, any world size it was saved
     at. `dtype` casts what `module.to(dtype)` casts (`_as_module_to`): the params and the floating
@@ -2165,7 +2166,11 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     only: load with `strict=False`, and the module's tie fills the other. Files are checked against their sha256 first, and the manifest
     against the data (`check_metadata`, `check_record`: an edited manifest is refused); a `dtype` that is
     not a floating torch dtype, or `aliases` that name a leaf the checkpoint does not hold or
-    rename one it does, are a `CheckpointError` before anything is read."""
+    rename one it does, are a `CheckpointError` before anything is read. `buffers`: the names of
+    the saved buffers to include (`info.buffers`, whose keys are the module's), None: every one --
+    a buffer of your own saved beside the module's (the data position, `save(..., buffers={**info.buffers,
+    "batches_seen": t})`) is otherwise in the dict too, and a strict `load_state_dict` refuses it
+    (found in review); a name that was not saved is a `CheckpointError`."""
     path = _checkpoint_path(path, "checkpoint.export: ")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise CheckpointError(f"checkpoint.export: dtype must be None or a floating torch.dtype (torch.bfloat16, "
@@ -2174,6 +2179,7 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     manifest = read_manifest(path)
     _check_aliases(path, aliases, [ls["path"] for ls in manifest["leaves"]],
                    [b["name"] for b in manifest.get("buffers") or ()])
+    kept = _kept_buffers(path, buffers, [b["name"] for b in manifest.get("buffers") or ()])
     check_files(path, manifest)
     metadata = _read_metadata(path)
     check_metadata(path, manifest, metadata)  # before the manifest's shapes are allocated
@@ -2181,7 +2187,8 @@ def export(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     leaves = manifest["leaves"]
     flats = {ls["path"]: torch.zeros(math.prod(ls["shape"]), dtype=_dtype(ls["dtype"])) for ls in leaves}
     wanted = {f"params/{p}": ((0,), t) for p, t in flats.items() if t.numel()}
-    saved = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in manifest.get("buffers") or ()}
+    saved = {b["name"]: torch.empty(b["shape"], dtype=getattr(torch, b["dtype"])) for b in manifest.get("buffers") or ()
+             if b["name"] in kept}
     wanted.update({f"buffer/{k}": ((0,) * t.dim(), t) for k, t in saved.items()})
     items = read_plan(path, metadata, wanted)
     _dcp_load(path, metadata, wanted, items, None)
@@ -2198,6 +2205,23 @@ def _as_module_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     (an int64 step count, a bool mask: casting would change what they count). A complex param
     or buffer stays as it is too, where `Module.to` would drop its imaginary part. None: as saved."""
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _kept_buffers(path: str, buffers: Any, saved: list[str]) -> set[str]:
+    """The saved buffers `export(buffers=)` keeps: every one where None, else the names given (a
+    dict's keys), each of which must be saved: else a `CheckpointError` naming it and those saved."""
+    if buffers is None:
+        return set(saved)
+    if isinstance(buffers, (str, bytes)) or not isinstance(buffers, Collection) or not all(
+            isinstance(b, str) for b in buffers):
+        raise CheckpointError(f"checkpoint.export: buffers must be None or a collection of buffer names (info.buffers),"
+                              f" got {type(buffers).__name__} {_short(buffers)}; nothing was read")
+    missing = sorted(set(buffers) - set(saved))
+    if missing:
+        raise CheckpointError(f"checkpoint.export: buffers names {_short(missing, 200)}, which {path!r} does not hold "
+                              f"(its buffers: {_short(saved, 200)}; save(..., buffers=...) writes them); nothing "
+                              f"was read")
+    return set(buffers)
 
 
 def _check_aliases(path: str, aliases: Any, leaves: list[str], buffers: list[str]) -> None:
