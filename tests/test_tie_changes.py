@@ -105,3 +105,20 @@ def test_a_write_back_with_assign_keeps_the_tie_and_trains_on_with_the_bits_of_n
     (written,) = _steps(model, n=1, write_back=True)
     assert model.head.weight.data_ptr() == model.emb.weight.data_ptr()
     assert plain.keys() == written.keys() and all(torch.equal(plain[k], written[k]) for k in plain)
+
+
+def test_messages_about_a_tied_weight_name_its_other_names():
+    """A tied weight is one leaf under its first name; the user froze or read it by the other
+    (`head.weight`), and the messages named only `emb.weight` (found in review)."""
+    for at, message, _ in _steps(_model(True), lambda m: m.head.weight.requires_grad_(False)):
+        assert at == 0 and "'emb.weight' (trainable then, frozen now, also 'head.weight')" in message, message
+    model = _model(True)
+    params, apply, info = fzero.from_module(model)
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        state = fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh)
+        fzero.train_step(lambda p, b: apply(p, b).sum() + model.head.weight.sum())(state, torch.zeros(2, 3).long())
+
+    with pytest.raises(fzero.ConfigError, match=r"the loss read parameter 'emb.weight' \(LM, also 'head.weight'\)"):
+        mesh.run(rank)

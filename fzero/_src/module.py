@@ -324,7 +324,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
         if first == name:  # a frozen parameter stays an nn.Parameter(requires_grad=False): init freezes it
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
-    note_originals(module, canonical)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
+    note_originals(module, canonical, aliases)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
     note_born(module, params, aliases)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
     _check_tensor_hooks(module)

@@ -42,12 +42,21 @@ from .tree import flatten_with_paths
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
 
 
-def note_originals(module: torch.nn.Module, canonical: dict[int, str]) -> None:
+def note_originals(module: torch.nn.Module, canonical: dict[int, str], aliases: dict[str, list[str]]) -> None:
     """Remember `module`'s trainable parameters (held weakly) under their first names, as
-    `from_module` names them in params (`canonical`: id -> name)."""
+    `from_module` names them in params (`canonical`: id -> name), a tied one's other names
+    (`aliases`) beside it in messages."""
     for p in module.parameters():
         if p.requires_grad:
-            _ORIGINALS[p] = (canonical[id(p)], type(module).__name__)
+            name = canonical[id(p)]
+            _ORIGINALS[p] = (name, type(module).__name__ + _also(aliases.get(name, ()), name))
+
+
+def _also(names: Any, name: str) -> str:
+    """`, also 'b'` for a tied weight's other names (found in review: a message naming
+    'emb.weight' where the user froze 'head.weight', the same parameter), else ''."""
+    others = [n for n in names if n != name]
+    return f", also {', '.join(repr(n) for n in others)}" if others else ""
 
 
 _BORN: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a params tensor from_module returned -> `_Born`
@@ -208,7 +217,8 @@ def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
 def _changed_words(changed: list[_Link]) -> str:
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
     shown = ", ".join(f"{link.path!r} ({'trainable' if link.born.flag else 'frozen'} then, "
-                      f"{'frozen' if link.born.flag else 'trainable'} now)" for link in changed[:6]) + more
+                      f"{'frozen' if link.born.flag else 'trainable'} now{_also(link.born.ties, link.path)})"
+                      for link in changed[:6]) + more
     module = changed[0].born.module()
     kind = type(module).__name__ if module is not None else "module"
     return (f"the requires_grad of parameter {shown} of the {kind} given to fzero.from_module changed since "
