@@ -122,3 +122,30 @@ def test_messages_about_a_tied_weight_name_its_other_names():
 
     with pytest.raises(fzero.ConfigError, match=r"the loss read parameter 'emb.weight' \(LM, also 'head.weight'\)"):
         mesh.run(rank)
+
+
+def test_groups_giving_a_tied_leaf_other_settings_by_its_other_name_are_refused():
+    """Groups go by the first name, as the params name a tied leaf: a frozen group over the
+    head's name matched nothing and the head trained, where torch's group of `head.weight`
+    freezes it (found in review of a tied-weights user). Groups that agree on both names, or
+    give neither a setting of its own, are taken, `from_module`'s frozen group too."""
+    def init(model, groups):
+        params, _, info = fzero.from_module(model)
+        mesh = fzero.SimMesh(1)
+        return mesh.run(lambda: fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh,
+                                           groups=[*info.groups, *groups]).layout)[0]
+
+    head = fzero.ParamGroup("frozen-head", match=lambda path: path.startswith("head."), frozen=True)
+    with pytest.raises(fzero.LayoutError, match=r"'emb.weight' is tied \(also 'head.weight'\).*ParamGroup 'default' by "
+                                                r"'emb.weight' \(which fzero uses\), ParamGroup 'frozen-head' by "
+                                                r"'head.weight' \(frozen=True"):
+        init(_model(True), [head])
+    both = fzero.ParamGroup("frozen-tied", match=lambda path: path in ("emb.weight", "head.weight"), frozen=True)
+    no_decay = fzero.ParamGroup("no-decay", match=lambda path: path.endswith(".bias"), weight_decay=False)
+    layout = init(_model(True), [both, no_decay])
+    assert {ls.path: ls.group.name for ls in layout.leaves}["emb.weight"] == "frozen-tied"
+    frozen = _model(True)
+    frozen.emb.requires_grad_(False)  # the tied weight frozen in the module: from_module's group, by its first name
+    layout = init(frozen, [no_decay])
+    assert {ls.path: ls.group.frozen for ls in layout.leaves}["emb.weight"]
+    init(_model(False), [head])  # untied: the head's own leaf

@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import ConfigError
-from .layout import unwrapped
+from .errors import ConfigError, LayoutError
+from .layout import _group_of, check_groups, unwrapped
 from .tree import flatten_with_paths
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
@@ -101,16 +101,44 @@ def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases:
             _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad, ties)
 
 
-def link_layout(layout: Any, params: Any) -> None:
+def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
     """At `fzero.init`: the leaves of `params` that `from_module` returned, linked to their
     module's parameters under `layout` (the state's, kept by every step), with whether the state
-    trains them (its groups). Host metadata only."""
+    trains them (its groups); a tied leaf whose `groups` settings differ by name refused
+    (`_refuse_groups_by_alias`). Host metadata only."""
     paths, leaves, _ = flatten_with_paths(params)
     by_path = dict(zip(paths, leaves))
-    links = tuple(_Link(spec.path, not spec.group.frozen, _BORN[leaf]) for spec in layout.leaves
-                  if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN)
+    born = [(spec, _BORN[leaf]) for spec in layout.leaves
+            if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN]
+    links = tuple(_Link(spec.path, not spec.group.frozen, b) for spec, b in born)
+    tied = [(spec, b) for spec, b in born if b.ties]
+    if tied and groups:
+        _refuse_groups_by_alias(tied, by_path, groups)
     if links:
         _LINKS[layout] = links
+
+
+def _settings(group: Any) -> tuple:
+    return (True,) if group.frozen else (False, group.weight_decay, group.lr_scale)
+
+
+def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) -> None:
+    """`LayoutError` where `groups` give a tied leaf other settings under another of its names
+    than under its first (`ParamGroup("frozen-head", match=lambda p: p.startswith("lm_head"),
+    frozen=True)` over a head tied to the embedding): groups go by the first name, as the params
+    name the leaf, so that group matched nothing and the head trained, where torch's group of
+    `lm_head.weight` freezes it (found in review of a tied-weights user)."""
+    group_of = _group_of(check_groups(groups))
+    for spec, born in tied:
+        for alias in born.ties:
+            other = group_of(alias, by_path[spec.path])
+            if _settings(other) != _settings(spec.group):
+                raise LayoutError(
+                    f"parameter {spec.path!r} is tied (also {alias!r}), one leaf under its first name, and the groups "
+                    f"give it other settings by each name: ParamGroup {spec.group.name!r} by {spec.path!r} (which "
+                    f"fzero uses), ParamGroup {other.name!r} by {alias!r} (frozen={other.frozen}, weight_decay="
+                    f"{other.weight_decay}, lr_scale={other.lr_scale}). Make the groups agree: a match that takes "
+                    f"both names, or neither")
 
 
 def refuse_changed_flags(layout: Any) -> None:

@@ -306,7 +306,7 @@ def init(
         warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
-        link_layout(layout, params)  # leaves from_module returned: a step refuses a module flag changed since
+        link_layout(layout, params, groups)  # leaves from_module returned: a step refuses a module flag changed since
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=named(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,
