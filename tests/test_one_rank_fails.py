@@ -132,7 +132,8 @@ def reference(stage: int):
 SCENARIOS = [("forward_before", s, p) for s, p in [(0, None), (2, None), (3, 0), (3, 1)]] + \
             [("forward_after", s, p) for s, p in [(0, None), (2, None), (3, 0), (3, 1)]] + \
             [("backward", s, None) for s in range(4)] + [("update", s, None) for s in range(4)] + \
-            [("save", 1, None), ("save", 3, None), ("evaluate", 3, None), ("evaluate", 3, 0)]
+            [("save", 1, None), ("save", 3, None), ("evaluate", 3, None), ("evaluate", 3, 0), ("evaluate", 0, None),
+             ("evaluate", 2, None)]
 OWN = {"forward_before": "rank 1 refused before reading a unit", "forward_after": "rank 1 refused after reading a unit",
        "backward": "rank 1 refused in backward", "update": "rank 1 refused in update",
        "evaluate": "rank 1 refused in evaluate"}
@@ -149,7 +150,10 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
     step on both ranks has the bits of a step that never failed. In stages 2-3 rank 1's backward
     raises with reductions it started and never waited for (`unit.Inflight`): every one was
     agreed before it started, so rank 0 started the same ones, gloo runs them in order, and the
-    next step's collectives pair as they should (measured over the scenarios in this file)."""
+    next step's collectives pair as they should (measured over the scenarios in this file). An
+    evaluation at stages 0-2 has no collective: rank 1's error is its own, rank 0's evaluation
+    returns (inside `mesh.run`, whose end agrees, rank 0 is told there), and the next step pairs (before, rank 1's error was announced to rank 0's next call,
+    which never ran: the ranks went on one call apart; found in review of an evaluating user)."""
     got = dist2.run(one_rank_fails, [(what, stage, wrap, True, prefetch, str(tmp_path))] * 2, timeout=60)
     want = reference(stage)
     for rank, ((kind, text, seconds), (next_kind, next_text, _), params) in enumerate(got):
@@ -158,6 +162,9 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
             assert kind == "CheckpointError" and "writing the data failed on rank 1 (OSError: [Errno 28]" in text, text
         elif rank == 1:
             assert (kind, text) == ("ValueError", OWN[what])
+        elif what == "evaluate" and stage < 3:  # its own collective-free call returns; mesh.run's end agrees
+            assert (kind, "stops at the end of mesh.run" in text) == (("RankFailed", True) if wrap else ("returned", False)
+                                                                      ), (kind, text)
         else:
             assert kind == "RankFailed" and "rank(s) [1] raised; rank 0 stops at" in text, (kind, text)
         assert next_kind == "returned", (rank, next_kind, next_text)

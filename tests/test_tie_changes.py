@@ -149,3 +149,38 @@ def test_groups_giving_a_tied_leaf_other_settings_by_its_other_name_are_refused(
     layout = init(frozen, [no_decay])
     assert {ls.path: ls.group.frozen for ls in layout.leaves}["emb.weight"]
     init(_model(False), [head])  # untied: the head's own leaf
+
+
+def test_a_tied_parameter_of_no_elements_written_back_with_assign_steps_on():
+    """`assign=True` gives each name a Parameter of its own, and two tensors of no elements share
+    no storage to compare: the tie of an empty parameter was refused as broken (found in review),
+    though it trains nothing and overwrites nothing."""
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.e1 = nn.Parameter(torch.zeros(0))
+            self.sub = nn.Module()
+            self.sub.e2 = self.e1
+
+        def forward(self, x):
+            return (self.w * x).sum() + self.sub.e2.sum()
+
+    def run(write_back: bool):
+        model = Empty()
+        params, apply, info = fzero.from_module(model)
+        mesh = fzero.SimMesh(1)
+
+        def rank():
+            state = fzero.init(params, fzero.optim.sgd(0.1), stage=1, mesh=mesh)
+            step = fzero.train_step(lambda p, x: apply(p, x))
+            for _ in range(2):
+                state, _ = step(state, torch.ones(3))
+                if write_back:
+                    model.load_state_dict(info.state_dict(fzero.gather(state)), assign=True)
+            return fzero.gather(state)
+
+        return mesh.run(rank)[0]
+
+    plain, written = run(False), run(True)
+    assert not torch.equal(plain["w"], torch.ones(3)) and torch.equal(plain["w"], written["w"])

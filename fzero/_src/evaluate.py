@@ -7,14 +7,21 @@ that shares the state's memory cloned and a `LazyParams` returned whole as a dic
 No autograd graph is built, no gradient is made or reduced, no optimizer runs, the state is
 not changed. In stage 3 with `gather="on_use"` and flat-dict params (`from_module`), each
 unit's gathered storage is freed after its submodule's forward (as the step does before its
-backward), so a rank holds about one gathered unit at a time, plus any unit spread over the
-root module; a unit `fn` never reads is never gathered.
+backward), so a rank holds about 1 + k gathered units at a time (k = `prefetch`, the units
+gathered ahead in the layout's order, read or not: 1 by default on a `DistMesh` over N > 1),
+plus any unit spread over the root module; a unit `fn` never reads is gathered only by prefetch.
 
 The bits: a unit's Function enters each bucket exactly as the step does (stage 3: an
 all-gather, which copies bits; stages 0-2: the held buffer itself), so `fn` reads the same
 values as `fn(fzero.gather(state), batch)` and runs the same ops on them: the outputs are equal
 bit for bit (tests/test_stage3.py). Under a `fzero.Precision` policy `fn` reads the params in
-the compute dtype, as the step's forward does.
+the compute dtype, as the step's forward does: the same bits as `fn` over the gathered params
+cast to it, `{k: v.to(param_dtype) for k, v in fzero.gather(state).items()}`.
+
+An error of `fn` on one rank: at stage 3 over N > 1 (the forward gathers) the others stop in
+this call with `RankFailed`; at stages 0-2 (no collective) it is the raising rank's alone, and
+the others' call returns, so a loop that catches it on each rank stays in step (inside
+`mesh.run`, whose end agrees, the others are told there).
 """
 
 from __future__ import annotations
@@ -99,10 +106,27 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
             check_state(state)  # its error, naming what was given
         # labelled and worded first: after a donating step the check of its pending verdict
         # (`checked`) is a collective too, which a rank evaluating alone met unnamed (found in review)
-        with _labelled(state.mesh), same_paths(state.layout), checked(state), torch.no_grad():
+        with _labelled(state.mesh), same_paths(state.layout), _guarded(state), torch.no_grad():
             return _owned(state, forward(state, fn, gather, batch, prefetch))
 
     return run
+
+
+@contextlib.contextmanager
+def _guarded(state: ZeroState) -> Any:
+    """The state checked inside the mesh guard (`checked`: a refused state on one rank stops the
+    others in the collective they wait in), and the forward inside it where it has collectives
+    of its own (stage 3 over N > 1 ranks gathers), so that an error of `fn` on one rank stops
+    the others within this call. A forward with none (stages 0-2) runs outside it: there an
+    error of `fn` is the raising rank's alone, and announced it was taken by the others' next
+    call (a `gather`, a step's reduction), which never ran, so each rank that went on was one
+    call behind the other: a step reduced one rank's batch t with another's t - 1, silently,
+    until a mismatch (found in review of an evaluating user)."""
+    with checked(state):
+        if state.stage.sharded("params") and state.mesh.world_size > 1:
+            yield
+            return
+    yield
 
 
 def _labelled(mesh: Mesh) -> contextlib.AbstractContextManager:

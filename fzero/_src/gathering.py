@@ -32,7 +32,9 @@ Gathering modes (`train_step(..., gather=...)`):
   from forward to backward.
 
 Every rank must read the units in the same order (the same program on every rank does). With
-"on_use", a unit the loss never reads is never gathered nor reduced; a rank that skips or
+"on_use", a unit the loss never reads is never reduced, and never gathered but by prefetch
+(`prefetch=k` gathers up to k units ahead in the layout's order, read or not: found in review,
+where the words said never); a rank that skips or
 reorders units stops every rank with `DivergentPaths` (a `CollectiveMismatch`) naming the unit
 each rank gathered or reduced at that point (`same_paths`; "eager" reduces every unit on every
 rank, as DDP with `find_unused_parameters`).

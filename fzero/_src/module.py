@@ -1468,31 +1468,40 @@ def _remat_units(module: nn.Module, aliases: dict[str, list[str]], units: UnitSp
             raise ConfigError(f"remat: unit {unit!r} (submodule {homes[unit]!r}) holds the home of unit(s) {inner}, "
                               f"whose gathers would run inside the checkpointed forward; checkpoint the inner units "
                               f"instead, or make them one unit")
-        _refuse_foreign_leaves(unit, homes[unit], aliases, unit_of, sorted(u for u in chosen if u != unit))
+    _refuse_foreign_leaves(chosen, homes, aliases, unit_of)
     return frozenset(chosen)
 
 
-def _refuse_foreign_leaves(unit: str, home: str, aliases: dict[str, list[str]], unit_of: Callable[[str], str],
-                           others: list[str]) -> None:
-    """`ConfigError` where checkpointed `unit`'s home submodule `home` holds a parameter of another
-    unit (a head's `decoder.weight` tied to the embedding, or a unit spec that puts a leaf of the
+def _refuse_foreign_leaves(chosen: list[str], homes: dict[str, str], aliases: dict[str, list[str]],
+                           unit_of: Callable[[str], str]) -> None:
+    """`ConfigError` where a checkpointed unit's home submodule holds a parameter of another unit
+    (a head's `decoder.weight` tied to the embedding, or a unit spec that puts a leaf of the
     submodule elsewhere): its forward reads that parameter, and the recompute in backward, which
     runs after `apply` returned, binds the checkpointed unit's leaves only, so it read the other
-    unit's meta stand-in: gradients from uninitialised memory, silently (found in review)."""
-    foreign = [(alias, first, unit_of(first)) for first, names in aliases.items() if unit_of(first) != unit
-               for alias in names if alias.startswith(home + ".")]
+    unit's meta stand-in: gradients from uninitialised memory, silently (found in review). Every
+    such unit at once, and the `remat=` of the others (found in review: one per error, each
+    suggested list refused in turn)."""
+    foreign = {}
+    for unit in chosen:
+        found = [(alias, first, unit_of(first)) for first, names in aliases.items() if unit_of(first) != unit
+                 for alias in names if alias.startswith(homes[unit] + ".")]
+        if found:
+            foreign[unit] = found
     if not foreign:
         return
-    alias, first, owner = foreign[0]
-    tied = f" (tied to {first!r})" if alias != first else ""
-    more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-    keep = f"remat={others!r}" if others else "remat=False"
+    rest = sorted(set(chosen) - set(foreign))
+    shown = "; ".join(
+        f"submodule {homes[unit]!r} of unit {unit!r} holds {alias!r}" + (f" (tied to {first!r})" if alias != first
+                                                                        else "")
+        + f", a leaf of unit {owner!r}" + (f", and {len(found) - 1} more" if len(found) > 1 else "")
+        for unit, found in list(foreign.items())[:4] for alias, first, owner in found[:1])
+    more = f"; and {len(foreign) - 4} more units" if len(foreign) > 4 else ""
     raise ConfigError(
-        f"remat: submodule {home!r} of unit {unit!r} holds parameter {alias!r}{tied}{more}, a leaf of unit {owner!r}: "
-        f"its checkpointed forward reads it, but the recompute in backward binds unit {unit!r}'s leaves only, so it "
-        f"would read {owner!r}'s leaf unbound. Leave unit {unit!r} out of remat ({keep}), or put the leaf in unit "
-        f"{unit!r} (units=...; a leaf tied to one outside {home!r} then leaves the unit without a home, which "
-        f"remat refuses too)")
+        f"remat: {shown}{more}. A checkpointed forward reads such a parameter, but the recompute in backward binds "
+        f"the checkpointed unit's own leaves only, so it would read the other unit's leaf unbound. Leave "
+        f"{'that unit' if len(foreign) == 1 else 'these units'} out of remat "
+        f"({f'remat={rest!r}' if rest else 'remat=False'}), or make the leaf one of the unit's (units=...), where it "
+        f"can join it: same dtype and device, and every name of it inside the unit's submodule")
 
 
 def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:

@@ -141,69 +141,72 @@ def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) ->
                     f"both names, or neither")
 
 
-def refuse_changed_flags(layout: Any) -> None:
-    """Raise `ConfigError` where the state of `layout` trains a leaf whose module parameter is
-    now frozen, or keeps frozen one whose parameter is now trainable, and that parameter's
-    `requires_grad` changed since `from_module` read it. `from_module` chose the frozen leaves
-    then (`info.groups`, fixed at `fzero.init`), so a module frozen after `from_module` (a LoRA
-    user's `model.requires_grad_(False)` with the adapters re-enabled) trained every leaf, and a
-    layer thawed or frozen between steps went on as before, silently (found in review of a LoRA
-    user). A flag the user never changed passes, whatever the state does with the leaf (a frozen
-    `ParamGroup` over a trainable parameter); so does a module run as a fixed function elsewhere
-    (row 208's `requires_grad_(False)`), if its flags are back by its own state's step, as in a
-    torch GAN loop. A parameter replaced in its module (`load_state_dict(..., assign=True)`, a
-    submodule replaced) is read where it is now (`_now`; found in review: held weakly, the old one
-    was read where something else kept it alive, and a frozen layer trained); a module freed is
-    passed over. The step's own check, eager: a few dict lookups and a flag read per linked leaf."""
+def refuse_changed_module(layout: Any) -> None:
+    """Raise `ConfigError` where the module the state of `layout` was made from changed since
+    `from_module` read it in a way the state would not follow, silently: a flag (`_changed_flag`)
+    or a tie (`_changed_tie`). Each linked parameter is read where the module holds it now
+    (`_now`: a parameter replaced in its module, `load_state_dict(..., assign=True)`, a submodule
+    replaced; found in review: held weakly, the old one was read where something else kept it
+    alive, and a frozen layer trained); a module freed is passed over. The step's own check,
+    eager: a few dict lookups and a flag read per linked leaf, and per tie."""
     links = _LINKS.get(layout)
     if not links:
         return
-    changed = []
+    changed, seen = [], {}
     for link in links:
         p = _now(link.born)
         if p is None:
             continue
-        now = p.requires_grad
-        if now is not link.born.flag and now is not link.trains:
+        if _changed_flag(link, p):
             changed.append(link)
+        if p.numel():  # (a tie of no elements trains nothing and overwrites nothing: found in review)
+            _refuse_changed_tie(link, p, seen)
     if changed:
         raise ConfigError(_changed_words(changed))
 
 
-def refuse_changed_ties(layout: Any) -> None:
-    """Raise `ConfigError` where the module the state of `layout` was made from ties its
-    parameters otherwise than when `from_module` read it: two leaves now one parameter
-    (`model.head.weight = model.emb.weight` after `from_module`), or one leaf's names now
-    different parameters (the tie broken, `model.head.weight = nn.Parameter(...)`). `apply` runs
-    the module as `from_module` copied it, so the step trained the old ties, and
+def _changed_flag(link: _Link, p: torch.Tensor) -> bool:
+    """Whether the state trains a leaf whose module parameter `p` is now frozen, or keeps frozen
+    one whose parameter is now trainable, and `p`'s `requires_grad` changed since `from_module`
+    read it. `from_module` chose the frozen leaves then (`info.groups`, fixed at `fzero.init`), so
+    a module frozen after `from_module` (a LoRA user's `model.requires_grad_(False)` with the
+    adapters re-enabled) trained every leaf, and a layer thawed or frozen between steps went on
+    as before, silently (found in review of a LoRA user). A flag the user never changed passes,
+    whatever the state does with the leaf (a frozen `ParamGroup` over a trainable parameter); so
+    does a module run as a fixed function elsewhere (row 208's `requires_grad_(False)`), if its
+    flags are back by its own state's step, as in a torch GAN loop."""
+    now = p.requires_grad
+    return now is not link.born.flag and now is not link.trains
+
+
+def _refuse_changed_tie(link: _Link, p: torch.Tensor, seen: dict[int, str]) -> None:
+    """`ConfigError` where the module ties `p` (the leaf of `link`, as it holds it now) otherwise
+    than when `from_module` read it: two leaves now one parameter (`seen`: id -> the first
+    leaf's name; `model.head.weight = model.emb.weight` after `from_module`), or one leaf's names
+    now different parameters (the tie broken, `model.head.weight = nn.Parameter(...)`). `apply`
+    runs the module as `from_module` copied it, so the step trained the old ties, and
     `model.load_state_dict(info.state_dict(...))` wrote one trained leaf over the other, silently
     (found in review of a tied-weights user). A name whose parameter is another object over the
     same storage is still tied (`load_state_dict(..., assign=True)` makes one `Parameter` per name
-    of the one tensor `info.state_dict` gives). A few dict lookups per linked leaf and per tie."""
-    links = _LINKS.get(layout)
-    if not links:
-        return
-    seen: dict[int, str] = {}
-    for link in links:
-        p = _now(link.born)
-        if p is None:
-            continue
-        other = seen.setdefault(id(p), link.born.name)
-        if other != link.born.name:
-            raise ConfigError(_tie_words(link.born, f"{other!r} and {link.born.name!r} were two parameters when "
-                                                    f"from_module read the module and are one now"))
-        root = link.born.module()
-        for name in link.born.ties:
-            path, _, attr = name.rpartition(".")
-            owner = None if root is None else _submodule(root, path)
-            q = None if owner is None else owner._parameters.get(attr)
-            if q is not None and q is not p and not _same_storage(p, q):
-                raise ConfigError(_tie_words(link.born, f"{link.born.name!r} and {name!r} were one (tied) parameter "
-                                                        f"when from_module read the module and are two now"))
+    of the one tensor `info.state_dict` gives). Parameters only: a buffer tied or untied after
+    `from_module` is not seen."""
+    born = link.born
+    other = seen.setdefault(id(p), born.name)
+    if other != born.name:
+        raise ConfigError(_tie_words(born, f"{other!r} and {born.name!r} were two parameters when from_module read "
+                                           f"the module and are one now"))
+    root = born.module()
+    for name in born.ties:
+        path, _, attr = name.rpartition(".")
+        owner = None if root is None else _submodule(root, path)
+        q = None if owner is None else owner._parameters.get(attr)
+        if q is not None and q is not p and not _same_storage(p, q):
+            raise ConfigError(_tie_words(born, f"{born.name!r} and {name!r} were one (tied) parameter when "
+                                               f"from_module read the module and are two now"))
 
 
 def _same_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
-    return (p.numel() > 0 and p.device == q.device and p.data_ptr() == q.data_ptr() and p.shape == q.shape
+    return (p.device == q.device and p.data_ptr() == q.data_ptr() and p.shape == q.shape
             and p.stride() == q.stride() and p.dtype == q.dtype)
 
 
