@@ -4,6 +4,7 @@ one-line `fzero <cmd>: error: ...` message and no traceback, or now works."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,36 @@ def test_plot_with_offload(tmp_path, capsys):
     assert out.stat().st_size > 0
     assert main(argv + ["--offload-optimizer", "cpu", "--offload-params", "cpu"]) == 0  # stage 3 only
     capsys.readouterr()
+
+
+def test_plot_names_the_file_written_and_refuses_a_format_matplotlib_lacks(tmp_path, capsys):
+    """`--plot out` wrote out.png and said "out"; `--plot p.txt` was matplotlib's ValueError
+    traceback after the table (found in review of a CLI user)."""
+    pytest.importorskip("matplotlib")
+    argv = ["estimate", "--params", "1e9", "-n", "4", "--plot"]
+    assert main(argv + [str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"plot written to {tmp_path / 'out.png'}")
+    assert (tmp_path / "out.png").stat().st_size > 0
+    _usage_error(capsys, argv + [str(tmp_path / "p.txt")], "Format 'txt' is not supported", "name a .png")
+
+
+def test_a_module_fzero_cannot_lay_out_and_a_bad_gpt2_config_are_usage_errors(tmp_path, capsys, monkeypatch):
+    """An int64 parameter (a `LayoutError`) and a GPT-2 config transformers refuses were
+    tracebacks, exit 1 (found in review of a CLI user)."""
+    (tmp_path / "fzero_int_model.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    m = torch.nn.Module()\n"
+        "    m.i = torch.nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False)\n"
+        "    return m\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _usage_error(capsys, ["estimate", "--module", "fzero_int_model:make", "-n", "2"],
+                 "--module fzero_int_model:make: params leaf 'i' has dtype torch.int64")
+    pytest.importorskip("transformers")
+    config = tmp_path / "gpt.json"
+    config.write_text('{"n_layer": 2, "n_embd": 65, "n_head": 4, "vocab_size": 100}')
+    _usage_error(capsys, ["estimate", "--config", str(config), "-n", "2"], f"--config {config}: cannot build a GPT-2",
+                 "ValueError")
 
 
 def test_plot_to_a_missing_folder(tmp_path, capsys):
@@ -154,6 +185,25 @@ def test_export_to_a_folder_leaves_no_temporary_file(checkpoint, tmp_path, capsy
     capsys.readouterr()
 
 
+def test_export_onto_a_fifo_is_refused_and_through_a_link_writes_its_target(checkpoint, tmp_path, capsys):
+    """The rename that makes the write whole put a regular file in place of a FIFO, a device
+    (`/dev/null`, as root) or a link (found in review): a FIFO is refused, leaving it as it was;
+    a link is written through, to its target; a link into the checkpoint is refused as the path is."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    _usage_error(capsys, ["export", checkpoint, str(fifo)], f"{str(fifo)!r} is a FIFO", "nothing was written")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target, link = tmp_path / "model.safetensors", tmp_path / "latest.safetensors"
+    target.write_bytes(b"old")
+    link.symlink_to(target)
+    assert main(["export", checkpoint, str(link)]) == 0
+    assert link.is_symlink() and os.readlink(link) == str(target) and target.read_bytes() != b"old"
+    inside = tmp_path / "sneaky"
+    inside.symlink_to(os.path.join(checkpoint, "manifest.json"))
+    _usage_error(capsys, ["export", checkpoint, str(inside)], "it is inside the checkpoint")
+    capsys.readouterr()
+
+
 def test_export_into_the_checkpoint_is_refused_and_leaves_it_whole(checkpoint, capsys):
     """`fzero export CKPT CKPT/manifest.json` replaced the checkpoint's manifest with the export
     and exited 0, destroying the checkpoint (found in review). Any output inside the checkpoint
@@ -203,3 +253,21 @@ def test_no_traceback_from_the_command_line():
     for line in script:
         proc = subprocess.run([sys.executable, "-m", *line.split()], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (line, proc.stderr)
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    """`fzero estimate ... | true`: BrokenPipeError's traceback, or "Exception ignored" at exit
+    (found in review of a CLI user)."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # no reader: every write meets a closed pipe
+    try:
+        done = subprocess.run([sys.executable, "-m", "fzero", "estimate", "--params", "1e9", "-n", "4"],
+                              stdout=write, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+

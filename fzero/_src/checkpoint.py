@@ -64,6 +64,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import threading
 import types
 import warnings
@@ -2275,6 +2276,25 @@ def _check_safetensors_names(tensors: Any, metadata: Any) -> None:
         raise CheckpointError(f"save_safetensors: {'; '.join(problems)}; nothing was written")
 
 
+def _regular_out(out: str | os.PathLike) -> str:
+    """`out` as the file to replace: a symbolic link resolved to its target; `CheckpointError`
+    where that is there and is not a regular file (or a folder, which the rename refuses itself)."""
+    path = os.path.realpath(out) if os.path.islink(out) else os.fspath(out)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError:  # (unreadable: the write says why)
+        return path
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} is {kind}: the write replaces its file by "
+                              f"renaming a complete one onto it, which would put a regular file in its place; "
+                              f"name a regular file; nothing was written")
+    return path
+
+
 def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, metadata: dict[str, str] | None = None
                      ) -> None:
     """Write `tensors` as a safetensors file (an 8-byte little-endian header length, a JSON header
@@ -2283,8 +2303,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: str | os.PathLike, m
     name is not a tensor of the file but a `"alias:<name>": <first name>` entry of its
     `__metadata__`, which also holds `metadata` (`{str: str}`, as the format requires). The bytes go
     to a uniquely named temporary file beside `out`, renamed onto `out` when complete: `out` is
-    whole or untouched, and a failure (an `out` that is a folder, a full disk) leaves no file."""
+    whole or untouched, and a failure (an `out` that is a folder, a full disk) leaves no file. A
+    symbolic link is written through (its target replaced, as `open(out, "w")` would write it); an
+    `out` that is there and not a regular file (`/dev/null`, a FIFO, a socket) is refused: the
+    rename put a regular file in its place (found in review: `fzero export CKPT /dev/null`, as root,
+    replaced the device)."""
     _check_safetensors_names(tensors, metadata)
+    out = _regular_out(out)
     other = {name: str(t.dtype) for name, t in tensors.items() if t.dtype not in _SAFETENSORS}
     if other:
         raise CheckpointError(f"save_safetensors: safetensors has no dtype for {other} (it takes "

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import estimate as est
+from .errors import FzeroError
 from .stages import STAGES
 
 LEVELS = tuple(s.level for s in STAGES)
@@ -113,10 +114,10 @@ def _load_gpt2(path: str) -> torch.nn.Module:
     try:
         with open(path) as f:
             config = transformers.GPT2Config(**json.load(f))
-    except (OSError, json.JSONDecodeError, TypeError) as e:
-        raise CliError(f"--config {path}: cannot read a GPT2Config from it: {e}") from e
-    with torch.device("meta"):
-        return transformers.GPT2LMHeadModel(config)
+        with torch.device("meta"):
+            return transformers.GPT2LMHeadModel(config)
+    except Exception as e:  # noqa: BLE001 - transformers' validation errors vary by version (found in review)
+        raise CliError(f"--config {path}: cannot build a GPT-2 from it: {type(e).__name__}: {e}") from e
 
 
 def _model_of(args: argparse.Namespace) -> tuple[Any, str]:
@@ -127,7 +128,11 @@ def _model_of(args: argparse.Namespace) -> tuple[Any, str]:
         return args.params, f"{int(args.params)} parameters (bare count, no padding)"
     model = _load_module(args.module) if args.module is not None else _load_gpt2(args.config)
     source = args.module or args.config
-    return model, f"{source}: {est.num_params(model)} parameters (padded layout, align {args.align})"
+    try:
+        count = est.num_params(model)
+    except FzeroError as e:  # a module fzero cannot lay out (an int64 parameter): found in review
+        raise CliError(f"{'--module' if args.module else '--config'} {source}: {e}") from e
+    return model, f"{source}: {count} parameters (padded layout, align {args.align})"
 
 
 def _units_of(model: Any, prefix: str | None) -> Any:
@@ -202,8 +207,10 @@ def _parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs: Any) -> None:
-    """Total bytes per rank vs world size, one line per stage, log-log, saved to `path`."""
+def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs: Any) -> str:
+    """Total bytes per rank vs world size, one line per stage, log-log, saved to `path`; the path
+    written (matplotlib adds its default format's extension to a path with none: found in review,
+    the message named the path given)."""
     try:
         import matplotlib
 
@@ -228,10 +235,14 @@ def plot(model: Any, world_sizes: Sequence[int], path: str, title: str, **kwargs
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
+        written = path if os.path.splitext(path)[1] else f"{path}.{matplotlib.rcParams['savefig.format']}"
         try:
             fig.savefig(path)
         except OSError as e:
             raise CliError(f"--plot {path}: cannot write it: {e}") from e
+        except ValueError as e:  # an extension matplotlib has no writer for ("Format 'txt' is not supported")
+            raise CliError(f"--plot {path}: {e}; name a .png, .pdf or .svg file") from e
+        return written
     finally:
         plt.close(fig)
 
@@ -283,7 +294,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         else:
             estimates = est.estimate_stages(model, args.world_size, **kwargs)
         described = _describe_bytes(args, optimizer, estimates)
-    except ValueError as e:
+    except (ValueError, FzeroError) as e:  # a module fzero cannot lay out (an int64 parameter): found in review
         raise CliError(str(e)) from e
     off = estimates[0].offload
     print(f"model: {what}")
@@ -299,8 +310,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             print("swap buffers: not counted for a bare count (they hold the largest bucket's state: --module or "
                   "--config gives the buckets)")
     if args.plot:
-        plot(model, args.plot_world_sizes, args.plot, f"{what}, {optimizer}", **kwargs)
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {plot(model, args.plot_world_sizes, args.plot, f'{what}, {optimizer}', **kwargs)}")
     return 0
 
 
@@ -473,7 +483,7 @@ def _add_inspect(sub: Any) -> None:
 def _run_export(args: argparse.Namespace) -> int:
     from . import checkpoint as ckpt
 
-    inside = os.path.abspath(args.out).startswith(os.path.abspath(args.checkpoint).rstrip(os.sep) + os.sep)
+    inside = os.path.realpath(args.out).startswith(os.path.realpath(args.checkpoint).rstrip(os.sep) + os.sep)
     if inside:  # it would replace a file of the checkpoint (its manifest: found in review), or sit among them
         raise CliError(f"cannot write {args.out!r}: it is inside the checkpoint {args.checkpoint!r}; write the "
                        f"export outside it")
@@ -525,10 +535,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit (a pipe's stdout is block-buffered)
+        return rc
     except CliError as e:
         print(f"fzero {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`fzero inspect CKPT | head -1`): Python's recipe, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
