@@ -131,6 +131,55 @@ def test_held_bytes_follow_the_policy(stage):
     assert held.optimizer_state == 8 * (full if stage == 0 else shard) + leaf_steps
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("policy", ["bf16", "bf16/fp32"])
+def test_held_grads_are_the_reduced_bytes_in_the_reduce_dtype(stage, policy):
+    """`held_bytes(state).grads` counted the bucket's own dtype: under `Precision(bf16)` (reduce
+    in bf16) twice the bf16 buffer the reduction fills, against `estimate`'s and the recorded
+    reduction's bytes (found in review of an accounting user). Now the three agree."""
+    n = 2
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn(x):
+        state = fzero.init(_params(0), optim.adamw(1e-2), stage=stage, mesh=mesh, units=lambda p: p.split(".")[0],
+                           groups=GROUPS, precision=POLICIES[policy])
+        with mesh.record() as log:
+            state, _ = fzero.train_step(_loss, gather="eager")(state, x)
+        return held_bytes(state), state.layout, log
+
+    held, layout, log = mesh.run(rank_fn, [(torch.randn(7),)] * n)[0]
+    reduced = sum(r.bytes // (n if r.op == "reduce_scatter" else 1) for r in log
+                  if r.rank == 0 and r.op in ("reduce_scatter", "all_reduce") and not r.tag.startswith("fzero."))
+    e = fzero.accounting.estimate(_params(0), n, stage=stage, optimizer="adam", units=lambda p: p.split(".")[0],
+                                  groups=GROUPS, precision=POLICIES[policy])
+    reduce_size = POLICIES[policy].reduce_dtype.itemsize if POLICIES[policy].reduce_dtype else 2
+    train = [b for b in layout.buckets if not b.group.frozen]
+    want = reduce_size * sum(b.shard_numel if stage >= 2 else b.padded_numel for b in train)
+    assert held.grads == e.grads == want
+    if stage in (0, 2, 3):  # stage 1 reduce-scatters the full flat and keeps its shard
+        assert reduced == want, log
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5])
+def test_estimate_of_a_partial_offload_at_stage_3_under_a_policy_equals_what_init_holds(ratio):
+    """A bucket an offload keeps on the device (ratio < 1) holds its params as the master, no
+    compute copy beside it; `estimate` charged it the offloaded cost (a compute copy and an fp32
+    master on the device): 452 bytes for 402 held (found in review of an accounting user)."""
+    n = 2
+    mesh = fzero.SimMesh(n)
+    g = torch.Generator().manual_seed(4)
+    params = {f"l{i}": torch.randn(5 + 2 * i, generator=g) for i in range(5)}
+    off = fzero.Offload(optimizer="cpu", ratio=ratio)
+    policy = POLICIES["bf16"]
+    held = mesh.run(lambda: held_bytes(fzero.init(params, optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p,
+                                                  precision=policy, offload=off)))[0]
+    e = fzero.accounting.estimate(params, n, stage=3, optimizer="adam", units=lambda p: p, precision=policy,
+                                  offload=off)
+    assert held.tiers.device.params == e.params and held.tiers.device.master == e.master
+    assert held.tiers.device.optimizer_state == e.optimizer_state
+    assert held.tiers.device.master == 0 and 0 < held.tiers.host.master
+
+
 def test_stage3_gathers_param_dtype_bytes_and_reduces_in_reduce_dtype():
     n = 2
     mesh = fzero.SimMesh(n)

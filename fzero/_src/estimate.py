@@ -292,6 +292,12 @@ class _Cost(NamedTuple):
     frozen: int
     leaf: int = 0
     item: int = 4
+    kept: BytesPerParam | None = None  # where an offload keeps the buffer's shard on the device (ratio < 1):
+    # its cost without the offload (stage 3: the held params are the master, no compute copy); None: `bpp`
+
+    @property
+    def on_device(self) -> BytesPerParam:
+        return self.bpp if self.kept is None else self.kept
 
 
 def _optimizer_of(optimizer: str, amsgrad: bool) -> Any:
@@ -413,21 +419,23 @@ def _stage_estimate(
         return sum(((per_param(c) if b.trainable else c.frozen) * pick(b) for b, c in zip(buffers, costs)
                     if b.trainable or not trainable_only), Fraction(0))
 
-    params = category("params", lambda c: c.bpp.params, trainable_only=False)
     grads = category("grads", lambda c: c.bpp.grads, trainable_only=True)
     leaf = [Fraction(c.leaf if b.trainable else 0) for b, c in zip(buffers, costs)]  # replicated: every rank's
     if off.optimizer is None:
         state = category("optimizer_state", lambda c: c.bpp.optimizer_state, trainable_only=True) + sum(leaf)
-        return MemoryEstimate(stage, world_size, params, grads, state,
-                              category("master", lambda c: c.bpp.master, trainable_only=True))
-    # Offloaded (stages 1-3: state and master are sharded): h_b of bucket b's shard is on the host.
+        return MemoryEstimate(stage, world_size, category("params", lambda c: c.bpp.params, trainable_only=False),
+                              grads, state, category("master", lambda c: c.bpp.master, trainable_only=True))
+    # Offloaded (stages 1-3: state and master are sharded): h_b of bucket b's shard is on the host;
+    # the part kept on the device costs what it would without the offload (`_Cost.kept`: at stage 3
+    # no compute copy beside the master; before, charged the offloaded cost, found in review)
     h = host_fractions(buffers, off)
     kept = [(1 - f) * b.shard if b.trainable else Fraction(0) for b, f in zip(buffers, h)]
     host, disk = _offloaded(buffers, h, costs, off)
-    if off.params is not None:
-        params = Fraction(0)  # every shard is on the host; the gradients stay on the device (as the stage)
+    params = Fraction(0) if off.params is not None else category(  # params offloaded: every shard on the host
+        "params", lambda c: c.bpp.params, trainable_only=False) + sum(
+        ((c.on_device.params - c.bpp.params) * k for c, k in zip(costs, kept)), Fraction(0))
     state = sum((c.bpp.optimizer_state * k + (1 - f) * lf for c, k, f, lf in zip(costs, kept, h, leaf)), Fraction(0))
-    master = sum((c.bpp.master * k for c, k in zip(costs, kept)), Fraction(0))
+    master = sum((c.on_device.master * k for c, k in zip(costs, kept)), Fraction(0))
     return MemoryEstimate(stage, world_size, params, grads, state, master, host, disk, off)
 
 
@@ -595,7 +603,9 @@ def _costs(optimizer: str, precision: Precision | None, param_dtype: torch.dtype
         held = as_dtype(param_dtype) if param_dtype is not None else b.dtype if b.dtype is not None else torch.float32
         bpp, frozen = policy_bytes_per_param(optimizer, st, policy, held, grad_dtype, off, amsgrad=amsgrad)
         leaf = leaf_bytes(optimizer, held, b.shapes, amsgrad) if b.bucket and b.trainable else 0
-        return _Cost(bpp, frozen, leaf, held.itemsize)
+        kept = (policy_bytes_per_param(optimizer, st, policy, held, grad_dtype, NO_OFFLOAD, amsgrad=amsgrad)[0]
+                if off.optimizer is not None and off.ratio != 1 else None)
+        return _Cost(bpp, frozen, leaf, held.itemsize, kept)
 
     return cost
 
