@@ -254,7 +254,9 @@ def test_expected_comm_closed_forms(psi, n):
 def test_expected_comm_asks_the_stage():
     """Per bucket, the formula's collectives are the stage's `moves`, in order: stage 0 reduces
     and gathers the gradient back, stages 1-2 gather params after the update, stage 3 gathers in
-    forward (and again in backward with the re-gather), and its frozen buckets in forward only."""
+    forward (and again in backward with the re-gather), its frozen buckets too: a frozen weight's
+    backward reads it for its input's gradient (found in review: counted in forward only, so no
+    `regather` matched a run with a frozen layer in the middle)."""
     layout = fzero.layout.plan({"a": torch.zeros(10), "f": torch.zeros(6)}, 2, units=lambda p: p,
                         groups=[fzero.ParamGroup("frozen", match=lambda p: p == "f", frozen=True)])
     ops = {s.level: [(m.op, m.what) for m in s.moves(True, True)] for s in fzero.STAGES}
@@ -262,9 +264,11 @@ def test_expected_comm_asks_the_stage():
                    1: [("reduce_scatter", "grads"), ("all_gather", "params")],
                    2: [("reduce_scatter", "grads"), ("all_gather", "params")],
                    3: [("all_gather", "params"), ("all_gather", "params"), ("reduce_scatter", "grads")]}
-    v = expected_comm(layout, 2, 3, regather=True)
+    v = expected_comm(layout, 2, 3, regather={"a"})
     assert v.data["all_gather"].count == 2 + 1 and v.data["reduce_scatter"].count == 1  # "f": forward only
     assert v.data["all_gather"].elements == 10 + 10 + 6
+    v = expected_comm(layout, 2, 3, regather=True)  # every unit, "f" too
+    assert v.data["all_gather"].count == 2 + 2 and v.data["all_gather"].elements == 10 + 10 + 6 + 6
     assert expected_comm(layout, 2, 1).data["all_gather"].elements == 10  # frozen: never gathered
     # where the mesh's all-reduce has the bits of its reduce-scatter + all-gather, stage 0 issues it
     # instead (and only stage 0: the other stages' collectives do not depend on the mesh)
@@ -456,3 +460,28 @@ def test_comm_volume_and_expected_comm_check_their_arguments():
     with pytest.raises(fzero.ConfigError, match="comm_volume: world_size must be an int >= 1"):
         comm_volume(log, 0)
     assert expected_comm(layout, 2, 3, regather={"u0"}).elements > expected_comm(layout, 2, 3).elements
+
+
+def test_a_frozen_weight_in_a_regathered_unit_is_counted_gathered_again():
+    """Stage 3, on use, `from_module`: unit "2" (a Linear whose weight is frozen, its bias not) is
+    freed after its forward and gathered again in backward, its frozen bucket too (the backward
+    reads the weight for its input's gradient); `expected_comm` counted frozen buckets in forward
+    only, so no `regather` matched the run (found in review of an accounting user)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5), torch.nn.Tanh(),
+                            torch.nn.Linear(5, 3))
+    m[2].weight.requires_grad_(False)
+    params, apply, info = fzero.from_module(m, units=fzero.units_by_prefix(m, ""))
+    mesh = fzero.SimMesh(2)
+
+    def rank(x):
+        state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=info.units, groups=info.groups)
+        with mesh.record() as log:
+            state, _ = fzero.train_step(lambda p, x: apply(p, x).square().mean())(state, x)
+        return list(log), state.layout
+
+    log, layout = mesh.run(rank, [(torch.randn(4, 6),) for _ in range(2)])[0]
+    again = [r.tag for r in log if r.rank == 0 and r.op == "all_gather" and not r.tag.startswith("fzero.")]
+    assert again.count("2/float32/frozen") == 2, again  # forward and backward
+    # "4", the forward's last, stays gathered for its backward; "0" needs no input gradient
+    assert expected_comm(layout, 2, 3, regather={"2"}).data == comm_volume(log, 2).data

@@ -517,8 +517,9 @@ def expected_comm(
         stage 2:  RS(E) + AG(E)          same collectives, reduced per unit during backward
         stage 3:  AG(E) + [AG(E)] + RS(E)  forward gather, backward re-gather if `regather`
 
-    and in stage 3 every frozen buffer is gathered in forward (AG(E); never re-gathered: it is
-    not differentiated). `regather` is a bool or the set of units that are gathered again in
+    and in stage 3 every frozen buffer is gathered in forward (AG(E)) and again with its unit
+    where `regather` says so (a frozen weight's backward reads it for its input's gradient; it
+    is never reduced). `regather` is a bool or the set of units that are gathered again in
     backward: with `gather="on_use"`, the autograd engine and `from_module`, the units with a
     home submodule (every unit but one spread over the root) are freed after their forward and
     gathered again in backward, but for the forward's last at N > 1 (kept for its backward) and

@@ -318,7 +318,7 @@ _RS_GRAD = Move("reduce_scatter", "grads", "backward")
 ENTER_FULL = Piece(_identity)
 # at N = 1 stage 3's gather is the held shard itself (`Mesh.solo`): `Gathering` frees only gathered
 # storage that is not the held tensor's, so such a unit stays whole (there is nothing to shard).
-ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD,), start=_start_enter)
+ENTER_GATHER = Piece(_gather, (_AG_PARAM_FWD, _AG_PARAM_AGAIN), (_AG_PARAM_FWD, _AG_PARAM_AGAIN), start=_start_enter)
 LEAVE_LOCAL = Piece(_identity)
 LEAVE_REDUCED = Piece(_reduce_in_unit, (_RS_GRAD,), start=_start_reduce, adjoint=_sum_in_unit)
 AFTER_NONE = Piece(_identity, start=_start_identity)
