@@ -197,9 +197,7 @@ def _refuse_changed_tie(link: _Link, p: torch.Tensor, seen: dict[int, str]) -> N
                                            f"the module and are one now"))
     root = born.module()
     for name in born.ties:
-        path, _, attr = name.rpartition(".")
-        owner = None if root is None else _submodule(root, path)
-        q = None if owner is None else owner._parameters.get(attr)
+        q = None if root is None else _param_at(root, name)
         if q is not None and q is not p and not _same_storage(p, q):
             raise ConfigError(_tie_words(born, f"{born.name!r} and {name!r} were one (tied) parameter when "
                                                f"from_module read the module and are two now"))
@@ -210,10 +208,14 @@ def _same_storage(p: torch.Tensor, q: torch.Tensor) -> bool:
             and p.stride() == q.stride() and p.dtype == q.dtype)
 
 
-def _tie_words(born: _Born, what: str) -> str:
+def _kind(born: _Born) -> str:
+    """The type name of the module `born` came from, for messages ("module" where it is freed)."""
     module = born.module()
-    kind = type(module).__name__ if module is not None else "module"
-    return (f"the parameters of the {kind} given to fzero.from_module are tied otherwise than when from_module read "
+    return type(module).__name__ if module is not None else "module"
+
+
+def _tie_words(born: _Born, what: str) -> str:
+    return (f"the parameters of the {_kind(born)} given to fzero.from_module are tied otherwise than when from_module read "
             f"it: {what}. apply runs the module as from_module copied it, so this step would train the ties it read, "
             f"not the module as it is now, and model.load_state_dict(info.state_dict(...)) would write one trained "
             f"value over another, silently. Nothing was updated. Tie (or untie) before fzero.from_module, then "
@@ -228,12 +230,19 @@ def _now(born: _Born) -> torch.Tensor | None:
     (moved within its submodule: `parametrize` makes it `parametrizations.<name>.original`, found
     in review); None where all are gone."""
     root = born.module()
-    path = born.name.rpartition(".")[0]
-    for owner in (None if root is None else _submodule(root, path), born.owner()):
-        p = None if owner is None else owner._parameters.get(born.attr)
+    for p in (None if root is None else _param_at(root, born.name), born.owner()):
+        if isinstance(p, torch.nn.Module):  # the submodule that held it
+            p = p._parameters.get(born.attr)
         if p is not None:
             return p
     return born.param()
+
+
+def _param_at(root: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter `root` holds at dotted `name` by its registered children, or None."""
+    path, _, attr = name.rpartition(".")
+    owner = _submodule(root, path)
+    return None if owner is None else owner._parameters.get(attr)
 
 
 def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
@@ -250,9 +259,7 @@ def _changed_words(changed: list[_Link]) -> str:
     shown = ", ".join(f"{link.path!r} ({'trainable' if link.born.flag else 'frozen'} then, "
                       f"{'frozen' if link.born.flag else 'trainable'} now{_also(link.born.ties, link.path)})"
                       for link in changed[:6]) + more
-    module = changed[0].born.module()
-    kind = type(module).__name__ if module is not None else "module"
-    return (f"the requires_grad of parameter {shown} of the {kind} given to fzero.from_module changed since "
+    return (f"the requires_grad of parameter {shown} of the {_kind(changed[0].born)} given to fzero.from_module changed since "
             f"from_module read it, and this state, made of its params, "
             f"{('trains' if changed[0].trains else 'freezes') + ' it' if len(changed) == 1 else 'trains or freezes each'}"
             f" as before: from_module chose the frozen leaves when it ran "
