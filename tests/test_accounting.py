@@ -392,8 +392,7 @@ def test_nvme_params_tier_split_is_the_estimate(tmp_path):
     bucket (S_b: bucket b's shard): the swap files hold each trainable bucket's bf16 shard 2 S_b,
     fp32 master 4 S_b and moments 8 S_b -- `held_bytes`' "nvme" tier, and `estimate`'s `nvme`
     for the same tree (adam-mixed); the host keeps the frozen bucket's fp32 shard 4 S_f, the step
-    counts and the gradient copies 2 S_b (bf16, the policy's reduce dtype, as the estimate's
-    grad_dtype="bf16"; before, 4 S_b on both sides, though the copy is of the bf16 shard). The
+    counts and the gradient copies 4 S_b (fp32, as the estimate's grad_dtype="fp32"). The
     estimate's swap buffers are the tier's pool (`SwapFiles.host_bytes`) plus two reads of the
     largest bf16 shard in flight."""
     from fzero._src.accounting import held_bytes
@@ -413,8 +412,8 @@ def test_nvme_params_tier_split_is_the_estimate(tmp_path):
     d, h, f = held_bytes(state, opt).tiers
     assert (f.params, f.master, f.optimizer_state) == tuple(sum(k * S[b] for b in train) for k in (2, 4, 8))
     assert (d.params, h.params, h.master) == (0, 4 * S[fz[0]], 0)
-    assert h.grads == sum(2 * S[b] for b in train)
-    e = estimate(tree, 2, stage=3, optimizer="adam-mixed", grad_dtype="bf16", units=units, groups=frozen,
+    assert h.grads == sum(4 * S[b] for b in train)
+    e = estimate(tree, 2, stage=3, optimizer="adam-mixed", grad_dtype="fp32", units=units, groups=frozen,
                  offload=off)
     assert (e.nvme.params, e.nvme.master, e.nvme.optimizer_state) == (f.params, f.master, f.optimizer_state)
     assert e.host.grads == h.grads  # (its host.params counts the frozen shard in bf16, the estimate's param dtype)

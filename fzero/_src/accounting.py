@@ -36,7 +36,7 @@ from .errors import ConfigError
 from .layout import Layout, check_world_size
 from .mesh import Mesh
 from .optim.base import spec_of
-from .precision import FULL, Precision, as_dtype
+from .precision import as_dtype
 from .stages import Stage, get_stage
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -97,15 +97,13 @@ def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(tree))
 
 
-def grad_bytes(layout: Layout, stage: int | Stage, precision: Precision = FULL) -> int:
+def grad_bytes(layout: Layout, stage: int | Stage) -> int:
     """Bytes of the gradient buffer a rank holds at the optimizer step under `layout` at `stage`
     (0-3 or a `Stage`; gradients are transient, so this is read from the layout): per trainable
     bucket, the reduced `shard[S]` where the stage shards gradients (reduce-scattered during
-    backward), else the reduced `flat[N * S]`, in `precision`'s reduce dtype for the bucket (before,
-    the bucket's own: fp32 params under `Precision(bf16)` counted twice the bf16 shard they hold;
-    found in review)."""
+    backward), else the reduced `flat[N * S]`."""
     sharded = get_stage(stage).sharded("grads")
-    return sum((b.shard_numel if sharded else b.padded_numel) * precision.wire(b).reduce.itemsize
+    return sum((b.shard_numel if sharded else b.padded_numel) * b.dtype.itemsize
                for b in layout.buckets if not b.group.frozen)
 
 
@@ -151,7 +149,7 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
     params_off = info.offload.params is not None
     tiers = ("device", "host", "nvme")
     acc = {t: dict(params=0, grads=0, optimizer_state=0, master=0, optimizer_leaf=0) for t in tiers}
-    acc["device"]["grads"] = grad_bytes(state.layout, state.stage, state.precision)
+    acc["device"]["grads"] = grad_bytes(state.layout, state.stage)
     shard_files = getattr(info.tier, "shards", None) or {}  # params="nvme": the shards' swap files
     for b, spec in enumerate(state.layout.buckets):
         tier = info.host_tier(b)
@@ -161,8 +159,7 @@ def tier_split(state: Any, optimizer: Any = None) -> TierSplit:
         if spec.group.frozen:
             continue
         if tier is not None:
-            acc["host"]["grads"] += spec.shard_numel * state.precision.wire(spec).reduce.itemsize  # the update's
-            # copy of the reduced shard, in the reduce dtype
+            acc["host"]["grads"] += spec.shard_numel * spec.dtype.itemsize  # the update's copy of the shard
         master_in_file = b in (getattr(tier, "masters", None) or {})  # NVMe: the master shard's swap file
         acc["device" if tier is None else "nvme" if master_in_file else "host"]["master"] += _nbytes(state.master[b])
         opt = state.opt_state[b]

@@ -240,8 +240,11 @@ def policy_bytes_per_param(
     (`OffloadSetting`; default none).
 
     `param_dtype` is the dtype the params are held in (default fp32), `precision.param_dtype`
-    (default: the same) the one units compute in, and gradients are reduced in `grad_dtype`
-    (default: `precision.reduce_dtype`, else the compute dtype). A trainable bucket keeps a
+    (default: the same) the one units compute in, and the reduced gradients are held at the
+    update in `grad_dtype` (default: the held dtype, whatever `precision.reduce_dtype` is: the step
+    casts each reduced part to its bucket's dtype, `fzero._src.step.accumulate`; before, the reduce
+    dtype was counted, half the held fp32 gradient under `Precision(bf16)`: found in review). A
+    trainable bucket keeps a
     compute-dtype copy of its params beside its master (in the held dtype) only where the two
     differ and the stage shards the master but not the params (stages 1-2), or the optimizer is
     offloaded (stages 1-3: the master moves off the device); elsewhere (stages 0 and 3 without
@@ -261,7 +264,7 @@ def policy_bytes_per_param(
     st = stage if isinstance(stage, Stage) else get_stage(stage)
     held = as_dtype(param_dtype) if param_dtype is not None else torch.float32
     compute = precision.param_dtype or held
-    grads = as_dtype(grad_dtype) if grad_dtype is not None else (precision.reduce_dtype or compute)
+    grads = as_dtype(grad_dtype) if grad_dtype is not None else held
     state = _state_bytes(optimizer, amsgrad) // 4 * held.itemsize
     copy = compute != held and st.sharded("master") and (offload.optimizer is not None or not st.sharded("params"))
     bpp = BytesPerParam(compute.itemsize if copy else held.itemsize, grads.itemsize, state,
