@@ -91,14 +91,15 @@ def one_rank_fails(_mesh, what: str, stage: int, wrap: bool, verify: bool, prefe
                 return fzero.checkpoint.save(state, root)
             finally:
                 dcp_fs._write_item = write_item
-        if what == "evaluate":
+        if what in ("evaluate", "evaluate_eager"):
             def fn(p, x):
                 h = p["a"] * x
                 if mesh.rank == 1:
                     raise ValueError("rank 1 refused in evaluate")
                 return (h * p["b"]).sum()
 
-            return fzero.evaluate(fn, prefetch=prefetch)(state, batch)
+            gather = "eager" if what == "evaluate_eager" else "on_use"
+            return fzero.evaluate(fn, prefetch=prefetch, gather=gather)(state, batch)
         ARMED[what] = True
         try:
             return step(state, batch)
@@ -133,10 +134,10 @@ SCENARIOS = [("forward_before", s, p) for s, p in [(0, None), (2, None), (3, 0),
             [("forward_after", s, p) for s, p in [(0, None), (2, None), (3, 0), (3, 1)]] + \
             [("backward", s, None) for s in range(4)] + [("update", s, None) for s in range(4)] + \
             [("save", 1, None), ("save", 3, None), ("evaluate", 3, None), ("evaluate", 3, 0), ("evaluate", 0, None),
-             ("evaluate", 2, None)]
+             ("evaluate", 2, None), ("evaluate_eager", 3, None)]
 OWN = {"forward_before": "rank 1 refused before reading a unit", "forward_after": "rank 1 refused after reading a unit",
        "backward": "rank 1 refused in backward", "update": "rank 1 refused in update",
-       "evaluate": "rank 1 refused in evaluate"}
+       "evaluate": "rank 1 refused in evaluate", "evaluate_eager": "rank 1 refused in evaluate"}
 
 
 @pytest.mark.dist
@@ -153,7 +154,9 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
     next step's collectives pair as they should (measured over the scenarios in this file). An
     evaluation at stages 0-2 has no collective: rank 1's error is its own, rank 0's evaluation
     returns (inside `mesh.run`, whose end agrees, rank 0 is told there), and the next step pairs (before, rank 1's error was announced to rank 0's next call,
-    which never ran: the ranks went on one call apart; found in review of an evaluating user)."""
+    which never ran: the ranks went on one call apart; found in review of an evaluating user). A
+    stage-3 evaluation with `gather="eager"` gathers every unit before `fn`: it ends with the
+    paths' agreement too, so rank 0 stops in the same call (found in a review of that fix)."""
     got = dist2.run(one_rank_fails, [(what, stage, wrap, True, prefetch, str(tmp_path))] * 2, timeout=60)
     want = reference(stage)
     for rank, ((kind, text, seconds), (next_kind, next_text, _), params) in enumerate(got):
@@ -162,7 +165,7 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
             assert kind == "CheckpointError" and "writing the data failed on rank 1 (OSError: [Errno 28]" in text, text
         elif rank == 1:
             assert (kind, text) == ("ValueError", OWN[what])
-        elif what == "evaluate" and stage < 3:  # its own collective-free call returns; mesh.run's end agrees
+        elif what.startswith("evaluate") and stage < 3:  # its own collective-free call returns; mesh.run's end agrees
             assert (kind, "stops at the end of mesh.run" in text) == (("RankFailed", True) if wrap else ("returned", False)
                                                                       ), (kind, text)
         else:

@@ -143,6 +143,10 @@ def test_groups_giving_a_tied_leaf_other_settings_by_its_other_name_are_refused(
     both = fzero.ParamGroup("frozen-tied", match=lambda path: path in ("emb.weight", "head.weight"), frozen=True)
     no_decay = fzero.ParamGroup("no-decay", match=lambda path: path.endswith(".bias"), weight_decay=False)
     layout = init(_model(True), [both, no_decay])
+    # a group by the first name alone, the other falling to the default group: torch's groups by
+    # named_parameters() (which lists the tied weight once, by its first name)
+    emb = fzero.ParamGroup("emb-no-decay", match=lambda path: path.startswith("emb."), weight_decay=False)
+    assert {ls.path: ls.group.name for ls in init(_model(True), [emb]).leaves}["emb.weight"] == "emb-no-decay"
     assert {ls.path: ls.group.name for ls in layout.leaves}["emb.weight"] == "frozen-tied"
     frozen = _model(True)
     frozen.emb.requires_grad_(False)  # the tied weight frozen in the module: from_module's group, by its first name

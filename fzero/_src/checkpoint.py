@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import dataclasses
 import functools
 import hashlib
@@ -2279,14 +2280,18 @@ def _check_safetensors_names(tensors: Any, metadata: Any) -> None:
 def _regular_out(out: str | os.PathLike) -> str:
     """`out` as the file to replace: a symbolic link resolved to its target; `CheckpointError`
     where that is there and is not a regular file (or a folder, which the rename refuses itself)."""
-    path = os.path.realpath(out) if os.path.islink(out) else os.fspath(out)
     try:
-        mode = os.stat(path).st_mode
+        mode = os.stat(out).st_mode  # following every link, `/dev/stdout`'s magic one too (found in review:
+        # the stat of its realpath, `pipe:[N]`, failed and the write named no FIFO)
     except FileNotFoundError:
-        return path
-    except OSError:  # (unreadable: the write says why)
-        return path
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        mode = None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # (found in review: the rename replaced a link of a loop, where open fails)
+            raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} is a loop of symbolic links; nothing was "
+                                  f"written") from None
+        mode = None  # (unreadable: the write says why)
+    path = os.path.realpath(out) if os.path.islink(out) else os.fspath(out)
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
         kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
                 else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
         raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} is {kind}: the write replaces its file by "
