@@ -292,6 +292,31 @@ def test_a_compiled_loss_with_cast_ahead_raises_and_names_the_setting():
         mesh.run(run)
 
 
+def test_a_compiled_loss_with_cast_ahead_over_eager_params_raises_the_config_error_itself():
+    """With `gather="eager"` the compiled function reads the watched leaves themselves, and the
+    watch's `ConfigError` is raised inside dynamo's trace, which wrapped it in its own
+    `InternalTorchDynamoError`: `except fzero.ConfigError` missed it (found in review of a compile
+    user). The step raises fzero's error itself, without dynamo's frames in its words."""
+    mesh = fzero.SimMesh(1)
+
+    def run():
+        torch.manual_seed(0)
+        model = Net(twice=False)
+        params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+        compiled = torch.compile(apply, backend="eager")
+
+        def loss_fn(p, batch):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return compiled(p, *batch)
+
+        state = fzero.init(params, optim.adamw(1e-2), stage=0, mesh=mesh, units=info.units)
+        fzero.train_step(loss_fn, cast_ahead=True, gather="eager")(state, _batches(1, mesh.device)[0])
+
+    with pytest.raises(ConfigError, match=r"cast_ahead=True: a compiled function \(torch.compile\) reads a param") as e:
+        mesh.run(run)
+    assert "from user code" not in str(e.value)
+
+
 def test_checkpointed_blocks_are_not_cast_and_keep_the_bits():
     """With `from_module(..., remat=True)` each block's params reach its checkpointed call, not a
     matrix product: nothing of the blocks is cast, and the bits are those without remat. (`Block`

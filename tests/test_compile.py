@@ -207,3 +207,28 @@ def test_the_differentiable_read_compiles_with_no_warning_from_the_stand_in_chec
     traced = [str(w.message)[:200] for w in caught if "functorch" in str(w.message)]  # (torch's own deprecations
     assert not traced, traced  # at its first compile are not the check's)
     assert torch.equal(got, f(flats))
+
+
+def test_a_compiled_evaluate_runs_fzero_eager_and_leaves_fn_as_given():
+    """`torch.compile(fzero.evaluate(fn))`: the function evaluate returned was the disabled one,
+    which torch.compile unwraps, so dynamo traced fzero's forward, compiled `fn` and recompiled at
+    every call (a guard on the state's storage addresses) up to its limit (found in review of a
+    compile user). Now a plain function calls the disabled one: no graph, the eager bits."""
+    from torch._dynamo.utils import counters
+
+    fn = lambda p, x: (torch.tanh(x @ p["a.w"]) @ p["b.w"]).square().mean()  # noqa: E731
+    params = {"a.w": torch.randn(4, 3), "b.w": torch.randn(3, 2)}
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh, units=lambda p: p.split(".")[0])
+        step, compiled = fzero.train_step(fn), torch.compile(fzero.evaluate(fn), backend="eager")
+        for _ in range(3):
+            state, _ = step(state, torch.randn(5, 4))
+            x = torch.randn(5, 4)
+            assert torch.equal(compiled(state, x), fzero.evaluate(fn)(state, x))
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh.run(rank)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])

@@ -109,7 +109,13 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
         with _labelled(state.mesh), same_paths(state.layout), _guarded(state), torch.no_grad():
             return _owned(state, forward(state, fn, gather, batch, prefetch))
 
-    return run
+    def evaluate_call(state: ZeroState, batch: Any) -> Any:
+        # a plain function around the disabled `run`, as `train_step`'s `step` is: `torch.compile` of the
+        # disabled function itself unwraps it (`_torchdynamo_orig_callable`) and traced fzero's code,
+        # compiling `fn` and recompiling at every call (found in review of a compile user)
+        return run(state, batch)
+
+    return evaluate_call
 
 
 @contextlib.contextmanager

@@ -635,6 +635,23 @@ def _check_alike(micro: Sequence[Any]) -> None:
                     f"micro-batches x and y")
 
 
+def _fzero_error_under_dynamo(e: Exception) -> FzeroError | None:
+    """fzero's own error that dynamo wrapped while tracing a compiled loss (`InternalTorchDynamoError`,
+    the `FzeroError` its context: a check of `cast_ahead`'s watched leaves raising inside the
+    traced frame), else None: the step raises it as fzero raised it, so `except fzero.ConfigError`
+    catches it (found in review of a compile user: three of four patterns gave dynamo's error)."""
+    internal = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    internal = getattr(internal, "InternalTorchDynamoError", None)
+    if internal is None or not isinstance(e, internal):
+        return None
+    inner = e.__cause__ or e.__context__
+    if not isinstance(inner, FzeroError):
+        return None
+    if inner.args and isinstance(inner.args[0], str):  # without the frames dynamo appended to its words
+        inner.args = (inner.args[0].split("\n\nfrom user code:")[0], *inner.args[1:])
+    return inner
+
+
 def _note_loss_error(e: Exception, config: StepConfig, state: ZeroState, i: int, mb: Any) -> None:
     """The notes an error the loss raised on micro-batch `i` (`mb`) gets, built on the error path
     only (nothing runs where the loss returns): how the batch was read (`_note_micro_batches`),
@@ -857,6 +874,9 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
             try:
                 out = config.loss_fn(params, mb)
             except Exception as e:  # (a try costs nothing until it catches)
+                own = _fzero_error_under_dynamo(e)
+                if own is not None:
+                    raise own from None
                 _note_loss_error(e, config, state, index, mb)
                 raise
             loss, count = _objective(config, out)
