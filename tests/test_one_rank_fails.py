@@ -111,7 +111,7 @@ def one_rank_fails(_mesh, what: str, stage: int, wrap: bool, verify: bool, prefe
         try:
             out = mesh.run(call)[0] if wrap else call()
         except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
-            return (type(e).__name__, str(e)[:300], round(time.monotonic() - start, 2)), None
+            return (type(e).__name__, str(e)[:600], round(time.monotonic() - start, 2)), None
         return ("returned", "", round(time.monotonic() - start, 2)), out
 
     failed, _ = timed(failing)
@@ -168,7 +168,9 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
         elif what.startswith("evaluate") and stage < 3:  # its own collective-free call returns; mesh.run's end agrees
             assert (kind, "stops at the end of mesh.run" in text) == (("RankFailed", True) if wrap else ("returned", False)
                                                                       ), (kind, text)
-        else:
+            assert not wrap or text.endswith(f"(rank 1 raised ValueError: {OWN[what]})"), text
+        else:  # naming rank 1's error, as SimMesh's does (found in review: no words under torchrun)
             assert kind == "RankFailed" and "rank(s) [1] raised; rank 0 stops at" in text, (kind, text)
+            assert text.endswith(f"(rank 1 raised ValueError: {OWN[what]})"), text
         assert next_kind == "returned", (rank, next_kind, next_text)
         assert params.keys() == want.keys() and all(torch.equal(params[k], want[k]) for k in want), (rank, params)

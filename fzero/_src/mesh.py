@@ -1537,8 +1537,11 @@ class DistMesh(Mesh):
 
     # -- agreement ------------------------------------------------------------------------------
 
-    def _agree(self, kind: int, call: _Call | None) -> None:
-        """All ranks exchange fingerprints; raise on every rank if any differs or failed."""
+    def _agree(self, kind: int, call: _Call | None, error: str = "") -> None:
+        """All ranks exchange fingerprints; raise on every rank if any differs or failed. Where a
+        rank failed (`_announce`: `error` its words), every rank is in this agreement, so they
+        also exchange the failed ranks' words, which the others' `RankFailed` quotes, as SimMesh's
+        does (found in review: "rank(s) [1] raised" named no error under torchrun)."""
         seq = self._seq
         what = f"{call or 'the end of mesh.run'} (collective #{seq})"
         mine = torch.tensor(_fingerprint(kind, seq, call), dtype=torch.int64, device=self.device)
@@ -1552,8 +1555,12 @@ class DistMesh(Mesh):
                                          f"same point of its program")
             self._seq += 1
             failed = [s for s, row in enumerate(rows) if row[0] == _KIND_FAIL]
-            if failed and kind != _KIND_FAIL:
-                raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at {what}")
+            if failed:
+                texts = self._gather_text(error if kind == _KIND_FAIL else "", what)
+                said = "; ".join(f"rank {s} raised {texts[s]}" for s in failed if texts[s])
+                if kind != _KIND_FAIL:
+                    raise RankFailed(f"{self!r}: rank(s) {failed} raised; rank {self._rank} stops at {what}"
+                                     + (f" ({said})" if said else ""))
             if not failed and any(row != rows[0] for row in rows):
                 # every rank sees the same rows, so every rank is here: exchange the calls in words
                 mine_text = (f"{call} collective #{seq}" if kind == _KIND_CALL else
@@ -1706,7 +1713,7 @@ class DistMesh(Mesh):
         own argument check refused; found in review)."""
         if self.verify:
             with contextlib.suppress(MeshError):
-                self._agree(_KIND_FAIL, None)
+                self._agree(_KIND_FAIL, None, f"{type(e).__name__}: {e}"[:400])
             self._announced = self._seq
             _mark_told(e)
 
