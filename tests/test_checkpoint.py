@@ -373,6 +373,13 @@ def test_a_dropped_added_or_renamed_leaf_is_named_with_its_shape(saved_root):
     params["z"] = torch.randn(3)  # sorts last: before, a count alone
     text = str(load_into(saved_root, params, "adamw"))
     assert "the target holds 'z' (float32[3]), which the checkpoint lacks" in text and "'emb'" not in text
+    assert "tied" not in text
+    # a leaf alike in dtype and shape to one both hold: perhaps a weight tied on one side only (a
+    # model saved tied, loaded untied: the hint named a rename alone, found in review)
+    params = make_params()
+    params["head"]["w2"] = torch.randn(3, 4)
+    text = str(load_into(saved_root, params, "adamw"))
+    assert "the target holds 'head.w2' (float32[3, 4])" in text and "a weight tied in one model and not in the other" in text
 
 
 def test_other_optimizer(saved_root):

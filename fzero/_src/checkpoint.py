@@ -1430,7 +1430,19 @@ def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, A
         [f"the target holds {listed(extra)}, which the checkpoint lacks"] if extra else [])
     raise CheckpointError(f"{path!r} was saved from another layout ({len(theirs)} leaves, the target's {len(mine)}): "
                           f"{'; '.join(parts)}; load into a state made by fzero.init from the same params pytree "
-                          f"(a renamed submodule renames its leaves)")
+                          f"(a renamed submodule renames its leaves{_tie_hint(lacking, extra, saved, made)})")
+
+
+def _tie_hint(lacking: list[dict[str, Any]], extra: list[dict[str, Any]], saved: dict[str, Any],
+              made: dict[str, Any]) -> str:
+    """Where a leaf one side lacks has the dtype and shape of a leaf both sides hold, the words
+    for a weight tied on one side and not the other (`from_module` makes a tied weight one leaf,
+    by its first name): the hint named a rename alone (found in review of a tied-weights user)."""
+    both = {(str(a.get("dtype")), tuple(a.get("shape", ()))) for p, a in saved.items() if p in made}
+    if any((str(a.get("dtype")), tuple(a.get("shape", ()))) in both for a in (*lacking, *extra)):
+        return ("; or a weight tied in one model and not in the other: from_module makes a tied weight one leaf, "
+                "under its first name, so tie or untie as the saving model did")
+    return ""
 
 
 def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
