@@ -174,3 +174,54 @@ def test_one_failing_rank_stops_every_rank_at_once_and_the_next_step_has_the_bit
             assert text.endswith(f"(rank 1 raised ValueError: {OWN[what]})"), text
         assert next_kind == "returned", (rank, next_kind, next_text)
         assert params.keys() == want.keys() and all(torch.equal(params[k], want[k]) for k in want), (rank, params)
+
+
+class _StrRaises(ValueError):
+    def __str__(self):
+        raise RuntimeError("this error's str raises")
+
+
+def odd_words(_mesh, kind: str):
+    """On a pool worker: rank 1's loss raises an error whose words cannot be sent as they are (its
+    `str()` raises, or holds a lone surrogate); each rank's error type, text and seconds, then a
+    next step's gathered params."""
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=T))
+    mesh = fzero.DistMesh(group, timeout=T)
+    state = fzero.init(PARAMS, optim.sgd(0.25), stage=3, mesh=mesh, units=lambda path: path)
+
+    def loss(p, x):
+        if mesh.rank == 1 and kind == "str_raises":
+            raise _StrRaises()
+        if mesh.rank == 1:
+            raise ValueError("no file named " + b"\xff".decode(errors="surrogateescape"))
+        return (p["a"] * x * p["b"] * p["c"]).sum()
+
+    start = time.monotonic()
+    try:
+        fzero.train_step(loss)(state, _batch(mesh.rank))
+        got = ("returned", "")
+    except BaseException as e:  # noqa: BLE001 - what each rank raised is the result
+        got = (type(e).__name__, repr(e)[:600] if kind == "str_raises" and mesh.rank == 1 else str(e)[:600])
+    seconds = time.monotonic() - start
+    return got, round(seconds, 2), fzero.gather(fzero.train_step(_loss)(state, _batch(mesh.rank))[0])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["str_raises", "surrogate"])
+def test_a_failing_ranks_words_that_cannot_be_sent_as_they_are_still_announce_it(dist2, kind):
+    """Rank 1's error is quoted in rank 0's `RankFailed` (row 223); an error whose `str()` raises
+    left the guard with that error and sent no FAIL row, and a lone surrogate raised
+    `UnicodeEncodeError` inside the words' exchange: rank 0 waited out the timeout, rank 1 raised
+    the wrong error, and later steps went out of step (found in review). Now each rank raises at
+    once, rank 1 its own error, and the next step has the bits of one that never failed."""
+    got = dist2.run(odd_words, [(kind,)] * 2, timeout=60)
+    want = reference(3)
+    (kind0, text0), seconds0, params0 = got[0]
+    (kind1, _), seconds1, params1 = got[1]
+    assert kind1 == ("_StrRaises" if kind == "str_raises" else "ValueError"), got[1][0]
+    assert kind0 == "RankFailed" and seconds0 < T / 4, (kind0, text0, seconds0)
+    words = "(rank 1 raised _StrRaises (its str() raised))" if kind == "str_raises" else \
+        "(rank 1 raised ValueError: no file named \\udcff)"
+    assert text0.endswith(words), text0
+    for params in (params0, params1):
+        assert all(torch.equal(params[k], want[k]) for k in want)

@@ -147,6 +147,9 @@ def test_groups_giving_a_tied_leaf_other_settings_by_its_other_name_are_refused(
     # named_parameters() (which lists the tied weight once, by its first name)
     emb = fzero.ParamGroup("emb-no-decay", match=lambda path: path.startswith("emb."), weight_decay=False)
     assert {ls.path: ls.group.name for ls in init(_model(True), [emb]).leaves}["emb.weight"] == "emb-no-decay"
+    # and an explicit catch-all last, torch's [no_decay, decay] pattern (found in review: refused)
+    decay = fzero.ParamGroup("decay")
+    assert {ls.path: ls.group.name for ls in init(_model(True), [emb, decay]).leaves}["emb.weight"] == "emb-no-decay"
     assert {ls.path: ls.group.name for ls in layout.leaves}["emb.weight"] == "frozen-tied"
     frozen = _model(True)
     frozen.emb.requires_grad_(False)  # the tied weight frozen in the module: from_module's group, by its first name

@@ -2299,8 +2299,8 @@ def _regular_out(out: str | os.PathLike) -> str:
         mode = None
     except OSError as e:
         if e.errno == errno.ELOOP:  # (found in review: the rename replaced a link of a loop, where open fails)
-            raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} is a loop of symbolic links; nothing was "
-                                  f"written") from None
+            raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} goes through a loop of symbolic links; nothing "
+                                  f"was written") from None
         mode = None  # (unreadable: the write says why)
     path = os.path.realpath(out) if os.path.islink(out) else os.fspath(out)
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

@@ -1055,6 +1055,16 @@ class SimMesh(Mesh):
 # DistMesh
 
 _KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
+
+
+def _words(e: BaseException) -> str:
+    """`e` as the others' `RankFailed` quotes it (`DistMesh._announce`), at most 400 characters;
+    never raising: an error whose `str()` raises left the guard with that error in place of the
+    user's, and no FAIL row sent, so the others waited out the timeout (found in review)."""
+    try:
+        return f"{type(e).__name__}: {e}"[:400]
+    except Exception:  # noqa: BLE001 - any error of a user's __str__
+        return f"{type(e).__name__} (its str() raised)"
 _FP_LEN = 12
 
 
@@ -1596,7 +1606,8 @@ class DistMesh(Mesh):
 
     def _gather_text(self, text: str, what: str) -> list[str]:
         """Every rank's `text`, in rank order (two all-gathers: lengths, then padded UTF-8 bytes)."""
-        data = list(text.encode())
+        data = list(text.encode(errors="backslashreplace"))  # (a lone surrogate, a path decoded with
+        # surrogateescape: strict encoding raised here, after the others had entered the exchange; found in review)
         lengths = self._gather(torch.tensor([len(data)], dtype=torch.int64, device=self.device), what).tolist()
         buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
         buf[: len(data)] = torch.tensor(data, dtype=torch.uint8)
@@ -1713,7 +1724,7 @@ class DistMesh(Mesh):
         own argument check refused; found in review)."""
         if self.verify:
             with contextlib.suppress(MeshError):
-                self._agree(_KIND_FAIL, None, f"{type(e).__name__}: {e}"[:400])
+                self._agree(_KIND_FAIL, None, _words(e))
             self._announced = self._seq
             _mark_told(e)
 

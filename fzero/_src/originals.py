@@ -36,7 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError, LayoutError
-from .layout import ParamGroup, _group_of, check_groups, unwrapped
+from .layout import _group_of, check_groups, unwrapped
 from .tree import flatten_with_paths
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
@@ -118,9 +118,6 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
         _LINKS[layout] = links
 
 
-_DEFAULT = ParamGroup()  # the group of the leaves no group matches
-
-
 def _settings(group: Any) -> tuple:
     return (True,) if group.frozen else (False, group.weight_decay, group.lr_scale)
 
@@ -131,15 +128,17 @@ def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) ->
     frozen=True)` over a head tied to the embedding): groups go by the first name, as the params
     name the leaf, so that group matched nothing and the head trained, where torch's group of
     `lm_head.weight` freezes it (found in review of a tied-weights user). Where the other name
-    falls to the default group, the first name's group is taken, as torch's groups from
+    falls to a catch-all group (no `match`: the default, or an explicit one), the first name's
+    group is taken, as torch's groups from
     `named_parameters()` (which lists a tied weight once, by its first name) do: a no-decay group
     naming the embedding was refused (found in review)."""
     group_of = _group_of(check_groups(groups))
     for spec, born in tied:
         for alias in born.ties:
             other = group_of(alias, by_path[spec.path])
-            if other != _DEFAULT and _settings(other) != _settings(spec.group):  # the other name falling to
-                # the default group is torch's own choice (its groups list a tied weight once, by its first name)
+            if other.match is not None and _settings(other) != _settings(spec.group):  # the other name falling
+                # to a catch-all group (the default, or an explicit `ParamGroup("decay")` last) is torch's own
+                # choice: its groups list a tied weight once, by its first name (found in review)
                 raise LayoutError(
                     f"parameter {spec.path!r} is tied (also {alias!r}), one leaf under its first name, and the groups "
                     f"give it other settings by each name: ParamGroup {spec.group.name!r} by {spec.path!r} (which "
