@@ -53,3 +53,38 @@ def test_an_error_inside_a_guard_outside_any_run_is_the_error_itself():
     with pytest.raises(fzero.ConfigError, match=r"stage must be 0, 1, 2 or 3 \(the ZeRO stage\), got 7") as e:
         fzero.init({"w": torch.ones(4, 3)}, fzero.optim.sgd(0.1), stage=7, mesh=mesh)
     assert e.value.__context__ is None
+
+
+class _StrRaises(ValueError):
+    def __str__(self):
+        raise RuntimeError("this error's str raises")
+
+
+def test_an_error_whose_str_raises_is_still_announced_on_a_simmesh():
+    """SimMesh's announcement built the error's words with `str()`, which raised: the rank got
+    that `RuntimeError` in place of its own error and announced nothing, so its retry paired with
+    the others' first attempt (found in review). Now rank 0 stops at once naming the error's
+    type, rank 1 keeps its own, and the next step pairs."""
+    mesh = fzero.SimMesh(2)
+
+    def rank():
+        state = fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.5), stage=1, mesh=mesh)
+
+        def loss(p, x):
+            if mesh.rank == 1:
+                raise _StrRaises()
+            return (p["w"] * x).sum()
+
+        try:
+            fzero.train_step(loss)(state, torch.ones(3))
+            first = "returned"
+        except fzero.RankFailed as e:
+            first = str(e)
+        except _StrRaises:
+            first = "own"
+        state, _ = fzero.train_step(lambda p, x: (p["w"] * x).sum())(state, torch.ones(3))
+        return first, fzero.gather(state)["w"]
+
+    (first0, w0), (first1, w1) = mesh.run(rank)
+    assert first1 == "own" and "rank 1 raised _StrRaises (its str() raised)" in first0, (first0, first1)
+    assert torch.equal(w0, torch.full((3,), 0.5)) and torch.equal(w1, w0)

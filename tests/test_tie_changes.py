@@ -191,3 +191,22 @@ def test_a_tied_parameter_of_no_elements_written_back_with_assign_steps_on():
 
     plain, written = run(False), run(True)
     assert not torch.equal(plain["w"], torch.ones(3)) and torch.equal(plain["w"], written["w"])
+
+
+def test_a_checkpoint_of_an_untied_model_loaded_into_a_tied_one_names_the_tie(tmp_path):
+    """The layout error named the leaf the target lacks and blamed a rename (found in review of a
+    tied-weights user): where that leaf is another name of a leaf the target ties, it says so."""
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        untied, _, _ = fzero.from_module(_model(False))
+        path = fzero.checkpoint.save(fzero.init(untied, fzero.optim.adamw(1e-2), stage=0, mesh=mesh), tmp_path)
+        tied, _, _ = fzero.from_module(_model(True))
+        target = fzero.init(tied, fzero.optim.adamw(1e-2), stage=0, mesh=mesh)
+        with pytest.raises(fzero.checkpoint.CheckpointError) as e:
+            fzero.checkpoint.load(path, target)
+        return str(e.value)
+
+    text = mesh.run(rank)[0]
+    assert "the checkpoint holds 'head.weight' (float32[11, 8]), which the target lacks" in text, text
+    assert "the checkpoint's 'head.weight' is another name of the target's 'emb.weight', which the target ties" in text

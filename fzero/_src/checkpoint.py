@@ -101,6 +101,7 @@ from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .module import aliased, buffers_written
+from .originals import tied_names
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
 from .precision import Precision
@@ -1064,7 +1065,9 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             shown, key = _what_saved(final, state, keep), (*_folder_key(final)[:2], _state_key(state, keep))
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
-                                      f"once, or delete it first (a step skipped for a non-finite gradient, "
+                                      f"once, or delete it first; save each state to a root of its own (two models "
+                                      f"trained together, a GAN's generator and discriminator: found in review) (a "
+                                      f"step skipped for a non-finite gradient, "
                                       f"Metrics.skipped, does not advance state.step, so a save after it finds "
                                       f"the checkpoint of the step before: save after the steps that were not "
                                       f"skipped, `if not metrics.skipped and int(state.step) % every == 0`)")
@@ -1409,7 +1412,8 @@ def _layout_fix(saved: dict[str, Any], mine: dict[str, Any], diff: list[str], st
             f"lr schedule by the saved step: lambda t: schedule(t + {step}))")
 
 
-def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, Any]]) -> None:
+def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, Any]],
+                 ties: dict[str, str] | None = None) -> None:
     """A `CheckpointError` naming the leaves (path, dtype and shape) the checkpoint holds and the
     target lacks and those the target holds and the checkpoint lacks, where the two sets of paths
     differ. Before, the leaves were compared position by position, so a leaf dropped, added or
@@ -1430,18 +1434,27 @@ def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, A
         [f"the target holds {listed(extra)}, which the checkpoint lacks"] if extra else [])
     raise CheckpointError(f"{path!r} was saved from another layout ({len(theirs)} leaves, the target's {len(mine)}): "
                           f"{'; '.join(parts)}; load into a state made by fzero.init from the same params pytree "
-                          f"(a renamed submodule renames its leaves{_tie_hint(lacking, extra, saved, made)})")
+                          f"(a renamed submodule renames its leaves{_tie_hint(lacking, extra, saved, made, ties or {})})")
 
 
 def _tie_hint(lacking: list[dict[str, Any]], extra: list[dict[str, Any]], saved: dict[str, Any],
-              made: dict[str, Any]) -> str:
-    """Where a leaf one side lacks has the dtype and shape of a leaf both sides hold, the words
-    for a weight tied on one side and not the other (`from_module` makes a tied weight one leaf,
-    by its first name): the hint named a rename alone (found in review of a tied-weights user)."""
+              made: dict[str, Any], ties: dict[str, str]) -> str:
+    """The words for a weight tied in one model and not in the other (`from_module` makes a tied
+    weight one leaf, by its first name), where the leaves say so: a leaf the target lacks that is
+    another name of one of its tied leaves (`ties`: other name -> first name; certain), or at most
+    two leaves the target alone holds, each of the dtype and shape of a leaf both hold (the saved
+    model tied them: likely). The hint named a rename alone (found in review of a tied-weights
+    user); a first version guessed from dtypes and shapes on both sides, and named a tie where
+    blocks were renamed or a model was deeper (found in review)."""
+    named = [(a["path"], ties[a["path"]]) for a in lacking if a["path"] in ties]
+    if named:
+        return "; " + "; ".join(f"the checkpoint's {p!r} is another name of the target's {first!r}, which the target "
+                                f"ties and the saved model did not" for p, first in named[:4])
     both = {(str(a.get("dtype")), tuple(a.get("shape", ()))) for p, a in saved.items() if p in made}
-    if any((str(a.get("dtype")), tuple(a.get("shape", ()))) in both for a in (*lacking, *extra)):
-        return ("; or a weight tied in one model and not in the other: from_module makes a tied weight one leaf, "
-                "under its first name, so tie or untie as the saving model did")
+    if not lacking and len(extra) <= 2 and all((str(a.get("dtype")), tuple(a.get("shape", ()))) in both
+                                               for a in extra):
+        return ("; or a weight tied in the saved model and not in the target: from_module makes a tied weight one "
+                "leaf, under its first name, so tie as the saving model did")
     return ""
 
 
@@ -1456,7 +1469,7 @@ def check_fits(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     the optimizer's do: a resume under other groups would step on from the same state as
     another run (found in review: silently, before they were saved)."""
     mine, theirs = describe_layout(target.layout), manifest["leaves"]
-    _check_paths(path, theirs, mine)
+    _check_paths(path, theirs, mine, tied_names(target.layout))
     keys = ("path", "shape", "dtype", "frozen")
     for i, (a, b) in enumerate(zip(theirs, mine)):
         diff = [k for k in keys if a.get(k) != b[k]]
@@ -2299,8 +2312,8 @@ def _regular_out(out: str | os.PathLike) -> str:
         mode = None
     except OSError as e:
         if e.errno == errno.ELOOP:  # (found in review: the rename replaced a link of a loop, where open fails)
-            raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} goes through a loop of symbolic links; nothing "
-                                  f"was written") from None
+            raise CheckpointError(f"save_safetensors: {os.fspath(out)!r} goes through a loop of symbolic links, or more "
+                                  f"links in a row than the system follows; nothing was written") from None
         mode = None  # (unreadable: the write says why)
     path = os.path.realpath(out) if os.path.islink(out) else os.fspath(out)
     if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

@@ -898,7 +898,7 @@ class SimMesh(Mesh):
             if not self._running or self._error is not None or self._current != r or any(
                     st in ("done", "fail") for st in self._status):
                 return
-            self._round_trip(r, _Failed(f"{type(e).__name__}: {e}"), None)
+            self._round_trip(r, _Failed(_words(e, 4000)), None)  # (a str() that raises: found in review)
             self._announced[r] = self._round
         _mark_told(e)
 
@@ -1057,12 +1057,13 @@ class SimMesh(Mesh):
 _KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
 
 
-def _words(e: BaseException) -> str:
-    """`e` as the others' `RankFailed` quotes it (`DistMesh._announce`), at most 400 characters;
-    never raising: an error whose `str()` raises left the guard with that error in place of the
-    user's, and no FAIL row sent, so the others waited out the timeout (found in review)."""
+def _words(e: BaseException, most: int = 400) -> str:
+    """`e` as the others' `RankFailed` quotes it (`_announce`), at most `most` characters; never
+    raising: an error whose `str()` raises left the guard with that error in place of the user's,
+    and no FAIL row sent, so the others waited out the timeout (found in review; SimMesh's paired
+    a rank's retry with the others' first attempt)."""
     try:
-        return f"{type(e).__name__}: {e}"[:400]
+        return f"{type(e).__name__}: {e}"[:most]
     except Exception:  # noqa: BLE001 - any error of a user's __str__
         return f"{type(e).__name__} (its str() raised)"
 _FP_LEN = 12

@@ -118,6 +118,13 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
         _LINKS[layout] = links
 
 
+def tied_names(layout: Any) -> dict[str, str]:
+    """`{other name: first name}` of the tied leaves of the state made under `layout` of
+    `from_module`'s params (none for another params pytree): `checkpoint.load`'s words for a
+    checkpoint of a model that did not tie them."""
+    return {alias: link.born.name for link in _LINKS.get(layout, ()) for alias in link.born.ties}
+
+
 def _settings(group: Any) -> tuple:
     return (True,) if group.frozen else (False, group.weight_decay, group.lr_scale)
 
@@ -144,7 +151,8 @@ def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) ->
                     f"give it other settings by each name: ParamGroup {spec.group.name!r} by {spec.path!r} (which "
                     f"fzero uses), ParamGroup {other.name!r} by {alias!r} (frozen={other.frozen}, weight_decay="
                     f"{other.weight_decay}, lr_scale={other.lr_scale}). Make the groups agree: a match that takes "
-                    f"both names, or neither")
+                    f"both names, or neither (a group with no match, a catch-all such as ParamGroup('decay') last, "
+                    f"leaves the first name's group in place)")
 
 
 def refuse_changed_module(layout: Any) -> None:
@@ -301,11 +309,15 @@ def refuse_original_reads(loss: torch.Tensor, once: Once) -> None:
             f"module's own parameter keeps the value from_module read, or the last one loaded into it, and gets no "
             f"gradient, so where it is meant to be trained its term of the loss would be dropped from training, "
             f"silently. Read it from the params the step hands the loss (p[{read[0][0]!r}]). Where the module is "
-            f"a fixed function here (trained by another state, a teacher) and the gradient should flow through "
-            f"it to the params, set requires_grad_(False) on its parameters for this loss (and back before the step of "
-            f"the state that trains it: that step refuses flags changed since from_module); to read a value as a "
-            f"constant, "
-            f".detach() it or read it under torch.no_grad(). Nothing was updated")
+            f"a fixed function here, trained by another state (a GAN's discriminator, a teacher), run it through "
+            f"its own apply with that state's params, its_apply(fzero.gather(its_state), x) (or "
+            f"fzero.evaluate(...)): the gradient flows through it to these params. The module itself still holds "
+            f"the values from_module read, not what its state trained, until "
+            f"model.load_state_dict(its_info.state_dict(fzero.gather(its_state))) puts them back (found in review: "
+            f"a generator trained against the untrained discriminator); with those values in it, "
+            f"requires_grad_(False) on its parameters for this loss works too (and back before its own state's step, "
+            f"which refuses flags changed since from_module). To read a value as a constant, .detach() it or read "
+            f"it under torch.no_grad(). Nothing was updated")
 
 
 def _originals_in(fn: object) -> list[tuple[str, str]]:
