@@ -88,3 +88,19 @@ def test_an_error_whose_str_raises_is_still_announced_on_a_simmesh():
     (first0, w0), (first1, w1) = mesh.run(rank)
     assert first1 == "own" and "rank 1 raised _StrRaises (its str() raised)" in first0, (first0, first1)
     assert torch.equal(w0, torch.full((3,), 0.5)) and torch.equal(w1, w0)
+
+
+def test_an_error_whose_str_raises_leaving_a_rank_outside_any_guard_stops_the_run():
+    """Raised between calls (no guard announced it), the run's own handler built its words with
+    `str()`, which raised before the rank passed its turn: the others waited for it forever
+    (found in review). Now `run` raises the rank's own error."""
+    mesh = fzero.SimMesh(2)
+
+    def rank():
+        state = fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.5), stage=1, mesh=mesh)
+        if mesh.rank == 1:
+            raise _StrRaises()
+        fzero.train_step(lambda p, x: (p["w"] * x).sum())(state, torch.ones(3))
+
+    with pytest.raises(_StrRaises):
+        mesh.run(rank)

@@ -1022,6 +1022,10 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
          buffers: Mapping[str, torch.Tensor] | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
+    One root per state: `keep` and `latest(root)` read every `step-*` folder of the root as this
+    state's, so two states saved into one root (a GAN's generator and discriminator) mix, and
+    `keep=` deletes the other's checkpoints (found in review).
+
     Each rank's canonical chunks and RNG states go through `dcp.save` (`fzero._src.checkpoint`'s
     docstring), all ranks agree, and rank 0 writes the manifest with every file's sha256 and renames
     the folder into place. With `keep=K`, rank 0 first deletes the `.tmp-step-*` folders of saves
@@ -1066,11 +1070,11 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final!r} exists already (step {int(state.step)}); save each step "
                                       f"once, or delete it first; save each state to a root of its own (two models "
-                                      f"trained together, a GAN's generator and discriminator: found in review) (a "
+                                      f"trained together, a GAN's generator and discriminator: found in review); a "
                                       f"step skipped for a non-finite gradient, "
                                       f"Metrics.skipped, does not advance state.step, so a save after it finds "
                                       f"the checkpoint of the step before: save after the steps that were not "
-                                      f"skipped, `if not metrics.skipped and int(state.step) % every == 0`)")
+                                      f"skipped, `if not metrics.skipped and int(state.step) % every == 0`")
         except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
             error = e
 
@@ -1447,12 +1451,17 @@ def _tie_hint(lacking: list[dict[str, Any]], extra: list[dict[str, Any]], saved:
     user); a first version guessed from dtypes and shapes on both sides, and named a tie where
     blocks were renamed or a model was deeper (found in review)."""
     named = [(a["path"], ties[a["path"]]) for a in lacking if a["path"] in ties]
-    if named:
-        return "; " + "; ".join(f"the checkpoint's {p!r} is another name of the target's {first!r}, which the target "
-                                f"ties and the saved model did not" for p, first in named[:4])
+    if named:  # the saved model tied it too where it lacks the target's first name (another order of modules)
+        return "; " + "; ".join(
+            f"the checkpoint's {p!r} is another name of the target's {first!r}, which the target ties and the saved "
+            f"model did not" if first in saved else
+            f"the target ties {p!r} and {first!r} as one leaf named {first!r}; the saved model named it {p!r} (its "
+            f"modules in another order)" for p, first in named[:4])
     both = {(str(a.get("dtype")), tuple(a.get("shape", ()))) for p, a in saved.items() if p in made}
-    if not lacking and len(extra) <= 2 and all((str(a.get("dtype")), tuple(a.get("shape", ()))) in both
-                                               for a in extra):
+    homes = {a["path"].rpartition(".")[0] for a in extra}
+    if not lacking and len(extra) <= 2 and not (len(extra) == 2 and len(homes) == 1) and all(
+            (str(a.get("dtype")), tuple(a.get("shape", ()))) in both for a in extra):  # (a new layer's weight and
+        # bias, one submodule: a deeper model, not a tie; found in review)
         return ("; or a weight tied in the saved model and not in the target: from_module makes a tied weight one "
                 "leaf, under its first name, so tie as the saving model did")
     return ""

@@ -1006,13 +1006,17 @@ class SimMesh(Mesh):
                     failures.append((r, e))
                     self._status[r] = "fail"
                     waiting = self._waiting()
-                    if not _is_shared(e):  # its own error (a MeshError too: a collective's argument)
-                        self._poison(RankFailed(f"{self!r}: rank {r} raised {type(e).__name__}: {e}"))
-                    elif waiting:  # a mismatch it raised, which a waiting rank caught and went on from
-                        self._poison(RankFailed(
-                            f"{self!r}: rank {r} raised {type(e).__name__} while rank(s) {waiting} wait in "
-                            f"{self._slots[waiting[0]][0]} (they went on past the error rank {r} stops at): {e}"))
-                    self._pass_turn(r)
+                    try:  # (words that cannot raise, and the turn passed whatever: an error whose str() raised
+                        # here left the others waiting for a turn forever; found in review)
+                        if not _is_shared(e):  # its own error (a MeshError too: a collective's argument)
+                            self._poison(RankFailed(f"{self!r}: rank {r} raised {_words(e, 4000)}"))
+                        elif waiting:  # a mismatch it raised, which a waiting rank caught and went on from
+                            self._poison(RankFailed(
+                                f"{self!r}: rank {r} raised {type(e).__name__} while rank(s) {waiting} wait in "
+                                f"{self._slots[waiting[0]][0]} (they went on past the error rank {r} stops at): "
+                                f"{_words(e, 4000).partition(': ')[2]}"))
+                    finally:
+                        self._pass_turn(r)
                 return
             with self._cond:
                 self._status[r] = "done"
