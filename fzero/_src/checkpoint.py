@@ -1438,7 +1438,8 @@ def _check_paths(path: str, theirs: list[dict[str, Any]], mine: list[dict[str, A
         [f"the target holds {listed(extra)}, which the checkpoint lacks"] if extra else [])
     raise CheckpointError(f"{path!r} was saved from another layout ({len(theirs)} leaves, the target's {len(mine)}): "
                           f"{'; '.join(parts)}; load into a state made by fzero.init from the same params pytree "
-                          f"(a renamed submodule renames its leaves{_tie_hint(lacking, extra, saved, made, ties or {})})")
+                          f"(a renamed submodule renames its leaves{_tie_hint(lacking, extra, saved, made, ties or {})}"
+                          f")")
 
 
 def _tie_hint(lacking: list[dict[str, Any]], extra: list[dict[str, Any]], saved: dict[str, Any],

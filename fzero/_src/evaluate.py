@@ -19,9 +19,10 @@ the compute dtype, as the step's forward does: the same bits as `fn` over the ga
 cast to it, `{k: v.to(param_dtype) for k, v in fzero.gather(state).items()}`.
 
 An error of `fn` on one rank: at stage 3 over N > 1 (the forward gathers, and the ranks agree
-on the units read after `fn`, `check_paths`) the others stop in this call with `RankFailed`; at stages 0-2 (no collective) it is the raising rank's alone, and
-the others' call returns, so a loop that catches it on each rank stays in step (inside
-`mesh.run`, whose end agrees, the others are told there).
+on the units read after `fn`, `check_paths`) the others stop in this call with `RankFailed`;
+at stages 0-2 (no collective) it is the raising rank's alone, and the others' call returns, so
+a loop that catches it on each rank stays in step (inside `mesh.run`, whose end agrees, the
+others are told there).
 """
 
 from __future__ import annotations
@@ -122,17 +123,22 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
 def _guarded(state: ZeroState) -> Any:
     """The state checked inside the mesh guard (`checked`: a refused state on one rank stops the
     others in the collective they wait in), and the forward inside it where it has collectives
-    of its own (stage 3 over N > 1 ranks gathers, and ends with `check_paths` after `fn`, eager
-    gathers too), so that an error of `fn` on one rank stops the others within this call. A forward with none (stages 0-2) runs outside it: there an
-    error of `fn` is the raising rank's alone, and announced it was taken by the others' next
-    call (a `gather`, a step's reduction), which never ran, so each rank that went on was one
-    call behind the other: a step reduced one rank's batch t with another's t - 1, silently,
-    until a mismatch (found in review of an evaluating user)."""
+    of its own (`_gathers`: it ends with `check_paths` after `fn`, eager gathers too), so that an
+    error of `fn` on one rank stops the others within this call. A forward with none (stages
+    0-2) runs outside it: there an error of `fn` is the raising rank's alone, and announced it
+    was taken by the others' next call (a `gather`, a step's reduction), which never ran, so each
+    rank that went on was one call behind the other: a step reduced one rank's batch t with
+    another's t - 1, silently, until a mismatch (found in review of an evaluating user)."""
     with checked(state):
-        if state.stage.sharded("params") and state.mesh.world_size > 1:
+        if _gathers(state):
             yield
             return
     yield
+
+
+def _gathers(state: ZeroState) -> bool:
+    """Whether `state`'s forward has collectives: stage 3 over N > 1 (gathers, then `check_paths`)."""
+    return state.stage.sharded("params") and state.mesh.world_size > 1
 
 
 def _labelled(mesh: Mesh) -> contextlib.AbstractContextManager:
@@ -179,9 +185,9 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
         gathering.finish(e)  # by the mesh (`finish`); an interrupt too (before, its gathers were dropped: gloo cancelled them)
         _note_batch_dtypes(e, state, batch)
         raise
-    if stage.sharded("params") and mesh.world_size > 1:  # also after an eager forward, whose gathers all came
-        # before `fn`: an error of `fn` on one rank then stops the others here, in this call (`_guarded`; found in
-        # review: their call returned, and their next call took the error)
+    if _gathers(state):  # also after an eager forward, whose gathers all came before `fn`: an error of `fn` on
+        # one rank then stops the others here, in this call (`_guarded`; found in review: their call returned,
+        # and their next call took the error)
         check_paths(state, gathering.gathered)
     return out
 

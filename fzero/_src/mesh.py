@@ -1059,6 +1059,7 @@ class SimMesh(Mesh):
 # DistMesh
 
 _KIND_CALL, _KIND_DONE, _KIND_FAIL, _KIND_CONSTRUCT = 1, 2, 3, 4
+_FP_LEN = 12
 
 
 def _words(e: BaseException, most: int = 400) -> str:
@@ -1070,7 +1071,6 @@ def _words(e: BaseException, most: int = 400) -> str:
         return f"{type(e).__name__}: {e}"[:most]
     except Exception:  # noqa: BLE001 - any error of a user's __str__
         return f"{type(e).__name__} (its str() raised)"
-_FP_LEN = 12
 
 
 def settings_crc(x: Any) -> int:

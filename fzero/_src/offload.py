@@ -55,7 +55,8 @@ PARAM_TIERS = (None, "cpu", "nvme")
 
 _DEEPSPEED_NAMES = {  # DeepSpeed's offload_optimizer / offload_param keys -> fzero's
     "device": "optimizer= (offload_optimizer's device) or params= (offload_param's): None, 'cpu' or 'nvme'",
-    "offload_optimizer": "optimizer= ('cpu' or 'nvme'; its nvme_path and ratio are Offload's too, its pin_memory is pin=)",
+    "offload_optimizer": ("optimizer= ('cpu' or 'nvme'; its nvme_path and ratio are Offload's too, its pin_memory "
+                          "is pin=)"),
     "offload_param": "params= ('cpu' or 'nvme')",
     "pin_memory": "pin=",
     "use_direct_io": "direct=",

@@ -36,7 +36,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError, LayoutError
-from .layout import _group_of, check_groups, unwrapped
+from .layout import _group_of, unwrapped
 from .tree import flatten_with_paths
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
@@ -49,13 +49,18 @@ def note_originals(module: torch.nn.Module, canonical: dict[int, str], aliases: 
     for p in module.parameters():
         if p.requires_grad:
             name = canonical[id(p)]
-            _ORIGINALS[p] = (name, type(module).__name__ + _also(aliases.get(name, ()), name))
+            _ORIGINALS[p] = (name, type(module).__name__ + _also(_others(aliases, name)))
 
 
-def _also(names: Any, name: str) -> str:
+def _others(aliases: dict[str, list[str]], name: str) -> tuple[str, ...]:
+    """The other names of the parameter first named `name` (a tied weight's), from `from_module`'s
+    `aliases` (first name -> every name)."""
+    return tuple(n for n in aliases.get(name, ()) if n != name)
+
+
+def _also(others: tuple[str, ...]) -> str:
     """`, also 'b'` for a tied weight's other names (found in review: a message naming
     'emb.weight' where the user froze 'head.weight', the same parameter), else ''."""
-    others = [n for n in names if n != name]
     return f", also {', '.join(repr(n) for n in others)}" if others else ""
 
 
@@ -97,8 +102,8 @@ def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases:
         owner = _submodule(module, path)
         p = None if owner is None else owner._parameters.get(attr)
         if p is not None:  # (else not linked: a module that hides its own submodules; found in review)
-            ties = tuple(n for n in aliases.get(name, ()) if n != name)
-            _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad, ties)
+            _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad,
+                             _others(aliases, name))
 
 
 def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
@@ -139,7 +144,7 @@ def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) ->
     group is taken, as torch's groups from
     `named_parameters()` (which lists a tied weight once, by its first name) do: a no-decay group
     naming the embedding was refused (found in review)."""
-    group_of = _group_of(check_groups(groups))
+    group_of = _group_of(groups)  # (checked by `fzero.init`, which hands the tuple it checked)
     for spec, born in tied:
         for alias in born.ties:
             other = group_of(alias, by_path[spec.path])
@@ -229,12 +234,13 @@ def _kind(born: _Born) -> str:
 
 
 def _tie_words(born: _Born, what: str) -> str:
-    return (f"the parameters of the {_kind(born)} given to fzero.from_module are tied otherwise than when from_module read "
-            f"it: {what}. apply runs the module as from_module copied it, so this step would train the ties it read, "
-            f"not the module as it is now, and model.load_state_dict(info.state_dict(...)) would write one trained "
-            f"value over another, silently. Nothing was updated. Tie (or untie) before fzero.from_module, then "
-            f"fzero.init with its params; to keep what this state trained, first put its values into the module as "
-            f"from_module read it (model.load_state_dict(info.state_dict(fzero.gather(state))) before changing the ties)")
+    return (f"the parameters of the {_kind(born)} given to fzero.from_module are tied otherwise than when "
+            f"from_module read it: {what}. apply runs the module as from_module copied it, so this step would "
+            f"train the ties it read, not the module as it is now, and model.load_state_dict(info.state_dict(...)) "
+            f"would write one trained value over another, silently. Nothing was updated. Tie (or untie) before "
+            f"fzero.from_module, then fzero.init with its params; to keep what this state trained, first put its "
+            f"values into the module as from_module read it (model.load_state_dict(info.state_dict(fzero.gather("
+            f"state))) before changing the ties)")
 
 
 def _now(born: _Born) -> torch.Tensor | None:
@@ -271,11 +277,11 @@ def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
 def _changed_words(changed: list[_Link]) -> str:
     more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
     shown = ", ".join(f"{link.path!r} ({'trainable' if link.born.flag else 'frozen'} then, "
-                      f"{'frozen' if link.born.flag else 'trainable'} now{_also(link.born.ties, link.path)})"
+                      f"{'frozen' if link.born.flag else 'trainable'} now{_also(link.born.ties)})"
                       for link in changed[:6]) + more
-    return (f"the requires_grad of parameter {shown} of the {_kind(changed[0].born)} given to fzero.from_module changed since "
-            f"from_module read it, and this state, made of its params, "
-            f"{('trains' if changed[0].trains else 'freezes') + ' it' if len(changed) == 1 else 'trains or freezes each'}"
+    does = ('trains' if changed[0].trains else 'freezes') + ' it' if len(changed) == 1 else 'trains or freezes each'
+    return (f"the requires_grad of parameter {shown} of the {_kind(changed[0].born)} given to fzero.from_module "
+            f"changed since from_module read it, and this state, made of its params, {does}"
             f" as before: from_module chose the frozen leaves when it ran "
             f"(info.groups, fixed at fzero.init), so this step would train another set than the module now marks, "
             f"silently. Nothing was updated. To train the set the module marks: its trained values back into it "

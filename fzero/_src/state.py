@@ -26,7 +26,7 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
-from .layout import Layout, ParamGroup, UnitSpec, packed, plan
+from .layout import Layout, ParamGroup, UnitSpec, check_groups, packed, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
@@ -301,6 +301,7 @@ def init(
                       "DeepSpeed's do)" if type(loss_scale).__name__.endswith("GradScaler") else "")
             raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
                               f"got {type(loss_scale).__name__} {loss_scale!r}{scaler}")
+        groups = check_groups(groups)  # once: `plan` and `link_layout` both read it (a generator was read once)
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
         warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
