@@ -44,6 +44,17 @@ class OffloadError(FzeroError, OSError):
     """Offloaded state cannot be kept: an NVMe path is missing, unwritable or full, or its I/O failed."""
 
 
+def said(e: BaseException) -> str:
+    """`str(e)`, or `""` where the error's own `__str__` raises: the error paths that read torch's
+    words to explain them (`"nference tensor" in said(e)`) never put the `str()`'s error in place
+    of the error they explain (found in review: a user's exception whose `__str__` raised left a
+    step as that `__str__`'s error)."""
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001 - any error of a user's __str__
+        return ""
+
+
 def refusing_unknown_keywords(words: Callable[[dict[str, Any], dict[str, Any]], FzeroError]) -> Callable[[type], type]:
     """A dataclass decorator (applied above `@dataclasses.dataclass`): its `__init__` raises
     `words(given, unknown)` -- `given` the known settings by name, positional ones too, `unknown`

@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .casting import Reads, casting
 from .collectives import func_level, unwrapped
 from .eager import eager, from_compiled
-from .errors import CollectiveMismatch, ConfigError, FzeroError
+from .errors import CollectiveMismatch, ConfigError, FzeroError, said
 from .layout import Layout
 from .mesh import EVALUATING, Mesh, entry_of, evaluating_words, unlabelled
 from .stages import ENTER_GATHER, Flight, Piece, start_enter_into
@@ -1106,7 +1106,7 @@ class _Unpacking(torch.autograd.graph.saved_tensors_hooks):
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        if isinstance(exc[1], RuntimeError) and "saved tensor hooks" in str(exc[1]):
+        if isinstance(exc[1], RuntimeError) and "saved tensor hooks" in said(exc[1]):
             raise ConfigError(
                 "a torch.func transform (grad, vjp, jacrev, hessian, vmap(grad)) ran inside the loss of a stage-3 step "
                 "with engine='autograd', gather='on_use' and flat-dict params: that step frees each unit after its "
@@ -1263,7 +1263,7 @@ def _check_not_parameter(e: RuntimeError) -> None:
     `Parameter.__new__` makes a tensor subclass's Parameter by `w.detach()`, which `FirstUse`
     answers with the gathered leaf, not a `Placeholder`, and torch then refuses the type. Read
     on the error path only: nothing is added to a torch function's dispatch."""
-    if f"Parameter from an instance of type {Placeholder.__name__}" in str(e):
+    if f"Parameter from an instance of type {Placeholder.__name__}" in said(e):
         raise ConfigError(
             "nn.Parameter(w) of a params leaf that is an on-use placeholder (gather='on_use' with params that are "
             "not a flat dict: fzero hands the function placeholders it swaps for the gathered leaf at their first use, "

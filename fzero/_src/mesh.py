@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .eager import eager
-from .errors import CollectiveMismatch, MeshError, RankFailed
+from .errors import CollectiveMismatch, MeshError, RankFailed, said
 from .layout import check_world_size
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -210,14 +210,14 @@ def _closed(e: BaseException) -> bool:
     peer", NCCL's "remote process exited or there was a network error"): a peer left, so
     `_exited_without`'s two reasons apply. Not for this rank's own failures (a local CUDA out of
     memory in the collective's copy), which were told of a peer that left (found in review)."""
-    words = str(e).lower()
+    words = said(e).lower()
     return any(w in words for w in _CLOSED)
 
 
 def _interrupted(mesh: "DistMesh", e: BaseException, what: str) -> MeshError:
     """The error a `DistMesh` raises for every collective after an interrupt `e` stopped this rank
     in `what`'s agreement or start (`DistMesh._break_if_interrupted`)."""
-    told = f": {e}" if str(e) else ""
+    told = f": {said(e)}" if said(e) else ""
     return MeshError(
         f"{mesh!r}: rank {mesh.rank} was interrupted ({type(e).__name__}{told}) in {what}, while agreeing on it "
         f"with the other ranks or starting it (world size {mesh.world_size}); they may have gone on past it, so "

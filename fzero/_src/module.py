@@ -77,7 +77,7 @@ from torch import nn
 
 from .collectives import broadcast
 from .eager import eager
-from .errors import ConfigError, FzeroError, LayoutError
+from .errors import ConfigError, FzeroError, LayoutError, said
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh, simmesh_rank
@@ -918,8 +918,8 @@ class Apply:
         try:
             return self._call(params, *args, **kwargs)
         except RuntimeError as e:  # (the notes are made here, on the error path only)
-            for note in (buffer_dtype_note(str(e), self._buffers, param_dtypes(params)),
-                         captured_write_note(str(e), self._skeleton, self._buffers)):
+            for note in (buffer_dtype_note(said(e), self._buffers, param_dtypes(params)),
+                         captured_write_note(said(e), self._skeleton, self._buffers)):
                 if note:
                     e.add_note(note)
             raise

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, said
 from .layout import BucketSpec, Layout, LeafSpec
 from .stages import Wire
 from .tree import flatten_with_paths
@@ -231,7 +231,7 @@ def note_batch_dtypes(e: BaseException, precision: Precision, buckets: Collectio
     if any(str(n).startswith(BUFFER_NOTE) for n in getattr(e, "__notes__", ())):
         return  # the module's floating buffers meet the params: the batch may be cast already (found in review)
     with contextlib.suppress(Exception):
-        note = batch_dtype_note(str(e), batch, computes(precision, buckets), precision.param_dtype, where, reader)
+        note = batch_dtype_note(said(e), batch, computes(precision, buckets), precision.param_dtype, where, reader)
         if note:
             e.add_note(note)
 

@@ -25,7 +25,7 @@ import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
-from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError
+from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError, said
 from .layout import Layout, ParamGroup, UnitSpec, check_groups, packed, plan
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
@@ -887,8 +887,8 @@ def lost_by(state: Any, error: BaseException, buckets: Sequence[str] = ()) -> No
         if buckets and not lost.buckets:
             lost.buckets = tuple(buckets)
         if lost.error is None:
-            said = str(error)
-            lost.error = type(error).__name__ + (f": {said[:300]}{' ...' if len(said) > 300 else ''}" if said else "")
+            words = said(error)
+            lost.error = type(error).__name__ + (f": {words[:300]}{' ...' if len(words) > 300 else ''}" if words else "")
             error.add_note(f"fzero: this donating step (train_step(donate=True), step {int(state.step)}) raised "
                            f"after its update had written its input state in place: that state is lost (a step, "
                            f"fzero.gather, fzero.evaluate or fzero.checkpoint.save of it raises). Restore it from a "

@@ -55,7 +55,7 @@ from .agreement import Report, Verdict, _check_some_leaf_used, agree_launching, 
 from .casting import Reads, Slot
 from .collectives import func_level
 from .config import StepConfig
-from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError
+from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, said
 from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
@@ -288,7 +288,7 @@ def _explain_inference_tensors(e: RuntimeError, config: StepConfig, state: ZeroS
     requires_grad=True on inference tensor outside InferenceMode", naming no part of the state;
     found in review); else, where the batch holds some, a note on torch's error naming their
     paths. The error path only; nothing else is read."""
-    if "nference tensor" not in str(e):
+    if "nference tensor" not in said(e):
         return
     if inference_parts(state):
         raise _inference_state(state, unchanged=not config.donate) from e
@@ -424,7 +424,7 @@ def _no_vmap_over_steps() -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        msg = str(e)
+        msg = said(e)
         batched = "doesn't have storage" in msg and func_level() is not None
         if not batched and ("vmap" not in msg or (".item()" not in msg and "data-dependent control flow" not in msg)):
             raise
