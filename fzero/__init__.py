@@ -17,6 +17,7 @@ from fzero._src.errors import NonFiniteError as NonFiniteError
 from fzero._src.errors import OffloadError as OffloadError
 from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
+from fzero._src.layout import GroupHoldsNoLeaf as GroupHoldsNoLeaf
 from fzero._src.layout import ParamGroup as ParamGroup
 from fzero._src.evaluate import evaluate as evaluate
 from fzero._src.gathering import DivergentPaths as DivergentPaths
@@ -62,6 +63,7 @@ __all__ = [
     "DynamicLossScale",
     "ForwardModeOnSimMesh",
     "FzeroError",
+    "GroupHoldsNoLeaf",
     "LayoutError",
     "LazyParams",
     "LossScaleError",

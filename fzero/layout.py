@@ -4,6 +4,7 @@ Pure functions over shapes and dtypes (see `fzero._src.layout`).
 """
 
 from fzero._src.layout import BucketSpec as BucketSpec
+from fzero._src.layout import GroupHoldsNoLeaf as GroupHoldsNoLeaf
 from fzero._src.layout import Layout as Layout
 from fzero._src.layout import LeafSpec as LeafSpec
 from fzero._src.layout import ParamGroup as ParamGroup
@@ -15,5 +16,5 @@ from fzero._src.layout import shard as shard
 from fzero._src.layout import unpack as unpack
 from fzero._src.layout import unshard as unshard
 
-__all__ = ["BucketSpec", "Layout", "LeafSpec", "ParamGroup", "Segment", "local_shards", "pack", "plan", "shard",
-           "unpack", "unshard"]
+__all__ = ["BucketSpec", "GroupHoldsNoLeaf", "Layout", "LeafSpec", "ParamGroup", "Segment", "local_shards", "pack",
+           "plan", "shard", "unpack", "unshard"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,18 @@ def said(e: BaseException) -> str:
         return str(e)
     except Exception:  # noqa: BLE001 - any error of a user's __str__
         return ""
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fzero/
+
+
+def outside_stacklevel() -> int:
+    """The `stacklevel` at which `warnings.warn`, called by this function's caller, names the first
+    frame outside fzero (the user's line), however many of fzero's own calls lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def refusing_unknown_keywords(words: Callable[[dict[str, Any], dict[str, Any]], FzeroError]) -> Callable[[type], type]:

@@ -19,15 +19,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import einops
 import optree
 import torch
 
-from .errors import LayoutError, refusing_unknown_keywords
+from .errors import LayoutError, outside_stacklevel, refusing_unknown_keywords, said
 from .tree import NAMESPACE, flatten_with_paths, unflatten
 
 DEFAULT_UNIT = "default"
@@ -302,7 +303,6 @@ def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], Par
     group claims it; a plain tensor's `requires_grad` is not read (tensors made by `torch.randn`
     do not require grad, and are the usual leaves of a params pytree)."""
     default = ParamGroup()
-    matches = lambda g, path: g.match is None or g.match(path)  # noqa: E731
     frozen = [g for g in groups if g.frozen]
 
     def group_of(path: str, leaf: torch.Tensor) -> ParamGroup:
@@ -314,6 +314,64 @@ def _group_of(groups: Sequence[ParamGroup]) -> Callable[[str, torch.Tensor], Par
         return next((g for g in groups if matches(g, path)), default)
 
     return group_of
+
+
+def matches(group: ParamGroup, path: str) -> bool:
+    """Whether `group` takes the leaf at `path`: its `match` (None: every leaf) read as a flag,
+    with a `LayoutError` naming the group and the path where the match raises (before: the
+    match's own error, a bare `KeyError` naming neither; found in review) or returns a str (true
+    whatever it says: a "False" took every leaf, silently)."""
+    if group.match is None:
+        return True
+    try:
+        hit = group.match(path)
+    except Exception as e:  # noqa: BLE001 - any error of a user's match
+        raise LayoutError(f"ParamGroup {group.name!r}: its match raised {type(e).__name__} on the leaf path {path!r}: "
+                          f"{said(e)}"[:400] + "; a match is called with every leaf's dotted path (a tied weight's "
+                          "other names too): make it answer False for the paths it does not know") from e
+    if isinstance(hit, (str, bytes)):
+        raise LayoutError(f"ParamGroup {group.name!r}: its match returned {type(hit).__name__} {hit!r:.60} for the "
+                          f"leaf path {path!r}, where it must return a bool (any non-empty str is true, \"False\" too)")
+    return bool(hit)
+
+
+class GroupHoldsNoLeaf(UserWarning):
+    """A `ParamGroup` with a `match` took no leaf of the params: its match is true for no leaf
+    path (a typo?), or every leaf it matches went to another group (first match wins; a frozen
+    group wherever it stands). Those leaves train with the settings of the group that took them."""
+
+
+def _check_groups_hold_leaves(groups: Sequence[ParamGroup], held: Collection[ParamGroup],
+                              paths: Sequence[str], group_of: Callable[[str, torch.Tensor], ParamGroup],
+                              leaves: Sequence[torch.Tensor]) -> None:
+    """Each group with a `match` holds a leaf, else `GroupHoldsNoLeaf` naming it, or a
+    `LayoutError` where an earlier group with no match (a catch-all, not frozen) took every leaf
+    it matches: listed after one, it can never hold any (found in review: a no-decay group that
+    matched no leaf, by a typo, or listed after a catch-all, left weight decay on the biases
+    without a word)."""
+    for k, g in enumerate(groups):
+        if g.match is None or g in held:
+            continue
+        taken = {p: group_of(p, t).name for p, t in zip(paths, leaves) if matches(g, p)}
+        catch_all = next((e for e in groups[:k] if e.match is None and not e.frozen), None)
+        if taken and catch_all is not None:
+            raise LayoutError(f"ParamGroup {g.name!r} is listed after ParamGroup {catch_all.name!r}, which has no match "
+                              f"and so takes every leaf first (the first group that matches wins): {g.name!r} holds "
+                              f"none of the {len(taken)} leaves it matches ({_shown_paths(taken)}). List the group "
+                              f"with no match last")
+        said_of = (f"every leaf it matches went to another group (the first group that matches wins, a frozen one "
+                   f"wherever it stands), whose settings they train with: {_shown_paths(taken)}" if taken else
+                   f"its match is true for none of the {len(paths)} leaf paths ({_shown_paths(dict.fromkeys(paths))}), "
+                   f"so the leaves it was meant for train in the group that took them (ParamGroup('default'), weight "
+                   f"decay on and lr_scale 1.0, where no group matches)")
+        warnings.warn(GroupHoldsNoLeaf(f"ParamGroup {g.name!r} holds no leaf: {said_of}. Fix its match, or leave "
+                                       f"the group out"), stacklevel=outside_stacklevel())
+
+
+def _shown_paths(paths: Mapping[str, str | None], most: int = 6) -> str:
+    """Up to `most` paths, each with the group that took it where given."""
+    shown = [f"{p!r} to {name!r}" if name else repr(p) for p, name in list(paths.items())[:most]]
+    return ", ".join(shown) + (f", ... ({len(paths)} in all)" if len(paths) > most else "")
 
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what an update computes in
@@ -434,12 +492,14 @@ def plan(
                           f"got {bucket_bytes!r}")
     paths, leaves, spec = flatten_with_paths(params)
     _check_distinct(paths, params)
-    unit_of, group_of = _unit_of(units), _group_of(check_groups(groups))
+    groups = check_groups(groups)
+    unit_of, group_of = _unit_of(units), _group_of(groups)
     keys: dict[tuple[str, torch.dtype, ParamGroup], list[int]] = {}
     for i, (path, leaf) in enumerate(zip(paths, leaves)):
         leaf = _check_leaf(path, leaf, group_of)
         keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
     _check_group_names(keys)
+    _check_groups_hold_leaves(groups, {g for _, _, g in keys}, paths, group_of, leaves)
     specs: list[LeafSpec | None] = [None] * len(leaves)
     buckets = []
     runs = [(key, part, run) for key, members in keys.items()
