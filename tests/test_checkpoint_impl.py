@@ -145,3 +145,13 @@ def test_only_fzero_optimizers_impl_is_let_through(tmp_path):
     users = save_then_load(tmp_path / "user", lambda: custom("fused"), lambda: custom("foreach"))
     assert fzeros == ["loaded"]
     assert "another optimizer setting" in users[0] and "impl: checkpoint 'fused', target 'foreach'" in users[0], users
+
+
+def test_a_schedule_of_another_function_is_named_by_its_function(tmp_path):
+    """Saved with a hand-written schedule, loaded into `cosine`: the message names the lr's
+    function on each side (before: "of other settings", the two whole descriptions cut at 300
+    characters before the schedule, which looked the same; found in review)."""
+    [err] = save_then_load(tmp_path, lambda: fzero.optim.adamw(lambda t: 1e-3 * min(1.0, (t + 1) / 3)),
+                           lambda: fzero.optim.adamw(fzero.optim.cosine(1e-3, 7, warmup_steps=3)))
+    assert "another optimizer setting (adamw): lr (schedule fn): checkpoint function " in err, err
+    assert "<lambda>" in err and 'target function cosine.<locals>.fn ["0.0", "0.001", "7", "3"]' in err, err

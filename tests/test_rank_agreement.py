@@ -373,3 +373,49 @@ def test_a_hand_made_optimizers_lr_must_be_a_schedule_of_floats():
                                                 r"finite float >= 0"):
         mesh.run(lambda: rank_fn(lambda step: "fast"))
     mesh.run(lambda: rank_fn(lambda step: 0.1))  # a plain callable of floats is fine
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_optimizer_changed_mid_run_on_every_rank_or_on_one(stage):
+    """Adam's betas changed after two steps, by giving the state another optimizer (the README's
+    recipe): on every rank, torch's AdamW with `group["betas"]` changed at that step, bit for bit;
+    on one rank alone, `ConfigError` on every rank naming the betas, before anything is updated
+    (before: that rank trained with its own betas, silently; found in review)."""
+    import dataclasses
+
+    w0 = torch.linspace(-1.0, 1.0, 7)
+    xs = [torch.linspace(0.5, 2.0, 7) * (k + 1) for k in range(4)]
+    new = (0.8, 0.99)
+    ref = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([ref], lr=0.1, foreach=False)
+    for k, x in enumerate(xs):
+        if k == 2:
+            opt.param_groups[0]["betas"] = new
+            two = ref.detach().clone()
+        opt.zero_grad()
+        ((ref * x).sum() ** 2).backward()
+        opt.step()
+
+    def run(who):
+        mesh = fzero.SimMesh(2)
+
+        def rank():
+            state = fzero.init({"w": w0.clone()}, optim.adamw(0.1), stage=stage, mesh=mesh)
+            step = fzero.train_step(lambda p, x: (p["w"] * x).sum() ** 2)
+            for k, x in enumerate(xs):
+                if k == 2 and mesh.rank in who:
+                    state = state.replace(info=dataclasses.replace(state.info, optimizer=optim.adamw(0.1, betas=new)))
+                try:
+                    state, _ = step(state, x)
+                except fzero.ConfigError as e:
+                    return str(e), fzero.gather(state)["w"]
+            return "trained", fzero.gather(state)["w"]
+
+        return mesh.run(rank)
+
+    for said, w in run({0, 1}):
+        assert said == "trained" and torch.equal(w, ref.detach())
+    for said, w in run({1}):
+        assert "(state.info.optimizer" in said and "beta1: rank 0 0.9, rank 1 0.8" in said, said
+        assert "beta2: rank 0 0.999, rank 1 0.99" in said, said
+        assert torch.equal(w, two)  # two steps taken, the third refused before any update

@@ -20,10 +20,11 @@ import torch
 from .collectives import all_gather
 from .config import StepConfig
 from .errors import ConfigError
+from .mesh import settings_crc
 from .norms import EarlyNorms, exact_sum_of_squares, in_order, sum_of_squares
 from .offload import early_norms, readable
 from .plan import step_plan
-from .state import ZeroState, check_same_settings, keep, loss_scale_of
+from .state import ZeroState, check_same_settings, keep, loss_scale_of, named
 from .update import Early, Ends, Ready, _first_write, _settle_lost, _updating
 
 
@@ -113,6 +114,7 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
     scaled = -1 if state.loss_scale is None else int(state.loss_scale.iteration)
+    settings = settings_crc((settings, state.info.optimizer_crc))  # the step's settings and the state's optimizer
     checks = torch.tensor([settings, int(state.step), state.info.serial, scheduled_lr(state), loss_scale_of(state),
                            scaled], dtype=torch.float64)
     # one copy to the device
@@ -310,6 +312,8 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
     attributes)."""
     if any(r[c.settings] != rows[0][c.settings] for r in rows):
         check_same_settings(state.mesh, "fzero.train_step", **config.shared)
+        check_same_settings(state.mesh, "fzero.train_step's state (state.info.optimizer, which a "
+                            "state.replace(info=...) changes on every rank or none)", optimizer=named(state.optimizer))
         raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
                           f"each setting alone agrees: rank {state.mesh.rank}'s are {config.shared}")
     for col, what, fix in ((c.serial, "the state of its init #{}", "the state the same fzero.init made (and its "

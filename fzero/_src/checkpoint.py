@@ -1722,16 +1722,23 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     node = named(optimizer)
     adopted = _impl_adopted(theirs, optimizer, want)  # an impl that differs too is no reason: not named
     diffs = _setting_diffs(adopted, node, ()) if _jsonable(unnamed(node)) == want else []
-    shown: dict[str, None] = {}
-    for where, a, b in diffs:
-        if not (isinstance(a, str) and isinstance(b, str)):
-            shown = {}
-            break
-        shown[f"{setting_name(where)}: checkpoint {a}, target {b}"] = None
+    shown = {f"{setting_name(where)}: checkpoint {_setting_words(a)}, target {_setting_words(b)}": None
+             for where, a, b in diffs}
     if shown:
         return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}")
     return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "
             f"{str(theirs)[:300]}\n  target:     {str(want)[:300]}\n{fix}")
+
+
+def _setting_words(value: Any) -> str:
+    """A setting of an optimizer description in a message: a value as saved; a function (a
+    schedule: `[qualname, [values]]`) by its name, then its values, cut at 120 characters (before:
+    a schedule of another function was shown as the whole description twice, cut before it, found
+    in review)."""
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], list):
+        inner = json.dumps(value[1])
+        return f"function {value[0]} {inner[:120]}{' ...' if len(inner) > 120 else ''}"
+    return value if isinstance(value, str) else json.dumps(value)[:120]
 
 
 def check_files(path: str, manifest: dict[str, Any], only: set[str] | None = None) -> None:
@@ -2153,10 +2160,11 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)
-        with torch.no_grad():
-            for k, t in read.items():  # each in the mode it was made in: `load` runs outside inference mode
-                with torch.inference_mode(bufs[k].is_inference()):  # type: ignore[index]  # (a module built under it)
-                    bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
+        for k, t in read.items():  # each in the mode it was made in: `load` runs outside inference mode (a
+            # module built under it); no_grad inside, as inference_mode(False) turns grad mode on: a buffer that
+            # requires grad was torch's in-place error on a leaf (found in review)
+            with torch.inference_mode(bufs[k].is_inference()), torch.no_grad():  # type: ignore[index]
+                bufs[k].copy_(t)  # type: ignore[index]  # `read` is empty where `bufs` is None
         if manifest.get("buffers"):  # (the same manifest on every rank: every rank calls it or none)
             buffers_written(mesh, "fzero.checkpoint/buffers_written")
         if bufs is None and manifest.get("buffers"):  # on every rank: each raises alike under -W error

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import dis
 import functools
+import itertools
 import sys
 import threading
 import types
@@ -84,6 +85,7 @@ from .mesh import Mesh, SimMesh, simmesh_rank
 from .originals import note_born, note_originals
 from .precision import BUFFER_NOTE
 from .remat import remat_call
+from .state import _overlapping
 
 
 class ModuleInfo(NamedTuple):
@@ -327,6 +329,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     note_originals(module, canonical, aliases)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
     note_born(module, params, aliases)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
+    _check_buffers_apart(module)
     _check_tensor_hooks(module)
     _check_hooks(module)
     _check_units(params, units)
@@ -493,6 +496,23 @@ def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor,
     """`(submodule, attribute, buffer, dotted name)` of every buffer slot of `module`."""
     return tuple((m, attr, b, f"{name}.{attr}" if name else attr) for name, m in module.named_modules()
                  for attr, b in m._buffers.items() if b is not None)
+
+
+def _check_buffers_apart(module: nn.Module) -> None:
+    """A buffer sharing memory with a trainable parameter (`register_buffer("w_view",
+    lin.weight.detach())`) is refused, naming both: fzero copies the module without its
+    parameters, so the buffer's copy kept the initial values while the parameter trained, and the
+    state dict written back (`info.state_dict`) loaded the stale buffer over the trained weight
+    (found in review of a buffers user: silently). A frozen parameter is never updated: allowed."""
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    for name, b in module.named_buffers(remove_duplicate=False):
+        hit = _overlapping([*(p for _, p in trainable), b]) if b is not None else None
+        if hit is not None and hit[1] == len(trainable):
+            raise LayoutError(f"from_module: buffer {name!r} ({str(b.dtype).removeprefix('torch.')}{list(b.shape)}) "
+                              f"shares memory with the trainable parameter {trainable[hit[0]][0]!r}: fzero trains "
+                              f"the parameter apart from the module, so the buffer would keep its initial values. "
+                              f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
+                              f".clone() where the buffer is meant to be apart")
 
 
 _SLOTS = "_fzero_slots"  # the attribute of a root module (the skeleton) that holds its `slots_of`
@@ -1410,6 +1430,7 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
     through `remat_call` with the unit's parameters bound inside it (each distinct leaf one
     input, so a leaf tied within the unit gets one gradient), release the unit."""
     checked = (_RUNNING.unbound, _RUNNING.root, binding.unit)
+    slots, calls = buffer_slots(mod), itertools.count()  # the buffers as the forward finds them
 
     def forward(bound: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         outer = (_RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing)
@@ -1417,11 +1438,17 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
             # (one reached through a plain attribute read uninitialised memory, silently: found in review)
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = checked
         binding.bind(bound)
+        recompute = next(calls) > 0
         try:
             return type(mod).forward(mod, *args, **kwargs)
         finally:
             binding.unbind()
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = outer
+            if recompute:  # a buffer the recompute reassigned (`self.ema = ...`) gets its slot back: the forward's
+                # new value was kept (`keep_reassigned`), and the next step read the recompute's stray tensor,
+                # silently (found in review of a buffers user); remat puts the values back (`_replayed`)
+                for m, attr, buffer, _ in slots:
+                    m._buffers[attr] = buffer
 
     out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs, binding.unit,
                      tuple(mod.buffers()))

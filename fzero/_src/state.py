@@ -71,6 +71,15 @@ class StateInfo:
     serial: int = dataclasses.field(default=0, compare=False)
 
     @functools.cached_property
+    def optimizer_crc(self) -> int:
+        """`settings_crc` of the optimizer's description (`named`), as `init` compares it across
+        ranks: the step's agreement carries it, so a rank whose state took another optimizer
+        after `init` (`state.replace(info=dataclasses.replace(state.info, optimizer=...))`, the
+        way to change betas mid-run) raises on every rank (found in review: one rank's new betas
+        trained silently apart)."""
+        return settings_crc(named(self.optimizer))
+
+    @functools.cached_property
     def _host_buckets(self) -> frozenset[int]:
         return self.offload.host_buckets(self.layout)
 

@@ -1,0 +1,79 @@
+"""A checkpointed unit whose forward reassigns a buffer (`self.ema = 0.9 * self.ema + ...`)
+beside a running statistic: with `remat=True` the params and buffers are torch's bit for bit
+after several steps. Before, the recompute in backward reassigned the buffer again, leaving its
+stray tensor in the module's slot, and the next step's forward read that tensor (the recompute's
+value, not the forward's), silently (found in review of a buffers user; docs/bad-input.md
+row 226)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fzero
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+            self.mask = h.detach().mean(0) > 0
+        return torch.relu(h) + 0.1 * self.ema * self.mask
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _model():
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_checkpointed_unit_reassigning_a_buffer_trains_as_torch(stage, gather):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    for x, y in _batches():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    want = model.state_dict()
+
+    model = _model()
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"), remat=True)
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units, groups=info.groups)
+        step = fzero.train_step(lambda p, b: F.cross_entropy(apply(p, b[0]), b[1]), gather=gather)
+        for batch in _batches():
+            state, _ = step(state, batch)
+        return fzero.gather(state)
+
+    got = info.state_dict(mesh.run(rank)[0])
+    assert want.keys() == got.keys()
+    differ = [k for k in want if not torch.equal(want[k], got[k])]
+    assert not differ, differ
