@@ -467,3 +467,32 @@ def test_a_python_float_token_count_is_taken_in_float64():
             mesh.run(lambda: rank_fn(flag))
         assert str(e.value).startswith("normalize='tokens': the count loss_fn returned must be one finite number "
                                        ">= 0 (an int, a float or a 1-element tensor), got ")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("k", [3, 4])  # (two parts: one rounding either way, the same sum)
+def test_half_gradients_are_added_in_float32_by_default(dtype, stage, k):
+    """bf16 / fp16 params with the default `accum_dtype` (None: float32, or wider): the k
+    micro-batches' gradients, each in the params' dtype, are added in float32 and rounded once,
+    not added in the params' dtype. A mutant adding them in bf16 passed every other test (found by
+    a mutation audit: every stage added alike, so the stage properties held). The draw makes the
+    two sums differ, so the test tells them apart."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=g).to(dtype) for _ in range(k)]
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.zeros(64, dtype=dtype)}, optim.sgd(1.0), stage=stage, mesh=mesh)
+        state, _ = fzero.train_step(lambda p, x: (p["w"] * x).sum(), micro_batches=k)(state, xs)
+        return fzero.gather(state)["w"]
+
+    got = mesh.run(rank_fn)[0]
+    zero = torch.zeros(64, dtype=dtype)  # each micro-batch's gradient of loss / k, in the params' dtype:
+    parts = [torch.func.grad(lambda w, x=x: (w * x).sum() / k)(zero) for x in xs]
+    wide = -(sum(p.float() for p in parts)).to(dtype)
+    narrow = parts[0]
+    for p in parts[1:]:
+        narrow = narrow + p
+    assert not torch.equal(wide, -narrow)  # the draw tells the two sums apart
+    assert got.dtype == dtype and torch.equal(got, wide), (got.float() - wide.float()).abs().max()

@@ -209,3 +209,24 @@ def test_locating_changes_only_the_message(stage, n, rank, where, value, clean):
         assert s1 == s2 == (not clean) and same1 == same2 == (not clean)
         assert all(torch.equal(p1[k], p2[k]) for k in p1)
         assert (l1 == l2 or math.isnan(l1) and math.isnan(l2)) and (g1 == g2 or math.isnan(g1) and math.isnan(g2))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_metrics_loss_is_the_mean_of_the_ranks_losses(n, micro):
+    """`Metrics.loss` is the mean over ranks (and micro-batches) of the loss, on every rank, as a
+    DDP user averages their ranks' losses: rank r's loss is the constant 1 + r (its micro-batches
+    r + 0.5 and r + 1.5). A mutant that left the sum of the ranks' losses undivided passed every
+    other test (found by a mutation audit: the stage properties compare stages with each other,
+    the DDP comparisons params)."""
+    mesh = fzero.SimMesh(n)
+
+    def rank():
+        state = fzero.init({"w": torch.zeros(4)}, optim.sgd(0.1), stage=1, mesh=mesh)
+        step = fzero.train_step(lambda p, x: (p["w"] * 0 * x).sum() + x[0], micro_batches=micro)
+        r = mesh.rank
+        batch = torch.full((4,), 1.0 + r) if micro == 1 else [torch.full((4,), r + 0.5), torch.full((4,), r + 1.5)]
+        return float(step(state, batch)[1].loss)
+
+    want = sum(1.0 + r for r in range(n)) / n  # 1.5 and 2.0: exact
+    assert mesh.run(rank) == [want] * n
