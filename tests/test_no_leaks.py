@@ -227,8 +227,10 @@ def _check(rows) -> None:
     for k, (_, _, graph, alive) in enumerate(after):
         assert alive == [], f"after step {k}: {alive} alive"
         assert graph <= before, f"after step {k}: {graph} tensors with a grad_fn alive, {before} before the first"
-    assert after[2][:2] == after[-1][:2], (f"tensors, bytes after step 2: {after[2][:2]}, after the last: "
-                                           f"{after[-1][:2]}")
+    # no more: a tensor alive at one census only (seen once after step 2 on torch 2.11 over gloo with 16 cores,
+    # one fewer after each later step) is not one that piles up
+    assert all(a <= b for a, b in zip(after[-1][:2], after[2][:2])), (
+        f"tensors, bytes after step 2: {after[2][:2]}, after the last: {after[-1][:2]}")
 
 
 SKIP = dict(on_nonfinite="skip")
