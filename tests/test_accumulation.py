@@ -17,6 +17,7 @@ accumulate=..., normalize=..., clip_norm=...)`); why each holds: proofs/accumula
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -354,6 +355,28 @@ def test_micro_batches_equal_one_step_on_the_concatenated_batch(mode):
     want = -torch.cat(xs).sum(dim=0) / 8
     for a, b in zip(whole, split):
         assert torch.equal(a, b) and torch.equal(a, want)
+
+
+def test_a_wrong_length_on_one_rank_is_quoted_to_the_others():
+    """Rank 1 alone passes 2 micro-batches for micro_batches=3: its own `ConfigError` there, and the
+    others' `RankFailed` quotes it (docs/bad-input.md row 17: the check is each rank's own), at
+    once, nothing updated."""
+    mesh = fzero.SimMesh(2)
+    batch = (torch.randn(2, W), torch.randn(2))
+
+    def rank_fn():
+        state = fzero.init(_params(), optim.sgd(0.1), stage=1, mesh=mesh)
+        try:
+            fzero.train_step(_loss, micro_batches=3)(state, [batch] * (3 if mesh.rank == 0 else 2))
+        except fzero.FzeroError as e:
+            return type(e).__name__, str(e), fzero.gather(state)
+        return "returned", "", None
+
+    (kind0, said0, p0), (kind1, said1, p1) = mesh.run(rank_fn)
+    assert kind1 == "ConfigError" and "micro_batches=3" in said1, said1
+    assert kind0 == "RankFailed" and "rank 1 raised ConfigError: micro_batches=3" in said0, said0
+    for a, b in zip(optree.tree_leaves(p0), optree.tree_leaves(_params())):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("stage, k, mode", [(s, k, m) for k, m in [(1, "each"), (2, "each"), (2, "once")]

@@ -5,6 +5,7 @@ raise CheckpointError and leave the target as it was."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -1122,6 +1123,12 @@ def test_latest_of_a_checkpoint_or_a_file_names_the_mistake(tmp_path):
         ck.complete(path)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    with pytest.raises(ck.CheckpointError, match=r"notes.txt' is a file, not the folder"):
+    with pytest.raises(ck.CheckpointError, match=r"notes.txt' is a file, not the folder .*\(the folder that holds "
+                                                 rf"it is '{re.escape(str(tmp_path))}': pass the root\)"):
         ck.latest(str(a_file))
+    manifest = os.path.join(path, "manifest.json")  # a file inside a checkpoint: the root named is one up (the
+    # README says so; before, no root was named, found in review)
+    with pytest.raises(ck.CheckpointError, match=r"manifest.json' is a file, .*it is a file of the checkpoint "
+                                                 r"'.*step-0', whose root is '.*root': pass the root"):
+        ck.latest(manifest)
     assert ck.latest(str(tmp_path / "not-yet")) is None and ck.complete(str(tmp_path / "not-yet")) == []

@@ -251,7 +251,7 @@ def test_one_rank_nonfinite_gradient_names_the_bucket(stage):
         state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, units=lambda path: path)
         return fzero.train_step(lambda p, c: (p["a"] * c).sum() + p["b"].sum())(state, torch.tensor([1, float("nan"), 1, 1]))
 
-    match = r"rank\(s\) \[0\] \(rank 0: non-finite local gradient in bucket\(s\) \['a/float32/default'\]\)"
+    match = r"rank\(s\) \[0\] \(rank 0: non-finite loss and local gradient in bucket\(s\) \['a/float32/default'\]\)"
     with pytest.raises(fzero.NonFiniteError, match=match):
         mesh.run(rank_fn)
 

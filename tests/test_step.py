@@ -45,8 +45,11 @@ def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage):
+    """Rank 1's loss and local gradient are NaN: both are named (before, with the gradient located, the
+    loss was not; found in review)."""
     mesh, rank_fn, batches = _nan_setup(stage, "raise")
-    match = r"rank\(s\) \[1\] \(rank 1: non-finite local gradient in bucket\(s\) \['default/float32/default'\]\); " \
+    match = r"rank\(s\) \[1\] \(rank 1: non-finite loss and local gradient in bucket\(s\) " \
+            r"\['default/float32/default'\]\); " \
             r"the reduced gradient is non-finite in 'a'\."
     with pytest.raises(fzero.NonFiniteError, match=match):
         mesh.run(rank_fn, [(c,) for c in batches])

@@ -51,6 +51,7 @@ class Verdict(NamedTuple):
     count: float
     broken_ranks: tuple[int, ...] = ()
     located: bool = True
+    bad_losses: tuple[int, ...] = ()  # the ranks of `bad_ranks` whose loss is non-finite (their gradient may be too)
 
     @property
     def finite(self) -> bool:
@@ -298,7 +299,8 @@ def _verdict(config: StepConfig, state: ZeroState, rows: list[list[float]], shar
     used = _used(rows, num)
     broken = tuple(r for r in range(n) if rows[r][c.broken] != 0)
     located = n == 1 or config.locate_nonfinite
-    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken, located)
+    bad_losses = tuple(r for r in range(n) if not math.isfinite(losses[r]))
+    return Verdict(used, bad_ranks, in_order(losses), in_order(sqs), in_order(counts), broken, located, bad_losses)
 
 
 def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[float]], c: Row) -> None:

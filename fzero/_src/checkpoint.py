@@ -1321,8 +1321,12 @@ def _check_root(root: str) -> None:
     resume loop (`path = latest(root); if path: load(...)`) started again from scratch without
     a word (found in review). A root that does not exist is one no save has made yet: nothing."""
     if os.path.exists(root) and not os.path.isdir(root):
+        folder = os.path.dirname(os.path.abspath(root))
+        inside = os.path.isfile(os.path.join(folder, MANIFEST))  # a file of a checkpoint: its root is one up
+        named = (f"it is a file of the checkpoint {folder!r}, whose root is {os.path.dirname(folder)!r}" if inside
+                 else f"the folder that holds it is {folder!r}")
         raise CheckpointError(f"checkpoint root {root!r} is a file, not the folder that holds the step-<n> "
-                              f"checkpoints")
+                              f"checkpoints ({named}: pass the root)")
     if os.path.isfile(os.path.join(root, MANIFEST)):
         raise CheckpointError(f"{root!r} is a checkpoint itself, not a root: pass the folder that holds the step-<n> "
                               f"checkpoints, {os.path.dirname(os.path.abspath(root))!r}, or load {root!r} as it is")

@@ -101,18 +101,21 @@ class DivergentPaths(CollectiveMismatch):
 
 _RANK_CALL = re.compile(r"rank (\d+): (.+)")
 _TAG = re.compile(r"^(\w+)\(.*tag='([^']*)'\)")
-_MICRO_BATCH = re.compile(r"\) \[micro-batch (\d+)\]")  # `Mesh.phase`'s label in a call's words
+_MICRO_BATCH = re.compile(r"\) \[micro-batch (\d+) of (\d+)\]")  # `Mesh.phase`'s label in a call's words
 
 
 def in_micro_batch(mesh: Mesh, i: int, k: int) -> contextlib.AbstractContextManager:
-    """Around micro-batch `i` of `k` of a step: its collectives carry the label "micro-batch i",
+    """Around micro-batch `i` of `k` of a step: its collectives carry the label "micro-batch i of k",
     which ranks compare with the rest of each call (`Mesh.phase`), so that a rank whose loss read
     fewer units in an earlier micro-batch -- none, for a loss that returns a constant on an empty
     micro-batch -- meets the others' micro-batch `i` with its `i + 1` as a mismatch (`same_paths`
     names the micro-batches) rather than pairing its units' gathers and reductions with theirs:
     a complete sum, added in another order, and no error (found in review). Nothing at k = 1:
-    its calls are compared as they always were. Tags and what `Mesh.record` logs are unchanged."""
-    return mesh.phase(f"micro-batch {i}") if k > 1 else contextlib.nullcontext()
+    its calls are compared as they always were. Tags and what `Mesh.record` logs are unchanged.
+    With `k` in the label, ranks whose `micro_batches` differ part at their first micro-batch's
+    first collective, named as such (`_micro_batch_advice`; before, a rank of fewer micro-batches
+    finished and the message gave the empty-micro-batch advice, found in review)."""
+    return mesh.phase(f"micro-batch {i} of {k}") if k > 1 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -144,13 +147,16 @@ def same_paths(layout: Layout) -> Iterator[None]:
             raise DivergentPaths(f"a rank in fzero.evaluate met another rank's call outside it:{words} The mesh "
                                  f"said: {mesh_said}") from e
         micro = {int(r): _micro_batch_of(call) for r, call in calls.items()}
-        parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r]}")
+        parts = ", ".join(f"rank {r} {what}" + ("" if micro[r] is None else f" in micro-batch {micro[r][0]} of "
+                                                                               f"{micro[r][1]}")
                           + (" in fzero.evaluate" if apart and evaluating[r] else "")
                           for r, (what, _) in sorted(said.items()))
         at_unit = {r for r, (what, unit) in said.items() if unit is not None and what.startswith("gathered")}
+        finished = {r for r, (what, _) in said.items() if what.startswith("had finished its backward")}
+        busy = {r for r, (_, unit) in said.items() if unit is not None}  # a gather or a reduction of a unit
         raise DivergentPaths(  # (a rank in evaluate is in no micro-batch: the micro-batch words are not about it)
             f"ranks took different paths through the model: {parts}. "
-            f"{'' if apart else _micro_batch_advice(micro, at_unit)}"
+            f"{'' if apart else _micro_batch_advice(micro, at_unit) or _no_unit_advice(micro, finished, busy)}"
             f"{words.strip() + ' ' if words else ''}With "
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
@@ -160,30 +166,51 @@ def same_paths(layout: Layout) -> Iterator[None]:
         ) from e
 
 
-def _micro_batch_of(call: str) -> int | None:
-    """The micro-batch a mismatch line's call was made in (`in_micro_batch`), or None."""
+def _micro_batch_of(call: str) -> tuple[int, int] | None:
+    """`(i, k)`: the micro-batch a mismatch line's call was made in, of how many (`in_micro_batch`),
+    or None."""
     m = _MICRO_BATCH.search(call)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def _micro_batch_advice(micro: Mapping[int, int | None], at_unit: Collection[int] = ()) -> str:
-    """Where the ranks were in different micro-batches (`in_micro_batch`; a rank past its
-    backward is in none): which rank was in which, why, and the way out; else "". A rank in
-    none that gathers a unit (`at_unit`: a forward's or a backward's gather, which a step of
-    k > 1 micro-batches makes inside one) is in a step of one micro-batch, which has no label:
-    the ranks' `micro_batches` differ (found in review: it was said to be past its last one, and
-    given the empty-micro-batch advice)."""
-    if len(set(micro.values())) < 2 or all(i is None for i in micro.values()):
+def _no_unit_advice(micro: Mapping[int, tuple[int, int] | None], finished: Collection[int],
+                    busy: Collection[int]) -> str:
+    """A step of one micro-batch (no rank in a labelled one) where some ranks finished their
+    backward while others still gather or reduce a unit: their loss read fewer units, or none (a
+    constant for an empty batch); the way out (found in review: at k = 1 no advice was given)."""
+    if not finished or not busy or any(m is not None for m in micro.values()):
         return ""
+    return (f"Rank(s) {sorted(finished)} finished their backward where the others still gather or reduce: their "
+            f"loss read "
+            f"fewer units, or none (a constant, torch.zeros(()), for an empty batch without calling the model). "
+            f"Make every rank's loss read the same units: on an empty batch, run the model and return a zero "
+            f"that depends on its output (out.sum() * 0.0; with normalize='tokens', the loss summed over the "
+            f"empty batch). ")
+
+
+def _micro_batch_advice(micro: Mapping[int, tuple[int, int] | None], at_unit: Collection[int] = ()) -> str:
+    """Where the ranks were in different micro-batches (`in_micro_batch`: `(i, k)`; a rank past
+    its backward is in none): which rank was in which, why, and the way out; else "". Ranks in
+    steps of different `k` ran different `micro_batches` (found in review: they were given the
+    empty-micro-batch advice). A rank in none that gathers a unit (`at_unit`: a forward's or a
+    backward's gather, which a step of k > 1 micro-batches makes inside one) is in a step of one
+    micro-batch, which has no label: the ranks' `micro_batches` differ too (found in review: it
+    was said to be past its last one)."""
+    if len(set(micro.values())) < 2 or all(m is None for m in micro.values()):
+        return ""
+    counts = {m[1] for m in micro.values() if m is not None}
+    if len(counts) > 1:
+        runs = "; ".join(f"rank(s) {[r for r in sorted(micro) if micro[r] is not None and micro[r][1] == k]} run {k}"
+                         for k in sorted(counts))
+        return f"The ranks' train_step(micro_batches=...) differ ({runs}): every rank must pass the same. "
     single = sorted(r for r in at_unit if micro[r] is None)
     if single:
         return (f"Rank(s) {single} ran a step of one micro-batch (micro_batches=1: its calls carry no "
-                f"micro-batch label) where the others are in micro-batch "
-                f"{', '.join(str(i) for i in sorted({i for i in micro.values() if i is not None}))}: the ranks' "
+                f"micro-batch label) where the others are in a step of {counts.pop()}: the ranks' "
                 f"train_step(micro_batches=...) differ; every rank must pass the same. ")
-    where = "; ".join(f"rank(s) {[r for r in sorted(micro) if micro[r] == i]} "
-                      + ("past its last micro-batch" if i is None else f"in micro-batch {i}")
-                      for i in sorted(set(micro.values()), key=lambda i: -1 if i is None else i))
+    where = "; ".join(f"rank(s) {[r for r in sorted(micro) if micro[r] == m]} "
+                      + ("past its last micro-batch" if m is None else f"in micro-batch {m[0]} of {m[1]}")
+                      for m in sorted(set(micro.values()), key=lambda m: -1 if m is None else m[0]))
     return (f"The ranks were in different micro-batches ({where}): a rank whose loss read fewer units in an "
             f"earlier micro-batch -- none, where the loss returns a constant for an empty micro-batch without "
             f"calling the model -- had its later micro-batches' gathers and reductions meet the other ranks' "

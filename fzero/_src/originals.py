@@ -156,8 +156,8 @@ def _refuse_groups_by_alias(tied: list, by_path: dict[str, Any], groups: Any) ->
                     f"give it other settings by each name: ParamGroup {spec.group.name!r} by {spec.path!r} (which "
                     f"fzero uses), ParamGroup {other.name!r} by {alias!r} (frozen={other.frozen}, weight_decay="
                     f"{other.weight_decay}, lr_scale={other.lr_scale}). Make the groups agree: a match that takes "
-                    f"both names, or neither (a group with no match, a catch-all such as ParamGroup('decay') last, "
-                    f"leaves the first name's group in place)")
+                    f"both names, or neither (a catch-all group with match=None, ParamGroup('decay') last, leaves "
+                    f"the first name's group in place; match=lambda p: True is a match like any other)")
 
 
 def refuse_changed_module(layout: Any) -> None:

@@ -1118,8 +1118,15 @@ def _culprits(verdict: Verdict) -> str:
         unchecked = "" if verdict.located else f"; {_UNCHECKED}"
         return (f"the reduced gradient (sum of squares {verdict.norm_sq}; every rank's loss"
                 f"{' and local gradient' if verdict.located else ''} finite{unchecked})")
-    return "; ".join(f"rank {r}: " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
-                     for r, tags in verdict.bad_ranks.items())
+    return "; ".join(f"rank {r}: {_bad_on(verdict, r)}" for r in verdict.bad_ranks)
+
+
+def _bad_on(verdict: Verdict, r: int) -> str:
+    """What is non-finite on rank `r`: its loss, its local gradient's buckets, or both (found in
+    review: a rank whose loss and gradient were both NaN was named for its gradient alone)."""
+    tags = verdict.bad_ranks[r]
+    return " and ".join(filter(None, ("loss" if r in verdict.bad_losses or not tags else "",
+                                      f"local gradient in bucket(s) {tags}" if tags else "")))
 
 
 def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:
@@ -1134,8 +1141,7 @@ def _nonfinite_message(step: int, verdict: Verdict, leaves: list[str]) -> str:
         return (f"step {step}: every rank's loss is finite but the reduced gradient is not (sum of squares "
                 f"{verdict.norm_sq}{where}): some rank's local gradient held a NaN or inf, or the sum over ranks "
                 f"overflowed ({unchecked}). The state is unchanged; use on_nonfinite='skip' to skip such steps")
-    parts = [f"rank {r}: non-finite " + (f"local gradient in bucket(s) {tags}" if tags else "loss")
-             for r, tags in verdict.bad_ranks.items()]
+    parts = [f"rank {r}: non-finite {_bad_on(verdict, r)}" for r in verdict.bad_ranks]
     also = "" if verdict.located else f" ({unchecked})"
     return (f"step {step}: non-finite values on rank(s) {list(verdict.bad_ranks)} ({'; '.join(parts)}){where}"
             f"{also}. The state is unchanged; use on_nonfinite='skip' to skip such steps")
