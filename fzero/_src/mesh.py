@@ -330,9 +330,9 @@ class Mesh(abc.ABC):
 
     @contextlib.contextmanager
     def phase(self, label: str | None) -> Iterator[None]:
-        """Label the collectives the running rank calls inside (`label`, e.g. "micro-batch 1"; None:
+        """Label the collectives the running rank calls inside (`label`, e.g. "micro-batch 1 of 2"; None:
         none): ranks compare the label with the rest of the call (SimMesh: `_Call`; DistMesh: in the
-        fingerprint's tag crc) and show it in a mismatch's words (`... tag='a') [micro-batch 1]`),
+        fingerprint's tag crc) and show it in a mismatch's words (`... tag='a') [micro-batch 1 of 2]`),
         but `record` logs the tag alone. So calls alike in all else, made in different phases --
         a step's micro-batches, where one rank's loss read no unit in micro-batch 0 and its units
         of micro-batch 1 would meet another rank's of micro-batch 0 -- raise `CollectiveMismatch`
