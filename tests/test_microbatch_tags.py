@@ -244,16 +244,13 @@ def test_on_gloo_the_fingerprint_carries_the_micro_batch(dist2, stage):
         assert all(torch.equal(a, b.loss) for a, b in zip(l1, m0)), (r, l1, m0)
 
 
-def test_ranks_whose_micro_batches_differ_are_told_so_first():
-    """Stage 3, rank 0 steps with micro_batches=1 (no micro-batch label), rank 1 with 2: rank 0's
-    forward gather met rank 1's in micro-batch 0, and the words said rank 0 was "past its last
-    micro-batch" and gave the empty-micro-batch advice (found in review). A rank in no micro-batch
-    that gathers a unit is in a step of one: the words say the settings differ."""
-    mesh, errors = fzero.SimMesh(2), {}
+def _words_of_counts(stage, counts):
+    """Each rank's `DivergentPaths` words where rank r steps with micro_batches=counts[r]."""
+    mesh, errors = fzero.SimMesh(len(counts)), {}
 
     def rank_fn():
-        k = 1 + mesh.rank
-        state = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh, units=_units)
+        k = counts[mesh.rank]
+        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh, units=_units)
         mbs = _micro_batches(mesh.rank, k, None)
         try:
             fzero.train_step(_model_loss, micro_batches=k)(state, mbs if k > 1 else mbs[0])
@@ -263,10 +260,17 @@ def test_ranks_whose_micro_batches_differ_are_told_so_first():
 
     with pytest.raises(fzero.CollectiveMismatch):
         mesh.run(rank_fn)
-    assert sorted(errors) == [0, 1]
-    for e in errors.values():
-        msg = str(e)
-        assert isinstance(e, fzero.DivergentPaths), msg
+    assert sorted(errors) == list(range(len(counts)))
+    assert all(isinstance(e, fzero.DivergentPaths) for e in errors.values()), errors
+    return [str(e) for e in errors.values()]
+
+
+def test_ranks_whose_micro_batches_differ_are_told_so_first():
+    """Stage 3, rank 0 steps with micro_batches=1 (no micro-batch label), rank 1 with 2: rank 0's
+    forward gather met rank 1's in micro-batch 0, and the words said rank 0 was "past its last
+    micro-batch" and gave the empty-micro-batch advice (found in review). A rank in no micro-batch
+    that gathers a unit is in a step of one: the words say the settings differ."""
+    for msg in _words_of_counts(3, [1, 2]):
         assert "Rank(s) [0] ran a step of one micro-batch" in msg and "micro_batches=...) differ" in msg, msg
         assert "past its last micro-batch" not in msg and "out.sum() * 0.0" not in msg, msg
 
@@ -277,23 +281,7 @@ def test_ranks_stepping_different_counts_of_micro_batches_are_told_so_at_the_fir
     count, so the ranks part at micro-batch 0's first collective and the words name the setting.
     Before: rank 0 finished its two micro-batches, and the message gave the empty-micro-batch
     advice (found in review of a user with uneven data)."""
-    mesh, errors = fzero.SimMesh(2), {}
-
-    def rank_fn():
-        k = 2 + mesh.rank
-        state = fzero.init(_params(), optim.sgd(0.1), stage=stage, mesh=mesh, units=_units)
-        try:
-            fzero.train_step(_model_loss, micro_batches=k)(state, _micro_batches(mesh.rank, k, None))
-        except fzero.MeshError as e:
-            errors[mesh.rank] = e
-            raise
-
-    with pytest.raises(fzero.CollectiveMismatch):
-        mesh.run(rank_fn)
-    assert sorted(errors) == [0, 1]
-    for e in errors.values():
-        msg = str(e)
-        assert isinstance(e, fzero.DivergentPaths), msg
+    for msg in _words_of_counts(stage, [2, 3]):
         assert "in micro-batch 0 of 2, rank 1 " in msg and "in micro-batch 0 of 3" in msg, msg
         assert "The ranks' train_step(micro_batches=...) differ (rank(s) [0] run 2; rank(s) [1] run 3)" in msg, msg
         assert "out.sum() * 0.0" not in msg, msg
