@@ -16,12 +16,24 @@ leaf (Muon's orthogonalisation, Shampoo, a per-leaf norm) gets it from
 per-leaf partial sums through `ctx.leaf_sum` (lamb). Computed from the piece, such an update is
 silently wrong at stages 1-3
 (`tests/test_optimizer_protocol.py::test_whole_leaves_gives_a_muon_like_update_the_full_leaf_bit_for_bit`).
+A float sum of partial sums rounds by where the shards cut a leaf, so stages 1-3 keep stage 0's
+bits only where the sum is exact: `fzero.optim.leaf_sums_of_squares(ctx, x)` gives each leaf's
+sum of squares exactly, whatever the cuts (lamb's norms,
+`tests/test_optimizer_protocol.py::test_leaf_sums_of_squares_are_exact_wherever_the_shards_cut`).
 Keep everything the
 optimizer carries in the state NamedTuple, a step count too (a "leaf" field, one entry per leaf,
 not a 0-d tensor): a closure or an attribute is neither checkpointed nor per rank, and `update`
-runs once per bucket and rank, not once per step. Return tensors of the input's shapes, dtypes
+runs once per bucket and rank, not once per step. A "leaf" field is replicated: every rank must
+write every entry alike, the entries of leaves its shard does not touch too (a checkpoint keeps
+rank 0's copy, and nothing compares the ranks'): make each entry from a collective
+(`ctx.leaf_sum`, `leaf_sums_of_squares`), not from `whole_leaves`, which returns only the
+leaves this rank touches. Return tensors of the input's shapes, dtypes
 and device, and the input's NamedTuple class: fzero checks the fields' shapes at `fzero.init`
-and every update's result, raising `OptimizerError` naming the bucket and the field.
+and every update's result, raising `OptimizerError` naming the bucket and the field. A pure
+`update` must not write its inputs: fzero reads their version counters and refuses a write
+(the state is then lost), but a write through `.data` moves no counter and goes unseen. Leave
+the padding after the last segment as it is (zeros): a NaN written there stops the step with
+`OptimizerError`.
 
 The example checks the shard-wise optimizer against the same rule applied leaf by leaf, on
 N = 3 ranks' shards of a small pytree, one leaf unused.

@@ -429,3 +429,131 @@ def test_whole_leaves_assembles_every_bit_signed_zeros_inf_and_nan_included(dtyp
             assert torch.equal(got[1].view(torch.int16 if dtype != torch.float32 else torch.int32),
                                leaf.view(torch.int16 if dtype != torch.float32 else torch.int32))
             assert set(got) == ({0, 1} if r == 0 else {1})
+
+
+def test_leaf_sums_of_squares_are_exact_wherever_the_shards_cut():
+    """`fzero.optim.leaf_sums_of_squares`, the exact per-leaf sums LAMB's trust ratio uses, public
+    for a user's per-leaf norm (found in review of an optimizer author: a float sum of each
+    shard's squares through `ctx.leaf_sum` was 2.2e-16 off stage 0's at stages 1-3, and the exact
+    helper was private): two ranks' pieces of a [2, 3] leaf after a [1] leaf, summed in either
+    order, and the whole bucket on one rank, give `math.fsum` of the float64 squares, bit for
+    bit; a leaf `mask` leaves out sums to 0; float64 is refused."""
+    import math
+
+    from fzero.layout import Segment
+
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(7, generator=g) * torch.tensor([1.0, 1e-3, 3.0, 1e4, 0.5, 7.0, 1e-20])
+    want = [math.fsum(float(v) ** 2 for v in flat[:1].tolist()), math.fsum(float(v) ** 2 for v in flat[1:].tolist())]
+    segments = [(Segment(0, 0, 0, 1), Segment(1, 0, 1, 4)), (Segment(1, 3, 0, 3),)]
+    pieces = [flat[0:4], torch.cat([flat[4:7], torch.zeros(1)])]
+    bufs = []
+
+    def ctx(segs, leaf_sum, used=(True, True)):
+        return fo.UpdateContext(0, fzero.ParamGroup("default"), segs, (0, 1), used, leaf_sum)
+
+    for r in range(2):
+        fo.leaf_sums_of_squares(ctx(segments[r], lambda x: bufs.append(x) or x), pieces[r])
+    for order in ((0, 1), (1, 0)):
+        total = bufs[order[0]] + bufs[order[1]]
+        for r in range(2):
+            [sums] = fo.leaf_sums_of_squares(ctx(segments[r], lambda x: total), pieces[r])
+            assert sums == want, (sums, want)
+    whole = (Segment(0, 0, 0, 1), Segment(1, 0, 1, 7))
+    [sums], [halves] = fo.leaf_sums_of_squares(ctx(whole, lambda x: x), flat), fo.leaf_sums_of_squares(
+        ctx(whole, lambda x: x, (True, False)), flat)
+    assert sums == want and halves == [want[0], 0.0]
+    with pytest.raises(fo.OptimizerError, match=r"float32 \(or narrower\) shards, got torch.float64\[7\]"):
+        fo.leaf_sums_of_squares(ctx(whole, lambda x: x), flat.double())
+
+
+def _nan_in_padding(inner: fo.Optimizer) -> fo.Optimizer:
+    """`inner` whose updates also write NaN after the last segment: into the padding, no leaf."""
+    def spoil(p, ctx):
+        end = max((seg.stop for seg in ctx.segments), default=0)
+        p[end:] = float("nan")
+        return p
+
+    def update(g, s, p, ctx):
+        p, s = inner.update(g, s, p, ctx)
+        return spoil(p, ctx), s
+
+    def update_(g, s, p, ctx):
+        s = inner.update_(g, s, p, ctx)
+        spoil(p, ctx)
+        return s
+
+    return fo.Optimizer(inner.init, update, inner.spec, update_, lr=inner.lr)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_an_update_writing_nan_into_the_padding_is_named(stage, donate):
+    """Every leaf right, NaN in the padding only: a pure step raises `OptimizerError` saying where
+    (before: the finite check found the NaN, the leaves none, and the step returned the old state
+    with `skipped=False`, every step; found in review of an optimizer author); a donating step's
+    next step names it (before: "made the params NaN or inf in  (..., 0 leaves)")."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(make_params(), _nan_in_padding(lion()), stage=stage, mesh=mesh, units=units)
+        step = fzero.train_step(loss_fn, donate=donate, on_nonfinite="skip")
+        try:
+            for t in range(2):
+                state, m = step(state, batch(mesh.rank, t))
+        except (fo.OptimizerError, fzero.NonFiniteError) as e:
+            return type(e).__name__, str(e)
+        return "returned", str(m)
+
+    for kind, said in mesh.run(rank_fn):
+        assert kind == ("NonFiniteError" if donate else "OptimizerError"), (kind, said)
+        assert "wrote NaN or inf outside every leaf, into the padding" in said, said
+        assert ("made the params NaN or inf on rank(s) [" in said and "] outside every leaf" in said) if donate else \
+            said.startswith("step 0: "), said
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_pure_update_that_writes_its_param_loses_the_state(stage):
+    """After the `OptimizerError` for a pure update that wrote its param in place, the state is
+    lost: `gather` of it raises naming that step (before: it read the written params without a
+    word; found in review of an optimizer author)."""
+    inner = lion()
+    writes = fo.Optimizer(inner.init, lambda g, s, p, ctx: (p, inner.update_(g, s, p, ctx)), inner.spec, lr=inner.lr)
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(make_params(), writes, stage=stage, mesh=mesh, units=units)
+        with pytest.raises(fo.OptimizerError, match=r"wrote its input\(s\) \['param', 'state.m'\] in place"):
+            fzero.train_step(loss_fn)(state, batch(mesh.rank))
+        with pytest.raises(fzero.FzeroError, match=r"this state \(step 0\) is lost: its step \(step 0; .*\), whose "
+                                                   r"optimizer's update \(Optimizer.update, which must be pure\) "
+                                                   r"wrote the state in place and raised OptimizerError"):
+            fzero.gather(state)
+
+    mesh.run(rank_fn)
+
+
+def test_ctx_leaf_sum_called_on_some_ranks_is_named_as_the_optimizers():
+    """An update that calls `ctx.leaf_sum` where its shard holds one segment: at stage 1, N = 2,
+    rank 1 does (its piece of bucket 'a' lies inside one leaf), rank 0 does not (two leaves). The
+    mismatch names the optimizer's collective (before: `DivergentPaths`, "ranks took different
+    paths through the model ... use gather='eager'"; found in review)."""
+    inner = lion()
+
+    def update(g, s, p, ctx):
+        if len(ctx.segments) == 1:
+            ctx.leaf_sum(torch.zeros(len(ctx.leaves), dtype=torch.float64))
+        return inner.update(g, s, p, ctx)
+
+    mesh = fzero.SimMesh(2)
+    state = [None]
+
+    def rank_fn():
+        state[0] = fzero.init(make_params(), fo.Optimizer(inner.init, update, inner.spec, lr=inner.lr), stage=1,
+                              mesh=mesh, units=units)
+        fzero.train_step(loss_fn)(state[0], batch(mesh.rank))
+
+    with pytest.raises(fzero.CollectiveMismatch, match=r"the optimizer's update on rank\(s\) \[1\] called "
+                                                       r"ctx.leaf_sum .* where the other ranks did not") as e:
+        mesh.run(rank_fn)
+    assert not isinstance(e.value, fzero.DivergentPaths)

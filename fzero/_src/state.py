@@ -863,20 +863,28 @@ def consume(state: ZeroState) -> None:
 class Lost:
     """Why a state is lost (`lose`): its donating step raised `error` ("KeyboardInterrupt",
     "OptimizerError: ..."; None until the step's error path names it, `lost_by`) after its update
-    had written buckets `buckets` (their tags; empty where not known) of the state in place."""
+    had written buckets `buckets` (their tags; empty where not known) of the state in place; or
+    (`pure`) a step that does not donate, whose optimizer's pure update wrote the state anyway."""
 
     error: str | None = None
     buckets: tuple[str, ...] = ()
+    pure: bool = False
+
+    def step_words(self, step: int, where: str = "") -> str:
+        """The step that lost the state, in words, `where` (the mesh and rank) inside its brackets."""
+        return (f"its step (step {step}{where}), whose optimizer's update (Optimizer.update, which must be pure) "
+                f"wrote the state in place and" if self.pure else
+                f"its donating step (train_step(donate=True), step {step}{where})")
 
 
-def lose(state: ZeroState) -> None:
+def lose(state: ZeroState, pure: bool = False) -> None:
     """Mark `state` lost: set by a donating step just before its update first writes the state in
     place (`update.update`, `agreement.agree_launching`), so that an exception from there on --
     anywhere before the step marks it consumed (`consume`), which replaces the mark -- leaves a
     state that `check_state` refuses to read (`Lost`), but as a checkpoint's load target. One
     attribute write per step; `keep` takes the mark back where nothing was written after all."""
     if getattr(state, "_consumed", None) is None:
-        object.__setattr__(state, "_consumed", Lost())
+        object.__setattr__(state, "_consumed", Lost(pure=pure))
 
 
 def keep(state: ZeroState) -> None:
@@ -898,8 +906,8 @@ def lost_by(state: Any, error: BaseException, buckets: Sequence[str] = ()) -> No
         if lost.error is None:
             words = said(error)
             lost.error = type(error).__name__ + (f": {words[:300]}{' ...' if len(words) > 300 else ''}" if words else "")
-            error.add_note(f"fzero: this donating step (train_step(donate=True), step {int(state.step)}) raised "
-                           f"after its update had written its input state in place: that state is lost (a step, "
+            error.add_note(f"fzero: {lost.step_words(int(state.step)).removeprefix('its ')} raised after its "
+                           f"update had written its input state: that state is lost (a step, "
                            f"fzero.gather, fzero.evaluate or fzero.checkpoint.save of it raises). Restore it from a "
                            f"checkpoint: state = fzero.checkpoint.load(path, state)")
 
@@ -910,8 +918,7 @@ def lost_message(state: ZeroState, lost: Lost) -> str:
     n, step = len(state.layout.buckets), int(state.step)
     written = (f" (bucket(s) {list(lost.buckets[:6])}{' ...' if len(lost.buckets) > 6 else ''} of {n} updated)"
                if lost.buckets else "")
-    return (f"this state (step {step}) is lost: its donating step (train_step(donate=True), step {step}; "
-            f"{state.mesh!r}, rank {state.rank}) raised {lost.error or 'an exception'} after its update had written "
+    return (f"this state (step {step}) is lost: {lost.step_words(step, f'; {state.mesh!r}, rank {state.rank}')} raised {lost.error or 'an exception'} after its update had written "
             f"the state in place{written}, so its buffers hold part of step {step + 1}'s values and part of step "
             f"{step}'s; a step, fzero.gather, fzero.evaluate or fzero.checkpoint.save of it would read that "
             f"mix. Restore it from a checkpoint: state = fzero.checkpoint.load(path, state) takes this state as its "
@@ -986,10 +993,11 @@ def broken_update(state: ZeroState, ranks: Sequence[int]) -> NonFiniteError:
     leaves = updated_nonfinite_leaves(state, updated)
     named = named_paths(leaves)
     advice = unmastered_words(state, leaves, "Lower the learning rate or keep params in a wider dtype; donate=False "
-                              "checks each update before keeping it (and can skip it)")
+                              "checks each update before keeping it (and can skip it)") if leaves else PADDING_WRITTEN
     return NonFiniteError(
         f"step {int(state.step) - 1}: the update of a donating step (train_step(donate=True)) made the params NaN or "
-        f"inf{range_words(state)} on rank(s) {list(ranks)} in {named} ({state.mesh!r}, {len(leaves)} leaves). It wrote "
+        f"inf{range_words(state)} on rank(s) {list(ranks)} {f'in {named}' if leaves else 'outside every leaf'} "
+        f"({state.mesh!r}, {len(leaves)} leaves). It wrote "
         f"the state in "
         f"place, so this state is lost: restore it from a checkpoint (fzero.checkpoint.load). {advice}")
 
@@ -1042,6 +1050,13 @@ class _Updated:
 
     def items(self) -> Any:
         return ((b, self.read(b)) for b in self.buckets)
+
+
+PADDING_WRITTEN = (
+    "The optimizer's update wrote NaN or inf outside every leaf, into the padding at the end of a shard (the "
+    "elements ctx.segments leave out), which fzero's finite check reads with the rest. An update must leave the "
+    "padding as it found it (zeros): compute over ctx.segments, or write zeros there")  # (found in review:
+# the step took the check for a non-finite leaf, found none, and kept the old state without a word)
 
 
 def updated_nonfinite_leaves(state: ZeroState, updated: dict[int, torch.Tensor]) -> list[str]:

@@ -28,7 +28,7 @@ from .optim.base import (DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, 
                          update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
-from .state import ZeroState, keep, lose, lost_by, renewed, updated_nonfinite_leaves
+from .state import PADDING_WRITTEN, ZeroState, keep, lose, lost_by, renewed, updated_nonfinite_leaves
 from .unit import finite_witness, settle_flights
 
 
@@ -170,7 +170,7 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
                         wrote.append(b)
                     check_update_result(optimizer, new_opt[b], p, opt, layout, b, "Optimizer.update_")
                 else:
-                    updated[b], new_opt[b] = _pure_update(optimizer, g, opt, p, ctx, layout, b)
+                    updated[b], new_opt[b] = _pure_update(optimizer, g, opt, p, ctx, state, b)
                     if not overlap and stage.reads_differ(layout, b, used):  # a transform, or autograd, may differentiate
                         updated[b], new_opt[b] = tied(updated[b], new_opt[b], (g, *_shard_fields(opt, optimizer)),
                                                       optimizer)
@@ -203,7 +203,10 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         settle_flights(mesh, list(flights.values()), e)
         raise
     if broken:
-        return state, updated_nonfinite_leaves(state, updated)
+        leaves = updated_nonfinite_leaves(state, updated)  # every rank the same (one all-reduce)
+        if not leaves:
+            raise OptimizerError(f"step {int(state.step)}: {PADDING_WRITTEN} ({state.mesh!r}; the state is unchanged)")
+        return state, leaves
     if not overlap:  # differentiated through: the blocking, differentiable finish
         gathered = {b: stage.finish.run(mesh, plan[b].wire, p) for b, p in back.items()}
     for b in updated:
@@ -270,12 +273,15 @@ def _in_files(state: ZeroState) -> frozenset[int]:
 
 
 def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param: torch.Tensor, ctx: Any,
-                 layout: Any, b: int) -> tuple[torch.Tensor, Any]:
+                 state: ZeroState, b: int) -> tuple[torch.Tensor, Any]:
     """`optimizer.update`, which must be pure, checked not to have written its inputs (their
     version counters; torch.func's wrappers unwrapped to the tensor a write moves): a user's
     update that writes `param` (or the state, or the gradient) in place changed the input state
     of a pure step, at every stage, silently (found in review), as a loss that writes a param
-    does (`Gathering._check_unwritten`). A few version reads per bucket."""
+    does (`Gathering._check_unwritten`); the state is then marked lost, as a donating step's that
+    raised after its first write (found in review: `gather` read the written state without a
+    word). A few version reads per bucket."""
+    layout = state.layout
     inputs = (grad, param, *opt_state)
     before = _versions(inputs)
     out = optimizer.update(grad, opt_state, param, ctx)
@@ -283,12 +289,16 @@ def _pure_update(optimizer: Optimizer, grad: torch.Tensor, opt_state: Any, param
     if after != before:
         names = ["grad", "param", *(f"state.{f}" for f in getattr(opt_state, "_fields", range(len(opt_state))))]
         written = [n for n, x, y in zip(names, before, after) if x != y]
-        raise OptimizerError(
+        error = OptimizerError(
             f"the optimizer's update wrote its input(s) {written} in place ({_bucket_named(layout, b)}): "
             f"Optimizer.update must be pure -- it gets views of the "
             f"state's own buffers, so the write changes the step's input state -- write into clones (as "
             f"fzero.optim.pure does), or give the optimizer an in-place form (Optimizer.update_, "
             f"fzero.optim.in_place) for donating steps")
+        if written != ["grad"]:  # the state's own buffers were written
+            lose(state, pure=True)
+            lost_by(state, error, [layout.buckets[b].tag])
+        raise error
     check_update_result(optimizer, out, param, opt_state, layout, b, "Optimizer.update")
     return out
 

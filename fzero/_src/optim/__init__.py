@@ -31,6 +31,7 @@ from .base import (
     two_phase as two_phase,
     used_pieces as used_pieces,
 )
+from .exact import leaf_sums_of_squares as leaf_sums_of_squares
 from .lamb import LambState as LambState, lamb as lamb
 from .schedule import (
     constant as constant,

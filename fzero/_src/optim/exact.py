@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..layout import Segment
+from .base import OptimizerError
 
 LOW, WIDTH, BINS = -300, 20, 28
 MAX_LEAF_NUMEL = 2**33  # n * 2**WIDTH <= 2**53
@@ -65,3 +67,30 @@ def bins_to_sums(bins: torch.Tensor) -> list[float]:
     """`bins[BINS, L]` (summed over ranks) -> per-leaf sum of squares, correctly rounded float64."""
     cols = bins.cpu().T.tolist()
     return [math.fsum(b * 2.0 ** (LOW + j * WIDTH) for j, b in enumerate(col)) for col in cols]
+
+
+def leaf_sums_of_squares(ctx: Any, *xs: torch.Tensor, mask: Sequence[bool] | None = None) -> list[list[float]]:
+    """Per `x` of `xs` (each shaped like the shard: the grad, the param, a "shard" state field,
+    float32 or narrower), per bucket leaf (`ctx.leaves` order), the sum of squares of the leaf's
+    elements over every rank's shard, correctly rounded float64: the same bits whatever N, the
+    shard cuts and the reduction order, so a per-leaf norm (LAMB's trust ratio) keeps stages 1-3
+    bitwise equal to stage 0. A plain float sum of the shard's squares through `ctx.leaf_sum` is
+    not: its rounding depends on where the shards cut a leaf. A collective (one `ctx.leaf_sum`
+    of `len(xs) * BINS * len(ctx.leaves)` float64): call it on every rank, the same times.
+    `mask`: per leaf whether to count it (default `ctx.used`; a leaf left out sums to 0)."""
+    for x in xs:
+        if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype == torch.float64:
+            shown = f"{x.dtype}{list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise OptimizerError(f"leaf_sums_of_squares takes 1-d float32 (or narrower) shards, got {shown}: a "
+                                 f"float64 square is not exact in float64")
+    num = len(ctx.leaves)
+    positions = {leaf: k for k, leaf in enumerate(ctx.leaves)}
+    ids = leaf_ids(ctx.segments, positions, xs[0].numel() if xs else 0, ctx.used if mask is None else mask)
+    partial = torch.cat([square_bins(x, ids, num) for x in xs]) if xs else torch.zeros(0, num, dtype=torch.float64)
+    total = ctx.leaf_sum(partial)
+    if not isinstance(total, torch.Tensor) or total.dtype != torch.float64 or total.shape != partial.shape:
+        raise OptimizerError(f"ctx.leaf_sum returned {getattr(total, 'dtype', type(total).__name__)}"
+                             f"{list(getattr(total, 'shape', []))} for float64{list(partial.shape)}; it must sum "
+                             f"element-wise over ranks and keep shape and dtype")
+    return [bins_to_sums(total[k * BINS : (k + 1) * BINS]) for k in range(len(xs))]
+

@@ -95,17 +95,8 @@ def lamb(
         for start, stop, step in used_pieces(ctx, steps):
             s = slice(start, stop)
             _lamb_direction(grad[s], param[s], m[s], v[s], r[s], step, beta1, beta2, eps, wd)
-        num = len(ctx.leaves)
         positions = {leaf: k for k, leaf in enumerate(ctx.leaves)}
-        ids = exact.leaf_ids(ctx.segments, positions, param.numel(), ctx.used)
-        partial = torch.cat([exact.square_bins(param, ids, num), exact.square_bins(r, ids, num)])
-        total = ctx.leaf_sum(partial)
-        if total.dtype != torch.float64 or tuple(total.shape) != tuple(partial.shape):
-            raise OptimizerError(
-                f"lamb: ctx.leaf_sum returned {total.dtype}{list(total.shape)} for float64{list(partial.shape)}; "
-                f"it must sum element-wise over ranks and keep shape and dtype"
-            )
-        sums_p, sums_r = exact.bins_to_sums(total[: exact.BINS]), exact.bins_to_sums(total[exact.BINS :])
+        sums_p, sums_r = exact.leaf_sums_of_squares(ctx, param, r)
         ratios = [trust_ratio(math.sqrt(a), math.sqrt(b)) for a, b in zip(sums_p, sums_r)]
         check_fits("lamb", ctx, param.dtype, {f"lr * lr_scale * trust ratio of bucket leaf {leaf}": eta * ratios[k]
                                               for k, leaf in enumerate(ctx.leaves) if ctx.used[k]})
