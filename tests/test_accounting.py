@@ -68,6 +68,7 @@ def _run(params, opt, stage, n, unit_spec=None, group_spec=(), steps=2):
 # ------------------------------------------------------------------------------------ memory
 
 
+@pytest.mark.filterwarnings("ignore::fzero.GroupHoldsNoLeaf")  # drawn groups may take no leaf of a drawn tree
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_held_bytes_equal_estimate_and_storage_census(stage):
     """Each stage draws its own 10 examples (`seed_per_case`), N from `world_sizes` (N >= 2
@@ -180,6 +181,7 @@ def test_stage2_peak_holds_one_unit_of_full_gradient():
 # ------------------------------------------------------------------------------ communication
 
 
+@pytest.mark.filterwarnings("ignore::fzero.GroupHoldsNoLeaf")  # drawn groups may take no leaf of a drawn tree
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_recorded_collectives_equal_expected_comm(stage):
     """Each stage draws its own 12 examples (`seed_per_case`), N from `world_sizes` (N >= 2

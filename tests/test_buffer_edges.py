@@ -44,21 +44,40 @@ def test_a_buffer_that_requires_grad_loads_back(tmp_path):
 
 
 class _ViewBuffer(nn.Module):
-    def __init__(self, frozen: bool = False, clone: bool = False):
+    def __init__(self, frozen: bool = False, clone: bool = False, rows: slice = slice(1, None)):
         super().__init__()
         self.lin = nn.Linear(4, 4)
         self.lin.weight.requires_grad_(not frozen)
-        view = self.lin.weight.detach()[1:]
+        view = self.lin.weight.detach()[rows]
         self.register_buffer("rows", view.clone() if clone else view)
 
     def forward(self, x):
         return self.lin(x) + self.rows.sum()
 
 
-def test_a_buffer_sharing_memory_with_a_trainable_parameter_is_refused_naming_both():
-    with pytest.raises(fzero.LayoutError, match=r"from_module: buffer 'rows' \(float32\[3, 4\]\) shares memory with "
-                                                r"the trainable parameter 'lin.weight'"):
-        fzero.from_module(_ViewBuffer())
+class _ParamInBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("store", torch.zeros(10))
+        self.w = nn.Parameter(self.store[2:6])
+
+    def forward(self, x):
+        return x * self.w
+
+
+@pytest.mark.parametrize("rows, shape", [(slice(1, None), "3, 4"), (slice(0, 1), "1, 4"), (slice(None), "4, 4")])
+def test_a_buffer_sharing_memory_with_a_trainable_parameter_is_refused_naming_both(rows, shape):
+    """Any overlap: a view from the parameter's first byte too (a review of the first version found
+    `weight.detach()[0]` taken: the check read only an overlap that began inside the parameter)."""
+    with pytest.raises(fzero.LayoutError, match=rf"from_module: buffer 'rows' \(float32\[{shape}\]\) shares memory "
+                                                r"with the trainable parameter 'lin.weight'"):
+        fzero.from_module(_ViewBuffer(rows=rows))
+
+
+def test_a_parameter_inside_a_buffer_is_refused_too():
+    with pytest.raises(fzero.LayoutError, match=r"buffer 'store' \(float32\[10\]\) shares memory with the "
+                                                r"trainable parameter 'w'"):
+        fzero.from_module(_ParamInBuffer())
 
 
 @pytest.mark.parametrize("kind", ["frozen", "clone"])

@@ -108,6 +108,7 @@ def compare(pb, offload, what):
     assert_same_runs(run(pb, offload, snapshot=True), want, what)
 
 
+@pytest.mark.filterwarnings("ignore::fzero.GroupHoldsNoLeaf")  # drawn groups may take no leaf of a drawn tree
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_offloaded_equals_not_offloaded(n, tmp_path):
     """Every offload setting -- optimizer "cpu" or "nvme" (the master shard and the optimizer
@@ -124,6 +125,7 @@ def test_offloaded_equals_not_offloaded(n, tmp_path):
     prop()
 
 
+@pytest.mark.filterwarnings("ignore::fzero.GroupHoldsNoLeaf")  # drawn groups may take no leaf of a drawn tree
 def test_nvme_offloaded_equals_not_offloaded(tmp_path):
     """The property above with every example on NVMe (donating steps; N = 2): the master shard
     and the optimizer state's shard fields live in swap files, read and written around each
@@ -138,6 +140,7 @@ def test_nvme_offloaded_equals_not_offloaded(tmp_path):
     prop()
 
 
+@pytest.mark.filterwarnings("ignore::fzero.GroupHoldsNoLeaf")  # drawn groups may take no leaf of a drawn tree
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_nvme_params_offloaded_equals_not_offloaded(n, tmp_path):
     """The property with every example stage 3 on params="nvme" (the master, the optimizer

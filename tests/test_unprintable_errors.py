@@ -60,3 +60,18 @@ def _own_error(stage: int, call: str) -> list[str]:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_error_whose_str_raises_reaches_the_user_as_itself(stage, call):
     assert _own_error(stage, call) == ["own", "own"]
+
+
+def test_a_copy_of_the_module_that_raises_one_is_fzeros_error_from_it():
+    """`from_module` copies the module; an attribute whose `__deepcopy__` raises such an exception
+    gives fzero's error, chained from the user's (before: the `__str__`'s ValueError; found in review
+    of the first fix)."""
+    class Odd:
+        def __deepcopy__(self, memo):
+            raise _Unprintable()
+
+    module = torch.nn.Linear(2, 2)
+    module.odd = Odd()
+    with pytest.raises(fzero.FzeroError, match=r"copy.deepcopy\), which failed:  A module holding") as e:
+        fzero.from_module(module)
+    assert isinstance(e.value.__cause__, _Unprintable)

@@ -23,6 +23,7 @@ import torch
 from .casting import CastAhead
 from .errors import ConfigError
 from .gathering import GATHERS, check_prefetch
+from .layout import as_int
 from .mesh import settings_crc
 from .originals import Once
 from .unit import HostBuffers
@@ -120,6 +121,8 @@ class StepConfig:
                                      ("normalize", self.normalize, NORMALIZE)):
             if value not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+        for name in ("micro_batches", "persist_bytes", "max_live_bytes", "prefetch"):  # np.int64 too: plain ints,
+            object.__setattr__(self, name, as_int(getattr(self, name)))  # so the fingerprint is of the value
         k = self.micro_batches
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"micro_batches must be an int >= 1 (micro-batches per optimizer step), got {k!r}")

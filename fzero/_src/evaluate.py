@@ -38,6 +38,7 @@ from .collectives import all_gather, func_level
 from .errors import ConfigError, FzeroError
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         replaced_tensors, same_paths)
+from .layout import as_int
 from .mesh import Mesh
 from .precision import note_batch_dtypes
 from .state import ZeroState, check_state, checked
@@ -90,6 +91,7 @@ def evaluate(fn: Callable[[Any, Any], Any], *, gather: str = "on_use", prefetch:
         raise ConfigError(f"evaluate's fn must be a callable (params, batch) -> output, got {fn!r}")
     if gather not in GATHERS:
         raise ConfigError(f"gather must be one of {GATHERS}, got {gather!r}")
+    prefetch = as_int(prefetch)
     check_prefetch(prefetch)
 
     @torch.compiler.disable  # fzero's own code runs eager; `fn` may be compiled (docs/compile.md)

@@ -168,7 +168,7 @@ def same_paths(layout: Layout) -> Iterator[None]:
             f"gather='on_use' every rank must read the same units in the same order (a data-dependent branch "
             f"must take the same path on every rank); or use gather='eager', which gathers every unit on every "
             f"rank in declaration order. Ranks whose train_step settings differ (micro_batches, accumulate, gather, "
-            f"persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: "
+            f"prefetch, persist_bytes, max_live_bytes) part the same way: every rank must pass the same. The mesh said: "
             f"{mesh_said}"
         ) from e
 

@@ -124,6 +124,13 @@ def as_flag(value: Any) -> bool | None:
     return None
 
 
+def as_int(value: Any) -> Any:
+    """`value` as a Python int where it is an integer of another type (`np.int64(4096)`: any
+    `numbers.Integral` but a bool), else as it is, for the caller's check to refuse (found in
+    review: numpy ints were refused where bad-input.md says they are taken)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)) else value
+
+
 def type_name(value: Any) -> str:
     """`value`'s type with its module where not a builtin (numpy's bool prints as `bool`)."""
     t = type(value)
@@ -341,26 +348,44 @@ class GroupHoldsNoLeaf(UserWarning):
     group wherever it stands). Those leaves train with the settings of the group that took them."""
 
 
-def _check_groups_hold_leaves(groups: Sequence[ParamGroup], held: Collection[ParamGroup],
-                              paths: Sequence[str], group_of: Callable[[str, torch.Tensor], ParamGroup],
-                              leaves: Sequence[torch.Tensor]) -> None:
-    """Each group with a `match` holds a leaf, else `GroupHoldsNoLeaf` naming it, or a
-    `LayoutError` where an earlier group with no match (a catch-all, not frozen) took every leaf
-    it matches: listed after one, it can never hold any (found in review: a no-decay group that
-    matched no leaf, by a typo, or listed after a catch-all, left weight decay on the biases
-    without a word)."""
+def _refuse_shadowed(groups: Sequence[ParamGroup], held: Collection[ParamGroup], paths: Sequence[str],
+                     group_of: Callable[[str, torch.Tensor], ParamGroup], leaves: Sequence[torch.Tensor]) -> None:
+    """A group with a `match` listed after a catch-all (no match, not frozen), which took the
+    leaves it matches, is a `LayoutError`: listed there it can never hold a leaf (found in review:
+    a no-decay group after `ParamGroup("all")` left weight decay on the biases without a word)."""
     for k, g in enumerate(groups):
-        if g.match is None or g in held:
+        catch_all = next((e for e in groups[:k] if e.match is None and not e.frozen), None)
+        if g.match is None or g in held or catch_all is None:
             continue
         taken = {p: group_of(p, t).name for p, t in zip(paths, leaves) if matches(g, p)}
-        catch_all = next((e for e in groups[:k] if e.match is None and not e.frozen), None)
-        if taken and catch_all is not None:
+        if catch_all.name in taken.values():
             raise LayoutError(f"ParamGroup {g.name!r} is listed after ParamGroup {catch_all.name!r}, which has no match "
                               f"and so takes every leaf first (the first group that matches wins): {g.name!r} holds "
                               f"none of the {len(taken)} leaves it matches ({_shown_paths(taken)}). List the group "
                               f"with no match last")
-        said_of = (f"every leaf it matches went to another group (the first group that matches wins, a frozen one "
-                   f"wherever it stands), whose settings they train with: {_shown_paths(taken)}" if taken else
+
+
+def warn_groups_holding_no_leaf(layout: "Layout", groups: Sequence[ParamGroup],
+                                other_names: Mapping[str, str] = {}) -> None:  # noqa: B006 - read only
+    """`GroupHoldsNoLeaf` for each group with a `match` that holds no leaf of `layout`, where
+    that is not by design: its match is true for no leaf path (a typo?), or every leaf it
+    matches went to another group that trains it. Not where the leaves it matches went to a
+    frozen group (a frozen group wins wherever it stands), nor where it matches a tied leaf by
+    another of its names (`other_names`, `{other name: first name}`: groups go by the first name,
+    and where they disagree `fzero.init` has refused them, bad-input row 218). At the user's line
+    (found in review: a no-decay group that matched no leaf, by a typo, left weight decay on the
+    biases without a word)."""
+    group_of = {spec.path: spec.group for spec in layout.leaves}
+    held = set(group_of.values())
+    paths = list(group_of)
+    for g in groups:
+        if g.match is None or g in held or any(matches(g, name) for name in other_names):
+            continue
+        taken = {p: group_of[p] for p in paths if matches(g, p)}
+        if taken and all(t.frozen for t in taken.values()):
+            continue
+        said_of = (f"every leaf it matches went to another group (the first group that matches wins), whose settings "
+                   f"they train with: {_shown_paths({p: t.name for p, t in taken.items()})}" if taken else
                    f"its match is true for none of the {len(paths)} leaf paths ({_shown_paths(dict.fromkeys(paths))}), "
                    f"so the leaves it was meant for train in the group that took them (ParamGroup('default'), weight "
                    f"decay on and lr_scale 1.0, where no group matches)")
@@ -484,6 +509,7 @@ def plan(
       A `Layout` whose buckets hold `flat[N * S]` with `S = align * max(1, ceil(numel / (N * align)))`.
     """
     world_size = check_world_size(world_size)
+    align, bucket_bytes = as_int(align), as_int(bucket_bytes)
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
         raise LayoutError(f"align must be an int >= 1, got {align!r}")
     if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
@@ -499,7 +525,7 @@ def plan(
         leaf = _check_leaf(path, leaf, group_of)
         keys.setdefault((unit_of(path), leaf.dtype, group_of(path, leaf)), []).append(i)
     _check_group_names(keys)
-    _check_groups_hold_leaves(groups, {g for _, _, g in keys}, paths, group_of, leaves)
+    _refuse_shadowed(groups, {g for _, _, g in keys}, paths, group_of, leaves)
     specs: list[LeafSpec | None] = [None] * len(leaves)
     buckets = []
     runs = [(key, part, run) for key, members in keys.items()

@@ -339,8 +339,8 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     try:
         skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
     except RuntimeError as e:  # a tensor attribute computed from a parameter (prune, the old weight_norm)
-        raise FzeroError(f"from_module copies the module without its parameters (copy.deepcopy), which failed: {e} "
-                         f"A module holding a tensor computed from a parameter as a plain attribute "
+        raise FzeroError(f"from_module copies the module without its parameters (copy.deepcopy), which failed: "
+                         f"{said(e)} A module holding a tensor computed from a parameter as a plain attribute "
                          f"(torch.nn.utils.prune, torch.nn.utils.weight_norm) copies after one forward under "
                          f"torch.no_grad(); or use torch.nn.utils.parametrize") from e
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
@@ -507,9 +507,9 @@ def _check_buffers_apart(module: nn.Module) -> None:
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     for name, b in module.named_buffers(remove_duplicate=False):
         hit = _overlapping([*(p for _, p in trainable), b]) if b is not None else None
-        if hit is not None and hit[1] == len(trainable):
+        if hit is not None and len(trainable) in hit:
             raise LayoutError(f"from_module: buffer {name!r} ({str(b.dtype).removeprefix('torch.')}{list(b.shape)}) "
-                              f"shares memory with the trainable parameter {trainable[hit[0]][0]!r}: fzero trains "
+                              f"shares memory with the trainable parameter {trainable[min(hit)][0]!r}: fzero trains "
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
@@ -1439,16 +1439,18 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = checked
         binding.bind(bound)
         recompute = next(calls) > 0
+        found = [m._buffers[attr] for m, attr, _, _ in slots]
+        if recompute:  # the recompute reads the tensors the forward found (which `_replayed` refilled)
+            for m, attr, buffer, _ in slots:
+                m._buffers[attr] = buffer
         try:
             return type(mod).forward(mod, *args, **kwargs)
         finally:
             binding.unbind()
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = outer
-            if recompute:  # a buffer the recompute reassigned (`self.ema = ...`) gets its slot back: the forward's
-                # new value was kept (`keep_reassigned`), and the next step read the recompute's stray tensor,
-                # silently (found in review of a buffers user); remat puts the values back (`_replayed`)
-                for m, attr, buffer, _ in slots:
-                    m._buffers[attr] = buffer
+            if recompute:  # and leaves the slots as it found them
+                for (m, attr, _, _), was in zip(slots, found):
+                    m._buffers[attr] = was
 
     out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs, binding.unit,
                      tuple(mod.buffers()))
@@ -1478,6 +1480,11 @@ def _remat_units(module: nn.Module, aliases: dict[str, list[str]], units: UnitSp
         homes[unit] = home if home and _runs_forward(module.get_submodule(home)) else ""
     if remat is True:
         chosen = [u for u, h in homes.items() if h]
+        if not chosen:  # (found in review of a stage-3 user: remat=True checkpointed nothing, without a word)
+            raise ConfigError(f"remat=True checkpoints each unit whose parameters share a home submodule that runs "
+                              f"a forward, and no unit here has one (units {sorted(homes)[:6]}: their parameters "
+                              f"spread over the root or a container): pass units that follow the model's blocks, "
+                              f"e.g. units=fzero.units_by_prefix(model, 'blocks'), or leave remat out")
     elif isinstance(remat, str) or not isinstance(remat, Collection):
         raise ConfigError(f"remat must be True, False or a collection of unit names, got {remat!r}")
     else:
@@ -1532,6 +1539,13 @@ def _refuse_foreign_leaves(chosen: list[str], homes: dict[str, str], aliases: di
 
 
 def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
+    prefix, children = getattr(units, "fzero_prefix", (None, ()))
+    if prefix is not None and params and not any(units(name) in children for name in params):
+        # `units_by_prefix` read on another module: one unit, silently (found in review of a stage-3 user)
+        raise ConfigError(f"units=units_by_prefix(..., {prefix!r}) puts none of this module's parameters in a unit of "
+                          f"its own (its children: {sorted(children)[:4]}; the parameters: {list(params)[:4]}): read "
+                          f"the prefix on the module given to from_module (for a torch.compile'd model, its "
+                          f"names start '_orig_mod.': units_by_prefix(compiled, '_orig_mod.{prefix}'))")
     unit_of = _unit_of(units)
     seen: dict[str, tuple[str, torch.device, torch.dtype]] = {}
     for name, p in params.items():
@@ -1555,8 +1569,13 @@ def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) ->
     `"transformer.h.3.attn.c_attn.weight" -> "transformer.h.3"`; every other parameter goes to
     unit `rest` (embeddings, final norm, head). `module` is the model whose submodule `prefix`
     is read (`""`: the model itself); a `prefix` it lacks, or one with no children, raises
-    `FzeroError`.
+    `FzeroError`; so does a `from_module` where no parameter falls under one of its children (the
+    prefix read on another module than the one given to `from_module`: a wrapper's inner model, or
+    the model beside its `torch.compile`d form, whose names start `_orig_mod.`).
     """
+    if not isinstance(module, nn.Module):  # (found in review: torch's AttributeError, chained twice)
+        raise FzeroError(f"units_by_prefix expects the model (an nn.Module) whose submodule {prefix!r} holds the "
+                         f"units, got {type(module).__name__}")
     try:
         container = module.get_submodule(prefix)
     except AttributeError as e:
@@ -1574,6 +1593,7 @@ def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) ->
                 return cand
         return rest
 
+    unit.fzero_prefix = (prefix, frozenset(children))  # type: ignore[attr-defined]  # `_check_units` reads it
     return unit
 
 

@@ -269,17 +269,18 @@ def _replayed(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
     found = RngState.now(list(tensors))
     plan.rng.put()
     written = {i: plan.buffers[i].clone() for i in plan.before}  # as the forward left them
-    try:
-        with torch.no_grad():
-            for i, before in plan.before.items():
-                plan.buffers[i].copy_(before)
+    try:  # through `.data`, which moves no version counter: a graph that saved a buffer (batch_norm's running
+        # statistics, saved for its double backward, which its own in-place kernel writes without a bump) would
+        # find it written, where the run without remat does not (found in review: a recompute inside the
+        # forward, an input gradient, was torch's "modified by an inplace operation")
+        for i, before in plan.before.items():
+            plan.buffers[i].data.copy_(before)
         with torch.enable_grad(), plan.autocast.context():
             yield
     finally:
         found.put()
-        with torch.no_grad():
-            for i, after in written.items():
-                plan.buffers[i].copy_(after)
+        for i, after in written.items():
+            plan.buffers[i].data.copy_(after)
 
 
 def _check_inputs_unwritten(plan: _Plan, tensors: tuple[torch.Tensor, ...], versions: list[int]) -> None:

@@ -26,12 +26,13 @@ from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-d
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
 from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError, said
-from .layout import Layout, ParamGroup, UnitSpec, check_groups, packed, plan
+from .layout import (Layout, ParamGroup, UnitSpec, as_int, check_groups, packed, plan,
+                     warn_groups_holding_no_leaf)
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
                          optimizer_words, spec_of)
-from .originals import link_layout
+from .originals import link_layout, tied_names
 from .precision import FULL, Precision, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -311,12 +312,14 @@ def init(
             raise ConfigError(f"loss_scale must be None, fzero.StaticLossScale(...) or fzero.DynamicLossScale(...), "
                               f"got {type(loss_scale).__name__} {loss_scale!r}{scaler}")
         groups = check_groups(groups)  # once: `plan` and `link_layout` both read it (a generator was read once)
+        align, bucket_bytes = as_int(align), as_int(bucket_bytes)  # (np.int64: compared across ranks as the int)
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
         warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         link_layout(layout, params, groups)  # leaves from_module returned: a step refuses a module flag changed since
+        warn_groups_holding_no_leaf(layout, groups, tied_names(layout))  # (after link_layout's refusal by alias)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=named(optimizer), align=align, sync=bool(sync),
                             bucket_bytes=bucket_bytes,

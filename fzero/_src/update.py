@@ -536,8 +536,10 @@ def _block_witness(p: torch.Tensor, sums: list[tuple[torch.Tensor, torch.Tensor]
         at = start + n
     if at < flat.numel():
         parts.append(flat[at:].sum())
-    witness = torch.stack(parts)
-    return (witness,) if bool(torch.isfinite(witness).all()) else torch.aminmax(flat)
+    # 0-d parts, as `finite_witness`'s: `_nonfinite_flag` stacks every bucket's together (found in review: a
+    # bucket's 1-d stack beside another's of another length was torch's "stack expects each tensor to be equal
+    # size", after the donating update had written the state)
+    return tuple(parts) if bool(torch.isfinite(torch.stack(parts)).all()) else torch.aminmax(flat)
 
 
 def _agreed_nonfinite(state: ZeroState, flag: torch.Tensor) -> bool:

@@ -405,7 +405,7 @@ def units(draw: Any) -> Any:
 def groups(draw: Any, *, frozen: bool = True) -> tuple[ParamGroup, ...]:
     """A `groups=` argument for `fzero.layout.plan`: 0-3 `ParamGroup`s with salted-CRC predicates,
     random weight-decay masks, lr scales and (if `frozen`) frozen groups. A group may take no leaf
-    of a small pytree, which `plan` tells with a `fzero.GroupHoldsNoLeaf` warning: filter it
+    of a small pytree, which `fzero.init` tells with a `fzero.GroupHoldsNoLeaf` warning: filter it
     (`warnings.filterwarnings("ignore", category=fzero.GroupHoldsNoLeaf)`, or pytest's
     `filterwarnings = ["ignore::fzero.GroupHoldsNoLeaf"]`) where warnings are errors."""
     salt, k = draw(st.integers(0, 2**16)), draw(st.integers(0, 3))

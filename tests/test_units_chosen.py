@@ -1,0 +1,79 @@
+"""What a stage-3 user's unit settings choose, said where it is nothing (found in review of a
+stage-3 user): `units_by_prefix` read on another module than the one given to `from_module` (a
+wrapper's inner model, the model beside its `torch.compile`d form) put every parameter in one
+unit, and `remat=True` over units with no home submodule checkpointed nothing, each without a
+word (docs/bad-input.md rows 234-235); ranks whose `prefetch` differs are told that setting may
+be why (row 44)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fzero
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = _Blocks()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_a_prefix_read_on_another_module_is_refused_naming_the_way():
+    w = _Wrapper()
+    with pytest.raises(fzero.ConfigError, match=r"units=units_by_prefix\(..., 'blocks'\) puts none of this module's "
+                                                r"parameters in a unit of its own .*'model.blocks.0.weight'"):
+        fzero.from_module(w, units=fzero.units_by_prefix(w.model, "blocks"))
+    params, _, info = fzero.from_module(w, units=fzero.units_by_prefix(w, "model.blocks"))
+    assert sorted({info.units(n) for n in params}) == ["default", "model.blocks.0", "model.blocks.1"]
+
+
+def test_units_by_prefix_of_a_non_module_says_what_it_wants():
+    with pytest.raises(fzero.FzeroError, match=r"units_by_prefix expects the model \(an nn.Module\) whose submodule "
+                                               r"'blocks' holds the units, got dict") as e:
+        fzero.units_by_prefix({"blocks": []}, "blocks")
+    assert e.value.__context__ is None
+
+
+def test_remat_true_over_units_without_a_home_is_refused():
+    with pytest.raises(fzero.ConfigError, match=r"remat=True checkpoints each unit whose parameters share a home "
+                                                r"submodule .*units \['default'\]"):
+        fzero.from_module(_Blocks(), remat=True)
+    m = _Blocks()
+    _, _, info = fzero.from_module(m, units=fzero.units_by_prefix(m, "blocks"), remat=True)
+    assert info.units("blocks.1.weight") == "blocks.1"
+
+
+def test_ranks_whose_prefetch_differs_are_told_it_may_be_why():
+    m = _Blocks()
+    params, apply, info = fzero.from_module(m, units=fzero.units_by_prefix(m, "blocks"))
+    mesh, said = fzero.SimMesh(2), {}
+
+    def rank():
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        try:
+            fzero.train_step(lambda p, x: apply(p, x).sum(), prefetch=mesh.rank)(state, torch.ones(3, 4))
+        except fzero.MeshError as e:
+            said[mesh.rank] = e
+            raise
+
+    with pytest.raises(fzero.CollectiveMismatch):
+        mesh.run(rank)
+    for e in said.values():
+        assert isinstance(e, fzero.DivergentPaths) and "(micro_batches, accumulate, gather, prefetch, " in str(e), e
