@@ -261,3 +261,19 @@ def reduce_scatter_vs_torch(mesh, x):
     their_gather = x.new_empty(10)
     mesh_mod._all_gather_into(their_gather, x[:5].contiguous(), mesh.group)
     return [blocking, started, *together, gathered], [*theirs, their_gather], len(ran)
+
+
+def subgroup_collectives(mesh):
+    """On a 3-process world, a `DistMesh` over the subgroup {1, 2}: its group rank 0 is global rank
+    1, so the N = 2 exchange and the broadcast must address the peer by its global rank (a mutant
+    sending to the group rank passed the suite: every group there was the whole world). Global rank
+    0 returns None."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2], backend="gloo")  # (every rank of the world calls it)
+    if dist.get_rank() not in (1, 2):
+        return None
+    sub = fzero.DistMesh(group)
+    x = torch.arange(2.0) + 10 * sub.rank
+    c = fzero.collectives
+    return sub.rank, c.all_gather(x, sub), c.reduce_scatter(torch.arange(4.0) + sub.rank, sub), c.broadcast(x, sub, 1)

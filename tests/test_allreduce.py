@@ -288,3 +288,17 @@ def test_gloo_n2_all_gather_is_gloos_own_bitwise(dist2, dtype):
             assert ran == 7  # the exchange ran, for every gather
             assert len(ours) == len(theirs) == 7
             assert all(_same_bits(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.dist
+def test_a_distmesh_over_a_subgroup_addresses_its_peers_by_global_rank(dist3):
+    """`DistMesh(new_group([1, 2]))` on a 3-process world: all_gather, reduce_scatter (the N = 2
+    exchange) and broadcast from group rank 1 give the two ranks' results (see
+    `allreduce_cases.subgroup_collectives`)."""
+    out = dist3.run(cases.subgroup_collectives, [()] * 3)
+    assert out[0] is None
+    for r, (rank, gathered, scattered, sent) in zip((1, 2), out[1:]):
+        assert rank == r - 1
+        assert torch.equal(gathered, torch.tensor([0.0, 1.0, 10.0, 11.0]))
+        assert torch.equal(scattered, torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([5.0, 7.0]))
+        assert torch.equal(sent, torch.tensor([10.0, 11.0]))

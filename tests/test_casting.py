@@ -185,6 +185,32 @@ def test_a_read_that_changes_after_the_first_step_raises_and_names_the_param():
     assert all(torch.equal(plain[k], kept[k]) for k in plain)
 
 
+def test_a_product_under_another_autocast_dtype_after_the_first_step_raises():
+    """Step 1 reads `w` in one product under bf16 autocast (so fzero hands it cast to bf16 from
+    then on); step 2 under fp16 autocast, which would cast the fp32 param: the bf16 copy, rounded
+    twice, must be refused naming the dtype (a mutant comparing only "a cast" and not its dtype
+    passed the suite and stepped on with other bits)."""
+    mesh = fzero.SimMesh(1)
+
+    def loss_of(dtype):
+        def loss(p, x):
+            with torch.autocast("cpu", dtype=dtype):
+                return (x @ p["w"]).float().square().mean()
+        return loss
+
+    def run():
+        state = fzero.init({"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3},
+                           optim.sgd(0.1), stage=0, mesh=mesh)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        step = fzero.train_step(lambda p, b: b[0](p, b[1]), cast_ahead=True)
+        state, _ = step(state, (loss_of(torch.bfloat16), x))
+        with pytest.raises(ConfigError, match=r"cast_ahead: step 1: the loss read param 'w' .*through a matrix "
+                                              r"product under autocast in torch.float16"):
+            step(state, (loss_of(torch.float16), x))
+
+    mesh.run(run)
+
+
 @pytest.mark.parametrize("read", ["cat", "stack"])
 def test_a_changed_read_inside_a_list_or_tuple_argument_raises(read):
     """Step 2 reads `a.weight` once more inside a sequence argument (`torch.cat([w, w])`,

@@ -1013,6 +1013,9 @@ def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
         (plain, info.buffers, "holds no module buffers"),
         (kept, {k: v for k, v in info.buffers.items() if k != "1.running_var"}, r"in the checkpoint only \['1.running_var'\]"),
         (kept, {**info.buffers, "1.running_mean": torch.zeros(3)}, r"buffer '1.running_mean' was saved as float32\[16\]"),
+        # another dtype of the same shape: named as such (a mutant dropping the dtype from the comparison passed)
+        (kept, {**info.buffers, "1.running_mean": torch.zeros(16, dtype=torch.float16)},
+         r"buffer '1.running_mean' was saved as float32\[16\], the one given is float16\[16\]"),
         (kept, [1, 2], "buffers must be None or a dict"),
         (kept, {"x": 1.0}, r"buffers\['x'\] must be a tensor"),
     ]

@@ -244,3 +244,11 @@ def test_assert_trees_equal_reports_path_index_and_values():
 def test_generated_pytrees_are_finite_and_floating(tree):
     for leaf in flatten_with_paths(tree)[1]:
         assert leaf.dtype.is_floating_point and bool(leaf.isfinite().all())
+
+
+def test_bucket_bytes_is_a_cap_a_bucket_may_reach():
+    """Two fp32 leaves of 5 elements: a cap of 40 bytes holds both (at most, not under), 39 cuts
+    them apart (a mutant that cut at the cap itself passed the suite: its leaves were each the cap)."""
+    params = {"a": torch.zeros(5), "b": torch.zeros(5)}
+    assert [b.numel for b in fzero.layout.plan(params, 2, bucket_bytes=40).buckets] == [10]
+    assert [b.numel for b in fzero.layout.plan(params, 2, bucket_bytes=39).buckets] == [5, 5]

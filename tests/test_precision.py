@@ -84,8 +84,8 @@ def test_stages_equal_stage0_under_every_policy(stage):
     prop()
 
 
-@pytest.mark.parametrize("policy", ["bf16/fp32", "bf16/bf16", "fp16/fp32"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("policy", ["bf16/fp32", "bf16/bf16", "bf16", "fp16/fp32"])  # "bf16": reduce_dtype None,
+@pytest.mark.parametrize("n", [2, 3])  # the params' bf16 (a mutant reducing in the bucket's fp32 passed without it)
 def test_stage0_under_a_policy_equals_a_serial_reference(n, policy):
     prec, seed = POLICIES[policy], 3
     params = _params(seed)

@@ -12,6 +12,8 @@ with different rules.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -229,9 +231,10 @@ class _Halving:
         return self.peak * 0.5 ** step
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("other", [0.2, math.nextafter(0.1, 1.0)])  # one ulp apart too (a mutant comparing within
+@pytest.mark.parametrize("stage", [0, 3])  # a relative 1e-9 passed without it)
 @pytest.mark.parametrize("kind", ["partial", "object"])
-def test_lr_schedules_init_cannot_tell_apart_raise_at_the_first_step_they_differ(stage, kind):
+def test_lr_schedules_init_cannot_tell_apart_raise_at_the_first_step_they_differ(stage, kind, other):
     """Rank 1's schedule differs only in a `functools.partial`'s argument or a callable object's
     attribute, which `init` does not describe: `init` passes, and the first step raises
     `ConfigError` on every rank naming each rank's lr, the state left as it was."""
@@ -241,7 +244,7 @@ def test_lr_schedules_init_cannot_tell_apart_raise_at_the_first_step_they_differ
         return functools.partial(_peak_of, peak) if kind == "partial" else _Halving(peak)
 
     def run(mesh):
-        state = fzero.init(_params(), optim.sgd(schedule(0.1 if mesh.rank == 0 else 0.2)), stage=stage, mesh=mesh)
+        state = fzero.init(_params(), optim.sgd(schedule(0.1 if mesh.rank == 0 else other)), stage=stage, mesh=mesh)
         try:
             fzero.train_step(_loss)(state, torch.ones(4))
         finally:
@@ -250,7 +253,7 @@ def test_lr_schedules_init_cannot_tell_apart_raise_at_the_first_step_they_differ
     errors = _errors(run)
     for e in errors:
         assert isinstance(e, fzero.ConfigError), repr(e)
-        assert "step 0: the optimizer's lr differs across ranks (rank 0: 0.1, rank 1: 0.2" in str(e), str(e)
+        assert f"step 0: the optimizer's lr differs across ranks (rank 0: 0.1, rank 1: {other!r}" in str(e), str(e)
 
 
 @pytest.mark.parametrize("impl", ["single", "fused"])
