@@ -699,7 +699,7 @@ def test_an_expanded_gradient_of_a_flat_buffer_is_unpacked(take):
     assert all(torch.equal(s, torch.ones_like(s)) for s in fzero.layout.shard(layout, grads))
 
 
-def test_int_settings_take_numpy_ints():
+def test_int_settings_take_numpy_ints(tmp_path):
     """`np.int64` for an int setting is the int (bad-input.md, "deliberately accepts"; before, each
     was refused as not an int: found in review of a stage-3 user), and a bool still is not."""
     np = pytest.importorskip("numpy")
@@ -717,3 +717,11 @@ def test_int_settings_take_numpy_ints():
     assert mesh.run(rank) == [(torch.tensor(4.5), 4)] * 2
     with pytest.raises(fzero.ConfigError, match="micro_batches must be an int >= 1"):
         fzero.train_step(loss, micro_batches=np.bool_(True))
+    # the world size, a loss scaler's counts and save's keep too (a review of the first version found them refused)
+    assert fzero.SimMesh(np.int64(2)).world_size == 2
+    assert fzero.layout.plan({"w": torch.ones(3)}, np.int64(2)).world_size == 2
+    scaler = fzero.DynamicLossScale(window=np.int64(10), hysteresis=np.int32(3))
+    assert repr(scaler) == repr(fzero.DynamicLossScale(window=10, hysteresis=3))
+    one = fzero.SimMesh(1)
+    one.run(lambda: fzero.checkpoint.save(fzero.init({"w": torch.ones(3)}, fzero.optim.sgd(0.1), stage=0, mesh=one),
+                                          str(tmp_path), keep=np.int64(1)))

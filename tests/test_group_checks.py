@@ -126,3 +126,26 @@ def test_init_warns_at_the_users_line_on_every_rank():
         return [(w.category, w.filename) for w in caught]
 
     assert mesh.run(rank) == [[(fzero.GroupHoldsNoLeaf, __file__)]] * 2
+
+
+def test_a_group_matching_a_tied_weight_by_both_names_that_another_took_warns():
+    """`[no_decay(emb|head|bias), emb_lr(emb|head)]` over a tied head: emb_lr's leaf went to
+    no_decay by its first name, and its lr_scale is lost, as over the untied model, where it warns
+    (a review found the tied model silent: the skip for a match by the other name covered a group
+    that took a first name too)."""
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    params, _, info = fzero.from_module(Tied())
+    no_decay = fzero.ParamGroup("no_decay", match=lambda p: p.endswith("bias") or p.split(".")[0] in ("emb", "head"),
+                                weight_decay=False)
+    emb_lr = fzero.ParamGroup("emb_lr", match=lambda p: p.split(".")[0] in ("emb", "head"), lr_scale=0.1)
+    with pytest.warns(fzero.GroupHoldsNoLeaf, match=r"ParamGroup 'emb_lr' holds no leaf: every leaf it matches went "
+                                                    r"to another group .*'emb.weight' to 'no_decay'"):
+        _init([no_decay, emb_lr], params)

@@ -557,3 +557,24 @@ def test_ctx_leaf_sum_called_on_some_ranks_is_named_as_the_optimizers():
                                                        r"ctx.leaf_sum .* where the other ranks did not") as e:
         mesh.run(rank_fn)
     assert not isinstance(e.value, fzero.DivergentPaths)
+
+
+def test_ctx_leaf_sum_of_other_shapes_on_every_rank_is_worded_so():
+    """Every rank calls `ctx.leaf_sum`, with a shape of its own (its shard's segment count): the
+    words say so (a review found them saying "where the other ranks did not", of no other rank)."""
+    inner = lion()
+
+    def update(g, s, p, ctx):
+        ctx.leaf_sum(torch.zeros(len(ctx.segments), dtype=torch.float64))
+        return inner.update(g, s, p, ctx)
+
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(make_params(), fo.Optimizer(inner.init, update, inner.spec, lr=inner.lr), stage=1,
+                           mesh=mesh, units=units)
+        fzero.train_step(loss_fn)(state, batch(mesh.rank))
+
+    with pytest.raises(fzero.CollectiveMismatch, match=r"every rank called ctx.leaf_sum \(a collective over every "
+                                                       r"rank\), for other buckets or shapes: an update must call"):
+        mesh.run(rank_fn)

@@ -38,10 +38,43 @@ class _Wrapper(nn.Module):
 def test_a_prefix_read_on_another_module_is_refused_naming_the_way():
     w = _Wrapper()
     with pytest.raises(fzero.ConfigError, match=r"units=units_by_prefix\(..., 'blocks'\) puts none of this module's "
-                                                r"parameters in a unit of its own .*'model.blocks.0.weight'"):
+                                                r"parameters in a unit of its own: none of their names "
+                                                r"\(\['model.blocks.0.weight'"):
         fzero.from_module(w, units=fzero.units_by_prefix(w.model, "blocks"))
     params, _, info = fzero.from_module(w, units=fzero.units_by_prefix(w, "model.blocks"))
     assert sorted({info.units(n) for n in params}) == ["default", "model.blocks.0", "model.blocks.1"]
+
+
+def test_a_prefix_read_on_a_model_of_fewer_blocks_is_refused_naming_the_unseen_ones():
+    """Units made on a 2-block model given a 3-block one: the third block went to 'default',
+    silently (found in review of the first version of the check)."""
+    small, big = _Blocks(), _Blocks()
+    big.blocks.append(nn.Linear(4, 4))
+    with pytest.raises(fzero.ConfigError, match=r"children \['blocks.0', 'blocks.1'\], and this module's parameters "
+                                                r"lie under \['blocks.2'\] too \('blocks.2.(weight|bias)'\)"):
+        fzero.from_module(big, units=fzero.units_by_prefix(small, "blocks"))
+
+
+def test_a_weight_shared_block_under_several_names_is_taken():
+    """One block registered twice (ALBERT): its parameters' first names lie outside the container,
+    their other names under each of its children; taken, as before the check (a review of its first
+    version found it refused, blaming the module it was read on)."""
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(4, 4)
+            self.blocks = nn.ModuleList([self.shared, self.shared])
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return self.head(x)
+
+    m = Shared()
+    params, _, info = fzero.from_module(m, units=fzero.units_by_prefix(m, "blocks"))
+    assert info.aliases["shared.weight"] == ("shared.weight", "blocks.0.weight", "blocks.1.weight")
+    assert {info.units(n) for n in params} == {"default"}  # units go by a parameter's first name
 
 
 def test_units_by_prefix_of_a_non_module_says_what_it_wants():

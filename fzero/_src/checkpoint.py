@@ -98,7 +98,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .collectives import broadcast, gather_rows, gather_texts
 from .errors import FzeroError, MeshError
 from .estimate import short_name
-from .layout import Layout, LeafSpec
+from .layout import Layout, LeafSpec, as_int
 from .mesh import DistMesh, Mesh
 from .module import aliased, buffers_written
 from .originals import tied_names
@@ -1060,6 +1060,7 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
         try:
             check_state(state, pending=False)  # this rank's checks; the pending flag's (a collective) after
             bufs = _checked_buffers(buffers, "checkpoint.save")
+            keep = as_int(keep)
             if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
                 raise CheckpointError(f"keep must be None or an int >= 1 (how many checkpoints to keep), got {keep!r}")
             if _fail_at is not None and _fail_at not in CRASH_POINTS:

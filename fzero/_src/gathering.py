@@ -136,11 +136,13 @@ def same_paths(layout: Layout) -> Iterator[None]:
         calls = dict(_RANK_CALL.findall(str(e)))
         leaf_sums = sorted(int(r) for r, call in calls.items() if "/leaf_sum'" in call)
         if leaf_sums:  # an optimizer's collective, not a model path (found in review: the words blamed the model)
+            who = ("every rank called ctx.leaf_sum (a collective over every rank), for other buckets or shapes"
+                   if len(leaf_sums) == len(calls) else f"the optimizer's update on rank(s) {leaf_sums} called "
+                   f"ctx.leaf_sum (a collective over every rank) where the other ranks did not")
             raise CollectiveMismatch(
-                f"the optimizer's update on rank(s) {leaf_sums} called ctx.leaf_sum (a collective over every rank) "
-                f"where the other ranks did not, or in another order: an update must call ctx.leaf_sum the same "
-                f"times, in the same order, with the same shapes, on every rank, whatever its shard holds (a rank "
-                f"with no element of a leaf adds zeros). The mesh said: {e}") from e
+                f"{who}: an update must call ctx.leaf_sum the same times, in the same order, with the same shapes, "
+                f"on every rank, whatever its shard holds (a rank with no element of a leaf adds zeros). The mesh "
+                f"said: {e}") from e
         said = {int(r): _what(call.strip(), unit_of) for r, call in calls.items()}
         evaluating = {int(r): f") [{EVALUATING}]" in call for r, call in calls.items()}
         words = evaluating_words(list(calls.values()))  # (the mesh's too: said once, here, `mesh_said`)

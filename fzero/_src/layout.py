@@ -265,6 +265,7 @@ class Layout:
 
 
 def check_world_size(world_size: Any) -> int:
+    world_size = as_int(world_size)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise LayoutError(f"world size must be an int >= 1, got {world_size!r}")
     return world_size
@@ -370,20 +371,22 @@ def warn_groups_holding_no_leaf(layout: "Layout", groups: Sequence[ParamGroup],
     """`GroupHoldsNoLeaf` for each group with a `match` that holds no leaf of `layout`, where
     that is not by design: its match is true for no leaf path (a typo?), or every leaf it
     matches went to another group that trains it. Not where the leaves it matches went to a
-    frozen group (a frozen group wins wherever it stands), nor where it matches a tied leaf by
-    another of its names (`other_names`, `{other name: first name}`: groups go by the first name,
-    and where they disagree `fzero.init` has refused them, bad-input row 218). At the user's line
+    frozen group (a frozen group wins wherever it stands), nor where it matches tied leaves by
+    their other names alone (`other_names`, `{other name: first name}`: groups go by the first
+    name, and where they disagree `fzero.init` has refused them, bad-input row 218). At the user's line
     (found in review: a no-decay group that matched no leaf, by a typo, left weight decay on the
     biases without a word)."""
     group_of = {spec.path: spec.group for spec in layout.leaves}
     held = set(group_of.values())
     paths = list(group_of)
     for g in groups:
-        if g.match is None or g in held or any(matches(g, name) for name in other_names):
+        if g.match is None or g in held:
             continue
         taken = {p: group_of[p] for p in paths if matches(g, p)}
         if taken and all(t.frozen for t in taken.values()):
             continue
+        if not taken and any(matches(g, name) for name in other_names):  # a tied leaf by its other name only (a
+            continue  # group taking a first name too but holding none warns: found in review of the first version)
         said_of = (f"every leaf it matches went to another group (the first group that matches wins), whose settings "
                    f"they train with: {_shown_paths({p: t.name for p, t in taken.items()})}" if taken else
                    f"its match is true for none of the {len(paths)} leaf paths ({_shown_paths(dict.fromkeys(paths))}), "

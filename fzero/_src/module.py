@@ -332,7 +332,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     _check_buffers_apart(module)
     _check_tensor_hooks(module)
     _check_hooks(module)
-    _check_units(params, units)
+    _check_units(params, units, aliases)
     remat_units = _remat_units(module, aliases, units, remat)
     placeholders = {id(p): _Unbound(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     for p in module.parameters()}
@@ -504,15 +504,27 @@ def _check_buffers_apart(module: nn.Module) -> None:
     parameters, so the buffer's copy kept the initial values while the parameter trained, and the
     state dict written back (`info.state_dict`) loaded the stale buffer over the trained weight
     (found in review of a buffers user: silently). A frozen parameter is never updated: allowed."""
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # only tensors of one storage can overlap:
+    for n, p in module.named_parameters():  # one look per buffer at its storage's parameters (before, every
+        if p.requires_grad and _storage_key(p) is not None:  # parameter per buffer: 11 s at 1600 x 1200, found
+            by_storage.setdefault(_storage_key(p), []).append((n, p))  # in review)
     for name, b in module.named_buffers(remove_duplicate=False):
-        hit = _overlapping([*(p for _, p in trainable), b]) if b is not None else None
+        trainable = by_storage.get(_storage_key(b), []) if b is not None else []
+        hit = _overlapping([*(p for _, p in trainable), b]) if trainable else None
         if hit is not None and len(trainable) in hit:
             raise LayoutError(f"from_module: buffer {name!r} ({str(b.dtype).removeprefix('torch.')}{list(b.shape)}) "
                               f"shares memory with the trainable parameter {trainable[min(hit)][0]!r}: fzero trains "
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """`(device, the storage's first byte)` of a strided tensor with memory, else None."""
+    try:
+        return (t.device, t.untyped_storage().data_ptr()) if t.layout == torch.strided and not t.is_meta else None
+    except RuntimeError:  # a tensor subclass without storage
+        return None
 
 
 _SLOTS = "_fzero_slots"  # the attribute of a root module (the skeleton) that holds its `slots_of`
@@ -1538,14 +1550,8 @@ def _refuse_foreign_leaves(chosen: list[str], homes: dict[str, str], aliases: di
         f"can join it: same dtype and device, and every name of it inside the unit's submodule")
 
 
-def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
-    prefix, children = getattr(units, "fzero_prefix", (None, ()))
-    if prefix is not None and params and not any(units(name) in children for name in params):
-        # `units_by_prefix` read on another module: one unit, silently (found in review of a stage-3 user)
-        raise ConfigError(f"units=units_by_prefix(..., {prefix!r}) puts none of this module's parameters in a unit of "
-                          f"its own (its children: {sorted(children)[:4]}; the parameters: {list(params)[:4]}): read "
-                          f"the prefix on the module given to from_module (for a torch.compile'd model, its "
-                          f"names start '_orig_mod.': units_by_prefix(compiled, '_orig_mod.{prefix}'))")
+def _check_units(params: dict[str, torch.Tensor], units: UnitSpec, aliases: dict[str, list[str]]) -> None:
+    _check_prefix_units(units, [n for names in aliases.values() for n in names])
     unit_of = _unit_of(units)
     seen: dict[str, tuple[str, torch.device, torch.dtype]] = {}
     for name, p in params.items():
@@ -1561,6 +1567,33 @@ def _check_units(params: dict[str, torch.Tensor], units: UnitSpec) -> None:
                 f"one submodule's parameters may be split, e.g. by dtype (a frozen bf16 base beside fp32 adapters): "
                 f"dtypes = {{n: str(p.dtype) for n, p in model.named_parameters()}}; "
                 f"units=lambda path: f'{{path.rsplit(\".\", 1)[0]}}-{{dtypes[path]}}'")
+
+
+def _check_prefix_units(units: UnitSpec, names: list[str]) -> None:
+    """`units_by_prefix`'s units over this module's parameter names (every name of a tied one):
+    a `ConfigError` where none falls under a child of the prefix, or one falls under a child the
+    units never saw -- read on another module than the one given to `from_module` (a wrapper's
+    inner model, the model beside its `torch.compile`d form, a model of fewer blocks), which put
+    every parameter, or the unseen blocks', in unit `rest`, silently (found in review of a
+    stage-3 user)."""
+    prefix, children = getattr(units, "fzero_prefix", (None, ()))
+    if prefix is None or not names:
+        return
+    head = f"{prefix}." if prefix else ""
+    under = {".".join(n.split(".")[: head.count(".") + 1]): n for n in names if n.startswith(head) and
+             n.count(".") > head.count(".")}  # child path -> a parameter under it
+    unseen = sorted(set(under) - set(children))
+    if unseen:
+        raise ConfigError(f"units=units_by_prefix(..., {prefix!r}) was read on a module whose {prefix or 'root'!r} has "
+                          f"children {sorted(children)[:4]}, and this module's parameters lie under {unseen[:4]} too "
+                          f"({under[unseen[0]]!r}), which it would put in unit 'default': read the prefix on the module "
+                          f"given to from_module")
+    if not set(under) & set(children):
+        raise ConfigError(f"units=units_by_prefix(..., {prefix!r}) puts none of this module's parameters in a unit of "
+                          f"its own: none of their names ({names[:4]}) lies under one of its children "
+                          f"({sorted(children)[:4]}). Read the prefix on the module given to from_module (for a "
+                          f"torch.compile'd model, whose names start '_orig_mod.': units_by_prefix(compiled, "
+                          f"'_orig_mod.{prefix}')), or name a container whose children hold parameters")
 
 
 def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) -> Callable[[str], str]:
@@ -1581,7 +1614,8 @@ def units_by_prefix(module: nn.Module, prefix: str, rest: str = DEFAULT_UNIT) ->
     except AttributeError as e:
         names = [n for n, _ in module.named_modules() if n][:10]
         raise FzeroError(f"units_by_prefix: the module has no submodule {prefix!r}; some it has: {names}") from e
-    children = {f"{prefix}.{name}" if prefix else name for name, _ in container.named_children()}
+    children = {f"{prefix}.{name}" if prefix else name for name, child in container._modules.items()  # a child
+                if child is not None}  # registered twice (a weight-shared block) under each of its names
     if not children:
         raise FzeroError(f"units_by_prefix: {prefix!r} ({type(container).__name__}) has no children")
 

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Union
 import torch
 
 from .errors import ConfigError, LossScaleError, refusing_unknown_keywords
+from .layout import as_int
 
 FACTOR = 2.0
 """The growth and back-off factor: DeepSpeed's `scale_factor`, fixed at 2."""
@@ -122,6 +123,7 @@ def _scale(name: str, value: float) -> float:
 
 
 def _count(name: str, value: int) -> int:
+    value = as_int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LossScaleConfigError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
     return value
@@ -227,8 +229,8 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         init = _scale("DynamicLossScale.init_scale", self.init_scale)
         low = _scale("DynamicLossScale.min_scale", self.min_scale)
-        _count("DynamicLossScale.window", self.window)
-        _count("DynamicLossScale.hysteresis", self.hysteresis)
+        for name in ("window", "hysteresis"):  # an np.int64 kept as the int: its repr is compared across ranks
+            object.__setattr__(self, name, _count(f"DynamicLossScale.{name}", getattr(self, name)))
         _flag("DynamicLossScale.consecutive_hysteresis", self.consecutive_hysteresis)
         _flag("DynamicLossScale.raise_at_min", self.raise_at_min)
         if low > init:
