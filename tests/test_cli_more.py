@@ -44,6 +44,16 @@ def test_params_must_be_finite(capsys, count):
     _usage_error(capsys, ["estimate", "--params", count, "-n", "2"], "argument --params", "finite", repr(count))
 
 
+def test_the_edges_of_the_counts_are_as_their_words_say(capsys):
+    """`--params 0` is a count ">= 0" and runs; `--plot-world-sizes 0,2` is refused by its own
+    argument's words ("must be >= 1"). Mutants moving either edge passed the suite (found by a
+    mutation audit)."""
+    assert main(["estimate", "--params", "0", "-n", "2"]) == 0
+    capsys.readouterr()
+    _usage_error(capsys, ["estimate", "--params", "1e6", "-n", "2", "--plot", "p.png", "--plot-world-sizes", "0,2"],
+                 "argument --plot-world-sizes", "world sizes must be >= 1, got '0,2'")
+
+
 @pytest.mark.parametrize("spec, fragments", [
     ("math:pi", ["--module math:pi", "'pi' is a float, not a callable"]),
     ("torch.nn:Linear", ["--module torch.nn:Linear", "calling Linear()", "TypeError", "in_features"]),

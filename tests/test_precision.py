@@ -667,3 +667,19 @@ def test_a_static_scale_fp16_cannot_hold_under_an_fp16_loss_is_refused():
                                                  r"in float16: .*at most 32768.0 .*DynamicLossScale"):
         mesh.run(lambda: rank_fn(2.0**16))
     assert mesh.run(lambda: rank_fn(2.0**15)) == [False, False]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_frozen_bucket_keeps_no_master_under_a_policy(stage):
+    """Under `Precision(bf16, fp32)` at stages 1-2 a trainable bucket keeps an fp32 master shard
+    apart from its bf16 params; a frozen bucket is never updated and keeps none (a mutant giving
+    frozen buckets a master passed the suite: found by a mutation audit)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(_params(3), optim.sgd(0.1), stage=stage, mesh=mesh, precision=POLICIES["bf16/fp32"],
+                           groups=GROUPS)
+        return [(b.group.frozen, m is None) for b, m in zip(state.layout.buckets, state.master)]
+
+    for held in mesh.run(rank_fn):
+        assert sorted(held) == [(False, False), (True, True)], held

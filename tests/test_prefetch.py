@@ -330,3 +330,44 @@ def test_a_last_unit_whose_backward_comes_later_is_freed_at_backwards_first_refi
     assert seen, "backward refilled no unit"
     for unit, live in seen:
         assert unit in live and sum(live.values()) <= (1 + k) * block, (unit, live)
+
+
+def test_prefetch_fills_max_live_bytes_exactly(monkeypatch):
+    """prefetch=2 under a cap of exactly three blocks: after block 0 is read, blocks 1 and 2 are in
+    flight (the read one and two ahead fill the cap, which a unit may reach). A mutant stopping one
+    short of the cap (`>=` for `>`) passed the suite, one unit less ahead at every read."""
+    from fzero._src import gathering as G
+
+    class Blocks(torch.nn.Module):
+        def __init__(self, k, d):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(k))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            return x
+
+    read, seen = G.Gathering.read, {}
+
+    def spy(self, unit):
+        out = read(self, unit)
+        if self._programs[unit].mesh.rank == 0:
+            seen.setdefault(unit, list(self._ahead))
+        return out
+
+    monkeypatch.setattr(G.Gathering, "read", spy)
+    k, d = 5, 8
+    torch.manual_seed(0)
+    model = Blocks(k, d)
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    block = (d * d + d) * 4
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(params, fzero.optim.sgd(0.1), stage=3, mesh=mesh, units=info.units)
+        fzero.train_step(lambda p, b: apply(p, b).square().mean(), prefetch=2, max_live_bytes=3 * block)(
+            state, torch.ones(2, d))
+
+    mesh.run(rank_fn)
+    assert seen["blocks.0"] == ["blocks.1", "blocks.2"], seen
