@@ -96,9 +96,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .collectives import broadcast, gather_rows, gather_texts
-from .errors import FzeroError, MeshError
+from .errors import FzeroError, MeshError, as_int
 from .estimate import short_name
-from .layout import Layout, LeafSpec, as_int
+from .layout import Layout, LeafSpec
 from .mesh import DistMesh, Mesh
 from .module import aliased, buffers_written
 from .originals import tied_names

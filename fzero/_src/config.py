@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from .casting import CastAhead
-from .errors import ConfigError
+from .errors import ConfigError, as_int
 from .gathering import GATHERS, check_prefetch
-from .layout import as_int
 from .mesh import settings_crc
 from .originals import Once
 from .unit import HostBuffers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 import sys
 from collections.abc import Callable
@@ -44,6 +45,13 @@ class LossScaleError(FzeroError, FloatingPointError):
 
 class OffloadError(FzeroError, OSError):
     """Offloaded state cannot be kept: an NVMe path is missing, unwritable or full, or its I/O failed."""
+
+
+def as_int(value: Any) -> Any:
+    """`value` as a Python int where it is an integer of another type (`np.int64(4096)`: any
+    `numbers.Integral` but a bool), else as it is, for the caller's check to refuse (found in
+    review: numpy ints were refused where bad-input.md says they are taken)."""
+    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)) else value
 
 
 def said(e: BaseException) -> str:

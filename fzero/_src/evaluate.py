@@ -35,10 +35,9 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
-from .errors import ConfigError, FzeroError
+from .errors import ConfigError, FzeroError, as_int
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         replaced_tensors, same_paths)
-from .layout import as_int
 from .mesh import Mesh
 from .precision import note_batch_dtypes
 from .state import ZeroState, check_state, checked

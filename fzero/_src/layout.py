@@ -28,7 +28,7 @@ import einops
 import optree
 import torch
 
-from .errors import LayoutError, outside_stacklevel, refusing_unknown_keywords, said
+from .errors import LayoutError, as_int, outside_stacklevel, refusing_unknown_keywords, said
 from .tree import NAMESPACE, flatten_with_paths, unflatten
 
 DEFAULT_UNIT = "default"
@@ -122,13 +122,6 @@ def as_flag(value: Any) -> bool | None:
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
         return bool(value)
     return None
-
-
-def as_int(value: Any) -> Any:
-    """`value` as a Python int where it is an integer of another type (`np.int64(4096)`: any
-    `numbers.Integral` but a bool), else as it is, for the caller's check to refuse (found in
-    review: numpy ints were refused where bad-input.md says they are taken)."""
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)) else value
 
 
 def type_name(value: Any) -> str:

@@ -35,8 +35,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .errors import ConfigError, LossScaleError, refusing_unknown_keywords
-from .layout import as_int
+from .errors import ConfigError, LossScaleError, as_int, refusing_unknown_keywords
 
 FACTOR = 2.0
 """The growth and back-off factor: DeepSpeed's `scale_factor`, fixed at 2."""

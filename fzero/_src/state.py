@@ -25,9 +25,8 @@ import torch.utils._pytree as torch_pytree
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
-from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError, said
-from .layout import (Layout, ParamGroup, UnitSpec, as_int, check_groups, packed, plan,
-                     warn_groups_holding_no_leaf)
+from .errors import ConfigError, FzeroError, LayoutError, NonFiniteError, as_int, said
+from .layout import Layout, ParamGroup, UnitSpec, check_groups, packed, plan, warn_groups_holding_no_leaf
 from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
