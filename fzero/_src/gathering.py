@@ -182,6 +182,10 @@ def _micro_batch_of(call: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+_EMPTY_WAY_OUT = ("run the model and return a zero that depends on its output (out.sum() * 0.0; with "
+                  "normalize='tokens', the loss summed over the empty batch). ")  # the advice's way out, both kinds
+
+
 def _no_unit_advice(micro: Mapping[int, tuple[int, int] | None], finished: Collection[int],
                     busy: Collection[int]) -> str:
     """A step of one micro-batch (no rank in a labelled one) where some ranks finished their
@@ -192,9 +196,7 @@ def _no_unit_advice(micro: Mapping[int, tuple[int, int] | None], finished: Colle
     return (f"Rank(s) {sorted(finished)} finished their backward where the others still gather or reduce: their "
             f"loss read "
             f"fewer units, or none (a constant, torch.zeros(()), for an empty batch without calling the model). "
-            f"Make every rank's loss read the same units: on an empty batch, run the model and return a zero "
-            f"that depends on its output (out.sum() * 0.0; with normalize='tokens', the loss summed over the "
-            f"empty batch). ")
+            f"Make every rank's loss read the same units: on an empty batch, {_EMPTY_WAY_OUT}")
 
 
 def _micro_batch_advice(micro: Mapping[int, tuple[int, int] | None], at_unit: Collection[int] = ()) -> str:
@@ -224,8 +226,7 @@ def _micro_batch_advice(micro: Mapping[int, tuple[int, int] | None], at_unit: Co
             f"earlier micro-batch -- none, where the loss returns a constant for an empty micro-batch without "
             f"calling the model -- had its later micro-batches' gathers and reductions meet the other ranks' "
             f"earlier ones. Make every micro-batch's loss read the same units on every rank: on an empty "
-            f"micro-batch, run the model and return a zero that depends on its output (out.sum() * 0.0; with "
-            f"normalize='tokens', the loss summed over the empty batch). ")
+            f"micro-batch, {_EMPTY_WAY_OUT}")
 
 
 def _what(call: str, unit_of: Mapping[str, str]) -> tuple[str, str | None]:

@@ -359,13 +359,13 @@ def _refuse_shadowed(groups: Sequence[ParamGroup], held: Collection[ParamGroup],
                               f"with no match last")
 
 
-def warn_groups_holding_no_leaf(layout: "Layout", groups: Sequence[ParamGroup],
-                                other_names: Mapping[str, str] = {}) -> None:  # noqa: B006 - read only
+def warn_groups_holding_no_leaf(layout: "Layout", groups: Sequence[ParamGroup], other_names: Collection[str] = ()
+                                ) -> None:
     """`GroupHoldsNoLeaf` for each group with a `match` that holds no leaf of `layout`, where
     that is not by design: its match is true for no leaf path (a typo?), or every leaf it
     matches went to another group that trains it. Not where the leaves it matches went to a
     frozen group (a frozen group wins wherever it stands), nor where it matches tied leaves by
-    their other names alone (`other_names`, `{other name: first name}`: groups go by the first
+    their other names alone (`other_names`, a tied leaf's names but its first: groups go by the first
     name, and where they disagree `fzero.init` has refused them, bad-input row 218). At the user's line
     (found in review: a no-decay group that matched no leaf, by a typo, left weight decay on the
     biases without a word)."""

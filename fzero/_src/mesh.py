@@ -217,7 +217,7 @@ def _closed(e: BaseException) -> bool:
 def _interrupted(mesh: "DistMesh", e: BaseException, what: str) -> MeshError:
     """The error a `DistMesh` raises for every collective after an interrupt `e` stopped this rank
     in `what`'s agreement or start (`DistMesh._break_if_interrupted`)."""
-    told = f": {said(e)}" if said(e) else ""
+    told = f": {words}" if (words := said(e)) else ""
     return MeshError(
         f"{mesh!r}: rank {mesh.rank} was interrupted ({type(e).__name__}{told}) in {what}, while agreeing on it "
         f"with the other ranks or starting it (world size {mesh.world_size}); they may have gone on past it, so "

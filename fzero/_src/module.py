@@ -1451,7 +1451,7 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = checked
         binding.bind(bound)
         recompute = next(calls) > 0
-        found = [m._buffers[attr] for m, attr, _, _ in slots]
+        found = [m._buffers[attr] for m, attr, _, _ in slots] if recompute else []  # (read by recomputes only)
         if recompute:  # the recompute reads the tensors the forward found (which `_replayed` refilled)
             for m, attr, buffer, _ in slots:
                 m._buffers[attr] = buffer
@@ -1460,9 +1460,8 @@ def _checkpointed(mod: nn.Module, params: LazyParams, binding: _UnitBinding, *ar
         finally:
             binding.unbind()
             _RUNNING.unbound, _RUNNING.root, _RUNNING.recomputing = outer
-            if recompute:  # and leaves the slots as it found them
-                for (m, attr, _, _), was in zip(slots, found):
-                    m._buffers[attr] = was
+            for (m, attr, _, _), was in zip(slots, found):  # and leaves the slots as it found them
+                m._buffers[attr] = was
 
     out = remat_call(forward, _distinct(params.unit(binding.unit), binding.names), args, kwargs, binding.unit,
                      tuple(mod.buffers()))
