@@ -8,7 +8,8 @@ sequence (`sequence`, or a plain list as `lr`). That holds for the lr of the gro
 `lr_scale=1.0`; a group at another scale steps with `fl(fl(lr(t)) * lr_scale)`, where torch's
 group at `lr * lr_scale` under `LambdaLR` steps with `fl(lr * lr_scale * f(t))`, rounded in
 another order: one ulp of a Python float apart at some steps, which a float32 update rounded
-away at each of 10,000 sampled steps, and a float64 update keeps (found in review).
+away at each of 10,000 steps a review sampled (no test samples them), and a float64 update keeps
+(found in review).
 """
 
 from __future__ import annotations
