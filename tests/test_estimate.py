@@ -781,3 +781,26 @@ def test_estimate_without_precision_is_what_init_keeps_in_the_params_own_dtype(t
                         assert e.host.buffers == state.info.tier.files.host_bytes, where_
                     checked += 1
     assert checked == 4 * 5 * 2 * 8
+
+
+def test_a_model_that_is_none_a_str_or_a_count_in_a_list_is_refused_naming_what_a_model_is():
+    """Found in review: `estimate(None, 8, stage=3)` said 0 bytes, a str and `[1e9]` blamed a
+    "params leaf"; `init(None, ...)` made a state of nothing. An empty container is a model of
+    no parameters still (the census property test draws them)."""
+    import fzero
+
+    what = r"a model is a parameter count \(an int, or a whole float such as 7.5e9\), an nn.Module, or a pytree"
+    for model, given in ((None, "got NoneType None"), ("7B", "got str '7B'"), (b"7B", "got bytes")):
+        with pytest.raises(fzero.ConfigError, match=f"{what}.*; {given}"):
+            estimate(model, 8, stage=3)
+    with pytest.raises(fzero.ConfigError, match=rf"{what}.*got a list holding the number\(s\) at \['0'\]: pass a count "
+                                                r"alone"):
+        estimate([1e9], 8, stage=3)
+    with pytest.raises(fzero.ConfigError, match=r"holding the number\(s\) at \['n'\]"):
+        estimate({"w": torch.empty(4, device="meta"), "n": 3}, 2, stage=1)
+    assert estimate({}, 8, stage=3).params == 0
+    with pytest.raises(fzero.LayoutError, match=r"params is None: pass a pytree of tensors"):
+        fzero.layout.plan(None, 2)
+    mesh = fzero.SimMesh(1)
+    with pytest.raises(fzero.LayoutError, match=r"params is None"):
+        mesh.run(lambda: fzero.init(None, fzero.optim.sgd(0.1), stage=1, mesh=mesh))

@@ -89,6 +89,7 @@ from .optim.base import init_state
 from .precision import FULL, Precision, as_dtype
 from .precision import short_name as short_name  # read from here by checkpoint
 from .stages import STAGES, Stage, get_stage
+from .tree import flatten_with_paths
 
 OPTIMIZERS = ("adam-mixed", "adam", "sgd-momentum", "sgd", "adafactor")
 CATEGORIES = ("params", "grads", "optimizer_state", "master")
@@ -337,11 +338,25 @@ def _count(n: Real) -> Fraction:
     return count
 
 
+_MODEL = ("a model is a parameter count (an int, or a whole float such as 7.5e9), an nn.Module, or a "
+          "pytree of tensors (only shapes and dtypes are read: meta tensors work)")
+
+
 def params_of(model: Any) -> Any:
     """`nn.Module -> {name: parameter}` (shared parameters once, as `named_parameters` does);
-    any other pytree is returned unchanged."""
+    any other pytree is returned unchanged. None and a str are refused: mistakes, not models (found
+    in review: `estimate(None, 8)` said 0 bytes; an empty container is a model of no parameters,
+    as `fzero.init` takes it), and a count inside a container is named as such (`[1e9]`: the words
+    blamed a "params leaf")."""
     if isinstance(model, torch.nn.Module):
         return dict(model.named_parameters())
+    if model is None or isinstance(model, (str, bytes)):
+        raise ConfigError(f"{_MODEL}; got {type(model).__name__} {model!r}")
+    paths, leaves, _ = flatten_with_paths(model)
+    counts = [p for p, leaf in zip(paths, leaves) if isinstance(leaf, Real) and not isinstance(leaf, bool)]
+    if counts:
+        raise ConfigError(f"{_MODEL}; got a {type(model).__name__} holding the number(s) at {counts[:4]}: pass a "
+                          f"count alone (estimate(7.5e9, ...)), or one pytree of tensors")
     return model
 
 

@@ -512,6 +512,9 @@ def plan(
                                      or bucket_bytes < 1):
         raise LayoutError(f"bucket_bytes must be None or an int >= 1 (the most bytes of leaves per bucket), "
                           f"got {bucket_bytes!r}")
+    if params is None:  # found in review: an empty layout, and `fzero.init(None, ...)` a state of nothing
+        raise LayoutError("params is None: pass a pytree of tensors, dict(model.named_parameters()), or "
+                          "fzero.from_module(model)'s params (an empty container is a model of no parameters)")
     paths, leaves, spec = flatten_with_paths(params)
     _check_distinct(paths, params)
     groups = check_groups(groups)
