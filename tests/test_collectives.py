@@ -186,8 +186,23 @@ def test_all_reduce_max_is_not_differentiable():
         x = x.requires_grad_(True)
         fzero.collectives.all_reduce(x, mesh, "max").sum().backward()
 
-    with pytest.raises(RuntimeError, match="not differentiable"):
+    with pytest.raises(fzero.MeshError, match=r"not differentiable \(only op='sum' is\): pass x.detach\(\)"):
         mesh.run(fn, [(torch.ones(2),), (torch.zeros(2),)])
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_reduce", "broadcast"])
+def test_a_collective_given_no_tensor_or_no_mesh_says_so(op):
+    """Found in review: a list gave torch's `is_functorch_wrapped_tensor` TypeError, a None mesh
+    an AttributeError."""
+    mesh, f = fzero.SimMesh(2), getattr(fzero.collectives, op)
+    with pytest.raises(fzero.MeshError, match=f"{op}: mesh must be a fzero mesh .* got NoneType"):
+        f(torch.ones(2), None)
+
+    def fn(r):
+        return f([torch.ones(2)] if r == 1 else torch.ones(2), mesh)
+
+    with pytest.raises(fzero.MeshError, match=rf"{op} \(rank 1\): expected one tensor, got list"):
+        mesh.run(fn, [0, 1])
 
 
 @examples(50)

@@ -98,6 +98,18 @@ def check_forward_mode(mesh: Mesh) -> None:
             f"(w = dict(params)), so that their gathers run before the forward-mode level, and transform over w")
 
 
+def _check_call(op: str, x: Any, mesh: Any) -> None:
+    """`MeshError` unless `mesh` is a `Mesh` and `x` a tensor, before autograd sees them (found in
+    review: a list gave torch's `is_functorch_wrapped_tensor` TypeError, a None mesh an
+    AttributeError). A bad `x` is this rank's own finding (`found_here`: the others are told)."""
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"{op}: mesh must be a fzero mesh (SimMesh, DistMesh), got {type(mesh).__name__}")
+    if not isinstance(x, torch.Tensor):
+        with found_here():
+            raise MeshError(f"{op} (rank {mesh.rank}): expected one tensor, got {type(x).__name__}; a collective "
+                            f"moves one tensor: call it per tensor (optree.tree_map over a pytree)")
+
+
 def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.Tensor:
     """`x[S, ...] -> y[N * S, ...]`: rank r's rows land at `[r * S, (r + 1) * S)` on every rank.
 
@@ -118,6 +130,7 @@ def all_gather(x: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> torch.
     all-gather is real zeros, which `fzero.layout.unpack` could not tell from values (found in
     review: the README's differentiable read at stage 3, N > 1, gave zeros, silently). Not where
     dynamo traces the call (a compiled function: the check would add a graph of its own)."""
+    _check_call("all_gather", x, mesh)
     if not torch.compiler.is_compiling() and is_stand_in(x):
         with found_here():  # this rank's own finding: a guard tells the other ranks
             raise MeshError(stand_in_words(f"all_gather's input ({x.dtype}{list(x.shape)}, rank {mesh.rank})"))
@@ -128,6 +141,7 @@ def reduce_scatter(y: torch.Tensor, mesh: Mesh, *, tag: str | None = None) -> to
     """`y[N * S, ...] -> x[S, ...]`: rank r gets rows `[r * S, (r + 1) * S)` of `Σ_s y_s`, over
     `mesh` (`tag` as for `all_gather`). Its backward, an all-gather, needs `y` to require grad on
     every rank or none (`all_gather`)."""
+    _check_call("reduce_scatter", y, mesh)
     return _ReduceScatter.apply(y, mesh, tag, has_backward(y))
 
 
@@ -140,6 +154,7 @@ def all_reduce(x: torch.Tensor, mesh: Mesh, op: str = "sum", *, tag: str | None 
     tries, before any collective, which stops the others as any error does -- so its calls are
     not compared on requires_grad: a max of a tensor that requires grad on some ranks only (a
     statistic, a flag) is no mismatch."""
+    _check_call("all_reduce", x, mesh)
     return _AllReduce.apply(x, mesh, op, tag, op == "sum" and has_backward(x))
 
 
@@ -157,6 +172,7 @@ def broadcast(x: torch.Tensor, mesh: Mesh, src: int = 0, *, tag: str | None = No
     `verify=False` compares no calls: there one side's backward all_reduce meets whatever
     collective the other side calls next, or waits until the timeout).
     """
+    _check_call("broadcast", x, mesh)
     return _Broadcast.apply(x, mesh, src, tag, has_backward(x))
 
 
@@ -226,6 +242,15 @@ class _ReduceScatter(torch.autograd.Function):
         return reduce_scatter(_batch_second(y, in_dims[0], "reduce_scatter"), mesh, tag=tag), 1  # (S, B, ...)
 
 
+def _check_differentiable(ctx: Any) -> None:
+    """`MeshError` (this rank's own finding, `found_here`) where a max all-reduce is differentiated
+    (found in review: a plain RuntimeError with no way out)."""
+    if ctx.op != "sum":
+        with found_here():
+            raise MeshError(f"all_reduce(op={ctx.op!r}, tag={ctx.tag!r}) is not differentiable (only op='sum' is): "
+                            f"pass x.detach() where the result is a statistic or a flag, or use op='sum'")
+
+
 class _AllReduce(torch.autograd.Function):
     generate_vmap_rule = False
 
@@ -240,14 +265,12 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.op != "sum":
-            raise RuntimeError(f"all_reduce(op={ctx.op!r}) is not differentiable; only op='sum' is")
+        _check_differentiable(ctx)
         return all_reduce(grad, ctx.mesh, "sum", tag=ctx.tag), None, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, x_t: torch.Tensor, *_: Any) -> torch.Tensor:
-        if ctx.op != "sum":
-            raise RuntimeError(f"all_reduce(op={ctx.op!r}) is not differentiable; only op='sum' is")
+        _check_differentiable(ctx)
         return all_reduce(x_t, ctx.mesh, "sum", tag=ctx.tag)
 
     @staticmethod
