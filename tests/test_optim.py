@@ -1014,3 +1014,17 @@ def test_torchs_cpu_fused_sgd_in_half_precision_is_the_case_refused(dtype):
     and says so: the refusal then lifts by itself (the probe is per device and dtype)."""
     assert not _torchs_fused_sgd_updates_every_element(dtype), (
         f"torch {torch.__version__}'s CPU fused SGD now updates every {dtype} element: drop this test")
+
+
+def test_init_state_given_a_leaf_count_says_leaf_shapes_are_shapes():
+    """Found in review: `init_state(opt, p, 1)` raised Python's "'int' object is not iterable"."""
+    p = torch.zeros(12)
+    for bad in (1, [3], [(-1,)], [(True, 2)], [("4",)]):
+        with pytest.raises(fo.OptimizerError, match=r"init_state: leaf_shapes must be one shape \(a tuple of ints "
+                                                     r">= 0\) per leaf .*a leaf count is not one\); got "):
+            fo.init_state(fo.adamw(1e-3), p, bad)
+    assert len(fo.init_state(fo.adamw(1e-3), p, [torch.Size([4, 3])])) == 3
+    import numpy as np
+    rows = fo.init_state(fo.adafactor(1e-3), p, [(np.int64(4), 3)])
+    assert fo.init_state(fo.adafactor(1e-3), p, [(4, 3)])._fields == rows._fields
+    assert all(torch.equal(a, b) for a, b in zip(rows, fo.init_state(fo.adafactor(1e-3), p, [(4, 3)])))

@@ -42,7 +42,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from ..collectives import func_level, unwrapped
-from ..errors import FzeroError
+from ..errors import FzeroError, as_int
 from ..layout import PARAM_DTYPES, ParamGroup, Segment, as_flag, type_name
 
 
@@ -186,8 +186,17 @@ Optimizer._replace = _replace  # type: ignore[method-assign]
 
 def init_state(optimizer: "Optimizer", param: torch.Tensor, leaf_shapes: Sequence[tuple[int, ...]]) -> Any:
     """One bucket's initial state: `optimizer.init(param shard[S], L)`, or, for an optimizer whose
-    state has "rows" / "cols" fields (`shaped=True`), `optimizer.init(param, leaf_shapes)`."""
-    shapes = tuple(tuple(s) for s in leaf_shapes)
+    state has "rows" / "cols" fields (`shaped=True`), `optimizer.init(param, leaf_shapes)`.
+    `leaf_shapes` other than a sequence of shapes is an `OptimizerError` (found in review: a leaf
+    count gave Python's "'int' object is not iterable")."""
+    try:
+        shapes = tuple(tuple(as_int(d) for d in s) for s in leaf_shapes)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for s in shapes for d in s):
+            raise TypeError
+    except TypeError:
+        raise OptimizerError(f"init_state: leaf_shapes must be one shape (a tuple of ints >= 0) per leaf of the "
+                             f"bucket, e.g. [(4, 3), (3,)] (fzero.layout.plan's leaves' shapes; a leaf count is not "
+                             f"one); got {leaf_shapes!r}") from None
     return optimizer.init(param, shapes) if optimizer.shaped else optimizer.init(param, len(shapes))
 
 
