@@ -330,3 +330,39 @@ def test_a_misspelled_state_spec_is_an_error():
 
     with pytest.raises(optim.OptimizerError, match=r"spec of state field 'count' is 'shards'"):
         mesh.run(rank_fn)
+
+
+def test_replace_refuses_a_field_of_another_structure():
+    """Found in review: a torch.optim `state_dict()` as `opt_state` was taken, and the next step
+    raised a bare `KeyError: 0`."""
+    mesh = fzero.SimMesh(1)
+    params = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
+
+    def run():
+        state = fzero.init(params, optim.adamw(1e-3), stage=1, mesh=mesh)
+        w = torch.ones(4, 3, requires_grad=True)
+        torch_opt = torch.optim.AdamW([w])
+        w.sum().backward()
+        torch_opt.step()
+        words = []
+        for field, value in (("opt_state", torch_opt.state_dict()), ("opt_state", state.opt_state * 2),
+                             ("opt_state", fzero.init(params, optim.sgd(0.1, momentum=0.9), stage=1,
+                                                      mesh=mesh).opt_state),
+                             ("params", state.params[0]), ("master", (torch.zeros(3),))):
+            with pytest.raises(fzero.FzeroError) as e:
+                state.replace(**{field: value})
+            words.append(str(e.value))
+        kept = state.replace(params=list(state.params), opt_state=state.opt_state, master=state.master)
+        return words, kept
+
+    (words, kept), = mesh.run(run)
+    what = "is one entry per bucket (1: a tuple, as fzero.init made it)"
+    assert words[0] == (f"state.replace(opt_state=...): opt_state {what}, got dict: a torch.optim state_dict() is "
+                        f"not fzero's optimizer state; resume with fzero.checkpoint.load"), words[0]
+    assert words[1] == f"state.replace(opt_state=...): opt_state {what}, got tuple of 2", words[1]
+    bucket = "; bucket 'default/float32/default' of 2 leaves: 'b' (float32[3]), 'w' (float32[4, 3]): expected "
+    assert words[2] == (f"state.replace(opt_state=...): opt_state {what}{bucket}PyTreeSpec(AdamState(step=*, "
+                        f"exp_avg=*, exp_avg_sq=*)), got PyTreeSpec(SgdMomentumState(count=*, momentum_buffer=*))"), words[2]
+    assert words[3] == f"state.replace(params=...): params {what}, got Tensor", words[3]
+    assert words[4] == f"state.replace(master=...): master {what}{bucket}PyTreeSpec(None), got PyTreeSpec(*)", words[4]
+    assert len(kept.params) == 1

@@ -143,7 +143,9 @@ class ZeroState:
         refused alike: those buffers hold the next step's values, or a half-written update
         (found in review: `state.replace(step=...)` of a donated state read the next state's
         params, silently). The step's own new states are made with `renewed`, which carries no
-        mark."""
+        mark. `params`, `opt_state` and `master` must keep their structure: one entry per bucket,
+        each of the old entry's pytree structure (`_check_replaced`)."""
+        _check_replaced(self, changes)
         new = renewed(self, **changes)
         mark = getattr(self, "_consumed", None)
         if mark is not None and not _BUFFERS <= changes.keys():
@@ -152,6 +154,30 @@ class ZeroState:
 
 
 _BUFFERS = frozenset({"params", "opt_state", "master", "loss_scale"})  # what a donating step writes in place
+
+
+def _check_replaced(state: ZeroState, changes: dict[str, Any]) -> None:
+    """`FzeroError` where `changes` gives `params`, `opt_state` or `master` another structure than
+    `state`'s: one entry per bucket, each of the old entry's pytree structure (a tensor; the
+    optimizer's state NamedTuple; None for a frozen bucket's optimizer state and a bucket without
+    a master). Found in review: a torch.optim `state_dict()` as `opt_state` was taken, and the
+    next step raised a bare `KeyError: 0`."""
+    layout = state.layout
+    for field in ("params", "opt_state", "master"):
+        if field not in changes:
+            continue
+        old, value = getattr(state, field), changes[field]
+        what = (f"state.replace({field}=...): {field} is one entry per bucket ({len(old)}: a tuple, as fzero.init "
+                f"made it)")
+        if not isinstance(value, (tuple, list)) or len(value) != len(old):
+            torch_state = isinstance(value, dict) and {"state", "param_groups"} <= value.keys()
+            raise FzeroError(f"{what}, got {type(value).__name__}" + (f" of {len(value)}" if isinstance(value, (
+                tuple, list)) else "") + (": a torch.optim state_dict() is not fzero's optimizer state; resume with "
+                                         "fzero.checkpoint.load" if torch_state else ""))
+        for b, (x, y) in enumerate(zip(old, value)):
+            want, got = optree.tree_structure(x, namespace=NAMESPACE), optree.tree_structure(y, namespace=NAMESPACE)
+            if want != got:
+                raise FzeroError(f"{what}; bucket {_bucket_words(layout, b)}: expected {want}, got {got}")
 
 
 def renewed(state: ZeroState, **changes: Any) -> ZeroState:
