@@ -99,7 +99,7 @@ from .collectives import broadcast, gather_rows, gather_texts
 from .errors import FzeroError, MeshError, as_int
 from .estimate import short_name
 from .layout import Layout, LeafSpec
-from .mesh import DistMesh, Mesh
+from .mesh import DistMesh, HeldInterrupts, Mesh
 from .module import aliased, buffers_written
 from .originals import tied_names
 from .offload import place, place_opt_state
@@ -1018,6 +1018,24 @@ def _visible(path: str) -> bool:
     return os.path.isdir(path)
 
 
+def _interrupts_held(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with Ctrl-C held until it returns or raises (`HeldInterrupts`), then raised: a save is
+    published (or fails) before the interrupt, and a load is read whole. Found in review: a SIGINT
+    while a rank waited inside `torch.distributed.checkpoint`'s collectives left the others
+    waiting to the timeout (a save, lost: the "save on Ctrl-C" a user writes) or aborted their
+    process in gloo (a load). A second Ctrl-C is raised at once."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with HeldInterrupts() as held:
+            out = fn(*args, **kwargs)
+        held.deliver()
+        return out
+
+    return call
+
+
+@_interrupts_held
 def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
          buffers: Mapping[str, torch.Tensor] | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
@@ -2065,6 +2083,7 @@ def _same_checkpoint(keys: list[list[int]]) -> bool:
     return len({tuple(k) for k in keys}) <= 1
 
 
+@_interrupts_held
 @outside_inference_mode  # a state of normal tensors, as `init` and the step make under inference mode
 def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True,
          buffers: Mapping[str, torch.Tensor] | None = None) -> ZeroState:

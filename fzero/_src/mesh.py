@@ -33,6 +33,7 @@ import itertools
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import threading
@@ -545,6 +546,62 @@ def _cancelled_if_dropped(held: Any) -> list[Any]:
     if not isinstance(pending, Pending):
         return [held]
     return [pending] if not pending.done and pending.cancelled_if_dropped else []
+
+
+class HeldInterrupts:
+    """A context that holds Ctrl-C back: on the main thread, where SIGINT's handler is Python's
+    (the default, which raises `KeyboardInterrupt`, or a user's callable), a SIGINT that arrives
+    in the body is recorded, and the handler runs when the body ends: at once where the body
+    raised, else where the caller calls `deliver()` (`pending` says whether one came). A second
+    SIGINT runs the handler at once (a user who insists is not held). Elsewhere (another thread:
+    SimMesh's ranks; SIG_IGN, SIG_DFL) it holds nothing. Nested, an inner one hands its signal to
+    the outer (the outer's hold is the inner's handler).
+
+    Found in review: gloo's C++ waits cannot be interrupted, so a Ctrl-C came out when a wait
+    returned, mostly inside a collective's agreement -- which leaves the mesh unusable (row 171)
+    -- and inside `torch.distributed.checkpoint`'s own collectives, where the other rank waited
+    out the timeout (a save) or gloo aborted its process (a load): a "save on Ctrl-C" lost the
+    checkpoint. Held, the interrupt comes after the collective has started on every rank (the mesh
+    stays usable, row 177) or after the checkpoint is written or read."""
+
+    def __init__(self) -> None:
+        self._old: Any = None
+        self._got: tuple[int, Any] | None = None
+
+    def __enter__(self) -> "HeldInterrupts":
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if callable(old):
+                self._old = old
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if self._got is None:
+            self._got = (signum, frame)
+            return
+        self._got = None  # a second one: at once
+        self._restore()
+        self._old(signum, frame)
+
+    def _restore(self) -> None:
+        if self._old is not None and signal.getsignal(signal.SIGINT) == self._hold:
+            signal.signal(signal.SIGINT, self._old)
+
+    @property
+    def pending(self) -> bool:
+        return self._got is not None
+
+    def deliver(self) -> None:
+        """Run the held signal's handler (it raises `KeyboardInterrupt` by default), once."""
+        got, self._got = self._got, None
+        if got is not None:
+            self._old(*got)
+
+    def __exit__(self, kind: Any, e: Any, tb: Any) -> None:
+        self._restore()
+        if kind is not None:
+            self.deliver()
 
 
 @contextlib.contextmanager
@@ -1625,19 +1682,31 @@ class DistMesh(Mesh):
         return self._start(call, x).wait()
 
     def _start(self, call: _Call, x: torch.Tensor, donate: bool = False, out: torch.Tensor | None = None) -> Pending:
-        self._check_usable()
-        if self.verify:
-            self._agree(_KIND_CALL, call)
-        what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
-        started = time.monotonic()
-        try:  # agreed (or unverified): the others start it
-            out, work = self._move(call, x, donate, out)
-        except RuntimeError as e:
-            raise self._lost(e, what, started) from e
-        except BaseException as e:
-            self._break_if_interrupted(e, what)
-            raise
-        return Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started), abandon=self.abandon)
+        """Agree on `call` and start it, with Ctrl-C held from the agreement until it is started on
+        every rank (`HeldInterrupts`): a held interrupt is raised then, the collective kept by the
+        mesh (`abandon`), which stays usable (row 177) where an interrupt inside the agreement
+        makes it unusable (row 171: a second Ctrl-C still can)."""
+        with HeldInterrupts() as held:
+            self._check_usable()
+            if self.verify:
+                self._agree(_KIND_CALL, call)
+            what = f"{call} (collective #{self._seq - 1})" if self.verify else str(call)
+            started = time.monotonic()
+            try:  # agreed (or unverified): the others start it
+                out, work = self._move(call, x, donate, out)
+            except RuntimeError as e:
+                raise self._lost(e, what, started) from e
+            except BaseException as e:
+                self._break_if_interrupted(e, what)
+                raise
+            pending = Pending(out, work, keep=x, lost=lambda e: self._lost(e, what, started), abandon=self.abandon)
+        if held.pending:
+            try:
+                held.deliver()
+            except BaseException:
+                self.abandon(pending)
+                raise
+        return pending
 
     def _p2p_tag(self, call: _Call) -> int:
         """The tag of `call`'s point-to-point exchange (gloo at N = 2): a CRC-32, in a range of its
