@@ -252,3 +252,13 @@ def test_bucket_bytes_is_a_cap_a_bucket_may_reach():
     params = {"a": torch.zeros(5), "b": torch.zeros(5)}
     assert [b.numel for b in fzero.layout.plan(params, 2, bucket_bytes=40).buckets] == [10]
     assert [b.numel for b in fzero.layout.plan(params, 2, bucket_bytes=39).buckets] == [5, 5]
+
+
+def test_named_paths_marks_only_paths_left_out():
+    """The words of many leaves: the first `limit` quoted, " ..." only where some are left out (a
+    mutation audit's survivor added it at exactly `limit`)."""
+    from fzero._src.tree import named_paths
+
+    assert named_paths(["a", "b"], limit=2) == "'a', 'b'"
+    assert named_paths(["a", "b", "c"], limit=2) == "'a', 'b' ..."
+    assert named_paths([]) == ""

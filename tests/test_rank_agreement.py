@@ -13,6 +13,7 @@ with different rules.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -62,23 +63,42 @@ def test_ranks_with_different_step_settings_raise_on_every_rank(stage, setting, 
 
 
 @pytest.mark.parametrize("impl", ["single", "fused"])
-def test_a_donating_step_launched_early_updates_nothing_where_settings_differ(impl):
+@pytest.mark.parametrize("setting, values", [("clip_norm", (None, 1.0)), ("gather", ("on_use", "eager"))])
+def test_a_donating_step_launched_early_updates_nothing_where_settings_differ(impl, setting, values, monkeypatch):
     """Rank 0 (no clipping, fused kernels) launches its update before the agreement's read; the
-    device flag from the rows skips it, so both ranks' states still hold the initial params."""
+    device flag from the rows skips it, so both ranks' states still hold the initial params. At
+    stage 0 over leaves of 8 and 4 elements, which no shard cuts: fused AdamW on the CPU refuses a
+    leaf cut by the shard, and then nothing is launched early (found in a mutation audit: the test
+    was at stage 1 over leaves of 4 and 3, launched nothing early, and passed where the flag
+    ignored the settings). With `gather` apart the flag is all that differs: rank 1 launches early
+    too."""
+    from fzero._src import agreement
+
+    early = []
+
+    class Spy(agreement.HostRead):
+        def __init__(self, *args):
+            early.append(threading.get_ident())
+            super().__init__(*args)
+
+    monkeypatch.setattr(agreement, "HostRead", Spy)
+    params = {"w": torch.arange(1.0, 9.0), "b": torch.linspace(-1.0, 1.0, 4)}
     finals = {}
 
     def run(mesh):
-        state = fzero.init(_params(), optim.adamw(0.1, impl=impl), stage=1, mesh=mesh)
-        step = fzero.train_step(_loss, donate=True, clip_norm=None if mesh.rank == 0 else 1.0)
+        state = fzero.init(params, optim.adamw(0.1, impl=impl), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, x: (p["w"] * x.repeat(2)).square().sum() + p["b"].sum(), donate=True,
+                                **{setting: values[mesh.rank]})
         try:
             step(state, torch.ones(4))
         finally:
             finals[mesh.rank] = fzero.gather(state)  # not consumed: the step raised before its update
 
     errors = _errors(run)
-    assert all(isinstance(e, fzero.ConfigError) and "'clip_norm'" in str(e) for e in errors), errors
+    assert all(isinstance(e, fzero.ConfigError) and repr(setting) in str(e) for e in errors), errors
+    assert len(early) == (0 if impl == "single" else 1 if setting == "clip_norm" else 2), early
     for r in range(N):
-        for k, v in _params().items():
+        for k, v in params.items():
             assert torch.equal(finals[r][k], v), (r, k)
 
 
@@ -376,6 +396,10 @@ def test_a_hand_made_optimizers_lr_must_be_a_schedule_of_floats():
                                                 r"finite float >= 0"):
         mesh.run(lambda: rank_fn(lambda step: "fast"))
     mesh.run(lambda: rank_fn(lambda step: 0.1))  # a plain callable of floats is fine
+    mesh.run(lambda: rank_fn(lambda step: 0.1 * step))  # 0.0 at step 0 (a warmup's first step): >= 0 (a mutation
+    # audit's survivor refused it)
+    with pytest.raises(fzero.ConfigError, match=r"returned float -1e-09; a schedule returns a finite float >= 0"):
+        mesh.run(lambda: rank_fn(lambda step: -1e-9))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -25,7 +25,7 @@ from fzero import optim
 from fzero.testing import examples
 
 
-def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None):
+def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None, bad=float("nan")):
     params = {"a": torch.ones(5), "b": torch.ones(3)}
     mesh = fzero.SimMesh(3)
     opt = optim.adamw(0.1)
@@ -39,15 +39,17 @@ def _nan_setup(stage, on_nonfinite, locate=True, loss_fn=None):
         new, m = step(state, c)
         return state, new, m
 
-    batches = [torch.ones(5), torch.tensor([1.0, float("nan"), 1, 1, 1]), torch.ones(5)]
+    batches = [torch.ones(5), torch.tensor([1.0, bad, 1, 1, 1]), torch.ones(5)]
     return mesh, rank_fn, batches
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage):
-    """Rank 1's loss and local gradient are NaN: both are named (before, with the gradient located, the
-    loss was not; found in review)."""
-    mesh, rank_fn, batches = _nan_setup(stage, "raise")
+def test_nonfinite_gradient_raises_naming_rank_and_leaf(stage, bad):
+    """Rank 1's loss and local gradient are NaN (or inf: a mutation audit's survivor named only
+    the gradient of an inf loss): both are named (before, with the gradient located, the loss was
+    not; found in review)."""
+    mesh, rank_fn, batches = _nan_setup(stage, "raise", bad=bad)
     match = r"rank\(s\) \[1\] \(rank 1: non-finite loss and local gradient in bucket\(s\) " \
             r"\['default/float32/default'\]\); " \
             r"the reduced gradient is non-finite in 'a'\."
