@@ -157,3 +157,22 @@ def test_an_interrupt_inside_a_collectives_agreement_makes_the_next_call_raise_a
     (kind, message, seconds), = out[1]
     assert kind in ("RankFailed", "MeshError") and "did not all reach" not in message, (kind, message)
     assert seconds < T, (seconds, message)
+
+
+def collective_after_destroy():
+    mesh = fzero.DistMesh(backend="gloo", timeout=T)
+    fzero.collectives.all_reduce(torch.ones(1), mesh)
+    torch.distributed.destroy_process_group()
+    try:
+        fzero.collectives.all_reduce(torch.ones(1), mesh)
+    except fzero.MeshError as e:
+        return str(e)
+    return "returned"
+
+
+def test_a_collective_after_the_process_group_is_destroyed_says_so():
+    """Found in review: torch's "Default process group has not been initialized" (a ValueError)
+    from inside the exchange."""
+    for words in run_job(2, collective_after_destroy, timeout=3 * T):
+        assert isinstance(words, str) and "the process group is gone (torch.distributed.destroy_process_group() was " \
+               "called); a DistMesh lives as long as its group" in words, words

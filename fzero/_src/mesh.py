@@ -1595,6 +1595,11 @@ class DistMesh(Mesh):
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise type(self._broken)(f"{self!r} is unusable since an earlier collective failed: {self._broken}")
+        if not torch.distributed.is_initialized():  # found in review: torch's "Default process group has not
+            # been initialized" from inside the exchange
+            raise MeshError(f"{self!r}: the process group is gone (torch.distributed.destroy_process_group() was "
+                            f"called); a DistMesh lives as long as its group: make a new one after "
+                            f"init_process_group, or call destroy_process_group after the mesh's last use")
 
     def _gather(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         """`mine[K] -> rows[N * K]`, every rank's `mine` in rank order, waiting at most `timeout`."""
