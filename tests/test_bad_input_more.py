@@ -118,6 +118,28 @@ def test_params_whose_paths_differ_across_ranks_say_so():
         mesh.run(lambda p: fzero.init(p, optim.sgd(0.1), stage=1, mesh=mesh), [([torch.ones(3)],), ((torch.ones(3),),)])
 
 
+def test_params_of_other_leaf_counts_or_containers_name_them_alike_on_every_rank():
+    """Found in review: other leaf counts said the counts only, and other containers each rank's
+    own treespec (so the ranks' words differed)."""
+    mesh = fzero.SimMesh(3)
+
+    def words(make):
+        def rank_fn(r):
+            try:
+                fzero.init(make(r), optim.sgd(0.1), stage=1, mesh=mesh)
+            except fzero.LayoutError as e:
+                return str(e)
+        return mesh.run(rank_fn, [(0,), (1,), (2,)])
+
+    base = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
+    got = words(lambda r: base | ({"extra": torch.ones(2)} if r == 1 else {}) if r != 2 else {"w": base["w"]})
+    assert got == [got[0]] * 3 and got[0] == (
+        "params differ across ranks (world size 3): rank 0: 2 leaves, rank 1: 3 leaves, rank 2: 1 leaf (rank 1 has "
+        "'extra'; rank 2 lacks 'b', against rank 0's); every rank must pass the same pytree structure"), got
+    got = words(lambda r: [torch.ones(3)] if r == 2 else (torch.ones(3),))
+    assert got == [got[0]] * 3 and "(rank 0: PyTreeSpec((*,)); rank 2: PyTreeSpec([*]))" in got[0], got
+
+
 @pytest.mark.parametrize("n,shapes", [(2, [(2, 3), (3, 2)]), (3, [(4,), (4,), (5,)])])
 def test_params_whose_shapes_differ_across_ranks_name_every_ranks_shape(n, shapes):
     """The message names the leaf's path, each rank's path, dtype and shape (before: this rank's
@@ -226,8 +248,8 @@ def test_nonfinite_or_negative_hyperparameters_are_refused_at_construction():
     inf, nan = math.inf, math.nan
     cases = [
         (lambda: optim.sgd(inf), "lr must be finite"),
-        (lambda: optim.sgd(nan), r"lr must be in"),
-        (lambda: optim.sgd(-1.0), r"lr must be in"),
+        (lambda: optim.sgd(nan), r"lr must be a finite float >= 0.0, got nan"),
+        (lambda: optim.sgd(-1.0), r"lr must be a finite float >= 0.0, got -1.0"),
         (lambda: optim.sgd(0.1, momentum=inf), "momentum must be finite"),
         (lambda: optim.sgd(0.1, weight_decay=inf), "weight_decay must be finite"),
         (lambda: optim.sgd(0.1, maximize="no"), "maximize must be a bool"),

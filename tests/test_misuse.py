@@ -56,6 +56,43 @@ def test_init_rejects_a_torch_optimizer_naming_it():
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, torch.optim.AdamW, stage=1, mesh=mesh))
     with pytest.raises(fzero.ConfigError, match="fzero.optim optimizer"):
         mesh.run(lambda: fzero.init({"w": torch.ones(2)}, "adamw", stage=1, mesh=mesh))
+    # found in review: a factory not called, and the arguments swapped, were named by their types alone
+    with pytest.raises(fzero.ConfigError, match=r"got the function fzero.optim.adamw itself: call it with its "
+                                                r"hyper-parameters, fzero.optim.adamw\(lr, ...\)"):
+        mesh.run(lambda: fzero.init({"w": torch.ones(2)}, optim.adamw, stage=1, mesh=mesh))
+    with pytest.raises(fzero.ConfigError, match=r"got a builtins.dict \(the params\? init takes them first"):
+        mesh.run(lambda: fzero.init(optim.sgd(0.1), {"w": torch.ones(2)}, stage=1, mesh=mesh))
+
+
+def test_a_state_that_is_not_one_names_the_likely_mix_up():
+    """Found in review: a step's `(state, metrics)` pair, or the params, passed as the state were
+    named by their type alone; `apply(state, ...)` was said to miss every leaf."""
+    mesh = fzero.SimMesh(1)
+    model = nn.Linear(3, 2)
+    params, apply, _ = fzero.from_module(model)
+
+    def run():
+        state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, x: apply(p, x).sum())
+        out = step(state, torch.ones(1, 3))
+        words = []
+        for call in (lambda: step(out, torch.ones(1, 3)), lambda: fzero.gather(params), lambda: apply(state, 1.0),
+                     lambda: fzero.train_step(lambda p, x: apply(p, x).sum().item())(state, torch.ones(1, 3))):
+            with pytest.raises(fzero.FzeroError) as e:
+                call()
+            words.append(str(e.value))
+        return words
+
+    (pair, params_given, applied, a_float), = mesh.run(run)
+    assert pair == ("expected the ZeroState made by fzero.init, got tuple of (ZeroState, ...): a step returns (state, "
+                    "metrics); unpack it, state, metrics = step(state, batch)"), pair
+    assert params_given == ("expected the ZeroState made by fzero.init, got dict (the params? the state is what "
+                            "fzero.init(params, optimizer, stage=..., mesh=...) returns, and what each step returns "
+                            "first)"), params_given
+    assert applied.startswith("apply takes the params (a dict of tensors), not a ZeroState: call it inside the "
+                              "loss"), applied
+    assert a_float.endswith("got float; compute it from the params as a tensor and return that tensor: loss.item() "
+                            "or float(loss) cuts the graph the step differentiates"), a_float
 
 
 @pytest.mark.parametrize("setting, per_rank", [
@@ -66,7 +103,8 @@ def test_init_rejects_a_torch_optimizer_naming_it():
     ("align", lambda r: dict(align=1 + 3 * r)),
     # a leaf frozen on one rank only (an nn.Parameter with requires_grad=False there): the buckets
     # name their leaves' paths (before, leaf indices), so the message shows which leaf it is
-    ("buckets', .*'requires_grad=False', True, True, 1.0, \\('b", lambda r: dict(frozen=r == 1)),
+    ("buckets' \\(made of init's units= and groups=, and the params' requires_grad\\), .*\"default/float32/"
+     "requires_grad=False frozen=True weight_decay=True lr_scale=1.0 leaves=\\(", lambda r: dict(frozen=r == 1)),
 ])
 def test_init_rejects_settings_that_differ_across_ranks(setting, per_rank):
     """Before: a stage, units or optimizer mismatch surfaced later as a CollectiveMismatch of some
@@ -187,6 +225,28 @@ def test_an_update_past_the_compute_dtypes_range_is_caught(stage, donate, offloa
     with pytest.raises(fzero.NonFiniteError, match=r"made the params NaN or inf \(or past float16's range, the "
                                                    r"dtype the units compute in\).* in 'w' \(SimMesh"):
         mesh.run(rank_fn)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_update_past_the_compute_range_skipped_leaves_the_loss_scalers_state(stage):
+    """Row 67's skip: `on_nonfinite="skip"` over such an update gives back the state it was given,
+    `Metrics.skipped`, and a dynamic loss scaler's state as it was -- its update count (`iteration`)
+    and hysteresis unchanged, unlike an overflow's skip (found in review: the row said so, no test
+    checked it)."""
+    mesh, policy = fzero.SimMesh(2), fzero.Precision(torch.float16, torch.float32)
+    loss = lambda p, x: (p["w"] * x.half()).float().sum() + p["b"].float().sum()  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init({"w": torch.tensor([65000.0, 1.0]), "b": torch.full((2,), 0.5)}, optim.sgd(1e3),
+                           stage=stage, mesh=mesh, precision=policy, units=lambda path: path,
+                           loss_scale=fzero.DynamicLossScale(init_scale=2.0))
+        new, m = fzero.train_step(loss, on_nonfinite="skip")(state, torch.tensor([-1.0, 0.0]))
+        return state, new, m
+
+    for state, new, m in mesh.run(rank_fn):
+        assert m.skipped and new is state and int(new.step) == 0
+        assert int(new.loss_scale.iteration) == 0 and float(new.loss_scale.scale) == 2.0
+        assert int(new.loss_scale.hysteresis) == int(state.loss_scale.hysteresis) == 2
 
 
 @pytest.mark.parametrize("stage, donate", [(0, False), (1, True), (3, False)])

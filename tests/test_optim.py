@@ -774,7 +774,7 @@ def test_schedules_and_hyper_parameters_take_numpy_scalars():
             fo.cosine(0.1, bad)
     with pytest.raises(fo.OptimizerError, match="lr must be finite, got inf"):
         fo.sgd(np.float32("inf"))
-    with pytest.raises(fo.OptimizerError, match=r"momentum must be in \[0.0, inf\], got nan"):
+    with pytest.raises(fo.OptimizerError, match=r"momentum must be a finite float >= 0.0, got nan"):
         fo.sgd(0.1, momentum=np.float64("nan"))
     with pytest.raises(fo.OptimizerError, match="peak must be a Python float, got bool True"):
         fo.cosine(True, 10)
@@ -1028,3 +1028,16 @@ def test_init_state_given_a_leaf_count_says_leaf_shapes_are_shapes():
     rows = fo.init_state(fo.adafactor(1e-3), p, [(np.int64(4), 3)])
     assert fo.init_state(fo.adafactor(1e-3), p, [(4, 3)])._fields == rows._fields
     assert all(torch.equal(a, b) for a, b in zip(rows, fo.init_state(fo.adafactor(1e-3), p, [(4, 3)])))
+
+
+def test_a_hyper_parameter_below_its_range_says_the_range_it_must_be_in():
+    """Found in review: "[0.0, inf]" where inf is refused; a range closed at inf now reads as a
+    bound, finite where inf is refused."""
+    with pytest.raises(fo.OptimizerError, match=r"^lr must be a finite float >= 0.0, got -1.0$"):
+        fo.sgd(-1.0)
+    with pytest.raises(fo.OptimizerError, match=r"^eps must be a finite float >= 0.0, got -1.0$"):
+        fo.adamw(1e-3, eps=-1.0)
+    with pytest.raises(fo.OptimizerError, match=r"^d must be a float >= 0.0, got -1.0$"):  # inf: no clipping
+        fo.adafactor(d=-1.0)
+    with pytest.raises(fo.OptimizerError, match=r"^betas\[0\] must be in \[0.0, 1.0\), got 1.0$"):
+        fo.adamw(1e-3, betas=(1.0, 0.9))

@@ -1026,6 +1026,9 @@ def _loss_way_out(loss: Any) -> str:
                 "appending aux.detach() to a list the loss closes over, or compute it with fzero.evaluate(fn)")
     if loss is None:  # a loss_fn that computes the loss and forgets to return it (found in review)
         return "; loss_fn returned nothing: does it end with `return loss`?"
+    if isinstance(loss, (int, float)):  # (found in review: no way out)
+        return ("; compute it from the params as a tensor and return that tensor: loss.item() or float(loss) "
+                "cuts the graph the step differentiates")
     if not isinstance(loss, torch.Tensor):
         return ""
     if loss.is_complex():  # (found in review: no hint)

@@ -85,7 +85,7 @@ from .mesh import Mesh, SimMesh, simmesh_rank
 from .originals import note_born, note_originals
 from .precision import BUFFER_NOTE
 from .remat import remat_call
-from .state import _overlapping
+from .state import ZeroState, _overlapping
 
 
 class ModuleInfo(NamedTuple):
@@ -424,6 +424,10 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                 finally:
                     leave(running, depth, outer)
         if not isinstance(params, dict) or set(params) != expected:
+            if isinstance(params, ZeroState):  # (found in review: named as missing every leaf)
+                raise FzeroError("apply takes the params (a dict of tensors), not a ZeroState: call it inside the "
+                                 "loss, loss_fn(params, batch) -> apply(params, ...), where the step hands it the "
+                                 "params; outside a step, apply(fzero.gather(state), ...)")
             got = (set(params.unit_map) if isinstance(params, LazyParams) else set(params)
                    if isinstance(params, Mapping) else set())  # (a LazyParams was read as empty: found in review)
             missing, extra = sorted(expected - got), sorted(got - expected)

@@ -351,9 +351,10 @@ def init(
                             precision=(str(precision.param_dtype), str(precision.reduce_dtype)),
                             loss_scale=repr(loss_scale),
                             offload=(off.optimizer, off.params, off.ratio, off.pin, off.direct),  # not nvme_path
-                            buckets=[(b.unit, str(b.dtype), b.group.name, b.group.frozen, b.group.weight_decay,
-                                      b.group.lr_scale, tuple(layout.leaves[i].path for i in b.leaves))
-                                     for b in layout.buckets])  # paths, so that a difference names the leaves
+                            buckets=[f"{b.tag} frozen={b.group.frozen} weight_decay={b.group.weight_decay} "
+                                     f"lr_scale={b.group.lr_scale} leaves={tuple(layout.leaves[i].path for i in b.leaves)}"
+                                     for b in layout.buckets])  # paths, so that a difference names the leaves; the
+        # fields labelled (found in review: a tuple of bools and a float)
         rank = mesh.rank
         on_host = off.host_buckets(layout)
         tiers = [tier if b in on_host else None for b in range(len(layout.buckets))]
@@ -623,6 +624,12 @@ def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, Optimizer):
         what = f"the class {optimizer.__module__}.{optimizer.__qualname__}" if isinstance(optimizer, type) else (
             f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        made = str(getattr(optimizer, "__module__", "")).startswith("fzero.")
+        if callable(optimizer) and not isinstance(optimizer, type) and made:  # found in review: a factory uncalled
+            what = (f"the function fzero.optim.{optimizer.__name__} itself: call it with its hyper-parameters, "
+                    f"fzero.optim.{optimizer.__name__}(lr, ...)")
+        elif isinstance(optimizer, dict) and optimizer and all(isinstance(k, str) for k in optimizer):
+            what += " (the params? init takes them first: fzero.init(params, optimizer, stage=..., mesh=...))"
         raise ConfigError(f"optimizer must be a fzero.optim optimizer (e.g. fzero.optim.adamw(1e-3)), got {what}; "
                           f"fzero's optimizers update flat shards and are bitwise equal to torch.optim's")
     if optimizer.lr is not None and not callable(optimizer.lr):
@@ -743,7 +750,9 @@ def check_same_settings(mesh: Mesh, what: str = "fzero.init", **settings: Any) -
             for k in dict.fromkeys([*rows[0], *(k for r in ranks for k in rows[r])])
             if any(rows[r].get(k) != rows[0].get(k) for r in ranks)))
         listed = " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
-        raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name!r}, rank(s) {ranks} differ "
+        name_words = f"{name!r}" + (" (made of init's units= and groups=, and the params' requires_grad)"
+                                    if name == "buckets" else "")
+        raise ConfigError(f"{what} settings differ across ranks (world size {n}): {name_words}, rank(s) {ranks} differ "
                           f"from rank 0: {'; '.join(shown[:6]) or 'in what their descriptions hold'}"
                           f"{' ...' if len(shown) > 6 else ''}; every rank must pass the same {listed}")
 
@@ -965,7 +974,7 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
     (`lose`: its donating step raised after its update had written it in place; an NVMe tier's
     files rewritten that way say so first, as `OffloadError`)."""
     if not isinstance(state, ZeroState):
-        raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}")
+        raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}{_not_state_hint(state)}")
     consumed = getattr(state, "_consumed", None)
     if consumed is True:
         raise FzeroError(f"this state (step {int(state.step)}) was donated to a train_step(donate=True) and its "
@@ -981,6 +990,17 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
         raise FzeroError(lost_message(state, consumed))
     if pending:
         check_pending(state)
+
+
+def _not_state_hint(x: Any) -> str:
+    """The likely mix-up behind a state that is no `ZeroState` (found in review: the words named
+    the type only): a step's `(state, metrics)` pair, or the params themselves."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], ZeroState):
+        return " of (ZeroState, ...): a step returns (state, metrics); unpack it, state, metrics = step(state, batch)"
+    if isinstance(x, (dict, list)) or isinstance(x, torch.Tensor):
+        return (" (the params? the state is what fzero.init(params, optimizer, stage=..., mesh=...) returns, and "
+                "what each step returns first)")
+    return ""
 
 
 @contextlib.contextmanager
@@ -1124,9 +1144,16 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
     me = torch.tensor([len(layout.leaves), settings_crc(str(layout.treespec))], dtype=torch.int64, device=mesh.device)
     rows = all_gather(me, mesh, tag="fzero.init/structure").view(n, 2).tolist()
     if any(row[0] != rows[0][0] for row in rows):
-        counts = ", ".join(f"rank {r}: {row[0]} leaves" for r, row in enumerate(rows))
-        raise LayoutError(f"params differ across ranks (world size {n}): {counts}; every rank must pass the "
-                          f"same pytree structure")
+        counts = ", ".join(f"rank {r}: {row[0]} {'leaf' if row[0] == 1 else 'leaves'}" for r, row in enumerate(rows))
+        # every rank is here (the rows are theirs): the paths, so the words name the leaves (found in review)
+        paths = [set(json.loads(t)) for t in gather_texts(mesh, json.dumps([ls.path for ls in layout.leaves]),
+                                                          tag="fzero.init/paths")]
+        apart = "; ".join(f"rank {r} " + ", ".join(
+            f"{word} {named_paths(sorted(which), 4)}" for word, which in (("has", paths[r] - paths[0]),
+                                                                       ("lacks", paths[0] - paths[r])) if which)
+            for r in range(1, n) if paths[r] != paths[0])
+        raise LayoutError(f"params differ across ranks (world size {n}): {counts}" + (
+            f" ({apart}, against rank 0's)" if apart else "") + "; every rank must pass the same pytree structure")
     # per leaf: its path, dtype and shape (each a checksum, so the message can say which differs) and numel
     per_leaf = [[settings_crc(ls.path), settings_crc(str(ls.dtype)), settings_crc(ls.shape), ls.numel]
                 for ls in layout.leaves]
@@ -1135,9 +1162,12 @@ def check_same_layout(layout: Layout, mesh: Mesh) -> None:
     differ = (table != table[:1]).any(dim=2).any(dim=0).nonzero().flatten().tolist()
     if differ or any(row[1] != rows[0][1] for row in rows):
         if not differ:  # every leaf alike: the containers differ (a list on one rank, a tuple on another, ...)
+            specs = gather_texts(mesh, str(layout.treespec)[:400], tag="fzero.init/treespec")  # the same words
+            # on every rank (found in review: each named its own)
+            each = "; ".join(f"rank {r}: {spec}" for r, spec in enumerate(specs) if r == 0 or spec != specs[0])
             raise LayoutError(f"params differ across ranks (world size {n}): the leaves' paths, shapes and dtypes "
-                              f"agree but the pytree structure does not (rank {mesh.rank}: {layout.treespec}); every "
-                              f"rank must pass the same containers")
+                              f"agree but the pytree structure does not ({each}); every rank must pass the same "
+                              f"containers")
         i = differ[0]
         ls = layout.leaves[i]
         col = table[:, i, :]

@@ -425,7 +425,9 @@ def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi
     ok = lo <= value and (value < hi if hi_open else value <= hi)
     if not ok or math.isnan(value):
         bracket = ")" if hi_open else "]"
-        raise OptimizerError(f"{name} must be in [{lo}, {hi}{bracket}, got {value}")
+        where = (f"a {'' if allow_inf else 'finite '}float >= {lo}" if math.isinf(hi) else f"in [{lo}, {hi}{bracket}")
+        raise OptimizerError(f"{name} must be {where}, got {value}")  # (found in review: "[0.0, inf]" where
+        # inf is refused)
     if math.isinf(value) and not allow_inf:
         raise OptimizerError(f"{name} must be finite, got {value} (every update would make the params NaN or inf)")
     return value
