@@ -355,3 +355,45 @@ def test_stage_1_waits_each_reduce_scatter_once_the_next_has_started(stage):
                            ("start", "a"), ("wait", "b"), ("wait", "a")], got
         else:
             assert got == [("start", u) for u in "dcba"] + [("wait", u) for u in "abcd"], got
+
+
+def test_reduce_starts_every_buckets_all_gather_before_it_waits_for_one(monkeypatch):
+    """Stage 0 on a mesh whose all-reduce is a reduce-scatter then an all-gather (`SplitSimMesh`,
+    NCCL at N > 2), reducing after the micro-batches (`accumulate="once"`: `reduce.reduce`): every
+    bucket's all-gather is started (`Flight.advance`) before the first wait, so they overlap. A
+    mutation audit's survivor dropped the advance: the same bits, each all-gather started only
+    after the one before it was waited for."""
+    from fzero._src import stages
+
+    events = []
+    advance, wait = stages.Flight.advance, stages.Flight.wait
+
+    def spied_advance(self):
+        if self.then is not None and mesh.rank == 0:  # a flight with an all-gather to start
+            events.append(("start", id(self)))
+        return advance(self)
+
+    def spied_wait(self):
+        out = wait(self)
+        if mesh.rank == 0:
+            events.append(("waited", id(self)))
+        return out
+
+    monkeypatch.setattr(stages.Flight, "advance", spied_advance)
+    monkeypatch.setattr(stages.Flight, "wait", spied_wait)
+    mesh = SplitSimMesh(2)
+
+    def run():
+        state = fzero.init({f"l{i}": torch.ones(64) for i in range(3)}, optim.sgd(0.1), stage=0, mesh=mesh,
+                           bucket_bytes=256)
+        step = fzero.train_step(lambda p, x: sum((v * x).sum() for v in p.values()), accumulate="once",
+                                micro_batches=2)
+        if mesh.rank == 0:
+            events.clear()
+        step(state, [torch.ones(64), torch.ones(64)])
+
+    mesh.run(run)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("start") >= 3 and "waited" in kinds, events
+    first_wait = kinds.index("waited")
+    assert kinds[:first_wait].count("start") >= 3, events
