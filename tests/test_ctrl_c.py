@@ -69,8 +69,10 @@ def test_a_ctrl_c_while_agreeing_is_raised_once_the_collective_started_and_the_m
 
 def held_handler_calls():
     """`HeldInterrupts` on the main thread: a first SIGINT is held and its handler run when the
-    body returns (`deliver`), a second one runs it at once, the handler is put back; a user's
-    handler is held alike; off the main thread nothing is held."""
+    body returns (`deliver`), a second one runs it at once (for both: found in review, a user's
+    handler ran once for two, and inside a nested hold the second was taken for the outer's
+    first), the handler is put back; a user's handler is held alike; off the main thread nothing
+    is held."""
     from fzero._src.mesh import HeldInterrupts
 
     def sigint():
@@ -93,6 +95,13 @@ def held_handler_calls():
     except KeyboardInterrupt:
         seen.append(("second at once", held.pending))
     seen.append(("put back", signal.getsignal(signal.SIGINT) is signal.default_int_handler))
+    try:
+        with HeldInterrupts(), HeldInterrupts():
+            sigint()
+            sigint()
+            seen.append("nested: not raised")
+    except KeyboardInterrupt:
+        seen.append("nested: second at once")
     calls = []
     signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
     with HeldInterrupts() as held:
@@ -100,6 +109,10 @@ def held_handler_calls():
         seen.append(("user's held", list(calls)))
     held.deliver()
     seen.append(("user's run", list(calls)))
+    with HeldInterrupts() as held:
+        sigint()
+        sigint()
+        seen.append(("user's two", list(calls), held.pending))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     other = []
     thread = threading.Thread(target=lambda: other.append(HeldInterrupts().__enter__()._old))
@@ -112,7 +125,40 @@ def held_handler_calls():
 def test_held_interrupts_hold_one_sigint_and_let_a_second_through():
     out, = run_job(1, held_handler_calls, timeout=60)
     assert out == [("held", True), "delivered", ("second at once", False), ("put back", True),
-                   ("user's held", []), ("user's run", [signal.SIGINT]), ("thread", [None])], out
+                   "nested: second at once", ("user's held", []), ("user's run", [signal.SIGINT]),
+                   ("user's two", [signal.SIGINT] * 3, False), ("thread", [None])], out
+
+
+def interrupted_over_a_rank_failed():
+    """Rank 1 raises inside its guard, 1 s late; rank 0 waits for it in an all-reduce and is sent
+    SIGINT 0.3 s in. Both catch what they get and call one more all-reduce."""
+    mesh = fzero.DistMesh(backend="gloo", timeout=T)
+    fzero.collectives.all_reduce(torch.ones(1), mesh)
+    seen = []
+    try:
+        with mesh.guard():
+            if mesh.rank == 1:
+                time.sleep(1.0)
+                raise ValueError("rank 1's own error")
+            _sigint_after(0.3)
+            fzero.collectives.all_reduce(torch.ones(1), mesh)
+    except BaseException as e:  # noqa: BLE001 -- what each rank got
+        seen.append(f"{type(e).__name__} over {type(e.__context__).__name__}" if e.__context__ else type(e).__name__)
+    try:
+        seen.append(fzero.collectives.all_reduce(torch.ones(1), mesh).tolist())
+    except fzero.MeshError as e:
+        seen.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+def test_a_ctrl_c_held_over_a_rank_failed_is_not_announced_as_a_new_failure():
+    """The held interrupt comes out over the `RankFailed` every rank raised together; it is no
+    failure of rank 0's own, so its guard announces nothing and the ranks' next collective pairs
+    (found in review: announced, it met rank 1's next all-reduce, "rank 0 raised
+    KeyboardInterrupt", and rank 0's next call found rank 1 lost)."""
+    out = run_job(2, interrupted_over_a_rank_failed, timeout=3 * T)
+    assert out[0] == ["KeyboardInterrupt over RankFailed", [2.0]], out[0]
+    assert out[1] == ["ValueError", [2.0]], out[1]
 
 
 def interrupted_save(root: str):
