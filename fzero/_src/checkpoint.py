@@ -1040,6 +1040,9 @@ def save(state: ZeroState, root: str | os.PathLike, *, keep: int | None = None,
          buffers: Mapping[str, torch.Tensor] | None = None, _fail_at: str | None = None) -> str:
     """Write `state` (every rank calls it) to `root/step-<n>`, n = `int(state.step)`; its path.
 
+    A Ctrl-C (SIGINT on the main thread) during the call is held until it returns, then raised
+    (`_interrupts_held`): the checkpoint is published first; a second Ctrl-C is raised at once.
+
     One root per state: `keep` and `latest(root)` read every `step-*` folder of the root as this
     state's, so two states saved into one root (a GAN's generator and discriminator) mix, and
     `keep=` deletes the other's checkpoints (found in review).
@@ -2090,7 +2093,8 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
     """A new state for `target`'s mesh, rank, stage and settings (any world size M, any stage)
     holding the values saved at `path`; `target` (made by `fzero.init`) is not changed.
 
-    Every rank calls it, with the same checkpoint. Before the state is read, the manifest is
+    Every rank calls it, with the same checkpoint; a Ctrl-C during it is held until it returns
+    (`_interrupts_held`). Before the state is read, the manifest is
     checked against the data it was written with (`check_metadata`, and `check_record`: its step
     and seal, ~3 KB of rank 0's file), then against `target` (leaves, optimizer, lr
     schedule, scaler, precision), this rank's read plan is made (`read_plan`: only the saved
