@@ -1041,3 +1041,15 @@ def test_a_hyper_parameter_below_its_range_says_the_range_it_must_be_in():
         fo.adafactor(d=-1.0)
     with pytest.raises(fo.OptimizerError, match=r"^betas\[0\] must be in \[0.0, 1.0\), got 1.0$"):
         fo.adamw(1e-3, betas=(1.0, 0.9))
+
+
+def test_a_tensor_lr_or_hyper_parameter_is_told_to_pass_a_float():
+    """torch.optim takes a tensor lr; fzero reads it on the host as a number (found in review: the
+    words gave no way out)."""
+    import numpy as np
+
+    for lr in (torch.tensor(0.1), np.array(0.1)):
+        with pytest.raises(fo.OptimizerError, match=r"a tensor or array of one value: pass float\(lr\)"):
+            fo.adamw(lr)
+    with pytest.raises(fo.OptimizerError, match=r"eps must be a Python float, got Tensor .*; pass float\(...\) of it$"):
+        fo.adamw(0.1, eps=torch.tensor(1e-8))

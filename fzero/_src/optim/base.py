@@ -415,7 +415,8 @@ def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi
     which the step would then blame on the update) unless `allow_inf` (a threshold where inf
     means "off")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise OptimizerError(f"{name} must be a Python float, got {type(value).__name__} {value!r}")
+        hint = "; pass float(...) of it" if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else ""
+        raise OptimizerError(f"{name} must be a Python float, got {type(value).__name__} {value!r}{hint}")
     try:
         value = float(value)
     except OverflowError:  # an int (or a Fraction) beyond float's range
@@ -488,7 +489,10 @@ def as_schedule(lr: LearningRate) -> Schedule:
                 )
             return float(values[step])
     else:
-        raise OptimizerError(f"lr must be a float, a callable step -> float or a sequence of floats, got {lr!r}")
+        hint = ("; a tensor or array of one value: pass float(lr) (fzero reads the lr on the host, as a number; one "
+                "that changes is a schedule)" if hasattr(lr, "item") and getattr(lr, "ndim", None) == 0 else "")
+        raise OptimizerError(f"lr must be a float, a callable step -> float or a sequence of floats, got {lr!r}"
+                             f"{hint}")  # (the hint: found in review; torch.optim takes a tensor lr)
 
     memo: list = [(None, None)]  # [(step, its value)]: each step's value computed once (the step's
     # agreement and every bucket's update read it; a schedule object that counts its calls counts
