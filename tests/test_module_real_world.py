@@ -137,6 +137,33 @@ def test_registered_params_still_run_on_every_path():
         assert all(torch.equal(got[k], want[k]) for k in got), gather
 
 
+class _Flattening(_Tied):
+    """`_Tied` whose forward calls `rnn.flatten_parameters()` first (the DataParallel idiom; a
+    no-op on the CPU)."""
+
+    def forward(self, x):
+        self.rnn.flatten_parameters()
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("units", ["one", "per child"])
+def test_an_rnn_flattened_in_the_forward_trains_as_without(units):
+    """Found in review: `flatten_parameters()` read the copy's `_flat_weights` stand-ins (`.is_cuda`)
+    and was refused at every stage and gather, with ways out that failed too. `from_module`'s copy
+    makes it a no-op: each gather gives the steps of the model without the call."""
+    torch.manual_seed(0)
+    want = _torch_sgd(_Tied())
+    for gather in ("eager", "on_use"):
+        torch.manual_seed(0)
+        model = _Flattening()
+        params, apply, info = fzero.from_module(
+            model, units=None if units == "one" else fzero.units_by_prefix(model, ""))
+        got, _ = _train(params, apply, info, 3, gather)
+        assert all(torch.equal(got[k], want[k]) for k in got), gather
+    assert isinstance(model.rnn.flatten_parameters, types.MethodType) and (
+        model.rnn.flatten_parameters.__func__ is nn.LSTM.flatten_parameters), "the user's module is not changed"
+
+
 # -- F4: a hook holding the module or one of its parameters ----------------------------------------
 
 

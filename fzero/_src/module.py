@@ -88,6 +88,13 @@ from .remat import remat_call
 from .state import ZeroState, _overlapping
 
 
+def _no_flattening(rnn: nn.RNNBase) -> None:
+    """`nn.RNNBase.flatten_parameters` on `from_module`'s copy: nothing. The copy's weights are
+    fzero's leaves, bound per call, which cuDNN's one packed buffer cannot hold (on the CPU torch's
+    own is a no-op too); on CUDA torch then runs the RNN over the separate weights, as it does for
+    weights it finds out of one chunk."""
+
+
 class ModuleInfo(NamedTuple):
     """What `from_module` learned about a module.
 
@@ -348,6 +355,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     # functional_call (a thread's copy of the skeleton carries the hook and reads its own slots);
     # the slots are read now, before a forward could put a new tensor in one
     slots_of(skeleton)
+    for m in skeleton.modules():  # found in review: `rnn.flatten_parameters()` in a forward (the DataParallel
+        if isinstance(m, nn.RNNBase):  # idiom) read its `_flat_weights` stand-ins and was refused; the copy's
+            m.flatten_parameters = types.MethodType(_no_flattening, m)  # slots hold fzero's leaves: nothing to pack
     kept = skeleton.register_forward_hook(_keep).id  # a thread's copy runs it eager (`_eager_keep`)
     alias_table = {k: tuple(v) for k, v in aliases.items()}
     expected = set(params)
