@@ -609,7 +609,7 @@ class HeldInterrupts:
                 self.deliver()
             except BaseException as raised:
                 if _is_shared(e):  # the ranks stopped together (a RankFailed, a mismatch): the interrupt raised
-                    _mark_shared(raised)  # over it is no failure of this rank's own for `guard` to announce
+                    _mark(raised, "_fzero_shared")  # over it is no failure of this rank's own for `guard` to announce
                     # (found in review: announced, it met the other ranks' next collective out of step)
                 raise
 
@@ -629,20 +629,21 @@ def found_here() -> Iterator[None]:
 
 def _is_shared(e: BaseException) -> bool:
     """Whether `e` is a MeshError every rank raised together (not marked by `found_here`), or an
-    interrupt a `HeldInterrupts` raised over one (`_mark_shared`)."""
+    interrupt a `HeldInterrupts` raised over one (`_mark`)."""
     if isinstance(e, MeshError):
         return not e.__dict__.get("_fzero_local", False)
     return bool(getattr(e, "__dict__", {}).get("_fzero_shared", False))
 
 
-def _mark_shared(e: BaseException) -> None:
+def _mark(e: BaseException, flag: str) -> None:
+    """Set `flag` ("_fzero_shared", "_fzero_told") on `e`, read by `_is_shared` / `_marked_told`."""
     with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-        e.__dict__["_fzero_shared"] = True
+        e.__dict__[flag] = True
 
 
 def _marked_told(e: BaseException) -> bool:
     """Whether `e`, or an exception it was raised from or while handling, was announced to the
-    other ranks by a mesh's `guard` (`_mark_told`)."""
+    other ranks by a mesh's `guard` (`_mark`)."""
     seen: set[int] = set()
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
@@ -651,11 +652,6 @@ def _marked_told(e: BaseException) -> bool:
         seen.add(id(x))
         x = x.__cause__ or x.__context__
     return False
-
-
-def _mark_told(e: BaseException) -> None:
-    with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-        e.__dict__["_fzero_told"] = True
 
 
 class _Failed(NamedTuple):
@@ -975,7 +971,7 @@ class SimMesh(Mesh):
                 return
             self._round_trip(r, _Failed(_words(e, 4000)), None)  # (a str() that raises: found in review)
             self._announced[r] = self._round
-        _mark_told(e)
+        _mark(e, "_fzero_told")
 
     def _round_trip(self, r: int, call: Any, x: torch.Tensor | None) -> Any:
         """Put rank `r`'s slot `(call, x)` into the current round, complete it where every rank's
@@ -1824,7 +1820,7 @@ class DistMesh(Mesh):
             with contextlib.suppress(MeshError):
                 self._agree(_KIND_FAIL, None, _words(e))
             self._announced = self._seq
-            _mark_told(e)
+            _mark(e, "_fzero_told")
 
     def _told(self, e: BaseException) -> bool:
         """Whether the other ranks were told of this failure already: an enclosing guard of this

@@ -997,7 +997,7 @@ def _not_state_hint(x: Any) -> str:
     the type only): a step's `(state, metrics)` pair, or the params themselves."""
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], ZeroState):
         return " of (ZeroState, ...): a step returns (state, metrics); unpack it, state, metrics = step(state, batch)"
-    if isinstance(x, (dict, list)) or isinstance(x, torch.Tensor):
+    if isinstance(x, (dict, list, torch.Tensor)):
         return (" (the params? the state is what fzero.init(params, optimizer, stage=..., mesh=...) returns, and "
                 "what each step returns first)")
     return ""

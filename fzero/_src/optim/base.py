@@ -415,7 +415,7 @@ def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi
     which the step would then blame on the update) unless `allow_inf` (a threshold where inf
     means "off")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        hint = "; pass float(...) of it" if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else ""
+        hint = "; pass float(...) of it" if _one_value_array(value) else ""
         raise OptimizerError(f"{name} must be a Python float, got {type(value).__name__} {value!r}{hint}")
     try:
         value = float(value)
@@ -432,6 +432,11 @@ def check_hyper(name: str, value: Any, lo: float = 0.0, hi: float = math.inf, hi
     if math.isinf(value) and not allow_inf:
         raise OptimizerError(f"{name} must be finite, got {value} (every update would make the params NaN or inf)")
     return value
+
+
+def _one_value_array(x: Any) -> bool:
+    """Whether `x` is a 0-d tensor or array (torch's, numpy's): a number `float(x)` gives."""
+    return hasattr(x, "item") and getattr(x, "ndim", None) == 0
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -490,7 +495,7 @@ def as_schedule(lr: LearningRate) -> Schedule:
             return float(values[step])
     else:
         hint = ("; a tensor or array of one value: pass float(lr) (fzero reads the lr on the host, as a number; one "
-                "that changes is a schedule)" if hasattr(lr, "item") and getattr(lr, "ndim", None) == 0 else "")
+                "that changes is a schedule)" if _one_value_array(lr) else "")
         raise OptimizerError(f"lr must be a float, a callable step -> float or a sequence of floats, got {lr!r}"
                              f"{hint}")  # (the hint: found in review; torch.optim takes a tensor lr)
 
