@@ -505,3 +505,48 @@ def test_a_checkpointed_unit_writing_its_input_in_place_is_refused():
         _sgd_against_torch(_InPlace, _ce, _XY, 0, remat=True)
     got, want, _, _ = _sgd_against_torch(_InPlace, _ce, _XY, 0, remat=False)
     _assert_same(got, want)
+
+
+class _TorchCheckpointed(torch.nn.Module):
+    """Block `b` run through `torch.utils.checkpoint` (non-reentrant), as a migrating script does;
+    `remat=True` calls it directly, for `from_module(remat={"b"})`."""
+
+    def __init__(self, remat=False):
+        super().__init__()
+        self.a, self.b = (torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4)) for _ in range(2))
+        self.remat = remat
+
+    def forward(self, x):
+        h = self.a(x)
+        return (self.b(h) if self.remat else torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=False)).sum()
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_torch_utils_checkpoint_in_a_from_module_forward_is_refused_naming_remat(stage, gather):
+    """Its recompute runs in backward, after `apply` returned, over the meta stand-ins of
+    from_module's copy: a `ConfigError` naming the parameter and `remat` (before: torch's "Tensor
+    on device meta is not on the expected device cpu!", found in review; bad-input row 247). The
+    way out it names, `from_module(remat={"b"})` with `b` called directly, trains, with the bits of
+    the run without checkpointing."""
+    def run(model, remat):
+        torch.manual_seed(0)
+        params, apply, _ = fzero.from_module(model, units=lambda path: path.split(".")[0],
+                                              remat=remat)
+        mesh = fzero.SimMesh(2)
+
+        def rank():
+            state = fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=stage)
+            step = fzero.train_step(lambda p, x: apply(p, x), gather=gather)
+            return fzero.gather(step(state, torch.ones(2, 4) * (1 + mesh.rank))[0])
+        return mesh.run(rank)
+
+    torch.manual_seed(1)
+    with pytest.raises(fzero.ConfigError, match=r"parameter 'b\.0\.weight' \(float32\[4\]\) was used \(layer_norm\) "
+                                                r"in backward, after from_module's apply returned.*torch\.utils\."
+                                                r"checkpoint.*from_module\(model, remat=\[\.\.\.\]\)"):
+        run(_TorchCheckpointed(), None)
+    torch.manual_seed(1)
+    model = _TorchCheckpointed(remat=True)
+    with_remat, without = run(model, {"b"}), run(model, None)
+    assert all(torch.equal(with_remat[0][k], without[0][k]) for k in without[0])

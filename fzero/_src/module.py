@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .collectives import broadcast
+from .collectives import broadcast, in_backward
 from .eager import eager
 from .errors import ConfigError, FzeroError, LayoutError, said
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
@@ -341,8 +341,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     _check_hooks(module)
     _check_units(params, units, aliases)
     remat_units = _remat_units(module, aliases, units, remat)
-    placeholders = {id(p): _Unbound(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
-                    for p in module.parameters()}
+    placeholders = {id(p): _Unbound.standing_for(p, name) for name, p in module.named_parameters()}
     try:
         skeleton = copy.deepcopy(module, memo=dict(placeholders))  # shared params stay shared placeholders
     except RuntimeError as e:  # a tensor attribute computed from a parameter (prune, the old weight_norm)
@@ -1130,15 +1129,37 @@ class _Unbound(nn.Parameter):
     `copy.deepcopy` put where the module also holds the parameter outside `_parameters` (`self._refs
     = [self.w2]`), which no path rebinds: the dict path (`gather="eager"`, `fzero.gather`'s
     output) got the meta tensor there too (found in review); the error then names where it is
-    held (`_held_elsewhere`), and not `gather="eager"`."""
+    held (`_held_elsewhere`), and not `gather="eager"`. Outside every `apply`, a use in backward is a
+    recompute of the forward after `apply` returned (`torch.utils.checkpoint` around a submodule):
+    `ConfigError` naming the parameter (`alias`, kept by `copy.deepcopy`) and `remat`; before, torch's
+    "Tensor on device meta" (found in review)."""
+
+    alias: str
+
+    @classmethod
+    def standing_for(cls, p: torch.Tensor, alias: str) -> _Unbound:
+        """The stand-in for parameter `p`, registered as `alias`."""
+        stand_in = cls(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        stand_in.alias = alias
+        return stand_in
+
+    def __deepcopy__(self, memo: dict) -> _Unbound:
+        if id(self) not in memo:
+            memo[id(self)] = type(self).standing_for(self, self.alias)
+        return memo[id(self)]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         unbound = _RUNNING.unbound
-        if unbound and func not in _METADATA and not _dynamo_probing():
-            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if id(t) in unbound:
-                    raise _unbound_error(t, *unbound[id(t)], func)
+        if func not in _METADATA and not _dynamo_probing():
+            if unbound:
+                for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    if id(t) in unbound:
+                        raise _unbound_error(t, *unbound[id(t)], func)
+            elif in_backward():
+                for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                    if isinstance(t, _Unbound):
+                        raise _recomputed_error(t, func)
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})  # as nn.Parameter's
 
 
@@ -1201,6 +1222,19 @@ def _unbound_error(t: torch.Tensor, alias: str, unit: str, root: nn.Module | Non
         f"stand-in for it (gather='on_use' binds a unit only while its home submodule runs). Read it "
         f"inside that submodule, put it in a unit whose home runs around the read (units=..., e.g. "
         f"the parent's), or use train_step(gather='eager')")
+
+
+def _recomputed_error(t: _Unbound, func: Any) -> ConfigError:
+    """The error for stand-in `t` used in backward with no `apply` running: a recompute of the
+    forward (torch.utils.checkpoint's) after `apply` returned."""
+    shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    return ConfigError(
+        f"parameter {t.alias!r} ({shape}) was used ({_op_name(func)}) in backward, after from_module's apply "
+        f"returned: a recompute of the forward (torch.utils.checkpoint around a submodule?). apply binds the "
+        f"parameters only while it runs, so a recompute after it reads the meta stand-in that from_module's copy "
+        f"of the module holds, never the values being trained. Recompute with fzero's own instead: "
+        f"from_module(model, remat=[...]) naming the units to recompute (it binds their parameters again in "
+        f"backward), and call the submodule directly in the forward")
 
 
 _REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})
