@@ -18,6 +18,7 @@ from fzero._src.errors import OffloadError as OffloadError
 from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import GroupHoldsNoLeaf as GroupHoldsNoLeaf
+from fzero._src.originals import ModuleWrittenAfterInit as ModuleWrittenAfterInit
 from fzero._src.layout import ParamGroup as ParamGroup
 from fzero._src.evaluate import evaluate as evaluate
 from fzero._src.gathering import DivergentPaths as DivergentPaths
@@ -71,6 +72,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Metrics",
+    "ModuleWrittenAfterInit",
     "ModuleCompileDropped",
     "StepConfig",
     "ModuleInfo",

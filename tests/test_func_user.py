@@ -463,3 +463,30 @@ def test_a_complex_loss_is_told_to_make_it_real():
     """A 0-d complex loss read "must return a 0-d floating tensor", no way out (found in review)."""
     _loss_error(lambda p, x: torch.complex(_loss(p, x), _loss(p, x))).match(
         r"got Tensor torch.complex(64|128) torch.Size\(\[\]\); make it real, e.g. loss.abs\(\) or loss.real")
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_ema_kept_over_state_params_gathers_to_the_ema_of_the_gathered_params(stage, donate):
+    """README's EMA recipe: an EMA kept element-wise over `state.params` (the rank's flat buffers,
+    its shard at stage 3; cloned at the start: a donating step updates those buffers in place, and
+    without the clone the EMA's first term is the updated params)
+    and read with `fzero.gather(state.replace(params=ema))` is, bit for bit, the EMA of the gathered
+    params kept on every rank (element-wise, so the same ops per element; a shard's padding stays
+    out of `gather`)."""
+    mesh, decay = fzero.SimMesh(2), 0.75
+
+    def rank_fn():
+        state = fzero.init(P, optim.adamw(LR), stage=stage, mesh=mesh)
+        step = fzero.train_step(_loss, donate=donate)
+        ema = tuple(p.clone() for p in state.params)
+        full_ema = {k: v.clone() for k, v in fzero.gather(state).items()}
+        for i in range(3):
+            state, _ = step(state, _x(mesh.rank + i))
+            ema = tuple(decay * e + (1 - decay) * p for e, p in zip(ema, state.params))
+            full_ema = {k: decay * e + (1 - decay) * fzero.gather(state)[k] for k, e in full_ema.items()}
+        return fzero.gather(state.replace(params=ema)), full_ema, fzero.gather(state)
+
+    for from_shards, from_full, params in mesh.run(rank_fn):
+        assert_trees_equal(from_shards, from_full)
+        assert not torch.equal(from_shards["w"], params["w"])

@@ -206,3 +206,80 @@ def test_a_read_on_the_second_micro_batch_only_is_refused():
     with pytest.raises(fzero.ConfigError, match=r"'2.weight' \(Sequential\)"):
         mesh.run(rank)
     assert seen == [0, 1]  # refused at the second micro-batch's loss, before its backward
+
+
+def _written_run(write, stage=0, steps=2, between=None):
+    """A two-layer model through from_module, `write(model, phase)` called with phase "before init"
+    and "after init", two SGD steps at N = 2 (`between(model, info, gathered params, rank)` after the first);
+    returns rank 0's trained params and the ModuleWrittenAfterInit warnings."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    params, apply, info = fzero.from_module(model)
+    write(model, "before init")
+    mesh = fzero.SimMesh(2)
+
+    def rank():
+        state = fzero.init(params, optim.sgd(0.1), mesh=mesh, stage=stage)
+        if mesh.rank == 0:
+            write(model, "after init")
+        step = fzero.train_step(lambda p, x: apply(p, x).square().sum())
+        for i in range(steps):
+            if i == 1 and between is not None:
+                between(model, info, fzero.gather(state), mesh.rank)
+            state, _ = step(state, torch.full((2, 3), 1.0 + mesh.rank))
+        return fzero.gather(state)
+
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mesh.run(rank)[0]
+    return out, [w for w in caught if issubclass(w.category, fzero.ModuleWrittenAfterInit)]
+
+
+_PRETRAINED = {"0.weight": torch.full((4, 3), 0.5), "0.bias": torch.zeros(4), "1.weight": torch.full((1, 4), 0.25),
+               "1.bias": torch.zeros(1)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_weights_loaded_into_the_module_after_init_warn_at_the_first_step(stage):
+    """`model.load_state_dict(pretrained)` after `fzero.init` (found in review of a user migrating a
+    torch script): the state trains init's copies, as before, and its first step warns
+    `ModuleWrittenAfterInit` naming the parameters (bad-input row 248); loaded before init, the same
+    weights are trained from, with no warning; so is an `assign=True` load before init refused to go
+    silently (the module then holds tensors init never copied)."""
+    def after(model, phase):
+        if phase == "after init":
+            model.load_state_dict(_PRETRAINED)
+
+    def before(model, phase):
+        if phase == "before init":
+            model.load_state_dict(_PRETRAINED)
+
+    untouched, none = _written_run(lambda model, phase: None, stage)
+    loaded_after, warned = _written_run(after, stage)
+    loaded_before, silent = _written_run(before, stage)
+    assert none == [] and silent == []
+    assert len(warned) >= 1 and all(torch.equal(loaded_after[k], untouched[k]) for k in untouched)
+    assert "'0.bias', '0.weight', '1.bias', '1.weight' of the Sequential" in str(warned[0].message)
+    assert "fzero.init({name: sd[name] for name in params}, ...)" in str(warned[0].message)
+    assert warned[0].filename == __file__  # the user's line, past torch's wrapper of the step
+    assert not torch.equal(loaded_before["0.weight"], untouched["0.weight"])
+
+    def assigned(model, phase):
+        if phase == "before init":
+            model.load_state_dict(_PRETRAINED, assign=True)
+
+    _, replaced = _written_run(assigned, stage)
+    assert len(replaced) >= 1 and "'0.bias', '0.weight', '1.bias', '1.weight'" in str(replaced[0].message)
+
+
+def test_trained_values_written_back_between_steps_do_not_warn():
+    """Only the first step checks: writing the trained values back into the module between steps
+    (`model.load_state_dict(info.state_dict(fzero.gather(state)))`, to evaluate it with torch) is how
+    the module is used, and warns nothing."""
+    def write_back(model, info, full, rank):
+        if rank == 0:  # (one module: SimMesh's ranks are threads of one process)
+            model.load_state_dict(info.state_dict(full))
+
+    _, warned = _written_run(lambda model, phase: None, between=write_back)
+    assert warned == []

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 class FzeroError(Exception):
     """Base class of every error fzero raises on purpose."""
@@ -66,13 +68,15 @@ def said(e: BaseException) -> str:
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fzero/
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch/
 
 
 def outside_stacklevel() -> int:
     """The `stacklevel` at which `warnings.warn`, called by this function's caller, names the first
-    frame outside fzero (the user's line), however many of fzero's own calls lie between."""
+    frame outside fzero and torch (the user's line), however many of fzero's own calls lie between,
+    and torch's wrappers of them (`torch.compiler.disable` around the step)."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, _TORCH)):
         frame, level = frame.f_back, level + 1
     return level
 

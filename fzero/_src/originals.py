@@ -29,13 +29,14 @@ module's docs say the original keeps the values it had.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .errors import ConfigError, LayoutError
+from .errors import ConfigError, LayoutError, outside_stacklevel
 from .layout import _group_of, unwrapped
 from .tree import flatten_with_paths
 
@@ -85,11 +86,28 @@ class _Born(NamedTuple):
 
 class _Link(NamedTuple):
     """A leaf of a state made by `fzero.init` of a `_Born` tensor: its path, whether the state
-    trains it, and where it came from."""
+    trains it, where it came from, and the module's parameter as `fzero.init` copied it (`_seen`;
+    None where the module then held another than the tensor `init` copied)."""
 
     path: str
     trains: bool
     born: _Born
+    copied: tuple | None
+
+
+class ModuleWrittenAfterInit(UserWarning):
+    """The first step of a state `fzero.init` made of `from_module`'s params found parameters of
+    the module written or replaced since `init` copied them (`warn_written_module`)."""
+
+
+_UNSTEPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout no step has run under yet -> True
+
+
+def _seen(t: torch.Tensor) -> tuple:
+    """What tells a write or a replacement of parameter `t` apart: its storage, view and version
+    counter (which an in-place write, `load_state_dict`'s `copy_`, moves; an inference tensor has
+    none, and torch raises where it is read)."""
+    return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, None if t.is_inference() else t._version
 
 
 def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
@@ -115,12 +133,44 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
     by_path = dict(zip(paths, leaves))
     born = [(spec, _BORN[leaf]) for spec in layout.leaves
             if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN]
-    links = tuple(_Link(spec.path, not spec.group.frozen, b) for spec, b in born)
+    links = tuple(_Link(spec.path, not spec.group.frozen, b, _copied(b, by_path[spec.path])) for spec, b in born)
     tied = [(spec, b) for spec, b in born if b.ties]
     if tied and groups:
         _refuse_groups_by_alias(tied, by_path, groups)
     if links:
         _LINKS[layout] = links
+        _UNSTEPPED[layout] = True
+
+
+def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
+    """`_seen` of the module's parameter of `born` as `fzero.init` copies `leaf`, None where the
+    module holds another tensor there now (replaced between `from_module` and `init`)."""
+    p = _now(born)
+    return _seen(p) if p is not None and _same_storage(p, leaf) else None
+
+
+def warn_written_module(layout: Any) -> None:
+    """At the first step under `layout`: `ModuleWrittenAfterInit` (at the user's line) naming the
+    module's parameters that are not as `fzero.init` copied them -- written in place since
+    (`model.load_state_dict(pretrained)` after `init`) or replaced (`assign=True`, before or after
+    `init`). The state trains `init`'s copies, so pretrained weights loaded there were not trained
+    from, silently (found in review of a user migrating a torch script). Later steps are not
+    checked: the module keeps `from_module`'s values while the state trains, and writing trained
+    values back into it between steps (`load_state_dict(info.state_dict(...))`) is how it is used.
+    A warning, not an error: the state is as `init` made it, which may be what was meant."""
+    if _UNSTEPPED.pop(layout, None) is None:
+        return
+    written = [link for link in _LINKS.get(layout, ())
+               if (p := _now(link.born)) is not None and (link.copied is None or _seen(p) != link.copied)]
+    if written:
+        names = ", ".join(repr(link.born.name) for link in written[:4]) + (
+            f" and {len(written) - 4} more" if len(written) > 4 else "")
+        warnings.warn(ModuleWrittenAfterInit(
+            f"parameters {names} of the {_kind(written[0].born)} given to fzero.from_module were written or replaced "
+            f"since fzero.init copied them (model.load_state_dict(...) after init?): the state trains init's copies, "
+            f"so those values are not trained from. Load weights into the module before fzero.init (from_module's "
+            f"params share its storage until init copies them), or init from them: fzero.init({{name: sd[name] for "
+            f"name in params}}, ...)"), stacklevel=outside_stacklevel())
 
 
 def tied_names(layout: Any) -> dict[str, str]:

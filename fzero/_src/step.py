@@ -59,7 +59,7 @@ from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, sai
 from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
-from .originals import refuse_changed_module, refuse_original_reads
+from .originals import refuse_changed_module, refuse_original_reads, warn_written_module
 from .plan import _probes, step_plan
 from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
@@ -245,6 +245,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         _check_master_differentiated_with_its_copy(state)
         refuse_changed_module(state.layout)  # a module flag or tie changed since from_module (docs/bad-input.md
         # rows 211, 216)
+        warn_written_module(state.layout)  # at its first step: the module written since init copied it (row 248)
         _check_no_inference_state_donated(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
