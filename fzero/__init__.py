@@ -38,6 +38,7 @@ from fzero._src.stages import Stage as Stage
 from fzero._src.state import StateInfo as StateInfo
 from fzero._src.state import ZeroState as ZeroState
 from fzero._src.state import gather as gather
+from fzero._src.state import own_values as own_values
 from fzero._src.state import init as init
 from fzero._src.step import Metrics as Metrics
 from fzero._src.config import StepConfig as StepConfig
@@ -94,6 +95,7 @@ __all__ = [
     "from_module",
     "gather",
     "init",
+    "own_values",
     "accounting",
     "checkpoint",
     "collectives",

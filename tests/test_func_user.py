@@ -465,28 +465,60 @@ def test_a_complex_loss_is_told_to_make_it_real():
         r"got Tensor torch.complex(64|128) torch.Size\(\[\]\); make it real, e.g. loss.abs\(\) or loss.real")
 
 
+_KEEPS = {"fp32": {}, "bf16": {"precision": fzero.Precision(torch.bfloat16, torch.float32)},
+          "offload": {"offload": fzero.Offload(optimizer="cpu")}}
+
+
+@pytest.mark.parametrize("keep", sorted(_KEEPS))
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_an_ema_kept_over_state_params_gathers_to_the_ema_of_the_gathered_params(stage, donate):
-    """README's EMA recipe: an EMA kept element-wise over `state.params` (the rank's flat buffers,
-    its shard at stage 3; cloned at the start: a donating step updates those buffers in place, and
-    without the clone the EMA's first term is the updated params)
-    and read with `fzero.gather(state.replace(params=ema))` is, bit for bit, the EMA of the gathered
-    params kept on every rank (element-wise, so the same ops per element; a shard's padding stays
-    out of `gather`)."""
+def test_an_ema_kept_over_own_values_gathers_to_the_ema_of_the_gathered_params(stage, donate, keep):
+    """README's EMA recipe: an EMA kept element-wise over `fzero.own_values(state)` (the rank's
+    flat buffers `gather` reads: its shard at stage 3, the fp32 master where the state keeps one,
+    under a bf16 policy at stages 1-2 and under `Offload`; cloned at the start, as a donating step
+    updates them in place) and read with `fzero.gather(state, values=ema)` is, bit for bit, the EMA
+    of the gathered params kept on every rank (element-wise, in the same dtype, so the same ops per
+    element; a shard's padding stays out of `gather`). Found in review: the first recipe, over
+    `state.params` through `state.replace(params=ema)`, gave the trained params where a master
+    exists (gather reads the master), and a bf16 EMA under the policy."""
     mesh, decay = fzero.SimMesh(2), 0.75
+    if keep == "offload" and stage == 0:
+        pytest.skip("Offload(optimizer='cpu') needs stage >= 1")
 
     def rank_fn():
-        state = fzero.init(P, optim.adamw(LR), stage=stage, mesh=mesh)
-        step = fzero.train_step(_loss, donate=donate)
-        ema = tuple(p.clone() for p in state.params)
+        state = fzero.init({k: v.float() for k, v in P.items()}, optim.adamw(LR), stage=stage, mesh=mesh,
+                           **_KEEPS[keep])
+        step = fzero.train_step(lambda p, x: _loss(p, x.to(p["w"].dtype)), donate=donate)
+        ema = tuple(t.clone() for t in fzero.own_values(state))
         full_ema = {k: v.clone() for k, v in fzero.gather(state).items()}
         for i in range(3):
-            state, _ = step(state, _x(mesh.rank + i))
-            ema = tuple(decay * e + (1 - decay) * p for e, p in zip(ema, state.params))
+            state, _ = step(state, _x(mesh.rank + i).float())
+            ema = tuple(decay * e + (1 - decay) * t for e, t in zip(ema, fzero.own_values(state)))
             full_ema = {k: decay * e + (1 - decay) * fzero.gather(state)[k] for k, e in full_ema.items()}
-        return fzero.gather(state.replace(params=ema)), full_ema, fzero.gather(state)
+        return fzero.gather(state, values=ema), full_ema, fzero.gather(state)
 
-    for from_shards, from_full, params in mesh.run(rank_fn):
-        assert_trees_equal(from_shards, from_full)
-        assert not torch.equal(from_shards["w"], params["w"])
+    for from_own, from_full, params in mesh.run(rank_fn):
+        assert_trees_equal(from_own, from_full)
+        assert not torch.equal(from_own["w"], params["w"])
+
+
+def test_gather_values_that_do_not_fit_name_the_bucket_and_what_fits():
+    """`gather(state, values=...)` of the wrong count or a bucket of another shape or dtype: a
+    `ConfigError` naming the bucket and what `own_values` holds there (and the world size)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
+        own = fzero.own_values(state)
+        errors = []
+        for bad in (own[0], [*own, own[0]], [t.float() for t in own], [t[:-1] for t in own]):
+            with pytest.raises(fzero.ConfigError) as e:
+                fzero.gather(state, values=bad)
+            errors.append(str(e.value))
+        return errors
+
+    for words in mesh.run(rank_fn):
+        assert "takes one tensor per bucket, 1 here" in words[0] and "got a tensor float64[5]" in words[0]
+        assert "got 2 values" in words[1]
+        assert "takes float64[5], as fzero.own_values(state) holds it on rank" in words[2]
+        assert "of 2, got float32[5]" in words[2] and "got float64[4]" in words[3]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -149,26 +150,32 @@ def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
     return _seen(p) if p is not None and _same_storage(p, leaf) else None
 
 
-def warn_written_module(layout: Any) -> None:
+def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool]) -> None:
     """At the first step under `layout`: `ModuleWrittenAfterInit` (at the user's line) naming the
     module's parameters that are not as `fzero.init` copied them -- written in place since
     (`model.load_state_dict(pretrained)` after `init`) or replaced (`assign=True`, before or after
-    `init`). The state trains `init`'s copies, so pretrained weights loaded there were not trained
-    from, silently (found in review of a user migrating a torch script). Later steps are not
-    checked: the module keeps `from_module`'s values while the state trains, and writing trained
-    values back into it between steps (`load_state_dict(info.state_dict(...))`) is how it is used.
-    A warning, not an error: the state is as `init` made it, which may be what was meant."""
+    `init`) -- and whose values the state does not hold (`holds(path, p)`: this rank's part of the
+    leaf, compared only where a write or a replacement was seen). The state trains `init`'s
+    copies, so pretrained weights loaded there were not trained from, silently (found in review
+    of a user migrating a torch script). The state's own values written back (`load_state_dict(
+    info.state_dict(fzero.gather(state)))` to evaluate with torch before training, a GAN loop
+    syncing its critic first) pass: found in review of the first version, which warned on any
+    write. Not seen: a write through `.data` (`p.data.copy_(...)`), which moves no version counter
+    of `p`. Later steps are not checked: the module keeps `from_module`'s values while the state
+    trains, and writing trained values back into it between steps is how it is used. A warning,
+    not an error: the state is as `init` made it, which may be what was meant."""
     if _UNSTEPPED.pop(layout, None) is None:
         return
     written = [link for link in _LINKS.get(layout, ())
-               if (p := _now(link.born)) is not None and (link.copied is None or _seen(p) != link.copied)]
+               if (p := _now(link.born)) is not None and (link.copied is None or _seen(p) != link.copied)
+               and not holds(link.path, p)]
     if written:
         names = ", ".join(repr(link.born.name) for link in written[:4]) + (
             f" and {len(written) - 4} more" if len(written) > 4 else "")
         warnings.warn(ModuleWrittenAfterInit(
             f"parameters {names} of the {_kind(written[0].born)} given to fzero.from_module were written or replaced "
-            f"since fzero.init copied them (model.load_state_dict(...) after init?): the state trains init's copies, "
-            f"so those values are not trained from. Load weights into the module before fzero.init (from_module's "
+            f"since fzero.init copied them (model.load_state_dict(...) after init?), with values this rank's state "
+            f"does not hold: the state trains init's copies, so those values are not trained from. Load weights into the module before fzero.init (from_module's "
             f"params share its storage until init copies them), or init from them: fzero.init({{name: sd[name] for "
             f"name in params}}, ...)"), stacklevel=outside_stacklevel())
 

@@ -32,7 +32,7 @@ from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
                          optimizer_words, spec_of)
 from .originals import link_layout, tied_names
-from .precision import FULL, Precision, leaves_words, warn_no_master
+from .precision import FULL, Precision, _shown, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
 from .tree import NAMESPACE, flatten_with_paths, named_paths, unflatten
@@ -786,9 +786,10 @@ def _numbered(pairs: list[list[str]]) -> dict[str, str]:
     return out
 
 
-def gather(state: ZeroState) -> Any:
+def gather(state: ZeroState, *, values: Sequence[torch.Tensor] | None = None) -> Any:
     """The full params pytree of `state` (original structure and dtypes), on every rank; fresh
-    tensors.
+    tensors. With `values` (per bucket, tensors shaped as `own_values(state)`'s), the pytree of
+    those in place of the state's own: an EMA of the weights kept per rank (README).
 
     Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so where a
     rank is in a step meanwhile both raise, `CollectiveMismatch` here and `DivergentPaths` or
@@ -803,19 +804,66 @@ def gather(state: ZeroState) -> Any:
     """
     with checked(state):
         _refuse_derivative(state)
-        return _gathered(state)
+        return _gathered(state, None if values is None else _fitting_values(state, values))
 
 
-def _gathered(state: ZeroState) -> Any:
-    """`gather`'s values, read under `torch.no_grad()`, one unit gathered at a time."""
+def own_values(state: ZeroState) -> tuple[torch.Tensor, ...]:
+    """Per bucket, this rank's values that `gather` reads: the master where the state keeps one
+    (`state.master[i]`: fp32 under a bf16 policy at stages 1-2, on the host under `Offload`; a
+    fresh host copy of the file under an NVMe tier), else `state.params[i]` (the rank's shard
+    where the stage shards params). The state's own tensors otherwise, not copies: a donating step
+    updates them in place. An EMA kept over them, element-wise, gathers with `gather(state,
+    values=ema)` to the EMA of the gathered params bit for bit, in the master's dtype where there
+    is one (an EMA over a bf16 `state.params` would be kept in bf16; found in review)."""
+    with checked(state):
+        return tuple(p if m is None else master_values(state, b) for b, (p, m) in enumerate(zip(state.params, state.master)))
+
+
+def holds_leaf(state: ZeroState, path: str, p: torch.Tensor) -> bool:
+    """Whether this rank's own values of leaf `path` (`own_values`' part of it: all of it where
+    the bucket is whole here, the part in this rank's shard where sharded, none at all there
+    passing) equal the matching elements of `p`, compared in `p`'s dtype on its device.
+    `ModuleWrittenAfterInit`'s check of a module parameter written since `init`."""
+    with torch.no_grad():
+        spec = next(leaf for leaf in state.layout.leaves if leaf.path == path)
+        b = state.layout.buckets[spec.bucket]
+        own = state.params[b.index] if state.master[b.index] is None else master_values(state, b.index)
+        start = 0 if own.numel() == b.padded_numel else state.mesh.rank * b.shard_numel
+        lo, hi = max(spec.offset, start), min(spec.offset + spec.numel, start + own.numel())
+        if lo >= hi or tuple(p.shape) != spec.shape:
+            return lo >= hi
+        mine = own[lo - start:hi - start].to(device=p.device, dtype=p.dtype)
+        return torch.equal(mine, p.detach().reshape(-1)[lo - spec.offset:hi - spec.offset])
+
+
+def _fitting_values(state: ZeroState, values: Any) -> tuple[torch.Tensor, ...]:
+    """`values` as `gather` reads them, or `ConfigError` naming the bucket, what it got and what
+    `own_values(state)` holds there (its shape and dtype, without reading an NVMe file)."""
+    own = [p if m is None else m for p, m in zip(state.params, state.master)]
+    if isinstance(values, torch.Tensor) or not isinstance(values, Sequence) or len(values) != len(own):
+        got = (f"a tensor {_shown(values)}" if isinstance(values, torch.Tensor) else
+               f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__)
+        raise ConfigError(f"gather(state, values=...) takes one tensor per bucket, {len(own)} here (as "
+                          f"fzero.own_values(state) returns them), got {got}")
+    for b, (v, o) in enumerate(zip(values, own)):
+        if not isinstance(v, torch.Tensor) or v.shape != o.shape or v.dtype != o.dtype:
+            got = _shown(v) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ConfigError(f"gather(state, values=...): bucket {state.layout.buckets[b].tag!r} takes "
+                              f"{_shown(o)}, as fzero.own_values(state) holds it on rank {state.mesh.rank} of "
+                              f"{state.mesh.world_size}, got {got}")
+    return tuple(values)
+
+
+def _gathered(state: ZeroState, values: tuple[torch.Tensor, ...] | None = None) -> Any:
+    """`gather`'s values (of `values` in place of `own_values(state)` where given), read under
+    `torch.no_grad()`, one unit gathered at a time."""
     with torch.no_grad():
         layout, mesh = state.layout, state.mesh
         if mesh.world_size > 1:  # its own tag first: a rank still in a step (whose gathers look alike) mismatches here
             all_gather(torch.zeros(1, device=mesh.device), mesh, tag="fzero.gather")
         leaves: list[Any] = [None] * len(layout.leaves)
         for program in unit_programs(layout, mesh, state.stage):  # no policy: read the master values
-            xs = [state.params[b.index] if state.master[b.index] is None else _master_input(state, b)
-                  for b in program.buckets]
+            xs = [_bucket_input(state, b, values) for b in program.buckets]
             # clone in a comprehension: a `for` over the views would leave its variable holding the last
             # one, and so this unit's gathered buffer alive while the next unit gathers
             clones = [t.clone() for t in gather_leaves(program, xs, cast=False)]  # one unit gathered at a time
@@ -869,11 +917,15 @@ def _reverse_tracked(tensors: Sequence[torch.Tensor]) -> bool:
     return grad_mode and any(_layers_tracked(x, grad_mode, tangents=False) for x in tensors)
 
 
-def _master_input(state: ZeroState, b: Any) -> torch.Tensor:
-    """What `gather_leaves` reads for bucket b's master values: where the stage shards params its
-    `enter` gathers the master shard itself (an offloaded stage 3); else the master shard is
-    all-gathered here into the full buffer the stage's `enter` passes through."""
-    master = master_values(state, b.index).to(state.mesh.device)
+def _bucket_input(state: ZeroState, b: Any, values: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """What `gather_leaves` reads for bucket b: the params (or `values[b]`) where the state keeps
+    no master. A master's values (or `values[b]`): where the stage shards params its `enter`
+    gathers the master shard itself (an offloaded stage 3); else the master shard is all-gathered
+    here into the full buffer the stage's `enter` passes through."""
+    own = values[b.index] if values is not None else None
+    if state.master[b.index] is None:
+        return state.params[b.index] if own is None else own
+    master = (master_values(state, b.index) if own is None else own).to(state.mesh.device)
     return master if state.stage.sharded("params") else all_gather(master, state.mesh, tag=b.tag)
 
 

@@ -44,6 +44,7 @@ immutable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -65,7 +66,7 @@ from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
 from .scale import StaticLossScale
 from .stages import Flight
-from .state import (ZeroState, broken_update, checked, consume, inference_parts, loss_scale_of, lost_by,
+from .state import (ZeroState, broken_update, checked, consume, holds_leaf, inference_parts, loss_scale_of, lost_by,
                     nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
 from .tree import flatten, flatten_with_paths, named_paths
 from .unit import HostBuffers, Probe, at_the_steps_level, differentiating, shared_zeros
@@ -245,7 +246,8 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         _check_master_differentiated_with_its_copy(state)
         refuse_changed_module(state.layout)  # a module flag or tie changed since from_module (docs/bad-input.md
         # rows 211, 216)
-        warn_written_module(state.layout)  # at its first step: the module written since init copied it (row 248)
+        warn_written_module(state.layout, functools.partial(holds_leaf, state))  # at its first step: the module
+        # written since init copied it, with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
