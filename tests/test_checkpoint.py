@@ -1038,6 +1038,7 @@ def test_buffers_that_do_not_fit_are_checkpoint_errors(tmp_path):
     with pytest.warns(ck.BuffersNotLoaded) as seen:  # (warnings' filters are global: caught around both threads)
         two.run(lambda: ck.load(kept2, state2[two.rank]))
     assert [type(w.message) for w in seen] == [ck.BuffersNotLoaded] * 2
+    assert [w.filename for w in seen] == [__file__] * 2  # the user's call of load (before: fzero's state.py)
     assert all(torch.equal(info.buffers[k], changed[k]) and not torch.equal(changed[k], before[k]) for k in before)
     mesh.run(lambda: ck.load(plain, state))  # a checkpoint without buffers: nothing to warn of
     manifest = tmp_path / "kept" / "step-1" / "manifest.json"
@@ -1098,8 +1099,10 @@ def test_keep_that_cannot_delete_an_old_checkpoint_warns_and_the_save_stands(mon
 
         monkeypatch.setattr(impl.shutil, "rmtree", refusing_rmtree)
         monkeypatch.setattr(impl.os, "rename", refusing_rename)
-        with pytest.warns(ck.OldCheckpointNotRemoved, match=r"step-2'? is saved, but the older checkpoint .*step-1"):
+        with pytest.warns(ck.OldCheckpointNotRemoved, match=r"step-2'? is saved, but the older checkpoint .*step-1"
+                          ) as seen:
             (path, want), _ = mesh.run(rank_fn)
+        assert {w.filename for w in seen} == {__file__}  # the user's call of save
         assert path == os.path.join(root, "step-2") == ck.latest(root)
         left = sorted(os.listdir(root))
         assert left == ["step-1", "step-2"] if refused == "rename" else (

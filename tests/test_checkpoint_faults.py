@@ -240,6 +240,7 @@ def test_a_function_around_a_schedule_object_warns_and_every_rank_steps_on(tmp_p
         (moved, path, refused, loaded), _ = mesh.run(rank_fn)
     texts = [str(w.message) for w in caught]
     assert len(texts) == 4, texts  # a save and a load on each rank
+    assert [w.filename for w in caught] == [__file__] * 4  # the user's save and load (before: a wrapper in fzero)
     assert all("at step 1, then" in t and "called it 8 times on every rank" in t for t in texts), texts
     assert "checkpoint.save recorded no lr values" in texts[0], texts[0]
     assert f"checkpoint.load of {path!r} compared it with none of the lr values saved" in texts[-1], texts[-1]
@@ -459,8 +460,9 @@ def test_a_root_that_cannot_be_synced_after_the_rename_warns_and_the_save_stands
         state, _ = step(fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=mesh), torch.ones(8))
         return ck.save(state, root), fzero.gather(state)
 
-    with pytest.warns(ck.CheckpointNotSynced, match=r"step-1'? is complete and in place.*could not be synced"):
+    with pytest.warns(ck.CheckpointNotSynced, match=r"step-1'? is complete and in place.*could not be synced") as seen:
         got = mesh.run(rank_fn)
+    assert {w.filename for w in seen} == {__file__}  # the user's call of save
     assert [path for path, _ in got] == [os.path.join(root, "step-1")] * 2 == [ck.latest(root)] * 2
     loaded = mesh.run(lambda: fzero.gather(ck.load(ck.latest(root), fzero.init(params(), optim.adamw(1e-3), stage=1,
                                                                                    mesh=mesh))))

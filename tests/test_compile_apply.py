@@ -231,8 +231,9 @@ def test_from_module_warns_where_compile_was_called_on_the_module():
                                                   r"Compile the loss that calls apply.*torch\.compile\(model\)"):
         fzero.from_module(model)
     model.compile(backend="eager")
-    with pytest.warns(ModuleCompileDropped, match=r"on the module \(Sequential\), submodule '2' \(Linear\)"):
+    with pytest.warns(ModuleCompileDropped, match=r"on the module \(Sequential\), submodule '2' \(Linear\)") as seen:
         fzero.from_module(model)
+    assert [w.filename for w in seen] == [__file__]  # the user's call
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -550,3 +550,25 @@ def test_torch_utils_checkpoint_in_a_from_module_forward_is_refused_naming_remat
     model = _TorchCheckpointed(remat=True)
     with_remat, without = run(model, {"b"}), run(model, None)
     assert all(torch.equal(with_remat[0][k], without[0][k]) for k in without[0])
+
+
+def test_a_backward_hook_reading_its_modules_parameter_is_refused_naming_the_hook():
+    """A module backward hook reading `m.weight.device` ran after `apply` returned, over the meta
+    stand-in (it got `meta` and no grad, found in review): the same `ConfigError` as row 247's,
+    whose words name the hook too. A hook reading the gradients it is given trains."""
+    def run(hook):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        model[1].register_full_backward_hook(hook)
+        params, apply, _ = fzero.from_module(model)
+        mesh = fzero.SimMesh(1)
+        return mesh.run(lambda: fzero.train_step(lambda p, x: apply(p, x).sum())(
+            fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=3), torch.ones(2, 4))[1].loss)
+
+    with pytest.raises(fzero.ConfigError, match=r"parameter '1\.weight' \(float32\[1, 4\]\) was used \(\.device\) in "
+                                                r"backward.*or by a backward hook reading it from the module.*a "
+                                                r"backward hook reads the gradients it is given"):
+        run(lambda m, grad_in, grad_out: m.weight.device)
+    seen = []
+    run(lambda m, grad_in, grad_out: seen.append(grad_out[0].shape))
+    assert seen == [torch.Size([2, 1])]

@@ -96,7 +96,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .collectives import broadcast, gather_rows, gather_texts
-from .errors import FzeroError, MeshError, as_int
+from .errors import FzeroError, MeshError, as_int, outside_stacklevel
 from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, HeldInterrupts, Mesh
@@ -702,9 +702,9 @@ def _lr_values(fn: Callable, steps: Sequence[int], at: int) -> tuple[dict[int, f
     return values, _lr_at(fn, at)
 
 
-def _moved_on(values: dict[int, float | None], again: float | None, at: int, what: str, stacklevel: int) -> bool:
+def _moved_on(values: dict[int, float | None], again: float | None, at: int, what: str) -> bool:
     """Whether the second read at step `at` (`_lr_values`) differs from the first: then a
-    `LrScheduleMovedOn` warning (at `stacklevel`: the caller of `save` or `load`) saying `what`
+    `LrScheduleMovedOn` warning (at the caller of `save` or `load`) saying `what`
     was not done and how many calls the reads cost."""
     if values[at] == again:
         return False
@@ -714,7 +714,7 @@ def _moved_on(values: dict[int, float | None], again: float | None, at: int, wha
         f"moves on at each call), so {what}; these reads called it {len(values) + 1} times on every rank. Pass "
         f"the object itself as the lr (fzero reads it once a step and never at a checkpoint), or a schedule of "
         f"the step"),
-        stacklevel=stacklevel)
+        stacklevel=outside_stacklevel())
     return True
 
 
@@ -730,22 +730,21 @@ def lr_record(optimizer: Any, step: int) -> list[list[Any]] | None:
     schedule that moves as it is called moves alike on every rank (found in review: rank 0 alone
     read it, and the next step's lr differed across ranks)."""
     values = _schedule_values(optimizer, [step + k for k in LR_AHEAD], step,
-                              "checkpoint.save recorded no lr values and load will compare none", 5)
+                              "checkpoint.save recorded no lr values and load will compare none")
     return None if values is None else [[s, values[s]] for s in sorted(values)]
 
 
-def _schedule_values(optimizer: Any, steps: list[int], at: int, what: str, stacklevel: int
-                     ) -> dict[int, float | None] | None:
+def _schedule_values(optimizer: Any, steps: list[int], at: int, what: str) -> dict[int, float | None] | None:
     """The optimizer's lr schedule at `steps` (`_lr_values`: None where it raises), read from the
     function under its `as_schedule` wrapper (`schedule_source`); None where it has none, or one
     `load` does not read (`_of_the_step`), or one that gives two values at `at` (`_moved_on`,
-    which warns `what` at `stacklevel`). What `lr_record` saves and `_check_lr` compares."""
+    which warns `what`). What `lr_record` saves and `_check_lr` compares."""
     schedule = getattr(optimizer, "lr", None)
     fn = None if schedule is None else schedule_source(schedule)
     if fn is None or not _of_the_step(fn):
         return None
     values, again = _lr_values(fn, steps, at)
-    return None if _moved_on(values, again, at, what, stacklevel) else values
+    return None if _moved_on(values, again, at, what) else values
 
 
 def manifest_head(state: ZeroState, buffers: dict[str, torch.Tensor] | None = None, written: int = 0,
@@ -962,7 +961,7 @@ def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None) 
         warnings.warn(CheckpointNotSynced(
             f"checkpoint.save: {final!r} is complete and in place, and fzero.checkpoint.latest(root) names it, but "
             f"its root {root!r} could not be synced after the rename ({type(e).__name__}: {e}): after a power "
-            f"loss the rename may be lost"), stacklevel=3)
+            f"loss the rename may be lost"), stacklevel=outside_stacklevel())
 
 
 def _abandon(e: BaseException, rank: int, tmp: str, final: str) -> None:
@@ -1195,7 +1194,7 @@ def _remove_old(old: str, final: str) -> None:
 
 
 def _old_not_removed(what: str, final: str) -> None:
-    warnings.warn(OldCheckpointNotRemoved(f"checkpoint.save(keep=...): {final!r} is saved, but {what}"), stacklevel=4)
+    warnings.warn(OldCheckpointNotRemoved(f"checkpoint.save(keep=...): {final!r} is saved, but {what}"), stacklevel=outside_stacklevel())
 
 
 # -- finding and checking checkpoints ------------------------------------------------------------
@@ -1329,12 +1328,11 @@ def complete(root: str | os.PathLike) -> list[str]:
     return _complete(root)
 
 
-def _complete(root: Any, stacklevel: int = 3) -> list[str]:
-    """`complete(root)`; a warning at `stacklevel` as `warnings.warn` counts it here (so that it names
-    the caller of `latest` or `complete`)."""
+def _complete(root: Any) -> list[str]:
+    """`complete(root)`; a warning names the caller of `latest` or `complete`."""
     root = _fspath(root, "root (the folder that holds the step-<n> checkpoints)")
     _check_root(root)
-    return [p for _, _, p in _found(root, stacklevel + 1)]
+    return [p for _, _, p in _found(root)]
 
 
 def _check_root(root: str) -> None:
@@ -1354,10 +1352,10 @@ def _check_root(root: str) -> None:
                               f"checkpoints, {os.path.dirname(os.path.abspath(root))!r}, or load {root!r} as it is")
 
 
-def _found(root: str, stacklevel: int = 2) -> list[tuple[int, int, str]]:
+def _found(root: str) -> list[tuple[int, int, str]]:
     """`(written, step, path)` of each complete checkpoint under `root`, sorted; those written
-    last whose manifest is not the one sealed in their data left out (`_sealed_last`; its warning
-    at `stacklevel` as `warnings.warn` counts it here)."""
+    last whose manifest is not the one sealed in their data left out (`_sealed_last`, with a
+    warning at the user's line)."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -1373,14 +1371,14 @@ def _found(root: str, stacklevel: int = 2) -> list[tuple[int, int, str]]:
         if _files_present(path, manifest):
             found.append((manifest.get("written", 0), int(m.group(1)), path, manifest))
     found.sort(key=lambda f: f[:3])
-    return [f[:3] for f in _sealed_last(root, found, stacklevel + 1)]
+    return [f[:3] for f in _sealed_last(root, found)]
 
 
-def _sealed_last(root: str, found: list[tuple[int, int, str, dict[str, Any]]], stacklevel: int
+def _sealed_last(root: str, found: list[tuple[int, int, str, dict[str, Any]]]
                  ) -> list[tuple[int, int, str, dict[str, Any]]]:
     """`found` (sorted: `(written, step, path, manifest)`) less the checkpoints at its end whose
-    manifest is shown edited (`_edit`), each with an `UnsealedCheckpointSkipped` warning (at
-    `stacklevel`, as `warnings.warn` counts it here): checked from the one written last down to
+    manifest is shown edited (`_edit`), each with an `UnsealedCheckpointSkipped` warning (at the
+    user's line): checked from the one written last down to
     the first that is not shown edited, so that one is the root's `latest`, and the next save's
     `written` is one more than its own. Found in review: a manifest's `written` edited to
     2**63 - 1 made its checkpoint `latest` for good, and gave every later save a `written` of
@@ -1397,7 +1395,7 @@ def _sealed_last(root: str, found: list[tuple[int, int, str, dict[str, Any]]], s
         warnings.warn(UnsealedCheckpointSkipped(
             f"fzero.checkpoint skipped {path!r} (its manifest says written {written}) in root {root!r}: {problem}. "
             f"It is neither latest(root) nor in complete(root), and save(..., keep=K) never deletes it: remove it, "
-            f"or put back the manifest it was saved with"), stacklevel=stacklevel)
+            f"or put back the manifest it was saved with"), stacklevel=outside_stacklevel())
         found.pop()
     return found
 
@@ -1542,7 +1540,7 @@ def _check_lr(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
     if not saved:
         return
     mine = _schedule_values(target.optimizer, [s for s, _ in saved], manifest["step"],
-                            f"checkpoint.load of {path!r} compared it with none of the lr values saved", 6)
+                            f"checkpoint.load of {path!r} compared it with none of the lr values saved")
     if mine is None:
         return
     for s, theirs in saved:
@@ -2200,7 +2198,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
                 f"checkpoint.load: {shown} holds module buffers {[b['name'] for b in manifest['buffers']][:6]} (saved "
                 f"with buffers=), which were not loaded: pass buffers=info.buffers to load them (BatchNorm's running "
                 f"statistics: without them the resumed model is not the saved one), or silence this warning "
-                f"(fzero.checkpoint.BuffersNotLoaded) where leaving them is meant"), stacklevel=2)
+                f"(fzero.checkpoint.BuffersNotLoaded) where leaving them is meant"), stacklevel=outside_stacklevel())
     scale = None
     if target.loss_scale is not None:
         scale = LossScaleState(*(w.scalars[f"loss_scale/{f}"] for f in target.loss_scale._fields))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .casting import CastAhead
-from .errors import ConfigError, as_int
+from .errors import ConfigError, as_int, outside_stacklevel
 from .gathering import GATHERS, check_prefetch
 from .mesh import settings_crc
 from .originals import Once
@@ -114,7 +114,7 @@ class StepConfig:
             warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; it runs "
                           "eager (dynamo does not trace a compiled function under torch.func.grad called from eager "
                           "code), with the uncompiled loss's bits. Compile with engine=\"autograd\", or pass the "
-                          "loss uncompiled (docs/compile.md)", UserWarning, stacklevel=4)
+                          "loss uncompiled (docs/compile.md)", UserWarning, stacklevel=outside_stacklevel())
         for name, value, choices in (("engine", self.engine, ENGINES), ("on_nonfinite", self.on_nonfinite, NONFINITE),
                                      ("gather", self.gather, GATHERS), ("accumulate", self.accumulate, ACCUMULATE),
                                      ("normalize", self.normalize, NORMALIZE)):

@@ -74,9 +74,11 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch/
 def outside_stacklevel() -> int:
     """The `stacklevel` at which `warnings.warn`, called by this function's caller, names the first
     frame outside fzero and torch (the user's line), however many of fzero's own calls lie between,
-    and torch's wrappers of them (`torch.compiler.disable` around the step)."""
+    and torch's wrappers of them (`torch.compiler.disable` around the step), and a dataclass's
+    generated `__init__` (whose file is "<string>") calling fzero's `__post_init__`."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE, _TORCH)):
+    while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, _TORCH))
+                                 or frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__"):
         frame, level = frame.f_back, level + 1
     return level
 

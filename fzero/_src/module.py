@@ -78,7 +78,7 @@ from torch import nn
 
 from .collectives import broadcast, in_backward
 from .eager import eager
-from .errors import ConfigError, FzeroError, LayoutError, said
+from .errors import ConfigError, FzeroError, LayoutError, outside_stacklevel, said
 from .layout import DEFAULT_UNIT, ParamGroup, UnitSpec, _check_leaf, _unit_of
 from .gathering import LazyParams
 from .mesh import Mesh, SimMesh, simmesh_rank
@@ -658,7 +658,7 @@ def _warn_compiled(module: nn.Module) -> None:
             f"on apply: apply runs a copy of the module (copy.deepcopy), which does not keep what .compile() set, "
             f"so it runs uncompiled. Compile the loss that calls apply instead "
             f"(train_step(torch.compile(loss_fn)), docs/compile.md), or pass torch.compile(model) to from_module "
-            f"(its params are then named '_orig_mod.*')"), stacklevel=3)
+            f"(its params are then named '_orig_mod.*')"), stacklevel=outside_stacklevel())
 
 
 def _check_dense(module: nn.Module) -> None:
@@ -1226,15 +1226,17 @@ def _unbound_error(t: torch.Tensor, alias: str, unit: str, root: nn.Module | Non
 
 def _recomputed_error(t: _Unbound, func: Any) -> ConfigError:
     """The error for stand-in `t` used in backward with no `apply` running: a recompute of the
-    forward (torch.utils.checkpoint's) after `apply` returned."""
+    forward (torch.utils.checkpoint's) after `apply` returned, or a module's backward hook reading
+    its parameter (before, the hook got the meta stand-in's device and no grad; found in review)."""
     shape = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
     return ConfigError(
         f"parameter {t.alias!r} ({shape}) was used ({_op_name(func)}) in backward, after from_module's apply "
-        f"returned: a recompute of the forward (torch.utils.checkpoint around a submodule?). apply binds the "
-        f"parameters only while it runs, so a recompute after it reads the meta stand-in that from_module's copy "
-        f"of the module holds, never the values being trained. Recompute with fzero's own instead: "
-        f"from_module(model, remat=[...]) naming the units to recompute (it binds their parameters again in "
-        f"backward), and call the submodule directly in the forward")
+        f"returned: by a recompute of the forward (torch.utils.checkpoint around a submodule?) or by a backward "
+        f"hook reading it from the module. apply binds the parameters only while it runs, so after it "
+        f"from_module's copy of the module holds a meta stand-in there, never the values being trained. For "
+        f"activation checkpointing use fzero's own: from_module(model, remat=[...]) naming the units to recompute "
+        f"(it binds their parameters again in backward), with the submodule called directly in the forward; a "
+        f"backward hook reads the gradients it is given, not the module's parameters")
 
 
 _REGISTERED = frozenset({"_parameters", "_buffers", "_modules"})

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, said
+from .errors import ConfigError, outside_stacklevel, said
 from .layout import BucketSpec, Layout, LeafSpec
 from .stages import Wire
 from .tree import flatten_with_paths
@@ -136,12 +136,12 @@ def leaves_words(leaves: Sequence[LeafSpec], specs: bool = False) -> tuple[list[
     return dtypes, shown + (f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
 
 
-def warn_no_master(precision: Precision, layout: Layout, stacklevel: int) -> None:
+def warn_no_master(precision: Precision, layout: Layout) -> None:
     """`NoFp32Master` where `unmastered` finds leaves (`fzero.init`, on every rank: each raises
-    alike under `-W error`), at `stacklevel` as `warnings.warn` counts it here."""
+    alike under `-W error`), at the user's line."""
     leaves = unmastered(precision, layout)
     if leaves:
-        warnings.warn(NoFp32Master(no_master_message(precision, leaves)), stacklevel=stacklevel + 1)
+        warnings.warn(NoFp32Master(no_master_message(precision, leaves)), stacklevel=outside_stacklevel())
 
 
 def narrower_range(compute: torch.dtype, held: torch.dtype) -> torch.dtype | None:

@@ -340,7 +340,7 @@ def init(
         align, bucket_bytes = as_int(align), as_int(bucket_bytes)  # (np.int64: compared across ranks as the int)
         layout = plan(params, mesh.world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
         _check_loss_scale(layout, precision, loss_scale)
-        warn_no_master(precision, layout, stacklevel=3)  # 16-bit params under a 16-bit param_dtype: no fp32 master
+        warn_no_master(precision, layout)  # 16-bit params under a 16-bit param_dtype: no fp32 master
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         link_layout(layout, params, groups)  # leaves from_module returned: a step refuses a module flag changed since
