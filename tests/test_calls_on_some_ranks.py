@@ -40,3 +40,28 @@ def test_a_call_made_on_rank_0_only_is_named_on_every_rank(tmp_path, call):
         assert f"rank 0 is in {name}, which every rank must call at the same point of its program (not under " \
                f"`if rank == 0:`" in str(e), str(e)
         assert "gather='eager'" not in str(e)
+
+
+def test_a_collective_after_a_rank_left_run_on_an_error_raises_naming_it():
+    """Both ranks meet a `CollectiveMismatch`; rank 0 lets it leave its function (the run's
+    status for it: failed), rank 1 catches it and calls one more all-reduce, with no rank to pair
+    with: a `CollectiveMismatch` saying rank 0 already returned from `mesh.run`. A mutation audit
+    found a mutant counting only ranks that returned normally pass the suite, and rank 1's
+    all-reduce returned None."""
+    mesh, got = fzero.SimMesh(2), {}
+
+    def fn(r):
+        try:
+            fzero.collectives.all_reduce(torch.ones(1), mesh, tag=f"t{r}")
+        except CollectiveMismatch:
+            if r == 0:
+                raise
+        try:
+            got["next"] = fzero.collectives.all_reduce(torch.ones(1), mesh)
+        except CollectiveMismatch as e:
+            got["next"] = str(e)
+
+    with pytest.raises(CollectiveMismatch):
+        mesh.run(fn, [(0,), (1,)])
+    assert isinstance(got["next"], str) and "rank 1 calls all_reduce(float32[1], sum) but rank(s) [0] already " \
+                                               "returned from mesh.run" in got["next"], got

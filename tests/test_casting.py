@@ -211,6 +211,33 @@ def test_a_product_under_another_autocast_dtype_after_the_first_step_raises():
     mesh.run(run)
 
 
+def test_a_second_product_after_the_first_step_raises():
+    """Step 1 reads `w` in one product under bf16 autocast with its cache off (so fzero hands it
+    cast from then on); step 2 reads it in two products (the layer applied twice), where each
+    product would cast the fp32 param apart: refused, naming "a second time". A mutation audit
+    found a mutant counting two products as one pass the suite and step on with other bits (4.9e-05
+    from the run that casts nothing)."""
+    mesh = fzero.SimMesh(1)
+
+    def loss(p, b):
+        twice, x = b
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            y = x @ p["w"]
+            return (y @ p["w"] if twice else y).float().square().mean()
+
+    def run():
+        state = fzero.init({"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.3},
+                           optim.sgd(0.1), stage=0, mesh=mesh)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        step = fzero.train_step(loss, cast_ahead=True)
+        state, _ = step(state, (False, x))
+        with pytest.raises(ConfigError, match=r"cast_ahead: step 1: the loss read param 'w' .*through a matrix "
+                                              r"product under autocast in torch.bfloat16 a second time"):
+            step(state, (True, x))
+
+    mesh.run(run)
+
+
 @pytest.mark.parametrize("read", ["cat", "stack"])
 def test_a_changed_read_inside_a_list_or_tuple_argument_raises(read):
     """Step 2 reads `a.weight` once more inside a sequence argument (`torch.cat([w, w])`,

@@ -104,3 +104,34 @@ def test_an_error_whose_str_raises_leaving_a_rank_outside_any_guard_stops_the_ru
 
     with pytest.raises(_StrRaises):
         mesh.run(rank)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_an_error_seen_by_nested_guards_is_told_once_and_both_ranks_go_on(wrap):
+    """Rank 0's own error, announced by an inner `mesh.guard()`, is seen again by an outer one:
+    re-raised as it is, or as another error raised while handling it (`except ValueError: raise
+    RuntimeError(...)`, its `__context__`). It is told once: rank 1 gets one `RankFailed`, and both
+    ranks, having caught theirs, all-reduce together after. A mutation audit found two mutants
+    telling it twice (the told mark looked up through `__cause__` only; the announced round
+    counted one short) pass the suite: the run ended in a `CollectiveMismatch`."""
+    mesh = fzero.SimMesh(2)
+
+    def fn(r):
+        seen = []
+        try:
+            with mesh.guard():
+                try:
+                    with mesh.guard():
+                        if r == 0:
+                            raise ValueError("rank 0's own")
+                        fzero.collectives.all_reduce(torch.ones(1), mesh)
+                except ValueError:
+                    if wrap:
+                        raise RuntimeError("wrapped")
+                    raise
+        except Exception as e:  # noqa: BLE001 - the test records what each rank saw
+            seen.append(type(e).__name__)
+        seen.append(fzero.collectives.all_reduce(torch.ones(1), mesh).tolist())
+        return seen
+
+    assert mesh.run(fn, [(0,), (1,)]) == [["RuntimeError" if wrap else "ValueError", [2.0]], ["RankFailed", [2.0]]]

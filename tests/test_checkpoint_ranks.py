@@ -110,6 +110,24 @@ def test_save_into_different_roots_raises_on_every_rank_before_writing(tmp_path)
     assert not any(os.path.exists(root) for root in roots)  # not even the temporary folder
 
 
+def test_one_folder_named_through_a_link_on_one_rank_saves(tmp_path):
+    """Rank 0 names the root through a symlink, rank 1 the folder it points to: one folder (the
+    same path with links resolved), so the save goes on and every rank returns the one checkpoint.
+    A mutation audit found a mutant asking both the paths and the resolved paths to agree pass the
+    suite, refusing this save."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn(root):
+        return ck.save(fzero.init(params(), optim.sgd(0.1), stage=1, mesh=mesh), root)
+
+    paths = mesh.run(rank_fn, [(str(link),), (str(real),)])
+    assert [os.path.basename(p) for p in paths] == ["step-0", "step-0"] and os.listdir(real) == ["step-0"]
+    assert ck.latest(str(real)) == os.path.join(str(real), "step-0")
+
+
 def test_save_with_a_keep_that_differs_across_ranks_raises_on_every_rank(tmp_path):
     """Rank 0 alone deletes old checkpoints: before, another rank's `keep` was ignored silently
     (found in review); now the ranks agree on it with the folder, before anything is written."""
