@@ -129,6 +129,87 @@ def test_held_interrupts_hold_one_sigint_and_let_a_second_through():
                    ("user's two", [signal.SIGINT] * 3, False), ("thread", [None])], out
 
 
+def interrupted_while_agreeing_on_an_all_gather():
+    """As `interrupted_while_waiting_to_agree`, with an all-gather (at N = 2 a point-to-point
+    exchange, which gloo cancels where its work handle is freed), rank 1 posting its half 0.5 s
+    after the agreement; per call: the result or the error."""
+    import fzero._src.mesh as impl
+    mesh = fzero.DistMesh(backend="gloo", timeout=T)
+    fzero.collectives.all_gather(torch.ones(1), mesh)
+    if mesh.rank == 0:
+        _sigint_after(0.2)
+    else:
+        time.sleep(1.0)
+        exchange = impl._all_gather_by_exchange
+
+        def late(*args, **kwargs):
+            time.sleep(0.5)
+            return exchange(*args, **kwargs)
+        impl._all_gather_by_exchange = late
+    seen = []
+    for _ in range(2):
+        try:
+            seen.append(fzero.collectives.all_gather(torch.full((2,), float(mesh.rank + 1)), mesh).tolist())
+        except (KeyboardInterrupt, fzero.MeshError) as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+def test_a_ctrl_c_while_agreeing_on_an_all_gather_keeps_the_exchange_and_the_mesh_goes_on():
+    """The interrupted rank's half of the exchange is kept past the KeyboardInterrupt (`abandon`)
+    until the peer's half arrives: both ranks get both halves, then all-gather again. A mutation
+    audit found a mutant dropping it pass the suite, whose Ctrl-C case is an all-reduce (which gloo
+    does not cancel): both ranks then waited to the timeout, and the mesh was unusable."""
+    out = run_job(2, interrupted_while_agreeing_on_an_all_gather, timeout=3 * T)
+    assert out[0] == ["KeyboardInterrupt: ", [1.0, 1.0, 2.0, 2.0]], out[0]
+    assert out[1] == [[1.0, 1.0, 2.0, 2.0]] * 2, out[1]
+
+
+def interrupted_agreement_at_one_rank():
+    """A DistMesh of one rank holds nothing: a KeyboardInterrupt raised inside a collective's
+    agreement (where a Ctrl-C lands) comes out there; the next collective."""
+    mesh = fzero.DistMesh(backend="gloo", timeout=T)
+    agree, calls = mesh._gather, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return agree(*args)
+
+    mesh._gather = interrupted
+    seen = []
+    for _ in range(2):
+        try:
+            seen.append(fzero.collectives.all_reduce(torch.ones(1), mesh).tolist())
+        except (KeyboardInterrupt, fzero.MeshError) as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+def test_at_one_rank_a_ctrl_c_in_an_agreement_leaves_the_mesh_usable():
+    """With no peer nothing can be left waiting: the interrupt leaves the mesh usable, and the next
+    all-reduce runs. A mutation audit found a mutant breaking the mesh at N = 1 too pass the suite."""
+    assert run_job(1, interrupted_agreement_at_one_rank, timeout=3 * T) == [["KeyboardInterrupt: ", [1.0]]]
+
+
+def test_an_ignored_sigint_stays_ignored_through_a_hold():
+    """A process whose SIGINT is ignored (started with `nohup` or `&`): a hold leaves it as it is,
+    and a SIGINT during it is ignored, not delivered. A mutation audit found a mutant holding it
+    anyway pass the suite: `deliver` then called SIG_IGN, a bare TypeError out of
+    `checkpoint.save`."""
+    from fzero._src.mesh import HeldInterrupts
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with HeldInterrupts() as held:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        held.deliver()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def interrupted_over_a_rank_failed():
     """Rank 1 raises inside its guard, 1 s late; rank 0 waits for it in an all-reduce and is sent
     SIGINT 0.3 s in. Both catch what they get and call one more all-reduce."""
