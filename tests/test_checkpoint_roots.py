@@ -214,11 +214,13 @@ def test_an_edited_written_is_skipped_with_a_warning_and_saves_go_on(tmp_path):
     assert rec[0].filename == __file__  # the warning names the caller of latest
     with pytest.warns(impl.UnsealedCheckpointSkipped):
         assert ck.complete(root) == [two]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", impl.UnsealedCheckpointSkipped)
+    with warnings.catch_warnings(record=True) as saved:
+        warnings.simplefilter("always", impl.UnsealedCheckpointSkipped)
         three = save_steps(root, [3], keep=1)[0]
         assert ck.read_manifest(three)["written"] == 3
         assert ck.latest(root) == three and sorted(os.listdir(root)) == ["step-1", "step-3"]
+    # from save too the user's line (found in review: a functools.cached_property frame named first)
+    assert {w.filename for w in saved if w.category is impl.UnsealedCheckpointSkipped} == {__file__}
 
 
 def test_an_edited_checkpoint_below_the_last_is_not_read(tmp_path, monkeypatch):

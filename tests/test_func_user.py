@@ -511,7 +511,8 @@ def test_gather_values_that_do_not_fit_name_the_bucket_and_what_fits():
         state = fzero.init(P, optim.sgd(LR), stage=3, mesh=mesh)
         own = fzero.own_values(state)
         errors = []
-        for bad in (own[0], [*own, own[0]], [t.float() for t in own], [t[:-1] for t in own]):
+        for bad in (own[0], [*own, own[0]], [t.float() for t in own], [t[:-1] for t in own],
+                    [t.to("meta") for t in own]):
             with pytest.raises(fzero.ConfigError) as e:
                 fzero.gather(state, values=bad)
             errors.append(str(e.value))
@@ -520,5 +521,28 @@ def test_gather_values_that_do_not_fit_name_the_bucket_and_what_fits():
     for words in mesh.run(rank_fn):
         assert "takes one tensor per bucket, 1 here" in words[0] and "got a tensor float64[5]" in words[0]
         assert "got 2 values" in words[1]
-        assert "takes float64[5], as fzero.own_values(state) holds it on rank" in words[2]
-        assert "of 2, got float32[5]" in words[2] and "got float64[4]" in words[3]
+        assert "takes float64[5] on cpu, as fzero.own_values(state) holds it on rank" in words[2]
+        assert "of 2, got float32[5] on cpu" in words[2] and "got float64[4] on cpu" in words[3]
+        assert "got float64[5] on meta" in words[4]  # (found in review: gathered to meta tensors, no error)
+
+
+@pytest.mark.parametrize("n, stage", [(1, 3), (2, 1), (2, 3)])
+def test_gather_values_read_as_given_and_refused_under_a_derivative(n, stage):
+    """A right-shaped tensor expanded from one value is read as its values (found in review: a bare
+    `setStorage` error), and a torch.func transform differentiating through the values is a
+    `ConfigError` on every rank (found in review: `torch.func.grad` through them gave zeros,
+    silently, as `gather` of the state's own params did before `_refuse_derivative`)."""
+    mesh = fzero.SimMesh(n)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=stage, mesh=mesh,
+                           precision=fzero.Precision(torch.float32, torch.float64) if stage == 1 else fzero.Precision())
+        own = fzero.own_values(state)
+        flat = fzero.gather(state, values=[torch.full((), 0.5, dtype=t.dtype).expand(t.shape) for t in own])
+        with pytest.raises(fzero.ConfigError) as e:
+            torch.func.grad(lambda v: fzero.gather(state, values=[v])["w"].sum())(own[0])
+        return flat, str(e.value)
+
+    for flat, words in mesh.run(rank_fn):
+        assert all(torch.equal(flat[k], torch.full_like(P[k], 0.5)) for k in P)
+        assert words.startswith("fzero.gather(state, values=...) with values being differentiated"), words

@@ -208,7 +208,7 @@ def test_a_read_on_the_second_micro_batch_only_is_refused():
     assert seen == [0, 1]  # refused at the second micro-batch's loss, before its backward
 
 
-def _written_run(write, stage=0, steps=2, between=None):
+def _written_run(write, stage=0, steps=2, between=None, keep=None):
     """A two-layer model through from_module, `write(model, phase)` called with phase "before init"
     and "after init", two SGD steps at N = 2 (`between(model, info, gathered params, rank)` after the first);
     returns rank 0's trained params and the ModuleWrittenAfterInit warnings."""
@@ -220,12 +220,13 @@ def _written_run(write, stage=0, steps=2, between=None):
 
     def rank():  # (one module: SimMesh's ranks are threads of one process, taking turns at collectives; rank 0
         # writes once both have copied it, and both step after the write: an all-reduce on each side)
-        state = fzero.init(params, optim.sgd(0.1), mesh=mesh, stage=stage)
+        state = fzero.init(params, optim.sgd(0.1), mesh=mesh, stage=stage,
+                           **({} if keep is None else {"precision": keep}))
         fzero.collectives.all_reduce(torch.zeros(1), mesh)
         if mesh.rank == 0:
             write(model, "after init")
         fzero.collectives.all_reduce(torch.zeros(1), mesh)
-        step = fzero.train_step(lambda p, x: apply(p, x).square().sum())
+        step = fzero.train_step(lambda p, x: apply(p, x.to(p["0.weight"].dtype)).float().square().sum())
         for i in range(steps):
             if i == 1 and between is not None:
                 between(model, info, fzero.gather(state), mesh.rank)
@@ -267,6 +268,9 @@ def test_weights_loaded_into_the_module_after_init_warn_at_the_first_step(stage)
     words = [str(w.message) for w in warned]
     named = {n for w in words for n in ("'0.bias'", "'0.weight'", "'1.bias'", "'1.weight'") if n in w}
     assert len(warned) == 2 and len(named) == 4 and all(" of the Sequential given to fzero.from_module" in w for w in words)
+    # every rank names every parameter: at stage 3 a rank holding none of a leaf compares a print of its values
+    # (found in review: those ranks passed it over, and only the rank whose module was written sees a write)
+    assert all(all(n in w for n in ("'0.bias'", "'0.weight'", "'1.bias'", "'1.weight'")) for w in words), words
     assert "fzero.init({name: sd[name] for name in params}, ...)" in words[0]
     assert all(w.filename == __file__ for w in warned)  # the user's line, past torch's wrapper of the step
     assert not torch.equal(loaded_before["0.weight"], untouched["0.weight"])
@@ -301,3 +305,22 @@ def test_trained_values_written_back_between_steps_do_not_warn():
 
     _, warned = _written_run(lambda model, phase: None, between=write_back)
     assert warned == []
+
+
+def test_the_first_steps_check_reads_each_buckets_master_once(monkeypatch):
+    """The values compared are read once per bucket, not once per leaf (an NVMe master is read
+    from its file: found in review, 96 reads of one bucket at the first step)."""
+    import fzero._src.state as state_impl
+    reads, read = [], state_impl.master_values
+    monkeypatch.setattr(state_impl, "master_values", lambda state, b: reads.append(b) or read(state, b))
+
+    def write_back(model, phase):
+        if phase == "after init":
+            model.load_state_dict(model.state_dict())
+
+    bf16 = fzero.Precision(torch.bfloat16, torch.float32)
+    _, warned = _written_run(write_back, stage=1, steps=1, keep=bf16)
+    checked = len(reads)
+    reads.clear()
+    _written_run(lambda model, phase: None, stage=1, steps=1, keep=bf16)  # no write: the check reads nothing
+    assert warned == [] and checked - len(reads) == 2  # four leaves, one bucket: read once on each of two ranks

@@ -69,15 +69,19 @@ def said(e: BaseException) -> str:
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # fzero/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep  # torch/
+_WRAPPERS = frozenset({functools.__file__, dataclasses.__file__})  # cached_property, dataclasses.replace
 
 
 def outside_stacklevel() -> int:
     """The `stacklevel` at which `warnings.warn`, called by this function's caller, names the first
     frame outside fzero and torch (the user's line), however many of fzero's own calls lie between,
-    and torch's wrappers of them (`torch.compiler.disable` around the step), and a dataclass's
-    generated `__init__` (whose file is "<string>") calling fzero's `__post_init__`."""
+    and torch's wrappers of them (`torch.compiler.disable` around the step), a dataclass's
+    generated `__init__` (whose file is "<string>") calling fzero's `__post_init__`, and the
+    standard library's `functools` and `dataclasses` frames between (a `cached_property`,
+    `dataclasses.replace`: found in review)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and (frame.f_code.co_filename.startswith((_PACKAGE, _TORCH))
+                                 or frame.f_code.co_filename in _WRAPPERS
                                  or frame.f_code.co_filename == "<string>" and frame.f_code.co_name == "__init__"):
         frame, level = frame.f_back, level + 1
     return level

@@ -88,12 +88,14 @@ class _Born(NamedTuple):
 class _Link(NamedTuple):
     """A leaf of a state made by `fzero.init` of a `_Born` tensor: its path, whether the state
     trains it, where it came from, and the module's parameter as `fzero.init` copied it (`_seen`;
-    None where the module then held another than the tensor `init` copied)."""
+    None where the module then held another than the tensor `init` copied), with a print of its
+    values (`_printed`)."""
 
     path: str
     trains: bool
     born: _Born
     copied: tuple | None
+    printed: torch.Tensor | None
 
 
 class ModuleWrittenAfterInit(UserWarning):
@@ -109,6 +111,16 @@ def _seen(t: torch.Tensor) -> tuple:
     counter (which an in-place write, `load_state_dict`'s `copy_`, moves; an inference tensor has
     none, and torch raises where it is read)."""
     return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, None if t.is_inference() else t._version
+
+
+def _printed(t: torch.Tensor) -> torch.Tensor | None:
+    """A print of `t`'s values: its sum and its sum of magnitudes in float64, on its device (no
+    host sync at `init`). What a rank holding none of a leaf compares a written parameter with:
+    the state's own values of it are another rank's. None for a meta tensor."""
+    if t.is_meta:
+        return None
+    with torch.no_grad():
+        return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
 
 
 def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
@@ -134,13 +146,26 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
     by_path = dict(zip(paths, leaves))
     born = [(spec, _BORN[leaf]) for spec in layout.leaves
             if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN]
-    links = tuple(_Link(spec.path, not spec.group.frozen, b, _copied(b, by_path[spec.path])) for spec, b in born)
+    links = tuple(_Link(spec.path, not spec.group.frozen, b, _copied(b, by_path[spec.path]),
+                        _printed(by_path[spec.path])) for spec, b in born)
     tied = [(spec, b) for spec, b in born if b.ties]
     if tied and groups:
         _refuse_groups_by_alias(tied, by_path, groups)
     if links:
         _LINKS[layout] = links
         _UNSTEPPED[layout] = True
+
+
+def _written(link: _Link, holds: Callable[[str, torch.Tensor], bool | None]) -> bool:
+    """Whether the module's parameter of `link` was written or replaced since `init` copied it,
+    with other values than the state's (`warn_written_module`)."""
+    p = _now(link.born)
+    if p is None or (link.copied is not None and _seen(p) == link.copied):
+        return False
+    held = holds(link.path, p)
+    if held is not None:
+        return not held
+    return link.printed is None or _printed(p).tolist() != link.printed.tolist()
 
 
 def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
@@ -150,12 +175,15 @@ def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
     return _seen(p) if p is not None and _same_storage(p, leaf) else None
 
 
-def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool]) -> None:
+def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool | None]) -> None:
     """At the first step under `layout`: `ModuleWrittenAfterInit` (at the user's line) naming the
     module's parameters that are not as `fzero.init` copied them -- written in place since
     (`model.load_state_dict(pretrained)` after `init`) or replaced (`assign=True`, before or after
     `init`) -- and whose values the state does not hold (`holds(path, p)`: this rank's part of the
-    leaf, compared only where a write or a replacement was seen). The state trains `init`'s
+    leaf, compared only where a write or a replacement was seen; on a rank holding none of it,
+    `_printed` of its values then and now: only the rank whose module was written sees a write,
+    as DDP's habit of loading on rank 0 alone, and it may hold none of the leaf, found in review).
+    The state trains `init`'s
     copies, so pretrained weights loaded there were not trained from, silently (found in review
     of a user migrating a torch script). The state's own values written back (`load_state_dict(
     info.state_dict(fzero.gather(state)))` to evaluate with torch before training, a GAN loop
@@ -166,16 +194,14 @@ def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool])
     not an error: the state is as `init` made it, which may be what was meant."""
     if _UNSTEPPED.pop(layout, None) is None:
         return
-    written = [link for link in _LINKS.get(layout, ())
-               if (p := _now(link.born)) is not None and (link.copied is None or _seen(p) != link.copied)
-               and not holds(link.path, p)]
+    written = [link for link in _LINKS.get(layout, ()) if _written(link, holds)]
     if written:
         names = ", ".join(repr(link.born.name) for link in written[:4]) + (
             f" and {len(written) - 4} more" if len(written) > 4 else "")
         warnings.warn(ModuleWrittenAfterInit(
             f"parameters {names} of the {_kind(written[0].born)} given to fzero.from_module were written or replaced "
-            f"since fzero.init copied them (model.load_state_dict(...) after init?), with values this rank's state "
-            f"does not hold: the state trains init's copies, so those values are not trained from. Load weights into the module before fzero.init (from_module's "
+            f"since fzero.init copied them (model.load_state_dict(...) after init?), with values other than the "
+            f"state's: the state trains init's copies, so those values are not trained from. Load weights into the module before fzero.init (from_module's "
             f"params share its storage until init copies them), or init from them: fzero.init({{name: sd[name] for "
             f"name in params}}, ...)"), stacklevel=outside_stacklevel())
 

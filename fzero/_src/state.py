@@ -804,7 +804,10 @@ def gather(state: ZeroState, *, values: Sequence[torch.Tensor] | None = None) ->
     """
     with checked(state):
         _refuse_derivative(state)
-        return _gathered(state, None if values is None else _fitting_values(state, values))
+        if values is None:
+            return _gathered(state)
+        _refuse_values_derivative(state, values)
+        return _gathered(state, _fitting_values(state, values))
 
 
 def own_values(state: ZeroState) -> tuple[torch.Tensor, ...]:
@@ -814,26 +817,48 @@ def own_values(state: ZeroState) -> tuple[torch.Tensor, ...]:
     where the stage shards params). The state's own tensors otherwise, not copies: a donating step
     updates them in place. An EMA kept over them, element-wise, gathers with `gather(state,
     values=ema)` to the EMA of the gathered params bit for bit, in the master's dtype where there
-    is one (an EMA over a bf16 `state.params` would be kept in bf16; found in review)."""
+    is one (an EMA over a bf16 `state.params` would be kept in bf16; found in review). Every rank
+    calls it: after a donating step, the state's check of its pending update is collective."""
     with checked(state):
         return tuple(p if m is None else master_values(state, b) for b, (p, m) in enumerate(zip(state.params, state.master)))
 
 
-def holds_leaf(state: ZeroState, path: str, p: torch.Tensor) -> bool:
+def holds_leaf(state: ZeroState, read: dict[int, torch.Tensor], path: str, p: torch.Tensor) -> bool | None:
     """Whether this rank's own values of leaf `path` (`own_values`' part of it: all of it where
-    the bucket is whole here, the part in this rank's shard where sharded, none at all there
-    passing) equal the matching elements of `p`, compared in `p`'s dtype on its device.
-    `ModuleWrittenAfterInit`'s check of a module parameter written since `init`."""
+    the bucket is whole here, the part in this rank's shard where sharded) equal the matching
+    elements of `p`, compared in `p`'s dtype on its device; None where this rank holds none of it
+    (a leaf in another rank's shard). `ModuleWrittenAfterInit`'s check of a module parameter
+    written since `init`; `read` keeps each bucket's values read once (an NVMe master is a file:
+    found in review, read once per leaf)."""
     with torch.no_grad():
         spec = next(leaf for leaf in state.layout.leaves if leaf.path == path)
         b = state.layout.buckets[spec.bucket]
-        own = state.params[b.index] if state.master[b.index] is None else master_values(state, b.index)
+        if b.index not in read:
+            read[b.index] = state.params[b.index] if state.master[b.index] is None else master_values(state, b.index)
+        own = read[b.index]
         start = 0 if own.numel() == b.padded_numel else state.mesh.rank * b.shard_numel
         lo, hi = max(spec.offset, start), min(spec.offset + spec.numel, start + own.numel())
-        if lo >= hi or tuple(p.shape) != spec.shape:
-            return lo >= hi
+        if lo >= hi:
+            return None
+        if tuple(p.shape) != spec.shape:
+            return False
         mine = own[lo - start:hi - start].to(device=p.device, dtype=p.dtype)
         return torch.equal(mine, p.detach().reshape(-1)[lo - spec.offset:hi - spec.offset])
+
+
+def _refuse_values_derivative(state: ZeroState, values: Any) -> None:
+    """`ConfigError` where a `torch.func` transform differentiates `gather(state, values=...)`
+    through the values in reverse mode: read under `torch.no_grad()`, its derivative would be
+    zero, silently (found in review, as `_refuse_derivative` for the state's own)."""
+    level = func_level()
+    held = [v for v in values if isinstance(v, torch.Tensor)] if isinstance(values, Sequence) else []
+    if level is not None and _reverse_tracked(held):
+        raise ConfigError(
+            f"fzero.gather(state, values=...) with values being differentiated (a torch.func transform, level "
+            f"{level}: grad, vjp, jacrev, ...; {state.mesh!r}, rank {state.rank}): gather reads them under "
+            f"torch.no_grad() into fresh tensors, so a derivative through it would be zero, silently. Read them by "
+            f"path differentiably with fzero.layout.unpack(state.layout, <the values, all-gathered where sharded>), "
+            f"or call gather outside the transform")
 
 
 def _fitting_values(state: ZeroState, values: Any) -> tuple[torch.Tensor, ...]:
@@ -846,12 +871,12 @@ def _fitting_values(state: ZeroState, values: Any) -> tuple[torch.Tensor, ...]:
         raise ConfigError(f"gather(state, values=...) takes one tensor per bucket, {len(own)} here (as "
                           f"fzero.own_values(state) returns them), got {got}")
     for b, (v, o) in enumerate(zip(values, own)):
-        if not isinstance(v, torch.Tensor) or v.shape != o.shape or v.dtype != o.dtype:
-            got = _shown(v) if isinstance(v, torch.Tensor) else type(v).__name__
+        if not isinstance(v, torch.Tensor) or v.shape != o.shape or v.dtype != o.dtype or v.device != o.device:
+            got = f"{_shown(v)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
             raise ConfigError(f"gather(state, values=...): bucket {state.layout.buckets[b].tag!r} takes "
-                              f"{_shown(o)}, as fzero.own_values(state) holds it on rank {state.mesh.rank} of "
-                              f"{state.mesh.world_size}, got {got}")
-    return tuple(values)
+                              f"{_shown(o)} on {o.device}, as fzero.own_values(state) holds it on rank "
+                              f"{state.mesh.rank} of {state.mesh.world_size}, got {got}")
+    return tuple(v.contiguous() for v in values)  # (a tensor expanded from one value: found in review)
 
 
 def _gathered(state: ZeroState, values: tuple[torch.Tensor, ...] | None = None) -> Any:
