@@ -165,7 +165,8 @@ def _written(link: _Link, holds: Callable[[str, torch.Tensor], bool | None]) -> 
     held = holds(link.path, p)
     if held is not None:
         return not held
-    return link.printed is None or _printed(p).tolist() != link.printed.tolist()
+    now = _printed(p)
+    return link.printed is None or now is None or now.tolist() != link.printed.tolist()
 
 
 def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
