@@ -7,11 +7,39 @@ Profiles (select with HYPOTHESIS_PROFILE, default "ci"):
         9-10 minutes, the properties of 18 files about 45; none failed on 2026-12-06).
 """
 
+import logging
+import sys
+
 import pytest
 
 from fzero.testing import LazyPool, register_profiles
 
 register_profiles()  # fzero.testing.PROFILES: the same "ci" and "local" a suite of one's own gets
+
+
+class _CurrentStderr:
+    """A stream writing to whatever `sys.stderr` is at each write (pytest's capture of the test
+    running, capsys's)."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def _transformers_logs_to_this_tests_stderr():
+    """transformers' log handler writes to the `sys.stderr` of its import, and binds its `flush`
+    to that stream's: under pytest, the capture of the test that imported it, closed after that
+    test. A later test whose code logs through it (fzero's CLI building a GPT2Config) then printed
+    "--- Logging error ---" with a traceback into its own stderr (found by a mutation audit:
+    tests/test_cli_more.py failed when run after tests/test_checkpoint.py in one process). The
+    handler is pointed at the current `sys.stderr`, its own `flush` put back."""
+    for handler in getattr(logging.getLogger("transformers"), "handlers", ()):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler.stream, _CurrentStderr):
+            handler.__dict__.pop("flush", None)
+            handler.stream = _CurrentStderr()  # (not setStream, which flushes the closed one first)
 
 
 # ---------------------------------------------------------------------------------------------
