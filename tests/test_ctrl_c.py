@@ -37,15 +37,34 @@ def _sigint_after(seconds: float) -> None:
     threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
-def interrupted_while_waiting_to_agree():
-    """Rank 0 is sent SIGINT 0.2 s into an all-reduce that rank 1 joins 1 s late, catches the
-    interrupt and calls one more all-reduce; per call: (outcome, seconds)."""
+def _slowed(owner, name: str, seconds: float) -> None:
+    """`owner.name` made to sleep `seconds` before it runs (a peer that is late), in this job's
+    process."""
+    fn = getattr(owner, name)
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+
+    setattr(owner, name, slow)
+
+
+def _interrupted_on_rank_0(collective):
+    """A gloo DistMesh of 2 after one `collective`: rank 0 is sent SIGINT 0.2 s from now, rank 1
+    sleeps 1 s (joins the next collective late)."""
     mesh = fzero.DistMesh(backend="gloo", timeout=T)
-    fzero.collectives.all_reduce(torch.ones(1), mesh)
+    collective(torch.ones(1), mesh)
     if mesh.rank == 0:
         _sigint_after(0.2)
     else:
         time.sleep(1.0)
+    return mesh
+
+
+def interrupted_while_waiting_to_agree():
+    """Rank 0 is sent SIGINT 0.2 s into an all-reduce that rank 1 joins 1 s late, catches the
+    interrupt and calls one more all-reduce; per call: (outcome, seconds)."""
+    mesh = _interrupted_on_rank_0(fzero.collectives.all_reduce)
     seen = []
     for _ in range(2):
         start = time.monotonic()
@@ -134,18 +153,9 @@ def interrupted_while_agreeing_on_an_all_gather():
     exchange, which gloo cancels where its work handle is freed), rank 1 posting its half 0.5 s
     after the agreement; per call: the result or the error."""
     import fzero._src.mesh as impl
-    mesh = fzero.DistMesh(backend="gloo", timeout=T)
-    fzero.collectives.all_gather(torch.ones(1), mesh)
-    if mesh.rank == 0:
-        _sigint_after(0.2)
-    else:
-        time.sleep(1.0)
-        exchange = impl._all_gather_by_exchange
-
-        def late(*args, **kwargs):
-            time.sleep(0.5)
-            return exchange(*args, **kwargs)
-        impl._all_gather_by_exchange = late
+    mesh = _interrupted_on_rank_0(fzero.collectives.all_gather)
+    if mesh.rank == 1:
+        _slowed(impl, "_all_gather_by_exchange", 0.5)
     seen = []
     for _ in range(2):
         try:
@@ -252,13 +262,7 @@ def interrupted_save(root: str):
     state = fzero.init({"w": torch.linspace(-1.0, 1.0, 12)}, optim.adamw(1e-2), stage=1, mesh=mesh)
     state, _ = fzero.train_step(lambda p, b: (p["w"] * b).square().sum())(state, torch.ones(12))
     if mesh.rank == 1:
-        write = dcp_fs._write_item
-
-        def slow(*args, **kwargs):
-            time.sleep(1.0)
-            return write(*args, **kwargs)
-
-        dcp_fs._write_item = slow
+        _slowed(dcp_fs, "_write_item", 1.0)
     else:
         _sigint_after(0.3)
     try:

@@ -296,12 +296,13 @@ def test_the_states_own_values_written_back_before_its_first_step_do_not_warn():
 
 
 def test_trained_values_written_back_between_steps_do_not_warn():
-    """Only the first step checks: writing the trained values back into the module between steps
-    (`model.load_state_dict(info.state_dict(fzero.gather(state)))`, to evaluate it with torch) is how
-    the module is used, and warns nothing."""
+    """Only the first step checks: writing into the module between steps (the trained values, to
+    evaluate it with torch, is how the module is used) warns nothing, whatever is written: here
+    other values than the state's (a review found the test writing the state's own values, which
+    no step would warn of, so that checking every step passed it)."""
     def write_back(model, info, full, rank):
         if rank == 0:  # (one module: SimMesh's ranks are threads of one process)
-            model.load_state_dict(info.state_dict(full))
+            model.load_state_dict(_PRETRAINED)
 
     _, warned = _written_run(lambda model, phase: None, between=write_back)
     assert warned == []
@@ -324,3 +325,40 @@ def test_the_first_steps_check_reads_each_buckets_master_once(monkeypatch):
     reads.clear()
     _written_run(lambda model, phase: None, stage=1, steps=1, keep=bf16)  # no write: the check reads nothing
     assert warned == [] and checked - len(reads) == 2  # four leaves, one bucket: read once on each of two ranks
+
+
+def _first_step_warnings(stage: int, write: str) -> list[str]:
+    """One process per rank, each seeding its model with its rank (init's `sync` broadcasts rank
+    0's values): `write` is "state back" (every rank writes the state's gathered values into its
+    module) or "rank 0 pretrained" (rank 0 alone loads other weights, DDP's habit); the
+    ModuleWrittenAfterInit words of the first step."""
+    import warnings
+    mesh = fzero.DistMesh(backend="gloo", timeout=30)
+    torch.manual_seed(mesh.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    params, apply, info = fzero.from_module(model)
+    state = fzero.init(params, optim.sgd(0.1), mesh=mesh, stage=stage)
+    full = fzero.gather(state)
+    if write == "state back":
+        model.load_state_dict(info.state_dict(full))
+    elif mesh.rank == 0:
+        model.load_state_dict(_PRETRAINED)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fzero.train_step(lambda p, x: apply(p, x).square().sum())(state, torch.ones(2, 3))
+    return [str(w.message) for w in caught if issubclass(w.category, fzero.ModuleWrittenAfterInit)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_process_per_rank_warns_only_where_the_module_holds_other_values(stage):
+    """Ranks seeded apart, the state's values written back on every rank: no warning (found in
+    review: a rank holding none of a leaf compared a print of its own values from before init's
+    broadcast, and warned). Rank 0 alone loading other weights: rank 0 warns naming every
+    parameter, also those in rank 1's shard at stage 3 (found in review: passed over), and rank 1,
+    whose module holds the state's values, warns nothing."""
+    from fzero.testing.pool import run_job
+    assert run_job(2, _first_step_warnings, [(stage, "state back")] * 2, timeout=60) == [[], []]
+    loaded, other = run_job(2, _first_step_warnings, [(stage, "rank 0 pretrained")] * 2, timeout=60)
+    assert len(loaded) == 1 and other == [], (loaded, other)
+    assert all(n in loaded[0] for n in ("'0.bias'", "'0.weight'", "'1.bias'", "'1.weight'")), loaded

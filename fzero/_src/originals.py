@@ -88,22 +88,24 @@ class _Born(NamedTuple):
 class _Link(NamedTuple):
     """A leaf of a state made by `fzero.init` of a `_Born` tensor: its path, whether the state
     trains it, where it came from, and the module's parameter as `fzero.init` copied it (`_seen`;
-    None where the module then held another than the tensor `init` copied), with a print of its
-    values (`_printed`)."""
+    None where the module then held another than the tensor `init` copied)."""
 
     path: str
     trains: bool
     born: _Born
     copied: tuple | None
-    printed: torch.Tensor | None
 
 
 class ModuleWrittenAfterInit(UserWarning):
-    """The first step of a state `fzero.init` made of `from_module`'s params found parameters of
-    the module written or replaced since `init` copied them (`warn_written_module`)."""
+    """Warned by the first step of a state `fzero.init` made of `from_module`'s params, on each
+    rank, where parameters of the module were written or replaced since `init` copied them, with
+    values other than the state's (`model.load_state_dict(pretrained)` after `init`): the state
+    trains `init`'s copies. Load weights into the module before `fzero.init`, or pass them to it
+    (`fzero.init({name: sd[name] for name in params}, ...)`). docs/bad-input.md row 248."""
 
 
 _UNSTEPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout no step has run under yet -> True
+_PRINTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout -> {path: `_printed` of the leaf as init kept it}
 
 
 def _seen(t: torch.Tensor) -> tuple:
@@ -113,14 +115,33 @@ def _seen(t: torch.Tensor) -> tuple:
     return t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, None if t.is_inference() else t._version
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _printed(t: torch.Tensor) -> torch.Tensor | None:
-    """A print of `t`'s values: its sum and its sum of magnitudes in float64, on its device (no
-    host sync at `init`). What a rank holding none of a leaf compares a written parameter with:
-    the state's own values of it are another rank's. None for a meta tensor."""
+    """A print of `t`'s values, exact whatever their order or layout: the sums of its elements'
+    bit patterns and of their squares, in int64 (wrapping), on its device (no host sync at
+    `init`). What a rank holding none of a leaf compares a written parameter with: the state's own
+    values of it are another rank's. None for a meta tensor."""
     if t.is_meta:
         return None
     with torch.no_grad():
-        return torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
+        bits = t.detach().reshape(-1).view(_BITS[t.element_size()]).to(torch.int64)
+        return torch.stack([bits.sum(), (bits * bits).sum()])
+
+
+def note_synced(layout: Any, b: int, flat: torch.Tensor) -> None:
+    """At `fzero.init`, bucket b's values as the state keeps them (`flat`, after `sync`'s
+    broadcast of rank 0's: found in review, a print of this rank's own values before it made a
+    write-back of the state's values warn where ranks start from different seeds): `_printed` of
+    each linked leaf in it."""
+    links = _LINKS.get(layout)
+    if links:
+        specs = {spec.path: spec for spec in layout.leaves if spec.bucket == b}
+        prints = _PRINTS.setdefault(layout, {})
+        for link in links:
+            if (spec := specs.get(link.path)) is not None:
+                prints[link.path] = _printed(flat[spec.offset:spec.offset + spec.numel])
 
 
 def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
@@ -146,8 +167,7 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
     by_path = dict(zip(paths, leaves))
     born = [(spec, _BORN[leaf]) for spec in layout.leaves
             if isinstance(leaf := by_path.get(spec.path), torch.Tensor) and leaf in _BORN]
-    links = tuple(_Link(spec.path, not spec.group.frozen, b, _copied(b, by_path[spec.path]),
-                        _printed(by_path[spec.path])) for spec, b in born)
+    links = tuple(_Link(spec.path, not spec.group.frozen, b, _copied(b, by_path[spec.path])) for spec, b in born)
     tied = [(spec, b) for spec, b in born if b.ties]
     if tied and groups:
         _refuse_groups_by_alias(tied, by_path, groups)
@@ -156,17 +176,17 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
         _UNSTEPPED[layout] = True
 
 
-def _written(link: _Link, holds: Callable[[str, torch.Tensor], bool | None]) -> bool:
+def _written(link: _Link, holds: Callable[[str, torch.Tensor], bool | None], prints: dict) -> bool:
     """Whether the module's parameter of `link` was written or replaced since `init` copied it,
-    with other values than the state's (`warn_written_module`)."""
+    with other values than the state's (`warn_written_module`; `prints`: `note_synced`'s)."""
     p = _now(link.born)
     if p is None or (link.copied is not None and _seen(p) == link.copied):
         return False
     held = holds(link.path, p)
     if held is not None:
         return not held
-    now = _printed(p)
-    return link.printed is None or now is None or now.tolist() != link.printed.tolist()
+    then, now = prints.get(link.path), _printed(p)
+    return then is None or now is None or now.tolist() != then.tolist()
 
 
 def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
@@ -195,7 +215,8 @@ def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool |
     not an error: the state is as `init` made it, which may be what was meant."""
     if _UNSTEPPED.pop(layout, None) is None:
         return
-    written = [link for link in _LINKS.get(layout, ()) if _written(link, holds)]
+    prints = _PRINTS.get(layout, {})
+    written = [link for link in _LINKS.get(layout, ()) if _written(link, holds, prints)]
     if written:
         names = ", ".join(repr(link.born.name) for link in written[:4]) + (
             f" and {len(written) - 4} more" if len(written) > 4 else "")

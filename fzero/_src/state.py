@@ -31,7 +31,7 @@ from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
                          optimizer_words, spec_of)
-from .originals import link_layout, tied_names
+from .originals import link_layout, note_synced, tied_names
 from .precision import FULL, Precision, _shown, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -366,6 +366,7 @@ def init(
             put on `mesh.device` (params may come from the host: a model built on the CPU)."""
             if sync and mesh.world_size > 1:
                 flat = broadcast(flat.to(mesh.device), mesh, 0, tag=layout.buckets[b].tag)
+            note_synced(layout, b, flat)  # what a first step's `ModuleWrittenAfterInit` compares a written leaf with
             if not layout.buckets[b].group.frozen:
                 nonfinite.extend(_nonfinite_leaves(layout, b, flat))
             return place(st, off, tiers[b], layout, b, *st.hold(layout, b, flat, rank, computes[b]), rank,
@@ -788,8 +789,9 @@ def _numbered(pairs: list[list[str]]) -> dict[str, str]:
 
 def gather(state: ZeroState, *, values: Sequence[torch.Tensor] | None = None) -> Any:
     """The full params pytree of `state` (original structure and dtypes), on every rank; fresh
-    tensors. With `values` (per bucket, tensors shaped as `own_values(state)`'s), the pytree of
-    those in place of the state's own: an EMA of the weights kept per rank (README).
+    tensors. With `values` (per bucket, a tensor of the shape, dtype and device of
+    `own_values(state)`'s), the pytree of those in place of the state's own: an EMA of the
+    weights kept per rank (README).
 
     Every rank must call it (at N > 1 it starts with a small all-gather of its own tag, so where a
     rank is in a step meanwhile both raise, `CollectiveMismatch` here and `DivergentPaths` or
@@ -798,8 +800,8 @@ def gather(state: ZeroState, *, values: Sequence[torch.Tensor] | None = None) ->
     the master values, in the params' own dtype.
 
     Values, not a function of the state: where a `torch.func` transform differentiates the
-    state's params in reverse mode it raises `ConfigError` on every rank (`_refuse_derivative`):
-    its result would carry none, silently. Under plain autograd the result does not require grad.
+    state's params, or the `values` given, in reverse mode it raises `ConfigError` on every rank:
+    its result would carry no derivative, silently. Under plain autograd the result does not require grad.
     A forward-mode tangent (`jvp`) flows through it.
     """
     with checked(state):
@@ -817,7 +819,7 @@ def own_values(state: ZeroState) -> tuple[torch.Tensor, ...]:
     where the stage shards params). The state's own tensors otherwise, not copies: a donating step
     updates them in place. An EMA kept over them, element-wise, gathers with `gather(state,
     values=ema)` to the EMA of the gathered params bit for bit, in the master's dtype where there
-    is one (an EMA over a bf16 `state.params` would be kept in bf16; found in review). Every rank
+    is one (an EMA over a bf16 `state.params` would be kept in bf16). Every rank
     calls it: after a donating step, the state's check of its pending update is collective."""
     with checked(state):
         return tuple(p if m is None else master_values(state, b) for b, (p, m) in enumerate(zip(state.params, state.master)))
