@@ -122,12 +122,16 @@ def _printed(t: torch.Tensor) -> torch.Tensor | None:
     """A print of `t`'s values, exact whatever their order or layout: the sums of its elements'
     bit patterns and of their squares, in int64 (wrapping), on its device (no host sync at
     `init`). What a rank holding none of a leaf compares a written parameter with: the state's own
-    values of it are another rank's. None for a meta tensor."""
+    values of it are another rank's. Widened 4M elements at a time (at most 64 MiB beside a leaf
+    as `init` keeps it). None for a meta tensor."""
     if t.is_meta:
         return None
     with torch.no_grad():
-        bits = t.detach().reshape(-1).view(_BITS[t.element_size()]).to(torch.int64)
-        return torch.stack([bits.sum(), (bits * bits).sum()])
+        total = torch.zeros(2, dtype=torch.int64, device=t.device)
+        for chunk in t.detach().reshape(-1).view(_BITS[t.element_size()]).split(1 << 22):
+            wide = chunk.to(torch.int64)
+            total += torch.stack([wide.sum(), (wide * wide).sum()])
+        return total
 
 
 def note_synced(layout: Any, b: int, flat: torch.Tensor) -> None:
