@@ -254,6 +254,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
                 return run_step(config, state, batch)
             except RuntimeError as e:  # (a try costs nothing until it catches)
                 _explain_inference_tensors(e, config, state, batch)
+                _explain_saved_tensor_hooks(e, config)
                 raise
 
 
@@ -302,6 +303,17 @@ def _explain_inference_tensors(e: RuntimeError, config: StepConfig, state: ZeroS
                    f"step trains outside inference mode, as it does outside torch.inference_mode(), where autograd "
                    f"cannot save one for backward: make the batch outside torch.inference_mode(), or pass a .clone() "
                    f"of it made outside")
+
+
+def _explain_saved_tensor_hooks(e: RuntimeError, config: StepConfig) -> None:
+    """A note on torch's refusal of saved-tensor hooks inside `torch.func.grad` (engine "func"):
+    `torch.utils.checkpoint` in the forward, most often, whose way out in fzero is its own
+    recompute (found in review: torch's words alone, which name neither). The error path only."""
+    if config.engine == "func" and "saved tensor hooks" in said(e):
+        e.add_note("fzero: under train_step(engine='func') the loss runs inside torch.func.grad, which takes no "
+                   "saved-tensor hooks: torch.utils.checkpoint in the forward? Checkpoint with fzero's own recompute, "
+                   "from_module(model, remat=[...]) naming the units (it works under engine='func'), with the "
+                   "submodule called directly in the forward")
 
 
 def _check_in_place_tiers(config: StepConfig, state: ZeroState) -> None:
