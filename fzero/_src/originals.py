@@ -28,6 +28,7 @@ module's docs say the original keeps the values it had.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -104,8 +105,8 @@ class ModuleWrittenAfterInit(UserWarning):
     (`fzero.init({name: sd[name] for name in params}, ...)`). docs/bad-input.md row 248."""
 
 
-_UNSTEPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout no step has run under yet -> True
-_PRINTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout -> {path: `_printed` of the leaf as init kept it}
+_PRINTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a layout no step has run under yet -> {path: `_printed` of
+# the leaf as init kept it}
 
 
 def _seen(t: torch.Tensor) -> tuple:
@@ -138,14 +139,11 @@ def note_synced(layout: Any, b: int, flat: torch.Tensor) -> None:
     """At `fzero.init`, bucket b's values as the state keeps them (`flat`, after `sync`'s
     broadcast of rank 0's: found in review, a print of this rank's own values before it made a
     write-back of the state's values warn where ranks start from different seeds): `_printed` of
-    each linked leaf in it."""
-    links = _LINKS.get(layout)
-    if links:
-        specs = {spec.path: spec for spec in layout.leaves if spec.bucket == b}
+    each of its leaves, where the layout has leaves `from_module` returned (`link_layout`)."""
+    if layout in _LINKS:
         prints = _PRINTS.setdefault(layout, {})
-        for link in links:
-            if (spec := specs.get(link.path)) is not None:
-                prints[link.path] = _printed(flat[spec.offset:spec.offset + spec.numel])
+        for spec in (layout.leaves[i] for i in layout.buckets[b].leaves):
+            prints[spec.path] = _printed(flat[spec.offset:spec.offset + spec.numel])
 
 
 def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
@@ -177,7 +175,6 @@ def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:
         _refuse_groups_by_alias(tied, by_path, groups)
     if links:
         _LINKS[layout] = links
-        _UNSTEPPED[layout] = True
 
 
 def _written(link: _Link, holds: Callable[[str, torch.Tensor], bool | None], prints: dict) -> bool:
@@ -200,16 +197,15 @@ def _copied(born: _Born, leaf: torch.Tensor) -> tuple | None:
     return _seen(p) if p is not None and _same_storage(p, leaf) else None
 
 
-def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool | None]) -> None:
-    """At the first step under `layout`: `ModuleWrittenAfterInit` (at the user's line) naming the
+def warn_written_module(state: Any, holds: Callable[[Any, dict, str, torch.Tensor], bool | None]) -> None:
+    """At the first step under `state`'s layout: `ModuleWrittenAfterInit` (at the user's line) naming the
     module's parameters that are not as `fzero.init` copied them -- written in place since
     (`model.load_state_dict(pretrained)` after `init`) or replaced (`assign=True`, before or after
-    `init`) -- and whose values the state does not hold (`holds(path, p)`: this rank's part of the
+    `init`) -- and whose values the state does not hold (`holds(state, read, path, p)`: this rank's part of the
     leaf, compared only where a write or a replacement was seen; on a rank holding none of it,
     `_printed` of its values then and now: only the rank whose module was written sees a write,
     as DDP's habit of loading on rank 0 alone, and it may hold none of the leaf, found in review).
-    The state trains `init`'s
-    copies, so pretrained weights loaded there were not trained from, silently (found in review
+    The state trains `init`'s copies, so pretrained weights loaded there were not trained from, silently (found in review
     of a user migrating a torch script). The state's own values written back (`load_state_dict(
     info.state_dict(fzero.gather(state)))` to evaluate with torch before training, a GAN loop
     syncing its critic first) pass: found in review of the first version, which warned on any
@@ -217,10 +213,12 @@ def warn_written_module(layout: Any, holds: Callable[[str, torch.Tensor], bool |
     of `p`. Later steps are not checked: the module keeps `from_module`'s values while the state
     trains, and writing trained values back into it between steps is how it is used. A warning,
     not an error: the state is as `init` made it, which may be what was meant."""
-    if _UNSTEPPED.pop(layout, None) is None:
+    layout = state.layout
+    prints = _PRINTS.pop(layout, None)  # (made at init where the layout has links: none after the first step)
+    if prints is None:
         return
-    prints = _PRINTS.get(layout, {})
-    written = [link for link in _LINKS.get(layout, ()) if _written(link, holds, prints)]
+    held_by = functools.partial(holds, state, {})  # (its dict: each bucket's values, read once for every leaf in it)
+    written = [link for link in _LINKS.get(layout, ()) if _written(link, held_by, prints)]
     if written:
         names = ", ".join(repr(link.born.name) for link in written[:4]) + (
             f" and {len(written) - 4} more" if len(written) > 4 else "")

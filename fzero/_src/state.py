@@ -822,7 +822,12 @@ def own_values(state: ZeroState) -> tuple[torch.Tensor, ...]:
     is one (an EMA over a bf16 `state.params` would be kept in bf16). Every rank
     calls it: after a donating step, the state's check of its pending update is collective."""
     with checked(state):
-        return tuple(p if m is None else master_values(state, b) for b, (p, m) in enumerate(zip(state.params, state.master)))
+        return tuple(_own_value(state, b) for b in range(len(state.params)))
+
+
+def _own_value(state: ZeroState, b: int) -> torch.Tensor:
+    """Bucket b's entry of `own_values(state)`: the master's values where kept, else the params."""
+    return state.params[b] if state.master[b] is None else master_values(state, b)
 
 
 def holds_leaf(state: ZeroState, read: dict[int, torch.Tensor], path: str, p: torch.Tensor) -> bool | None:
@@ -836,7 +841,7 @@ def holds_leaf(state: ZeroState, read: dict[int, torch.Tensor], path: str, p: to
         spec = next(leaf for leaf in state.layout.leaves if leaf.path == path)
         b = state.layout.buckets[spec.bucket]
         if b.index not in read:
-            read[b.index] = state.params[b.index] if state.master[b.index] is None else master_values(state, b.index)
+            read[b.index] = _own_value(state, b.index)
         own = read[b.index]
         start = 0 if own.numel() == b.padded_numel else state.mesh.rank * b.shard_numel
         lo, hi = max(spec.offset, start), min(spec.offset + spec.numel, start + own.numel())
@@ -949,10 +954,10 @@ def _bucket_input(state: ZeroState, b: Any, values: tuple[torch.Tensor, ...] | N
     no master. A master's values (or `values[b]`): where the stage shards params its `enter`
     gathers the master shard itself (an offloaded stage 3); else the master shard is all-gathered
     here into the full buffer the stage's `enter` passes through."""
-    own = values[b.index] if values is not None else None
+    own = _own_value(state, b.index) if values is None else values[b.index]
     if state.master[b.index] is None:
-        return state.params[b.index] if own is None else own
-    master = (master_values(state, b.index) if own is None else own).to(state.mesh.device)
+        return own
+    master = own.to(state.mesh.device)
     return master if state.stage.sharded("params") else all_gather(master, state.mesh, tag=b.tag)
 
 

@@ -44,7 +44,6 @@ immutable.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -246,8 +245,8 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         _check_master_differentiated_with_its_copy(state)
         refuse_changed_module(state.layout)  # a module flag or tie changed since from_module (docs/bad-input.md
         # rows 211, 216)
-        warn_written_module(state.layout, functools.partial(holds_leaf, state, {}))  # at its first step: the module
-        # written since init copied it, with values the state does not hold (row 248)
+        warn_written_module(state, holds_leaf)  # at its first step: the module written since init copied it,
+        # with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
