@@ -35,11 +35,14 @@ def _transformers_logs_to_this_tests_stderr():
     test. A later test whose code logs through it (fzero's CLI building a GPT2Config) then printed
     "--- Logging error ---" with a traceback into its own stderr (found by a mutation audit:
     tests/test_cli_more.py failed when run after tests/test_checkpoint.py in one process). The
-    handler is pointed at the current `sys.stderr`, its own `flush` put back."""
-    for handler in getattr(logging.getLogger("transformers"), "handlers", ()):
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler.stream, _CurrentStderr):
-            handler.__dict__.pop("flush", None)
-            handler.stream = _CurrentStderr()  # (not setStream, which flushes the closed one first)
+    handler is pointed at the current `sys.stderr`, its own `flush` put back. Only transformers'
+    own handler: the first version walked the handlers of the "transformers" logger, and on the
+    GPU machine's image (torch 2.11, Python 3.12) that list held pytest's log-capture handler,
+    whose stream it replaced: every later test of that worker failed at setup."""
+    handler = getattr(sys.modules.get("transformers.utils.logging"), "_default_handler", None)
+    if isinstance(handler, logging.StreamHandler) and not isinstance(handler.stream, _CurrentStderr):
+        handler.__dict__.pop("flush", None)
+        handler.stream = _CurrentStderr()  # (not setStream, which flushes the closed one first)
 
 
 # ---------------------------------------------------------------------------------------------
