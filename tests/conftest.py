@@ -37,8 +37,10 @@ def _transformers_logs_to_this_tests_stderr():
     tests/test_cli_more.py failed when run after tests/test_checkpoint.py in one process). The
     handler is pointed at the current `sys.stderr`, its own `flush` put back. Only transformers'
     own handler: the first version walked the handlers of the "transformers" logger, and on the
-    GPU machine's image (torch 2.11, Python 3.12) that list held pytest's log-capture handler,
-    whose stream it replaced: every later test of that worker failed at setup."""
+    GPU machine's image (transformers 5.17, pytest 9.1) a pytest log-capture handler came to be
+    among them during the suite (the errors: "'_CurrentStderr' object has no attribute
+    'getvalue'", pytest reading its captured logs): every later test of that worker failed at
+    setup."""
     handler = getattr(sys.modules.get("transformers.utils.logging"), "_default_handler", None)
     if isinstance(handler, logging.StreamHandler) and not isinstance(handler.stream, _CurrentStderr):
         handler.__dict__.pop("flush", None)
