@@ -278,6 +278,9 @@ def refuse_changed_module(layout: Any) -> None:
     links = _LINKS.get(layout)
     if not links:
         return
+    walk, passed = _QUICK.get(layout) or (None, None)
+    if passed is not None and _unchanged(walk, passed):
+        return
     changed, seen = [], {}
     for link in links:
         p = _now(link.born)
@@ -289,6 +292,78 @@ def refuse_changed_module(layout: Any) -> None:
             _refuse_changed_tie(link, p, seen)
     if changed:
         raise ConfigError(_changed_words(changed))
+    walk = walk or _walk(links)
+    _QUICK[layout] = walk, _passed(walk)
+
+
+class _Walk(NamedTuple):
+    """What `refuse_changed_module`'s quick pass reads, made once from a layout's links that share
+    one root module: the submodule paths to resolve (each after its parent: path, parent's path,
+    attribute), each link's (submodule path, attribute), the links whose flag `_changed_flag`
+    watches (those the state trains as their flag was then: index, that flag), and each other
+    name of a tied leaf (index, submodule path, attribute)."""
+
+    root: weakref.ref | None  # None where the links' roots differ: no quick pass
+    modules: tuple[tuple[str, str, str], ...] = ()
+    leaves: tuple[tuple[str, str], ...] = ()
+    flags: tuple[tuple[int, bool], ...] = ()
+    ties: tuple[tuple[int, str, str], ...] = ()
+
+
+_QUICK: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a state's layout -> (`_Walk`, the parameters the last
+# full check passed with, held weakly; None where one was not found by its path)
+_NO_CHILDREN: dict = {}
+
+
+def _walk(links: tuple[_Link, ...]) -> _Walk:
+    roots = {id(link.born.module()) for link in links}
+    if len(roots) != 1 or links[0].born.module() is None:
+        return _Walk(None)
+    split = lambda name: tuple(name.rpartition(".")[::2])  # noqa: E731  ('a.b.w' -> ('a.b', 'w'))
+    leaves = tuple(split(link.born.name) for link in links)
+    ties = tuple((i, *split(name)) for i, link in enumerate(links) for name in link.born.ties)
+    paths = {path for path, _ in leaves} | {path for _, path, _ in ties}
+    prefixes = {".".join(parts[:k]) for parts in (p.split(".") for p in paths if p) for k in range(1, len(parts) + 1)}
+    modules = tuple((path, *split(path)) for path in sorted(prefixes, key=lambda p: p.count(".")))
+    flags = tuple((i, link.trains) for i, link in enumerate(links) if link.born.flag is link.trains)
+    return _Walk(links[0].born.module, modules, leaves, flags, ties)
+
+
+def _by_path(walk: _Walk) -> tuple[list, dict] | None:
+    """The parameter at each link's name, and each submodule on the way, as `_param_at` finds them
+    from the root; None where the root is gone."""
+    root = None if walk.root is None else walk.root()
+    if root is None:
+        return None
+    at = {"": root}
+    for path, parent, attr in walk.modules:
+        m = at[parent]
+        at[path] = None if m is None else getattr(m, "_modules", _NO_CHILDREN).get(attr)
+    params = [None if (m := at[path]) is None else m._parameters.get(attr) for path, attr in walk.leaves]
+    return params, at
+
+
+def _passed(walk: _Walk) -> tuple[weakref.ref, ...] | None:
+    """After a full check passed: the parameters it read, held weakly, where each was found by its
+    path (`_now`'s first choice) and there are no two the same; else None (every step checks in full)."""
+    found = _by_path(walk)
+    if found is None or any(p is None for p in found[0]) or len(set(map(id, found[0]))) != len(found[0]):
+        return None
+    return tuple(weakref.ref(p) for p in found[0])
+
+
+def _unchanged(walk: _Walk, passed: tuple[weakref.ref, ...]) -> bool:
+    """Whether the full check would pass as it last did: each link's name still finds, by its path
+    from the root, the very parameter the last full check read there, each flag it watches is
+    the flag that passed, and each other name of a tied leaf finds that leaf's parameter itself.
+    A few dict lookups per submodule and per leaf (the full check resolved each name from the root)."""
+    found = _by_path(walk)
+    if found is None:
+        return False
+    params, at = found
+    return (all(p is ref() for p, ref in zip(params, passed))
+            and all(params[i].requires_grad is flag for i, flag in walk.flags)
+            and all((m := at[path]) is not None and m._parameters.get(attr) is params[i] for i, path, attr in walk.ties))
 
 
 def _changed_flag(link: _Link, p: torch.Tensor) -> bool:
