@@ -10,6 +10,7 @@ rebuilds a state with the same metadata.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.utils.weak import WeakIdKeyDictionary
 from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
 
 from .collectives import all_gather, all_reduce, broadcast, func_level, gather_texts
@@ -136,6 +138,38 @@ class ZeroState:
     optimizer = property(lambda self: self.info.optimizer)
     precision = property(lambda self: self.info.precision)
 
+    def __post_init__(self) -> None:
+        _check_flat(self)
+        object.__setattr__(self, "_held", _held(self))  # (a state the step makes carries its input's: `renewed`)
+
+    def __copy__(self) -> "ZeroState":
+        """A new state over the same buffers, with this one's marks and counts (`_Buffers`)."""
+        new = object.__new__(type(self))
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, value)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> "ZeroState":
+        """A copy of every tensor, sharing the static `info` (as JAX's static fields; it holds the
+        mesh, whose locks and process group are not copied: found in review, a `SimMesh` state's
+        deepcopy raised "cannot pickle '_thread.RLock' object"); a consumed or lost state's mark
+        kept; its buffers its own (`_Buffers`)."""
+        memo[id(self.info)] = self.info
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "_held":
+                object.__setattr__(new, name, copy.deepcopy(value, memo))
+        object.__setattr__(new, "_held", _held(new))
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a ZeroState is not pickled (torch.save, pickle, multiprocessing): its info holds the mesh "
+                        "and the optimizer's functions. Save it with fzero.checkpoint.save(path, state) and resume "
+                        "with fzero.checkpoint.load(path, state); the full params alone are fzero.gather(state); a "
+                        "copy in this process is copy.deepcopy(state) or torch.utils._pytree.tree_map(torch.clone, "
+                        "state)")
+
     def replace(self, **changes: Any) -> "ZeroState":
         """A new state with some fields changed (the others shared). Where this state was donated
         to a step or lost by one (`consume`, `lose`) and the new state keeps one of its buffers
@@ -146,7 +180,7 @@ class ZeroState:
         mark. `params`, `opt_state` and `master` must keep their structure: one entry per bucket,
         each of the old entry's pytree structure (`_check_replaced`)."""
         _check_replaced(self, changes)
-        new = renewed(self, **changes)
+        new = dataclasses.replace(self, **changes)
         mark = getattr(self, "_consumed", None)
         if mark is not None and not _BUFFERS <= changes.keys():
             object.__setattr__(new, "_consumed", mark)  # the one record: a `Lost` named later names both
@@ -163,6 +197,8 @@ def _check_replaced(state: ZeroState, changes: dict[str, Any]) -> None:
     a master). Found in review: a torch.optim `state_dict()` as `opt_state` was taken, and the
     next step raised a bare `KeyError: 0`."""
     layout = state.layout
+    if "step" in changes:
+        changes["step"] = _step_counter(changes["step"])
     for field in ("params", "opt_state", "master"):
         if field not in changes:
             continue
@@ -180,13 +216,136 @@ def _check_replaced(state: ZeroState, changes: dict[str, Any]) -> None:
                 raise FzeroError(f"{what}; bucket {_bucket_words(layout, b)}: expected {want}, got {got}")
 
 
+def _step_counter(step: Any) -> torch.Tensor:
+    """`state.replace(step=...)`'s value as the state keeps it, an int64 0-d tensor on the host: a
+    Python int taken; anything else but a 0-d integer tensor of at least 0 refused (found in review:
+    `step=7` raised a bare AttributeError in a donating step, `tensor(7.5)`, `tensor(-1)` and
+    `tensor([7])` were taken)."""
+    if isinstance(step, int) and not isinstance(step, bool):
+        step = torch.tensor(step, dtype=torch.int64)
+    if (not isinstance(step, torch.Tensor) or step.dim() != 0 or step.dtype.is_floating_point or step.is_complex()
+            or step.dtype == torch.bool or int(step) < 0):
+        shown = (f"a {step.dtype} tensor of shape {list(step.shape)}" + (f" holding {step.item()}" if step.numel() == 1
+                                                                          else "")
+                 if isinstance(step, torch.Tensor) else repr(step))
+        raise FzeroError(f"state.replace(step=...): the step counter is the number of updates applied, an int >= 0 "
+                         f"(or an integer 0-d tensor), got {shown}")
+    return step.to(torch.int64) if step.dtype != torch.int64 else step
+
+
+def _check_flat(state: ZeroState) -> None:
+    """`FzeroError` where a bucket's params or master is not the one-dimensional contiguous buffer
+    of the bucket's size, or of its shard's, that the stages read it as (`Bucket.views`: one
+    `as_strided` per leaf, which reads another tensor's storage as if it were that buffer; found in
+    review: a `state.replace(params=...)` of equal values in a strided view trained from garbage at
+    stages 0-2, silently). A master is read whole (its shard gathered, or updated element by
+    element): its shape only. An expanded zero (an NVMe tier's stand-in) is passed: a view of it
+    past its one element raises. Other leaves (a `tree_map` to shapes) are passed over."""
+    buckets = state.info.layout.buckets
+    for field in ("params", "master"):
+        for b, t in enumerate(getattr(state, field)):
+            if not isinstance(t, torch.Tensor) or b >= len(buckets):
+                continue
+            spec = buckets[b]
+            if t.dim() != 1 or t.numel() not in (spec.padded_numel, spec.shard_numel) or (
+                    field == "params" and not t.is_contiguous() and t.stride() != (0,)):  # (an NVMe tier's
+                # stand-in is an expanded zero, never read: a view past its one element raises)
+                raise FzeroError(
+                    f"state.{field}[{b}] (bucket {_bucket_words(state.info.layout, b)}) is a tensor of shape "
+                    f"{list(t.shape)} and strides {list(t.stride())}; each is the bucket's flat buffer, one-dimensional "
+                    f"and contiguous, of {spec.padded_numel} elements (world size {spec.world_size} x shard "
+                    f"{spec.shard_numel}) or, where the stage shards it, {spec.shard_numel}: the state made by "
+                    f"fzero.init, or a tree_map of it that keeps the shapes (make a strided one contiguous: "
+                    f"t.contiguous())")
+
+
 def renewed(state: ZeroState, **changes: Any) -> ZeroState:
-    """`dataclasses.replace(state, **changes)`: a new state, with no mark of `state`'s (`consume`,
-    `lose`); the step's, which marks the state it consumes itself."""
+    """The step's new state: `state` with `changes`, and no mark of `state`'s (`consume`, `lose`:
+    the step marks the state it consumes itself). It holds `state`'s buffers where it keeps them
+    (a donating step writes them in place), so it joins `state`'s `_Buffers` at their counts now,
+    with no lookup per buffer; a buffer of `changes` new to every state (a pure step's) joins a
+    `_Buffers` of its own when a state made from this one looks it up."""
+    new = object.__new__(ZeroState)
+    for field in _ALL_FIELDS:
+        object.__setattr__(new, field, changes.pop(field) if field in changes else getattr(state, field))
+    if changes:
+        raise TypeError(f"renewed: no field(s) {sorted(changes)} in a ZeroState")
+    object.__setattr__(new, "_held", tuple((held, held.writes) for held, _ in state._held))
+    return new
+
+
+def fresh(state: ZeroState, **changes: Any) -> ZeroState:
+    """`state` with `changes` where they give it new buffers (a pure step's update): the state's
+    `_Buffers` looked up by each buffer, as for a state the user makes."""
     return dataclasses.replace(state, **changes)
 
 
+class _Buffers:
+    """The buffers (their storages) that states share: those `fzero.init` made, and every state made
+    of them since -- the step's, a `state.replace`, a `copy.copy`, a `tree_map` that keeps the
+    tensors (`lambda t: t`, `t.detach()`, `t.to(t.device)`). `writes` counts the donating steps
+    that wrote them in place (`lose`, `consume`). A state records the count of each of its
+    `_Buffers` when it is made (`ZeroState._held`) and is refused where one moved since
+    (`check_state`): a donating step of a state that shares them wrote them, and this state would
+    read that step's values under its own step count (found in review of a JAX user: a snapshot
+    by `copy.copy` or `tree_map` before a donating step read the next step's params, and a
+    donating step of the snapshot wrote the state that step returned, silently)."""
+
+    __slots__ = ("writes", "__weakref__")
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+
+_HELD_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a buffer's UntypedStorage -> its `_Buffers`
+
+
+def _writable(state: ZeroState) -> Iterator[Any]:
+    """What a donating step may write in place: the params, master and optimizer state of every
+    trainable bucket. Not a frozen bucket's params, nor the loss scaler's state, which a step
+    replaces (a static scale's is kept as it is): a pure step's state shares them with its input."""
+    buckets = state.info.layout.buckets
+    for b, (p, opt, m) in enumerate(zip(state.params, state.opt_state, state.master)):
+        if b < len(buckets) and not buckets[b].group.frozen:
+            yield p
+            yield m
+            yield from opt if isinstance(opt, tuple) else (opt,)
+
+
+def _held(state: ZeroState) -> tuple[tuple[_Buffers, int], ...]:
+    """The `_Buffers` of `state`'s writable buffers (`_writable`) and their counts now; buffers of
+    none yet (a state of new tensors) join one new `_Buffers`. Tensors without a storage of their
+    own (a torch.func wrapper) and other leaves (a `tree_map` to shapes) are passed over."""
+    sets: dict[int, _Buffers] = {}
+    new = None
+    for t in _writable(state):
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        held = _HELD_BY.get(storage)
+        if held is None:
+            held = new = new or _Buffers()
+            _HELD_BY[storage] = held
+        sets[id(held)] = held
+    return tuple((held, held.writes) for held in sets.values())
+
+
+def _count_write(state: ZeroState, k: int = 1) -> None:
+    """A donating step writes `state`'s buffers in place (k = 1; -1 where it turned out not to)."""
+    for held, _ in getattr(state, "_held", ()):
+        held.writes += k
+
+
+def _written_since(state: ZeroState) -> bool:
+    """Whether a donating step of a state sharing `state`'s buffers wrote them since `state` was made."""
+    return any(held.writes != n for held, n in getattr(state, "_held", ()))
+
+
 _FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "pending")
+_ALL_FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "info", "pending")
 
 
 def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
@@ -976,7 +1135,11 @@ def loss_scale_of(state: ZeroState) -> float:
 
 
 def consume(state: ZeroState) -> None:
-    """Mark a state whose buffers a donating step wrote: using it again is an error."""
+    """Mark a state whose buffers a donating step wrote: using it again is an error. Its `_Buffers`
+    count the write unless `lose` counted it before the first write (so that every other state
+    holding them is refused too; the state the step returns, made after that, has the count)."""
+    if not isinstance(getattr(state, "_consumed", None), Lost):
+        _count_write(state)
     object.__setattr__(state, "_consumed", True)
 
 
@@ -1006,12 +1169,14 @@ def lose(state: ZeroState, pure: bool = False) -> None:
     attribute write per step; `keep` takes the mark back where nothing was written after all."""
     if getattr(state, "_consumed", None) is None:
         object.__setattr__(state, "_consumed", Lost(pure=pure))
+        _count_write(state)
 
 
 def keep(state: ZeroState) -> None:
     """Take back `lose`'s mark: the update raised (or was skipped on the device) before any write."""
     if isinstance(getattr(state, "_consumed", None), Lost):
         object.__delattr__(state, "_consumed")
+        _count_write(state, -1)
 
 
 def lost_by(state: Any, error: BaseException, buckets: Sequence[str] = ()) -> None:
@@ -1072,6 +1237,13 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
         state.info.tier.check_holds(state)  # NVMe: the state is the one whose values its files hold
     if holds and consumed is not None:  # (a `Lost`: a donating step raised after writing it in place)
         raise FzeroError(lost_message(state, consumed))
+    if holds and _written_since(state):
+        raise FzeroError(f"this state (step {int(state.step)}) shares its buffers with a state that a donating step "
+                         f"(train_step(donate=True)) consumed after this one was made -- a copy by copy.copy, "
+                         f"state.replace, dataclasses.replace or a tree_map that kept the tensors: that step wrote "
+                         f"them in place, so they hold a later step's values. Use the state that step returned; to "
+                         f"keep a snapshot beside donating steps, copy the tensors before the step: snapshot = "
+                         f"torch.utils._pytree.tree_map(torch.clone, state)")
     if pending:
         check_pending(state)
 

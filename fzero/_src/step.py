@@ -517,7 +517,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     if config.donate:
         consume(state)
     if not broken:  # with donate, `broken` is always empty: `new.pending` carries the verdict
-        return (new if scaler is None else new.replace(loss_scale=next_scale)), _metrics(*seen, skipped=False)
+        return (new if scaler is None else renewed(new, loss_scale=next_scale)), _metrics(*seen, skipped=False)
     if config.on_nonfinite == "raise":
         named = named_paths(broken)
         advice = unmastered_words(state, broken,  # 16-bit params with no wider master: fp16's way out replaces it

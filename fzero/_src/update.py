@@ -28,7 +28,7 @@ from .optim.base import (DIFFERENTIABLE, Optimizer, OptimizerError, block_sums, 
                          update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
-from .state import PADDING_WRITTEN, ZeroState, keep, lose, lost_by, renewed, updated_nonfinite_leaves
+from .state import PADDING_WRITTEN, ZeroState, fresh, keep, lose, lost_by, renewed, updated_nonfinite_leaves
 from .unit import finite_witness, settle_flights
 
 
@@ -213,8 +213,9 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
         new_params[b] = gathered[b]
         if state.master[b] is not None:
             new_master[b] = kept[b]
-    return renewed(state, params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
-                         step=state.step + 1, pending=flag if donate else None), []
+    made = renewed if donate else fresh  # a donating step's buffers are the input's, written in place
+    return made(state, params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
+                step=state.step + 1, pending=flag if donate else None), []
 
 
 class Watch(NamedTuple):
