@@ -298,3 +298,22 @@ def test_a_deepcopy_of_an_nvme_state_is_refused_as_its_clone_is(tmp_path):
         return int(step(state, _batch(mesh.rank, 1))[0].step)
 
     assert mesh.run(rank) == [2, 2]
+
+
+def test_a_state_reads_as_a_summary_and_compares_as_an_object():
+    """`repr` summarises (the fields' repr ran to 430 characters a leaf) and says where the state
+    was consumed; `==` is identity (it raised torch's "Boolean value of Tensor with more than one
+    value is ambiguous" for a copy)."""
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(_loss, donate=True)
+
+    def rank():
+        state = _init(mesh, 3)
+        said = repr(state)
+        same = (state == state, state == copy.copy(state), hash(state) == hash(state))
+        step(state, _batch(mesh.rank, 0))
+        return said, same, repr(state)
+
+    for r, (said, same, consumed) in enumerate(mesh.run(rank)):
+        assert said == f"ZeroState(stage 3, rank {r} of {mesh!r}, step 0, 2 buckets of 3 leaves)"
+        assert same == (True, False, True) and consumed == said[:-1] + "; consumed by a donating step)"

@@ -99,7 +99,7 @@ class StateInfo:
         return dataclasses.replace(self, tier=tier, stage=stage_of(get_stage(self.stage.level), self.offload, tier))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)  # (equal as objects; `__repr__` below)
 class ZeroState:
     """One rank's state. Tensors per bucket, in `layout.buckets` order.
 
@@ -141,6 +141,18 @@ class ZeroState:
     def __post_init__(self) -> None:
         _check_flat(self)
         object.__setattr__(self, "_held", _held(self))  # (a state the step makes carries its input's: `renewed`)
+
+    def __repr__(self) -> str:
+        """A summary (the fields' repr ran to 430 characters a leaf, most of it the layout: found in
+        review), saying where the state was consumed or lost."""
+        mark = getattr(self, "_consumed", None)
+        said = "; consumed by a donating step" if mark is True else "; lost" if mark is not None else ""
+        try:
+            step = int(self.step)
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):  # (a tree_map to shapes, a wrapper)
+            step = "?"
+        return (f"ZeroState(stage {self.stage.level}, rank {self.rank} of {self.mesh!r}, step {step}, "
+                f"{len(self.layout.buckets)} buckets of {len(self.layout.leaves)} leaves{said})")
 
     def __copy__(self) -> "ZeroState":
         """A new state over the same buffers, with this one's marks and counts (`_Buffers`)."""
