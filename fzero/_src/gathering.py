@@ -297,6 +297,8 @@ class Gathering:
         self._xs, self._fulls, self._probes, self._inflight = xs, fulls, probes, inflight
         self._casts, self._reads = casts or {}, reads
         self._leaves: dict[str, dict[str, torch.Tensor]] = {}  # unit -> {path: leaf}, in read order
+        self._read_order: list[str] = []  # `_leaves`' units, in read order, and each one's place there
+        self._read_at: dict[str, int] = {}
         self._anchors: list[torch.Tensor] = []
         self._storages: dict[str, list[tuple[Bucket, Any, int]]] = {}  # unit -> (bucket, storage, nbytes)
         self._released: set[str] = set()
@@ -328,9 +330,11 @@ class Gathering:
                 if self.prefetch:
                     self._ahead[unit] = self._start(unit)
             if self.prefetch:
-                self._prefetch(self._after(unit, self.layout.units), backward=False)
+                self._prefetch(self._after(unit), backward=False)
             with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):  # `call`'s modes
                 self._leaves[unit] = self._run(unit, self._ahead.get(unit))
+            self._read_at[unit] = len(self._read_order)
+            self._read_order.append(unit)
             self._ahead.pop(unit, None)  # (each gather left it as its bucket entered)
             if self.releasable and self._storages[unit] and _use_count is not None:
                 self._at_read[unit] = self._uses(unit)
@@ -611,11 +615,11 @@ class Gathering:
     def _held(self, b: int) -> torch.Tensor:
         return held_tensor(self._xs, self._fulls, b)
 
-    def _after(self, unit: str, order: Sequence[str]) -> list[str]:
-        """The `prefetch` units that follow `unit` in the predicted `order` (none if it is not in it)."""
-        order = list(order)
-        at = order.index(unit) + 1 if unit in order else len(order)
-        return order[at : at + self.prefetch]
+    def _after(self, unit: str) -> list[str]:
+        """The `prefetch` units that follow `unit` in the layout's order (none if it is not in it)."""
+        units = self.layout.units
+        at = self.layout.unit_order.get(unit, len(units) - 1) + 1
+        return list(units[at : at + self.prefetch])
 
     def _backward_after(self, unit: str) -> list[str]:
         """The `prefetch` units backward reads after the use of `unit` whose backward comes now:
@@ -625,13 +629,12 @@ class Gathering:
         run (its re-reads' `_Reread`s that have, `_reread_back`): before, a unit read again was
         prefetched at the backward of its later use for its earliest use's, and held gathered
         between them."""
-        if not self._rereads:
-            order = list(reversed(self._leaves))
-            start = order.index(unit) + 1 if unit in order else len(order)
-        else:
-            order = _read_order(self.gathered, self._rereads)[::-1]
-            at = [i for i, u in enumerate(order) if u == unit]
-            start = at[min(self._reread_back.get(unit, 0), len(at) - 1)] + 1 if at else len(order)
+        if not self._rereads:  # (the reads before `unit`'s, latest first: no list of every read per call)
+            at = self._read_at.get(unit, 0)
+            return self._read_order[max(at - self.prefetch, 0) : at][::-1]
+        order = _read_order(self.gathered, self._rereads)[::-1]
+        at = [i for i, u in enumerate(order) if u == unit]
+        start = at[min(self._reread_back.get(unit, 0), len(at) - 1)] + 1 if at else len(order)
         return order[start : start + self.prefetch]
 
     def _prefetch(self, units: Sequence[str], backward: bool) -> None:

@@ -17,6 +17,7 @@ same layout unchanged on every replica, so `Layout.world_size` is the size of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -208,13 +209,28 @@ class Layout:
     world_size: int
     align: int
 
-    @property
+    @functools.cached_property
+    def _by_unit(self) -> dict[str, tuple[int, ...]]:
+        """Each unit's bucket indices, in layout order, the units in their first bucket's order:
+        made once (found in review at 5,000 units: a scan of every bucket per unit, and a tuple of
+        the units made at each read, took the first step, and a prefetching step, quadratic time)."""
+        out: dict[str, list[int]] = {}
+        for b in self.buckets:
+            out.setdefault(b.unit, []).append(b.index)
+        return {unit: tuple(indices) for unit, indices in out.items()}
+
+    @functools.cached_property
     def units(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(b.unit for b in self.buckets))
+        return tuple(self._by_unit)
+
+    @functools.cached_property
+    def unit_order(self) -> dict[str, int]:
+        """Each unit's place in `units`."""
+        return {unit: i for i, unit in enumerate(self.units)}
 
     def unit_buckets(self, unit: str) -> tuple[int, ...]:
         """The indices of the buckets of unit `unit`, in layout order."""
-        return tuple(b.index for b in self.buckets if b.unit == unit)
+        return self._by_unit.get(unit, ())
 
     def segments(self, bucket: int, rank: int) -> tuple[Segment, ...]:
         """The pieces of leaves that shard `rank` of bucket `bucket` holds, in shard order."""

@@ -565,7 +565,7 @@ def init(
                                shapes, f" (bucket {_bucket_words(layout, b)})")
             return s
 
-        trainable = [b for b, spec in enumerate(layout.buckets) if not spec.group.frozen]
+        trainable = dict.fromkeys(b for b, spec in enumerate(layout.buckets) if not spec.group.frozen)  # (ordered; `in`: O(1))
         if off.optimizer == "nvme":  # the files' sizes from states made on the meta device (no memory)
             metas = {b: opt_init(b, "meta") for b in trainable if b in on_host}
             tier = tier_of(off, mesh.device, {b: (s, spec_of(optimizer, s)) for b, s in metas.items()},
