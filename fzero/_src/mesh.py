@@ -931,15 +931,20 @@ class SimMesh(Mesh):
         """Block until rank r holds the turn, then make it the running rank (cond held)."""
         self._cond.wait_for(lambda: self._turn == r)
         self._current = r
-        self._held[r].set()
+        held = self._held[r]
+        if held is not None:  # (None: r passed the turn to itself, and the process holds its state)
+            held.set()
 
     def _pass_turn(self, r: int) -> None:
-        """Save rank r's process state and give the turn to the next rank still running (cond held)."""
-        self._held[r] = ProcessState.now()
+        """Save rank r's process state and give the turn to the next rank still running (cond held);
+        where that is r itself (one rank, or the others done), nothing is saved and set again
+        (found in review: numpy's RNG state, read and written at every collective, cost two to
+        three times a small collective at N = 1)."""
         self._current = None
         n = self.world_size
         later = [(r + k) % n for k in range(1, n + 1)]
         self._turn = next((s for s in later if self._status[s] in ("run", "wait")), None)
+        self._held[r] = None if self._turn == r else ProcessState.now()
         self._cond.notify_all()
 
     def _poison(self, error: MeshError) -> None:
