@@ -140,7 +140,7 @@ class ZeroState:
 
     def __post_init__(self) -> None:
         _check_flat(self)
-        object.__setattr__(self, "_held", _held(self))  # (a state the step makes carries its input's: `renewed`)
+        object.__setattr__(self, "_held", _buffers_of(self))  # (a state the step makes carries its input's: `renewed`)
 
     def __repr__(self) -> str:
         """A summary (the fields' repr ran to 430 characters a leaf, most of it the layout: found in
@@ -172,7 +172,7 @@ class ZeroState:
         for name, value in self.__dict__.items():
             if name != "_held":
                 object.__setattr__(new, name, copy.deepcopy(value, memo))
-        object.__setattr__(new, "_held", _held(new))
+        object.__setattr__(new, "_held", _buffers_of(new))
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -324,7 +324,7 @@ def _writable(state: ZeroState) -> Iterator[Any]:
             yield from opt if isinstance(opt, tuple) else (opt,)
 
 
-def _held(state: ZeroState) -> tuple[tuple[_Buffers, int], ...]:
+def _buffers_of(state: ZeroState) -> tuple[tuple[_Buffers, int], ...]:
     """The `_Buffers` of `state`'s writable buffers (`_writable`) and their counts now; buffers of
     none yet (a state of new tensors) join one new `_Buffers`. Tensors without a storage of their
     own (a torch.func wrapper) and other leaves (a `tree_map` to shapes) are passed over."""
