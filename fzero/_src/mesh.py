@@ -719,6 +719,10 @@ class ProcessState:
     - torch's default dtype;
     - `warnings`' filters and the functions that show a warning (what `catch_warnings` swaps).
 
+    A rank that passes the turn to itself (one rank, or the others done) keeps the process's state
+    as it is: at N = 1 a warning shown once per place is shown once, as in one process (swapping
+    resets `warnings`' registry, which shows it again at every collective at N > 1).
+
     Not kept apart (set them around `mesh.run`, or make them per rank): `torch.backends` flags,
     deterministic algorithms, objects made outside `fn` (a `torch.Generator`, a data iterator),
     and thread-local settings a rank makes without `with`, which end with its thread.

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import re
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -166,6 +167,9 @@ class ZeroState:
         mesh, whose locks and process group are not copied: found in review, a `SimMesh` state's
         deepcopy raised "cannot pickle '_thread.RLock' object"); a consumed or lost state's mark
         kept; its buffers its own (`_Buffers`)."""
+        if getattr(self, "_consumed", None) is None and _written_since(self):  # (its copy would hold those
+            # values as its own: found in review; a consumed or lost state's copy keeps its mark)
+            raise FzeroError(_written_words(self))
         memo[id(self.info)] = self.info
         new = object.__new__(type(self))
         memo[id(self)] = new
@@ -193,6 +197,8 @@ class ZeroState:
         each of the old entry's pytree structure (`_check_replaced`)."""
         _check_replaced(self, changes)
         new = dataclasses.replace(self, **changes)
+        recorded = {id(held): n for held, n in self._held}  # (a copy already refused stays so: found in review)
+        object.__setattr__(new, "_held", tuple((held, recorded.get(id(held), n)) for held, n in new._held))
         mark = getattr(self, "_consumed", None)
         if mark is not None and not _BUFFERS <= changes.keys():
             object.__setattr__(new, "_consumed", mark)  # the one record: a `Lost` named later names both
@@ -233,8 +239,8 @@ def _step_counter(step: Any) -> torch.Tensor:
     Python int taken; anything else but a 0-d integer tensor of at least 0 refused (found in review:
     `step=7` raised a bare AttributeError in a donating step, `tensor(7.5)`, `tensor(-1)` and
     `tensor([7])` were taken)."""
-    if isinstance(step, int) and not isinstance(step, bool):
-        step = torch.tensor(step, dtype=torch.int64)
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):  # (an int, numpy's integers)
+        step = torch.tensor(int(step), dtype=torch.int64)
     if (not isinstance(step, torch.Tensor) or step.dim() != 0 or step.dtype.is_floating_point or step.is_complex()
             or step.dtype == torch.bool or int(step) < 0):
         shown = (f"a {step.dtype} tensor of shape {list(step.shape)}" + (f" holding {step.item()}" if step.numel() == 1
@@ -349,6 +355,15 @@ def _count_write(state: ZeroState, k: int = 1) -> None:
     """A donating step writes `state`'s buffers in place (k = 1; -1 where it turned out not to)."""
     for held, _ in getattr(state, "_held", ()):
         held.writes += k
+
+
+def _written_words(state: ZeroState) -> str:
+    return (f"this state (step {int(state.step)}) shares its buffers with a state that a donating step "
+            f"(train_step(donate=True)) consumed after this one was made -- a copy by copy.copy, state.replace, "
+            f"dataclasses.replace or a tree_map that kept the tensors, or the state a step returned without an "
+            f"update (a skipped step hands its input's buffers on): that step wrote them in place, so they hold a "
+            f"later step's values. Use the state that step returned; to keep a snapshot beside donating steps, "
+            f"copy the tensors before the step: snapshot = torch.utils._pytree.tree_map(torch.clone, state)")
 
 
 def _written_since(state: ZeroState) -> bool:
@@ -1146,11 +1161,13 @@ def loss_scale_of(state: ZeroState) -> float:
     return 1.0 if state.loss_scale is None else float(state.loss_scale.scale)
 
 
-def consume(state: ZeroState) -> None:
-    """Mark a state whose buffers a donating step wrote: using it again is an error. Its `_Buffers`
-    count the write unless `lose` counted it before the first write (so that every other state
-    holding them is refused too; the state the step returns, made after that, has the count)."""
-    if not isinstance(getattr(state, "_consumed", None), Lost):
+def consume(state: ZeroState, wrote: bool = True) -> None:
+    """Mark a state whose buffers a donating step wrote (or, `wrote=False`, handed on unwritten to
+    the state it returns: a skipped overflow): using it again is an error. Its `_Buffers` count the
+    write unless `lose` counted it before the first write (so that every other state holding them
+    is refused too; the state the step returns, made after that, has the count). A skip writes
+    nothing: found in review, a copy made before it was refused though its values were right."""
+    if wrote and not isinstance(getattr(state, "_consumed", None), Lost):
         _count_write(state)
     object.__setattr__(state, "_consumed", True)
 
@@ -1250,12 +1267,7 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
     if holds and consumed is not None:  # (a `Lost`: a donating step raised after writing it in place)
         raise FzeroError(lost_message(state, consumed))
     if holds and _written_since(state):
-        raise FzeroError(f"this state (step {int(state.step)}) shares its buffers with a state that a donating step "
-                         f"(train_step(donate=True)) consumed after this one was made -- a copy by copy.copy, "
-                         f"state.replace, dataclasses.replace or a tree_map that kept the tensors: that step wrote "
-                         f"them in place, so they hold a later step's values. Use the state that step returned; to "
-                         f"keep a snapshot beside donating steps, copy the tensors before the step: snapshot = "
-                         f"torch.utils._pytree.tree_map(torch.clone, state)")
+        raise FzeroError(_written_words(state))
     if pending:
         check_pending(state)
 

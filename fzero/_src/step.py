@@ -503,7 +503,8 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
             if config.donate:  # the new state shares every buffer: the next donating step writes them for
-                consume(state)  # both (found in review: the old one then read, and saved, the next step's values)
+                consume(state, wrote=False)  # both (found in review: the old one then read, and saved, the next
+                # step's values); nothing written yet, so a copy made before stays usable until that step
             return renewed(state, loss_scale=next_scale), _metrics(*seen, skipped=True)
         if config.on_nonfinite == "raise":
             leaves = nonfinite_leaves(state, readable(state.info, reduced))  # shed shards: their host copies
