@@ -16,11 +16,14 @@ The params are two leaves of 512 elements: at N = 2 each lies whole in one rank'
 stage.
 """
 
+import re
+
 import pytest
 import torch
 
 import fzero
 import fzero.checkpoint as ck
+from fzero import optim
 from fzero._src.tree import flatten_with_paths
 
 OPTIMIZERS = {
@@ -155,3 +158,27 @@ def test_a_schedule_of_another_function_is_named_by_its_function(tmp_path):
                            lambda: fzero.optim.adamw(fzero.optim.cosine(1e-3, 7, warmup_steps=3)))
     assert "another optimizer setting (adamw): lr (schedule fn): checkpoint function " in err, err
     assert "<lambda>" in err and 'target function cosine.<locals>.fn ["0.0", "0.001", "7", "3"]' in err, err
+
+
+def test_a_description_of_an_earlier_fzero_is_named_as_such_not_as_another_optimizer():
+    """A checkpoint of an fzero from before `Optimizer.prepare_` (2026-12-01) describes adamw with
+    no name kept (`two_phase`), so its name was read off the function that makes the state,
+    `_adam.<locals>.init`: "saved with another optimizer: checkpoint adam, target adamw" about the
+    same optimizer (found in a review of old checkpoints). The message says what it is and the way
+    on. Made here by renaming the node that keeps the name, as that fzero's description lacked it."""
+    import json
+
+    from fzero._src.checkpoint import _jsonable, _other_optimizer
+    from fzero._src.state import describe
+
+    optimizer = optim.adamw(1e-2)
+    want = _jsonable(describe(optimizer))
+    earlier = json.loads(json.dumps(want).replace('"two_phase.<locals>.update_"', '"_adam.<locals>.update_"'))
+    message = _other_optimizer("ck", earlier, optimizer, want)
+    assert "another optimizer:" not in message and "checkpoint adam, target adamw" not in message
+    assert re.search(r"'ck' was saved with an optimizer described otherwise than the target's \(adamw\): the "
+                     r"checkpoint's description names none, and makes its state with the same function \(adam\); an "
+                     r"earlier fzero \(before Optimizer\.prepare_, 2026-12-01\) described its optimizers so.*"
+                     r"fzero\.init\(fzero\.checkpoint\.export\(path\), \.\.\.\)", message), message
+    lamb = _jsonable(describe(optim.lamb(1e-2)))
+    assert "another optimizer: checkpoint lamb, target adamw" in _other_optimizer("ck", lamb, optimizer, want)

@@ -1662,10 +1662,19 @@ def optimizer_name(desc: Any) -> str:
     """A readable name of the optimizer a manifest describes (`manifest["optimizer"]`, the JSON of
     `state.describe(optimizer)`): the name `two_phase` keeps ("adamw", "sgd"), else the function
     that makes the state ("lamb" of `lamb.<locals>.init`), else its qualname."""
+    return _named_by(desc)[0]
+
+
+def _named_by(desc: Any) -> tuple[str, bool]:
+    """`optimizer_name`, and whether it is the name `two_phase` keeps (else one read off a function)."""
     for node in _fn_nodes(desc):
         first = node[1][0] if node[1] else None
         if node[0] == "two_phase.<locals>.update_" and isinstance(first, str) and re.fullmatch(r"'\w+'", first):
-            return first[1:-1]
+            return first[1:-1], True
+    return _name_of_init(desc), False
+
+
+def _name_of_init(desc: Any) -> str:
     init = desc[0][0] if isinstance(desc, list) and desc and isinstance(desc[0], list) and desc[0] else None
     if isinstance(init, str):
         return init.split(".<locals>.")[0].lstrip("_") or init
@@ -1740,7 +1749,15 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     """The message for a checkpoint saved with another optimizer, or the same one with other
     settings: which (by name), or which settings differ, the checkpoint's value and the target's."""
     fix = "make the target with the optimizer and settings the checkpoint was saved with"
-    names = optimizer_name(theirs), optimizer_name(want)
+    (mine, kept), (other, also) = _named_by(theirs), _named_by(want)
+    names = mine, other
+    if kept != also and _name_of_init(theirs) == _name_of_init(want):  # one description names it, one does not
+        return (f"{path!r} was saved with an optimizer described otherwise than the target's ({other}): the "
+                f"checkpoint's description names none, and makes its state with the same function "
+                f"({_name_of_init(theirs)}); an earlier fzero (before Optimizer.prepare_, 2026-12-01) described its optimizers so, "
+                f"and this fzero cannot compare such a description with its own. To train on from it, start a new "
+                f"state from its params: fzero.init(fzero.checkpoint.export(path), ...) (the optimizer state "
+                f"restarts)")
     if names[0] != names[1]:
         return f"{path!r} was saved with another optimizer: checkpoint {names[0]}, target {names[1]}; {fix}"
     node = named(optimizer)
