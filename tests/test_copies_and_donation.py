@@ -348,3 +348,27 @@ def test_replace_step_takes_numpys_integers():
 
     mesh = fzero.SimMesh(1)
     assert mesh.run(lambda: int(_init(mesh, 0).replace(step=np.int64(7)).step))[0] == 7
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_consumed_state_is_a_load_target_like_any_other(stage, tmp_path):
+    """`checkpoint.load` reads only its target's structure: a state a donating step consumed is one
+    (it was refused, "was donated", found in review); the loaded state equals one loaded into a
+    fresh target, and the state the step returned is untouched and steps on beside it."""
+    import fzero.checkpoint as ck
+
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(_loss, donate=True)
+
+    def rank():
+        s1, _ = step(_init(mesh, stage), _batch(mesh.rank, 0))
+        path = ck.save(s1, str(tmp_path))
+        s2, _ = step(s1, _batch(mesh.rank, 1))
+        before = _leaves(s2)
+        loaded = ck.load(path, s1)
+        fresh = ck.load(path, _init(mesh, stage))
+        same, kept = _equal(_leaves(loaded), _leaves(fresh)), _equal(_leaves(s2), before)
+        step(loaded, _batch(mesh.rank, 1))
+        return same, kept, int(step(s2, _batch(mesh.rank, 2))[0].step)
+
+    assert mesh.run(rank) == [(True, True, 3)] * 2

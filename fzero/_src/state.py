@@ -1254,7 +1254,7 @@ def check_state(state: Any, *, pending: bool = True, holds: bool = True) -> None
     if not isinstance(state, ZeroState):
         raise FzeroError(f"expected the ZeroState made by fzero.init, got {type(state).__name__}{_not_state_hint(state)}")
     consumed = getattr(state, "_consumed", None)
-    if consumed is True:
+    if consumed is True and holds:  # (a load target lends its structure only: found in review, refused)
         raise FzeroError(f"this state (step {int(state.step)}) was donated to a train_step(donate=True) and its "
                          f"buffers now hold the next state's values; use the state that step returned")
     mesh = state.mesh
