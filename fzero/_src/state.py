@@ -235,8 +235,8 @@ def _check_replaced(state: ZeroState, changes: dict[str, Any]) -> None:
 
 
 def _step_counter(step: Any) -> torch.Tensor:
-    """`state.replace(step=...)`'s value as the state keeps it, an int64 0-d tensor on the host: a
-    Python int taken; anything else but a 0-d integer tensor of at least 0 refused (found in review:
+    """`state.replace(step=...)`'s value as the state keeps it, an int64 0-d tensor on the host: an
+    int (Python's or numpy's) taken; anything else but a 0-d integer tensor of at least 0 refused (found in review:
     `step=7` raised a bare AttributeError in a donating step, `tensor(7.5)`, `tensor(-1)` and
     `tensor([7])` were taken)."""
     if isinstance(step, numbers.Integral) and not isinstance(step, bool):  # (an int, numpy's integers)
@@ -288,7 +288,7 @@ def renewed(state: ZeroState, **changes: Any) -> ZeroState:
         object.__setattr__(new, field, changes.pop(field) if field in changes else getattr(state, field))
     if changes:
         raise TypeError(f"renewed: no field(s) {sorted(changes)} in a ZeroState")
-    object.__setattr__(new, "_held", tuple((held, held.writes) for held, _ in state._held))
+    object.__setattr__(new, "_held", tuple((held, held.writes) for held, _ in getattr(state, "_held", ())))
     return new
 
 
