@@ -31,6 +31,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fzero
@@ -395,6 +396,59 @@ def test_a_torch_scheduler_or_optimizer_as_lr_names_fzeros_schedules():
     with pytest.raises(optim.OptimizerError, match=r"^lr is a torch optimizer \(torch.optim.adamw.AdamW\)") as e:
         optim.sgd(opt)
     assert all(w in str(e.value) for w in ways)
+
+
+def test_a_replayed_scheduler_is_told_what_a_replay_leaves_out():
+    """The refusal says a replay carries the first group's lr, that lr_scale scales the whole
+    schedule, floors included; for OneCycleLR with its momentum cycle, that fzero keeps the
+    momentum fixed; for ReduceLROnPlateau, the recipe a metric-driven lr needs (found in review of
+    a user porting torch schedulers: lr_scale under an eta_min, and OneCycleLR's beta1, trained
+    otherwise than torch, silently)."""
+    opt, _ = _torch_scheduler()
+    sched = torch.optim.lr_scheduler
+    with pytest.raises(optim.OptimizerError, match=r"scales that whole schedule, floors included") as e:
+        optim.adamw(sched.CosineAnnealingLR(opt, T_max=10, eta_min=1e-4))
+    assert "cycle_momentum" not in str(e.value) and "ReduceLROnPlateau" not in str(e.value)
+    with pytest.raises(optim.OptimizerError, match=r"OneCycleLR with cycle_momentum=True also cycles the optimizer's "
+                                                   r"momentum.*make it with cycle_momentum=False"):
+        optim.adamw(sched.OneCycleLR(opt, max_lr=1.0, total_steps=10))
+    with pytest.raises(optim.OptimizerError) as e:
+        optim.adamw(sched.OneCycleLR(opt, max_lr=1.0, total_steps=10, cycle_momentum=False))
+    assert "cycle_momentum=True" not in str(e.value)
+    with pytest.raises(optim.OptimizerError, match=r"ReduceLROnPlateau's lr follows a metric.*sched\.step\(float\("
+                                                   r"metrics\.loss\)\).*lr=lambda t: dummy_optimizer\.param_groups"):
+        optim.adamw(sched.ReduceLROnPlateau(opt))
+
+
+def test_the_plateau_recipe_steps_with_the_lrs_the_scheduler_set():
+    """ReduceLROnPlateau by the refusal's recipe: a dummy optimizer's lr, lowered by the scheduler
+    from each step's loss, is the lr the next step takes (the same bits as `sequence` of those lrs)."""
+    mesh = fzero.SimMesh(2)
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(6, 3, generator=g)
+    batches = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(12)]
+
+    def loss(p, b):
+        return F.mse_loss(b[0] @ p["w"], b[1])
+
+    def train(lr, after=None):
+        state, step, used = fzero.init({"w": w0.clone()}, optim.adamw(lr), stage=1, mesh=mesh), fzero.train_step(
+            loss), []
+        for b in batches:
+            used.append(state.optimizer.lr(int(state.step)))
+            state, metrics = step(state, b)
+            if after is not None:
+                after(float(metrics.loss))
+        return used, fzero.gather(state)["w"]
+
+    def rank():
+        dummy = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(dummy, factor=0.5, patience=0, threshold=0.5)
+        used, w = train(lambda t: dummy.param_groups[0]["lr"], after=plateau.step)
+        again, w_again = train(optim.sequence(used))
+        return len(set(used)) > 1, again == used, torch.equal(w, w_again)
+
+    assert mesh.run(rank) == [(True, True, True)] * 2
 
 
 def test_a_schedulers_get_last_lr_as_lr_is_refused_when_made():

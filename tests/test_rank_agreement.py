@@ -342,7 +342,27 @@ def test_a_schedule_that_raises_on_one_rank_only_is_named_on_every_rank():
 
     for e in _errors(run):
         assert isinstance(e, fzero.ConfigError), repr(e)
-        assert "step 1: the optimizer's lr differs across ranks (rank 0: its schedule raised, rank 1: 0.05" in str(e)
+        assert ("step 1: the optimizer's lr differs across ranks (rank 0: its schedule raised, or returned a value "
+                "refused (negative, NaN, inf, not a number), rank 1: 0.05") in str(e)
+
+
+def test_a_schedule_that_returns_a_refused_value_on_one_rank_is_not_said_to_have_raised_only():
+    """Rank 1's schedule returns -0.001 at step 1: the words said "its schedule raised" (found in
+    review of a user porting schedules); they name a refused value too."""
+
+    def run(mesh):
+        import functools
+
+        lr = functools.partial(_at, (0.1, 0.05) if mesh.rank == 0 else (0.1, -0.001))
+        state = fzero.init(_params(), optim.sgd(lr), stage=2, mesh=mesh)
+        step = fzero.train_step(_loss)
+        state, _ = step(state, torch.ones(4))
+        step(state, torch.ones(4))
+
+    for e in _errors(run):
+        assert isinstance(e, fzero.ConfigError), repr(e)
+        assert ("(rank 0: 0.05, rank 1: its schedule raised, or returned a value refused (negative, NaN, inf, not a "
+                "number)") in str(e), str(e)
 
 
 def test_a_schedule_object_is_read_once_a_step_and_the_row_compares_what_the_update_applies():

@@ -338,7 +338,8 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
                           f"checkpoint. Nothing was updated")
     lrs = [r[c.lr] for r in rows]
     if any(v != lrs[0] for v in lrs):
-        said = ", ".join(f"rank {r}: " + ("its schedule raised" if v < 0 else repr(v)) for r, v in enumerate(lrs))
+        said = ", ".join(f"rank {r}: " + ("its schedule raised, or returned a value refused (negative, NaN, inf, "
+                                             "not a number)" if v < 0 else repr(v)) for r, v in enumerate(lrs))
         raise ConfigError(f"step {int(state.step)}: the optimizer's lr differs across ranks ({said}; world size "
                           f"{len(lrs)}): every rank must pass the same lr schedule (fzero.init compares the values "
                           f"a schedule's closure holds, not a functools.partial's arguments or a callable object's "

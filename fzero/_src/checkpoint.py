@@ -711,9 +711,10 @@ def _moved_on(values: dict[int, float | None], again: float | None, at: int, wha
     warnings.warn(LrScheduleMovedOn(
         f"the lr schedule gave lr {_shown_lr(values[at])} at step {at}, then {_shown_lr(again)} at the same step "
         f"{len(values)} calls later: it is not a function of the step alone (a function around an object that "
-        f"moves on at each call), so {what}; these reads called it {len(values) + 1} times on every rank. Pass "
-        f"the object itself as the lr (fzero reads it once a step and never at a checkpoint), or a schedule of "
-        f"the step"),
+        f"moves on at each call), so {what}; these reads called it {len(values) + 1} times on every rank, and "
+        f"the object is that many calls ahead of the steps now. Pass the object itself as the lr (fzero reads it "
+        f"once a step and never at a checkpoint; its position is not saved: after checkpoint.load, move it to the "
+        f"loaded state's step yourself), or a schedule of the step"),
         stacklevel=outside_stacklevel())
     return True
 

@@ -108,7 +108,8 @@ def _unknown_settings(name: Any, unknown: dict[str, Any]) -> str:
     keys = ", ".join(repr(k) for k in unknown)
     lr = unknown.get("lr")
     scale = (f"; for lr={lr!r}: lr_scale={lr!r} / the optimizer's lr (fzero.optim.adamw(base_lr) then gives "
-             f"the group fl(base_lr * lr_scale))" if "lr" in unknown else "")
+             f"the group fl(base_lr * lr_scale), under a schedule fl(lr(t) * lr_scale): the whole schedule scaled, "
+             f"a floor too, where torch's per-group eta_min or min_lr is not)" if "lr" in unknown else "")
     return (f"ParamGroup {name!r} got {keys}, which a group does not set: a ParamGroup sets only whether the "
             f"optimizer's weight decay applies (weight_decay=False), a learning-rate scale (lr_scale) and frozen; "
             f"the decay amount, betas, eps and momentum are the optimizer's, one for every group{scale}")

@@ -546,7 +546,24 @@ def _torch_lr_words(lr: Any) -> str:
                 f"fzero.optim.adamw(3e-4, weight_decay=0.1)), and its lr is a float or a schedule: {_SCHEDULES}")
     return (f"lr is a torch LR scheduler ({name}), which writes a torch optimizer's param groups as it steps; "
             f"fzero's lr is a float, a function step -> lr, or a sequence of per-step values, read once a step: "
-            f"use {_SCHEDULES}")
+            f"use {_SCHEDULES}. A replay carries the first group's lr only: fzero's ParamGroup(lr_scale=...) "
+            f"scales that whole schedule, floors included (torch's per-group eta_min or min_lr does not scale, "
+            f"nor do per-group lambdas carry over){_scheduler_caveat(lr)}")
+
+
+def _scheduler_caveat(lr: Any) -> str:
+    """What a replay of `lr`'s values leaves out, for the schedulers where that is more than the lr
+    (found in review of a user porting torch schedulers): a cycled momentum, a metric-driven lr."""
+    if getattr(lr, "cycle_momentum", False):
+        return (f"; {type(lr).__name__} with cycle_momentum=True also cycles the optimizer's momentum (Adam's "
+                f"beta1), which fzero's optimizers keep fixed: a replay of its lr alone trains otherwise than "
+                f"torch; make it with cycle_momentum=False to compare")
+    if isinstance(lr, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return ("; ReduceLROnPlateau's lr follows a metric, so it cannot be recorded ahead: keep it on a torch "
+                "optimizer of one dummy parameter, feed it the step's loss (sched.step(float(metrics.loss))), and "
+                "pass lr=lambda t: dummy_optimizer.param_groups[0]['lr'] (read once a step, after the previous "
+                "step's sched.step)")
+    return ""
 
 
 def _fn_words(fn: Any) -> str:
