@@ -325,22 +325,29 @@ def test_the_optimizers_lr_field_is_not_part_of_its_description():
         assert describe(opt) == describe(tuple(opt)[:6])
 
 
+def _two_steps_under(values_0, values_1):
+    """Two stage-2 SGD steps on two ranks, rank r's lr `values_r` by step, as a `functools.partial`
+    of `_at` (whose arguments init does not see)."""
+
+    def run(mesh):
+        import functools
+
+        lr = functools.partial(_at, values_0 if mesh.rank == 0 else values_1)
+        state = fzero.init(_params(), optim.sgd(lr), stage=2, mesh=mesh)
+        step = fzero.train_step(_loss)
+        state, _ = step(state, torch.ones(4))
+        step(state, torch.ones(4))
+
+    return run
+
+
 def test_a_schedule_that_raises_on_one_rank_only_is_named_on_every_rank():
     """Rank 0's lr values end after one step, rank 1's go on: at step 1 both raise
     `ConfigError` saying rank 0's schedule raised (where every rank's raises, the update raises
     the schedule's own error, after the verdict: `test_host.py::
     test_a_prepare_that_raises_raises_after_the_verdict`)."""
 
-    def run(mesh):
-        import functools
-
-        lr = functools.partial(_at, (0.1,) if mesh.rank == 0 else (0.1, 0.05))  # init sees no values
-        state = fzero.init(_params(), optim.sgd(lr), stage=2, mesh=mesh)
-        step = fzero.train_step(_loss)
-        state, _ = step(state, torch.ones(4))
-        step(state, torch.ones(4))
-
-    for e in _errors(run):
+    for e in _errors(_two_steps_under((0.1,), (0.1, 0.05))):
         assert isinstance(e, fzero.ConfigError), repr(e)
         assert ("step 1: the optimizer's lr differs across ranks (rank 0: its schedule raised, or returned a value "
                 "refused (negative, NaN, inf, not a number), rank 1: 0.05") in str(e)
@@ -350,16 +357,7 @@ def test_a_schedule_that_returns_a_refused_value_on_one_rank_is_not_said_to_have
     """Rank 1's schedule returns -0.001 at step 1: the words said "its schedule raised" (found in
     review of a user porting schedules); they name a refused value too."""
 
-    def run(mesh):
-        import functools
-
-        lr = functools.partial(_at, (0.1, 0.05) if mesh.rank == 0 else (0.1, -0.001))
-        state = fzero.init(_params(), optim.sgd(lr), stage=2, mesh=mesh)
-        step = fzero.train_step(_loss)
-        state, _ = step(state, torch.ones(4))
-        step(state, torch.ones(4))
-
-    for e in _errors(run):
+    for e in _errors(_two_steps_under((0.1, 0.05), (0.1, -0.001))):
         assert isinstance(e, fzero.ConfigError), repr(e)
         assert ("(rank 0: 0.05, rank 1: its schedule raised, or returned a value refused (negative, NaN, inf, not a "
                 "number)") in str(e), str(e)

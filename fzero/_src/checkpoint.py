@@ -1750,12 +1750,13 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     """The message for a checkpoint saved with another optimizer, or the same one with other
     settings: which (by name), or which settings differ, the checkpoint's value and the target's."""
     fix = "make the target with the optimizer and settings the checkpoint was saved with"
-    (mine, kept), (other, also) = _named_by(theirs), _named_by(want)
-    names = mine, other
-    if kept != also and _name_of_init(theirs) == _name_of_init(want):  # one description names it, one does not
-        return (f"{path!r} was saved with an optimizer described otherwise than the target's ({other}): the "
+    (name, kept), (target_name, target_kept) = _named_by(theirs), _named_by(want)
+    names = name, target_name
+    made_by = _name_of_init(theirs)
+    if kept != target_kept and made_by == _name_of_init(want):  # one description names it, one does not
+        return (f"{path!r} was saved with an optimizer described otherwise than the target's ({target_name}): the "
                 f"checkpoint's description names none, and makes its state with the same function "
-                f"({_name_of_init(theirs)}); an earlier fzero (before Optimizer.prepare_, 2026-12-01) described its optimizers so, "
+                f"({made_by}); an earlier fzero (before Optimizer.prepare_, 2026-12-01) described its optimizers so, "
                 f"and this fzero cannot compare such a description with its own. To train on from it, start a new "
                 f"state from its params: fzero.init(fzero.checkpoint.export(path), ...) (the optimizer state "
                 f"restarts)")
