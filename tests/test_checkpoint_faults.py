@@ -501,3 +501,28 @@ def test_every_file_and_the_folder_are_synced_before_the_rename_and_the_root_aft
         assert {os.path.join(tmp, f), os.path.join(tmp, f + ".tmp")} & set(synced), (f, events)
     assert synced[-1] == tmp and synced.index(os.path.join(tmp, "manifest.json")) < len(synced) - 1, events
     assert ("fsync", os.path.dirname(final)) in events[at + 1 :], events
+
+
+def test_a_schedule_objects_position_is_neither_saved_nor_restored(tmp_path):
+    """README: a schedule object passed as the lr is read once a step and never at a checkpoint,
+    and its position is not saved: a fresh object given to the target after a load starts from its
+    own first value (found in review of a user porting schedules); moving it to the loaded step is
+    the user's."""
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(loss)
+
+    def rank_fn():
+        schedule = Decaying(0.1)
+        state = fzero.init(params(), optim.sgd(schedule), stage=1, mesh=mesh)
+        for _ in range(3):
+            state, _ = step(state, torch.ones(8))
+        calls_at_save = schedule.calls
+        path = ck.save(state, str(tmp_path))
+        after_save = schedule.calls
+        fresh = Decaying(0.1)
+        loaded = ck.load(path, fzero.init(params(), optim.sgd(fresh), stage=1, mesh=mesh))
+        return calls_at_save, after_save, int(loaded.step), fresh.calls, loaded.optimizer.lr(int(loaded.step))
+
+    calls, after, at, fresh_calls, lr = mesh.run(rank_fn)[0]
+    assert calls == after == 3 and at == 3 and fresh_calls == 0  # neither save nor load read the object
+    assert lr == 0.1 * 0.9 and lr != 0.1 * 0.9 ** 4  # at step 3: its first value, not the run's fourth
