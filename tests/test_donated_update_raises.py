@@ -243,16 +243,19 @@ def test_a_fused_update_interrupted_after_its_kernel_at_the_first_bucket_loses_t
     assert all(_equal(gathered, want) for gathered, _ in got)
 
 
+HEAD = (fzero.ParamGroup("head", match=lambda p: p == "c", lr_scale=1e41),)  # bucket "c": lr * lr_scale past float32
+
+
 @pytest.mark.parametrize("stage, offload", CASES)
 def test_an_optimizer_error_of_a_later_bucket_loses_the_state(stage, offload, tmp_path):
-    """`OptimizerError` from the second bucket's update (its group's `lr * lr_scale` past float32),
-    after the first was written in place: the same refusal, naming the error; a load resumes."""
-    groups = (fzero.ParamGroup("head", match=lambda p: p == "c", lr_scale=1e41),)
+    """`OptimizerError` from the second bucket's update (its group's `lr * lr_scale` past float32)
+    of an optimizer without a `prepare_` (a user's, only an `update_`), after the first was
+    written in place: the same refusal, naming the error; a load resumes."""
     off = _offload(offload, tmp_path)
     mesh = fzero.SimMesh(N)
 
     def rank_fn():
-        state = _init(mesh, optim.adamw(1e-2, weight_decay=0.1), stage, off, groups=groups)
+        state = _init(mesh, optim.adamw(1e-2, weight_decay=0.1)._replace(prepare_=None), stage, off, groups=HEAD)
         assert [b.group.name for b in state.layout.buckets][-1] == "head"  # the later bucket
         saved = fzero.checkpoint.save(state, tmp_path / "ck")
         step = fzero.train_step(_loss, donate=True)
@@ -263,6 +266,30 @@ def test_an_optimizer_error_of_a_later_bucket_loses_the_state(stage, offload, tm
         return int(fzero.checkpoint.load(saved, state).step)
 
     assert mesh.run(rank_fn) == [0] * N
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("stage, offload", CASES)
+def test_an_optimizer_error_of_a_later_bucket_raises_before_any_write(stage, offload, optimizer, tmp_path):
+    """The same group with fzero's own optimizers (a `prepare_`): every bucket's values are
+    checked before the first write, so the error leaves the state as it was -- its step count and
+    its params bit for bit, read by `gather`, `evaluate` and `checkpoint.save` without a refusal.
+    Before: the first bucket was written and the state lost (row 205)."""
+    make = {"adamw": lambda: optim.adamw(1e-2, weight_decay=0.1), "sgd": lambda: optim.sgd(1e-2, momentum=0.9)}
+    off = _offload(offload, tmp_path)
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn():
+        state = _init(mesh, make[optimizer](), stage, off, groups=HEAD)
+        step = fzero.train_step(_loss, donate=True)
+        with pytest.raises(optim.OptimizerError, match="lr_scale"):
+            step(state, _batch(mesh.rank, 0))
+        fzero.checkpoint.save(state, tmp_path / "after")  # not refused: nothing was written
+        fzero.evaluate(_loss)(state, _batch(mesh.rank, 0))
+        return int(state.step), fzero.gather(state)
+
+    got = mesh.run(rank_fn)
+    assert all(step == 0 and _equal(params, _params()) for step, params in got)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

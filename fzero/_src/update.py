@@ -139,6 +139,8 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     # one's tensors watched (`_first_write`: the state is marked lost before it; `_settle_lost` on the error path)
     wrote, watch = list(early), None
     in_files = _in_files(state) if donate else frozenset()
+    if donate:
+        _raise_before_writing(state, reduced, used, ready, in_files)
     try:
         for b, g in reduced.items():
             launch = launches.get(b)
@@ -216,6 +218,28 @@ def update(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool],
     made = renewed if donate else fresh  # a donating step's buffers are the input's, written in place
     return made(state, params=tuple(new_params), opt_state=tuple(new_opt), master=tuple(new_master),
                 step=state.step + 1, pending=flag if donate else None), []
+
+
+def _raise_before_writing(state: ZeroState, reduced: dict[int, torch.Tensor], used: list[bool], ready: Ready | None,
+                          in_files: frozenset[int]) -> None:
+    """A donating update's errors of values raised before its first write: every bucket after the
+    first that `prepare` did not prepare -- its `prepare_` raised there, or it is updated on a host
+    tier -- is prepared again (`Optimizer.prepare_`: the checks and the values, nothing written)
+    with the context its `update_` takes. Where that raises -- an `lr * lr_scale` past the range of
+    a later parameter group's dtype (`check_fits`) -- the state is left as it was and usable, as
+    where the first bucket raises. Before, the buckets ahead of it were written and the state lost,
+    though every value that decides the error was known before any write (found in review; row
+    205). Not for an NVMe bucket (its state is read from files in the loop) nor an optimizer without
+    a `prepare_`, whose `update_` raises where it runs."""
+    optimizer = state.optimizer
+    if optimizer.prepare_ is None or len(reduced) < 2:
+        return
+    prepared = ready.params if ready is not None else {}
+    plan, step = plan_of(state.info), int(state.step)
+    for b in list(reduced)[1:]:
+        if b not in prepared and b not in in_files:
+            p = state.stage.optimizer_params(state.layout, b, state.params[b], state.rank, state.master[b])
+            optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, used))
 
 
 class Watch(NamedTuple):
