@@ -326,8 +326,8 @@ def test_a_state_reads_as_a_summary_and_compares_as_an_object():
 def test_a_refused_copy_stays_refused_through_replace_and_deepcopy():
     """A copy refused after a donating step, made again by `state.replace` (any field) or
     `copy.deepcopy`: refused too (found in review: both read the next step's values as the copy's
-    own). A `tree_map` or `dataclasses.replace` of it rebuilds the state from its tensors and is
-    not: docs/bad-input.md row 249."""
+    own). A `tree_map` of it too: below. `dataclasses.replace` rebuilds the state from its tensors
+    and is not: docs/bad-input.md row 249."""
     mesh = fzero.SimMesh(2)
     step = fzero.train_step(_loss, donate=True)
 
@@ -338,6 +338,42 @@ def test_a_refused_copy_stays_refused_through_replace_and_deepcopy():
         for again in (lambda: stale.replace(), lambda: stale.replace(step=0), lambda: copy.deepcopy(stale)):
             with pytest.raises(fzero.FzeroError, match=SHARED):
                 fzero.gather(again())
+        return True
+
+    assert mesh.run(rank) == [True, True]
+
+
+MAPS = {"optree identity": lambda s: optree.tree_map(lambda t: t, s),
+        "optree clone": lambda s: optree.tree_map(torch.clone, s),
+        "torch pytree identity": lambda s: torch_pytree.tree_map(lambda t: t, s),
+        "torch pytree clone": lambda s: torch_pytree.tree_map(torch.clone, s)}
+
+
+@pytest.mark.parametrize("how", MAPS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_tree_map_of_a_refused_state_is_refused_alike_whether_it_keeps_or_copies_the_tensors(stage, how):
+    """A state rebuilt by a `tree_map` from one refused already -- the state a donating step
+    consumed, a copy made before that step (and a state a donating step lost:
+    tests/test_donated_update_raises.py) -- is refused with that state's words, whether the map kept the tensors or cloned them: either way it holds the next
+    step's values (or a half-written update) under the old step count. Before: it was a state of
+    its own, read and stepped from those values silently (found in review; rows 209, 249). A map
+    of the live state is not refused, and a map over two states (their structures equal) runs."""
+    mesh = fzero.SimMesh(2)
+    step, copied = fzero.train_step(_loss, donate=True), MAPS[how]
+
+    def rank():
+        s0 = _init(mesh, stage)
+        stale = copy.copy(s0)
+        s1, _ = step(s0, _batch(mesh.rank, 0))
+        for refused, words in ((s0, "was donated"), (stale, SHARED)):
+            with pytest.raises(fzero.FzeroError, match=words):
+                fzero.gather(copied(refused))
+            with pytest.raises(fzero.FzeroError, match=words):
+                step(copied(refused), _batch(mesh.rank, 1))
+        live = copied(s1)
+        fzero.gather(live)  # the live state's map: read as the state itself
+        both = optree.tree_map(lambda a, b: a, s1, copied(s1))
+        assert int(both.step) == 1
         return True
 
     assert mesh.run(rank) == [True, True]

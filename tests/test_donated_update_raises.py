@@ -20,6 +20,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as torch_pytree
 
 import fzero
 from fzero import optim
@@ -134,6 +135,11 @@ def _refused(state, step, batch, root, error, expected):
         fzero.checkpoint.save(state, root)
     with pytest.raises(error, match=expected):  # a copy keeping its buffers is lost alike (`ZeroState.replace`)
         fzero.gather(state.replace(step=state.step.clone()))
+    with pytest.raises(error, match=expected):  # and a tree_map's (row 249; a clone of an NVMe tier's stand-ins
+        fzero.gather(torch_pytree.tree_map(lambda t: t, state))  # is refused by its files: test_copies_and_donation)
+    if state.info.tier is None or not state.info.tier.in_place:
+        with pytest.raises(error, match=expected):
+            fzero.gather(torch_pytree.tree_map(torch.clone, state))
 
 
 def _interrupted_then_loaded(stage, offload, interrupts, tmp_path, raised, at=2, expected=None, error=fzero.FzeroError,

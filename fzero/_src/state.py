@@ -360,7 +360,7 @@ def _count_write(state: ZeroState, k: int = 1) -> None:
 def _written_words(state: ZeroState) -> str:
     return (f"this state (step {int(state.step)}) shares its buffers with a state that a donating step "
             f"(train_step(donate=True)) consumed after this one was made -- a copy by copy.copy, state.replace, "
-            f"dataclasses.replace or a tree_map that kept the tensors, or the state a step returned without an "
+            f"dataclasses.replace or a tree_map that kept the tensors (or any tree_map of such a copy), or the state a step returned without an "
             f"update (a skipped step hands its input's buffers on): that step wrote them in place, so they hold a "
             f"later step's values. Use the state that step returned; to keep a snapshot beside donating steps, "
             f"copy the tensors before the step: snapshot = torch.utils._pytree.tree_map(torch.clone, state)")
@@ -371,18 +371,54 @@ def _written_since(state: ZeroState) -> bool:
     return any(held.writes != n for held, n in getattr(state, "_held", ()))
 
 
+class _Static:
+    """A state's pytree node data: its `info` and, where the state is refused already (consumed or
+    lost by a donating step, or a copy made before one: `refused`), its record (`_held`, the mark),
+    which a state rebuilt from its leaves by a `tree_map` takes whole (`made`), so that it is
+    refused alike, whether the map kept the tensors or copied them. Found in review: such a map
+    was rebuilt as a state of its own, and read (or copied) the next step's values under its
+    own step count. Equal, and hashed, by `info` alone: the record never makes two states'
+    structures differ (a `tree_map` over two states)."""
+
+    __slots__ = ("info", "refused")
+
+    def __init__(self, state: ZeroState) -> None:
+        mark = getattr(state, "_consumed", None)
+        self.info = state.info
+        self.refused = (getattr(state, "_held", ()), mark) if mark is not None or _written_since(state) else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self.info == other.info
+
+    def __hash__(self) -> int:
+        return hash(self.info)
+
+    def __repr__(self) -> str:
+        return f"_Static({self.info!r})"
+
+    def made(self, new: ZeroState) -> ZeroState:
+        """`new`, rebuilt from a state's leaves; where that state was refused, with its record."""
+        if self.refused is not None:
+            held, mark = self.refused
+            ids = {id(h) for h, _ in held}
+            object.__setattr__(new, "_held", held + tuple((h, n) for h, n in new._held if id(h) not in ids))
+            if mark is not None:
+                object.__setattr__(new, "_consumed", mark)
+        return new
+
+
 _FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "pending")
 _ALL_FIELDS = ("params", "opt_state", "step", "master", "loss_scale", "info", "pending")
 
 
-def _flatten(state: ZeroState) -> tuple[tuple, StateInfo, tuple[str, ...]]:
+def _flatten(state: ZeroState) -> tuple[tuple, _Static, tuple[str, ...]]:
     children = (state.params, state.opt_state, state.step, state.master, state.loss_scale, state.pending)
-    return children, state.info, _FIELDS
+    return children, _Static(state), _FIELDS
 
 
-def _unflatten(info: StateInfo, children: Any) -> ZeroState:
+def _unflatten(static: _Static, children: Any) -> ZeroState:
     params, opt_state, step, master, loss_scale, pending = children
-    return ZeroState(params, opt_state, step, master, loss_scale, info, pending)
+    return static.made(ZeroState(params, opt_state, step, master, loss_scale, static.info, pending))
 
 
 for _namespace in (_GLOBAL, NAMESPACE):
@@ -398,18 +434,18 @@ def _torch_flatten(state: ZeroState) -> tuple[list, tuple]:
     master, no_master = split(state.master)
     scale = () if state.loss_scale is None else (state.loss_scale,)
     pending = () if state.pending is None else (state.pending,)
-    return [state.params, opt, state.step, master, scale, pending], (state.info, no_opt, no_master, len(state.params))
+    return [state.params, opt, state.step, master, scale, pending], (_Static(state), no_opt, no_master, len(state.params))
 
 
 def _torch_unflatten(children: list, context: tuple) -> ZeroState:
-    (params, opt, step, master, scale, pending), (info, no_opt, no_master, nb) = children, context
+    (params, opt, step, master, scale, pending), (static, no_opt, no_master, nb) = children, context
 
     def join(xs: tuple, nones: tuple[int, ...]) -> tuple:
         it = iter(xs)
         return tuple(None if b in nones else next(it) for b in range(nb))
 
-    return ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None, info,
-                     pending[0] if pending else None)
+    return static.made(ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None,
+                                 static.info, pending[0] if pending else None))
 
 
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")
