@@ -7,6 +7,8 @@ silently; row 228)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +86,50 @@ def test_a_parameter_inside_a_buffer_is_refused_too():
 def test_a_buffer_beside_a_frozen_parameter_or_a_clone_is_taken(kind):
     params, _, info = fzero.from_module(_ViewBuffer(frozen=kind == "frozen", clone=kind == "clone"))
     assert set(info.buffers) == {"rows"} and set(params) == {"lin.weight", "lin.bias"}
+
+
+class _PlainAttribute(nn.Module):
+    """A parameter and a plain tensor attribute (neither parameter nor buffer) over one memory: the
+    attribute the parameter's base (`base`), a view of it (`view`), one in a list (`listed`) or a
+    dict (`keyed`); or apart (`clone`), or beside a frozen parameter (`frozen`)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        flat = torch.randn(12)
+        self.w = nn.Parameter(flat.view(3, 4), requires_grad=kind != "frozen")
+        held = {"base": flat, "view": self.w.detach().view(12), "clone": flat.clone(), "frozen": flat}.get(kind)
+        self.flat = held if held is not None else torch.zeros(12)
+        self.extra = ([torch.ones(2), self.w.detach()[1]] if kind == "listed" else {"k": self.w.detach()} if kind == "keyed"
+                      else None)
+
+    def forward(self, x):
+        return x @ self.w.t() + self.flat[:3]
+
+
+@pytest.mark.parametrize("kind, name, shape", [("base", "flat", "12"), ("view", "flat", "12"),
+                                               ("listed", "extra[1]", "4"), ("keyed", "extra['k']", "3, 4")])
+def test_a_plain_tensor_attribute_sharing_memory_with_a_trainable_parameter_is_refused(kind, name, shape):
+    """A plain tensor attribute over a trainable parameter's memory: torch's in-place update writes
+    it too, fzero's copy of the module keeps it at its initial values, and a forward reading it
+    computed with them: the weights drifted from torch's from the second step, silently (found in
+    review of a user of unusual parameters; row 258)."""
+    with pytest.raises(fzero.LayoutError, match=rf"from_module: attribute {re.escape(repr(name))} \(float32\[{shape}\]\), "
+                                                r"a plain tensor .* shares memory with the trainable parameter 'w'"):
+        fzero.from_module(_PlainAttribute(kind))
+
+
+@pytest.mark.parametrize("kind", ["clone", "frozen"])
+def test_a_plain_tensor_attribute_apart_or_beside_a_frozen_parameter_is_taken(kind):
+    params, apply, _ = fzero.from_module(_PlainAttribute(kind))
+    x = torch.randn(2, 4)
+    assert torch.equal(apply(params, x), _PlainAttribute(kind)(x))
+
+
+def test_torch_modules_that_keep_their_own_tensor_attributes_are_taken():
+    """Old-style `spectral_norm` sets `module.weight` (a plain tensor over `weight_orig`'s memory at
+    first) in a forward pre-hook before each forward: passed over by name. RNNs hold their
+    parameters themselves in `_flat_weights`: parameters, not plain tensors."""
+    for model in (nn.utils.spectral_norm(nn.Linear(4, 3)), nn.LSTM(4, 3, 2), nn.GRU(4, 3)):
+        params, _, _ = fzero.from_module(model)
+        assert set(params) == {n for n, p in model.named_parameters()}

@@ -465,7 +465,9 @@ def _not_float_hint(leaf: torch.Tensor, frozen: bool) -> str:
     if leaf.is_complex():
         return (f"{also}: hold it as its real view, torch.view_as_real(t) (a float leaf with a last dim of 2), "
                 f"and read it as torch.complex(w[..., 0], w[..., 1]) in the loss (torch.view_as_complex refuses a "
-                f"leaf at an odd offset of its flat bucket); or {elsewhere}")
+                f"leaf at an odd offset of its flat bucket); in a module, as two real parameters through a "
+                f"parametrization (torch.nn.utils.parametrize.register_parametrization with a right_inverse returning "
+                f"(w.real, w.imag) and a forward returning torch.complex(re, im)); or {elsewhere}")
     if isinstance(leaf, torch.nn.Parameter):  # a module's integer parameter (requires_grad=False: frozen anyway)
         return (f": fzero trains no integer or bool parameter; register it as a buffer of its module "
                 f"instead (module.register_buffer(name, t)): fzero.from_module keeps a module's buffers beside the "

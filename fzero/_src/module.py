@@ -70,7 +70,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -521,6 +521,8 @@ def _check_buffers_apart(module: nn.Module) -> None:
     for n, p in module.named_parameters():  # one look per buffer at its storage's parameters (before, every
         if p.requires_grad and _storage_key(p) is not None:  # parameter per buffer: 11 s at 1600 x 1200, found
             by_storage.setdefault(_storage_key(p), []).append((n, p))  # in review)
+    if not by_storage:
+        return
     for name, b in module.named_buffers(remove_duplicate=False):
         trainable = by_storage.get(_storage_key(b), []) if b is not None else []
         hit = _overlapping([*(p for _, p in trainable), b]) if trainable else None
@@ -530,6 +532,40 @@ def _check_buffers_apart(module: nn.Module) -> None:
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
+    for name, t in _plain_tensors(module):
+        trainable = by_storage.get(_storage_key(t), [])
+        hit = _overlapping([*(p for _, p in trainable), t]) if trainable else None
+        if hit is not None and len(trainable) in hit:
+            raise LayoutError(f"from_module: attribute {name!r} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}), "
+                              f"a plain tensor (neither a parameter nor a buffer), shares memory with the trainable "
+                              f"parameter {trainable[min(hit)][0]!r}: torch's optimizer writes the parameter in "
+                              f"place and so the attribute too, but fzero trains the parameter apart from the module, "
+                              f"whose copy keeps the attribute at its initial values, and a forward reading it would "
+                              f"compute with them. Compute it in forward from the parameter (self.w.view(-1)), or "
+                              f"hold a .clone() where it is meant to be apart")
+
+
+_MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})  # and `_SLOTS`, a skeleton's
+
+
+def _plain_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` of each plain tensor attribute of `module` and its submodules (one in a
+    list, tuple or dict attribute too: `name[k]`), neither a parameter nor a buffer, but one a
+    forward pre-hook of its module sets before each forward (old-style `spectral_norm`'s and
+    `weight_norm`'s `weight`, pruning's: its hook's `name` / `_tensor_name`), which no copy makes
+    stale."""
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        set_by_hooks = {getattr(h, attr, None) for h in m._forward_pre_hooks.values() for attr in ("name", "_tensor_name")}
+        for attr, value in vars(m).items():
+            if attr in _MODULE_SLOTS or attr == _SLOTS or attr in set_by_hooks:
+                continue
+            where = f"{prefix}.{attr}" if prefix else attr
+            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
+                     else None)
+            found = [(where, value)] if items is None else [(f"{where}[{k!r}]", v) for k, v in items]
+            for name, t in found:
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    yield name, t
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:

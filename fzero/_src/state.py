@@ -864,12 +864,14 @@ def _check_real(params: Any) -> None:
     """Meta tensors have shapes but no values: fine for `fzero.layout.plan` and the memory estimate, not
     for a state that trains."""
     paths, leaves, _ = flatten_with_paths(params)
-    meta = [p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.is_meta]
+    meta = [f"{p} ({str(x.dtype).removeprefix('torch.')}{list(x.shape)})" for p, x in zip(paths, leaves)
+            if isinstance(x, torch.Tensor) and x.is_meta]
     if meta:
         raise LayoutError(f"params leaves {meta[:5]}{' ...' if len(meta) > 5 else ''} are meta tensors (shapes, no "
                           f"values); fzero.init needs real values: materialize the model first (e.g. "
-                          f"model.to_empty(device=...) and initialise it), or use fzero.accounting.estimate for a "
-                          f"model on the meta device")
+                          f"model.to_empty(device=...) and initialise it), then call fzero.from_module on it again "
+                          f"where it read the model on the meta device (its params are the tensors it read then); or "
+                          f"use fzero.accounting.estimate for a model on the meta device")
 
 
 def describe(fn_or_tuple: Any, depth: int = 0) -> Any:
