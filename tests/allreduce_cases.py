@@ -266,14 +266,20 @@ def reduce_scatter_vs_torch(mesh, x):
 def subgroup_collectives(mesh):
     """On a 3-process world, a `DistMesh` over the subgroup {1, 2}: its group rank 0 is global rank
     1, so the N = 2 exchange and the broadcast must address the peer by its global rank (a mutant
-    sending to the group rank passed the suite: every group there was the whole world). Global rank
-    0 returns None."""
+    sending to the group rank passed the suite: every group there was the whole world); and its
+    repr, which names the global ranks. Global rank 0, not a member, returns the `MeshError` its
+    own `DistMesh(group)` raises."""
     import torch.distributed as dist
 
     group = dist.new_group([1, 2], backend="gloo")  # (every rank of the world calls it)
     if dist.get_rank() not in (1, 2):
+        try:
+            fzero.DistMesh(group)
+        except fzero.MeshError as e:
+            return str(e)
         return None
     sub = fzero.DistMesh(group)
     x = torch.arange(2.0) + 10 * sub.rank
     c = fzero.collectives
-    return sub.rank, c.all_gather(x, sub), c.reduce_scatter(torch.arange(4.0) + sub.rank, sub), c.broadcast(x, sub, 1)
+    return (sub.rank, c.all_gather(x, sub), c.reduce_scatter(torch.arange(4.0) + sub.rank, sub), c.broadcast(x, sub, 1),
+            repr(sub))

@@ -294,11 +294,15 @@ def test_gloo_n2_all_gather_is_gloos_own_bitwise(dist2, dtype):
 def test_a_distmesh_over_a_subgroup_addresses_its_peers_by_global_rank(dist3):
     """`DistMesh(new_group([1, 2]))` on a 3-process world: all_gather, reduce_scatter (the N = 2
     exchange) and broadcast from group rank 1 give the two ranks' results (see
-    `allreduce_cases.subgroup_collectives`)."""
+    `allreduce_cases.subgroup_collectives`). Its repr names each rank's global rank, which every
+    message quoting the mesh then shows (found in review: a failure on global rank 1 read "rank 0"
+    with nothing to map it); global rank 0, outside the group, gets a `MeshError` saying so (it got
+    torch's bare "Invalid process group specified")."""
     out = dist3.run(cases.subgroup_collectives, [()] * 3)
-    assert out[0] is None
-    for r, (rank, gathered, scattered, sent) in zip((1, 2), out[1:]):
+    assert "global rank 0 is not a member of this process group" in out[0]
+    for r, (rank, gathered, scattered, sent, shown) in zip((1, 2), out[1:]):
         assert rank == r - 1
+        assert f"rank={rank}, global ranks [1, 2] (this rank {r})" in shown
         assert torch.equal(gathered, torch.tensor([0.0, 1.0, 10.0, 11.0]))
         assert torch.equal(scattered, torch.tensor([1.0, 3.0]) if rank == 0 else torch.tensor([5.0, 7.0]))
         assert torch.equal(sent, torch.tensor([10.0, 11.0]))

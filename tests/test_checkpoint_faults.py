@@ -469,6 +469,50 @@ def test_a_root_that_cannot_be_synced_after_the_rename_warns_and_the_save_stands
     assert all(torch.equal(loaded[0][k], got[0][1][k]) for k in got[0][1])
 
 
+def test_another_save_publishing_the_same_step_meanwhile_is_named_and_leaves_its_checkpoint(tmp_path, monkeypatch):
+    """Two meshes saving into one root (two process groups of one job): the second rename finds
+    `step-n` published by the other save. Every rank raises a `CheckpointError` saying so and to
+    save to a root of each mesh's own; the other save's checkpoint stays, loadable, and no
+    temporary folder is left. Before: "free space ... latest(root) is the checkpoint before",
+    false on both counts (found in review of sub-group meshes)."""
+    root = str(tmp_path / "root")
+    real, published = impl._fsync_dir, []
+    mesh = fzero.SimMesh(2)
+    step = fzero.train_step(loss)
+
+    def other_save_first(path):  # the other mesh's save publishes step-1 just before this one's rename
+        if os.path.basename(path).startswith(".tmp-step-1") and not os.path.exists(os.path.join(root, "step-1")):
+            monkeypatch.setattr(impl, "_fsync_dir", real)
+            other = fzero.SimMesh(1)
+
+            def other_rank():
+                state, _ = step(fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=other), torch.ones(8))
+                ck.save(state, root)
+                return fzero.gather(state)
+
+            published.append(other.run(other_rank)[0])
+        return real(path)
+
+    def rank_fn():
+        state = fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=mesh)
+        state, _ = step(state, torch.ones(8))
+        fzero.collectives.all_reduce(torch.zeros(1), mesh)
+        if mesh.rank == 0:
+            monkeypatch.setattr(impl, "_fsync_dir", other_save_first)
+        with pytest.raises(ck.CheckpointError) as caught:
+            ck.save(state, root)
+        return str(caught.value)
+
+    said = mesh.run(rank_fn)
+    assert "another save published that folder while this one wrote its data" in said[0] and "free space" not in said[0]
+    assert "a root of its own" in said[0] and all("step-1" in words for words in said)
+    assert os.listdir(root) == ["step-1"]
+    one = fzero.SimMesh(1)
+    loaded = one.run(lambda: fzero.gather(ck.load(ck.latest(root), fzero.init(params(), optim.adamw(1e-3), stage=1,
+                                                                                 mesh=one))))[0]
+    assert published and all(torch.equal(loaded[k], published[0][k]) for k in loaded)
+
+
 def test_every_file_and_the_folder_are_synced_before_the_rename_and_the_root_after(tmp_path, monkeypatch):
     """proofs/checkpoint.md, steps 2-5: each data file (DCP's), the manifest, then the temporary
     folder are fsynced before the atomic rename makes the checkpoint visible, and the root after

@@ -954,7 +954,16 @@ def _publish(tmp: str, final: str, root: str, head: _Head, fail_at: str | None) 
     _fsync_dir(tmp)
     if fail_at == "before_rename":
         raise _Crash("simulated crash before the rename")
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if not os.path.isdir(final):
+            raise
+        raise CheckpointError(  # (found in review: two groups' meshes saving into one root were told of free space)
+            f"checkpoint.save of {final!r}: another save published that folder while this one wrote its data -- two "
+            f"meshes saving into one root (two process groups, or two jobs) --, so nothing of this save was kept: "
+            f"its temporary folder {tmp!r} is removed and {final!r} is the other save's. Save each mesh's "
+            f"checkpoints to a root of its own, or save from one group only") from e
     try:
         _fsync_dir(root)
     except OSError as e:  # a warning, not an error: the save stands (found in review: it raised on rank 0 and

@@ -1219,6 +1219,27 @@ class _ThenAdd:
                 self.added = True
 
 
+def _check_member(group: Any) -> None:
+    """A `MeshError` where this process is not in `group`: `new_group` hands the ranks it leaves out
+    a non-member handle, on which torch raised a bare "Invalid process group specified" (found in
+    review of sub-group meshes)."""
+    dist = torch.distributed
+    if group is not None and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise MeshError(f"DistMesh: global rank {dist.get_rank()} is not a member of this process group "
+                        f"(torch.distributed.new_group returns a non-member handle to the ranks it leaves out); only "
+                        f"its members construct a DistMesh over it: make it where rank in the group's ranks")
+
+
+def _global_ranks(group: Any, world_size: int) -> tuple[int, ...] | None:
+    """The global rank of each rank of `group`, in its order, where it is not the whole job (None
+    where it is: the same numbers)."""
+    dist = torch.distributed
+    if group is None or group is dist.GroupMember.WORLD:
+        return None
+    ranks = tuple(dist.get_global_rank(group, r) for r in range(world_size))
+    return None if ranks == tuple(range(dist.get_world_size())) else ranks
+
+
 def _peer(group: Any, rank: int) -> tuple[int, int]:
     """At N = 2: the other rank, in `group` and as the global rank point-to-point calls address."""
     peer = 1 - rank
@@ -1439,7 +1460,12 @@ class DistMesh(Mesh):
     so that a rank whose peer dies can name it).
 
     Args:
-      group: a process group, or None for the default group.
+      group: a process group, or None for the default group. Only its members construct a mesh
+        over it (another rank gets a `MeshError`). Its ranks, which `rank` and every message name,
+        are the group's (`torch.distributed.get_rank(group)`); over a group that is not the whole
+        job the repr, quoted by every message that names the mesh, lists the global rank of each.
+        Each group runs its own steps: fzero has no replica groups (HSDP), so its agreement, skip,
+        norm, clipping and loss cover one group only (README, "Limits today").
       backend: "gloo", "nccl" or None. Used when no process group exists yet and DistMesh starts
         one from torchrun's environment: None means `$FZERO_BACKEND` if set, else NCCL when CUDA
         has devices, gloo otherwise. NCCL runs rank `LOCAL_RANK` on `cuda:LOCAL_RANK` and needs
@@ -1494,6 +1520,7 @@ class DistMesh(Mesh):
             raise MeshError("DistMesh needs torch.distributed, which this torch build lacks")
         self.timeout = _as_timedelta(timeout)
         if dist.is_initialized():
+            _check_member(group)
             dev = _group_device(dist.get_backend(group), backend, device)
         else:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -1510,6 +1537,7 @@ class DistMesh(Mesh):
         self.group = group
         super().__init__(dist.get_world_size(group))
         self._rank = dist.get_rank(group)
+        self._global = _global_ranks(group, self.world_size)  # (None: the group is the world, its ranks the same)
         self.backend = dist.get_backend(group)
         self.device = dev
         self.verify = verify
@@ -1541,7 +1569,12 @@ class DistMesh(Mesh):
         self._peers = [(row[2], row[3]) for row in rows]
 
     def __repr__(self) -> str:
-        return f"DistMesh(world_size={self.world_size}, rank={self._rank}, backend={self.backend!r}, id={self.id})"
+        """Its ranks are the group's, which every message names; over a group that is not the whole
+        job, the repr says which global rank each is (found in review of sub-group meshes: a failure
+        on global rank 3 of group [3, 1] read "rank 0", with torchrun's log saying [rank3])."""
+        ranks = "" if self._global is None else f", global ranks {list(self._global)} (this rank {self._global[self._rank]})"
+        return (f"DistMesh(world_size={self.world_size}, rank={self._rank}{ranks}, backend={self.backend!r}, "
+                f"id={self.id})")
 
     @property
     def rank(self) -> int:
