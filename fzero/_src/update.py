@@ -42,6 +42,7 @@ class Ready(NamedTuple):
     params: dict[int, torch.Tensor]
     launches: dict[int, Callable[[torch.Tensor], Any]]
     overlap: bool  # `overlaps` of the step's gradients and params, which the verdict does not change
+    refused: frozenset[int] = frozenset()  # the buckets whose `prepare_` raised (`_raise_before_writing`)
 
 
 def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) -> Ready | None:
@@ -57,17 +58,18 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
         return None  # differentiated through: nothing launched early; `update` raises
     layout, stage, rank = state.layout, state.stage, state.rank
     plan, on_host, step = plan_of(state.info), step_plan(state.info).on_host, int(state.step)
-    params, launches = {}, {}
+    params, launches, refused = {}, {}, set()
     for b in reduced:
         if b in on_host:
             continue
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
         try:
             launches[b] = optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, None))
-        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict
+        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict (before any write:
+            refused.add(b)  # `_raise_before_writing`)
             continue
         params[b] = p
-    return Ready(params, launches, _overlap(state, reduced))
+    return Ready(params, launches, _overlap(state, reduced), frozenset(refused))
 
 
 class Early(NamedTuple):
@@ -234,10 +236,11 @@ def _raise_before_writing(state: ZeroState, reduced: dict[int, torch.Tensor], us
     optimizer = state.optimizer
     if optimizer.prepare_ is None or len(reduced) < 2:
         return
-    prepared = ready.params if ready is not None else {}
-    plan, step = plan_of(state.info), int(state.step)
+    refused = ready.refused if ready is not None else frozenset()  # (None: spent by a skipped early launch,
+    # which every bucket was prepared for)
+    plan, step, on_host = plan_of(state.info), int(state.step), step_plan(state.info).on_host
     for b in list(reduced)[1:]:
-        if b not in prepared and b not in in_files:
+        if b in refused or (b in on_host and b not in in_files):
             p = state.stage.optimizer_params(state.layout, b, state.params[b], state.rank, state.master[b])
             optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, used))
 

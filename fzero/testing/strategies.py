@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from fzero._src.layout import ParamGroup
+from fzero._src.state import _Static
 from fzero._src.tree import NAMESPACE, _entry_name
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -536,6 +537,8 @@ def _metadata_difference(x: Any, y: Any) -> str | None:
     `optimizer`), other metadata by their reprs."""
     if _metadata_equal(x, y):
         return None
+    if isinstance(x, _Static) and isinstance(y, _Static):  # a `ZeroState`'s node data: compared by its `info`
+        x, y = x.info, y.info
     if dataclasses.is_dataclass(x) and type(x) is type(y):
         names = [f.name for f in dataclasses.fields(x)
                  if f.compare and not _metadata_equal(getattr(x, f.name), getattr(y, f.name))]
