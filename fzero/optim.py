@@ -1,6 +1,11 @@
 """fzero's optimizers over flat shards: `(init, update, spec, update_)`, a pure update and the
 same update in place, bitwise equal to torch.optim's single-tensor, foreach or fused path
-(`impl`), and learning-rate schedules as functions of the step."""
+(`impl`), and learning-rate schedules as functions of the step.
+
+Constants: `IMPLS` / `Impl`, the implementations an `impl=` takes ("fused", "foreach", "single");
+`SPECS`, the kinds an optimizer's `spec` gives a state field ("shard": sharded with the params,
+"leaf": one value per bucket leaf, replicated, "rows" / "cols": per row / column of each leaf,
+replicated); `FACTORED`, the two of those that factor a leaf ("rows", "cols": Adafactor's)."""
 
 from fzero._src.optim import (
     FACTORED as FACTORED,

@@ -570,3 +570,25 @@ def test_a_schedule_objects_position_is_neither_saved_nor_restored(tmp_path):
     calls, after, at, fresh_calls, lr = mesh.run(rank_fn)[0]
     assert calls == after == 3 and at == 3 and fresh_calls == 0  # neither save nor load read the object
     assert lr == 0.1 * 0.9 and lr != 0.1 * 0.9 ** 4  # at step 3: its first value, not the run's fourth
+
+
+def test_a_load_given_fewer_buffers_than_its_save_names_every_saved_name(tmp_path):
+    """README's recipe saves `buffers={**info.buffers, "batches_seen": t}`; a load given only the
+    module's buffers is refused naming `batches_seen` and saying to pass every name the save was
+    given (it said "pass the buffers of the module it was saved from", which the user had done:
+    found in review of the docs); with every name it loads them."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=mesh)
+        module_buffers = {"running": torch.arange(3.0)}
+        path = ck.save(state, tmp_path, buffers={**module_buffers, "batches_seen": torch.tensor(7)})
+        with pytest.raises(ck.CheckpointError, match=r"in the checkpoint only \['batches_seen'\]; pass every name its "
+                                                     r"save was given in buffers="):
+            ck.load(path, state, buffers={"running": torch.zeros(3)})
+        back = {"running": torch.zeros(3), "batches_seen": torch.tensor(0)}
+        ck.load(path, state, buffers=back)
+        return back
+
+    back = mesh.run(rank_fn)[0]
+    assert torch.equal(back["running"], torch.arange(3.0)) and int(back["batches_seen"]) == 7

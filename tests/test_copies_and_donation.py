@@ -209,7 +209,9 @@ def test_a_skipped_overflow_writes_nothing_and_the_first_update_refuses_every_co
     assert mesh.run(rank) == [(True, 2)] * 2
 
 
-def test_deepcopy_on_a_simmesh_shares_the_info_and_pickling_names_the_checkpoint():
+def test_deepcopy_on_a_simmesh_shares_the_info_and_pickling_names_the_checkpoint(tmp_path):
+    """pickle's refusal names `checkpoint.save(state, root)`, which runs as named (its words had the
+    arguments the other way round, which `save` refuses: found in review of the docs)."""
     mesh = fzero.SimMesh(2)
     step = fzero.train_step(_loss, donate=True)
 
@@ -217,8 +219,9 @@ def test_deepcopy_on_a_simmesh_shares_the_info_and_pickling_names_the_checkpoint
         state, _ = step(_init(mesh, 3), _batch(mesh.rank, 0))
         twin = copy.deepcopy(state)
         assert twin.info is state.info and _equal(_leaves(twin), _leaves(state))
-        with pytest.raises(TypeError, match=r"fzero\.checkpoint\.save\(path, state\)"):
+        with pytest.raises(TypeError, match=r"fzero\.checkpoint\.save\(state, root\)"):
             pickle.dumps(state)
+        fzero.checkpoint.save(state, tmp_path)  # as the words say
         step(state, _batch(mesh.rank, 1))
         with pytest.raises(fzero.FzeroError, match="was donated"):
             copy.deepcopy(state).params  # noqa: B018  (the mark is kept: refused at its first use)
@@ -324,8 +327,8 @@ def test_a_state_reads_as_a_summary_and_compares_as_an_object():
 
 
 def test_a_refused_copy_stays_refused_through_replace_and_deepcopy():
-    """A copy refused after a donating step, made again by `state.replace` (any field) or
-    `copy.deepcopy`: refused too (found in review: both read the next step's values as the copy's
+    """A copy refused after a donating step, made again by `state.replace` (any field),
+    `copy.deepcopy` or `copy.copy`: refused too (found in review: both read the next step's values as the copy's
     own). A `tree_map` of it too: below. `dataclasses.replace` rebuilds the state from its tensors
     and is not: docs/bad-input.md row 249."""
     mesh = fzero.SimMesh(2)
@@ -335,12 +338,32 @@ def test_a_refused_copy_stays_refused_through_replace_and_deepcopy():
         s0 = _init(mesh, 1)
         stale = copy.copy(s0)
         step(s0, _batch(mesh.rank, 0))
-        for again in (lambda: stale.replace(), lambda: stale.replace(step=0), lambda: copy.deepcopy(stale)):
+        for again in (lambda: stale.replace(), lambda: stale.replace(step=0), lambda: copy.deepcopy(stale),
+                      lambda: copy.copy(stale)):
             with pytest.raises(fzero.FzeroError, match=SHARED):
                 fzero.gather(again())
         return True
 
     assert mesh.run(rank) == [True, True]
+
+
+def test_a_shallow_copy_of_a_consumed_state_keeps_its_mark():
+    """`copy.copy` of the state a donating step consumed is that state again: its repr says
+    consumed, and a reader says it "was donated", not that another state's step wrote its buffers
+    (a mutant dropping the mark in `__copy__` passed the suite)."""
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(_loss, donate=True)
+
+    def rank():
+        s0 = _init(mesh, 1)
+        step(s0, _batch(0, 0))
+        twin = copy.copy(s0)
+        assert repr(twin).endswith("; consumed by a donating step)")
+        with pytest.raises(fzero.FzeroError, match="was donated to a train_step"):
+            fzero.gather(twin)
+        return True
+
+    assert mesh.run(rank) == [True]
 
 
 MAPS = {"optree identity": lambda s: optree.tree_map(lambda t: t, s),

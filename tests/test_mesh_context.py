@@ -226,6 +226,26 @@ def test_a_ranks_warnings_filters_and_record_are_its_own():
         warnings.warn("still heard")
 
 
+def test_at_one_rank_a_warning_shown_once_per_place_is_shown_once():
+    """`ProcessState`: at N = 1 the turn comes back to the same rank, and its warnings registry is
+    the process's own, so a warning under the "default" action (once per place) is shown once in
+    three collectives, as in one process. (A mutant saving and restoring the state at every
+    collective, the cost the self-pass saves, showed it three times.)"""
+    import warnings
+
+    mesh = fzero.SimMesh(1)
+
+    def fn():
+        for _ in range(3):
+            warnings.warn("once per place", UserWarning)
+            fzero.collectives.all_reduce(torch.zeros(1), mesh)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        mesh.run(fn)
+    assert [str(w.message) for w in seen] == ["once per place"]
+
+
 def test_a_default_dtype_set_and_restored_around_a_collective_is_the_ranks_own():
     mesh = fzero.SimMesh(2)
 

@@ -281,6 +281,33 @@ def test_an_adam_second_moment_overflow_is_kept_as_torch_keeps_it(stage, donate)
     assert not torch.isfinite(opt.state[ref]["exp_avg_sq"][0])
 
 
+@pytest.mark.parametrize("g, overflows", [(5.7e20, False), (5.9e20, True)])
+def test_the_second_moments_overflow_starts_where_the_docs_say(g, overflows):
+    """README and proofs/precision.md: the first step's `exp_avg_sq`, `(1 - beta2) g^2`, passes
+    float32's largest value at |g| about 5.8e20 (beta2 = 0.999), not at sqrt(3.4e38) = 1.8e19 as
+    they said (found in review of the docs): torch's Adam below it keeps a finite moment and moves
+    the element, above it freezes it; fzero's step gives torch's bits either side."""
+    w0 = torch.tensor([1.0, 2.0])
+    ref = w0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([ref], lr=1e-2, foreach=False)
+    for x in (torch.tensor([g, 1.0]), torch.tensor([1.0, 1.0])):
+        opt.zero_grad()
+        (ref * x).sum().backward()
+        opt.step()
+    assert bool(torch.isfinite(opt.state[ref]["exp_avg_sq"][0])) is not overflows
+    assert (ref[0].item() == 1.0) is overflows
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"w": w0.clone()}, optim.adam(1e-2, impl="single"), stage=1, mesh=mesh)
+        step = fzero.train_step(_sum_loss)
+        for x in (torch.tensor([g, 1.0]), torch.tensor([1.0, 1.0])):
+            state, _ = step(state, x)
+        return fzero.gather(state)["w"]
+
+    assert torch.equal(mesh.run(rank_fn)[0], ref.detach())
+
+
 @pytest.mark.parametrize("stage, donate", [(1, False), (1, True), (3, False), (3, True)])
 def test_an_update_past_bf16s_range_is_caught(stage, donate):
     """bf16's largest value (3.3895e38) is below fp32's (3.4028e38): an fp32 master of 3.40e38 is

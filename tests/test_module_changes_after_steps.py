@@ -102,3 +102,98 @@ def test_a_change_after_steps_that_passed_is_refused_at_the_next_step_before_any
     for message, before, after in mesh.run(rank):
         assert re.search(words, message) and "Nothing was updated" in message, message
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_change_in_the_second_of_two_modules_is_refused_after_steps_that_passed():
+    """A state over the params of two `from_module` calls (a body and a head: a GAN's or an
+    adapter's layout), the head's names resolving in the body too: freezing the head's weight
+    after two steps is refused. The quick pass walks from one root only; links from two roots
+    take the full check (a mutant that let them through trained the frozen weight)."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))  # names 0.*, 2.*
+    head = nn.Sequential(nn.Identity(), nn.Identity(), nn.Linear(4, 2))  # names 2.*, which resolve in body too
+    pb, apply_b, _ = fzero.from_module(body)
+    ph, apply_h, _ = fzero.from_module(head)
+    params = {"body": {k: v for k, v in pb.items() if k.startswith("0.")}, "head": ph}
+    rest = {k: v for k, v in pb.items() if not k.startswith("0.")}
+
+    def loss(p, b):
+        return F.mse_loss(apply_h(p["head"], apply_b({**p["body"], **rest}, b[0])), b[1])
+
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        state, step = fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh), fzero.train_step(loss)
+        batch = (torch.randn(3, 4), torch.randn(3, 2))
+        for _ in range(2):
+            state, _ = step(state, batch)
+        head[2].weight.requires_grad_(False)
+        with pytest.raises(fzero.ConfigError, match=r"'head.2.weight' \(trainable then, frozen now\)"):
+            step(state, batch)
+        return True
+
+    assert mesh.run(rank) == [True]
+
+
+def test_a_change_through_a_submodule_kept_after_its_root_was_freed_is_refused():
+    """The module given to `from_module` freed after two steps, the user keeping one of its
+    submodules and freezing its weight: the quick pass, finding no root, takes the full check,
+    which finds the change through the submodule (a mutant that took "no root" as unchanged
+    trained the frozen weight)."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    params, apply, _ = fzero.from_module(model)
+    head = model[2]
+    mesh = fzero.SimMesh(1)
+    batch = (torch.randn(3, 4), torch.randn(3, 2))
+    step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]))
+    states = mesh.run(lambda: fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh))
+    for _ in range(2):
+        states = mesh.run(lambda s: step(s, batch)[0], [(s,) for s in states])
+    del model
+    gc.collect()
+    head.weight.requires_grad_(False)
+
+    def rank(s):
+        with pytest.raises(fzero.ConfigError, match=r"'2.weight' \(trainable then, frozen now\)"):
+            step(s, batch)
+        return True
+
+    assert mesh.run(rank, [(s,) for s in states]) == [True]
+
+
+def test_the_quick_pass_is_taken_beside_a_group_that_freezes_a_trainable_parameter(monkeypatch):
+    """A `ParamGroup(frozen=True)` over a parameter whose flag stays True: the flag is not watched
+    (the state keeps the leaf frozen either way), so after the first step the quick pass passes
+    every step and no full check runs (a mutant watching every flag ran the full check at every
+    step: the same bits, the prologue's cost back)."""
+    from fzero._src import originals
+
+    full = [0]
+    now = originals._now
+
+    def counting(born):
+        full[0] += 1
+        return now(born)
+
+    monkeypatch.setattr(originals, "_now", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    params, apply, _ = fzero.from_module(model)
+    groups = (fzero.ParamGroup("frozen-head", match=lambda p: p.startswith("2."), frozen=True), fzero.ParamGroup("rest"))
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        s = fzero.init(params, fzero.optim.adamw(1e-2), stage=0, mesh=mesh, groups=groups)
+        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]))
+        per = []
+        for _ in range(4):
+            before = full[0]
+            s, _ = step(s, (torch.randn(3, 4), torch.randn(3, 2)))
+            per.append(full[0] - before)
+        return per
+
+    per = mesh.run(rank)[0]
+    assert per[0] > 0 and per[1:] == [0, 0, 0], per

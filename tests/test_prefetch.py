@@ -371,3 +371,35 @@ def test_prefetch_fills_max_live_bytes_exactly(monkeypatch):
 
     mesh.run(rank_fn)
     assert seen["blocks.0"] == ["blocks.1", "blocks.2"], seen
+
+
+def test_backward_prefetch_asks_for_the_units_in_the_order_backward_reads_them(monkeypatch):
+    """Stage 3, six blocks, `prefetch=2`, N = 2: at each backward refill the next units asked for are the
+    two backward reads next, nearest first (block k's refill asks for k-1, then k-2), so a cap that
+    admits one more unit gathers the one needed next. (A mutant asking in the reverse order
+    passed the suite: every test's cap was a forward's, or large enough for both.)"""
+    from torch import nn
+
+    from fzero._src import gathering
+
+    asked = {0: [], 1: []}
+    prefetch = gathering.Gathering._prefetch
+    mesh = fzero.SimMesh(2)
+
+    def spy(self, units, backward):
+        if backward:
+            asked[mesh.rank].append(list(units))
+        return prefetch(self, units, backward)
+
+    monkeypatch.setattr(gathering.Gathering, "_prefetch", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""))
+
+    def rank():
+        state = fzero.init(params, fzero.optim.sgd(1e-2), stage=3, mesh=mesh, units=info.units)
+        fzero.train_step(lambda p, x: apply(p, x).square().mean(), prefetch=2, gather="on_use")(
+            state, torch.randn(4, 16, generator=torch.Generator().manual_seed(mesh.rank)))
+
+    mesh.run(rank)
+    assert asked[0] == asked[1] == [["4", "3"], ["3", "2"], ["2", "1"], ["1", "0"], ["0"]], asked

@@ -635,8 +635,10 @@ def _check_buffers_fit(path: str, manifest: dict[str, Any], buffers: dict[str, t
     theirs = {b["name"]: b for b in saved}
     if theirs.keys() != buffers.keys():
         missing, extra = sorted(buffers.keys() - theirs.keys()), sorted(theirs.keys() - buffers.keys())
-        raise CheckpointError(f"{path!r} saved other module buffers: not in the checkpoint {missing[:5]}, in the "
-                              f"checkpoint only {extra[:5]}; pass the buffers of the module it was saved from")
+        raise CheckpointError(f"{path!r} saved other buffers: not in the checkpoint {missing[:5]}, in the "
+                              f"checkpoint only {extra[:5]}; pass every name its save was given in buffers= (the "
+                              f"module's, and any of your own saved beside them, as {{**info.buffers, "
+                              f"'batches_seen': t}}), each a tensor of its shape and dtype to load into")
     for k, t in buffers.items():
         if theirs[k]["shape"] != list(t.shape) or theirs[k]["dtype"] != _dtype_name(t.dtype):
             raise CheckpointError(f"{path!r}: buffer {k!r} was saved as {theirs[k]['dtype']}{theirs[k]['shape']}, "

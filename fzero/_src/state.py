@@ -181,7 +181,7 @@ class ZeroState:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("a ZeroState is not pickled (torch.save, pickle, multiprocessing): its info holds the mesh "
-                        "and the optimizer's functions. Save it with fzero.checkpoint.save(path, state) and resume "
+                        "and the optimizer's functions. Save it with fzero.checkpoint.save(state, root) and resume "
                         "with fzero.checkpoint.load(path, state); the full params alone are fzero.gather(state); a "
                         "copy in this process is copy.deepcopy(state) or torch.utils._pytree.tree_map(torch.clone, "
                         "state)")
