@@ -19,6 +19,7 @@ from fzero._src.errors import LossScaleError as LossScaleError
 from fzero._src.errors import RankFailed as RankFailed
 from fzero._src.layout import GroupHoldsNoLeaf as GroupHoldsNoLeaf
 from fzero._src.originals import ModuleWrittenAfterInit as ModuleWrittenAfterInit
+from fzero._src.originals import UnitsNotPassed as UnitsNotPassed
 from fzero._src.layout import ParamGroup as ParamGroup
 from fzero._src.evaluate import evaluate as evaluate
 from fzero._src.gathering import DivergentPaths as DivergentPaths
@@ -74,6 +75,7 @@ __all__ = [
     "MeshError",
     "Metrics",
     "ModuleWrittenAfterInit",
+    "UnitsNotPassed",
     "ModuleCompileDropped",
     "StepConfig",
     "ModuleInfo",

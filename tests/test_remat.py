@@ -531,12 +531,12 @@ def test_torch_utils_checkpoint_in_a_from_module_forward_is_refused_naming_remat
     the run without checkpointing."""
     def run(model, remat):
         torch.manual_seed(0)
-        params, apply, _ = fzero.from_module(model, units=lambda path: path.split(".")[0],
-                                              remat=remat)
+        params, apply, info = fzero.from_module(model, units=lambda path: path.split(".")[0],
+                                                 remat=remat)
         mesh = fzero.SimMesh(2)
 
         def rank():
-            state = fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=stage)
+            state = fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=stage, units=info.units)
             step = fzero.train_step(lambda p, x: apply(p, x), gather=gather)
             return fzero.gather(step(state, torch.ones(2, 4) * (1 + mesh.rank))[0])
         return mesh.run(rank)
@@ -579,11 +579,11 @@ def test_torch_utils_checkpoint_under_the_func_engine_is_told_about_remat():
     `torch.func.grad` with its own words (found in review: they name neither the checkpoint nor
     fzero's way out); fzero adds a note naming `remat`, which trains under that engine."""
     torch.manual_seed(0)
-    params, apply, _ = fzero.from_module(_TorchCheckpointed(), units=lambda path: path.split(".")[0])
+    params, apply, info = fzero.from_module(_TorchCheckpointed(), units=lambda path: path.split(".")[0])
     mesh = fzero.SimMesh(1)
 
     def rank():
-        state = fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=0)
+        state = fzero.init(params, fzero.optim.sgd(0.1), mesh=mesh, stage=0, units=info.units)
         with pytest.raises(RuntimeError, match="saved tensor hooks") as e:
             fzero.train_step(lambda p, x: apply(p, x), engine="func")(state, torch.ones(2, 4))
         return getattr(e.value, "__notes__", [])

@@ -110,3 +110,22 @@ def test_ranks_whose_prefetch_differs_are_told_it_may_be_why():
         mesh.run(rank)
     for e in said.values():
         assert isinstance(e, fzero.DivergentPaths) and "(micro_batches, accumulate, gather, prefetch, " in str(e), e
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_init_without_the_units_from_module_was_given_warns_naming_them(stage):
+    """`from_module(model, units=...)` then `fzero.init(params, ...)` without `units`: the whole
+    model was one unit, silently -- at stage 3 every parameter gathered at once (found in review).
+    `init` warns `fzero.UnitsNotPassed` naming the units and the way (`units=info.units`); with
+    them it warns nothing, and a from_module without units (one unit either way) warns nothing."""
+    model = _Blocks()
+    params, _, info = fzero.from_module(model, units=fzero.units_by_prefix(model, "blocks"))
+    mesh = fzero.SimMesh(1)
+    with pytest.warns(fzero.UnitsNotPassed, match=r"split into 3 units \(\['blocks.0', 'blocks.1', 'default'\]\).*"
+                                                   r"units=info.units"):
+        state = mesh.run(lambda: fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh))[0]
+    assert state.layout.units == ("default",)
+    state = mesh.run(lambda: fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units))[0]
+    assert len(state.layout.units) == 3
+    plain, _, _ = fzero.from_module(_Blocks())
+    mesh.run(lambda: fzero.init(plain, fzero.optim.sgd(0.1), stage=stage, mesh=mesh))  # (filterwarnings: error)

@@ -334,7 +334,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
             params[name] = p.detach() if p.requires_grad else nn.Parameter(p.detach(), requires_grad=False)
     frozen = tuple(n for n, p in module.named_parameters() if not p.requires_grad)
     note_originals(module, canonical, aliases)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
-    note_born(module, params, aliases)  # a state made of them refuses a step where a flag or a tie changed since
+    note_born(module, params, aliases, units)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
     _check_buffers_apart(module)
     _check_tensor_hooks(module)

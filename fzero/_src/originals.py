@@ -39,7 +39,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError, LayoutError, outside_stacklevel
-from .layout import _group_of, unwrapped
+from .layout import _group_of, _unit_of, unwrapped
 from .tree import flatten_with_paths
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # original parameter -> (its name, the module's type)
@@ -146,11 +146,26 @@ def note_synced(layout: Any, b: int, flat: torch.Tensor) -> None:
             prints[spec.path] = _printed(flat[spec.offset:spec.offset + spec.numel])
 
 
-def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> None:
+class UnitsNotPassed(UserWarning):
+    """Warned by `fzero.init` given no `units` for params that `fzero.from_module(..., units=...)`
+    returned, where those units split them: the whole model is then one unit, so stage 3 gathers
+    every parameter at once (no ZeRO-3 saving of memory) and stages 1-2 reduce it as one. Pass
+    `units=info.units` (docs/bad-input.md row 263)."""
+
+
+_UNITS_GIVEN: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a from_module param -> (the units it was given, its name)
+
+
+def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases: dict[str, list[str]],
+              units: Any = None) -> None:
     """Remember where each tensor of `params` (`from_module`'s, by its names) comes from in
     `module`, and its other names there (`aliases`: first name -> every name), for the states
-    `fzero.init` makes of them (`link_layout`)."""
+    `fzero.init` makes of them (`link_layout`); and the `units` `from_module` was given, for
+    `warn_units_not_passed`."""
     root = weakref.ref(module)
+    if units is not None:
+        for name, t in params.items():
+            _UNITS_GIVEN[t] = (units, name)
     for name, t in params.items():
         path, _, attr = name.rpartition(".")
         owner = _submodule(module, path)
@@ -158,6 +173,24 @@ def note_born(module: torch.nn.Module, params: dict[str, torch.Tensor], aliases:
         if p is not None:  # (else not linked: a module that hides its own submodules; found in review)
             _BORN[t] = _Born(root, name, weakref.ref(owner), attr, weakref.ref(p), p.requires_grad,
                              _others(aliases, name))
+
+
+def warn_units_not_passed(params: Any) -> None:
+    """At `fzero.init` without `units`: `UnitsNotPassed` where leaves of `params` came from a
+    `from_module` given units that put them in more than one unit (found in review: `init` made
+    them one unit, silently, and stage 3 gathered the whole model at once)."""
+    _, leaves, _ = flatten_with_paths(params)
+    given = [_UNITS_GIVEN[leaf] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf in _UNITS_GIVEN]
+    if not given:
+        return
+    unit_of = _unit_of(given[0][0])
+    names = {unit_of(name) for units, name in given if units is given[0][0]}
+    if len(names) > 1:
+        warnings.warn(UnitsNotPassed(
+            f"fzero.init was given no units for params that fzero.from_module(..., units=...) split into {len(names)} "
+            f"units ({sorted(names)[:4]}{' ...' if len(names) > 4 else ''}): they are one unit here, so stage 3 "
+            f"gathers every parameter at once and stages 1-2 reduce them as one. Pass units=info.units (and "
+            f"groups=info.groups) to fzero.init"), stacklevel=outside_stacklevel())
 
 
 def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:

@@ -34,7 +34,7 @@ from .mesh import Mesh, settings_crc
 from .offload import NO_OFFLOAD, HostTier, Offload, check_offload, place, place_opt_state, stage_of, tier_of
 from .optim.base import (Optimizer, OptimizerError, _layers_tracked, check_state_shapes, init_state,
                          optimizer_words, spec_of)
-from .originals import link_layout, note_synced, tied_names
+from .originals import link_layout, note_synced, tied_names, warn_units_not_passed
 from .precision import FULL, Precision, _shown, leaves_words, warn_no_master
 from .scale import DynamicLossScale, LossScale, LossScaleState, StaticLossScale
 from .stages import Stage, get_stage
@@ -566,6 +566,8 @@ def init(
         _check_real(params)
         _check_distinct(params, {ls.path for ls in layout.leaves if ls.group.frozen})
         link_layout(layout, params, groups)  # leaves from_module returned: a step refuses a module flag changed since
+        if units is None:
+            warn_units_not_passed(params)
         warn_groups_holding_no_leaf(layout, groups, tied_names(layout))  # (after link_layout's refusal by alias)
         check_same_layout(layout, mesh)
         check_same_settings(mesh, stage=st.level, optimizer=named(optimizer), align=align, sync=bool(sync),
