@@ -524,25 +524,31 @@ def _check_buffers_apart(module: nn.Module) -> None:
     if not by_storage:
         return
     for name, b in module.named_buffers(remove_duplicate=False):
-        trainable = by_storage.get(_storage_key(b), []) if b is not None else []
-        hit = _overlapping([*(p for _, p in trainable), b]) if trainable else None
-        if hit is not None and len(trainable) in hit:
+        shared = _sharing(by_storage, b) if b is not None else None
+        if shared is not None:
             raise LayoutError(f"from_module: buffer {name!r} ({str(b.dtype).removeprefix('torch.')}{list(b.shape)}) "
-                              f"shares memory with the trainable parameter {trainable[min(hit)][0]!r}: fzero trains "
+                              f"shares memory with the trainable parameter {shared!r}: fzero trains "
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
     for name, t in _plain_tensors(module):
-        trainable = by_storage.get(_storage_key(t), [])
-        hit = _overlapping([*(p for _, p in trainable), t]) if trainable else None
-        if hit is not None and len(trainable) in hit:
+        shared = _sharing(by_storage, t)
+        if shared is not None:
             raise LayoutError(f"from_module: attribute {name!r} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}), "
                               f"a plain tensor (neither a parameter nor a buffer), shares memory with the trainable "
-                              f"parameter {trainable[min(hit)][0]!r}: torch's optimizer writes the parameter in "
+                              f"parameter {shared!r}: torch's optimizer writes the parameter in "
                               f"place and so the attribute too, but fzero trains the parameter apart from the module, "
                               f"whose copy keeps the attribute at its initial values, and a forward reading it would "
                               f"compute with them. Compute it in forward from the parameter (self.w.view(-1)), or "
                               f"hold a .clone() where it is meant to be apart")
+
+
+def _sharing(by_storage: dict[tuple, list[tuple[str, torch.Tensor]]], t: torch.Tensor) -> str | None:
+    """The name of a trainable parameter (`by_storage`: those of each storage) whose memory `t`
+    overlaps, or None."""
+    trainable = by_storage.get(_storage_key(t), [])
+    hit = _overlapping([*(p for _, p in trainable), t]) if trainable else None
+    return trainable[min(hit)][0] if hit is not None and len(trainable) in hit else None
 
 
 _MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})  # and `_SLOTS`, a skeleton's
