@@ -50,7 +50,8 @@ def shard_squares(shards: list[torch.Tensor], device: torch.device,
     (u = 2^-24, S the shard's length: S squares and additions in any order, one square root and
     its rounding to float32; m the nonzero elements with |x| < 2^-63, whose float32 squares are
     subnormal and lose up to 2^-150 each: relative alone where there are none), the same kind of
-    error torch's `clip_grad_norm_` has (proofs/stages.md §1.3, §3). NaN and
+    error torch's `clip_grad_norm_` has (proofs/stages.md §1.3, §3), for (S + 1)·u < 1 (shards
+    under 2^24 - 1 elements; past that no bound is derived). NaN and
     inf propagate; a float32 norm of finite values may overflow to inf, which `agree` resolves
     exactly. `known`: `{k: ν_k}` taken already (`shard_norm`, of shards whose memory is gone:
     `offload.early_copies`), used instead of reading shard k.
