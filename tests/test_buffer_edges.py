@@ -91,39 +91,80 @@ def test_a_buffer_beside_a_frozen_parameter_or_a_clone_is_taken(kind):
 class _PlainAttribute(nn.Module):
     """A parameter and a plain tensor attribute (neither parameter nor buffer) over one memory: the
     attribute the parameter's base (`base`), a view of it (`view`), one in a list (`listed`) or a
-    dict (`keyed`); or apart (`clone`), or beside a frozen parameter (`frozen`)."""
+    dict (`keyed`), which the forward reads; or one the forward sets anew before reading it
+    (`cached`); or apart (`clone`), or beside a frozen parameter (`frozen`)."""
 
     def __init__(self, kind: str):
         super().__init__()
         torch.manual_seed(0)
         flat = torch.randn(12)
+        self.kind = kind
         self.w = nn.Parameter(flat.view(3, 4), requires_grad=kind != "frozen")
-        held = {"base": flat, "view": self.w.detach().view(12), "clone": flat.clone(), "frozen": flat}.get(kind)
+        held = {"base": flat, "view": self.w.detach().view(12), "clone": flat.clone(), "frozen": flat,
+                "cached": self.w.detach().view(12)}.get(kind)
         self.flat = held if held is not None else torch.zeros(12)
         self.extra = ([torch.ones(2), self.w.detach()[1]] if kind == "listed" else {"k": self.w.detach()} if kind == "keyed"
                       else None)
 
     def forward(self, x):
-        return x @ self.w.t() + self.flat[:3]
+        if self.kind == "cached":
+            self.flat = self.w.view(12)  # set anew from the parameter at each call, then read
+        out = x @ self.w.t() + self.flat[:3]
+        if self.kind == "listed":
+            out = out + self.extra[1][:3]
+        elif self.kind == "keyed":
+            out = out + self.extra["k"][0, :3]
+        return out
+
+
+def _trained(kind, steps=3):
+    """`(fzero's w after `steps` SGD steps on SimMesh(2), torch's w after the same)`."""
+    g = torch.Generator().manual_seed(1)
+    data = [[(torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)) for _ in range(2)] for _ in range(steps)]
+    ref = _PlainAttribute(kind)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=False)
+    for batches in data:
+        grads = [torch.autograd.grad(F.mse_loss(ref(x), y), ref.w) for x, y in batches]
+        ref.w.grad = grads[0][0] * 0.5 + grads[1][0] * 0.5
+        opt.step()
+    params, apply, _ = fzero.from_module(_PlainAttribute(kind))
+    mesh = fzero.SimMesh(2)
+
+    def rank(batches):
+        state = fzero.init(params, fzero.optim.sgd(0.1, impl="single"), stage=0, mesh=mesh)
+        step = fzero.train_step(lambda p, b: F.mse_loss(apply(p, b[0]), b[1]))
+        for b in batches:
+            state, _ = step(state, b)
+        return fzero.gather(state)["w"]
+
+    return mesh.run(rank, [([d[r] for d in data],) for r in range(2)])[0], ref.w.detach()
 
 
 @pytest.mark.parametrize("kind, name, shape", [("base", "flat", "12"), ("view", "flat", "12"),
                                                ("listed", "extra[1]", "4"), ("keyed", "extra['k']", "3, 4")])
-def test_a_plain_tensor_attribute_sharing_memory_with_a_trainable_parameter_is_refused(kind, name, shape):
-    """A plain tensor attribute over a trainable parameter's memory: torch's in-place update writes
-    it too, fzero's copy of the module keeps it at its initial values, and a forward reading it
-    computed with them: the weights drifted from torch's from the second step, silently (found in
-    review of a user of unusual parameters; row 258)."""
-    with pytest.raises(fzero.LayoutError, match=rf"from_module: attribute {re.escape(repr(name))} \(float32\[{shape}\]\), "
-                                                r"a plain tensor .* shares memory with the trainable parameter 'w'"):
-        fzero.from_module(_PlainAttribute(kind))
-
-
-@pytest.mark.parametrize("kind", ["clone", "frozen"])
-def test_a_plain_tensor_attribute_apart_or_beside_a_frozen_parameter_is_taken(kind):
+def test_a_plain_tensor_attribute_sharing_memory_with_a_trainable_parameter_is_refused_where_read(kind, name, shape):
+    """A plain tensor attribute over a trainable parameter's memory, read by the forward: torch's
+    in-place update writes it too, fzero's copy of the module would keep it at its initial values,
+    and the weights drifted from torch's from the second step, silently (found in review of a
+    user of unusual parameters; row 258). apply's copy holds a stand-in for it: the forward's read
+    raises `ConfigError` naming it, the parameter and the ways out."""
     params, apply, _ = fzero.from_module(_PlainAttribute(kind))
+    with pytest.raises(fzero.ConfigError, match=rf"the forward read attribute {re.escape(repr(name))} "
+                                                rf"\(float32\[{shape}\];.* shares memory with the trainable parameter 'w'"):
+        apply(params, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("kind", ["cached", "clone"])
+def test_a_plain_tensor_attribute_set_in_forward_or_apart_trains_as_torch(kind):
+    """One the forward sets anew from the parameter before reading it (a view cached at each call:
+    a first version of the check refused it at `from_module`, found in review), one held apart
+    (a clone): each trains bit for bit as torch, three steps. Beside a frozen parameter (never
+    updated) the attribute is the module's own and apply's forward is the module's."""
+    got, want = _trained(kind)
+    assert torch.equal(got, want)
+    params, apply, _ = fzero.from_module(_PlainAttribute("frozen"))
     x = torch.randn(2, 4)
-    assert torch.equal(apply(params, x), _PlainAttribute(kind)(x))
+    assert torch.equal(apply(params, x), _PlainAttribute("frozen")(x))
 
 
 def test_torch_modules_that_keep_their_own_tensor_attributes_are_taken():
@@ -131,5 +172,12 @@ def test_torch_modules_that_keep_their_own_tensor_attributes_are_taken():
     first) in a forward pre-hook before each forward: passed over by name. RNNs hold their
     parameters themselves in `_flat_weights`: parameters, not plain tensors."""
     for model in (nn.utils.spectral_norm(nn.Linear(4, 3)), nn.LSTM(4, 3, 2), nn.GRU(4, 3)):
-        params, _, _ = fzero.from_module(model)
+        params, apply, _ = fzero.from_module(model)
         assert set(params) == {n for n, p in model.named_parameters()}
+    x = torch.randn(2, 4)
+    sn = nn.utils.spectral_norm(nn.Linear(4, 3))
+    params, apply, _ = fzero.from_module(sn)
+    torch.manual_seed(0)
+    got = apply(params, x)
+    torch.manual_seed(0)
+    assert torch.equal(got, sn(x))

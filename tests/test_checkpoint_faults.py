@@ -592,3 +592,43 @@ def test_a_load_given_fewer_buffers_than_its_save_names_every_saved_name(tmp_pat
 
     back = mesh.run(rank_fn)[0]
     assert torch.equal(back["running"], torch.arange(3.0)) and int(back["batches_seen"]) == 7
+
+
+def test_a_temporary_folder_removed_by_another_saves_keep_is_named(tmp_path, monkeypatch):
+    """Another mesh's save into the same root with `keep=` removes the temporary folders it finds,
+    this save's in the middle of its write: every rank of this save raises a `CheckpointError`
+    saying its temporary folder was removed by another save into the root and to save to a root
+    of each mesh's own, not "free space" (found in review of the same-root fix); the other save's
+    checkpoint stands."""
+    root = str(tmp_path / "root")
+    real, done = impl._fsync_dir, []
+    step = fzero.train_step(loss)
+
+    def other_save_first(path):
+        if os.path.basename(path).startswith(".tmp-step-1") and not done:
+            done.append(True)
+            monkeypatch.setattr(impl, "_fsync_dir", real)
+            other = fzero.SimMesh(1)
+
+            def other_rank():
+                state = fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=other)
+                for _ in range(2):
+                    state, _ = step(state, torch.ones(8))
+                ck.save(state, root, keep=3)
+
+            other.run(other_rank)
+        return real(path)
+
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state, _ = step(fzero.init(params(), optim.adamw(1e-3), stage=1, mesh=mesh), torch.ones(8))
+        monkeypatch.setattr(impl, "_fsync_dir", other_save_first)
+        with pytest.raises(ck.CheckpointError) as caught:
+            ck.save(state, root)
+        return str(caught.value)
+
+    said = mesh.run(rank_fn)[0]
+    assert "was removed while this save wrote it -- by another save into this root" in said, said
+    assert "free space" not in said and "a root of its own" in said
+    assert os.listdir(root) == ["step-2"] and ck.latest(root) == os.path.join(root, "step-2")

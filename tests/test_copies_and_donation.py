@@ -402,6 +402,31 @@ def test_a_tree_map_of_a_refused_state_is_refused_alike_whether_it_keeps_or_copi
     assert mesh.run(rank) == [True, True]
 
 
+@pytest.mark.parametrize("lib", ["optree", "torch"])
+def test_a_treespec_kept_past_a_donating_step_rebuilds_a_refused_state(lib):
+    """`leaves, spec = tree_flatten(s0)` of a live state, a donating step of `s0`, then
+    `tree_unflatten(spec, leaves)`: the rebuilt state holds the next step's values under step 0,
+    and is refused (found in review: it was read silently, as the state was live when flattened).
+    The same leaves under a spec taken after the step (the live state's) rebuild it as before."""
+    mesh = fzero.SimMesh(1)
+    step = fzero.train_step(_loss, donate=True)
+    flatten, unflatten = ((lambda s: optree.tree_flatten(s, namespace="fzero")),
+                          (lambda spec, leaves: optree.tree_unflatten(spec, leaves))) if lib == "optree" else (
+        torch_pytree.tree_flatten, (lambda spec, leaves: torch_pytree.tree_unflatten(leaves, spec)))
+
+    def rank():
+        s0 = _init(mesh, 1)
+        leaves, spec = flatten(s0)
+        s1, _ = step(s0, _batch(0, 0))
+        with pytest.raises(fzero.FzeroError, match=SHARED):
+            fzero.gather(unflatten(spec, leaves))
+        leaves1, spec1 = flatten(s1)
+        assert int(unflatten(spec1, leaves1).step) == 1 and fzero.gather(unflatten(spec1, leaves1)) is not None
+        return True
+
+    assert mesh.run(rank) == [True]
+
+
 def test_replace_step_takes_numpys_integers():
     import numpy as np
 

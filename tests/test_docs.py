@@ -72,6 +72,8 @@ def test_every_test_the_docs_name_exists():
                     continue
                 if last is None:
                     missing.append(f"{doc.name}:{k}: ::{name} follows no tests/ file")
+                elif not (root / last).is_file():
+                    missing.append(f"{doc.name}:{k}: {last} (no such file)")
                 elif f"def {name}(" not in (root / last).read_text():
                     missing.append(f"{doc.name}:{k}: {last}::{name}")
     assert not missing, missing

@@ -373,3 +373,30 @@ def test_an_offloaded_update_that_writes_a_leaf_field_then_raises_at_the_first_b
     got = _interrupted_then_loaded(stage, off, interrupts, tmp_path, KeyboardInterrupt, at=1,
                                    expected=LOST.format(step=1, error="KeyboardInterrupt", written=FIRST))
     assert all(_equal(gathered, want) for gathered, _ in got)
+
+
+def test_a_prepare_that_declines_a_later_bucket_leaves_it_to_update_as_before():
+    """A user's optimizer whose `prepare_` raises (not an `OptimizerError`) for one group and whose
+    `update_` trains it: the before-write check passes such a bucket to `update_`, as `prepare`
+    always did, and only an `OptimizerError` stops the step there (found in review: the check
+    raised the decline of a later bucket, and a step that trained before failed)."""
+    base = optim.sgd(0.1, momentum=0.9)
+
+    def prepare_(state, param, ctx):
+        if ctx.group.name == "head":
+            raise NotImplementedError("no two-phase form for this group: use update_")
+        return base.prepare_(state, param, ctx)
+
+    groups = (fzero.ParamGroup("head", match=lambda p: p == "c"),)
+    mesh = fzero.SimMesh(N)
+
+    def rank_fn(optimizer):
+        state = _init(mesh, optimizer, 1, None, groups=groups)
+        step = fzero.train_step(_loss, donate=True)
+        for t in range(2):
+            state, _ = step(state, _batch(mesh.rank, t))
+        return fzero.gather(state)
+
+    declining = mesh.run(lambda: rank_fn(base._replace(prepare_=prepare_)))
+    plain = mesh.run(lambda: rank_fn(base))
+    assert all(_equal(a, b) for a, b in zip(declining, plain))

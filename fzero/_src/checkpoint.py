@@ -868,10 +868,18 @@ def _save_failed(e: Exception, doing: str, final: str, tmp: str, rank: int) -> C
     left on device", or as torch's `RuntimeError` "[enforce fail at inline_container.cc] unexpected
     pos" out of its zip writer: found in review, neither named the folder) and the way out."""
     rank = getattr(e, "_fzero_rank", rank)  # DCP's: the rank it was raised on
-    out = CheckpointError(
-        f"checkpoint.save of {final!r}: {doing} failed on rank {rank} ({_error_text(e, 300)}){_free_space(tmp)}; "
-        f"nothing was saved: its temporary folder {tmp!r} is removed and fzero.checkpoint.latest(root) is the "
-        f"checkpoint before; free space (or fix the cause) and save this step again")
+    if not os.path.isdir(tmp):  # (found in review: another mesh's save with keep= removed it; "free space" misled)
+        out = CheckpointError(
+            f"checkpoint.save of {final!r}: {doing} failed on rank {rank} ({_error_text(e, 300)}): its temporary "
+            f"folder {tmp!r} was removed while this save wrote it -- by another save into this root (a save with "
+            f"keep= removes the temporary folders it finds: two meshes saving into one root, two process groups "
+            f"or two jobs) --, so nothing of this save was kept; fzero.checkpoint.latest(root) names the last "
+            f"complete checkpoint. Save each mesh's checkpoints to a root of its own, or save from one group only")
+    else:
+        out = CheckpointError(
+            f"checkpoint.save of {final!r}: {doing} failed on rank {rank} ({_error_text(e, 300)}){_free_space(tmp)}; "
+            f"nothing was saved: its temporary folder {tmp!r} is removed and fzero.checkpoint.latest(root) is the "
+            f"checkpoint before; free space (or fix the cause) and save this step again")
     out.__cause__, out.__suppress_context__ = e, True  # as `raise out from e`, where `_agree` raises it
     return out
 

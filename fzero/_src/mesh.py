@@ -1224,7 +1224,7 @@ def _check_member(group: Any) -> None:
     a non-member handle, on which torch raised a bare "Invalid process group specified" (found in
     review of sub-group meshes)."""
     dist = torch.distributed
-    if group is not None and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise MeshError(f"DistMesh: global rank {dist.get_rank()} is not a member of this process group "
                         f"(torch.distributed.new_group returns a non-member handle to the ranks it leaves out); only "
                         f"its members construct a DistMesh over it: make it where rank in the group's ranks")
@@ -1461,7 +1461,8 @@ class DistMesh(Mesh):
 
     Args:
       group: a process group, or None for the default group. Only its members construct a mesh
-        over it (another rank gets a `MeshError`). Its ranks, which `rank` and every message name,
+        over it (another rank gets a `MeshError`; `new_group(..., use_local_synchronization=True)`
+        hands the others `None`, the default group, over which such a rank must not build one). Its ranks, which `rank` and every message name,
         are the group's (`torch.distributed.get_rank(group)`); over a group that is not the whole
         job the repr, quoted by every message that names the mesh, lists the global rank of each.
         Each group runs its own steps: fzero has no replica groups (HSDP), so its agreement, skip,
@@ -1571,8 +1572,10 @@ class DistMesh(Mesh):
     def __repr__(self) -> str:
         """Its ranks are the group's, which every message names; over a group that is not the whole
         job, the repr says which global rank each is (found in review of sub-group meshes: a failure
-        on global rank 3 of group [3, 1] read "rank 0", with torchrun's log saying [rank3])."""
-        ranks = "" if self._global is None else f", global ranks {list(self._global)} (this rank {self._global[self._rank]})"
+        on global rank 3 of `new_group([3, 1], sort_ranks=False)`, its rank 0, read "rank 0", with
+        torchrun's log saying [rank3])."""
+        ranks = ("" if self._global is None
+                 else f", global ranks {list(self._global)} (this rank {self._global[self._rank]})")
         return (f"DistMesh(world_size={self.world_size}, rank={self._rank}{ranks}, backend={self.backend!r}, "
                 f"id={self.id})")
 

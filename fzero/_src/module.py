@@ -336,7 +336,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     note_originals(module, canonical, aliases)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
     note_born(module, params, aliases, units)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
-    _check_buffers_apart(module)
+    stale = _check_buffers_apart(module)
     _check_tensor_hooks(module)
     _check_hooks(module)
     _check_units(params, units, aliases)
@@ -349,6 +349,7 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
                          f"{said(e)} A module holding a tensor computed from a parameter as a plain attribute "
                          f"(torch.nn.utils.prune, torch.nn.utils.weight_norm) copies after one forward under "
                          f"torch.no_grad(); or use torch.nn.utils.parametrize") from e
+    _stand_in_for_stale(skeleton, stale)
     buffers = dict(skeleton.named_buffers(remove_duplicate=False))
     # a buffer the forward reassigns: its value kept at the end of the root's forward, inside
     # functional_call (a thread's copy of the skeleton carries the hook and reads its own slots);
@@ -511,7 +512,7 @@ def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor,
                  for attr, b in m._buffers.items() if b is not None)
 
 
-def _check_buffers_apart(module: nn.Module) -> None:
+def _check_buffers_apart(module: nn.Module) -> list[tuple[str, str, Any, str, str]]:
     """A buffer sharing memory with a trainable parameter (`register_buffer("w_view",
     lin.weight.detach())`) is refused, naming both: fzero copies the module without its
     parameters, so the buffer's copy kept the initial values while the parameter trained, and the
@@ -522,7 +523,7 @@ def _check_buffers_apart(module: nn.Module) -> None:
         if p.requires_grad and _storage_key(p) is not None:  # parameter per buffer: 11 s at 1600 x 1200, found
             by_storage.setdefault(_storage_key(p), []).append((n, p))  # in review)
     if not by_storage:
-        return
+        return []
     for name, b in module.named_buffers(remove_duplicate=False):
         shared = _sharing(by_storage, b) if b is not None else None
         if shared is not None:
@@ -531,16 +532,8 @@ def _check_buffers_apart(module: nn.Module) -> None:
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
-    for name, t in _plain_tensors(module):
-        shared = _sharing(by_storage, t)
-        if shared is not None:
-            raise LayoutError(f"from_module: attribute {name!r} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}), "
-                              f"a plain tensor (neither a parameter nor a buffer), shares memory with the trainable "
-                              f"parameter {shared!r}: torch's optimizer writes the parameter in "
-                              f"place and so the attribute too, but fzero trains the parameter apart from the module, "
-                              f"whose copy keeps the attribute at its initial values, and a forward reading it would "
-                              f"compute with them. Compute it in forward from the parameter (self.w.view(-1)), or "
-                              f"hold a .clone() where it is meant to be apart")
+    return [(prefix, attr, key, name, shared) for prefix, attr, key, name, t in _plain_tensors(module)
+            if (shared := _sharing(by_storage, t)) is not None]
 
 
 def _sharing(by_storage: dict[tuple, list[tuple[str, torch.Tensor]]], t: torch.Tensor) -> str | None:
@@ -554,24 +547,82 @@ def _sharing(by_storage: dict[tuple, list[tuple[str, torch.Tensor]]], t: torch.T
 _MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})  # and `_SLOTS`, a skeleton's
 
 
-def _plain_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` of each plain tensor attribute of `module` and its submodules (one in a
-    list, tuple or dict attribute too: `name[k]`), neither a parameter nor a buffer, but one a
-    forward pre-hook of its module sets before each forward (old-style `spectral_norm`'s and
-    `weight_norm`'s `weight`, pruning's: its hook's `name` / `_tensor_name`), which no copy makes
-    stale."""
+def _plain_tensors(module: nn.Module) -> Iterator[tuple[str, str, Any, str, torch.Tensor]]:
+    """`(submodule path, attribute, key or None, name, tensor)` of each plain tensor attribute of
+    `module` and its submodules (one in a list, tuple or dict attribute too: `name[k]`), neither
+    a parameter nor a buffer, but one a forward pre-hook of its module sets before each forward
+    (old-style `spectral_norm`'s `weight`: its hook's `name` / `_tensor_name`), which no copy
+    makes stale."""
     for prefix, m in module.named_modules(remove_duplicate=False):
-        set_by_hooks = {getattr(h, attr, None) for h in m._forward_pre_hooks.values() for attr in ("name", "_tensor_name")}
+        set_by_hooks = {getattr(h, attr, None) for h in m._forward_pre_hooks.values()
+                        for attr in ("name", "_tensor_name")}
         for attr, value in vars(m).items():
             if attr in _MODULE_SLOTS or attr == _SLOTS or attr in set_by_hooks:
                 continue
             where = f"{prefix}.{attr}" if prefix else attr
-            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple))
-                     else None)
-            found = [(where, value)] if items is None else [(f"{where}[{k!r}]", v) for k, v in items]
-            for name, t in found:
-                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-                    yield name, t
+            if _plain(value):
+                yield prefix, attr, None, where, value
+            elif isinstance(value, (dict, list, tuple)):  # (the name made for a tensor only: found in review,
+                items = value.items() if isinstance(value, dict) else enumerate(value)  # a 2M-entry dict took 1.3 s)
+                yield from ((prefix, attr, k, f"{where}[{k!r}]", v) for k, v in items if _plain(v))
+
+
+def _stand_in_for_stale(skeleton: nn.Module, stale: list[tuple[str, str, Any, str, str]]) -> None:
+    """In from_module's copy, each plain tensor attribute that shares a trainable parameter's
+    memory in the module (`_check_buffers_apart`) held as a `_Stale` stand-in, which a forward
+    that reads it is refused by, naming it; one the forward sets anew before reading it (a view
+    cached at each call, `self.w_t = self.lin.weight.t()`) is never read. Before, the copy held
+    the attribute's initial values and a forward reading it computed with them (torch's
+    in-place update writes the attribute with the parameter), silently; a first fix refused every
+    such module at `from_module`, the caching one too (both found in review)."""
+    for prefix, attr, key, name, shared in stale:
+        m = skeleton.get_submodule(prefix)
+        value = m.__dict__[attr]
+        stand_in = _Stale.standing_for(value if key is None else value[key], name, shared)
+        if key is None:
+            m.__dict__[attr] = stand_in
+        elif isinstance(value, tuple):
+            items = list(value)
+            items[key] = stand_in
+            m.__dict__[attr] = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        else:
+            value[key] = stand_in
+
+
+class _Stale(torch.Tensor):
+    """The copy's stand-in for a plain tensor attribute that shares a trainable parameter's memory
+    (`_stand_in_for_stale`): a meta tensor of its shape and dtype whose use by any torch function
+    but a read of its metadata raises `ConfigError` naming it, the parameter and the ways out."""
+
+    held_as: str  # the attribute's name
+    shared: str  # the parameter's
+
+    @classmethod
+    def standing_for(cls, t: torch.Tensor, name: str, shared: str) -> "_Stale":
+        stand_in = torch.empty(t.shape, dtype=t.dtype, device="meta").as_subclass(cls)
+        stand_in.held_as, stand_in.shared = name, shared
+        return stand_in
+
+    def __deepcopy__(self, memo: dict) -> "_Stale":  # (a thread's copy of the skeleton: the same stand-in)
+        return self
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in _METADATA and not _dynamo_probing():
+            t = next(x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, _Stale))
+            raise ConfigError(
+                f"the forward read attribute {t.held_as!r} ({str(t.dtype).removeprefix('torch.')}{list(t.shape)}; "
+                f"{_op_name(func)}), a plain tensor (neither a parameter nor a buffer) that shares memory with the "
+                f"trainable parameter {t.shared!r} in the module given to from_module: torch's optimizer writes the "
+                f"parameter in place and so the attribute too, but fzero trains the parameter apart from the "
+                f"module, and the copy apply runs would hold the attribute's initial values. Compute it in forward "
+                f"from the parameter (self.flat = self.w.view(-1) before reading it), or hold a .clone() where it "
+                f"is meant to be apart")
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+def _plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, nn.Parameter)
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:

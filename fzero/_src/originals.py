@@ -189,8 +189,9 @@ def warn_units_not_passed(params: Any) -> None:
         warnings.warn(UnitsNotPassed(
             f"fzero.init was given no units for params that fzero.from_module(..., units=...) split into {len(names)} "
             f"units ({sorted(names)[:4]}{' ...' if len(names) > 4 else ''}): they are one unit here, so stage 3 "
-            f"gathers every parameter at once and stages 1-2 reduce them as one. Pass units=info.units (and "
-            f"groups=info.groups) to fzero.init"), stacklevel=outside_stacklevel())
+            f"gathers every parameter at once, and every stage reduces them as one unit's buckets (no reduction "
+            f"overlaps the backward). Pass units=info.units (and groups=info.groups) to fzero.init"),
+            stacklevel=outside_stacklevel())
 
 
 def link_layout(layout: Any, params: Any, groups: Any = ()) -> None:

@@ -360,7 +360,8 @@ def _count_write(state: ZeroState, k: int = 1) -> None:
 def _written_words(state: ZeroState) -> str:
     return (f"this state (step {int(state.step)}) shares its buffers with a state that a donating step "
             f"(train_step(donate=True)) consumed after this one was made -- a copy by copy.copy, state.replace, "
-            f"dataclasses.replace or a tree_map that kept the tensors (or any tree_map of such a copy), or the state a step returned without an "
+            f"dataclasses.replace or a tree_map that kept the tensors (or any tree_map of such a copy, or a "
+            f"tree_unflatten of a treespec taken before that step), or the state a step returned without an "
             f"update (a skipped step hands its input's buffers on): that step wrote them in place, so they hold a "
             f"later step's values. Use the state that step returned; to keep a snapshot beside donating steps, "
             f"copy the tensors before the step: snapshot = torch.utils._pytree.tree_map(torch.clone, state)")
@@ -372,20 +373,23 @@ def _written_since(state: ZeroState) -> bool:
 
 
 class _Static:
-    """A state's pytree node data: its `info` and, where the state is refused already (consumed or
-    lost by a donating step, or a copy made before one: `refused`), its record (`_held`, the mark),
-    which a state rebuilt from its leaves by a `tree_map` takes whole (`made`), so that it is
-    refused alike, whether the map kept the tensors or copied them. Found in review: such a map
-    was rebuilt as a state of its own, and read (or copied) the next step's values under its
-    own step count. Equal, and hashed, by `info` alone: the record never makes two states'
-    structures differ (a `tree_map` over two states)."""
+    """A state's pytree node data: its `info` and its record when flattened (`_held`, the mark),
+    which a state rebuilt from its leaves by a `tree_map` (or a `tree_unflatten` of the treespec)
+    carries on (`carried_into`): the counts recorded then for the buffers it shares, so that a
+    treespec kept past a donating step of the state rebuilds one that is refused (found in
+    review); and, where the state was refused already (consumed or lost by a donating step, or
+    a copy made before one), the whole record and the mark, so that the rebuilt state is refused
+    alike whether the map kept the tensors or copied them (found in review: it was rebuilt as a
+    state of its own and read, or copied, the next step's values under its own step count). Equal,
+    and hashed, by `info` alone: the record never makes two states' structures differ (a
+    `tree_map` over two states)."""
 
-    __slots__ = ("info", "refused")
+    __slots__ = ("info", "held", "mark", "refused")
 
     def __init__(self, state: ZeroState) -> None:
-        mark = getattr(state, "_consumed", None)
-        self.info = state.info
-        self.refused = (getattr(state, "_held", ()), mark) if mark is not None or _written_since(state) else None
+        self.info, self.held = state.info, getattr(state, "_held", ())
+        self.mark = getattr(state, "_consumed", None)
+        self.refused = self.mark is not None or _written_since(state)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Static) and self.info == other.info
@@ -396,14 +400,16 @@ class _Static:
     def __repr__(self) -> str:
         return f"_Static({self.info!r})"
 
-    def made(self, new: ZeroState) -> ZeroState:
-        """`new`, rebuilt from a state's leaves; where that state was refused, with its record."""
-        if self.refused is not None:
-            held, mark = self.refused
-            ids = {id(h) for h, _ in held}
-            object.__setattr__(new, "_held", held + tuple((h, n) for h, n in new._held if id(h) not in ids))
-            if mark is not None:
-                object.__setattr__(new, "_consumed", mark)
+    def carried_into(self, new: ZeroState) -> ZeroState:
+        """`new`, rebuilt from a state's leaves, with that state's record (above)."""
+        recorded = {id(h): n for h, n in self.held}
+        held = tuple((h, recorded.get(id(h), n)) for h, n in new._held)
+        if self.refused:
+            ids = {id(h) for h, _ in new._held}
+            held += tuple((h, n) for h, n in self.held if id(h) not in ids)
+            if self.mark is not None:
+                object.__setattr__(new, "_consumed", self.mark)
+        object.__setattr__(new, "_held", held)
         return new
 
 
@@ -418,7 +424,7 @@ def _flatten(state: ZeroState) -> tuple[tuple, _Static, tuple[str, ...]]:
 
 def _unflatten(static: _Static, children: Any) -> ZeroState:
     params, opt_state, step, master, loss_scale, pending = children
-    return static.made(ZeroState(params, opt_state, step, master, loss_scale, static.info, pending))
+    return static.carried_into(ZeroState(params, opt_state, step, master, loss_scale, static.info, pending))
 
 
 for _namespace in (_GLOBAL, NAMESPACE):
@@ -434,7 +440,8 @@ def _torch_flatten(state: ZeroState) -> tuple[list, tuple]:
     master, no_master = split(state.master)
     scale = () if state.loss_scale is None else (state.loss_scale,)
     pending = () if state.pending is None else (state.pending,)
-    return [state.params, opt, state.step, master, scale, pending], (_Static(state), no_opt, no_master, len(state.params))
+    static = (_Static(state), no_opt, no_master, len(state.params))
+    return [state.params, opt, state.step, master, scale, pending], static
 
 
 def _torch_unflatten(children: list, context: tuple) -> ZeroState:
@@ -444,8 +451,8 @@ def _torch_unflatten(children: list, context: tuple) -> ZeroState:
         it = iter(xs)
         return tuple(None if b in nones else next(it) for b in range(nb))
 
-    return static.made(ZeroState(params, join(opt, no_opt), step, join(master, no_master), scale[0] if scale else None,
-                                 static.info, pending[0] if pending else None))
+    return static.carried_into(ZeroState(params, join(opt, no_opt), step, join(master, no_master),
+                                         scale[0] if scale else None, static.info, pending[0] if pending else None))
 
 
 torch_pytree.register_pytree_node(ZeroState, _torch_flatten, _torch_unflatten, serialized_type_name="fzero.ZeroState")

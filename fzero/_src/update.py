@@ -65,8 +65,8 @@ def prepare(state: ZeroState, reduced: dict[int, torch.Tensor], donate: bool) ->
         p = stage.optimizer_params(layout, b, state.params[b], rank, state.master[b])
         try:
             launches[b] = optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, None))
-        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict (before any write:
-            refused.add(b)  # `_raise_before_writing`)
+        except Exception:  # noqa: BLE001 -- `update_` raises it again, after the verdict, and
+            refused.add(b)  # `_raise_before_writing` before any write
             continue
         params[b] = p
     return Ready(params, launches, _overlap(state, reduced), frozenset(refused))
@@ -231,8 +231,10 @@ def _raise_before_writing(state: ZeroState, reduced: dict[int, torch.Tensor], us
     a later parameter group's dtype (`check_fits`) -- the state is left as it was and usable, as
     where the first bucket raises. Before, the buckets ahead of it were written and the state lost,
     though every value that decides the error was known before any write (found in review; row
-    205). Not for an NVMe bucket (its state is read from files in the loop) nor an optimizer without
-    a `prepare_`, whose `update_` raises where it runs."""
+    205). Only an `OptimizerError` (the optimizer's refusal of a value) is raised here; another
+    exception leaves the bucket to its `update_`, as before. Not for an NVMe bucket (its state is
+    read from files in the loop) nor an optimizer without a `prepare_` (lamb's, adafactor's, a
+    user's), whose `update_` raises where it runs."""
     optimizer = state.optimizer
     if optimizer.prepare_ is None or len(reduced) < 2:
         return
@@ -242,7 +244,12 @@ def _raise_before_writing(state: ZeroState, reduced: dict[int, torch.Tensor], us
     for b in list(reduced)[1:]:
         if b in refused or (b in on_host and b not in in_files):
             p = state.stage.optimizer_params(state.layout, b, state.params[b], state.rank, state.master[b])
-            optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, used))
+            try:
+                optimizer.prepare_(state.opt_state[b], p, plan[b].context(step, used))
+            except OptimizerError:
+                raise
+            except Exception:  # noqa: BLE001 -- not a value of the update: `update_` runs as before (found in
+                continue  # review: a user's `prepare_` declining a group, whose `update_` trains it)
 
 
 class Watch(NamedTuple):
