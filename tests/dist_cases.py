@@ -255,6 +255,22 @@ def mesh_where_one_rank_is_elsewhere(mesh, verify, extra_on):
 
 
 
+def mesh_built_over_a_group_on_one_rank(mesh):
+    """Rank 0 constructs a DistMesh over a new group (2 s timeout) that rank 1 never builds one
+    over (it took another path): rank 0's `MeshError` text; None on rank 1. Both then meet in a
+    verified all-reduce on `mesh`, which must still work."""
+    import datetime
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    out = None
+    if mesh.rank == 0:
+        try:
+            fzero.DistMesh(group, timeout=2)
+        except fzero.MeshError as e:
+            out = str(e)
+    return out, fzero.collectives.all_reduce(torch.ones(2), mesh)
+
+
 def peer_leaves_or_stalls(timeout, verify, how):
     """After one all_reduce, rank 1 destroys its process group and stays alive (`how="leave"`:
     gloo fails rank 0's next collective at once), or sleeps past the timeout (`"stall"`); rank 0

@@ -200,6 +200,19 @@ def test_ranks_constructing_a_mesh_apart_are_named_on_every_rank(dist2):
     assert second.startswith("CollectiveMismatch") and "rank(s) [0] constructed a new DistMesh" in second
 
 
+def test_a_mesh_construction_that_times_out_names_the_order_of_constructions(dist2):
+    """A rank constructing a DistMesh over a group the other rank builds none over (or builds its
+    meshes in another order) waits out the timeout; its `MeshError` now names that cause, besides
+    a stuck rank, and that a timed-out construction may pair with a later one (found in review
+    of sub-group meshes: the words named a stuck rank only, and the next construction paired with
+    the timed-out exchange)."""
+    (said, after0), (none, after1) = dist2.run(dist_cases.mesh_built_over_a_group_on_one_rank, [()] * 2)
+    assert none is None and "ranks did not all reach DistMesh construction" in said
+    assert "construct meshes over different process groups at this point, or over the same groups in another " \
+           "order" in said and "restart the job" in said
+    assert torch.equal(after0, torch.full((2,), 2.0)) and torch.equal(after1, torch.full((2,), 2.0))
+
+
 def test_pool_rejects_functions_workers_cannot_import(dist2):
     with pytest.raises(ValueError, match="module-level function"):
         dist2.run(lambda mesh: None)

@@ -1219,6 +1219,9 @@ class _ThenAdd:
                 self.added = True
 
 
+_CONSTRUCTION = "DistMesh construction (each rank's host, process id, verify and ordinal)"
+
+
 def _check_member(group: Any) -> None:
     """A `MeshError` where this process is not in `group`: `new_group` hands the ranks it leaves out
     a non-member handle, on which torch raised a bare "Invalid process group specified" (found in
@@ -1552,8 +1555,7 @@ class DistMesh(Mesh):
         # a fingerprint-sized row, so that a rank constructing a mesh where another verifies a
         # collective is named on both (before, the two exchanges' sizes differed: gloo aborted)
         mine = [_KIND_CONSTRUCT, 0, *_identity(), int(verify), _NEXT_ORDINAL[0]] + [0] * (_FP_LEN - 6)
-        rows = self._gather(torch.tensor(mine, dtype=torch.int64, device=self.device),
-                            "DistMesh construction (each rank's host, process id, verify and ordinal)")
+        rows = self._gather(torch.tensor(mine, dtype=torch.int64, device=self.device), _CONSTRUCTION)
         rows = rows.view(self.world_size, _FP_LEN).tolist()
         elsewhere = [s for s, row in enumerate(rows) if row[0] != _KIND_CONSTRUCT]
         if elsewhere:
@@ -1636,9 +1638,13 @@ class DistMesh(Mesh):
                 f"host exited while rank {self._rank} waited in {what}. The group (world size {n}) cannot go on "
                 f"without them. {_exited_without(what, 'Such a rank')}. {self.backend} said: {e}")
         elif timed_out:
+            building = (_CONSTRUCTION in what) * (
+                "; or the ranks construct meshes over different process groups at this point, or over the same "
+                "groups in another order: every rank of a group constructs its meshes over it in one order; a "
+                "construction that timed out may leave its exchange to pair with a later one's, so restart the job")
             err = MeshError(
                 f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():g} s "
-                f"(world size {n}); a rank is stuck or took another path (see its log)"
+                f"(world size {n}); a rank is stuck or took another path (see its log){building}"
                 f"{_waits_in(what, self._rank)}: {e}")
         else:
             host = _identity()[0]
