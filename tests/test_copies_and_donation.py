@@ -456,3 +456,24 @@ def test_a_consumed_state_is_a_load_target_like_any_other(stage, tmp_path):
         return same, kept, int(step(s2, _batch(mesh.rank, 2))[0].step)
 
     assert mesh.run(rank) == [(True, True, 3)] * 2
+
+
+def test_another_stages_params_are_refused_by_replace_naming_what_this_stage_holds():
+    """`s3.replace(params=s0.params)` (stage 0's whole buffers into a stage-3 state) and the other
+    way round (`own_values` of stage 3, shards, into a stage-0 state): refused where made, naming
+    what the stage holds and the way to move values (gather, then init). Before: taken, since either
+    size passed, and the next step raised a bare torch error ("invalid gradient ... got [9] but
+    expected shape compatible with [18]"; "setStorage ... out of bounds"; found in review of a
+    model-surgery user)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank():
+        s0, s3 = _init(mesh, 0), _init(mesh, 3)
+        with pytest.raises(fzero.FzeroError, match=r"state.params\[0\] .*\(stage 3 holds this rank's shard: \d+\).*"
+                                                   r"fzero.gather the one state and fzero.init the other"):
+            s3.replace(params=s0.params)
+        with pytest.raises(fzero.FzeroError, match=r"\(stage 0 holds the whole buffer: \d+\)"):
+            s0.replace(params=tuple(s3.params))
+        return True
+
+    assert mesh.run(rank) == [True, True]

@@ -464,3 +464,41 @@ def test_an_optimizer_changed_mid_run_on_every_rank_or_on_one(stage):
         assert "(state.info.optimizer" in said and "beta1: rank 0 0.9, rank 1 0.8" in said, said
         assert "beta2: rank 0 0.999, rank 1 0.99" in said, said
         assert torch.equal(w, two)  # two steps taken, the third refused before any update
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_group_setting_changed_on_one_rank_only_is_refused_naming_the_groups(stage):
+    """A layout whose group has another `lr_scale` (or `weight_decay`) put in one rank's state
+    after two steps (`state.replace(info=dataclasses.replace(state.info, layout=...))`): the next
+    step raises `ConfigError` on every rank naming the parameter groups, before any update.
+    Before: the step's agreement compared the optimizer, not the groups, and each rank updated
+    its part with its own lr, silently (found in review of a model-surgery user). On every rank,
+    the change trains (the groups' settings are the state's)."""
+    import dataclasses
+
+    params = {"a": torch.linspace(-1.0, 1.0, 6), "b": torch.linspace(0.5, 1.5, 4)}
+    before = (fzero.ParamGroup("head", match=lambda p: p == "b"),)
+    after = (fzero.ParamGroup("head", match=lambda p: p == "b", lr_scale=0.5),)
+
+    def run(who):
+        mesh = fzero.SimMesh(2)
+
+        def rank():
+            state = fzero.init(params, optim.adamw(0.1), stage=stage, mesh=mesh, groups=before)
+            step = fzero.train_step(lambda p, x: (p["a"].sum() * x) ** 2 + (p["b"] * x).sum() ** 2)
+            for k in range(3):
+                if k == 2 and mesh.rank in who:
+                    layout = fzero.layout.plan(params, 2, groups=after)
+                    state = state.replace(info=dataclasses.replace(state.info, layout=layout))
+                try:
+                    state, _ = step(state, torch.tensor(1.0 + k))
+                except fzero.ConfigError as e:
+                    return str(e), int(state.step)
+            return "trained", int(state.step)
+
+        return mesh.run(rank)
+
+    assert run({0, 1}) == [("trained", 3)] * 2
+    for said, step in run({1}):
+        assert "(its parameter groups, state.info.layout" in said and "'groups'" in said, said
+        assert step == 2

@@ -115,7 +115,8 @@ def agreement(state: ZeroState, loss: torch.Tensor, report: Report, reduced: dic
     known = early_norms(state.info, shards) | ({} if norms is None else norms.known(shards))
     sq = sum_of_squares(shards, dev, known)
     scaled = -1 if state.loss_scale is None else int(state.loss_scale.iteration)
-    settings = settings_crc((settings, state.info.optimizer_crc))  # the step's settings and the state's optimizer
+    settings = settings_crc((settings, state.info.optimizer_crc, state.info.groups_crc))  # the step's settings,
+    # the state's optimizer and its parameter groups
     checks = torch.tensor([settings, int(state.step), state.info.serial, scheduled_lr(state), loss_scale_of(state),
                            scaled], dtype=torch.float64)
     # one copy to the device
@@ -316,6 +317,9 @@ def _check_same_steps(config: StepConfig, state: ZeroState, rows: list[list[floa
         check_same_settings(state.mesh, "fzero.train_step", **config.shared)
         check_same_settings(state.mesh, "fzero.train_step's state (state.info.optimizer, which a "
                             "state.replace(info=...) changes on every rank or none)", optimizer=named(state.optimizer))
+        check_same_settings(state.mesh, "fzero.train_step's state (its parameter groups, state.info.layout, which a "
+                            "state.replace(info=...) changes on every rank or none)",
+                            groups=state.info.groups_described)
         raise ConfigError(f"train_step settings differ across ranks (world size {state.mesh.world_size}), though "
                           f"each setting alone agrees: rank {state.mesh.rank}'s are {config.shared}")
     for col, what, fix in ((c.serial, "the state of its init #{}", "the state the same fzero.init made (and its "

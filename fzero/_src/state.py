@@ -83,6 +83,21 @@ class StateInfo:
         return settings_crc(named(self.optimizer))
 
     @functools.cached_property
+    def groups_described(self) -> str:
+        """Each bucket's tag and its group's settings (`ParamGroup`: name, `lr_scale`,
+        `weight_decay`, `frozen`), in words: what a layout replaced after `init` (to change one
+        group's lr mid-run, `state.replace(info=dataclasses.replace(state.info, layout=...))`)
+        changes, and the step's agreement compares through `settings_crc` of it (found in review:
+        one rank's new `lr_scale` trained silently apart)."""
+        return "; ".join(f"{b.tag}: {b.group.name!r} lr_scale={b.group.lr_scale!r} weight_decay={b.group.weight_decay} "
+                         f"frozen={b.group.frozen}" for b in self.layout.buckets)
+
+    @functools.cached_property
+    def groups_crc(self) -> int:
+        """`settings_crc(groups_described)`, once per info: what the step's agreement carries."""
+        return settings_crc(self.groups_described)
+
+    @functools.cached_property
     def _host_buckets(self) -> frozenset[int]:
         return self.offload.host_buckets(self.layout)
 
@@ -259,22 +274,34 @@ def _check_flat(state: ZeroState) -> None:
     stages 0-2, silently). A master is read whole (its shard gathered, or updated element by
     element): its shape only. An expanded zero (an NVMe tier's stand-in) is passed: a view of it
     past its one element raises. Other leaves (a `tree_map` to shapes) are passed over."""
-    buckets = state.info.layout.buckets
+    buckets, sharded = state.info.layout.buckets, state.info.stage.sharded("params")
     for field in ("params", "master"):
         for b, t in enumerate(getattr(state, field)):
             if not isinstance(t, torch.Tensor) or b >= len(buckets):
                 continue
             spec = buckets[b]
-            if t.dim() != 1 or t.numel() not in (spec.padded_numel, spec.shard_numel) or (
+            sizes = ((spec.shard_numel if sharded else spec.padded_numel,) if field == "params"  # (found in review:
+                     else (spec.padded_numel, spec.shard_numel))  # another stage's buffers raised bare torch errors)
+            if t.dim() != 1 or t.numel() not in sizes or (
                     field == "params" and not t.is_contiguous() and t.stride() != (0,)):  # (an NVMe tier's
                 # stand-in is an expanded zero, never read: a view past its one element raises)
                 raise FzeroError(
                     f"state.{field}[{b}] (bucket {_bucket_words(state.info.layout, b)}) is a tensor of shape "
                     f"{list(t.shape)} and strides {list(t.stride())}; each is the bucket's flat buffer, one-dimensional "
                     f"and contiguous, of {spec.padded_numel} elements (world size {spec.world_size} x shard "
-                    f"{spec.shard_numel}) or, where the stage shards it, {spec.shard_numel}: the state made by "
-                    f"fzero.init, or a tree_map of it that keeps the shapes (make a strided one contiguous: "
-                    f"t.contiguous())")
+                    f"{spec.shard_numel}) or, where the stage shards it, {spec.shard_numel}"
+                    f"{_held_words(state, field, spec)}: the state made by fzero.init, or a tree_map of it that keeps "
+                    f"the shapes (make a strided one contiguous: t.contiguous()); to move values between stages or "
+                    f"world sizes, fzero.gather the one state and fzero.init the other with them")
+
+
+def _held_words(state: ZeroState, field: str, spec: Any) -> str:
+    """What stage of `state` holds as `field` of a bucket (`spec`), in words (`_check_flat`)."""
+    if field != "params":
+        return ""
+    level = state.info.stage.level
+    return (f" (stage {level} holds this rank's shard: {spec.shard_numel})" if state.info.stage.sharded("params")
+            else f" (stage {level} holds the whole buffer: {spec.padded_numel})")
 
 
 def renewed(state: ZeroState, **changes: Any) -> ZeroState:
