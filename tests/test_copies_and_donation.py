@@ -477,3 +477,21 @@ def test_another_stages_params_are_refused_by_replace_naming_what_this_stage_hol
         return True
 
     assert mesh.run(rank) == [True, True]
+
+
+def test_another_stages_optimizer_state_is_refused_by_replace_naming_the_bucket_and_field():
+    """`s3.replace(opt_state=s0.opt_state)`: stage 0's whole moments into a stage-3 state, where
+    each rank holds its shard: refused where made, naming the bucket, the field, both shapes, the
+    stage and the world size (found in review: the step raised the optimizer's own error, naming
+    neither the bucket nor the stage)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank():
+        s0, s3 = _init(mesh, 0), _init(mesh, 3)
+        with pytest.raises(fzero.FzeroError, match=r"bucket .*, field 'exp_avg': shape \[\d+\], where this state "
+                                                   r"\(stage 3, world size 2\) holds \[\d+\]"):
+            s3.replace(opt_state=s0.opt_state)
+        s3.replace(opt_state=tuple(optree.tree_map(torch.clone, s3.opt_state)))  # the same shapes: taken
+        return True
+
+    assert mesh.run(rank) == [True, True]

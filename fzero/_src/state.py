@@ -247,6 +247,24 @@ def _check_replaced(state: ZeroState, changes: dict[str, Any]) -> None:
             want, got = optree.tree_structure(x, namespace=NAMESPACE), optree.tree_structure(y, namespace=NAMESPACE)
             if want != got:
                 raise FzeroError(f"{what}; bucket {_bucket_words(layout, b)}: expected {want}, got {got}")
+            if field == "opt_state" and x is not None:
+                _check_fields_shaped(state, b, x, y)
+
+
+def _check_fields_shaped(state: ZeroState, b: int, old: Any, new: Any) -> None:
+    """`FzeroError` where a field of bucket b's new optimizer state (`state.replace(opt_state=...)`)
+    has another shape than the one it replaces, naming the bucket, the field, both shapes, the
+    stage and the world size (found in review of a model-surgery user: the step raised the
+    optimizer's error, naming neither bucket nor stage)."""
+    names = getattr(old, "_fields", range(len(old)))
+    for name, x, y in zip(names, old, new):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape != y.shape:
+            raise FzeroError(
+                f"state.replace(opt_state=...): bucket {_bucket_words(state.layout, b)}, field {name!r}: shape "
+                f"{list(y.shape)}, where this state (stage {state.stage.level}, world size {state.mesh.world_size}) "
+                f"holds {list(x.shape)}; each field keeps the shape fzero.init made (a sharded field is this "
+                f"rank's shard); to move values between stages or world sizes, fzero.gather the one state and "
+                f"fzero.init the other with them")
 
 
 def _step_counter(step: Any) -> torch.Tensor:
