@@ -458,13 +458,15 @@ def test_a_consumed_state_is_a_load_target_like_any_other(stage, tmp_path):
     assert mesh.run(rank) == [(True, True, 3)] * 2
 
 
-def test_another_stages_params_are_refused_by_replace_naming_what_this_stage_holds():
-    """`s3.replace(params=s0.params)` (stage 0's whole buffers into a stage-3 state) and the other
-    way round (`own_values` of stage 3, shards, into a stage-0 state): refused where made, naming
-    what the stage holds and the way to move values (gather, then init). Before: taken, since either
-    size passed, and the next step raised a bare torch error ("invalid gradient ... got [9] but
-    expected shape compatible with [18]"; "setStorage ... out of bounds"; found in review of a
-    model-surgery user)."""
+def test_another_stages_buffers_are_refused_by_replace_naming_what_this_stage_holds():
+    """`s3.replace(params=s0.params)` (stage 0's whole buffers into a stage-3 state), the other
+    way round (`own_values` of stage 3, shards, into a stage-0 state), and `s3.replace(opt_state=
+    s0.opt_state)` (stage 0's whole moments): refused where made, naming what the stage holds (the
+    bucket and field, both shapes, the stage and world size) and the way to move values (gather,
+    then init). Before: the params were taken, since either size passed, and the next step raised a
+    bare torch error ("invalid gradient ... got [9] but expected shape compatible with [18]";
+    "setStorage ... out of bounds"); the optimizer state, the optimizer's own error, naming neither
+    bucket nor stage (found in review of a model-surgery user). The same shapes are taken."""
     mesh = fzero.SimMesh(2)
 
     def rank():
@@ -474,24 +476,10 @@ def test_another_stages_params_are_refused_by_replace_naming_what_this_stage_hol
             s3.replace(params=s0.params)
         with pytest.raises(fzero.FzeroError, match=r"\(stage 0 holds the whole buffer: \d+\)"):
             s0.replace(params=tuple(s3.params))
-        return True
-
-    assert mesh.run(rank) == [True, True]
-
-
-def test_another_stages_optimizer_state_is_refused_by_replace_naming_the_bucket_and_field():
-    """`s3.replace(opt_state=s0.opt_state)`: stage 0's whole moments into a stage-3 state, where
-    each rank holds its shard: refused where made, naming the bucket, the field, both shapes, the
-    stage and the world size (found in review: the step raised the optimizer's own error, naming
-    neither the bucket nor the stage)."""
-    mesh = fzero.SimMesh(2)
-
-    def rank():
-        s0, s3 = _init(mesh, 0), _init(mesh, 3)
         with pytest.raises(fzero.FzeroError, match=r"bucket .*, field 'exp_avg': shape \[\d+\], where this state "
                                                    r"\(stage 3, world size 2\) holds \[\d+\]"):
             s3.replace(opt_state=s0.opt_state)
-        s3.replace(opt_state=tuple(optree.tree_map(torch.clone, s3.opt_state)))  # the same shapes: taken
+        s3.replace(opt_state=tuple(optree.tree_map(torch.clone, s3.opt_state)))
         return True
 
     assert mesh.run(rank) == [True, True]
