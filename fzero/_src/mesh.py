@@ -1465,8 +1465,9 @@ class DistMesh(Mesh):
     Args:
       group: a process group, or None for the default group. Only its members construct a mesh
         over it (another rank gets a `MeshError`; `new_group(..., use_local_synchronization=True)`
-        hands the others `None`, the default group, over which such a rank must not build one). Its ranks, which `rank` and every message name,
-        are the group's (`torch.distributed.get_rank(group)`); over a group that is not the whole
+        hands the others `None`, the default group, over which such a rank must not build one).
+        Its ranks, which `rank` and every message name, are the group's
+        (`torch.distributed.get_rank(group)`); over a group that is not the whole
         job the repr, quoted by every message that names the mesh, lists the global rank of each.
         Each group runs its own steps: fzero has no replica groups (HSDP), so its agreement, skip,
         norm, clipping and loss cover one group only (README, "Limits today").

@@ -336,7 +336,9 @@ def from_module(module: nn.Module, *, units: UnitSpec = None, remat: bool | Coll
     note_originals(module, canonical, aliases)  # a loss reading one in grad mode is refused (`refuse_original_reads`)
     note_born(module, params, aliases, units)  # a state made of them refuses a step where a flag or a tie changed since
     _check_dense(module)
-    stale = _check_buffers_apart(module)
+    by_storage = _trainable_by_storage(module)
+    _check_buffers_apart(module, by_storage)
+    stale = _stale_attributes(module, by_storage) if by_storage else []
     _check_tensor_hooks(module)
     _check_hooks(module)
     _check_units(params, units, aliases)
@@ -512,18 +514,23 @@ def buffer_slots(module: nn.Module) -> tuple[tuple[nn.Module, str, torch.Tensor,
                  for attr, b in m._buffers.items() if b is not None)
 
 
-def _check_buffers_apart(module: nn.Module) -> list[tuple[str, str, Any, str, str]]:
+def _trainable_by_storage(module: nn.Module) -> dict[tuple, list[tuple[str, torch.Tensor]]]:
+    """The trainable parameters of `module` by storage (`_storage_key`): only tensors of one storage
+    can overlap, so each buffer or attribute looks at its storage's parameters once (before, every
+    parameter per buffer: 11 s at 1600 x 1200, found in review)."""
+    by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for n, p in module.named_parameters():
+        if p.requires_grad and _storage_key(p) is not None:
+            by_storage.setdefault(_storage_key(p), []).append((n, p))
+    return by_storage
+
+
+def _check_buffers_apart(module: nn.Module, by_storage: dict[tuple, list[tuple[str, torch.Tensor]]]) -> None:
     """A buffer sharing memory with a trainable parameter (`register_buffer("w_view",
     lin.weight.detach())`) is refused, naming both: fzero copies the module without its
     parameters, so the buffer's copy kept the initial values while the parameter trained, and the
     state dict written back (`info.state_dict`) loaded the stale buffer over the trained weight
     (found in review of a buffers user: silently). A frozen parameter is never updated: allowed."""
-    by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}  # only tensors of one storage can overlap:
-    for n, p in module.named_parameters():  # one look per buffer at its storage's parameters (before, every
-        if p.requires_grad and _storage_key(p) is not None:  # parameter per buffer: 11 s at 1600 x 1200, found
-            by_storage.setdefault(_storage_key(p), []).append((n, p))  # in review)
-    if not by_storage:
-        return []
     for name, b in module.named_buffers(remove_duplicate=False):
         shared = _sharing(by_storage, b) if b is not None else None
         if shared is not None:
@@ -532,6 +539,13 @@ def _check_buffers_apart(module: nn.Module) -> list[tuple[str, str, Any, str, st
                               f"the parameter apart from the module, so the buffer would keep its initial values. "
                               f"Compute the view in forward from the parameter (self.lin.weight.t()), or register a "
                               f".clone() where the buffer is meant to be apart")
+
+
+def _stale_attributes(module: nn.Module, by_storage: dict[tuple, list[tuple[str, torch.Tensor]]]
+                      ) -> list[tuple[str, str, Any, str, str]]:
+    """`(submodule path, attribute, key, name, parameter)` of each plain tensor attribute sharing a
+    trainable parameter's memory (`_plain_tensors`), which apart from the module would hold stale
+    values (`_stand_in_for_stale`)."""
     return [(prefix, attr, key, name, shared) for prefix, attr, key, name, t in _plain_tensors(module)
             if (shared := _sharing(by_storage, t)) is not None]
 
@@ -569,7 +583,7 @@ def _plain_tensors(module: nn.Module) -> Iterator[tuple[str, str, Any, str, torc
 
 def _stand_in_for_stale(skeleton: nn.Module, stale: list[tuple[str, str, Any, str, str]]) -> None:
     """In from_module's copy, each plain tensor attribute that shares a trainable parameter's
-    memory in the module (`_check_buffers_apart`) held as a `_Stale` stand-in, which a forward
+    memory in the module (`_stale_attributes`) held as a `_Stale` stand-in, which a forward
     that reads it is refused by, naming it; one the forward sets anew before reading it (a view
     cached at each call, `self.w_t = self.lin.weight.t()`) is never read. Before, the copy held
     the attribute's initial values and a forward reading it computed with them (torch's

@@ -298,28 +298,22 @@ def _check_flat(state: ZeroState) -> None:
             if not isinstance(t, torch.Tensor) or b >= len(buckets):
                 continue
             spec = buckets[b]
-            sizes = ((spec.shard_numel if sharded else spec.padded_numel,) if field == "params"  # (found in review:
-                     else (spec.padded_numel, spec.shard_numel))  # another stage's buffers raised bare torch errors)
+            held = spec.shard_numel if sharded else spec.padded_numel  # the params this stage holds (found in
+            sizes = (held,) if field == "params" else (spec.padded_numel, spec.shard_numel)  # review: another
+            # stage's buffers were taken and raised bare torch errors at the step)
             if t.dim() != 1 or t.numel() not in sizes or (
                     field == "params" and not t.is_contiguous() and t.stride() != (0,)):  # (an NVMe tier's
                 # stand-in is an expanded zero, never read: a view past its one element raises)
+                what = "this rank's shard" if sharded else "the whole buffer"
+                holds = f" (stage {state.info.stage.level} holds {what}: {held})" if field == "params" else ""
                 raise FzeroError(
                     f"state.{field}[{b}] (bucket {_bucket_words(state.info.layout, b)}) is a tensor of shape "
                     f"{list(t.shape)} and strides {list(t.stride())}; each is the bucket's flat buffer, one-dimensional "
                     f"and contiguous, of {spec.padded_numel} elements (world size {spec.world_size} x shard "
-                    f"{spec.shard_numel}) or, where the stage shards it, {spec.shard_numel}"
-                    f"{_held_words(state, field, spec)}: the state made by fzero.init, or a tree_map of it that keeps "
-                    f"the shapes (make a strided one contiguous: t.contiguous()); to move values between stages or "
-                    f"world sizes, fzero.gather the one state and fzero.init the other with them")
-
-
-def _held_words(state: ZeroState, field: str, spec: Any) -> str:
-    """What stage of `state` holds as `field` of a bucket (`spec`), in words (`_check_flat`)."""
-    if field != "params":
-        return ""
-    level = state.info.stage.level
-    return (f" (stage {level} holds this rank's shard: {spec.shard_numel})" if state.info.stage.sharded("params")
-            else f" (stage {level} holds the whole buffer: {spec.padded_numel})")
+                    f"{spec.shard_numel}) or, where the stage shards it, {spec.shard_numel}{holds}: the state made by "
+                    f"fzero.init, or a tree_map of it that keeps the shapes (make a strided one contiguous: "
+                    f"t.contiguous()); to move values between stages or world sizes, fzero.gather the one state and "
+                    f"fzero.init the other with them")
 
 
 def renewed(state: ZeroState, **changes: Any) -> ZeroState:

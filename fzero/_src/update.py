@@ -24,8 +24,8 @@ from .errors import ConfigError
 from .gathering import version_of
 from .norms import Side
 from .offload import HostUpdate, host_leaf_sum
-from .optim.base import (DIFFERENTIABLE, Launch, Optimizer, OptimizerError, block_sums, optimizer_words, spec_of, tracked,
-                         update_result_problem)
+from .optim.base import (DIFFERENTIABLE, Launch, Optimizer, OptimizerError, block_sums, optimizer_words, spec_of,
+                         tracked, update_result_problem)
 from .plan import BucketPlan, plan_of, step_plan
 from .reduce import overlaps
 from .state import PADDING_WRITTEN, ZeroState, fresh, keep, lose, lost_by, renewed, updated_nonfinite_leaves
