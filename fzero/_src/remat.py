@@ -3,7 +3,8 @@
 `remat_call(forward, params, args, kwargs)` computes `forward(params, *args, **kwargs)` (a
 unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
 
-- in forward runs `forward` in grad mode (some ops choose their kernel by grad mode or by
+- in forward (outside torch.func transforms run by `remat_call` before the Function is applied,
+  counting how many times the unit reads each input: `_run_counting_uses`) runs `forward` in grad mode (some ops choose their kernel by grad mode or by
   whether an operand requires grad), its graph dropped when it returns, and saves
   only its inputs: the distinct tensors among `args` / `kwargs` (activations; one passed twice,
   as in `attn(h, h, h)`, is one input, the same object at both places in the recompute) and
@@ -16,7 +17,8 @@ unit's submodule, with its parameters bound) through one autograd Function, `_Re
   recomputes `forward` under the autocast settings of the forward (as `torch.utils.checkpoint`
   does: backward runs outside the loss's `torch.autocast` block) and takes the gradients of its
   floating-point inputs that need one: by torch's autograd outside torch.func transforms, as the run without
-  checkpointing does, by `torch.func.vjp` inside one; and restores the generators it found.
+  checkpointing does, each read's contribution to an input in a slot of its own (`_each_use`), by
+  `torch.func.vjp` inside one; and restores the generators it found.
 
 The recompute runs the same ops on the same values with the same random numbers, so its
 outputs, and the vjp's gradients, are the bits of the run without checkpointing
@@ -111,6 +113,8 @@ class _Plan:
     buffers: tuple[torch.Tensor, ...] = ()  # the home submodule's buffers, which its forward may write
     before: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # their values before the forward
     vmapped: tuple[tuple[tuple[int | None, ...], str], ...] = ()  # (in_dims, randomness) per vmap level, inner first
+    extra: tuple[int, ...] = ()  # per extra input slot of `_Remat`, the distinct input it repeats (`_uses`)
+    ran: tuple[torch.Tensor, ...] | None = None  # the outputs `remat_call` computed, for `_Remat.forward` to return
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
@@ -163,7 +167,12 @@ def remat_call(forward: Callable[..., Any], params: Mapping[str, torch.Tensor], 
     index = tuple(list(distinct).index(id(t)) for t in inputs)
     plan = _Plan(forward, names, spec, consts, RngState.now(inputs), Autocast.now(inputs), [], index, name,
                  tuple(buffers))
-    return plan.output(_Remat.apply(plan, *distinct.values()))
+    tensors = tuple(distinct.values())
+    if func_level() is not None or torch.autograd.forward_ad._current_level >= 0:
+        return plan.output(_Remat.apply(plan, *tensors))  # (the Function's forward runs the unit: `_Remat.forward`)
+    counts = _run_counting_uses(plan, tensors)
+    plan.extra = tuple(i for i, k in enumerate(counts) for _ in range(k - 1))
+    return plan.output(_Remat.apply(plan, *tensors, *(tensors[i] for i in plan.extra)))
 
 
 _CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
@@ -198,12 +207,13 @@ class _Remat(torch.autograd.Function):
         remat differed under autocast and in eval mode). Until it returns the graph holds what the
         unit's ops save, as the recompute in backward does (a module may also differentiate
         inside its forward, a gradient penalty)."""
+        if plan.ran is not None:  # run by `remat_call` (`_run_counting_uses`); an int: that input, returned
+            outs, plan.ran = plan.ran, None
+            return tuple(tensors[t].view_as(tensors[t]) if isinstance(t, int) else t for t in outs)
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
         versions = [t._version for t in tensors]
-        # every buffer as the forward found it: some kernels write one without bumping its version
-        # (batch_norm's running statistics), and comparing values would wait for the device
-        plan.before.update({i: b.clone() for i, b in enumerate(plan.buffers)})
+        _keep_buffers(plan)
         with torch.enable_grad():
             outs = plan.call(tensors)
         _check_inputs_unwritten(plan, tensors, versions)
@@ -212,9 +222,10 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.plan = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+        distinct = inputs[1:len(inputs) - len(ctx.plan.extra)]  # (the extra slots repeat some of them)
+        ctx.save_for_backward(*distinct)
         if torch.autograd.forward_ad._current_level >= 0:  # forward mode: `jvp` reads the inputs (only
-            ctx.save_for_forward(*inputs[1:])  # there: a plain reference, which would keep stage 3's unit gathered)
+            ctx.save_for_forward(*distinct)  # there: a plain reference, which would keep stage 3's unit gathered)
         ctx.set_materialize_grads(True)
 
     @staticmethod
@@ -223,7 +234,7 @@ class _Remat(torch.autograd.Function):
         plan: _Plan = ctx.plan
         second = torch.is_grad_enabled()  # backward with create_graph=True: a second derivative follows
         with _replayed(plan, tensors):
-            got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:], second)
+            got = _recomputed_grads(plan, tensors, grads, ctx.needs_input_grad[1:len(tensors) + 1], second)
         return (None, *got)  # (None for every input that needs no gradient)
 
     @staticmethod
@@ -317,8 +328,9 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     reaches the inputs (found in review: it was lost, other gradients than without remat)."""
     wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and needs[i]]
     got: list[torch.Tensor | None] = [None] * len(tensors)
+    extra: list[torch.Tensor | None] = [None] * len(plan.extra)
     if not wanted:
-        return got
+        return [*got, *extra]
     if func_level() is None:
         inputs = [t.detach() for t in tensors]
         for i in wanted:
@@ -326,19 +338,141 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
         used = list(inputs)
         for i in wanted:  # differentiated through a view: not a leaf, whose casts autocast would cache
             used[i] = inputs[i].view_as(inputs[i])  # (the run without remat has none)
+        floor = _sequence_now()
         outs = plan.call(tuple(used))
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if pairs:
-            found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
-                                        allow_unused=True, create_graph=second)
+            split = {(used[i].grad_fn, 0): i for i in set(plan.extra) if i in wanted}
+            with _each_use(outs, split, floor) as parts:
+                found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+                                            [g for _, g in pairs], allow_unused=True, create_graph=second)
             for i, g in zip(wanted, found):
                 got[i] = g
-        return got
+            _spread(plan, got, extra, parts)
+        return [*got, *extra]
 
     _, vjp = torch.func.vjp(_with(plan, tensors, wanted), *(tensors[i] for i in wanted))
     for i, g in zip(wanted, vjp(tuple(grads))):
         got[i] = g
-    return got
+    return [*got, *extra]
+
+
+def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[int]:
+    """`_Remat.forward`'s work, done before the Function is applied (outside torch.func transforms
+    and forward mode): run the forward in grad mode on the inputs themselves, keep its outputs
+    (detached) in `plan.ran`, and return, per distinct input, how many times the unit's ops read
+    it: the edges of the forward's graph into the input's gradient edge (`_uses`; at least 1).
+
+    Why: autograd sums an input's gradient contributions one at a time, in the order their ops'
+    backwards run, into one buffer, together with the contributions of the ops outside the unit
+    that read it too (a skip connection around a checkpointed block). The recompute's
+    `torch.autograd.grad` adds the unit's contributions up by themselves first, so a checkpointed
+    block whose input the unit reads twice (a pre-norm residual block: the norm and the
+    residual) and the model reads again outside (`head(blk(h) + h)`) summed `c_out + (c_1 + c_2)`
+    where the run without remat sums `(c_out + c_1) + c_2`: other bits (found in review, 3e-8
+    after three steps, and 1.5e-4 in an encoder's attention bias). So `_Remat` takes such an
+    input once per read, and its backward returns each read's contribution in its own slot, in
+    the order the recompute's backward made them (`_each_use`): the engine then adds them one by
+    one where the run without remat does."""
+    wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and t.requires_grad]
+    versions = [t._version for t in tensors]
+    _keep_buffers(plan)
+    floor = _sequence_now()
+    with torch.enable_grad():
+        outs = plan.call(tensors)
+    _check_inputs_unwritten(plan, tensors, versions)
+    edges = _uses(outs, {_edge(tensors[i]): i for i in wanted}, floor)
+    given = {id(t): i for i, t in enumerate(tensors)}  # an input returned as it is: `_Remat.forward` views it
+    plan.ran = tuple(given[id(t)] if id(t) in given else t.detach() for t in outs)
+    counts = [1] * len(tensors)
+    for i, reads in edges.items():
+        counts[i] = max(1, len(reads))
+    return counts
+
+
+def _keep_buffers(plan: _Plan) -> None:
+    """Every buffer as the forward found it (`_replayed` puts them back for the recompute): some
+    kernels write one without bumping its version (batch_norm's running statistics), and
+    comparing values would wait for the device."""
+    plan.before.update({i: b.clone() for i, b in enumerate(plan.buffers)})
+
+
+_PROBE = torch.empty(0, requires_grad=True)
+
+
+def _sequence_now() -> int:
+    """The sequence number the next autograd node made on this thread will get (at least): the
+    nodes of a forward run after this call have numbers from here on."""
+    return _PROBE.view_as(_PROBE).grad_fn._sequence_nr() + 1
+
+
+def _edge(t: torch.Tensor) -> tuple[Any, int]:
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    return edge.node, edge.output_nr
+
+
+def _uses(outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int], floor: int = 0
+          ) -> dict[int, list[tuple[Any, int]]]:
+    """Per target input (`targets`: its gradient edge -> its index), the `(node, k)` whose k-th
+    next edge is that input's, over the graph of `outs` (nodes numbered from `floor` on: those
+    made before the unit ran are outside it, and not walked)."""
+    found: dict[int, list[tuple[Any, int]]] = {i: [] for i in targets.values()}
+    if not targets:
+        return found
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for k, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            i = targets.get((nxt, nr))
+            if i is not None:
+                found[i].append((node, k))
+            elif nxt not in seen and nxt._sequence_nr() >= floor and nxt.next_functions:
+                seen.add(nxt)
+                stack.append(nxt)
+    return found
+
+
+@contextlib.contextmanager
+def _each_use(outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int], floor: int
+              ) -> Iterator[dict[int, list[torch.Tensor | None]]]:
+    """Within: each target input's gradient contributions, one per read, recorded in the order the
+    backward run inside makes them (a hook on each reading node, after it ran)."""
+    parts: dict[int, list[torch.Tensor | None]] = {i: [] for i in targets.values()}
+    by_node: dict[Any, list[tuple[int, int]]] = {}
+    for i, reads in _uses(outs, targets, floor).items():
+        for node, k in reads:
+            by_node.setdefault(node, []).append((k, i))
+    handles = []
+    for node, ks in by_node.items():
+        ks.sort()
+
+        def record(grad_inputs: tuple, _grad_outputs: tuple, ks: list[tuple[int, int]] = ks) -> None:
+            for k, i in ks:
+                parts[i].append(grad_inputs[k])
+
+        handles.append(node.register_hook(record))
+    try:
+        yield parts
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _spread(plan: _Plan, got: list, extra: list, parts: dict[int, list[torch.Tensor | None]]) -> None:
+    """Each split input's contributions into its slots (`got[i]` the first, then its places in
+    `extra`, in order); where the recompute read it another number of times than the forward
+    (`_run_counting_uses`), its sum stays in `got[i]` alone."""
+    for i, contributions in parts.items():
+        places = [k for k, j in enumerate(plan.extra) if j == i]
+        if len(contributions) > 1 + len(places) or not contributions:
+            continue
+        slots = [*contributions, *[None] * (1 + len(places) - len(contributions))]
+        got[i] = slots[0]
+        for k, c in zip(places, slots[1:]):
+            extra[k] = c
 
 
 def _with(plan: _Plan, tensors: tuple[torch.Tensor, ...], at: list[int]) -> Callable[..., tuple[torch.Tensor, ...]]:
