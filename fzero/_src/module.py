@@ -1208,8 +1208,9 @@ class _Running(threading.local):
     copy holding it)} (the dict path: every placeholder; inside another apply, merged with that
     call's, `_merged`), `.root` the skeleton copy the innermost call runs; None outside a call;
     `.recomputing` the checkpointed unit whose recompute in backward runs, where `.unbound` is set
-    for it after `apply` returned (`_checkpointed`), else None.
-    Both are set on every thread as it first reads them: a compiled loss over `apply` traces their
+    for it after `apply` returned (`_checkpointed`), else None; `.remat` the checkpointed units of
+    the innermost call (for `_unbound_error`'s words).
+    All are set on every thread as it first reads them: a compiled loss over `apply` traces their
     reads, and an attribute missing on the first call and present after (`getattr(..., None)`)
     made dynamo guard on `hasattr` and compile the loss again at the second step (found in review)."""
 
@@ -1217,6 +1218,7 @@ class _Running(threading.local):
         self.unbound: dict[int, tuple[str, str, nn.Module | None]] | None = None
         self.root: nn.Module | None = None
         self.recomputing: str | None = None
+        self.remat: frozenset[str] = frozenset()
 
 
 _RUNNING = _Running()
@@ -1323,6 +1325,17 @@ def _unbound_error(t: torch.Tensor, alias: str, unit: str, root: nn.Module | Non
             f"recompute binds that unit's leaves only, so it reads a meta stand-in for {alias!r}, not the values "
             f"being trained (its forward reached the parameter without its own module holding it: through a plain "
             f"attribute). Leave unit {_RUNNING.recomputing!r} out of remat (remat=[...] naming the others)")
+    if unit in _RUNNING.remat:  # (found in review: old-style spectral_norm's pre-hook under remat=True, whose
+        # words named neither remat nor a way out that keeps it)
+        return ConfigError(
+            f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the forward of the "
+            f"submodule unit {unit!r} is bound in, which is checkpointed (from_module(remat=...)): a checkpointed "
+            f"unit's parameters are bound only inside that forward, where its recompute in backward runs too, and "
+            f"this read ran outside it: in a forward pre-hook or forward hook on the submodule (old-style "
+            f"nn.utils.spectral_norm / weight_norm compute the weight in a pre-hook) or in a parent's forward. "
+            f"Leave {unit!r} out of remat "
+            f"(remat=[...] naming the others), or use torch.nn.utils.parametrizations.spectral_norm / "
+            f"weight_norm, which compute it inside the forward")
     return ConfigError(
         f"parameter {alias!r} (unit {unit!r}) was used ({_op_name(func)}) outside the "
         f"forward of the submodule its unit is bound in, where from_module's apply holds a meta "
@@ -1540,16 +1553,17 @@ class _Skeleton:
                 binding.unbind()
             raise
         self.call = _Call(params, plan, [], roots)
-        outer = (_RUNNING.unbound, _RUNNING.root)
+        outer = (_RUNNING.unbound, _RUNNING.root, _RUNNING.remat)
         _RUNNING.unbound = plan.unbound if outer[0] is None else _merged(outer[0], plan.unbound)
         _RUNNING.root = self.module
+        _RUNNING.remat = frozenset(b.unit for b in plan.checkpointed.values())
         return outer
 
     def leave(self, outer: tuple) -> None:
         """End the call `enter` started (returning or raising): the placeholders put back where
         units are bound (a forward that raised inside a unit), the buffers put back in their slots
         (their new values kept by the root's hook)."""
-        _RUNNING.unbound, _RUNNING.root = outer
+        _RUNNING.unbound, _RUNNING.root, _RUNNING.remat = outer
         call, self.call = self.call, None
         if call is None:
             return
