@@ -6,6 +6,7 @@ import dataclasses
 import re
 from fractions import Fraction
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -461,6 +462,17 @@ def test_comm_volume_and_expected_comm_check_their_arguments():
     with pytest.raises(fzero.ConfigError, match="comm_volume: world_size must be an int >= 1"):
         comm_volume(log, 0)
     assert expected_comm(layout, 2, 3, regather={"u0"}).elements > expected_comm(layout, 2, 3).elements
+    # a bare count as estimate takes it: a whole float, numpy ints (found in review: 7.5e9 was refused as
+    # "a parameter count >= 0"; bad-input row 269)
+    assert expected_comm(7.5e9, 64, 3) == expected_comm(7_500_000_000, 64, 3)
+    assert expected_comm(np.int64(100), np.int64(2), 1) == expected_comm(100, 2, 1)
+    for bad in (7.5, -1.0, float("nan"), "100"):
+        with pytest.raises(fzero.ConfigError, match=r"expected_comm: expected a Layout or a parameter count Ψ \(an "
+                                                    r"int, or a whole float such as 7.5e9\) >= 0, got"):
+            expected_comm(bad, 2, 1)
+    with pytest.raises(fzero.ConfigError, match=r"grad_bytes: expected a fzero.layout.plan layout \(state.layout\), "
+                                                r"got int 7.*estimate\(count, world_size, stage=\.\.\.\)\.grads"):
+        grad_bytes(7, 1)  # (was an AttributeError, 'buckets')
 
 
 def test_a_frozen_weight_in_a_regathered_unit_is_counted_gathered_again():
@@ -486,3 +498,32 @@ def test_a_frozen_weight_in_a_regathered_unit_is_counted_gathered_again():
     assert again.count("2/float32/frozen") == 2, again  # forward and backward
     # "4", the forward's last, stays gathered for its backward; "0" needs no input gradient
     assert expected_comm(layout, 2, 3, regather={"2"}).data == comm_volume(log, 2).data
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage_1_updates_a_reduced_shard_where_grad_bytes_counts_the_papers_full_gradient(stage):
+    """The gradient each update call reads is the whole reduced buffer at stage 0 and the reduced
+    shard at stages 1 and 2: stage 1 reduce-scatters as stage 2 does. `grad_bytes` (and
+    `held_bytes(...).grads`) count the paper's full gradient at stage 1, an upper bound there
+    (found in review: the docs said it was the update's buffer at every stage)."""
+    params = {"b": torch.randn(3, 3)}  # 9 elements: S = 5 at N = 2, N * S = 10
+    seen = []
+    base = optim.sgd(0.1)
+
+    def watched(update):
+        def call(g, s, p, ctx):
+            seen.append(g.numel())
+            return update(g, s, p, ctx)
+        return call
+
+    opt = base._replace(update=watched(base.update), update_=watched(base.update_))
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init(params, opt, stage=stage, mesh=mesh)
+        fzero.train_step(lambda p, x: (p["b"] * p["b"]).sum() * x)(state, torch.tensor(1.0 + mesh.rank))
+        return held_bytes(state).grads, grad_bytes(state.layout, stage)
+
+    (held, counted), _ = mesh.run(rank_fn)
+    assert seen == [10 if stage == 0 else 5] * 2
+    assert held == counted == 4 * (5 if stage == 2 else 10)

@@ -32,7 +32,7 @@ import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ConfigError
+from .errors import ConfigError, as_int
 from .layout import Layout, check_world_size
 from .mesh import Mesh
 from .optim.base import spec_of
@@ -50,8 +50,9 @@ CONTROL_SUFFIX = "/leaf_sum"
 class HeldBytes(NamedTuple):
     """Bytes of model state one rank holds, per category (as `fzero.accounting.estimate` names them).
 
-    `params` counts the params tensors the state holds, `grads` the reduced gradient at the update
-    (`grad_bytes`). `optimizer_state` counts every optimizer-state tensor, sharded and replicated
+    `params` counts the params tensors the state holds, `grads` the paper's gradient bytes of the
+    stage (`grad_bytes`: at stage 1 the full gradient, an upper bound on the reduced shard its
+    update reads). `optimizer_state` counts every optimizer-state tensor, sharded and replicated
     fields alike; `optimizer_leaf` is the part in replicated fields, "leaf", "rows" and "cols"
     (per-leaf step counts: `[L_b]` float32 per trainable bucket; factored row / column statistics),
     or None when `held_bytes` was not given the optimizer. `master` counts the master shards a state
@@ -98,10 +99,20 @@ def _nbytes(tree: Any) -> int:
 
 
 def grad_bytes(layout: Layout, stage: int | Stage) -> int:
-    """Bytes of the gradient buffer a rank holds at the optimizer step under `layout` at `stage`
-    (0-3 or a `Stage`; gradients are transient, so this is read from the layout): per trainable
-    bucket, the reduced `shard[S]` where the stage shards gradients (reduce-scattered during
-    backward), else the reduced `flat[N * S]`."""
+    """Bytes of gradient a rank holds under `layout` at `stage` (0-3 or a `Stage`; gradients are
+    transient, so this is read from the layout), as the ZeRO paper counts it: per trainable
+    bucket, the reduced `shard[S]` where the stage shards gradients (stages 2-3, reduce-scattered
+    during backward), else `flat[N * S]`. At stage 0 that is the all-reduced buffer the update
+    reads. At stage 1 it is the paper's full gradient, which fzero's stage 1 holds as local
+    gradients at the end of the backward under `accumulate="once"` (the autograd engine with
+    "each" holds one or two units' at a time); its update reads the reduced shard, as stage 2's
+    does (found in review: this said the update's buffer at every stage), so at stage 1 this is
+    an upper bound on what the step holds at the update
+    (`tests/test_accounting.py::test_stage_1_updates_a_reduced_shard_where_grad_bytes_counts_the_papers_full_gradient`)."""
+    if not isinstance(layout, Layout):  # (found in review: an int was an AttributeError, 'buckets')
+        raise ConfigError(f"grad_bytes: expected a fzero.layout.plan layout (state.layout), got "
+                          f"{type(layout).__name__} {layout!r}; for a bare parameter count use "
+                          f"fzero.accounting.estimate(count, world_size, stage=...).grads")
     sharded = get_stage(stage).sharded("grads")
     return sum((b.shard_numel if sharded else b.padded_numel) * b.dtype.itemsize
                for b in layout.buckets if not b.group.frozen)
@@ -439,6 +450,7 @@ def comm_volume(records: Sequence[Any], world_size: int, *, rank: int | None = N
 
 
 def _world_size(world_size: Any, fn: str) -> int:
+    world_size = as_int(world_size)  # (np.int64, as estimate takes it)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"{fn}: world_size must be an int >= 1 (the size of the mesh), got {world_size!r}")
     return world_size
@@ -482,9 +494,13 @@ def _bufs(model: Model, world_size: int) -> list[_Buf]:
     if isinstance(model, Layout):
         model.check_world_size(world_size, "world size argument")
         return [_Buf(b.unit, b.padded_numel, b.dtype.itemsize, not b.group.frozen) for b in model.buckets]
-    if isinstance(model, bool) or not isinstance(model, int) or model < 0:
-        raise ConfigError(f"expected a Layout or a parameter count Ψ >= 0, got {model!r}")
-    return [_Buf("default", model, 4, True)]
+    count = as_int(model)  # (found in review: 7.5e9 and np.int64 were refused, as "Ψ >= 0", where estimate takes them)
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ConfigError(f"expected_comm: expected a Layout or a parameter count Ψ (an int, or a whole float such as "
+                          f"7.5e9) >= 0, got {model!r}")
+    return [_Buf("default", count, 4, True)]
 
 
 def expected_comm(
