@@ -230,6 +230,15 @@ def test_vmap_over_a_step_is_a_clear_error():
     with pytest.raises(fzero.ConfigError, match="params are batched.*vmap inside the loss"):
         mesh.run(over_states, [(b,) for b in batches])
 
+    def stacked(b):  # the first move before a vmap over whole states (found in review: told to call .contiguous())
+        state = cases.init(mesh, 3, params)
+        return torch.utils._pytree.tree_map(lambda t: torch.stack([t, t]), state)
+
+    with pytest.raises(fzero.FzeroError, match=r"state.params\[0\] .* is a tensor of shape \[2, \d+\]: 2 buffers of "
+                                               r"\d+ stacked .*not vmapped over states: loop over the states, or vmap "
+                                               r"inside the loss"):
+        mesh.run(stacked, [(b,) for b in batches])
+
 
 def test_a_transform_through_an_autograd_engine_step_is_refused():
     """docs/func.md, the table row "a transform through a step with engine=autograd": refused

@@ -306,6 +306,13 @@ def _check_flat(state: ZeroState) -> None:
                 # stand-in is an expanded zero, never read: a view past its one element raises)
                 what = "this rank's shard" if sharded else "the whole buffer"
                 holds = f" (stage {state.info.stage.level} holds {what}: {held})" if field == "params" else ""
+                if t.dim() == 2 and t.shape[1] in sizes:  # (found in review: a tree_map(torch.stack) of states, the
+                    # first move before a vmap over them, was told to call .contiguous() or gather and init)
+                    raise FzeroError(
+                        f"state.{field}[{b}] (bucket {_bucket_words(state.info.layout, b)}) is a tensor of shape "
+                        f"{list(t.shape)}: {t.shape[0]} buffers of {t.shape[1]} stacked (a tree_map of torch.stack "
+                        f"over states?). A ZeroState holds one rank's state, one flat buffer per bucket, and a step "
+                        f"is not vmapped over states: loop over the states, or vmap inside the loss")
                 raise FzeroError(
                     f"state.{field}[{b}] (bucket {_bucket_words(state.info.layout, b)}) is a tensor of shape "
                     f"{list(t.shape)} and strides {list(t.stride())}; each is the bucket's flat buffer, one-dimensional "
