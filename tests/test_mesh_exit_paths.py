@@ -71,7 +71,8 @@ def test_a_rank_that_returned_before_a_call_every_rank_makes_is_named_as_possibl
     else:
         assert kind == "MeshError" and ") failed on rank 0 (world size 2). A rank that left the group" in message, (
             kind, message)
-    assert "either died (a crash or a kill: see its log): restart the job (torchrun --max-restarts" in message, message
+    assert ("either died (a crash or a kill: see its log): restart the job (every rank: a new torchrun, or torchrun "
+            "--max-restarts) and resume from fzero.checkpoint.latest(root)" in message), message
     assert (f"or finished its program (returned or exited normally) without calling {call}, which every rank must "
             f"call at the same point of its program (not under `if rank == 0:`" in message), message
     assert "gloo said: " in message and seconds < T, (seconds, message)

@@ -198,8 +198,8 @@ def _exited_without(what: str, who: str) -> str:
     rank 1 was lost and to restart the job."""
     name = entry_of(what)
     call = _every_rank_calls(name) if name else "this collective, which every rank must call, in the same order"
-    return (f"{who} either died (a crash or a kill: see its log): restart the job (torchrun --max-restarts "
-            f"restarts every rank); or finished its program (returned or exited normally) without calling {call}: "
+    return (f"{who} either died (a crash or a kill: see its log): restart the job (every rank: a new torchrun, "
+            f"or torchrun --max-restarts) and resume from fzero.checkpoint.latest(root); or finished its program (returned or exited normally) without calling {call}: "
             f"make that call on every rank")
 
 
