@@ -343,8 +343,10 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
         if pairs:
             split = {(used[i].grad_fn, 0): i for i in set(plan.extra) if i in wanted}
-            with _each_use(outs, split, floor) as parts:
-                found = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted],
+            with _each_use(outs, split, floor) as parts:  # (with respect to the views the unit read: under
+                # `second` the inputs are the saved tensors themselves, and one computed from another outside the unit
+                # counted that path twice; found in review, a gradient penalty 0.007 off)
+                found = torch.autograd.grad([o for o, _ in pairs], [used[i] for i in wanted],
                                             [g for _, g in pairs], allow_unused=True, create_graph=second)
             for i, g in zip(wanted, found):
                 got[i] = g
@@ -384,9 +386,11 @@ def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[i
     edges = _uses(outs, {_edge(tensors[i]): i for i in wanted}, floor)
     given = {id(t): i for i, t in enumerate(tensors)}  # an input returned as it is: `_Remat.forward` views it
     plan.ran = tuple(given[id(t)] if id(t) in given else t.detach() for t in outs)
+    returned = {t for t in plan.ran if isinstance(t, int)}  # (its gradient from that output reaches it through no
+    # read: kept whole, one slot; found in review, split it lost that part)
     counts = [1] * len(tensors)
     for i, reads in edges.items():
-        counts[i] = max(1, len(reads))
+        counts[i] = 1 if i in returned else max(1, len(reads))
     return counts
 
 
@@ -419,7 +423,8 @@ def _uses(outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int], f
     found: dict[int, list[tuple[Any, int]]] = {i: [] for i in targets.values()}
     if not targets:
         return found
-    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    stack = list(dict.fromkeys(o.grad_fn for o in outs if o.grad_fn is not None))  # (a node two outputs share,
+    # `var_mean`'s, `chunk`'s, once: found in review, its read was counted twice)
     seen = set(stack)
     while stack:
         node = stack.pop()
