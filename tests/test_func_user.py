@@ -546,3 +546,61 @@ def test_gather_values_read_as_given_and_refused_under_a_derivative(n, stage):
     for flat, words in mesh.run(rank_fn):
         assert all(torch.equal(flat[k], torch.full_like(P[k], 0.5)) for k in P)
         assert words.startswith("fzero.gather(state, values=...) with values being differentiated"), words
+
+
+def _dp_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _dp_loss(apply, orders: list | None = None):
+    """examples/dp_sgd.py's clipped loss without noise: the clip factors come from a sum over
+    `params.values()`, whose order decides their bits."""
+    def per_example(w, xi, yi):
+        return torch.nn.functional.cross_entropy(apply(w, xi[None]), yi[None])
+
+    def loss(params, batch):
+        x, y = batch
+        if orders is not None:
+            orders.append(list(params))
+        w = dict(params)
+        grads = torch.func.vmap(torch.func.grad(per_example), in_dims=(None, 0, 0))(w, x, y)
+        norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+        c = torch.clamp(1.0 / (norms + 1e-6), max=1.0).detach()
+        return (c * torch.func.vmap(per_example, in_dims=(None, 0, 0))(w, x, y)).sum() / x.shape[0]
+
+    return loss
+
+
+@pytest.mark.parametrize("gather", ["on_use", "eager"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_loss_iterates_the_params_in_the_order_they_were_given(stage, gather):
+    """The dict a loss gets (`LazyParams` on use) iterates in the order of the params given to
+    `init` (`from_module`'s: the module's), as `gather="eager"`'s dict and `fzero.gather` do. On use
+    it followed the layout's order, which sorts a dict's keys, so a DP-SGD clip norm summed over
+    `params.values()` added its leaves in another order than torch over `named_parameters()`, and
+    the gradients differed in the last bits from the second step on (found in review of a torch.func
+    user). SGD, N = 1, four steps: torch's bits."""
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(4)]
+    params, apply, info = fzero.from_module(_dp_model(), units=lambda path: path.split(".")[0])
+    mesh = fzero.SimMesh(1)
+    orders: list = []
+
+    def rank_fn():
+        state = fzero.init(params, optim.sgd(0.5), stage=stage, mesh=mesh, units=info.units)
+        step = fzero.train_step(_dp_loss(apply, orders), gather=gather)
+        for b in batches:
+            state, _ = step(state, b)
+        return fzero.gather(state)
+
+    got = mesh.run(rank_fn)[0]
+    assert orders and all(o == ["0.weight", "0.bias", "2.weight", "2.bias"] for o in orders), orders
+    ref = _dp_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, foreach=False)
+    for b in batches:
+        opt.zero_grad()
+        w = dict(ref.named_parameters())
+        _dp_loss(lambda p, x: torch.func.functional_call(ref, p, (x,)))(w, b).backward()
+        opt.step()
+    assert all(torch.equal(got[k], v) for k, v in ref.named_parameters())

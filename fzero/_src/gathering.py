@@ -816,7 +816,7 @@ class Gathering:
 
     def _params(self) -> tuple[Any, Any]:
         layout = self.layout
-        paths = remembered(_PATHS, layout, None, lambda: {ls.path: ls.unit for ls in layout.leaves})
+        paths = remembered(_PATHS, layout, None, lambda: _paths_in_given_order(layout))
         if self.mode == "eager":
             by_path = {path: t for unit in self._programs for path, t in self.read(unit).items()}
             return unflatten(layout.treespec, [by_path[ls.path] for ls in layout.leaves]), contextlib.nullcontext()
@@ -1169,6 +1169,19 @@ def _forward_mode_reread(unit: str) -> str:
             f"which forward mode cannot see through. Use engine='func' (units then stay gathered from their forward "
             f"to their backward) or gather='eager', or read the params first (w = dict(params)) and run the "
             f"transform over w (docs/func.md)")
+
+
+def _paths_in_given_order(layout: Layout) -> dict[str, str]:
+    """`{path: unit}` of a layout's leaves, a flat dict's in the order its keys were given (the
+    order `unflatten` restores, and `gather="eager"`'s dict has): the layout's leaves follow
+    optree's flatten order, which sorts a dict's keys, so a loss iterating `params.values()` to
+    sum over leaves (a DP-SGD clip norm) added them in another order than over the dict it was
+    given, or over `model.named_parameters()`: other bits (found in review of a torch.func user)."""
+    units = {ls.path: ls.unit for ls in layout.leaves}
+    if not is_flat_dict(layout):
+        return units
+    given = unflatten(layout.treespec, [ls.path for ls in layout.leaves])
+    return {path: units[path] for path in given.values()}
 
 
 class LazyParams(Mapping):
