@@ -776,3 +776,90 @@ def test_a_gradient_penalty_over_a_unit_given_an_input_computed_from_another_get
     batch = (torch.randn(6, 8, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 1, 2, 0, 1, 2]))
     got, want, _, _ = _sgd_against_torch(_TwoInputs, _penalised, batch, stage, remat=["blk"], steps=1)
     _assert_same(got, want)
+
+
+class _UnreadOutput(torch.nn.Module):
+    """`blk` returns a second output the loss never reads, `sqrt` of its input where positive:
+    finite, but `sqrt`'s derivative is NaN where the input is negative."""
+
+    class Blk(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+        def forward(self, h):
+            return self.b(torch.tanh(self.a(h))) + h, torch.where(h > 0, h.sqrt(), 0.0)
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp, self.blk, self.head = torch.nn.Linear(d, d), self.Blk(d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        y, _ = self.blk(self.inp(x))
+        return self.head(y)
+
+
+@pytest.mark.parametrize("engine", ["autograd", "func"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_output_the_loss_never_reads_runs_no_backward_as_without_remat(stage, engine):
+    """The checkpointed unit's unread output got a zero gradient (the Function materialised it),
+    and the recompute ran its branch's backward: zero times `sqrt`'s infinite derivative at 0 made
+    the input's gradient NaN, where torch runs no backward there (found in review). Params equal
+    the run without remat, bit for bit, in both engines."""
+    xy = (torch.randn(6, 8, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 1, 2, 0, 1, 2]))
+    mesh = fzero.SimMesh(1)
+
+    def run(remat):
+        torch.manual_seed(0)
+        model = _UnreadOutput()
+        params, apply, info = fzero.from_module(model, units=fzero.units_by_prefix(model, ""), remat=remat)
+
+        def rank_fn():
+            state = fzero.init(params, fzero.optim.sgd(0.1), stage=stage, mesh=mesh, units=info.units)
+            step = fzero.train_step(lambda p, b: _ce(lambda *a: apply(p, *a), b), engine=engine)
+            for _ in range(2):
+                state, _ = step(state, xy)
+            return fzero.gather(state)
+
+        return mesh.run(rank_fn)[0]
+
+    want, got = run(False), run(["blk"])
+    assert all(torch.isfinite(v).all() for v in got.values())
+    _assert_same(got, want)
+
+
+class _Counted(torch.nn.Module):
+    """`blk`'s forward branches on a Python counter: its recompute takes the other branch."""
+
+    class Blk(torch.nn.Module):
+        def __init__(self, d):  # (two layers: the unit's home is this module, whose forward branches)
+            super().__init__()
+            self.a, self.b, self.n = torch.nn.Linear(d, d), torch.nn.Linear(d, d), 0
+
+        def forward(self, h):
+            self.n += 1
+            y = self.b(torch.tanh(self.a(h)))
+            return y + h * h if self.n % 2 else y * 3 + h
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inp, self.blk, self.head = torch.nn.Linear(d, d), self.Blk(d), torch.nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(self.blk(self.inp(x)))
+
+
+def test_a_recompute_that_reads_its_input_another_number_of_times_is_refused():
+    """A forward that runs other ops when recomputed (a Python counter) trained another function's
+    gradients, silently (0.05 off after three steps, found in review; `torch.utils.checkpoint`
+    raises there): the recompute counts the reads of each input and refuses another count, naming
+    the unit (bad-input row 271). A recompute that runs other ops with the same reads is not caught.
+    Without remat the module trains as torch."""
+    with pytest.raises(fzero.ConfigError, match=r"checkpointed unit 'blk' .*recompute in backward read one of its "
+                                                r"inputs 2 time\(s\) where its forward read it 3 time\(s\).*leave "
+                                                r"'blk' out of remat"):
+        _sgd_against_torch(_Counted, _ce, _XY8, 0, remat=["blk"], steps=1)
+    _assert_same(*_sgd_against_torch(_Counted, _ce, _XY8, 0, remat=False, steps=3)[:2])
+
+
+_XY8 = (torch.randn(6, 8, generator=torch.Generator().manual_seed(5)), torch.tensor([0, 1, 2, 0, 1, 2]))

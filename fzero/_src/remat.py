@@ -115,6 +115,7 @@ class _Plan:
     vmapped: tuple[tuple[tuple[int | None, ...], str], ...] = ()  # (in_dims, randomness) per vmap level, inner first
     extra: tuple[int, ...] = ()  # per extra input slot of `_Remat`, the distinct input it repeats (`_uses`)
     ran: tuple[torch.Tensor, ...] | None = None  # the outputs `remat_call` computed, for `_Remat.forward` to return
+    reads: tuple[int, ...] = ()  # per distinct input, the edges of the forward's graph into it (`_run_counting_uses`)
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """`forward(params, *args, **kwargs)` from the distinct tensors the Function takes (one
@@ -226,7 +227,8 @@ class _Remat(torch.autograd.Function):
         ctx.save_for_backward(*distinct)
         if torch.autograd.forward_ad._current_level >= 0:  # forward mode: `jvp` reads the inputs (only
             ctx.save_for_forward(*distinct)  # there: a plain reference, which would keep stage 3's unit gathered)
-        ctx.set_materialize_grads(True)
+        ctx.set_materialize_grads(False)  # (an output the loss never reads gets no gradient, and its branch no
+        # backward, as without remat; found in review: zeros through an unread `sqrt` of it made NaN)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -340,9 +342,10 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
             used[i] = inputs[i].view_as(inputs[i])  # (the run without remat has none)
         floor = _sequence_now()
         outs = plan.call(tuple(used))
-        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         if pairs:
             split = {(used[i].grad_fn, 0): i for i in set(plan.extra) if i in wanted}
+            _check_same_reads(plan, outs, {(used[i].grad_fn, 0): i for i in wanted}, floor)
             with _each_use(outs, split, floor) as parts:  # (with respect to the views the unit read: under
                 # `second` the inputs are the saved tensors themselves, and one computed from another outside the unit
                 # counted that path twice; found in review, a gradient penalty 0.007 off)
@@ -353,10 +356,31 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
             _spread(plan, got, extra, parts)
         return [*got, *extra]
 
-    _, vjp = torch.func.vjp(_with(plan, tensors, wanted), *(tensors[i] for i in wanted))
-    for i, g in zip(wanted, vjp(tuple(grads))):
+    given = [k for k, g in enumerate(grads) if g is not None]  # (the outputs the loss read)
+    if not given:
+        return [*got, *extra]
+    fn = _with(plan, tensors, wanted)
+    _, vjp = torch.func.vjp(lambda *ds: tuple(fn(*ds)[k] for k in given), *(tensors[i] for i in wanted))
+    for i, g in zip(wanted, vjp(tuple(grads[k] for k in given))):
         got[i] = g
     return [*got, *extra]
+
+
+def _check_same_reads(plan: _Plan, outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int],
+                      floor: int) -> None:
+    """`ConfigError` where the recompute's graph reads an input another number of times than the
+    forward's did (`plan.reads`): the forward ran other ops the second time (a Python counter, a
+    `random.random()` branch), so the gradients would be another function's (found in review:
+    0.05 off, silently, where `torch.utils.checkpoint` raises). A recompute that runs other ops with
+    the same reads is not caught here."""
+    for i, reads in _uses(outs, targets, floor).items():
+        if plan.reads and len(reads) != plan.reads[i]:
+            raise ConfigError(
+                f"checkpointed unit {plan.name!r} (from_module(remat=...)): its recompute in backward read one of its "
+                f"inputs {len(reads)} time(s) where its forward read it {plan.reads[i]} time(s), so the recompute ran "
+                f"other ops than the forward. A checkpointed unit's forward must compute the same ops each time it is "
+                f"called (its random numbers and autocast state are replayed; a Python counter, random.random() or "
+                f"other state is not). Make the forward depend on its inputs only, or leave {plan.name!r} out of remat")
 
 
 def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[int]:
@@ -389,6 +413,7 @@ def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[i
     returned = {t for t in plan.ran if isinstance(t, int)}  # (its gradient from that output reaches it through no
     # read: kept whole, one slot; found in review, split it lost that part)
     counts = [1] * len(tensors)
+    plan.reads = tuple(len(edges.get(i, ())) for i in range(len(tensors)))  # (`_check_same_reads`)
     for i, reads in edges.items():
         counts[i] = 1 if i in returned else max(1, len(reads))
     return counts
