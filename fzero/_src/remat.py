@@ -4,7 +4,8 @@
 unit's submodule, with its parameters bound) through one autograd Function, `_Remat`, that
 
 - in forward (outside torch.func transforms run by `remat_call` before the Function is applied,
-  counting how many times the unit reads each input: `_run_counting_uses`) runs `forward` in grad mode (some ops choose their kernel by grad mode or by
+  counting how many times the unit reads each input: `_run_counting_uses`) runs `forward` in
+  grad mode (some ops choose their kernel by grad mode or by
   whether an operand requires grad), its graph dropped when it returns, and saves
   only its inputs: the distinct tensors among `args` / `kwargs` (activations; one passed twice,
   as in `attn(h, h, h)`, is one input, the same object at both places in the recompute) and
@@ -344,11 +345,12 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
         outs = plan.call(tuple(used))
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         if pairs:
-            split = {(used[i].grad_fn, 0): i for i in set(plan.extra) if i in wanted}
-            _check_same_reads(plan, outs, {(used[i].grad_fn, 0): i for i in wanted}, floor)
-            with _each_use(outs, split, floor) as parts:  # (with respect to the views the unit read: under
-                # `second` the inputs are the saved tensors themselves, and one computed from another outside the unit
-                # counted that path twice; found in review, a gradient penalty 0.007 off)
+            reads = _uses(outs, {(used[i].grad_fn, 0): i for i in wanted}, floor)
+            _check_same_reads(plan, reads)
+            # (with respect to the views the unit read: under `second` the inputs are the saved tensors
+            # themselves, and one computed from another outside the unit counted that path twice; found in
+            # review, a gradient penalty 0.007 off)
+            with _each_use({i: reads[i] for i in set(plan.extra) if i in reads}) as parts:
                 found = torch.autograd.grad([o for o, _ in pairs], [used[i] for i in wanted],
                                             [g for _, g in pairs], allow_unused=True, create_graph=second)
             for i, g in zip(wanted, found):
@@ -366,14 +368,13 @@ def _recomputed_grads(plan: _Plan, tensors: tuple[torch.Tensor, ...], grads: tup
     return [*got, *extra]
 
 
-def _check_same_reads(plan: _Plan, outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int],
-                      floor: int) -> None:
-    """`ConfigError` where the recompute's graph reads an input another number of times than the
-    forward's did (`plan.reads`): the forward ran other ops the second time (a Python counter, a
-    `random.random()` branch), so the gradients would be another function's (found in review:
-    0.05 off, silently, where `torch.utils.checkpoint` raises). A recompute that runs other ops with
-    the same reads is not caught here."""
-    for i, reads in _uses(outs, targets, floor).items():
+def _check_same_reads(plan: _Plan, found: dict[int, list[tuple[Any, int]]]) -> None:
+    """`ConfigError` where the recompute's graph reads an input another number of times (`found`,
+    `_uses`) than the forward's did (`plan.reads`): the forward ran other ops the second time (a
+    Python counter, a `random.random()` branch), so the gradients would be another function's
+    (found in review: 0.05 off, silently, where `torch.utils.checkpoint` raises). A recompute that
+    runs other ops with the same reads is not caught here."""
+    for i, reads in found.items():
         if plan.reads and len(reads) != plan.reads[i]:
             raise ConfigError(
                 f"checkpointed unit {plan.name!r} (from_module(remat=...)): its recompute in backward read one of its "
@@ -466,13 +467,13 @@ def _uses(outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int], f
 
 
 @contextlib.contextmanager
-def _each_use(outs: tuple[torch.Tensor, ...], targets: dict[tuple[Any, int], int], floor: int
-              ) -> Iterator[dict[int, list[torch.Tensor | None]]]:
-    """Within: each target input's gradient contributions, one per read, recorded in the order the
-    backward run inside makes them (a hook on each reading node, after it ran)."""
-    parts: dict[int, list[torch.Tensor | None]] = {i: [] for i in targets.values()}
+def _each_use(found: dict[int, list[tuple[Any, int]]]) -> Iterator[dict[int, list[torch.Tensor | None]]]:
+    """Within: each input's gradient contributions, one per read (`found`: its reading nodes and
+    edges, `_uses`), recorded in the order the backward run inside makes them (a hook on each
+    reading node, after it ran)."""
+    parts: dict[int, list[torch.Tensor | None]] = {i: [] for i in found}
     by_node: dict[Any, list[tuple[int, int]]] = {}
-    for i, reads in _uses(outs, targets, floor).items():
+    for i, reads in found.items():
         for node, k in reads:
             by_node.setdefault(node, []).append((k, i))
     handles = []
