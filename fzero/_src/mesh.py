@@ -199,8 +199,8 @@ def _exited_without(what: str, who: str) -> str:
     name = entry_of(what)
     call = _every_rank_calls(name) if name else "this collective, which every rank must call, in the same order"
     return (f"{who} either died (a crash or a kill: see its log): restart the job (every rank: a new torchrun, "
-            f"or torchrun --max-restarts) and resume from fzero.checkpoint.latest(root); or finished its program (returned or exited normally) without calling {call}: "
-            f"make that call on every rank")
+            f"or torchrun --max-restarts) and resume from fzero.checkpoint.latest(root); or finished its program "
+            f"(returned or exited normally) without calling {call}: make that call on every rank")
 
 
 _CLOSED = ("closed", "reset by peer", "broken pipe", "remote process exited", "network error", "end of file")

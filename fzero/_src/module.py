@@ -1444,6 +1444,7 @@ class _Plan(NamedTuple):
         unbound and released in its forward hook.
       checkpointed: `{home submodule: its unit}` for the units in `remat`: the submodule's forward
         runs through `_checkpointed`.
+      remat: those units' names (what `_RUNNING.remat` holds while a call runs).
     """
 
     unit_map: Mapping[str, str]
@@ -1451,6 +1452,7 @@ class _Plan(NamedTuple):
     hooked: dict[nn.Module, tuple[_UnitBinding, ...]]
     checkpointed: dict[nn.Module, _UnitBinding]
     unbound: dict[int, tuple[str, str, nn.Module]]  # id(placeholder) -> (alias, unit, its root): what `_Unbound` names
+    remat: frozenset[str] = frozenset()
 
 
 def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Mapping[str, str],
@@ -1481,7 +1483,8 @@ def _plan(skeleton: nn.Module, aliases: dict[str, tuple[str, ...]], unit_map: Ma
             checkpointed[module] = binding
         else:
             hooked.setdefault(module, []).append(binding)
-    return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed, unbound)
+    return _Plan(unit_map, tuple(root), {m: tuple(u) for m, u in hooked.items()}, checkpointed, unbound,
+                 frozenset(b.unit for b in checkpointed.values()))
 
 
 def _binding(skeleton: nn.Module, alias: str, name: str) -> _Binding:
@@ -1556,7 +1559,7 @@ class _Skeleton:
         outer = (_RUNNING.unbound, _RUNNING.root, _RUNNING.remat)
         _RUNNING.unbound = plan.unbound if outer[0] is None else _merged(outer[0], plan.unbound)
         _RUNNING.root = self.module
-        _RUNNING.remat = frozenset(b.unit for b in plan.checkpointed.values())
+        _RUNNING.remat = plan.remat
         return outer
 
     def leave(self, outer: tuple) -> None:

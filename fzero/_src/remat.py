@@ -214,11 +214,7 @@ class _Remat(torch.autograd.Function):
             return tuple(tensors[t].view_as(tensors[t]) if isinstance(t, int) else t for t in outs)
         given = {id(t) for t in tensors}  # an input returned as it is (a module returning its param):
         # returned as a view, which autograd takes from a Function that saves its inputs (the same values)
-        versions = [t._version for t in tensors]
-        _keep_buffers(plan)
-        with torch.enable_grad():
-            outs = plan.call(tensors)
-        _check_inputs_unwritten(plan, tensors, versions)
+        outs = _run_forward(plan, tensors)
         return tuple(t.view_as(t) if id(t) in given else t.detach() for t in outs)
 
     @staticmethod
@@ -402,12 +398,8 @@ def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[i
     the order the recompute's backward made them (`_each_use`): the engine then adds them one by
     one where the run without remat does."""
     wanted = [i for i, t in enumerate(tensors) if (t.is_floating_point() or t.is_complex()) and t.requires_grad]
-    versions = [t._version for t in tensors]
-    _keep_buffers(plan)
     floor = _sequence_now()
-    with torch.enable_grad():
-        outs = plan.call(tensors)
-    _check_inputs_unwritten(plan, tensors, versions)
+    outs = _run_forward(plan, tensors)
     edges = _uses(outs, {_edge(tensors[i]): i for i in wanted}, floor)
     given = {id(t): i for i, t in enumerate(tensors)}  # an input returned as it is: `_Remat.forward` views it
     plan.ran = tuple(given[id(t)] if id(t) in given else t.detach() for t in outs)
@@ -420,11 +412,18 @@ def _run_counting_uses(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> list[i
     return counts
 
 
-def _keep_buffers(plan: _Plan) -> None:
-    """Every buffer as the forward found it (`_replayed` puts them back for the recompute): some
-    kernels write one without bumping its version (batch_norm's running statistics), and
-    comparing values would wait for the device."""
+def _run_forward(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The unit's forward in grad mode on `tensors`, its outputs (graph attached), after keeping
+    every buffer as the forward found it (`_replayed` puts them back for the recompute: some
+    kernels write one without bumping its version, batch_norm's running statistics, and comparing
+    values would wait for the device); an input the forward wrote in place is refused
+    (`_check_inputs_unwritten`)."""
+    versions = [t._version for t in tensors]
     plan.before.update({i: b.clone() for i, b in enumerate(plan.buffers)})
+    with torch.enable_grad():
+        outs = plan.call(tensors)
+    _check_inputs_unwritten(plan, tensors, versions)
+    return outs
 
 
 _PROBE = torch.empty(0, requires_grad=True)
@@ -494,11 +493,11 @@ def _each_use(found: dict[int, list[tuple[Any, int]]]) -> Iterator[dict[int, lis
 
 def _spread(plan: _Plan, got: list, extra: list, parts: dict[int, list[torch.Tensor | None]]) -> None:
     """Each split input's contributions into its slots (`got[i]` the first, then its places in
-    `extra`, in order); where the recompute read it another number of times than the forward
-    (`_run_counting_uses`), its sum stays in `got[i]` alone."""
+    `extra`, in order; fewer where a reading node ran no backward, `_check_same_reads` having
+    refused a recompute that reads more); where none ran, `got[i]` stays as it is."""
     for i, contributions in parts.items():
         places = [k for k, j in enumerate(plan.extra) if j == i]
-        if len(contributions) > 1 + len(places) or not contributions:
+        if not contributions:
             continue
         slots = [*contributions, *[None] * (1 + len(places) - len(contributions))]
         got[i] = slots[0]
