@@ -33,7 +33,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import ConfigError, as_int
-from .estimate import bare_count
 from .layout import Layout, check_world_size
 from .mesh import Mesh
 from .optim.base import spec_of
@@ -495,11 +494,12 @@ def _bufs(model: Model, world_size: int) -> list[_Buf]:
     if isinstance(model, Layout):
         model.check_world_size(world_size, "world size argument")
         return [_Buf(b.unit, b.padded_numel, b.dtype.itemsize, not b.group.frozen) for b in model.buckets]
-    try:  # a bare count as `estimate` reads it (found in review: 7.5e9 and np.int64 were refused, as "Ψ >= 0")
-        count = int(bare_count(model))
-    except ConfigError:
+    count = as_int(model)  # (found in review: 7.5e9 and np.int64 were refused, as "Ψ >= 0", where estimate takes them)
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ConfigError(f"expected_comm: expected a Layout or a parameter count Ψ (an int, or a whole float such as "
-                          f"7.5e9) >= 0, got {model!r}") from None
+                          f"7.5e9) >= 0, got {model!r}")
     return [_Buf("default", count, 4, True)]
 
 

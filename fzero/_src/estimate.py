@@ -326,9 +326,7 @@ def leaf_bytes(optimizer: str, dtype: torch.dtype, shapes: tuple[tuple[int, ...]
     return sum(t.numel() * t.element_size() for t, kind in zip(state, opt.spec(state)) if kind != "shard")
 
 
-def bare_count(n: Real) -> Fraction:
-    """A bare parameter count Ψ (an int of any integer type, or a whole float such as 7.5e9), exact;
-    `ConfigError` for anything else (`estimate`'s and `accounting.expected_comm`'s reading)."""
+def _count(n: Real) -> Fraction:
     if isinstance(n, bool) or not isinstance(n, Real):
         raise ConfigError(f"expected a parameter count, got {n!r}")
     try:
@@ -365,7 +363,7 @@ def params_of(model: Any) -> Any:
 def _buffers(model: Model, world_size: int, units: UnitSpec, groups: Sequence[ParamGroup], align: int,
              bucket_bytes: int | None = None) -> list[_Buffer]:
     if isinstance(model, Real) and not isinstance(model, bool):
-        psi = bare_count(model)
+        psi = _count(model)
         return [_Buffer(psi, psi / world_size, True, bucket=False)]
     layout = plan(params_of(model), world_size, units=units, groups=groups, align=align, bucket_bytes=bucket_bytes)
     return [_Buffer(Fraction(b.padded_numel), Fraction(b.shard_numel), not b.group.frozen, True, b.dtype,
@@ -674,7 +672,7 @@ def estimate_stages(model: Model, world_size: int, **kwargs: Any) -> tuple[Memor
 def num_params(model: Model) -> int:
     """Ψ: the count itself, or the number of elements of a pytree's / module's parameters (unpadded)."""
     if isinstance(model, Real) and not isinstance(model, bool):
-        return int(bare_count(model))
+        return int(_count(model))
     layout = plan(params_of(model), 1)
     return sum(b.numel for b in layout.buckets)
 
