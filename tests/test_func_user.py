@@ -604,3 +604,20 @@ def test_a_loss_iterates_the_params_in_the_order_they_were_given(stage, gather):
         _dp_loss(lambda p, x: torch.func.functional_call(ref, p, (x,)))(w, b).backward()
         opt.step()
     assert all(torch.equal(got[k], v) for k, v in ref.named_parameters())
+
+
+def test_grad_over_a_whole_state_meets_torchs_integer_refusal_and_over_its_params_works():
+    """docs/func.md: `torch.func.grad` with respect to a whole `ZeroState` meets torch's own
+    refusal (the state's step counter is an integer tensor, which torch.func cannot make require
+    grad; the call is the user's, so fzero cannot word it); with respect to `state.params`, the
+    documented form, it is the derivative of the loss over the flat buffers."""
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init(P, optim.sgd(LR), stage=0, mesh=mesh)
+        with pytest.raises(RuntimeError, match="only Tensors of floating point dtype can require gradients"):
+            torch.func.grad(lambda s: sum(p.square().sum() for p in s.params))(state)
+        return torch.func.grad(lambda ps: sum(p.square().sum() for p in ps))(state.params), state.params
+
+    grads, flats = mesh.run(rank_fn)[0]
+    assert all(torch.equal(g, 2 * f) for g, f in zip(grads, flats, strict=True))
