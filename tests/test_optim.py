@@ -782,6 +782,46 @@ def test_schedules_and_hyper_parameters_take_numpy_scalars():
         fo.adafactor(beta2_decay=np.True_)
 
 
+
+def test_a_numpy_float32_lr_is_read_as_its_python_float_which_torch_is_given_to_compare():
+    """docs/bad-input.md, numpy scalars: fzero reads `np.float32(lr)` and `np.float32(wd)` as
+    their Python floats, so its AdamW takes the bits of `torch.optim.AdamW(lr=float(lr),
+    weight_decay=float(wd))`. (torch keeps the numpy scalar in its group, and under NumPy 2 its
+    Python-side factors, `lr / bias_correction1` and `1 - lr * wd`, are then float32: other bits,
+    1 ulp in some elements, found in review; so the comparison gives torch the floats.)"""
+    np = pytest.importorskip("numpy")
+    lr, wd = np.float32(0.01), np.float32(0.1)
+    g = torch.Generator().manual_seed(3)
+    p0, grads = torch.randn(2000, generator=g), [torch.randn(2000, generator=g) for _ in range(6)]
+    ref = p0.clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([ref], lr=float(lr), weight_decay=float(wd), foreach=False)
+    opt = fo.adamw(lr, weight_decay=wd, impl="single")
+    p, s = p0.clone(), opt.init(p0, 1)
+    ctx = fo.UpdateContext(0, ParamGroup(), (L.Segment(0, 0, 0, 2000),), (0,), (True,))
+    for grad in grads:
+        ref.grad = grad.clone()
+        torch_opt.step()
+        p, s = opt.update(grad, s, p, ctx)
+        assert torch.equal(p, ref.detach())
+
+
+@pytest.mark.parametrize("factory", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("key, value, says", [
+    ("foreach", True, "impl='foreach'"), ("foreach", False, "impl='single'"), ("fused", True, "impl='fused'"),
+    ("differentiable", True, "engine='func', donate=False"), ("capturable", True, "CUDA-graph"),
+    ("decoupled_weight_decay", True, "fzero.optim.adamw")])
+def test_torch_optims_keywords_are_told_fzeros_spelling(factory, key, value, says):
+    """docs/bad-input.md row 272: a keyword of torch.optim's that fzero spells otherwise is a
+    `TypeError` naming the factory, the keyword and fzero's spelling (before: Python's bare
+    "unexpected keyword argument"; found in review of a user porting a torch script). Other
+    unknown keywords keep Python's own error."""
+    with pytest.raises(TypeError, match=rf"fzero.optim.{factory}\(\) takes no {key}= \(torch.optim's keyword, "
+                                         rf"got {key}={value}\): .*{re.escape(says)}"):
+        FACTORIES[factory](0.1, **{key: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        FACTORIES[factory](0.1, bogus=1)
+    assert FACTORIES[factory](0.1, impl="single").lr(0) == 0.1
+
 def test_frozen_group_is_an_error_and_spec():
     opt = fo.adam(1e-3, amsgrad=True)
     p = torch.ones(3)

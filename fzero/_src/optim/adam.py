@@ -30,6 +30,7 @@ from .base import (
     group_lr,
     in_blocks,
     in_place,
+    refuses_torch_only_keywords,
     resolve_impl,
     spliced,
     two_phase,
@@ -263,6 +264,7 @@ def _fused_elementwise(hyper: dict, amsgrad: bool, param: torch.Tensor) -> bool:
     return fused.elementwise(key, launch, 5 if amsgrad else 4, (3, 4) if amsgrad else (3,), param.dtype, param.device)
 
 
+@refuses_torch_only_keywords
 def adam(
     lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -301,6 +303,7 @@ def adam(
     return _adam("adam", lr, betas, eps, weight_decay, amsgrad, maximize, False, impl)
 
 
+@refuses_torch_only_keywords
 def adamw(
     lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),

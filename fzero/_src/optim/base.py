@@ -995,6 +995,34 @@ Impl = Literal["fused", "foreach", "single"]
 IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
 
 
+# torch.optim's keywords with no fzero counterpart of the same name, and what to write instead
+_TORCH_ONLY_KEYWORDS = {
+    "foreach": "torch's implementation is picked with impl=: foreach=True is impl='foreach', "
+               "foreach=False impl='single'",
+    "fused": "torch's implementation is picked with impl=: fused=True is impl='fused'",
+    "differentiable": "a derivative through a step needs no flag: train_step(engine='func', donate=False) "
+                      "differentiates sgd, adam and adamw of every impl (docs/func.md)",
+    "capturable": "fzero has no setting for CUDA-graph capture; torch's kernels are picked with impl=",
+    "decoupled_weight_decay": "AdamW's decoupled weight decay is fzero.optim.adamw",
+}
+
+
+def refuses_torch_only_keywords(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """`factory` (sgd, adam, adamw), where a keyword torch.optim's counterpart takes and fzero
+    spells otherwise (`foreach=`, `fused=`, ...) is a `TypeError` that names fzero's spelling,
+    not Python's bare "unexpected keyword argument" (found in review of a user porting a torch
+    script)."""
+
+    @functools.wraps(factory)
+    def made(*args: Any, **kwargs: Any) -> Any:
+        for key in kwargs.keys() & _TORCH_ONLY_KEYWORDS.keys():
+            raise TypeError(f"fzero.optim.{factory.__name__}() takes no {key}= (torch.optim's keyword, "
+                            f"got {key}={kwargs[key]!r}): {_TORCH_ONLY_KEYWORDS[key]}")
+        return factory(*args, **kwargs)
+
+    return made
+
+
 def check_impl(name: str, impl: Impl | None) -> Impl | None:
     """`impl` if it is one of `IMPLS` or None (the default), else an `OptimizerError` led by
     `name` (the optimizer's)."""

@@ -31,6 +31,7 @@ from .base import (
     group_lr,
     in_blocks,
     in_place,
+    refuses_torch_only_keywords,
     resolve_impl,
     spliced,
     two_phase,
@@ -47,6 +48,7 @@ class SgdMomentumState(NamedTuple):
     momentum_buffer: torch.Tensor
 
 
+@refuses_torch_only_keywords
 def sgd(
     lr: LearningRate,
     momentum: float = 0.0,
