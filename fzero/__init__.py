@@ -41,6 +41,7 @@ from fzero._src.state import ZeroState as ZeroState
 from fzero._src.state import gather as gather
 from fzero._src.state import own_values as own_values
 from fzero._src.state import init as init
+from fzero._src.step import AmbiguousMicroBatches as AmbiguousMicroBatches
 from fzero._src.step import Metrics as Metrics
 from fzero._src.config import StepConfig as StepConfig
 from fzero._src.step import train_step as train_step
@@ -58,6 +59,7 @@ from fzero import optim as optim
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmbiguousMicroBatches",
     "CollectiveMismatch",
     "CollectiveRecord",
     "ConfigError",

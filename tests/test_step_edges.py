@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import weakref
 
 import pytest
@@ -374,12 +375,39 @@ def _fzero_notes(e: BaseException) -> list[str]:
     return [n for n in getattr(e, "__notes__", []) if n.startswith("fzero: ")]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_tuple_of_tensors_given_as_micro_batches_is_warned_and_a_list_is_not(stage):
+    """docs/bad-input.md row 273: a float regression's batch `(x, y)`, x and y float32 [2, 3],
+    passed as it is to a step with `micro_batches=2`, reads as the micro-batches x and y, and a
+    loss that indexes `b[0]`, `b[1]` trains on their rows with no error (found in review of
+    accumulation). The tuple is warned, `AmbiguousMicroBatches`, naming k, the tensors and both
+    ways out; the same tensors in a list (micro-batches said so) are not."""
+    x = torch.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    y = torch.linspace(0.5, 2.0, 6).reshape(2, 3)
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn(batch):
+        state = fzero.init({"w": torch.eye(3)}, optim.sgd(0.1), stage=stage, mesh=mesh)
+        _, metrics = fzero.train_step(lambda p, b: F.mse_loss(b[0] @ p["w"], b[1]), micro_batches=2)(state, batch)
+        return float(metrics.loss)
+
+    with pytest.warns(fzero.AmbiguousMicroBatches, match=re.escape(
+            "micro_batches=2: the step reads this tuple of 2 tensors (float32[2, 3], float32[2, 3]) as 2 "
+            "micro-batches, each a bare tensor the loss is given alone. If it is one batch (x, y), the loss trains "
+            "on x and y as micro-batches: pass [(x0, y0), (x1, y1), ...]. If they are micro-batches, pass them as "
+            "a list (list(x.chunk(2))), which is not warned")):
+        mesh.run(rank_fn, [((x, y),)])
+    mesh.run(rank_fn, [([x, y],)])  # a list: no warning (the suite makes one an error)
+    chunks = mesh.run(rank_fn, [([(x[:1], y[:1]), (x[1:], y[1:])],)])[0]
+    assert chunks == pytest.approx(F.mse_loss(x, y).item(), rel=1e-6)
+
 def test_a_batch_read_as_micro_batches_says_so_on_the_losss_error_and_only_there():
     """`step(state, (x, y))` with micro_batches=2, x and y int64 [3, 4]: the loss's `x, y = mb`
     raises torch's "too many values to unpack" as before, with a note naming micro_batches=2, the
     micro-batch it raised on and what it is, and the form step takes. No note at k = 1, nor on an
-    error of fzero's own class at k = 2."""
-    e = _step_error(2, (_ids(3, 4), _ids(3, 4, seed=1)))
+    error of fzero's own class at k = 2. (The tuple is warned first, row 273.)"""
+    with pytest.warns(fzero.AmbiguousMicroBatches):
+        e = _step_error(2, (_ids(3, 4), _ids(3, 4, seed=1)))
     assert isinstance(e, ValueError) and "too many values to unpack" in str(e), e
     notes = _fzero_notes(e)
     assert len(notes) == 1, getattr(e, "__notes__", None)

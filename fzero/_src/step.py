@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -55,7 +56,7 @@ from .agreement import Report, Verdict, _check_some_leaf_used, agree_launching, 
 from .casting import Reads, Slot
 from .collectives import func_level
 from .config import StepConfig
-from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, said
+from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, outside_stacklevel, said
 from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
@@ -564,7 +565,29 @@ def micro_batches_of(config: StepConfig, state: ZeroState, batch: Any) -> list[A
     if not isinstance(batch, (list, tuple)) or len(batch) != k:
         raise ConfigError(_not_micro_batches(k, batch))
     _check_alike(batch)
+    _warn_tuple_of_tensors(batch)
     return list(batch)
+
+
+class AmbiguousMicroBatches(UserWarning):
+    """A step with `micro_batches=k` was given a tuple of k bare tensors: k micro-batches, or one
+    batch `(x, y)` passed as it is (docs/bad-input.md row 273)."""
+
+
+def _warn_tuple_of_tensors(batch: Sequence[Any]) -> None:
+    """`AmbiguousMicroBatches` where the micro-batches are a tuple of bare tensors: a batch
+    `(x, y)` of one dtype and number of dimensions (a float regression, an autoencoder's `(x, x)`)
+    passed with `micro_batches=2` reads as the micro-batches x and y, and a loss that indexes
+    `b[0]`, `b[1]` (or unpacks a batch of two rows) trained on them with no error (found in review
+    of accumulation). A list says they are micro-batches: it is not warned."""
+    if type(batch) is tuple and all(isinstance(mb, torch.Tensor) for mb in batch):
+        k = len(batch)
+        warnings.warn(AmbiguousMicroBatches(
+            f"micro_batches={k}: the step reads this tuple of {k} tensors ({', '.join(_shown(t) for t in batch[:4])}"
+            f"{', ...' if k > 4 else ''}) as {k} micro-batches, each a bare tensor the loss is given alone. If it is "
+            f"one batch (x, y), the loss trains on x and y as micro-batches: pass [(x0, y0), (x1, y1), ...]. If they "
+            f"are micro-batches, pass them as a list (list(x.chunk({k}))), which is not warned"),
+            stacklevel=outside_stacklevel())
 
 
 def _not_micro_batches(k: int, batch: Any) -> str:
