@@ -32,6 +32,7 @@ from fzero._src.offload import Offload as Offload
 from fzero._src.precision import NoFp32Master as NoFp32Master
 from fzero._src.precision import Precision as Precision
 from fzero._src.scale import DynamicLossScale as DynamicLossScale
+from fzero._src.scale import LossScaleAtFloor as LossScaleAtFloor
 from fzero._src.scale import LossScaleState as LossScaleState
 from fzero._src.scale import StaticLossScale as StaticLossScale
 from fzero._src.stages import STAGES as STAGES
@@ -71,6 +72,7 @@ __all__ = [
     "GroupHoldsNoLeaf",
     "LayoutError",
     "LazyParams",
+    "LossScaleAtFloor",
     "LossScaleError",
     "LossScaleState",
     "Mesh",

@@ -271,6 +271,29 @@ def test_clipping_scales_by_clip_grad_norms_coefficient(stage):
             assert (coef < 1) == (clip == 1.0)  # the drawn limit is active once, inactive once
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_finite_gradient_past_torchs_float32_norm_is_clipped_where_torch_zeroes_it(stage):
+    """README, Clipping; proofs/accumulation.md Claim 5's premise ν < 2^64 (found in review): a
+    finite gradient of 64 elements of 1e20, ‖g‖ = 8e20. torch's float32 sum of squares overflows,
+    `clip_grad_norm_` returns inf and multiplies the gradient by 0 (SGD leaves w); fzero's norm
+    (float32 norms per shard, squares in float64) is 8e20, and the step is the clipped one."""
+    x = torch.full((64,), 1e20)
+    loss = lambda p, b: (p["w"] * b).sum()
+    ref = torch.ones(64, requires_grad=True)
+    loss({"w": ref}, x).backward()
+    assert torch.nn.utils.clip_grad_norm_([ref], 1.0, foreach=False).item() == float("inf")
+    assert torch.equal(ref.grad, torch.zeros(64))
+    mesh = fzero.SimMesh(1)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.ones(64)}, optim.sgd(0.1), stage=stage, mesh=mesh)
+        state, m = fzero.train_step(loss, clip_norm=1.0)(state, x)
+        return fzero.gather(state)["w"], m.grad_norm
+
+    w, norm = mesh.run(rank_fn)[0]
+    assert norm.item() == pytest.approx(8e20, rel=1e-6)
+    assert torch.allclose(w, torch.full((64,), 1.0 - 0.1 / 8), rtol=0, atol=1e-6)
+
 @pytest.mark.parametrize("stage, mode", [(0, "each"), (0, "once"), (1, "each"), (1, "once"), (2, "each"),
                                          (3, "each")])
 def test_recorded_collectives_equal_expected_comm(stage, mode):

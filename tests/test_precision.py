@@ -14,6 +14,7 @@ proofs/precision.md.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -402,6 +403,48 @@ def test_fp16_micro_batch_losses_are_added_in_fp32(scaler):
         fzero.testing.assert_trees_equal(p16, p32)
         assert all(torch.equal(a.grad_norm, b.grad_norm) and torch.equal(a.loss, b.loss) for a, b in zip(m16, m32))
 
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_step_skipped_at_the_scales_floor_warns_and_a_lower_floor_trains(stage):
+    """docs/bad-input.md row 274: under `normalize="tokens"` the fp16 backward carries the scaled
+    token sum (1/T comes after the reduction), so its gradients are T times a mean's. Here T = 1000
+    tokens of 100 a rank: w's fp16 gradient is 100,000·s, past fp16's 65,504 at the default floor
+    s = 1, so every step skipped there, silently (found in review of precision, at 140,000
+    tokens). A step skipped with the scale at its floor now warns `fzero.LossScaleAtFloor`,
+    naming the step, the floor and the way out (a scale halved *to* the floor is not warned);
+    with `min_scale=2**-8` the scale halves to 0.5 and the step trains, unwarned. The mean of
+    the same tokens (gradients of 100·s) trains at once."""
+    mesh = fzero.SimMesh(2)
+
+    def run(normalize, min_scale):
+        def rank_fn():
+            state = fzero.init({"w": torch.full((4, 3), 0.01)}, optim.sgd(1e-6), stage=stage, mesh=mesh,
+                               precision=FP16, loss_scale=fzero.DynamicLossScale(
+                                   init_scale=2.0, hysteresis=1, min_scale=min_scale))
+            x = torch.full((1000, 4), 100.0)
+            out = (lambda p: (x.half() @ p["w"]).float())
+            loss = ((lambda p, b: (out(p).sum(), 1000)) if normalize == "tokens" else
+                    (lambda p, b: out(p).sum() / 1000))
+            step = fzero.train_step(loss, normalize=normalize)
+            seen = []
+            for _ in range(3):
+                state, m = step(state, None)
+                seen.append((m.loss_scale, m.skipped))
+            return seen
+        return mesh.run(rank_fn)[0]
+
+    assert run("mean", 1.0) == [(2.0, False)] * 3
+    words = ("step 0 (state.step, which a skipped step does not advance): the gradients overflowed with the loss "
+             "scale at its floor, min_scale=1.0: the step is skipped and the scale stays (DynamicLossScale(raise_at_min=False)). Where every step skips, the scale the "
+             "gradients need lies below the floor: lower min_scale (DynamicLossScale(min_scale=2.0**-k); under "
+             "normalize='tokens' the backward carries the scaled token sum, so the scale it needs is about T times "
+             "lower than a mean's, T the tokens a rank sums), or set raise_at_min=True to stop there, or find what "
+             "makes the gradients non-finite")
+    with pytest.warns(fzero.LossScaleAtFloor, match=re.escape(words)) as caught:
+        assert run("tokens", 1.0) == [(2.0, True), (1.0, True), (1.0, True)]
+    assert [str(w.message) for w in caught] == [words] * 4  # steps 1 and 2, on each rank
+    assert run("tokens", 2.0**-8) == [(2.0, True), (1.0, True), (0.5, False)]
 
 def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():
     """A NaN loss on rank 1 at every step is an overflow to the scaler: with `raise_at_min` the

@@ -44,6 +44,12 @@ FACTOR = 2.0
 LossScaleConfigError = ConfigError  # a loss scaler's setting, or the `overflow` given to `update`
 
 
+class LossScaleAtFloor(UserWarning):
+    """A step under a `DynamicLossScale` (`raise_at_min=False`) skipped an overflow with the scale
+    at its floor, `min_scale`: where every step skips there, the scale the gradients need lies
+    below the floor (docs/bad-input.md row 274)."""
+
+
 class LossScaleState(NamedTuple):
     """A loss scaler's state: 0-d CPU tensors only, so a pytree map never sees a setting.
 
@@ -270,6 +276,21 @@ class DynamicLossScale:
                 hyst = self.hysteresis  # DeepSpeed: "if not consecutive", a no-op otherwise
                 scale *= FACTOR
         return _state(scale, hyst, i + 1, last)
+
+
+def at_floor_words(step: int, floor: float) -> str:
+    """`LossScaleAtFloor`'s message: a step skipped with the scale at its floor. The likely cause
+    where every step skips: a loss whose gradients exceed fp16's range at the floor, as under
+    `normalize="tokens"`, whose backward carries the scaled token sum (1/T comes after the
+    reduction), so the scale it needs is about T times a mean's (found in review of precision: at
+    140,000 tokens a rank every step skipped at the default floor, silently)."""
+    return (f"step {step} (state.step, which a skipped step does not advance): the gradients overflowed with the loss "
+            f"scale at its floor, min_scale={floor!r}: the "
+            f"step is skipped and the scale stays (DynamicLossScale(raise_at_min=False)). Where every "
+            f"step skips, the scale the gradients need lies below the floor: lower min_scale "
+            f"(DynamicLossScale(min_scale=2.0**-k); under normalize='tokens' the backward carries the scaled token "
+            f"sum, so the scale it needs is about T times lower than a mean's, T the tokens a rank sums), "
+            f"or set raise_at_min=True to stop there, or find what makes the gradients non-finite")
 
 
 LossScale = Union[StaticLossScale, DynamicLossScale]
