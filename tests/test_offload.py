@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 
 import pytest
@@ -412,6 +413,37 @@ def test_nvme_state_holds_stand_ins_and_its_checkpoint_loads_anywhere(tmp_path, 
             assert_equal_leaves(pa, pb_, "after load")
             assert torch.equal(la, lb)
 
+
+def test_a_load_whose_second_set_of_swap_files_does_not_fit_says_so_and_leaves_the_target(tmp_path, monkeypatch):
+    """docs/offload.md: a load into an NVMe target makes fresh swap files beside the target's own.
+    Where the disk cannot hold both, the `OffloadError` names the load, the checkpoint, the two
+    sets and the way out, and the target still steps (found in review of offload: `init`'s words
+    alone, on a disk that held the run's files)."""
+    import shutil
+
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(1)
+    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))
+    real = shutil.disk_usage
+
+    def rank_fn():
+        state = fzero.init(tree, optim.adamw(1e-2), stage=1, mesh=mesh, offload=nvme)
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(state, torch.tensor(1.0))
+        path = fzero.checkpoint.save(state, tmp_path / "ckpt")
+        monkeypatch.setattr(shutil, "disk_usage", lambda d: real(d)._replace(free=100))
+        with pytest.raises(fzero.OffloadError, match=(
+                rf"{re.escape(str(path))}.*: a load into an NVMe target makes it a fresh set of swap files while the "
+                r"target's own still hold its state \(twice the files on the disk for the load.*has 100 bytes free, "
+                r"the swap files need \d+ bytes.*Nothing was loaded and the target is as it was; free room for a "
+                r"second set, or load into a state made by fzero.init with an nvme_path on another disk")):
+            fzero.checkpoint.load(path, state)
+        monkeypatch.setattr(shutil, "disk_usage", real)
+        state, m = step(state, torch.tensor(2.0))
+        return int(state.step)
+
+    assert mesh.run(rank_fn) == [2]
 
 def test_nvme_master_lives_in_its_file_and_readers_read_it_there(tmp_path):
     """With optimizer="nvme" each trainable bucket's master shard is a swap file: the state holds

@@ -96,7 +96,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .collectives import broadcast, gather_rows, gather_texts
-from .errors import FzeroError, MeshError, as_int, outside_stacklevel
+from .errors import FzeroError, MeshError, OffloadError, as_int, outside_stacklevel
 from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, HeldInterrupts, Mesh
@@ -2098,6 +2098,21 @@ def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted
     return _Wanted(ranges, buffers, scalars, rng)
 
 
+def _renewed(target: Any, shown: str) -> Any:
+    """The target's info with fresh NVMe swap files (`StateInfo.renewed`), or, where the disk
+    cannot hold them beside the target's own, an `OffloadError` that says the load needs both sets
+    (found in review of offload: a resume on the disk the run trained on got `init`'s words, which
+    named neither the load nor the target's files)."""
+    try:
+        return target.info.renewed()
+    except OffloadError as e:
+        raise OffloadError(f"{shown}: a load into an NVMe target makes it a fresh set of swap files while the target's "
+                           f"own still hold its state (twice the files on the disk for the load; the target's are "
+                           f"removed when it is dropped): {e}. Nothing was loaded and the target is as it was; free "
+                           f"room for a second set, or load into a state made by fzero.init with an nvme_path on "
+                           f"another disk") from None
+
+
 def _held(target: ZeroState, w: _Wanted, info: Any) -> tuple[tuple, tuple, tuple]:
     """`(params, master, opt_state)` from the filled buffers, held as `fzero.init` holds them."""
     layout, stage, rank = target.layout, target.stage, target.rank
@@ -2220,7 +2235,7 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         _agree(mesh, "fzero.checkpoint/checked", error, key, shown, failed=unfit, same=_same_checkpoint,
                differ=different)
         _dcp_load(path, metadata, w.ranges, items, mesh)
-        info = target.info.renewed()  # NVMe: fresh swap files, so the target's stay as they are
+        info = _renewed(target, shown)  # NVMe: fresh swap files, so the target's stay as they are
         params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)

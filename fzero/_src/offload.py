@@ -491,6 +491,15 @@ class NvmeTier(HostTier):
             return torch.empty(x.shape, dtype=dtype, pin_memory=self.pin).copy_(x)
         return x.clone()
 
+    def _write(self, name: str, x: torch.Tensor) -> None:
+        """Write `x` to file `name`, which from here on holds no state's values until `_hold` names
+        the state it holds now: a state that held them is refused by `check_holds`, so an
+        interrupt between the write and its `_hold` (or between two fields' writes) cannot leave
+        the input state passing with files that hold part of the next step (found in review: a
+        retried step then trained on a mix of new `exp_avg` and old `exp_avg_sq`, silently)."""
+        self.held.pop(name, None)
+        self.files.write(name, x)
+
     def _hold(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """The stand-in of `x` for the state whose values file `name` now holds (`check_holds`)."""
         self.held[name] = out = stand_in(x)
@@ -537,7 +546,7 @@ class NvmeTier(HostTier):
 
     def restore(self, b: int, opt_state: Any) -> Any:
         for k, name in self.fields[b]:
-            self.files.write(name, opt_state[k])
+            self._write(name, opt_state[k])
         self.files.flush()
         on_file = {k for k, _ in self.fields[b]}
         kept = type(opt_state)(*(x if k in on_file else self.pinned(x) for k, x in enumerate(opt_state)))
@@ -557,7 +566,7 @@ class NvmeTier(HostTier):
 
     def store(self, b: int, opt_state: Any) -> Any:
         for k, name in self.fields[b]:
-            self.files.write(name, opt_state[k])  # copies first: the read buffer may be the tensor
+            self._write(name, opt_state[k])  # copies first: the read buffer may be the tensor
             self.files.release(name)
         return self._stand_in(b, opt_state)
 
@@ -569,7 +578,7 @@ class NvmeTier(HostTier):
         return type(opt_state)(*values)
 
     def keep_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
-        self.files.write(self.masters[b], master)
+        self._write(self.masters[b], master)
         self.files.flush()
         return self._hold(self.masters[b], master)
 
@@ -577,7 +586,7 @@ class NvmeTier(HostTier):
         return self.files.read(self.masters[b]).view(master.shape)
 
     def store_master(self, b: int, master: torch.Tensor) -> torch.Tensor:
-        self.files.write(self.masters[b], master)  # copies first: `master` is the read buffer
+        self._write(self.masters[b], master)  # copies first: `master` is the read buffer
         self.files.release(self.masters[b])
         return self._hold(self.masters[b], master)
 
@@ -589,14 +598,14 @@ class NvmeTier(HostTier):
     def keep_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
         if b not in self.shards:
             return shard
-        self.files.write(self.shards[b], shard)
+        self._write(self.shards[b], shard)
         self.files.flush()
         return self._hold(self.shards[b], shard)
 
     def store_params(self, b: int, shard: torch.Tensor) -> torch.Tensor:
         if b not in self.shards:
             return shard
-        self.files.write(self.shards[b], shard)  # copies into a staging buffer: `shard` may go
+        self._write(self.shards[b], shard)  # copies into a staging buffer: `shard` may go
         return self._hold(self.shards[b], shard)
 
     def start_shard(self, tag: str) -> "Loading":
