@@ -12,8 +12,9 @@ count the old one, its first bucket at the next step's values -- accepted by `ga
 from mixed values. NVMe refused it already, through its swap files (`NvmeTier.check_holds`,
 `OffloadError`), and still does.
 
-Every test runs on a `SimMesh(2)`, both ranks interrupted alike (a Ctrl-C reaches every rank of
-a torchrun job), over two trainable buckets ("a" and "c")."""
+Every test runs on a `SimMesh(2)` (the NVMe interrupt sweep on a `SimMesh(1)`), both ranks
+interrupted alike (a Ctrl-C reaches every rank of a torchrun job), over two trainable buckets
+("a" and "c")."""
 
 import sys
 import threading

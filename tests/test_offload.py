@@ -445,6 +445,41 @@ def test_a_load_whose_second_set_of_swap_files_does_not_fit_says_so_and_leaves_t
 
     assert mesh.run(rank_fn) == [2]
 
+
+def test_a_load_that_has_no_room_on_one_rank_raises_on_every_rank_and_each_steps_on(tmp_path, monkeypatch):
+    """`load`'s errors come on every rank or on none: the second set of swap files is made among the
+    checks the ranks agree on. Rank 1's disk has no room (ranks of one node share a disk that has room
+    for some second sets): rank 1 raises the `OffloadError`, rank 0 a `CheckpointError` naming rank 1's,
+    and both targets step on together (found in review: rank 0 loaded, and its next step met
+    `RankFailed`)."""
+    import shutil
+
+    tree = {"a": torch.randn(5, 3), "b": torch.randn(7)}
+    loss = lambda p, x: torch.tanh(p["a"] * x).sum() + (p["b"] * x).square().sum()  # noqa: E731
+    mesh = fzero.SimMesh(2)
+    nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))
+    real, full = shutil.disk_usage, threading.local()
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: real(d)._replace(free=100) if getattr(full, "on", 0) else real(d))
+
+    def rank_fn():
+        state = fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, offload=nvme)
+        step = fzero.train_step(loss, donate=True)
+        state, _ = step(state, torch.tensor(1.0))
+        path = fzero.checkpoint.save(state, tmp_path / "ckpt")
+        full.on = mesh.rank == 1
+        try:
+            fzero.checkpoint.load(path, state)
+        except fzero.FzeroError as e:
+            raised = type(e).__name__, str(e)
+        full.on = False
+        state, _ = step(state, torch.tensor(2.0))
+        return raised, int(state.step)
+
+    got = mesh.run(rank_fn)
+    assert [(kind, n) for (kind, _), n in got] == [("CheckpointError", 2), ("OffloadError", 2)], got
+    assert "a load into an NVMe target makes it a fresh set of swap files" in got[1][0][1], got[1][0][1]
+    assert "rank 1: " in got[0][0][1] and "has 100 bytes free" in got[0][0][1], got[0][0][1]
+
 def test_nvme_master_lives_in_its_file_and_readers_read_it_there(tmp_path):
     """With optimizer="nvme" each trainable bucket's master shard is a swap file: the state holds
     a stand-in (zeros, stride 0, no memory; `held_bytes` puts its bytes in the "nvme" tier, none in

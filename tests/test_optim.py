@@ -815,7 +815,7 @@ def test_torch_optims_keywords_are_told_fzeros_spelling(factory, key, value, say
     `TypeError` naming the factory, the keyword and fzero's spelling (before: Python's bare
     "unexpected keyword argument"; found in review of a user porting a torch script). Other
     unknown keywords keep Python's own error."""
-    with pytest.raises(TypeError, match=rf"fzero.optim.{factory}\(\) takes no {key}= \(torch.optim's keyword, "
+    with pytest.raises(TypeError, match=rf"fzero.optim.{factory}\(\) takes no {key}= \(a torch.optim keyword, "
                                          rf"got {key}={value}\): .*{re.escape(says)}"):
         FACTORIES[factory](0.1, **{key: value})
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):

@@ -438,13 +438,24 @@ def test_a_step_skipped_at_the_scales_floor_warns_and_a_lower_floor_trains(stage
     words = ("step 0 (state.step, which a skipped step does not advance): the gradients overflowed with the loss "
              "scale at its floor, min_scale=1.0: the step is skipped and the scale stays (DynamicLossScale(raise_at_min=False)). Where every step skips, the scale the "
              "gradients need lies below the floor: lower min_scale (DynamicLossScale(min_scale=2.0**-k); under "
-             "normalize='tokens' the backward carries the scaled token sum, so the scale it needs is about T times "
-             "lower than a mean's, T the tokens a rank sums), or set raise_at_min=True to stop there, or find what "
-             "makes the gradients non-finite")
+             "normalize='tokens' each micro-batch's backward carries its scaled token sum, so the scale it needs is "
+             "about T times lower than a mean's, T the count the loss returns for one micro-batch), or set "
+             "raise_at_min=True to stop there, or find what makes the gradients non-finite")
     with pytest.warns(fzero.LossScaleAtFloor, match=re.escape(words)) as caught:
         assert run("tokens", 1.0) == [(2.0, True), (1.0, True), (1.0, True)]
     assert [str(w.message) for w in caught] == [words] * 4  # steps 1 and 2, on each rank
     assert run("tokens", 2.0**-8) == [(2.0, True), (1.0, True), (0.5, False)]
+
+    def raising_at_floor():  # raise_at_min=True: its first skip at the floor (hysteresis left) is not warned
+        state = fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=stage, mesh=mesh, precision=FP16,
+                           loss_scale=fzero.DynamicLossScale(init_scale=1.0, hysteresis=2, raise_at_min=True))
+        step = fzero.train_step(lambda p, b: (p["w"] * b).sum())
+        state, m = step(state, torch.full((3,), float("nan")))
+        with pytest.raises(fzero.LossScaleError, match="min_scale=1.0 and no hysteresis left"):
+            step(state, torch.full((3,), float("nan")))
+        return m.skipped
+
+    assert mesh.run(raising_at_floor) == [True, True]  # the suite makes a warning an error
 
 def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():
     """A NaN loss on rank 1 at every step is an overflow to the scaler: with `raise_at_min` the

@@ -101,6 +101,7 @@ from .estimate import short_name
 from .layout import Layout, LeafSpec
 from .mesh import DistMesh, HeldInterrupts, Mesh
 from .module import aliased, buffers_written
+from .nvme import NoRoom
 from .originals import tied_names
 from .offload import place, place_opt_state
 from .optim.base import FACTORED, IMPLS, check_hyper, field_shapes, leaf_blocks, spec_of
@@ -2100,12 +2101,14 @@ def _wanted(target: ZeroState, metadata: Metadata, restore_rng: bool) -> _Wanted
 
 def _renewed(target: Any, shown: str) -> Any:
     """The target's info with fresh NVMe swap files (`StateInfo.renewed`), or, where the disk
-    cannot hold them beside the target's own, an `OffloadError` that says the load needs both sets
-    (found in review of offload: a resume on the disk the run trained on got `init`'s words, which
-    named neither the load nor the target's files)."""
+    cannot hold them beside the target's own (`nvme.NoRoom`), an `OffloadError` that says the load
+    needs both sets (found in review of offload: a resume on the disk the run trained on got
+    `init`'s words, which named neither the load nor the target's files). Made among the checks
+    the ranks agree on, so that it raises on every rank or on none (found in review: a rank whose
+    disk had room loaded, and its next step met `RankFailed`)."""
     try:
         return target.info.renewed()
-    except OffloadError as e:
+    except NoRoom as e:
         raise OffloadError(f"{shown}: a load into an NVMe target makes it a fresh set of swap files while the target's "
                            f"own still hold its state (twice the files on the disk for the load; the target's are "
                            f"removed when it is dropped): {e}. Nothing was loaded and the target is as it was; free "
@@ -2213,9 +2216,11 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         # every rank reaches this: each file read is hashed by one rank of those reading its copy
         shares = _hash_shares(gather_texts(mesh, "" if error is not None else reads, "fzero.checkpoint/reads"),
                               mesh.rank)
+        info = None
         if error is None:
             try:
                 check_files(path, manifest, only=shares)
+                info = _renewed(target, shown)  # NVMe: fresh swap files, so the target's stay as they are
             except Exception as e:  # noqa: BLE001 - agreed on first, then raised (_agree)
                 error = e
 
@@ -2235,7 +2240,6 @@ def load(path: str | os.PathLike, target: ZeroState, *, restore_rng: bool = True
         _agree(mesh, "fzero.checkpoint/checked", error, key, shown, failed=unfit, same=_same_checkpoint,
                differ=different)
         _dcp_load(path, metadata, w.ranges, items, mesh)
-        info = _renewed(target, shown)  # NVMe: fresh swap files, so the target's stay as they are
         params, master, opt_state = _held(target, w, info)
         if w.rng:
             _set_rng_states(mesh, w.rng)

@@ -103,10 +103,15 @@ def _preflight(directory: str, needed: int) -> None:
         raise OffloadError(f"NVMe offload: {directory!r} is not writable (the swap files need {needed} bytes); {way_out}")
     free = shutil.disk_usage(directory).free
     if free < needed:
-        raise OffloadError(
+        raise NoRoom(
             f"NVMe offload: {directory!r} has {free} bytes free, the swap files need {needed} bytes "
             f"({needed - free} more); {way_out}"
         )
+
+
+class NoRoom(OffloadError):
+    """The disk has no room for the swap files (too few bytes free, or ENOSPC while reserving
+    them): the one cause a load's second set of files adds (`checkpoint._renewed`)."""
 
 
 def _reserve(path: str, nbytes: int) -> None:
@@ -250,7 +255,7 @@ class SwapFiles:
             if direct and e.errno == errno.EINVAL:
                 raise OffloadError(f"NVMe offload: the filesystem of {directory!r} refuses O_DIRECT; put nvme_path on "
                                    f"a disk's filesystem (ext4, xfs), or pass direct=False (through the page cache)") from e
-            raise OffloadError(
+            raise (NoRoom if e.errno == errno.ENOSPC else OffloadError)(
                 f"NVMe offload: cannot reserve {sum(stored.values())} bytes of swap files in {directory!r}: "
                 f"{_describe(e)}; free space or point nvme_path at a larger disk"
             ) from e

@@ -532,9 +532,9 @@ class NvmeTier(HostTier):
                 if self.interrupted:  # found in review: the message blamed a copy after a failed write
                     raise OffloadError(
                         f"this state's step raised while its NVMe tier was updating it ({self.interrupted['error']}), "
-                        f"after some swap files (bucket {b}, {paths[:4]}{' ...' if len(paths) > 4 else ''}: "
-                        f"{self.files.entries[name].path!r}) were rewritten with the next step's values: the state "
-                        f"is lost. Restore it from a checkpoint: fzero.checkpoint.load(path, state) takes this "
+                        f"after it began rewriting its swap files (bucket {b}, {paths[:4]}"
+                        f"{' ...' if len(paths) > 4 else ''}: {self.files.entries[name].path!r}), which may hold part "
+                        f"of the next step's values: the state is lost. Restore it from a checkpoint: fzero.checkpoint.load(path, state) takes this "
                         f"state as its target")
                 raise OffloadError(
                     f"this state's {what} of bucket {b} ({paths[:4]}{' ...' if len(paths) > 4 else ''}) is not the "

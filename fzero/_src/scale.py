@@ -281,16 +281,17 @@ class DynamicLossScale:
 def at_floor_words(step: int, floor: float) -> str:
     """`LossScaleAtFloor`'s message: a step skipped with the scale at its floor. The likely cause
     where every step skips: a loss whose gradients exceed fp16's range at the floor, as under
-    `normalize="tokens"`, whose backward carries the scaled token sum (1/T comes after the
-    reduction), so the scale it needs is about T times a mean's (found in review of precision: at
-    140,000 tokens a rank every step skipped at the default floor, silently)."""
+    `normalize="tokens"`, whose backward carries each micro-batch's scaled token sum (1/T comes
+    after the reduction), so the scale it needs is about T times lower than a mean's, T the count
+    of one micro-batch (found in review of precision: at 140,000 tokens a rank every step skipped
+    at the default floor, silently)."""
     return (f"step {step} (state.step, which a skipped step does not advance): the gradients overflowed with the loss "
-            f"scale at its floor, min_scale={floor!r}: the "
-            f"step is skipped and the scale stays (DynamicLossScale(raise_at_min=False)). Where every "
-            f"step skips, the scale the gradients need lies below the floor: lower min_scale "
-            f"(DynamicLossScale(min_scale=2.0**-k); under normalize='tokens' the backward carries the scaled token "
-            f"sum, so the scale it needs is about T times lower than a mean's, T the tokens a rank sums), "
-            f"or set raise_at_min=True to stop there, or find what makes the gradients non-finite")
+            f"scale at its floor, min_scale={floor!r}: the step is skipped and the scale stays "
+            f"(DynamicLossScale(raise_at_min=False)). Where every step skips, the scale the gradients need lies below "
+            f"the floor: lower min_scale (DynamicLossScale(min_scale=2.0**-k); under normalize='tokens' each "
+            f"micro-batch's backward carries its scaled token sum, so the scale it needs is about T times lower than "
+            f"a mean's, T the count the loss returns for one micro-batch), or set raise_at_min=True to stop there, "
+            f"or find what makes the gradients non-finite")
 
 
 LossScale = Union[StaticLossScale, DynamicLossScale]

@@ -544,10 +544,10 @@ def _scaler_update(scaler: Any, state: ZeroState, verdict: Verdict, step: int) -
 
 def _warn_at_floor(scaler: Any, s: float, step: int) -> None:
     """`LossScaleAtFloor` where a dynamic scaler's step skipped an overflow with the scale at its
-    floor (not raising there: `raise_at_min=False`, the default), which otherwise skips every step
+    floor where it does not raise there (`raise_at_min=False`, the default), which otherwise skips every step
     of a run whose gradients need a lower scale, with `metrics.skipped` the only sign (found in
     review: `normalize="tokens"` at 140,000 tokens a rank under fp16)."""
-    if s == getattr(scaler, "min_scale", None):
+    if s == getattr(scaler, "min_scale", None) and not scaler.raise_at_min:
         warnings.warn(LossScaleAtFloor(at_floor_words(step, s)), stacklevel=outside_stacklevel())
 
 

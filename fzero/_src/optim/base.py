@@ -995,15 +995,17 @@ Impl = Literal["fused", "foreach", "single"]
 IMPLS: tuple[Impl, ...] = ("fused", "foreach", "single")
 
 
-# torch.optim's keywords with no fzero counterpart of the same name, and what to write instead
+# torch.optim keywords with no fzero counterpart of the same name, and what to write instead
 _TORCH_ONLY_KEYWORDS = {
     "foreach": "torch's implementation is picked with impl=: foreach=True is impl='foreach', "
-               "foreach=False impl='single'",
-    "fused": "torch's implementation is picked with impl=: fused=True is impl='fused'",
+               "foreach=False impl='single', and impl left out is torch's default choice",
+    "fused": "torch's implementation is picked with impl=: fused=True is impl='fused', and impl left out is "
+             "torch's default choice",
     "differentiable": "a derivative through a step needs no flag: train_step(engine='func', donate=False) "
                       "differentiates sgd, adam and adamw of every impl (docs/func.md)",
     "capturable": "fzero has no setting for CUDA-graph capture; torch's kernels are picked with impl=",
-    "decoupled_weight_decay": "AdamW's decoupled weight decay is fzero.optim.adamw",
+    "decoupled_weight_decay": "Adam's decoupled weight decay is fzero.optim.adamw, given the same weight_decay "
+                              "(adamw's default is 0.01, adam's 0)",
 }
 
 
@@ -1016,7 +1018,7 @@ def refuses_torch_only_keywords(factory: Callable[..., Any]) -> Callable[..., An
     @functools.wraps(factory)
     def made(*args: Any, **kwargs: Any) -> Any:
         for key in kwargs.keys() & _TORCH_ONLY_KEYWORDS.keys():
-            raise TypeError(f"fzero.optim.{factory.__name__}() takes no {key}= (torch.optim's keyword, "
+            raise TypeError(f"fzero.optim.{factory.__name__}() takes no {key}= (a torch.optim keyword, "
                             f"got {key}={kwargs[key]!r}): {_TORCH_ONLY_KEYWORDS[key]}")
         return factory(*args, **kwargs)
 
