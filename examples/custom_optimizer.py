@@ -41,6 +41,7 @@ N = 3 ranks' shards of a small pytree, one leaf unused.
 Run:  python examples/custom_optimizer.py
 """
 
+import argparse
 from typing import NamedTuple
 
 import torch
@@ -79,6 +80,7 @@ def signum(lr=1e-3, beta: float = 0.9) -> fo.Optimizer:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; --help says so
     gen = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 5, generator=gen), "b": torch.randn(5, generator=gen), "s": torch.randn((), generator=gen)}
     grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}

@@ -65,6 +65,11 @@ def main() -> None:
     ap.add_argument("--world-size", type=int, default=2, help="SimMesh ranks (ignored under torchrun)")
     ap.add_argument("--plot", help="save the loss and loss-scale curves to this PNG (needs matplotlib)")
     args = ap.parse_args()
+    if args.plot:  # before training: matplotlib is not an fzero dependency (the [plot] and [test] extras bring it)
+        try:
+            import matplotlib
+        except ImportError:
+            ap.error("--plot needs matplotlib, which is not installed: pip install 'fzero[plot]'")
 
     mesh = fzero.DistMesh() if "RANK" in os.environ else fzero.SimMesh(args.world_size)
     first = not isinstance(mesh, fzero.DistMesh) or mesh.rank == 0
@@ -84,8 +89,6 @@ def main() -> None:
               f"{losses[-1]:.4f}; scales {min(c[1] for c in curves[0]):g}..{max(c[1] for c in curves[0]):g}")
         print("stage 3 equals stage 0 at every step (loss, loss scale, skips)")
     if args.plot and first:
-        import matplotlib
-
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

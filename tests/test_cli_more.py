@@ -104,6 +104,26 @@ def test_a_module_fzero_cannot_lay_out_and_a_bad_gpt2_config_are_usage_errors(tm
                  "ValueError")
 
 
+def test_a_gpt2_config_of_another_model_is_refused_and_keys_gpt2_does_not_read_are_named(tmp_path, capsys):
+    """`--config` builds `GPT2Config(**json)`, which keeps any key: a typo (`n_layers`) estimated a
+    12-layer default and a Llama config a GPT-2 of its sizes, exit 0 and no word (found in review of
+    a new user). Another `model_type` is a usage error naming the way out; unread keys are named
+    on stderr; a saved GPT-2 config's own extra keys (`n_ctx`, `torch_dtype`) are not."""
+    pytest.importorskip("transformers")
+    llama = tmp_path / "llama.json"
+    llama.write_text('{"model_type": "llama", "hidden_size": 64}')
+    _usage_error(capsys, ["estimate", "--config", str(llama), "-n", "2"],
+                 f"--config {llama}: model_type 'llama'; --config builds a GPT-2 only", "--module PKG.MOD:FACTORY")
+    typo = tmp_path / "typo.json"
+    typo.write_text('{"n_layers": 2, "n_embd": 64, "n_head": 4}')
+    assert main(["estimate", "--config", str(typo), "-n", "2"]) == 0
+    assert f"warning: --config {typo}: GPT-2 does not read ['n_layers']" in capsys.readouterr().err
+    saved = tmp_path / "saved.json"
+    saved.write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_ctx": 1024, '
+                     '"torch_dtype": "float32", "architectures": ["GPT2LMHeadModel"]}')
+    assert main(["estimate", "--config", str(saved), "-n", "2"]) == 0
+    assert capsys.readouterr().err == ""
+
 def test_plot_to_a_missing_folder(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = str(tmp_path / "missing" / "p.png")
@@ -172,6 +192,17 @@ def checkpoint(tmp_path):
     mesh.run(rank)
     return fzero.checkpoint.latest(str(root))
 
+
+def test_inspect_and_export_of_a_root_name_the_checkpoint_written_last(checkpoint, tmp_path, capsys):
+    """A root passed where a checkpoint goes (DeepSpeed's `load_checkpoint(dir)` takes one) names
+    the checkpoint `latest(root)` finds, for a shell user; a folder without checkpoints keeps the
+    words on a save that crashed (found in review of a new user: both told to call a Python function)."""
+    root = os.path.dirname(checkpoint)
+    for argv in (["inspect", root], ["export", root, str(tmp_path / "out.safetensors")]):
+        _usage_error(capsys, argv, f"{root!r} is not a complete fzero checkpoint: it is a checkpoint root, which holds "
+                                   f"1 complete checkpoint(s); the one written last, fzero.checkpoint.latest(root), is "
+                                   f"{checkpoint!r}")
+    _usage_error(capsys, ["inspect", str(tmp_path)], "a save that crashed leaves a .tmp-step-* folder")
 
 @pytest.mark.parametrize("dtype", ["foo", "int8"])
 def test_export_dtype_is_a_usage_error(capsys, tmp_path, dtype):

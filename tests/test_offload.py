@@ -209,6 +209,8 @@ def test_tensors_live_where_offload_says():
                                            r"params='cpu'"),
     (dict(params="nvme", optimizer="cpu", nvme_path="/tmp"), r"params='nvme'.*optimizer='nvme'"),
     (dict(params="cpu"), "offload the optimizer too"),
+    (dict(params="nvme"), r"params='nvme'.*use Offload\(optimizer='nvme', params='nvme', nvme_path=.*got "
+                          r"optimizer=None"),  # (found in review: it named optimizer='cpu', itself refused)
     (dict(optimizer="nvme"), "needs nvme_path"),
     (dict(optimizer="cpu", nvme_path="/tmp"), "read only with optimizer='nvme'"),
     (dict(optimizer="cpu", ratio=0.0), r"ratio must be a float in \(0, 1\]"),

@@ -1227,6 +1227,20 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return _read_manifest(_checkpoint_path(path))[0]
 
 
+def _root_words(path: str) -> str:
+    """The way out for a folder with no manifest: where it is a root that holds checkpoints, the
+    one `latest` names (a shell user of `fzero inspect ROOT` was told to call a Python function;
+    found in review of a new user), else the words on a save that crashed."""
+    try:
+        found = _found(path) if os.path.isdir(path) else []
+    except Exception:  # noqa: BLE001 - only the words of an error already raised
+        found = []
+    if found:
+        return (f": it is a checkpoint root, which holds {len(found)} complete checkpoint(s); the one written last, "
+                f"fzero.checkpoint.latest(root), is {found[-1][2]!r}")
+    return " (a save that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))"
+
+
 def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
     """`(manifest, the sha256 of its bytes)`: what `read_manifest` checks, and what the ranks of a
     `load` compare (the manifest lists every file's sha256, so its own names the checkpoint)."""
@@ -1236,8 +1250,8 @@ def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:
             data = f.read()
         manifest = json.loads(data)
     except FileNotFoundError:
-        raise CheckpointError(f"{name!r} does not exist: {path!r} is not a complete fzero checkpoint (a save "
-                              f"that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))") from None
+        raise CheckpointError(f"{name!r} does not exist: {path!r} is not a complete fzero checkpoint{_root_words(path)}"
+                              ) from None
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep (found in review)
         crashed = (" (a save that crashed leaves a .tmp-step-* folder, its manifest perhaps half written; use "
                    "fzero.checkpoint.latest(root))" if _TMP_DIR.match(os.path.basename(os.path.normpath(path))) else "")

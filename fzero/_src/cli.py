@@ -113,11 +113,37 @@ def _load_gpt2(path: str) -> torch.nn.Module:
         ) from e
     try:
         with open(path) as f:
-            config = transformers.GPT2Config(**json.load(f))
+            given = json.load(f)
+        _check_gpt2_keys(path, given, transformers.GPT2Config)
+        config = transformers.GPT2Config(**given)
         with torch.device("meta"):
             return transformers.GPT2LMHeadModel(config)
+    except CliError:
+        raise
     except Exception as e:  # noqa: BLE001 - transformers' validation errors vary by version (found in review)
         raise CliError(f"--config {path}: cannot build a GPT-2 from it: {type(e).__name__}: {e}") from e
+
+
+# keys a saved GPT-2 config.json may hold that `GPT2Config().to_dict()` does not list (older transformers)
+_GPT2_FILE_KEYS = frozenset({"n_ctx", "torch_dtype", "dtype", "task_specific_params", "gradient_checkpointing",
+                             "transformers_version", "architectures", "model_type"})
+
+
+def _check_gpt2_keys(path: str, given: Any, config_class: Any) -> None:
+    """A `--config` of another model type is refused, and keys GPT-2 does not read are named on
+    stderr: `GPT2Config(**given)` keeps any key as an attribute, so a typo (`n_layers`) or a
+    Llama config estimated a model of GPT-2's defaults, silently (found in review of a new user)."""
+    if not isinstance(given, dict):
+        raise CliError(f"--config {path}: expected a JSON object of GPT2Config's keys, got {type(given).__name__}")
+    kind = given.get("model_type", "gpt2")
+    if kind != "gpt2":
+        raise CliError(f"--config {path}: model_type {kind!r}; --config builds a GPT-2 only (model_type 'gpt2'); for "
+                       f"another model pass --module PKG.MOD:FACTORY (a function returning the torch module) or --params N")
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {})) | _GPT2_FILE_KEYS
+    unknown = sorted(set(given) - known)
+    if unknown:
+        print(f"fzero estimate: warning: --config {path}: GPT-2 does not read {unknown}: estimated without them "
+              f"(GPT2Config's defaults where they were meant as its settings)", file=sys.stderr)
 
 
 def _model_of(args: argparse.Namespace) -> tuple[Any, str]:
@@ -337,8 +363,8 @@ def _add_estimate(sub: Any) -> None:
     p.add_argument("--precision", type=_parse_precision, metavar="COMPUTE[,REDUCE]",
                    help="estimate what fzero keeps under fzero.Precision(COMPUTE, REDUCE), e.g. bf16,fp32: a "
                         "COMPUTE copy beside the master at stages 1-2 (and with the optimizer offloaded), the held "
-                        "params alone (the master, cast when gathered) at stages 0 and 3; grads in REDUCE (default "
-                        "COMPUTE)")
+                        "params alone (the master, cast when gathered) at stages 0 and 3; grads are held in the held "
+                        "params' dtype (--dtype), REDUCE (default COMPUTE) being the dtype they are reduced in")
     p.add_argument("--align", type=int, default=1, help="shard length multiple (module/config only)")
     p.add_argument("--units-prefix", metavar="PREFIX",
                    help="one unit per child of this container, e.g. transformer.h (module/config only; default: one "

@@ -402,12 +402,12 @@ def offload_setting(
         raise ConfigError(f"offload optimizer must be one of {OFFLOAD_OPTIMIZER}, got {optimizer!r}")
     if params not in OFFLOAD_PARAMS:
         raise ConfigError(f"offload params must be one of {OFFLOAD_PARAMS}, got {params!r}")
-    if params is not None and optimizer is None:
-        raise ConfigError(f"offload params={params!r} keeps stage 3's shards on the host as the master copy the "
-                          f"host's optimizer updates: offload the optimizer too (optimizer='cpu')")
     if params == "nvme" and optimizer != "nvme":
         raise ConfigError(f"offload params='nvme' keeps stage 3's shards in the NVMe tier's swap files: offload the "
                           f"optimizer to 'nvme' too, or use params='cpu' (got optimizer={optimizer!r})")
+    if params is not None and optimizer is None:
+        raise ConfigError(f"offload params={params!r} keeps stage 3's shards on the host as the master copy the "
+                          f"host's optimizer updates: offload the optimizer too (optimizer='cpu')")
     r = _ratio(ratio)
     if r != 1 and (optimizer is None or params is not None):
         raise ConfigError(f"offload ratio {ratio} splits the optimizer's shard between device and host: it needs the "

@@ -112,14 +112,14 @@ class Offload:
             raise ConfigError(f"Offload.optimizer must be one of {OPTIMIZER_TIERS}, got {self.optimizer!r}")
         if self.params not in PARAM_TIERS:
             raise ConfigError(f"Offload.params must be one of {PARAM_TIERS}, got {self.params!r}")
-        if self.params is not None and self.optimizer is None:
-            raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
-                              f"master copy the optimizer updates: offload the optimizer too, "
-                              f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
         if self.params == "nvme" and self.optimizer != "nvme":
             raise ConfigError(f"Offload(params='nvme') keeps stage 3's shards in the swap files of the NVMe tier, "
                               f"which holds the master and optimizer state: use Offload(optimizer='nvme', "
                               f"params='nvme', nvme_path=...), or params='cpu' (got optimizer={self.optimizer!r})")
+        if self.params is not None and self.optimizer is None:
+            raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
+                              f"master copy the optimizer updates: offload the optimizer too, "
+                              f"Offload(optimizer='cpu', params={self.params!r}) (FSDP2's CPUOffloadPolicy)")
         if self.nvme_path is not None and (isinstance(self.nvme_path, bytes)
                                            or not isinstance(self.nvme_path, (str, os.PathLike))):
             raise ConfigError(f"Offload.nvme_path must be a str or os.PathLike directory, got "
