@@ -805,6 +805,31 @@ def test_a_numpy_float32_lr_is_read_as_its_python_float_which_torch_is_given_to_
         assert torch.equal(p, ref.detach())
 
 
+
+def test_an_optimizer_of_another_state_form_put_in_mid_run_is_told_the_way_out():
+    """README's `state.replace(info=...)` recipe with an optimizer whose state has another form
+    (SGD's momentum switched on mid-run, as torch's `group["momentum"] = 0.9` does) is refused
+    naming that its form cannot change and the way out, which runs as written (found in review of
+    the optimizer surface: the words named neither)."""
+    import dataclasses
+
+    mesh = fzero.SimMesh(2)
+    loss = lambda p, x: (p["w"] * x).sum() ** 2  # noqa: E731
+
+    def rank_fn():
+        state = fzero.init({"w": torch.linspace(-1.0, 1.0, 7)}, fo.sgd(0.01), stage=1, mesh=mesh)
+        step = fzero.train_step(loss)
+        state, _ = step(state, torch.ones(7))
+        swapped = state.replace(info=dataclasses.replace(state.info, optimizer=fo.sgd(0.01, momentum=0.9)))
+        with pytest.raises(fo.OptimizerError, match=re.escape(
+                "must keep the form of its state: switching momentum on or off, amsgrad, or another algorithm cannot "
+                "take the state over; start the new optimizer's state with fzero.init from fzero.gather(state)")):
+            step(swapped, torch.ones(7))
+        fresh = fzero.init(fzero.gather(state), fo.sgd(0.01, momentum=0.9), stage=1, mesh=mesh)
+        return int(step(fresh, torch.ones(7))[0].step)
+
+    assert mesh.run(rank_fn) == [1, 1]
+
 @pytest.mark.parametrize("factory", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("key, value, says", [
     ("foreach", True, "impl='foreach'"), ("foreach", False, "impl='single'"), ("fused", True, "impl='fused'"),

@@ -672,7 +672,11 @@ def check_state_fields(name: str, state: Any, spec: Any) -> None:
         shown = f"{type(state).__name__}{tuple(got)}" if got is not None else f"{type_name(state)} {state!r:.80}"
         raise OptimizerError(f"{name}: the optimizer state is {shown}, but this optimizer's state has the fields "
                              f"{tuple(want)} ({type(spec).__name__}); pass the state this optimizer's init made for "
-                             f"the bucket (another optimizer's state does not fit it)")
+                             f"the bucket (another optimizer's state does not fit it). An optimizer put into a state "
+                             f"mid-run (state.replace(info=dataclasses.replace(state.info, optimizer=...))) must keep "
+                             f"the form of its state: switching momentum on or off, amsgrad, or another algorithm "
+                             f"cannot take the state over; start the new optimizer's state with fzero.init from "
+                             f"fzero.gather(state), its step then 0 (shift a schedule: lambda t: schedule(t + k))")
 
 
 def check_grad(name: str, grad: torch.Tensor, param: torch.Tensor) -> None:
