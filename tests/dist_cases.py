@@ -271,6 +271,23 @@ def mesh_built_over_a_group_on_one_rank(mesh):
     return out, fzero.collectives.all_reduce(torch.ones(2), mesh)
 
 
+def ranks_on_two_meshes(mesh):
+    """Both ranks construct meshes A and B over one new group, in one order (4 s timeouts, the
+    group's too: the data exchange waits on it); rank 0 passes A to an all-gather (point to point
+    at N = 2, tagged per mesh), rank 1 passes B: each rank's `MeshError` text. Then both meet in a
+    verified all-reduce on `mesh`, which must still work."""
+    import datetime
+
+    group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=4))
+    a, b = fzero.DistMesh(group, timeout=4), fzero.DistMesh(group, timeout=4)
+    try:
+        fzero.collectives.all_gather(torch.ones(2), a if mesh.rank == 0 else b)
+        out = None
+    except fzero.MeshError as e:
+        out = str(e)
+    return out, fzero.collectives.all_reduce(torch.ones(2), mesh)
+
+
 def peer_leaves_or_stalls(timeout, verify, how):
     """After one all_reduce, rank 1 destroys its process group and stays alive (`how="leave"`:
     gloo fails rank 0's next collective at once), or sleeps past the timeout (`"stall"`); rank 0

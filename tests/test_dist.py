@@ -213,6 +213,17 @@ def test_a_mesh_construction_that_times_out_names_the_order_of_constructions(dis
     assert torch.equal(after0, torch.full((2,), 2.0)) and torch.equal(after1, torch.full((2,), 2.0))
 
 
+def test_ranks_that_pass_different_meshes_are_told_that_may_be_why(dist2):
+    """Rank 0 on mesh A, rank 1 on mesh B of one group: each waits out the timeout (their
+    collectives never meet), and its `MeshError` now names that cause beside a stuck rank (found in
+    review of failures under torchrun: the words named a stuck rank only)."""
+    for said, after in dist2.run(dist_cases.ranks_on_two_meshes, [()] * 2):
+        assert said is not None and "ranks did not all reach all_gather" in said, said
+        assert "or the ranks passed different DistMesh objects to this call (this process constructed" in said, said
+        assert "every rank passes the mesh it constructed at the same point of its program" in said, said
+        assert torch.equal(after, torch.full((2,), 2.0))
+
+
 def test_pool_rejects_functions_workers_cannot_import(dist2):
     with pytest.raises(ValueError, match="module-level function"):
         dist2.run(lambda mesh: None)

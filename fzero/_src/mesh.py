@@ -1643,9 +1643,14 @@ class DistMesh(Mesh):
                 "; or the ranks construct meshes over different process groups at this point, or over the same "
                 "groups in another order: every rank of a group constructs its meshes over it in one order; a "
                 "construction that timed out may leave its exchange to pair with a later one's, so restart the job")
+            made = _NEXT_ORDINAL[0]
+            crossed = (not building and made > 1) * (
+                f"; or the ranks passed different DistMesh objects to this call (this process constructed {made}, "
+                f"each of whose collectives meets only its own): every rank passes the mesh it constructed at the "
+                f"same point of its program")  # (found in review: ranks on meshes A and B were told of a stuck rank)
             err = MeshError(
                 f"{self!r}: ranks did not all reach {what} within {self.timeout.total_seconds():g} s "
-                f"(world size {n}); a rank is stuck or took another path (see its log){building}"
+                f"(world size {n}); a rank is stuck or took another path (see its log){building}{crossed}"
                 f"{_waits_in(what, self._rank)}: {e}")
         else:
             host = _identity()[0]
