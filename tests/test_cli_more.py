@@ -107,8 +107,10 @@ def test_a_module_fzero_cannot_lay_out_and_a_bad_gpt2_config_are_usage_errors(tm
 def test_a_gpt2_config_of_another_model_is_refused_and_keys_gpt2_does_not_read_are_named(tmp_path, capsys):
     """`--config` builds `GPT2Config(**json)`, which keeps any key: a typo (`n_layers`) estimated a
     12-layer default and a Llama config a GPT-2 of its sizes, exit 0 and no word (found in review of
-    a new user). Another `model_type` is a usage error naming the way out; unread keys are named
-    on stderr; a saved GPT-2 config's own extra keys (`n_ctx`, `torch_dtype`) are not."""
+    a new user). Another `model_type` is a usage error naming the way out; a key close to one that
+    sizes GPT-2 is named on stderr; a saved GPT-2 config's own extra keys are not (`n_ctx`,
+    `torch_dtype`, and the hub's gpt2-medium and distilgpt2 files' `n_special`,
+    `predict_special_tokens`, `_num_labels`: found in review of the first check, which named them)."""
     pytest.importorskip("transformers")
     llama = tmp_path / "llama.json"
     llama.write_text('{"model_type": "llama", "hidden_size": 64}')
@@ -117,10 +119,12 @@ def test_a_gpt2_config_of_another_model_is_refused_and_keys_gpt2_does_not_read_a
     typo = tmp_path / "typo.json"
     typo.write_text('{"n_layers": 2, "n_embd": 64, "n_head": 4}')
     assert main(["estimate", "--config", str(typo), "-n", "2"]) == 0
-    assert f"warning: --config {typo}: GPT-2 does not read ['n_layers']" in capsys.readouterr().err
+    assert (f"warning: --config {typo}: GPT-2 does not read 'n_layers' (did you mean 'n_layer'?): the model is "
+            f"sized by GPT2Config's default there") in capsys.readouterr().err
     saved = tmp_path / "saved.json"
     saved.write_text('{"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_ctx": 1024, '
-                     '"torch_dtype": "float32", "architectures": ["GPT2LMHeadModel"]}')
+                     '"torch_dtype": "float32", "architectures": ["GPT2LMHeadModel"], "n_special": 0, '
+                     '"predict_special_tokens": true, "_num_labels": 1, "num_labels": 3, "is_decoder": false}')
     assert main(["estimate", "--config", str(saved), "-n", "2"]) == 0
     assert capsys.readouterr().err == ""
 

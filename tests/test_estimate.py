@@ -555,7 +555,8 @@ def test_offload_settings_refused():
     with pytest.raises(ConfigError, match="offload the optimizer too"):
         estimate(100, 2, stage=3, offload_params="cpu")
     for optimizer in ("cpu", None):  # None: it named optimizer='cpu', which the next call refused (found in review)
-        with pytest.raises(ConfigError, match=r"params='nvme'.*optimizer to 'nvme' too, or use params='cpu'"):
+        with pytest.raises(ConfigError, match=r"params='nvme'.*optimizer to 'nvme' too, or use params='cpu' with "
+                                                 r"optimizer='cpu'"):
             estimate(100, 2, stage=3, offload_optimizer=optimizer, offload_params="nvme")
     for bad in (0, 1.5, float("nan"), True, "1"):
         with pytest.raises(ConfigError, match=r"ratio .*\(0, 1\]"):

@@ -206,7 +206,7 @@ def test_tensors_live_where_offload_says():
     (dict(optimizer="gpu"), "Offload.optimizer must be one of"),
     (dict(params="disk", optimizer="cpu"), "Offload.params must be one of"),
     (dict(params="nvme", optimizer="cpu"), r"params='nvme'.*Offload\(optimizer='nvme', params='nvme', nvme_path=.*or "
-                                           r"params='cpu'"),
+                                           r"Offload\(optimizer='cpu', params='cpu'\)"),  # both ways run as named
     (dict(params="nvme", optimizer="cpu", nvme_path="/tmp"), r"params='nvme'.*optimizer='nvme'"),
     (dict(params="cpu"), "offload the optimizer too"),
     (dict(params="nvme"), r"params='nvme'.*use Offload\(optimizer='nvme', params='nvme', nvme_path=.*got "

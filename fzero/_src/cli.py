@@ -15,6 +15,7 @@ Each subcommand is one `_add_<name>(subparsers)` function that registers its par
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import math
@@ -124,26 +125,32 @@ def _load_gpt2(path: str) -> torch.nn.Module:
         raise CliError(f"--config {path}: cannot build a GPT-2 from it: {type(e).__name__}: {e}") from e
 
 
-# keys a saved GPT-2 config.json may hold that `GPT2Config().to_dict()` does not list (older transformers)
-_GPT2_FILE_KEYS = frozenset({"n_ctx", "torch_dtype", "dtype", "task_specific_params", "gradient_checkpointing",
-                             "transformers_version", "architectures", "model_type"})
+# the keys that size a GPT-2 (and their PretrainedConfig aliases): a key close to one of them that
+# GPT-2 does not read is a typo that would size the model by the default
+_GPT2_SIZES = ("n_layer", "n_embd", "n_head", "n_positions", "n_inner", "vocab_size", "hidden_size",
+               "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
 
 
 def _check_gpt2_keys(path: str, given: Any, config_class: Any) -> None:
-    """A `--config` of another model type is refused, and keys GPT-2 does not read are named on
-    stderr: `GPT2Config(**given)` keeps any key as an attribute, so a typo (`n_layers`) or a
-    Llama config estimated a model of GPT-2's defaults, silently (found in review of a new user)."""
+    """A `--config` of another model type is refused, and a key GPT-2 does not read that is close
+    to one that sizes it (`n_layers` for `n_layer`) is named on stderr: `GPT2Config(**given)` keeps
+    any key as an attribute, so a typo or a Llama config estimated a model of GPT-2's defaults,
+    silently (found in review of a new user). Other unknown keys are left alone: config files
+    carry many that one transformers version lists and another does not (found in review of
+    that check: the hub's gpt2-medium and distilgpt2 files were named)."""
     if not isinstance(given, dict):
         raise CliError(f"--config {path}: expected a JSON object of GPT2Config's keys, got {type(given).__name__}")
     kind = given.get("model_type", "gpt2")
     if kind != "gpt2":
         raise CliError(f"--config {path}: model_type {kind!r}; --config builds a GPT-2 only (model_type 'gpt2'); for "
                        f"another model pass --module PKG.MOD:FACTORY (a function returning the torch module) or --params N")
-    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {})) | _GPT2_FILE_KEYS
-    unknown = sorted(set(given) - known)
-    if unknown:
-        print(f"fzero estimate: warning: --config {path}: GPT-2 does not read {unknown}: estimated without them "
-              f"(GPT2Config's defaults where they were meant as its settings)", file=sys.stderr)
+    read = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    typos = {k: near[0] for k in sorted(set(given) - read)
+             if (near := difflib.get_close_matches(k, _GPT2_SIZES, n=1, cutoff=0.8))}
+    if typos:
+        named = ", ".join(f"{k!r} (did you mean {v!r}?)" for k, v in typos.items())
+        print(f"fzero estimate: warning: --config {path}: GPT-2 does not read {named}: the model is sized by "
+              f"GPT2Config's default there", file=sys.stderr)
 
 
 def _model_of(args: argparse.Namespace) -> tuple[Any, str]:

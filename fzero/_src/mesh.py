@@ -234,6 +234,7 @@ _MESH_IDS = itertools.count(1)
 _ABANDONED = 64  # the started collectives a `DistMesh` keeps unwaited after errors (`DistMesh.abandon`)
 _TAG_KEYS = 4096  # the distinct collectives a `DistMesh` counts exchanges of in one era (`DistMesh._p2p_tag`)
 _NEXT_ORDINAL = [0]  # the ordinal this process proposes for its next `DistMesh` (`DistMesh._ordinal`)
+_CONSTRUCTED = [0]  # how many DistMesh this process constructed (`_lost`'s words; the ordinal is the ranks' max)
 
 
 class Mesh(abc.ABC):
@@ -1564,6 +1565,7 @@ class DistMesh(Mesh):
                 f"{self!r}: rank(s) {elsewhere} were in a collective of another mesh while rank {self._rank} "
                 f"constructed this one: every rank must construct each DistMesh at the same point of its program")
         self._ordinal = _agreed_ordinal([row[5] for row in rows])
+        _CONSTRUCTED[0] += 1
         verifies = [bool(row[4]) for row in rows]
         if len(set(verifies)) > 1:
             raise MeshError(f"{self!r}: ranks constructed it with different verify: "
@@ -1643,7 +1645,7 @@ class DistMesh(Mesh):
                 "; or the ranks construct meshes over different process groups at this point, or over the same "
                 "groups in another order: every rank of a group constructs its meshes over it in one order; a "
                 "construction that timed out may leave its exchange to pair with a later one's, so restart the job")
-            made = _NEXT_ORDINAL[0]
+            made = _CONSTRUCTED[0]
             crossed = (not building and made > 1) * (
                 f"; or the ranks passed different DistMesh objects to this call (this process constructed {made}, "
                 f"each of whose collectives meets only its own): every rank passes the mesh it constructed at the "

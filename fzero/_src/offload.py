@@ -115,7 +115,8 @@ class Offload:
         if self.params == "nvme" and self.optimizer != "nvme":
             raise ConfigError(f"Offload(params='nvme') keeps stage 3's shards in the swap files of the NVMe tier, "
                               f"which holds the master and optimizer state: use Offload(optimizer='nvme', "
-                              f"params='nvme', nvme_path=...), or params='cpu' (got optimizer={self.optimizer!r})")
+                              f"params='nvme', nvme_path=...), or Offload(optimizer='cpu', params='cpu') (got "
+                              f"optimizer={self.optimizer!r})")
         if self.params is not None and self.optimizer is None:
             raise ConfigError(f"Offload(params={self.params!r}) keeps stage 3's shards on the host, where they are the "
                               f"master copy the optimizer updates: offload the optimizer too, "
