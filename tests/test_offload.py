@@ -461,7 +461,8 @@ def test_a_load_that_has_no_room_on_one_rank_raises_on_every_rank_and_each_steps
     mesh = fzero.SimMesh(2)
     nvme = fzero.Offload(optimizer="nvme", nvme_path=str(tmp_path))
     real, full = shutil.disk_usage, threading.local()
-    monkeypatch.setattr(shutil, "disk_usage", lambda d: real(d)._replace(free=100) if getattr(full, "on", 0) else real(d))
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda d: real(d)._replace(free=100) if getattr(full, "on", 0) else real(d))
 
     def rank_fn():
         state = fzero.init(tree, optim.adamw(1e-2), stage=2, mesh=mesh, offload=nvme)

@@ -436,7 +436,8 @@ def test_a_step_skipped_at_the_scales_floor_warns_and_a_lower_floor_trains(stage
 
     assert run("mean", 1.0) == [(2.0, False)] * 3
     words = ("step 0 (state.step, which a skipped step does not advance): the gradients overflowed with the loss "
-             "scale at its floor, min_scale=1.0: the step is skipped and the scale stays (DynamicLossScale(raise_at_min=False)). Where every step skips, the scale the "
+             "scale at its floor, min_scale=1.0: the step is skipped and the scale stays "
+             "(DynamicLossScale(raise_at_min=False)). Where every step skips, the scale the "
              "gradients need lies below the floor: lower min_scale (DynamicLossScale(min_scale=2.0**-k); under "
              "normalize='tokens' each micro-batch's backward carries its scaled token sum, so the scale it needs is "
              "about T times lower than a mean's, T the count the loss returns for one micro-batch), or set "

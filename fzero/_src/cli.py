@@ -143,7 +143,8 @@ def _check_gpt2_keys(path: str, given: Any, config_class: Any) -> None:
     kind = given.get("model_type", "gpt2")
     if kind != "gpt2":
         raise CliError(f"--config {path}: model_type {kind!r}; --config builds a GPT-2 only (model_type 'gpt2'); for "
-                       f"another model pass --module PKG.MOD:FACTORY (a function returning the torch module) or --params N")
+                       f"another model pass --module PKG.MOD:FACTORY (a function returning the torch module) or "
+                       f"--params N")
     read = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
     typos = {k: near[0] for k in sorted(set(given) - read)
              if (near := difflib.get_close_matches(k, _GPT2_SIZES, n=1, cutoff=0.8))}

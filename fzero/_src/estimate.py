@@ -404,7 +404,8 @@ def offload_setting(
         raise ConfigError(f"offload params must be one of {OFFLOAD_PARAMS}, got {params!r}")
     if params == "nvme" and optimizer != "nvme":
         raise ConfigError(f"offload params='nvme' keeps stage 3's shards in the NVMe tier's swap files: offload the "
-                          f"optimizer to 'nvme' too, or use params='cpu' with optimizer='cpu' (got optimizer={optimizer!r})")
+                          f"optimizer to 'nvme' too, or use params='cpu' with optimizer='cpu' (got "
+                          f"optimizer={optimizer!r})")
     if params is not None and optimizer is None:
         raise ConfigError(f"offload params={params!r} keeps stage 3's shards on the host as the master copy the "
                           f"host's optimizer updates: offload the optimizer too (optimizer='cpu')")

@@ -535,8 +535,8 @@ class NvmeTier(HostTier):
                         f"this state's step raised while its NVMe tier was updating it ({self.interrupted['error']}), "
                         f"after it began rewriting its swap files (bucket {b}, {paths[:4]}"
                         f"{' ...' if len(paths) > 4 else ''}: {self.files.entries[name].path!r}), which may hold part "
-                        f"of the next step's values: the state is lost. Restore it from a checkpoint: fzero.checkpoint.load(path, state) takes this "
-                        f"state as its target")
+                        f"of the next step's values: the state is lost. Restore it from a checkpoint: "
+                        f"fzero.checkpoint.load(path, state) takes this state as its target")
                 raise OffloadError(
                     f"this state's {what} of bucket {b} ({paths[:4]}{' ...' if len(paths) > 4 else ''}) is not the "
                     f"NVMe tier's stand-in for it: its swap file {self.files.entries[name].path!r} holds the values of "

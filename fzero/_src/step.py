@@ -64,7 +64,7 @@ from .originals import refuse_changed_module, refuse_original_reads, warn_writte
 from .plan import _probes, step_plan
 from .precision import _shown, added_in, at_least_float32, note_batch_dtypes
 from .reduce import Chained, _zeros_reduction, reduce
-from .scale import LossScaleAtFloor, StaticLossScale, at_floor_words
+from .scale import StaticLossScale, warn_at_floor
 from .stages import Flight
 from .state import (ZeroState, broken_update, checked, consume, holds_leaf, inference_parts, loss_scale_of, lost_by,
                     nonfinite_leaves, outside_inference_mode, range_words, renewed, unmastered_words)
@@ -503,7 +503,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     next_scale = None if scaler is None else _scaler_update(scaler, state, verdict, step)
     if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
-            _warn_at_floor(scaler, s, step)
+            warn_at_floor(scaler, s, step)
             if config.donate:  # the new state shares every buffer: the next donating step writes them for
                 consume(state, wrote=False)  # both (found in review: the old one then read, and saved, the next
                 # step's values); nothing written yet, so a copy made before stays usable until that step
@@ -540,15 +540,6 @@ def _scaler_update(scaler: Any, state: ZeroState, verdict: Verdict, step: int) -
     except LossScaleError as e:
         raise LossScaleError(f"update {step} (state.step; the scaler counts every step, skipped or not): {e}. What "
                              f"was non-finite: {_culprits(verdict)}") from None
-
-
-def _warn_at_floor(scaler: Any, s: float, step: int) -> None:
-    """`LossScaleAtFloor` where a dynamic scaler's step skipped an overflow with the scale at its
-    floor where it does not raise there (`raise_at_min=False`, the default), which otherwise skips every step
-    of a run whose gradients need a lower scale, with `metrics.skipped` the only sign (found in
-    review: `normalize="tokens"` at 140,000 tokens a rank under fp16)."""
-    if s == getattr(scaler, "min_scale", None) and not scaler.raise_at_min:
-        warnings.warn(LossScaleAtFloor(at_floor_words(step, s)), stacklevel=outside_stacklevel())
 
 
 def _named(name: str) -> contextlib.AbstractContextManager:

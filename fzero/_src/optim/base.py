@@ -1021,7 +1021,8 @@ def refuses_torch_only_keywords(factory: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(factory)
     def made(*args: Any, **kwargs: Any) -> Any:
-        for key in kwargs.keys() & _TORCH_ONLY_KEYWORDS.keys():
+        if torch_only := sorted(kwargs.keys() & _TORCH_ONLY_KEYWORDS.keys()):
+            key = torch_only[0]
             raise TypeError(f"fzero.optim.{factory.__name__}() takes no {key}= (a torch.optim keyword, "
                             f"got {key}={kwargs[key]!r}): {_TORCH_ONLY_KEYWORDS[key]}")
         return factory(*args, **kwargs)
