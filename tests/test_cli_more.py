@@ -208,6 +208,20 @@ def test_inspect_and_export_of_a_root_name_the_checkpoint_written_last(checkpoin
                                    f"{checkpoint!r}")
     _usage_error(capsys, ["inspect", str(tmp_path)], "a save that crashed leaves a .tmp-step-* folder")
 
+
+def test_a_root_of_crashed_saves_only_is_not_sent_to_latest(tmp_path, capsys):
+    """A root holding only saves that did not complete (a crash's .tmp-step-* folders), or one such
+    folder itself, passed where a checkpoint goes: the words told its user to call `latest(root)`,
+    which returns None there (found in review of the root's words)."""
+    crash = tmp_path / ".tmp-step-3-0123abcd"
+    crash.mkdir()
+    (crash / "shard-0.distcp").write_bytes(b"x")
+    assert fzero.checkpoint.latest(str(tmp_path)) is None
+    _usage_error(capsys, ["inspect", str(tmp_path)], "it holds no complete checkpoint, only 1 save(s) that did not "
+                 "complete ('.tmp-step-3-0123abcd'...; a crash leaves them), so fzero.checkpoint.latest(root) is None")
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"it is a save that did not complete \(a crash leaves"):
+        fzero.checkpoint.read_manifest(str(crash))
+
 @pytest.mark.parametrize("dtype", ["foo", "int8"])
 def test_export_dtype_is_a_usage_error(capsys, tmp_path, dtype):
     """`export --dtype foo` raised ConfigError with a traceback."""

@@ -1230,16 +1230,25 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 def _root_words(path: str) -> str:
     """The way out for a folder with no manifest: where it is a root that holds checkpoints, the
     one `latest` names (a shell user of `fzero inspect ROOT` was told to call a Python function;
-    found in review of a new user), else the words on a save that crashed."""
+    found in review of a new user); where it is, or holds only, saves that did not complete, that
+    (`latest` is None there); else the words on a save that crashed."""
     try:
         with warnings.catch_warnings():  # an unsealed one's warning is `latest`'s, not this error's (found in review)
             warnings.simplefilter("ignore")
             found = _found(path) if os.path.isdir(path) else []
+        crashed = sorted(n for n in os.listdir(path) if _TMP_DIR.match(n)) if os.path.isdir(path) else []
     except Exception:  # noqa: BLE001 - only the words of an error already raised
-        found = []
+        found, crashed = [], []
     if found:
         return (f": it is a checkpoint root, which holds {len(found)} complete checkpoint(s); the one written last, "
                 f"fzero.checkpoint.latest(root), is {found[-1][2]!r}")
+    if _TMP_DIR.match(os.path.basename(os.path.normpath(path))):
+        return (": it is a save that did not complete (a crash leaves a .tmp-step-* folder); "
+                "fzero.checkpoint.latest(root) names the root's last complete checkpoint")
+    if crashed:  # found in review: the words sent such a root's user to latest(root), which returns None
+        return (f": it holds no complete checkpoint, only {len(crashed)} save(s) that did not complete "
+                f"({crashed[0]!r}...; a crash leaves them), so fzero.checkpoint.latest(root) is None: "
+                f"start the run afresh, or load from another root")
     return " (a save that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))"
 
 
