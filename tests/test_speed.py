@@ -285,7 +285,8 @@ def test_bucket_bytes_rejects_a_bad_cap():
 def test_bucket_bytes_changes_no_bit_of_the_params(stage):
     """Reductions and the optimizer are element-wise, so where the buffers are cut cannot change
     an element: two steps at N = 2 with buckets of at most 24 bytes equal those of one bucket per
-    unit, bit for bit (the norm's float64 additions follow the shards, so it is not compared)."""
+    unit, bit for bit (the norm's float32 norms per shard follow the cut, so it is not compared,
+    and no step clips: the next test)."""
     mesh = fzero.SimMesh(2)
     params = {"a": torch.linspace(-1, 1, 7), "w": torch.linspace(0, 2, 6).reshape(2, 3), "c": torch.ones(5)}
 
@@ -301,6 +302,38 @@ def test_bucket_bytes_changes_no_bit_of_the_params(stage):
     whole, cut = run(None), run(24)
     for p0, p1 in zip(whole, cut):  # Adam's moments enter the second step's params
         assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p0), optree.tree_leaves(p1)))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_bucket_bytes_changes_a_clipped_step_only_through_the_norm(stage):
+    """Where `clip_norm` clips, the cut shows: the norm adds one float32 norm per bucket shard
+    (proofs/stages.md §1.3), so other buckets give other bits of `grad_norm`, and the clipped
+    params follow (found in review of feature combinations: the docs said the cut changed no
+    bit). Both norms are within ε_f = γ_{S+1} + 2u of the exact norm (proofs/accumulation.md,
+    Claim 5), so within 2·ε_f·ν of each other; a `clip_norm` that does not clip (coefficient 1)
+    keeps every bit. One SGD step at N = 2 on data whose norm's bits depend on the cut."""
+    mesh = fzero.SimMesh(2)
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(37, generator=g), "w": torch.randn(13, 11, generator=g), "c": torch.randn(29, generator=g)}
+    xs = [(torch.randn(11, generator=g),), (torch.randn(11, generator=g),)]
+
+    def run(cap, clip):
+        def rank_fn(x):
+            state = fzero.init(params, optim.sgd(0.1), stage=stage, mesh=mesh, bucket_bytes=cap)
+            step = fzero.train_step(lambda p, x: ((p["w"] @ x).sum() * p["a"].sum() + p["c"].square().sum()) ** 2,
+                                    clip_norm=clip)
+            state, metrics = step(state, x)
+            return fzero.gather(state), float(metrics.grad_norm)
+        return mesh.run(rank_fn, xs)[0]
+
+    (whole, nu_whole), (cut, nu_cut) = run(None, 1.0), run(64, 1.0)
+    assert nu_whole != nu_cut, "this data's norm no longer depends on the cut: pick other data"
+    u, longest = 2.0**-24, (37 + 13 * 11 + 29 + 1) // 2  # one bucket's shard
+    eps_f = (longest + 1) * u / (1 - (longest + 1) * u) + 2 * u
+    assert abs(nu_whole - nu_cut) <= 2 * eps_f * max(nu_whole, nu_cut)
+    assert any(not torch.equal(x, y) for x, y in zip(optree.tree_leaves(whole), optree.tree_leaves(cut)))
+    (loose, _), (loose_cut, _) = run(None, 1e12), run(64, 1e12)
+    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(loose), optree.tree_leaves(loose_cut)))
 
 
 def test_inflight_keeps_at_most_depth_reductions_open():
