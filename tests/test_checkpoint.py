@@ -1138,3 +1138,41 @@ def test_latest_of_a_checkpoint_or_a_file_names_the_mistake(tmp_path):
                                                  r"'.*step-0', whose root is '.*root': pass the root"):
         ck.latest(manifest)
     assert ck.latest(str(tmp_path / "not-yet")) is None and ck.complete(str(tmp_path / "not-yet")) == []
+
+
+def test_a_loaded_state_goes_on_under_another_lr_with_its_moments(tmp_path):
+    """A target made with another lr is refused, and the words name the way that keeps the saved
+    optimizer state (found in review of resumes: only a new state from `export`'s params, whose
+    moments restart, was named): load into a target of the saved optimizer, then give the loaded
+    state the new one. Its steps then equal those of a run that changed the optimizer at that step
+    in memory (torch's `group["lr"] = ...`), bit for bit, its moments carried over."""
+    mesh = fzero.SimMesh(2)
+    old = fzero.optim.adamw(fzero.optim.cosine(1e-2, decay_steps=10, warmup_steps=2), weight_decay=0.1)
+    new = fzero.optim.adamw(2e-2, weight_decay=0.1)
+    step = fzero.train_step(loss_fn)
+
+    def rank_fn(_):
+        state = fzero.init(make_params(), old, stage=1, mesh=mesh)
+        for i in range(2):
+            state, _ = step(state, batch(i, mesh.rank))
+        path = ck.save(state, tmp_path)
+        with pytest.raises(ck.CheckpointError, match=r"lr: checkpoint .*target .*; make the target with the optimizer "
+                           r"and settings the checkpoint was saved with; to go on under the new ones with the saved "
+                           r"optimizer state .*state\.replace\(info=dataclasses\.replace\(state\.info, optimizer="):
+            ck.load(path, fzero.init(make_params(1), new, stage=1, mesh=mesh))
+        loaded = ck.load(path, fzero.init(make_params(1), old, stage=1, mesh=mesh))
+        runs = []
+        for s in (state, loaded):
+            s = s.replace(info=dataclasses.replace(s.info, optimizer=new))
+            for i in range(2, 4):
+                s, _ = step(s, batch(i, mesh.rank))
+            runs.append(s)
+        fresh = fzero.init(fzero.gather(loaded), new, stage=1, mesh=mesh)  # the other way: moments restart
+        for i in range(2, 4):
+            fresh, _ = step(fresh, batch(i, mesh.rank))
+        return [fzero.gather(s) for s in (*runs, fresh)]
+
+    for in_memory, resumed, restarted in mesh.run(rank_fn, [(None,), (None,)]):
+        leaves = optree.tree_leaves(in_memory), optree.tree_leaves(resumed), optree.tree_leaves(restarted)
+        assert all(torch.equal(a, b) for a, b in zip(leaves[0], leaves[1]))
+        assert not all(torch.equal(a, b) for a, b in zip(leaves[0], leaves[2]))

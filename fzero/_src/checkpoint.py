@@ -1812,8 +1812,11 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     diffs = _setting_diffs(adopted, node, ()) if _jsonable(unnamed(node)) == want else []
     shown = {f"{setting_name(where)}: checkpoint {_setting_words(a)}, target {_setting_words(b)}": None
              for where, a, b in diffs}
-    if shown:
-        return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}")
+    if shown:  # (found in review of resumes: the way that keeps the optimizer state went unnamed)
+        return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}; "
+                f"to go on under the new ones with the saved optimizer state (its moments, its step), load into "
+                f"that target, then give the loaded state the new optimizer on every rank: "
+                f"state.replace(info=dataclasses.replace(state.info, optimizer=...))")
     return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "
             f"{str(theirs)[:300]}\n  target:     {str(want)[:300]}\n{fix}")
 
