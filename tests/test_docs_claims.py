@@ -95,12 +95,18 @@ def _init(params, stage, mesh):
 @compiling
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_compiled_loss_over_nested_on_use_params_raises_config_error(stage):
-    """`train_step(torch.compile(loss))` with nested params and gather="on_use": the compiled
-    code's first read of a placeholder raises `ConfigError` on every rank, naming the leaf and
-    the way out; `fzero.evaluate` of the compiled function too (stage 3, where it reads on use)."""
+    """`train_step(torch.compile(loss))` with nested params and gather="on_use": refused before
+    the compiled loss runs, on every rank, naming the leaves and the way out; `fzero.evaluate` of
+    the compiled function too (stage 3, where it reads on use). The way out then compiles in the
+    same process: raised inside the compiled code (as before), the error made dynamo skip the
+    loss's code for good, and `train_step(torch.compile(loss), gather="eager")` captured no graph
+    and ran eager, silently (found in review of torch.compile)."""
+    from torch._dynamo.utils import counters
+
     mesh, params, compiled = fzero.SimMesh(2), _nested(), torch.compile(_loss)
-    match = (r"gather='on_use' with params that are not a flat dict: compiled code \(torch.compile\) reads the "
-             r"placeholder of \['layer\.w'\].*use gather='eager' with a compiled loss, or flat-dict params")
+    match = (r"gather='on_use' with params that are not a flat dict: compiled code \(torch.compile\) would be "
+             r"handed placeholders of the params leaves \('head\.w', 'layer\.b', 'layer\.w'\).*use gather='eager' "
+             r"with a compiled loss, or flat-dict params")
 
     def rank_fn(x):
         state = _init(params, stage, mesh)
@@ -111,7 +117,36 @@ def test_a_compiled_loss_over_nested_on_use_params_raises_config_error(stage):
                 fzero.evaluate(compiled)(state, x)
         return True
 
+    torch._dynamo.reset()
     assert mesh.run(rank_fn, _batches(2)) == [True, True]
+    counters.clear()
+    mesh1 = fzero.SimMesh(1)
+    mesh1.run(lambda: fzero.train_step(torch.compile(_loss), gather="eager")(_init(params, stage, mesh1),
+                                                                              _batches(1)[0][0]))
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+
+
+@compiling
+def test_a_compiled_function_inside_the_loss_reading_a_placeholder_raises_config_error():
+    """A compiled function called inside a plain loss (which fzero cannot see before it runs)
+    that reads a placeholder raises `ConfigError` from inside the compiled code, on every rank,
+    naming the leaf read, the way out, and that dynamo skips that function's code for the rest
+    of the process (a new process or torch._dynamo.reset() first)."""
+    mesh, params, inner = fzero.SimMesh(2), _nested(), torch.compile(_loss)
+    match = (r"gather='on_use' with params that are not a flat dict: compiled code \(torch.compile\) reads the "
+             r"placeholder of \['layer\.w'\].*use gather='eager' with a compiled loss, or flat-dict params.*"
+             r"dynamo does not compile the function that raised this again in this process.*torch._dynamo.reset\(\)")
+
+    def rank_fn(x):
+        with pytest.raises(fzero.ConfigError, match=match):
+            fzero.train_step(lambda p, x: inner(p, x))(_init(params, 3, mesh), x)
+        return True
+
+    torch._dynamo.reset()
+    try:
+        assert mesh.run(rank_fn, _batches(2)) == [True, True]
+    finally:
+        torch._dynamo.reset()  # (the skipped code of _loss is not this file's other tests' to inherit)
 
 
 @compiling

@@ -147,7 +147,8 @@ def test_a_directly_compiled_loss_under_the_func_engine_warns():
     import warnings
 
     loss = lambda p, x: p["w"].sum()  # noqa: E731
-    with pytest.warns(UserWarning, match=r'engine="func"\): the loss is not compiled; it runs eager') as caught:
+    with pytest.warns(UserWarning, match=r'engine="func"\): the loss is not compiled; the step calls the function '
+                                         r'torch.compile wrapped, eager') as caught:
         fzero.train_step(torch.compile(loss), engine="func")
     with pytest.warns(UserWarning, match="the loss is not compiled"):  # through a partial too
         fzero.train_step(functools.partial(torch.compile(lambda p, x, k: p["w"].sum() * k), k=2.0), engine="func")
@@ -156,3 +157,75 @@ def test_a_directly_compiled_loss_under_the_func_engine_warns():
         warnings.simplefilter("error", UserWarning)
         fzero.train_step(torch.compile(loss), engine="autograd")
         fzero.train_step(loss, engine="func")
+
+
+@compiling
+def test_a_directly_compiled_loss_under_the_func_engine_leaves_dynamo_alone():
+    """The step calls the function `torch.compile` wrapped: with backend="eager" the step runs
+    (dynamo failed under torch.func.grad, a bare AssertionError), with the uncompiled loss's bits,
+    and the function still compiles afterwards under engine="autograd", as the warning says to
+    (found in review of torch.compile: dynamo, having failed on it, skipped its code for the rest
+    of the process, and a fresh torch.compile of it captured no graph)."""
+    from torch._dynamo.utils import counters
+
+    def math(w, b, x):
+        return torch.tanh(x @ w + b).square().mean()
+
+    torch._dynamo.reset()
+    whole = lambda p, x: math(p["layer.w"], p["layer.b"], x)  # noqa: E731
+    with pytest.warns(UserWarning, match="the loss is not compiled"):
+        compiled = torch.compile(whole, backend="eager")
+        under_func, graphs = _losses_of("func", compiled)
+    assert graphs == 0 and all(torch.equal(a, b) for a, b in zip(under_func, _losses_of("func", whole)[0]))
+    counters.clear()
+    _losses_of("autograd", torch.compile(whole, backend="eager"))
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+
+
+def _losses_of(engine, loss):
+    """`_losses` for a loss given whole (the one `train_step` may see compiled)."""
+    from torch._dynamo.utils import counters
+
+    mesh = fzero.SimMesh(2)
+    xs = [(torch.randn(5, 4, generator=torch.Generator().manual_seed(r)),) for r in range(2)]
+
+    def rank_fn(x):
+        state = fzero.init(_params(), optim.adamw(1e-2), stage=3, mesh=mesh, units=lambda p: p.split(".")[0])
+        return fzero.train_step(loss, engine=engine)(state, x)[1].loss
+
+    before = counters["stats"]["unique_graphs"]
+    losses = mesh.run(rank_fn, xs)
+    return losses, counters["stats"]["unique_graphs"] - before
+
+
+@compiling
+def test_a_compiled_model_under_the_func_engine_warns_until_a_step_ran():
+    """`from_module(torch.compile(model))` with engine="func": each step of that train_step warns
+    until one has run on this thread, naming the way out (found in review of torch.compile: the
+    model ran eager with no word); engine="autograd" and an uncompiled model do not warn."""
+    import warnings
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    mesh = fzero.SimMesh(1)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+
+    def steps(module, engine):
+        params, apply, info = fzero.from_module(module)
+        state = fzero.init(params, optim.sgd(0.1), stage=0, mesh=mesh, units=info.units)
+        step = fzero.train_step(lambda p, x: apply(p, x).square().mean(), engine=engine)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                state, _ = step(state, x)
+        return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+    def rank():
+        return steps(torch.compile(model, backend="aot_eager"), "func"), steps(model, "func"), steps(
+            torch.compile(model, backend="aot_eager"), "autograd")
+
+    compiled_func, plain_func, compiled_autograd = mesh.run(rank)[0]
+    assert len(compiled_func) == 1 and re.search(
+        r"engine=\"func\"\) over the params of a torch.compile'd model \('_orig_mod\.0\.bias', \.\.\.: .*"
+        r"Compile with engine=\"autograd\", or pass the model uncompiled to from_module", compiled_func[0])
+    assert plain_func == [] and compiled_autograd == []

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .casting import CastAhead
+from .eager import compiled, uncompiled
 from .errors import ConfigError, as_int, outside_stacklevel
 from .gathering import GATHERS, check_prefetch
 from .mesh import settings_crc
@@ -31,14 +32,6 @@ ENGINES = ("autograd", "func")
 NONFINITE = ("raise", "skip")
 ACCUMULATE = ("each", "once")
 NORMALIZE = ("mean", "tokens")
-
-
-def _compiled(fn: Any) -> bool:
-    """Whether `fn` is a `torch.compile`d function, bare or inside `functools.partial`s (a compiled
-    function called inside another cannot be seen)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return hasattr(fn, "_torchdynamo_orig_callable")
 
 
 def _clip_norm(c: Any) -> float:
@@ -101,6 +94,11 @@ class StepConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare and f.name != "loss_fn"}
 
     @functools.cached_property
+    def call(self) -> Callable[[Any, Any], Any]:
+        """What the step calls: `loss_fn`, uncompiled under engine "func" (see `__post_init__`)."""
+        return uncompiled(self.loss_fn) if self.engine == "func" else self.loss_fn
+
+    @functools.cached_property
     def fingerprint(self) -> int:
         """`shared`'s CRC-32 (31 bits: exact in the agreement's float64 row)."""
         return settings_crc(self.shared)
@@ -108,13 +106,16 @@ class StepConfig:
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise ConfigError(f"loss_fn must be a callable (params, batch) -> 0-d loss, got {self.loss_fn!r}")
-        if self.engine == "func" and _compiled(self.loss_fn):
+        if self.engine == "func" and compiled(self.loss_fn):
             # found in review: dynamo does not trace a compiled function under torch.func.grad called
-            # from eager code (pytorch#128711), so such a loss silently ran eager
-            warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; it runs "
-                          "eager (dynamo does not trace a compiled function under torch.func.grad called from eager "
-                          "code), with the uncompiled loss's bits. Compile with engine=\"autograd\", or pass the "
-                          "loss uncompiled (docs/compile.md)", UserWarning, stacklevel=outside_stacklevel())
+            # from eager code (pytorch#128711), so such a loss silently ran eager; and then, called
+            # through dynamo, it failed under backend="eager" and made dynamo skip the loss's code
+            # for the rest of the process: the step calls the function torch.compile wrapped (`call`)
+            warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; the step "
+                          "calls the function torch.compile wrapped, eager (dynamo does not trace a compiled function "
+                          "under torch.func.grad called from eager code), with the uncompiled loss's bits. Compile "
+                          "with engine=\"autograd\", or pass the loss uncompiled (docs/compile.md)", UserWarning,
+                          stacklevel=outside_stacklevel())
         for name, value, choices in (("engine", self.engine, ENGINES), ("on_nonfinite", self.on_nonfinite, NONFINITE),
                                      ("gather", self.gather, GATHERS), ("accumulate", self.accumulate, ACCUMULATE),
                                      ("normalize", self.normalize, NORMALIZE)):

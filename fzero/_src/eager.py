@@ -32,6 +32,24 @@ _callback = getattr(_eval_frame, "get_eval_frame_callback", None)
 _state = threading.local()
 
 
+def compiled(fn: Any) -> bool:
+    """Whether `fn` is a `torch.compile`d function, bare or inside `functools.partial`s (a compiled
+    function called inside another cannot be seen)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def uncompiled(fn: Any) -> Any:
+    """`fn` with `torch.compile`'s wrappers taken off (inside `functools.partial`s too): the
+    function, or for a compiled module its `_orig_mod`."""
+    if isinstance(fn, functools.partial):
+        return functools.partial(uncompiled(fn.func), *fn.args, **fn.keywords)
+    while hasattr(fn, "_torchdynamo_orig_callable"):
+        fn = fn._orig_mod if hasattr(fn, "_orig_mod") else fn._torchdynamo_orig_callable
+    return fn
+
+
 def from_compiled() -> bool:
     """Whether the `eager` function running now was called by compiled code or while dynamo
     traces (False where this torch lacks the callback's reader: unknown)."""

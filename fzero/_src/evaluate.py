@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from .collectives import all_gather, func_level
 from .errors import ConfigError, FzeroError, as_int
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
-                        replaced_tensors, same_paths)
+                        refuse_compiled_placeholders, replaced_tensors, same_paths)
 from .mesh import Mesh
 from .precision import note_batch_dtypes
 from .state import ZeroState, check_state, checked
@@ -178,6 +178,7 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
     on_use = gather == "on_use" and stage.sharded("params")
+    refuse_compiled_placeholders(fn, layout, "on_use" if on_use else "eager")
     gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout),
                            prefetch=prefetch)
     try:

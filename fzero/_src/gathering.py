@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .casting import Reads, casting
 from .collectives import func_level, unwrapped
-from .eager import eager, from_compiled
+from .eager import compiled, eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError, said
 from .layout import Layout
 from .mesh import EVALUATING, Mesh, entry_of, evaluating_words, unlabelled
@@ -1398,16 +1398,33 @@ class FirstUse(TorchFunctionMode):
         return out
 
 
+def _compiled_reads_words(what: str) -> str:
+    return (f"gather='on_use' with params that are not a flat dict: compiled code (torch.compile) {what}, which "
+            f"fzero swaps for the gathered leaf at its first use, outside dynamo; use gather='eager' with a compiled "
+            f"loss, or flat-dict params read outside the compiled code (docs/compile.md)")
+
+
+def refuse_compiled_placeholders(fn: Any, layout: Layout, mode: str) -> None:
+    """`_not_from_compiled`'s `ConfigError` before `fn` runs, where `fn` itself is compiled (the
+    one compiled function fzero can see): raised inside the compiled code, the error made dynamo
+    skip that function's code for the rest of the process, so a fresh `torch.compile` of it with
+    gather='eager', as the words say, ran eager with no word (found in review of torch.compile)."""
+    if mode == "on_use" and compiled(fn) and not is_flat_dict(layout):
+        paths = named_paths([ls.path for ls in layout.leaves])
+        raise ConfigError(_compiled_reads_words(f"would be handed placeholders of the params leaves ({paths})"))
+
+
 @eager
 def _not_from_compiled(paths: dict[int, str], flat: list[Any]) -> None:
     """Raise `ConfigError` where compiled code (torch.compile) hands `FirstUse` a placeholder.
     Dynamo cannot trace the swap (on torch 2.13 it stopped inside it with
     InternalTorchDynamoError, NameError: '___tuple_iterator_getitem'); traced, this call is a
     graph break, and run by the compiled code it raises (`from_compiled`). A plain eager call
-    returns at once."""
+    returns at once. Dynamo then skips the code of the compiled function that raised for the
+    rest of the process: the words say so (a compiled loss is refused before, in
+    `refuse_compiled_placeholders`)."""
     if from_compiled():
         named = [paths[id(a)] for a in flat if isinstance(a, torch.Tensor) and id(a) in paths]
-        raise ConfigError(f"gather='on_use' with params that are not a flat dict: compiled code (torch.compile) "
-                          f"reads the placeholder of {named}, which fzero swaps for the gathered leaf at its "
-                          f"first use, outside dynamo; use gather='eager' with a compiled loss, or flat-dict params "
-                          f"read outside the compiled code (docs/compile.md)")
+        raise ConfigError(_compiled_reads_words(f"reads the placeholder of {named}") + "; dynamo does not compile "
+                          "the function that raised this again in this process (it skips its code): make the change "
+                          "in a new process, or call torch._dynamo.reset() first")

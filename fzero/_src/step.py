@@ -57,7 +57,7 @@ from .casting import Reads, Slot
 from .collectives import func_level
 from .config import StepConfig
 from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, outside_stacklevel, said
-from .gathering import Gathering, held_tensor, in_micro_batch, same_paths
+from .gathering import Gathering, held_tensor, in_micro_batch, refuse_compiled_placeholders, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
 from .offload import differentiated, early_copies, readable
 from .originals import refuse_changed_module, refuse_original_reads, warn_written_module
@@ -249,6 +249,8 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         warn_written_module(state, holds_leaf)  # at its first step: the module written since init copied it,
         # with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
+        refuse_compiled_placeholders(config.loss_fn, state.layout, config.gather)
+        _warn_compiled_module_under_func(config, state.layout)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
                 return run_step(config, state, batch)
@@ -256,6 +258,24 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
                 _explain_inference_tensors(e, config, state, batch)
                 _explain_saved_tensor_hooks(e, config)
                 raise
+
+
+def _warn_compiled_module_under_func(config: StepConfig, layout: Any) -> None:
+    """engine "func" over the params of `from_module(torch.compile(model))` (named `_orig_mod.*`):
+    a `UserWarning` at each step of this `train_step` on this thread until one has run
+    (`config.checked`), as for `train_step(torch.compile(loss_fn), engine="func")`, whose loss the
+    step can uncompile. Found in review of torch.compile: the compiled module, called by `apply`
+    under torch.func.grad, ran eager with no word, failed under backend="eager" with a bare
+    AssertionError, and left dynamo skipping its classes' code for the rest of the process."""
+    if config.engine != "func" or config.checked.done:
+        return
+    paths = [ls.path for ls in layout.leaves if ls.path.startswith("_orig_mod.") or "._orig_mod." in ls.path]
+    if paths:
+        warnings.warn(f"train_step(engine=\"func\") over the params of a torch.compile'd model ({paths[0]!r}, ...: "
+                      f"from_module(torch.compile(model))): the model is not compiled under torch.func.grad; dynamo "
+                      f"runs it eager (backend=\"eager\" fails with an AssertionError), and afterwards compiles none "
+                      f"of its modules' code in this process. Compile with engine=\"autograd\", or pass the model "
+                      f"uncompiled to from_module (docs/compile.md)", UserWarning, stacklevel=outside_stacklevel())
 
 
 def _check_no_inference_state_donated(config: StepConfig, state: ZeroState) -> None:
@@ -911,7 +931,7 @@ def backward(config: StepConfig, state: ZeroState, batch: Any, norms: EarlyNorms
 
         def objective(params: Any, mb: Any) -> torch.Tensor:
             try:
-                out = config.loss_fn(params, mb)
+                out = config.call(params, mb)
             except Exception as e:  # (a try costs nothing until it catches)
                 own = _fzero_error_under_dynamo(e)
                 if own is not None:
