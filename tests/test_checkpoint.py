@@ -1156,9 +1156,12 @@ def test_a_loaded_state_goes_on_under_another_lr_with_its_moments(tmp_path):
         for i in range(2):
             state, _ = step(state, batch(i, mesh.rank))
         path = ck.save(state, tmp_path)
-        with pytest.raises(ck.CheckpointError, match=r"lr: checkpoint .*target .*; make the target with the optimizer "
+        with pytest.raises(ck.CheckpointError, match=r"setting \(adamw\): lr: checkpoint function cosine\.<locals>\.fn "
+                           r"\[[^]]*\], target 0\.02; make the target with the optimizer "
                            r"and settings the checkpoint was saved with; to go on under the new ones with the saved "
                            r"optimizer state .*state\.replace\(info=dataclasses\.replace\(state\.info, optimizer="):
+            # (one line for the lr, named by the schedule's function and the constant's value: before, two
+            # lines, "function as_schedule.<locals>.checked []" and "... <locals>.<lambda> [\"0.02\"]")
             ck.load(path, fzero.init(make_params(1), new, stage=1, mesh=mesh))
         loaded = ck.load(path, fzero.init(make_params(1), old, stage=1, mesh=mesh))
         runs = []

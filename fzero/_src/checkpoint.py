@@ -1810,8 +1810,13 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     node = named(optimizer)
     adopted = _impl_adopted(theirs, optimizer, want)  # an impl that differs too is no reason: not named
     diffs = _setting_diffs(adopted, node, ()) if _jsonable(unnamed(node)) == want else []
-    shown = {f"{setting_name(where)}: checkpoint {_setting_words(a)}, target {_setting_words(b)}": None
-             for where, a, b in diffs}
+    fullest: dict[str, str] = {}  # one line a setting: its description's deepest copy (the optimizer's
+    for where, a, b in diffs:  # description holds the lr at several depths, the shallower cut short)
+        line = f"checkpoint {_setting_words(a)}, target {_setting_words(b)}"
+        name = setting_name(where)
+        if len(line) > len(fullest.get(name, "")):
+            fullest[name] = line
+    shown = [f"{name}: {line}" for name, line in fullest.items()]
     if shown:  # (found in review of resumes: the way that keeps the optimizer state went unnamed)
         return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}; "
                 f"to go on under the new ones with the saved optimizer state (its moments, its step), load into "
@@ -1827,6 +1832,10 @@ def _setting_words(value: Any) -> str:
     a schedule of another function was shown as the whole description twice, cut before it, found
     in review)."""
     if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], list):
+        if value[0] == "as_schedule.<locals>.<lambda>" and len(value[1]) == 1:  # a constant lr: its value
+            return _setting_words(value[1][0])
+        if value[0] == "as_schedule.<locals>.checked" and len(value[1]) == 1:  # a schedule: the function given
+            return _setting_words(value[1][0])
         inner = json.dumps(value[1])
         return f"function {value[0]} {inner[:120]}{' ...' if len(inner) > 120 else ''}"
     return value if isinstance(value, str) else json.dumps(value)[:120]
