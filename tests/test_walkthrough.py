@@ -229,3 +229,31 @@ def test_a_compiled_model_under_the_func_engine_warns_until_a_step_ran():
         r"engine=\"func\"\) over the params of a torch.compile'd model \('_orig_mod\.0\.bias', \.\.\.: .*"
         r"Compile with engine=\"autograd\", or pass the model uncompiled to from_module", compiled_func[0])
     assert plain_func == [] and compiled_autograd == []
+
+
+@compiling
+def test_a_fullgraph_loss_reading_params_on_use_gets_fzeros_note():
+    """`torch.compile(loss, fullgraph=True)` reading flat-dict params on use: dynamo's `Unsupported`
+    (its hint: remove the torch.compiler.disable) gets a note naming gather="eager", in a step and
+    in `fzero.evaluate` at stage 3 (found in review of torch.compile: dynamo's words alone); with
+    gather="eager" the same loss runs."""
+    mesh = fzero.SimMesh(1)
+    loss = torch.compile(lambda p, x: torch.tanh(x @ p["layer.w"] + p["layer.b"]).square().mean(), backend="eager",
+                         fullgraph=True)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    unsupported = torch._dynamo.exc.Unsupported
+
+    def rank():
+        state = fzero.init(_params(), optim.sgd(0.1), stage=3, mesh=mesh, units=lambda p: p.split(".")[0])
+        notes = []
+        for call in (lambda: fzero.train_step(loss)(state, x), lambda: fzero.evaluate(loss)(state, x)):
+            with pytest.raises(unsupported) as caught:
+                call()
+            notes.append(" ".join(getattr(caught.value, "__notes__", [])))
+        fzero.train_step(loss, gather="eager")(state, x)
+        return notes
+
+    torch._dynamo.reset()
+    for note in mesh.run(rank)[0]:
+        assert re.search(r"fzero: a torch.compile\(\.\.\., fullgraph=True\) function read params on use .* Ignore "
+                         r"dynamo's hint to remove torch.compiler.disable; pass gather='eager'", note), note

@@ -50,6 +50,20 @@ def uncompiled(fn: Any) -> Any:
     return fn
 
 
+def note_fullgraph(e: BaseException, gather: str) -> None:
+    """A note on dynamo's `Unsupported` where a `fullgraph=True` function met one of fzero's
+    `eager` functions while reading params on use (`Gathering.read`, `apply`'s bookkeeping):
+    dynamo's hint, to remove the `torch.compiler.disable`, cannot be taken; `gather="eager"` hands
+    the function plain leaves (found in review of torch.compile: dynamo's words alone)."""
+    unsupported = getattr(getattr(getattr(torch, "_dynamo", None), "exc", None), "Unsupported", None)
+    if (gather == "on_use" and unsupported is not None and isinstance(e, unsupported)
+            and "torch.compiler.disable" in str(e) and "fzero" in str(e)):
+        e.add_note("fzero: a torch.compile(..., fullgraph=True) function read params on use (gather='on_use'), "
+                   "which fzero gathers at the first read, outside dynamo: a graph break by design. Ignore dynamo's "
+                   "hint to remove torch.compiler.disable; pass gather='eager' to train_step / fzero.evaluate, or "
+                   "read the leaves outside the compiled function (docs/compile.md)")
+
+
 def from_compiled() -> bool:
     """Whether the `eager` function running now was called by compiled code or while dynamo
     traces (False where this torch lacks the callback's reader: unknown)."""

@@ -35,6 +35,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
+from .eager import note_fullgraph
 from .errors import ConfigError, FzeroError, as_int
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         refuse_compiled_placeholders, replaced_tensors, same_paths)
@@ -186,6 +187,8 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     except BaseException as e:  # the gathers `fn` started ahead (prefetch): waited for and freed, or kept
         gathering.finish(e)  # by the mesh (`finish`); an interrupt too (before, its gathers were dropped: gloo cancelled them)
         _note_batch_dtypes(e, state, batch)
+        with contextlib.suppress(Exception):
+            note_fullgraph(e, gather)
         raise
     if _gathers(state):  # also after an eager forward, whose gathers all came before `fn`: an error of `fn` on
         # one rank then stops the others here, in this call (`_guarded`; found in review: their call returned,

@@ -56,6 +56,7 @@ from .agreement import Report, Verdict, _check_some_leaf_used, agree_launching, 
 from .casting import Reads, Slot
 from .collectives import func_level
 from .config import StepConfig
+from .eager import note_fullgraph
 from .errors import ConfigError, FzeroError, LossScaleError, NonFiniteError, outside_stacklevel, said
 from .gathering import Gathering, held_tensor, in_micro_batch, refuse_compiled_placeholders, same_paths
 from .norms import EarlyNorms, Side, beside_backward, shard_norm, side_assembly
@@ -722,6 +723,8 @@ def _note_loss_error(e: Exception, config: StepConfig, state: ZeroState, i: int,
     k = config.micro_batches
     with contextlib.suppress(Exception):  # a note that cannot be made never hides the loss's error
         _note_micro_batches(e, k, i, mb)
+    with contextlib.suppress(Exception):
+        note_fullgraph(e, config.gather)
     note_batch_dtypes(e, state.precision, state.layout.buckets, mb, "the batch" if k == 1 else f"micro-batch {i}")
 
 
