@@ -4,6 +4,7 @@ one-line `fzero <cmd>: error: ...` message and no traceback, or now works."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -197,6 +198,19 @@ def checkpoint(tmp_path):
     return fzero.checkpoint.latest(str(root))
 
 
+def test_a_crashed_save_beside_a_checkpoint_names_it(checkpoint):
+    """A crash's .tmp-step-* folder passed where a checkpoint goes, beside a complete checkpoint:
+    the words name the one `latest(root)` returns."""
+    crash = os.path.join(os.path.dirname(checkpoint), ".tmp-step-9-0123abcd")
+    os.mkdir(crash)
+    try:
+        with pytest.raises(fzero.checkpoint.CheckpointError, match=r"it is a save that did not complete .*its root's "
+                           r"last complete checkpoint, fzero\.checkpoint\.latest\(root\), is " + re.escape(repr(checkpoint))):
+            fzero.checkpoint.read_manifest(crash)
+    finally:
+        os.rmdir(crash)
+
+
 def test_inspect_and_export_of_a_root_name_the_checkpoint_written_last(checkpoint, tmp_path, capsys):
     """A root passed where a checkpoint goes (DeepSpeed's `load_checkpoint(dir)` takes one) names
     the checkpoint `latest(root)` finds, for a shell user; a folder without checkpoints keeps the
@@ -219,7 +233,9 @@ def test_a_root_of_crashed_saves_only_is_not_sent_to_latest(tmp_path, capsys):
     assert fzero.checkpoint.latest(str(tmp_path)) is None
     _usage_error(capsys, ["inspect", str(tmp_path)], "it holds no complete checkpoint, only 1 save(s) that did not "
                  "complete ('.tmp-step-3-0123abcd'...; a crash leaves them), so fzero.checkpoint.latest(root) is None")
-    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"it is a save that did not complete \(a crash leaves"):
+    with pytest.raises(fzero.checkpoint.CheckpointError, match=r"it is a save that did not complete \(a crash leaves "
+                       r"a \.tmp-step-\* folder\); its root holds no complete checkpoint \(fzero\.checkpoint\.latest"
+                       r"\(root\) is None\)"):
         fzero.checkpoint.read_manifest(str(crash))
 
 @pytest.mark.parametrize("dtype", ["foo", "int8"])

@@ -222,9 +222,11 @@ def test_a_compiled_model_under_the_func_engine_warns_until_a_step_ran():
 
     def rank():
         return steps(torch.compile(model, backend="aot_eager"), "func"), steps(model, "func"), steps(
-            torch.compile(model, backend="aot_eager"), "autograd")
+            torch.compile(model, backend="aot_eager"), "autograd"), steps(
+            torch.nn.Sequential(torch.compile(model, backend="aot_eager")), "func")
 
-    compiled_func, plain_func, compiled_autograd = mesh.run(rank)[0]
+    compiled_func, plain_func, compiled_autograd, compiled_child = mesh.run(rank)[0]
+    assert len(compiled_child) == 1 and "('0._orig_mod.0.bias', ...: " in compiled_child[0]  # a compiled submodule
     assert len(compiled_func) == 1 and re.search(
         r"engine=\"func\"\) over the params of a torch.compile'd model \('_orig_mod\.0\.bias', \.\.\.: .*"
         r"Compile with engine=\"autograd\", or pass the model uncompiled to from_module", compiled_func[0])
@@ -257,3 +259,51 @@ def test_a_fullgraph_loss_reading_params_on_use_gets_fzeros_note():
     for note in mesh.run(rank)[0]:
         assert re.search(r"fzero: a torch.compile\(\.\.\., fullgraph=True\) function read params on use .* Ignore "
                          r"dynamo's hint to remove torch.compiler.disable; pass gather='eager'", note), note
+
+
+@compiling
+def test_under_the_func_engine_only_torch_compiles_own_wrappers_are_taken_off():
+    """engine="func" calls the function `torch.compile` wrapped, inside a `functools.partial`
+    too (backend="eager": it runs, where dynamo's AssertionError stopped it), but a decorator
+    around a compiled function is kept and runs: `functools.wraps` copies the compiled function's
+    attributes onto it (found in review: `torch.autocast(...)(compiled)` lost its autocast, a
+    user's wrapper its factor, silently); over nested params on use, a loss the step uncompiles
+    is not refused (no compiled code meets a placeholder)."""
+    import warnings
+
+    torch._dynamo.reset()
+    mesh = fzero.SimMesh(1)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+
+    def math(p, x, k=1.0):
+        return torch.tanh(x @ p["layer.w"] + p["layer.b"]).square().mean() * k
+
+    def nested(p, x):
+        return torch.tanh(x @ p["layer"]["w"] + p["layer"]["b"]).square().mean()
+
+    compiled = torch.compile(math, backend="aot_eager")
+
+    @functools.wraps(compiled)
+    def tenfold(p, x):
+        return 10.0 * compiled(p, x)
+
+    cases = {
+        "partial": (functools.partial(torch.compile(math, backend="eager"), k=3.0), functools.partial(math, k=3.0)),
+        "autocast": (torch.autocast("cpu", dtype=torch.bfloat16)(compiled),
+                     torch.autocast("cpu", dtype=torch.bfloat16)(math)),
+        "wraps": (tenfold, lambda p, x: 10.0 * math(p, x)),
+        "nested": (torch.compile(nested, backend="eager"), nested),
+    }
+
+    def rank():
+        out = {}
+        for name, (given, plain) in cases.items():
+            params = _params() if name != "nested" else {"layer": {"w": _params()["layer.w"], "b": _params()["layer.b"]}}
+            state = fzero.init(params, optim.sgd(0.1), stage=3, mesh=mesh, units=lambda p: p.split(".")[0])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # the "not compiled" warning, tested above
+                out[name] = [fzero.train_step(f, engine="func")(state, x)[1].loss for f in (given, plain)]
+        return out
+
+    for name, (given, plain) in mesh.run(rank)[0].items():
+        assert torch.equal(given, plain), (name, given, plain)

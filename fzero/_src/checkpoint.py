@@ -1243,8 +1243,16 @@ def _root_words(path: str) -> str:
         return (f": it is a checkpoint root, which holds {len(found)} complete checkpoint(s); the one written last, "
                 f"fzero.checkpoint.latest(root), is {found[-1][2]!r}")
     if _TMP_DIR.match(os.path.basename(os.path.normpath(path))):
-        return (": it is a save that did not complete (a crash leaves a .tmp-step-* folder); "
-                "fzero.checkpoint.latest(root) names the root's last complete checkpoint")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                beside = _found(os.path.dirname(os.path.normpath(path)))
+        except Exception:  # noqa: BLE001 - only the words of an error already raised
+            beside = []
+        last = (f"its root's last complete checkpoint, fzero.checkpoint.latest(root), is {beside[-1][2]!r}" if beside
+                else "its root holds no complete checkpoint (fzero.checkpoint.latest(root) is None): start the run "
+                     "afresh, or load from another root")
+        return f": it is a save that did not complete (a crash leaves a .tmp-step-* folder); {last}"
     if crashed:  # found in review: the words sent such a root's user to latest(root), which returns None
         return (f": it holds no complete checkpoint, only {len(crashed)} save(s) that did not complete "
                 f"({crashed[0]!r}...; a crash leaves them), so fzero.checkpoint.latest(root) is None: "
@@ -1596,8 +1604,10 @@ def _check_lr(path: str, manifest: dict[str, Any], target: ZeroState) -> None:
                 f"target {_shown_lr(mine[s])} (saved at step {manifest['step']}; the schedules differ where the "
                 f"optimizer's description does not show it: a functools.partial's arguments, a value read from an "
                 f"object); make the target with the schedule it was saved with. To train on under another "
-                f"schedule, start a new state from the saved params (fzero.checkpoint.export, then fzero.init): "
-                f"fzero keeps no optimizer state or step across a change of schedule")
+                f"schedule with the saved optimizer state (its moments, its step), load into that target, then give "
+                f"the loaded state the new optimizer on every rank: state.replace(info=dataclasses.replace("
+                f"state.info, optimizer=...)); to restart it, start a new state from the saved params "
+                f"(fzero.checkpoint.export, then fzero.init)")
 
 
 def _shown_lr(value: float | None) -> str:
@@ -1819,9 +1829,12 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     shown = [f"{name}: {line}" for name, line in fullest.items()]
     if shown:  # (found in review of resumes: the way that keeps the optimizer state went unnamed)
         return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}; "
-                f"to go on under the new ones with the saved optimizer state (its moments, its step), load into "
-                f"that target, then give the loaded state the new optimizer on every rank: "
-                f"state.replace(info=dataclasses.replace(state.info, optimizer=...))")
+                f"to go on under the new ones with the saved optimizer state (its moments, its step), where the new "
+                f"optimizer's state has the same fields (another lr or schedule, betas, eps or weight decay; not "
+                f"momentum or amsgrad turned on, whose state has more), load into that target, then give the loaded "
+                f"state the new optimizer on every rank: state.replace(info=dataclasses.replace(state.info, "
+                f"optimizer=...)); else start a new state from its params, fzero.init(fzero.checkpoint.export(path), "
+                f"...) (the optimizer state restarts)")
     return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "
             f"{str(theirs)[:300]}\n  target:     {str(want)[:300]}\n{fix}")
 

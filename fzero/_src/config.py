@@ -111,11 +111,13 @@ class StepConfig:
             # from eager code (pytorch#128711), so such a loss silently ran eager; and then, called
             # through dynamo, it failed under backend="eager" and made dynamo skip the loss's code
             # for the rest of the process: the step calls the function torch.compile wrapped (`call`)
-            warnings.warn("train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; the step "
-                          "calls the function torch.compile wrapped, eager (dynamo does not trace a compiled function "
-                          "under torch.func.grad called from eager code), with the uncompiled loss's bits. Compile "
-                          "with engine=\"autograd\", or pass the loss uncompiled (docs/compile.md)", UserWarning,
-                          stacklevel=outside_stacklevel())
+            how = ("the step calls the function torch.compile wrapped, eager" if self.call is not self.loss_fn else
+                   "it runs eager through a wrapper around the compiled function (backend=\"eager\": an "
+                   "AssertionError)")
+            warnings.warn(f"train_step(torch.compile(loss_fn), engine=\"func\"): the loss is not compiled; {how} "
+                          f"(dynamo does not trace a compiled function under torch.func.grad called from eager code), "
+                          f"with the uncompiled loss's bits. Compile with engine=\"autograd\", or pass the loss "
+                          f"uncompiled (docs/compile.md)", UserWarning, stacklevel=outside_stacklevel())
         for name, value, choices in (("engine", self.engine, ENGINES), ("on_nonfinite", self.on_nonfinite, NONFINITE),
                                      ("gather", self.gather, GATHERS), ("accumulate", self.accumulate, ACCUMULATE),
                                      ("normalize", self.normalize, NORMALIZE)):

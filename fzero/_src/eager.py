@@ -41,13 +41,28 @@ def compiled(fn: Any) -> bool:
 
 
 def uncompiled(fn: Any) -> Any:
-    """`fn` with `torch.compile`'s wrappers taken off (inside `functools.partial`s too): the
-    function, or for a compiled module its `_orig_mod`."""
+    """`fn` with `torch.compile`'s own wrappers taken off (inside `functools.partial`s too): the
+    function, or for a compiled module its `_orig_mod`. A function that only carries the
+    attribute is kept: `functools.wraps` copies it onto a decorator around a compiled function
+    (`torch.autocast(...)(compiled)`, a user's wrapper), whose own work must run (found in review:
+    taken off with the wrapper, the loss lost its autocast, silently)."""
     if isinstance(fn, functools.partial):
         return functools.partial(uncompiled(fn.func), *fn.args, **fn.keywords)
-    while hasattr(fn, "_torchdynamo_orig_callable"):
-        fn = fn._orig_mod if hasattr(fn, "_orig_mod") else fn._torchdynamo_orig_callable
-    return fn
+    optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", None)
+    while True:
+        if optimized is not None and isinstance(fn, optimized):
+            fn = fn._orig_mod
+        elif hasattr(fn, "_torchdynamo_orig_callable") and getattr(fn, "__code__", None) is _compile_wrapper_code():
+            fn = fn._torchdynamo_orig_callable
+        else:
+            return fn
+
+
+@functools.cache
+def _compile_wrapper_code() -> Any:
+    """The code of the function `torch.compile(fn)` returns (one closure's code for every `fn`);
+    read where a compiled function was met, so dynamo is imported already."""
+    return torch.compile(lambda: None).__code__
 
 
 def note_fullgraph(e: BaseException, gather: str) -> None:

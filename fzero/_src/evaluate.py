@@ -179,7 +179,7 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
     on_use = gather == "on_use" and stage.sharded("params")
-    refuse_compiled_placeholders(fn, layout, "on_use" if on_use else "eager")
+    refuse_compiled_placeholders(fn, layout, gather)  # (placeholders at every stage on use: found in review)
     gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout),
                            prefetch=prefetch)
     try:

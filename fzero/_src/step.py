@@ -250,7 +250,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         warn_written_module(state, holds_leaf)  # at its first step: the module written since init copied it,
         # with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
-        refuse_compiled_placeholders(config.loss_fn, state.layout, config.gather)
+        refuse_compiled_placeholders(config.call, state.layout, config.gather)  # (under func: uncompiled)
         _warn_compiled_module_under_func(config, state.layout)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
