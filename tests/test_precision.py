@@ -458,6 +458,28 @@ def test_a_step_skipped_at_the_scales_floor_warns_and_a_lower_floor_trains(stage
 
     assert mesh.run(raising_at_floor) == [True, True]  # the suite makes a warning an error
 
+def test_a_loss_non_finite_at_the_scales_floor_is_named_as_the_loss():
+    """A skip at the floor whose loss itself is non-finite (an fp16 token sum past 65,504, here on
+    rank 1 only; a NaN in a batch) warns `LossScaleAtFloor` naming the loss and its rank, and that
+    no scale mends it (found in review of feature combinations: the words blamed the gradients
+    and named a lower floor, under which every step still skipped)."""
+    mesh = fzero.SimMesh(2)
+
+    def rank_fn():
+        state = fzero.init({"w": torch.full((4, 3), 0.01)}, optim.sgd(1e-6), stage=2, mesh=mesh, precision=FP16,
+                           loss_scale=fzero.DynamicLossScale(init_scale=1.0, hysteresis=1, min_scale=2.0**-20))
+        x = torch.full((1000, 4), 100.0 * (1 + 999 * mesh.rank))  # rank 1's fp16 sum: inf
+        step = fzero.train_step(lambda p, b: ((x.half() @ p["w"]).sum().float(), 1000), normalize="tokens")
+        state = state.replace(loss_scale=state.loss_scale._replace(scale=torch.tensor(2.0**-20)))
+        return step(state, None)[1].skipped
+
+    with pytest.warns(fzero.LossScaleAtFloor, match=re.escape(
+            "step 0 (state.step, which a skipped step does not advance): the loss was non-finite on rank(s) [1], with "
+            "the loss scale at its floor, min_scale=9.5367431640625e-07") + r".*No loss scale makes a loss finite.*an "
+            r"fp16 loss or token sum past 65504 is inf before it, so compute it in float32"):
+        assert mesh.run(rank_fn) == [True, True]
+
+
 def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():
     """A NaN loss on rank 1 at every step is an overflow to the scaler: with `raise_at_min` the
     step at the floor raises `LossScaleError` on every rank, which said only that "the gradients

@@ -279,13 +279,25 @@ class DynamicLossScale:
         return _state(scale, hyst, i + 1, last)
 
 
-def warn_at_floor(scaler: LossScale | None, scale: float, step: int) -> None:
+def warn_at_floor(scaler: LossScale | None, scale: float, step: int, bad_losses: tuple[int, ...] = ()) -> None:
     """`LossScaleAtFloor` where a step under a dynamic `scaler` skipped an overflow with the scale
     at its floor and does not raise there (`raise_at_min=False`, the default): such a run otherwise
     skips every step with `metrics.skipped` the only sign (found in review: `normalize="tokens"`
-    at 140,000 tokens a micro-batch under fp16)."""
+    at 140,000 tokens a micro-batch under fp16). `bad_losses`: the ranks whose loss itself was
+    non-finite, which no scale mends (found in review: the words blamed the gradients and sent
+    the user to a lower floor, under which every step still skipped)."""
     if isinstance(scaler, DynamicLossScale) and scale == scaler.min_scale and not scaler.raise_at_min:
-        warnings.warn(LossScaleAtFloor(_at_floor_words(step, scale)), stacklevel=outside_stacklevel())
+        words = _loss_at_floor_words(step, scale, bad_losses) if bad_losses else _at_floor_words(step, scale)
+        warnings.warn(LossScaleAtFloor(words), stacklevel=outside_stacklevel())
+
+
+def _loss_at_floor_words(step: int, floor: float, ranks: tuple[int, ...]) -> str:
+    return (f"step {step} (state.step, which a skipped step does not advance): the loss was non-finite on rank(s) "
+            f"{list(ranks)}, with the loss scale at its floor, min_scale={floor!r}: the step is skipped and the scale "
+            f"stays (DynamicLossScale(raise_at_min=False)). No loss scale makes a loss finite (the scale multiplies "
+            f"the loss the function returns): an fp16 loss or token sum past 65504 is inf before it, so compute it "
+            f"in float32 (loss.float(), F.cross_entropy(logits.float(), ...)); else find the NaN or inf in that "
+            f"rank's batch or model (train_step(locate_nonfinite=True), raise_at_min=True to stop there)")
 
 
 def _at_floor_words(step: int, floor: float) -> str:

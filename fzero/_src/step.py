@@ -524,7 +524,7 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     next_scale = None if scaler is None else _scaler_update(scaler, state, verdict, step)
     if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
-            warn_at_floor(scaler, s, step)
+            warn_at_floor(scaler, s, step, verdict.bad_losses)
             if config.donate:  # the new state shares every buffer: the next donating step writes them for
                 consume(state, wrote=False)  # both (found in review: the old one then read, and saved, the next
                 # step's values); nothing written yet, so a copy made before stays usable until that step
