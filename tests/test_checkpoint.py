@@ -1158,8 +1158,8 @@ def test_a_loaded_state_goes_on_under_another_lr_with_its_moments(tmp_path):
         path = ck.save(state, tmp_path)
         with pytest.raises(ck.CheckpointError, match=r"setting \(adamw\): lr: checkpoint function cosine\.<locals>\.fn "
                            r"\[[^]]*\], target 0\.02; make the target with the optimizer "
-                           r"and settings the checkpoint was saved with; to go on under the new ones with the saved "
-                           r"optimizer state .*state\.replace\(info=dataclasses\.replace\(state\.info, optimizer="):
+                           r"and settings the checkpoint was saved with; then, to keep its moments and step under new "
+                           r"settings .*state\.replace\(info=dataclasses\.replace\(state\.info, optimizer="):
             # (one line for the lr, named by the schedule's function and the constant's value: before, two
             # lines, "function as_schedule.<locals>.checked []" and "... <locals>.<lambda> [\"0.02\"]")
             ck.load(path, fzero.init(make_params(1), new, stage=1, mesh=mesh))

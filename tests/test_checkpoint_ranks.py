@@ -246,7 +246,8 @@ def test_another_optimizer_setting_is_named(saved):
                                                                                           "target 0.8"),
                       (lambda: optim.lamb(0.1), "another optimizer: checkpoint adamw, target lamb")):
         for kind, text in load_per_rank([one, one], opt):
-            assert kind is ck.CheckpointError and want in text and len(text) < 300, text
+            assert kind is ck.CheckpointError and want in text and len(text) < 500, text  # (not the description:
+            # thousands of characters; the words name the way that keeps the moments too, found in review)
             assert "another optimizer" in text
 
 

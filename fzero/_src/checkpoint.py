@@ -1829,12 +1829,9 @@ def _other_optimizer(path: str, theirs: Any, optimizer: Any, want: Any) -> str:
     shown = [f"{name}: {line}" for name, line in fullest.items()]
     if shown:  # (found in review of resumes: the way that keeps the optimizer state went unnamed)
         return (f"{path!r} was saved with another optimizer setting ({names[0]}): {'; '.join(shown)}; {fix}; "
-                f"to go on under the new ones with the saved optimizer state (its moments, its step), where the new "
-                f"optimizer's state has the same fields (another lr or schedule, betas, eps or weight decay; not "
-                f"momentum or amsgrad turned on, whose state has more), load into that target, then give the loaded "
-                f"state the new optimizer on every rank: state.replace(info=dataclasses.replace(state.info, "
-                f"optimizer=...)); else start a new state from its params, fzero.init(fzero.checkpoint.export(path), "
-                f"...) (the optimizer state restarts)")
+                f"then, to keep its moments and step under new settings of the same state fields (not momentum or "
+                f"amsgrad turned on), give every rank's loaded state the new optimizer: state.replace(info="
+                f"dataclasses.replace(state.info, optimizer=...))")
     return (f"{path!r} was saved with another optimizer ({names[0]}, of other settings):\n  checkpoint: "
             f"{str(theirs)[:300]}\n  target:     {str(want)[:300]}\n{fix}")
 
