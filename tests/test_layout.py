@@ -45,11 +45,11 @@ def test_round_trip_is_bitwise(params, n, unit_spec, group_spec, align):
         for s, row in zip(shards, fzero.layout.local_shards(layout, flats, r)):
             assert torch.equal(s[r], row)
     back = fzero.layout.unpack(layout, fzero.layout.unshard(layout, shards))
-    assert_trees_equal(back, params, bitwise=True)
+    assert_trees_equal(back, params, bitwise=True, allow_empty=True)  # (params may be {})
     # pack copies: the input is not aliased by the buffers
     for f in flats:
         f.fill_(1.0)
-    assert_trees_equal(back, fzero.layout.unpack(layout, flats))
+    assert_trees_equal(back, fzero.layout.unpack(layout, flats), allow_empty=True)
 
 
 def _id_tree(params):

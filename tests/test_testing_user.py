@@ -308,13 +308,66 @@ def test_assert_trees_equal_compares_numpy_leaves():
         assert_trees_equal({"n": np.array(np.nan)}, {"n": np.array(np.nan)})  # NaN differs, as in torch.equal
 
 
+class Held:
+    """A leaf of the team's state that is neither a registered node nor a dataclass."""
+
+    def __init__(self, m: torch.Tensor) -> None:
+        self.m = m
+
+    def __eq__(self, other: object) -> object:
+        return self.m == other.m if isinstance(other, Held) else NotImplemented
+
+
 def test_assert_trees_equal_on_a_leaf_that_cannot_be_compared_names_its_path():
-    """An unregistered dataclass holding tensors: torch's "Boolean value of Tensor ... is
+    """An unregistered object holding tensors: torch's "Boolean value of Tensor ... is
     ambiguous" RuntimeError, not an AssertionError naming the leaf."""
-    a, b = {"opt": {"moments": Moments(torch.zeros(3))}}, {"opt": {"moments": Moments(torch.zeros(3))}}
-    with pytest.raises(AssertionError, match=r"at 'opt\.moments': Moments leaves cannot be compared with != "
+    a, b = {"opt": {"moments": Held(torch.zeros(3))}}, {"opt": {"moments": Held(torch.zeros(3))}}
+    with pytest.raises(AssertionError, match=r"at 'opt\.moments': Held leaves cannot be compared with != "
                                              r"\(RuntimeError: .*register the type as a pytree node"):
         assert_trees_equal(a, b)
+
+
+def test_assert_trees_equal_compares_an_unregistered_dataclass_field_by_field():
+    """A dataclass leaf went through `!=`: one-element tensors of another dtype or shape, or 0.0
+    against -0.0 under bitwise, passed (found in review of fzero.testing). Its fields are now
+    compared as a node's children, by name."""
+    with pytest.raises(AssertionError, match=r"^leaf 'opt\.moments\.m': torch\.float32\[\] on cpu != "
+                                             r"torch\.float64\[\] on cpu$"):
+        assert_trees_equal({"opt": {"moments": Moments(torch.tensor(1.0))}},
+                           {"opt": {"moments": Moments(torch.tensor(1.0, dtype=torch.float64))}})
+    with pytest.raises(AssertionError, match=r"leaf 'm' \(torch\.float32\[1\]\): 1 of 1 elements differ; .*bits "
+                                             r"00000000 != 80000000"):
+        assert_trees_equal(Moments(torch.zeros(1)), Moments(-torch.zeros(1)), bitwise=True)
+    assert_trees_equal(Moments(torch.ones(3)), Moments(torch.ones(3)))
+
+
+def test_assert_trees_equal_never_passes_having_compared_nothing():
+    """Two trees of no leaf (what `mesh.run` returns for a rank function given no batches), and
+    one object given twice, passed (found in review of fzero.testing; `trajectory_differences`
+    reported "nothing compared"); `allow_empty=True` accepts empty trees where they are meant."""
+    with pytest.raises(AssertionError, match=r"^nothing compared: both trees hold no leaf \(\[\[\], \[\]\]\)"):
+        assert_trees_equal([[], []], [[], []])
+    assert_trees_equal([[], []], [[], []], allow_empty=True)
+    run = {"w": torch.ones(2)}
+    with pytest.raises(AssertionError, match=r"^the same dict object was given as both trees: nothing compared"):
+        assert_trees_equal(run, run)
+
+
+def test_assert_trees_equal_names_the_largest_difference_and_ieee_bits():
+    """A one-ulp difference first hid a large one after it (found in review of fzero.testing):
+    the message names the largest finite |difference| and where; a Python float's bits read as
+    IEEE 754 writes them (they were its little-endian bytes), and numpy's are shown too."""
+    a = torch.linspace(-1, 1, 12).reshape(3, 4)
+    b = a.clone()
+    b[0, 0] = torch.nextafter(b[0, 0], torch.tensor(0.0))
+    b[2, 3] += 100
+    with pytest.raises(AssertionError, match=r"2 of 12 elements differ; first at index \[0, 0\]: -1\.0 != "
+                                             r"-0\.9999999403953552; largest \|difference\| 100 at index \[2, 3\]$"):
+        assert_trees_equal(a, b)
+    with pytest.raises(AssertionError, match=r"\(bitwise: 3fb999999999999a != 3fb999999999999b\)$"):
+        assert_trees_equal(0.1, 0.10000000000000002, bitwise=True)
+    with pytest.raises(AssertionError, match=r"\(bits 7fc00000 != 00000000\)$"):
+        assert_trees_equal(np.array([np.float32("nan")]), np.array([np.float32(0)]), bitwise=True)
 
 
 def test_assert_trees_equal_says_which_keys_differ():
@@ -339,3 +392,39 @@ def test_assert_trees_equal_bitwise_shows_the_bits_that_differ():
         assert_trees_equal(a, b, bitwise=True)
     with pytest.raises(AssertionError, match=r"Parameter != Tensor \(both tensors: compare `\.detach\(\)`"):
         assert_trees_equal({"w": nn.Parameter(torch.ones(1))}, {"w": torch.ones(1)})
+
+
+def test_trajectory_differences_names_a_per_rank_list_or_a_lone_snapshot():
+    """What `mesh.run` / `pool.run` return (one trajectory per rank), or one snapshot alone, gave
+    torch's "Boolean value of Tensor ... is ambiguous" or "string indices must be integers"
+    (found in review of fzero.testing)."""
+    from fzero.testing import trajectory_differences
+
+    run = [{"w": torch.ones(2)}, {"w": torch.zeros(2)}]
+    with pytest.raises(ValueError, match=r"ref\[0\] is a list, not a \{name: tensor\} snapshot \(one trajectory per "
+                                         r"rank, as mesh\.run and pool\.run return\? compare each rank's"):
+        trajectory_differences([run, run], [run, run])
+    with pytest.raises(ValueError, match=r"got is one snapshot \(dict\); give a list of them, one per step"):
+        trajectory_differences(run, run[0])
+    assert trajectory_differences(run, run) == []
+
+
+def test_integer_valued_keeps_within_max_abs_and_refuses_what_it_cannot_draw():
+    """bfloat16 rounded 1023 up to 1024, past `max_abs`; a negative `max_abs` failed at draw time
+    with torch's error; `float_tensors` drew int64 tensors (found in review of fzero.testing)."""
+    from hypothesis import given, settings
+
+    from fzero.testing import float_tensors, integer_valued
+
+    from hypothesis import strategies as st
+
+    @settings(max_examples=5, derandomize=True, database=None, deadline=None)
+    @given(integer_valued(dtypes=(torch.bfloat16,), max_abs=1023, shape=st.just((20000,))))
+    def within(t):  # (20,000 draws: some of 1022 and 1023, which bfloat16 rounds to 1024)
+        assert float(t.abs().max()) <= 1023
+
+    within()
+    with pytest.raises(ValueError, match=r"integer_valued: max_abs must be an int >= 0, got -1"):
+        integer_valued(max_abs=-1)
+    with pytest.raises(ValueError, match=r"float_tensors: dtypes must be floating torch dtypes"):
+        float_tensors(dtypes=(torch.int64,))

@@ -235,8 +235,10 @@ def fzero_trajectory(
     docstring says what it holds).
 
     Args:
-      mesh: the ranks' mesh (a `DistMesh` to compare with DDP; a `SimMesh` runs too, but its
-        ranks share one module's buffers: README, "The equivalence guarantee").
+      mesh: the ranks' mesh (a `DistMesh` to compare with DDP; a `SimMesh` runs too, called on
+        each rank inside `mesh.run`: each rank builds its own model with `make_model`, so its
+        buffers are its own, unlike one module's `apply` shared by SimMesh ranks, README, "The
+        equivalence guarantee").
       make_model, loss_fn, batches: as for `ddp_trajectory` (here `model(*args, **kwargs)` is
         `from_module`'s `apply` bound to the step's params).
       optimizer: a `fzero.optim` optimizer, the counterpart of `ddp_trajectory`'s.
@@ -582,6 +584,8 @@ def trajectory_differences(ref: Sequence[Mapping[str, torch.Tensor]], got: Seque
     """
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"trajectory_differences: limit must be an int >= 1, got {limit!r}")
+    for name, run in (("ref", ref), ("got", got)):
+        _check_trajectory(name, run)
     if not ref and not got:
         return ["0 steps in ref and got: nothing compared"]
     lines = []
@@ -598,6 +602,25 @@ def trajectory_differences(ref: Sequence[Mapping[str, torch.Tensor]], got: Seque
     if len(lines) > limit:
         lines = [*lines[:limit], f"... and {len(lines) - limit} more"]
     return lines
+
+
+def _check_trajectory(name: str, run: Any) -> None:
+    """A `ValueError` naming the slip where `run` is no sequence of `{name: tensor}` snapshots:
+    one snapshot given alone, or what `mesh.run` / `pool.run` return, a trajectory per rank (found
+    in review of fzero.testing: torch's "Boolean value of Tensor ... is ambiguous", or "string
+    indices must be integers")."""
+    if isinstance(run, Mapping):
+        raise ValueError(f"trajectory_differences: {name} is one snapshot ({type(run).__name__}); give a list of them, "
+                         f"one per step (what ddp_trajectory and fzero_trajectory return)")
+    if not isinstance(run, Sequence) or isinstance(run, (str, bytes)):
+        raise ValueError(f"trajectory_differences: {name} must be a list of {{name: tensor}} snapshots, one per step; "
+                         f"got {type(run).__name__}")
+    bad = next((i for i, step in enumerate(run) if not isinstance(step, Mapping)), None)
+    if bad is not None:
+        per_rank = " (one trajectory per rank, as mesh.run and pool.run return? compare each rank's: " \
+                   "trajectory_differences(ref[r], got[r]))" if isinstance(run[bad], (list, tuple)) else ""
+        raise ValueError(f"trajectory_differences: {name}[{bad}] is a {type(run[bad]).__name__}, not a {{name: "
+                         f"tensor}} snapshot{per_rank}")
 
 
 def _tensor_difference(a: Any, b: Any) -> str | None:

@@ -242,8 +242,22 @@ def _random_floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
 
 
 def _integer_floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int, max_abs: int) -> torch.Tensor:
+    """Integers in `[-max_abs, max_abs]` that `dtype` holds: drawn up to the largest integer of
+    `dtype` not above `max_abs` (bfloat16 rounds 1023 to 1024: found in review), so the cast,
+    which rounds monotonically, stays within it."""
+    top = torch.tensor(float(max_abs), dtype=torch.float64).to(dtype)
+    if float(top) > max_abs:
+        top = torch.nextafter(top, torch.zeros((), dtype=dtype)).floor()
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-max_abs, max_abs + 1, shape, generator=gen).to(dtype)
+    return torch.randint(-int(top), int(top) + 1, shape, generator=gen).to(dtype)
+
+
+def _floating(name: str, dtypes: Sequence[torch.dtype]) -> tuple[torch.dtype, ...]:
+    """`dtypes`, checked: floating torch dtypes, at least one (found in review: int64 drawn)."""
+    dtypes = tuple(dtypes)
+    if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
+        raise ValueError(f"{name}: dtypes must be floating torch dtypes, at least one, got {dtypes!r}")
+    return dtypes
 
 
 def float_tensors(
@@ -256,7 +270,7 @@ def float_tensors(
     return st.builds(
         _random_floats,
         shape if shape is not None else shapes(),
-        st.sampled_from(tuple(dtypes)),
+        st.sampled_from(_floating("float_tensors", dtypes)),
         st.integers(0, 2**31 - 1),
     )
 
@@ -267,17 +281,20 @@ def integer_valued(
     shape: st.SearchStrategy[tuple[int, ...]] | None = None,
     max_abs: int = 16,
 ) -> st.SearchStrategy[torch.Tensor]:
-    """Floating tensors holding integers in `[-max_abs, max_abs]`, `dtypes` and `shape` as for
-    `float_tensors`.
+    """Floating tensors holding integers in `[-max_abs, max_abs]` (those the dtype holds: up to
+    1020 for bfloat16 at `max_abs=1023`), `dtypes` and `shape` as for `float_tensors`; a
+    `max_abs` below 0 or a dtype that is not floating is a `ValueError`.
 
     With the default `max_abs = 16`, sums of up to 16 such values are exact in every float
     dtype (bfloat16 represents every integer up to 2^8 = 256 exactly), so a reduction's result
     does not depend on the order of summation.
     """
+    if isinstance(max_abs, bool) or not isinstance(max_abs, int) or max_abs < 0:
+        raise ValueError(f"integer_valued: max_abs must be an int >= 0, got {max_abs!r}")
     return st.builds(
         _integer_floats,
         shape if shape is not None else shapes(),
-        st.sampled_from(tuple(dtypes)),
+        st.sampled_from(_floating("integer_valued", dtypes)),
         st.integers(0, 2**31 - 1),
         st.just(max_abs),
     )
@@ -433,7 +450,7 @@ def _is_namedtuple(x: Any) -> bool:
 def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, bitwise: bool = False) -> str:
     """The count of differing elements and the first, by value (and, compared `bitwise`, by its
     bits: two NaNs, or 0.0 and -0.0, read alike as values)."""
-    flat = int(differ.reshape(-1).nonzero()[0])
+    flat = _first_index(differ)
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
     count = int(differ.sum())
     x, y = a.reshape(-1)[flat], b.reshape(-1)[flat]
@@ -443,7 +460,28 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, bi
         hex_of = (lambda t: " ".join(f"{int(v) & (1 << 4 * width) - 1:0{width}x}" for v in _bits(t).reshape(-1)))
         bits = f" (bits {hex_of(x)} != {hex_of(y)})"
     return (f"{count} of {a.numel()} elements differ; first at index {list(index)}: "
-            f"{x.item()!r} != {y.item()!r}{bits}")
+            f"{x.item()!r} != {y.item()!r}{bits}{_largest_difference(a, b, differ)}")
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str:
+    """"; largest |difference| d at index [i]" over the differing elements whose difference is a
+    finite number (not a NaN against a number, nor signed zeros), where there are such and
+    another than the first: a one-ulp difference first no longer hides a large one after it
+    (found in review of fzero.testing)."""
+    if a.dtype == torch.bool or a.numel() == 0:
+        return ""
+    wide = torch.complex128 if a.is_complex() else torch.float64
+    d = (a.detach().to("cpu", wide) - b.detach().to("cpu", wide)).abs().reshape(-1)
+    d = torch.where(differ.reshape(-1).cpu() & d.isfinite() & (d > 0), d, torch.zeros((), dtype=d.dtype))
+    flat = int(d.argmax())
+    if float(d[flat]) == 0 or _first_index(differ) == flat:
+        return ""
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
+    return f"; largest |difference| {float(d[flat]):.6g} at index {index}"
+
+
+def _first_index(differ: torch.Tensor) -> int:
+    return int(differ.reshape(-1).nonzero()[0])
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -496,8 +534,17 @@ def _compare_arrays(where: str, a: np.ndarray | np.generic, b: np.ndarray | np.g
     if differ.any():
         flat = int(np.flatnonzero(differ)[0])
         index = [int(i) for i in np.unravel_index(flat, a.shape)] if a.ndim else []
+        bits = f" (bits {_np_bits(x[flat])} != {_np_bits(y[flat])})" if bitwise and a.dtype.kind in "fc" else ""
         raise AssertionError(f"leaf {where!r} (numpy {a.dtype}{list(a.shape)}): {int(differ.sum())} of {a.size} "
-                             f"elements differ; first at index {index}: {x[flat]!r} != {y[flat]!r}")
+                             f"elements differ; first at index {index}: {x[flat]!r} != {y[flat]!r}{bits}")
+
+
+def _np_bits(v: np.generic) -> str:
+    """A numpy float's bits as hex, as a tensor's are shown (a complex: its two parts'; found in
+    review: none shown, where a tensor of the same values showed them)."""
+    parts = np.asarray([v.real, v.imag] if np.iscomplexobj(v) else [v])
+    ints = {2: np.uint16, 4: np.uint32, 8: np.uint64}[parts.dtype.itemsize]
+    return " ".join(f"{int(i):0{2 * parts.dtype.itemsize}x}" for i in parts.view(ints))
 
 
 def _compare_leaves(where: str, a: Any, b: Any) -> None:
@@ -516,7 +563,9 @@ def _compare_leaves(where: str, a: Any, b: Any) -> None:
 
 
 def _scalar_bits(x: float | complex) -> bytes:
-    return struct.pack("<dd", x.real, x.imag) if isinstance(x, complex) else struct.pack("<d", x)
+    """A Python float's IEEE double bits, big-endian (as written: 0.1 is 3fb999999999999a; before,
+    the little-endian bytes, found in review), a complex's real then imaginary part."""
+    return struct.pack(">dd", x.real, x.imag) if isinstance(x, complex) else struct.pack(">d", x)
 
 
 def _metadata_equal(x: Any, y: Any) -> bool:
@@ -552,12 +601,13 @@ def _entry(entry: Any) -> str:
     return str(entry) if isinstance(entry, (str, int)) else _entry_name(entry)
 
 
-def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = "") -> None:
+def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, allow_empty: bool = False) -> None:
     """Assert that two pytrees `a` and `b` are equal: same node types, same dict keys in the same insertion
     order, and every tensor leaf `torch.equal` (same dtype, shape and device too; NaN differs from
-    NaN). numpy arrays and scalars are compared as tensors are (dtype, shape, every element). Other
-    leaves are compared with `!=`, which must give a truth value: a leaf it cannot compare (an
-    unregistered dataclass holding tensors) is an AssertionError naming its path.
+    NaN). numpy arrays and scalars are compared as tensors are (dtype, shape, every element). A
+    dataclass instance that is no registered node is compared field by field, as a node (its
+    fields by name). Other leaves are compared with `!=`, which must give a truth value: a leaf it
+    cannot compare (an object holding tensors) is an AssertionError naming its path.
 
     Nodes that optree flattens in fzero's namespace besides dicts, lists and tuples (`ZeroState`,
     say, or a type registered with `optree.register_pytree_node(..., namespace="fzero")`) are
@@ -568,37 +618,53 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = ""
     through `torch.view_as_real`), numpy float and complex arrays (their bytes) and Python float
     and complex leaves (their IEEE double bits), so NaN equals a NaN of the same bits and differs
     from one with another payload, and 0.0 differs from -0.0; the message shows the first
-    differing element's bits.
+    differing element's bits (big-endian hex, as IEEE 754 writes them).
 
     Meta tensors hold no values: for them only dtype, shape and device are compared.
 
+    Nothing compared is a failure, never a pass: two trees that hold no leaf (`[]` and `[]`, what
+    `mesh.run` returns for a rank function given no batches), unless `allow_empty=True`; and the
+    same object given twice (found in review of fzero.testing: both passed, where
+    `trajectory_differences` reported "nothing compared").
+
     Raises:
-      AssertionError naming the dotted path, and for tensors the number of differing elements
-      and the first differing index with both values; for dicts the keys on one side only, or
-      the first position where the order differs.
+      AssertionError naming the dotted path, and for tensors the number of differing elements,
+      the first differing index with both values, and the largest finite |difference| and its
+      index where that is another element; for dicts the keys on one side only, or the first
+      position where the order differs.
     """
-    where = _path or "<root>"
-    join = (lambda k: f"{_path}.{k}" if _path else str(k))
+    if a is b and any(isinstance(x, (torch.Tensor, np.ndarray)) for x in optree.tree_leaves(a, namespace=NAMESPACE)):
+        raise AssertionError(f"the same {type(a).__name__} object was given as both trees: nothing compared (compare "
+                             f"two runs' results)")
+    compared = _assert_equal(a, b, bitwise, "")
+    if not compared and not allow_empty:
+        raise AssertionError(f"nothing compared: both trees hold no leaf ({_short(a, 80)}); a test given no batches "
+                             f"or steps compares nothing. Pass allow_empty=True where empty trees are what is meant")
+
+
+def _assert_equal(a: Any, b: Any, bitwise: bool, path: str) -> int:
+    """`assert_trees_equal` below `path`; returns the number of leaves compared (None: none)."""
+    where = path or "<root>"
+    join = (lambda k: f"{path}.{k}" if path else str(k))
     if type(a) is not type(b):
         hint = (" (both tensors: compare `.detach()` or `.as_subclass(torch.Tensor)` where the class does not "
                 "matter)" if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else "")
         raise AssertionError(f"at {where!r}: node types differ: {type(a).__name__} != {type(b).__name__}{hint}")
     if isinstance(a, torch.Tensor):
-        _compare_tensors(_path, a, b, bitwise)
-    elif isinstance(a, dict):
+        _compare_tensors(path, a, b, bitwise)
+        return 1
+    if isinstance(a, dict):
         if list(a) != list(b):
             raise AssertionError(f"at {where!r}: dict keys differ: {_key_difference(list(a), list(b))}")
-        for k in a:
-            assert_trees_equal(a[k], b[k], bitwise=bitwise, _path=join(k))
-    elif isinstance(a, (list, tuple)):
+        return sum(_assert_equal(a[k], b[k], bitwise, join(k)) for k in a)
+    if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             raise AssertionError(f"at {where!r}: lengths differ: {len(a)} != {len(b)}")
         names = a._fields if _is_namedtuple(a) else range(len(a))
-        for k, x, y in zip(names, a, b):
-            assert_trees_equal(x, y, bitwise=bitwise, _path=join(k))
-    elif a is None:
-        pass
-    elif not optree.tree_is_leaf(a, none_is_leaf=False, namespace=NAMESPACE):
+        return sum(_assert_equal(x, y, bitwise, join(k)) for k, x, y in zip(names, a, b))
+    if a is None:
+        return 0
+    if not optree.tree_is_leaf(a, none_is_leaf=False, namespace=NAMESPACE):
         kids_a, meta_a, entries_a, _ = optree.tree_flatten_one_level(a, none_is_leaf=False, namespace=NAMESPACE)
         kids_b, meta_b, entries_b, _ = optree.tree_flatten_one_level(b, none_is_leaf=False, namespace=NAMESPACE)
         differ = _metadata_difference(meta_a, meta_b)
@@ -607,9 +673,12 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = ""
         if not _metadata_equal(entries_a, entries_b) or len(kids_a) != len(kids_b):
             raise AssertionError(f"at {where!r}: {type(a).__name__} children differ: {_short(list(entries_a))} != "
                                  f"{_short(list(entries_b))}")
-        for entry, x, y in zip(entries_a, kids_a, kids_b):
-            assert_trees_equal(x, y, bitwise=bitwise, _path=join(_entry(entry)))
-    elif isinstance(a, (np.ndarray, np.generic)) and a.dtype != object:
+        return sum(_assert_equal(x, y, bitwise, join(_entry(e))) for e, x, y in zip(entries_a, kids_a, kids_b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):  # (found in review: compared with !=, one-element
+        # tensors of another dtype or shape, or 0.0 against -0.0, passed)
+        return sum(_assert_equal(getattr(a, f.name), getattr(b, f.name), bitwise, join(f.name))
+                   for f in dataclasses.fields(a))
+    if isinstance(a, (np.ndarray, np.generic)) and a.dtype != object:
         _compare_arrays(where, a, b, bitwise)
     elif bitwise and isinstance(a, (float, complex)):
         if _scalar_bits(a) != _scalar_bits(b):
@@ -617,6 +686,7 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, _path: str = ""
                                  f"{_scalar_bits(b).hex()})")
     else:
         _compare_leaves(where, a, b)
+    return 1
 
 
 def _key_difference(a: list[Any], b: list[Any]) -> str:
