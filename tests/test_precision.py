@@ -476,8 +476,20 @@ def test_a_loss_non_finite_at_the_scales_floor_is_named_as_the_loss():
     with pytest.warns(fzero.LossScaleAtFloor, match=re.escape(
             "step 0 (state.step, which a skipped step does not advance): the loss was non-finite on rank(s) [1], with "
             "the loss scale at its floor, min_scale=9.5367431640625e-07") + r".*No loss scale makes a loss finite.*an "
-            r"fp16 loss or token sum past 65504 is inf before it, so compute it in float32"):
+            r"fp16 loss or token sum past 65504 is inf before it, so compute it in float32.*raise_at_min=True to stop "
+            r"there\)$"):  # (no rank's gradients alone overflowed: none named)
         assert mesh.run(rank_fn) == [True, True]
+
+    def mixed():  # rank 0's gradients alone overflow (a lower floor mends them), rank 1's loss is NaN
+        state = fzero.init({"w": torch.full((4, 3), 0.01)}, optim.sgd(1e-6), stage=2, mesh=mesh, precision=FP16,
+                           loss_scale=fzero.DynamicLossScale(init_scale=2.0**10, hysteresis=1, min_scale=2.0**10))
+        loss = (lambda p, b: (p["w"] * 1000.0).sum().float() if mesh.rank == 0 else
+                (p["w"].sum() * float("nan")).float())
+        return fzero.train_step(loss, locate_nonfinite=True)(state, None)[1].skipped
+
+    with pytest.warns(fzero.LossScaleAtFloor, match=r"the loss was non-finite on rank\(s\) \[1\].*; on rank\(s\) \[0\] "
+                                                    r"the gradients alone overflowed, which a lower floor may mend"):
+        assert mesh.run(mixed) == [True, True]
 
 
 def test_the_loss_scale_error_at_the_floor_names_what_was_nonfinite():

@@ -340,6 +340,33 @@ def test_assert_trees_equal_compares_an_unregistered_dataclass_field_by_field():
         assert_trees_equal(Moments(torch.zeros(1)), Moments(-torch.zeros(1)), bitwise=True)
     assert_trees_equal(Moments(torch.ones(3)), Moments(torch.ones(3)))
 
+    @dataclasses.dataclass
+    class Counted:  # a field the dataclass does not compare
+        m: torch.Tensor
+        calls: int = dataclasses.field(default=0, compare=False)
+
+    @dataclasses.dataclass(eq=False)
+    class Named:  # its own __eq__ says what equal means
+        name: str
+        blob: object
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Named) and self.name == other.name
+
+    @dataclasses.dataclass
+    class Node:  # holds itself: compared with !=, which cannot end
+        m: int
+        parent: object = None
+
+    assert_trees_equal(Counted(torch.ones(2), 3), Counted(torch.ones(2), 5))
+    assert_trees_equal({"c": Named("a", object()), "w": torch.ones(1)}, {"c": Named("a", object()), "w": torch.ones(1)})
+    a, b = Node(1), Node(1)
+    a.parent, b.parent = a, b
+    with pytest.raises(AssertionError, match=r"at 'parent': Node leaves cannot be compared with != \(RecursionError"):
+        assert_trees_equal(a, b)
+    with pytest.raises(AssertionError, match=r"\(bits [0-9a-f]+ != [0-9a-f]+\)$"):  # (its bytes: a KeyError before)
+        assert_trees_equal(np.array([1.0], dtype=np.longdouble), np.array([2.0], dtype=np.longdouble), bitwise=True)
+
 
 def test_assert_trees_equal_never_passes_having_compared_nothing():
     """Two trees of no leaf (what `mesh.run` returns for a rank function given no batches), and
@@ -424,7 +451,7 @@ def test_integer_valued_keeps_within_max_abs_and_refuses_what_it_cannot_draw():
         assert float(t.abs().max()) <= 1023
 
     within()
-    with pytest.raises(ValueError, match=r"integer_valued: max_abs must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"integer_valued: max_abs must be an int >= 0 and below 2\*\*62, got -1"):
         integer_valued(max_abs=-1)
-    with pytest.raises(ValueError, match=r"float_tensors: dtypes must be floating torch dtypes"):
+    with pytest.raises(ValueError, match=r"float_tensors: dtypes must be floating \(or complex\) torch dtypes"):
         float_tensors(dtypes=(torch.int64,))

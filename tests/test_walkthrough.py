@@ -307,3 +307,40 @@ def test_under_the_func_engine_only_torch_compiles_own_wrappers_are_taken_off():
 
     for name, (given, plain) in mesh.run(rank)[0].items():
         assert torch.equal(given, plain), (name, given, plain)
+
+
+@compiling
+def test_the_func_engines_warning_says_what_the_step_calls():
+    """The warning's words follow what the step does: a partial of a decorator around a compiled
+    function runs through the decorator (it said the step called the function torch.compile
+    wrapped); a `torch.compiler.disable`d loss is no compiled loss (it was warned of as one); a
+    method compiled in its class keeps its `self` and runs (found in review: "missing 1 required
+    positional argument")."""
+    import warnings
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, x: p["w"].sum() * x, backend="aot_eager")
+
+    @functools.wraps(compiled)
+    def wrapper(p, x):
+        return compiled(p, x)
+
+    class Model:
+        @torch.compile(backend="eager")
+        def loss(self, p, x):
+            return (p["w"] * x).sum()
+
+    with pytest.warns(UserWarning, match="it runs eager through a wrapper around the compiled function"):
+        fzero.train_step(functools.partial(wrapper), engine="func")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fzero.train_step(torch.compiler.disable(lambda p, x: p["w"].sum()), engine="func")
+    mesh = fzero.SimMesh(1)
+
+    def rank():
+        state = fzero.init({"w": torch.ones(3)}, optim.sgd(0.1), stage=0, mesh=mesh)
+        with pytest.warns(UserWarning, match="the step calls the function torch.compile wrapped"):
+            step = fzero.train_step(Model().loss, engine="func")
+        return step(state, torch.tensor(2.0))[1].loss
+
+    assert float(mesh.run(rank)[0]) == 6.0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,29 +34,51 @@ _state = threading.local()
 
 
 def compiled(fn: Any) -> bool:
-    """Whether `fn` is a `torch.compile`d function, bare or inside `functools.partial`s (a compiled
-    function called inside another cannot be seen)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return hasattr(fn, "_torchdynamo_orig_callable")
+    """Whether `fn` runs `torch.compile`d code: a compiled function or module (`_compile_wrapper`),
+    bare, inside `functools.partial`s, bound as a method, or under decorators that name it as
+    `__wrapped__` (`functools.wraps`, `torch.autocast(...)(compiled)`); not a
+    `torch.compiler.disable`d function (found in review: it carries the same attribute and was
+    warned of as compiled). A compiled function called inside another cannot be seen."""
+    for _ in range(64):  # (a chain of wrappers, bounded: a __wrapped__ cycle ends it)
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        fn = getattr(fn, "__func__", fn)  # a bound method: its function
+        if _compile_wrapper(fn):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
 
 
 def uncompiled(fn: Any) -> Any:
-    """`fn` with `torch.compile`'s own wrappers taken off (inside `functools.partial`s too): the
-    function, or for a compiled module its `_orig_mod`. A function that only carries the
-    attribute is kept: `functools.wraps` copies it onto a decorator around a compiled function
-    (`torch.autocast(...)(compiled)`, a user's wrapper), whose own work must run (found in review:
-    taken off with the wrapper, the loss lost its autocast, silently)."""
+    """`fn` with `torch.compile`'s own wrappers taken off (`_compile_wrapper`; inside
+    `functools.partial`s and bound methods too, which are rebuilt around what they wrap, or
+    returned as they are where nothing was taken off): the function, or for a compiled module
+    its `_orig_mod`. A decorator around a compiled function is kept (`functools.wraps` copies the
+    compiled function's attributes onto it: `torch.autocast(...)(compiled)`, a user's wrapper),
+    whose own work must run (found in review: taken off with the wrapper, the loss lost its
+    autocast, silently; a method compiled in its class lost its `self`)."""
     if isinstance(fn, functools.partial):
-        return functools.partial(uncompiled(fn.func), *fn.args, **fn.keywords)
+        inner = uncompiled(fn.func)
+        return fn if inner is fn.func else functools.partial(inner, *fn.args, **fn.keywords)
+    if isinstance(fn, types.MethodType):
+        inner = uncompiled(fn.__func__)
+        return fn if inner is fn.__func__ else types.MethodType(inner, fn.__self__)
+    while _compile_wrapper(fn):
+        fn = fn._orig_mod if isinstance(fn, torch.nn.Module) else fn._torchdynamo_orig_callable
+    return fn
+
+
+def _compile_wrapper(fn: Any) -> bool:
+    """Whether `fn` is what `torch.compile` returns: an `OptimizedModule`, or a function whose
+    code is that of the closure `torch.compile(f)` returns for every `f` (a decorator carrying the
+    attributes `functools.wraps` copied has its own code; `torch.compiler.disable`'s, another)."""
+    if not hasattr(fn, "_torchdynamo_orig_callable") and not hasattr(fn, "_orig_mod"):
+        return False  # (dynamo need not be imported for anything else)
     optimized = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "OptimizedModule", None)
-    while True:
-        if optimized is not None and isinstance(fn, optimized):
-            fn = fn._orig_mod
-        elif hasattr(fn, "_torchdynamo_orig_callable") and getattr(fn, "__code__", None) is _compile_wrapper_code():
-            fn = fn._torchdynamo_orig_callable
-        else:
-            return fn
+    return (optimized is not None and isinstance(fn, optimized)) or (
+        hasattr(fn, "_torchdynamo_orig_callable") and getattr(fn, "__code__", None) is _compile_wrapper_code())
 
 
 @functools.cache

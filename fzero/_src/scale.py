@@ -279,25 +279,30 @@ class DynamicLossScale:
         return _state(scale, hyst, i + 1, last)
 
 
-def warn_at_floor(scaler: LossScale | None, scale: float, step: int, bad_losses: tuple[int, ...] = ()) -> None:
+def warn_at_floor(scaler: LossScale | None, scale: float, step: int, bad_losses: tuple[int, ...] = (),
+                  bad_gradients: tuple[int, ...] = ()) -> None:
     """`LossScaleAtFloor` where a step under a dynamic `scaler` skipped an overflow with the scale
     at its floor and does not raise there (`raise_at_min=False`, the default): such a run otherwise
     skips every step with `metrics.skipped` the only sign (found in review: `normalize="tokens"`
     at 140,000 tokens a micro-batch under fp16). `bad_losses`: the ranks whose loss itself was
     non-finite, which no scale mends (found in review: the words blamed the gradients and sent
-    the user to a lower floor, under which every step still skipped)."""
+    the user to a lower floor, under which every step still skipped); `bad_gradients`: the other
+    ranks found non-finite, whose gradients alone overflowed, which a lower floor may mend."""
     if isinstance(scaler, DynamicLossScale) and scale == scaler.min_scale and not scaler.raise_at_min:
-        words = _loss_at_floor_words(step, scale, bad_losses) if bad_losses else _at_floor_words(step, scale)
+        words = (_loss_at_floor_words(step, scale, bad_losses, bad_gradients) if bad_losses
+                 else _at_floor_words(step, scale))
         warnings.warn(LossScaleAtFloor(words), stacklevel=outside_stacklevel())
 
 
-def _loss_at_floor_words(step: int, floor: float, ranks: tuple[int, ...]) -> str:
+def _loss_at_floor_words(step: int, floor: float, ranks: tuple[int, ...], gradients: tuple[int, ...] = ()) -> str:
+    also = (f"; on rank(s) {list(gradients)} the gradients alone overflowed, which a lower floor may mend "
+            f"(DynamicLossScale(min_scale=2.0**-k))" if gradients else "")
     return (f"step {step} (state.step, which a skipped step does not advance): the loss was non-finite on rank(s) "
             f"{list(ranks)}, with the loss scale at its floor, min_scale={floor!r}: the step is skipped and the scale "
             f"stays (DynamicLossScale(raise_at_min=False)). No loss scale makes a loss finite (the scale multiplies "
             f"the loss the function returns): an fp16 loss or token sum past 65504 is inf before it, so compute it "
             f"in float32 (loss.float(), F.cross_entropy(logits.float(), ...)); else find the NaN or inf in that "
-            f"rank's batch or model (train_step(locate_nonfinite=True), raise_at_min=True to stop there)")
+            f"rank's batch or model (train_step(locate_nonfinite=True), raise_at_min=True to stop there){also}")
 
 
 def _at_floor_words(step: int, floor: float) -> str:

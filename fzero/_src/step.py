@@ -250,7 +250,8 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         warn_written_module(state, holds_leaf)  # at its first step: the module written since init copied it,
         # with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
-        refuse_compiled_placeholders(config.call, state.layout, config.gather)  # (under func: uncompiled)
+        if config.engine == "autograd":  # (under func dynamo traces no compiled code: it meets no placeholder)
+            refuse_compiled_placeholders(config.loss_fn, state.layout, config.gather)
         _warn_compiled_module_under_func(config, state.layout)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:
@@ -524,7 +525,8 @@ def _run_step(config: StepConfig, state: ZeroState, batch: Any, buffers: HostBuf
     next_scale = None if scaler is None else _scaler_update(scaler, state, verdict, step)
     if not finite:
         if scaler is not None:  # an overflow: skip the update, back off the scale (DeepSpeed)
-            warn_at_floor(scaler, s, step, verdict.bad_losses)
+            warn_at_floor(scaler, s, step, verdict.bad_losses,
+                          tuple(r for r in sorted(verdict.bad_ranks) if r not in verdict.bad_losses))
             if config.donate:  # the new state shares every buffer: the next donating step writes them for
                 consume(state, wrote=False)  # both (found in review: the old one then read, and saved, the next
                 # step's values); nothing written yet, so a copy made before stays usable until that step

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import struct
 import zlib
@@ -255,8 +256,8 @@ def _integer_floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int, max_a
 def _floating(name: str, dtypes: Sequence[torch.dtype]) -> tuple[torch.dtype, ...]:
     """`dtypes`, checked: floating torch dtypes, at least one (found in review: int64 drawn)."""
     dtypes = tuple(dtypes)
-    if not dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
-        raise ValueError(f"{name}: dtypes must be floating torch dtypes, at least one, got {dtypes!r}")
+    if not dtypes or not all(isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex) for d in dtypes):
+        raise ValueError(f"{name}: dtypes must be floating (or complex) torch dtypes, at least one, got {dtypes!r}")
     return dtypes
 
 
@@ -289,8 +290,9 @@ def integer_valued(
     dtype (bfloat16 represents every integer up to 2^8 = 256 exactly), so a reduction's result
     does not depend on the order of summation.
     """
-    if isinstance(max_abs, bool) or not isinstance(max_abs, int) or max_abs < 0:
-        raise ValueError(f"integer_valued: max_abs must be an int >= 0, got {max_abs!r}")
+    if isinstance(max_abs, bool) or not isinstance(max_abs, numbers.Integral) or not 0 <= max_abs < 2**62:
+        raise ValueError(f"integer_valued: max_abs must be an int >= 0 and below 2**62, got {max_abs!r}")
+    max_abs = int(max_abs)
     return st.builds(
         _integer_floats,
         shape if shape is not None else shapes(),
@@ -543,7 +545,9 @@ def _np_bits(v: np.generic) -> str:
     """A numpy float's bits as hex, as a tensor's are shown (a complex: its two parts'; found in
     review: none shown, where a tensor of the same values showed them)."""
     parts = np.asarray([v.real, v.imag] if np.iscomplexobj(v) else [v])
-    ints = {2: np.uint16, 4: np.uint32, 8: np.uint64}[parts.dtype.itemsize]
+    ints = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(parts.dtype.itemsize)
+    if ints is None:  # longdouble: its bytes, as stored (found in review: a KeyError)
+        return " ".join(p.tobytes().hex() for p in parts)
     return " ".join(f"{int(i):0{2 * parts.dtype.itemsize}x}" for i in parts.view(ints))
 
 
@@ -642,8 +646,9 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, allow_empty: bo
                              f"or steps compares nothing. Pass allow_empty=True where empty trees are what is meant")
 
 
-def _assert_equal(a: Any, b: Any, bitwise: bool, path: str) -> int:
-    """`assert_trees_equal` below `path`; returns the number of leaves compared (None: none)."""
+def _assert_equal(a: Any, b: Any, bitwise: bool, path: str, seen: frozenset[int] = frozenset()) -> int:
+    """`assert_trees_equal` below `path`; returns the number of leaves compared (None: none).
+    `seen`: the dataclass leaves above, compared by `!=` where one holds itself."""
     where = path or "<root>"
     join = (lambda k: f"{path}.{k}" if path else str(k))
     if type(a) is not type(b):
@@ -656,12 +661,12 @@ def _assert_equal(a: Any, b: Any, bitwise: bool, path: str) -> int:
     if isinstance(a, dict):
         if list(a) != list(b):
             raise AssertionError(f"at {where!r}: dict keys differ: {_key_difference(list(a), list(b))}")
-        return sum(_assert_equal(a[k], b[k], bitwise, join(k)) for k in a)
+        return sum(_assert_equal(a[k], b[k], bitwise, join(k), seen) for k in a)
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             raise AssertionError(f"at {where!r}: lengths differ: {len(a)} != {len(b)}")
         names = a._fields if _is_namedtuple(a) else range(len(a))
-        return sum(_assert_equal(x, y, bitwise, join(k)) for k, x, y in zip(names, a, b))
+        return sum(_assert_equal(x, y, bitwise, join(k), seen) for k, x, y in zip(names, a, b))
     if a is None:
         return 0
     if not optree.tree_is_leaf(a, none_is_leaf=False, namespace=NAMESPACE):
@@ -673,11 +678,12 @@ def _assert_equal(a: Any, b: Any, bitwise: bool, path: str) -> int:
         if not _metadata_equal(entries_a, entries_b) or len(kids_a) != len(kids_b):
             raise AssertionError(f"at {where!r}: {type(a).__name__} children differ: {_short(list(entries_a))} != "
                                  f"{_short(list(entries_b))}")
-        return sum(_assert_equal(x, y, bitwise, join(_entry(e))) for e, x, y in zip(entries_a, kids_a, kids_b))
-    if dataclasses.is_dataclass(a) and not isinstance(a, type):  # (found in review: compared with !=, one-element
-        # tensors of another dtype or shape, or 0.0 against -0.0, passed)
-        return sum(_assert_equal(getattr(a, f.name), getattr(b, f.name), bitwise, join(f.name))
-                   for f in dataclasses.fields(a))
+        return sum(_assert_equal(x, y, bitwise, join(_entry(e)), seen) for e, x, y in zip(entries_a, kids_a, kids_b))
+    fields = _compared_fields(a, b, seen)
+    if fields is not None:  # (found in review: compared with !=, one-element tensors of another dtype or shape, or
+        # 0.0 against -0.0, passed)
+        seen = seen | {id(a)}
+        return sum(_assert_equal(getattr(a, name), getattr(b, name), bitwise, join(name), seen) for name in fields)
     if isinstance(a, (np.ndarray, np.generic)) and a.dtype != object:
         _compare_arrays(where, a, b, bitwise)
     elif bitwise and isinstance(a, (float, complex)):
@@ -687,6 +693,23 @@ def _assert_equal(a: Any, b: Any, bitwise: bool, path: str) -> int:
     else:
         _compare_leaves(where, a, b)
     return 1
+
+
+def _compared_fields(a: Any, b: Any, seen: frozenset[int]) -> list[str] | None:
+    """The fields by which a dataclass leaf is compared as a node (those its generated `__eq__`
+    compares: `compare=True`), or None where it is compared with `!=`: not a dataclass instance,
+    a class whose `__eq__` is its own (it says what equal means), one holding itself (no end to
+    the fields), or a field not set (`init=False` with no default: `!=` names the failure)."""
+    if not dataclasses.is_dataclass(a) or isinstance(a, type) or id(a) in seen:
+        return None
+    eq = type(a).__eq__
+    params = getattr(type(a), "__dataclass_params__", None)
+    if params is None or not params.eq or getattr(getattr(eq, "__code__", None), "co_filename", "") != "<string>":
+        return None  # (dataclasses makes its __eq__ with exec: "<string>"; a class's own __eq__ has its file)
+    names = [f.name for f in dataclasses.fields(a) if f.compare]
+    if not all(hasattr(x, n) for x in (a, b) for n in names):
+        return None
+    return names
 
 
 def _key_difference(a: list[Any], b: list[Any]) -> str:
