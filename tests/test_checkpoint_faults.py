@@ -102,6 +102,8 @@ def test_an_lr_schedule_that_differs_where_describe_cannot_see_is_refused_at_loa
         assert (f"step-{steps}' was saved with another lr schedule: lr at step 1: checkpoint 0.00025, target 0.025"
                 in text and f"saved at step {steps}" in text), text
         assert "make the target with the schedule it was saved with" in text and "fzero.checkpoint.export" in text
+        assert ("with the saved optimizer state (its moments, its step), load into that target, then give the loaded "
+                "state the new optimizer on every rank: state.replace(info=dataclasses.replace(") in text, text
     for error, resumed, uninterrupted in save_then_load(mesh, str(tmp_path / "same"),
                                                         lambda: optim.adamw(schedule(kind, 1e-3)),
                                                         lambda: optim.adamw(schedule(kind, 1e-3)), steps):
