@@ -1232,32 +1232,36 @@ def _root_words(path: str) -> str:
     one `latest` names (a shell user of `fzero inspect ROOT` was told to call a Python function;
     found in review of a new user); where it is, or holds only, saves that did not complete, that
     (`latest` is None there); else the words on a save that crashed."""
-    try:
-        with warnings.catch_warnings():  # an unsealed one's warning is `latest`'s, not this error's (found in review)
-            warnings.simplefilter("ignore")
-            found = _found(path) if os.path.isdir(path) else []
-        crashed = sorted(n for n in os.listdir(path) if _TMP_DIR.match(n)) if os.path.isdir(path) else []
-    except Exception:  # noqa: BLE001 - only the words of an error already raised
-        found, crashed = [], []
+    found, norm = _found_quietly(path), os.path.normpath(path)
     if found:
         return (f": it is a checkpoint root, which holds {len(found)} complete checkpoint(s); the one written last, "
                 f"fzero.checkpoint.latest(root), is {found[-1][2]!r}")
-    if _TMP_DIR.match(os.path.basename(os.path.normpath(path))):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                beside = _found(os.path.dirname(os.path.normpath(path)))
-        except Exception:  # noqa: BLE001 - only the words of an error already raised
-            beside = []
+    if _TMP_DIR.match(os.path.basename(norm)):
+        beside = _found_quietly(os.path.dirname(norm))
         last = (f"its root's last complete checkpoint, fzero.checkpoint.latest(root), is {beside[-1][2]!r}" if beside
                 else "its root holds no complete checkpoint (fzero.checkpoint.latest(root) is None): start the run "
                      "afresh, or load from another root")
         return f": it is a save that did not complete (a crash leaves a .tmp-step-* folder); {last}"
+    try:
+        crashed = sorted(n for n in os.listdir(path) if _TMP_DIR.match(n)) if os.path.isdir(path) else []
+    except OSError:  # only the words of an error already raised
+        crashed = []
     if crashed:  # found in review: the words sent such a root's user to latest(root), which returns None
         return (f": it holds no complete checkpoint, only {len(crashed)} save(s) that did not complete "
                 f"({crashed[0]!r}...; a crash leaves them), so fzero.checkpoint.latest(root) is None: "
                 f"start the run afresh, or load from another root")
     return " (a save that crashed leaves a .tmp-step-* folder; use fzero.checkpoint.latest(root))"
+
+
+def _found_quietly(root: str) -> list[tuple[int, int, str]]:
+    """`_found(root)` for an error's words: none where it fails, and without `latest`'s warning on
+    an unsealed checkpoint (that warning is `latest`'s, not this error's: found in review)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _found(root)
+    except Exception:  # noqa: BLE001 - only the words of an error already raised
+        return []
 
 
 def _read_manifest(path: str) -> tuple[dict[str, Any], bytes]:

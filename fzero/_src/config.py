@@ -94,6 +94,11 @@ class StepConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare and f.name != "loss_fn"}
 
     @functools.cached_property
+    def loss_compiled(self) -> bool:
+        """Whether `loss_fn` runs torch.compile'd code (`eager.compiled`), read once."""
+        return compiled(self.loss_fn)
+
+    @functools.cached_property
     def call(self) -> Callable[[Any, Any], Any]:
         """What the step calls: `loss_fn`, uncompiled under engine "func" (see `__post_init__`)."""
         return uncompiled(self.loss_fn) if self.engine == "func" else self.loss_fn
@@ -106,7 +111,7 @@ class StepConfig:
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise ConfigError(f"loss_fn must be a callable (params, batch) -> 0-d loss, got {self.loss_fn!r}")
-        if self.engine == "func" and compiled(self.loss_fn):
+        if self.engine == "func" and self.loss_compiled:
             # found in review: dynamo does not trace a compiled function under torch.func.grad called
             # from eager code (pytorch#128711), so such a loss silently ran eager; and then, called
             # through dynamo, it failed under backend="eager" and made dynamo skip the loss's code

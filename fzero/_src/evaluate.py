@@ -35,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .collectives import all_gather, func_level
-from .eager import note_fullgraph
+from .eager import compiled, note_fullgraph
 from .errors import ConfigError, FzeroError, as_int
 from .gathering import (EVALUATING, GATHERS, DivergentPaths, Gathering, LazyParams, check_prefetch, is_flat_dict,
                         refuse_compiled_placeholders, replaced_tensors, same_paths)
@@ -179,7 +179,8 @@ def forward(state: ZeroState, fn: Callable[[Any, Any], Any], gather: str, batch:
     xs, fulls = [x for x, _ in pairs], [full for _, full in pairs]
     probes = {p.name: Probe.of(p, xs[p.buckets[0].index].device) for p in programs}
     on_use = gather == "on_use" and stage.sharded("params")
-    refuse_compiled_placeholders(fn, layout, gather)  # (placeholders at every stage on use: found in review)
+    refuse_compiled_placeholders(compiled(fn), layout, gather)  # (placeholders at every stage on use: found in
+    # review)
     gathering = Gathering(layout, programs, xs, fulls, probes, gather, on_use and is_flat_dict(layout),
                            prefetch=prefetch)
     try:

@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .casting import Reads, casting
 from .collectives import func_level, unwrapped
-from .eager import compiled, eager, from_compiled
+from .eager import eager, from_compiled
 from .errors import CollectiveMismatch, ConfigError, FzeroError, said
 from .layout import Layout
 from .mesh import EVALUATING, Mesh, entry_of, evaluating_words, unlabelled
@@ -1404,12 +1404,13 @@ def _compiled_reads_words(what: str) -> str:
             f"loss, or flat-dict params read outside the compiled code (docs/compile.md)")
 
 
-def refuse_compiled_placeholders(fn: Any, layout: Layout, mode: str) -> None:
-    """`_not_from_compiled`'s `ConfigError` before `fn` runs, where `fn` itself is compiled (the
-    one compiled function fzero can see): raised inside the compiled code, the error made dynamo
-    skip that function's code for the rest of the process, so a fresh `torch.compile` of it with
-    gather='eager', as the words say, ran eager with no word (found in review of torch.compile)."""
-    if mode == "on_use" and compiled(fn) and not is_flat_dict(layout):
+def refuse_compiled_placeholders(fn_compiled: bool, layout: Layout, mode: str) -> None:
+    """`_not_from_compiled`'s `ConfigError` before the function runs, where it is itself compiled
+    (`fn_compiled`, `eager.compiled`: the one compiled function fzero can see): raised inside the
+    compiled code, the error made dynamo skip that function's code for the rest of the process,
+    so a fresh `torch.compile` of it with gather='eager', as the words say, ran eager with no word
+    (found in review of torch.compile)."""
+    if mode == "on_use" and fn_compiled and not is_flat_dict(layout):
         paths = named_paths([ls.path for ls in layout.leaves])
         raise ConfigError(_compiled_reads_words(f"would be handed placeholders of the params leaves ({paths})"))
 

@@ -251,7 +251,7 @@ def eager_step(config: StepConfig, state: ZeroState, batch: Any) -> tuple[ZeroSt
         # with values the state does not hold (row 248)
         _check_no_inference_state_donated(config, state)
         if config.engine == "autograd":  # (under func dynamo traces no compiled code: it meets no placeholder)
-            refuse_compiled_placeholders(config.loss_fn, state.layout, config.gather)
+            refuse_compiled_placeholders(config.loss_compiled, state.layout, config.gather)
         _warn_compiled_module_under_func(config, state.layout)
         with same_paths(state.layout), _no_vmap_over_steps():
             try:

@@ -452,7 +452,7 @@ def _is_namedtuple(x: Any) -> bool:
 def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, bitwise: bool = False) -> str:
     """The count of differing elements and the first, by value (and, compared `bitwise`, by its
     bits: two NaNs, or 0.0 and -0.0, read alike as values)."""
-    flat = _first_index(differ)
+    flat = int(differ.reshape(-1).nonzero()[0])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
     count = int(differ.sum())
     x, y = a.reshape(-1)[flat], b.reshape(-1)[flat]
@@ -462,10 +462,10 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, bi
         hex_of = (lambda t: " ".join(f"{int(v) & (1 << 4 * width) - 1:0{width}x}" for v in _bits(t).reshape(-1)))
         bits = f" (bits {hex_of(x)} != {hex_of(y)})"
     return (f"{count} of {a.numel()} elements differ; first at index {list(index)}: "
-            f"{x.item()!r} != {y.item()!r}{bits}{_largest_difference(a, b, differ)}")
+            f"{x.item()!r} != {y.item()!r}{bits}{_largest_difference(a, b, differ, flat)}")
 
 
-def _largest_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) -> str:
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor, first: int) -> str:
     """"; largest |difference| d at index [i]" over the differing elements whose difference is a
     finite number (not a NaN against a number, nor signed zeros), where there are such and
     another than the first: a one-ulp difference first no longer hides a large one after it
@@ -476,14 +476,11 @@ def _largest_difference(a: torch.Tensor, b: torch.Tensor, differ: torch.Tensor) 
     d = (a.detach().to("cpu", wide) - b.detach().to("cpu", wide)).abs().reshape(-1)
     d = torch.where(differ.reshape(-1).cpu() & d.isfinite() & (d > 0), d, torch.zeros((), dtype=d.dtype))
     flat = int(d.argmax())
-    if float(d[flat]) == 0 or _first_index(differ) == flat:
+    if float(d[flat]) == 0 or flat == first:
         return ""
     index = [int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)] if a.dim() else []
     return f"; largest |difference| {float(d[flat]):.6g} at index {index}"
 
-
-def _first_index(differ: torch.Tensor) -> int:
-    return int(differ.reshape(-1).nonzero()[0])
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -647,7 +644,7 @@ def assert_trees_equal(a: Any, b: Any, *, bitwise: bool = False, allow_empty: bo
 
 
 def _assert_equal(a: Any, b: Any, bitwise: bool, path: str, seen: frozenset[int] = frozenset()) -> int:
-    """`assert_trees_equal` below `path`; returns the number of leaves compared (None: none).
+    """`assert_trees_equal` below `path`; returns the number of leaves compared (a None: none).
     `seen`: the dataclass leaves above, compared by `!=` where one holds itself."""
     where = path or "<root>"
     join = (lambda k: f"{path}.{k}" if path else str(k))
